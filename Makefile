@@ -1,0 +1,116 @@
+# frmps — build, test and run. `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+GO       ?= go
+PYTHON   ?= python3
+VENV     := .venv
+VPY      := $(VENV)/bin/python
+BIN      := bin
+PKG      := github.com/frmps/frmps
+VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+COMMIT   ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+LDFLAGS  := -s -w -X $(PKG)/supervisor/buildinfo.Version=$(VERSION) -X $(PKG)/supervisor/buildinfo.Commit=$(COMMIT)
+CFLAGS_STRICT := -O2 -g -std=c11 -Wall -Wextra -Werror -fPIC -fvisibility=hidden -D_GNU_SOURCE
+
+.PHONY: help
+help: ## list targets
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
+
+# ---------------------------------------------------------------- setup
+$(VENV)/.stamp: vllmpatch/requirements.lock vllmpatch/pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check -r vllmpatch/requirements.lock
+	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e vllmpatch
+	touch $@
+
+.PHONY: venv
+venv: $(VENV)/.stamp ## Python virtualenv with pinned deps (torch CPU-usable build)
+
+.PHONY: lock
+lock: ## re-pin the Python lock from the current virtualenv
+	$(VPY) -m pip freeze --exclude-editable | grep -v '^-e' > vllmpatch/requirements.lock.new
+	mv vllmpatch/requirements.lock.new vllmpatch/requirements.lock
+
+# ---------------------------------------------------------------- build
+.PHONY: build
+build: go-build c-build ## build frmps and the interceptor
+
+.PHONY: go-build
+go-build:
+	mkdir -p $(BIN)
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/frmps ./cmd/frmps
+
+.PHONY: c-build
+c-build: ## the CUDA interceptor (no CUDA toolkit needed)
+	$(MAKE) -C interceptor CFLAGS_STRICT='$(CFLAGS_STRICT)'
+
+# ---------------------------------------------------------------- protobuf
+PROTOS := proto/frmps/v1/control.proto proto/frmps/v1/generation.proto proto/frmps/v1/admin.proto
+PY_PROTO_OUT := vllmpatch/src/frmps_engine/_proto
+
+.PHONY: proto
+proto: $(VENV)/.stamp ## regenerate Go and Python code from proto/
+	mkdir -p .tools/bin
+	$(GO) build -o .tools/bin/ google.golang.org/protobuf/cmd/protoc-gen-go google.golang.org/grpc/cmd/protoc-gen-go-grpc github.com/grpc-ecosystem/grpc-gateway/v2/protoc-gen-grpc-gateway
+	$(VPY) -m grpc_tools.protoc -I proto \
+	  --plugin=protoc-gen-go=.tools/bin/protoc-gen-go \
+	  --plugin=protoc-gen-go-grpc=.tools/bin/protoc-gen-go-grpc \
+	  --plugin=protoc-gen-grpc-gateway=.tools/bin/protoc-gen-grpc-gateway \
+	  --go_out=proto --go_opt=paths=source_relative \
+	  --go-grpc_out=proto --go-grpc_opt=paths=source_relative \
+	  --grpc-gateway_out=proto --grpc-gateway_opt=paths=source_relative,grpc_api_configuration=proto/frmps/v1/admin_gateway.yaml \
+	  $(PROTOS)
+	rm -rf $(PY_PROTO_OUT)/frmps
+	$(VPY) -m grpc_tools.protoc -I proto --python_out=$(PY_PROTO_OUT) --pyi_out=$(PY_PROTO_OUT) --grpc_python_out=$(PY_PROTO_OUT) $(PROTOS)
+	# generated Python imports "frmps.v1"; make them package-relative
+	sed -i 's/^from frmps\.v1 import/from frmps_engine._proto.frmps.v1 import/' $(PY_PROTO_OUT)/frmps/v1/*.py $(PY_PROTO_OUT)/frmps/v1/*.pyi
+	touch $(PY_PROTO_OUT)/frmps/__init__.py $(PY_PROTO_OUT)/frmps/v1/__init__.py
+
+.PHONY: proto-check
+proto-check: proto ## fail if the committed generated code is stale
+	@git diff --exit-code --stat -- proto $(PY_PROTO_OUT) || { echo "generated protobuf code is stale: run 'make proto' and commit"; exit 1; }
+	@test -z "$$(git status --porcelain -- proto $(PY_PROTO_OUT))" || { git status --porcelain -- proto $(PY_PROTO_OUT); echo "untracked generated files: run 'make proto' and commit"; exit 1; }
+
+# ---------------------------------------------------------------- tests
+.PHONY: test
+test: fmt-check vet proto-check go-test c-test py-test ## every test (what CI runs)
+
+.PHONY: fmt-check
+fmt-check:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); test -z "$$out" || { echo "gofmt needed:"; echo "$$out"; exit 1; }
+
+.PHONY: vet
+vet:
+	$(GO) vet ./...
+
+.PHONY: go-test
+go-test: ## Go tests with the race detector (+ brief fuzzing)
+	$(GO) test -race -count=1 -timeout 15m ./...
+	$(GO) test -run '^$$' -fuzz FuzzReader -fuzztime 15s ./ringbuf
+
+.PHONY: c-test
+c-test: c-build ## interceptor unit tests against the fake libcuda
+	$(MAKE) -C interceptor test CFLAGS_STRICT='$(CFLAGS_STRICT)'
+
+.PHONY: py-test
+py-test: $(VENV)/.stamp go-build ## Python tests (engine SDK, reference engine, ring writer)
+	FRMPS_BIN=$(CURDIR)/$(BIN)/frmps $(VPY) -m pytest -q vllmpatch/tests
+
+.PHONY: test-notorch
+test-notorch: ## Go tests and the torch-free Python tests, without installing torch
+	$(GO) test -count=1 ./...
+	test -x .venv-notorch/bin/python || $(PYTHON) -m venv .venv-notorch
+	.venv-notorch/bin/python -m pip install -q -r vllmpatch/requirements-notorch.txt
+	.venv-notorch/bin/python -m pip install -q --no-deps -e vllmpatch
+	.venv-notorch/bin/python -m pytest -q -m "not torch" vllmpatch/tests
+
+# ---------------------------------------------------------------- run
+.PHONY: demo
+demo: $(VENV)/.stamp build ## set up and run the main job
+	$(BIN)/frmps version
+	$(VPY) -m frmps_engine.ring.bench
+
+.PHONY: clean
+clean:
+	rm -rf $(BIN) .tools interceptor/build bench/build
