@@ -95,7 +95,7 @@ c-test: c-build ## interceptor unit tests against the fake libcuda
 
 .PHONY: py-test
 py-test: $(VENV)/.stamp go-build ## Python tests (engine SDK, reference engine, ring writer)
-	FRMPS_BIN=$(CURDIR)/$(BIN)/frmps $(VPY) -m pytest -q vllmpatch/tests
+	FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY) -m pytest -q vllmpatch/tests
 
 .PHONY: test-notorch
 test-notorch: ## Go tests and the torch-free Python tests, without installing torch
