@@ -170,8 +170,14 @@ type FailoverRecord struct {
 	ResumedRequests uint32                 `protobuf:"varint,6,opt,name=resumed_requests,json=resumedRequests,proto3" json:"resumed_requests,omitempty"`
 	Ok              bool                   `protobuf:"varint,7,opt,name=ok,proto3" json:"ok,omitempty"`
 	Error           string                 `protobuf:"bytes,8,opt,name=error,proto3" json:"error,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Summed over the resumed requests (from the standby's Reply): tokens whose
+	// KV came from the shared cache, and tokens it had to recompute.
+	ReusedTokens    uint64 `protobuf:"varint,9,opt,name=reused_tokens,json=reusedTokens,proto3" json:"reused_tokens,omitempty"`
+	PrefilledTokens uint64 `protobuf:"varint,10,opt,name=prefilled_tokens,json=prefilledTokens,proto3" json:"prefilled_tokens,omitempty"`
+	// Death detected -> first resumed token delivered to a client, when known.
+	FirstTokenSeconds float64 `protobuf:"fixed64,11,opt,name=first_token_seconds,json=firstTokenSeconds,proto3" json:"first_token_seconds,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *FailoverRecord) Reset() {
@@ -258,6 +264,27 @@ func (x *FailoverRecord) GetError() string {
 		return x.Error
 	}
 	return ""
+}
+
+func (x *FailoverRecord) GetReusedTokens() uint64 {
+	if x != nil {
+		return x.ReusedTokens
+	}
+	return 0
+}
+
+func (x *FailoverRecord) GetPrefilledTokens() uint64 {
+	if x != nil {
+		return x.PrefilledTokens
+	}
+	return 0
+}
+
+func (x *FailoverRecord) GetFirstTokenSeconds() float64 {
+	if x != nil {
+		return x.FirstTokenSeconds
+	}
+	return 0
 }
 
 type Status struct {
@@ -518,7 +545,7 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\brestarts\x18\x05 \x01(\rR\brestarts\x12,\n" +
 	"\x12started_unix_nanos\x18\x06 \x01(\x03R\x10startedUnixNanos\x12(\n" +
 	"\x10last_death_cause\x18\a \x01(\tR\x0elastDeathCause\x12\x19\n" +
-	"\blog_path\x18\b \x01(\tR\alogPath\"\xeb\x01\n" +
+	"\blog_path\x18\b \x01(\tR\alogPath\"\xeb\x02\n" +
 	"\x0eFailoverRecord\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1d\n" +
 	"\n" +
@@ -528,7 +555,11 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\x10duration_seconds\x18\x05 \x01(\x01R\x0fdurationSeconds\x12)\n" +
 	"\x10resumed_requests\x18\x06 \x01(\rR\x0fresumedRequests\x12\x0e\n" +
 	"\x02ok\x18\a \x01(\bR\x02ok\x12\x14\n" +
-	"\x05error\x18\b \x01(\tR\x05error\"\xd9\x03\n" +
+	"\x05error\x18\b \x01(\tR\x05error\x12#\n" +
+	"\rreused_tokens\x18\t \x01(\x04R\freusedTokens\x12)\n" +
+	"\x10prefilled_tokens\x18\n" +
+	" \x01(\x04R\x0fprefilledTokens\x12.\n" +
+	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\xd9\x03\n" +
 	"\x06Status\x12\x14\n" +
 	"\x05state\x18\x01 \x01(\tR\x05state\x12\x1f\n" +
 	"\vstate_cause\x18\x02 \x01(\tR\n" +

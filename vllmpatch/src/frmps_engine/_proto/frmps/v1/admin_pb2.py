@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x66rmps/v1/admin.proto\x12\x08\x66rmps.v1\"\x12\n\x10GetStatusRequest\"\xa2\x01\n\x0c\x45ngineStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06in_mps\x18\x04 \x01(\x08\x12\x10\n\x08restarts\x18\x05 \x01(\r\x12\x1a\n\x12started_unix_nanos\x18\x06 \x01(\x03\x12\x18\n\x10last_death_cause\x18\x07 \x01(\t\x12\x10\n\x08log_path\x18\x08 \x01(\t\"\x9f\x01\n\x0e\x46\x61iloverRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nunix_nanos\x18\x02 \x01(\x03\x12\r\n\x05\x63\x61use\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x18\n\x10\x64uration_seconds\x18\x05 \x01(\x01\x12\x18\n\x10resumed_requests\x18\x06 \x01(\r\x12\n\n\x02ok\x18\x07 \x01(\x08\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"\xc6\x02\n\x06Status\x12\r\n\x05state\x18\x01 \x01(\t\x12\x13\n\x0bstate_cause\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x12\n\nsync_every\x18\x05 \x01(\r\x12\'\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x16.frmps.v1.EngineStatus\x12+\n\tfailovers\x18\x07 \x03(\x0b\x32\x18.frmps.v1.FailoverRecord\x12\x0b\n\x03mps\x18\x08 \x01(\x08\x12\x11\n\tmps_state\x18\t \x01(\t\x12\x18\n\x10ring_lag_records\x18\n \x01(\x04\x12\x14\n\x0cring_resyncs\x18\x0b \x01(\x04\x12\x15\n\rlive_requests\x18\x0c \x01(\r\x12\x0f\n\x07version\x18\r \x01(\t\x12\x17\n\x0f\x63rash_loop_open\x18\x0e \x01(\x08\"(\n\x16TriggerFailoverRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\":\n\x17TriggerFailoverResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t2\x9a\x01\n\x05\x41\x64min\x12\x39\n\tGetStatus\x12\x1a.frmps.v1.GetStatusRequest\x1a\x10.frmps.v1.Status\x12V\n\x0fTriggerFailover\x12 .frmps.v1.TriggerFailoverRequest\x1a!.frmps.v1.TriggerFailoverResponseB/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x66rmps/v1/admin.proto\x12\x08\x66rmps.v1\"\x12\n\x10GetStatusRequest\"\xa2\x01\n\x0c\x45ngineStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06in_mps\x18\x04 \x01(\x08\x12\x10\n\x08restarts\x18\x05 \x01(\r\x12\x1a\n\x12started_unix_nanos\x18\x06 \x01(\x03\x12\x18\n\x10last_death_cause\x18\x07 \x01(\t\x12\x10\n\x08log_path\x18\x08 \x01(\t\"\xed\x01\n\x0e\x46\x61iloverRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nunix_nanos\x18\x02 \x01(\x03\x12\r\n\x05\x63\x61use\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x18\n\x10\x64uration_seconds\x18\x05 \x01(\x01\x12\x18\n\x10resumed_requests\x18\x06 \x01(\r\x12\n\n\x02ok\x18\x07 \x01(\x08\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x15\n\rreused_tokens\x18\t \x01(\x04\x12\x18\n\x10prefilled_tokens\x18\n \x01(\x04\x12\x1b\n\x13\x66irst_token_seconds\x18\x0b \x01(\x01\"\xc6\x02\n\x06Status\x12\r\n\x05state\x18\x01 \x01(\t\x12\x13\n\x0bstate_cause\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x12\n\nsync_every\x18\x05 \x01(\r\x12\'\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x16.frmps.v1.EngineStatus\x12+\n\tfailovers\x18\x07 \x03(\x0b\x32\x18.frmps.v1.FailoverRecord\x12\x0b\n\x03mps\x18\x08 \x01(\x08\x12\x11\n\tmps_state\x18\t \x01(\t\x12\x18\n\x10ring_lag_records\x18\n \x01(\x04\x12\x14\n\x0cring_resyncs\x18\x0b \x01(\x04\x12\x15\n\rlive_requests\x18\x0c \x01(\r\x12\x0f\n\x07version\x18\r \x01(\t\x12\x17\n\x0f\x63rash_loop_open\x18\x0e \x01(\x08\"(\n\x16TriggerFailoverRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\":\n\x17TriggerFailoverResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t2\x9a\x01\n\x05\x41\x64min\x12\x39\n\tGetStatus\x12\x1a.frmps.v1.GetStatusRequest\x1a\x10.frmps.v1.Status\x12V\n\x0fTriggerFailover\x12 .frmps.v1.TriggerFailoverRequest\x1a!.frmps.v1.TriggerFailoverResponseB/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINESTATUS']._serialized_start=55
   _globals['_ENGINESTATUS']._serialized_end=217
   _globals['_FAILOVERRECORD']._serialized_start=220
-  _globals['_FAILOVERRECORD']._serialized_end=379
-  _globals['_STATUS']._serialized_start=382
-  _globals['_STATUS']._serialized_end=708
-  _globals['_TRIGGERFAILOVERREQUEST']._serialized_start=710
-  _globals['_TRIGGERFAILOVERREQUEST']._serialized_end=750
-  _globals['_TRIGGERFAILOVERRESPONSE']._serialized_start=752
-  _globals['_TRIGGERFAILOVERRESPONSE']._serialized_end=810
-  _globals['_ADMIN']._serialized_start=813
-  _globals['_ADMIN']._serialized_end=967
+  _globals['_FAILOVERRECORD']._serialized_end=457
+  _globals['_STATUS']._serialized_start=460
+  _globals['_STATUS']._serialized_end=786
+  _globals['_TRIGGERFAILOVERREQUEST']._serialized_start=788
+  _globals['_TRIGGERFAILOVERREQUEST']._serialized_end=828
+  _globals['_TRIGGERFAILOVERRESPONSE']._serialized_start=830
+  _globals['_TRIGGERFAILOVERRESPONSE']._serialized_end=888
+  _globals['_ADMIN']._serialized_start=891
+  _globals['_ADMIN']._serialized_end=1045
 # @@protoc_insertion_point(module_scope)

@@ -31,7 +31,7 @@ class EngineStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., in_mps: _Optional[bool] = ..., restarts: _Optional[int] = ..., started_unix_nanos: _Optional[int] = ..., last_death_cause: _Optional[str] = ..., log_path: _Optional[str] = ...) -> None: ...
 
 class FailoverRecord(_message.Message):
-    __slots__ = ("seq", "unix_nanos", "cause", "detail", "duration_seconds", "resumed_requests", "ok", "error")
+    __slots__ = ("seq", "unix_nanos", "cause", "detail", "duration_seconds", "resumed_requests", "ok", "error", "reused_tokens", "prefilled_tokens", "first_token_seconds")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,9 @@ class FailoverRecord(_message.Message):
     RESUMED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     unix_nanos: int
     cause: str
@@ -48,7 +51,10 @@ class FailoverRecord(_message.Message):
     resumed_requests: int
     ok: bool
     error: str
-    def __init__(self, seq: _Optional[int] = ..., unix_nanos: _Optional[int] = ..., cause: _Optional[str] = ..., detail: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., resumed_requests: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    reused_tokens: int
+    prefilled_tokens: int
+    first_token_seconds: float
+    def __init__(self, seq: _Optional[int] = ..., unix_nanos: _Optional[int] = ..., cause: _Optional[str] = ..., detail: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., resumed_requests: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., first_token_seconds: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open")

@@ -1,0 +1,182 @@
+"""Helpers for end-to-end tests: a real `frmps serve` (Go supervisor, real
+engine processes, real shared memory and ring) on the CPU with the tiny model."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import pytest
+
+
+def frmps_bin() -> str:
+    path = os.environ.get("FRMPS_BIN", "")
+    if not path or not os.access(path, os.X_OK):
+        pytest.skip("FRMPS_BIN is not set to a built frmps binary (make py-test sets it)")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(method: str, url: str, body: dict | None = None, headers: dict | None = None,
+              timeout: float = 30.0) -> tuple[int, dict, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            parsed = json.loads(raw or b"{}")
+        except json.JSONDecodeError:
+            parsed = {"raw": raw.decode(errors="replace")}
+        return e.code, dict(e.headers), parsed
+
+
+@dataclass
+class StreamResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    completion_tokens: int = -1
+    finish_reason: str | None = None
+    ids: set[str] = field(default_factory=set)
+    error: dict | None = None
+    done: bool = False
+
+
+@dataclass
+class Deployment:
+    proc: subprocess.Popen
+    base: str
+    admin: str
+    run_dir: str
+    log_path: str
+
+    def status(self) -> dict:
+        code, _, st = http_json("GET", f"{self.admin}/v1/admin/status")
+        assert code == 200, st
+        return st
+
+    def active_pid(self) -> int:
+        for e in self.status().get("engines", []):
+            if e.get("role") == "active" and e.get("pid"):
+                return int(e["pid"])
+        raise AssertionError(f"no active engine: {self.status()}")
+
+    def wait_state(self, want: str, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        st: dict = {}
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"frmps exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            with contextlib.suppress(OSError, AssertionError):
+                st = self.status()
+                if st.get("state") == want:
+                    return st
+            time.sleep(0.1)
+        raise AssertionError(f"state {want!r} not reached in {timeout}s; last: {st}\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+    def stream(self, path: str, body: dict, on_token=None, timeout: float = 300.0) -> StreamResult:
+        """Streams a request; on_token(count_so_far) is called after every chunk with tokens."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        req = urllib.request.Request(f"{self.base}{path}", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        out = StreamResult()
+        pieces = []
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().rstrip("\n")
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    out.done = True
+                    break
+                ev = json.loads(payload)
+                if "error" in ev:
+                    out.error = ev["error"]
+                    continue
+                out.ids.add(ev["id"])
+                for ch in ev.get("choices", []):
+                    pieces.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
+                    out.token_ids.extend(ch.get("token_ids") or [])
+                    if ch.get("finish_reason"):
+                        out.finish_reason = ch["finish_reason"]
+                    if on_token and ch.get("token_ids"):
+                        on_token(len(out.token_ids))
+                if ev.get("usage"):
+                    out.completion_tokens = ev["usage"]["completion_tokens"]
+        out.text = "".join(pieces)
+        return out
+
+
+@contextlib.contextmanager
+def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: dict | None = None,
+               model: str = "tiny"):
+    bin_path = frmps_bin()
+    port, admin_port = free_port(), free_port()
+    run_dir = tempfile.mkdtemp(prefix="frmps-e2e-")
+    log_path = os.path.join(run_dir, "serve.log")
+    cmd = [bin_path, "serve", "--model", model, "--engine", "ref", "--device", "cpu", "--no-mps",
+           "--sync-every", str(sync_every), "--port", str(port),
+           "--admin-addr", f"127.0.0.1:{admin_port}", "--run-dir", os.path.join(run_dir, "run"),
+           "--python", sys.executable, *(extra_args or [])]
+    child_env = {**os.environ, **(env or {})}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
+    dep = Deployment(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", run_dir, log_path)
+    try:
+        dep.wait_state("serving_ready")
+        yield dep
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"frmps did not stop on SIGTERM; log:\n{dep.log_tail()}")
+        assert rc == 0, f"frmps exited with {rc}; log:\n{dep.log_tail()}"
+        leftover = os.path.join(run_dir, "run")
+        assert not os.path.exists(leftover) or not os.listdir(leftover), \
+            f"run dir not cleaned: {os.listdir(leftover)}"
+
+
+class Killer:
+    """Kills the active engine once a stream has received `after` tokens."""
+
+    def __init__(self, dep: Deployment, after: int):
+        self.dep, self.after = dep, after
+        self.pid = dep.active_pid()
+        self.fired = threading.Event()
+        self._lock = threading.Lock()
+
+    def on_token(self, n: int) -> None:
+        with self._lock:
+            if n >= self.after and not self.fired.is_set():
+                self.fired.set()
+                os.kill(self.pid, signal.SIGKILL)
+
+    def fire(self) -> None:
+        self.on_token(self.after)
