@@ -276,7 +276,9 @@ func TestInProcessBehaviours(t *testing.T) {
 	t.Run("wrong version is refused", func(t *testing.T) {
 		l := listen(t)
 		done := make(chan error, 1)
-		go func() { done <- Run(context.Background(), Config{Role: frmpsv1.Role_ROLE_ACTIVE, Socket: l.Path(), Behavior: WrongVersion}) }()
+		go func() {
+			done <- Run(context.Background(), Config{Role: frmpsv1.Role_ROLE_ACTIVE, Socket: l.Path(), Behavior: WrongVersion})
+		}()
 		c := accept(t, l, os.Getpid())
 		env, _ := recv(t, c)
 		err := control.ValidateHello(env.GetHello(), control.HelloExpect{Role: frmpsv1.Role_ROLE_ACTIVE})
