@@ -303,3 +303,53 @@ func TestLargeFrameRoundTrip(t *testing.T) {
 		t.Fatalf("test frame is %d bytes, over the limit", n)
 	}
 }
+
+// BenchmarkPingRoundTrip measures one command and its reply over a Conn.
+func BenchmarkPingRoundTrip(b *testing.B) {
+	a, c := connPair(b)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			env, _, err := c.Recv()
+			if err != nil {
+				return
+			}
+			if err := c.Send(&frmpsv1.Envelope{Id: env.GetId(), Msg: &frmpsv1.Envelope_Reply{Reply: &frmpsv1.Reply{Ok: true}}}, nil); err != nil {
+				return
+			}
+		}
+	}()
+	for i := 0; b.Loop(); i++ {
+		if err := a.Send(ping(uint64(i)), nil); err != nil {
+			b.Fatal(err)
+		}
+		if _, _, err := a.Recv(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	a.Close()
+	<-done
+}
+
+// BenchmarkPoolExportWithFDs measures sending 8 pool fds and receiving them.
+func BenchmarkPoolExportWithFDs(b *testing.B) {
+	a, c := connPair(b)
+	sizes := make([]uint64, 8)
+	fds := make([]int, 8)
+	for i := range fds {
+		sizes[i] = 4096
+		fds[i] = memfd(b, 4096)
+	}
+	env := poolExport(sizes...)
+	for b.Loop() {
+		if err := a.Send(env, fds); err != nil {
+			b.Fatal(err)
+		}
+		_, got, err := c.Recv()
+		if err != nil {
+			b.Fatal(err)
+		}
+		CloseFDs(got)
+	}
+}

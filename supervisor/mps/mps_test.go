@@ -57,9 +57,19 @@ func starts(t *testing.T, d *Daemon) int {
 	return strings.Count(string(b), "start")
 }
 
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents) - 1
+}
+
 func TestStartCheckStop(t *testing.T) {
 	cfg := fakeControl(t, "ok")
 	ctx := context.Background()
+	fdsBefore := openFDs(t)
 	d, err := Start(ctx, cfg, hclog.NewNullLogger())
 	if err != nil {
 		t.Fatalf("Start: %v", err)
@@ -95,6 +105,9 @@ func TestStartCheckStop(t *testing.T) {
 	}
 	if err := d.Stop(ctx); err != nil {
 		t.Fatalf("second Stop: %v", err)
+	}
+	if after := openFDs(t); after != fdsBefore {
+		t.Fatalf("fd leak: %d before, %d after", fdsBefore, after)
 	}
 }
 
