@@ -333,10 +333,14 @@ func (r *frameReader) collectFDs(oob []byte) {
 			r.truncFDs = true
 			continue
 		}
+		if len(r.fds)+len(fds) > MaxFDs {
+			// Close at once rather than hold them: a hostile peer could
+			// otherwise attach fds to every byte of a 16 MiB frame.
+			closeAll(fds)
+			r.truncFDs = true
+			continue
+		}
 		r.fds = append(r.fds, fds...)
-	}
-	if len(r.fds) > MaxFDs {
-		r.truncFDs = true
 	}
 }
 

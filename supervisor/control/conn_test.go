@@ -353,3 +353,23 @@ func BenchmarkPoolExportWithFDs(b *testing.B) {
 		CloseFDs(got)
 	}
 }
+
+// fds attached to every chunk of one frame are bounded and all closed.
+func TestFDsSpreadOverAFrame(t *testing.T) {
+	c, raw := rawPair(t)
+	pool := memfd(t, 4096)
+	checkNoFDLeak(t)
+	frame := mustEncode(t, ping(1))
+	fds := make([]int, 100)
+	for i := range fds {
+		fds[i] = pool
+	}
+	// One byte per sendmsg, each with 100 fds: 100 x len(frame) in total.
+	for i := range frame {
+		sendRaw(t, raw, frame[i:i+1], fds)
+	}
+	_, got, err := c.Recv()
+	if !errors.Is(err, ErrTooManyFDs) || got != nil {
+		t.Fatalf("Recv: %v (fds %v), want ErrTooManyFDs", err, got)
+	}
+}
