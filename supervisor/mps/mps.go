@@ -38,7 +38,8 @@ const DefaultStartTimeout = 10 * time.Second
 const checkTimeout = 2 * time.Second
 
 // pidFile is where the control daemon records its pid in its pipe
-// directory; used only to kill a daemon that ignores `quit`.
+// directory (removed when it quits; its `control` socket file stays). Used
+// to wait for a quit to finish and to kill a daemon that ignores `quit`.
 const pidFile = "nvidia-cuda-mps-control.pid"
 
 // Errors wrapped by Start, Check and Stop, for callers that pick a state
@@ -297,8 +298,9 @@ func (d *Daemon) Restart(ctx context.Context) error {
 // directory. Caller holds mu.
 func (d *Daemon) stopStale(ctx context.Context) error {
 	if _, err := os.Stat(filepath.Join(d.pipeDir, "control")); err != nil {
-		return nil // no control pipe: no daemon was ever started here, or it cleaned up
+		return nil // no control socket: no daemon was ever started here
 	}
+	// The socket file outlives a clean quit; only an answer means a live daemon.
 	if d.check(ctx) != nil {
 		return nil
 	}
