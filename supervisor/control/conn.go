@@ -310,7 +310,7 @@ func (r *frameReader) recv(p []byte) (int, error) {
 			return 0, io.EOF
 		}
 		r.outOfStep = true
-		return 0, protoErr(ErrTruncated, "connection closed %d bytes into a frame: %v", r.consumed, io.ErrUnexpectedEOF)
+		return 0, fmt.Errorf("%w: %w: connection closed %d bytes into a frame: %w", ErrProtocol, ErrTruncated, r.consumed, io.ErrUnexpectedEOF)
 	}
 	r.consumed += n
 	return n, nil

@@ -96,7 +96,7 @@ func TestRecvEOFBetweenFramesAndTruncated(t *testing.T) {
 	unix.Write(raw, frame[:len(frame)-1])
 	unix.Close(raw)
 	_, _, err := c.Recv()
-	if !errors.Is(err, ErrTruncated) {
+	if !errors.Is(err, ErrTruncated) || !errors.Is(err, io.ErrUnexpectedEOF) {
 		t.Fatalf("Recv of a truncated frame: %v, want ErrTruncated", err)
 	}
 }

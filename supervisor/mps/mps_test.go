@@ -157,7 +157,7 @@ func TestStartFailures(t *testing.T) {
 		{"binary missing (PATH)", "ok", "nvidia-cuda-mps-control-not-installed", 0, ErrBinaryMissing, "not found"},
 		{"daemon fails to start", "fail-start", "", 0, ErrStartFailed, "An instance of this daemon is already running"},
 		{"daemon start hangs", "hang-start", "", 300 * time.Millisecond, ErrStartFailed, "did not return within 300ms"},
-		{"daemon does not answer", "no-answer", "", 500 * time.Millisecond, ErrNotAnswering, "got no answer"},
+		{"daemon does not answer", "no-answer", "", 2 * time.Second, ErrNotAnswering, "got no answer"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -188,7 +188,7 @@ func TestStartFailures(t *testing.T) {
 
 func TestStopKillsDaemonIgnoringQuit(t *testing.T) {
 	cfg := fakeControl(t, "ignore-quit")
-	cfg.StartTimeout = time.Second
+	cfg.StartTimeout = 3 * time.Second
 	d, err := Start(context.Background(), cfg, nil)
 	if err != nil {
 		t.Fatal(err)
