@@ -324,9 +324,17 @@ func (d *Daemon) daemonPID() int {
 	return pid
 }
 
+// killFromPIDFile kills the daemon and waits (briefly) until it is gone, so
+// a failed Start leaves no process behind.
 func (d *Daemon) killFromPIDFile() {
-	if pid := d.daemonPID(); pid > 0 {
-		_ = syscall.Kill(pid, syscall.SIGKILL)
+	pid := d.daemonPID()
+	if pid <= 0 {
+		return
+	}
+	_ = syscall.Kill(pid, syscall.SIGKILL)
+	deadline := time.Now().Add(2 * time.Second)
+	for alive(pid) && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -35,6 +36,20 @@ func fakeControl(t *testing.T, mode string) Config {
 // pointing into runDir: a daemon or a control command we leaked.
 func checkNoProcessesIn(t *testing.T, runDir string) {
 	t.Helper()
+	// A process killed a moment ago may still be exiting.
+	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); {
+		if len(processesIn(runDir)) == 0 {
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	for _, p := range processesIn(runDir) {
+		t.Errorf("leaked process %s", p)
+	}
+}
+
+func processesIn(runDir string) []string {
+	var leaked []string
 	ents, _ := os.ReadDir("/proc")
 	self := []byte("CUDA_MPS_PIPE_DIRECTORY=" + runDir)
 	for _, e := range ents {
@@ -48,8 +63,9 @@ func checkNoProcessesIn(t *testing.T, runDir string) {
 			continue
 		}
 		cmdline, _ := os.ReadFile("/proc/" + pid + "/cmdline")
-		t.Errorf("leaked process %s: %q", pid, bytes.ReplaceAll(cmdline, []byte{0}, []byte{' '}))
+		leaked = append(leaked, fmt.Sprintf("%s: %q", pid, bytes.ReplaceAll(cmdline, []byte{0}, []byte{' '})))
 	}
+	return leaked
 }
 
 func starts(t *testing.T, d *Daemon) int {
