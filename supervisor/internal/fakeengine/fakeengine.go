@@ -75,6 +75,9 @@ type Config struct {
 	// Stderr receives the lines a real engine would print when it fails;
 	// nil = discard.
 	Stderr io.Writer
+	// HeartbeatEvery makes a serving engine send Heartbeat messages at this
+	// interval (0 = none).
+	HeartbeatEvery time.Duration
 }
 
 // ExitError asks the process to end abruptly, as a crashing engine would:
@@ -349,6 +352,12 @@ func (e *engine) checkPools(pools []*frmpsv1.Pool, fds []int) error {
 // serve answers commands until Shutdown. A standby (resumable) takes one
 // Resume and then serves as the active.
 func (e *engine) serve(resumable bool) error {
+	if e.cfg.HeartbeatEvery > 0 {
+		stop := make(chan struct{})
+		done := make(chan struct{})
+		go e.heartbeat(stop, done)
+		defer func() { close(stop); <-done }()
+	}
 	for {
 		env, fds, err := e.c.Recv()
 		if err != nil {
@@ -378,6 +387,23 @@ func (e *engine) serve(resumable bool) error {
 		}
 		if err != nil {
 			return err
+		}
+	}
+}
+
+func (e *engine) heartbeat(stop <-chan struct{}, done chan<- struct{}) {
+	defer close(done)
+	tick := time.NewTicker(e.cfg.HeartbeatEvery)
+	defer tick.Stop()
+	for step := uint64(1); ; step++ {
+		select {
+		case <-stop:
+			return
+		case <-tick.C:
+		}
+		env := &frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Heartbeat{Heartbeat: &frmpsv1.Heartbeat{Step: step}}}
+		if e.c.Send(env, nil) != nil {
+			return // the connection is gone; serve sees it too
 		}
 	}
 }

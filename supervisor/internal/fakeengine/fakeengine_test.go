@@ -323,6 +323,27 @@ func TestInProcessBehaviours(t *testing.T) {
 			t.Fatalf("Run: %v", err)
 		}
 	})
+	t.Run("heartbeats while serving", func(t *testing.T) {
+		l := listen(t)
+		done := make(chan error, 1)
+		go func() {
+			done <- Run(context.Background(), Config{Role: frmpsv1.Role_ROLE_ACTIVE, Socket: l.Path(), HeartbeatEvery: time.Millisecond})
+		}()
+		c := accept(t, l, os.Getpid())
+		b := control.NewBroker()
+		defer b.Close()
+		handshakeActive(t, c, b, 0)
+		for want := uint64(1); want <= 3; want++ {
+			env, _ := recv(t, c)
+			if env.GetHeartbeat().GetStep() != want {
+				t.Fatalf("got %v, want heartbeat %d", env, want)
+			}
+		}
+		send(t, c, &frmpsv1.Envelope{Id: 2, Msg: &frmpsv1.Envelope_Shutdown{Shutdown: &frmpsv1.Shutdown{}}}, nil)
+		if err := <-done; err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+	})
 	t.Run("fault", func(t *testing.T) {
 		l := listen(t)
 		var stderr bytes.Buffer

@@ -51,6 +51,7 @@ func run(args []string) int {
 	pools := fs.String("pools", "", "pool layout tag:index:size,... (default: weights 64 KiB, kv_cache 128 KiB)")
 	genSocket := fs.String("generation-socket", "", "generation endpoint reported in Hello (not served)")
 	checkMarkers := fs.Bool("check-markers", true, "standby: verify the pool markers a fake active wrote")
+	heartbeat := fs.Duration("heartbeat", 0, "send a Heartbeat at this interval while serving (0 = never)")
 	// Accepted and ignored: the real engine CLI's options, so a supervisor
 	// can launch this with the command line its engine adapter builds.
 	for _, name := range []string{"engine", "memory", "device", "num-blocks", "max-model-len", "block-size", "sync-every", "dtype", "weights"} {
@@ -66,6 +67,7 @@ func run(args []string) int {
 		Model:              *model,
 		GenerationEndpoint: *genSocket,
 		CheckMarkers:       *checkMarkers,
+		HeartbeatEvery:     *heartbeat,
 		Stderr:             os.Stderr,
 	}
 	switch *role {
