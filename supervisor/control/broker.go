@@ -38,12 +38,15 @@ func NewBroker() *Broker { return &Broker{} }
 // a layout different from the one it holds; the same layout again (a fresh
 // active after every engine was lost allocated new memory) replaces the held
 // fds, closing the old ones.
-func (b *Broker) Put(pools []*frmpsv1.Pool, fds []int) (retErr error) {
-	defer func() {
-		if retErr != nil {
-			closeDistinct(fds)
-		}
-	}()
+func (b *Broker) Put(pools []*frmpsv1.Pool, fds []int) error {
+	if err := b.put(pools, fds); err != nil {
+		closeDistinct(fds)
+		return err
+	}
+	return nil
+}
+
+func (b *Broker) put(pools []*frmpsv1.Pool, fds []int) error {
 	if len(pools) != len(fds) {
 		return fmt.Errorf("broker put: %d pools but %d fds", len(pools), len(fds))
 	}
