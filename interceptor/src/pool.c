@@ -197,9 +197,6 @@ static int set_access(const struct frmps_driver *d, CUdeviceptr va, size_t size,
 static int pool_begin(const char *tag, unsigned index, size_t size, int device, frmps_pool **out,
                       const struct frmps_driver **dout, size_t *gran)
 {
-    if (!out)
-        return frmps_set_error(FRMPS_E_INVAL, "out pointer is NULL");
-    *out = NULL;
     frmps_pool *p = calloc(1, sizeof *p);
     if (!p)
         return frmps_set_error(FRMPS_E_NOMEM, "pool: out of host memory");
@@ -273,6 +270,9 @@ static int pool_finish(const struct frmps_driver *d, frmps_pool *p, frmps_pool *
 FRMPS_API int frmps_pool_create(const char *tag, unsigned index, size_t size, int device,
                                 frmps_pool **out)
 {
+    if (!out)
+        return frmps_set_error(FRMPS_E_INVAL, "out pointer is NULL");
+    *out = NULL;
     const struct frmps_driver *d;
     size_t gran;
     frmps_pool *p;
@@ -353,6 +353,9 @@ static int map_import(const struct frmps_driver *d, frmps_pool *p, int fd, int r
 FRMPS_API int frmps_pool_import(const char *tag, unsigned index, int fd, size_t size, int device,
                                 int readonly, frmps_pool **out)
 {
+    if (!out)
+        return frmps_set_error(FRMPS_E_INVAL, "out pointer is NULL");
+    *out = NULL;
     const struct frmps_driver *d;
     size_t gran;
     frmps_pool *p;
@@ -371,6 +374,9 @@ FRMPS_API int frmps_pool_import(const char *tag, unsigned index, int fd, size_t 
 FRMPS_API int frmps_pool_reserve_scratch(const char *tag, unsigned index, size_t size, int device,
                                          size_t scratch_chunk, frmps_pool **out)
 {
+    if (!out)
+        return frmps_set_error(FRMPS_E_INVAL, "out pointer is NULL");
+    *out = NULL;
     const struct frmps_driver *d;
     size_t gran, chunk = 0;
     frmps_pool *p;
