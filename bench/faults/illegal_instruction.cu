@@ -1,46 +1,53 @@
-// SM fault: illegal instruction (cudaErrorIllegalInstruction, 715).
-// Note: `trap;` / __trap() is NOT this fault: it reports cudaErrorLaunchFailure
-// ("unspecified launch failure"); it is kept as variant "trap" for comparison.
-// Variants:
-//   brkpt (default): PTX `brkpt;` with no debugger attached: the SM raises an
-//                    illegal-instruction warp error.
-//   jump:            an indirect call through a function pointer that points at
-//                    a __device__ data array (the bytes are not valid SASS).
-//   trap:            `trap;` (expected to differ: unspecified launch failure).
+// SM fault: illegal instruction (cudaErrorIllegalInstruction, 715; Xid 13
+// "Illegal Instruction Encoding").
+//
+// What each variant produced on the H100 (driver 580.159.04, CUDA 13.0), probed
+// with equivalent kernels:
+//   jump-far (default): an indirect call to a device function's address + 1 MiB,
+//       into the code segment's unused (zeroed) space: cudaErrorIllegalInstruction,
+//       Xid 13 "Illegal Instruction Encoding".  <- the illegal-instruction fault
+//   jump-mid: the same function's address + 8 (the middle of a 16-byte SASS
+//       instruction): cudaErrorInvalidPc ("invalid program counter").
+//   brkpt: PTX `brkpt;` with no debugger: cudaErrorLaunchFailure.
+//   trap:  PTX `trap;` / __trap(): cudaErrorLaunchFailure ("unspecified launch
+//       failure"), NOT an illegal instruction.
+//   (A call through a pointer to __device__ DATA is an illegal address instead.)
 #include "fault_common.h"
-
-__device__ unsigned long long not_code[64];
 
 typedef void (*fn_t)(void);
 
-__global__ void illegal(int variant, fn_t target)
+__device__ __noinline__ void landing(void) { asm volatile("nanosleep.u32 1;"); }
+
+__global__ void illegal(int variant)
 {
+    char *code = (char *)(fn_t)landing;
     if (variant == 0)
-        asm volatile("brkpt;");
+        ((fn_t)(code + (1 << 20)))();
     else if (variant == 1)
-        target(); // jump into data
+        ((fn_t)(code + 8))();
+    else if (variant == 2)
+        asm volatile("brkpt;");
     else
         asm volatile("trap;");
 }
 
 int main(int argc, char **argv)
 {
-    const char *variant = fault_variant(argc, argv, "brkpt");
-    int v = strcmp(variant, "brkpt") == 0 ? 0 : strcmp(variant, "jump") == 0 ? 1
-          : strcmp(variant, "trap") == 0  ? 2 : -1;
+    const char *variant = fault_variant(argc, argv, "jump-far");
+    static const char *const names[] = {"jump-far", "jump-mid", "brkpt", "trap"};
+    int v = -1;
+    for (int i = 0; i < 4; i++)
+        if (strcmp(variant, names[i]) == 0)
+            v = i;
     if (v < 0) {
-        fprintf(stderr, "variants: brkpt, jump, trap\n");
+        fprintf(stderr, "variants: jump-far, jump-mid, brkpt, trap\n");
         return 64;
     }
-    // Fill the data with 0xff bytes so a jump there decodes garbage, not NOPs.
-    unsigned long long ones[64];
-    memset(ones, 0xff, sizeof ones);
-    CHECK_SETUP(cudaMemcpyToSymbol(not_code, ones, sizeof ones));
-    void *data_addr;
-    CHECK_SETUP(cudaGetSymbolAddress(&data_addr, not_code));
     fault_prepare("illegal_instruction", variant, argc, argv);
-    illegal<<<1, 1>>>(v, (fn_t)data_addr);
-    const cudaError_t expected_ii[] = {cudaErrorIllegalInstruction, cudaErrorInvalidPc, cudaSuccess};
-    const cudaError_t expected_trap[] = {cudaErrorLaunchFailure, cudaSuccess};
-    return fault_report("illegal_instruction", variant, v == 2 ? expected_trap : expected_ii);
+    illegal<<<1, 1>>>(v);
+    const cudaError_t expected[4][2] = {{cudaErrorIllegalInstruction, cudaSuccess},
+                                        {cudaErrorInvalidPc, cudaSuccess},
+                                        {cudaErrorLaunchFailure, cudaSuccess},
+                                        {cudaErrorLaunchFailure, cudaSuccess}};
+    return fault_report("illegal_instruction", variant, expected[v]);
 }

@@ -1,5 +1,6 @@
 // SM fault: misaligned address (cudaErrorMisalignedAddress, 716). An 8-byte
 // load from an address that is 4 mod 8. Variants: load (default), store.
+// Observed on the H100 (store): cudaErrorMisalignedAddress, Xid 13 "Misaligned Address".
 #include "fault_common.h"
 
 __global__ void misaligned(char *base, int store, unsigned long long *out)

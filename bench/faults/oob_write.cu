@@ -1,6 +1,7 @@
 // MMU fault that propagates under MPS: out-of-bounds write (to an unmapped
 // device virtual address far past a small allocation). Reported as
-// cudaErrorIllegalAddress (700). Variants: write (default), read.
+// cudaErrorIllegalAddress (700); an MMU fault (Xid 31), not an SM warp error.
+// Variants: write (default), read.
 #include "fault_common.h"
 
 __global__ void oob(int *p, unsigned long long off, int write, int *out)

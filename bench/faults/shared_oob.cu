@@ -1,8 +1,9 @@
 // SM fault: shared / local out-of-range address. A state-space-specific store
 // (st.shared / st.local) to an offset far beyond the block's shared window /
-// the thread's local window. The SM reports an out-of-range warp error; the
-// runtime surfaces it as an illegal address.
-// Variants: shared (default), local.
+// the thread's local window. Variants: shared (default), local.
+// Observed on the H100 (driver 580.159.04, CUDA 13.0): both give
+// cudaErrorIllegalAddress with Xid 13 "Out Of Range Address" (a local store at
+// 16 MiB was still inside the window and did NOT fault; 0xFFFFFFF0 does).
 #include "fault_common.h"
 
 __global__ void shared_oob(unsigned offset)
@@ -27,11 +28,10 @@ int main(int argc, char **argv)
         return 64;
     }
     fault_prepare("shared_oob", variant, argc, argv);
-    const unsigned far = 0x00FFFFF0u; // 16 MiB: beyond any shared (<=228 KiB) or local window
     if (local)
-        local_oob<<<1, 32>>>(far);
+        local_oob<<<1, 32>>>(0xFFFFFFF0u); // the top of the 32-bit local window
     else
-        shared_oob<<<1, 32>>>(far);
+        shared_oob<<<1, 32>>>(0x00FFFFF0u); // 16 MiB: beyond any shared window (<= 228 KiB)
     const cudaError_t expected[] = {cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaSuccess};
     return fault_report("shared_oob", variant, expected);
 }

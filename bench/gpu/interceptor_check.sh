@@ -94,14 +94,17 @@ faults() {
   local bin="$ROOT/bench/build/faults" rc=0 p v
   : >"$OUT/faults.txt"
   # program:variant ... ; exit 0 = the expected error, 2 = another error, 1 = no error
-  for pv in stack_overflow:recursion illegal_instruction:brkpt illegal_instruction:jump \
-            illegal_instruction:trap shared_oob:shared shared_oob:local misaligned:load \
-            invalid_address_space:atomic-local invalid_address_space:ld-global-shared \
+  for pv in stack_overflow:recursion illegal_instruction:jump-far illegal_instruction:jump-mid \
+            illegal_instruction:brkpt illegal_instruction:trap shared_oob:shared shared_oob:local misaligned:load \
+            invalid_address_space:ld-global-shared \
             oob_write:write readonly_write:vmm-read-only; do
     p=${pv%%:*}; v=${pv#*:}
-    local line
+    local line xid n0
+    n0=$(dmesg 2>/dev/null | wc -l) # only this run's kernel-log lines (Xid) are shown below
     line=$(timeout 30 "$bin/$p" "$v" 2>&1); local r=$?
-    echo "$p $v exit=$r :: $(echo "$line" | grep '^observed' || echo "$line" | tail -1)" | tee -a "$OUT/faults.txt"
+    sleep 0.3
+    xid=$(dmesg 2>/dev/null | tail -n +$((n0 + 1)) | grep -o 'Xid.*' | grep -v 'ESR\|channel 0x' | sed 's/^Xid ([^)]*): //' | head -2 | tr '\n' ';')
+    echo "$p $v exit=$r :: $(echo "$line" | grep '^observed' || echo "$line" | tail -1) :: ${xid:-no Xid seen}" | tee -a "$OUT/faults.txt"
     [[ $r -eq 1 || $r -ge 3 ]] && rc=1   # no fault at all, or setup failure/timeout
   done
   return $rc
