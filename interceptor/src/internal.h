@@ -50,7 +50,7 @@ int frmps_driver_error(const char *call, CUresult rc);
 void frmps_clear_error(void);
 
 /* Carve-out interface used by the allocator and the hooks. */
-int frmps_carve(size_t size, CUdeviceptr *out);          /* FRMPS_OK, or FRMPS_E_STATE: no region */
+int frmps_carve(size_t size, CUdeviceptr *out); /* FRMPS_E_STATE (no message): no region open */
 bool frmps_uncarve(CUdeviceptr ptr);                    /* true if ptr was a carve-out (now freed) */
 bool frmps_region_active(void);
 

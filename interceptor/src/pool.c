@@ -545,13 +545,15 @@ static bool carve_from(frmps_pool *p, size_t len, CUdeviceptr *out)
 
 int frmps_carve(size_t size, CUdeviceptr *out)
 {
+    if (!frmps_region_active())
+        return FRMPS_E_STATE; /* fast path, before validating the size */
     if (size == 0 || size > SIZE_MAX - CARVE_ALIGN)
         return frmps_set_error(FRMPS_E_INVAL, "carve-out size %zu is invalid", size);
     size_t len = (size + CARVE_ALIGN - 1) & ~(CARVE_ALIGN - 1);
     pthread_mutex_lock(&table_mu);
     int st;
     if (!region_on) {
-        st = frmps_set_error(FRMPS_E_STATE, "no allocation region is open");
+        st = FRMPS_E_STATE; /* closed meanwhile: the caller passes through */
     } else {
         st = frmps_set_error(FRMPS_E_NOMEM, "no room for %zu bytes in the pools tagged %s", size,
                              region_tag);
