@@ -103,7 +103,7 @@ faults() {
     n0=$(dmesg 2>/dev/null | wc -l) # only this run's kernel-log lines (Xid) are shown below
     line=$(timeout 30 "$bin/$p" "$v" 2>&1); local r=$?
     sleep 0.3
-    xid=$(dmesg 2>/dev/null | tail -n +$((n0 + 1)) | grep -o 'Xid.*' | grep -v 'ESR\|channel 0x' | sed 's/^Xid ([^)]*): //' | head -2 | tr '\n' ';')
+    xid=$(dmesg 2>/dev/null | tail -n +$((n0 + 1)) | grep -o 'Xid.*' | sed 's/^Xid ([^)]*): //' | grep -v 'ESR\|^43,' | cut -c1-160 | head -2 | tr '\n' ';')
     echo "$p $v exit=$r :: $(echo "$line" | grep '^observed' || echo "$line" | tail -1) :: ${xid:-no Xid seen}" | tee -a "$OUT/faults.txt"
     [[ $r -eq 1 || $r -ge 3 ]] && rc=1   # no fault at all, or setup failure/timeout
   done
