@@ -2,12 +2,13 @@
 // per-frame local array and a small per-thread stack limit runs the stack off
 // the thread's local window. Variants: "recursion" (default).
 //
-// Observed on the H100 (driver 580.159.04, CUDA 13.0) with an equivalent
-// kernel: cudaErrorIllegalAddress with Xid 13 "Out Of Range Address" (the
-// stack pointer leaves the local window), the same with a 64 KiB stack limit
-// and with frame-less recursion. cudaErrorHardwareStackError ("Lane User Stack
-// Overflow") was not reproduced: the exit code says which one this run got
-// (0 = one of the expected errors below, 2 = another error).
+// Observed on the H100 (driver 580.159.04, CUDA 13.0): this program (built with
+// -Xptxas -O0) reports cudaErrorLaunchFailure with only Xid 43 (channel reset)
+// in the kernel log, no SM warp exception; the same recursion built at -O3
+// reported cudaErrorIllegalAddress with Xid 13 "Out Of Range Address" (the
+// stack pointer leaves the local window). cudaErrorHardwareStackError / a
+// logged "Lane User Stack Overflow" was not reproduced. Exit 0 = one of the
+// expected errors below, 2 = another error.
 #include "fault_common.h"
 
 __device__ int deep(volatile int *sink, int depth)
