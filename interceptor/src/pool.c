@@ -99,6 +99,14 @@ static void table_remove(frmps_pool *p)
     }
 }
 
+/* Pool state is read by carve-outs under table_mu: change it under table_mu too. */
+static void set_kind(frmps_pool *p, enum pool_kind kind)
+{
+    pthread_mutex_lock(&table_mu);
+    p->kind = kind;
+    pthread_mutex_unlock(&table_mu);
+}
+
 static bool copy_tag(char dst[64], const char *tag)
 {
     if (!tag || !*tag || strlen(tag) >= 64)
@@ -345,8 +353,8 @@ static int map_import(const struct frmps_driver *d, frmps_pool *p, int fd, int r
         return st;
     }
     p->handle = h;
-    p->kind = POOL_IMPORTED;
     p->readonly = readonly;
+    set_kind(p, POOL_IMPORTED);
     return FRMPS_OK;
 }
 
@@ -437,7 +445,7 @@ FRMPS_API int frmps_pool_swap_to_import(frmps_pool *p, int fd, int readonly)
         if (rc != CUDA_SUCCESS)
             return frmps_driver_error("cuMemUnmap(scratch)", rc);
         d->cuMemRelease(p->scratch);
-        p->kind = POOL_EMPTY;
+        set_kind(p, POOL_EMPTY);
     }
     return map_import(d, p, fd, readonly);
 }
