@@ -164,8 +164,8 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 	var (
 		stream       genStream
 		cancelStream context.CancelFunc = func() {}
-		resuming     bool // the current stream is a Resume
-		gotChunk     bool // the current stream delivered at least one chunk
+		resuming     bool               // the current stream is a Resume
+		gotChunk     bool               // the current stream delivered at least one chunk
 		started      bool
 		promptTokens int
 		delivered    int

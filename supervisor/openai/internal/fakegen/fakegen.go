@@ -351,3 +351,22 @@ func (s *service) Health(context.Context, *frmpsv1.HealthRequest) (*frmpsv1.Heal
 	return &frmpsv1.HealthResponse{Serving: true, Model: s.e.cfg.Model, MaxModelLen: uint32(s.e.cfg.MaxModelLen), Running: uint32(s.e.Running())}, nil
 }
 
+// Expected is the complete output the fake produces for req: token ids, text
+// and finish reason ("stop" or "length").
+func Expected(cfg Config, req *frmpsv1.GenerateRequest) (ids []uint32, text string, finish string) {
+	if cfg.OutputLen <= 0 {
+		cfg.OutputLen = 16
+	}
+	pl := makePlan(&cfg, req.GetPrompt(), req.GetPromptTokenIds().GetIds(), req.GetMessages().GetMessages(), req.GetParams())
+	var sb strings.Builder
+	for i := 0; i < pl.total; i++ {
+		id := TokenID(pl.ident, i)
+		ids = append(ids, id)
+		sb.WriteString(TokenText(id))
+	}
+	finish = "stop"
+	if pl.finish == frmpsv1.FinishReason_FINISH_REASON_LENGTH {
+		finish = "length"
+	}
+	return ids, sb.String(), finish
+}
