@@ -36,7 +36,8 @@ type Config struct {
 	// Interval paces chunks (default: as fast as possible).
 	Interval time.Duration
 	// KillAfter > 0: once a stream has sent this many output tokens, the engine
-	// dies — every stream breaks with Unavailable and the server stops.
+	// dies — every stream breaks with Unavailable after the tokens it sent, and
+	// later calls fail.
 	KillAfter int
 	// ResumeFromAdopted makes Resume restart at the delivered count the engine
 	// adopted rather than the one the Resume call gives, so the front door
@@ -68,6 +69,7 @@ type Engine struct {
 	dead     atomic.Bool
 	deadCh   chan struct{}
 	killOnce sync.Once
+	stopOnce sync.Once
 	wg       sync.WaitGroup
 
 	mu       sync.Mutex
@@ -111,16 +113,25 @@ func Start(path string, cfg Config) (*Engine, error) {
 // Client is a generation client connected to the fake.
 func (e *Engine) Client() frmpsv1.GenerationClient { return e.cl }
 
-// Kill makes the engine die now: open streams break, later calls fail.
+// Kill makes the engine die now: connections drop (data in flight may be
+// lost, as in a crash), later calls fail.
 func (e *Engine) Kill() {
-	e.killOnce.Do(func() {
-		e.dead.Store(true)
-		close(e.deadCh)
+	e.markDead()
+	e.stopOnce.Do(func() {
 		e.wg.Add(1)
-		go func() { // Stop waits for nothing we hold, but may be called from a handler
+		go func() { // Stop may be called from a handler: don't wait inside it
 			defer e.wg.Done()
 			e.srv.Stop()
 		}()
+	})
+}
+
+// markDead fails every stream at its next token and every later call, while
+// the server keeps delivering what was already sent (deterministic tests).
+func (e *Engine) markDead() {
+	e.killOnce.Do(func() {
+		e.dead.Store(true)
+		close(e.deadCh)
 	})
 }
 
@@ -318,7 +329,7 @@ func (e *Engine) emit(stream grpc.ServerStreamingServer[frmpsv1.GenerateResponse
 		}
 		sent += end - i
 		if kill {
-			e.Kill()
+			e.markDead()
 			return status.Error(codes.Unavailable, "fake engine died")
 		}
 	}
