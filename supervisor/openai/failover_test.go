@@ -240,14 +240,14 @@ func TestClientDisconnectAborts(t *testing.T) {
 		if stream {
 			body = `{"model":"test-model","prompt":"x","stream":true}`
 		}
-		go func() {
-			for a.Running() == 0 {
-				time.Sleep(time.Millisecond)
-			}
-			if !stream {
+		if !stream {
+			go func() { // cancel once the engine is generating
+				for a.Running() == 0 && ctx.Err() == nil {
+					time.Sleep(time.Millisecond)
+				}
 				cancel()
-			}
-		}()
+			}()
+		}
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, h.srv.URL+"/v1/completions", strings.NewReader(body))
 		resp, err := h.client.Do(req)
 		if stream {

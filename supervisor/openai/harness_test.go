@@ -251,3 +251,5 @@ func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map
 }
 
 func osWriteFile(path string, b []byte) error { return os.WriteFile(path, b, 0o600) }
+
+func stringsReader(s string) io.Reader { return strings.NewReader(s) }
