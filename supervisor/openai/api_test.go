@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/frmps/frmps/supervisor/openai"
-	"github.com/frmps/frmps/supervisor/openai/internal/fakegen"
+	"github.com/frmps/frmps/supervisor/openai/fakegen"
 )
 
 func TestChatNonStreamingShape(t *testing.T) {

@@ -11,7 +11,7 @@ import (
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/openai"
-	"github.com/frmps/frmps/supervisor/openai/internal/fakegen"
+	"github.com/frmps/frmps/supervisor/openai/fakegen"
 )
 
 const streamBody = `{"model":"test-model","messages":[{"role":"user","content":"tell me"}],"stream":true,"max_tokens":20,"seed":7,"temperature":0.8,"stream_options":{"include_usage":true}}`

@@ -19,7 +19,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/frmps/frmps/supervisor/openai"
-	"github.com/frmps/frmps/supervisor/openai/internal/fakegen"
+	"github.com/frmps/frmps/supervisor/openai/fakegen"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/frmps/frmps/supervisor/openai"
-	"github.com/frmps/frmps/supervisor/openai/internal/fakegen"
+	"github.com/frmps/frmps/supervisor/openai/fakegen"
 )
 
 func TestIdempotentReplayAfterFinish(t *testing.T) {

@@ -381,3 +381,6 @@ func Expected(cfg Config, req *frmpsv1.GenerateRequest) (ids []uint32, text stri
 	}
 	return ids, sb.String(), finish
 }
+
+// Path is the fake's unix socket.
+func (e *Engine) Path() string { return e.lis.Addr().String() }
