@@ -127,9 +127,17 @@ func run() error {
 		fmt.Printf("%-22s %8d %9d %11.0f %9.1f %9.1f\n", ph.name+" gRPC", ph.streams, direct.chunks, direct.rate(), direct.pct(50), direct.pct(99))
 		fmt.Printf("%-22s %8d %9d %11.0f %9.1f %9.1f\n", ph.name+" SSE", ph.streams, fd.chunks, fd.rate(), fd.pct(50), fd.pct(99))
 		fmt.Printf("%-22s %8s %9s %11s %9.1f %9.1f\n", ph.name+" added", "", "", "", fd.pct(50)-direct.pct(50), fd.pct(99)-direct.pct(99))
+		if o.split {
+			perChunk := lastChildCPU.Seconds() / float64(fd.chunks)
+			fmt.Printf("%-22s front door process CPU %.1f µs/chunk (user+sys, whole process incl. startup) → %.0f chunks/s per %d cores at full load\n",
+				ph.name+" cost", perChunk*1e6, float64(o.procs)/perChunk, o.procs)
+		}
 	}
 	return nil
 }
+
+// lastChildCPU is the CPU time the split-mode front door process used.
+var lastChildCPU time.Duration
 
 type result struct {
 	chunks int
@@ -232,7 +240,9 @@ func startFrontDoor(o options, eng *fakegen.Engine, ecfg fakegen.Config, streams
 		}
 		return strings.TrimSpace(line), func() error {
 			_ = cmd.Process.Signal(syscall.SIGTERM)
-			return cmd.Wait()
+			err := cmd.Wait()
+			lastChildCPU = cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
+			return err
 		}, nil
 	}
 	backend := fakegen.NewBackend(openai.ModelInfo{Name: ecfg.Model, MaxModelLen: ecfg.MaxModelLen})
