@@ -29,9 +29,9 @@ import (
 	"time"
 
 	"github.com/hashicorp/go-hclog"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"github.com/prometheus/client_golang/prometheus"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/openai"
