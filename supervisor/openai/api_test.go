@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/frmps/frmps/supervisor/openai"
 	"github.com/frmps/frmps/supervisor/openai/fakegen"
@@ -392,3 +393,29 @@ func writeFile(path, s string) error {
 }
 
 var _ = fmt.Sprintf
+
+func TestRequestIDGenerated(t *testing.T) {
+	h, eng := newHarness(t, openai.Config{}, fakegen.Config{})
+	for _, hdr := range [][]string{nil, {"X-Request-Id", "bad id with spaces"}} {
+		resp := h.post("/v1/completions", `{"model":"test-model","prompt":"x","max_tokens":2}`, hdr...)
+		resp.Body.Close()
+		rid := resp.Header.Get("X-Request-Id")
+		if len(rid) != 32 || strings.Contains(rid, " ") {
+			t.Errorf("generated x-request-id %q", rid)
+		}
+		reqs := eng.Requests()
+		if got := reqs[len(reqs)-1].GetRequestId(); got != rid {
+			t.Errorf("engine request_id %q, header %q", got, rid)
+		}
+	}
+}
+
+func TestHealthDuringFailoverGap(t *testing.T) {
+	h, _ := newHarness(t, openai.Config{HealthTimeout: 10 * time.Millisecond}, fakegen.Config{})
+	h.backend.Clear() // a failover in progress: Current blocks
+	resp := h.do(context.Background(), http.MethodGet, "/health", "")
+	resp.Body.Close()
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
+		t.Errorf("/health during a gap: %d %v", resp.StatusCode, resp.Header)
+	}
+}

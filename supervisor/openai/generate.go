@@ -157,6 +157,9 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 	waitCtx, cancelWait := context.WithTimeout(ctx, s.cfg.EngineWaitTimeout)
 	eng, err := s.backend.Current(waitCtx, 0)
 	cancelWait()
+	if err == nil && eng.Client == nil {
+		err = errNoClient
+	}
 	if err != nil {
 		return s.failEarly(ctx, out, err)
 	}
@@ -313,8 +316,15 @@ func (s *Server) checkContext(j *job, promptTokens int) *apiError {
 func (s *Server) nextEngine(ctx context.Context, failedGen uint64) (Engine, error) {
 	rctx, cancel := context.WithTimeout(ctx, s.cfg.ResumeTimeout)
 	defer cancel()
-	return s.backend.Current(rctx, failedGen+1)
+	eng, err := s.backend.Current(rctx, failedGen+1)
+	if err == nil && eng.Client == nil {
+		err = errNoClient
+	}
+	return eng, err
 }
+
+// errNoClient guards against a Backend handing out an engine without a client.
+var errNoClient = errors.New("backend returned an engine without a generation client")
 
 // failEarly answers a request that never reached an engine.
 func (s *Server) failEarly(ctx context.Context, out output, err error) int {
