@@ -157,7 +157,7 @@ func (e *Engine) Adopt(reqs []*frmpsv1.ResumeRequest) {
 // Aborts delivers the keys of aborted requests.
 func (e *Engine) Aborts() <-chan uint64 { return e.abortCh }
 
-// Requests returns the Generate requests received so far.
+// Requests returns the Generate requests received so far (also those refused because the engine was dead).
 func (e *Engine) Requests() []*frmpsv1.GenerateRequest {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -225,12 +225,12 @@ func makePlan(cfg *Config, prompt string, ids []uint32, msgs []*frmpsv1.ChatMess
 
 func (s *service) Generate(req *frmpsv1.GenerateRequest, stream grpc.ServerStreamingServer[frmpsv1.GenerateResponse]) error {
 	e := s.e
-	if e.dead.Load() {
-		return status.Error(codes.Unavailable, "fake engine is dead")
-	}
 	e.mu.Lock()
 	e.requests = append(e.requests, req)
 	e.mu.Unlock()
+	if e.dead.Load() {
+		return status.Error(codes.Unavailable, "fake engine is dead")
+	}
 	pl := makePlan(&e.cfg, req.GetPrompt(), req.GetPromptTokenIds().GetIds(), req.GetMessages().GetMessages(), req.GetParams())
 	if e.cfg.RejectLongPrompts && e.cfg.MaxModelLen > 0 && pl.promptTokens >= e.cfg.MaxModelLen {
 		return status.Errorf(codes.InvalidArgument, "prompt has %d tokens, the context holds %d", pl.promptTokens, e.cfg.MaxModelLen)
