@@ -109,7 +109,8 @@ func run() error {
 		where = fmt.Sprintf("front door alone in a process on CPUs %s with GOMAXPROCS=%d; engine and clients elsewhere (GOMAXPROCS=%d)", o.fdCPUs, o.procs, runtime.GOMAXPROCS(0))
 	}
 	fmt.Printf("front door benchmark — FAKE engine (no model); %s; %d chunks/stream, 1 token/chunk\n", where, o.tokens)
-	fmt.Println("latency = client receive time - fake engine emit time (same process clock); added = front door SSE - direct gRPC")
+	fmt.Println("latency = client receive time - fake engine emit time (same clock); added = SSE through the front door - direct gRPC;")
+	fmt.Println("in front door = its own time per chunk, engine chunk received -> written to the client socket (frmps_stream_chunk_overhead_seconds)")
 	fmt.Println()
 	fmt.Printf("%-22s %8s %9s %11s %9s %9s\n", "phase / path", "streams", "chunks", "chunks/s", "p50 µs", "p99 µs")
 	for _, ph := range []struct {
@@ -127,6 +128,7 @@ func run() error {
 		fmt.Printf("%-22s %8d %9d %11.0f %9.1f %9.1f\n", ph.name+" gRPC", ph.streams, direct.chunks, direct.rate(), direct.pct(50), direct.pct(99))
 		fmt.Printf("%-22s %8d %9d %11.0f %9.1f %9.1f\n", ph.name+" SSE", ph.streams, fd.chunks, fd.rate(), fd.pct(50), fd.pct(99))
 		fmt.Printf("%-22s %8s %9s %11s %9.1f %9.1f\n", ph.name+" added", "", "", "", fd.pct(50)-direct.pct(50), fd.pct(99)-direct.pct(99))
+		fmt.Printf("%-22s %8s %9s %11s %9.1f %9.1f\n", ph.name+" in front door", "", "", "", fd.overhead50, fd.overhead99)
 		if o.split {
 			perChunk := lastChildCPU.Seconds() / float64(fd.chunks)
 			fmt.Printf("%-22s front door process CPU %.1f µs/chunk (user+sys, whole process incl. startup) → %.0f chunks/s per %d cores at full load\n",
@@ -140,9 +142,11 @@ func run() error {
 var lastChildCPU time.Duration
 
 type result struct {
-	chunks int
-	wall   time.Duration
-	lat    []int64 // ns
+	// overhead50/99: the front door's own time per chunk, from its histogram (µs).
+	overhead50, overhead99 float64
+	chunks                 int
+	wall                   time.Duration
+	lat                    []int64 // ns
 }
 
 func (r *result) rate() float64 { return float64(r.chunks) / r.wall.Seconds() }
@@ -216,7 +220,61 @@ func phase(dir string, o options, streams int, interval time.Duration) (direct, 
 		return nil, nil, fmt.Errorf("sse stream: %w", err)
 	}
 	fd.merge(lats)
+	fd.overhead50, fd.overhead99, err = scrapeOverhead(client, "http://"+addr+"/metrics")
+	if err != nil {
+		return nil, nil, err
+	}
 	return direct, fd, stopFD()
+}
+
+// scrapeOverhead reads the front door's own per-chunk time histogram
+// (engine chunk received → written to the client socket) and estimates its
+// p50 and p99 in µs by interpolating within buckets.
+func scrapeOverhead(c *http.Client, url string) (p50, p99 float64, err error) {
+	resp, err := c.Get(url)
+	if err != nil {
+		return 0, 0, fmt.Errorf("scrape metrics: %w", err)
+	}
+	defer resp.Body.Close()
+	type bucket struct{ le, n float64 }
+	var bs []bucket
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, "frmps_stream_chunk_overhead_seconds_bucket{") {
+			continue
+		}
+		i := strings.Index(line, `le="`)
+		j := strings.LastIndexByte(line, ' ')
+		if i < 0 || j < 0 {
+			continue
+		}
+		leStr := line[i+4 : i+4+strings.IndexByte(line[i+4:], '"')]
+		n, _ := strconv.ParseFloat(line[j+1:], 64)
+		le, perr := strconv.ParseFloat(leStr, 64)
+		if leStr == "+Inf" {
+			le, perr = 1, nil
+		}
+		if perr == nil {
+			bs = append(bs, bucket{le, n})
+		}
+	}
+	if len(bs) == 0 || bs[len(bs)-1].n == 0 {
+		return 0, 0, errors.New("no per-chunk overhead histogram in /metrics")
+	}
+	total := bs[len(bs)-1].n
+	q := func(p float64) float64 {
+		rank := p * total
+		lo, prev := 0.0, 0.0
+		for _, b := range bs {
+			if b.n >= rank {
+				return (lo + (b.le-lo)*(rank-prev)/max(b.n-prev, 1)) * 1e6
+			}
+			lo, prev = b.le, b.n
+		}
+		return lo * 1e6
+	}
+	return q(0.5), q(0.99), nil
 }
 
 // startFrontDoor serves the front door over eng, in this process or (split)

@@ -236,6 +236,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 			open(true)
 			continue
 		}
+		received := time.Now()
 		if resuming && !gotChunk {
 			s.m.resumes.WithLabelValues("ok").Inc()
 		}
@@ -283,6 +284,9 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 		}
 		if err := out.text(text); err != nil {
 			return s.clientGone(or)
+		}
+		if text != "" && j.stream {
+			s.m.chunkOverhead.Observe(time.Since(received).Seconds())
 		}
 		if fr := resp.GetFinishReason(); fr != frmpsv1.FinishReason_FINISH_REASON_UNSPECIFIED {
 			s.unregister(or) // finished: no longer part of any resume set

@@ -13,6 +13,7 @@ type metrics struct {
 	inflight       prometheus.Gauge
 	queued         prometheus.Gauge
 	idempotentHits prometheus.Counter
+	chunkOverhead  prometheus.Observer
 }
 
 func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
@@ -40,9 +41,12 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 	idem := prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "frmps_idempotent_replays_total", Help: "Requests answered from, or attached to, an earlier request with the same Idempotency-Key.",
 		ConstLabels: labels})
+	overhead := prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: "frmps_stream_chunk_overhead_seconds", Help: "Front door time per streamed chunk: from receiving it from the engine to handing it to the client's socket.",
+		ConstLabels: labels, Buckets: []float64{1e-6, 2e-6, 3e-6, 5e-6, 7.5e-6, 1e-5, 1.5e-5, 2e-5, 3e-5, 5e-5, 7.5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 2e-2}})
 	m := &metrics{requests: requests, duration: duration, ttft: ttft, resumes: resumes, tokens: tokens,
-		inflight: inflight, queued: queued, idempotentHits: idem}
-	for _, c := range []prometheus.Collector{requests, duration, ttft, resumes, tokens, inflight, queued, idem} {
+		inflight: inflight, queued: queued, idempotentHits: idem, chunkOverhead: overhead}
+	for _, c := range []prometheus.Collector{requests, duration, ttft, resumes, tokens, inflight, queued, idem, overhead} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
