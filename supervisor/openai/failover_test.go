@@ -318,3 +318,29 @@ func TestQueueWaitsForSlot(t *testing.T) {
 		}
 	}
 }
+
+func TestResumeInsideChunkIsAnError(t *testing.T) {
+	// Three tokens a chunk; the resume set claims 5 delivered while the client
+	// has 7; an engine restarting at 5 sends tokens 5-7 in one chunk, whose
+	// text cannot be split: the stream must fail loudly, not duplicate text.
+	h, a := newHarness(t, openai.Config{}, fakegen.Config{TokensPerChunk: 3, KillAfter: 7})
+	b := h.addEngine(fakegen.Config{TokensPerChunk: 3, ResumeFromAdopted: true})
+	h.failoverTo(a, b, func(reqs []*frmpsv1.ResumeRequest) {
+		for _, r := range reqs {
+			if len(r.DeliveredTokenIds) >= 5 {
+				r.DeliveredTokenIds = r.DeliveredTokenIds[:5]
+			}
+		}
+	}, nil)
+	resp := h.post("/v1/chat/completions", streamBody)
+	s := readStream(t, resp.Body, nil)
+	resp.Body.Close()
+	if len(b.Resumes()) == 1 && b.Resumes()[0].GetDelivered() == 7 {
+		lastIsError(t, s, "stream_overlap")
+		if n := len(strings.Fields(s.text())); n != 7 {
+			t.Errorf("%d tokens reached the client, want the 7 sent before the failure", n)
+		}
+	} else {
+		t.Fatalf("want one resume with delivered=7, got %v", b.Resumes())
+	}
+}
