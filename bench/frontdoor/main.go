@@ -80,6 +80,17 @@ func run() error {
 	flag.Parse()
 	if o.role == "frontdoor" {
 		runtime.GOMAXPROCS(o.procs)
+		if o.cpuProfile != "" {
+			f, err := os.Create(o.cpuProfile)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			if err := pprof.StartCPUProfile(f); err != nil {
+				return err
+			}
+			defer pprof.StopCPUProfile()
+		}
 		return frontdoorChild(o.engineSock)
 	}
 	if !o.split {
@@ -93,7 +104,7 @@ func run() error {
 	if o.serve != "" {
 		return serve(dir, o)
 	}
-	if o.cpuProfile != "" {
+	if o.cpuProfile != "" && !o.split {
 		f, err := os.Create(o.cpuProfile)
 		if err != nil {
 			return err
@@ -281,7 +292,11 @@ func scrapeOverhead(c *http.Client, url string) (p50, p99 float64, err error) {
 // in a pinned child, and returns its address and a stop function.
 func startFrontDoor(o options, eng *fakegen.Engine, ecfg fakegen.Config, streams int) (string, func() error, error) {
 	if o.split {
-		cmd := exec.Command("taskset", "-c", o.fdCPUs, os.Args[0], "-role", "frontdoor", "-procs", strconv.Itoa(o.procs), "-engine-sock", eng.Path())
+		args := []string{"-c", o.fdCPUs, os.Args[0], "-role", "frontdoor", "-procs", strconv.Itoa(o.procs), "-engine-sock", eng.Path()}
+		if o.cpuProfile != "" { // in split mode the profile is the front door's alone
+			args = append(args, "-cpuprofile", o.cpuProfile)
+		}
+		cmd := exec.Command("taskset", args...)
 		cmd.Stderr = os.Stderr
 		out, err := cmd.StdoutPipe()
 		if err != nil {
