@@ -344,3 +344,25 @@ func TestResumeInsideChunkIsAnError(t *testing.T) {
 		t.Fatalf("want one resume with delivered=7, got %v", b.Resumes())
 	}
 }
+
+func TestQueueWaitTimesOut(t *testing.T) {
+	h, a := newHarness(t, openai.Config{MaxConcurrent: 1, MaxQueue: 1, QueueTimeout: 20 * time.Millisecond},
+		fakegen.Config{Interval: 5 * time.Millisecond, OutputLen: 400, MaxModelLen: 1000})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	first := h.do(ctx, http.MethodPost, "/v1/completions", `{"model":"test-model","prompt":"x","stream":true}`)
+	buf := make([]byte, 16)
+	if _, err := first.Body.Read(buf); err != nil {
+		t.Fatal(err)
+	}
+	checkError(t, h.post("/v1/completions", `{"model":"test-model","prompt":"y"}`), 429, nil, "rate_limit_exceeded")
+	if n := metricValue(t, h.reg, "frmps_queued_requests", nil); n != 0 {
+		t.Errorf("queued gauge %v after the timeout", n)
+	}
+	if n := metricValue(t, h.reg, "frmps_inflight_requests", nil); n != 1 {
+		t.Errorf("inflight gauge %v", n)
+	}
+	cancel()
+	first.Body.Close()
+	<-a.Aborts()
+}
