@@ -41,6 +41,10 @@ type Config struct {
 	HealthTimeout time.Duration
 	// AbortTimeout bounds the Abort RPC sent when a client goes away (default 2s).
 	AbortTimeout time.Duration
+	// FinalWriteTimeout bounds writes once a request's context has ended
+	// (client gone, Shutdown past its deadline), so a client that stopped
+	// reading cannot hold a handler (default 1s).
+	FinalWriteTimeout time.Duration
 	// RetryAfter is the Retry-After value in seconds on 429 and 503 (default 1).
 	RetryAfter int
 	// DefaultMaxTokens is sent when the client gives no max_tokens. 0 sends 0,
@@ -90,6 +94,7 @@ func (c Config) withDefaults() Config {
 	setDur(&c.KeepAliveInterval, time.Second)
 	setDur(&c.HealthTimeout, 100*time.Millisecond)
 	setDur(&c.AbortTimeout, 2*time.Second)
+	setDur(&c.FinalWriteTimeout, time.Second)
 	setInt(&c.RetryAfter, 1)
 	setDur(&c.IdempotencyTTL, 10*time.Minute)
 	setInt(&c.IdempotencyMaxEntries, 4096)

@@ -2,7 +2,9 @@ package openai_test
 
 import (
 	"context"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"testing"
 	"time"
@@ -117,4 +119,39 @@ func TestShutdownDeadlineCutsStreams(t *testing.T) {
 	resp.Body.Close()
 	lastIsError(t, s, "engine_unavailable")
 	<-eng.Aborts()
+}
+
+func TestShutdownDoesNotHangOnStalledClient(t *testing.T) {
+	h, _ := newHarness(t, openai.Config{FinalWriteTimeout: 50 * time.Millisecond},
+		fakegen.Config{OutputLen: 100000, MaxModelLen: 1 << 20, TextPad: 8 << 10})
+	conn, err := net.Dial("tcp", h.srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	body := `{"model":"test-model","prompt":"x","stream":true}`
+	fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	// Never read: the server's socket buffer fills and its writes block.
+	// Wait until delivery stalls: the buffers are full and a write blocks.
+	deadline := time.Now().Add(10 * time.Second)
+	for last := -1.0; time.Now().Before(deadline); {
+		time.Sleep(100 * time.Millisecond)
+		n := metricValue(t, h.reg, "frmps_tokens_generated_total", nil)
+		if n > 0 && n == last {
+			break
+		}
+		last = n
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- h.fd.Shutdown(ctx) }()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Error("shutdown with a stalled stream returned nil before its deadline")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("shutdown hangs on a client that stopped reading")
+	}
 }

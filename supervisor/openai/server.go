@@ -328,6 +328,25 @@ func (s *Server) executeInner(parent context.Context, w http.ResponseWriter, j *
 	s.register(or)
 	defer s.unregister(or)
 
+	// A client that stops reading would block a write forever and, with it,
+	// Shutdown. Once the request's context ends, writes get a short deadline:
+	// enough for a final error event to a live client, not a hang on a stalled one.
+	var dlMu sync.Mutex
+	handlerDone := false
+	stopDeadline := context.AfterFunc(ctx, func() {
+		dlMu.Lock()
+		defer dlMu.Unlock()
+		if !handlerDone { // after the handler returns the connection may serve another request
+			_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(s.cfg.FinalWriteTimeout))
+		}
+	})
+	defer func() {
+		stopDeadline()
+		dlMu.Lock()
+		handlerDone = true
+		dlMu.Unlock()
+	}()
+
 	head := responseHead{created: arrived.Unix(), model: j.model}
 	var out output
 	if j.endpoint == endpointChat {

@@ -46,6 +46,9 @@ type Config struct {
 	// RejectLongPrompts answers prompts of MaxModelLen tokens or more with
 	// INVALID_ARGUMENT, as a real engine would.
 	RejectLongPrompts bool
+	// TextPad appends this many bytes of padding to each chunk's text
+	// (to fill socket buffers in tests of stalled clients).
+	TextPad int
 	// StampText makes each chunk's text the emit time in Unix nanoseconds (benchmarks).
 	StampText bool
 }
@@ -319,6 +322,9 @@ func (e *Engine) emit(stream grpc.ServerStreamingServer[frmpsv1.GenerateResponse
 		}
 		if e.cfg.StampText {
 			sb.WriteString(strconv.FormatInt(time.Now().UnixNano(), 10))
+		}
+		if e.cfg.TextPad > 0 {
+			sb.WriteString(strings.Repeat(".", e.cfg.TextPad))
 		}
 		resp.Text = sb.String()
 		if end == pl.total && !kill {
