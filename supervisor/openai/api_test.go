@@ -2,7 +2,10 @@ package openai_test
 
 import (
 	"context"
+	"net/http/httptest"
+
 	"fmt"
+	"github.com/prometheus/client_golang/prometheus"
 	"io"
 	"net/http"
 	"strings"
@@ -417,5 +420,41 @@ func TestHealthDuringFailoverGap(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
 		t.Errorf("/health during a gap: %d %v", resp.StatusCode, resp.Header)
+	}
+}
+
+func TestEngineAbortIsNotSuccess(t *testing.T) {
+	h, _ := newHarness(t, openai.Config{}, fakegen.Config{AbortAt: 3})
+	resp := h.post("/v1/completions", `{"model":"test-model","prompt":"x","stream":true,"max_tokens":10}`)
+	s := readStream(t, resp.Body, nil)
+	resp.Body.Close()
+	lastIsError(t, s, "aborted")
+	checkError(t, h.post("/v1/completions", `{"model":"test-model","prompt":"x","max_tokens":10}`), 503, nil, "aborted")
+}
+
+// readyBackend adds openai.ReadinessReporter to the fake backend.
+type readyBackend struct {
+	*fakegen.Backend
+	ready bool
+}
+
+func (b readyBackend) Serving() bool { return b.ready }
+
+func TestHealthUsesReadinessReporter(t *testing.T) {
+	for _, ready := range []bool{true, false} {
+		fb := fakegen.NewBackend(openai.ModelInfo{Name: "m"})
+		fb.SetUnavailable(ready) // Current would say the opposite: /health must not ask it
+		fd, err := openai.New(openai.Config{}, readyBackend{fb, ready}, nil, prometheus.NewRegistry())
+		if err != nil {
+			t.Fatal(err)
+		}
+		rec := httptest.NewRecorder()
+		fd.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/health", nil))
+		if want := map[bool]int{true: 200, false: 503}[ready]; rec.Code != want {
+			t.Errorf("ready=%v: /health %d", ready, rec.Code)
+		}
+		if err := fd.Shutdown(context.Background()); err != nil {
+			t.Error(err)
+		}
 	}
 }

@@ -46,6 +46,9 @@ type Config struct {
 	// RejectLongPrompts answers prompts of MaxModelLen tokens or more with
 	// INVALID_ARGUMENT, as a real engine would.
 	RejectLongPrompts bool
+	// AbortAt > 0 ends every request with FINISH_REASON_ABORT after this many
+	// tokens, as an engine that dropped the request itself.
+	AbortAt int
 	// TextPad appends this many bytes of padding to each chunk's text
 	// (to fill socket buffers in tests of stalled clients).
 	TextPad int
@@ -222,6 +225,9 @@ func makePlan(cfg *Config, prompt string, ids []uint32, msgs []*frmpsv1.ChatMess
 	}
 	if cfg.MaxModelLen > 0 && n+pl.total > cfg.MaxModelLen {
 		pl.total, pl.finish = max(cfg.MaxModelLen-n, 0), frmpsv1.FinishReason_FINISH_REASON_LENGTH
+	}
+	if cfg.AbortAt > 0 && cfg.AbortAt < pl.total {
+		pl.total, pl.finish = cfg.AbortAt, frmpsv1.FinishReason_FINISH_REASON_ABORT
 	}
 	return pl
 }
