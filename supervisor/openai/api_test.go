@@ -2,15 +2,14 @@ package openai_test
 
 import (
 	"context"
-	"net/http/httptest"
-
-	"fmt"
-	"github.com/prometheus/client_golang/prometheus"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/frmps/frmps/supervisor/openai"
 	"github.com/frmps/frmps/supervisor/openai/fakegen"
@@ -395,7 +394,6 @@ func writeFile(path, s string) error {
 	return osWriteFile(path, []byte(s))
 }
 
-var _ = fmt.Sprintf
 
 func TestRequestIDGenerated(t *testing.T) {
 	h, eng := newHarness(t, openai.Config{}, fakegen.Config{})
