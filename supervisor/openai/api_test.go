@@ -394,7 +394,6 @@ func writeFile(path, s string) error {
 	return osWriteFile(path, []byte(s))
 }
 
-
 func TestRequestIDGenerated(t *testing.T) {
 	h, eng := newHarness(t, openai.Config{}, fakegen.Config{})
 	for _, hdr := range [][]string{nil, {"X-Request-Id", "bad id with spaces"}} {
