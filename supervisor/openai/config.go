@@ -58,6 +58,9 @@ type Config struct {
 	// IdempotencyMaxBytes bounds one recorded response; a bigger one is not
 	// kept for replay once finished (default 1 MiB).
 	IdempotencyMaxBytes int
+	// IdempotencyMaxTotalBytes bounds all finished responses kept for replay;
+	// the oldest are evicted first (default 64 MiB).
+	IdempotencyMaxTotalBytes int
 	// IdempotencyDetachGrace is how long a keyed request keeps generating after
 	// its last client went away, so that a retry can attach (default 10s).
 	IdempotencyDetachGrace time.Duration
@@ -99,6 +102,7 @@ func (c Config) withDefaults() Config {
 	setDur(&c.IdempotencyTTL, 10*time.Minute)
 	setInt(&c.IdempotencyMaxEntries, 4096)
 	setInt(&c.IdempotencyMaxBytes, 1<<20)
+	setInt(&c.IdempotencyMaxTotalBytes, 64<<20)
 	setDur(&c.IdempotencyDetachGrace, 10*time.Second)
 	return c
 }

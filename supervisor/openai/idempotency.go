@@ -26,9 +26,11 @@ import (
 //   - After it finishes, the response stays replayable for IdempotencyTTL,
 //     unless it was retryable (429, 5xx, client gone) or larger than
 //     IdempotencyMaxBytes: then the entry is dropped and a retry runs afresh.
-//   - The cache holds at most IdempotencyMaxEntries; the oldest finished
+//   - The cache holds at most IdempotencyMaxEntries, and finished responses
+//     of at most IdempotencyMaxTotalBytes together; the oldest finished
 //     entries are evicted first. When every entry is still running, a new key
 //     is served without idempotency rather than refused.
+//   - Keys longer than 255 bytes are refused with 400.
 
 var errDetached = errors.New("every client of the idempotent request went away")
 
@@ -41,6 +43,7 @@ type idemEntry struct {
 	refs     int
 	done     bool
 	finished time.Time
+	size     int // bytes counted in kept, once finished
 	grace    *time.Timer
 	elem     *list.Element
 }
@@ -49,16 +52,20 @@ type idempotency struct {
 	ttl, grace time.Duration
 	maxEntries int
 	maxBytes   int
+	maxTotal   int
 	m          *metrics
 
 	mu      sync.Mutex
 	entries map[string]*idemEntry
 	order   *list.List // of *idemEntry, oldest first
+	kept    int        // bytes of the finished responses kept
 }
+
+const maxIdempotencyKeyLen = 255
 
 func newIdempotency(cfg Config, m *metrics) *idempotency {
 	return &idempotency{ttl: cfg.IdempotencyTTL, grace: cfg.IdempotencyDetachGrace, maxEntries: cfg.IdempotencyMaxEntries,
-		maxBytes: cfg.IdempotencyMaxBytes, m: m, entries: make(map[string]*idemEntry), order: list.New()}
+		maxBytes: cfg.IdempotencyMaxBytes, maxTotal: cfg.IdempotencyMaxTotalBytes, m: m, entries: make(map[string]*idemEntry), order: list.New()}
 }
 
 // attach returns the entry for key, creating it (fresh=true) when absent.
@@ -120,6 +127,8 @@ func (c *idempotency) removeLocked(e *idemEntry) {
 	if c.entries[e.key] == e {
 		delete(c.entries, e.key)
 	}
+	c.kept -= e.size
+	e.size = 0
 	if e.elem != nil {
 		c.order.Remove(e.elem)
 		e.elem = nil
@@ -152,8 +161,22 @@ func (c *idempotency) finish(e *idemEntry, code int) {
 		e.grace.Stop()
 		e.grace = nil
 	}
-	if code == 429 || code >= 500 || code == statusClientClosed || e.rec.size() > c.maxBytes {
+	size := e.rec.size()
+	if code == 429 || code >= 500 || code == statusClientClosed || size > c.maxBytes {
 		c.removeLocked(e)
+		return
+	}
+	if e.elem == nil {
+		return // evicted while running
+	}
+	e.size = size
+	c.kept += size
+	for el := c.order.Front(); el != nil && c.kept > c.maxTotal; {
+		next := el.Next()
+		if old := el.Value.(*idemEntry); old.done {
+			c.removeLocked(old)
+		}
+		el = next
 	}
 }
 
@@ -170,6 +193,11 @@ func (c *idempotency) close() {
 }
 
 func (s *Server) serveIdempotent(w http.ResponseWriter, r *http.Request, key string, body []byte, j *job, rid string, arrived time.Time) {
+	if len(key) > maxIdempotencyKeyLen {
+		badRequest("", "The Idempotency-Key header is longer than 255 bytes.").write(w)
+		s.m.requests.WithLabelValues(j.endpoint.String(), "400").Inc()
+		return
+	}
 	fp := sha256.Sum256(body)
 	e, fresh, apiErr := s.idem.attach(j.endpoint.String()+"\x00"+key, fp, arrived)
 	if apiErr != nil {

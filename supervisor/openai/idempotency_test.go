@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -154,4 +155,26 @@ func TestShutdownDoesNotHangOnStalledClient(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("shutdown hangs on a client that stopped reading")
 	}
+}
+
+func TestIdempotencyBounds(t *testing.T) {
+	// Room for about one finished response: the second evicts the first.
+	h, eng := newHarness(t, openai.Config{IdempotencyMaxTotalBytes: 400}, fakegen.Config{})
+	body := `{"model":"test-model","prompt":"x","max_tokens":3}`
+	for _, k := range []string{"a", "b", "a"} {
+		resp := h.post("/v1/completions", body, "Idempotency-Key", k)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("key %s: %d", k, resp.StatusCode)
+		}
+	}
+	if n := len(eng.Requests()); n != 3 {
+		t.Errorf("%d generations; want 3 (the replay of a was evicted by b)", n)
+	}
+	resp := h.post("/v1/completions", body, "Idempotency-Key", "a") // a is cached again now
+	resp.Body.Close()
+	if n := len(eng.Requests()); n != 3 {
+		t.Errorf("%d generations after a replay", n)
+	}
+	checkError(t, h.post("/v1/completions", body, "Idempotency-Key", strings.Repeat("k", 256)), 400, nil, nil)
 }
