@@ -1,0 +1,303 @@
+package openai
+
+import (
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+type usage struct{ prompt, completion int }
+
+func appendUsage(b []byte, u usage) []byte {
+	b = append(b, `{"prompt_tokens":`...)
+	b = strconv.AppendInt(b, int64(u.prompt), 10)
+	b = append(b, `,"completion_tokens":`...)
+	b = strconv.AppendInt(b, int64(u.completion), 10)
+	b = append(b, `,"total_tokens":`...)
+	b = strconv.AppendInt(b, int64(u.prompt+u.completion), 10)
+	return append(b, '}')
+}
+
+// output is where a request's result goes: an SSE stream or one JSON body.
+type output interface {
+	// start runs once, on the first engine chunk, after the limits passed and
+	// before anything reaches the client; a stream sends its headers here.
+	start() error
+	// text delivers a text delta (its tokens are already recorded as delivered).
+	text(delta string) error
+	// gap opens (true) or closes (false) a failover gap.
+	gap(open bool)
+	// finish ends the response successfully.
+	finish(reason string, u usage) error
+	// fail ends the response with an error: a JSON error response before the
+	// headers went out, an in-stream error event (and no [DONE]) after.
+	fail(e *apiError)
+	// close releases what the output holds; idempotent.
+	close()
+}
+
+// responseHead is what every chunk or body of a response starts with.
+type responseHead struct {
+	id      string
+	object  string
+	created int64
+	model   string
+}
+
+func (h *responseHead) append(b []byte) []byte {
+	b = append(b, `{"id":`...)
+	b = appendJSONString(b, h.id)
+	b = append(b, `,"object":`...)
+	b = appendJSONString(b, h.object)
+	b = append(b, `,"created":`...)
+	b = strconv.AppendInt(b, h.created, 10)
+	b = append(b, `,"model":`...)
+	b = appendJSONString(b, h.model)
+	return append(b, ',')
+}
+
+// sseOutput streams chunks as server-sent events.
+type sseOutput struct {
+	w            http.ResponseWriter
+	flusher      http.Flusher
+	chat         bool
+	includeUsage bool
+	keepAlive    time.Duration
+
+	mu      sync.Mutex // the keep-alive goroutine writes too
+	started bool
+	ended   bool
+	err     error
+	buf     []byte
+	// chunkHead: `data: {"id":...,"choices":[{"index":0,` — shared by every chunk.
+	chunkHead []byte
+	head      responseHead
+
+	kaStop chan struct{}
+	kaDone chan struct{}
+}
+
+func newSSEOutput(w http.ResponseWriter, j *job, head responseHead, keepAlive time.Duration) *sseOutput {
+	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, keepAlive: keepAlive, head: head}
+	o.flusher, _ = w.(http.Flusher)
+	b := append([]byte("data: "), head.append(nil)...)
+	o.chunkHead = append(b, `"choices":[{"index":0,`...)
+	o.buf = make([]byte, 0, 512)
+	return o
+}
+
+// writeLocked writes o.buf and flushes; o.mu held.
+func (o *sseOutput) writeLocked() error {
+	if o.err != nil {
+		return o.err
+	}
+	if _, err := o.w.Write(o.buf); err != nil {
+		o.err = err
+		return err
+	}
+	if o.flusher != nil {
+		o.flusher.Flush()
+	}
+	return nil
+}
+
+func (o *sseOutput) start() error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	h := o.w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("X-Accel-Buffering", "no") // keep reverse proxies from buffering the stream
+	o.w.WriteHeader(http.StatusOK)
+	o.started = true
+	if !o.chat {
+		if o.flusher != nil {
+			o.flusher.Flush()
+		}
+		return nil
+	}
+	// Chat streams open with the assistant role, as OpenAI's do.
+	o.buf = append(o.buf[:0], o.chunkHead...)
+	o.buf = append(o.buf, `"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]`...)
+	o.buf = o.appendTail(o.buf)
+	return o.writeLocked()
+}
+
+func (o *sseOutput) appendTail(b []byte) []byte {
+	if o.includeUsage {
+		b = append(b, `,"usage":null`...)
+	}
+	return append(b, "}\n\n"...)
+}
+
+func (o *sseOutput) text(delta string) error {
+	if delta == "" {
+		return nil
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	b := append(o.buf[:0], o.chunkHead...)
+	if o.chat {
+		b = append(b, `"delta":{"content":`...)
+		b = appendJSONString(b, delta)
+		b = append(b, '}')
+	} else {
+		b = append(b, `"text":`...)
+		b = appendJSONString(b, delta)
+	}
+	b = append(b, `,"logprobs":null,"finish_reason":null}]`...)
+	o.buf = o.appendTail(b)
+	return o.writeLocked()
+}
+
+func (o *sseOutput) finish(reason string, u usage) error {
+	o.stopKeepAlive()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	b := append(o.buf[:0], o.chunkHead...)
+	if o.chat {
+		b = append(b, `"delta":{}`...)
+	} else {
+		b = append(b, `"text":""`...)
+	}
+	b = append(b, `,"logprobs":null,"finish_reason":`...)
+	b = appendJSONString(b, reason)
+	b = append(b, "}]"...)
+	b = o.appendTail(b)
+	if o.includeUsage {
+		// OpenAI's last chunk: no choices, usage of the whole request.
+		b = append(b, "data: "...)
+		b = o.head.append(b)
+		b = append(b, `"choices":[],"usage":`...)
+		b = appendUsage(b, u)
+		b = append(b, "}\n\n"...)
+	}
+	b = append(b, "data: [DONE]\n\n"...)
+	o.buf = b
+	o.ended = true
+	return o.writeLocked()
+}
+
+func (o *sseOutput) fail(e *apiError) {
+	o.stopKeepAlive()
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.ended {
+		return
+	}
+	o.ended = true
+	if !o.started {
+		e.write(o.w)
+		return
+	}
+	// After the headers the status line is gone: an error event, and no
+	// [DONE], so no client mistakes the end for a success.
+	b := append(o.buf[:0], "data: "...)
+	b = e.appendJSON(b)
+	o.buf = append(b, "\n\n"...)
+	_ = o.writeLocked() // the client may be gone; nothing more to tell it
+}
+
+func (o *sseOutput) gap(open bool) {
+	if !open {
+		o.stopKeepAlive()
+		return
+	}
+	o.mu.Lock()
+	started := o.started
+	o.mu.Unlock()
+	if !started || o.kaStop != nil || o.keepAlive <= 0 {
+		return
+	}
+	o.kaStop, o.kaDone = make(chan struct{}), make(chan struct{})
+	go o.keepAliveLoop(o.kaStop, o.kaDone)
+}
+
+func (o *sseOutput) keepAliveLoop(stop <-chan struct{}, done chan<- struct{}) {
+	defer close(done)
+	t := time.NewTicker(o.keepAlive)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+			o.mu.Lock()
+			if o.err == nil && !o.ended {
+				if _, err := o.w.Write([]byte(": keep-alive\n\n")); err != nil {
+					o.err = err
+				} else if o.flusher != nil {
+					o.flusher.Flush()
+				}
+			}
+			o.mu.Unlock()
+		}
+	}
+}
+
+// stopKeepAlive is called from the request's own goroutine only.
+func (o *sseOutput) stopKeepAlive() {
+	if o.kaStop == nil {
+		return
+	}
+	close(o.kaStop)
+	<-o.kaDone
+	o.kaStop, o.kaDone = nil, nil
+}
+
+func (o *sseOutput) close() { o.stopKeepAlive() }
+
+// jsonOutput collects the whole completion and sends one JSON body.
+type jsonOutput struct {
+	w    http.ResponseWriter
+	chat bool
+	head responseHead
+	sb   strings.Builder
+	done bool
+}
+
+func (o *jsonOutput) start() error { return nil }
+
+func (o *jsonOutput) text(delta string) error {
+	o.sb.WriteString(delta)
+	return nil
+}
+
+func (o *jsonOutput) gap(bool) {}
+
+func (o *jsonOutput) finish(reason string, u usage) error {
+	o.done = true
+	b := make([]byte, 0, 256+o.sb.Len()+o.sb.Len()/8)
+	b = o.head.append(b)
+	b = append(b, `"choices":[{"index":0,`...)
+	if o.chat {
+		b = append(b, `"message":{"role":"assistant","content":`...)
+		b = appendJSONString(b, o.sb.String())
+		b = append(b, '}')
+	} else {
+		b = append(b, `"text":`...)
+		b = appendJSONString(b, o.sb.String())
+	}
+	b = append(b, `,"logprobs":null,"finish_reason":`...)
+	b = appendJSONString(b, reason)
+	b = append(b, `}],"usage":`...)
+	b = appendUsage(b, u)
+	b = append(b, "}\n"...)
+	o.w.Header().Set("Content-Type", "application/json")
+	o.w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+	o.w.WriteHeader(http.StatusOK)
+	_, err := o.w.Write(b)
+	return err
+}
+
+func (o *jsonOutput) fail(e *apiError) {
+	if o.done {
+		return
+	}
+	o.done = true
+	e.write(o.w)
+}
+
+func (o *jsonOutput) close() {}

@@ -1,0 +1,378 @@
+package openai
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+)
+
+type endpoint uint8
+
+const (
+	endpointChat endpoint = iota
+	endpointCompletions
+)
+
+func (e endpoint) String() string {
+	if e == endpointChat {
+		return "chat_completions"
+	}
+	return "completions"
+}
+
+// wireRequest is the union of the chat and completions request bodies. Fields
+// that take several JSON shapes stay raw and are decoded by hand; unknown
+// fields are ignored, as vLLM does.
+type wireRequest struct {
+	Model               *string         `json:"model"`
+	Messages            json.RawMessage `json:"messages"`
+	Prompt              json.RawMessage `json:"prompt"`
+	MaxTokens           *int64          `json:"max_tokens"`
+	MaxCompletionTokens *int64          `json:"max_completion_tokens"`
+	Temperature         *float64        `json:"temperature"`
+	TopP                *float64        `json:"top_p"`
+	TopK                *int64          `json:"top_k"`
+	Seed                *int64          `json:"seed"`
+	Stop                json.RawMessage `json:"stop"`
+	StopTokenIDs        []int64         `json:"stop_token_ids"`
+	N                   *int64          `json:"n"`
+	BestOf              *int64          `json:"best_of"`
+	Stream              *bool           `json:"stream"`
+	StreamOptions       *struct {
+		IncludeUsage *bool `json:"include_usage"`
+	} `json:"stream_options"`
+	User                   json.RawMessage `json:"user"`
+	IgnoreEOS              *bool           `json:"ignore_eos"`
+	IncludeStopStrInOutput *bool           `json:"include_stop_str_in_output"`
+	AddGenerationPrompt    *bool           `json:"add_generation_prompt"`
+	Echo                   *bool           `json:"echo"`
+	Logprobs               json.RawMessage `json:"logprobs"`
+	TopLogprobs            json.RawMessage `json:"top_logprobs"`
+}
+
+// job is a validated request, ready for the engine.
+type job struct {
+	endpoint     endpoint
+	model        string
+	stream       bool
+	includeUsage bool
+	// maxTokens as the client asked (0 = not given); checked against the
+	// context length once the engine reports the prompt length.
+	maxTokens int
+	gen       *frmpsv1.GenerateRequest
+}
+
+// parseRequest decodes and validates a request body. It never panics on bad input.
+func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job, *apiError) {
+	var w wireRequest
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if err := dec.Decode(&w); err != nil {
+		return nil, decodeError(err)
+	}
+	if dec.More() {
+		return nil, badRequest("", "Invalid JSON body: unexpected data after the top-level object.")
+	}
+	if w.Model == nil || *w.Model == "" {
+		return nil, badRequest("model", "You must provide a model parameter.")
+	}
+	if *w.Model != model.Name {
+		return nil, &apiError{Status: 404, Type: typeNotFound, Param: "model", Code: "model_not_found",
+			Message: fmt.Sprintf("The model `%s` does not exist. This server serves `%s`.", *w.Model, model.Name)}
+	}
+	j := &job{endpoint: ep, model: model.Name, gen: &frmpsv1.GenerateRequest{}}
+	switch ep {
+	case endpointChat:
+		if len(w.Prompt) != 0 && !isNull(w.Prompt) {
+			return nil, badRequest("prompt", "Chat completions take `messages`, not `prompt`.")
+		}
+		msgs, e := parseMessages(w.Messages)
+		if e != nil {
+			return nil, e
+		}
+		j.gen.Input = &frmpsv1.GenerateRequest_Messages{Messages: &frmpsv1.ChatMessages{Messages: msgs}}
+		j.gen.AddGenerationPrompt = true
+		if w.AddGenerationPrompt != nil {
+			j.gen.AddGenerationPrompt = *w.AddGenerationPrompt
+		}
+	case endpointCompletions:
+		if e := parsePrompt(w.Prompt, j.gen, model.MaxModelLen); e != nil {
+			return nil, e
+		}
+		if w.Echo != nil && *w.Echo {
+			return nil, badRequest("echo", "`echo` is not supported.")
+		}
+	}
+	if e := rejectUnsupported(&w, ep); e != nil {
+		return nil, e
+	}
+	p, e := parseParams(&w, model, cfg)
+	if e != nil {
+		return nil, e
+	}
+	j.gen.Params = p
+	if w.MaxCompletionTokens != nil {
+		j.maxTokens = int(*w.MaxCompletionTokens)
+	} else if w.MaxTokens != nil {
+		j.maxTokens = int(*w.MaxTokens)
+	}
+	if w.Stream != nil {
+		j.stream = *w.Stream
+	}
+	if w.StreamOptions != nil && w.StreamOptions.IncludeUsage != nil {
+		if !j.stream {
+			return nil, badRequest("stream_options", "`stream_options` is only allowed when `stream` is true.")
+		}
+		j.includeUsage = *w.StreamOptions.IncludeUsage
+	}
+	return j, nil
+}
+
+func decodeError(err error) *apiError {
+	var te *json.UnmarshalTypeError
+	if errors.As(err, &te) {
+		param := te.Field
+		return badRequest(param, fmt.Sprintf("Invalid type for `%s`: expected %s, got JSON %s.", param, te.Type, te.Value))
+	}
+	if errors.Is(err, errEmptyBody) || err.Error() == "EOF" {
+		return badRequest("", "The request body is empty; expected a JSON object.")
+	}
+	return badRequest("", "Invalid JSON body: "+err.Error())
+}
+
+var errEmptyBody = errors.New("empty body")
+
+func isNull(raw json.RawMessage) bool { return string(bytes.TrimSpace(raw)) == "null" }
+
+var chatRoles = map[string]bool{"system": true, "developer": true, "user": true, "assistant": true, "tool": true}
+
+func parseMessages(raw json.RawMessage) ([]*frmpsv1.ChatMessage, *apiError) {
+	if len(raw) == 0 || isNull(raw) {
+		return nil, badRequest("messages", "You must provide `messages`.")
+	}
+	var msgs []struct {
+		Role    *string         `json:"role"`
+		Content json.RawMessage `json:"content"`
+	}
+	if err := json.Unmarshal(raw, &msgs); err != nil {
+		return nil, badRequest("messages", "`messages` must be an array of {role, content} objects.")
+	}
+	if len(msgs) == 0 {
+		return nil, badRequest("messages", "`messages` must not be empty.")
+	}
+	out := make([]*frmpsv1.ChatMessage, 0, len(msgs))
+	for i, m := range msgs {
+		param := fmt.Sprintf("messages[%d]", i)
+		if m.Role == nil || !chatRoles[*m.Role] {
+			return nil, badRequest(param+".role", "Each message needs a role: system, developer, user, assistant or tool.")
+		}
+		content, e := parseContent(m.Content, param+".content")
+		if e != nil {
+			return nil, e
+		}
+		out = append(out, &frmpsv1.ChatMessage{Role: *m.Role, Content: content})
+	}
+	return out, nil
+}
+
+// parseContent accepts a string, null, or an array of text parts (joined with
+// newlines, as vLLM does for text-only models).
+func parseContent(raw json.RawMessage, param string) (string, *apiError) {
+	if len(raw) == 0 || isNull(raw) {
+		return "", nil
+	}
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		return s, nil
+	}
+	var parts []struct {
+		Type string  `json:"type"`
+		Text *string `json:"text"`
+	}
+	if err := json.Unmarshal(raw, &parts); err != nil {
+		return "", badRequest(param, "Message content must be a string or an array of text parts.")
+	}
+	texts := make([]string, 0, len(parts))
+	for _, p := range parts {
+		if p.Type != "text" || p.Text == nil {
+			return "", badRequest(param, fmt.Sprintf("Content part type %q is not supported; only text.", p.Type))
+		}
+		texts = append(texts, *p.Text)
+	}
+	return strings.Join(texts, "\n"), nil
+}
+
+// parsePrompt accepts a string, a one-element list of strings, a list of token
+// ids, or a one-element list of token-id lists. Batches (several prompts) are
+// refused: one HTTP request is one generation here.
+func parsePrompt(raw json.RawMessage, g *frmpsv1.GenerateRequest, maxModelLen int) *apiError {
+	if len(raw) == 0 || isNull(raw) {
+		return badRequest("prompt", "You must provide a `prompt`.")
+	}
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		if s == "" {
+			return badRequest("prompt", "`prompt` must not be empty.")
+		}
+		g.Input = &frmpsv1.GenerateRequest_Prompt{Prompt: s}
+		return nil
+	}
+	var list []json.RawMessage
+	if err := json.Unmarshal(raw, &list); err != nil {
+		return badRequest("prompt", "`prompt` must be a string, a list of strings, a list of token ids or a list of token-id lists.")
+	}
+	if len(list) == 0 {
+		return badRequest("prompt", "`prompt` must not be empty.")
+	}
+	first := bytes.TrimSpace(list[0])
+	if len(first) > 0 && (first[0] == '"' || first[0] == '[') {
+		if len(list) > 1 {
+			return badRequest("prompt", fmt.Sprintf("Batched prompts are not supported: got %d prompts, send one per request.", len(list)))
+		}
+		return parsePrompt(list[0], g, maxModelLen)
+	}
+	ids := make([]uint32, len(list))
+	for i, r := range list {
+		var v int64
+		if err := json.Unmarshal(r, &v); err != nil || v < 0 || v > math.MaxUint32 {
+			return badRequest("prompt", fmt.Sprintf("prompt[%d] is not a valid token id.", i))
+		}
+		ids[i] = uint32(v)
+	}
+	if maxModelLen > 0 && len(ids) >= maxModelLen {
+		return promptTooLong(len(ids), maxModelLen)
+	}
+	g.Input = &frmpsv1.GenerateRequest_PromptTokenIds{PromptTokenIds: &frmpsv1.TokenIds{Ids: ids}}
+	return nil
+}
+
+func promptTooLong(promptTokens, maxModelLen int) *apiError {
+	return &apiError{Status: 400, Type: typeInvalidRequest, Param: "prompt", Code: "context_length_exceeded",
+		Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, your prompt has %d tokens, which leaves no room for output.", maxModelLen, promptTokens)}
+}
+
+func contextTooLong(promptTokens, maxTokens, maxModelLen int) *apiError {
+	return &apiError{Status: 400, Type: typeInvalidRequest, Param: "max_tokens", Code: "context_length_exceeded",
+		Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the prompt, %d for the completion). Please reduce the prompt or max_tokens.",
+			maxModelLen, promptTokens+maxTokens, promptTokens, maxTokens)}
+}
+
+func rejectUnsupported(w *wireRequest, ep endpoint) *apiError {
+	if w.N != nil && *w.N != 1 {
+		if *w.N < 1 {
+			return badRequest("n", "`n` must be at least 1.")
+		}
+		return badRequest("n", fmt.Sprintf("n=%d is not supported: this server returns one choice per request (n=1).", *w.N))
+	}
+	if w.BestOf != nil && *w.BestOf > 1 {
+		return badRequest("best_of", "`best_of` > 1 is not supported.")
+	}
+	if len(w.Logprobs) != 0 && !isNull(w.Logprobs) {
+		s := strings.TrimSpace(string(w.Logprobs))
+		if s != "false" && s != "0" {
+			return badRequest("logprobs", "`logprobs` is not supported.")
+		}
+	}
+	if len(w.TopLogprobs) != 0 && !isNull(w.TopLogprobs) && strings.TrimSpace(string(w.TopLogprobs)) != "0" {
+		return badRequest("top_logprobs", "`top_logprobs` is not supported.")
+	}
+	return nil
+}
+
+func parseParams(w *wireRequest, model ModelInfo, cfg *Config) (*frmpsv1.SamplingParams, *apiError) {
+	p := &frmpsv1.SamplingParams{Temperature: 1, TopP: 1}
+	maxTok := w.MaxTokens
+	param := "max_tokens"
+	if w.MaxCompletionTokens != nil {
+		maxTok, param = w.MaxCompletionTokens, "max_completion_tokens"
+	}
+	switch {
+	case maxTok != nil && *maxTok < 1:
+		return nil, badRequest(param, fmt.Sprintf("`%s` must be at least 1.", param))
+	case maxTok != nil && model.MaxModelLen > 0 && *maxTok >= int64(model.MaxModelLen):
+		return nil, &apiError{Status: 400, Type: typeInvalidRequest, Param: param, Code: "context_length_exceeded",
+			Message: fmt.Sprintf("`%s`=%d does not fit the model's maximum context length of %d tokens.", param, *maxTok, model.MaxModelLen)}
+	case maxTok != nil && *maxTok > math.MaxUint32:
+		return nil, badRequest(param, fmt.Sprintf("`%s` is too large.", param))
+	case maxTok != nil:
+		p.MaxTokens = uint32(*maxTok)
+	default:
+		p.MaxTokens = uint32(cfg.DefaultMaxTokens)
+	}
+	if t := w.Temperature; t != nil {
+		if math.IsNaN(*t) || *t < 0 || *t > 2 {
+			return nil, badRequest("temperature", "`temperature` must be between 0 and 2.")
+		}
+		p.Temperature = float32(*t)
+	}
+	if t := w.TopP; t != nil {
+		if math.IsNaN(*t) || *t <= 0 || *t > 1 {
+			return nil, badRequest("top_p", "`top_p` must be in (0, 1].")
+		}
+		p.TopP = float32(*t)
+	}
+	if k := w.TopK; k != nil {
+		switch {
+		case *k == -1 || *k == 0: // -1 is vLLM's "disabled"; 0 is ours
+		case *k < -1 || *k > math.MaxInt32:
+			return nil, badRequest("top_k", "`top_k` must be -1 (disabled) or a positive integer.")
+		default:
+			p.TopK = int32(*k)
+		}
+	}
+	if w.Seed != nil {
+		seed := uint64(*w.Seed) // two's complement: negative seeds stay distinct and deterministic
+		p.Seed = &seed
+	}
+	stops, e := parseStop(w.Stop)
+	if e != nil {
+		return nil, e
+	}
+	p.Stop = stops
+	for i, id := range w.StopTokenIDs {
+		if id < 0 || id > math.MaxUint32 {
+			return nil, badRequest("stop_token_ids", fmt.Sprintf("stop_token_ids[%d] is not a valid token id.", i))
+		}
+		p.StopTokenIds = append(p.StopTokenIds, uint32(id))
+	}
+	if w.IgnoreEOS != nil {
+		p.IgnoreEos = *w.IgnoreEOS
+	}
+	if w.IncludeStopStrInOutput != nil {
+		p.IncludeStopStrInOutput = *w.IncludeStopStrInOutput
+	}
+	return p, nil
+}
+
+const maxStops = 16
+
+func parseStop(raw json.RawMessage) ([]string, *apiError) {
+	if len(raw) == 0 || isNull(raw) {
+		return nil, nil
+	}
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		if s == "" {
+			return nil, nil
+		}
+		return []string{s}, nil
+	}
+	var list []string
+	if err := json.Unmarshal(raw, &list); err != nil {
+		return nil, badRequest("stop", "`stop` must be a string or a list of strings.")
+	}
+	if len(list) > maxStops {
+		return nil, badRequest("stop", fmt.Sprintf("At most %d stop sequences are supported.", maxStops))
+	}
+	out := list[:0]
+	for _, s := range list {
+		if s != "" {
+			out = append(out, s)
+		}
+	}
+	return out, nil
+}
