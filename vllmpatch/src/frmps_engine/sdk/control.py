@@ -8,6 +8,7 @@ frame and hands them out with that frame.
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import socket
@@ -56,6 +57,21 @@ def encode_frame(env: control_pb2.Envelope) -> bytes:
     if not 1 <= len(data) <= MAX_FRAME:
         raise ControlError(f"encode frame: envelope is {len(data)} bytes, must be 1..{MAX_FRAME}")
     return _HEADER.pack(len(data)) + data
+
+
+_FD_ITEM = array.array("i").itemsize
+_CMSG_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_FRAME * _FD_ITEM)
+
+
+def _recv_with_fds(sock: socket.socket, n: int) -> tuple[bytes, list[int], int]:
+    """recvmsg with MSG_CMSG_CLOEXEC (socket.recv_fds drops its flags argument on
+    Python 3.11/3.12, which would leave received fds inheritable)."""
+    data, ancdata, msg_flags, _ = sock.recvmsg(n, _CMSG_SPACE, socket.MSG_CMSG_CLOEXEC)
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % _FD_ITEM])
+    return data, list(fds), msg_flags
 
 
 def _close_fds(fds: Sequence[int]) -> None:
@@ -114,9 +130,7 @@ class ControlConn:
         buf = bytearray()
         while len(buf) < n:
             try:
-                data, got, msg_flags, _ = socket.recv_fds(
-                    self._sock, n - len(buf), _MAX_FDS_PER_FRAME, socket.MSG_CMSG_CLOEXEC
-                )
+                data, got, msg_flags = _recv_with_fds(self._sock, n - len(buf))
             except (ConnectionResetError, BrokenPipeError) as e:
                 raise ConnectionClosed(f"recv {what}: {e}") from e
             except OSError as e:

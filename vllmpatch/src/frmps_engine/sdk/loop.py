@@ -332,3 +332,46 @@ def device_error_cause(e: BaseException) -> str:
         if marker in msg:
             return msg.split(marker, 1)[1].strip()
     return msg[:200]
+
+
+class EngineBackend:
+    """GenerationBackend over an adapter and its EngineLoop (what genapi serves).
+
+    ``loop`` may be set later (a standby gets one on takeover); until ``serving``
+    is set, Generate answers UNAVAILABLE.
+    """
+
+    def __init__(self, adapter, loop: EngineLoop | None = None):
+        self.adapter = adapter
+        self.loop = loop
+        self.is_serving = False
+
+    @property
+    def model(self) -> str:
+        return self.adapter.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self.adapter.max_model_len
+
+    def tokenizer(self):
+        return self.adapter.tokenizer()
+
+    def serving(self) -> bool:
+        return self.is_serving and self.loop is not None and self.loop.dead is None
+
+    def submit(self, key, prompt_ids, params):
+        return self.loop.submit(key, prompt_ids, params, self.adapter.sampling_params(params, params.seed))
+
+    def get(self, key):
+        return self.loop.get(key) if self.loop is not None else None
+
+    def abort(self, key) -> bool:
+        return self.loop.abort(key) if self.loop is not None else False
+
+    def stop_at(self, stream, n_tokens, stop):
+        self.loop.stop_at(stream, n_tokens, stop)
+
+    def load(self):
+        return self.loop.load() if self.loop is not None else (0, 0)
+

@@ -25,7 +25,7 @@ from frmps_engine._proto.frmps.v1 import control_pb2
 from . import control
 from .engine_api import EngineAdapter
 from .genapi import GenerationServer, input_to_ids
-from .loop import EngineLoop, RingPublisher, device_error_cause, is_device_error
+from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
 from .memory import MemoryBackend, SizeMismatch, check_specs_match
 from .memory.base import as_spec
 from .params import InvalidRequest, normalize
@@ -72,44 +72,14 @@ class Runner:
         self.welcome: control_pb2.Welcome | None = None
         self.core = None
         self.loop: EngineLoop | None = None
+        self.backend = EngineBackend(adapter)
         self.gen: GenerationServer | None = None
-        self._serving = False
         self._slept = False
         self._resumed = False
         self._done = threading.Event()
         self._exit_code = EXIT_OK
         self._shutting_down = threading.Lock()
         self._t0 = time.perf_counter_ns()
-
-    # -- GenerationBackend (for the gRPC server) ---------------------------------
-    @property
-    def model(self) -> str:
-        return self.adapter.model
-
-    @property
-    def max_model_len(self) -> int:
-        return self.adapter.max_model_len
-
-    def tokenizer(self):
-        return self.adapter.tokenizer()
-
-    def serving(self) -> bool:
-        return self._serving
-
-    def submit(self, key, prompt_ids, params):
-        return self.loop.submit(key, prompt_ids, params, self.adapter.sampling_params(params, params.seed))
-
-    def get(self, key):
-        return self.loop.get(key) if self.loop is not None else None
-
-    def abort(self, key) -> bool:
-        return self.loop.abort(key) if self.loop is not None else False
-
-    def stop_at(self, stream, n_tokens, stop):
-        self.loop.stop_at(stream, n_tokens, stop)
-
-    def load(self):
-        return self.loop.load() if self.loop is not None else (0, 0)
 
     # -- lifecycle ---------------------------------------------------------------
     def _pb_pools(self) -> list[control_pb2.Pool]:
@@ -129,7 +99,7 @@ class Runner:
         return self._exit_code
 
     def _start(self) -> None:
-        self.gen = GenerationServer(self, self.cfg.generation_socket)
+        self.gen = GenerationServer(self.backend, self.cfg.generation_socket)
         self.gen.start()
         self.client = control.ControlClient.connect(self.cfg.control_socket)
         self.welcome = self.client.handshake(
@@ -155,7 +125,8 @@ class Runner:
         if self.welcome.ring_path:
             self.loop.attach_ring(RingPublisher(self.welcome.ring_path, self.cfg.ring_module))
         self.loop.start()
-        self._serving = True
+        self.backend.loop = self.loop
+        self.backend.is_serving = True
         self.client.start(self)
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
         log.info("active engine serving on %s (init %.0f ms)", self.gen.endpoint, (time.perf_counter_ns() - self._t0) / 1e6)
@@ -212,8 +183,9 @@ class Runner:
         if ring_path:
             self.loop.attach_ring(RingPublisher(ring_path, self.cfg.ring_module))
         self.loop.start()
+        self.backend.loop = self.loop
         self.role = control_pb2.ROLE_ACTIVE
-        self._serving = True
+        self.backend.is_serving = True
         took = time.perf_counter_ns() - t0
         log.info(
             "took over %d requests in %.2f ms (%d reused tokens, %d to prefill)",
@@ -293,7 +265,7 @@ class Runner:
         """Stop taking requests, let running streams finish within grace_s, stop the loop."""
         if not self._shutting_down.acquire(blocking=False):
             return
-        self._serving = False
+        self.backend.is_serving = False
         deadline = time.monotonic() + grace_s
         while self.loop is not None and self.loop.load()[0] and time.monotonic() < deadline:
             time.sleep(0.02)
