@@ -320,3 +320,13 @@ def test_supervisor_gone_engine_exits(sup):
     a.conn = None
     assert a.proc.wait(30) == 1
     assert "control connection lost" in a.log()
+
+
+def test_sigterm_drains_and_exits_0(sup):
+    a, _, _ = start_active(sup)
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("unix://" + a.gen_path))
+    chunks = list(stub.Generate(g.GenerateRequest(key=1, prompt="hi", params=c.SamplingParams(max_tokens=3))))
+    assert chunks[-1].finish_reason == g.FINISH_REASON_LENGTH
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(30) == 0
+    assert not os.path.exists(a.gen_path)  # the generation socket is removed on a clean exit

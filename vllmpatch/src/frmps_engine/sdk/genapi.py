@@ -189,9 +189,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 class GenerationServer:
-    """The gRPC server bound to a unix socket that only our uid can use (0600)."""
+    """The gRPC server bound to a unix socket that only our uid can use (0600).
 
-    def __init__(self, backend: GenerationBackend, socket_path: str, max_workers: int = 256):
+    Each open stream holds one worker thread (created lazily), hence the large pool.
+    """
+
+    def __init__(self, backend: GenerationBackend, socket_path: str, max_workers: int = 1024):
         self.path = socket_path
         self.endpoint = "unix://" + os.path.abspath(socket_path)
         self._server = grpc.server(

@@ -265,6 +265,10 @@ class EngineLoop:
         last_prune = time.monotonic()
         try:
             while not self._stop.is_set():
+                now = time.monotonic()
+                if now - last_prune > 5.0:
+                    self._prune(now)
+                    last_prune = now
                 while self._cmds:
                     fn = self._cmds.popleft()
                     try:
@@ -284,10 +288,6 @@ class EngineLoop:
                 if self._since_sync:
                     # Going idle: publish what finished so the supervisor's snapshot is current.
                     self._sync()
-                now = time.monotonic()
-                if now - last_prune > 5.0:
-                    self._prune(now)
-                    last_prune = now
                 self._wake.wait(0.5)
                 self._wake.clear()
         except BaseException as e:
