@@ -185,7 +185,8 @@ def test_failover_end_to_end(sup):
     for st in streams.values():
         st.start()
     deadline = time.monotonic() + 60
-    while len(streams[1].tokens) < 10 and time.monotonic() < deadline:
+    # Every stream is past at least one ring sync (sync_every=4) and far from its end.
+    while min(len(streams[k].tokens) for k in (1, 2, 3)) < 8 and time.monotonic() < deadline:
         time.sleep(0.005)
     # A late request: killed before (or right at) its first ring sync.
     reqs[4] = g.GenerateRequest(key=4, prompt="late", params=P(max_tokens=12))

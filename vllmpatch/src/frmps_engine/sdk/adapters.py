@@ -7,7 +7,6 @@ loads any other adapter (the vLLM adapter, test doubles) the same way.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,7 +46,7 @@ def load_adapter(engine: str, opts: EngineOptions) -> EngineAdapter:
 
 
 class RefAdapter:
-    """The reference engine (frmps_engine.refengine), per the API in CONTRACTS."""
+    """The reference engine (frmps_engine.refengine)."""
 
     name = "ref"
 
@@ -63,16 +62,9 @@ class RefAdapter:
         if opts.max_model_len is not None:
             kw["max_model_len"] = opts.max_model_len
         try:
-            if os.path.isdir(opts.model):
-                from_dir = getattr(refengine.EngineConfig, "from_model_dir", None)
-                if from_dir is None:
-                    raise AdapterError(f"model directory {opts.model}: this reference engine build loads presets only")
-                self.cfg = from_dir(opts.model, **kw)
-            else:
-                self.cfg = refengine.EngineConfig.from_preset(opts.model, **kw)
-        except AdapterError:
-            raise
-        except (ValueError, KeyError, FileNotFoundError, OSError) as e:
+            # A preset name or a model directory.
+            self.cfg = refengine.EngineConfig.from_preset(opts.model, **kw)
+        except (ValueError, OSError) as e:  # refengine's ConfigError is a ValueError
             raise AdapterError(f"model {opts.model!r}: {e}") from e
         self.version = getattr(refengine, "__version__", "0")
         self.model = opts.model
@@ -87,22 +79,23 @@ class RefAdapter:
         return list(self._re.pool_layout(self.cfg))
 
     def create_core(self, pools, load_weights: bool):
-        self.core = self._re.EngineCore(self.cfg, pools, load_weights=load_weights)
-        return self.core
+        core = self._re.EngineCore(self.cfg, pools, load_weights=load_weights)
+        # GPU: capture decode graphs now, off the takeover path. A standby does this on
+        # its reserved (private) ranges, before the shared pools are mapped in place.
+        core.warmup()
+        self.core = core
+        return core
 
     def tokenizer(self):
         if self.core is not None:
             return self.core.tokenizer
         if self._tok is None:
-            make = getattr(self._re, "load_tokenizer", None)
-            if make is None:
-                raise AdapterError("the reference engine exposes its tokenizer only on the core")
-            self._tok = make(self.cfg)
+            self._tok = self._re.load_tokenizer(getattr(self.cfg, "model_dir", None))
         return self._tok
 
     def sampling_params(self, p: control_pb2.SamplingParams, seed: int):
         return self._re.SamplingParams(
             max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
-            stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+            stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
             include_stop_str_in_output=p.include_stop_str_in_output,
         )

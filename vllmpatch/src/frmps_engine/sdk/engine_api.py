@@ -33,7 +33,7 @@ class RequestOutput(Protocol):
 
 class AdoptResult(Protocol):
     reused_tokens: int  # tokens whose KV came from the shared cache
-    prefilled_tokens: int  # tokens that will be recomputed (one prefill pass)
+    prefill_tokens: int  # tokens the first pass computes (after the last sync)
 
 
 class RequestView(Protocol):
@@ -54,6 +54,7 @@ class EngineCore(Protocol):
     tokenizer: Tokenizer
     counters: Mapping[str, int]
 
+    # Bad requests raise ValueError (INVALID_ARGUMENT for the client); device errors are fatal.
     def add_request(self, key: int, prompt_token_ids: list[int], params: Any) -> None: ...
     def adopt_request(
         self,
@@ -70,6 +71,8 @@ class EngineCore(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def has_work(self) -> bool: ...
     def request_views(self) -> Iterable[RequestView]: ...
+
+    # Optional: num_running() / num_waiting() for heartbeats and Health (else the SDK counts streams).
 
 
 @runtime_checkable

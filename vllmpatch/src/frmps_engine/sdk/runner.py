@@ -132,6 +132,10 @@ class Runner:
         log.info("active engine serving on %s (init %.0f ms)", self.gen.endpoint, (time.perf_counter_ns() - self._t0) / 1e6)
 
     def _start_standby(self) -> None:
+        try:
+            RingPublisher.preload(self.cfg.ring_module)
+        except Exception as e:  # only a warm-up: the takeover will report a real ring problem
+            log.warning("ring warm-up failed: %s", e)
         reserved = self.memory.reserve(self.specs)
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
         self.client.start(self)
@@ -182,17 +186,20 @@ class Runner:
         ring_path = msg.ring_path or self.welcome.ring_path
         if ring_path:
             self.loop.attach_ring(RingPublisher(ring_path, self.cfg.ring_module))
-        self.loop.start()
         self.backend.loop = self.loop
         self.role = control_pb2.ROLE_ACTIVE
         self.backend.is_serving = True
         took = time.perf_counter_ns() - t0
+        # Reply before the loop thread starts: its first step (the prefill) would
+        # otherwise compete with this thread for the GIL and delay the Reply.
+        self.client.reply(env_id, control_pb2.Reply(ok=True, took_ns=took, resumed=outcomes))
+        self.loop.start()
         log.info(
             "took over %d requests in %.2f ms (%d reused tokens, %d to prefill)",
             len(outcomes), took / 1e6, sum(o.reused_tokens for o in outcomes), sum(o.prefilled_tokens for o in outcomes),
         )
         self.log_counters("after takeover")
-        return control_pb2.Reply(ok=True, took_ns=took, resumed=outcomes)
+        return None
 
     def _adopt(self, r: control_pb2.ResumeRequest) -> control_pb2.ResumeOutcome:
         try:
@@ -217,13 +224,13 @@ class Runner:
                     r.key, self.adapter.sampling_params(params, seed), list(snap.token_ids), snap.num_prompt_tokens,
                     snap.num_computed_tokens, list(snap.block_ids), seed, delivered,
                 )
-                reused, prefilled = int(res.reused_tokens), int(res.prefilled_tokens)
+                reused, prefilled = int(res.reused_tokens), int(res.prefill_tokens)
             elif delivered:
                 # Never reached a sync: full prefill of prompt + delivered output.
                 res = self.core.adopt_request(
                     r.key, self.adapter.sampling_params(params, params.seed), ids, len(ids), 0, [], params.seed, delivered,
                 )
-                reused, prefilled = int(res.reused_tokens), int(res.prefilled_tokens)
+                reused, prefilled = int(res.reused_tokens), int(res.prefill_tokens)
             else:
                 self.core.add_request(r.key, ids, self.adapter.sampling_params(params, params.seed))
                 reused, prefilled = 0, len(ids)

@@ -64,7 +64,7 @@ class FakeOutput:
 @dataclass
 class FakeAdopt:
     reused_tokens: int
-    prefilled_tokens: int
+    prefill_tokens: int
 
 
 @dataclass
