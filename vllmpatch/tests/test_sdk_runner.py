@@ -296,11 +296,25 @@ def test_welcome_refused_exits_nonzero_with_reason(sup):
     assert "supervisor refused this engine: model differs from the deployment's" in a.log()
 
 
-def test_unknown_model_is_a_clear_error(sockdir):
-    r = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", FAKE, "--role", "active",
-                        "--model", "nope", "--control-socket", f"{sockdir}/c", "--generation-socket", f"{sockdir}/g"],
+@pytest.mark.parametrize("args, msg", [
+    (["--model", "nope"], "unknown model preset 'nope'"),
+    (["--model", "fake-tiny", "--device", "cuda"], "host-shm pools live in host memory"),
+    (["--model", "fake-tiny", "--memory", "cuda-vmm"], "cuda-vmm backend needs a GPU device"),
+    (["--model", "fake-tiny", "--engine", "nosuch"], "unknown engine 'nosuch'"),
+])
+def test_bad_configuration_is_a_clear_error(sockdir, args, msg):
+    base = ["--engine", FAKE] if "--engine" not in args else []
+    r = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "serve", *base, "--role", "active", *args,
+                        "--control-socket", f"{sockdir}/c", "--generation-socket", f"{sockdir}/g"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "unknown model preset 'nope'" in r.stderr
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_no_supervisor_socket_is_a_clear_error(sockdir):
+    r = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", FAKE, "--role", "active",
+                        "--model", "fake-tiny", "--control-socket", f"{sockdir}/c", "--generation-socket", f"{sockdir}/g"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"connect control socket {sockdir}/c" in r.stderr, r.stderr
 
 
 def test_device_error_sends_fault_and_exits_3(sup):

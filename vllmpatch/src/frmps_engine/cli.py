@@ -43,6 +43,9 @@ def serve(args: argparse.Namespace) -> int:
     from frmps_engine.sdk import adapters, memory, runner
 
     log = logging.getLogger("frmps_engine")
+    if args.memory == "host-shm" and args.device != "cpu":
+        log.error("engine cannot start: host-shm pools live in host memory; use --device cpu, or --memory cuda-vmm on a GPU")
+        return runner.EXIT_REFUSED
     try:
         adapter = adapters.load_adapter(
             args.engine,

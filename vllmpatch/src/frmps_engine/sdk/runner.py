@@ -26,7 +26,7 @@ from . import control
 from .engine_api import EngineAdapter
 from .genapi import GenerationServer, input_to_ids
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
-from .memory import MemoryBackend, SizeMismatch, check_specs_match
+from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
 from .memory.base import as_spec
 from .params import InvalidRequest, normalize
 
@@ -92,9 +92,19 @@ class Runner:
         except control.WelcomeRefused as e:
             log.error("%s", e)
             return EXIT_REFUSED
-        except (StartupError, control.ControlError, SizeMismatch) as e:
+        except (StartupError, control.ControlError, MemoryError_, ValueError, OSError) as e:
+            # Configuration, memory or protocol problems (refengine's errors are ValueErrors).
+            if is_device_error(e):
+                log.error("engine cannot start: device error: %s", e)
+                return EXIT_DEVICE
             log.error("engine cannot start: %s", e)
             return EXIT_REFUSED
+        except Exception as e:
+            if is_device_error(e):
+                log.error("engine cannot start: device error: %s", e)
+                return EXIT_DEVICE
+            log.exception("engine cannot start")
+            return EXIT_ERROR
         self._done.wait()
         return self._exit_code
 
