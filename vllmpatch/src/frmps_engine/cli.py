@@ -61,7 +61,8 @@ def serve(args: argparse.Namespace) -> int:
     except (adapters.AdapterError, memory.MemoryError_, runner.StartupError) as e:
         log.error("engine cannot start: %s", e)
         return runner.EXIT_REFUSED
-    signal.signal(signal.SIGTERM, lambda *_: r.request_shutdown())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: r.request_shutdown())
     return r.run()
 
 

@@ -66,7 +66,9 @@ class RefAdapter:
             self.cfg = refengine.EngineConfig.from_preset(opts.model, **kw)
         except (ValueError, OSError) as e:  # refengine's ConfigError is a ValueError
             raise AdapterError(f"model {opts.model!r}: {e}") from e
-        self.version = getattr(refengine, "__version__", "0")
+        import frmps_engine
+
+        self.version = getattr(refengine, "__version__", frmps_engine.__version__)
         self.model = opts.model
         self.device = opts.device
         self.block_size = int(self.cfg.block_size)

@@ -122,14 +122,12 @@ class RingPublisher:
         self.path = path
 
     def publish_full(self, step: int, views: Iterable[RequestView]) -> None:
-        """After attaching, the writer owes the reader a FULL record of everything it knows."""
-        RD = self._mod.RequestDelta
-        entries = [
-            RD(key=v.key, seed=v.seed, num_computed=v.num_computed, num_prompt=v.num_prompt, reset=True,
-               finished=v.finished, aborted=v.aborted, blocks=list(v.block_ids), tokens=list(v.token_ids))
-            for v in views
-        ]
-        self._writer.publish(step, entries, full=True)
+        """After attaching, the writer owes the reader a FULL record of everything it knows.
+        The tracker makes its first record after attach FULL; ask explicitly anyway."""
+        request_full = getattr(self._tracker, "request_full", None)
+        if request_full is not None:
+            request_full()
+        self._tracker.sync(step, views)
 
     def sync(self, step: int, views: Iterable[RequestView]) -> None:
         self._tracker.sync(step, views)

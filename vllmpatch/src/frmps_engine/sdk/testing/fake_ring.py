@@ -52,16 +52,22 @@ class RingWriter:
 
 
 class DeltaTracker:
-    """Publishes every view as a RESET entry (simple, not compact); forgets finished ones."""
+    """Publishes every view as a RESET entry (simple, not compact). Like the real
+    tracker, its first record after attach (or after request_full) is FULL."""
 
     def __init__(self, writer: RingWriter):
         self._w = writer
+        self._need_full = True
+
+    def request_full(self) -> None:
+        self._need_full = True
 
     def sync(self, step: int, states) -> int:
+        full, self._need_full = self._need_full, False
         entries = [RequestDelta(key=v.key, seed=v.seed, num_computed=v.num_computed, num_prompt=v.num_prompt,
                                 reset=True, finished=v.finished, aborted=v.aborted,
                                 blocks=list(v.block_ids), tokens=list(v.token_ids)) for v in states]
-        return self._w.publish(step, entries)
+        return self._w.publish(step, entries, full=full)
 
     def forget(self, key: int) -> None:
         pass
