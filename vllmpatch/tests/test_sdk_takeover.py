@@ -129,10 +129,14 @@ def test_takeover_paths(h):
         c.ResumeRequest(key=3, prompt="new", params=P(max_tokens=6)),
         c.ResumeRequest(key=4, prompt="other", params=P(max_tokens=6), snapshot=snaps1[2]),  # not its snapshot
         c.ResumeRequest(key=5, prompt="x", params=P(max_tokens=6, temperature=-2)),
+        c.ResumeRequest(key=3, prompt="new", params=P(max_tokens=6)),  # duplicate key
     ]
     r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=reqs, ring_path=h.ring, sync_every=2)))
     assert r.ok, r.error
-    o = {x.key: x for x in r.resumed}
+    assert len(r.resumed) == 6
+    dup = r.resumed[5]
+    assert dup.key == 3 and not dup.ok and "appears twice" in dup.error
+    o = {x.key: x for x in r.resumed[:5]}
     assert (o[1].ok, o[1].reused_tokens, o[1].prefilled_tokens) == (True, len(prompt) + 2, 5)
     assert (o[2].ok, o[2].reused_tokens, o[2].prefilled_tokens) == (True, 0, 3 + 5)
     assert (o[3].ok, o[3].reused_tokens, o[3].prefilled_tokens) == (True, 0, 3)
@@ -163,3 +167,13 @@ def test_corrupted_shared_kv_is_detected(h):
         c.ResumeRequest(key=1, prompt="hello", params=c.SamplingParams(max_tokens=20), delivered_token_ids=out,
                         snapshot=snaps[-1])])))
     assert r.ok and not r.resumed[0].ok and "KV of token 0" in r.resumed[0].error
+
+
+def test_bad_ring_path_still_serves(h):
+    assert h.sleep().ok
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(
+        requests=[c.ResumeRequest(key=1, prompt="hi", params=c.SamplingParams(max_tokens=3))],
+        ring_path=os.path.join(h.d, "no", "such", "ring"))))
+    assert r.ok and "serving without the ring" in r.error and r.resumed[0].ok
+    assert resume_stream(h, 1, []) == reference(TOK.encode("hi"), 3)
+

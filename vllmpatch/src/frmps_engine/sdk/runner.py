@@ -194,15 +194,24 @@ class Runner:
         self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1, on_fatal=self._fatal)
         outcomes = [self._adopt(r) for r in msg.requests]
         ring_path = msg.ring_path or self.welcome.ring_path
+        ring_error = ""
         if ring_path:
-            self.loop.attach_ring(RingPublisher(ring_path, self.cfg.ring_module))
+            try:
+                self.loop.attach_ring(RingPublisher(ring_path, self.cfg.ring_module))
+            except Exception as e:
+                if is_device_error(e):
+                    raise
+                # Serving without a ring beats not serving: only the next failover loses
+                # its snapshot. The Reply says so; the supervisor decides what to do.
+                ring_error = f"serving without the ring: attach {ring_path}: {e}"
+                log.error("%s", ring_error)
         self.backend.loop = self.loop
         self.role = control_pb2.ROLE_ACTIVE
         self.backend.is_serving = True
         took = time.perf_counter_ns() - t0
         # Reply before the loop thread starts: its first step (the prefill) would
         # otherwise compete with this thread for the GIL and delay the Reply.
-        self.client.reply(env_id, control_pb2.Reply(ok=True, took_ns=took, resumed=outcomes))
+        self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
         self.loop.start()
         log.info(
             "took over %d requests in %.2f ms (%d reused tokens, %d to prefill)",
@@ -213,6 +222,8 @@ class Runner:
 
     def _adopt(self, r: control_pb2.ResumeRequest) -> control_pb2.ResumeOutcome:
         try:
+            if self.loop.get(r.key) is not None:
+                raise InvalidRequest(f"request key {r.key} appears twice in the resume set")
             tok = self.adapter.tokenizer()
             ids = input_to_ids(
                 tok,
