@@ -1,7 +1,6 @@
 """Engine loop: ring publishing cadence (committed state only), fatal errors, commands."""
 
 import json
-import os
 import threading
 
 import pytest

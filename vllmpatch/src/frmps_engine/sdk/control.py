@@ -16,7 +16,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from frmps_engine._proto.frmps.v1 import control_pb2
 

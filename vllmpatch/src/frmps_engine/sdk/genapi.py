@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import threading
 from concurrent import futures
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 

@@ -7,7 +7,7 @@ test reads the file to rebuild the per-request snapshot a supervisor would have.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 
