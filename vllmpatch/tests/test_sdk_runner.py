@@ -54,15 +54,16 @@ class FakeSupervisor:
         self.engines: list[Engine] = []
         self.fds: list[int] = []
 
-    def spawn(self, role, name, *extra, env=None) -> Engine:
+    def spawn(self, role, name, *extra, env=None, engine=FAKE, model="fake-tiny",
+              ring_module="frmps_engine.sdk.testing.fake_ring") -> Engine:
         ctrl, gen, log = (os.path.join(self.dir, f"{name}.{x}") for x in ("ctl", "gen", "log"))
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         srv.bind(ctrl)
         srv.listen(1)
         srv.settimeout(90)
-        cmd = [sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", FAKE, "--role", role,
-               "--model", "fake-tiny", "--control-socket", ctrl, "--generation-socket", gen, "--memory", "host-shm",
-               "--ring-module", "frmps_engine.sdk.testing.fake_ring", *extra]
+        cmd = [sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", engine, "--role", role,
+               "--model", model, "--control-socket", ctrl, "--generation-socket", gen, "--memory", "host-shm",
+               "--ring-module", ring_module, *extra]
         with open(log, "w") as lf:
             proc = subprocess.Popen(cmd, stderr=lf, stdout=lf, env={**os.environ, **(env or {})})
         e = Engine(proc, srv, gen, log)
