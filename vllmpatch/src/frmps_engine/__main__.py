@@ -1,0 +1,3 @@
+from frmps_engine.cli import main
+
+main()

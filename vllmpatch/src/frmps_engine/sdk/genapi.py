@@ -1,0 +1,232 @@
+"""The generation API (proto/frmps/v1/generation.proto) served over a unix socket.
+
+A threaded gRPC server: each stream waits on its request's condition variable
+and wakes as soon as the engine loop appends tokens, so a token reaches the
+wire one thread hand-off after the step that produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from concurrent import futures
+from typing import Protocol
+
+import grpc
+
+from frmps_engine._proto.frmps.v1 import control_pb2, generation_pb2, generation_pb2_grpc
+
+from .detok import TextStream
+from .engine_api import Tokenizer
+from .loop import DuplicateRequest, RequestStream
+from .params import InvalidRequest, normalize
+
+log = logging.getLogger(__name__)
+
+_FINISH_PB = {
+    "stop": generation_pb2.FINISH_REASON_STOP,
+    "length": generation_pb2.FINISH_REASON_LENGTH,
+    "abort": generation_pb2.FINISH_REASON_ABORT,
+}
+
+
+class GenerationBackend(Protocol):
+    """What the server needs from the engine side (the runner's EngineLoop + adapter)."""
+
+    model: str
+    max_model_len: int
+
+    def tokenizer(self) -> Tokenizer: ...
+    def serving(self) -> bool: ...
+    def submit(self, key: int, prompt_ids: list[int], params: control_pb2.SamplingParams) -> RequestStream: ...
+    def get(self, key: int) -> RequestStream | None: ...
+    def abort(self, key: int) -> bool: ...
+    def stop_at(self, stream: RequestStream, n_tokens: int, stop: str) -> None: ...
+    def load(self) -> tuple[int, int]: ...
+
+
+def chat_to_ids(tok: Tokenizer, messages, add_generation_prompt: bool) -> list[int]:
+    """Apply the tokenizer's chat template. The generation prompt is added when asked
+    or when the last message is not the assistant's (proto3 cannot tell unset from false)."""
+    msgs = [{"role": m.role, "content": m.content} for m in messages]
+    if not msgs:
+        raise InvalidRequest("messages must not be empty")
+    agp = add_generation_prompt or msgs[-1]["role"] != "assistant"
+    try:
+        return list(tok.apply_chat_template(msgs, add_generation_prompt=agp))
+    except TypeError:
+        return list(tok.apply_chat_template(msgs))
+
+
+def input_to_ids(tok: Tokenizer, *, prompt: str | None = None, prompt_token_ids=None, messages=None,
+                 add_generation_prompt: bool = False) -> list[int]:
+    if messages is not None:
+        return chat_to_ids(tok, messages, add_generation_prompt)
+    if prompt_token_ids is not None:
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = getattr(tok, "vocab_size", None)
+        if vocab is not None:
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequest(f"prompt token ids {bad[:5]} outside the vocabulary (size {vocab})")
+        return ids
+    if prompt is not None:
+        return list(tok.encode(prompt))
+    raise InvalidRequest("request has no input: set prompt, prompt_token_ids or messages")
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, backend: GenerationBackend, wait_tick_s: float = 1.0):
+        self._b = backend
+        self._tick = wait_tick_s
+
+    # -- RPCs -----------------------------------------------------------------
+    def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext):
+        if not self._b.serving():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not serving (standby or shutting down)")
+        tok = self._b.tokenizer()
+        which = request.WhichOneof("input")
+        try:
+            ids = input_to_ids(
+                tok,
+                prompt=request.prompt if which == "prompt" else None,
+                prompt_token_ids=request.prompt_token_ids.ids if which == "prompt_token_ids" else None,
+                messages=request.messages.messages if which == "messages" else None,
+                add_generation_prompt=request.add_generation_prompt,
+            )
+            if not ids:
+                raise InvalidRequest("prompt is empty after tokenization")
+            if len(ids) >= self._b.max_model_len:
+                raise InvalidRequest(
+                    f"prompt has {len(ids)} tokens; this model's max_model_len is {self._b.max_model_len} "
+                    "(the prompt must leave room for at least one output token)"
+                )
+            params = normalize(request.params, request.key, len(ids), self._b.max_model_len, getattr(tok, "vocab_size", None))
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            stream = self._b.submit(request.key, ids, params)
+        except DuplicateRequest as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        # First chunk at once: the caller checks limits on prompt_tokens before any output exists.
+        yield generation_pb2.GenerateResponse(usage=generation_pb2.Usage(prompt_tokens=len(ids)))
+        yield from self._follow(stream, 0, context)
+
+    def Resume(self, request: generation_pb2.ResumeStreamRequest, context: grpc.ServicerContext):
+        stream = self._b.get(request.key)
+        if stream is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no request with key {request.key} on this engine")
+        yield from self._follow(stream, request.delivered, context)
+
+    def Abort(self, request: generation_pb2.AbortRequest, context: grpc.ServicerContext):
+        if not self._b.abort(request.key):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no request with key {request.key} on this engine")
+        return generation_pb2.AbortResponse(found=True)
+
+    def Health(self, request, context):
+        running, waiting = self._b.load()
+        return generation_pb2.HealthResponse(
+            serving=self._b.serving(), model=self._b.model, max_model_len=self._b.max_model_len,
+            running=running, waiting=waiting,
+        )
+
+    # -- streaming --------------------------------------------------------------
+    def _follow(self, stream: RequestStream, start: int, context: grpc.ServicerContext):
+        p = stream.params
+        text = TextStream(self._b.tokenizer(), list(p.stop), p.include_stop_str_in_output)
+        with stream.cond:
+            stream.cond.wait_for(lambda: len(stream.output) >= start or stream.finished, self._tick)
+            while len(stream.output) < start and not stream.finished and context.is_active():
+                stream.cond.wait(self._tick)
+            if len(stream.output) < start:
+                if not context.is_active():
+                    return
+                context.abort(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"request {stream.key} has {len(stream.output)} output tokens, client says it received {start}",
+                )
+            delivered = stream.output[:start]
+        try:
+            text.prime(delivered)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"request {stream.key}: {e}")
+        idx = start
+        while True:
+            with stream.cond:
+                if len(stream.output) <= idx and not stream.finished:
+                    stream.cond.wait(self._tick)
+                new = stream.output[idx:]
+                finished, reason, stop_reason, error = stream.finished, stream.finish_reason, stream.stop_reason, stream.error
+                invalid = stream.error_invalid
+            if not context.is_active():
+                return
+            if error is not None:
+                code = grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.INTERNAL
+                context.abort(code, f"request {stream.key}: {error}")
+            if not new and not finished:
+                continue
+            n, delta, stop = text.feed(new)
+            if stop is not None:
+                new = new[:n]
+                self._b.stop_at(stream, idx + n, stop)
+                finished, reason, stop_reason = True, "stop", stop
+            done = finished  # read with `new` under the lock: nothing follows a finish
+            if done:
+                delta += text.flush()
+            resp = generation_pb2.GenerateResponse(
+                token_ids=new, text=delta, output_index=idx,
+                usage=generation_pb2.Usage(prompt_tokens=stream.prompt_len, completion_tokens=idx + len(new)),
+            )
+            if done:
+                resp.finish_reason = _FINISH_PB.get(reason or "stop", generation_pb2.FINISH_REASON_STOP)
+                resp.stop_reason = stop_reason or ""
+            yield resp
+            idx += len(new)
+            if done:
+                return
+
+
+class GenerationServer:
+    """The gRPC server bound to a unix socket that only our uid can use (0600).
+
+    Each open stream holds one worker thread (created lazily), hence the large pool.
+    """
+
+    def __init__(self, backend: GenerationBackend, socket_path: str, max_workers: int = 1024):
+        self.path = socket_path
+        self.endpoint = "unix://" + os.path.abspath(socket_path)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="frmps-gen"),
+            options=[("grpc.so_reuseport", 0)],
+        )
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend), self._server)
+        self._started = False
+
+    def start(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise OSError(f"generation socket {self.path} exists and is not a socket")
+            os.unlink(self.path)  # stale socket of a previous engine
+        old = os.umask(0o177)  # the socket is created 0600 (no window where others could connect)
+        try:
+            if self._server.add_insecure_port(self.endpoint) == 0:
+                raise OSError(f"cannot bind generation socket {self.path}")
+            self._server.start()
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        self._started = True
+
+    def stop(self, grace: float | None = None) -> None:
+        if self._started:
+            self._server.stop(grace).wait()
+            self._started = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

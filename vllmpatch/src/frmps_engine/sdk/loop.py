@@ -1,0 +1,405 @@
+"""The engine loop: one thread owns the EngineCore, steps it, hands outputs to
+request streams and publishes committed forward state to the ring.
+
+Other threads never touch the core; they post commands (``call`` / ``post``).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import os
+import secrets
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+from .engine_api import EngineCore, RequestView
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop", "length", "abort"}
+
+
+class DuplicateRequest(Exception):
+    pass
+
+
+class RequestStream:
+    """The output buffer of one request, read by any number of gRPC streams.
+
+    ``output`` holds every output token from index 0 (for an adopted request it
+    starts with the tokens the client already received), so a stream can start
+    at any index.
+    """
+
+    def __init__(self, key: int, prompt_len: int, params: Any, output: list[int] | None = None):
+        self.key = key
+        self.prompt_len = prompt_len
+        self.params = params  # normalised control_pb2.SamplingParams
+        self.output: list[int] = list(output or [])
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.stop_reason: str = ""
+        self.error: str | None = None
+        self.error_invalid = False
+        self.finished_at = 0.0
+        self.cond = threading.Condition()
+
+    def _append(self, index: int, ids, finished: bool, reason: str | None, stop_reason: Any) -> None:
+        with self.cond:
+            if self.finished:
+                return
+            have = len(self.output)
+            ids = list(ids)
+            if index > have:
+                self.error = f"engine emitted output index {index} but only {have} tokens exist"
+                self.finished = True
+            else:
+                # Overlap happens only for adopted requests whose delivered tokens were re-emitted.
+                self.output.extend(ids[have - index :])
+                if finished:
+                    self.finished = True
+                    self.finish_reason = reason if reason in _FINISH else "stop"
+                    self.stop_reason = "" if stop_reason is None else str(stop_reason)
+            if self.finished:
+                self.finished_at = time.monotonic()
+            self.cond.notify_all()
+
+    def fail(self, msg: str, invalid: bool = False) -> None:
+        with self.cond:
+            if not self.finished:
+                self.error, self.error_invalid = msg, invalid
+                self.finished = True
+                self.finished_at = time.monotonic()
+            self.cond.notify_all()
+
+    def finish(self, reason: str, stop_reason: str = "", truncate_to: int | None = None) -> bool:
+        """Finish from outside the core (abort, a stop string found by the detokenizer)."""
+        with self.cond:
+            if self.finished:
+                return False
+            if truncate_to is not None:
+                del self.output[truncate_to:]
+            self.finished, self.finish_reason, self.stop_reason = True, reason, stop_reason
+            self.finished_at = time.monotonic()
+            self.cond.notify_all()
+            return True
+
+
+class RingPublisher:
+    """Ring glue: the ring module's RingWriter + DeltaTracker (API in CONTRACTS)."""
+
+    @staticmethod
+    def preload(module: str = "frmps_engine.ring") -> None:
+        """Import the ring module and run one publish on a scratch ring, so that the
+        takeover does not pay for imports and lazy initialisation (~0.6 s measured)."""
+        mod = importlib.import_module(module)
+        create = getattr(mod, "create_ring", None)
+        if create is None:
+            return
+        d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(d, f"frmps-warmup-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            create(path, 1 << 16)
+            w = mod.RingWriter.attach(path)
+            try:
+                w.publish(0, [mod.RequestDelta(key=1, seed=1, num_computed=1, num_prompt=1, reset=True, blocks=[0], tokens=[0])], full=True)
+            finally:
+                w.close()
+        finally:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def __init__(self, path: str, module: str = "frmps_engine.ring"):
+        self._mod = importlib.import_module(module)
+        self._writer = self._mod.RingWriter.attach(path)  # bumps the epoch
+        self._tracker = self._mod.DeltaTracker(self._writer)
+        self.path = path
+
+    def publish_full(self, step: int, views: Iterable[RequestView]) -> None:
+        """After attaching, the writer owes the reader a FULL record of everything it knows.
+        The tracker makes its first record after attach FULL; ask explicitly anyway."""
+        request_full = getattr(self._tracker, "request_full", None)
+        if request_full is not None:
+            request_full()
+        self._tracker.sync(step, views)
+
+    def sync(self, step: int, views: Iterable[RequestView]) -> None:
+        self._tracker.sync(step, views)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        core: EngineCore,
+        *,
+        sync_every: int = 1,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        retain_finished_s: float = 120.0,
+    ):
+        self.core = core
+        self.sync_every = max(1, int(sync_every))
+        self._publisher: RingPublisher | None = None
+        self._on_fatal = on_fatal
+        self._retain = retain_finished_s
+        self._cmds: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._streams: dict[int, RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self.step_count = 0
+        self._since_sync = 0
+        self.counters = collections.Counter()
+        self.dead: BaseException | None = None
+
+    # -- threading ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="frmps-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run fn on the loop thread soon (queued until the loop starts)."""
+        self._cmds.append(fn)
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
+        """Run fn on the loop thread and return its result (inline when not running)."""
+        if not self.running or threading.current_thread() is self._thread:
+            return fn()
+        done = threading.Event()
+        box: list = [None, None]
+
+        def wrapped():
+            try:
+                box[0] = fn()
+            except BaseException as e:  # handed back to the caller
+                box[1] = e
+            finally:
+                done.set()
+
+        self._cmds.append(wrapped)
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError("engine loop did not run the command in time")
+        if box[1] is not None:
+            raise box[1]
+        return box[0]
+
+    # -- requests ---------------------------------------------------------------
+    def get(self, key: int) -> RequestStream | None:
+        with self._streams_lock:
+            return self._streams.get(key)
+
+    def _register(self, stream: RequestStream) -> None:
+        with self._streams_lock:
+            old = self._streams.get(stream.key)
+            if old is not None and not old.finished:
+                raise DuplicateRequest(f"request key {stream.key} is already running")
+            self._streams[stream.key] = stream
+
+    def submit(self, key: int, prompt_ids: list[int], wire_params: Any, engine_params: Any) -> RequestStream:
+        stream = RequestStream(key, len(prompt_ids), wire_params)
+        self._register(stream)
+
+        def add():
+            try:
+                self.core.add_request(key, prompt_ids, engine_params)
+            except ValueError as e:
+                stream.fail(f"engine refused the request: {e}", invalid=True)
+            except Exception as e:
+                if self._is_fatal(e):
+                    raise
+                stream.fail(f"engine refused the request: {e}")
+
+        self.post(add)
+        self.counters["requests_submitted"] += 1
+        return stream
+
+    def register_adopted(self, key: int, prompt_len: int, wire_params: Any, delivered: list[int]) -> RequestStream:
+        stream = RequestStream(key, prompt_len, wire_params, output=delivered)
+        self._register(stream)
+        return stream
+
+    def abort(self, key: int) -> bool:
+        stream = self.get(key)
+        if stream is None:
+            return False
+        if stream.finish("abort"):
+            self.post(lambda: self.core.abort(key))
+        return True
+
+    def stop_at(self, stream: RequestStream, n_tokens: int, stop: str) -> None:
+        """A stop string matched after n_tokens outputs: end the request there."""
+        if stream.finish("stop", stop, truncate_to=n_tokens):
+            self.post(lambda: self.core.abort(stream.key))
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting): the core's own counts when it has them."""
+        nr, nw = getattr(self.core, "num_running", None), getattr(self.core, "num_waiting", None)
+        if callable(nr) and callable(nw):
+            try:
+                return int(nr()), int(nw()) + len(self._cmds)
+            except Exception:  # read from another thread; a racing count is not worth failing for
+                pass
+        with self._streams_lock:
+            running = sum(1 for s in self._streams.values() if not s.finished)
+        return running, len(self._cmds)
+
+    # -- ring -------------------------------------------------------------------
+    def attach_ring(self, publisher: RingPublisher | None) -> None:
+        """Publish to a ring from now on (FULL record first). Runs on the loop thread."""
+
+        def attach():
+            old, self._publisher = self._publisher, publisher
+            if old is not None:
+                old.close()
+            if publisher is not None:
+                publisher.publish_full(self.step_count, self.core.request_views())
+                self._since_sync = 0
+
+        self.call(attach)
+
+    # -- the loop ---------------------------------------------------------------
+    @staticmethod
+    def _is_fatal(e: BaseException) -> bool:
+        return is_device_error(e)
+
+    def _sync(self) -> None:
+        if self._publisher is not None:
+            self._publisher.sync(self.step_count, self.core.request_views())
+            self.counters["ring_syncs"] += 1
+        self._since_sync = 0
+
+    def _run(self) -> None:
+        last_prune = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now - last_prune > 5.0:
+                    self._prune(now)
+                    last_prune = now
+                while self._cmds:
+                    fn = self._cmds.popleft()
+                    try:
+                        fn()
+                    except Exception as e:
+                        if self._is_fatal(e):
+                            raise
+                        log.exception("engine loop command failed")
+                if self.core.has_work():
+                    outs = self.core.step()
+                    self.step_count += 1
+                    self._since_sync += 1
+                    self._dispatch(outs)
+                    if self._since_sync >= self.sync_every:
+                        self._sync()
+                    continue
+                if self._since_sync:
+                    # Going idle: publish what finished so the supervisor's snapshot is current.
+                    self._sync()
+                self._wake.wait(0.5)
+                self._wake.clear()
+        except BaseException as e:
+            self.dead = e
+            for s in list(self._streams.values()):
+                s.fail(f"engine failed: {e}")
+            if self._on_fatal is not None:
+                self._on_fatal(e)
+            else:
+                log.exception("engine loop died")
+
+    def _dispatch(self, outs) -> None:
+        n = 0
+        for o in outs:
+            s = self._streams.get(o.key)
+            if s is None:
+                continue
+            s._append(o.output_index, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason)
+            n += len(o.new_token_ids)
+        self.counters["tokens_streamed"] += n
+
+    def _prune(self, now: float) -> None:
+        with self._streams_lock:
+            old = [k for k, s in self._streams.items() if s.finished and now - s.finished_at > self._retain]
+            for k in old:
+                del self._streams[k]
+
+
+def is_device_error(e: BaseException) -> bool:
+    """A CUDA error leaves the context unusable (sticky): the process must exit."""
+    name = type(e).__name__
+    if name in ("AcceleratorError", "CudaError", "OutOfMemoryError") or "cuda" in type(e).__module__.lower():
+        return True
+    msg = str(e)
+    return "CUDA error" in msg or "CUDA_ERROR" in msg or "cudaError" in msg
+
+
+def device_error_cause(e: BaseException) -> str:
+    """A short cause for Fault.cause, e.g. "misaligned address" from "CUDA error: misaligned address"."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    for marker in ("CUDA error: ", "CUDA error:"):
+        if marker in msg:
+            return msg.split(marker, 1)[1].strip()
+    return msg[:200]
+
+
+class EngineBackend:
+    """GenerationBackend over an adapter and its EngineLoop (what genapi serves).
+
+    ``loop`` may be set later (a standby gets one on takeover); until ``serving``
+    is set, Generate answers UNAVAILABLE.
+    """
+
+    def __init__(self, adapter, loop: EngineLoop | None = None):
+        self.adapter = adapter
+        self.loop = loop
+        self.is_serving = False
+
+    @property
+    def model(self) -> str:
+        return self.adapter.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self.adapter.max_model_len
+
+    def tokenizer(self):
+        return self.adapter.tokenizer()
+
+    def serving(self) -> bool:
+        return self.is_serving and self.loop is not None and self.loop.dead is None
+
+    def submit(self, key, prompt_ids, params):
+        return self.loop.submit(key, prompt_ids, params, self.adapter.sampling_params(params, params.seed))
+
+    def get(self, key):
+        return self.loop.get(key) if self.loop is not None else None
+
+    def abort(self, key) -> bool:
+        return self.loop.abort(key) if self.loop is not None else False
+
+    def stop_at(self, stream, n_tokens, stop):
+        self.loop.stop_at(stream, n_tokens, stop)
+
+    def load(self):
+        return self.loop.load() if self.loop is not None else (0, 0)
+

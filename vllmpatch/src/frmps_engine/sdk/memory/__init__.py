@@ -1,0 +1,25 @@
+"""Shareable memory pools for the engine's weights and KV cache.
+
+Backends: ``host-shm`` (CPU: /dev/shm files mapped by both engines) and
+``cuda-vmm`` (GPU: CUDA VMM handles exported as POSIX fds, through the
+interceptor library). See ``base.MemoryBackend`` for the lifecycle.
+"""
+
+from __future__ import annotations
+
+from .base import MemoryBackend, MemoryError_, Pool, PoolSpec, SizeMismatch, check_specs_match
+
+__all__ = ["MemoryBackend", "MemoryError_", "Pool", "PoolSpec", "SizeMismatch", "check_specs_match", "get_backend"]
+
+
+def get_backend(name: str, device: str = "cpu") -> MemoryBackend:
+    """Build the backend named on the command line ("host-shm" or "cuda-vmm")."""
+    if name == "host-shm":
+        from .host_shm import HostShmBackend
+
+        return HostShmBackend()
+    if name == "cuda-vmm":
+        from .cuda_vmm import CudaVmmBackend
+
+        return CudaVmmBackend(device=device)
+    raise MemoryError_(f"unknown memory backend {name!r} (known: host-shm, cuda-vmm)")

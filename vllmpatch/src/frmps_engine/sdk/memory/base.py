@@ -1,0 +1,89 @@
+"""The memory-backend interface shared by host-shm and cuda-vmm."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+class MemoryError_(Exception):
+    """A pool could not be created, mapped or changed (name avoids the builtin MemoryError)."""
+
+
+class SizeMismatch(MemoryError_):
+    """The brokered pools do not match the layout this engine derived; the engine must not start."""
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool of the layout: tag ("weights" | "kv_cache"), index within the tag, size in bytes."""
+
+    tag: str
+    index: int
+    size: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.tag, self.index)
+
+
+@dataclass
+class Pool:
+    spec: PoolSpec
+    tensor: Any  # torch.Tensor, uint8, 1-D, spec.size bytes
+    fd: int = -1  # exportable handle owned by the backend (-1: none)
+    address: int = 0
+    readonly: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def as_spec(obj: Any) -> PoolSpec:
+    """Accept our PoolSpec, an engine's own PoolSpec-like object, or a control_pb2.Pool."""
+    return PoolSpec(str(obj.tag), int(obj.index), int(obj.size))
+
+
+def check_specs_match(want: Sequence[Any], got: Sequence[Any]) -> None:
+    """Raise SizeMismatch listing every difference between two layouts (order matters)."""
+    want_s = [as_spec(s) for s in want]
+    got_s = [as_spec(s) for s in got]
+    problems: list[str] = []
+    if len(want_s) != len(got_s):
+        problems.append(f"engine expects {len(want_s)} pools, got {len(got_s)}")
+    for i, (w, g) in enumerate(zip(want_s, got_s)):
+        if w != g:
+            problems.append(f"pool {i}: engine expects {w.tag}[{w.index}] {w.size} bytes, got {g.tag}[{g.index}] {g.size} bytes")
+    if problems:
+        raise SizeMismatch("pool layout mismatch: " + "; ".join(problems))
+
+
+class MemoryBackend(abc.ABC):
+    """Creates, exports and maps the shared pools.
+
+    Active: ``allocate(specs)`` creates fresh pools (writable) whose ``fd`` the
+    engine exports to the supervisor. Standby: ``reserve(specs)`` gives
+    placeholder pools at fixed addresses so the engine can be built before it
+    has the shared memory (backed by private, untouched memory), then
+    ``map(specs, fds, readonly=True)`` maps the brokered handles *in place*
+    (same addresses, so tensors built on the reservation stay valid), and
+    ``make_writable("kv_cache")`` flips the KV pools on takeover.
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def allocate(self, specs: Sequence[PoolSpec]) -> list[Pool]: ...
+
+    @abc.abstractmethod
+    def reserve(self, specs: Sequence[PoolSpec]) -> list[Pool]: ...
+
+    @abc.abstractmethod
+    def map(self, specs: Sequence[PoolSpec], fds: Sequence[int], readonly: bool) -> list[Pool]:
+        """Map brokered fds (the backend takes ownership of ``fds`` and closes them on close())."""
+
+    @abc.abstractmethod
+    def make_writable(self, tag: str) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Unmap and close everything. Tensors of this backend's pools must not be used afterwards."""

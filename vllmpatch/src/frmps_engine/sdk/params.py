@@ -1,0 +1,50 @@
+"""Validation and normalisation of wire sampling params, shared by Generate and takeover."""
+
+from __future__ import annotations
+
+import math
+
+from frmps_engine._proto.frmps.v1 import control_pb2
+
+_MASK64 = (1 << 64) - 1
+
+
+class InvalidRequest(ValueError):
+    """Bad client input: maps to INVALID_ARGUMENT."""
+
+
+def derive_seed(key: int) -> int:
+    """Seed for a request whose client gave none: a function of the request key only
+    (splitmix64), so a standby that takes over a request that never reached a ring sync
+    still samples it exactly like the active did."""
+    z = (key + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & _MASK64
+
+
+def normalize(p: control_pb2.SamplingParams, key: int, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> control_pb2.SamplingParams:
+    """Return a copy with defaults filled in (max_tokens, top_p, seed); raise InvalidRequest on bad values."""
+    out = control_pb2.SamplingParams()
+    out.CopyFrom(p)
+    if math.isnan(p.temperature) or p.temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0, got {p.temperature}")
+    if p.top_p == 0:
+        out.top_p = 1.0
+    elif math.isnan(p.top_p) or not 0 < p.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k == -1:
+        out.top_k = 0
+    elif p.top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 = disabled), got {p.top_k}")
+    room = max_model_len - prompt_len
+    out.max_tokens = room if p.max_tokens == 0 else min(p.max_tokens, room)
+    if any(s == "" for s in p.stop):
+        raise InvalidRequest("stop strings must not be empty")
+    if vocab_size is not None:
+        bad = [t for t in p.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"stop_token_ids {bad[:5]} outside the vocabulary (size {vocab_size})")
+    if not p.HasField("seed"):
+        out.seed = derive_seed(key)
+    return out

@@ -1,0 +1,347 @@
+"""The engine process: control handshake, pools, engine loop, generation API.
+
+Active:  Hello -> Welcome -> allocate pools -> build core (load weights) ->
+         PoolExport(fds) -> ring attach -> serve -> Ready -> heartbeats.
+Standby: Hello -> Welcome -> reserve pool address ranges -> build core (no
+         weights, pools untouched) -> [Sleep(fds)] map read-only in place ->
+         Ready -> [Resume] KV writable, adopt requests, ring attach, serve,
+         Reply(per-request outcomes).
+Shutdown -> exit 0. A device error -> Fault (best effort) and exit 3 at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from frmps_engine._proto.frmps.v1 import control_pb2
+
+from . import control
+from .engine_api import EngineAdapter
+from .genapi import GenerationServer, input_to_ids
+from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
+from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
+from .memory.base import as_spec
+from .params import InvalidRequest, normalize
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_ERROR = 1  # engine failure other than a device error, or the supervisor went away
+EXIT_REFUSED = 2  # refused at start: Welcome refused, bad configuration, pool mismatch
+EXIT_DEVICE = 3  # sticky device error (e.g. a CUDA fault)
+
+
+@dataclass
+class RunnerConfig:
+    role: str  # "active" | "standby"
+    control_socket: str
+    generation_socket: str
+    ring_module: str = "frmps_engine.ring"
+    heartbeat_s: float = 1.0
+    default_grace_s: float = 5.0
+
+
+class StartupError(Exception):
+    """The engine cannot start; exits with EXIT_REFUSED after saying why."""
+
+
+class Runner:
+    def __init__(
+        self,
+        cfg: RunnerConfig,
+        adapter: EngineAdapter,
+        memory: MemoryBackend,
+        exit_fn: Callable[[int], Any] = os._exit,
+    ):
+        if cfg.role not in ("active", "standby"):
+            raise StartupError(f"role must be active or standby, got {cfg.role!r}")
+        self.cfg = cfg
+        self.adapter = adapter
+        self.memory = memory
+        self._exit = exit_fn
+        self.role = control_pb2.ROLE_ACTIVE if cfg.role == "active" else control_pb2.ROLE_STANDBY
+        self.specs = [as_spec(s) for s in adapter.pool_layout()]
+        self.client: control.ControlClient | None = None
+        self.welcome: control_pb2.Welcome | None = None
+        self.core = None
+        self.loop: EngineLoop | None = None
+        self.backend = EngineBackend(adapter)
+        self.gen: GenerationServer | None = None
+        self._slept = False
+        self._resumed = False
+        self._done = threading.Event()
+        self._exit_code = EXIT_OK
+        self._shutting_down = threading.Lock()
+        self._t0 = time.perf_counter_ns()
+
+    # -- lifecycle ---------------------------------------------------------------
+    def _pb_pools(self) -> list[control_pb2.Pool]:
+        return [control_pb2.Pool(tag=s.tag, index=s.index, size=s.size, backend=self.memory.name) for s in self.specs]
+
+    def run(self) -> int:
+        """Run until shutdown; returns the exit code (the caller exits with it)."""
+        try:
+            self._start()
+        except control.WelcomeRefused as e:
+            log.error("%s", e)
+            return EXIT_REFUSED
+        except (StartupError, control.ControlError, MemoryError_, ValueError, OSError) as e:
+            # Configuration, memory or protocol problems (refengine's errors are ValueErrors).
+            if is_device_error(e):
+                log.error("engine cannot start: device error: %s", e)
+                return EXIT_DEVICE
+            log.error("engine cannot start: %s", e)
+            return EXIT_REFUSED
+        except Exception as e:
+            if is_device_error(e):
+                log.error("engine cannot start: device error: %s", e)
+                return EXIT_DEVICE
+            log.exception("engine cannot start")
+            return EXIT_ERROR
+        self._done.wait()
+        return self._exit_code
+
+    def _start(self) -> None:
+        self.gen = GenerationServer(self.backend, self.cfg.generation_socket)
+        self.gen.start()
+        self.client = control.ControlClient.connect(self.cfg.control_socket)
+        self.welcome = self.client.handshake(
+            control.HelloInfo(
+                role=self.role, model=self.adapter.model, engine=self.adapter.name,
+                engine_version=self.adapter.version, pools=self._pb_pools(),
+                generation_endpoint=self.gen.endpoint, device=self.adapter.device,
+                block_size=self.adapter.block_size, num_blocks=self.adapter.num_blocks,
+            )
+        )
+        log.info("welcome: deployment %s, sync every %d steps", self.welcome.deployment_id, self.welcome.sync_every)
+        if self.role == control_pb2.ROLE_ACTIVE:
+            self._start_active()
+        else:
+            self._start_standby()
+        threading.Thread(target=self._heartbeats, name="frmps-heartbeat", daemon=True).start()
+
+    def _start_active(self) -> None:
+        pools = self.memory.allocate(self.specs)
+        self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
+        self.client.export_pools(self._pb_pools(), [p.fd for p in pools])
+        self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal)
+        if self.welcome.ring_path:
+            self.loop.attach_ring(RingPublisher(self.welcome.ring_path, self.cfg.ring_module))
+        self.loop.start()
+        self.backend.loop = self.loop
+        self.backend.is_serving = True
+        self.client.start(self)
+        self.client.ready(self.role, time.perf_counter_ns() - self._t0)
+        log.info("active engine serving on %s (init %.0f ms)", self.gen.endpoint, (time.perf_counter_ns() - self._t0) / 1e6)
+
+    def _start_standby(self) -> None:
+        try:
+            RingPublisher.preload(self.cfg.ring_module)
+        except Exception as e:  # only a warm-up: the takeover will report a real ring problem
+            log.warning("ring warm-up failed: %s", e)
+        reserved = self.memory.reserve(self.specs)
+        self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
+        self.client.start(self)
+        log.info("standby built (init %.0f ms), waiting for Sleep", (time.perf_counter_ns() - self._t0) / 1e6)
+
+    # -- control commands (receive thread) ---------------------------------------------
+    def on_sleep(self, env_id: int, msg: control_pb2.Sleep, fds: list[int]):
+        if self.role != control_pb2.ROLE_STANDBY or self._slept:
+            for fd in fds:
+                os.close(fd)
+            return control_pb2.Reply(ok=False, error="Sleep is for a standby that has not slept yet")
+        try:
+            bad_backend = [f"{p.tag}[{p.index}]: {p.backend}" for p in msg.pools if p.backend and p.backend != self.memory.name]
+            if bad_backend:
+                raise SizeMismatch(f"brokered pools use another memory backend than {self.memory.name}: {', '.join(bad_backend)}")
+            check_specs_match(self.specs, msg.pools)
+        except SizeMismatch as e:
+            for fd in fds:
+                os.close(fd)
+            return self._refuse(env_id, str(e))
+        try:
+            self.memory.map(self.specs, fds, readonly=True)
+        except SizeMismatch as e:
+            return self._refuse(env_id, str(e))
+        self._slept = True
+        self.client.ready(self.role, time.perf_counter_ns() - self._t0)
+        log.info("standby asleep with %d brokered pools mapped read-only", len(fds))
+        return control_pb2.Reply(ok=True)
+
+    def _refuse(self, env_id: int, why: str):
+        """The brokered pools do not fit this engine: say why and refuse to start."""
+        log.error("engine refuses to start: %s", why)
+        try:
+            self.client.reply(env_id, control_pb2.Reply(ok=False, error=why))
+        except control.ControlError:
+            pass
+        self._finish(EXIT_REFUSED)
+        return None
+
+    def on_resume(self, env_id: int, msg: control_pb2.Resume):
+        t0 = time.perf_counter_ns()
+        if self.role != control_pb2.ROLE_STANDBY or not self._slept or self._resumed:
+            return control_pb2.Reply(ok=False, error="Resume is for a sleeping standby (send Sleep first)")
+        self._resumed = True
+        self.memory.make_writable("kv_cache")
+        self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1, on_fatal=self._fatal)
+        outcomes = [self._adopt(r) for r in msg.requests]
+        ring_path = msg.ring_path or self.welcome.ring_path
+        ring_error = ""
+        if ring_path:
+            try:
+                self.loop.attach_ring(RingPublisher(ring_path, self.cfg.ring_module))
+            except Exception as e:
+                if is_device_error(e):
+                    raise
+                # Serving without a ring beats not serving: only the next failover loses
+                # its snapshot. The Reply says so; the supervisor decides what to do.
+                ring_error = f"serving without the ring: attach {ring_path}: {e}"
+                log.error("%s", ring_error)
+        self.backend.loop = self.loop
+        self.role = control_pb2.ROLE_ACTIVE
+        self.backend.is_serving = True
+        took = time.perf_counter_ns() - t0
+        # Reply before the loop thread starts: its first step (the prefill) would
+        # otherwise compete with this thread for the GIL and delay the Reply.
+        self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
+        self.loop.start()
+        log.info(
+            "took over %d requests in %.2f ms (%d reused tokens, %d to prefill)",
+            len(outcomes), took / 1e6, sum(o.reused_tokens for o in outcomes), sum(o.prefilled_tokens for o in outcomes),
+        )
+        self.log_counters("after takeover")
+        return None
+
+    def _adopt(self, r: control_pb2.ResumeRequest) -> control_pb2.ResumeOutcome:
+        try:
+            if self.loop.get(r.key) is not None:
+                raise InvalidRequest(f"request key {r.key} appears twice in the resume set")
+            tok = self.adapter.tokenizer()
+            ids = input_to_ids(
+                tok,
+                prompt=r.prompt,
+                prompt_token_ids=list(r.prompt_token_ids) if r.prompt_token_ids else None,
+                messages=list(r.messages) if r.messages else None,
+            )
+            if not ids:
+                raise InvalidRequest("empty prompt")
+            params = normalize(r.params, r.key, len(ids), self.adapter.max_model_len, getattr(tok, "vocab_size", None))
+            delivered = list(r.delivered_token_ids)
+            if r.HasField("snapshot"):
+                snap = r.snapshot
+                if list(snap.token_ids[: snap.num_prompt_tokens]) != ids or snap.num_prompt_tokens != len(ids):
+                    raise InvalidRequest("snapshot prompt tokens differ from the request's prompt")
+                seed = snap.seed
+                params.seed = seed
+                res = self.core.adopt_request(
+                    r.key, self.adapter.sampling_params(params, seed), list(snap.token_ids), snap.num_prompt_tokens,
+                    snap.num_computed_tokens, list(snap.block_ids), seed, delivered,
+                )
+                reused, prefilled = int(res.reused_tokens), int(res.prefill_tokens)
+            elif delivered:
+                # Never reached a sync: full prefill of prompt + delivered output.
+                res = self.core.adopt_request(
+                    r.key, self.adapter.sampling_params(params, params.seed), ids, len(ids), 0, [], params.seed, delivered,
+                )
+                reused, prefilled = int(res.reused_tokens), int(res.prefill_tokens)
+            else:
+                self.core.add_request(r.key, ids, self.adapter.sampling_params(params, params.seed))
+                reused, prefilled = 0, len(ids)
+            self.loop.register_adopted(r.key, len(ids), params, delivered)
+            return control_pb2.ResumeOutcome(key=r.key, ok=True, reused_tokens=reused, prefilled_tokens=prefilled)
+        except Exception as e:
+            if is_device_error(e):
+                self._fatal(e)
+            log.warning("takeover of request %d failed: %s", r.key, e)
+            return control_pb2.ResumeOutcome(key=r.key, ok=False, error=str(e))
+
+    def on_shutdown(self, env_id: int, msg: control_pb2.Shutdown):
+        grace = msg.grace_ms / 1000 if msg.grace_ms else self.cfg.default_grace_s
+        self.shutdown(grace)
+        try:
+            self.client.reply(env_id, control_pb2.Reply(ok=True))
+        except control.ControlError:
+            pass
+        self._finish(EXIT_OK)
+        return None
+
+    def on_disconnect(self, err: Exception) -> None:
+        if self._done.is_set():
+            return
+        log.error("control connection lost (%s): the supervisor is gone, exiting", err)
+        self.shutdown(0)
+        self._finish(EXIT_ERROR)
+
+    def request_shutdown(self, grace_s: float | None = None) -> None:
+        """SIGTERM: drain and exit 0 (off the signal handler's thread)."""
+
+        def go():
+            self.shutdown(self.cfg.default_grace_s if grace_s is None else grace_s)
+            self._finish(EXIT_OK)
+
+        threading.Thread(target=go, name="frmps-shutdown", daemon=True).start()
+
+    def shutdown(self, grace_s: float) -> None:
+        """Stop taking requests, let running streams finish within grace_s, stop the loop."""
+        if not self._shutting_down.acquire(blocking=False):
+            return
+        self.backend.is_serving = False
+        deadline = time.monotonic() + grace_s
+        while self.loop is not None and self.loop.load()[0] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.gen is not None:
+            self.gen.stop(max(0.0, deadline - time.monotonic()))
+        if self.loop is not None:
+            self.loop.stop()
+        self.log_counters("at shutdown")
+
+    def _finish(self, code: int) -> None:
+        if not self._done.is_set():
+            self._exit_code = code
+            self._done.set()
+
+    def _fatal(self, e: BaseException) -> None:
+        """Called on the loop thread when stepping the core failed. Never returns."""
+        if is_device_error(e):
+            cause, code = device_error_cause(e), EXIT_DEVICE
+        else:
+            cause, code = f"engine error: {type(e).__name__}: {e}", EXIT_ERROR
+        detail = "".join(traceback.format_exception(e))
+        try:
+            log.critical("fatal: %s", cause)
+            if self.client is not None:
+                self.client.fault(cause, detail)
+        except Exception:
+            pass
+        finally:
+            # No Python teardown: after a sticky device error it can hang in the driver.
+            self._exit(code)
+
+    def _heartbeats(self) -> None:
+        while not self._done.wait(self.cfg.heartbeat_s):
+            loop = self.loop
+            running, waiting = loop.load() if loop is not None else (0, 0)
+            try:
+                self.client.heartbeat(loop.step_count if loop is not None else 0, running, waiting)
+            except control.ControlError:
+                return
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        if self.core is not None:
+            out.update({str(k): int(v) for k, v in dict(getattr(self.core, "counters", {}) or {}).items()})
+        if self.loop is not None:
+            out.update({f"loop_{k}": int(v) for k, v in self.loop.counters.items()})
+            out["loop_steps"] = self.loop.step_count
+        return out
+
+    def log_counters(self, when: str) -> None:
+        log.info("engine counters %s: %s", when, json.dumps(self.counters(), sort_keys=True))

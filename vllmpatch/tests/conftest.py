@@ -1,0 +1,30 @@
+import os
+import shutil
+import tempfile
+
+import pytest
+
+
+@pytest.fixture
+def sockdir():
+    """A short private directory (0700) for unix sockets: pytest's tmp_path can exceed
+    the 108-byte sun_path limit."""
+    d = tempfile.mkdtemp(prefix="frmps-", dir="/tmp")
+    os.chmod(d, 0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def open_fds() -> set[int]:
+    return {int(x) for x in os.listdir("/proc/self/fd")}
+
+
+@pytest.fixture
+def no_fd_leak():
+    """Fails the test if it leaves file descriptors open."""
+    before = open_fds()
+    yield
+    leaked = open_fds() - before
+    # listdir itself opens one fd transiently; only fds that still resolve count.
+    leaked = {fd for fd in leaked if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not leaked, f"leaked fds: {sorted((fd, os.readlink(f'/proc/self/fd/{fd}')) for fd in leaked)}"

@@ -1,0 +1,238 @@
+"""Generation API over a unix socket, against the SDK's engine loop driving the
+fake core (TEST DOUBLE: frmps_engine.sdk.testing.fake_engine)."""
+
+import os
+import stat
+import threading
+
+import grpc
+import pytest
+
+from frmps_engine._proto.frmps.v1 import control_pb2, generation_pb2 as g, generation_pb2_grpc
+from frmps_engine.sdk.adapters import EngineOptions
+from frmps_engine.sdk.genapi import GenerationServer
+from frmps_engine.sdk.loop import EngineBackend, EngineLoop
+from frmps_engine.sdk.memory import get_backend
+from frmps_engine.sdk.params import derive_seed
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch")
+from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeParams, FakeTokenizer  # noqa: E402
+
+TOK = FakeTokenizer()
+
+
+def reference(prompt_ids, max_tokens, temperature=0.0, seed=0, stop_token_ids=()):
+    """No-fault output of the fake engine, computed in this process."""
+    adapter = FakeAdapter(EngineOptions("fake-tiny"))
+    mem = get_backend("host-shm")
+    pools = mem.allocate(adapter.pool_layout())
+    core = adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
+    core.add_request(1, list(prompt_ids), FakeParams(max_tokens, temperature, seed, list(stop_token_ids)))
+    out = []
+    while core.has_work():
+        for o in core.step():
+            out.extend(o.new_token_ids)
+    del core, pools
+    mem.close()
+    return out
+
+
+class Env:
+    def __init__(self, path, delay_ms=0, serving=True):
+        os.environ["FRMPS_FAKE_STEP_DELAY_MS"] = str(delay_ms)
+        try:
+            self.adapter = FakeAdapter(EngineOptions("fake-tiny"))
+            self.mem = get_backend("host-shm")
+            pools = self.mem.allocate(self.adapter.pool_layout())
+            self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
+        finally:
+            os.environ.pop("FRMPS_FAKE_STEP_DELAY_MS")
+        self.loop = EngineLoop(self.core, sync_every=1)
+        self.loop.start()
+        self.backend = EngineBackend(self.adapter, self.loop)
+        self.backend.is_serving = serving
+        self.server = GenerationServer(self.backend, path)
+        self.server.start()
+        self.channel = grpc.insecure_channel("unix://" + path)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def close(self):
+        self.channel.close()
+        self.server.stop(0)
+        self.loop.stop()
+        del self.core
+        self.mem.close()
+
+
+@pytest.fixture
+def env(sockdir):
+    e = Env(os.path.join(sockdir, "gen.sock"))
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def slow_env(sockdir):
+    e = Env(os.path.join(sockdir, "gen.sock"), delay_ms=30)
+    yield e
+    e.close()
+
+
+def gen(key, prompt="hello", max_tokens=10, **params):
+    return g.GenerateRequest(key=key, prompt=prompt, params=control_pb2.SamplingParams(max_tokens=max_tokens, **params))
+
+
+def collect(chunks):
+    chunks = list(chunks)
+    toks = [t for c in chunks for t in c.token_ids]
+    return chunks, toks, "".join(c.text for c in chunks)
+
+
+def check_indices(chunks, start=0):
+    idx = start
+    for c in chunks:
+        assert c.output_index == idx
+        idx += len(c.token_ids)
+
+
+def test_generate_streams_tokens_text_and_usage(env):
+    chunks, toks, text = collect(env.stub.Generate(gen(1, "hello", 12)))
+    assert not chunks[0].token_ids and chunks[0].usage.prompt_tokens == 5 and chunks[0].usage.completion_tokens == 0
+    assert toks == reference(TOK.encode("hello"), 12)
+    assert text == TOK.decode(toks)
+    check_indices(chunks)
+    assert chunks[-1].finish_reason == g.FINISH_REASON_LENGTH
+    assert all(c.finish_reason == g.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == 5
+
+
+def test_generate_token_ids_and_chat(env):
+    ids = [104, 105, 106]
+    _, toks, _ = collect(env.stub.Generate(g.GenerateRequest(
+        key=2, prompt_token_ids=g.TokenIds(ids=ids), params=control_pb2.SamplingParams(max_tokens=6))))
+    assert toks == reference(ids, 6)
+    msgs = [control_pb2.ChatMessage(role="user", content="hi")]
+    chunks, toks, _ = collect(env.stub.Generate(g.GenerateRequest(
+        key=3, messages=g.ChatMessages(messages=msgs), params=control_pb2.SamplingParams(max_tokens=4))))
+    templ = TOK.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert chunks[0].usage.prompt_tokens == len(templ)
+    assert toks == reference(templ, 4)
+
+
+def test_seeded_and_unseeded_sampling_use_the_recorded_seed(env):
+    _, toks, _ = collect(env.stub.Generate(gen(4, "abc", 8, temperature=1.0, seed=5)))
+    assert toks == reference(TOK.encode("abc"), 8, 1.0, 5)
+    _, toks, _ = collect(env.stub.Generate(gen(5, "abc", 8, temperature=1.0)))
+    assert toks == reference(TOK.encode("abc"), 8, 1.0, derive_seed(5))
+    assert toks != reference(TOK.encode("abc"), 8, 1.0, 5)
+
+
+def test_stop_string_and_stop_token(env):
+    ref = reference(TOK.encode("hello"), 30)
+    text = TOK.decode(ref)
+    stop = text[6:8]
+    cut = text.find(stop)
+    chunks, toks, got = collect(env.stub.Generate(gen(6, "hello", 30, stop=[stop])))
+    assert got == text[:cut]
+    assert toks == ref[: cut + len(stop)]
+    assert chunks[-1].finish_reason == g.FINISH_REASON_STOP and chunks[-1].stop_reason == stop
+    chunks, toks, _ = collect(env.stub.Generate(gen(7, "hello", 30, stop_token_ids=[ref[4]])))
+    first = ref.index(ref[4])
+    assert toks == ref[: first + 1]
+    assert chunks[-1].finish_reason == g.FINISH_REASON_STOP and chunks[-1].stop_reason == str(ref[4])
+
+
+def test_resume_at_index_after_finish(env):
+    _, full, text = collect(env.stub.Generate(gen(8, "hello", 10)))
+    chunks, toks, rest = collect(env.stub.Resume(g.ResumeStreamRequest(key=8, delivered=3)))
+    assert toks == full[3:] and rest == text[3:]
+    check_indices(chunks, 3)
+    assert chunks[-1].finish_reason == g.FINISH_REASON_LENGTH
+    with pytest.raises(grpc.RpcError) as ei:
+        list(env.stub.Resume(g.ResumeStreamRequest(key=8, delivered=11)))
+    assert ei.value.code() == grpc.StatusCode.OUT_OF_RANGE
+
+
+def test_resume_while_running(slow_env):
+    it = slow_env.stub.Generate(gen(9, "hello", 12))
+    first = [next(it), next(it), next(it)]  # usage chunk + 2 tokens
+    delivered = [t for c in first for t in c.token_ids]
+    chunks, toks, _ = collect(slow_env.stub.Resume(g.ResumeStreamRequest(key=9, delivered=len(delivered))))
+    check_indices(chunks, len(delivered))
+    assert delivered + toks == reference(TOK.encode("hello"), 12)
+    it.cancel()
+
+
+def test_abort(slow_env):
+    it = slow_env.stub.Generate(gen(10, "hello", 100))
+    next(it), next(it)
+    assert slow_env.stub.Abort(g.AbortRequest(key=10)).found
+    rest = list(it)
+    assert rest[-1].finish_reason == g.FINISH_REASON_ABORT
+    assert slow_env.loop.call(lambda: slow_env.core.has_work()) is False
+
+
+def test_unknown_request_is_not_found(env):
+    for call in (lambda: env.stub.Abort(g.AbortRequest(key=999)),
+                 lambda: list(env.stub.Resume(g.ResumeStreamRequest(key=999, delivered=0)))):
+        with pytest.raises(grpc.RpcError) as ei:
+            call()
+        assert ei.value.code() == grpc.StatusCode.NOT_FOUND and "no request with key 999" in ei.value.details()
+
+
+@pytest.mark.parametrize("req, msg", [
+    (gen(20, "x" * 128, 5), "prompt has 128 tokens; this model's max_model_len is 128"),
+    (g.GenerateRequest(key=21), "request has no input"),
+    (gen(22, "", 5), "prompt is empty"),
+    (gen(23, "hi", 5, temperature=-1.0), "temperature must be >= 0"),
+    (gen(24, "hi", 5, top_p=1.5), "top_p must be in (0, 1]"),
+    (g.GenerateRequest(key=25, prompt_token_ids=g.TokenIds(ids=[1, 300])), "outside the vocabulary"),
+])
+def test_invalid_requests(env, req, msg):
+    with pytest.raises(grpc.RpcError) as ei:
+        list(env.stub.Generate(req))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert msg in ei.value.details()
+
+
+def test_duplicate_running_key(slow_env):
+    it = slow_env.stub.Generate(gen(30, "hello", 50))
+    next(it)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(slow_env.stub.Generate(gen(30, "hello", 5)))
+    assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    slow_env.stub.Abort(g.AbortRequest(key=30))
+    list(it)
+
+
+def test_health_and_socket_mode(env):
+    h = env.stub.Health(g.HealthRequest())
+    assert h.serving and h.model == "fake-tiny" and h.max_model_len == 128
+    assert stat.S_IMODE(os.stat(env.server.path).st_mode) == 0o600
+
+
+def test_not_serving_is_unavailable(sockdir):
+    e = Env(os.path.join(sockdir, "gen.sock"), serving=False)
+    try:
+        with pytest.raises(grpc.RpcError) as ei:
+            list(e.stub.Generate(gen(1)))
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not e.stub.Health(g.HealthRequest()).serving
+    finally:
+        e.close()
+
+
+def test_concurrent_streams(env):
+    results = {}
+
+    def run(k):
+        results[k] = collect(env.stub.Generate(gen(100 + k, f"p{k}", 5 + k)))[1]
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for k in range(8):
+        assert results[k] == reference(TOK.encode(f"p{k}"), 5 + k)

@@ -1,0 +1,99 @@
+"""Engine loop: ring publishing cadence (committed state only), fatal errors, commands."""
+
+import json
+import threading
+
+import pytest
+
+from frmps_engine._proto.frmps.v1 import control_pb2
+from frmps_engine.sdk.adapters import EngineOptions
+from frmps_engine.sdk.loop import EngineLoop, RingPublisher, device_error_cause, is_device_error
+from frmps_engine.sdk.memory import get_backend
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch")
+from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeParams  # noqa: E402
+from frmps_engine.sdk.testing.fake_ring import read_snapshot  # noqa: E402
+
+
+@pytest.fixture
+def core(monkeypatch):
+    made = []
+
+    def make(**env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        adapter = FakeAdapter(EngineOptions("fake-tiny"))
+        mem = get_backend("host-shm")
+        pools = mem.allocate(adapter.pool_layout())
+        made.append(mem)
+        return adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def test_ring_cadence_and_final_state(core, tmp_path):
+    ring = str(tmp_path / "ring")
+    open(ring, "w").close()
+    loop = EngineLoop(core(), sync_every=3)
+    loop.attach_ring(RingPublisher(ring, "frmps_engine.sdk.testing.fake_ring"))
+    loop.start()
+    s = loop.submit(1, [104, 105], control_pb2.SamplingParams(max_tokens=10), FakeParams(10, 0.0, 1))
+    with s.cond:
+        assert s.cond.wait_for(lambda: s.finished, 30)
+    # The idle sync after the last step publishes the finish.
+    for _ in range(200):
+        recs = [json.loads(x) for x in open(ring)]
+        if recs[-1].get("step") == 10:
+            break
+        threading.Event().wait(0.01)
+    loop.stop()
+    assert recs[0] == {"attach": 1}
+    assert recs[1]["full"] and recs[1]["entries"] == []
+    assert [r["step"] for r in recs[2:]] == [3, 6, 9, 10]
+    mid = recs[3]["entries"][0]
+    # Committed state after step 6: 6 outputs sampled, the KV of all but the newest computed.
+    assert (len(mid["tokens"]), mid["num_computed"], mid["num_prompt"]) == (8, 7, 2)
+    assert recs[-1]["entries"][0]["finished"]
+    assert read_snapshot(ring) == {}
+    assert len(s.output) == 10 and s.finish_reason == "length"
+
+
+def test_device_error_reaches_on_fatal_and_fails_streams(core):
+    got = []
+    done = threading.Event()
+    loop = EngineLoop(core(FRMPS_FAKE_FAULT_AT_STEP="2"), on_fatal=lambda e: (got.append(e), done.set()))
+    loop.start()
+    s = loop.submit(1, [104], control_pb2.SamplingParams(max_tokens=10), FakeParams(10, 0.0, 1))
+    assert done.wait(30)
+    assert is_device_error(got[0]) and device_error_cause(got[0]) == "misaligned address"
+    assert s.finished and "misaligned address" in s.error
+    assert loop.dead is got[0]
+
+
+def test_commands_and_abort(core):
+    loop = EngineLoop(core())
+    assert loop.call(lambda: 41 + 1) == 42  # inline before start
+    loop.start()
+    assert loop.call(lambda: threading.current_thread().name) == "frmps-engine-loop"
+    with pytest.raises(ZeroDivisionError):
+        loop.call(lambda: 1 / 0)
+    assert not loop.abort(5)
+    s = loop.submit(5, [104], control_pb2.SamplingParams(max_tokens=100000), FakeParams(100, 0.0, 1))
+    assert loop.abort(5) and s.finish_reason == "abort"
+    assert loop.call(lambda: loop.core.has_work()) is False
+    bad = loop.submit(6, [1] * 200, control_pb2.SamplingParams(), FakeParams(1, 0.0, 1))
+    with bad.cond:
+        bad.cond.wait_for(lambda: bad.finished, 10)
+    assert bad.error_invalid and "prompt too long" in bad.error
+    loop.stop()
+    assert not loop.running
+
+
+def test_is_device_error():
+    assert is_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert device_error_cause(RuntimeError("CUDA error: an illegal memory access was encountered\nmore")) == \
+        "an illegal memory access was encountered"
+    assert not is_device_error(ValueError("bad prompt"))

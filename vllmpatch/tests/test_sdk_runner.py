@@ -1,0 +1,348 @@
+"""The engine process end to end: real `python -m frmps_engine.cli serve` processes
+driven by a FakeSupervisor (TEST DOUBLE of the Go supervisor's control side), with the
+fake engine and the JSON fake ring (TEST DOUBLES from frmps_engine.sdk.testing).
+
+The failover here is real: the active writes weights and KV into /dev/shm pools,
+is SIGKILLed mid-generation, and the standby continues from those pools."""
+
+import hashlib
+import json
+import mmap
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
+from frmps_engine.sdk.control import ConnectionClosed, ControlConn
+from frmps_engine.sdk.params import derive_seed
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch")
+from frmps_engine.sdk.testing.fake_engine import FakeTokenizer  # noqa: E402
+from frmps_engine.sdk.testing.fake_ring import read_snapshot  # noqa: E402
+from test_sdk_genapi import reference  # noqa: E402
+
+TOK = FakeTokenizer()
+FAKE = "frmps_engine.sdk.testing.fake_engine:FakeAdapter"
+
+
+class Engine:
+    def __init__(self, proc, conn_srv, gen_path, log_path):
+        self.proc, self.srv, self.gen_path, self.log_path = proc, conn_srv, gen_path, log_path
+        self.conn: ControlConn | None = None
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+class FakeSupervisor:
+    """TEST DOUBLE: speaks the control protocol like the Go supervisor would."""
+
+    def __init__(self, d):
+        self.dir = d
+        self.ring = os.path.join(d, "ring.jsonl")
+        open(self.ring, "w").close()
+        self.engines: list[Engine] = []
+        self.fds: list[int] = []
+
+    def spawn(self, role, name, *extra, env=None, engine=FAKE, model="fake-tiny",
+              ring_module="frmps_engine.sdk.testing.fake_ring") -> Engine:
+        ctrl, gen, log = (os.path.join(self.dir, f"{name}.{x}") for x in ("ctl", "gen", "log"))
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(ctrl)
+        srv.listen(1)
+        srv.settimeout(90)
+        cmd = [sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", engine, "--role", role,
+               "--model", model, "--control-socket", ctrl, "--generation-socket", gen, "--memory", "host-shm",
+               "--ring-module", ring_module, *extra]
+        with open(log, "w") as lf:
+            proc = subprocess.Popen(cmd, stderr=lf, stdout=lf, env={**os.environ, **(env or {})})
+        e = Engine(proc, srv, gen, log)
+        self.engines.append(e)
+        return e
+
+    def accept(self, e: Engine) -> c.Hello:
+        s, _ = e.srv.accept()
+        e.conn = ControlConn(s)
+        env, fds = e.conn.recv()
+        assert env.WhichOneof("msg") == "hello" and not fds
+        assert env.hello.pid == e.proc.pid
+        return env.hello
+
+    @staticmethod
+    def welcome(e: Engine, **kw):
+        kw.setdefault("accepted", True)
+        e.conn.send(c.Envelope(welcome=c.Welcome(protocol_version=c.PROTOCOL_VERSION_1, deployment_id="test", **kw)))
+
+    @staticmethod
+    def expect(e: Engine, *kinds, timeout=60):
+        """Read messages (skipping heartbeats) until one of each kind arrived."""
+        got, want = {}, set(kinds)
+        e.conn._sock.settimeout(timeout)
+        while want - got.keys():
+            env, fds = e.conn.recv()
+            kind = env.WhichOneof("msg")
+            if kind == "heartbeat":
+                continue
+            assert kind in want, f"unexpected {kind}: {env}"
+            got[kind] = (env, fds)
+        e.conn._sock.settimeout(None)
+        return got
+
+    def close(self):
+        for e in self.engines:
+            if e.proc.poll() is None:
+                e.proc.kill()
+            e.proc.wait(10)
+            if e.conn:
+                e.conn.close()
+            e.srv.close()
+        for fd in self.fds:
+            os.close(fd)
+
+
+@pytest.fixture
+def sup(sockdir):
+    s = FakeSupervisor(sockdir)
+    yield s
+    s.close()
+
+
+def digest(fds):
+    h = hashlib.sha256()
+    for fd in fds:
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as m:
+            h.update(m)
+    return h.hexdigest()
+
+
+def start_active(sup, sync_every=4, env=None):
+    a = sup.spawn("active", "a", env=env)
+    hello = sup.accept(a)
+    assert hello.role == c.ROLE_ACTIVE and hello.engine == "fake" and hello.block_size == 4
+    assert [(p.tag, p.index, p.backend) for p in hello.pools] == [("weights", 0, "host-shm"), ("kv_cache", 0, "host-shm")]
+    sup.welcome(a, ring_path=sup.ring, sync_every=sync_every)
+    got = sup.expect(a, "pool_export", "ready")
+    export, fds = got["pool_export"]
+    assert list(export.pool_export.pools) == list(hello.pools) and len(fds) == 2
+    sup.fds += fds
+    return a, export.pool_export.pools, fds
+
+
+class Stream(threading.Thread):
+    """A front-door client stream: records what it delivered until the engine dies."""
+
+    def __init__(self, stub, req, stop_after=None):
+        super().__init__(daemon=True)
+        self.stub, self.req, self.tokens, self.text, self.error = stub, req, [], "", None
+        self.finished = False
+
+    def run(self):
+        try:
+            for ch in self.stub.Generate(self.req):
+                self.tokens += ch.token_ids
+                self.text += ch.text
+                self.finished = ch.finish_reason != g.FINISH_REASON_UNSPECIFIED
+        except grpc.RpcError as e:
+            self.error = e.code()
+
+
+def test_failover_end_to_end(sup):
+    a, pools, fds = start_active(sup, sync_every=4, env={"FRMPS_FAKE_STEP_DELAY_MS": "30"})
+    s = sup.spawn("standby", "s")
+    hello = sup.accept(s)
+    assert hello.role == c.ROLE_STANDBY and list(hello.pools) == list(pools)
+    sup.welcome(s)
+    before = digest(fds)
+    s.conn.send(c.Envelope(id=11, sleep=c.Sleep(pools=pools)), fds)
+    got = sup.expect(s, "ready", "reply")
+    assert got["reply"][0].id == 11 and got["reply"][0].reply.ok
+    assert got["ready"][0].ready.role == c.ROLE_STANDBY
+    assert digest(fds) == before, "a standby must not write the shared pools"
+
+    s_stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("unix://" + s.gen_path))
+    with pytest.raises(grpc.RpcError) as ei:
+        list(s_stub.Generate(g.GenerateRequest(key=99, prompt="x")))
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE  # asleep
+
+    a_stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("unix://" + a.gen_path))
+    P = c.SamplingParams
+    reqs = {
+        1: g.GenerateRequest(key=1, prompt="hello", params=P(max_tokens=40)),
+        2: g.GenerateRequest(key=2, prompt="abc", params=P(max_tokens=30, temperature=1.0, seed=7)),
+        3: g.GenerateRequest(key=3, messages=g.ChatMessages(messages=[c.ChatMessage(role="user", content="hi")]),
+                             params=P(max_tokens=35, temperature=0.8)),
+    }
+    streams = {k: Stream(a_stub, r) for k, r in reqs.items()}
+    for st in streams.values():
+        st.start()
+    deadline = time.monotonic() + 60
+    # Every stream is past at least one ring sync (sync_every=4) and far from its end.
+    while min(len(streams[k].tokens) for k in (1, 2, 3)) < 8 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    # A late request: killed before (or right at) its first ring sync.
+    reqs[4] = g.GenerateRequest(key=4, prompt="late", params=P(max_tokens=12))
+    streams[4] = Stream(a_stub, reqs[4])
+    streams[4].start()
+    time.sleep(0.05)
+    os.kill(a.proc.pid, signal.SIGKILL)
+    with pytest.raises(ConnectionClosed):  # the supervisor sees the death as EOF
+        while True:
+            a.conn.recv()
+    assert a.proc.wait(10) == -signal.SIGKILL
+    for st in streams.values():
+        st.join(30)
+        assert not st.finished, "kill came too late for this test"
+        assert st.error is not None
+
+    snap = read_snapshot(sup.ring)
+    assert 1 in snap and 2 in snap and 3 in snap
+    resume = []
+    for k, r in reqs.items():
+        rr = c.ResumeRequest(key=k, params=r.params, delivered_token_ids=streams[k].tokens)
+        which = r.WhichOneof("input")
+        if which == "prompt":
+            rr.prompt = r.prompt
+        else:
+            rr.messages.extend(r.messages.messages)
+        if k in snap:
+            e = snap[k]
+            rr.snapshot.CopyFrom(c.RequestSnapshot(block_ids=e["blocks"], token_ids=e["tokens"],
+                                                   num_prompt_tokens=e["num_prompt"], num_computed_tokens=e["num_computed"],
+                                                   seed=e["seed"], step=e["step"]))
+        resume.append(rr)
+    s.conn.send(c.Envelope(id=12, resume=c.Resume(requests=resume, ring_path=sup.ring, sync_every=4)))
+    reply = sup.expect(s, "reply")["reply"][0]
+    assert reply.id == 12 and reply.reply.ok, reply
+    outcomes = {o.key: o for o in reply.reply.resumed}
+    assert all(o.ok for o in outcomes.values()), outcomes
+    for k in (1, 2, 3):
+        e = snap[k]
+        # KV of everything the last sync covered came from the shared pool (the fake core checked its bytes);
+        # only the tokens after it are prefilled.
+        assert outcomes[k].reused_tokens == e["num_computed"] >= e["num_prompt"] > 0
+        total = e["num_prompt"] + max(len(streams[k].tokens), len(e["tokens"]) - e["num_prompt"])
+        assert outcomes[k].prefilled_tokens == total - e["num_computed"]
+
+    tmpl = TOK.apply_chat_template([{"role": "user", "content": "hi"}])
+    expected = {
+        1: reference(TOK.encode("hello"), 40),
+        2: reference(TOK.encode("abc"), 30, 1.0, 7),
+        3: reference(tmpl, 35, 0.8, derive_seed(3)),
+        4: reference(TOK.encode("late"), 12),
+    }
+    for k, st in streams.items():
+        chunks = list(s_stub.Resume(g.ResumeStreamRequest(key=k, delivered=len(st.tokens))))
+        rest = [t for ch in chunks for t in ch.token_ids]
+        assert chunks[0].output_index == len(st.tokens)
+        assert st.tokens + rest == expected[k], f"request {k} diverged after takeover"
+        assert st.text + "".join(ch.text for ch in chunks) == TOK.decode(expected[k])
+        assert chunks[-1].finish_reason == g.FINISH_REASON_LENGTH
+
+    # The new active attached to the ring (epoch 2) and published a FULL record first.
+    lines = [json.loads(x) for x in open(sup.ring)]
+    att = [i for i, x in enumerate(lines) if "attach" in x]
+    assert [lines[i]["attach"] for i in att] == [1, 2]
+    assert lines[att[1] + 1]["full"] and lines[att[1] + 1]["epoch"] == 2
+
+    # New requests are served by the new active.
+    new = list(s_stub.Generate(g.GenerateRequest(key=5, prompt="again", params=P(max_tokens=5))))
+    assert [t for ch in new for t in ch.token_ids] == reference(TOK.encode("again"), 5)
+
+    s.conn.send(c.Envelope(id=13, shutdown=c.Shutdown(grace_ms=2000)))
+    assert sup.expect(s, "reply")["reply"][0].reply.ok
+    assert s.proc.wait(30) == 0
+    m = re.search(r"engine counters at shutdown: (\{.*\})", s.log())
+    counters = json.loads(m.group(1))
+    # Tokens covered by the last sync were reused, never recomputed.
+    assert counters["adopted_tokens_reused"] == sum(o.reused_tokens for o in outcomes.values())
+    prefilled_on_takeover = counters["prefill_tokens_computed"] - len(TOK.encode("again"))
+    assert prefilled_on_takeover <= sum(o.prefilled_tokens for o in outcomes.values())
+
+
+def test_standby_refuses_a_different_pool_layout(sup):
+    from frmps_engine.sdk.memory import PoolSpec, get_backend
+    mem = get_backend("host-shm")
+    pools = mem.allocate([PoolSpec("weights", 0, 4096), PoolSpec("kv_cache", 0, 64 * 16)])
+    try:
+        s = sup.spawn("standby", "s", "--num-blocks", "32")
+        hello = sup.accept(s)
+        assert hello.pools[1].size == 32 * 16
+        sup.welcome(s)
+        pb = [c.Pool(tag=p.spec.tag, index=p.spec.index, size=p.spec.size, backend="host-shm") for p in pools]
+        s.conn.send(c.Envelope(id=3, sleep=c.Sleep(pools=pb)), [p.fd for p in pools])
+        r = sup.expect(s, "reply")["reply"][0].reply
+        assert not r.ok and "pool 1: engine expects kv_cache[0] 512 bytes, got kv_cache[0] 1024 bytes" in r.error
+        assert s.proc.wait(30) == 2
+        assert "engine refuses to start: pool layout mismatch" in s.log()
+    finally:
+        del pools
+        mem.close()
+
+
+def test_welcome_refused_exits_nonzero_with_reason(sup):
+    a = sup.spawn("active", "a")
+    sup.accept(a)
+    sup.welcome(a, accepted=False, reason="model differs from the deployment's")
+    assert a.proc.wait(30) == 2
+    assert "supervisor refused this engine: model differs from the deployment's" in a.log()
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--model", "nope"], "unknown model preset 'nope'"),
+    (["--model", "fake-tiny", "--device", "cuda"], "host-shm pools live in host memory"),
+    (["--model", "fake-tiny", "--memory", "cuda-vmm"], "cuda-vmm backend needs a GPU device"),
+    (["--model", "fake-tiny", "--engine", "nosuch"], "unknown engine 'nosuch'"),
+])
+def test_bad_configuration_is_a_clear_error(sockdir, args, msg):
+    base = ["--engine", FAKE] if "--engine" not in args else []
+    r = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "serve", *base, "--role", "active", *args,
+                        "--control-socket", f"{sockdir}/c", "--generation-socket", f"{sockdir}/g"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_no_supervisor_socket_is_a_clear_error(sockdir):
+    r = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", FAKE, "--role", "active",
+                        "--model", "fake-tiny", "--control-socket", f"{sockdir}/c", "--generation-socket", f"{sockdir}/g"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"connect control socket {sockdir}/c" in r.stderr, r.stderr
+
+
+def test_device_error_sends_fault_and_exits_3(sup):
+    a, _, _ = start_active(sup, env={"FRMPS_FAKE_FAULT_AT_STEP": "3"})
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("unix://" + a.gen_path))
+    st = Stream(stub, g.GenerateRequest(key=1, prompt="hello", params=c.SamplingParams(max_tokens=20)))
+    st.start()
+    f = sup.expect(a, "fault")["fault"][0].fault
+    assert f.cause == "misaligned address" and "RuntimeError" in f.detail and f.unix_nanos > 0
+    assert a.proc.wait(30) == 3
+    st.join(10)
+    assert st.error is not None and not st.finished
+
+
+def test_supervisor_gone_engine_exits(sup):
+    a, _, _ = start_active(sup)
+    a.conn.close()
+    a.conn = None
+    assert a.proc.wait(30) == 1
+    assert "control connection lost" in a.log()
+
+
+def test_sigterm_drains_and_exits_0(sup):
+    a, _, _ = start_active(sup)
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("unix://" + a.gen_path))
+    chunks = list(stub.Generate(g.GenerateRequest(key=1, prompt="hi", params=c.SamplingParams(max_tokens=3))))
+    assert chunks[-1].finish_reason == g.FINISH_REASON_LENGTH
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(30) == 0
+    assert not os.path.exists(a.gen_path)  # the generation socket is removed on a clean exit

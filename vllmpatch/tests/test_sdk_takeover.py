@@ -1,0 +1,179 @@
+"""Standby takeover paths, in process: a Runner (standby) driven over a real control
+socket, with the "active" played by a fake core in this process writing the shared
+pools (TEST DOUBLES: fake engine, fake ring, the supervisor side of this test)."""
+
+import os
+import socket
+import threading
+
+import grpc
+import pytest
+
+from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
+from frmps_engine.sdk.adapters import EngineOptions
+from frmps_engine.sdk.control import ControlConn
+from frmps_engine.sdk.memory import get_backend
+from frmps_engine.sdk.runner import Runner, RunnerConfig
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch")
+from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeParams, FakeTokenizer  # noqa: E402
+from test_sdk_genapi import reference  # noqa: E402
+
+TOK = FakeTokenizer()
+
+
+class Harness:
+    def __init__(self, d):
+        self.d = d
+        self.ring = os.path.join(d, "ring.jsonl")
+        open(self.ring, "w").close()
+        # The active: a fake core on freshly allocated pools.
+        self.adapter = FakeAdapter(EngineOptions("fake-tiny"))
+        self.mem = get_backend("host-shm")
+        self.pools = self.mem.allocate(self.adapter.pool_layout())
+        self.active = self.adapter.create_core({p.spec.key: p.tensor for p in self.pools}, load_weights=True)
+        self.pb = [c.Pool(tag=p.spec.tag, index=p.spec.index, size=p.spec.size, backend="host-shm") for p in self.pools]
+        # The standby runner.
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.srv.bind(os.path.join(d, "ctl"))
+        self.srv.listen(1)
+        self.srv.settimeout(30)
+        self.exits = []
+        self.runner = Runner(
+            RunnerConfig(role="standby", control_socket=os.path.join(d, "ctl"), generation_socket=os.path.join(d, "gen"),
+                         ring_module="frmps_engine.sdk.testing.fake_ring", heartbeat_s=30),
+            FakeAdapter(EngineOptions("fake-tiny")), get_backend("host-shm"), exit_fn=self.exits.append,
+        )
+        self.code = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        s, _ = self.srv.accept()
+        self.conn = ControlConn(s)
+        env, _ = self.conn.recv()
+        assert env.hello.role == c.ROLE_STANDBY
+        self.conn.send(c.Envelope(welcome=c.Welcome(accepted=True, protocol_version=c.PROTOCOL_VERSION_1)))
+        self.channel = grpc.insecure_channel("unix://" + os.path.join(d, "gen"))
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def _run(self):
+        self.code = self.runner.run()
+
+    def cmd(self, env, fds=()):
+        self.conn.send(env, fds)
+        while True:
+            got, _ = self.conn.recv()
+            if got.WhichOneof("msg") == "reply":
+                assert got.id == env.id
+                return got.reply
+
+    def sleep(self):
+        return self.cmd(c.Envelope(id=1, sleep=c.Sleep(pools=self.pb)), [p.fd for p in self.pools])
+
+    def close(self):
+        if self.code is None:
+            self.cmd(c.Envelope(id=99, shutdown=c.Shutdown(grace_ms=500)))
+        self.thread.join(30)
+        assert self.code == 0
+        self.channel.close()
+        self.conn.close()
+        self.srv.close()
+        self.runner.memory.close()
+        del self.active, self.pools
+        self.mem.close()
+
+
+@pytest.fixture
+def h(sockdir):
+    x = Harness(sockdir)
+    yield x
+    x.close()
+
+
+def run_active(core, key, prompt, steps, params):
+    """Step the active's fake core; return the request's output tokens and its state after each step."""
+    core.add_request(key, prompt, params)
+    out, snaps = [], []
+    for _ in range(steps):
+        for o in core.step():
+            if o.key == key:
+                out.extend(o.new_token_ids)
+        v = next(v for v in core.request_views() if v.key == key)
+        snaps.append(c.RequestSnapshot(block_ids=v.block_ids, token_ids=v.token_ids, num_prompt_tokens=v.num_prompt,
+                                       num_computed_tokens=v.num_computed, seed=v.seed))
+    return out, snaps
+
+
+def resume_stream(h, key, delivered):
+    chunks = list(h.stub.Resume(g.ResumeStreamRequest(key=key, delivered=len(delivered))))
+    return delivered + [t for ch in chunks for t in ch.token_ids]
+
+
+def test_resume_before_sleep_is_refused(h):
+    r = h.cmd(c.Envelope(id=5, resume=c.Resume()))
+    assert not r.ok and "send Sleep first" in r.error
+    assert h.sleep().ok
+
+
+def test_takeover_paths(h):
+    assert h.sleep().ok
+    prompt = TOK.encode("hello")
+    # Request 1: last sync after 3 steps, the client got 7 tokens: prefill only the 4 after the sync.
+    out1, snaps1 = run_active(h.active, 1, prompt, 7, FakeParams(20, 0.0, 11))
+    # Request 2: never synced, 5 tokens delivered: full prefill of prompt + delivered.
+    out2, _ = run_active(h.active, 2, TOK.encode("abc"), 5, FakeParams(15, 0.0, 12))
+    P = c.SamplingParams
+    reqs = [
+        c.ResumeRequest(key=1, prompt="hello", params=P(max_tokens=20), delivered_token_ids=out1, snapshot=snaps1[2]),
+        c.ResumeRequest(key=2, prompt="abc", params=P(max_tokens=15), delivered_token_ids=out2),
+        c.ResumeRequest(key=3, prompt="new", params=P(max_tokens=6)),
+        c.ResumeRequest(key=4, prompt="other", params=P(max_tokens=6), snapshot=snaps1[2]),  # not its snapshot
+        c.ResumeRequest(key=5, prompt="x", params=P(max_tokens=6, temperature=-2)),
+        c.ResumeRequest(key=3, prompt="new", params=P(max_tokens=6)),  # duplicate key
+    ]
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=reqs, ring_path=h.ring, sync_every=2)))
+    assert r.ok, r.error
+    assert len(r.resumed) == 6
+    dup = r.resumed[5]
+    assert dup.key == 3 and not dup.ok and "appears twice" in dup.error
+    o = {x.key: x for x in r.resumed[:5]}
+    assert (o[1].ok, o[1].reused_tokens, o[1].prefilled_tokens) == (True, len(prompt) + 2, 5)
+    assert (o[2].ok, o[2].reused_tokens, o[2].prefilled_tokens) == (True, 0, 3 + 5)
+    assert (o[3].ok, o[3].reused_tokens, o[3].prefilled_tokens) == (True, 0, 3)
+    assert not o[4].ok and "snapshot prompt tokens differ" in o[4].error
+    assert not o[5].ok and "temperature must be >= 0" in o[5].error
+    assert resume_stream(h, 1, out1) == reference(prompt, 20)
+    assert resume_stream(h, 2, out2) == reference(TOK.encode("abc"), 15)
+    assert resume_stream(h, 3, []) == reference(TOK.encode("new"), 6)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(h.stub.Resume(g.ResumeStreamRequest(key=4, delivered=0)))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    counters = h.runner.counters()
+    assert counters["adopted_tokens_reused"] == len(prompt) + 2
+    assert counters["prefill_tokens_computed"] == 5 + 8 + 3
+    assert h.exits == []
+    # A second Resume is refused: this engine is active now.
+    r = h.cmd(c.Envelope(id=3, resume=c.Resume()))
+    assert not r.ok
+
+
+def test_corrupted_shared_kv_is_detected(h):
+    """The standby really reads the active's KV: corrupt it and adoption fails for that request."""
+    assert h.sleep().ok
+    out, snaps = run_active(h.active, 1, TOK.encode("hello"), 4, FakeParams(20, 0.0, 1))
+    kv = h.pools[1].tensor.view(torch.int32)
+    kv[snaps[-1].block_ids[0] * 4] += 1
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[
+        c.ResumeRequest(key=1, prompt="hello", params=c.SamplingParams(max_tokens=20), delivered_token_ids=out,
+                        snapshot=snaps[-1])])))
+    assert r.ok and not r.resumed[0].ok and "KV of token 0" in r.resumed[0].error
+
+
+def test_bad_ring_path_still_serves(h):
+    assert h.sleep().ok
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(
+        requests=[c.ResumeRequest(key=1, prompt="hi", params=c.SamplingParams(max_tokens=3))],
+        ring_path=os.path.join(h.d, "no", "such", "ring"))))
+    assert r.ok and "serving without the ring" in r.error and r.resumed[0].ok
+    assert resume_stream(h, 1, []) == reference(TOK.encode("hi"), 3)
+
