@@ -104,7 +104,7 @@ func validateHeader(mem []byte, size int64) (uint64, error) {
 	if err := checkCapacity(capacity); err != nil {
 		return 0, err
 	}
-	if uint64(size) != HeaderSize+capacity || uint64(len(mem)) < HeaderSize+capacity {
+	if uint64(size) != HeaderSize+capacity {
 		return 0, fmt.Errorf("%w: capacity %d does not match file size %d", ErrCapacity, capacity, size)
 	}
 	return capacity, nil

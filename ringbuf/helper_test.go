@@ -1,0 +1,3 @@
+package ringbuf
+
+func helperMain() int { return 0 }
