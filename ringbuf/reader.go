@@ -96,7 +96,7 @@ func (rd *Reader) resync(s *Snapshot, cause error) error {
 	rd.requestResync()
 	s.stale = true
 	rd.needFull = false
-	return fmt.Errorf("%w: %w", ErrResync, cause)
+	return fmt.Errorf("%w; %w", cause, ErrResync)
 }
 
 // Poll consumes every committed record into s and returns the number of

@@ -26,7 +26,7 @@ var (
 	ErrInconsistent = errors.New("ring: inconsistent record")
 	// ErrResync wraps every error after which the reader has requested a resync.
 	// It is not fatal: keep polling; the snapshot is stale until a FULL record.
-	ErrResync = errors.New("ring: resync requested")
+	ErrResync = errors.New("resync requested")
 	// ErrTooLarge: a record would exceed capacity/2.
 	ErrTooLarge = errors.New("ring: record too large")
 	// ErrNotFull: a writer's first record after attaching must be FULL.

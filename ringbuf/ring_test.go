@@ -182,20 +182,23 @@ func publishSome(t *testing.T, w *Writer, r *Reader, s *Snapshot, wl *workload) 
 func TestCorruptRecord(t *testing.T) {
 	le := binary.LittleEndian
 	cases := []struct {
-		name string
-		edit func(rec []byte)
+		name   string
+		edit   func(rec []byte)
+		fixCRC bool
 	}{
-		{"payload bit flip", func(rec []byte) { rec[RecordHeaderSize+20] ^= 0x10 }},
-		{"crc", func(rec []byte) { rec[recOffCRC] ^= 1 }},
-		{"seq gap", func(rec []byte) { le.PutUint64(rec[recOffSeq:], le.Uint64(rec[recOffSeq:])+1) }},
-		{"type", func(rec []byte) { le.PutUint16(rec[recOffType:], 9) }},
-		{"flags", func(rec []byte) { le.PutUint16(rec[recOffFlags:], 1) }},
-		{"length not aligned", func(rec []byte) { le.PutUint32(rec[recOffLength:], le.Uint32(rec[recOffLength:])+4) }},
-		{"length zero", func(rec []byte) { le.PutUint32(rec[recOffLength:], 0) }},
-		{"length past cursor", func(rec []byte) { le.PutUint32(rec[recOffLength:], le.Uint32(rec[recOffLength:])+32) }},
-		{"payload_len too big", func(rec []byte) { le.PutUint32(rec[recOffPayloadLen:], le.Uint32(rec[recOffLength:])) }},
-		{"zeroed header", func(rec []byte) { clear(rec[:RecordHeaderSize]) }},
-		{"old epoch", func(rec []byte) { le.PutUint64(rec[recOffEpoch:], 0) }},
+		{"payload bit flip", func(rec []byte) { rec[RecordHeaderSize+20] ^= 0x10 }, false},
+		{"crc", func(rec []byte) { rec[recOffCRC] ^= 1 }, false},
+		{"seq gap", func(rec []byte) { le.PutUint64(rec[recOffSeq:], le.Uint64(rec[recOffSeq:])+1) }, false},
+		{"type", func(rec []byte) { le.PutUint16(rec[recOffType:], 9) }, false},
+		{"flags", func(rec []byte) { le.PutUint16(rec[recOffFlags:], 1) }, false},
+		{"length not aligned", func(rec []byte) { le.PutUint32(rec[recOffLength:], le.Uint32(rec[recOffLength:])+4) }, false},
+		{"length zero", func(rec []byte) { le.PutUint32(rec[recOffLength:], 0) }, false},
+		{"length past cursor", func(rec []byte) { le.PutUint32(rec[recOffLength:], le.Uint32(rec[recOffLength:])+32) }, false},
+		{"payload_len too big", func(rec []byte) { le.PutUint32(rec[recOffPayloadLen:], le.Uint32(rec[recOffLength:])) }, false},
+		{"zeroed header", func(rec []byte) { clear(rec[:RecordHeaderSize]) }, false},
+		{"old epoch", func(rec []byte) { le.PutUint64(rec[recOffEpoch:], 0) }, false},
+		{"seq gap, valid crc", func(rec []byte) { le.PutUint64(rec[recOffSeq:], le.Uint64(rec[recOffSeq:])+1) }, true},
+		{"old epoch, valid crc", func(rec []byte) { le.PutUint64(rec[recOffEpoch:], 0) }, true},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -208,7 +211,12 @@ func TestCorruptRecord(t *testing.T) {
 			before := snapshotDigest(s)
 			off := w.cursor % w.r.capacity
 			mustPublish(t, w, 7, wl.step(), false)
-			c.edit(w.r.data[off:])
+			rec := w.r.data[off:]
+			c.edit(rec)
+			if c.fixCRC {
+				plen := le.Uint32(rec[recOffPayloadLen:])
+				le.PutUint32(rec[recOffCRC:], recordCRC(rec, rec[RecordHeaderSize:RecordHeaderSize+plen]))
+			}
 			n, err := r.Poll(s)
 			if !errors.Is(err, ErrResync) || !errors.Is(err, ErrCorrupt) || n != 0 {
 				t.Fatalf("poll: %d, %v; want ErrCorrupt", n, err)
