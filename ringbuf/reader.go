@@ -17,6 +17,7 @@ type Reader struct {
 	pos      uint64 // data position of the next record
 	nextSeq  uint64 // 0 = unknown (after a resync)
 	epoch    uint64 // epoch of the last DELTA/FULL seen; 0 = none
+	seqEpoch uint64 // epoch of the last record of any type
 	needFull bool   // the snapshot must be marked stale at the next Poll
 
 	hdr [RecordHeaderSize]byte
@@ -68,6 +69,11 @@ func (rd *Reader) Lag() uint64 {
 	rd.mu.Lock()
 	defer rd.mu.Unlock()
 	if rd.r == nil {
+		return 0
+	}
+	// Caught up: write_seq can be one ahead of the records actually committed
+	// (a writer killed between its two stores), so compare positions first.
+	if rd.r.load(offReaderCursor) == rd.r.load(offWriteCursor) {
 		return 0
 	}
 	ws, cs := rd.r.load(offWriteSeq), rd.consumedSeq.Load()
@@ -149,7 +155,8 @@ func (rd *Reader) Poll(s *Snapshot) (applied int, err error) {
 		if got := recordCRC(rd.hdr[:], payload); got != h.crc {
 			return applied, rd.resync(s, fmt.Errorf("%w: seq %d at position %d: crc32c %#08x, header says %#08x", ErrCorrupt, h.seq, rd.pos, got, h.crc))
 		}
-		if rd.nextSeq != 0 && h.seq != rd.nextSeq {
+		// seq is contiguous within an epoch; a new writer may skip ahead (see FORMAT.md).
+		if rd.nextSeq != 0 && h.seq != rd.nextSeq && (h.epoch <= rd.seqEpoch || h.seq < rd.nextSeq) {
 			return applied, rd.resync(s, fmt.Errorf("%w: seq %d at position %d, expected %d", ErrCorrupt, h.seq, rd.pos, rd.nextSeq))
 		}
 		if h.typ != TypePad {
@@ -171,6 +178,7 @@ func (rd *Reader) Poll(s *Snapshot) (applied int, err error) {
 		}
 		rd.pos += uint64(h.length)
 		rd.nextSeq = h.seq + 1
+		rd.seqEpoch = h.epoch
 		rd.consumedSeq.Store(h.seq)
 	}
 }

@@ -162,8 +162,11 @@ func (w *Writer) commit(rec []byte, typ uint16, plen uint64) {
 	le.PutUint32(rec[recOffCRC:], recordCRC(rec, rec[RecordHeaderSize:RecordHeaderSize+plen]))
 	w.cursor += uint64(len(rec))
 	w.seq = seq
-	w.r.store(offWriteCursor, w.cursor) // the commit point
+	// write_seq first: a writer killed between the two stores leaves write_seq
+	// one ahead of the committed records, so the next writer skips a seq
+	// (allowed at an epoch change) rather than reusing one.
 	w.r.store(offWriteSeq, seq)
+	w.r.store(offWriteCursor, w.cursor) // the commit point
 }
 
 // Close unmaps the ring. The file stays.

@@ -129,6 +129,7 @@ class RingReader:
         self.stale = True
         self.epoch = 0
         self.next_seq = 0
+        self.seq_epoch = 0
         self.resyncs = 0
         self.records: list[Record] = []  # every record read (PAD included), for tests
         if start is None:
@@ -181,7 +182,8 @@ class RingReader:
                     raise self._resync(f"corrupt record at {self.pos}: {err}")
                 if crc32c(hdr[:REC_CRC_HEADER_BYTES] + payload) != crc:
                     raise self._resync(f"corrupt record at {self.pos}: crc mismatch (seq {seq})")
-                if self.next_seq and seq != self.next_seq:
+                # seq is contiguous within an epoch; a new writer may skip ahead.
+                if self.next_seq and seq != self.next_seq and (epoch <= self.seq_epoch or seq < self.next_seq):
                     raise self._resync(f"corrupt record at {self.pos}: seq {seq}, expected {self.next_seq}")
                 rec = Record(seq, typ, epoch)
                 if typ != TYPE_PAD:
@@ -202,6 +204,7 @@ class RingReader:
                 self.records.append(rec)
                 self.pos += length
                 self.next_seq = seq + 1
+                self.seq_epoch = epoch
         finally:
             self._mm[OFF_READER_CURSOR : OFF_READER_CURSOR + 8] = self.pos.to_bytes(8, "little")
 

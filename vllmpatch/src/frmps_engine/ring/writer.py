@@ -299,8 +299,11 @@ class RingWriter:
         RECORD_HEADER.pack_into(self._mm, base, length, typ, 0, seq, self.epoch, plen, crc)
         self._cursor += length
         self._seq = seq
-        self._cursor_w.value = self._cursor  # the commit point: one aligned 8-byte store
+        # write_seq first: a writer killed between the two stores leaves it one
+        # ahead, so the next writer skips a seq (allowed at an epoch change)
+        # instead of reusing one.
         self._seq_w.value = seq
+        self._cursor_w.value = self._cursor  # the commit point: one aligned 8-byte store
         return seq
 
     def _pad(self, off: int) -> None:
@@ -312,8 +315,8 @@ class RingWriter:
         RECORD_HEADER.pack_into(self._mm, HEADER_SIZE + off, length, TYPE_PAD, 0, seq, self.epoch, 0, crc)
         self._cursor += length
         self._seq = seq
-        self._cursor_w.value = self._cursor
         self._seq_w.value = seq
+        self._cursor_w.value = self._cursor
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
