@@ -1,0 +1,155 @@
+"""Publish-cost benchmark of the ring writer (the project's demo job).
+
+    python -m frmps_engine.ring.bench [--repeat N] [--quick]
+
+Measures, per step batch (one record), the time the engine spends publishing:
+  columns  RingWriter.publish_columns with numpy columns (the fast path)
+  deltas   RingWriter.publish with a list of RequestDelta
+  tracker  DeltaTracker.sync over the engine's request views (diffing included)
+for 1, 64 and 256 running requests with 1 and 16 new tokens each, and for
+sequences of 8 to 16,000 tokens (tracker path: the cost must stay flat).
+Per-delta figures are the batch time divided by the number of requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from . import _crc32c
+from .tracker import DeltaTracker
+from .writer import RequestDelta, RingWriter, create_ring
+
+BLOCK = 16
+
+
+class _View:
+    __slots__ = ("key", "seed", "block_ids", "token_ids", "num_prompt", "num_computed", "finished", "aborted")
+
+    def __init__(self, key: int, seq_len: int) -> None:
+        self.key = key
+        self.seed = key * 7919
+        self.token_ids = list(range(seq_len))
+        self.block_ids = list(range(key * 100_000, key * 100_000 + -(-seq_len // BLOCK)))
+        self.num_prompt = min(seq_len, 8)
+        self.num_computed = seq_len
+        self.finished = False
+        self.aborted = False
+
+    def advance(self, k: int) -> None:
+        t = self.token_ids
+        for _ in range(k):
+            t.append(len(t))
+            if len(t) > BLOCK * len(self.block_ids):
+                self.block_ids.append(self.block_ids[-1] + 1)
+        self.num_computed = len(t) - 1
+
+
+def _stats(samples_ns: list[int], n: int) -> tuple[float, float, float, float]:
+    s = sorted(samples_ns)
+    med = statistics.median(s) / 1e3
+    p99 = s[min(len(s) - 1, int(0.99 * len(s)))] / 1e3
+    return med, p99, med / max(n, 1), p99 / max(n, 1)
+
+
+def _columns_case(w: RingWriter, n: int, k: int, repeat: int) -> list[int]:
+    keys = np.arange(1, n + 1, dtype=np.uint64)
+    seeds = keys * np.uint64(7919)
+    nc = np.full(n, 1000, dtype=np.uint32)
+    npr = np.zeros(n, dtype=np.uint32)
+    flags = np.zeros(n, dtype=np.uint32)
+    nt = np.full(n, k, dtype=np.uint32)
+    tokens = np.arange(n * k, dtype=np.uint32)
+    out = []
+    for i in range(repeat):
+        # A new block for 1 request in 16 per token, like a decode step.
+        nb = (np.arange(n) % BLOCK < k).astype(np.uint32) if k < BLOCK else np.ones(n, dtype=np.uint32)
+        blocks = np.arange(int(nb.sum()), dtype=np.uint32)
+        t0 = time.perf_counter_ns()
+        w.publish_columns(i, keys, seeds, nc, npr, flags, nb, nt, blocks, tokens)
+        out.append(time.perf_counter_ns() - t0)
+    return out
+
+
+def _deltas_case(w: RingWriter, n: int, k: int, repeat: int) -> list[int]:
+    out = []
+    toks = list(range(k))
+    for i in range(repeat):
+        entries = [RequestDelta(key, key * 7919, 1000, blocks=[key] if key % BLOCK < k else (), tokens=toks) for key in range(1, n + 1)]
+        t0 = time.perf_counter_ns()
+        w.publish(i, entries)
+        out.append(time.perf_counter_ns() - t0)
+    return out
+
+
+def _tracker_case(w: RingWriter, n: int, k: int, seq_len: int, repeat: int) -> list[int]:
+    t = DeltaTracker(w)
+    views = [_View(key, seq_len) for key in range(1, n + 1)]
+    t.sync(0, views)  # FULL with every request (not measured)
+    out = []
+    for i in range(1, repeat + 1):
+        for v in views:
+            v.advance(k)
+        t0 = time.perf_counter_ns()
+        t.sync(i, views)
+        out.append(time.perf_counter_ns() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m frmps_engine.ring.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=400, help="batches measured per case")
+    ap.add_argument("--quick", action="store_true", help="fewer cases and repeats (smoke run)")
+    a = ap.parse_args(argv)
+    repeat = 50 if a.quick else a.repeat
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = tempfile.mkdtemp(prefix="frmps-ring-bench-", dir=shm)
+    path = os.path.join(d, "ring")
+    create_ring(path, 1 << 26)
+    w = RingWriter.attach(path)
+    w.publish(0, [], full=True)
+    try:
+        crc = "crc32c package (hardware)" if _crc32c.HAVE_HW else "numpy tables (no compiled crc32c package)"
+        print(f"frmps ring writer: publish cost per step batch   [{platform.machine()}, Python {platform.python_version()}, numpy {np.__version__}]")
+        print(f"CRC-32C: {crc}; {repeat} batches per case; targets: <= 2 us per delta (median), <= 50 us per batch of 256")
+        hdr = f"{'path':8} {'requests':>8} {'new tok':>7} {'seq len':>7} | {'batch med':>9} {'batch p99':>9} | {'delta med':>9} {'delta p99':>9}  (us)"
+        print()
+        print(hdr)
+        print("-" * len(hdr))
+
+        def row(path_: str, n: int, k: int, seq: str, samples: list[int]) -> None:
+            med, p99, dmed, dp99 = _stats(samples, n)
+            print(f"{path_:8} {n:>8} {k:>7} {seq:>7} | {med:>9.1f} {p99:>9.1f} | {dmed:>9.2f} {dp99:>9.2f}", flush=True)
+
+        for n in (1, 64, 256):
+            for k in (1, 16):
+                row("columns", n, k, "-", _columns_case(w, n, k, repeat))
+        for n in (1, 64, 256):
+            for k in (1, 16):
+                row("deltas", n, k, "-", _deltas_case(w, n, k, repeat))
+        for n in (1, 64, 256):
+            for k in (1, 16):
+                row("tracker", n, k, "1000", _tracker_case(w, n, k, 1000, repeat))
+        seq_lens = (8, 1000, 16000) if a.quick else (8, 128, 1000, 4000, 16000)
+        for L in seq_lens:
+            row("tracker", 256, 1, str(L), _tracker_case(w, 256, 1, L, repeat))
+        print()
+        print("columns: publish_columns (numpy columns, what an engine with array state calls);")
+        print("deltas: publish(list[RequestDelta]); tracker: DeltaTracker.sync (diff + publish).")
+    finally:
+        w.close()
+        os.unlink(path)
+        os.rmdir(d)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
