@@ -130,6 +130,9 @@ def crc32c_linear_np(window: np.ndarray) -> int:
     lvl = 0
     while r.size > 1:
         L = _level(lvl)
+        if r.size <= _GROUP:  # one partial group: use the tail of the table
+            by = r.view(np.uint8)
+            return int(np.bitwise_xor.reduce(np.take(L.flat, L.base[(_GROUP - r.size) * 4 :] + by)))
         g = -(-r.size // _GROUP)
         if g * _GROUP != r.size:  # leading zero chunks keep the value
             r = np.concatenate((np.zeros(g * _GROUP - r.size, dtype=np.uint32), r))
