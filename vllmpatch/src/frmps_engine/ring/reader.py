@@ -7,6 +7,7 @@ Go writer can be decoded here, and so tools can inspect a ring.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -138,7 +139,8 @@ class RingReader:
             self.pos = start
 
     def _u64(self, off: int) -> int:
-        return int.from_bytes(self._mm[off : off + 8], "little")
+        # One aligned 8-byte load, like the Go reader's atomic load (x86-64).
+        return ctypes.c_uint64.from_buffer(self._mm, off).value
 
     def _request_resync(self) -> None:
         req = self._u64(OFF_RESYNC_REQUEST) + 1

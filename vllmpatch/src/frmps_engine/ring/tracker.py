@@ -38,8 +38,8 @@ class RequestView(Protocol):
 class DeltaTracker:
     def __init__(self, writer: RingWriter) -> None:
         self._w = writer
-        # key -> [n_blocks, n_tokens, first_block, last_block, num_computed, seed]
-        self._pub: dict[int, list[int]] = {}
+        # key -> (n_blocks, n_tokens, first_block, last_block, num_computed) as published
+        self._pub: dict[int, tuple[int, int, int, int, int]] = {}
         self._need_full = True  # a writer's first record after attach is FULL
         self._gone: list[int] = []  # forgotten keys the reader must drop
         self._reset: set[int] = set()
@@ -66,15 +66,14 @@ class DeltaTracker:
         if full:
             pub.clear()
             self._gone.clear()
-        keys = array("Q")
-        seeds = array("Q")
-        nc_col = array("I")
-        np_col = array("I")
-        fl_col = array("I")
-        nb_col = array("I")
-        nt_col = array("I")
+        # Row-major scratch columns (one extend per entry is cheaper in Python
+        # than seven appends); publish_columns takes the strided views.
+        ks = array("Q")  # key, seed
+        cols = array("I")  # num_computed, num_prompt, flags, n_blocks, n_tokens
         blocks = array("I")
         tokens = array("I")
+        ks_extend, cols_extend = ks.extend, cols.extend
+        blocks_extend, tokens_extend = blocks.extend, tokens.extend
         done = []
         force = self._reset
         for v in states:
@@ -82,9 +81,9 @@ class DeltaTracker:
             fin = FLAG_FINISHED if v.finished else 0
             if v.aborted:
                 fin |= FLAG_ABORTED
-            prev = pub.get(key)
             if full and fin:
                 continue  # absent from a FULL record = gone
+            prev = pub.get(key)
             b = v.block_ids
             t = v.token_ids
             nb = len(b)
@@ -95,66 +94,39 @@ class DeltaTracker:
                 or nb < prev[0]
                 or nt < prev[1]
                 or (prev[0] and (b[0] != prev[2] or b[prev[0] - 1] != prev[3]))
-                or key in force
+                or (force and key in force)
             ):
-                flags = FLAG_RESET | fin
-                blocks.extend(b)
-                tokens.extend(t)
-                nb_col.append(nb)
-                nt_col.append(nt)
-                np_col.append(v.num_prompt)
+                blocks_extend(b)
+                tokens_extend(t)
+                cols_extend((nc, v.num_prompt, FLAG_RESET | fin, nb, nt))
             else:
                 pb, pt = prev[0], prev[1]
                 if nb == pb and nt == pt and nc == prev[4] and not fin:
                     continue
-                flags = fin
                 if nb > pb:
-                    blocks.extend(b[pb:])
+                    blocks_extend(b[pb:])
                 if nt > pt:
-                    tokens.extend(t[pt:])
-                nb_col.append(nb - pb)
-                nt_col.append(nt - pt)
-                np_col.append(0)
-            keys.append(key)
-            seeds.append(v.seed)
-            nc_col.append(nc)
-            fl_col.append(flags)
+                    tokens_extend(t[pt:])
+                cols_extend((nc, 0, fin, nb - pb, nt - pt))
+            ks_extend((key, v.seed))
             if fin:
                 done.append(key)
-            elif prev is None:
-                pub[key] = [nb, nt, b[0] if nb else 0, b[-1] if nb else 0, nc]
+            elif nb:
+                pub[key] = (nb, nt, b[0], b[-1], nc)
             else:
-                prev[0] = nb
-                prev[1] = nt
-                if nb:
-                    prev[2] = b[0]
-                    prev[3] = b[-1]
-                prev[4] = nc
+                pub[key] = (0, nt, 0, 0, nc)
         for key in self._gone:
-            keys.append(key)
-            seeds.append(0)
-            nc_col.append(0)
-            np_col.append(0)
-            fl_col.append(FLAG_ABORTED)
-            nb_col.append(0)
-            nt_col.append(0)
-        u64 = np.frombuffer
+            ks_extend((key, 0))
+            cols_extend((0, 0, FLAG_ABORTED, 0, 0))
+        k = np.frombuffer(ks, dtype=np.uint64).reshape(-1, 2)
+        c = np.frombuffer(cols, dtype=np.uint32).reshape(-1, 5)
         # pub was updated in place: if publishing fails, the next record must
         # be FULL to put reader and tracker back in agreement.
         self._need_full = True
         seq = self._w.publish_columns(
-            step,
-            u64(keys, dtype=np.uint64),
-            u64(seeds, dtype=np.uint64),
-            u64(nc_col, dtype=np.uint32),
-            u64(np_col, dtype=np.uint32),
-            u64(fl_col, dtype=np.uint32),
-            u64(nb_col, dtype=np.uint32),
-            u64(nt_col, dtype=np.uint32),
-            u64(blocks, dtype=np.uint32),
-            u64(tokens, dtype=np.uint32),
-            full=full,
-        )
+            step, k[:, 0], k[:, 1], c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4],
+            np.frombuffer(blocks, dtype=np.uint32), np.frombuffer(tokens, dtype=np.uint32), full=full,
+        )  # fmt: skip
         self._need_full = False
         self._gone.clear()
         force.clear()

@@ -183,29 +183,23 @@ class RingWriter:
     # ---------------------------------------------------------------- publish
     def publish(self, step: int, entries: Sequence[RequestDelta], full: bool = False) -> int:
         """Publish one DELTA (or FULL) record; returns its seq."""
-        n = len(entries)
-        u64 = array("Q")
-        u32 = array("I", bytes(20 * n))
+        ks = array("Q")  # row-major: key, seed
+        cols = array("I")  # row-major: num_computed, num_prompt, flags, n_blocks, n_tokens
         blocks = array("I")
         tokens = array("I")
-        i = 0
+        ks_extend, cols_extend = ks.extend, cols.extend
         for e in entries:
-            u64.append(e.key)
-            u64.append(e.seed)
-            u32[i] = e.num_computed
-            u32[n + i] = e.num_prompt
-            u32[2 * n + i] = (FLAG_RESET if e.reset else 0) | (FLAG_FINISHED if e.finished else 0) | (
-                FLAG_ABORTED if e.aborted else 0
-            )
-            u32[3 * n + i] = len(e.blocks)
-            u32[4 * n + i] = len(e.tokens)
-            blocks.extend(e.blocks)
-            tokens.extend(e.tokens)
-            i += 1
-        k = np.frombuffer(u64, dtype=np.uint64).reshape(n, 2) if n else np.zeros((0, 2), np.uint64)
-        c = np.frombuffer(u32, dtype=np.uint32).reshape(5, n) if n else np.zeros((5, 0), np.uint32)
+            ks_extend((e.key, e.seed))
+            flags = (FLAG_RESET if e.reset else 0) | (FLAG_FINISHED if e.finished else 0) | (FLAG_ABORTED if e.aborted else 0)
+            cols_extend((e.num_computed, e.num_prompt, flags, len(e.blocks), len(e.tokens)))
+            if e.blocks:
+                blocks.extend(e.blocks)
+            if e.tokens:
+                tokens.extend(e.tokens)
+        k = np.frombuffer(ks, dtype=np.uint64).reshape(-1, 2)
+        c = np.frombuffer(cols, dtype=np.uint32).reshape(-1, 5)
         return self.publish_columns(
-            step, k[:, 0], k[:, 1], c[0], c[1], c[2], c[3], c[4],
+            step, k[:, 0], k[:, 1], c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4],
             np.frombuffer(blocks, dtype=np.uint32), np.frombuffer(tokens, dtype=np.uint32), full=full,
         )  # fmt: skip
 
