@@ -58,11 +58,15 @@ func TestPythonWriterConcurrent(t *testing.T) {
 				}
 			}
 			var werr error
+			deadline := time.After(3 * time.Minute)
 		loop:
 			for {
 				select {
 				case werr = <-done:
 					break loop
+				case <-deadline:
+					_ = cmd.Process.Kill()
+					t.Fatalf("python writer still running after 3 minutes: %v\n%s", <-done, out.String())
 				default:
 					poll()
 					time.Sleep(200 * time.Microsecond)
