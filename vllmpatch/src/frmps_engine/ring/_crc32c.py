@@ -59,18 +59,8 @@ def _mat_apply(m: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def _mat_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a after b."""
+    """The matrix of 'a after b' (b's columns mapped through a)."""
     return _mat_apply(a, b)
-
-
-def _mat_pow(m: np.ndarray, k: int) -> np.ndarray:
-    result = np.array([1 << i for i in range(32)], dtype=np.uint32)
-    while k:
-        if k & 1:
-            result = _mat_mul(m, result)
-        m = _mat_mul(m, m)
-        k >>= 1
-    return result
 
 
 # Level 1: entry (d, b) = CRC contribution of byte b followed by d zero bytes.
@@ -79,7 +69,6 @@ _F[0] = _T
 for _d in range(1, _CHUNK):
     _F[_d] = _T[_F[_d - 1] & 0xFF] ^ (_F[_d - 1] >> 8)
 _F_FLAT = _F.ravel()
-_BASE1 = np.tile((np.arange(_CHUNK - 1, -1, -1, dtype=np.intp) * 256), 1)
 
 
 class _Level:

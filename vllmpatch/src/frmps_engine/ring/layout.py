@@ -38,6 +38,8 @@ TYPE_FULL = 2
 TYPE_PAD = 3
 # length u32, type u16, flags u16, seq u64, epoch u64, payload_len u32, crc32c u32
 RECORD_HEADER = struct.Struct("<IHHQQII")
+# The same without the CRC field: the header bytes the CRC covers.
+RECORD_HEADER_NO_CRC = struct.Struct("<IHHQQI")
 REC_OFF_CRC = 28
 REC_CRC_HEADER_BYTES = 28  # the CRC covers header bytes [0, 28) then the payload
 

@@ -19,7 +19,17 @@ import os
 import random
 import sys
 
-from .layout import FLAG_ABORTED, FLAG_FINISHED, FLAG_RESET, TYPE_DELTA, TYPE_FULL, TYPE_PAD, align_up, payload_len
+from .layout import (
+    FLAG_ABORTED,
+    FLAG_FINISHED,
+    FLAG_RESET,
+    RECORD_HEADER_SIZE,
+    TYPE_DELTA,
+    TYPE_FULL,
+    TYPE_PAD,
+    align_up,
+    payload_len,
+)
 from .writer import RingWriter, create_ring
 
 CAPACITY = 4096
@@ -127,7 +137,7 @@ def _frame(sc: dict) -> None:
             continue
         es = op["entries"]
         plen = payload_len(len(es), sum(len(e["blocks"]) for e in es), sum(len(e["tokens"]) for e in es))
-        length = align_up(32 + plen)
+        length = align_up(RECORD_HEADER_SIZE + plen)
         assert length <= cap // 2
         if cap - cursor % cap < length:
             seq += 1

@@ -14,12 +14,12 @@ import ctypes
 import mmap
 import os
 import platform
-import struct
 from array import array
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _crc32c
 from .layout import (
@@ -29,17 +29,15 @@ from .layout import (
     FLAG_RESET,
     HEADER_SIZE,
     MAGIC,
-    OFF_CAPACITY,
     OFF_EPOCH,
-    OFF_HEADER_SIZE,
     OFF_RESYNC_ACK,
     OFF_RESYNC_REQUEST,
-    OFF_VERSION,
     OFF_WRITE_CURSOR,
     OFF_WRITE_SEQ,
     PAYLOAD_FIXED,
     PAYLOAD_HEADER,
     RECORD_HEADER,
+    RECORD_HEADER_NO_CRC,
     RECORD_HEADER_SIZE,
     TYPE_DELTA,
     TYPE_FULL,
@@ -51,8 +49,6 @@ from .layout import (
 )
 
 _SUPPORTED_MACHINES = {"x86_64", "amd64"}
-# Header without the CRC field: what the CRC covers.
-_HEADER_NO_CRC = struct.Struct("<IHHQQI")
 # Zero bytes kept in front of the scratch record so the numpy CRC can start
 # its 64-byte chunks before the message (leading zeros do not change a CRC).
 _FRONT = 64
@@ -204,7 +200,18 @@ class RingWriter:
         )  # fmt: skip
 
     def publish_columns(
-        self, step, keys, seeds, num_computed, num_prompt, flags, n_blocks, n_tokens, blocks, tokens, full=False
+        self,
+        step: int,
+        keys: ArrayLike,
+        seeds: ArrayLike,
+        num_computed: ArrayLike,
+        num_prompt: ArrayLike,
+        flags: ArrayLike,
+        n_blocks: ArrayLike,
+        n_tokens: ArrayLike,
+        blocks: ArrayLike,
+        tokens: ArrayLike,
+        full: bool = False,
     ) -> int:
         """Publish one record from columns (array-likes; the numpy fast path).
         ``blocks``/``tokens`` are the concatenation over entries, in entry order."""
@@ -270,11 +277,11 @@ class RingWriter:
         start = _FRONT + 4
         end = _FRONT + RECORD_HEADER_SIZE + plen
         if self._hw:
-            _HEADER_NO_CRC.pack_into(s, start, length, typ, 0, seq, self.epoch, plen)
+            RECORD_HEADER_NO_CRC.pack_into(s, start, length, typ, 0, seq, self.epoch, plen)
             return _crc32c.crc32c(memoryview(s)[start:end])
         # Numpy path: starting the CRC at 0xFFFFFFFF equals XOR-ing it into the
         # first four message bytes and starting at 0.
-        _HEADER_NO_CRC.pack_into(s, start, length ^ 0xFFFFFFFF, typ, 0, seq, self.epoch, plen)
+        RECORD_HEADER_NO_CRC.pack_into(s, start, length ^ 0xFFFFFFFF, typ, 0, seq, self.epoch, plen)
         k = -(-(end - start) // 64)
         return _crc32c.crc32c_linear_np(s[end - 64 * k : end]) ^ 0xFFFFFFFF
 
