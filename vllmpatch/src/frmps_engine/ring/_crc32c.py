@@ -14,6 +14,8 @@ test suite checks them against a bitwise reference.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 try:  # pragma: no cover - depends on the environment
@@ -72,11 +74,12 @@ _F_FLAT = _F.ravel()
 
 
 class _Level:
-    """Folds groups of _GROUP values, each the CRC of a chunk of `span` bytes."""
+    """Folds groups of _GROUP values, each the CRC of a chunk of `span` bytes.
+    `shift` is the matrix of appending `span` zero bytes."""
 
-    def __init__(self, span: int) -> None:
+    def __init__(self, span: int, shift: np.ndarray) -> None:
         self.span = span
-        shift = _mat_of_shift(span)  # one chunk of zeros
+        self.shift = shift
         # Value i of a group is followed by (_GROUP-1-i) chunks; byte j of a
         # register value is the low byte of (v >> 8j).
         tabs = np.empty((_GROUP, 4, 256), dtype=np.uint32)
@@ -87,17 +90,27 @@ class _Level:
                 tabs[i, j] = _mat_apply(m, vals << np.uint32(8 * j))
             m = _mat_mul(shift, m)
         self.flat = tabs.ravel()
-        self.base = (np.arange(_GROUP * 4, dtype=np.intp) * 256)
+        self.base = np.arange(_GROUP * 4, dtype=np.intp) * 256
+        self.next_shift = m  # _GROUP chunks of zeros: the next level's span
 
 
 _levels: list[_Level] = []
+_levels_lock = threading.Lock()
 _idx_cache: dict[int, np.ndarray] = {}
+_SLICE_CHUNKS = 1 << 12  # level-1 work per numpy call: 256 KiB of message
 
 
 def _level(i: int) -> _Level:
-    while len(_levels) <= i:
-        _levels.append(_Level(_CHUNK * _GROUP ** len(_levels)))
-    return _levels[i]
+    if i < len(_levels):
+        return _levels[i]
+    with _levels_lock:
+        while len(_levels) <= i:
+            if not _levels:
+                _levels.append(_Level(_CHUNK, _mat_of_shift(_CHUNK)))
+            else:
+                prev = _levels[-1]
+                _levels.append(_Level(prev.span * _GROUP, prev.next_shift))
+        return _levels[i]
 
 
 def _base1(k: int) -> np.ndarray:
@@ -114,8 +127,17 @@ def crc32c_linear_np(window: np.ndarray) -> int:
     """Linear (zero-init, no final XOR) CRC-32C of a uint8 array whose length is
     a multiple of _CHUNK. Leading zero bytes do not change the result."""
     k = window.size // _CHUNK
-    vals = np.take(_F_FLAT, _base1(k) + window)
-    r = np.bitwise_xor.reduce(vals.reshape(k, _CHUNK), axis=1)
+    if k <= _SLICE_CHUNKS:
+        vals = np.take(_F_FLAT, _base1(k) + window)
+        r = np.bitwise_xor.reduce(vals.reshape(k, _CHUNK), axis=1)
+    else:  # bound the temporary index arrays for large records
+        r = np.empty(k, dtype=np.uint32)
+        base = _base1(_SLICE_CHUNKS)
+        for c0 in range(0, k, _SLICE_CHUNKS):
+            c1 = min(k, c0 + _SLICE_CHUNKS)
+            part = window[c0 * _CHUNK : c1 * _CHUNK]
+            vals = np.take(_F_FLAT, base[: part.size] + part)
+            r[c0:c1] = np.bitwise_xor.reduce(vals.reshape(c1 - c0, _CHUNK), axis=1)
     lvl = 0
     while r.size > 1:
         L = _level(lvl)
