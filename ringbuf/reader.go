@@ -92,8 +92,7 @@ func (rd *Reader) requestResync() {
 	rd.pos = rd.r.load(offWriteCursor)
 	rd.nextSeq = 0
 	rd.needFull = true
-	// write_seq is stored after write_cursor, so this may undercount by one
-	// record; it only feeds the Lag metric.
+	// Approximate (a writer may be between its two stores); it only feeds Lag.
 	rd.consumedSeq.Store(rd.r.load(offWriteSeq))
 	rd.r.store(offReaderCursor, rd.pos)
 }
