@@ -432,3 +432,40 @@ func TestNoFDLeak(t *testing.T) {
 		t.Fatalf("fds: %d before, %d after", before, after)
 	}
 }
+
+func TestLagRangeClone(t *testing.T) {
+	p := newRing(t, 1<<16)
+	r := openReader(t, p)
+	w := openWriter(t, p)
+	s := NewSnapshot()
+	mustPublish(t, w, 0, []Entry{
+		{Key: 1, Flags: FlagReset, NumPrompt: 1, NumComputed: 1, Tokens: []uint32{1}, Blocks: []uint32{10}},
+		{Key: 2, Flags: FlagReset, NumPrompt: 1, NumComputed: 1, Tokens: []uint32{2}, Blocks: []uint32{20}},
+	}, true)
+	for i := uint64(1); i <= 4; i++ {
+		mustPublish(t, w, i, []Entry{{Key: 1, NumComputed: uint32(i + 1), Tokens: []uint32{uint32(i)}}}, false)
+	}
+	if r.Lag() != 5 {
+		t.Fatalf("lag %d before polling, want 5", r.Lag())
+	}
+	if n, err := r.Poll(s); err != nil || n != 5 || r.Lag() != 0 {
+		t.Fatalf("poll: %d %v lag %d", n, err, r.Lag())
+	}
+	visited := 0
+	s.Range(func(RequestState) bool { visited++; return false })
+	if visited != 1 {
+		t.Fatalf("Range went on after fn returned false (%d calls)", visited)
+	}
+	g, _ := s.Get(1)
+	c := g.Clone()
+	mustPublish(t, w, 5, []Entry{{Key: 1, Flags: FlagReset, NumComputed: 0, Tokens: []uint32{9, 9, 9, 9, 9}}}, false)
+	if _, err := r.Poll(s); err != nil {
+		t.Fatal(err)
+	}
+	if len(c.TokenIDs) != 5 || c.TokenIDs[0] != 1 || c.Step != 4 {
+		t.Fatalf("clone changed with the snapshot: %+v", c)
+	}
+	if g2, _ := s.Get(1); g2.TokenIDs[0] != 9 || g2.NumPrompt != 0 || len(g2.BlockIDs) != 0 {
+		t.Fatalf("RESET did not replace the state: %+v", g2)
+	}
+}
