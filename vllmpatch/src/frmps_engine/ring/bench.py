@@ -1,6 +1,6 @@
 """Publish-cost benchmark of the ring writer (the project's demo job).
 
-    python -m frmps_engine.ring.bench [--repeat N] [--quick]
+    python -m frmps_engine.ring.bench [--repeat N] [--quick] [--no-go]
 
 Measures, per step batch (one record), the time the engine spends publishing:
   columns  RingWriter.publish_columns with numpy columns (the fast path)
@@ -11,6 +11,9 @@ sequences of 8 to 16,000 tokens (tracker path: the cost must stay flat).
 Per-delta figures are the batch time divided by the number of requests. On a
 shared machine p10 approximates the cost without preemption; p99 shows the
 scheduler as much as the writer.
+
+When run from a source checkout with Go installed it also runs the Go
+reader's BenchmarkConsume (consume + compact throughput on one core).
 """
 
 from __future__ import annotations
@@ -18,10 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -106,10 +113,43 @@ def _tracker_case(w: RingWriter, n: int, k: int, seq_len: int, repeat: int) -> l
     return out
 
 
+def _repo_root() -> Path | None:
+    for d in Path(__file__).resolve().parents:
+        if (d / "go.mod").is_file() and (d / "ringbuf").is_dir():
+            return d
+    return None
+
+
+def _go_consume() -> None:
+    """Run the Go reader's benchmark and print its throughput, if we can."""
+    root, go = _repo_root(), shutil.which("go")
+    print()
+    if root is None or go is None:
+        print("Go reader (BenchmarkConsume): skipped (needs a source checkout and the go tool)")
+        return
+    cmd = [go, "test", "-run", "^$", "-bench", "BenchmarkConsume", "-benchtime", "3x", "-cpu", "1", "./ringbuf"]
+    try:
+        out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        print("Go reader (BenchmarkConsume): timed out")
+        return
+    rows = re.findall(r"BenchmarkConsume/requests=(\d+)/tokens=(\d+)\S*\s+\d+\s+\d+ ns/op\s+([\d.]+) deltas/s\s+([\d.]+) ns/delta", out.stdout)
+    if out.returncode != 0 or not rows:
+        print(f"Go reader (BenchmarkConsume): failed\n{out.stdout}{out.stderr}")
+        return
+    print("Go reader: consume + compact on one core (target >= 1M request-deltas/s)")
+    hdr = f"{'requests':>8} {'new tok':>7} | {'deltas/s':>12} {'ns/delta':>9}"
+    print(hdr)
+    print("-" * len(hdr))
+    for n, k, rate, ns in rows:
+        print(f"{n:>8} {k:>7} | {float(rate):>12,.0f} {float(ns):>9.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m frmps_engine.ring.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=400, help="batches measured per case")
     ap.add_argument("--quick", action="store_true", help="fewer cases and repeats (smoke run)")
+    ap.add_argument("--no-go", action="store_true", help="skip the Go reader benchmark")
     a = ap.parse_args(argv)
     repeat = 50 if a.quick else a.repeat
 
@@ -157,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         w.close()
         os.unlink(path)
         os.rmdir(d)
+    if not a.no_go:
+        _go_consume()
     return 0
 
 
