@@ -251,3 +251,36 @@ def test_vectors_python_writer_reproduces(tmp_path):
     p = str(tmp_path / "py.ring")
     vectors.write_ring(sc, p)
     assert Path(p).read_bytes() == (TESTDATA / "py_writer.ring").read_bytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(min_size=0, max_size=4096), cursor=st.integers(0, 3 * 4096), flips=st.lists(st.integers(0, 4095), max_size=8))
+def test_python_reader_never_crashes(tmp_path_factory, data, cursor, flips):
+    """Arbitrary bytes in the data region (and a real ring with flipped bytes):
+    the Python reader raises RingError or succeeds, nothing else."""
+    p = str(tmp_path_factory.mktemp("fz") / "ring")
+    create_ring(p, 4096)
+    with RingWriter.attach(p) as w:
+        w.publish(0, [RequestDelta(1, 2, 1, 1, reset=True, blocks=[3], tokens=[4])], full=True)
+        for i in range(1, 30):
+            w.publish(i, [RequestDelta(1, 2, 1 + i, tokens=[i])])
+    with open(p, "r+b") as f:
+        if data:
+            f.seek(layout.HEADER_SIZE)
+            f.write(data)
+        for off in flips:
+            f.seek(layout.HEADER_SIZE + off)
+            b = f.read(1)
+            f.seek(layout.HEADER_SIZE + off)
+            f.write(bytes([b[0] ^ 0x5A]))
+        f.seek(layout.OFF_WRITE_CURSOR)
+        f.write(cursor.to_bytes(8, "little"))
+    r = RingReader(p, start=0)
+    for _ in range(3):
+        try:
+            r.poll()
+        except RingError:
+            pass
+        for s in r.snapshot.values():
+            assert s.num_computed <= len(s.tokens) and s.num_prompt <= len(s.tokens)
+    r.close()
