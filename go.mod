@@ -3,6 +3,7 @@ module github.com/frmps/frmps
 go 1.26.0
 
 require (
+	github.com/edsrzf/mmap-go v1.2.0
 	github.com/grpc-ecosystem/grpc-gateway/v2 v2.32.0
 	github.com/hashicorp/go-hclog v1.6.3
 	github.com/prometheus/client_golang v1.25.0
