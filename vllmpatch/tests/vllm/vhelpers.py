@@ -104,7 +104,16 @@ def make_scheduler(vllm_config, cls=None):
     )
 
 
-def make_request(key: int, prompt: list[int], *, max_tokens: int = 40, seed: int | None = None, temperature: float = 0.0):
+def block_hasher(block_size: int = BLOCK_SIZE):
+    """vLLM's own request block hasher (as EngineCore builds it, core.py:219-230)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(block_size, sha256)
+
+
+def make_request(key: int, prompt: list[int], *, max_tokens: int = 40, seed: int | None = None, temperature: float = 0.0, hasher=None):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
@@ -112,7 +121,9 @@ def make_request(key: int, prompt: list[int], *, max_tokens: int = 40, seed: int
     from frmps_engine.vllm.state import request_id_for_key
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=resolve_seed(key, seed), ignore_eos=True)
-    return Request(request_id=request_id_for_key(key), prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None)
+    return Request(
+        request_id=request_id_for_key(key), prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None, block_hasher=hasher
+    )
 
 
 def fake_token(request_id: str, position: int) -> int:
