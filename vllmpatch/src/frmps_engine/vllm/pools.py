@@ -111,6 +111,20 @@ class PoolController:
         self._fds: list[int] | None = None
         self._lock = threading.Lock()
 
+    @classmethod
+    def external(cls, tensors: dict, role: str) -> "PoolController":
+        """Wrap pools the SDK runner already owns ((tag, index) -> uint8 tensor).
+
+        The runner then does the mapping itself (Sleep: map the brokered fds in
+        place; Resume: make the KV pool writable), so suspend/resume here only
+        record the state.
+        """
+        specs = [PoolSpec(tag, idx, int(t.numel())) for (tag, idx), t in sorted(tensors.items())]
+        c = cls(None, specs, role)
+        c._install([_ExternalPool(s, tensors[(s.tag, s.index)]) for s in specs])
+        c.state = "EXTERNAL"
+        return c
+
     def _install(self, pools: Sequence[Any]) -> None:
         self.pools = {p.spec.tag: p for p in pools}
         self.allocators = {p.spec.tag: BumpAllocator(p.spec.tag, p.spec.size) for p in pools}
@@ -146,6 +160,8 @@ class PoolController:
 
     def suspend(self, level: int = 1) -> None:
         with self._lock:
+            if self.state == "EXTERNAL" and self.role == "standby":
+                return
             if self.role == "active":
                 raise RuntimeError("the active engine's pools are shared with the standby; it never sleeps")
             if self.state == "SHARED":
@@ -159,8 +175,8 @@ class PoolController:
 
     def resume(self, tags: list[str] | None = None) -> None:
         with self._lock:
-            if self.role == "active":
-                return  # never slept
+            if self.role == "active" or self.state == "EXTERNAL":
+                return  # never slept, or the runner flips the mappings
             if self.state == "AWAKE":
                 return
             if self.state != "SHARED":
@@ -181,6 +197,13 @@ class PoolController:
                 "pluggable allocator must be installed with set_context_factory() before vLLM loads the model"
             )
         return _context_factory(self, tag)
+
+
+@dataclass
+class _ExternalPool:
+    spec: PoolSpec
+    tensor: Any
+    fd: int = -1
 
 
 _controller: PoolController | None = None

@@ -39,6 +39,15 @@ class _FrmpsSchedulerMixin:
         self._frmps_live: dict[str, Any] = {}
         self._frmps_folded: dict[str, int] = {}
         self._frmps_last_blocks: dict[str, list[int]] = {}
+        # What the engine computed, so tests and the supervisor can prove that a
+        # takeover did not recompute tokens the last sync covered.
+        self.frmps_counters = {
+            "steps": 0,
+            "prefill_tokens_computed": 0,
+            "decode_tokens": 0,
+            "adopted_tokens_reused": 0,
+            "requests_adopted": 0,
+        }
         ring_path = cfg.get("ring_path")
         if ring_path:
             self.frmps_attach_ring(str(ring_path), self._frmps_policy.every)
@@ -112,13 +121,32 @@ class _FrmpsSchedulerMixin:
             self, plan, sampling_params, enqueue=base_add, block_hasher=block_hasher, fold_outputs=fold_outputs
         )
         self._frmps_track(request, result.num_folded)
+        self.frmps_counters["adopted_tokens_reused"] += result.reused_tokens
+        self.frmps_counters["requests_adopted"] += 1
         return result
 
+    def _frmps_count(self, scheduler_output: Any) -> None:
+        c = self.frmps_counters
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            # Before update_from_output, num_computed_tokens already includes this
+            # step's tokens (and, with async scheduling, later in-flight ones).
+            start = req.num_computed_tokens - req.num_in_flight_tokens
+            if n == 1 and start >= req.num_tokens - 1:
+                c["decode_tokens"] += 1
+            else:
+                c["prefill_tokens_computed"] += n
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            self._frmps_count(scheduler_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         # Only steps that computed something count towards the sync interval.
         if scheduler_output.total_num_scheduled_tokens > 0:
             self._frmps_step += 1
+            self.frmps_counters["steps"] += 1
             if self._frmps_tracker is not None and self._frmps_policy.tick():
                 self.frmps_publish()
         return outputs
