@@ -1,7 +1,7 @@
 """The ``vllm.general_plugins`` entry point: ``frmps = frmps_engine.vllm.plugin:register``.
 
 vLLM calls it in every process it starts (API server, EngineCore, each worker),
-possibly several times: vllm/plugins/__init__.py:74-88 guards with a per-process
+possibly several times: vllm/plugins/__init__.py:77-85 guards with a per-process
 flag, but fork-started processes, tests and a second ``load_general_plugins``
 path may call it again, so everything here is idempotent.
 """
@@ -25,7 +25,7 @@ def register() -> None:
         if _registered:
             return
         # Raising here aborts vLLM's start: load_general_plugins calls plugins
-        # outside its try block (plugins/__init__.py:86-88). That is intended.
+        # outside its try block (plugins/__init__.py:88-90). That is intended.
         check_vllm_version()
         from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
