@@ -163,3 +163,46 @@ def test_stop_string_finishes_and_aborts_in_vllm(model_dir):
     last = outs[-1]
     assert last.finished and last.finish_reason == "stop" and last.stop_reason == f"<{third}>"
     assert not eng.scheduler.has_requests()
+
+
+def test_adapter_layout_params_and_refusals(model_dir):
+    from types import SimpleNamespace
+
+    import torch
+    import transformers
+
+    from frmps_engine._proto.frmps.v1 import control_pb2
+    from frmps_engine.vllm.engine import make_adapter, weight_bytes
+    from frmps_engine.vllm.pools import ALIGN
+
+    args = SimpleNamespace(model=model_dir, num_blocks=100, block_size=16, max_model_len=256, dtype="float32", sync_every=4)
+    ad = make_adapter(args)
+    assert (ad.name, ad.version, ad.num_blocks) == ("vllm", "0.33.0", 100)
+    w, kv = ad.pool_layout()
+    assert (w.tag, kv.tag) == ("weights", "kv_cache") and w.size % ALIGN == 0 and kv.size % ALIGN == 0
+    assert ad.pool_layout() == [w, kv]  # deterministic
+
+    # The weights formula counts exactly the model's parameters (transformers'
+    # Qwen2 on the meta device), plus at most one 512-byte pad per tensor.
+    import json
+
+    cfg = json.load(open(f"{model_dir}/config.json"))
+    with torch.device("meta"):
+        m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg))
+    params = {id(p): p for p in m.parameters()}.values()  # tied embeddings once
+    exact = sum(p.numel() for p in params) * 4
+    got = weight_bytes(cfg, "float32")
+    assert exact <= got <= exact + 512 * (len(list(params)) + 1)
+
+    sp = ad.sampling_params(
+        control_pb2.SamplingParams(max_tokens=0, temperature=0.7, top_p=0.9, top_k=5, stop=["x"], stop_token_ids=[9], ignore_eos=True),
+        seed=123,
+    )
+    assert (sp.max_tokens, sp.seed, sp.top_k, sp.stop, sp.stop_token_ids, sp.ignore_eos) == (256, 123, 5, ["x"], [9], True)
+
+    with pytest.raises(ValueError, match="--num-blocks is required"):
+        make_adapter(SimpleNamespace(model=model_dir, num_blocks=0))
+    with pytest.raises(ValueError, match="no readable config.json"):
+        make_adapter(SimpleNamespace(model=model_dir + "/missing", num_blocks=10))
+    with pytest.raises(ValueError, match="no frmps weights-pool formula"):
+        weight_bytes({**cfg, "architectures": ["GPT2LMHeadModel"]}, "float32")

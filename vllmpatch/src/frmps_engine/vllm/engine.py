@@ -339,16 +339,19 @@ class VllmAdapter:
         return VllmEngineCore(core, self.tokenizer())
 
     def sampling_params(self, params: Any, seed: int) -> Any:
+        """control_pb2.SamplingParams (validated by the SDK; ``seed`` resolved) -> vllm SamplingParams."""
         from vllm import SamplingParams
 
         return SamplingParams(
-            max_tokens=int(params.max_tokens) or 16,
+            # vLLM requires max_tokens (vllm/v1/request.py:114); 0 on the wire means "up to the context".
+            max_tokens=int(params.max_tokens) or self.max_model_len,
             temperature=float(params.temperature),
             top_p=float(params.top_p) if params.top_p else 1.0,
             top_k=int(params.top_k) if params.top_k else 0,
             stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None,
-            ignore_eos=bool(getattr(params, "ignore_eos", False)),
+            stop_token_ids=[int(t) for t in params.stop_token_ids] or None,
+            ignore_eos=bool(params.ignore_eos),
+            include_stop_str_in_output=bool(params.include_stop_str_in_output),
             seed=resolve_seed(0, seed),
         )
 
