@@ -140,6 +140,7 @@ def test_requests_without_explicit_seed_are_refused(model_dir):
     r = Request(request_id="frmps-9", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=4), pooling_params=None)
     with pytest.raises(ValueError, match="no explicit seed"):
         sched.add_request(r)
+    assert not sched.has_requests() and "frmps-9" not in sched.requests  # refused, not queued
 
 
 def test_async_scheduler_variant_is_selected_and_publishes(model_dir):

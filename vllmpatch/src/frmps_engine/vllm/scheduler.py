@@ -98,20 +98,30 @@ class _FrmpsSchedulerMixin:
         return self._frmps_tracker.sync(self._frmps_step, self.frmps_views())
 
     # -- requests ---------------------------------------------------------------
-    def _frmps_track(self, request: Any, folded: int = 0) -> None:
+    @staticmethod
+    def _frmps_check(request: Any) -> bool:
+        """True for a frmps request (refused without an explicit seed), False for others."""
         if key_for_request_id(request.request_id) is None:
-            return
+            return False
         if request.sampling_params is None or request.sampling_params.seed is None:
             # Without an explicit seed a resumed request could not sample the same
             # tokens (V2 picks a random one: v1/worker/gpu/sample/states.py:54-58).
             raise ValueError(f"frmps request {request.request_id} has no explicit seed")
+        return True
+
+    def _frmps_track(self, request: Any, folded: int = 0) -> None:
+        if not self._frmps_check(request):
+            return
         self._frmps_live[request.request_id] = request
         if folded:
             self._frmps_folded[request.request_id] = folded
 
     def add_request(self, request: Any) -> None:
+        self._frmps_check(request)  # refuse before vLLM queues it
         super().add_request(request)  # type: ignore[misc]
-        self._frmps_track(request)
+        # A repeated id is a streaming-input chunk for the request already tracked.
+        if self.requests.get(request.request_id) is request:
+            self._frmps_track(request)
 
     def frmps_adopt(
         self, plan: AdoptPlan, sampling_params: Any, *, block_hasher: Any = None, fold_outputs: bool | None = None
