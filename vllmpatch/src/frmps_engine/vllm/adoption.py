@@ -1,0 +1,230 @@
+"""Standby takeover: re-create requests in vLLM's scheduler on the KV blocks the
+active engine left in the shared pool.
+
+vLLM 0.33.0 has no API to hand a request a given list of block IDs. What P/D
+disaggregation does after remote KV arrives is the model here
+(scheduler.py:3467-3517, 1266-1270): the request holds its blocks, sits in the
+waiting queue with ``num_computed_tokens`` > 0, and the scheduler's waiting loop
+then skips the prefix-cache lookup, calls ``allocate_slots`` for the tokens past
+``num_computed_tokens`` only, and emits a ``NewRequestData`` whose ``block_ids``
+are the request's blocks and whose ``num_computed_tokens`` is ours.
+
+Adoption therefore:
+1. pins the block IDs in the ``BlockPool`` with ``touch`` (block_pool.py:792-810):
+   a free block leaves the free queue and every block's ``ref_cnt`` grows by one,
+   exactly as a prefix-cache hit does, so ``free_blocks`` later returns them
+   correctly;
+2. sets the single-type manager's per-request state (``req_to_blocks``,
+   ``num_cached_block``; single_type_kv_cache_manager.py:124-131);
+3. sets ``num_computed_tokens`` and enters the request through
+   ``Scheduler.add_request``, which queues a request holding KV blocks in
+   ``kv_holding_waiting`` (scheduler.py:2697-2715).
+
+Plain logic (``plan_adoption``) is separated from the part that touches vLLM
+objects (``adopt``); ``adopt`` imports vLLM lazily.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .state import cdiv, request_id_for_key
+
+
+class AdoptionError(ValueError):
+    """A resume entry cannot be adopted as given (the engine stays up)."""
+
+
+@dataclass(frozen=True)
+class AdoptPlan:
+    key: int
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # the request's output so far: what the client has been given
+    num_computed: int  # leading tokens of prompt+output whose KV is in block_ids
+    block_ids: list[int]  # exactly cdiv(num_computed, block_size) blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass(frozen=True)
+class AdoptResult:
+    key: int
+    request_id: str
+    reused_tokens: int  # tokens whose KV came from the shared cache
+    prefilled_tokens: int  # tokens the next step computes (one prefill pass)
+    num_folded: int  # output tokens folded into the prompt (V1 model runner)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def plan_adoption(
+    *,
+    key: int,
+    token_ids: Sequence[int],
+    num_prompt: int,
+    num_computed: int,
+    block_ids: Sequence[int],
+    seed: int,
+    delivered_token_ids: Sequence[int] | None,
+    block_size: int,
+    num_blocks: int,
+) -> AdoptPlan:
+    """Decide what to adopt from a ring snapshot entry plus what the client received.
+
+    ``token_ids`` (prompt + output at the last sync), ``num_computed`` and
+    ``block_ids`` come from the snapshot; ``delivered_token_ids`` are the output
+    tokens the client already has (they may run ahead of the sync, or lag it).
+    The request resumes with prompt + delivered tokens; KV is reused only for
+    the tokens the snapshot and the delivered output agree on, and at least one
+    token is always left to compute so the next step yields logits.
+    """
+    if block_size < 1:
+        raise AdoptionError(f"block size must be >= 1, got {block_size}")
+    if not 0 < num_prompt <= len(token_ids):
+        raise AdoptionError(f"request {key}: num_prompt {num_prompt} outside 1..{len(token_ids)}")
+    if num_computed < 0 or num_computed > len(token_ids):
+        raise AdoptionError(f"request {key}: num_computed {num_computed} outside 0..{len(token_ids)}")
+    prompt = [int(t) for t in token_ids[:num_prompt]]
+    synced_out = [int(t) for t in token_ids[num_prompt:]]
+    delivered = synced_out if delivered_token_ids is None else [int(t) for t in delivered_token_ids]
+    agree = num_prompt + _common_prefix(synced_out, delivered)
+    covered = min(num_computed, agree, num_prompt + len(delivered) - 1)
+    covered = max(covered, 0)
+    need = cdiv(covered, block_size)
+    if len(block_ids) < need:
+        raise AdoptionError(
+            f"request {key}: {covered} computed tokens need {need} blocks of {block_size}, snapshot has {len(block_ids)}"
+        )
+    blocks = [int(b) for b in block_ids[:need]]
+    for b in blocks:
+        # Block 0 is vLLM's null block (block_pool.py:187-190); it is never handed out.
+        if not 0 < b < num_blocks:
+            raise AdoptionError(f"request {key}: block id {b} outside 1..{num_blocks - 1}")
+    if len(set(blocks)) != len(blocks):
+        raise AdoptionError(f"request {key}: block list repeats a block: {blocks}")
+    return AdoptPlan(
+        key=int(key),
+        seed=int(seed),
+        prompt_token_ids=prompt,
+        output_token_ids=delivered,
+        num_computed=covered,
+        block_ids=blocks,
+    )
+
+
+def adopt(
+    scheduler: Any,
+    plan: AdoptPlan,
+    sampling_params: Any,
+    *,
+    enqueue: Callable[[Any], None] | None = None,
+    block_hasher: Callable[[Any], list] | None = None,
+    fold_outputs: bool | None = None,
+) -> tuple[Any, AdoptResult]:
+    """Adopt ``plan`` into a vLLM 0.33.0 ``Scheduler``; returns (vllm Request, result).
+
+    ``enqueue`` adds the request to the scheduler (default: ``scheduler.add_request``;
+    a Scheduler subclass that intercepts add_request passes the base method).
+    ``fold_outputs``: the V1 model runner builds a new request from
+    ``prompt_token_ids`` alone (scheduler.py:1655-1661), so already generated
+    tokens must be folded into the prompt there; the V2 runner receives all
+    token ids (scheduler.py:1642-1652) and keeps them as outputs. Default: fold
+    unless the scheduler uses the V2 runner.
+    """
+    from vllm.v1.request import Request
+
+    request_id = request_id_for_key(plan.key)
+    if request_id in scheduler.requests:
+        raise AdoptionError(f"request {plan.key} already exists in this engine")
+    kv = scheduler.kv_cache_manager
+    managers = kv.coordinator.single_type_managers
+    if len(managers) != 1:
+        raise AdoptionError(
+            f"adoption supports one KV-cache group (full attention); this model has {len(managers)} groups"
+        )
+    manager = managers[0]
+    pool = kv.block_pool
+    if manager.block_size != scheduler.block_size:
+        raise AdoptionError(f"manager block size {manager.block_size} != scheduler block size {scheduler.block_size}")
+    if plan.block_ids and max(plan.block_ids) >= pool.num_gpu_blocks:
+        raise AdoptionError(f"request {plan.key}: block id {max(plan.block_ids)} >= pool size {pool.num_gpu_blocks}")
+
+    if fold_outputs is None:
+        fold_outputs = not bool(getattr(scheduler, "use_v2_model_runner", False))
+    params = copy.deepcopy(sampling_params)
+    params.seed = plan.seed
+    outs = list(plan.output_token_ids)
+    if fold_outputs and outs:
+        if params.max_tokens is not None:
+            if params.max_tokens <= len(outs):
+                raise AdoptionError(
+                    f"request {plan.key}: {len(outs)} tokens delivered, max_tokens {params.max_tokens}: nothing left to generate"
+                )
+            params.max_tokens -= len(outs)
+        params.min_tokens = max(0, int(params.min_tokens or 0) - len(outs))
+        prompt = plan.prompt_token_ids + outs
+    else:
+        if params.max_tokens is not None and params.max_tokens <= len(outs):
+            raise AdoptionError(
+                f"request {plan.key}: {len(outs)} tokens delivered, max_tokens {params.max_tokens}: nothing left to generate"
+            )
+        prompt = list(plan.prompt_token_ids)
+
+    blocks = [pool.blocks[b] for b in plan.block_ids]
+    for blk in blocks:
+        if blk.is_null:
+            raise AdoptionError(f"request {plan.key}: block {blk.block_id} is the null block")
+        shared_prefix = pool.enable_caching and blk.block_hash is not None
+        if blk.ref_cnt > 0 and not shared_prefix:
+            raise AdoptionError(f"request {plan.key}: block {blk.block_id} is already in use by another request")
+
+    request = Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=block_hasher,
+    )
+    if not fold_outputs and outs:
+        request.append_output_token_ids(outs)
+
+    # A free block may still carry a prefix-cache hash from this engine's own past
+    # (a stale eviction candidate); its contents are now the adopted request's.
+    stale = {blk.block_id for blk in blocks if blk.ref_cnt == 0 and blk.block_hash is not None}
+    if stale:
+        pool.evict_blocks(stale)
+    pool.touch(blocks)
+    manager.req_to_blocks[request_id] = list(blocks)
+    # Leading blocks already hashed (a prefix shared with an adopted sibling) are
+    # cached; the rest are hashed by cache_blocks once the request runs.
+    hashed = 0
+    for blk in blocks:
+        if blk.block_hash is None:
+            break
+        hashed += 1
+    manager.num_cached_block[request_id] = hashed
+    request.num_computed_tokens = plan.num_computed
+    (enqueue or scheduler.add_request)(request)
+    if pool.enable_caching and plan.num_computed:
+        # Hash the adopted full blocks now, so a sibling adopted next that shares
+        # this prefix finds them cached (and so new requests can hit them).
+        kv.cache_blocks(request, plan.num_computed)
+    return request, AdoptResult(
+        key=plan.key,
+        request_id=request_id,
+        reused_tokens=plan.num_computed,
+        prefilled_tokens=plan.num_tokens - plan.num_computed,
+        num_folded=len(outs) if fold_outputs else 0,
+    )

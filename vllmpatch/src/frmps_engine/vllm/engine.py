@@ -1,0 +1,379 @@
+"""The engine core the SDK's runner drives, on top of vLLM's in-process EngineCore.
+
+``python -m frmps_engine.cli serve --engine vllm --model <hf-dir> ...`` makes the
+SDK runner call ``make_adapter(args)``; the adapter derives the pool layout and
+builds a ``VllmEngineCore`` (the SDK's ``EngineCore`` protocol: add_request,
+adopt_request, abort, step, has_work, request_views, tokenizer, counters).
+
+The vLLM side is built with official knobs only:
+- ``scheduler_cls`` = FrmpsScheduler (committed views, adoption, counters);
+- ``enable_sleep_mode`` + ``sleep_mode_backend="frmps"`` (pools.PoolController);
+- ``num_gpu_blocks_override`` so both engines have the same block count;
+- ``load_format="dummy"`` for a standby (and for dummy weights), so it never
+  loads weights; whatever it initialises lands in its private placeholder pools;
+- ``tensor_parallel_size=1`` and the in-process executor (the worker shares this
+  process, hence the pool controller).
+- every request carries an explicit seed (seeds.py).
+
+This module imports vLLM only inside functions, so the SDK can list engines
+without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME
+from .adoption import AdoptResult, plan_adoption
+from .pools import kv_cache_bytes, pool_layout
+from .seeds import resolve_seed
+from .state import CommittedView, key_for_request_id, request_id_for_key
+
+_FINISH = {0: "stop", 1: "length", 2: "abort"}  # vllm.v1.engine.FinishReason values
+
+
+@dataclass
+class Output:
+    key: int
+    new_token_ids: list[int]
+    output_index: int
+    finished: bool
+    finish_reason: str | None
+    stop_reason: Any = None
+
+
+@dataclass
+class _Track:
+    num_out: int  # output tokens delivered so far (including those before a takeover)
+    stop: list[str] = field(default_factory=list)
+    text_tail: str = ""
+
+
+class VllmTokenizer:
+    """The SDK's Tokenizer protocol over vLLM's tokenizer (HF fast tokenizer + chat template)."""
+
+    def __init__(self, tok: Any):
+        if tok is None:
+            raise ValueError("vLLM was configured without a tokenizer (skip_tokenizer_init)")
+        self._tok = tok
+        self.eos_token_id = tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        ids = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+
+class VllmEngineCore:
+    """SDK EngineCore over a vLLM ``EngineCore`` whose scheduler is a FrmpsScheduler.
+
+    ``core`` is vLLM's in-process EngineCore (built by ``VllmAdapter.create_core``);
+    anything with ``scheduler``, ``step()``, ``add_request(Request)``,
+    ``abort_requests(ids)`` and ``request_block_hasher`` works (tests drive the
+    real scheduler with a labelled fake model through this seam).
+    """
+
+    def __init__(self, core: Any, tokenizer: Any = None):
+        self.core = core
+        self.scheduler = core.scheduler
+        if not hasattr(self.scheduler, "frmps_adopt"):
+            raise TypeError(f"vLLM scheduler is {type(self.scheduler).__name__}; set scheduler_cls={SCHEDULER_CLS}")
+        self.tokenizer = tokenizer
+        self._tracks: dict[int, _Track] = {}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return dict(self.scheduler.frmps_counters)
+
+    def _params(self, key: int, params: Any, seed: int | None = None) -> Any:
+        import copy
+
+        params = copy.deepcopy(params)
+        params.seed = resolve_seed(key, params.seed if seed is None else seed)
+        return params
+
+    def add_request(self, key: int, prompt_token_ids: list[int], params: Any) -> None:
+        from vllm.v1.request import Request
+
+        if key in self._tracks:
+            raise ValueError(f"request {key} already exists")
+        if not prompt_token_ids:
+            raise ValueError(f"request {key}: empty prompt")
+        params = self._params(key, params)
+        req = Request(
+            request_id=request_id_for_key(key),
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=getattr(self.core, "request_block_hasher", None),
+        )
+        self.core.add_request(req)
+        self._tracks[key] = _Track(0, list(params.stop or []))
+
+    def adopt_request(
+        self,
+        key: int,
+        params: Any,
+        token_ids: list[int],
+        num_prompt: int,
+        num_computed: int,
+        block_ids: list[int],
+        seed: int,
+        delivered_token_ids: list[int],
+    ) -> AdoptResult:
+        if key in self._tracks:
+            raise ValueError(f"request {key} already exists")
+        plan = plan_adoption(
+            key=key,
+            token_ids=token_ids,
+            num_prompt=num_prompt,
+            num_computed=num_computed,
+            block_ids=block_ids,
+            seed=seed,
+            delivered_token_ids=delivered_token_ids,
+            block_size=self.scheduler.block_size,
+            num_blocks=self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+        )
+        params = self._params(key, params, seed)
+        result = self.scheduler.frmps_adopt(plan, params, block_hasher=getattr(self.core, "request_block_hasher", None))
+        self._tracks[key] = _Track(len(plan.output_token_ids), list(params.stop or []))
+        return result
+
+    def abort(self, key: int) -> bool:
+        if key not in self._tracks:
+            return False
+        self.core.abort_requests([request_id_for_key(key)])
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_requests())
+
+    def request_views(self) -> Iterable[CommittedView]:
+        return self.scheduler.frmps_views()
+
+    def _check_stop_strings(self, tr: _Track, new: list[int]) -> str | None:
+        # vLLM matches stop strings in the front end's detokenizer, which this
+        # in-process core bypasses; check here on a bounded tail of the text.
+        if not tr.stop or self.tokenizer is None:
+            return None
+        tr.text_tail += self.tokenizer.decode(new)
+        for s in tr.stop:
+            if s in tr.text_tail:
+                return s
+        keep = max(len(s) for s in tr.stop) * 2
+        tr.text_tail = tr.text_tail[-keep:]
+        return None
+
+    def step(self) -> list[Output]:
+        outputs_by_client, _ = self.core.step()
+        result: list[Output] = []
+        stopped: list[int] = []
+        for eco in outputs_by_client.values():
+            for out in eco.outputs:
+                key = key_for_request_id(out.request_id)
+                tr = self._tracks.get(key) if key is not None else None
+                if tr is None:
+                    continue
+                new = list(out.new_token_ids)
+                index = tr.num_out
+                tr.num_out += len(new)
+                reason = _FINISH.get(int(out.finish_reason)) if out.finish_reason is not None else None
+                stop_reason = out.stop_reason
+                if reason is None:
+                    hit = self._check_stop_strings(tr, new)
+                    if hit is not None:
+                        reason, stop_reason = "stop", hit
+                        stopped.append(key)
+                finished = reason is not None
+                result.append(Output(key, new, index, finished, reason, stop_reason))
+                if finished:
+                    del self._tracks[key]
+        if stopped:
+            self.core.abort_requests([request_id_for_key(k) for k in stopped])
+        return result
+
+
+# -- configuration -------------------------------------------------------------
+def _hf_config(model: str) -> dict:
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ValueError(f"model directory {model!r} has no readable config.json: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from exc
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DECODERS = {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
+
+
+def weight_bytes(cfg: dict, dtype: str) -> int:
+    """Weight bytes of a Llama-family decoder (Qwen2/Qwen3/Llama/Mistral) from its
+    config, each tensor padded as the pool's bump allocator pads it."""
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in _DECODERS:
+        raise ValueError(f"architecture {arch} has no frmps weights-pool formula yet (known: {sorted(_DECODERS)})")
+    nb = _DTYPE_BYTES[dtype]
+    h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kvh = cfg.get("num_key_value_heads", heads)
+    hd = cfg.get("head_dim") or h // heads
+    bias = arch == "Qwen2ForCausalLM"  # Qwen2 has q/k/v biases
+    pad = lambda n: -(-n * nb // 512) * 512  # noqa: E731
+    per_layer = [
+        h * (heads + 2 * kvh) * hd,  # fused qkv (vLLM's QKVParallelLinear)
+        heads * hd * h,  # o_proj
+        2 * i * h,  # fused gate_up
+        i * h,  # down
+        h,
+        h,  # two RMSNorms
+    ]
+    if bias:
+        per_layer.append((heads + 2 * kvh) * hd)
+    if arch == "Qwen3ForCausalLM":
+        per_layer += [hd, hd]  # q_norm, k_norm
+    total = L * sum(pad(n) for n in per_layer) + pad(v * h) + pad(h)
+    if not cfg.get("tie_word_embeddings", False):
+        total += pad(v * h)
+    return total
+
+
+@dataclass
+class VllmEngineConfig:
+    model: str
+    device: str = "cuda"
+    num_blocks: int = 0
+    block_size: int = 16
+    max_model_len: int = 4096
+    dtype: str = "bfloat16"
+    weights: str = "dummy"  # "dummy" or "load"
+    sync_every: int = 16
+    async_scheduling: bool = False
+    gpu_memory_utilization: float = 0.9
+
+
+class VllmAdapter:
+    """The SDK's EngineAdapter for vLLM 0.33.0."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: VllmEngineConfig):
+        from .version import check_vllm_version
+
+        self.version = check_vllm_version()
+        if cfg.num_blocks < 1:
+            raise ValueError("--num-blocks is required with --engine vllm: both engines must have the same KV block count")
+        if cfg.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"dtype {cfg.dtype!r} not supported (use one of {sorted(_DTYPE_BYTES)})")
+        self.cfg = cfg
+        self.hf = _hf_config(cfg.model)
+        self.model, self.device = cfg.model, cfg.device
+        self.block_size, self.num_blocks, self.max_model_len = cfg.block_size, cfg.num_blocks, cfg.max_model_len
+        self._tokenizer = None
+
+    def pool_layout(self):
+        h = self.hf
+        heads = h["num_attention_heads"]
+        kv = kv_cache_bytes(
+            num_layers=h["num_hidden_layers"],
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=h.get("num_key_value_heads", heads),
+            head_size=h.get("head_dim") or h["hidden_size"] // heads,
+            dtype_bytes=_DTYPE_BYTES[self.cfg.dtype],
+        )
+        return pool_layout(weight_bytes(h, self.cfg.dtype), kv)
+
+    def engine_args(self, load_weights: bool) -> Any:
+        from vllm.engine.arg_utils import EngineArgs
+
+        from . import ASYNC_SCHEDULER_CLS
+
+        return EngineArgs(
+            model=self.cfg.model,
+            dtype=self.cfg.dtype,
+            max_model_len=self.cfg.max_model_len,
+            block_size=self.cfg.block_size,
+            num_gpu_blocks_override=self.cfg.num_blocks,
+            load_format="auto" if (load_weights and self.cfg.weights == "load") else "dummy",
+            enable_sleep_mode=True,
+            sleep_mode_backend=SLEEP_BACKEND_NAME,
+            scheduler_cls=ASYNC_SCHEDULER_CLS if self.cfg.async_scheduling else SCHEDULER_CLS,
+            async_scheduling=self.cfg.async_scheduling,
+            additional_config={"frmps": {"sync_every": self.cfg.sync_every}},
+            tensor_parallel_size=1,
+            distributed_executor_backend="uni",
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            seed=0,
+        )
+
+    def create_core(self, pools: dict, load_weights: bool) -> VllmEngineCore:
+        """Build vLLM in this process on the given pools (GPU path; see VLLM.md).
+
+        ``pools`` maps (tag, index) to the SDK's pool tensors; they are wrapped in
+        a PoolController so vLLM's worker allocates weights and the KV cache in
+        them through the frmps memory-pool context.
+        """
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.executor.abstract import Executor
+
+        from .plugin import register
+        from .pools import PoolController, install_controller
+
+        register()
+        install_controller(PoolController.external(pools, "active" if load_weights else "standby"))
+        vllm_config = self.engine_args(load_weights).create_engine_config()
+        core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
+        return VllmEngineCore(core, self.tokenizer())
+
+    def sampling_params(self, params: Any, seed: int) -> Any:
+        """control_pb2.SamplingParams (validated by the SDK; ``seed`` resolved) -> vllm SamplingParams."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            # vLLM requires max_tokens (vllm/v1/request.py:114); 0 on the wire means "up to the context".
+            max_tokens=int(params.max_tokens) or self.max_model_len,
+            temperature=float(params.temperature),
+            top_p=float(params.top_p) if params.top_p else 1.0,
+            top_k=int(params.top_k) if params.top_k else 0,
+            stop=list(params.stop) or None,
+            stop_token_ids=[int(t) for t in params.stop_token_ids] or None,
+            ignore_eos=bool(params.ignore_eos),
+            include_stop_str_in_output=bool(params.include_stop_str_in_output),
+            seed=resolve_seed(0, seed),
+        )
+
+    def tokenizer(self) -> VllmTokenizer:
+        if self._tokenizer is None:
+            from vllm.tokenizers.registry import get_tokenizer
+
+            self._tokenizer = VllmTokenizer(get_tokenizer(self.cfg.model))
+        return self._tokenizer
+
+
+def make_adapter(args: Any) -> VllmAdapter:
+    """Build the adapter from the CLI's parsed arguments (``serve --engine vllm``)."""
+    return VllmAdapter(
+        VllmEngineConfig(
+            model=args.model,
+            device=getattr(args, "device", None) or "cuda",
+            num_blocks=int(getattr(args, "num_blocks", 0) or 0),
+            block_size=int(getattr(args, "block_size", 16) or 16),
+            max_model_len=int(getattr(args, "max_model_len", 0) or 4096),
+            dtype=getattr(args, "dtype", None) or "bfloat16",
+            weights=getattr(args, "weights", None) or "dummy",
+            sync_every=int(getattr(args, "sync_every", 16) or 16),
+        )
+    )

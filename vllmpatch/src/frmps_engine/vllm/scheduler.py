@@ -1,0 +1,177 @@
+"""vLLM scheduler subclasses (selected with ``scheduler_cls``) that publish
+committed forward state to the ring and adopt requests on takeover.
+
+Thin: the logic is in ``state`` (committed views), ``adoption`` and the ring's
+``DeltaTracker``. This module imports vLLM; load it only where vLLM runs.
+
+Configuration comes from ``VllmConfig.additional_config["frmps"]`` (the
+official slot for plugin settings): ``{"ring_path": str | None, "sync_every": int}``.
+An engine that only learns its ring later (the standby, at Resume) calls
+``frmps_attach_ring``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from .adoption import AdoptPlan, AdoptResult, adopt
+from .state import CommittedView, SyncPolicy, committed_view, key_for_request_id, views_sorted
+
+ADDITIONAL_CONFIG_KEY = "frmps"
+
+
+class _FrmpsSchedulerMixin:
+    """Adds ring publishing and adoption to a vLLM Scheduler (mixed in first)."""
+
+    def _frmps_init(self) -> None:
+        extra = getattr(self.vllm_config, "additional_config", None)
+        cfg = extra.get(ADDITIONAL_CONFIG_KEY, {}) if isinstance(extra, dict) else {}
+        self._frmps_tracker: Any = None
+        self._frmps_policy = SyncPolicy(int(cfg.get("sync_every", 1)))
+        self._frmps_step = 0
+        # Every frmps request seen and not yet published as finished: request id ->
+        # vLLM Request. Requests leave self.requests when they finish; keeping the
+        # object lets the next sync publish the finish once.
+        self._frmps_live: dict[str, Any] = {}
+        self._frmps_folded: dict[str, int] = {}
+        self._frmps_last_blocks: dict[str, list[int]] = {}
+        # What the engine computed, so tests and the supervisor can prove that a
+        # takeover did not recompute tokens the last sync covered.
+        self.frmps_counters = {
+            "steps": 0,
+            "prefill_tokens_computed": 0,
+            "decode_tokens": 0,
+            "adopted_tokens_reused": 0,
+            "requests_adopted": 0,
+        }
+        ring_path = cfg.get("ring_path")
+        if ring_path:
+            self.frmps_attach_ring(str(ring_path), self._frmps_policy.every)
+
+    # -- ring -------------------------------------------------------------------
+    def frmps_attach(self, tracker: Any, sync_every: int) -> int:
+        """Publish through ``tracker`` (a ring ``DeltaTracker``) every ``sync_every`` steps.
+
+        Publishes the full current state at once: a freshly attached writer
+        owes the reader a FULL record. Returns that record's seq.
+        """
+        self._frmps_policy = SyncPolicy(sync_every)
+        self._frmps_tracker = tracker
+        return self.frmps_publish()
+
+    def frmps_attach_ring(self, path: str, sync_every: int) -> int:
+        from frmps_engine.ring import DeltaTracker, RingWriter
+
+        writer = RingWriter.attach(path)
+        return self.frmps_attach(DeltaTracker(writer), sync_every)
+
+    def frmps_views(self) -> list[CommittedView]:
+        """Committed state of every frmps request, plus a last entry for each that
+        finished since the previous call (which is then forgotten here)."""
+        views: list[CommittedView] = []
+        bs = self.block_size
+        for rid, req in list(self._frmps_live.items()):
+            key = key_for_request_id(rid)
+            folded = self._frmps_folded.get(rid, 0)
+            if self.requests.get(rid) is req and not req.is_finished():
+                blocks = list(self.kv_cache_manager.get_block_ids(rid)[0])
+                self._frmps_last_blocks[rid] = blocks
+                views.append(committed_view(req, key, blocks, bs, num_folded=folded))
+                continue
+            aborted = req.status == RequestStatus.FINISHED_ABORTED
+            blocks = self._frmps_last_blocks.pop(rid, [])
+            views.append(
+                committed_view(req, key, blocks, bs, num_folded=folded, finished=not aborted, aborted=aborted)
+            )
+            del self._frmps_live[rid]
+            self._frmps_folded.pop(rid, None)
+        return views_sorted(views)
+
+    def frmps_publish(self) -> int:
+        """Publish one record now (no-op returning -1 without a tracker)."""
+        if self._frmps_tracker is None:
+            return -1
+        return self._frmps_tracker.sync(self._frmps_step, self.frmps_views())
+
+    # -- requests ---------------------------------------------------------------
+    @staticmethod
+    def _frmps_check(request: Any) -> bool:
+        """True for a frmps request (refused without an explicit seed), False for others."""
+        if key_for_request_id(request.request_id) is None:
+            return False
+        if request.sampling_params is None or request.sampling_params.seed is None:
+            # Without an explicit seed a resumed request could not sample the same
+            # tokens (V2 picks a random one: v1/worker/gpu/sample/states.py:54-58).
+            raise ValueError(f"frmps request {request.request_id} has no explicit seed")
+        return True
+
+    def _frmps_track(self, request: Any, folded: int = 0) -> None:
+        if not self._frmps_check(request):
+            return
+        self._frmps_live[request.request_id] = request
+        if folded:
+            self._frmps_folded[request.request_id] = folded
+
+    def add_request(self, request: Any) -> None:
+        self._frmps_check(request)  # refuse before vLLM queues it
+        super().add_request(request)  # type: ignore[misc]
+        # A repeated id is a streaming-input chunk for the request already tracked.
+        if self.requests.get(request.request_id) is request:
+            self._frmps_track(request)
+
+    def frmps_adopt(
+        self, plan: AdoptPlan, sampling_params: Any, *, block_hasher: Any = None, fold_outputs: bool | None = None
+    ) -> AdoptResult:
+        base_add = super().add_request  # type: ignore[misc]
+        request, result = adopt(
+            self, plan, sampling_params, enqueue=base_add, block_hasher=block_hasher, fold_outputs=fold_outputs
+        )
+        self._frmps_track(request, result.num_folded)
+        self.frmps_counters["adopted_tokens_reused"] += result.reused_tokens
+        self.frmps_counters["requests_adopted"] += 1
+        return result
+
+    def _frmps_count(self, scheduler_output: Any) -> None:
+        c = self.frmps_counters
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            # Before update_from_output, num_computed_tokens already includes this
+            # step's tokens (and, with async scheduling, later in-flight ones).
+            start = req.num_computed_tokens - req.num_in_flight_tokens
+            if n == 1 and start >= req.num_tokens - 1:
+                c["decode_tokens"] += 1
+            else:
+                c["prefill_tokens_computed"] += n
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            self._frmps_count(scheduler_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        # Only steps that computed something count towards the sync interval.
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            self._frmps_step += 1
+            self.frmps_counters["steps"] += 1
+            if self._frmps_tracker is not None and self._frmps_policy.tick():
+                self.frmps_publish()
+        return outputs
+
+    def frmps_live_keys(self) -> Iterable[int]:
+        return [k for k in (key_for_request_id(r) for r in self._frmps_live) if k is not None]
+
+
+class FrmpsScheduler(_FrmpsSchedulerMixin, Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._frmps_init()
+
+
+class FrmpsAsyncScheduler(_FrmpsSchedulerMixin, AsyncScheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._frmps_init()

@@ -1,0 +1,239 @@
+"""Takeover on the real vLLM 0.33.0 Scheduler: a second scheduler adopts the
+requests an active scheduler published, on the same block IDs, and its next
+SchedulerOutput computes only the tokens the sync did not cover."""
+
+from __future__ import annotations
+
+import pytest
+
+from vhelpers import (
+    BLOCK_SIZE,
+    FakeModel,
+    RecordingTracker,
+    block_hasher,
+    block_pool_invariants,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    step,
+    write_tiny_model,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+PROMPTS = {21: list(range(10, 50)), 22: list(range(100, 117)), 23: list(range(200, 233))}
+MAX_TOKENS = {21: 12, 22: 30, 23: 9}
+
+
+def run_to_end(sched, model, limit=300):
+    for _ in range(limit):
+        if not sched.has_requests():
+            return
+        step(sched, model)
+    raise AssertionError("scheduler did not finish")
+
+
+def active_until(model_dir, steps, sync_every, *, caching=False, prompts=PROMPTS):
+    from frmps_engine.vllm import SCHEDULER_CLS
+
+    vc = make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS, enable_prefix_caching=caching)
+    active = make_scheduler(vc)
+    tracker = RecordingTracker()
+    active.frmps_attach(tracker, sync_every)
+    hasher = block_hasher() if caching else None
+    for k, p in prompts.items():
+        active.add_request(make_request(k, p, max_tokens=MAX_TOKENS[k], hasher=hasher))
+    model = FakeModel()
+    for _ in range(steps):
+        step(active, model)
+    return active, model, tracker
+
+
+def no_fault_outputs(model_dir, prompts=PROMPTS):
+    from frmps_engine.vllm import SCHEDULER_CLS
+
+    sched = make_scheduler(make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS))
+    for k, p in prompts.items():
+        sched.add_request(make_request(k, p, max_tokens=MAX_TOKENS[k]))
+    model = FakeModel()
+    run_to_end(sched, model)
+    return {k: model.sampled[f"frmps-{k}"] for k in prompts}
+
+
+def resume_set(views, delivered, prompts=PROMPTS):
+    """What the supervisor hands the standby: every open request, with its snapshot
+    where the ring had one, else (never synced) just its prompt and no KV."""
+    from frmps_engine.vllm.seeds import derive_seed
+    from frmps_engine.vllm.state import CommittedView
+
+    by_key = {v.key: v for v in views if not (v.finished or v.aborted)}
+    out = []
+    for k, p in prompts.items():
+        if len(delivered[k]) >= MAX_TOKENS[k]:
+            continue  # finished before the fault
+        out.append(by_key.get(k) or CommittedView(key=k, seed=derive_seed(k), block_ids=[], token_ids=list(p), num_prompt=len(p), num_computed=0))
+    return out
+
+
+def adopt_all(standby, views, delivered, fold=None, hasher=None):
+    from vllm import SamplingParams
+
+    from frmps_engine.vllm.adoption import plan_adoption
+
+    plans, results = {}, {}
+    for v in views:
+        plan = plan_adoption(
+            key=v.key,
+            token_ids=v.token_ids,
+            num_prompt=v.num_prompt,
+            num_computed=v.num_computed,
+            block_ids=v.block_ids,
+            seed=v.seed,
+            delivered_token_ids=delivered[v.key],
+            block_size=BLOCK_SIZE,
+            num_blocks=standby.kv_cache_manager.block_pool.num_gpu_blocks,
+        )
+        params = SamplingParams(max_tokens=MAX_TOKENS[v.key], temperature=0.0, ignore_eos=True)
+        plans[v.key] = plan
+        results[v.key] = standby.frmps_adopt(plan, params, fold_outputs=fold, block_hasher=hasher)
+    return plans, results
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["v2-outputs", "v1-folded"])
+@pytest.mark.parametrize("kill_after,sync_every", [(7, 4), (9, 1), (3, 16)])
+def test_standby_adopts_blocks_and_skips_covered_prefill(model_dir, kill_after, sync_every, fold):
+    from frmps_engine.vllm import SCHEDULER_CLS
+
+    active, amodel, tracker = active_until(model_dir, kill_after, sync_every)
+    _, views = tracker.records[-1]  # the last sync before the "death"
+    # What each client had received when the active died: everything sampled so far.
+    delivered = {k: list(amodel.sampled.get(f"frmps-{k}", [])) for k in PROMPTS}
+    views = resume_set(views, delivered)
+    assert views, "something must be left to resume"
+
+    standby = make_scheduler(make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS))
+    plans, results = adopt_all(standby, views, delivered, fold=fold)
+    summary = block_pool_invariants(standby)
+    assert summary["held"] == sum(len(p.block_ids) for p in plans.values())
+
+    smodel = FakeModel()
+    so = standby.schedule()
+    new = {r.req_id: r for r in so.scheduled_new_reqs}
+    for key, plan in plans.items():
+        rid = f"frmps-{key}"
+        nr = new[rid]
+        (blocks,) = nr.block_ids
+        assert blocks[: len(plan.block_ids)] == plan.block_ids, "adopted blocks come first, unchanged"
+        assert nr.num_computed_tokens == plan.num_computed
+        # Exactly the tokens past the covered prefix are computed, in one pass.
+        assert so.num_scheduled_tokens[rid] == plan.num_tokens - plan.num_computed
+        assert results[key].reused_tokens == plan.num_computed
+        assert results[key].prefilled_tokens == so.num_scheduled_tokens[rid]
+        full = plan.prompt_token_ids + plan.output_token_ids
+        if fold:
+            assert nr.prompt_token_ids == full
+            assert nr.sampling_params.max_tokens == MAX_TOKENS[key] - len(plan.output_token_ids)
+        else:
+            assert nr.prompt_token_ids == plan.prompt_token_ids
+            assert nr.prefill_token_ids == full  # V2 model runner: all token ids
+        assert nr.sampling_params.seed == plan.seed
+    # The covered KV must really be covered: nothing before num_computed is recomputed.
+    mro = smodel.run(standby, so)
+    for key, plan in plans.items():
+        assert smodel.computed[f"frmps-{key}"][0] == plan.num_computed
+    standby.update_from_output(so, mro)
+    run_to_end(standby, smodel)
+
+    # Output equals the no-fault run (the fake model's token depends only on position).
+    reference = no_fault_outputs(model_dir)
+    for key in plans:
+        got = delivered[key] + smodel.sampled.get(f"frmps-{key}", [])
+        assert got == reference[key], f"request {key}"
+    assert block_pool_invariants(standby) == {"free": 63, "held": 0}
+
+
+def test_adopted_prefix_shared_blocks_keep_ref_counts(model_dir):
+    """With prefix caching, two requests share their first two full blocks; after
+    adoption those blocks have ref_cnt 2, and everything is free at the end."""
+    from frmps_engine.vllm import SCHEDULER_CLS
+
+    shared = list(range(300, 332))  # two full blocks
+    prompts = {21: shared + [1, 2, 3, 4, 5], 22: shared + [9, 8, 7]}
+    active, amodel, tracker = active_until(model_dir, 0, 1, caching=True, prompts=prompts)
+    # Run the first request's prefill alone so the second one hits its cached prefix.
+    step(active, amodel)
+    for _ in range(4):
+        step(active, amodel)
+    _, views = tracker.records[-1]
+    by_key = {v.key: v for v in views}
+    assert by_key[21].block_ids[:2] == by_key[22].block_ids[:2]
+    delivered = {k: list(amodel.sampled.get(f"frmps-{k}", [])) for k in prompts}
+
+    hasher = block_hasher()
+    standby = make_scheduler(
+        make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS, enable_prefix_caching=True)
+    )
+    adopt_all(standby, views, delivered, hasher=hasher)
+    pool = standby.kv_cache_manager.block_pool
+    for b in by_key[21].block_ids[:2]:
+        assert pool.blocks[b].ref_cnt == 2
+    block_pool_invariants(standby)
+    smodel = FakeModel()
+    run_to_end(standby, smodel)
+    summary = block_pool_invariants(standby)
+    assert summary == {"free": 63, "held": 0}
+
+
+def test_bad_resume_entries_are_refused_clearly(model_dir):
+    from vllm import SamplingParams
+
+    from frmps_engine.vllm import SCHEDULER_CLS
+    from frmps_engine.vllm.adoption import AdoptionError, AdoptPlan, plan_adoption
+
+    standby = make_scheduler(make_vllm_config(model_dir, num_blocks=16, scheduler_cls=SCHEDULER_CLS))
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    common = dict(key=5, token_ids=list(range(40)), num_prompt=40, seed=1, delivered_token_ids=[], block_size=16, num_blocks=16)
+    with pytest.raises(AdoptionError, match="need 3 blocks"):
+        plan_adoption(num_computed=39, block_ids=[1, 2], **common)
+    with pytest.raises(AdoptionError, match="outside 1..15"):
+        plan_adoption(num_computed=39, block_ids=[1, 2, 16], **common)
+    with pytest.raises(AdoptionError, match="outside 1..15"):
+        plan_adoption(num_computed=39, block_ids=[0, 2, 3], **common)
+    with pytest.raises(AdoptionError, match="repeats"):
+        plan_adoption(num_computed=39, block_ids=[1, 2, 2], **common)
+    plan = plan_adoption(num_computed=39, block_ids=[1, 2, 3], **common)
+    standby.frmps_adopt(plan, params)
+    with pytest.raises(AdoptionError, match="already exists"):
+        standby.frmps_adopt(plan, params)
+    other = AdoptPlan(key=6, seed=1, prompt_token_ids=list(range(20)), output_token_ids=[], num_computed=17, block_ids=[3, 4])
+    with pytest.raises(AdoptionError, match="block 3 is already in use"):
+        standby.frmps_adopt(other, params)
+    done = AdoptPlan(key=7, seed=1, prompt_token_ids=[1, 2], output_token_ids=[5] * 8, num_computed=9, block_ids=[9])
+    with pytest.raises(AdoptionError, match="nothing left to generate"):
+        standby.frmps_adopt(done, params, fold_outputs=True)
+    # Refusals changed nothing: only request 5 holds blocks.
+    assert block_pool_invariants(standby) == {"free": 12, "held": 3}
+
+
+def test_plan_uses_only_kv_the_client_agrees_with():
+    from frmps_engine.vllm.adoption import plan_adoption
+
+    base = dict(key=1, num_prompt=4, seed=3, block_size=4, num_blocks=32)
+    toks = [1, 2, 3, 4, 10, 11, 12, 13]
+    # Client got more than the sync: resume with all delivered, reuse the synced 7 computed.
+    p = plan_adoption(token_ids=toks, num_computed=7, block_ids=[5, 6], delivered_token_ids=[10, 11, 12, 13, 14, 15], **base)
+    assert (p.num_computed, p.block_ids, p.output_token_ids) == (7, [5, 6], [10, 11, 12, 13, 14, 15])
+    # Client got fewer: resume from what it has; KV beyond that is not reused.
+    p = plan_adoption(token_ids=toks, num_computed=7, block_ids=[5, 6], delivered_token_ids=[10], **base)
+    assert (p.num_computed, p.block_ids, p.output_token_ids) == (4, [5], [10])
+    # Nothing generated yet and the whole prompt computed: one token is left to compute.
+    p = plan_adoption(token_ids=toks[:4], num_computed=4, block_ids=[5], delivered_token_ids=[], **base)
+    assert (p.num_computed, p.block_ids) == (3, [5])

@@ -1,0 +1,249 @@
+"""The plugin entry point, the version guard, the patch registry and the sleep
+backend, against the real vLLM 0.33.0 package."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+
+# -- version guard ---------------------------------------------------------------
+@pytest.mark.parametrize("found", ["0.32.0", "0.33.1", "0.33.0rc1", "0.34.0", "1.0.0", "0.33"])
+def test_version_guard_refuses_other_versions(found):
+    from frmps_engine.vllm.version import VllmVersionError, check_vllm_version
+
+    with pytest.raises(VllmVersionError) as err:
+        check_vllm_version(found)
+    msg = str(err.value)
+    assert f"found vllm {found}" in msg and "supports only vllm==0.33.0" in msg
+
+
+@pytest.mark.parametrize("found", ["0.33.0", "0.33.0+cu130"])
+def test_version_guard_accepts_0_33_0(found):
+    from frmps_engine.vllm.version import check_vllm_version
+
+    assert check_vllm_version(found) == found
+
+
+def test_version_guard_detects_the_installed_vllm_and_missing_vllm(monkeypatch):
+    from frmps_engine.vllm import version
+
+    assert version.check_vllm_version() == "0.33.0"
+    monkeypatch.setattr(version, "installed_vllm_version", lambda: None)
+    with pytest.raises(version.VllmVersionError, match="vLLM is not installed"):
+        version.check_vllm_version()
+
+
+def test_register_refuses_another_vllm_and_registers_nothing(monkeypatch):
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    from frmps_engine.vllm import plugin, version
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(version, "installed_vllm_version", lambda: "0.34.0")
+    before = dict(SleepModeBackendFactory._registry)
+    monkeypatch.setattr(SleepModeBackendFactory, "_registry", {k: v for k, v in before.items() if k != "frmps"})
+    with pytest.raises(version.VllmVersionError, match="found vllm 0.34.0"):
+        plugin.register()
+    assert "frmps" not in SleepModeBackendFactory._registry
+    assert not plugin.is_registered()
+
+
+# -- registration ----------------------------------------------------------------
+def test_register_is_idempotent():
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    from frmps_engine.vllm import plugin
+    from frmps_engine.vllm.patches import PATCHES
+    from frmps_engine.vllm.sleep_backend import FrmpsSleepBackend
+
+    for _ in range(3):
+        plugin.register()
+    # Even with the module flag lost (a re-imported module, a forked process that
+    # calls it again), a second registration neither raises nor stacks patches.
+    plugin._registered = False
+    plugin.register()
+    assert SleepModeBackendFactory.get_backend_class("frmps") is FrmpsSleepBackend
+    for patch in PATCHES:
+        assert patch.is_applied()
+        owner, attr = patch._owner_attr()
+        assert not hasattr(getattr(owner, attr).__wrapped__, "__frmps_patch__"), "patch applied twice"
+
+
+def test_vllm_loads_the_plugin_through_its_entry_point(tmp_path, monkeypatch):
+    """vLLM's own loader finds `frmps` in vllm.general_plugins and runs it; loading twice is harmless."""
+    import vllm.plugins as vp
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    from frmps_engine.vllm import plugin
+
+    dist = tmp_path / "frmps_engine_plugin_probe-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: frmps-engine-plugin-probe\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nfrmps = frmps_engine.vllm.plugin:register\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = vp.load_plugins_by_group(vp.DEFAULT_PLUGINS_GROUP)
+    assert found["frmps"] is plugin.register
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(vp, "plugins_loaded", False)
+    vp.load_general_plugins()
+    assert plugin.is_registered()
+    monkeypatch.setattr(vp, "plugins_loaded", False)
+    vp.load_general_plugins()  # a second process-level load
+    assert "frmps" in SleepModeBackendFactory._registry
+
+
+# -- patch registry --------------------------------------------------------------
+def test_every_patch_is_documented_and_targets_an_existing_vllm_attribute():
+    from frmps_engine.vllm.patches import PATCHES
+
+    assert PATCHES, "the registry lists the remaining patches"
+    for p in PATCHES:
+        assert p.why and p.how and p.removable_when
+        owner, attr = p._owner_attr()
+        assert callable(getattr(owner, attr)), p.target
+
+
+class _Ctx:
+    """Test double for a device allocation context."""
+
+    def __init__(self, tag):
+        self.tag = tag
+
+
+class FakeMemoryBackend:
+    """Test double for frmps_engine.sdk.memory.MemoryBackend: records calls, hands out bytearrays."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _pools(self, specs, readonly=False, fds=None):
+        return [
+            SimpleNamespace(spec=s, tensor=bytearray(8), fd=(fds[i] if fds else 100 + i), readonly=readonly)
+            for i, s in enumerate(specs)
+        ]
+
+    def allocate(self, specs):
+        self.calls.append(("allocate", [s.tag for s in specs]))
+        return self._pools(specs)
+
+    def reserve(self, specs):
+        self.calls.append(("reserve", [s.tag for s in specs]))
+        return self._pools(specs)
+
+    def map(self, specs, fds, readonly):
+        self.calls.append(("map", list(fds), readonly))
+        return self._pools(specs, readonly, fds)
+
+    def make_writable(self, tag):
+        self.calls.append(("make_writable", tag))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+@pytest.fixture
+def controller():
+    from frmps_engine.vllm import pools
+
+    def make(role):
+        c = pools.PoolController(FakeMemoryBackend(), pools.pool_layout(10 << 20, 30 << 20), role)
+        c.setup()
+        pools.install_controller(c)
+        return c
+
+    yield make
+    pools.install_controller(None)
+    pools.set_context_factory(None)
+
+
+def test_worker_pool_context_patch(controller):
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from frmps_engine.vllm import pools
+    from frmps_engine.vllm.patches import PATCHES
+
+    (patch,) = [p for p in PATCHES if p.name == "worker-pool-context"]
+    patch.apply()
+    controller("active")
+    pools.set_context_factory(lambda ctl, tag: _Ctx(tag))
+
+    def worker(backend):
+        return SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(sleep_mode_backend=backend, enable_cumem_allocator=True)))
+
+    frmps_worker = worker("frmps")
+    for tag in ("weights", "kv_cache"):
+        ctx = Worker._maybe_get_memory_pool_context(frmps_worker, tag)
+        assert isinstance(ctx, _Ctx) and ctx.tag == tag
+    # Other tags and other backends reach vLLM's own code: on this GPU-less
+    # platform that is get_mem_allocator_instance() refusing (device_allocator/__init__.py:51).
+    for w, tag in ((frmps_worker, "runtime"), (worker("cumem"), "weights")):
+        with pytest.raises(RuntimeError, match="Sleep mode allocator is not available"):
+            Worker._maybe_get_memory_pool_context(w, tag)
+    # Without a device allocator wired, the frmps pools refuse clearly.
+    pools.set_context_factory(None)
+    with pytest.raises(RuntimeError, match="no device allocator is wired"):
+        Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache")
+
+
+# -- sleep backend ---------------------------------------------------------------
+def test_sleep_backend_maps_brokered_pools_readonly_then_wakes_kv(controller):
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    from frmps_engine.vllm import plugin
+
+    plugin.register()
+    standby = controller("standby")
+    backend = SleepModeBackendFactory.create_backend(SimpleNamespace(sleep_mode_backend="frmps"))
+    assert backend.state() == "RUNNING"
+    with pytest.raises(RuntimeError, match="no brokered fds"):
+        backend.suspend(1)
+    standby.provide_brokered([7, 8])
+    backend.suspend(1)
+    assert backend.state() == "SUSPENDED"
+    assert standby.backend.calls[-1] == ("map", [7, 8], True)
+    assert all(p.readonly for p in standby.pools.values())
+    backend.resume(["weights"])  # weights never become writable
+    assert ("make_writable", "weights") not in standby.backend.calls
+    assert ("make_writable", "kv_cache") not in standby.backend.calls
+    backend.resume(["kv_cache"])
+    assert standby.backend.calls[-1] == ("make_writable", "kv_cache")
+    assert backend.state() == "RUNNING"
+    with pytest.raises(RuntimeError, match="cannot be discarded"):
+        backend.discard(("kv_cache",))
+
+
+def test_sleep_backend_refuses_on_active_and_without_controller(controller):
+    from frmps_engine.vllm import pools
+    from frmps_engine.vllm.sleep_backend import FrmpsSleepBackend
+
+    controller("active")
+    with pytest.raises(RuntimeError, match="never sleeps"):
+        FrmpsSleepBackend().suspend(1)
+    pools.install_controller(None)
+    with pytest.raises(RuntimeError, match="no frmps pool controller is installed"):
+        FrmpsSleepBackend().resume(None)
+
+
+def test_kv_pool_size_matches_vllm_page_size():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from frmps_engine.vllm.pools import kv_cache_bytes
+
+    for heads, hd, dtype, nbytes in ((2, 16, torch.float32, 4), (8, 128, torch.bfloat16, 2)):
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=hd, dtype=dtype)
+        got = kv_cache_bytes(num_layers=28, num_blocks=1000, block_size=16, num_kv_heads=heads, head_size=hd, dtype_bytes=nbytes)
+        assert got == 28 * 1000 * spec.page_size_bytes
+
+
+def test_bump_allocator_is_deterministic_and_bounded():
+    from frmps_engine.vllm.pools import BumpAllocator, PoolExhausted
+
+    a, b = BumpAllocator("weights", 4096), BumpAllocator("weights", 4096)
+    sizes = [100, 1000, 7, 512]
+    assert [a.alloc(s) for s in sizes] == [b.alloc(s) for s in sizes] == [0, 512, 1536, 2048]
+    with pytest.raises(PoolExhausted, match="pool weights: 2000 bytes requested"):
+        a.alloc(2000)

@@ -1,0 +1,165 @@
+"""A real vLLM 0.33.0 Scheduler (FrmpsScheduler via scheduler_cls) publishes the
+committed state of its requests every N steps, checked against what a model
+runner was told to compute (FakeModel, a labelled test double)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vhelpers import BLOCK_SIZE, FakeModel, RecordingTracker, block_pool_invariants, make_request, make_scheduler, make_vllm_config, step, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def expected_view(model: FakeModel, req, prompt):
+    rid = req.request_id
+    computed = model.computed.get(rid, [])
+    # Positions were computed in order, once each, from 0.
+    assert computed == list(range(len(computed)))
+    n = len(computed)
+    return {
+        "token_ids": list(prompt) + model.sampled.get(rid, []),
+        "num_computed": n,
+        "block_ids": model.blocks.get(rid, [])[: cdiv(n, BLOCK_SIZE)],
+        "num_prompt": len(prompt),
+    }
+
+
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_publishes_committed_state_every_n_steps(model_dir, sync_every):
+    from frmps_engine.vllm import SCHEDULER_CLS
+    from frmps_engine.vllm.scheduler import FrmpsScheduler
+    from frmps_engine.vllm.seeds import derive_seed
+
+    vc = make_vllm_config(model_dir, num_blocks=64, max_num_batched_tokens=48, scheduler_cls=SCHEDULER_CLS)
+    sched = make_scheduler(vc)
+    assert type(sched) is FrmpsScheduler
+    tracker = RecordingTracker()
+    assert sched.frmps_attach(tracker, sync_every) == 1
+    assert tracker.records == [(0, [])]  # the FULL record owed on attach
+
+    prompts = {1: list(range(10, 50)), 2: list(range(100, 120)), 3: list(range(200, 270))}
+    max_tokens = {1: 6, 2: 20, 3: 9}
+    reqs = {k: make_request(k, p, max_tokens=max_tokens[k]) for k, p in prompts.items()}
+    for r in reqs.values():
+        sched.add_request(r)
+    model = FakeModel()
+    finished_published: dict[int, int] = {}
+    steps = 0
+    for _ in range(200):
+        if not sched.has_requests():
+            break
+        if step(sched, model).total_num_scheduled_tokens == 0:
+            # A step that computes nothing (vLLM reporting finished ids) is not counted.
+            continue
+        steps += 1
+        if steps % sync_every:
+            assert len(tracker.records) == 1 + steps // sync_every
+            continue
+        step_no, views = tracker.records[-1]
+        assert step_no == steps
+        by_key = {v.key: v for v in views}
+        for key, req in reqs.items():
+            if key in finished_published:
+                assert key not in by_key, "a finished request is published once, then forgotten"
+                continue
+            v = by_key[key]
+            exp = expected_view(model, req, prompts[key])
+            assert v.token_ids == exp["token_ids"]
+            assert v.num_computed == exp["num_computed"]
+            assert v.block_ids == exp["block_ids"]
+            assert v.num_prompt == exp["num_prompt"]
+            assert v.seed == derive_seed(key)
+            assert not v.aborted
+            if v.finished:
+                finished_published[key] = steps
+                assert len(v.token_ids) - v.num_prompt == max_tokens[key]
+    assert not sched.has_requests()
+    if steps % sync_every:
+        sched.frmps_publish()
+        for v in tracker.records[-1][1]:
+            finished_published[v.key] = steps
+    assert sorted(finished_published) == [1, 2, 3]
+    # Chunked prefill happened (48-token budget, 70-token prompt), so the views
+    # above covered partially computed prompts too.
+    chunks3 = [so.num_scheduled_tokens["frmps-3"] for so in model.steps if "frmps-3" in so.num_scheduled_tokens]
+    assert chunks3[0] < 70 and sum(c for c in chunks3 if c > 1) == 70
+    summary = block_pool_invariants(sched)
+    assert summary == {"free": 63, "held": 0}
+
+
+def test_committed_excludes_in_flight_tokens_and_publishes_aborts(model_dir):
+    from vllm.v1.request import RequestStatus
+
+    from frmps_engine.vllm import SCHEDULER_CLS
+
+    vc = make_vllm_config(model_dir, num_blocks=32, scheduler_cls=SCHEDULER_CLS)
+    sched = make_scheduler(vc)
+    tracker = RecordingTracker()
+    sched.frmps_attach(tracker, 1)
+    prompt = list(range(5, 38))  # 33 tokens: 3 blocks
+    sched.add_request(make_request(7, prompt, max_tokens=30))
+    sched.add_request(make_request(8, list(range(40, 50)), max_tokens=30))
+    model = FakeModel()
+    step(sched, model)
+    step(sched, model)
+    # Schedule a step but do not process its output yet, as with async scheduling:
+    # num_computed_tokens already counts the in-flight token.
+    so = sched.schedule()
+    req = sched.requests["frmps-7"]
+    assert req.num_in_flight_tokens == 1
+    (v7,) = [v for v in sched.frmps_views() if v.key == 7]
+    assert v7.num_computed == req.num_computed_tokens - 1 == 34
+    assert v7.token_ids == prompt + model.sampled["frmps-7"]
+    sched.update_from_output(so, model.run(sched, so))
+    # Abort one; the next publish says so once.
+    sched.finish_requests("frmps-8", RequestStatus.FINISHED_ABORTED)
+    step(sched, model)
+    views = {v.key: v for v in tracker.records[-1][1]}
+    assert views[8].aborted and not views[8].finished
+    assert not views[7].finished
+    step(sched, model)
+    assert 8 not in {v.key for v in tracker.records[-1][1]}
+    block_pool_invariants(sched)
+
+
+def test_requests_without_explicit_seed_are_refused(model_dir):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from frmps_engine.vllm import SCHEDULER_CLS
+
+    sched = make_scheduler(make_vllm_config(model_dir, scheduler_cls=SCHEDULER_CLS))
+    r = Request(request_id="frmps-9", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=4), pooling_params=None)
+    with pytest.raises(ValueError, match="no explicit seed"):
+        sched.add_request(r)
+    assert not sched.has_requests() and "frmps-9" not in sched.requests  # refused, not queued
+
+
+def test_async_scheduler_variant_is_selected_and_publishes(model_dir):
+    from frmps_engine.vllm import ASYNC_SCHEDULER_CLS
+    from frmps_engine.vllm.scheduler import FrmpsAsyncScheduler
+
+    vc = make_vllm_config(
+        model_dir, scheduler_cls=ASYNC_SCHEDULER_CLS, additional_config={"frmps": {"sync_every": 2}}
+    )
+    sched = make_scheduler(vc)
+    assert isinstance(sched, FrmpsAsyncScheduler)
+    assert sched._frmps_policy.every == 2
+    tracker = RecordingTracker()
+    sched.frmps_attach(tracker, 2)
+    sched.add_request(make_request(11, list(range(20)), max_tokens=5))
+    model = FakeModel()
+    for _ in range(4):
+        step(sched, model)
+    _, views = tracker.records[-1]
+    (v,) = views
+    assert v.num_computed == len(model.computed["frmps-11"])
+    assert v.token_ids == list(range(20)) + model.sampled["frmps-11"]
