@@ -30,6 +30,7 @@ class EngineOptions:
 
 KNOWN = {
     "ref": "frmps_engine.sdk.adapters:RefAdapter",
+    "vllm": "frmps_engine.vllm.engine:make_adapter",
 }
 
 
