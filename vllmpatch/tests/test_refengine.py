@@ -414,7 +414,7 @@ class LetterTokenizer(ByteTokenizer):
 def letter_run(**kw):
     cfg = EngineConfig.from_preset("tiny", num_blocks=32)
     core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True, tokenizer=LetterTokenizer())
-    core.add_request(1, prompts(1, lengths=(12,))[1], SamplingParams(max_tokens=40, temperature=1.0, seed=3, **kw))
+    core.add_request(1, prompts(1, lengths=(12,))[1], SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True, **kw))
     outs = []
     while core.has_work():
         outs += core.step()
