@@ -18,6 +18,7 @@ def _paged_decode_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh,
     G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -37,14 +38,14 @@ def _paged_decode_kernel(
         slot = offs_t % BS
         koff = blk[:, None] * stride_kb + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
         k = tl.load(K + koff, mask=tmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(V + koff, mask=tmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     out = acc / l[:, None]
     tl.store(O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
@@ -73,5 +74,7 @@ def paged_decode(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         G=G, GP=GP, HD=HD, BS=BS, TILE=tile, num_warps=4,
+        # float32 caches get full-precision dots (the default would be TF32).
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
