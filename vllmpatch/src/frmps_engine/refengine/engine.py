@@ -125,13 +125,15 @@ class EngineCore:
     def warmup(self) -> None:
         """GPU: capture the decode CUDA graphs now rather than on the first decode
         step. Capture writes only the reserved null block (0) of the KV pool."""
-        if self._use_graphs() and self._graphs is None:
-            g = CudaGraphDecoder(self.model, min(self.cfg.max_num_seqs, 512))
+        if self._static_decode() and self._graphs is None:
+            g = CudaGraphDecoder(self.model, min(self.cfg.max_num_seqs, 512), graphs=self.cfg.cuda_graphs)
             g.capture()
             self._graphs = g
 
-    def _use_graphs(self) -> bool:
-        return self.cfg.device != "cpu" and self.cfg.cuda_graphs and self.model._triton is not None
+    def _static_decode(self) -> bool:
+        """Decode-only steps go through the Triton kernel on static buffers (and
+        CUDA graphs when enabled)."""
+        return self.model._triton is not None
 
     # ---- requests --------------------------------------------------------
     def _check_tokens(self, ids: Sequence[int], what: str) -> list[int]:
@@ -375,14 +377,15 @@ class EngineCore:
                 self.counters["prefill_tokens_computed"] += n
         self.counters["forward_passes"] += 1
         decode_only = all(n == 1 for _, n in sched)
-        if decode_only and self._use_graphs() and len(sched) <= min(self.cfg.max_num_seqs, 512):
+        if decode_only and self._static_decode() and len(sched) <= min(self.cfg.max_num_seqs, 512):
             if self._graphs is None:
                 self.warmup()
             ids = [r.token_ids[r.num_computed] for r, _ in sched]
             pos = [r.num_computed for r, _ in sched]
             slots = [r.block_ids[p // bs] * bs + p % bs for (r, _), p in zip(sched, pos)]
             logits = self._graphs.run(ids, pos, slots, [r.block_ids for r, _ in sched])
-            self.counters["graph_steps"] += 1
+            if self._graphs.use_graphs:
+                self.counters["graph_steps"] += 1
             for r, n in sched:
                 r.num_computed += n
             return logits, samplers

@@ -12,6 +12,7 @@ at bucketed batch sizes; prefill through SDPA over the gathered blocks.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,11 +75,15 @@ class Qwen2Model:
         t = torch.arange(cfg.max_model_len, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         rope_dtype = torch.float32 if self.dtype == torch.float32 else self.dtype
-        self.cos = freqs.cos().to(rope_dtype).to(self.device)
-        self.sin = freqs.sin().to(rope_dtype).to(self.device)
-        assert self.cos.shape[1] == half
+        # Full-width tables with the sign of rotate_half folded into sin:
+        # rope(x) = x * cos + roll(x, half) * sin_signed.
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos = torch.cat([cos, cos], -1).to(rope_dtype).to(self.device)
+        self.sin = torch.cat([-sin, sin], -1).to(rope_dtype).to(self.device)
+        assert self.cos.shape[1] == 2 * half
         self._triton = None
-        if self.device.type == "cuda" and cfg.attention == "triton":
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
+        if cfg.attention == "triton" and (self.device.type == "cuda" or interpret):
             from .triton_attention import paged_decode
 
             self._triton = paged_decode
@@ -94,15 +99,16 @@ class Qwen2Model:
 
     def _rmsnorm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         eps = self.cfg.shape.rms_norm_eps
+        if self.device.type == "cuda":
+            return F.rms_norm(x, (x.shape[-1],), w, eps)  # one fused kernel
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return w * xf.to(x.dtype)
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # Same arithmetic as x1*cos - x2*sin | x2*cos + x1*sin (HF's rotate_half form).
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
     def _run_layers(self, input_ids, positions, slots, attend) -> torch.Tensor:
         T = input_ids.shape[0]
@@ -113,10 +119,10 @@ class Qwen2Model:
         for li, (ln1, wqkv, bqkv, wo, ln2, wgu, wd) in enumerate(self.layers):
             h = self._rmsnorm(x, ln1)
             qkv = self._linear(h, wqkv, bqkv)
-            q, k, v = qkv.split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-            q = self._rope(q.view(T, self.H, self.HD), cos, sin)
-            k = self._rope(k.view(T, self.KVH, self.HD), cos, sin)
-            v = v.reshape(T, self.KVH, self.HD)
+            # q and k are adjacent in the fused projection: rotate both at once.
+            qk = self._rope(qkv[:, : s.q_size + s.kv_size].view(T, self.H + self.KVH, self.HD), cos, sin)
+            q, k = qk[:, : self.H], qk[:, self.H :]
+            v = qkv[:, s.q_size + s.kv_size :].view(T, self.KVH, self.HD)
             kc, vc = self.kv[li, 0], self.kv[li, 1]
             kc.view(-1, self.KVH, self.HD).index_copy_(0, slots, k)
             vc.view(-1, self.KVH, self.HD).index_copy_(0, slots, v)
@@ -144,7 +150,7 @@ class Qwen2Model:
         dset = set(decode_idx) if use_kernel else set()
 
         def attend(li, q, kc, vc):
-            out = torch.empty_like(q)
+            out = torch.empty((q.shape[0], self.H, self.HD), dtype=q.dtype, device=q.device)
             if use_kernel:
                 out[drows] = self._triton(q[drows].contiguous(), kc, vc, bt, cl, self.scale)
             for i, sq in enumerate(batch.seqs):
@@ -175,7 +181,7 @@ class Qwen2Model:
         KVH, G, bs = self.KVH, self.G, self.bs
         K = kc.view(-1, KVH, HD)[key_slots]  # [nb*bs, KVH, HD]
         V = vc.view(-1, KVH, HD)[key_slots]
-        out = torch.empty_like(q)
+        out = torch.empty((n_all, H, HD), dtype=q.dtype, device=q.device)
         pad = bs if self.pad_rows else 0
         r = 0
         while r < n_all:
@@ -227,15 +233,18 @@ class Qwen2Model:
     def decode_forward(self, input_ids, positions, slots, block_tables, ctx_lens) -> torch.Tensor:
         """One token per sequence; every tensor has a static shape (graph capture)."""
 
+        out = torch.empty((input_ids.shape[0], self.H, self.HD), dtype=self.dtype, device=self.device)
+
         def attend(li, q, kc, vc):
-            return self._triton(q, kc, vc, block_tables, ctx_lens, self.scale)
+            return self._triton(q, kc, vc, block_tables, ctx_lens, self.scale, out=out)
 
         x = self._run_layers(input_ids, positions, slots, attend)
         return self._logits(x)
 
 
 class CudaGraphDecoder:
-    """Decode steps replayed from CUDA graphs captured at bucketed batch sizes.
+    """Decode steps on static buffers, replayed from CUDA graphs captured at
+    bucketed batch sizes (with graphs=False the same code runs eagerly).
 
     Padded rows write their KV to the reserved null block and attend to one
     slot of it; their logits are dropped.
@@ -243,8 +252,9 @@ class CudaGraphDecoder:
 
     BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
-    def __init__(self, model: Qwen2Model, max_batch: int) -> None:
+    def __init__(self, model: Qwen2Model, max_batch: int, graphs: bool = True) -> None:
         self.model = model
+        self.use_graphs = graphs and model.device.type == "cuda"
         self.buckets = [b for b in self.BUCKETS if b < max_batch] + [max_batch]
         dev = model.device
         bm = self.buckets[-1]
@@ -252,8 +262,9 @@ class CudaGraphDecoder:
         self.meta = torch.zeros((4, bm), dtype=torch.int64, device=dev)  # ids, positions, slots, ctx_lens
         self.meta[3].fill_(1)
         self.block_tables = torch.full((bm, self.maxb), NULL_BLOCK, dtype=torch.int32, device=dev)
-        self._meta_host = torch.zeros((4, bm), dtype=torch.int64).pin_memory()
-        self._bt_host = torch.zeros((bm, self.maxb), dtype=torch.int32).pin_memory()
+        pin = dev.type == "cuda"
+        self._meta_host = torch.zeros((4, bm), dtype=torch.int64, pin_memory=pin)
+        self._bt_host = torch.zeros((bm, self.maxb), dtype=torch.int32, pin_memory=pin)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -263,13 +274,17 @@ class CudaGraphDecoder:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        if not self.use_graphs:
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run(self.buckets[-1])
+            # Every bucket once eagerly, so nothing compiles or loads during capture.
+            for b in reversed(self.buckets):
+                self._run(b)
         torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
         for b in reversed(self.buckets):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
@@ -287,21 +302,23 @@ class CudaGraphDecoder:
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> torch.Tensor:
         n = len(input_ids)
         b = self.bucket(n)
-        assert b is not None
+        if b is None:
+            raise ValueError(f"decode batch of {n} exceeds the largest bucket {self.buckets[-1]}")
         mh = self._meta_host
         mh[:, :b].zero_()
-        mh[3, :b] = 1
         mh[0, :n] = torch.tensor(input_ids, dtype=torch.int64)
         mh[1, :n] = torch.tensor(positions, dtype=torch.int64)
         mh[2, :n] = torch.tensor(slots, dtype=torch.int64)
+        mh[3, :b] = 1
         mh[3, :n] = mh[1, :n] + 1
         bt = self._bt_host
-        bt[:b].zero_()
-        width = 0
+        width = max(len(t) for t in tables)
+        bt[:b, :width].zero_()
         for i, t in enumerate(tables):
             bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-            width = max(width, len(t))
         self.meta[:, :b].copy_(mh[:, :b], non_blocking=True)
         self.block_tables[:b, :width].copy_(bt[:b, :width], non_blocking=True)
-        self.graphs[b].replay()
-        return self.outputs[b][:n]
+        if self.use_graphs:
+            self.graphs[b].replay()
+            return self.outputs[b][:n]
+        return self._run(b)[:n]
