@@ -37,6 +37,8 @@ def bench_model(args, model: str) -> list[dict]:
     kw = dict(max_num_seqs=max(bmax, 1), max_num_batched_tokens=max(args.context * bmax, 512))
     if args.device != "cpu":
         kw.update(cuda_graphs=not args.no_graphs, attention=args.attention)
+    if args.no_batch_invariant:
+        kw.update(batch_invariant=False)
     cfg = EngineConfig.from_preset(model, device=args.device, num_blocks=bmax * per_seq + 1,
                                    max_model_len=max(args.context + args.steps + args.warmup + 16, 256),
                                    dtype=args.dtype, **kw)
@@ -111,6 +113,7 @@ def main() -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--attention", default="triton", choices=["triton", "torch"])
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--no-batch-invariant", action="store_true", help="CPU: do not pad GEMMs to 16 rows")
     ap.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s for the bound (H100 SXM HBM3)")
     ap.add_argument("--threads", type=int, default=0, help="CPU: torch threads (0 = torch default)")
     ap.add_argument("--json", default=None, help="also write the results here")

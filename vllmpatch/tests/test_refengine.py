@@ -489,6 +489,8 @@ def test_engine_bad_requests_keep_engine_usable():
         core.add_request(1, [1, 99999], GREEDY)
     with pytest.raises(EngineError, match="no room"):
         core.add_request(1, [1] * core.cfg.max_model_len, GREEDY)
+    with pytest.raises(EngineError, match="more KV blocks than the cache has"):
+        core.add_request(1, [1] * 100, SamplingParams(max_tokens=2000))
     core.add_request(1, [1, 2, 3], GREEDY)
     with pytest.raises(EngineError, match="already exists"):
         core.add_request(1, [1, 2, 3], GREEDY)

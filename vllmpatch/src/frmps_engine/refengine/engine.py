@@ -158,6 +158,11 @@ class EngineCore:
             raise EngineError(
                 f"request {key}: prompt of {len(prompt)} tokens leaves no room (max_model_len {self.cfg.max_model_len})"
             )
+        longest = min(len(prompt) + params.max_tokens, self.cfg.max_model_len)
+        if -(-longest // self.cfg.block_size) > self.cfg.num_blocks - 1:
+            raise EngineError(
+                f"request {key}: up to {longest} tokens need more KV blocks than the cache has ({self.cfg.num_blocks - 1})"
+            )
         seed = params.seed if params.seed is not None else default_seed(key)
         req = self._new_request(key, params, seed, prompt, len(prompt))
         self._waiting.append(req)
@@ -364,6 +369,7 @@ class EngineCore:
         self.blocks.release(req.block_ids, quarantine=self._views_read)
         req.block_ids = []
         req.num_computed = 0
+        req.no_chunk = False
         self._waiting.appendleft(req)
         self.counters["preemptions"] += 1
 
