@@ -82,6 +82,7 @@ def test_presets_have_real_qwen_shapes():
     assert (s14.hidden_size, s14.num_layers, s14.num_heads, s14.num_kv_heads, s14.vocab_size) == (5120, 48, 40, 8, 152064)
     assert not s14.tie_word_embeddings
     assert {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "tiny"} <= set(presets())
+    assert "tiny" in presets and "qwen9" not in presets and list(presets) == presets()
 
 
 def test_unknown_preset_lists_presets():

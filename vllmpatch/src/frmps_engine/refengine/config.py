@@ -83,9 +83,30 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-def presets() -> list[str]:
-    """Names accepted by EngineConfig.from_preset (besides a model directory)."""
-    return sorted(PRESETS)
+class _Presets:
+    """Names accepted by EngineConfig.from_preset besides a model directory.
+    Call it for a sorted list (`presets()`), or use it as a container (`name in presets`)."""
+
+    def __call__(self) -> list[str]:
+        return sorted(PRESETS)
+
+    def __iter__(self):
+        return iter(sorted(PRESETS))
+
+    def __contains__(self, name: object) -> bool:
+        return name in PRESETS
+
+    def __len__(self) -> int:
+        return len(PRESETS)
+
+    def __getitem__(self, name: str) -> ModelShape:
+        return PRESETS[name]
+
+    def __repr__(self) -> str:
+        return f"presets({', '.join(sorted(PRESETS))})"
+
+
+presets = _Presets()
 
 
 def shape_from_hf_config(model_dir: str) -> ModelShape:
