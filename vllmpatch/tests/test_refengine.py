@@ -536,3 +536,18 @@ def test_preemption_when_blocks_run_out():
     assert small.blocks.num_free == 9
     big = make_core(num_blocks=64)
     assert big.generate([(k, ps[k], sp) for k in ps]) == out
+
+
+def test_gpu_prefill_attention_math_on_cpu():
+    # The SDPA path the GPU uses for prefill chunks agrees with the CPU path.
+    from frmps_engine.refengine.model import SeqChunk
+
+    core = make_core(num_blocks=32)
+    m = core.model
+    m.kv.normal_(generator=torch.Generator().manual_seed(0))
+    for start, n in [(0, 37), (20, 13), (31, 1)]:
+        sq = SeqChunk(0, n, start, [5, 9, 3, 7])
+        q = torch.randn(n, m.H, m.HD)
+        ks = m._key_slots(sq)
+        torch.testing.assert_close(m._attn_sdpa(q, m.kv[0, 0], m.kv[0, 1], sq, ks),
+                                   m._attn_grouped(q, m.kv[0, 0], m.kv[0, 1], sq, ks), rtol=1e-5, atol=1e-5)

@@ -84,9 +84,12 @@ class Qwen2Model:
         self._triton = None
         interpret = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
         if cfg.attention == "triton" and (self.device.type == "cuda" or interpret):
-            from .triton_attention import paged_decode
-
+            try:
+                from .triton_attention import paged_decode
+            except ImportError:  # no Triton: gathered-block SDPA, no CUDA graphs
+                paged_decode = None
             self._triton = paged_decode
+        self.attention_backend = "triton" if self._triton is not None else "torch"
 
     # ---- building blocks -------------------------------------------------
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -209,17 +212,16 @@ class Qwen2Model:
         """GPU prefill: SDPA over the sequence's gathered blocks."""
         n, H, HD = q.shape
         end = sq.start_pos + n
-        qt = q.transpose(0, 1)  # [H, n, HD]
+        qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, HD]
+        K = kc.view(-1, self.KVH, self.HD)[key_slots[:end]].transpose(0, 1).unsqueeze(0)
+        V = vc.view(-1, self.KVH, self.HD)[key_slots[:end]].transpose(0, 1).unsqueeze(0)
         if sq.start_pos == 0:
-            K = kc.view(-1, self.KVH, self.HD)[key_slots[:end]].transpose(0, 1)
-            V = vc.view(-1, self.KVH, self.HD)[key_slots[:end]].transpose(0, 1)
             o = F.scaled_dot_product_attention(qt, K, V, is_causal=True, enable_gqa=True)
         else:
-            K = kc.view(-1, self.KVH, self.HD)[key_slots[:end]].transpose(0, 1)
-            V = vc.view(-1, self.KVH, self.HD)[key_slots[:end]].transpose(0, 1)
-            allowed = torch.arange(end, device=q.device)[None, :] <= (sq.start_pos + torch.arange(n, device=q.device))[:, None]
+            qpos = sq.start_pos + torch.arange(n, device=q.device)
+            allowed = torch.arange(end, device=q.device)[None, :] <= qpos[:, None]
             o = F.scaled_dot_product_attention(qt, K, V, attn_mask=allowed, enable_gqa=True)
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
     def _tables(self, seqs: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         maxb = max(len(sq.block_ids) for sq in seqs)
