@@ -66,13 +66,24 @@ def test_gpu_takeover_continues():
         for o in a.step():
             got[o.key] += o.new_token_ids
     del a
+    cut = {k: len(v) for k, v in got.items()}
     b = EngineCore(cfg, pools, False)
+    expect = 0
     for k, ids, sp in reqs:
         v = views[k]
-        b.adopt_request(k, sp, v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed, got[k])
+        r = b.adopt_request(k, sp, v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed, got[k])
+        assert r.reused_tokens == v.num_computed
+        expect += len(ids) + cut[k] - v.num_computed
+    b.step()
+    c = b.counters
+    assert c["prefill_tokens_computed"] + c["decode_tokens"] == expect and c["forward_passes"] == 1
     while b.has_work():
         for o in b.step():
             got[o.key] += o.new_token_ids
-    agree = sum(a == b for k in ref for a, b in zip(ref[k], got[k])) / sum(len(v) for v in ref.values())
-    print("gpu takeover agreement", agree)
-    assert agree > 0.9, agree
+    # bf16 is not batch-invariant on the GPU (see the refengine README): compare
+    # the tokens generated after the takeover; wrong KV would make nearly all differ.
+    after = [(x, y) for k in ref for x, y in zip(ref[k][cut[k]:], got[k][cut[k]:])]
+    agree = sum(x == y for x, y in after) / len(after)
+    print("gpu takeover agreement after the cut", agree)
+    assert all(len(got[k]) == len(ref[k]) for k in ref)
+    assert agree > 0.5, agree
