@@ -74,7 +74,8 @@ def test_gpu_takeover_continues():
         r = b.adopt_request(k, sp, v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed, got[k])
         assert r.reused_tokens == v.num_computed
         expect += len(ids) + cut[k] - v.num_computed
-    b.step()
+    for o in b.step():
+        got[o.key] += o.new_token_ids
     c = b.counters
     assert c["prefill_tokens_computed"] + c["decode_tokens"] == expect and c["forward_passes"] == 1
     while b.has_work():
