@@ -92,9 +92,10 @@ def bench_model(args, model: str) -> list[dict]:
                    x_bound=round(med / bound_ms, 2), graph_steps=core.counters["graph_steps"] - gs0,
                    prefill_ms=round(prefill_s * 1e3, 1))
         rows.append(row)
+        vs_bound = (f"   bound {bound_ms:7.3f} ms  = {row['x_bound']:.2f}x bound  graphs {row['graph_steps']}/{args.steps}"
+                    if args.device != "cpu" else "")
         print(f"{model:>14} batch {b:>3}: step {med:8.3f} ms (mean {row['step_ms_mean']:.3f}, p90 {row['step_ms_p90']:.3f})"
-              f"  {row['tokens_per_s']:9.1f} tok/s   bound {bound_ms:7.3f} ms  = {row['x_bound']:.2f}x bound"
-              f"  graphs {row['graph_steps']}/{args.steps}  prefill({b}x{args.context}) {row['prefill_ms']:.1f} ms",
+              f"  {row['tokens_per_s']:9.1f} tok/s{vs_bound}  prefill({b}x{args.context}) {row['prefill_ms']:.1f} ms",
               flush=True)
     del core
     if args.device != "cpu":
