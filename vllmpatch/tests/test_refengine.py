@@ -551,3 +551,38 @@ def test_gpu_prefill_attention_math_on_cpu():
         ks = m._key_slots(sq)
         torch.testing.assert_close(m._attn_sdpa(q, m.kv[0, 0], m.kv[0, 1], sq, ks),
                                    m._attn_grouped(q, m.kv[0, 0], m.kv[0, 1], sq, ks), rtol=1e-5, atol=1e-5)
+
+
+def test_freed_blocks_wait_for_the_next_sync():
+    # Once a ring consumer reads views, blocks of a finished request stay out of
+    # reach until the next views call: the consumer's snapshot still names them.
+    core = make_core(num_blocks=12)
+    core.add_request(1, list(range(40)), SamplingParams(max_tokens=2, temperature=0))
+    core.step()
+    (v1,) = core.request_views()
+    while core.has_work():
+        core.step()
+    assert core.blocks.num_quarantined == len(v1.block_ids) == 3
+    core.add_request(2, list(range(100, 140)), SamplingParams(max_tokens=2, temperature=0))
+    core.step()
+    v2 = [v for v in core.request_views() if v.key == 2][0]
+    assert not set(v2.block_ids) & set(v1.block_ids)
+    assert core.blocks.num_quarantined == 0  # released by that views call
+    core.blocks.check()
+
+
+def test_results_do_not_depend_on_thread_count():
+    # Active and standby may run with different intra-op thread counts.
+    cfg = EngineConfig.from_preset("small", num_blocks=16, max_model_len=256)
+    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    rec = record_logits(core)
+    ids = list(range(3, 60))
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(core.generate([(n, ids, SamplingParams(max_tokens=3, temperature=0))])[n])
+    finally:
+        torch.set_num_threads(1)
+    assert outs[0] == outs[1]
+    assert all(torch.equal(a, b) for a, b in zip(rec[:3], rec[3:]))
