@@ -322,10 +322,11 @@ class EngineCore:
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens
         sched: list[tuple[_Request, int]] = []
-        for req in list(self._running):
+        # Decodes first (one token each, latency-bound), then prefill chunks.
+        for req in sorted(self._running, key=lambda r: len(r.token_ids) - r.num_computed > 1):
             remaining = len(req.token_ids) - req.num_computed
             if budget <= 0 and not req.no_chunk:
-                break
+                continue
             n = remaining if req.no_chunk else min(remaining, budget)
             n = self._fit_blocks(req, n)
             if n <= 0:
