@@ -1,0 +1,353 @@
+"""Model shapes, engine configuration and the shared-pool layout.
+
+The pool layout is a pure function of the configuration: the active and the
+standby derive it independently and the supervisor checks that they agree, so
+nothing here may depend on the process, the machine or the clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A model or engine configuration that cannot be used."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Qwen2-architecture hyper-parameters (names follow Hugging Face's config.json)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    qkv_bias: bool = True
+    # Standard deviation of the "dummy" random weights.
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"model shape: {name} must be a positive integer, got {v!r}")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ConfigError(
+                    f"model shape: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model shape: num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model shape: head_dim {self.head_dim} must be even for RoPE")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+_QWEN_COMMON: dict[str, Any] = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768)
+
+PRESETS: dict[str, ModelShape] = {
+    "qwen2.5-0.5b": ModelShape(896, 24, 14, 2, 4864, 151936, True, **_QWEN_COMMON),
+    "qwen2.5-1.5b": ModelShape(1536, 28, 12, 2, 8960, 151936, True, **_QWEN_COMMON),
+    "qwen2.5-3b": ModelShape(2048, 36, 16, 2, 11008, 151936, True, **_QWEN_COMMON),
+    "qwen2.5-7b": ModelShape(3584, 28, 28, 4, 18944, 152064, False, **_QWEN_COMMON),
+    "qwen2.5-14b": ModelShape(5120, 48, 40, 8, 13824, 152064, False, **_QWEN_COMMON),
+    # Test models: byte-level tokenizer friendly (vocab >= 259), larger init so
+    # that greedy choices are well separated.
+    "tiny": ModelShape(64, 2, 4, 2, 128, 512, True, rope_theta=10_000.0, max_position_embeddings=4096, init_std=0.1),
+    "tiny-untied": ModelShape(
+        64, 2, 4, 2, 128, 512, False, rope_theta=10_000.0, max_position_embeddings=4096, init_std=0.1
+    ),
+    "small": ModelShape(256, 4, 8, 2, 704, 1024, True, max_position_embeddings=8192, init_std=0.05),
+}
+
+
+class _Presets:
+    """Names accepted by EngineConfig.from_preset besides a model directory.
+    Call it for a sorted list (`presets()`), or use it as a container (`name in presets`)."""
+
+    def __call__(self) -> list[str]:
+        return sorted(PRESETS)
+
+    def __iter__(self):
+        return iter(sorted(PRESETS))
+
+    def __contains__(self, name: object) -> bool:
+        return name in PRESETS
+
+    def __len__(self) -> int:
+        return len(PRESETS)
+
+    def __getitem__(self, name: str) -> ModelShape:
+        return PRESETS[name]
+
+    def __repr__(self) -> str:
+        return f"presets({', '.join(sorted(PRESETS))})"
+
+
+presets = _Presets()
+
+
+def shape_from_hf_config(model_dir: str) -> ModelShape:
+    """Read a Hugging Face Qwen2 config.json from a model directory."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"model directory {model_dir!r} has no config.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"read model config {path!r}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"model config {path!r}: expected a JSON object")
+    archs = raw.get("architectures") or []
+    mtype = raw.get("model_type")
+    if mtype not in (None, "qwen2") and not any(str(a).startswith("Qwen2") for a in archs):
+        raise ConfigError(f"model config {path!r}: model_type {mtype!r} is not supported (only qwen2)")
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        return ModelShape(
+            hidden_size=hidden,
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads", heads)),
+            intermediate_size=int(raw["intermediate_size"]),
+            vocab_size=int(raw["vocab_size"]),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            head_dim=int(raw.get("head_dim") or 0),
+        )
+    except KeyError as e:
+        raise ConfigError(f"model config {path!r}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise ConfigError(f"model config {path!r}: {e}") from None
+        raise ConfigError(f"model config {path!r}: bad value: {e}") from None
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16"}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Pool sizes are rounded up to the CUDA VMM allocation granularity so that the
+# cuda-vmm backend can map them as-is; offsets inside the weights pool are
+# aligned for vectorised loads.
+POOL_ALIGN = 2 << 20
+TENSOR_ALIGN = 256
+NULL_BLOCK = 0  # block 0 is never handed out: padded rows of CUDA-graph batches write there
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    shape: ModelShape
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_blocks: int = 256
+    block_size: int = 16
+    max_model_len: int = 2048
+    weights: str = "dummy"  # "dummy" or a directory with *.safetensors
+    model_dir: str | None = None  # for tokenizer.json
+    seed: int = 0
+    max_num_seqs: int = 64
+    # Token budget of one step (chunked prefill splits prompts to fit).
+    max_num_batched_tokens: int = 512
+    # CPU: pad GEMMs to >= 16 rows so every row is computed by the same kernel,
+    # which makes results independent of batch composition (see README).
+    batch_invariant: bool = True
+    cuda_graphs: bool = True
+    # "triton" (paged decode kernel) or "torch" (gather blocks + SDPA).
+    attention: str = "triton"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @staticmethod
+    def from_preset(
+        name: str,
+        device: str = "cpu",
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        dtype: str | None = None,
+        weights: str | None = None,
+        seed: int = 0,
+        **kw: Any,
+    ) -> "EngineConfig":
+        """A preset name, or a model directory (config.json, tokenizer.json, *.safetensors)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"model must be a preset name or a directory, got {name!r}")
+        model_dir = None
+        if name in PRESETS:
+            shape = PRESETS[name]
+        elif os.path.isdir(name):
+            shape = shape_from_hf_config(name)
+            model_dir = name
+        else:
+            raise ConfigError(f"unknown model {name!r}: not a directory and not a preset ({', '.join(presets())})")
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        on_gpu = device != "cpu"
+        dt = _DTYPES.get(dtype or ("bfloat16" if on_gpu else "float32"))
+        if dt is None:
+            raise ConfigError(f"dtype {dtype!r} not supported ({', '.join(sorted(set(_DTYPES.values())))})")
+        if block_size <= 0 or block_size & (block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {block_size}")
+        mml = max_model_len if max_model_len is not None else min(shape.max_position_embeddings, 4096 if on_gpu else 2048)
+        if mml <= 0 or mml > shape.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {mml} out of range (1..{shape.max_position_embeddings} for {name!r})"
+            )
+        if num_blocks is None:
+            # Room for a few full-length sequences plus the reserved null block.
+            num_blocks = 4 * math.ceil(mml / block_size) + 1
+        if num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        if weights is None:
+            weights = model_dir if model_dir and _has_safetensors(model_dir) else "dummy"
+        if weights != "dummy" and not os.path.isdir(weights):
+            raise ConfigError(f"weights must be 'dummy' or a directory with safetensors, got {weights!r}")
+        defaults: dict[str, Any] = {}
+        if on_gpu:
+            defaults.update(max_num_seqs=256, max_num_batched_tokens=2048, batch_invariant=False)
+        else:
+            defaults.update(cuda_graphs=False, attention="torch")
+        defaults.update(kw)
+        cfg = EngineConfig(
+            model=name, shape=shape, device=device, dtype=dt, num_blocks=int(num_blocks), block_size=block_size,
+            max_model_len=int(mml), weights=weights, model_dir=model_dir, seed=int(seed), **defaults,
+        )
+        cfg.validate()
+        return cfg
+
+    def replace(self, **kw: Any) -> "EngineConfig":
+        cfg = dataclasses.replace(self, **kw)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.attention not in ("triton", "torch"):
+            raise ConfigError(f"attention must be 'triton' or 'torch', got {self.attention!r}")
+        if self.dtype not in _DTYPE_BYTES:
+            raise ConfigError(f"dtype {self.dtype!r} not supported")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.block_size)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (K and V)."""
+        s = self.shape
+        return s.num_layers * 2 * self.block_size * s.num_kv_heads * s.head_dim * self.dtype_bytes
+
+
+def _has_safetensors(d: str) -> bool:
+    try:
+        return any(f.endswith(".safetensors") for f in os.listdir(d))
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    tag: str  # "weights" | "kv_cache"
+    index: int
+    size: int  # bytes
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # bytes into the weights pool
+    kind: str  # "matrix" | "bias" | "norm" | "embedding"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def param_specs(cfg: EngineConfig) -> list[ParamSpec]:
+    """Every parameter with its byte offset in the weights pool (q/k/v and gate/up fused)."""
+    s = cfg.shape
+    H, I = s.hidden_size, s.intermediate_size
+    items: list[tuple[str, tuple[int, ...], str]] = [("embed_tokens", (s.vocab_size, H), "embedding")]
+    for i in range(s.num_layers):
+        p = f"layers.{i}."
+        items += [
+            (p + "input_layernorm", (H,), "norm"),
+            (p + "qkv_proj.weight", (s.q_size + 2 * s.kv_size, H), "matrix"),
+        ]
+        if s.qkv_bias:
+            items.append((p + "qkv_proj.bias", (s.q_size + 2 * s.kv_size,), "bias"))
+        items += [
+            (p + "o_proj.weight", (H, s.q_size), "matrix"),
+            (p + "post_attention_layernorm", (H,), "norm"),
+            (p + "gate_up_proj.weight", (2 * I, H), "matrix"),
+            (p + "down_proj.weight", (H, I), "matrix"),
+        ]
+    items.append(("norm", (H,), "norm"))
+    if not s.tie_word_embeddings:
+        items.append(("lm_head", (s.vocab_size, H), "matrix"))
+    out, off = [], 0
+    for name, shp, kind in items:
+        out.append(ParamSpec(name, shp, off, kind))
+        off += _round_up(math.prod(shp) * cfg.dtype_bytes, TENSOR_ALIGN)
+    return out
+
+
+def weights_bytes(cfg: EngineConfig) -> int:
+    """Bytes of parameters proper (no alignment padding): what one decode step must read."""
+    return sum(p.numel for p in param_specs(cfg)) * cfg.dtype_bytes
+
+
+def kv_cache_shape(cfg: EngineConfig) -> tuple[int, ...]:
+    s = cfg.shape
+    return (s.num_layers, 2, cfg.num_blocks, cfg.block_size, s.num_kv_heads, s.head_dim)
+
+
+def pool_layout(cfg: EngineConfig) -> list[PoolSpec]:
+    """The shared pools, in a fixed order: weights then kv_cache."""
+    specs = param_specs(cfg)
+    last = specs[-1]
+    wsize = last.offset + last.numel * cfg.dtype_bytes
+    kv = math.prod(kv_cache_shape(cfg)) * cfg.dtype_bytes
+    return [
+        PoolSpec("weights", 0, _round_up(wsize, POOL_ALIGN)),
+        PoolSpec("kv_cache", 0, _round_up(kv, POOL_ALIGN)),
+    ]
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a

@@ -1,0 +1,471 @@
+"""EngineCore: requests, continuous batching with chunked prefill, sampling,
+stop handling, committed-state views for the ring, and adoption on takeover."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import BlockError, BlockManager
+from .config import EngineConfig, pool_layout
+from .model import Batch, CudaGraphDecoder, Qwen2Model, SeqChunk
+from .sampling import SamplingParams, default_seed, sample
+from .tokenizer import TextState, Tokenizer, load_tokenizer
+from .weights import check_pools, init_dummy, load_safetensors
+
+
+class EngineError(ValueError):
+    """A request or command the engine refuses; the engine itself stays usable."""
+
+
+class AdoptError(EngineError):
+    pass
+
+
+@dataclass
+class RequestOutput:
+    key: int
+    new_token_ids: list[int]
+    output_index: int  # index in the output of new_token_ids[0]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token that matched
+    text: str = ""  # detokenized delta (stop strings already cut)
+    num_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """Committed state of one request (what the ring publishes)."""
+
+    key: int
+    seed: int
+    block_ids: list[int]
+    token_ids: list[int]  # prompt + output
+    num_prompt: int
+    num_computed: int  # tokens whose KV is in the cache
+    finished: bool = False
+    aborted: bool = False
+
+
+@dataclass(frozen=True)
+class AdoptResult:
+    key: int
+    reused_tokens: int  # KV taken over from the snapshot, not recomputed
+    prefill_tokens: int  # tokens the first pass will compute
+    pending_tokens: int  # snapshot tokens the client had not received; emitted first
+    finished: bool  # the request had already finished (a final output is emitted)
+
+
+@dataclass
+class _Request:
+    key: int
+    params: SamplingParams
+    seed: int
+    token_ids: list[int]
+    num_prompt: int
+    text: TextState
+    arrival: int
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    no_chunk: bool = False  # adopted: compute the uncovered tail in one pass
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+
+class EngineCore:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        pools: dict,
+        load_weights: bool,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.cfg = cfg
+        weights_pool, kv_pool = check_pools(cfg, pools)
+        self.model = Qwen2Model(cfg, weights_pool, kv_pool)
+        if load_weights:
+            if cfg.weights == "dummy":
+                init_dummy(cfg, self.model.params)
+            else:
+                load_safetensors(cfg, self.model.params, cfg.weights)
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model_dir)
+        if self.tokenizer.vocab_size > cfg.shape.vocab_size:
+            raise EngineError(
+                f"tokenizer has {self.tokenizer.vocab_size} tokens, model vocabulary only {cfg.shape.vocab_size}"
+            )
+        self.blocks = BlockManager(cfg.num_blocks)
+        self._reqs: dict[int, _Request] = {}
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._pending: list[RequestOutput] = []
+        self._done_views: list[RequestView] = []
+        self._arrivals = 0
+        # Until someone reads request_views() no snapshot can name our blocks,
+        # so released blocks may be reused at once.
+        self._views_read = False
+        self._graphs: CudaGraphDecoder | None = None
+        self.counters: dict[str, int] = dict(
+            steps=0, forward_passes=0, prefill_tokens_computed=0, decode_tokens=0, generated_tokens=0,
+            adopted_requests=0, adopted_tokens_reused=0, preemptions=0, graph_steps=0,
+        )
+
+    # ---- setup -----------------------------------------------------------
+    @staticmethod
+    def allocate_pools(cfg: EngineConfig) -> dict:
+        """Zero-filled private pools (tests, benchmarks, single-process use)."""
+        return {(p.tag, p.index): torch.zeros(p.size, dtype=torch.uint8, device=cfg.device) for p in pool_layout(cfg)}
+
+    def warmup(self) -> None:
+        """GPU: capture the decode CUDA graphs now rather than on the first decode
+        step. Capture writes only the reserved null block (0) of the KV pool."""
+        if self._static_decode() and self._graphs is None:
+            g = CudaGraphDecoder(self.model, min(self.cfg.max_num_seqs, 512), graphs=self.cfg.cuda_graphs)
+            g.capture()
+            self._graphs = g
+
+    def _static_decode(self) -> bool:
+        """Decode-only steps go through the Triton kernel on static buffers (and
+        CUDA graphs when enabled)."""
+        return self.model._triton is not None
+
+    # ---- requests --------------------------------------------------------
+    def _check_tokens(self, ids: Sequence[int], what: str) -> list[int]:
+        out = []
+        V = self.cfg.shape.vocab_size
+        for t in ids:
+            t = int(t)
+            if not 0 <= t < V:
+                raise EngineError(f"{what}: token id {t} outside the vocabulary (0..{V - 1})")
+            out.append(t)
+        return out
+
+    def add_request(self, key: int, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        if key in self._reqs:
+            raise EngineError(f"request {key} already exists")
+        if not isinstance(params, SamplingParams):
+            raise EngineError("params must be a SamplingParams")
+        prompt = self._check_tokens(prompt_token_ids, f"request {key}")
+        if not prompt:
+            raise EngineError(f"request {key}: empty prompt")
+        if len(prompt) >= self.cfg.max_model_len:
+            raise EngineError(
+                f"request {key}: prompt of {len(prompt)} tokens leaves no room (max_model_len {self.cfg.max_model_len})"
+            )
+        longest = min(len(prompt) + params.max_tokens, self.cfg.max_model_len)
+        if -(-longest // self.cfg.block_size) > self.cfg.num_blocks - 1:
+            raise EngineError(
+                f"request {key}: up to {longest} tokens need more KV blocks than the cache has ({self.cfg.num_blocks - 1})"
+            )
+        seed = params.seed if params.seed is not None else default_seed(key)
+        req = self._new_request(key, params, seed, prompt, len(prompt))
+        self._waiting.append(req)
+
+    def _new_request(self, key, params, seed, token_ids, num_prompt) -> _Request:
+        self._arrivals += 1
+        text = TextState(self.tokenizer, token_ids[:num_prompt], params.stop, params.include_stop_str_in_output)
+        req = _Request(key, params, seed, list(token_ids), num_prompt, text, self._arrivals)
+        self._reqs[key] = req
+        return req
+
+    def adopt_request(
+        self,
+        key: int,
+        params: SamplingParams,
+        token_ids: Sequence[int],
+        num_prompt: int,
+        num_computed: int,
+        block_ids: Sequence[int],
+        seed: int | None,
+        delivered_token_ids: Sequence[int] = (),
+    ) -> AdoptResult:
+        """Take over a request whose KV for token_ids[:num_computed] is in block_ids.
+
+        token_ids is prompt + output as of the last sync (just the prompt, with no
+        blocks, when it never reached one); delivered_token_ids are the output
+        tokens the client already has. Only tokens past num_computed are computed,
+        in one pass; snapshot tokens the client lacks are emitted first.
+        """
+        if key in self._reqs:
+            raise AdoptError(f"adopt {key}: request already exists")
+        if not isinstance(params, SamplingParams):
+            raise AdoptError(f"adopt {key}: params must be a SamplingParams")
+        toks = self._check_tokens(token_ids, f"adopt {key}")
+        delivered = self._check_tokens(delivered_token_ids, f"adopt {key} delivered")
+        if not 1 <= num_prompt <= len(toks):
+            raise AdoptError(f"adopt {key}: num_prompt {num_prompt} out of range (1..{len(toks)})")
+        if not 0 <= num_computed <= len(toks):
+            raise AdoptError(f"adopt {key}: num_computed {num_computed} exceeds the {len(toks)} known tokens")
+        blocks = list(block_ids)
+        bs = self.cfg.block_size
+        if -(-num_computed // bs) > len(blocks):
+            raise AdoptError(
+                f"adopt {key}: {len(blocks)} blocks cannot hold {num_computed} computed tokens (block size {bs})"
+            )
+        snap_out = toks[num_prompt:]
+        common = min(len(snap_out), len(delivered))
+        for i in range(common):
+            if snap_out[i] != delivered[i]:
+                raise AdoptError(f"adopt {key}: delivered token {i} ({delivered[i]}) differs from the snapshot ({snap_out[i]})")
+        if len(delivered) >= len(snap_out):
+            full, pending = toks[:num_prompt] + delivered, []
+        else:
+            full, pending = toks, snap_out[len(delivered) :]
+        if len(full) > self.cfg.max_model_len:
+            raise AdoptError(f"adopt {key}: {len(full)} tokens exceed max_model_len {self.cfg.max_model_len}")
+        if seed is None:
+            seed = params.seed if params.seed is not None else default_seed(key)
+
+        # Replay the output through the stop checks: the client's text state is a
+        # pure function of the tokens it received.
+        req = _Request(key, params, int(seed), full[:num_prompt], num_prompt,
+                       TextState(self.tokenizer, full[:num_prompt], params.stop, params.include_stop_str_in_output),
+                       self._arrivals + 1)
+        outputs = full[num_prompt:]
+        finish: tuple[str, str | int | None] | None = None
+        for i, t in enumerate(outputs):
+            if finish is not None:
+                raise AdoptError(f"adopt {key}: output continues after it finished at index {i - 1}")
+            req.token_ids.append(t)
+            finish = self._stop_after(req, t)
+            if i < len(delivered):
+                req.text.take()
+        emit_from = len(delivered)
+        if finish is None:
+            # Validate and pin the blocks before committing anything.
+            try:
+                self.blocks.pin(blocks)
+            except BlockError as e:
+                raise AdoptError(f"adopt {key}: {e}") from None
+        self._arrivals += 1
+        self._reqs[key] = req
+        self.counters["adopted_requests"] += 1
+        if finish is not None:
+            text = req.text.finish()
+            self._pending.append(RequestOutput(key, outputs[emit_from:], emit_from, True, finish[0], finish[1], text,
+                                               num_prompt))
+            self._retire(req, finished=True, aborted=False, release=False)
+            return AdoptResult(key, 0, 0, len(outputs) - emit_from, True)
+        if pending:
+            self._pending.append(RequestOutput(key, list(pending), emit_from, text=req.text.take(),
+                                               num_prompt_tokens=num_prompt))
+        # The last token needs a forward pass for its logits; if the snapshot
+        # already holds its KV it is computed again (same values, same slot).
+        reused = min(num_computed, len(full) - 1)
+        req.num_computed = reused
+        req.block_ids = blocks
+        req.no_chunk = True
+        self.counters["adopted_tokens_reused"] += reused
+        self._running.append(req)
+        return AdoptResult(key, reused, len(full) - reused, len(pending), False)
+
+    def abort(self, key: int) -> bool:
+        req = self._reqs.get(key)
+        if req is None:
+            return False
+        if req in self._waiting:
+            self._waiting.remove(req)
+        if req in self._running:
+            self._running.remove(req)
+        self._pending = [o for o in self._pending if o.key != key]
+        self._retire(req, finished=False, aborted=True)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._pending)
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def request_views(self) -> list[RequestView]:
+        """Committed state of every live request, plus each request that finished
+        or was aborted since the previous call (reported once). Call it between
+        steps and publish the result before the next step: blocks released by
+        those requests become reusable only now."""
+        views = [
+            RequestView(r.key, r.seed, list(r.block_ids), list(r.token_ids), r.num_prompt, r.num_computed)
+            for r in self._reqs.values()
+        ]
+        views += self._done_views
+        self._done_views = []
+        self._views_read = True
+        self.blocks.release_quarantine()
+        return views
+
+    # ---- stepping --------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self._schedule()
+        self.counters["steps"] += 1
+        if not sched:
+            return outputs
+        t0 = time.perf_counter()
+        logits, samplers = self._forward(sched)
+        if samplers:
+            toks = sample(logits, [r.params for r in samplers], [r.seed for r in samplers],
+                          [len(r.token_ids) for r in samplers])
+            for req, tok in zip(samplers, toks):
+                outputs.append(self._append_token(req, tok))
+        self._last_step_s = time.perf_counter() - t0
+        return outputs
+
+    def _schedule(self) -> list[tuple[_Request, int]]:
+        cfg = self.cfg
+        budget = cfg.max_num_batched_tokens
+        sched: list[tuple[_Request, int]] = []
+        # Decodes first (one token each, latency-bound), then prefill chunks.
+        for req in sorted(self._running, key=lambda r: len(r.token_ids) - r.num_computed > 1):
+            remaining = len(req.token_ids) - req.num_computed
+            if budget <= 0 and not req.no_chunk:
+                continue
+            n = remaining if req.no_chunk else min(remaining, budget)
+            n = self._fit_blocks(req, n)
+            if n <= 0:
+                continue
+            sched.append((req, n))
+            budget -= n
+        while self._waiting and len(self._running) < cfg.max_num_seqs and budget > 0:
+            req = self._waiting[0]
+            remaining = len(req.token_ids) - req.num_computed
+            n = self._fit_blocks(req, min(remaining, budget))
+            if n <= 0:
+                break
+            self._waiting.popleft()
+            self._running.append(req)
+            sched.append((req, n))
+            budget -= n
+        if not sched and self._running and not self.blocks.num_quarantined:
+            # Every running request needs a block and none is free: recompute the newest later.
+            self._preempt(max(self._running, key=lambda r: r.arrival))
+            return self._schedule() if self.blocks.num_free else []
+        return sched
+
+    def _fit_blocks(self, req: _Request, n: int) -> int:
+        """Allocate blocks for n more tokens, shrinking a prefill chunk to what fits."""
+        bs = self.cfg.block_size
+        have = len(req.block_ids)
+        need = -(-(req.num_computed + n) // bs) - have
+        if need > self.blocks.num_free:
+            if req.no_chunk:
+                return 0
+            n = (have + self.blocks.num_free) * bs - req.num_computed
+            if n <= 0:
+                return 0
+            need = self.blocks.num_free
+        if need > 0:
+            req.block_ids += self.blocks.allocate(need)
+        return n
+
+    def _preempt(self, req: _Request) -> None:
+        self._running.remove(req)
+        self.blocks.release(req.block_ids, quarantine=self._views_read)
+        req.block_ids = []
+        req.num_computed = 0
+        req.no_chunk = False
+        self._waiting.appendleft(req)
+        self.counters["preemptions"] += 1
+
+    def _forward(self, sched: list[tuple[_Request, int]]) -> tuple[torch.Tensor, list[_Request]]:
+        bs = self.cfg.block_size
+        samplers = [r for r, n in sched if r.num_computed + n == len(r.token_ids)]
+        for r, n in sched:
+            if n == 1 and r.num_computed >= r.num_prompt:
+                self.counters["decode_tokens"] += 1
+            else:
+                self.counters["prefill_tokens_computed"] += n
+        self.counters["forward_passes"] += 1
+        decode_only = all(n == 1 for _, n in sched)
+        if decode_only and self._static_decode() and len(sched) <= min(self.cfg.max_num_seqs, 512):
+            if self._graphs is None:
+                self.warmup()
+            ids = [r.token_ids[r.num_computed] for r, _ in sched]
+            pos = [r.num_computed for r, _ in sched]
+            slots = [r.block_ids[p // bs] * bs + p % bs for (r, _), p in zip(sched, pos)]
+            logits = self._graphs.run(ids, pos, slots, [r.block_ids for r, _ in sched])
+            if self._graphs.use_graphs:
+                self.counters["graph_steps"] += 1
+            for r, n in sched:
+                r.num_computed += n
+            return logits, samplers
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seqs: list[SeqChunk] = []
+        rows: list[int] = []
+        for r, n in sched:
+            start = r.num_computed
+            seqs.append(SeqChunk(len(ids), n, start, list(r.block_ids)))
+            ids += r.token_ids[start : start + n]
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(r.block_ids[p // bs] * bs + p % bs)
+            if start + n == len(r.token_ids):
+                rows.append(len(ids) - 1)
+        dev = self.model.device
+        batch = Batch(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(pos, dtype=torch.int64, device=dev),
+            torch.tensor(slots, dtype=torch.int64, device=dev),
+            seqs,
+            torch.tensor(rows, dtype=torch.int64, device=dev),
+        )
+        logits = self.model.forward(batch)
+        for r, n in sched:
+            r.num_computed += n
+        return logits, samplers
+
+    def _stop_after(self, req: _Request, tok: int) -> tuple[str, str | int | None] | None:
+        """Finish reason after appending tok (already in req.token_ids), or None."""
+        p = req.params
+        stop_str = req.text.add(tok)
+        if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
+            return ("stop", None)
+        if tok in p.stop_token_ids:
+            return ("stop", tok)
+        if stop_str is not None:
+            return ("stop", stop_str)
+        if req.num_output >= p.max_tokens or len(req.token_ids) >= self.cfg.max_model_len:
+            return ("length", None)
+        return None
+
+    def _append_token(self, req: _Request, tok: int) -> RequestOutput:
+        req.token_ids.append(tok)
+        req.no_chunk = False
+        self.counters["generated_tokens"] += 1
+        fin = self._stop_after(req, tok)
+        idx = req.num_output - 1
+        if fin is None:
+            return RequestOutput(req.key, [tok], idx, text=req.text.take(), num_prompt_tokens=req.num_prompt)
+        text = req.text.finish()
+        self._running.remove(req)
+        self._retire(req, finished=True, aborted=False)
+        return RequestOutput(req.key, [tok], idx, True, fin[0], fin[1], text, req.num_prompt)
+
+    def _retire(self, req: _Request, finished: bool, aborted: bool, release: bool = True) -> None:
+        if release and req.block_ids:
+            self.blocks.release(req.block_ids, quarantine=self._views_read)
+        self._done_views.append(RequestView(req.key, req.seed, list(req.block_ids), list(req.token_ids),
+                                            req.num_prompt, req.num_computed, finished, aborted))
+        req.block_ids = []
+        del self._reqs[req.key]
+
+    # ---- convenience -----------------------------------------------------
+    def generate(self, prompts: Iterable[tuple[int, Sequence[int], SamplingParams]]) -> dict[int, list[int]]:
+        """Run requests to completion (tests and scripts); returns output token ids per key."""
+        out: dict[int, list[int]] = {}
+        for key, ids, params in prompts:
+            self.add_request(key, ids, params)
+            out[key] = []
+        while self.has_work():
+            for o in self.step():
+                out.setdefault(o.key, []).extend(o.new_token_ids)
+        return out

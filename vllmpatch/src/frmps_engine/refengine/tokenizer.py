@@ -1,0 +1,245 @@
+"""Tokenizers, incremental detokenization, stop strings and the chat template.
+
+`load_tokenizer(model_dir)` uses the `tokenizers` library on `tokenizer.json`;
+without a model directory a byte-level tokenizer stands in (ids 0-255 are
+bytes, then a few ChatML specials), which fits every preset's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def apply_chat_template(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> list[int]: ...
+
+
+def _role_content(m: Any) -> tuple[str, str]:
+    if isinstance(m, Mapping):
+        role, content = m.get("role"), m.get("content")
+    else:
+        role, content = getattr(m, "role", None), getattr(m, "content", None)
+    if not isinstance(role, str) or not role:
+        raise TokenizerError(f"chat message without a role: {m!r}")
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise TokenizerError(f"chat message content must be text, got {type(content).__name__}")
+    return role, content
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: ids 0-255 are raw bytes; 256.. are specials."""
+
+    SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+    def __init__(self) -> None:
+        self.endoftext_id = 256
+        self.im_start_id = 257
+        self.im_end_id = 258
+        self.vocab_size = 256 + len(self.SPECIALS)
+        # Chat models end a turn with <|im_end|>; base models with <|endoftext|>.
+        self.eos_token_id = self.im_end_id
+        self.eos_token_ids = frozenset({self.im_end_id, self.endoftext_id})
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> list[int]:
+        out: list[int] = []
+        nl = self.encode("\n")
+        for m in messages:
+            role, content = _role_content(m)
+            out += [self.im_start_id, *self.encode(role), *nl, *self.encode(content), self.im_end_id, *nl]
+        if add_generation_prompt:
+            out += [self.im_start_id, *self.encode("assistant"), *nl]
+        return out
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` through the `tokenizers` library, ChatML template."""
+
+    def __init__(self, model_dir: str) -> None:
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError as e:  # pragma: no cover - dependency missing
+            raise TokenizerError("the 'tokenizers' package is needed for tokenizer.json") from e
+        path = os.path.join(model_dir, "tokenizer.json")
+        try:
+            self._tok = _Tok.from_file(path)
+        except Exception as e:  # tokenizers raises plain Exception subclasses
+            raise TokenizerError(f"load tokenizer {path!r}: {e}") from e
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        ids = set()
+        for tok in _eos_candidates(model_dir):
+            if isinstance(tok, int):
+                ids.add(tok)
+            elif isinstance(tok, str):
+                t = self._tok.token_to_id(tok)
+                if t is not None:
+                    ids.add(t)
+        im_end = self._tok.token_to_id("<|im_end|>")
+        eot = self._tok.token_to_id("<|endoftext|>")
+        if not ids:
+            ids = {t for t in (im_end, eot) if t is not None}
+        if not ids:
+            raise TokenizerError(f"tokenizer {path!r}: no end-of-sequence token found")
+        self.eos_token_ids = frozenset(ids)
+        self.eos_token_id = im_end if im_end in ids else min(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(chatml(messages, add_generation_prompt))
+
+
+def _eos_candidates(model_dir: str) -> list[Any]:
+    out: list[Any] = []
+    for fname, key in (("generation_config.json", "eos_token_id"), ("tokenizer_config.json", "eos_token")):
+        try:
+            with open(os.path.join(model_dir, fname), encoding="utf-8") as f:
+                v = json.load(f).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(v, dict):  # {"content": "<|im_end|>", ...}
+            v = v.get("content")
+        out += v if isinstance(v, list) else [v]
+    return out
+
+
+def chatml(messages: Iterable[Any], add_generation_prompt: bool = True) -> str:
+    parts = []
+    for m in messages:
+        role, content = _role_content(m)
+        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def load_tokenizer(model_dir: str | None) -> Tokenizer:
+    if model_dir and os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        return HFTokenizer(model_dir)
+    return ByteTokenizer()
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into stable text.
+
+    Text is released only when it no longer ends in an incomplete UTF-8
+    sequence (U+FFFD), decoding a small window of recent tokens so that the cost
+    per token is constant (the scheme vLLM and TGI use).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+        self._tok = tokenizer
+        # A few prompt tokens give the first output tokens their left context
+        # (sentencepiece-style leading spaces).
+        self._ids: list[int] = list(prompt_ids[-4:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        new_text = self._tok.decode(self._ids[self._prefix :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self._prefix = self._read
+            self._read = len(self._ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Release whatever is held back (at the end of a sequence)."""
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
+        new_text = self._tok.decode(self._ids[self._prefix :])
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self._prefix = self._read = len(self._ids)
+        self.text += delta
+        return delta
+
+
+class TextState:
+    """Output text of one request: detokenization, stop strings and what was emitted.
+
+    The emitted prefix is a pure function of the tokens processed so far, so a
+    standby that replays the delivered tokens knows exactly which text the
+    client already has.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stop = [s for s in stop if s]
+        self._include = include_stop_str_in_output
+        # Hold back enough text that a stop string is never partly emitted.
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""  # final output text so far (may run ahead of what was emitted)
+        self.emitted = 0
+        self.stopped_by: str | None = None
+
+    def add(self, token_id: int) -> str | None:
+        """Process one token; returns the matched stop string, if any."""
+        delta = self._detok.add(token_id)
+        return self._append(delta)
+
+    def finish(self) -> str:
+        """Flush at the end of the sequence; returns the text not yet emitted."""
+        if self.stopped_by is None:
+            self._append(self._detok.flush())
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out
+
+    def take(self) -> str:
+        """Text that may be emitted now."""
+        limit = len(self.text) if self.stopped_by is not None else len(self.text) - self._hold
+        if limit <= self.emitted:
+            return ""
+        out = self.text[self.emitted : limit]
+        self.emitted = limit
+        return out
+
+    def _append(self, delta: str) -> str | None:
+        if not delta or self.stopped_by is not None:
+            return self.stopped_by
+        start = max(0, len(self.text) - self._hold)
+        self.text += delta
+        best = None
+        for s in self._stop:
+            i = self.text.find(s, max(0, start - 0))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.text = self.text[: i + len(s)] if self._include else self.text[:i]
+            self.stopped_by = s
+        return self.stopped_by

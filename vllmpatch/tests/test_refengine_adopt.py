@@ -1,0 +1,224 @@
+"""Takeover on CPU: a second EngineCore on the same pool tensors adopts the
+requests from the last sync's committed views and continues exactly like a
+run without the fault, computing only what the sync did not cover."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Shared CI cores: intra-op threads only add contention at this model size.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_cfg(budget: int) -> EngineConfig:
+    return EngineConfig.from_preset("tiny", num_blocks=128, max_num_batched_tokens=budget)
+
+
+def make_requests(lengths, sampling: str, max_tokens: int):
+    g = torch.Generator().manual_seed(sum(lengths))
+    reqs = []
+    for i, n in enumerate(lengths):
+        key = 100 + i
+        if sampling == "greedy" or (sampling == "mixed" and i % 2 == 0):
+            sp = SamplingParams(max_tokens=max_tokens + i, temperature=0.0)
+        else:
+            # Half the seeded ones bring no seed: the engine derives it from the key.
+            sp = SamplingParams(max_tokens=max_tokens + i, temperature=0.8, top_p=0.95, top_k=100,
+                                seed=(7 * i if i % 4 == 1 else None))
+        reqs.append((key, torch.randint(0, 256, (n,), generator=g).tolist(), sp))
+    return reqs
+
+
+_REF: dict[str, dict[int, list[int]]] = {}
+
+
+def no_fault(reqs, budget):
+    memo = repr((reqs, budget))
+    if memo not in _REF:
+        cfg = make_cfg(budget)
+        _REF[memo] = EngineCore(cfg, EngineCore.allocate_pools(cfg), True).generate(reqs)
+    return _REF[memo]
+
+
+def failover(reqs, budget: int, kill_step: int, sync_every: int, lag: int = 0):
+    """Run the active for kill_step steps, syncing every sync_every steps; the client
+    lags `lag` tokens behind what the active produced. Then a standby built on the
+    same pools adopts everything and runs to the end."""
+    cfg = make_cfg(budget)
+    pools = EngineCore.allocate_pools(cfg)
+    active = EngineCore(cfg, pools, load_weights=True)
+    for key, ids, sp in reqs:
+        active.add_request(key, ids, sp)
+    produced = {key: [] for key, _, _ in reqs}
+    finished_at = {}
+    snapshot = {}
+    for step in range(1, kill_step + 1):
+        if not active.has_work():
+            break
+        for o in active.step():
+            assert o.output_index == len(produced[o.key])
+            produced[o.key] += o.new_token_ids
+            if o.finished:
+                finished_at[o.key] = len(produced[o.key])
+        if step % sync_every == 0:
+            for v in active.request_views():
+                if v.finished or v.aborted:
+                    snapshot.pop(v.key, None)  # the supervisor forgets finished requests
+                else:
+                    snapshot[v.key] = v
+    del active  # SIGKILL stand-in: nothing of it survives but the pools
+
+    standby = EngineCore(cfg, pools, load_weights=False)
+    delivered = {k: toks[: max(0, len(toks) - lag)] for k, toks in produced.items()}
+    expect_reused = expect_first_pass = 0
+    adopted = {}
+    for key, ids, sp in reqs:
+        if key in finished_at and len(delivered[key]) == finished_at[key]:
+            continue  # the client has the whole answer
+        v = snapshot.get(key)
+        if v is None:
+            res = standby.adopt_request(key, sp, ids, len(ids), 0, [], None, delivered[key])
+        else:
+            res = standby.adopt_request(key, sp, v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed,
+                                        delivered[key])
+            assert v.token_ids[: v.num_prompt] == ids
+        adopted[key] = res
+        if not res.finished:
+            # Covered tokens are reused; the first pass computes exactly the rest.
+            full = len(ids) + max(len(delivered[key]), len(v.token_ids) - v.num_prompt if v else 0)
+            reused = min(v.num_computed, full - 1) if v else 0
+            assert res.reused_tokens == reused and res.prefill_tokens == full - reused
+            expect_reused += reused
+            expect_first_pass += full - reused
+    assert standby.counters["adopted_tokens_reused"] == expect_reused
+
+    final = {k: list(t) for k, t in delivered.items()}
+    first = True
+    while standby.has_work():
+        for o in standby.step():
+            assert o.output_index == len(final[o.key]), "a token was lost or repeated"
+            final[o.key] += o.new_token_ids
+        if first:
+            first = False
+            c = standby.counters
+            assert c["prefill_tokens_computed"] + c["decode_tokens"] == expect_first_pass
+            assert c["forward_passes"] == (1 if expect_first_pass else 0)
+    # Over the whole run the standby computed each token past the covered ones once.
+    total = sum(len(ids) + len(final[key]) - 1 - adopted[key].reused_tokens
+                for key, ids, _ in reqs if key in adopted and not adopted[key].finished)
+    c = standby.counters
+    assert c["prefill_tokens_computed"] + c["decode_tokens"] == total
+    assert c["preemptions"] == 0
+    standby.request_views()
+    standby.blocks.check()
+    assert standby.blocks.num_free == cfg.num_blocks - 1
+    return final, standby, snapshot
+
+
+# prompt 40 with a 16-token budget: steps 1-3 prefill (16+16+8), token 1 at step 3.
+KILLS = {"start": 0, "mid_prefill": 2, "after1": 3, "after2": 4, "after15": 17, "after16": 18, "after17": 19}
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+@pytest.mark.parametrize("sync_every", [1, 16])
+@pytest.mark.parametrize("kill", list(KILLS))
+def test_single_request_failover_is_exact(sampling, sync_every, kill):
+    reqs = make_requests([40], sampling, max_tokens=40)
+    ref = no_fault(reqs, budget=16)
+    for lag in (0, 2):
+        final, standby, snap = failover(reqs, 16, KILLS[kill], sync_every, lag)
+        assert final == ref, (kill, lag)
+    if kill == "mid_prefill" and sync_every == 1:
+        v = snap[100]
+        assert v.num_computed == 32 and len(v.token_ids) == 40  # adopted mid-prefill: 32 reused
+    if kill == "after16" and sync_every == 16:
+        assert snap[100].num_computed == 40 + 13  # synced at step 16 = 14 tokens out
+
+
+def test_after_100_tokens():
+    ((key, ids, _),) = make_requests([30], "seeded", max_tokens=130)
+    reqs = [(key, ids, SamplingParams(max_tokens=130, temperature=1.0, seed=5, ignore_eos=True))]
+    ref = no_fault(reqs, budget=64)
+    for sync_every in (1, 16):
+        final, standby, _ = failover(reqs, 64, 101, sync_every, lag=1)
+        assert final == ref
+        assert standby.counters["adopted_tokens_reused"] >= 30 + 100 - 16 - 1
+
+
+@pytest.mark.parametrize("sync_every", [1, 16])
+@pytest.mark.parametrize("kill_step", [1, 3, 10, 17, 30])
+def test_eight_concurrent_requests_failover_is_exact(sync_every, kill_step):
+    reqs = make_requests([5, 40, 17, 1, 33, 64, 16, 3], "mixed", max_tokens=24)
+    ref = no_fault(reqs, budget=48)
+    for lag in (0, 3):
+        final, _, _ = failover(reqs, 48, kill_step, sync_every, lag)
+        assert final == ref, (kill_step, lag)
+
+
+def test_snapshot_ahead_of_client_emits_pending_first():
+    reqs = make_requests([20], "greedy", max_tokens=30)
+    ref = no_fault(reqs, budget=64)[100]
+    cfg = make_cfg(64)
+    pools = EngineCore.allocate_pools(cfg)
+    a = EngineCore(cfg, pools, True)
+    a.add_request(*reqs[0])
+    for _ in range(10):
+        a.step()
+    (v,) = a.request_views()
+    b = EngineCore(cfg, pools, False)
+    res = b.adopt_request(100, reqs[0][2], v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed, ref[:4])
+    assert res.pending_tokens == 6 and res.reused_tokens == v.num_computed
+    outs = b.step()
+    assert outs[0].output_index == 4 and outs[0].new_token_ids == ref[4:10] and not outs[0].finished
+    assert outs[1].output_index == 10 and outs[1].new_token_ids == [ref[10]]
+    assert b.counters["prefill_tokens_computed"] + b.counters["decode_tokens"] == 1
+
+
+def test_adopt_already_finished_request_reports_finish():
+    reqs = make_requests([20], "greedy", max_tokens=8)
+    ref = no_fault(reqs, budget=64)[100]
+    cfg = make_cfg(64)
+    b = EngineCore(cfg, EngineCore.allocate_pools(cfg), False)
+    # The client got all 8 tokens but not the finish: the standby reports it without computing.
+    res = b.adopt_request(100, reqs[0][2], reqs[0][1], 20, 0, [], None, ref)
+    assert res.finished
+    (o,) = b.step()
+    assert o.finished and o.finish_reason == "length" and o.new_token_ids == [] and o.output_index == 8
+    assert b.counters["forward_passes"] == 0 and not b.has_work()
+    assert [x.finished for x in b.request_views()] == [True]
+
+
+def test_adopted_blocks_are_pinned_and_freed():
+    reqs = make_requests([40], "greedy", max_tokens=20)
+    cfg = make_cfg(64)
+    pools = EngineCore.allocate_pools(cfg)
+    a = EngineCore(cfg, pools, True)
+    a.add_request(*reqs[0])
+    for _ in range(5):
+        a.step()
+    (v,) = a.request_views()
+    b = EngineCore(cfg, pools, False)
+    b.adopt_request(100, reqs[0][2], v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed, v.token_ids[40:])
+    assert all(b.blocks.refcount(x) == 1 for x in v.block_ids)
+    assert b.blocks.num_free == cfg.num_blocks - 1 - len(v.block_ids)
+    # A new request must not get the adopted blocks.
+    b.add_request(1, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    b.step()
+    views = {x.key: x for x in b.request_views()}
+    assert not set(views[1].block_ids) & set(v.block_ids)
+    while b.has_work():
+        b.step()
+    b.request_views()
+    b.blocks.check()
+    assert b.blocks.num_free == cfg.num_blocks - 1
