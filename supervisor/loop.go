@@ -52,6 +52,7 @@ type slot struct {
 	listener  ControlListener
 	started   time.Time
 	inMPS     bool
+	genSocket string
 	cancel    context.CancelFunc // ends the handshake / reader goroutine
 	restartNo uint32
 
@@ -98,6 +99,10 @@ func (s *Supervisor) handle(ev event) {
 		if ev.slot.dead || !s.isLive(ev.slot) {
 			return
 		}
+		if err := s.dialGeneration(ev.slot); err != nil {
+			s.died(ev.slot, err.Error(), ev.at, false)
+			return
+		}
 		ev.slot.setState("ready")
 		if ev.slot.role == failover.Active {
 			s.metrics.up(failover.Active, true)
@@ -125,15 +130,14 @@ func (s *Supervisor) handle(ev event) {
 			s.step(failover.Event{Kind: failover.ResumeFailed, At: ev.at, Cause: fmt.Sprintf("no reply to resume within %s", s.cfg.ResumeTimeout)})
 		}
 	case evStartDue:
+		if t := s.startAfter[ev.role]; t == nil || ev.id != s.startSeq[ev.role] {
+			return // cancelled after it fired
+		}
 		s.startAfter[ev.role] = nil
 		s.start(ev.role)
 	case evMPSChecked:
 		s.mpsBusy = false
-		if ev.err != nil && s.wantStart[failover.Active] {
-			s.wantStart[failover.Active] = false
-			s.step(failover.Event{Kind: failover.BreakerTripped, Role: failover.Active, At: ev.at, Cause: "MPS daemon does not answer: " + ev.err.Error()})
-			return
-		}
+		s.mpsErr = ev.err
 		for _, r := range []failover.Role{failover.Active, failover.Standby} {
 			if s.wantStart[r] {
 				s.wantStart[r] = false
@@ -154,26 +158,50 @@ func (s *Supervisor) handle(ev event) {
 	case evStep:
 		s.step(ev.fev)
 	}
-	if ev.slot != nil {
-		s.reap(ev.slot)
-	}
+	s.reap()
 	s.syncShown()
 }
 
-// reap forgets a retired slot whose process is gone.
-func (s *Supervisor) reap(sl *slot) {
-	if s.isLive(sl) {
-		return
-	}
-	select {
-	case <-sl.proc.Done():
-		delete(s.slots, sl)
-	default:
+// reap forgets retired slots whose process is gone (a handful at most).
+func (s *Supervisor) reap() {
+	for sl := range s.slots {
+		if s.isLive(sl) {
+			continue
+		}
+		select {
+		case <-sl.proc.Done():
+			delete(s.slots, sl)
+		default:
+		}
 	}
 }
 
 // raise queues a machine event from inside an action.
 func (s *Supervisor) raise(ev failover.Event) { s.enqueue(event{kind: evStep, fev: ev}) }
+
+// dialGeneration prepares the client of a ready engine's generation API
+// (lazily connected), so promoting it later costs nothing.
+func (s *Supervisor) dialGeneration(sl *slot) error {
+	sl.mu.Lock()
+	endpoint := sl.hello.GetGenerationEndpoint()
+	sl.mu.Unlock()
+	if endpoint == "" {
+		endpoint = "unix://" + sl.genSocket
+	}
+	c, closer, err := s.deps.DialGeneration(endpoint)
+	if err != nil {
+		return fmt.Errorf("generation API %s: %w", endpoint, err)
+	}
+	sl.gen, sl.genC = c, closer
+	return nil
+}
+
+func (s *Supervisor) slotOf(r failover.Role) *slot {
+	if r == failover.Active {
+		return s.active
+	}
+	return s.standby
+}
 
 func (s *Supervisor) isLive(sl *slot) bool { return sl == s.active || sl == s.standby }
 
@@ -230,6 +258,7 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 		case failover.FenceActive:
 			s.fence(s.active)
 		case failover.FenceStandby:
+			s.cancelStart(failover.Standby) // a backoff pending for the dead standby
 			sb := s.standby
 			s.standby = nil
 			s.fence(sb)
@@ -264,8 +293,11 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			if a.Kind == failover.StartStandby {
 				role = failover.Standby
 			}
+			s.cancelStart(role)
 			if a.Delay > 0 {
-				s.startAfter[role] = time.AfterFunc(a.Delay, func() { s.post(event{kind: evStartDue, role: role, at: time.Now()}) })
+				s.startSeq[role]++
+				seq := s.startSeq[role]
+				s.startAfter[role] = time.AfterFunc(a.Delay, func() { s.post(event{kind: evStartDue, role: role, id: seq, at: time.Now()}) })
 			} else {
 				s.start(role)
 			}
@@ -275,6 +307,15 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			s.stopAll(ev.Cause)
 		}
 	}
+}
+
+// cancelStart drops a pending delayed start of role.
+func (s *Supervisor) cancelStart(role failover.Role) {
+	if t := s.startAfter[role]; t != nil {
+		t.Stop()
+		s.startAfter[role] = nil
+	}
+	s.wantStart[role] = false
 }
 
 // fence kills a slot's process group; the slot stays until retired.
@@ -394,7 +435,9 @@ func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.
 		old.mu.Lock()
 		old.deathCause = class + ": " + detail
 		old.mu.Unlock()
-		s.metrics.failover(class)
+		if ferr == nil {
+			s.metrics.failover(class)
+		}
 	}()
 }
 
@@ -442,8 +485,16 @@ func (s *Supervisor) start(role failover.Role) {
 	if st, _ := s.machine.State(); st == failover.Stopped || st == failover.CrashLoop {
 		return
 	}
+	if cur := s.slotOf(role); cur != nil && !cur.dead {
+		s.log.Error("not starting a second engine for a role", "role", role, "pid", cur.proc.PID())
+		return
+	}
 	if role == failover.Active && s.mpsBusy {
 		s.wantStart[role] = true // launch into a daemon known to answer
+		return
+	}
+	if role == failover.Active && s.mpsErr != nil {
+		s.raise(failover.Event{Kind: failover.BreakerTripped, Role: failover.Active, At: time.Now(), Cause: "MPS daemon does not answer: " + s.mpsErr.Error()})
 		return
 	}
 	if role == failover.Active {
@@ -461,7 +512,7 @@ func (s *Supervisor) start(role failover.Role) {
 	s.nextID++
 	id := s.nextID
 	inv := s.invocation(role, id)
-	sl := &slot{id: id, role: role, started: time.Now(), state: "starting", inMPS: role == failover.Active && s.mps != nil}
+	sl := &slot{id: id, role: role, started: time.Now(), state: "starting", inMPS: role == failover.Active && s.mps != nil, genSocket: inv.GenerationSocket}
 	sl.restartNo = s.metrics.started(role)
 	fail := func(err error) {
 		s.log.Error("launch engine", "role", role, "error", err)

@@ -136,7 +136,9 @@ type Supervisor struct {
 	broker     Broker
 	mps        MPS
 	mpsBusy    bool
+	mpsErr     error // the last MPS check/restart failed: no active can start in it
 	startAfter [2]*time.Timer
+	startSeq   [2]uint64
 	wantStart  [2]bool // a start is due but waits (MPS check in progress)
 	inflight   *failoverRun
 	resumeSeq  uint64
