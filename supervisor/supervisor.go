@@ -40,11 +40,13 @@ type Config struct {
 	RingDir      string // where the ring file goes; empty: /dev/shm if present, else RunDir
 	RingCapacity uint64 // bytes
 	NoMPS        bool
-	Device       string // cpu | cuda
-	Memory       string // host-shm | cuda-vmm
-	NumBlocks    int
-	MaxModelLen  int
-	Breaker      failover.BreakerConfig
+	// MPSControlBinary is nvidia-cuda-mps-control (looked up in PATH when bare).
+	MPSControlBinary string
+	Device           string // cpu | cuda
+	Memory           string // host-shm | cuda-vmm
+	NumBlocks        int
+	MaxModelLen      int
+	Breaker          failover.BreakerConfig
 	// PollInterval between ring polls; 0 means 500µs.
 	PollInterval time.Duration
 	// HandshakeTimeout bounds launch → Ready; 0 means 10 minutes (weights load).
