@@ -245,6 +245,13 @@ func (s *Supervisor) Current(ctx context.Context, minGeneration uint64) (frmpsv1
 	}
 }
 
+// Serving reports, without blocking, whether an engine takes requests now.
+func (s *Supervisor) Serving() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.current != nil
+}
+
 // Run starts the deployment and supervises it until ctx ends, then shuts
 // everything down. It returns an error when the deployment cannot start.
 func (s *Supervisor) Run(ctx context.Context) (retErr error) {
