@@ -376,7 +376,13 @@ func (s *Supervisor) sendResume() {
 		return
 	}
 	fo.sent = time.Now()
-	s.metrics.resumeSent(fo.sent.Sub(fo.detected))
+	d := fo.sent.Sub(fo.detected)
+	s.metrics.resumeSent(d)
+	s.mu.Lock()
+	if len(s.detectToResume) < 4096 {
+		s.detectToResume = append(s.detectToResume, d)
+	}
+	s.mu.Unlock()
 }
 
 // abortFailover records a failover that did not complete.

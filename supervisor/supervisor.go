@@ -154,20 +154,22 @@ type Supervisor struct {
 	ring   Ring
 
 	// Read by Current/Status from other goroutines.
-	mu            sync.Mutex
-	current       *slot
-	generation    uint64
-	changed       chan struct{}
-	unavailable   error
-	state         failover.State
-	stateCause    string
-	records       []*frmpsv1.FailoverRecord
-	recordSeq     uint64
-	mpsState      string
-	shown         [2]*slot
-	crashLoopOpen atomic.Bool
-	ringLag       atomic.Uint64
-	ringResyncs   atomic.Uint64
+	mu          sync.Mutex
+	current     *slot
+	generation  uint64
+	changed     chan struct{}
+	unavailable error
+	state       failover.State
+	stateCause  string
+	records     []*frmpsv1.FailoverRecord
+	recordSeq   uint64
+	mpsState    string
+	shown       [2]*slot
+	// detectToResume: death detected → Resume sent, for benchmarks (bounded).
+	detectToResume []time.Duration
+	crashLoopOpen  atomic.Bool
+	ringLag        atomic.Uint64
+	ringResyncs    atomic.Uint64
 }
 
 // New checks cfg and prepares a supervisor bound to the real collaborators.
