@@ -62,6 +62,7 @@ type slot struct {
 	fault      *frmpsv1.Fault
 	state      string
 	deathCause string
+	refused    string // why the handshake refused this engine
 
 	// loop-owned
 	dead bool
@@ -212,6 +213,9 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, drill bool) {
 	}
 	sl.dead = true
 	sl.mu.Lock()
+	if sl.refused != "" && !strings.HasPrefix(cause, "hello refused") {
+		cause = sl.refused + " (" + cause + ")"
+	}
 	sl.state = "dead"
 	sl.deathCause = cause
 	sl.mu.Unlock()
@@ -651,7 +655,7 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 	}
 	hello := env.GetHello()
 	if hello == nil {
-		return nil, s.refuse(conn, fmt.Sprintf("first message must be hello, got %T", env.GetMsg()))
+		return nil, s.refuse(sl, conn, fmt.Sprintf("first message must be hello, got %T", env.GetMsg()))
 	}
 	sl.mu.Lock()
 	sl.hello = hello
@@ -663,11 +667,11 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 		pools = s.brokerPools()
 	}
 	if hello.GetProtocolVersion() != frmpsv1.ProtocolVersion_PROTOCOL_VERSION_1 {
-		return nil, s.refuse(conn, fmt.Sprintf("protocol version %d, this supervisor speaks %d", hello.GetProtocolVersion(), frmpsv1.ProtocolVersion_PROTOCOL_VERSION_1))
+		return nil, s.refuse(sl, conn, fmt.Sprintf("protocol version %d, this supervisor speaks %d", hello.GetProtocolVersion(), frmpsv1.ProtocolVersion_PROTOCOL_VERSION_1))
 	}
 	if s.deps.ValidateHello != nil {
 		if err := s.deps.ValidateHello(hello, HelloExpect{Role: wantRole, PID: sl.proc.PID(), Model: s.cfg.Model, Pools: pools}); err != nil {
-			return nil, s.refuse(conn, err.Error())
+			return nil, s.refuse(sl, conn, err.Error())
 		}
 	}
 	welcome := &frmpsv1.Welcome{Accepted: true, ProtocolVersion: frmpsv1.ProtocolVersion_PROTOCOL_VERSION_1,
@@ -694,15 +698,15 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 		case *frmpsv1.Envelope_PoolExport:
 			if sl.role != failover.Active {
 				closeFDs(fds)
-				return nil, s.refuse(conn, "pool export from a standby")
+				return nil, s.refuse(sl, conn, "pool export from a standby")
 			}
 			if err := s.brokerPut(m.PoolExport.GetPools(), fds); err != nil {
-				return nil, s.refuse(conn, "pool export: "+err.Error())
+				return nil, s.refuse(sl, conn, "pool export: "+err.Error())
 			}
 		case *frmpsv1.Envelope_Ready:
 			closeFDs(fds)
 			if sl.role == failover.Active && len(s.brokerPools()) == 0 {
-				return nil, s.refuse(conn, "ready before exporting any pool")
+				return nil, s.refuse(sl, conn, "ready before exporting any pool")
 			}
 			return conn, nil
 		case *frmpsv1.Envelope_Fault:
@@ -715,8 +719,13 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 }
 
 // refuse answers a refused Welcome (best effort) and returns the reason.
-func (s *Supervisor) refuse(conn ControlConn, reason string) error {
-	s.log.Error("engine refused", "reason", reason)
+func (s *Supervisor) refuse(sl *slot, conn ControlConn, reason string) error {
+	s.log.Error("engine refused", "role", sl.role, "pid", sl.proc.PID(), "reason", reason)
+	// Recorded before the Welcome goes out: the engine may exit, and its exit
+	// be seen, before this goroutine reports the refusal.
+	sl.mu.Lock()
+	sl.refused = "hello refused: " + reason
+	sl.mu.Unlock()
 	_ = conn.Send(&frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Welcome{Welcome: &frmpsv1.Welcome{
 		Accepted: false, Reason: reason, ProtocolVersion: frmpsv1.ProtocolVersion_PROTOCOL_VERSION_1}}}, nil)
 	return fmt.Errorf("hello refused: %s", reason)

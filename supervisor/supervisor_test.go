@@ -34,7 +34,7 @@ type harness struct {
 	err    error
 }
 
-func testConfig(t *testing.T) Config {
+func testConfig(t testing.TB) Config {
 	return Config{
 		Model: "tiny", Engine: "ref", SyncEvery: 16,
 		RunDir: filepath.Join(t.TempDir(), "run"), RingDir: t.TempDir(),

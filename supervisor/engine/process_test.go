@@ -44,6 +44,18 @@ func TestHelperProcess(t *testing.T) {
 		}
 		fmt.Printf("grandchild %d\n", c.Process.Pid)
 		time.Sleep(time.Hour)
+	case "supervisor":
+		// A stand-in supervisor: launches a blocking engine, reports its pid,
+		// then waits to be SIGKILLed by the test.
+		spec := Spec{Name: "child", Path: os.Args[0], Args: []string{"-test.run=^TestHelperProcess$"},
+			Env: []string{"FRMPS_HELPER=block"}, LogPath: os.Getenv("FRMPS_CHILD_LOG")}
+		p, err := Start(spec, hclog.NewNullLogger())
+		if err != nil {
+			fmt.Println("ERR", err)
+			os.Exit(2)
+		}
+		fmt.Printf("child %d\n", p.PID())
+		time.Sleep(time.Hour)
 	case "block":
 		time.Sleep(time.Hour)
 	case "env":
@@ -232,6 +244,41 @@ func TestKillFencesGroup(t *testing.T) {
 	}
 	if after := countFDs(t); after != fdsBefore {
 		t.Fatalf("fd leak: %d before, %d after", fdsBefore, after)
+	}
+}
+
+// SIGKILL of the supervisor takes its engines down (parent-death signal).
+func TestSupervisorDeathKillsEngine(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperProcess$")
+	cmd.Env = []string{"FRMPS_HELPER=supervisor", "FRMPS_CHILD_LOG=" + filepath.Join(t.TempDir(), "child.log")}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var child int
+	if _, err := fmt.Fscanf(out, "child %d\n", &child); err != nil {
+		cmd.Process.Kill()
+		cmd.Wait()
+		t.Fatalf("read child pid: %v", err)
+	}
+	if procState(child) == "" {
+		t.Fatal("child not running")
+	}
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	cmd.Wait()
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if st := procState(child); st == "" || st == "Z" {
+			break // gone, or dead and waiting for init to reap it
+		}
+		if time.Now().After(deadline) {
+			syscall.Kill(child, syscall.SIGKILL)
+			t.Fatalf("engine %d outlived its supervisor", child)
+		}
 	}
 }
 
