@@ -379,10 +379,14 @@ func (s *Supervisor) cleanup() {
 	}
 }
 
-// pollRing consumes the ring into the snapshot; nothing is logged per
-// record, errors only when their text changes.
+// pollRing consumes the ring into the snapshot. The interval adapts: it
+// doubles (up to 16× PollInterval) while the ring is idle and snaps back at
+// the first record, so an idle deployment does not spin. Freshness at a
+// failover does not depend on it: the failover drains the ring first.
+// Nothing is logged per record; errors only when their text changes.
 func (s *Supervisor) pollRing(ctx context.Context) {
-	t := time.NewTicker(s.cfg.PollInterval)
+	interval := s.cfg.PollInterval
+	t := time.NewTimer(interval)
 	defer t.Stop()
 	var lastErr string
 	for {
@@ -396,7 +400,7 @@ func (s *Supervisor) pollRing(ctx context.Context) {
 			s.ringMu.Unlock()
 			return
 		}
-		_, err := s.ring.Poll()
+		n, err := s.ring.Poll()
 		s.ringLag.Store(s.ring.Lag())
 		s.ringResyncs.Store(s.ring.Resyncs())
 		s.ringMu.Unlock()
@@ -406,6 +410,12 @@ func (s *Supervisor) pollRing(ctx context.Context) {
 			}
 			lastErr = msg
 		}
+		if n > 0 || err != nil {
+			interval = s.cfg.PollInterval
+		} else if interval < 16*s.cfg.PollInterval {
+			interval *= 2
+		}
+		t.Reset(interval)
 	}
 }
 
