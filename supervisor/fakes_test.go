@@ -453,18 +453,27 @@ func (w *fakeWorld) liveRole(r failover.Role) *fakeProc {
 }
 
 type fakeRing struct {
-	mu     sync.Mutex
-	path   string
-	snaps  map[uint64]*frmpsv1.RequestSnapshot
-	polls  int
-	closed bool
+	mu      sync.Mutex
+	path    string
+	snaps   map[uint64]*frmpsv1.RequestSnapshot
+	polls   int
+	pending int // records committed, not yet consumed
+	closed  bool
 }
 
-func (r *fakeRing) Poll() (int, error) { r.mu.Lock(); defer r.mu.Unlock(); r.polls++; return 0, nil }
-func (r *fakeRing) Lag() uint64        { return 0 }
-func (r *fakeRing) Resyncs() uint64    { return 0 }
-func (r *fakeRing) Len() int           { r.mu.Lock(); defer r.mu.Unlock(); return len(r.snaps) }
-func (r *fakeRing) Close() error       { r.mu.Lock(); defer r.mu.Unlock(); r.closed = true; return nil }
+// Poll consumes up to 10 of the pending records per call.
+func (r *fakeRing) Poll() (int, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.polls++
+	n := min(r.pending, 10)
+	r.pending -= n
+	return n, nil
+}
+func (r *fakeRing) Lag() uint64     { r.mu.Lock(); defer r.mu.Unlock(); return uint64(r.pending) }
+func (r *fakeRing) Resyncs() uint64 { return 0 }
+func (r *fakeRing) Len() int        { r.mu.Lock(); defer r.mu.Unlock(); return len(r.snaps) }
+func (r *fakeRing) Close() error    { r.mu.Lock(); defer r.mu.Unlock(); r.closed = true; return nil }
 func (r *fakeRing) Snapshot(key uint64) (*frmpsv1.RequestSnapshot, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
