@@ -15,6 +15,7 @@ import (
 	"syscall"
 
 	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
@@ -271,8 +272,12 @@ func (w *fakeWorld) deps() Deps {
 }
 
 type fakeGen struct {
-	frmpsv1.GenerationClient // nil: calling it is a test bug
+	frmpsv1.GenerationClient // nil: calling anything but Health is a test bug
 	endpoint                 string
+}
+
+func (g *fakeGen) Health(context.Context, *frmpsv1.HealthRequest, ...grpc.CallOption) (*frmpsv1.HealthResponse, error) {
+	return &frmpsv1.HealthResponse{Serving: true, Model: "tiny", MaxModelLen: 2048}, nil
 }
 
 func (w *fakeWorld) Launch(role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, error) {

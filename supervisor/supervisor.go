@@ -169,6 +169,7 @@ type Supervisor struct {
 	detectToResume []time.Duration
 	crashLoopOpen  atomic.Bool
 	ringLag        atomic.Uint64
+	learnedMaxLen  atomic.Uint32
 	ringResyncs    atomic.Uint64
 }
 
@@ -222,8 +223,15 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 // before Run; nil means no request is ever resumed.
 func (s *Supervisor) SetFrontDoor(fd FrontDoor) { s.frontDoor = fd }
 
-// Model is the served model's name and limit.
-func (s *Supervisor) Model() (name string, maxModelLen int) { return s.cfg.Model, s.cfg.MaxModelLen }
+// Model is the served model's name and context limit: --max-model-len when
+// given, else what the serving engine reported through its Health call (0
+// until one did).
+func (s *Supervisor) Model() (name string, maxModelLen int) {
+	if s.cfg.MaxModelLen > 0 {
+		return s.cfg.Model, s.cfg.MaxModelLen
+	}
+	return s.cfg.Model, int(s.learnedMaxLen.Load())
+}
 
 // Current blocks until an engine with generation >= minGeneration serves,
 // and returns its generation client. It returns an error wrapping
@@ -481,6 +489,10 @@ func (s *Supervisor) setUnavailable(err error) {
 
 // publish makes sl the engine Current returns, with a new generation.
 func (s *Supervisor) publish(sl *slot) {
+	if s.cfg.MaxModelLen == 0 && s.learnedMaxLen.Load() == 0 && sl.gen != nil {
+		s.wg.Add(1)
+		go func() { defer s.wg.Done(); s.learnMaxModelLen(sl.gen) }()
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.current = sl
@@ -497,6 +509,18 @@ func (s *Supervisor) unpublish(err error) {
 	s.unavailable = err
 	close(s.changed)
 	s.changed = make(chan struct{})
+}
+
+// learnMaxModelLen asks a serving engine for its context limit (best effort).
+func (s *Supervisor) learnMaxModelLen(c frmpsv1.GenerationClient) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	h, err := c.Health(ctx, &frmpsv1.HealthRequest{})
+	if err != nil {
+		s.log.Debug("engine health", "error", err)
+		return
+	}
+	s.learnedMaxLen.Store(h.GetMaxModelLen())
 }
 
 // post hands an event to the loop from another goroutine; dropped once the

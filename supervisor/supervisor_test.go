@@ -180,6 +180,9 @@ func TestStartupHandshakeAndServe(t *testing.T) {
 		if g != 1 || gen.endpoint != "unix://"+act.inv.GenerationSocket {
 			t.Fatalf("current %v gen %d", gen.endpoint, g)
 		}
+		if name, maxLen := h.s.Model(); name != "tiny" || maxLen != 2048 {
+			t.Fatalf("model %s %d: the limit was not learned from the engine", name, maxLen)
+		}
 		st := h.s.Status()
 		if len(st.Engines) != 2 || st.Engines[0].GetState() != "serving" || st.Engines[1].GetState() != "ready" || !st.Engines[0].GetInMps() {
 			t.Fatalf("engines %v", st.Engines)
