@@ -133,6 +133,7 @@ type fakeProc struct {
 	role    failover.Role
 	inv     engine.Invocation
 	env     []string
+	logPath string
 	done    chan struct{}
 	mu      sync.Mutex
 	ws      syscall.WaitStatus
@@ -288,7 +289,7 @@ func (w *fakeWorld) Launch(role failover.Role, inv engine.Invocation, env []stri
 		return nil, err
 	}
 	w.nextPID++
-	p := &fakeProc{pid: w.nextPID, role: role, inv: inv, env: env, done: make(chan struct{})}
+	p := &fakeProc{pid: w.nextPID, role: role, inv: inv, env: env, logPath: logPath, done: make(chan struct{})}
 	w.procs = append(w.procs, p)
 	b := w.behave(role, w.launched[role])
 	w.launched[role]++

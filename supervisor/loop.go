@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -554,7 +555,7 @@ func (s *Supervisor) start(role failover.Role) {
 		fail(fmt.Errorf("listen on control socket: %w", err))
 		return
 	}
-	logPath := fmt.Sprintf("%s/logs/%s-%d.log", s.runDir, role, id)
+	logPath := filepath.Join(s.logDir, fmt.Sprintf("%s-%d.log", role, id))
 	proc, err := s.deps.Launcher.Launch(role, inv, env, logPath)
 	if err != nil {
 		_ = l.Close()

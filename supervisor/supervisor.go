@@ -32,11 +32,14 @@ import (
 
 // Config of one deployment.
 type Config struct {
-	Model        string // preset name or model directory, passed to the engine
-	Engine       string // adapter name: "ref" or "vllm"
-	Python       string // interpreter for Python engines
-	SyncEvery    uint32 // ring publish interval in engine steps
-	RunDir       string // created 0700, must not exist; empty: a fresh temp dir
+	Model     string // preset name or model directory, passed to the engine
+	Engine    string // adapter name: "ref" or "vllm"
+	Python    string // interpreter for Python engines
+	SyncEvery uint32 // ring publish interval in engine steps
+	RunDir    string // created 0700, must not exist; empty: a fresh temp dir
+	// LogDir keeps the engines' log files (<role>-<n>.log) after exit; empty:
+	// inside RunDir, removed with it.
+	LogDir       string
 	RingDir      string // where the ring file goes; empty: /dev/shm if present, else RunDir
 	RingCapacity uint64 // bytes
 	NoMPS        bool
@@ -148,6 +151,7 @@ type Supervisor struct {
 	deployID   string
 	ringPath   string
 	runDir     string
+	logDir     string
 	wg         sync.WaitGroup // engine goroutines
 
 	ringMu sync.Mutex
@@ -320,8 +324,12 @@ func (s *Supervisor) setup(ctx context.Context) error {
 	if err := os.Chmod(runDir, 0o700); err != nil { // MkdirTemp is 0700, Mkdir obeys umask
 		return fmt.Errorf("chmod run dir: %w", err)
 	}
-	if err := os.MkdirAll(filepath.Join(runDir, "logs"), 0o700); err != nil {
-		return fmt.Errorf("create log dir: %w", err)
+	s.logDir = s.cfg.LogDir
+	if s.logDir == "" {
+		s.logDir = filepath.Join(runDir, "logs")
+	}
+	if err := os.MkdirAll(s.logDir, 0o700); err != nil {
+		return fmt.Errorf("create engine log dir: %w", err)
 	}
 	ringDir := s.cfg.RingDir
 	if ringDir == "" {

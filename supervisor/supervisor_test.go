@@ -533,9 +533,13 @@ func TestMPSRestartFailureStopsColdStart(t *testing.T) {
 func TestNoMPS(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
-		h := start(t, w, func(c *Config) { c.NoMPS = true })
+		logDir := t.TempDir()
+		h := start(t, w, func(c *Config) { c.NoMPS = true; c.LogDir = logDir })
 		h.wantState(failover.ServingReady)
 		act := w.liveRole(failover.Active)
+		if act.logPath != filepath.Join(logDir, "active-1.log") {
+			t.Fatalf("engine log %s, want it in %s", act.logPath, logDir)
+		}
 		if !slices.Equal(act.env, []string{"PATH=/usr/bin"}) {
 			t.Fatalf("env %v", act.env)
 		}

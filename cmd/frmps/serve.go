@@ -39,6 +39,7 @@ type serveOptions struct {
 	NoMPS            bool          `json:"no_mps"`
 	MPSControl       string        `json:"mps_control"`
 	RunDir           string        `json:"run_dir"`
+	EngineLogDir     string        `json:"engine_log_dir"`
 	RingDir          string        `json:"ring_dir"`
 	RingCapacity     uint64        `json:"ring_capacity"`
 	Device           string        `json:"device"`
@@ -111,6 +112,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.BoolVar(&opts.NoMPS, "no-mps", opts.NoMPS, "do not start an MPS daemon; the active runs outside MPS")
 	f.StringVar(&opts.MPSControl, "mps-control", opts.MPSControl, "the nvidia-cuda-mps-control binary")
 	f.StringVar(&opts.RunDir, "run-dir", opts.RunDir, "private run directory for sockets and logs, created 0700 and removed at exit (empty: a fresh temp dir)")
+	f.StringVar(&opts.EngineLogDir, "engine-log-dir", opts.EngineLogDir, "directory for the engines' log files, kept after exit (empty: inside the run dir, removed at exit)")
 	f.StringVar(&opts.RingDir, "ring-dir", opts.RingDir, "directory of the forward-state ring (empty: /dev/shm)")
 	f.Uint64Var(&opts.RingCapacity, "ring-capacity", opts.RingCapacity, "ring size in bytes")
 	f.StringVar(&opts.Device, "device", opts.Device, "engine device: cpu or cuda")
@@ -165,7 +167,7 @@ func (o serveOptions) supervisorConfig() supervisor.Config {
 	b.MaxRestarts, b.Window = o.MaxRestarts, o.RestartWindow
 	return supervisor.Config{
 		Model: o.Model, Engine: o.Engine, Python: o.Python, SyncEvery: o.SyncEvery,
-		RunDir: o.RunDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity,
+		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, Device: o.Device, Memory: o.Memory,
 		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, Breaker: b, ShutdownGrace: o.ShutdownGrace,
 	}
