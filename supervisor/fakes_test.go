@@ -13,6 +13,7 @@ import (
 	"os"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/hashicorp/go-hclog"
 	"google.golang.org/grpc"
@@ -126,6 +127,9 @@ type behavior struct {
 	resumeReply   func(*frmpsv1.Resume) *frmpsv1.Reply
 	dieOnResume   bool
 	intruderFirst bool // a process with another pid dials the socket first
+	// heartbeat, when set, gives the Heartbeat to send every second after
+	// Ready (nil: stop sending).
+	heartbeat func(n int) *frmpsv1.Heartbeat
 }
 
 type fakeProc struct {
@@ -399,6 +403,27 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 			p.exit(exitCode(3))
 			return
 		}
+	}
+	if b.heartbeat != nil {
+		go func() {
+			t := time.NewTicker(time.Second)
+			defer t.Stop()
+			for n := 0; ; n++ {
+				select {
+				case <-p.done:
+					return
+				case <-t.C:
+				}
+				hb := b.heartbeat(n)
+				if hb == nil {
+					<-p.done
+					return
+				}
+				if conn.Send(&frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Heartbeat{Heartbeat: hb}}, nil) != nil {
+					return
+				}
+			}
+		}()
 	}
 	for {
 		env, _, err := conn.Recv()

@@ -64,6 +64,11 @@ type slot struct {
 	state      string
 	deathCause string
 	refused    string // why the handshake refused this engine
+	// Liveness from Heartbeats (zero until the engine sends one).
+	lastBeat  time.Time
+	lastStep  uint64
+	stepSince time.Time // when lastStep last changed
+	running   uint32
 
 	// loop-owned
 	dead bool
@@ -89,7 +94,7 @@ type failoverRun struct {
 	sent     time.Time
 	cause    string
 	old      *slot
-	drill    bool
+	class    string // known death class (drill, stalled); "" = classify the exit
 	count    int
 	resumeID uint64
 	timer    *time.Timer
@@ -102,7 +107,7 @@ func (s *Supervisor) handle(ev event) {
 			return
 		}
 		if err := s.dialGeneration(ev.slot); err != nil {
-			s.died(ev.slot, err.Error(), ev.at, false)
+			s.died(ev.slot, err.Error(), ev.at, "")
 			return
 		}
 		ev.slot.setState("ready")
@@ -114,7 +119,7 @@ func (s *Supervisor) handle(ev event) {
 			s.step(failover.Event{Kind: failover.StandbyReady, At: ev.at, Cause: "asleep with the brokered pools"})
 		}
 	case evDied:
-		s.died(ev.slot, ev.cause, ev.at, false)
+		s.died(ev.slot, ev.cause, ev.at, "")
 	case evReply:
 		fo := s.inflight
 		if fo == nil || ev.slot != s.standby || ev.id != fo.resumeID {
@@ -154,7 +159,7 @@ func (s *Supervisor) handle(ev event) {
 		}
 		ev.resp <- nil
 		s.log.Info("failover drill: killing the active", "pid", s.active.proc.PID(), "reason", ev.cause)
-		s.died(s.active, "drill: "+ev.cause, ev.at, true)
+		s.died(s.active, "drill: "+ev.cause, ev.at, "drill")
 	case evShutdown:
 		s.step(failover.Event{Kind: failover.Shutdown, At: ev.at, Cause: ev.cause})
 	case evStep:
@@ -175,6 +180,32 @@ func (s *Supervisor) reap() {
 			delete(s.slots, sl)
 		default:
 		}
+	}
+}
+
+// checkStall declares the serving active dead when it is connected but
+// wedged: its heartbeats stopped, or it has running requests and its step
+// count has not moved, for longer than StallTimeout. Engines that never
+// send heartbeats are not judged.
+func (s *Supervisor) checkStall(now time.Time) {
+	sl := s.active
+	if sl == nil || sl.dead || s.cfg.StallTimeout <= 0 {
+		return
+	}
+	if st, _ := s.machine.State(); !st.Serving() {
+		return
+	}
+	sl.mu.Lock()
+	beat, step, since, running := sl.lastBeat, sl.lastStep, sl.stepSince, sl.running
+	sl.mu.Unlock()
+	switch {
+	case beat.IsZero():
+	case now.Sub(beat) > s.cfg.StallTimeout:
+		s.log.Error("active stopped sending heartbeats; fencing it", "pid", sl.proc.PID(), "last", beat)
+		s.died(sl, fmt.Sprintf("stalled: no heartbeat for %s", now.Sub(beat).Round(time.Millisecond)), now, "stalled")
+	case running > 0 && now.Sub(since) > s.cfg.StallTimeout:
+		s.log.Error("active makes no progress; fencing it", "pid", sl.proc.PID(), "step", step, "running", running)
+		s.died(sl, fmt.Sprintf("stalled: step %d unchanged for %s with %d running requests", step, now.Sub(since).Round(time.Millisecond), running), now, "stalled")
 	}
 }
 
@@ -208,7 +239,9 @@ func (s *Supervisor) slotOf(r failover.Role) *slot {
 func (s *Supervisor) isLive(sl *slot) bool { return sl == s.active || sl == s.standby }
 
 // died handles the first report of a slot's death; later ones are ignored.
-func (s *Supervisor) died(sl *slot, cause string, at time.Time, drill bool) {
+// class names the death when it is known without looking at the exit
+// (a drill, a stall): the fence's SIGKILL would otherwise be the cause.
+func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 	if sl == nil || sl.dead || !s.isLive(sl) {
 		return
 	}
@@ -228,7 +261,7 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, drill bool) {
 	}
 	st, _ := s.machine.State()
 	if kind == failover.ActiveDied && st == failover.ServingReady {
-		s.inflight = &failoverRun{detected: at, cause: cause, old: sl, drill: drill}
+		s.inflight = &failoverRun{detected: at, cause: cause, old: sl, class: class}
 	}
 	s.step(failover.Event{Kind: kind, At: at, Cause: cause})
 }
@@ -279,6 +312,9 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			old := s.active
 			s.active, s.standby = s.standby, nil
 			s.active.role = failover.Active
+			s.active.mu.Lock()
+			s.active.stepSince = time.Now() // it slept until now
+			s.active.mu.Unlock()
 			s.active.setState("serving")
 			s.metrics.up(failover.Active, true)
 			s.metrics.up(failover.Standby, false)
@@ -432,12 +468,11 @@ func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.
 	} else {
 		s.log.Error("failover failed", "cause", fo.cause, "error", ferr)
 	}
-	old, drill := fo.old, fo.drill
+	old, class, detail := fo.old, fo.class, fo.cause
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		class, detail := "drill", "operator-triggered failover"
-		if !drill {
+		if class == "" {
 			class, detail = s.classify(old)
 		}
 		s.mu.Lock()
@@ -631,6 +666,15 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 			sl.mu.Unlock()
 			s.log.Warn("engine reports a fault", "role", sl.role, "cause", m.Fault.GetCause(), "detail", m.Fault.GetDetail())
 		case *frmpsv1.Envelope_Heartbeat:
+			now := time.Now()
+			sl.mu.Lock()
+			// Progress is judged only while requests run: an idle engine (or an
+			// asleep standby) may keep its step count for ever.
+			if sl.lastBeat.IsZero() || m.Heartbeat.GetStep() != sl.lastStep || sl.running == 0 {
+				sl.stepSince = now
+			}
+			sl.lastBeat, sl.lastStep, sl.running = now, m.Heartbeat.GetStep(), m.Heartbeat.GetRunning()
+			sl.mu.Unlock()
 		default:
 			s.log.Warn("unexpected control message", "role", sl.role, "type", fmt.Sprintf("%T", m))
 		}

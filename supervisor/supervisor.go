@@ -58,6 +58,11 @@ type Config struct {
 	ResumeTimeout time.Duration
 	// ShutdownGrace is how long engines get to exit after Shutdown; 0 means 10s.
 	ShutdownGrace time.Duration
+	// StallTimeout fences a serving active that is connected but wedged: no
+	// Heartbeat, or running requests and no engine step, for this long. 0
+	// means 30s; negative disables. Engines that send no heartbeats are not
+	// judged.
+	StallTimeout time.Duration
 	// MaxFailoverRecords kept for status; 0 means 32.
 	MaxFailoverRecords int
 	// BaseEnv is the environment every engine starts from; nil means os.Environ().
@@ -82,6 +87,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.ShutdownGrace == 0 {
 		c.ShutdownGrace = 10 * time.Second
+	}
+	if c.StallTimeout == 0 {
+		c.StallTimeout = 30 * time.Second
 	}
 	if c.MaxFailoverRecords == 0 {
 		c.MaxFailoverRecords = 32
@@ -290,6 +298,12 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ringPath, "mps", !s.cfg.NoMPS)
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()
+	var watchdog <-chan time.Time
+	if s.cfg.StallTimeout > 0 {
+		t := time.NewTicker(min(s.cfg.StallTimeout/4, time.Second))
+		defer t.Stop()
+		watchdog = t.C
+	}
 	for {
 		for len(s.pending) > 0 {
 			ev := s.pending[0]
@@ -305,6 +319,10 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 			s.enqueue(event{kind: evShutdown, cause: "context done", at: time.Now()})
 		case ev := <-s.events:
 			s.handle(ev)
+		case now := <-watchdog:
+			s.checkStall(now)
+			s.reap()
+			s.syncShown()
 		}
 	}
 }

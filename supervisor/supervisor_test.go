@@ -468,6 +468,55 @@ func TestHandshakeTimeout(t *testing.T) {
 	})
 }
 
+// A connected but wedged active is fenced and failed over from: stuck steps
+// with requests running, or heartbeats that stop. A busy engine that makes
+// progress, and an idle one, are left alone.
+func TestStallDetection(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		beat      func(n int) *frmpsv1.Heartbeat
+		wantCause string // "" = no failover
+	}{
+		{"stuck step", func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 5, Running: 2} }, "stalled: step 5 unchanged"},
+		{"silent", func(n int) *frmpsv1.Heartbeat {
+			if n > 3 {
+				return nil
+			}
+			return &frmpsv1.Heartbeat{Step: uint64(n)}
+		}, "stalled: no heartbeat"},
+		{"progressing", func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: uint64(n), Running: 3} }, ""},
+		{"idle", func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 7} }, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				w := newWorld()
+				w.behave = func(r failover.Role, n int) behavior {
+					if r == failover.Active && n == 0 {
+						return behavior{heartbeat: tc.beat}
+					}
+					return behavior{}
+				}
+				h := start(t, w, func(c *Config) { c.StallTimeout = 10 * time.Second })
+				time.Sleep(time.Minute)
+				synctest.Wait()
+				h.wantState(failover.ServingReady)
+				recs := h.s.Status().GetFailovers()
+				if tc.wantCause == "" {
+					if len(recs) != 0 {
+						t.Fatalf("failed over from a healthy engine: %v", recs)
+					}
+				} else if len(recs) != 1 || recs[0].GetCause() != "stalled" || !strings.Contains(recs[0].GetDetail(), tc.wantCause) || !recs[0].GetOk() {
+					t.Fatalf("records %v; want one caused by %q", recs, tc.wantCause)
+				}
+				if tc.wantCause != "" && w.procs[0].alive() {
+					t.Fatal("the wedged active was not fenced")
+				}
+				h.stop()
+			})
+		})
+	}
+}
+
 func TestDrill(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()

@@ -51,6 +51,8 @@ type serveOptions struct {
 	RestartWindow    time.Duration `json:"-"`
 	RestartWindowStr string        `json:"restart_window"` // file only: a Go duration, e.g. "60s"
 	ShutdownGrace    time.Duration `json:"-"`
+	StallTimeout     time.Duration `json:"-"`
+	StallTimeoutStr  string        `json:"stall_timeout"`
 	ShutdownGraceStr string        `json:"shutdown_grace"`
 	LogLevel         string        `json:"log_level"`
 	LogJSON          bool          `json:"log_json"`
@@ -61,7 +63,7 @@ func defaultServeOptions() serveOptions {
 		Model: "tiny", Engine: "ref", Python: "python3", SyncEvery: 16, Port: 8000,
 		AdminAddr: "127.0.0.1:8001", MPSControl: "nvidia-cuda-mps-control", RingCapacity: 8 << 20,
 		Device: "cpu", Memory: "host-shm", MaxRestarts: failover.DefaultBreaker.MaxRestarts,
-		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
+		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, StallTimeout: 30 * time.Second, LogLevel: "info",
 	}
 }
 
@@ -122,6 +124,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.APIKeyFile, "api-key-file", opts.APIKeyFile, "file holding the API key clients must send as a Bearer token (else FRMPS_API_KEY, else none)")
 	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window is not restarted")
 	f.DurationVar(&opts.RestartWindow, "restart-window", opts.RestartWindow, "crash-loop breaker window")
+	f.DurationVar(&opts.StallTimeout, "stall-timeout", opts.StallTimeout, "fail over from an active that is connected but makes no progress (no heartbeat, or no step with requests running) for this long; negative disables")
 	f.DurationVar(&opts.ShutdownGrace, "shutdown-grace", opts.ShutdownGrace, "how long engines get to exit on shutdown before being killed")
 	f.StringVar(&opts.LogLevel, "log-level", opts.LogLevel, "log level: trace, debug, info, warn, error")
 	f.BoolVar(&opts.LogJSON, "log-json", opts.LogJSON, "log as JSON lines")
@@ -144,7 +147,8 @@ func applyConfigFile(flags *pflag.FlagSet, opts *serveOptions, path string) erro
 	for name, s := range map[string]struct {
 		raw string
 		dst *time.Duration
-	}{"restart_window": {opts.RestartWindowStr, &opts.RestartWindow}, "shutdown_grace": {opts.ShutdownGraceStr, &opts.ShutdownGrace}} {
+	}{"restart_window": {opts.RestartWindowStr, &opts.RestartWindow}, "shutdown_grace": {opts.ShutdownGraceStr, &opts.ShutdownGrace},
+		"stall_timeout": {opts.StallTimeoutStr, &opts.StallTimeout}} {
 		if s.raw == "" {
 			continue
 		}
@@ -169,7 +173,7 @@ func (o serveOptions) supervisorConfig() supervisor.Config {
 		Model: o.Model, Engine: o.Engine, Python: o.Python, SyncEvery: o.SyncEvery,
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, Device: o.Device, Memory: o.Memory,
-		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, Breaker: b, ShutdownGrace: o.ShutdownGrace,
+		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, Breaker: b, ShutdownGrace: o.ShutdownGrace, StallTimeout: o.StallTimeout,
 	}
 }
 
