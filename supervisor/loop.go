@@ -247,14 +247,19 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 	}
 	sl.dead = true
 	sl.mu.Lock()
-	if sl.refused != "" && !strings.HasPrefix(cause, "hello refused") {
+	refused := sl.refused != ""
+	if refused && !strings.HasPrefix(cause, "hello refused") {
 		cause = sl.refused + " (" + cause + ")"
 	}
 	sl.state = "dead"
 	sl.deathCause = cause
 	sl.mu.Unlock()
 	s.metrics.up(sl.role, false)
-	s.log.Warn("engine died", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
+	if refused {
+		s.log.Error("engine refused", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
+	} else {
+		s.log.Warn("engine died", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
+	}
 	kind := failover.StandbyDied
 	if sl.role == failover.Active {
 		kind = failover.ActiveDied
@@ -561,7 +566,6 @@ func (s *Supervisor) start(role failover.Role) {
 	sl := &slot{id: id, role: role, started: time.Now(), state: "starting", inMPS: role == failover.Active && s.mps != nil, genSocket: inv.GenerationSocket}
 	sl.restartNo = s.metrics.started(role)
 	fail := func(err error) {
-		s.log.Error("launch engine", "role", role, "error", err)
 		sl.proc = deadProcess{}
 		sl.listener = nopListener{}
 		sl.cancel = func() {}
@@ -765,7 +769,6 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 
 // refuse answers a refused Welcome (best effort) and returns the reason.
 func (s *Supervisor) refuse(sl *slot, conn ControlConn, reason string) error {
-	s.log.Error("engine refused", "role", sl.role, "pid", sl.proc.PID(), "reason", reason)
 	// Recorded before the Welcome goes out: the engine may exit, and its exit
 	// be seen, before this goroutine reports the refusal.
 	sl.mu.Lock()

@@ -15,7 +15,7 @@ import (
 
 func TestConfigFileFlagsWin(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "frmps.json")
-	if err := os.WriteFile(path, []byte(`{"model":"qwen2.5-0.5b","sync_every":8,"port":9000,"restart_window":"2m","no_mps":true}`), 0o600); err != nil {
+	if err := os.WriteFile(path, []byte(`{"model":"qwen2.5-0.5b","sync_every":8,"port":9000,"restart_window":"2m","stall_timeout":"45s","no_mps":true}`), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	opts := defaultServeOptions()
@@ -28,7 +28,7 @@ func TestConfigFileFlagsWin(t *testing.T) {
 	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
 		t.Fatal(err)
 	}
-	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.RestartWindow != 2*time.Minute {
+	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.RestartWindow != 2*time.Minute || opts.StallTimeout != 45*time.Second {
 		t.Fatalf("file not applied: %+v", opts)
 	}
 	if opts.SyncEvery != 4 || opts.Port != 8000 {
