@@ -124,6 +124,7 @@ type behavior struct {
 	version       frmpsv1.ProtocolVersion // 0: version 1
 	exitOnStart   bool                    // exits with code 1 before connecting
 	hang          bool                    // connects, never says hello
+	noConnect     bool                    // never connects (e.g. still loading)
 	resumeReply   func(*frmpsv1.Resume) *frmpsv1.Reply
 	dieOnResume   bool
 	intruderFirst bool // a process with another pid dials the socket first
@@ -323,6 +324,10 @@ func (w *fakeWorld) dial(path string, pid int) (*fakeConn, error) {
 func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 	if b.exitOnStart {
 		p.exit(exitCode(1))
+		return
+	}
+	if b.noConnect {
+		<-p.done
 		return
 	}
 	if b.intruderFirst {

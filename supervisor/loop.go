@@ -826,8 +826,15 @@ func (s *Supervisor) stopAll(cause string) {
 	}
 	grace := s.cfg.ShutdownGrace
 	for sl := range s.slots {
-		if c := sl.getConn(); c != nil && !sl.dead {
-			_ = c.Send(&frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Shutdown{Shutdown: &frmpsv1.Shutdown{GraceMs: uint32(grace.Milliseconds())}}}, nil)
+		c := sl.getConn()
+		switch {
+		case sl.dead:
+		case c == nil: // not connected yet: nobody to ask politely
+			s.fence(sl)
+		default:
+			if err := c.Send(&frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Shutdown{Shutdown: &frmpsv1.Shutdown{GraceMs: uint32(grace.Milliseconds())}}}, nil); err != nil {
+				s.fence(sl)
+			}
 		}
 	}
 	deadline := time.NewTimer(grace)

@@ -517,6 +517,29 @@ func TestStallDetection(t *testing.T) {
 	}
 }
 
+// Shutdown while engines are still starting: one not connected yet (killed
+// at once), one connected but silent (asked, then killed after the grace).
+func TestShutdownDuringStartup(t *testing.T) {
+	for _, b := range []behavior{{noConnect: true}, {hang: true}} {
+		synctest.Test(t, func(t *testing.T) {
+			w := newWorld()
+			w.behave = func(failover.Role, int) behavior { return b }
+			h := start(t, w, nil)
+			h.wantState(failover.Starting)
+			t0 := time.Now()
+			h.stop()
+			ws := w.procs[0].WaitStatus()
+			if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+				t.Fatalf("engine ended with %v", ws)
+			}
+			took := time.Since(t0)
+			if b.noConnect && took != 0 || b.hang && took != testConfig(t).ShutdownGrace {
+				t.Fatalf("shutdown took %s (virtual time)", took)
+			}
+		})
+	}
+}
+
 func TestDrill(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
