@@ -82,6 +82,14 @@ func (sl *slot) setState(st string) {
 	sl.mu.Unlock()
 }
 
+// roleNow is the slot's role for goroutines other than the loop (the loop
+// changes it at promotion).
+func (sl *slot) roleNow() failover.Role {
+	sl.mu.Lock()
+	defer sl.mu.Unlock()
+	return sl.role
+}
+
 func (sl *slot) getConn() ControlConn {
 	sl.mu.Lock()
 	defer sl.mu.Unlock()
@@ -316,8 +324,8 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 		case failover.Promote:
 			old := s.active
 			s.active, s.standby = s.standby, nil
+			s.active.mu.Lock() // Status and the reader read role concurrently
 			s.active.role = failover.Active
-			s.active.mu.Lock()
 			s.active.stepSince = time.Now() // it slept until now
 			s.active.mu.Unlock()
 			s.active.setState("serving")
@@ -668,7 +676,7 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 			sl.mu.Lock()
 			sl.fault = m.Fault
 			sl.mu.Unlock()
-			s.log.Warn("engine reports a fault", "role", sl.role, "cause", m.Fault.GetCause(), "detail", m.Fault.GetDetail())
+			s.log.Warn("engine reports a fault", "role", sl.roleNow(), "cause", m.Fault.GetCause(), "detail", m.Fault.GetDetail())
 		case *frmpsv1.Envelope_Heartbeat:
 			now := time.Now()
 			sl.mu.Lock()
@@ -680,7 +688,7 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 			sl.lastBeat, sl.lastStep, sl.running = now, m.Heartbeat.GetStep(), m.Heartbeat.GetRunning()
 			sl.mu.Unlock()
 		default:
-			s.log.Warn("unexpected control message", "role", sl.role, "type", fmt.Sprintf("%T", m))
+			s.log.Warn("unexpected control message", "role", sl.roleNow(), "type", fmt.Sprintf("%T", m))
 		}
 	}
 }

@@ -362,8 +362,13 @@ func (s *Supervisor) setup(ctx context.Context) error {
 		s.ringPath = "" // not ours to remove
 		return fmt.Errorf("open ring: %w", err)
 	}
+	// Status may already be reading these from another goroutine.
+	s.ringMu.Lock()
 	s.ring = ring
+	s.ringMu.Unlock()
+	s.mu.Lock()
 	s.broker = s.deps.NewBroker()
+	s.mu.Unlock()
 	if !s.cfg.NoMPS {
 		mps, err := s.deps.StartMPS(ctx, runDir, s.log.Named("mps"))
 		if err != nil {
@@ -399,11 +404,14 @@ func (s *Supervisor) cleanup() {
 			s.log.Warn("remove ring", "error", err)
 		}
 	}
-	if s.broker != nil {
-		if err := s.broker.Close(); err != nil {
+	s.mu.Lock()
+	b := s.broker
+	s.broker = nil
+	s.mu.Unlock()
+	if b != nil {
+		if err := b.Close(); err != nil {
 			s.log.Warn("close fd broker", "error", err)
 		}
-		s.broker = nil
 	}
 	if s.runDir != "" {
 		if err := os.RemoveAll(s.runDir); err != nil {

@@ -683,6 +683,24 @@ func TestSoakSIGKILL(t *testing.T) {
 		h := start(t, w, func(c *Config) {
 			c.Breaker = failover.BreakerConfig{MaxRestarts: 10000, Window: time.Second, BaseBackoff: time.Millisecond, MaxBackoff: 10 * time.Millisecond}
 		})
+		// An admin client reading status throughout, so the race detector
+		// sees Status against every step of the loop.
+		pollStop := make(chan struct{})
+		pollDone := make(chan struct{})
+		go func() {
+			defer close(pollDone)
+			for {
+				select {
+				case <-pollStop:
+					return
+				case <-time.After(time.Millisecond):
+					_ = h.s.Status()
+					_, _ = h.s.Model()
+					_ = h.s.Serving()
+				}
+			}
+		}()
+		defer func() { close(pollStop); <-pollDone }()
 		rng := rand.New(rand.NewPCG(1, 2))
 		_, gen := h.current(1)
 		failovers := 0
