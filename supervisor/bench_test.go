@@ -86,3 +86,55 @@ func roleProcs(w *fakeWorld, s *Supervisor) (active, standby *fakeProc) {
 	}
 	return active, standby
 }
+
+// TestStatusDuringFailoversRealTime runs failovers in real time (outside a
+// synctest bubble) while another goroutine reads Status, Model and Serving
+// without pause, so the race detector sees them overlap with every step.
+func TestStatusDuringFailoversRealTime(t *testing.T) {
+	w := newWorld()
+	cfg := testConfig(t)
+	cfg.Breaker = failover.BreakerConfig{MaxRestarts: 1 << 30, Window: time.Millisecond}
+	s, err := NewWithDeps(cfg, w.deps(), hclog.NewNullLogger(), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	stopRead := make(chan struct{})
+	readDone := make(chan struct{})
+	go func() {
+		defer close(readDone)
+		for {
+			select {
+			case <-stopRead:
+				return
+			default:
+				_, _, _ = s.Status(), s.Serving(), s.Status().GetEngines()
+			}
+		}
+	}()
+	go func() { done <- s.Run(ctx) }()
+	wait := func(what string, ok func() bool) {
+		for deadline := time.Now().Add(20 * time.Second); !ok(); time.Sleep(50 * time.Microsecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("waiting for %s: %v", what, s.Status())
+			}
+		}
+	}
+	wait("ready", func() bool { return s.Status().GetState() == "serving_ready" })
+	for i := range 30 {
+		act, _ := roleProcs(w, s)
+		act.Kill()
+		seq := uint64(i + 1)
+		wait("failover", func() bool {
+			st := s.Status()
+			return st.GetState() == "serving_ready" && len(st.GetFailovers()) > 0 && st.GetFailovers()[0].GetSeq() == seq
+		})
+	}
+	close(stopRead)
+	<-readDone
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
