@@ -1,0 +1,99 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spf13/pflag"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+)
+
+func TestConfigFileFlagsWin(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "frmps.json")
+	if err := os.WriteFile(path, []byte(`{"model":"qwen2.5-0.5b","sync_every":8,"port":9000,"restart_window":"2m","stall_timeout":"45s","no_mps":true}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts := defaultServeOptions()
+	var cfgFile string
+	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--config", path, "--sync-every", "4", "--port", "8000"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+		t.Fatal(err)
+	}
+	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.RestartWindow != 2*time.Minute || opts.StallTimeout != 45*time.Second {
+		t.Fatalf("file not applied: %+v", opts)
+	}
+	if opts.SyncEvery != 4 || opts.Port != 8000 {
+		t.Fatalf("flags did not win: sync-every %d port %d", opts.SyncEvery, opts.Port)
+	}
+}
+
+func TestConfigFileErrors(t *testing.T) {
+	dir := t.TempDir()
+	for name, body := range map[string]string{
+		"unknown.json": `{"modle":"x"}`,
+		"badjson.json": `{`,
+		"baddur.json":  `{"restart_window":"soon"}`,
+	} {
+		p := filepath.Join(dir, name)
+		os.WriteFile(p, []byte(body), 0o600)
+		opts := defaultServeOptions()
+		if err := applyConfigFile(newServeCmd().Flags(), &opts, p); err == nil {
+			t.Errorf("%s accepted", name)
+		}
+	}
+	opts := defaultServeOptions()
+	if err := applyConfigFile(newServeCmd().Flags(), &opts, filepath.Join(dir, "missing.json")); err == nil {
+		t.Error("missing file accepted")
+	}
+}
+
+func TestServeRejectsBadOptions(t *testing.T) {
+	for _, mod := range []func(*serveOptions){
+		func(o *serveOptions) { o.Port = 70000 },
+		func(o *serveOptions) { o.LogLevel = "loud" },
+		func(o *serveOptions) { o.Engine = "tgi" },
+		func(o *serveOptions) { o.AdminAddr = "0.0.0.0:8001" },
+		func(o *serveOptions) { o.SyncEvery = 0 },
+		func(o *serveOptions) { o.MaxRestarts = 0 },
+	} {
+		o := defaultServeOptions()
+		mod(&o)
+		if err := o.validate(); err == nil {
+			t.Errorf("options %+v accepted", o)
+		}
+		if err := runServe(t.Context(), o, &bytes.Buffer{}); err == nil {
+			t.Errorf("runServe accepted %+v", o)
+		}
+	}
+	if err := defaultServeOptions().validate(); err != nil {
+		t.Fatalf("defaults rejected: %v", err)
+	}
+}
+
+func TestPrintStatus(t *testing.T) {
+	now := time.Unix(1000, 0)
+	st := &frmpsv1.Status{State: "serving_ready", StateCause: "standby ready", Model: "tiny", Engine: "ref", SyncEvery: 16,
+		Mps: true, MpsState: "running", CrashLoopOpen: true,
+		Engines:   []*frmpsv1.EngineStatus{{Role: "active", Pid: 12, State: "serving", InMps: true, StartedUnixNanos: time.Unix(940, 0).UnixNano()}},
+		Failovers: []*frmpsv1.FailoverRecord{{Seq: 3, Cause: "misaligned_address", DurationSeconds: 0.0042, ResumedRequests: 5, Ok: true, Detail: "x"}},
+	}
+	var b bytes.Buffer
+	if err := printStatus(&b, st, now); err != nil {
+		t.Fatal(err)
+	}
+	out := b.String()
+	for _, want := range []string{"serving_ready", "(standby ready)", "OPEN", "active", "serving", "1m0s", "#3", "misaligned_address", "4.2ms", "running"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("status output lacks %q:\n%s", want, out)
+		}
+	}
+}

@@ -1,0 +1,118 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+)
+
+func newStatusCmd() *cobra.Command {
+	var addr string
+	var asJSON bool
+	var timeout time.Duration
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "Show the state of a running frmps (engines, failovers) through its admin API",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
+			defer cancel()
+			st, err := fetchStatus(ctx, addr)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				b, err := protojson.MarshalOptions{Multiline: true, EmitUnpopulated: true}.Marshal(st)
+				if err != nil {
+					return fmt.Errorf("encode status: %w", err)
+				}
+				_, err = fmt.Fprintln(cmd.OutOrStdout(), string(b))
+				return err
+			}
+			return printStatus(cmd.OutOrStdout(), st, time.Now())
+		},
+	}
+	cmd.Flags().StringVar(&addr, "admin-addr", "127.0.0.1:8001", "admin API address of the running frmps")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the status as JSON")
+	cmd.Flags().DurationVar(&timeout, "timeout", 5*time.Second, "give up after this long")
+	return cmd
+}
+
+func fetchStatus(ctx context.Context, addr string) (*frmpsv1.Status, error) {
+	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, fmt.Errorf("admin client: %w", err)
+	}
+	defer cc.Close()
+	st, err := frmpsv1.NewAdminClient(cc).GetStatus(ctx, &frmpsv1.GetStatusRequest{})
+	if err != nil {
+		return nil, fmt.Errorf("get status from %s (is frmps serve running?): %w", addr, err)
+	}
+	return st, nil
+}
+
+func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "state:\t%s\t(%s)\n", st.GetState(), st.GetStateCause())
+	fmt.Fprintf(tw, "model:\t%s\tengine %s, sync every %d steps, frmps %s\n", st.GetModel(), st.GetEngine(), st.GetSyncEvery(), st.GetVersion())
+	mps := "off"
+	if st.GetMps() {
+		mps = st.GetMpsState()
+	}
+	fmt.Fprintf(tw, "mps:\t%s\n", mps)
+	fmt.Fprintf(tw, "ring:\tlag %d records, %d resyncs, %d live requests\n", st.GetRingLagRecords(), st.GetRingResyncs(), st.GetLiveRequests())
+	breaker := "closed"
+	if st.GetCrashLoopOpen() {
+		breaker = "OPEN: engines are not restarted"
+	}
+	fmt.Fprintf(tw, "crash-loop breaker:\t%s\n", breaker)
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(w)
+	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "ROLE\tPID\tSTATE\tIN MPS\tRESTARTS\tUP\tLAST DEATH\tLOG")
+	for _, e := range st.GetEngines() {
+		up := "-"
+		if e.GetStartedUnixNanos() > 0 {
+			up = now.Sub(time.Unix(0, e.GetStartedUnixNanos())).Truncate(time.Second).String()
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%v\t%d\t%s\t%s\t%s\n", e.GetRole(), e.GetPid(), e.GetState(), e.GetInMps(), e.GetRestarts(), up, dash(e.GetLastDeathCause()), dash(e.GetLogPath()))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if len(st.GetFailovers()) == 0 {
+		_, err := fmt.Fprintln(w, "\nno failovers")
+		return err
+	}
+	fmt.Fprintln(w)
+	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "FAILOVER\tWHEN\tCAUSE\tDURATION\tRESUMED\tOK\tDETAIL")
+	for _, f := range st.GetFailovers() {
+		detail := f.GetDetail()
+		if f.GetError() != "" {
+			detail = f.GetError()
+		}
+		fmt.Fprintf(tw, "#%d\t%s\t%s\t%s\t%d\t%v\t%s\n", f.GetSeq(), time.Unix(0, f.GetUnixNanos()).UTC().Format(time.RFC3339),
+			f.GetCause(), time.Duration(f.GetDurationSeconds()*float64(time.Second)).Round(time.Microsecond), f.GetResumedRequests(), f.GetOk(), strings.TrimSpace(detail))
+	}
+	return tw.Flush()
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}

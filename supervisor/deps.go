@@ -1,0 +1,143 @@
+package supervisor
+
+import (
+	"context"
+	"io"
+	"syscall"
+
+	"github.com/hashicorp/go-hclog"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/engine"
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+// The supervisor is written against these narrow interfaces; the real
+// implementations (control sockets, ring reader, MPS daemon, death
+// classifier) are bound in deps_real.go, test doubles in the tests.
+
+// Process is a launched engine process.
+type Process interface {
+	PID() int
+	// Done is closed once the process exited and its group was fenced.
+	Done() <-chan struct{}
+	WaitStatus() syscall.WaitStatus // valid after Done
+	LastStderr() []string
+	// Kill fences the whole process group; idempotent, does not wait.
+	Kill() error
+	LogPath() string
+}
+
+// Launcher starts engine processes.
+type Launcher interface {
+	Launch(role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, error)
+}
+
+// ControlConn is one engine's control connection.
+type ControlConn interface {
+	Send(env *frmpsv1.Envelope, fds []int) error
+	Recv() (*frmpsv1.Envelope, []int, error) // received fds are the caller's; io.EOF on close
+	Close() error
+}
+
+// ControlListener accepts the control connection of one expected pid.
+type ControlListener interface {
+	Accept(ctx context.Context, expectPID int) (ControlConn, error)
+	Close() error // also removes the socket file
+}
+
+// Broker holds the shared pool fds for the life of the deployment.
+type Broker interface {
+	Put(pools []*frmpsv1.Pool, fds []int) error // takes ownership of fds
+	Pools() []*frmpsv1.Pool
+	FDs() []int // borrowed
+	Close() error
+}
+
+// Ring consumes the forward-state ring into a snapshot. Not safe for
+// concurrent use; the supervisor serialises access.
+type Ring interface {
+	Poll() (applied int, err error) // never blocks; ErrResync-wrapped errors are not fatal
+	Lag() uint64
+	Resyncs() uint64
+	Snapshot(key uint64) (*frmpsv1.RequestSnapshot, bool)
+	Len() int
+	Close() error
+}
+
+// MPS is a running MPS control daemon.
+type MPS interface {
+	Check(ctx context.Context) error
+	Restart(ctx context.Context) error
+	Stop(ctx context.Context) error
+	ClientEnv() []string
+}
+
+// HelloExpect is what a Hello must match beyond the protocol version.
+type HelloExpect struct {
+	Role  frmpsv1.Role
+	PID   int
+	Model string
+	Pools []*frmpsv1.Pool // nil = any
+}
+
+// FrontDoor is the part of the OpenAI front door the failover needs.
+type FrontDoor interface {
+	OpenRequests() []*frmpsv1.ResumeRequest
+}
+
+// Deps binds the supervisor to its collaborators.
+type Deps struct {
+	Launcher      Launcher
+	Listen        func(path string) (ControlListener, error)
+	ValidateHello func(h *frmpsv1.Hello, want HelloExpect) error
+	NewBroker     func() Broker
+	// OpenRing creates the ring file (O_EXCL, 0600) and a reader on it.
+	OpenRing   func(path string, capacity uint64) (Ring, error)
+	StartMPS   func(ctx context.Context, runDir string, log hclog.Logger) (MPS, error)
+	OutsideEnv func(runDir string) ([]string, error)
+	// Classify names a death: a metric-label class and a detail.
+	Classify func(ws syscall.WaitStatus, lastStderr []string, reported *frmpsv1.Fault) (class, detail string)
+	// DialGeneration connects to an engine's generation API (lazily).
+	DialGeneration func(endpoint string) (frmpsv1.GenerationClient, io.Closer, error)
+}
+
+func (d Deps) missing() string {
+	switch {
+	case d.Launcher == nil:
+		return "Launcher"
+	case d.Listen == nil:
+		return "Listen"
+	case d.NewBroker == nil:
+		return "NewBroker"
+	case d.OpenRing == nil:
+		return "OpenRing"
+	case d.Classify == nil:
+		return "Classify"
+	case d.DialGeneration == nil:
+		return "DialGeneration"
+	}
+	return ""
+}
+
+// ProcessLauncher launches real processes through an engine adapter.
+type ProcessLauncher struct {
+	Adapter engine.Adapter
+	Log     hclog.Logger
+}
+
+var _ Launcher = ProcessLauncher{}
+
+func (l ProcessLauncher) Launch(role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, error) {
+	path, args, err := l.Adapter.Command(inv)
+	if err != nil {
+		return nil, err
+	}
+	p, err := engine.Start(engine.Spec{Name: role.String(), Path: path, Args: args, Env: env, LogPath: logPath}, l.Log)
+	if err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+var _ Process = (*engine.Process)(nil)

@@ -1,0 +1,107 @@
+package supervisor
+
+// Bindings to the real collaborators: control, ringbuf, mps, deathcause.
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"syscall"
+
+	"github.com/hashicorp/go-hclog"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/ringbuf"
+	"github.com/frmps/frmps/supervisor/control"
+	"github.com/frmps/frmps/supervisor/deathcause"
+	"github.com/frmps/frmps/supervisor/engine"
+	"github.com/frmps/frmps/supervisor/mps"
+)
+
+func defaultDeps(cfg Config, log hclog.Logger) (Deps, error) {
+	if log == nil {
+		log = hclog.NewNullLogger()
+	}
+	adapter, err := engine.NewAdapter(cfg.Engine, cfg.Python)
+	if err != nil {
+		return Deps{}, err
+	}
+	return Deps{
+		Launcher: ProcessLauncher{Adapter: adapter, Log: log.Named("engine")},
+		Listen: func(path string) (ControlListener, error) {
+			l, err := control.Listen(path)
+			if err != nil {
+				return nil, err
+			}
+			return controlListener{l}, nil
+		},
+		ValidateHello: func(h *frmpsv1.Hello, want HelloExpect) error {
+			return control.ValidateHello(h, control.HelloExpect{Role: want.Role, PID: want.PID, Model: want.Model, Pools: want.Pools})
+		},
+		NewBroker: func() Broker { return control.NewBroker() },
+		OpenRing:  openRing,
+		StartMPS: func(ctx context.Context, runDir string, log hclog.Logger) (MPS, error) {
+			d, err := mps.Start(ctx, mps.Config{ControlBinary: cfg.MPSControlBinary, RunDir: runDir}, log)
+			if err != nil {
+				return nil, err
+			}
+			return d, nil
+		},
+		OutsideEnv: mps.OutsideEnv,
+		Classify: func(ws syscall.WaitStatus, lines []string, f *frmpsv1.Fault) (string, string) {
+			c := deathcause.Classify(ws, lines, f)
+			return c.Class, c.Detail
+		},
+		DialGeneration: DialGenerationUnix,
+	}, nil
+}
+
+type controlListener struct{ *control.Listener }
+
+func (l controlListener) Accept(ctx context.Context, pid int) (ControlConn, error) {
+	c, err := l.Listener.Accept(ctx, pid)
+	if err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// ringReader pairs the ring reader with its compacted snapshot.
+type ringReader struct {
+	r    *ringbuf.Reader
+	snap *ringbuf.Snapshot
+}
+
+func openRing(path string, capacity uint64) (Ring, error) {
+	if err := ringbuf.Create(path, capacity); err != nil {
+		return nil, fmt.Errorf("create ring: %w", err)
+	}
+	r, err := ringbuf.OpenReader(path)
+	if err != nil {
+		_ = os.Remove(path)
+		return nil, fmt.Errorf("open ring reader: %w", err)
+	}
+	return &ringReader{r: r, snap: ringbuf.NewSnapshot()}, nil
+}
+
+func (rr *ringReader) Poll() (int, error) { return rr.r.Poll(rr.snap) }
+func (rr *ringReader) Lag() uint64        { return rr.r.Lag() }
+func (rr *ringReader) Resyncs() uint64    { return rr.r.Resyncs() }
+func (rr *ringReader) Len() int           { return rr.snap.Len() }
+func (rr *ringReader) Close() error       { return rr.r.Close() }
+
+// Snapshot of one request; none while the snapshot is stale (after a resync,
+// before the next FULL record): the engine then recomputes rather than trust it.
+func (rr *ringReader) Snapshot(key uint64) (*frmpsv1.RequestSnapshot, bool) {
+	if rr.snap.Stale() {
+		return nil, false
+	}
+	st, ok := rr.snap.Get(key)
+	if !ok {
+		return nil, false
+	}
+	return &frmpsv1.RequestSnapshot{
+		BlockIds: st.BlockIDs, TokenIds: st.TokenIDs, NumPromptTokens: st.NumPrompt,
+		NumComputedTokens: st.NumComputed, Seed: st.Seed, Step: st.Step,
+	}, true
+}

@@ -1,0 +1,88 @@
+package engine
+
+import (
+	"fmt"
+	"strconv"
+)
+
+// Role of an engine process, as the engine CLI spells it.
+type Role string
+
+const (
+	RoleActive  Role = "active"
+	RoleStandby Role = "standby"
+)
+
+// Invocation is what the supervisor knows about one engine launch; the
+// adapter turns it into a command line. Everything engine-specific stays in
+// the adapter and the engine.
+type Invocation struct {
+	Role             Role
+	Model            string
+	ControlSocket    string
+	GenerationSocket string
+	Memory           string // host-shm | cuda-vmm
+	Device           string // cpu | cuda (empty: the engine's default)
+	NumBlocks        int    // 0: the engine's default
+	MaxModelLen      int    // 0: the engine's default
+	ExtraArgs        []string
+}
+
+// Adapter builds the command line of one engine kind.
+type Adapter interface {
+	Name() string
+	Command(inv Invocation) (path string, args []string, err error)
+}
+
+// PythonCLI runs `python -m frmps_engine.cli serve --engine <Engine> …`,
+// the engine CLI shared by the reference engine and the vLLM adapter.
+type PythonCLI struct {
+	Engine string // "ref" or "vllm"
+	Python string // interpreter; "python3" when empty
+}
+
+var _ Adapter = PythonCLI{}
+
+// NewAdapter returns the adapter for --engine.
+func NewAdapter(engine, python string) (Adapter, error) {
+	switch engine {
+	case "ref", "vllm":
+		return PythonCLI{Engine: engine, Python: python}, nil
+	}
+	return nil, fmt.Errorf("unknown engine %q (want ref or vllm)", engine)
+}
+
+func (a PythonCLI) Name() string { return a.Engine }
+
+func (a PythonCLI) Command(inv Invocation) (string, []string, error) {
+	if inv.Role != RoleActive && inv.Role != RoleStandby {
+		return "", nil, fmt.Errorf("engine role %q is neither active nor standby", inv.Role)
+	}
+	if inv.Model == "" || inv.ControlSocket == "" || inv.GenerationSocket == "" {
+		return "", nil, fmt.Errorf("engine invocation needs model, control and generation sockets")
+	}
+	py := a.Python
+	if py == "" {
+		py = "python3"
+	}
+	args := []string{"-m", "frmps_engine.cli", "serve",
+		"--engine", a.Engine,
+		"--role", string(inv.Role),
+		"--model", inv.Model,
+		"--control-socket", inv.ControlSocket,
+		"--generation-socket", inv.GenerationSocket,
+	}
+	if inv.Memory != "" {
+		args = append(args, "--memory", inv.Memory)
+	}
+	if inv.Device != "" {
+		args = append(args, "--device", inv.Device)
+	}
+	if inv.NumBlocks > 0 {
+		args = append(args, "--num-blocks", strconv.Itoa(inv.NumBlocks))
+	}
+	if inv.MaxModelLen > 0 {
+		args = append(args, "--max-model-len", strconv.Itoa(inv.MaxModelLen))
+	}
+	return py, append(args, inv.ExtraArgs...), nil
+}

@@ -1,0 +1,250 @@
+package failover
+
+import (
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+var testBreaker = BreakerConfig{MaxRestarts: 3, Window: 10 * time.Second, BaseBackoff: 100 * time.Millisecond, MaxBackoff: 1 * time.Second}
+
+// machineIn drives a fresh machine into state s through real events, so the
+// table below only tests reachable situations.
+func machineIn(t *testing.T, s State) *Machine {
+	t.Helper()
+	m, err := New(testBreaker)
+	if err != nil {
+		t.Fatal(err)
+	}
+	steps := map[State][]EventKind{
+		Starting:        nil,
+		Rearming:        {ActiveReady},
+		ServingReady:    {ActiveReady, StandbyReady},
+		FailingOver:     {ActiveReady, StandbyReady, ActiveDied},
+		ServingDegraded: {ActiveReady},
+		CrashLoop:       nil,
+		Stopped:         {Shutdown},
+	}[s]
+	for _, k := range steps {
+		m.Handle(Event{Kind: k, Cause: "setup", At: t0})
+	}
+	switch s {
+	case ServingDegraded:
+		m.Handle(Event{Kind: BreakerTripped, Role: Standby, Cause: "setup", At: t0})
+	case CrashLoop:
+		m.Handle(Event{Kind: BreakerTripped, Role: Active, Cause: "setup", At: t0})
+	}
+	if got, _ := m.State(); got != s {
+		t.Fatalf("setup reached %s, want %s", got, s)
+	}
+	return m
+}
+
+func kinds(acts []Action) []ActionKind {
+	out := make([]ActionKind, len(acts))
+	for i, a := range acts {
+		out[i] = a.Kind
+	}
+	return out
+}
+
+func TestTransitions(t *testing.T) {
+	tests := []struct {
+		from      State
+		ev        EventKind
+		cause     string
+		to        State
+		wantCause string // substring of the recorded cause
+		actions   []ActionKind
+		ignored   bool
+	}{
+		{Starting, ActiveReady, "", Rearming, "active ready", []ActionKind{Publish, StartStandby}, false},
+		{Starting, ActiveDied, "exit code 1", Starting, "active died while starting: exit code 1", []ActionKind{FenceActive, Unpublish, CheckMPS, StartActive}, false},
+		{Starting, StandbyReady, "", Starting, "deployment starting", nil, true},
+		{Starting, ResumeAcked, "", Starting, "deployment starting", nil, true},
+		{Starting, Shutdown, "SIGTERM", Stopped, "shutdown: SIGTERM", []ActionKind{Unpublish, StopAll}, false},
+
+		{Rearming, StandbyReady, "", ServingReady, "standby ready", nil, false},
+		{Rearming, StandbyDied, "segfault", Rearming, "standby died, restarting: segfault", []ActionKind{FenceStandby, StartStandby}, false},
+		{Rearming, RearmFailed, "sleep not sent", Rearming, "standby died, restarting: sleep not sent", []ActionKind{FenceStandby, StartStandby}, false},
+		{Rearming, ActiveDied, "socket EOF", Starting, "active died before the standby was ready: socket EOF", []ActionKind{FenceActive, FenceStandby, Unpublish, CheckMPS, StartActive}, false},
+		{Rearming, ResumeAcked, "", Rearming, "active ready", nil, true},
+		{Rearming, Shutdown, "ctx", Stopped, "shutdown: ctx", []ActionKind{Unpublish, StopAll}, false},
+
+		{ServingReady, ActiveDied, "socket EOF", FailingOver, "active died: socket EOF", []ActionKind{FenceActive, DrainRing, SendResume}, false},
+		{ServingReady, StandbyDied, "signal 9", Rearming, "standby died, restarting: signal 9", []ActionKind{FenceStandby, StartStandby}, false},
+		{ServingReady, RearmFailed, "x", Rearming, "standby died, restarting: x", []ActionKind{FenceStandby, StartStandby}, false},
+		{ServingReady, ActiveReady, "", ServingReady, "standby ready", nil, true},
+		{ServingReady, BreakerTripped, "manual", ServingDegraded, "breaker tripped for standby: manual", []ActionKind{FenceStandby}, false},
+		{ServingReady, Shutdown, "ctx", Stopped, "shutdown: ctx", []ActionKind{Unpublish, StopAll}, false},
+
+		{FailingOver, ResumeAcked, "socket EOF", Rearming, "failed over, re-arming: socket EOF", []ActionKind{Promote, CheckMPS, StartStandby}, false},
+		{FailingOver, ResumeFailed, "timeout", Starting, "takeover failed: resume_failed: timeout", []ActionKind{FenceStandby, Unpublish, CheckMPS, StartActive}, false},
+		{FailingOver, StandbyDied, "signal 9", Starting, "takeover failed: standby_died: signal 9", []ActionKind{FenceStandby, Unpublish, CheckMPS, StartActive}, false},
+		{FailingOver, ActiveDied, "late exit", FailingOver, "active died", nil, true},
+		{FailingOver, Shutdown, "ctx", Stopped, "shutdown: ctx", []ActionKind{Unpublish, StopAll}, false},
+
+		{ServingDegraded, ActiveDied, "xid 79", Starting, "active died with no standby: xid 79", []ActionKind{FenceActive, Unpublish, CheckMPS, StartActive}, false},
+		{ServingDegraded, StandbyReady, "", ServingDegraded, "breaker tripped", nil, true},
+
+		{CrashLoop, ActiveReady, "", CrashLoop, "breaker tripped for active", nil, true},
+		{CrashLoop, ActiveDied, "", CrashLoop, "breaker tripped for active", nil, true},
+		{CrashLoop, Shutdown, "ctx", Stopped, "shutdown: ctx", []ActionKind{Unpublish, StopAll}, false},
+
+		{Stopped, ActiveReady, "", Stopped, "shutdown", nil, true},
+		{Stopped, Shutdown, "again", Stopped, "shutdown: setup", nil, true},
+		{Stopped, ActiveDied, "", Stopped, "shutdown", nil, true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.from.String()+"/"+tc.ev.String(), func(t *testing.T) {
+			m := machineIn(t, tc.from)
+			role := Standby
+			if tc.from == Starting {
+				role = Active
+			}
+			tr := m.Handle(Event{Kind: tc.ev, Role: role, Cause: tc.cause, At: t0.Add(time.Second)})
+			if tr.From != tc.from || tr.To != tc.to || tr.Ignored != tc.ignored {
+				t.Fatalf("got %s -> %s ignored=%v, want %s -> %s ignored=%v (cause %q)", tr.From, tr.To, tr.Ignored, tc.from, tc.to, tc.ignored, tr.Cause)
+			}
+			if !strings.Contains(tr.Cause, tc.wantCause) {
+				t.Errorf("cause %q, want it to contain %q", tr.Cause, tc.wantCause)
+			}
+			if got := kinds(tr.Actions); !slices.Equal(got, tc.actions) {
+				t.Errorf("actions %v, want %v", got, tc.actions)
+			}
+			st, cause := m.State()
+			if st != tc.to || cause != tr.Cause {
+				t.Errorf("machine says %s (%q), transition says %s (%q)", st, cause, tc.to, tr.Cause)
+			}
+		})
+	}
+}
+
+func TestStartingBreakerTrippedIsCrashLoop(t *testing.T) {
+	m := machineIn(t, Starting)
+	tr := m.Handle(Event{Kind: BreakerTripped, Role: Active, Cause: "mps does not start", At: t0})
+	if tr.To != CrashLoop || !slices.Equal(kinds(tr.Actions), []ActionKind{FenceActive, Unpublish}) {
+		t.Fatalf("got %s %v", tr.To, tr.Actions)
+	}
+	if open, why := m.BreakerOpen(Active); !open || !strings.Contains(why, "mps does not start") {
+		t.Fatalf("breaker open=%v why=%q", open, why)
+	}
+	if !m.CrashLoopOpen() {
+		t.Fatal("CrashLoopOpen false")
+	}
+}
+
+// A standby that keeps dying is restarted with doubling backoff, then no more.
+func TestStandbyCrashLoopBackoff(t *testing.T) {
+	m := machineIn(t, Rearming)
+	var delays []time.Duration
+	for i := range testBreaker.MaxRestarts {
+		tr := m.Handle(Event{Kind: StandbyDied, Cause: "exit code 1", At: t0.Add(time.Duration(i) * time.Second)})
+		if tr.To != Rearming {
+			t.Fatalf("death %d: went to %s (%s)", i+1, tr.To, tr.Cause)
+		}
+		delays = append(delays, tr.Actions[len(tr.Actions)-1].Delay)
+	}
+	if want := []time.Duration{100 * time.Millisecond, 200 * time.Millisecond, 400 * time.Millisecond}; !slices.Equal(delays, want) {
+		t.Fatalf("backoffs %v, want %v", delays, want)
+	}
+	tr := m.Handle(Event{Kind: StandbyDied, Cause: "exit code 1", At: t0.Add(3 * time.Second)})
+	if tr.To != ServingDegraded || !slices.Equal(kinds(tr.Actions), []ActionKind{FenceStandby}) {
+		t.Fatalf("after %d deaths: %s %v", testBreaker.MaxRestarts+1, tr.To, tr.Actions)
+	}
+	if !strings.Contains(tr.Cause, "standby died 4 times within 10s") {
+		t.Fatalf("cause %q", tr.Cause)
+	}
+	if open, _ := m.BreakerOpen(Standby); !open {
+		t.Fatal("standby breaker not open")
+	}
+	if open, _ := m.BreakerOpen(Active); open {
+		t.Fatal("active breaker open")
+	}
+}
+
+// Deaths spread wider than the window never trip the breaker, and the
+// backoff falls back to the base.
+func TestDeathsOutsideWindowForgotten(t *testing.T) {
+	m := machineIn(t, Rearming)
+	for i := range 20 {
+		tr := m.Handle(Event{Kind: StandbyDied, Cause: "x", At: t0.Add(time.Duration(i) * 11 * time.Second)})
+		if tr.To != Rearming {
+			t.Fatalf("death %d tripped: %s", i, tr.Cause)
+		}
+		if d := tr.Actions[len(tr.Actions)-1].Delay; d != testBreaker.BaseBackoff {
+			t.Fatalf("death %d backoff %s", i, d)
+		}
+	}
+}
+
+func TestBackoffCapped(t *testing.T) {
+	cfg := BreakerConfig{MaxRestarts: 50, Window: time.Hour, BaseBackoff: time.Second, MaxBackoff: 5 * time.Second}
+	m, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var last time.Duration
+	for i := range 10 {
+		tr := m.Handle(Event{Kind: ActiveDied, Cause: "x", At: t0.Add(time.Duration(i) * time.Second)})
+		last = tr.Actions[len(tr.Actions)-1].Delay
+	}
+	if last != 5*time.Second {
+		t.Fatalf("backoff %s, want the 5s cap", last)
+	}
+}
+
+// Repeated failovers count against the active: after the limit the machine
+// still fails over (the standby is ready) but stops re-arming, and the next
+// active death ends in crash_loop rather than a restart storm.
+func TestRepeatedFailoversTripActiveBreaker(t *testing.T) {
+	m := machineIn(t, ServingReady)
+	at := t0
+	for i := range testBreaker.MaxRestarts {
+		at = at.Add(time.Second)
+		m.Handle(Event{Kind: ActiveDied, Cause: "fault", At: at})
+		tr := m.Handle(Event{Kind: ResumeAcked, Cause: "fault", At: at})
+		if tr.To != Rearming {
+			t.Fatalf("failover %d: %s (%s)", i+1, tr.To, tr.Cause)
+		}
+		m.Handle(Event{Kind: StandbyReady, At: at})
+	}
+	m.Handle(Event{Kind: ActiveDied, Cause: "fault", At: at})
+	tr := m.Handle(Event{Kind: ResumeAcked, Cause: "fault", At: at})
+	if tr.To != ServingDegraded || !slices.Equal(kinds(tr.Actions), []ActionKind{Promote, CheckMPS}) {
+		t.Fatalf("got %s %v (%s)", tr.To, tr.Actions, tr.Cause)
+	}
+	tr = m.Handle(Event{Kind: ActiveDied, Cause: "fault", At: at})
+	if tr.To != CrashLoop || !slices.Equal(kinds(tr.Actions), []ActionKind{FenceActive, Unpublish}) {
+		t.Fatalf("got %s %v (%s)", tr.To, tr.Actions, tr.Cause)
+	}
+	if tr.To.Serving() {
+		t.Fatal("crash_loop must not serve")
+	}
+}
+
+func TestBadConfig(t *testing.T) {
+	for _, c := range []BreakerConfig{
+		{MaxRestarts: 0, Window: time.Second},
+		{MaxRestarts: 1, Window: 0},
+		{MaxRestarts: 1, Window: time.Second, BaseBackoff: 2 * time.Second, MaxBackoff: time.Second},
+	} {
+		if _, err := New(c); err == nil {
+			t.Errorf("New(%+v) accepted", c)
+		}
+	}
+}
+
+func TestNamesTotal(t *testing.T) {
+	for s := Starting; s <= Stopped; s++ {
+		if strings.HasPrefix(s.String(), "state(") {
+			t.Errorf("state %d has no name", s)
+		}
+	}
+	if State(99).String() != "state(99)" || EventKind(-1).String() != "event(-1)" || ActionKind(99).String() != "action(99)" {
+		t.Error("out-of-range names")
+	}
+}

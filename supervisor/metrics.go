@@ -1,0 +1,101 @@
+package supervisor
+
+import (
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/frmps/frmps/supervisor/buildinfo"
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+// metrics of one deployment, on an injected registry, all labelled with
+// model_name so they sit beside vLLM's.
+type metrics struct {
+	reg          prometheus.Registerer
+	model        string
+	failovers    *prometheus.CounterVec
+	duration     prometheus.Histogram
+	resumeSentIn prometheus.Histogram
+	engineUp     *prometheus.GaugeVec
+	restarts     *prometheus.CounterVec
+	crashLoopG   prometheus.Gauge
+
+	mu       sync.Mutex
+	launches [2]uint32
+}
+
+func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
+	if reg == nil {
+		reg = prometheus.NewRegistry() // unexported: metrics then go nowhere
+	}
+	cl := prometheus.Labels{"model_name": model}
+	m := &metrics{
+		reg: reg, model: model,
+		failovers: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "frmps_failovers_total",
+			Help: "Completed failovers by death cause of the old active.", ConstLabels: cl}, []string{"cause"}),
+		duration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "frmps_failover_duration_seconds",
+			Help: "Time from the active's death detected to the standby's resume acknowledged.", ConstLabels: cl,
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}),
+		resumeSentIn: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "frmps_failover_detect_to_resume_seconds",
+			Help: "Time from the active's death detected to the Resume command sent.", ConstLabels: cl,
+			Buckets: prometheus.ExponentialBuckets(0.00001, 2, 16)}),
+		engineUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "frmps_engine_up",
+			Help: "1 when the engine of this role is ready.", ConstLabels: cl}, []string{"role"}),
+		restarts: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "frmps_engine_restarts_total",
+			Help: "Engine launches beyond the first, per role.", ConstLabels: cl}, []string{"role"}),
+		crashLoopG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_crash_loop_open",
+			Help: "1 when a crash-loop breaker stopped engine restarts.", ConstLabels: cl}),
+	}
+	bi := buildinfo.Get()
+	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_build_info", Help: "Build of this frmps.",
+		ConstLabels: prometheus.Labels{"model_name": model, "version": bi.Version, "commit": bi.Commit, "goversion": bi.GoVersion}})
+	build.Set(1)
+	for _, c := range []prometheus.Collector{m.failovers, m.duration, m.resumeSentIn, m.engineUp, m.restarts, m.crashLoopG, build} {
+		if err := reg.Register(c); err != nil {
+			return nil, fmt.Errorf("register metrics: %w", err)
+		}
+	}
+	for _, r := range []string{"active", "standby"} {
+		m.engineUp.WithLabelValues(r).Set(0)
+		m.restarts.WithLabelValues(r).Add(0)
+	}
+	return m, nil
+}
+
+func (m *metrics) ringLagFn(f func() float64) {
+	_ = m.reg.Register(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "frmps_ring_lag_records",
+		Help: "Ring records committed but not yet consumed.", ConstLabels: prometheus.Labels{"model_name": m.model}}, f))
+}
+
+func (m *metrics) ringResyncsFn(f func() float64) {
+	_ = m.reg.Register(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "frmps_ring_resyncs_total",
+		Help: "Full resyncs the ring reader requested (overrun or corrupt record).", ConstLabels: prometheus.Labels{"model_name": m.model}}, f))
+}
+
+func (m *metrics) failover(cause string)            { m.failovers.WithLabelValues(cause).Inc() }
+func (m *metrics) failoverDuration(d time.Duration) { m.duration.Observe(d.Seconds()) }
+func (m *metrics) resumeSent(d time.Duration)       { m.resumeSentIn.Observe(d.Seconds()) }
+func (m *metrics) up(r failover.Role, up bool)      { m.engineUp.WithLabelValues(r.String()).Set(b2f(up)) }
+func (m *metrics) crashLoop(open bool)              { m.crashLoopG.Set(b2f(open)) }
+
+// started counts a launch of role and returns how many came before it.
+func (m *metrics) started(r failover.Role) uint32 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	n := m.launches[r]
+	m.launches[r]++
+	if n > 0 {
+		m.restarts.WithLabelValues(r.String()).Inc()
+	}
+	return n
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}

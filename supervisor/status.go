@@ -1,0 +1,74 @@
+package supervisor
+
+import (
+	"google.golang.org/protobuf/proto"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/buildinfo"
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+// Status is the deployment's state for the admin API. Safe to call any time.
+func (s *Supervisor) Status() *frmpsv1.Status {
+	s.mu.Lock()
+	st := &frmpsv1.Status{
+		State: s.state.String(), StateCause: s.stateCause, Model: s.cfg.Model, Engine: s.cfg.Engine,
+		SyncEvery: s.cfg.SyncEvery, Mps: !s.cfg.NoMPS, MpsState: s.mpsState,
+		RingLagRecords: s.ringLag.Load(), RingResyncs: s.ringResyncs.Load(),
+		Version:       buildinfo.Get().Version,
+		CrashLoopOpen: s.state == failover.CrashLoop,
+	}
+	for _, r := range s.records {
+		st.Failovers = append(st.Failovers, proto.Clone(r).(*frmpsv1.FailoverRecord))
+	}
+	s.mu.Unlock()
+	st.CrashLoopOpen = st.CrashLoopOpen || s.crashLoopOpen.Load()
+	for _, sl := range s.statusSlots() {
+		sl.mu.Lock()
+		es := &frmpsv1.EngineStatus{Role: sl.role.String(), Pid: int32(sl.proc.PID()), State: sl.state, InMps: sl.inMPS,
+			Restarts: sl.restartNo, StartedUnixNanos: sl.started.UnixNano(), LastDeathCause: sl.deathCause, LogPath: sl.proc.LogPath()}
+		sl.mu.Unlock()
+		st.Engines = append(st.Engines, es)
+	}
+	if n := s.liveRequests(); n >= 0 {
+		st.LiveRequests = uint32(n)
+	}
+	return st
+}
+
+func (s *Supervisor) liveRequests() int {
+	s.ringMu.Lock()
+	defer s.ringMu.Unlock()
+	if s.ring == nil {
+		return -1
+	}
+	return s.ring.Len()
+}
+
+func (s *Supervisor) statusSlots() []*slot {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []*slot
+	for _, sl := range s.shown {
+		if sl != nil {
+			out = append(out, sl)
+		}
+	}
+	return out
+}
+
+// syncShown publishes the loop's engine slots to Status; a dead engine
+// stays visible (with its cause) until its replacement starts.
+func (s *Supervisor) syncShown() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.active != nil {
+		s.shown[0] = s.active
+	}
+	if s.standby != nil {
+		s.shown[1] = s.standby
+	}
+	if s.shown[1] == s.shown[0] {
+		s.shown[1] = nil
+	}
+}

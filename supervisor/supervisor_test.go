@@ -1,0 +1,754 @@
+package supervisor
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+type harness struct {
+	t      *testing.T
+	w      *fakeWorld
+	s      *Supervisor
+	reg    *prometheus.Registry
+	runDir string
+	cancel context.CancelFunc
+	runErr chan error
+	once   sync.Once
+	err    error
+}
+
+func testConfig(t testing.TB) Config {
+	return Config{
+		Model: "tiny", Engine: "ref", SyncEvery: 16,
+		RunDir: filepath.Join(t.TempDir(), "run"), RingDir: t.TempDir(),
+		RingCapacity:     1 << 16,
+		Breaker:          failover.BreakerConfig{MaxRestarts: 3, Window: time.Minute, BaseBackoff: 100 * time.Millisecond, MaxBackoff: time.Second},
+		HandshakeTimeout: 5 * time.Second, ResumeTimeout: time.Second, ShutdownGrace: time.Second,
+		BaseEnv: []string{"PATH=/usr/bin"},
+	}
+}
+
+// start runs a supervisor on fakes; call inside a synctest bubble.
+func start(t *testing.T, w *fakeWorld, mod func(*Config)) *harness {
+	t.Helper()
+	cfg := testConfig(t)
+	if mod != nil {
+		mod(&cfg)
+	}
+	reg := prometheus.NewRegistry()
+	s, err := NewWithDeps(cfg, w.deps(), hclog.NewNullLogger(), reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.SetFrontDoor(w.front)
+	ctx, cancel := context.WithCancel(context.Background())
+	h := &harness{t: t, w: w, s: s, reg: reg, runDir: cfg.RunDir, cancel: cancel, runErr: make(chan error, 1)}
+	go func() { h.runErr <- s.Run(ctx) }()
+	// On a failed assertion, still end the bubble cleanly.
+	t.Cleanup(func() { h.shutdown() })
+	synctest.Wait()
+	return h
+}
+
+func (h *harness) shutdown() error {
+	h.once.Do(func() {
+		h.cancel()
+		h.err = <-h.runErr
+	})
+	return h.err
+}
+
+// stop shuts the deployment down and checks it left nothing behind.
+func (h *harness) stop() {
+	h.t.Helper()
+	if err := h.shutdown(); err != nil {
+		h.t.Fatalf("Run: %v", err)
+	}
+	if live := h.w.live(); len(live) != 0 {
+		h.t.Fatalf("%d engines still alive after shutdown", len(live))
+	}
+	if _, err := os.Stat(h.runDir); !errors.Is(err, os.ErrNotExist) {
+		h.t.Fatalf("run dir left behind: %v", err)
+	}
+	if h.w.ring != nil {
+		if _, err := os.Stat(h.w.ring.path); !errors.Is(err, os.ErrNotExist) {
+			h.t.Fatalf("ring file left behind: %v", err)
+		}
+		if !h.w.ring.closed {
+			h.t.Fatal("ring reader not closed")
+		}
+	}
+	h.w.mu.Lock()
+	defer h.w.mu.Unlock()
+	if len(h.w.listeners) != 0 {
+		h.t.Fatalf("control sockets left open: %v", h.w.listeners)
+	}
+	for _, b := range h.w.broker {
+		if !b.closed {
+			h.t.Fatal("fd broker not closed")
+		}
+	}
+}
+
+// roles finds the fake processes the supervisor holds as active and standby.
+func (h *harness) roles() (active, standby *fakeProc) {
+	h.t.Helper()
+	byPID := map[int32]*fakeProc{}
+	h.w.mu.Lock()
+	for _, p := range h.w.procs {
+		byPID[int32(p.pid)] = p
+	}
+	h.w.mu.Unlock()
+	for _, e := range h.s.Status().GetEngines() {
+		switch e.GetRole() {
+		case "active":
+			active = byPID[e.GetPid()]
+		case "standby":
+			standby = byPID[e.GetPid()]
+		}
+	}
+	if active == nil || standby == nil {
+		h.t.Fatalf("engines %v", h.s.Status().GetEngines())
+	}
+	return active, standby
+}
+
+func (h *harness) state() (string, string) {
+	st := h.s.Status()
+	return st.GetState(), st.GetStateCause()
+}
+
+func (h *harness) wantState(want failover.State) {
+	h.t.Helper()
+	if got, cause := h.state(); got != want.String() {
+		h.t.Fatalf("state %s (%s), want %s", got, cause, want)
+	}
+}
+
+func (h *harness) current(minGen uint64) (*fakeGen, uint64) {
+	h.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+	defer cancel()
+	c, gen, err := h.s.Current(ctx, minGen)
+	if err != nil {
+		h.t.Fatalf("Current(%d): %v", minGen, err)
+	}
+	return c.(*fakeGen), gen
+}
+
+func TestStartupHandshakeAndServe(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		h := start(t, w, nil)
+		h.wantState(failover.ServingReady)
+		act, sb := w.liveRole(failover.Active), w.liveRole(failover.Standby)
+		if act == nil || sb == nil {
+			t.Fatalf("active %v standby %v", act, sb)
+		}
+		// The active publishes to the ring; the standby is told nothing of it yet.
+		if act.welcome.GetRingPath() != w.ring.path || act.welcome.GetSyncEvery() != 16 || sb.welcome.GetRingPath() != "" {
+			t.Fatalf("welcomes: active %v standby %v", act.welcome, sb.welcome)
+		}
+		if len(sb.sleep.GetPools()) != 2 || !slices.Equal(sb.sleepFD, testFDs) {
+			t.Fatalf("standby slept with %v fds %v", sb.sleep, sb.sleepFD)
+		}
+		if !slices.Contains(act.env, "CUDA_MPS_PIPE_DIRECTORY=/fake/mps/pipe") || slices.Contains(sb.env, "CUDA_MPS_PIPE_DIRECTORY=/fake/mps/pipe") ||
+			!strings.Contains(strings.Join(sb.env, " "), "no-mps") || !slices.Contains(sb.env, "PATH=/usr/bin") {
+			t.Fatalf("env: active %v standby %v", act.env, sb.env)
+		}
+		if fi, err := os.Stat(h.runDir); err != nil || fi.Mode().Perm() != 0o700 {
+			t.Fatalf("run dir: %v %v", fi, err)
+		}
+		gen, g := h.current(1)
+		if g != 1 || gen.endpoint != "unix://"+act.inv.GenerationSocket {
+			t.Fatalf("current %v gen %d", gen.endpoint, g)
+		}
+		if name, maxLen := h.s.Model(); name != "tiny" || maxLen != 2048 {
+			t.Fatalf("model %s %d: the limit was not learned from the engine", name, maxLen)
+		}
+		st := h.s.Status()
+		if len(st.Engines) != 2 || st.Engines[0].GetState() != "serving" || st.Engines[1].GetState() != "ready" || !st.Engines[0].GetInMps() {
+			t.Fatalf("engines %v", st.Engines)
+		}
+		if v := testutil.ToFloat64(h.s.metrics.engineUp.WithLabelValues("standby")); v != 1 {
+			t.Fatalf("engine_up{standby} = %v", v)
+		}
+		h.stop()
+		if !act.gotShut || !sb.gotShut {
+			t.Fatal("engines were not asked to shut down")
+		}
+		if !w.mps.stopped {
+			t.Fatal("MPS not stopped")
+		}
+	})
+}
+
+func TestFailoverOnActiveKill(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.front.open = []*frmpsv1.ResumeRequest{{Key: 7, Prompt: "a", DeliveredTokenIds: []uint32{1, 2}}, {Key: 8, Prompt: "b"}}
+		h := start(t, w, nil)
+		w.ring.snaps[7] = &frmpsv1.RequestSnapshot{BlockIds: []uint32{3}, TokenIds: []uint32{9, 1}, NumComputedTokens: 2, Step: 5}
+		old, sb := w.liveRole(failover.Active), w.liveRole(failover.Standby)
+		old.Kill()
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if len(sb.resumes) != 1 {
+			t.Fatalf("standby got %d resumes", len(sb.resumes))
+		}
+		res := sb.resumes[0]
+		if res.GetRingPath() != w.ring.path || res.GetSyncEvery() != 16 || len(res.GetRequests()) != 2 {
+			t.Fatalf("resume %v", res)
+		}
+		if r := res.GetRequests()[0]; r.GetSnapshot().GetStep() != 5 || !slices.Equal(r.GetDeliveredTokenIds(), []uint32{1, 2}) {
+			t.Fatalf("request 7 resumed as %v", r)
+		}
+		if res.GetRequests()[1].Snapshot != nil {
+			t.Fatal("request 8 has a snapshot it never published")
+		}
+		gen, g := h.current(2)
+		if g != 2 || gen.endpoint != "unix://"+sb.inv.GenerationSocket {
+			t.Fatalf("after failover current %s gen %d", gen.endpoint, g)
+		}
+		fresh := w.liveRole(failover.Standby)
+		if fresh == nil || fresh == sb || !slices.Equal(fresh.sleepFD, testFDs) {
+			t.Fatalf("no fresh standby with the same fds: %v", fresh)
+		}
+		st := h.s.Status()
+		if len(st.Failovers) != 1 {
+			t.Fatalf("records %v", st.Failovers)
+		}
+		rec := st.Failovers[0]
+		if !rec.GetOk() || rec.GetCause() != "signal" || rec.GetResumedRequests() != 2 || rec.GetDurationSeconds() < 0 {
+			t.Fatalf("record %v", rec)
+		}
+		if v := testutil.ToFloat64(h.s.metrics.failovers.WithLabelValues("signal")); v != 1 {
+			t.Fatalf("failovers_total{signal} = %v", v)
+		}
+		if n := testutil.CollectAndCount(h.s.metrics.duration); n != 1 {
+			t.Fatalf("duration histogram has %d series", n)
+		}
+		if w.mps.checks == 0 {
+			t.Fatal("MPS not checked after the failover")
+		}
+		if v := testutil.ToFloat64(h.s.metrics.restarts.WithLabelValues("standby")); v != 1 {
+			t.Fatalf("restarts{standby} = %v", v)
+		}
+		h.stop()
+	})
+}
+
+// The ring is polled in the background, and drained completely at a
+// failover before the resume set is built.
+func TestRingPolledAndDrainedAtFailover(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		h := start(t, w, nil)
+		w.ring.mu.Lock()
+		before := w.ring.polls
+		w.ring.mu.Unlock()
+		time.Sleep(100 * time.Millisecond)
+		synctest.Wait()
+		w.ring.mu.Lock()
+		polled := w.ring.polls - before
+		w.ring.pending = 1000 // more than the poller can take in one go
+		w.ring.mu.Unlock()
+		if polled == 0 || polled > 200 {
+			t.Fatalf("%d polls in 100ms of idle ring (want adaptive, > 0)", polled)
+		}
+		act, _ := h.roles()
+		act.Kill()
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		w.ring.mu.Lock()
+		left := w.ring.pending
+		w.ring.mu.Unlock()
+		if left > 1000-64*10 { // the failover's drain took up to 64 polls
+			t.Fatalf("%d records left after the failover's drain", left)
+		}
+		h.stop()
+	})
+}
+
+func TestResumeRefusedColdStarts(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, n int) behavior {
+			if r == failover.Standby && n == 0 {
+				return behavior{resumeReply: func(*frmpsv1.Resume) *frmpsv1.Reply { return &frmpsv1.Reply{Error: "layout mismatch"} }}
+			}
+			return behavior{}
+		}
+		h := start(t, w, nil)
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		time.Sleep(time.Second) // the cold start's backoff
+		synctest.Wait()
+		// A new active loaded the weights (fresh broker), and a new standby is armed.
+		h.wantState(failover.ServingReady)
+		if _, g := h.current(2); g != 2 {
+			t.Fatalf("gen %d", g)
+		}
+		if len(w.broker) != 2 || !w.broker[0].closed {
+			t.Fatalf("cold start did not replace the broker: %d brokers", len(w.broker))
+		}
+		rec := h.s.Status().Failovers[0]
+		if rec.GetOk() || !strings.Contains(rec.GetError(), "layout mismatch") {
+			t.Fatalf("record %v", rec)
+		}
+		h.stop()
+	})
+}
+
+func TestStandbyDiesDuringTakeover(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, n int) behavior {
+			return behavior{dieOnResume: r == failover.Standby && n == 0}
+		}
+		h := start(t, w, nil)
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if w.launched[failover.Active] != 2 {
+			t.Fatalf("actives launched %d, want a cold restart", w.launched[failover.Active])
+		}
+		if rec := h.s.Status().Failovers[0]; rec.GetOk() {
+			t.Fatalf("record %v", rec)
+		}
+		h.stop()
+	})
+}
+
+func TestTimeoutOnResume(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		block := make(chan struct{})
+		w.behave = func(r failover.Role, n int) behavior {
+			if r == failover.Standby && n == 0 {
+				return behavior{resumeReply: func(*frmpsv1.Resume) *frmpsv1.Reply { <-block; return &frmpsv1.Reply{Ok: true} }}
+			}
+			return behavior{}
+		}
+		h := start(t, w, nil)
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		h.wantState(failover.FailingOver)
+		time.Sleep(2 * time.Second) // virtual time: the resume timeout and the cold start's backoff elapse
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if rec := h.s.Status().Failovers[0]; rec.GetOk() || !strings.Contains(rec.GetError(), "no reply to resume") {
+			t.Fatalf("record %v", rec)
+		}
+		close(block)
+		h.stop()
+	})
+}
+
+func TestBothDieThenRecover(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		h := start(t, w, nil)
+		// Kill the standby first, then the active before the new standby is ready.
+		w.liveRole(failover.Standby).Kill()
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		h.wantState(failover.Starting) // waiting out the backoff
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if len(w.live()) != 2 {
+			t.Fatalf("%d live engines", len(w.live()))
+		}
+		h.stop()
+	})
+}
+
+func TestStandbyCrashLoopDegrades(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, n int) behavior { return behavior{exitOnStart: r == failover.Standby} }
+		h := start(t, w, nil)
+		time.Sleep(10 * time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingDegraded)
+		st := h.s.Status()
+		if !st.GetCrashLoopOpen() || !strings.Contains(st.GetStateCause(), "standby died 4 times") {
+			t.Fatalf("status %v", st)
+		}
+		if w.launched[failover.Standby] != 4 {
+			t.Fatalf("standby launched %d times", w.launched[failover.Standby])
+		}
+		if _, g := h.current(1); g != 1 { // the active still serves
+			t.Fatal("active not serving")
+		}
+		if err := h.s.TriggerFailover(context.Background(), "drill"); err == nil {
+			t.Fatal("drill accepted without a standby")
+		}
+		if v := testutil.ToFloat64(h.s.metrics.crashLoopG); v != 1 {
+			t.Fatalf("crash_loop_open = %v", v)
+		}
+		h.stop()
+	})
+}
+
+func TestVersionMismatchRefusedToCrashLoop(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(failover.Role, int) behavior { return behavior{version: 2} }
+		h := start(t, w, nil)
+		time.Sleep(10 * time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		_, cause := h.state()
+		if !strings.Contains(cause, "protocol version 2, this supervisor speaks 1") {
+			t.Fatalf("cause %q", cause)
+		}
+		p := w.procs[0]
+		if p.welcome.GetAccepted() || !strings.Contains(p.welcome.GetReason(), "protocol version") {
+			t.Fatalf("welcome %v", p.welcome)
+		}
+		_, _, err := h.s.Current(context.Background(), 1)
+		if !errors.Is(err, ErrUnavailable) {
+			t.Fatalf("Current: %v", err)
+		}
+		h.stop()
+	})
+}
+
+func TestWrongPeerRefused(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		// Before the standby connects, another process dials its socket.
+		w.behave = func(r failover.Role, n int) behavior { return behavior{intruderFirst: r == failover.Standby && n == 0} }
+		h := start(t, w, nil)
+		h.wantState(failover.ServingReady)
+		if w.refusedPeers != 1 {
+			t.Fatalf("refused %d peers, want the intruder", w.refusedPeers)
+		}
+		if w.launched[failover.Standby] != 1 {
+			t.Fatal("the intruder disturbed the real standby")
+		}
+		h.stop()
+	})
+}
+
+func TestHandshakeTimeout(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, n int) behavior { return behavior{hang: r == failover.Standby && n == 0} }
+		h := start(t, w, nil)
+		h.wantState(failover.Rearming)
+		time.Sleep(6 * time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if w.launched[failover.Standby] != 2 {
+			t.Fatalf("standby launched %d", w.launched[failover.Standby])
+		}
+		h.stop()
+	})
+}
+
+// A connected but wedged active is fenced and failed over from: stuck steps
+// with requests running, or heartbeats that stop. A busy engine that makes
+// progress, and an idle one, are left alone.
+func TestStallDetection(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		beat      func(n int) *frmpsv1.Heartbeat
+		wantCause string // "" = no failover
+	}{
+		{"stuck step", func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 5, Running: 2} }, "stalled: step 5 unchanged"},
+		{"silent", func(n int) *frmpsv1.Heartbeat {
+			if n > 3 {
+				return nil
+			}
+			return &frmpsv1.Heartbeat{Step: uint64(n)}
+		}, "stalled: no heartbeat"},
+		{"progressing", func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: uint64(n), Running: 3} }, ""},
+		{"idle", func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 7} }, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				w := newWorld()
+				w.behave = func(r failover.Role, n int) behavior {
+					if r == failover.Active && n == 0 {
+						return behavior{heartbeat: tc.beat}
+					}
+					return behavior{}
+				}
+				h := start(t, w, func(c *Config) { c.StallTimeout = 10 * time.Second })
+				time.Sleep(time.Minute)
+				synctest.Wait()
+				h.wantState(failover.ServingReady)
+				recs := h.s.Status().GetFailovers()
+				if tc.wantCause == "" {
+					if len(recs) != 0 {
+						t.Fatalf("failed over from a healthy engine: %v", recs)
+					}
+				} else if len(recs) != 1 || recs[0].GetCause() != "stalled" || !strings.Contains(recs[0].GetDetail(), tc.wantCause) || !recs[0].GetOk() {
+					t.Fatalf("records %v; want one caused by %q", recs, tc.wantCause)
+				}
+				if tc.wantCause != "" && w.procs[0].alive() {
+					t.Fatal("the wedged active was not fenced")
+				}
+				h.stop()
+			})
+		})
+	}
+}
+
+// Shutdown while engines are still starting: one not connected yet (killed
+// at once), one connected but silent (asked, then killed after the grace).
+func TestShutdownDuringStartup(t *testing.T) {
+	for _, b := range []behavior{{noConnect: true}, {hang: true}} {
+		synctest.Test(t, func(t *testing.T) {
+			w := newWorld()
+			w.behave = func(failover.Role, int) behavior { return b }
+			h := start(t, w, nil)
+			h.wantState(failover.Starting)
+			t0 := time.Now()
+			h.stop()
+			ws := w.procs[0].WaitStatus()
+			if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+				t.Fatalf("engine ended with %v", ws)
+			}
+			took := time.Since(t0)
+			if b.noConnect && took != 0 || b.hang && took != testConfig(t).ShutdownGrace {
+				t.Fatalf("shutdown took %s (virtual time)", took)
+			}
+		})
+	}
+}
+
+func TestDrill(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		h := start(t, w, nil)
+		if err := h.s.TriggerFailover(context.Background(), "game day"); err != nil {
+			t.Fatal(err)
+		}
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		rec := h.s.Status().Failovers[0]
+		if rec.GetCause() != "drill" || !rec.GetOk() {
+			t.Fatalf("record %v", rec)
+		}
+		if v := testutil.ToFloat64(h.s.metrics.failovers.WithLabelValues("drill")); v != 1 {
+			t.Fatalf("failovers{drill} %v", v)
+		}
+		h.stop()
+	})
+}
+
+func TestMPSStartFailure(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.mps.startErr = errors.New("nvidia-cuda-mps-control: not found")
+		cfg := testConfig(t)
+		s, err := NewWithDeps(cfg, w.deps(), hclog.NewNullLogger(), prometheus.NewRegistry())
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = s.Run(context.Background())
+		if err == nil || !strings.Contains(err.Error(), "start MPS") || !strings.Contains(err.Error(), "not found") {
+			t.Fatalf("Run: %v", err)
+		}
+		if _, err := os.Stat(cfg.RunDir); !errors.Is(err, os.ErrNotExist) {
+			t.Fatal("run dir left behind")
+		}
+		if _, _, err := s.Current(context.Background(), 1); !errors.Is(err, ErrUnavailable) {
+			t.Fatalf("Current after failed start: %v", err)
+		}
+	})
+}
+
+func TestMPSRestartFailureStopsColdStart(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		h := start(t, w, nil)
+		w.mps.checkErr = errors.New("daemon gone")
+		w.mps.restartErr = errors.New("cannot start")
+		w.liveRole(failover.Standby).Kill()
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		st := h.s.Status()
+		if !strings.Contains(st.GetStateCause(), "MPS") || !strings.Contains(st.GetMpsState(), "cannot start") {
+			t.Fatalf("status %v", st)
+		}
+		h.stop()
+	})
+}
+
+func TestNoMPS(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		logDir := t.TempDir()
+		h := start(t, w, func(c *Config) { c.NoMPS = true; c.LogDir = logDir })
+		h.wantState(failover.ServingReady)
+		act := w.liveRole(failover.Active)
+		if act.logPath != filepath.Join(logDir, "active-1.log") {
+			t.Fatalf("engine log %s, want it in %s", act.logPath, logDir)
+		}
+		if !slices.Equal(act.env, []string{"PATH=/usr/bin"}) {
+			t.Fatalf("env %v", act.env)
+		}
+		if h.s.Status().GetMpsState() != "disabled" {
+			t.Fatal("mps state")
+		}
+		h.stop()
+	})
+}
+
+func TestLaunchFailure(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.launchErr = errors.New("exec: python3: not found")
+		h := start(t, w, nil)
+		time.Sleep(10 * time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		if _, c := h.state(); !strings.Contains(c, "python3: not found") {
+			t.Fatalf("cause %q", c)
+		}
+		h.stop()
+	})
+}
+
+func TestBadConfig(t *testing.T) {
+	w := newWorld()
+	for _, mod := range []func(*Config){
+		func(c *Config) { c.Model = "" },
+		func(c *Config) { c.Engine = "tgi" },
+		func(c *Config) { c.Memory = "disk" },
+		func(c *Config) { c.Device = "tpu" },
+		func(c *Config) { c.RingCapacity = 10 },
+		func(c *Config) { c.Breaker.MaxRestarts = -1 },
+	} {
+		cfg := testConfig(t)
+		mod(&cfg)
+		if _, err := NewWithDeps(cfg, w.deps(), nil, nil); err == nil {
+			t.Errorf("config %+v accepted", cfg)
+		}
+	}
+	if _, err := NewWithDeps(testConfig(t), Deps{}, nil, nil); err == nil {
+		t.Error("empty deps accepted")
+	}
+	cfg := testConfig(t)
+	if err := os.MkdirAll(cfg.RunDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	s, err := NewWithDeps(cfg, w.deps(), nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Run(context.Background()); err == nil || !strings.Contains(err.Error(), "run dir") {
+		t.Fatalf("existing run dir: %v", err)
+	}
+	if _, err := os.Stat(cfg.RunDir); err != nil {
+		t.Fatal("a run dir we did not create was removed")
+	}
+}
+
+// TestSoakSIGKILL: ≥ 200 cycles of killing engines at random points. Every
+// cycle must end armed again (one active serving, one standby ready), with
+// the generation advancing on every active death; at the end nothing is
+// left (the bubble itself fails on leaked goroutines).
+func TestSoakSIGKILL(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.front.open = []*frmpsv1.ResumeRequest{{Key: 1}}
+		h := start(t, w, func(c *Config) {
+			c.Breaker = failover.BreakerConfig{MaxRestarts: 10000, Window: time.Second, BaseBackoff: time.Millisecond, MaxBackoff: 10 * time.Millisecond}
+		})
+		// An admin client reading status throughout, so the race detector
+		// sees Status against every step of the loop.
+		pollStop := make(chan struct{})
+		pollDone := make(chan struct{})
+		go func() {
+			defer close(pollDone)
+			for {
+				select {
+				case <-pollStop:
+					return
+				case <-time.After(time.Millisecond):
+					_ = h.s.Status()
+					_, _ = h.s.Model()
+					_ = h.s.Serving()
+				}
+			}
+		}()
+		defer func() { close(pollStop); <-pollDone }()
+		rng := rand.New(rand.NewPCG(1, 2))
+		_, gen := h.current(1)
+		failovers := 0
+		for cycle := range 250 {
+			h.wantState(failover.ServingReady)
+			act, sb := h.roles()
+			killActive := true
+			switch rng.IntN(4) {
+			case 0, 1: // the common case: the active dies, the standby takes over
+				act.Kill()
+				failovers++
+			case 2: // the standby dies: re-arm
+				sb.Kill()
+				killActive = false
+			case 3: // the active dies right after its standby did: cold start
+				sb.Kill()
+				act.Kill()
+			}
+			synctest.Wait()
+			time.Sleep(50 * time.Millisecond) // past any backoff
+			synctest.Wait()
+			if st, c := h.state(); st != "serving_ready" {
+				t.Fatalf("cycle %d: state %s (%s)", cycle, st, c)
+			}
+			if live := w.live(); len(live) != 2 {
+				t.Fatalf("cycle %d: %d live engines", cycle, len(live))
+			}
+			_, g := h.current(gen)
+			if killActive && (act.alive() || g <= gen) || !killActive && (!act.alive() || g != gen) {
+				t.Fatalf("cycle %d (active killed: %v): old active alive=%v gen %d -> %d", cycle, killActive, act.alive(), gen, g)
+			}
+			gen = g
+		}
+		if len(h.s.slots) > 2 {
+			t.Fatalf("%d engine slots kept after the soak", len(h.s.slots))
+		}
+		if v := testutil.ToFloat64(h.s.metrics.failovers.WithLabelValues("signal")); int(v) != failovers {
+			t.Fatalf("failovers_total %v, want %d", v, failovers)
+		}
+		h.stop()
+		for _, p := range w.procs {
+			if p.alive() {
+				t.Fatalf("engine %d alive", p.pid)
+			}
+			if ws := p.WaitStatus(); !ws.Signaled() && !(ws.Exited() && ws.ExitStatus() == 0) {
+				t.Fatalf("engine %d ended with %v", p.pid, ws)
+			}
+		}
+		_ = syscall.SIGKILL
+	})
+}
