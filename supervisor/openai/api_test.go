@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -453,5 +454,47 @@ func TestHealthUsesReadinessReporter(t *testing.T) {
 		if err := fd.Shutdown(context.Background()); err != nil {
 			t.Error(err)
 		}
+	}
+}
+
+// TestReturnTokenIDs: vLLM's return_token_ids extension carries every
+// generated token id, streamed per chunk and whole in a JSON body.
+func TestReturnTokenIDs(t *testing.T) {
+	h, eng := newHarness(t, openai.Config{}, fakegen.Config{OutputLen: 6})
+	toIDs := func(v any) []uint32 {
+		var out []uint32
+		for _, x := range v.([]any) {
+			out = append(out, uint32(x.(float64)))
+		}
+		return out
+	}
+	resp := h.post("/v1/completions", `{"model":"test-model","prompt":"a b","return_token_ids":true}`)
+	m := readJSON(t, resp)
+	want, _, _ := fakegen.Expected(h.ecfg, eng.Requests()[0])
+	c := m["choices"].([]any)[0].(map[string]any)
+	if got := toIDs(c["token_ids"]); !slices.Equal(got, want) {
+		t.Fatalf("token_ids %v, want %v", got, want)
+	}
+
+	resp = h.post("/v1/chat/completions", `{"model":"test-model","messages":[{"role":"user","content":"hi"}],"stream":true,"return_token_ids":true}`)
+	defer resp.Body.Close()
+	s := readStream(t, resp.Body, nil)
+	want, _, _ = fakegen.Expected(h.ecfg, eng.Requests()[1])
+	var got []uint32
+	for _, ev := range s.events {
+		for _, ch := range ev["choices"].([]any) {
+			if ids, ok := ch.(map[string]any)["token_ids"]; ok {
+				got = append(got, toIDs(ids)...)
+			}
+		}
+	}
+	if !s.done || !slices.Equal(got, want) {
+		t.Fatalf("streamed token_ids %v (done %v), want %v", got, s.done, want)
+	}
+
+	// Without the flag the choices keep OpenAI's exact keys.
+	m = readJSON(t, h.post("/v1/completions", `{"model":"test-model","prompt":"a b"}`))
+	if _, ok := m["choices"].([]any)[0].(map[string]any)["token_ids"]; ok {
+		t.Fatal("token_ids present without return_token_ids")
 	}
 }

@@ -25,8 +25,9 @@ type output interface {
 	// start runs once, on the first engine chunk, after the limits passed and
 	// before anything reaches the client; a stream sends its headers here.
 	start() error
-	// text delivers a text delta (its tokens are already recorded as delivered).
-	text(delta string) error
+	// text delivers a text delta and the token ids it came from (already
+	// recorded as delivered).
+	text(delta string, ids []uint32) error
 	// gap opens (true) or closes (false) a failover gap.
 	gap(open bool)
 	// finish ends the response successfully.
@@ -64,6 +65,7 @@ type sseOutput struct {
 	flusher      http.Flusher
 	chat         bool
 	includeUsage bool
+	returnIDs    bool
 	keepAlive    time.Duration
 
 	mu      sync.Mutex // the keep-alive goroutine writes too
@@ -80,7 +82,7 @@ type sseOutput struct {
 }
 
 func newSSEOutput(w http.ResponseWriter, j *job, head responseHead, keepAlive time.Duration) *sseOutput {
-	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, keepAlive: keepAlive, head: head}
+	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, returnIDs: j.returnTokenIDs, keepAlive: keepAlive, head: head}
 	o.flusher, _ = w.(http.Flusher)
 	b := append([]byte("data: "), head.append(nil)...)
 	o.chunkHead = append(b, `"choices":[{"index":0,`...)
@@ -132,8 +134,19 @@ func (o *sseOutput) appendTail(b []byte) []byte {
 	return append(b, "}\n\n"...)
 }
 
-func (o *sseOutput) text(delta string) error {
-	if delta == "" {
+func appendTokenIDs(b []byte, ids []uint32) []byte {
+	b = append(b, `,"token_ids":[`...)
+	for i, id := range ids {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = strconv.AppendUint(b, uint64(id), 10)
+	}
+	return append(b, ']')
+}
+
+func (o *sseOutput) text(delta string, ids []uint32) error {
+	if delta == "" && (!o.returnIDs || len(ids) == 0) {
 		return nil
 	}
 	o.mu.Lock()
@@ -146,6 +159,9 @@ func (o *sseOutput) text(delta string) error {
 	} else {
 		b = append(b, `"text":`...)
 		b = appendJSONString(b, delta)
+	}
+	if o.returnIDs {
+		b = appendTokenIDs(b, ids)
 	}
 	b = append(b, `,"logprobs":null,"finish_reason":null}]`...)
 	o.buf = o.appendTail(b)
@@ -251,17 +267,22 @@ func (o *sseOutput) close() { o.stopKeepAlive() }
 
 // jsonOutput collects the whole completion and sends one JSON body.
 type jsonOutput struct {
-	w    http.ResponseWriter
-	chat bool
-	head responseHead
-	sb   strings.Builder
-	done bool
+	w         http.ResponseWriter
+	chat      bool
+	returnIDs bool
+	head      responseHead
+	sb        strings.Builder
+	ids       []uint32
+	done      bool
 }
 
 func (o *jsonOutput) start() error { return nil }
 
-func (o *jsonOutput) text(delta string) error {
+func (o *jsonOutput) text(delta string, ids []uint32) error {
 	o.sb.WriteString(delta)
+	if o.returnIDs {
+		o.ids = append(o.ids, ids...)
+	}
 	return nil
 }
 
@@ -279,6 +300,9 @@ func (o *jsonOutput) finish(reason string, u usage) error {
 	} else {
 		b = append(b, `"text":`...)
 		b = appendJSONString(b, o.sb.String())
+	}
+	if o.returnIDs {
+		b = appendTokenIDs(b, o.ids)
 	}
 	b = append(b, `,"logprobs":null,"finish_reason":`...)
 	b = appendJSONString(b, reason)

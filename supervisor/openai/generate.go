@@ -282,7 +282,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 			delivered += len(ids)
 			s.m.tokens.Add(float64(len(ids)))
 		}
-		if err := out.text(text); err != nil {
+		if err := out.text(text, ids); err != nil {
 			return s.clientGone(or)
 		}
 		if text != "" && j.stream {

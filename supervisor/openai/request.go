@@ -50,9 +50,11 @@ type wireRequest struct {
 	IgnoreEOS              *bool           `json:"ignore_eos"`
 	IncludeStopStrInOutput *bool           `json:"include_stop_str_in_output"`
 	AddGenerationPrompt    *bool           `json:"add_generation_prompt"`
-	Echo                   *bool           `json:"echo"`
-	Logprobs               json.RawMessage `json:"logprobs"`
-	TopLogprobs            json.RawMessage `json:"top_logprobs"`
+	// vLLM's extension: return the generated token ids with each choice.
+	ReturnTokenIDs *bool           `json:"return_token_ids"`
+	Echo           *bool           `json:"echo"`
+	Logprobs       json.RawMessage `json:"logprobs"`
+	TopLogprobs    json.RawMessage `json:"top_logprobs"`
 }
 
 // job is a validated request, ready for the engine.
@@ -61,6 +63,8 @@ type job struct {
 	model        string
 	stream       bool
 	includeUsage bool
+	// returnTokenIDs: add "token_ids" to every choice (vLLM's extension).
+	returnTokenIDs bool
 	// maxTokens as the client asked (0 = not given); checked against the
 	// context length once the engine reports the prompt length.
 	maxTokens int
@@ -122,6 +126,9 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 	}
 	if w.Stream != nil {
 		j.stream = *w.Stream
+	}
+	if w.ReturnTokenIDs != nil {
+		j.returnTokenIDs = *w.ReturnTokenIDs
 	}
 	if w.StreamOptions != nil && w.StreamOptions.IncludeUsage != nil {
 		if !j.stream {

@@ -362,7 +362,7 @@ func (s *Server) executeInner(parent context.Context, w http.ResponseWriter, j *
 		}
 		out = newSSEOutput(w, j, head, s.cfg.KeepAliveInterval)
 	} else {
-		out = &jsonOutput{w: w, chat: j.endpoint == endpointChat, head: head}
+		out = &jsonOutput{w: w, chat: j.endpoint == endpointChat, returnIDs: j.returnTokenIDs, head: head}
 	}
 	return s.run(ctx, j, or, out, arrived)
 }
