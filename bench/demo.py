@@ -54,10 +54,11 @@ def active_pid(status: dict) -> int:
 
 def stream_completion(base: str, prompt: str, max_tokens: int, seed: int, on_chunk=None) -> tuple[str, int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
-            "seed": seed, "stream": True, "stream_options": {"include_usage": True}}
+            "seed": seed, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
     req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
-    text, tokens, n = [], 0, 0
+    text, tokens, n = [], 0, 0  # n: tokens received so far
     with urllib.request.urlopen(req, timeout=120) as resp:
         for raw in resp:
             line = raw.decode().strip()
@@ -71,7 +72,7 @@ def stream_completion(base: str, prompt: str, max_tokens: int, seed: int, on_chu
                 raise RuntimeError(f"stream ended with an error: {ev['error']}")
             for ch in ev.get("choices", []):
                 text.append(ch.get("text", ""))
-                n += 1
+                n += len(ch.get("token_ids") or [])
                 if on_chunk:
                     on_chunk(n)
             if ev.get("usage"):
@@ -86,7 +87,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=18000)
     ap.add_argument("--admin-port", type=int, default=18001)
     ap.add_argument("--max-tokens", type=int, default=120)
-    ap.add_argument("--kill-after", type=int, default=40, help="kill the active after this many streamed chunks")
+    ap.add_argument("--kill-after", type=int, default=40, help="kill the active after this many streamed tokens")
     args = ap.parse_args()
 
     base = f"http://127.0.0.1:{args.port}"
@@ -94,7 +95,7 @@ def main() -> int:
     run_dir = tempfile.mkdtemp(prefix="frmps-demo-")
     cmd = [args.frmps, "serve", "--model", "tiny", "--engine", "ref", "--device", "cpu", "--no-mps",
            "--sync-every", "16", "--port", str(args.port), "--admin-addr", f"127.0.0.1:{args.admin_port}",
-           "--run-dir", run_dir, "--python", args.python]
+           "--run-dir", os.path.join(run_dir, "run"), "--python", args.python]
     print("$", " ".join(cmd), flush=True)
     log = open(os.path.join(run_dir, "serve.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -111,19 +112,21 @@ def main() -> int:
         killed = threading.Event()
 
         def kill_midway(n: int) -> None:
-            if n == args.kill_after and not killed.is_set():
+            if n >= args.kill_after and not killed.is_set():
                 killed.set()
                 os.kill(victim, signal.SIGKILL)
-                print(f"  ... SIGKILL active pid {victim} after {n} streamed chunks", flush=True)
+                print(f"  ... SIGKILL active pid {victim} after {n} streamed tokens", flush=True)
 
         text, tokens = stream_completion(base, prompt, args.max_tokens, seed=7, on_chunk=kill_midway)
         st = http_json("GET", f"{admin}/v1/admin/status")
         fo = (st.get("failovers") or [{}])[0]
         same = text == ref_text and tokens == ref_tokens
         print(f"failover run: {tokens} tokens; identical to the no-fault run: {same}", flush=True)
-        print(f"failover: cause={fo.get('cause')} took={1000 * float(fo.get('duration_seconds', 0)):.2f} ms "
-              f"resumed={fo.get('resumed_requests')}; new active pid {active_pid(st)}; state {st.get('state')}",
-              flush=True)
+        print(f"failover: cause={fo.get('cause')}; death detected -> standby resumed {1000 * float(fo.get('duration_seconds', 0)):.2f} ms, "
+              f"-> first resumed token at the client {1000 * float(fo.get('first_token_seconds', 0)):.2f} ms; "
+              f"requests resumed {fo.get('resumed_requests')}, KV tokens reused {fo.get('reused_tokens')}, "
+              f"recomputed {fo.get('prefilled_tokens')}", flush=True)
+        print(f"new active pid {active_pid(st)}; state {st.get('state')} (a fresh standby is starting)", flush=True)
         return 0 if same and killed.is_set() else 1
     finally:
         proc.send_signal(signal.SIGTERM)

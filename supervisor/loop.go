@@ -458,17 +458,32 @@ func (s *Supervisor) finishFailover(fo *failoverRun, at time.Time, reply *frmpsv
 func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.Reply, ferr error) {
 	dur := at.Sub(fo.detected)
 	resumed := 0
+	var reused, prefilled uint64
 	for _, o := range reply.GetResumed() {
 		if o.GetOk() {
 			resumed++
+			reused += uint64(o.GetReusedTokens())
+			prefilled += uint64(o.GetPrefilledTokens())
 		}
 	}
 	s.mu.Lock()
 	s.recordSeq++
 	rec := &frmpsv1.FailoverRecord{Seq: s.recordSeq, UnixNanos: fo.detected.UnixNano(), Cause: "pending", Detail: fo.cause,
-		DurationSeconds: dur.Seconds(), ResumedRequests: uint32(resumed), Ok: ferr == nil}
+		DurationSeconds: dur.Seconds(), ResumedRequests: uint32(resumed), Ok: ferr == nil,
+		ReusedTokens: reused, PrefilledTokens: prefilled}
 	if ferr != nil {
 		rec.Error = ferr.Error()
+	} else if resumed > 0 {
+		// Promote ran before this: s.generation is the resumed engine's.
+		if s.awaitingFirstToken == nil {
+			s.awaitingFirstToken = make(map[uint64]pendingFirstToken)
+		}
+		for g := range s.awaitingFirstToken { // only the newest failovers matter
+			if g+4 < s.generation {
+				delete(s.awaitingFirstToken, g)
+			}
+		}
+		s.awaitingFirstToken[s.generation] = pendingFirstToken{rec: rec, detected: fo.detected}
 	}
 	s.records = append([]*frmpsv1.FailoverRecord{rec}, s.records...)
 	if len(s.records) > s.cfg.MaxFailoverRecords {

@@ -49,7 +49,10 @@ type Config struct {
 	Memory           string // host-shm | cuda-vmm
 	NumBlocks        int
 	MaxModelLen      int
-	Breaker          failover.BreakerConfig
+	// EngineArgs are appended to every engine's command line (engine-specific
+	// options the supervisor does not interpret).
+	EngineArgs []string
+	Breaker    failover.BreakerConfig
 	// PollInterval between ring polls; 0 means 500µs.
 	PollInterval time.Duration
 	// HandshakeTimeout bounds launch → Ready; 0 means 10 minutes (weights load).
@@ -174,9 +177,12 @@ type Supervisor struct {
 	state       failover.State
 	stateCause  string
 	records     []*frmpsv1.FailoverRecord
-	recordSeq   uint64
-	mpsState    string
-	shown       [2]*slot
+	// awaitingFirstToken: failover records, by the generation they promoted,
+	// whose first resumed token has not reached a client yet.
+	awaitingFirstToken map[uint64]pendingFirstToken
+	recordSeq          uint64
+	mpsState           string
+	shown              [2]*slot
 	// detectToResume: death detected → Resume sent, for benchmarks (bounded).
 	detectToResume []time.Duration
 	crashLoopOpen  atomic.Bool
@@ -521,6 +527,24 @@ func (s *Supervisor) setUnavailable(err error) {
 	s.changed = make(chan struct{})
 }
 
+type pendingFirstToken struct {
+	rec      *frmpsv1.FailoverRecord
+	detected time.Time
+}
+
+// NoteResumedToken is called by the front door when the first token of a
+// stream resumed on engine generation gen reaches its client: the failover
+// that promoted gen then records death-to-first-resumed-token. Cheap; safe
+// from any goroutine.
+func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p, ok := s.awaitingFirstToken[gen]; ok {
+		p.rec.FirstTokenSeconds = at.Sub(p.detected).Seconds()
+		delete(s.awaitingFirstToken, gen)
+	}
+}
+
 // publish makes sl the engine Current returns, with a new generation.
 func (s *Supervisor) publish(sl *slot) {
 	if s.cfg.MaxModelLen == 0 && s.learnedMaxLen.Load() == 0 && sl.gen != nil {
@@ -589,5 +613,6 @@ func (s *Supervisor) invocation(role failover.Role, id int) engine.Invocation {
 		Device:           s.cfg.Device,
 		NumBlocks:        s.cfg.NumBlocks,
 		MaxModelLen:      s.cfg.MaxModelLen,
+		ExtraArgs:        s.cfg.EngineArgs,
 	}
 }

@@ -46,6 +46,7 @@ type serveOptions struct {
 	Memory           string        `json:"memory"`
 	NumBlocks        int           `json:"num_blocks"`
 	MaxModelLen      int           `json:"max_model_len"`
+	EngineArgs       []string      `json:"engine_args"`
 	APIKeyFile       string        `json:"api_key_file"`
 	MaxRestarts      int           `json:"max_restarts"`
 	RestartWindow    time.Duration `json:"-"`
@@ -121,6 +122,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.Memory, "memory", opts.Memory, "shared memory backend: host-shm (CPU) or cuda-vmm (GPU)")
 	f.IntVar(&opts.NumBlocks, "num-blocks", opts.NumBlocks, "KV cache blocks (0: the engine's default)")
 	f.IntVar(&opts.MaxModelLen, "max-model-len", opts.MaxModelLen, "maximum sequence length (0: the engine's default)")
+	f.StringArrayVar(&opts.EngineArgs, "engine-arg", opts.EngineArgs, "extra argument for the engine's command line, repeatable (e.g. --engine-arg=--max-num-seqs=64)")
 	f.StringVar(&opts.APIKeyFile, "api-key-file", opts.APIKeyFile, "file holding the API key clients must send as a Bearer token (else FRMPS_API_KEY, else none)")
 	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window is not restarted")
 	f.DurationVar(&opts.RestartWindow, "restart-window", opts.RestartWindow, "crash-loop breaker window")
@@ -173,7 +175,7 @@ func (o serveOptions) supervisorConfig() supervisor.Config {
 		Model: o.Model, Engine: o.Engine, Python: o.Python, SyncEvery: o.SyncEvery,
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, Device: o.Device, Memory: o.Memory,
-		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, Breaker: b, ShutdownGrace: o.ShutdownGrace, StallTimeout: o.StallTimeout,
+		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace, StallTimeout: o.StallTimeout,
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"google.golang.org/protobuf/encoding/protojson"
 	"net"
 	"net/http"
 	"strings"
@@ -71,7 +72,11 @@ func New(cfg Config, src Source, log hclog.Logger) (*Server, error) {
 	frmpsv1.RegisterAdminServer(s.grpc, s)
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 
-	gw := runtime.NewServeMux()
+	// snake_case field names, as in the .proto and in `frmps status --json`,
+	// and every field present, so scripts need no defaults for zero values.
+	gw := runtime.NewServeMux(runtime.WithMarshalerOption(runtime.MIMEWildcard, &runtime.JSONPb{
+		MarshalOptions: protojson.MarshalOptions{UseProtoNames: true, EmitUnpopulated: true},
+	}))
 	if err := frmpsv1.RegisterAdminHandlerServer(context.Background(), gw, s); err != nil {
 		return nil, fmt.Errorf("register admin gateway: %w", err)
 	}

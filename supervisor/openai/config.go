@@ -12,6 +12,10 @@ import (
 
 // Config tunes the front door. Zero values take the defaults listed per field.
 type Config struct {
+	// OnResumedToken, if set, is called once per resumed stream when its first
+	// token after a failover reaches the client, with the generation of the
+	// engine that produced it. It must not block.
+	OnResumedToken func(generation uint64, at time.Time)
 	// APIKey, when set, is required as "Authorization: Bearer <key>" on /v1/*.
 	// See LoadAPIKey for reading it from a file or an environment variable.
 	APIKey string

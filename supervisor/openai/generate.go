@@ -173,13 +173,15 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 		promptTokens int
 		delivered    int
 		resumes      int
+		// gotResumedToken: OnResumedToken was called for the current resume.
+		gotResumedToken bool
 	)
 	defer func() { cancelStream() }()
 	open := func(resume bool) {
 		var sctx context.Context
 		sctx, cancelStream = context.WithCancel(ctx)
 		or.setEngine(eng)
-		resuming, gotChunk = resume, false
+		resuming, gotChunk, gotResumedToken = resume, false, false
 		if resume {
 			stream, err = eng.Client.Resume(sctx, &frmpsv1.ResumeStreamRequest{Key: or.key, Delivered: uint32(delivered)})
 		} else {
@@ -277,6 +279,10 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 		if len(ids) > 0 {
 			if delivered == 0 {
 				s.m.ttft.Observe(time.Since(arrived).Seconds())
+			}
+			if resuming && !gotResumedToken && s.cfg.OnResumedToken != nil {
+				gotResumedToken = true
+				s.cfg.OnResumedToken(eng.Generation, time.Now())
 			}
 			or.deliver(ids)
 			delivered += len(ids)

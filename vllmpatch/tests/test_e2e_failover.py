@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.torch, pytest.mark.timeout(1200)]
 
 # A slow step makes "before the first token" and "mid-prefill" reachable from
 # outside; the prefill chunk budget splits the long prompt into several steps.
-ENGINE_ENV = {"FRMPS_TEST_STEP_DELAY_MS": "15", "FRMPS_MAX_NUM_BATCHED_TOKENS": "64"}
+ENGINE_ENV = {"FRMPS_TEST_STEP_DELAY_MS": "15"}
+ENGINE_ARGS = ["--engine-arg=--max-num-batched-tokens=64"]
 
 LONG_PROMPT = "Once upon a time, in a land of shared GPUs, " * 8   # ~350 byte tokens: 6 prefill chunks
 KILL_POINTS = ["before_first_token", "mid_prefill", 1, 2, 15, 16, 17, 100]
@@ -50,7 +51,7 @@ def run_batch(dep: Deployment, bodies: list[dict], killer: Killer | None = None,
 
 @pytest.fixture(scope="module", params=[1, 16], ids=lambda n: f"sync{n}")
 def dep(request):
-    with deployment(sync_every=request.param, env=ENGINE_ENV) as d:
+    with deployment(sync_every=request.param, env=ENGINE_ENV, extra_args=ENGINE_ARGS) as d:
         yield d
 
 
@@ -82,6 +83,7 @@ def test_failover_is_exact(dep: Deployment, kill_at, seeded: bool, concurrency: 
     fos = st.get("failovers") or []
     assert len(fos) == failovers_before + 1, fos
     assert fos[0]["ok"], fos[0]
+    assert float(fos[0]["first_token_seconds"]) > 0, fos[0]
     assert dep.active_pid() != killer.pid
 
 

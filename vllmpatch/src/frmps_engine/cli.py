@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-blocks", type=_positive)
     s.add_argument("--max-model-len", type=_positive)
     s.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    s.add_argument("--max-num-seqs", type=_positive, help="most requests in one batch")
+    s.add_argument("--max-num-batched-tokens", type=_positive,
+                   help="token budget of one step (prefill chunk size)")
     s.add_argument("--ring-module", default="frmps_engine.ring", help=argparse.SUPPRESS)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -50,7 +53,9 @@ def serve(args: argparse.Namespace) -> int:
         adapter = adapters.load_adapter(
             args.engine,
             adapters.EngineOptions(model=args.model, device=args.device, num_blocks=args.num_blocks,
-                                   max_model_len=args.max_model_len, seed=args.seed),
+                                   max_model_len=args.max_model_len, seed=args.seed,
+                                   max_num_seqs=args.max_num_seqs,
+                                   max_num_batched_tokens=args.max_num_batched_tokens),
         )
         mem = memory.get_backend(args.memory, args.device)
         r = runner.Runner(

@@ -26,6 +26,8 @@ class EngineOptions:
     num_blocks: int | None = None
     max_model_len: int | None = None
     seed: int = 0
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
 
 
 KNOWN = {
@@ -62,6 +64,9 @@ class RefAdapter:
             kw["num_blocks"] = opts.num_blocks
         if opts.max_model_len is not None:
             kw["max_model_len"] = opts.max_model_len
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(opts, name) is not None:
+                kw[name] = getattr(opts, name)
         try:
             # A preset name or a model directory.
             self.cfg = refengine.EngineConfig.from_preset(opts.model, **kw)

@@ -144,6 +144,7 @@ class EngineLoop:
         sync_every: int = 1,
         on_fatal: Callable[[BaseException], None] | None = None,
         retain_finished_s: float = 120.0,
+        step_delay_s: float = 0.0,
     ):
         self.core = core
         self.sync_every = max(1, int(sync_every))
@@ -160,6 +161,9 @@ class EngineLoop:
         self._since_sync = 0
         self.counters = collections.Counter()
         self.dead: BaseException | None = None
+        # Test knob only (FRMPS_TEST_STEP_DELAY_MS): slows every step so that
+        # end-to-end tests can kill an engine at a chosen point of a request.
+        self._step_delay = max(0.0, float(step_delay_s))
 
     # -- threading ------------------------------------------------------------
     def start(self) -> None:
@@ -307,6 +311,8 @@ class EngineLoop:
                         log.exception("engine loop command failed")
                 if self.core.has_work():
                     outs = self.core.step()
+                    if self._step_delay:
+                        time.sleep(self._step_delay)
                     self.step_count += 1
                     self._since_sync += 1
                     self._dispatch(outs)

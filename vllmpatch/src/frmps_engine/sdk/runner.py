@@ -38,6 +38,18 @@ EXIT_REFUSED = 2  # refused at start: Welcome refused, bad configuration, pool m
 EXIT_DEVICE = 3  # sticky device error (e.g. a CUDA fault)
 
 
+def _test_step_delay() -> float:
+    """FRMPS_TEST_STEP_DELAY_MS: a test knob that slows every engine step, so
+    end-to-end tests can reach kill points such as "mid-prefill". Never set in
+    production."""
+    raw = os.environ.get("FRMPS_TEST_STEP_DELAY_MS", "")
+    try:
+        return max(0.0, float(raw) / 1000.0) if raw else 0.0
+    except ValueError:
+        log.warning("ignoring FRMPS_TEST_STEP_DELAY_MS=%r: not a number", raw)
+        return 0.0
+
+
 @dataclass
 class RunnerConfig:
     role: str  # "active" | "standby"
@@ -131,7 +143,8 @@ class Runner:
         pools = self.memory.allocate(self.specs)
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
         self.client.export_pools(self._pb_pools(), [p.fd for p in pools])
-        self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal)
+        self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal,
+                               step_delay_s=_test_step_delay())
         if self.welcome.ring_path:
             self.loop.attach_ring(RingPublisher(self.welcome.ring_path, self.cfg.ring_module))
         self.loop.start()
@@ -191,7 +204,8 @@ class Runner:
             return control_pb2.Reply(ok=False, error="Resume is for a sleeping standby (send Sleep first)")
         self._resumed = True
         self.memory.make_writable("kv_cache")
-        self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1, on_fatal=self._fatal)
+        self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
+                               on_fatal=self._fatal, step_delay_s=_test_step_delay())
         outcomes = [self._adopt(r) for r in msg.requests]
         ring_path = msg.ring_path or self.welcome.ring_path
         ring_error = ""
