@@ -20,7 +20,7 @@ help: ## list targets
 # ---------------------------------------------------------------- setup
 $(VENV)/.stamp: vllmpatch/requirements.lock vllmpatch/pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --disable-pip-version-check -r vllmpatch/requirements.lock
+	$(VPY) -m pip install -q --disable-pip-version-check --no-deps -r vllmpatch/requirements.lock
 	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e vllmpatch
 	touch $@
 
@@ -84,10 +84,15 @@ fmt-check:
 vet:
 	$(GO) vet ./...
 
+# FRMPS_PYTHON: the ring's cross-language tests run a real Python writer.
+GO_TEST_ENV := FRMPS_PYTHON=$(CURDIR)/$(VPY) PYTHONPATH=$(CURDIR)/vllmpatch/src
+
 .PHONY: go-test
-go-test: ## Go tests with the race detector (+ brief fuzzing)
-	$(GO) test -race -count=1 -timeout 15m ./...
+go-test: $(VENV)/.stamp ## Go tests with the race detector, the full writer-crash test, brief fuzzing
+	$(GO_TEST_ENV) $(GO) test -race -count=1 -timeout 15m ./...
+	$(GO_TEST_ENV) $(GO) test -count=1 -run Crash ./ringbuf
 	$(GO) test -run '^$$' -fuzz FuzzReader -fuzztime 15s ./ringbuf
+	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 10s ./supervisor/control
 
 .PHONY: c-test
 c-test: c-build ## interceptor unit tests against the fake libcuda
@@ -107,9 +112,25 @@ test-notorch: ## Go tests and the torch-free Python tests, without installing to
 
 # ---------------------------------------------------------------- run
 .PHONY: demo
-demo: $(VENV)/.stamp build ## set up and run the main job
+demo: $(VENV)/.stamp build ## set up and run the main job: frmps serve on the CPU, a stream across a real failover
 	$(BIN)/frmps version
+	$(VPY) bench/demo.py --frmps $(BIN)/frmps
+
+.PHONY: serve
+serve: $(VENV)/.stamp build ## run frmps serve on the CPU (tiny model) until Ctrl-C
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(BIN)/frmps serve --no-mps --python $(CURDIR)/$(VPY)
+
+.PHONY: ring-bench
+ring-bench: $(VENV)/.stamp ## ring publish/consume costs
 	$(VPY) -m frmps_engine.ring.bench
+
+.PHONY: frontdoor-bench
+frontdoor-bench: ## front-door overhead per streamed chunk (fake engine)
+	$(GO) run ./bench/frontdoor -split
+
+.PHONY: engine-speed
+engine-speed: $(VENV)/.stamp ## reference engine decode speed (GPU; --device cpu --model tiny for a smoke run)
+	$(VPY) bench/engine_speed.py
 
 .PHONY: clean
 clean:

@@ -53,7 +53,10 @@ func newFrontDoor(o serveOptions, sup *supervisor.Supervisor, log hclog.Logger, 
 		return nil, err
 	}
 	gath, _ := reg.(prometheus.Gatherer)
-	srv, err := openai.New(openai.Config{APIKey: key, Gatherer: gath, Version: buildinfo.Get().Version, OnResumedToken: sup.NoteResumedToken}, backend{sup}, log, reg)
+	srv, err := openai.New(openai.Config{
+		APIKey: key, Gatherer: gath, Version: buildinfo.Get().Version, OnResumedToken: sup.NoteResumedToken,
+		MaxConcurrent: o.MaxConcurrent, MaxQueue: o.MaxQueue, MaxBodyBytes: o.MaxBodyBytes,
+	}, backend{sup}, log, reg)
 	if err != nil {
 		return nil, fmt.Errorf("OpenAI front door: %w", err)
 	}

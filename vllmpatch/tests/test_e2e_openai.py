@@ -1,0 +1,171 @@
+"""The OpenAI endpoint of a real `frmps serve` (Go supervisor + reference
+engine on the CPU), driven by the official `openai` client and by curl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+
+import pytest
+
+from e2e import Killer, deployment, http_json
+
+openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
+
+API_KEY = "sk-test-frmps"
+MAX_CONCURRENT = 2
+
+
+@pytest.fixture(scope="module")
+def dep():
+    with deployment(sync_every=4, env={"FRMPS_API_KEY": API_KEY, "FRMPS_TEST_STEP_DELAY_MS": "4"},
+                    extra_args=[f"--max-concurrent={MAX_CONCURRENT}", "--max-queue=-1",
+                                "--max-model-len=512", "--max-restarts=1000"]) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def client(dep):
+    return openai.OpenAI(base_url=f"{dep.base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_models(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny"]
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                       max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    c = r.choices[0]
+    assert c.message.role == "assistant" and isinstance(c.message.content, str)
+    assert c.finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_chat_streaming_with_usage_matches_non_streaming(client):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "tell me"}], max_tokens=20, seed=3,
+              temperature=0.8, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert {c.id for c in chunks} == {chunks[0].id}
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_completions_streaming_without_usage(client):
+    chunks = list(client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert all(c.usage is None for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    full = client.completions.create(model="tiny", prompt="abc", max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert full.object == "text_completion" and full.usage.completion_tokens == 10
+
+
+def test_stream_across_sigkill_equals_no_fault_run(dep, client):
+    kw = dict(model="tiny", prompt="The standby takes over", max_tokens=150, temperature=0.7, seed=11,
+              stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+
+    def consume(on_token=None):
+        text, usage, ids, n = [], None, set(), 0
+        for c in client.completions.create(**kw):
+            ids.add(c.id)
+            if c.choices:
+                text.append(c.choices[0].text)
+                n += 1
+                if on_token:
+                    on_token(n)
+            if c.usage:
+                usage = c.usage
+        return "".join(text), usage.completion_tokens, ids
+
+    ref_text, ref_n, _ = consume()
+    killer = Killer(dep, after=30)
+    text, n, ids = consume(killer.on_token)
+    assert killer.fired.is_set()
+    assert len(ids) == 1
+    assert text == ref_text and n == ref_n == 150
+    dep.wait_state("serving_ready")
+
+
+def test_errors(dep, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["code"] == "model_not_found" or "gpt-4" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x" * 2000, max_tokens=4)   # > --max-model-len 512
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", n=2)
+    bad = openai.OpenAI(base_url=f"{dep.base}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    code, _, body = http_json("POST", f"{dep.base}/v1/completions", None, headers=auth)
+    assert code == 400 and body["error"]["type"] == "invalid_request_error"
+    code, _, body = http_json("POST", f"{dep.base}/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "x"}]}, headers=auth)
+    assert code == 400 and "model" in body["error"]["message"]
+
+
+def test_bad_json(dep):
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(f"{dep.base}/v1/completions", data=b'{"model": "tiny", "prompt": ',
+                                 headers={"authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+    assert json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+
+
+def test_queue_full_is_429(dep, client):
+    started = threading.Barrier(MAX_CONCURRENT + 1)
+    results = []
+
+    def hold():
+        stream = client.completions.create(model="tiny", prompt="hold", max_tokens=400, stream=True,
+                                           extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it)
+        started.wait()
+        results.append(sum(1 for _ in it))
+
+    threads = [threading.Thread(target=hold) for _ in range(MAX_CONCURRENT)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    try:
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="tiny", prompt="one too many", max_tokens=2)
+        assert e.value.response.headers.get("retry-after")
+    finally:
+        for t in threads:
+            t.join(timeout=120)
+    assert len(results) == MAX_CONCURRENT
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streaming_and_request_id(dep):
+    out = subprocess.run(
+        ["curl", "-sS", "-N", "-D", "-", f"{dep.base}/v1/chat/completions",
+         "-H", f"Authorization: Bearer {API_KEY}", "-H", "Content-Type: application/json",
+         "-H", "x-request-id: curl-test-1",
+         "-d", json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 5, "stream": True, "ignore_eos": True})],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    head, _, body = out.partition("\n\n")  # text mode turned CRLF into LF
+    assert "x-request-id: curl-test-1" in head.lower(), out
+    assert "text/event-stream" in head
+    events = [ln[6:] for ln in body.splitlines() if ln.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", out
+    first = json.loads(events[0])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
