@@ -29,7 +29,11 @@ def _skip_reason() -> str | None:
         return f"vLLM adapter tests need vllm=={REQUIRED} importable: import vllm failed: {exc!r}"
     from importlib import metadata
 
-    found = metadata.version("vllm")
+    try:
+        found = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        # `import vllm` found only this test folder (a namespace package)
+        return f"vLLM adapter tests need vllm=={REQUIRED} installed; it is not"
     if found.split("+", 1)[0] != REQUIRED:
         return f"vLLM adapter tests need vllm=={REQUIRED}, found {found}"
     return None
