@@ -29,7 +29,7 @@ venv: $(VENV)/.stamp ## Python virtualenv with pinned deps (torch CPU-usable bui
 
 .PHONY: lock
 lock: ## re-pin the Python lock from the current virtualenv
-	$(VPY) -m pip freeze --exclude-editable | grep -v '^-e' > vllmpatch/requirements.lock.new
+	$(VPY) -m pip freeze --all --exclude-editable | grep -v -e "^-e" -e "^pip==" > vllmpatch/requirements.lock.new
 	mv vllmpatch/requirements.lock.new vllmpatch/requirements.lock
 
 # ---------------------------------------------------------------- build
