@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,12 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
     req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read() or b"{}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_ready(base: str, admin: str, proc: subprocess.Popen, timeout: float) -> dict:
@@ -84,11 +91,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--frmps", default=os.environ.get("FRMPS_BIN", "bin/frmps"))
     ap.add_argument("--python", default=sys.executable)
-    ap.add_argument("--port", type=int, default=18000)
-    ap.add_argument("--admin-port", type=int, default=18001)
+    ap.add_argument("--port", type=int, default=0, help="OpenAI endpoint port (0: a free one)")
+    ap.add_argument("--admin-port", type=int, default=0, help="admin API port (0: a free one)")
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--kill-after", type=int, default=40, help="kill the active after this many streamed tokens")
     args = ap.parse_args()
+    args.port = args.port or free_port()
+    args.admin_port = args.admin_port or free_port()
 
     base = f"http://127.0.0.1:{args.port}"
     admin = f"http://127.0.0.1:{args.admin_port}"
