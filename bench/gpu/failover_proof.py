@@ -388,6 +388,7 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/frmps-proof")
     ap.add_argument("--out", default="failover_proof.json")
     ap.add_argument("--cpu", action="store_true", help="CPU check of this script: --no-mps, SIGKILL as the fault")
+    ap.add_argument("--stop-on-error", action="store_true", help="stop after the first fault whose failover failed")
     ap.add_argument("--time-budget", type=float, default=0, help="skip remaining faults after this many seconds")
     args = ap.parse_args()
     if args.cpu:
@@ -442,8 +443,17 @@ def main() -> int:
             dep.stop()
             save()
         print(summary_line(entry), flush=True)
+        if args.stop_on_error and not entry_ok(entry):
+            report["stopped"] = f"stopped after {spec} failed (--stop-on-error)"
+            break
     save()
     return 0
+
+
+def entry_ok(e: dict) -> bool:
+    phases = [e.get("first"), e.get("second")]
+    return not e.get("error") and all(p is None or ((p.get("record") or {}).get("ok") and
+                                                    (p.get("exact") or {}).get("errors", 0) == 0) for p in phases)
 
 
 def summary_line(e: dict) -> str:
