@@ -198,7 +198,18 @@ class Deployment:
         return (act is not None and get(act, "state") == "serving" and sb is not None and get(sb, "state") == "ready"
                 and get(sb, "pid") != exclude_standby_pid)
 
+    def save_mps_logs(self) -> None:
+        """The MPS daemon's logs live in the run dir, which frmps removes at exit: keep copies."""
+        src = os.path.join(self.run_dir, "mps", "log")
+        for name in ("control.log", "server.log"):
+            try:
+                with open(os.path.join(src, name), "rb") as f, open(os.path.join(self.log_dir, "mps-" + name), "wb") as g:
+                    g.write(f.read())
+            except OSError:
+                pass
+
     def stop(self) -> None:
+        self.save_mps_logs()
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)
@@ -269,14 +280,18 @@ def grep_log(path: str | None, rx: re.Pattern) -> list[str] | None:
     return None
 
 
-def failover_phase(dep: Deployment, args, ref: list[dict], how: str, inject) -> dict:
-    """Stream a batch, fault while it streams, wait for takeover + re-armed standby."""
+def failover_phase(dep: Deployment, args, ref: list[dict], how: str, inject, res: dict) -> dict:
+    """Stream a batch, fault while it streams, wait for takeover + re-armed standby.
+    Fills res as it goes, so a failure still shows what happened."""
     st0 = dep.status()
     n0 = len(get(st0, "failovers", default=[]) or [])
     e0 = dep.engines(st0)
     old_active, old_standby = e0["active"], e0["standby"]
     streams, inj = run_batch(dep, args, inject=lambda: inject(dep, old_active))
-    res = {"fault": how, "inject": inj}
+    res.update({"fault": how, "inject": inj})
+    res["outputs"] = [s.result() for s in streams]
+    res["exact"] = compare(ref, res["outputs"]) if ref else None
+    dep.save_mps_logs()
 
     def done(st):
         recs = get(st, "failovers", default=[]) or []
@@ -293,7 +308,6 @@ def failover_phase(dep: Deployment, args, ref: list[dict], how: str, inject) -> 
     e1 = dep.engines(st)
     new_standby = e1["standby"]
     res["rearm_s_from_detect"] = round(t_rearmed - detect, 4) if detect else None
-    after = [now() + 0.0]
     t_first = min((t for s in streams for t, _ in s.chunks if t > detect), default=None) if detect else None
     res["detect_to_first_token_s"] = round(t_first - detect, 4) if t_first else None
     if inj.get("t_fault"):
@@ -314,15 +328,12 @@ def failover_phase(dep: Deployment, args, ref: list[dict], how: str, inject) -> 
         res["rearmed_standby"] = {"map_ms": float(sl[0]), "ready_ms_after_start": int(sl[1]),
                                   "init_ms": int(init[0]) if init else None}
     res["old_active_death"] = get(e1.get("active") or {}, "last_death_cause")
-    res["outputs"] = [s.result() for s in streams]
-    res["exact"] = compare(ref, res["outputs"]) if ref else None
     if not args.cpu:
         smi = nvidia_smi()
         pid = int(get(new_standby, "pid", default=0) or 0)
         res["gpu_after_rearm"] = {"gpu_used_mib": smi.get("gpu_used_mib"),
                                   "standby_used_mib": (smi.get("apps", {}).get(pid) or {}).get("used_mib"),
                                   "apps": smi.get("apps")}
-    del after
     return res
 
 
@@ -434,9 +445,11 @@ def main() -> int:
                 s2, _ = run_batch(dep, args)
                 ref = [s.result() for s in s1]
                 report["baseline"] = {"outputs": ref, "repeat_exact": compare(ref, [s.result() for s in s2])}
-            entry["first"] = failover_phase(dep, args, ref, spec, mps_trigger(args, spec))
+            entry["first"] = {}
+            failover_phase(dep, args, ref, spec, mps_trigger(args, spec), entry["first"])
             if not args.no_second:
-                entry["second"] = failover_phase(dep, args, ref, "second", second_fault(args))
+                entry["second"] = {}
+                failover_phase(dep, args, ref, "second", second_fault(args), entry["second"])
         except Exception as ex:  # keep going: one broken fault must not hide the others
             entry["error"] = f"{type(ex).__name__}: {ex}"
         finally:

@@ -277,6 +277,12 @@ class EngineCore:
         self._retire(req, finished=False, aborted=True)
         return True
 
+    def check_device(self) -> None:
+        """Raise the device's sticky error, if any (a cheap synchronise; the engine loop
+        calls it while idle). No-op on the CPU."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._pending)
 

@@ -316,7 +316,8 @@ class EngineLoop:
                 if self._since_sync:
                     # Going idle: publish what finished so the supervisor's snapshot is current.
                     self._sync()
-                self._wake.wait(0.5)
+                if not self._wake.wait(0.5):
+                    self._probe_device()
                 self._wake.clear()
         except BaseException as e:
             self.dead = e
@@ -326,6 +327,14 @@ class EngineLoop:
                 self._on_fatal(e)
             else:
                 log.exception("engine loop died")
+
+    def _probe_device(self) -> None:
+        """Idle: ask the device for a sticky error. Under MPS another client's fault
+        kills this context too, and an idle engine would otherwise learn of it only
+        at its next request, leaving the supervisor without a standby takeover until then."""
+        probe = getattr(self.core, "check_device", None)
+        if probe is not None:
+            probe()
 
     def _dispatch(self, outs) -> None:
         n = 0
