@@ -147,6 +147,8 @@ class Deployment:
         os.makedirs(self.log_dir, exist_ok=True)
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(self.log_dir, "frmps.log")
+        self.token_dir = os.path.join(workdir, f"tokens-{name}")
+        os.makedirs(self.token_dir, exist_ok=True)
 
     def start(self) -> None:
         a = self.args
@@ -163,6 +165,7 @@ class Deployment:
         src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src"))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["FRMPS_DEBUG_FAULT_SIGNAL"] = "1"
+        env["FRMPS_DEBUG_TOKEN_LOG"] = self.token_dir
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -197,6 +200,17 @@ class Deployment:
         act, sb = e.get("active"), e.get("standby")
         return (act is not None and get(act, "state") == "serving" and sb is not None and get(sb, "state") == "ready"
                 and get(sb, "pid") != exclude_standby_pid)
+
+    def tokens_since(self, t0: float) -> dict:
+        """prompt ids (tuple) -> output ids of the requests that finished after t0 (engine token logs)."""
+        out = {}
+        for name in sorted(os.listdir(self.token_dir)):
+            with open(os.path.join(self.token_dir, name)) as f:
+                for line in f:
+                    rec = json.loads(line)
+                    if rec["t"] >= t0 and rec.get("prompt") is not None:
+                        out[tuple(rec["prompt"])] = rec["output"]
+        return out
 
     def save_mps_logs(self) -> None:
         """The MPS daemon's logs live in the run dir, which frmps removes at exit: keep copies."""
@@ -234,8 +248,12 @@ def requests_for(args) -> list[tuple[str, str, dict]]:
     return out
 
 
-def run_batch(dep: Deployment, args, inject=None) -> tuple[list[Stream], dict]:
+def run_batch(dep: Deployment, args, inject=None, prepare=None) -> tuple[list[Stream], dict, dict]:
+    """Returns the streams, what inject() reported, and the engines' token ids per prompt."""
     streams = [Stream(dep.base, args.model, k, p, prm) for k, p, prm in requests_for(args)]
+    if prepare is not None:
+        prepare()
+    t0 = now()
     for s in streams:
         s.start()
     info: dict = {}
@@ -246,7 +264,8 @@ def run_batch(dep: Deployment, args, inject=None) -> tuple[list[Stream], dict]:
         info = inject()
     for s in streams:
         s.join(600)
-    return streams, info
+    time.sleep(0.05)
+    return streams, info, dep.tokens_since(t0)
 
 
 def compare(ref: list[dict], got: list[dict]) -> dict:
@@ -261,6 +280,20 @@ def compare(ref: list[dict], got: list[dict]) -> dict:
             out["first_diff"].append({"char": n, "ref_len": len(r["text"]), "got_len": len(g["text"])})
         if r["completion_tokens"] == g["completion_tokens"]:
             out["tokens_equal"] += 1
+    return out
+
+
+def compare_ids(ref: dict, got: dict) -> dict:
+    """Token ids per prompt against the no-fault run: equal requests, and for the others the first differing index."""
+    out = {"requests": len(ref), "ids_equal": 0, "missing": 0, "first_diff_index": []}
+    for prompt, r in ref.items():
+        g = got.get(prompt)
+        if g is None:
+            out["missing"] += 1
+        elif g == r:
+            out["ids_equal"] += 1
+        else:
+            out["first_diff_index"].append(next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), min(len(r), len(g))))
     return out
 
 
@@ -280,17 +313,19 @@ def grep_log(path: str | None, rx: re.Pattern) -> list[str] | None:
     return None
 
 
-def failover_phase(dep: Deployment, args, ref: list[dict], how: str, inject, res: dict) -> dict:
+def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: str, trig, res: dict) -> dict:
     """Stream a batch, fault while it streams, wait for takeover + re-armed standby.
     Fills res as it goes, so a failure still shows what happened."""
     st0 = dep.status()
     n0 = len(get(st0, "failovers", default=[]) or [])
     e0 = dep.engines(st0)
     old_active, old_standby = e0["active"], e0["standby"]
-    streams, inj = run_batch(dep, args, inject=lambda: inject(dep, old_active))
+    prepare, inject = trig(dep, old_active)
+    streams, inj, ids = run_batch(dep, args, inject=inject, prepare=prepare)
     res.update({"fault": how, "inject": inj})
     res["outputs"] = [s.result() for s in streams]
     res["exact"] = compare(ref, res["outputs"]) if ref else None
+    res["exact_ids"] = compare_ids(ref_ids, ids) if ref_ids else None
     dep.save_mps_logs()
 
     def done(st):
@@ -340,43 +375,67 @@ def failover_phase(dep: Deployment, args, ref: list[dict], how: str, inject, res
 def mps_trigger(args, spec: str):
     prog, _, variant = spec.partition(":")
 
-    def inject(dep: Deployment, active: dict) -> dict:
-        if args.cpu:
-            t = now()
-            os.kill(int(get(active, "pid")), signal.SIGKILL)
-            return {"how": "SIGKILL (cpu check)", "t_fault": t}
-        env = dict(os.environ)
-        env["CUDA_MPS_PIPE_DIRECTORY"] = os.path.join(dep.run_dir, "mps", "pipe")
-        env["CUDA_MPS_LOG_DIRECTORY"] = os.path.join(dep.run_dir, "mps", "log")
-        p = subprocess.Popen([os.path.join(args.faults_dir, prog)] + ([variant] if variant else []), env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        t_fault = None
-        err = []
-        for line in p.stderr:
-            err.append(line.strip())
-            if "triggering" in line:
-                t_fault = now()
-                break
-        out, rest = p.communicate(timeout=60)
-        err += rest.strip().splitlines()
-        return {"how": f"MPS client {spec}", "t_fault": t_fault or now(), "trigger_rc": p.returncode,
-                "trigger_out": out.strip(), "trigger_err": err[-3:]}
+    def make(dep: Deployment, active: dict):
+        st: dict = {"err": []}
 
-    return inject
+        def prepare() -> None:
+            """Start the trigger as an MPS client before the requests: it joins MPS, says
+            "ready" and waits on stdin, so the fault lands mid-stream."""
+            if args.cpu:
+                return
+            env = dict(os.environ)
+            env["CUDA_MPS_PIPE_DIRECTORY"] = os.path.join(dep.run_dir, "mps", "pipe")
+            env["CUDA_MPS_LOG_DIRECTORY"] = os.path.join(dep.run_dir, "mps", "log")
+            p = subprocess.Popen([os.path.join(args.faults_dir, prog), variant or "", "-1"], env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            st["p"] = p
+            t0 = now()
+            for line in p.stderr:
+                st["err"].append(line.strip())
+                if "ready" in line:
+                    break
+            st["join_s"] = round(now() - t0, 3)
+
+        def inject() -> dict:
+            if args.cpu:
+                t = now()
+                os.kill(int(get(active, "pid")), signal.SIGKILL)
+                return {"how": "SIGKILL (cpu check)", "t_fault": t}
+            p = st["p"]
+            t_gate = now()
+            p.stdin.write("x")
+            p.stdin.close()
+            t_fault = None
+            for line in p.stderr:
+                st["err"].append(line.strip())
+                if "triggering" in line:
+                    t_fault = now()
+                    break
+            out, rest = p.communicate(timeout=60)
+            st["err"] += rest.strip().splitlines()
+            return {"how": f"MPS client {spec}", "t_fault": t_fault or t_gate, "trigger_join_s": st.get("join_s"),
+                    "trigger_rc": p.returncode, "trigger_out": out.strip(), "trigger_err": st["err"][-3:]}
+
+        return prepare, inject
+
+    return make
 
 
 def second_fault(args):
-    def inject(dep: Deployment, active: dict) -> dict:
-        pid = int(get(active, "pid"))
-        t = now()
-        if args.cpu:
-            os.kill(pid, signal.SIGKILL)
-            return {"how": "SIGKILL (cpu check)", "t_fault": t}
-        os.kill(pid, signal.SIGUSR1)
-        return {"how": "illegal address in the promoted active's own context (debug hook, SIGUSR1)",
-                "t_signal": t}
+    def make(dep: Deployment, active: dict):
+        def inject() -> dict:
+            pid = int(get(active, "pid"))
+            t = now()
+            if args.cpu:
+                os.kill(pid, signal.SIGKILL)
+                return {"how": "SIGKILL (cpu check)", "t_fault": t}
+            os.kill(pid, signal.SIGUSR1)
+            return {"how": "illegal address in the promoted active's own context (debug hook, SIGUSR1)",
+                    "t_signal": t}
 
-    return inject
+        return None, inject
+
+    return make
 
 
 def main() -> int:
@@ -410,6 +469,7 @@ def main() -> int:
                     "requests": args.requests, "max_tokens": args.max_tokens, "mode": "cpu-check" if args.cpu else "gpu",
                     "faults": []}
     ref: list[dict] | None = None
+    ref_ids: dict = {}
 
     def save():
         report["elapsed_s"] = round(now() - t_begin, 1)
@@ -441,15 +501,21 @@ def main() -> int:
                                          "standby_used_mib": (smi.get("apps", {}).get(pid) or {}).get("used_mib"),
                                          "apps": smi.get("apps")}
             if ref is None:
-                s1, _ = run_batch(dep, args)
-                s2, _ = run_batch(dep, args)
-                ref = [s.result() for s in s1]
-                report["baseline"] = {"outputs": ref, "repeat_exact": compare(ref, [s.result() for s in s2])}
+                s1, _, ids1 = run_batch(dep, args)
+                s2, _, ids2 = run_batch(dep, args)
+                ref, ref_ids = [s.result() for s in s1], ids1
+                report["baseline"] = {"outputs": ref, "repeat_exact": compare(ref, [s.result() for s in s2]),
+                                      "repeat_exact_ids": compare_ids(ids1, ids2),
+                                      "token_ids": [[list(k[:8]), v[:16]] for k, v in ids1.items()]}
+            else:
+                # Same requests on a fresh deployment, no fault: run-to-run determinism.
+                _, _, ids0 = run_batch(dep, args)
+                entry["nofault_exact_ids"] = compare_ids(ref_ids, ids0)
             entry["first"] = {}
-            failover_phase(dep, args, ref, spec, mps_trigger(args, spec), entry["first"])
+            failover_phase(dep, args, ref, ref_ids, spec, mps_trigger(args, spec), entry["first"])
             if not args.no_second:
                 entry["second"] = {}
-                failover_phase(dep, args, ref, "second", second_fault(args), entry["second"])
+                failover_phase(dep, args, ref, ref_ids, "second", second_fault(args), entry["second"])
         except Exception as ex:  # keep going: one broken fault must not hide the others
             entry["error"] = f"{type(ex).__name__}: {ex}"
         finally:
@@ -475,16 +541,20 @@ def summary_line(e: dict) -> str:
             return "-"
         r = p.get("record") or {}
         ex = p.get("exact") or {}
+        xi = p.get("exact_ids") or {}
         tk = p.get("takeover_log") or {}
         ra = p.get("rearmed_standby") or {}
         return (f"cause={r.get('cause')} ok={r.get('ok')} resumed={r.get('resumed_requests')} "
                 f"detect->ack={r.get('duration_seconds')} detect->tok={p.get('detect_to_first_token_s')} "
                 f"fault->detect={p.get('fault_to_detect_s')} kvw={tk.get('kv_writable_ms')}ms resume={tk.get('resume_ms')}ms "
                 f"rearm={p.get('rearm_s_from_detect')}s map={ra.get('map_ms')}ms "
-                f"exact={ex.get('text_equal')}/{ex.get('requests')} tok_eq={ex.get('tokens_equal')} err={ex.get('errors')}")
+                f"text_eq={ex.get('text_equal')}/{ex.get('requests')} ids_eq={xi.get('ids_equal')}/{xi.get('requests')} "
+                f"diff_at={xi.get('first_diff_index')} err={ex.get('errors')}")
     if e.get("error") or e.get("skipped"):
         return f"{e['fault']}: {e.get('error') or e.get('skipped')} | first: {one(e.get('first'))}"
-    return f"{e['fault']}: start={e.get('startup_s')}s | 1st: {one(e.get('first'))} | 2nd: {one(e.get('second'))}"
+    nf = e.get("nofault_exact_ids") or {}
+    return (f"{e['fault']}: start={e.get('startup_s')}s nofault_ids_eq={nf.get('ids_equal')}/{nf.get('requests')} | "
+            f"1st: {one(e.get('first'))} | 2nd: {one(e.get('second'))}")
 
 
 if __name__ == "__main__":

@@ -33,4 +33,4 @@ for spec in "$@"; do
     timeout $(( ${budget:-300} + 150 )) python3 bench/gpu/failover_proof.py "${args[@]}" 2>&1 | tee -a "$S"
 done
 for f in /tmp/fp/logs-*/*.log; do echo "=== $f"; grep -v '^\s*$' "$f" | tail -n 25; done > "$OUT/logs_tail.txt" 2>&1
-echo "after: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader); mps processes left: $(pgrep -c -f nvidia-cuda-mps || true)" | tee -a "$S"
+echo "after: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader); MPS processes left: $(ps -eo pid,args | grep -c "[n]vidia-cuda-mps")" | tee -a "$S"

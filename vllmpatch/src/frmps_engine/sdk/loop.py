@@ -218,6 +218,8 @@ class EngineLoop:
 
     def submit(self, key: int, prompt_ids: list[int], wire_params: Any, engine_params: Any) -> RequestStream:
         stream = RequestStream(key, len(prompt_ids), wire_params)
+        if _TOKEN_LOG:
+            stream.debug_prompt = list(prompt_ids)
         self._register(stream)
 
         def add():
@@ -234,8 +236,11 @@ class EngineLoop:
         self.counters["requests_submitted"] += 1
         return stream
 
-    def register_adopted(self, key: int, prompt_len: int, wire_params: Any, delivered: list[int]) -> RequestStream:
+    def register_adopted(self, key: int, prompt_len: int, wire_params: Any, delivered: list[int],
+                         prompt_ids: list[int] | None = None) -> RequestStream:
         stream = RequestStream(key, prompt_len, wire_params, output=delivered)
+        if _TOKEN_LOG and prompt_ids is not None:
+            stream.debug_prompt = list(prompt_ids)
         self._register(stream)
         return stream
 
@@ -344,6 +349,8 @@ class EngineLoop:
                 continue
             s._append(o.output_index, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason)
             n += len(o.new_token_ids)
+            if o.finished and _TOKEN_LOG:
+                _log_tokens(s)
         self.counters["tokens_streamed"] += n
 
     def _prune(self, now: float) -> None:
@@ -351,6 +358,25 @@ class EngineLoop:
             old = [k for k, s in self._streams.items() if s.finished and now - s.finished_at > self._retain]
             for k in old:
                 del self._streams[k]
+
+
+# Test hook (bench/gpu/failover_proof.py): with FRMPS_DEBUG_TOKEN_LOG=<dir>, every
+# finished request's prompt and output token ids are appended, one JSON line per
+# request, to <dir>/tokens-<pid>.jsonl, so a harness can compare token ids across
+# a failover (the OpenAI stream carries text only).
+_TOKEN_LOG = os.environ.get("FRMPS_DEBUG_TOKEN_LOG", "")
+
+
+def _log_tokens(s: RequestStream) -> None:
+    import json
+
+    rec = {"t": time.time(), "key": s.key, "prompt": getattr(s, "debug_prompt", None), "output": list(s.output),
+           "finish_reason": s.finish_reason, "pid": os.getpid()}
+    try:
+        with open(os.path.join(_TOKEN_LOG, f"tokens-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError as e:
+        log.warning("token log: %s", e)
 
 
 def is_device_error(e: BaseException) -> bool:

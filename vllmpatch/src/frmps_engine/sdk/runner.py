@@ -260,7 +260,7 @@ class Runner:
             else:
                 self.core.add_request(r.key, ids, self.adapter.sampling_params(params, params.seed))
                 reused, prefilled = 0, len(ids)
-            self.loop.register_adopted(r.key, len(ids), params, delivered)
+            self.loop.register_adopted(r.key, len(ids), params, delivered, prompt_ids=ids)
             return control_pb2.ResumeOutcome(key=r.key, ok=True, reused_tokens=reused, prefilled_tokens=prefilled)
         except Exception as e:
             if is_device_error(e):
