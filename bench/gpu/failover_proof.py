@@ -404,7 +404,7 @@ def mps_trigger(args, spec: str):
             p = st["p"]
             t_gate = now()
             p.stdin.write("x")
-            p.stdin.close()
+            p.stdin.flush()
             t_fault = None
             for line in p.stderr:
                 st["err"].append(line.strip())
