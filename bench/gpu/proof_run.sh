@@ -27,7 +27,7 @@ cat "$S"
 for spec in "$@"; do
     IFS='|' read -r model faults budget maxtok <<< "$spec"
     args=(--frmps bin/frmps --model "$model" --workdir /tmp/fp --out "$OUT/proof-$model.json"
-          --time-budget "${budget:-300}" --max-tokens "${maxtok:-768}" --inject-after 32 --stop-on-error)
+          --time-budget "${budget:-300}" --max-tokens "${maxtok:-768}" --inject-after 100000 --inject-delay "${INJECT_DELAY:-0.5}" --stop-on-error)
     [ -n "$faults" ] && args+=(--faults "$faults")
     echo "== $model" | tee -a "$S"
     timeout $(( ${budget:-300} + 150 )) python3 bench/gpu/failover_proof.py "${args[@]}" 2>&1 | tee -a "$S"

@@ -27,6 +27,21 @@ def _build():
     return _store_far
 
 
+def prepare(device: str) -> None:
+    """Compile the kernel now (a harmless store into a fresh tensor), so the fault
+    itself later costs no compile time."""
+    global _kernel
+    import torch
+
+    if not str(device).startswith("cuda"):
+        return
+    if _kernel is None:
+        _kernel = _build()
+    x = torch.zeros(1, device=device)
+    _kernel[(1,)](x, 0)
+    torch.cuda.synchronize()
+
+
 def illegal_address(device: str) -> None:
     """Fault the current CUDA context; raises the CUDA error torch reports."""
     global _kernel

@@ -130,6 +130,7 @@ class Runner:
     def _start_active(self) -> None:
         pools = self.memory.allocate(self.specs)
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
+        self._prepare_debug_fault()
         self.client.export_pools(self._pb_pools(), [p.fd for p in pools])
         self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal)
         if self.welcome.ring_path:
@@ -148,6 +149,7 @@ class Runner:
             log.warning("ring warm-up failed: %s", e)
         reserved = self.memory.reserve(self.specs)
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
+        self._prepare_debug_fault()
         self.client.start(self)
         log.info("standby built (init %.0f ms), waiting for Sleep", (time.perf_counter_ns() - self._t0) / 1e6)
 
@@ -267,6 +269,12 @@ class Runner:
                 self._fatal(e)
             log.warning("takeover of request %d failed: %s", r.key, e)
             return control_pb2.ResumeOutcome(key=r.key, ok=False, error=str(e))
+
+    def _prepare_debug_fault(self) -> None:
+        from . import debug_fault
+
+        if os.environ.get(debug_fault.ENV) == "1":
+            debug_fault.prepare(self.adapter.device)
 
     def inject_fault(self) -> None:
         """Test hook (debug_fault): fault this engine's GPU context from its loop thread."""
