@@ -326,8 +326,13 @@ class EngineLoop:
                 self._wake.clear()
         except BaseException as e:
             self.dead = e
-            for s in list(self._streams.values()):
-                s.fail(f"engine failed: {e}")
+            if not (self._is_fatal(e) and self._on_fatal is not None):
+                for s in list(self._streams.values()):
+                    s.fail(f"engine failed: {e}")
+            # A device error: leave the streams open. on_fatal reports the fault and
+            # exits the process, so clients see the connection drop (UNAVAILABLE) and
+            # the front door resumes them on the standby; failing them here would end
+            # them with an error instead and take them out of the resume set.
             if self._on_fatal is not None:
                 self._on_fatal(e)
             else:
