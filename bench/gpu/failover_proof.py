@@ -302,6 +302,7 @@ def compare_ids(ref: dict, got: dict) -> dict:
 
 
 LOG_TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused tokens, (\d+) to prefill; KV writable in ([\d.]+) ms\)")
+LOG_FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
 LOG_SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after start\)")
 LOG_INIT = re.compile(r"standby built \(init (\d+) ms\)")
 
@@ -357,6 +358,15 @@ def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: s
         ts = [t for t, _ in s.chunks]
         gaps.append(max((b - a for a, b in zip(ts, ts[1:])), default=0.0))
     res["max_stream_gap_s"] = round(max(gaps, default=0.0), 4)
+    firsts = []
+    path = get(old_standby, "log_path")
+    if path and os.path.exists(path):
+        with open(path, errors="replace") as f:
+            firsts = [float(m.group(1)) for m in map(LOG_FIRST.search, f) if m]
+    if firsts and detect:
+        # Engine side: when the promoted engine handed each adopted request its first new token.
+        res["detect_to_first_resumed_token_s"] = round(min(firsts) - detect, 4)
+        res["detect_to_all_resumed_s"] = round(max(firsts) - detect, 4)
     tk = grep_log(get(old_standby, "log_path"), LOG_TAKEOVER)
     if tk:
         res["takeover_log"] = {"requests": int(tk[0]), "resume_ms": float(tk[1]), "reused_tokens": int(tk[2]),
@@ -553,7 +563,7 @@ def summary_line(e: dict) -> str:
         tk = p.get("takeover_log") or {}
         ra = p.get("rearmed_standby") or {}
         return (f"alive={(p.get('inject') or {}).get('streams_alive_at_inject')} cause={r.get('cause')} ok={r.get('ok')} resumed={r.get('resumed_requests')} "
-                f"detect->ack={r.get('duration_seconds')} detect->tok={p.get('detect_to_first_token_s')} "
+                f"detect->ack={r.get('duration_seconds')} detect->tok={p.get('detect_to_first_resumed_token_s')}/{p.get('detect_to_all_resumed_s')} "
                 f"fault->detect={p.get('fault_to_detect_s')} kvw={tk.get('kv_writable_ms')}ms resume={tk.get('resume_ms')}ms "
                 f"rearm={p.get('rearm_s_from_detect')}s map={ra.get('map_ms')}ms "
                 f"text_eq={ex.get('text_equal')}/{ex.get('requests')} ids_eq={xi.get('ids_equal')}/{xi.get('requests')} "

@@ -40,6 +40,7 @@ class RequestStream:
         self.prompt_len = prompt_len
         self.params = params  # normalised control_pb2.SamplingParams
         self.output: list[int] = list(output or [])
+        self.await_first_resumed = False  # adopted at a takeover: log when its first new token goes out
         self.finished = False
         self.finish_reason: str | None = None
         self.stop_reason: str = ""
@@ -239,6 +240,7 @@ class EngineLoop:
     def register_adopted(self, key: int, prompt_len: int, wire_params: Any, delivered: list[int],
                          prompt_ids: list[int] | None = None) -> RequestStream:
         stream = RequestStream(key, prompt_len, wire_params, output=delivered)
+        stream.await_first_resumed = True
         if _TOKEN_LOG and prompt_ids is not None:
             stream.debug_prompt = list(prompt_ids)
         self._register(stream)
@@ -354,6 +356,10 @@ class EngineLoop:
                 continue
             s._append(o.output_index, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason)
             n += len(o.new_token_ids)
+            if s.await_first_resumed and o.new_token_ids:
+                # Once per adopted request: the takeover's client-visible latency ends here.
+                s.await_first_resumed = False
+                log.info("first resumed token: key=%d index=%d at %.6f", o.key, o.output_index, time.time())
             if o.finished and _TOKEN_LOG:
                 _log_tokens(s)
         self.counters["tokens_streamed"] += n
