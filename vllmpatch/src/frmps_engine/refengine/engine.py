@@ -129,6 +129,13 @@ class EngineCore:
             g = CudaGraphDecoder(self.model, min(self.cfg.max_num_seqs, 512), graphs=self.cfg.cuda_graphs)
             g.capture()
             self._graphs = g
+        if self.model.device.type == "cuda":
+            # Load the sampler's kernels now (lazy module loading): a standby's first
+            # sampled token, right after a takeover, must not pay for it. Touches no pool.
+            logits = torch.zeros((3, self.cfg.shape.vocab_size), dtype=torch.float32, device=self.model.device)
+            sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+                            SamplingParams(temperature=0.8, top_p=0.9, top_k=50)], [1, 2, 3], [0, 0, 0])
+            torch.cuda.synchronize(self.model.device)
 
     def _static_decode(self) -> bool:
         """Decode-only steps go through the Triton kernel on static buffers (and
