@@ -7,7 +7,8 @@
 //
 // Arguments: [variant] [delay_ms]. delay_ms (default 0) sleeps after CUDA is
 // initialised and before the fault, so a harness can start it early and
-// fault while requests stream.
+// fault while requests stream; a negative delay_ms prints "pid N ready" on
+// stderr and faults when a byte (or EOF) arrives on stdin.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -35,6 +36,15 @@ static inline void fault_prepare(const char *fault, const char *variant, int arg
     int delay_ms = argc > 2 ? atoi(argv[2]) : 0;
     if (delay_ms > 0)
         usleep((useconds_t)delay_ms * 1000);
+    if (delay_ms < 0) {
+        // Gate: joined (MPS) and ready; fault when the harness writes a byte to
+        // stdin, so the fault lands at a chosen moment without the context setup.
+        char b;
+        fprintf(stderr, "pid %d ready\n", (int)getpid());
+        fflush(stderr);
+        if (read(0, &b, 1) < 0)
+            perror("read gate");
+    }
     fprintf(stderr, "pid %d triggering %s (%s)\n", (int)getpid(), fault, variant);
     fflush(stderr);
 }

@@ -28,11 +28,18 @@ def run(cfg, reqs):
 
 def test_gpu_float32_matches_cpu():
     reqs = requests(6)
-    cpu, _ = run(EngineConfig.from_preset("tiny", num_blocks=64), reqs)
+    cpu_cfg = EngineConfig.from_preset("tiny", num_blocks=64)
+    cpu_pools = EngineCore.allocate_pools(cpu_cfg)
+    cpu = EngineCore(cpu_cfg, cpu_pools, True).generate(reqs)
     for attention, graphs in (("triton", True), ("triton", False), ("torch", False)):
         cfg = EngineConfig.from_preset("tiny", device="cuda", dtype="float32", num_blocks=64, attention=attention,
                                        cuda_graphs=graphs)
-        gpu, core = run(cfg, reqs)
+        # Dummy weights come from the device's generator (Philox on CUDA, MT19937
+        # on the CPU), so the GPU engine gets the CPU engine's weights copied over.
+        pools = EngineCore.allocate_pools(cfg)
+        pools[("weights", 0)].copy_(cpu_pools[("weights", 0)])
+        core = EngineCore(cfg, pools, False)
+        gpu = core.generate(reqs)
         agree = sum(a == b for k in cpu for a, b in zip(cpu[k], gpu[k])) / sum(len(v) for v in cpu.values())
         assert agree > 0.95, (attention, graphs, agree)
         if graphs:

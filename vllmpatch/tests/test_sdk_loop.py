@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -61,7 +62,9 @@ def test_ring_cadence_and_final_state(core, tmp_path):
     assert len(s.output) == 10 and s.finish_reason == "length"
 
 
-def test_device_error_reaches_on_fatal_and_fails_streams(core):
+def test_device_error_reaches_on_fatal_and_leaves_streams_open(core):
+    # The process exits in on_fatal; its streams must end by the connection dropping
+    # (the front door then resumes them on the standby), not with an error.
     got = []
     done = threading.Event()
     loop = EngineLoop(core(FRMPS_FAKE_FAULT_AT_STEP="2"), on_fatal=lambda e: (got.append(e), done.set()))
@@ -69,8 +72,18 @@ def test_device_error_reaches_on_fatal_and_fails_streams(core):
     s = loop.submit(1, [104], control_pb2.SamplingParams(max_tokens=10), FakeParams(10, 0.0, 1))
     assert done.wait(30)
     assert is_device_error(got[0]) and device_error_cause(got[0]) == "misaligned address"
-    assert s.finished and "misaligned address" in s.error
+    assert not s.finished and s.error is None
     assert loop.dead is got[0]
+
+
+def test_device_error_without_on_fatal_fails_streams(core):
+    loop = EngineLoop(core(FRMPS_FAKE_FAULT_AT_STEP="2"))
+    loop.start()
+    s = loop.submit(1, [104], control_pb2.SamplingParams(max_tokens=10), FakeParams(10, 0.0, 1))
+    deadline = time.monotonic() + 30
+    while loop.dead is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.finished and "misaligned address" in s.error
 
 
 def test_commands_and_abort(core):

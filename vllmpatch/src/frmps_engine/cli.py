@@ -68,6 +68,9 @@ def serve(args: argparse.Namespace) -> int:
         return runner.EXIT_REFUSED
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: r.request_shutdown())
+    if os.environ.get("FRMPS_DEBUG_FAULT_SIGNAL") == "1":
+        # Test hook for failover drills of an engine outside MPS (sdk/debug_fault.py).
+        signal.signal(signal.SIGUSR1, lambda *_: r.inject_fault())
     return r.run()
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_manager import BlockError, BlockManager
-from .config import EngineConfig, pool_layout
+from .config import NULL_BLOCK, EngineConfig, pool_layout
 from .model import Batch, CudaGraphDecoder, Qwen2Model, SeqChunk
 from .sampling import SamplingParams, default_seed, sample
 from .tokenizer import TextState, Tokenizer, load_tokenizer
@@ -129,6 +129,36 @@ class EngineCore:
             g = CudaGraphDecoder(self.model, min(self.cfg.max_num_seqs, 512), graphs=self.cfg.cuda_graphs)
             g.capture()
             self._graphs = g
+        if self.model.device.type == "cuda":
+            self._warm_prefill()
+            # Load the sampler's kernels now (lazy module loading): a standby's first
+            # sampled token, right after a takeover, must not pay for it. Touches no pool.
+            logits = torch.zeros((3, self.cfg.shape.vocab_size), dtype=torch.float32, device=self.model.device)
+            sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+                            SamplingParams(temperature=0.8, top_p=0.9, top_k=50)], [1, 2, 3], [0, 0, 0])
+            torch.cuda.synchronize(self.model.device)
+
+    @torch.inference_mode()
+    def _warm_prefill(self) -> None:
+        """Run the varlen forward once, with shapes like a takeover's catch-up (a fresh
+        prompt, chunks at start_pos > 0, a decode row), so its kernels (SDPA, GEMMs at
+        small M, the mixed-batch path) are loaded before a takeover needs them. Writes
+        only the reserved null block, which padded decode rows write anyway."""
+        bs = self.cfg.block_size
+        dev = self.model.device
+        seqs: list[SeqChunk] = []
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        for start, n in ((0, bs), (bs // 2, bs // 2), (max(0, bs - 3), min(3, bs)), (bs - 1, 1)):
+            seqs.append(SeqChunk(len(ids), n, start, [NULL_BLOCK]))
+            ids += [0] * n
+            pos += list(range(start, start + n))
+            slots += [NULL_BLOCK * bs + p for p in range(start, start + n)]
+            rows.append(len(ids) - 1)
+        t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        self.model.forward(Batch(t(ids), t(pos), t(slots), seqs, t(rows)))
 
     def _static_decode(self) -> bool:
         """Decode-only steps go through the Triton kernel on static buffers (and
@@ -276,6 +306,12 @@ class EngineCore:
         self._pending = [o for o in self._pending if o.key != key]
         self._retire(req, finished=False, aborted=True)
         return True
+
+    def check_device(self) -> None:
+        """Raise the device's sticky error, if any (a cheap synchronise; the engine loop
+        calls it while idle). No-op on the CPU."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._pending)

@@ -55,7 +55,9 @@ def kv_views(cfg: EngineConfig, pool: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def init_dummy(cfg: EngineConfig, params: dict[str, torch.Tensor]) -> None:
     """Seeded random weights. Each tensor has its own generator seeded from
-    (cfg.seed, its index), so the result does not depend on load order."""
+    (cfg.seed, its index), so the result does not depend on load order. The
+    generator is the device's own (Philox on CUDA, MT19937 on the CPU): the same
+    seed gives different weights on CPU and GPU."""
     std = cfg.shape.init_std
     dev = torch.device(cfg.device)
     for i, spec in enumerate(param_specs(cfg)):

@@ -73,6 +73,7 @@ class EngineCore(Protocol):
     def request_views(self) -> Iterable[RequestView]: ...
 
     # Optional: num_running() / num_waiting() for heartbeats and Health (else the SDK counts streams).
+    # Optional: check_device() raises the device's sticky error; the loop calls it while idle.
 
 
 @runtime_checkable

@@ -40,6 +40,7 @@ class RequestStream:
         self.prompt_len = prompt_len
         self.params = params  # normalised control_pb2.SamplingParams
         self.output: list[int] = list(output or [])
+        self.await_first_resumed = False  # adopted at a takeover: log when its first new token goes out
         self.finished = False
         self.finish_reason: str | None = None
         self.stop_reason: str = ""
@@ -222,6 +223,8 @@ class EngineLoop:
 
     def submit(self, key: int, prompt_ids: list[int], wire_params: Any, engine_params: Any) -> RequestStream:
         stream = RequestStream(key, len(prompt_ids), wire_params)
+        if _TOKEN_LOG:
+            stream.debug_prompt = list(prompt_ids)
         self._register(stream)
 
         def add():
@@ -238,8 +241,12 @@ class EngineLoop:
         self.counters["requests_submitted"] += 1
         return stream
 
-    def register_adopted(self, key: int, prompt_len: int, wire_params: Any, delivered: list[int]) -> RequestStream:
+    def register_adopted(self, key: int, prompt_len: int, wire_params: Any, delivered: list[int],
+                         prompt_ids: list[int] | None = None) -> RequestStream:
         stream = RequestStream(key, prompt_len, wire_params, output=delivered)
+        stream.await_first_resumed = True
+        if _TOKEN_LOG and prompt_ids is not None:
+            stream.debug_prompt = list(prompt_ids)
         self._register(stream)
         return stream
 
@@ -322,16 +329,30 @@ class EngineLoop:
                 if self._since_sync:
                     # Going idle: publish what finished so the supervisor's snapshot is current.
                     self._sync()
-                self._wake.wait(0.5)
+                if not self._wake.wait(0.5):
+                    self._probe_device()
                 self._wake.clear()
         except BaseException as e:
             self.dead = e
-            for s in list(self._streams.values()):
-                s.fail(f"engine failed: {e}")
+            if not (self._is_fatal(e) and self._on_fatal is not None):
+                for s in list(self._streams.values()):
+                    s.fail(f"engine failed: {e}")
+            # A device error: leave the streams open. on_fatal reports the fault and
+            # exits the process, so clients see the connection drop (UNAVAILABLE) and
+            # the front door resumes them on the standby; failing them here would end
+            # them with an error instead and take them out of the resume set.
             if self._on_fatal is not None:
                 self._on_fatal(e)
             else:
                 log.exception("engine loop died")
+
+    def _probe_device(self) -> None:
+        """Idle: ask the device for a sticky error. Under MPS another client's fault
+        kills this context too, and an idle engine would otherwise learn of it only
+        at its next request, leaving the supervisor without a standby takeover until then."""
+        probe = getattr(self.core, "check_device", None)
+        if probe is not None:
+            probe()
 
     def _dispatch(self, outs) -> None:
         n = 0
@@ -341,6 +362,12 @@ class EngineLoop:
                 continue
             s._append(o.output_index, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason)
             n += len(o.new_token_ids)
+            if s.await_first_resumed and o.new_token_ids:
+                # Once per adopted request: the takeover's client-visible latency ends here.
+                s.await_first_resumed = False
+                log.info("first resumed token: key=%d index=%d at %.6f", o.key, o.output_index, time.time())
+            if o.finished and _TOKEN_LOG:
+                _log_tokens(s)
         self.counters["tokens_streamed"] += n
 
     def _prune(self, now: float) -> None:
@@ -348,6 +375,25 @@ class EngineLoop:
             old = [k for k, s in self._streams.items() if s.finished and now - s.finished_at > self._retain]
             for k in old:
                 del self._streams[k]
+
+
+# Test hook (bench/gpu/failover_proof.py): with FRMPS_DEBUG_TOKEN_LOG=<dir>, every
+# finished request's prompt and output token ids are appended, one JSON line per
+# request, to <dir>/tokens-<pid>.jsonl, so a harness can compare token ids across
+# a failover (the OpenAI stream carries text only).
+_TOKEN_LOG = os.environ.get("FRMPS_DEBUG_TOKEN_LOG", "")
+
+
+def _log_tokens(s: RequestStream) -> None:
+    import json
+
+    rec = {"t": time.time(), "key": s.key, "prompt": getattr(s, "debug_prompt", None), "output": list(s.output),
+           "finish_reason": s.finish_reason, "pid": os.getpid()}
+    try:
+        with open(os.path.join(_TOKEN_LOG, f"tokens-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError as e:
+        log.warning("token log: %s", e)
 
 
 def is_device_error(e: BaseException) -> bool:

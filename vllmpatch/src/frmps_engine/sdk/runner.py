@@ -142,6 +142,7 @@ class Runner:
     def _start_active(self) -> None:
         pools = self.memory.allocate(self.specs)
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
+        self._prepare_debug_fault()
         self.client.export_pools(self._pb_pools(), [p.fd for p in pools])
         self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal,
                                step_delay_s=_test_step_delay())
@@ -161,6 +162,7 @@ class Runner:
             log.warning("ring warm-up failed: %s", e)
         reserved = self.memory.reserve(self.specs)
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
+        self._prepare_debug_fault()
         self.client.start(self)
         log.info("standby built (init %.0f ms), waiting for Sleep", (time.perf_counter_ns() - self._t0) / 1e6)
 
@@ -179,13 +181,16 @@ class Runner:
             for fd in fds:
                 os.close(fd)
             return self._refuse(env_id, str(e))
+        t_map = time.perf_counter_ns()
         try:
             self.memory.map(self.specs, fds, readonly=True)
         except SizeMismatch as e:
             return self._refuse(env_id, str(e))
+        t_map = time.perf_counter_ns() - t_map
         self._slept = True
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
-        log.info("standby asleep with %d brokered pools mapped read-only", len(fds))
+        log.info("standby asleep with %d brokered pools mapped read-only (map %.2f ms, ready %.0f ms after start)",
+                 len(fds), t_map / 1e6, (time.perf_counter_ns() - self._t0) / 1e6)
         return control_pb2.Reply(ok=True)
 
     def _refuse(self, env_id: int, why: str):
@@ -204,6 +209,7 @@ class Runner:
             return control_pb2.Reply(ok=False, error="Resume is for a sleeping standby (send Sleep first)")
         self._resumed = True
         self.memory.make_writable("kv_cache")
+        t_wake = time.perf_counter_ns() - t0
         self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
                                on_fatal=self._fatal, step_delay_s=_test_step_delay())
         outcomes = [self._adopt(r) for r in msg.requests]
@@ -228,8 +234,9 @@ class Runner:
         self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
         self.loop.start()
         log.info(
-            "took over %d requests in %.2f ms (%d reused tokens, %d to prefill)",
+            "took over %d requests in %.2f ms (%d reused tokens, %d to prefill; KV writable in %.3f ms)",
             len(outcomes), took / 1e6, sum(o.reused_tokens for o in outcomes), sum(o.prefilled_tokens for o in outcomes),
+            t_wake / 1e6,
         )
         self.log_counters("after takeover")
         return None
@@ -269,13 +276,30 @@ class Runner:
             else:
                 self.core.add_request(r.key, ids, self.adapter.sampling_params(params, params.seed))
                 reused, prefilled = 0, len(ids)
-            self.loop.register_adopted(r.key, len(ids), params, delivered)
+            self.loop.register_adopted(r.key, len(ids), params, delivered, prompt_ids=ids)
             return control_pb2.ResumeOutcome(key=r.key, ok=True, reused_tokens=reused, prefilled_tokens=prefilled)
         except Exception as e:
             if is_device_error(e):
                 self._fatal(e)
             log.warning("takeover of request %d failed: %s", r.key, e)
             return control_pb2.ResumeOutcome(key=r.key, ok=False, error=str(e))
+
+    def _prepare_debug_fault(self) -> None:
+        from . import debug_fault
+
+        if os.environ.get(debug_fault.ENV) == "1":
+            debug_fault.prepare(self.adapter.device)
+
+    def inject_fault(self) -> None:
+        """Test hook (debug_fault): fault this engine's GPU context from its loop thread."""
+        loop = self.loop
+        if loop is None:
+            log.warning("debug fault requested but the engine is not serving")
+            return
+        from .debug_fault import illegal_address
+
+        log.warning("debug fault requested: faulting this engine's GPU context")
+        loop.post(lambda: illegal_address(self.adapter.device))
 
     def on_shutdown(self, env_id: int, msg: control_pb2.Shutdown):
         grace = msg.grace_ms / 1000 if msg.grace_ms else self.cfg.default_grace_s
