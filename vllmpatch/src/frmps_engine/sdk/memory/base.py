@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 
 class MemoryError_(Exception):
@@ -55,6 +56,45 @@ def check_specs_match(want: Sequence[Any], got: Sequence[Any]) -> None:
             problems.append(f"pool {i}: engine expects {w.tag}[{w.index}] {w.size} bytes, got {g.tag}[{g.index}] {g.size} bytes")
     if problems:
         raise SizeMismatch("pool layout mismatch: " + "; ".join(problems))
+
+
+def checked_map_args(
+    specs: Sequence[Any],
+    fds: Sequence[int],
+    *,
+    reserved: Mapping[tuple[str, int], "Pool"],
+    mapped: Mapping[tuple[str, int], "Pool"],
+    check_spec: Callable[[PoolSpec], None],
+    fd_problem: Callable[[PoolSpec, int], str | None] | None = None,
+) -> tuple[list[PoolSpec], list[int]]:
+    """The checks every backend's ``map`` makes before touching memory: one fd
+    per pool, valid specs, sizes that agree with the standby's reservation, no
+    pool mapped twice, plus the backend's own per-fd check. Raises SizeMismatch
+    listing every problem, after closing all the fds (map owns them)."""
+    specs_l = [as_spec(s) for s in specs]
+    fds_l = list(fds)
+    try:
+        if len(specs_l) != len(fds_l):
+            raise SizeMismatch(f"map: {len(specs_l)} pools but {len(fds_l)} fds")
+        problems: list[str] = []
+        seen: set[tuple[str, int]] = set()
+        for s, fd in zip(specs_l, fds_l):
+            check_spec(s)
+            if fd_problem is not None and (why := fd_problem(s, fd)):
+                problems.append(why)
+            r = reserved.get(s.key)
+            if r is not None and r.spec.size != s.size:
+                problems.append(f"{s.tag}[{s.index}]: reserved {r.spec.size} bytes, brokered {s.size}")
+            if s.key in mapped or s.key in seen:
+                problems.append(f"{s.tag}[{s.index}]: already mapped")
+            seen.add(s.key)
+        if problems:
+            raise SizeMismatch("pool size mismatch: " + "; ".join(problems))
+    except BaseException:
+        for fd in fds_l:
+            os.close(fd)
+        raise
+    return specs_l, fds_l
 
 
 class MemoryBackend(abc.ABC):

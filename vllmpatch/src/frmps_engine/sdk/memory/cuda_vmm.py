@@ -31,7 +31,7 @@ import os
 import pathlib
 from typing import Any, Callable, Iterator, Sequence
 
-from .base import MemoryBackend, MemoryError_, Pool, PoolSpec, SizeMismatch, as_spec
+from .base import MemoryBackend, MemoryError_, Pool, PoolSpec, as_spec, checked_map_args
 
 BACKEND_NAME = "cuda-vmm"
 LIBRARY_ENV = "FRMPS_VMM_LIBRARY"
@@ -300,27 +300,8 @@ class CudaVmmBackend(MemoryBackend):
         return out
 
     def map(self, specs: Sequence[PoolSpec], fds: Sequence[int], readonly: bool) -> list[Pool]:
-        specs = [as_spec(s) for s in specs]
-        fds = list(fds)
-        try:
-            if len(specs) != len(fds):
-                raise SizeMismatch(f"map: {len(specs)} pools but {len(fds)} fds")
-            problems = []
-            seen = set()
-            for s in specs:
-                self._check_spec(s)
-                r = self._reserved.get(s.key)
-                if r is not None and r.spec.size != s.size:
-                    problems.append(f"{s.tag}[{s.index}]: reserved {r.spec.size} bytes, brokered {s.size}")
-                if s.key in self._pools or s.key in seen:
-                    problems.append(f"{s.tag}[{s.index}]: already mapped")
-                seen.add(s.key)
-            if problems:
-                raise SizeMismatch("pool size mismatch: " + "; ".join(problems))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
+        specs, fds = checked_map_args(specs, fds, reserved=self._reserved, mapped=self._pools,
+                                      check_spec=self._check_spec)
         out = []
         for i, (s, fd) in enumerate(zip(specs, fds)):
             r = self._reserved.get(s.key)

@@ -18,7 +18,7 @@ import stat
 from typing import Sequence
 
 from . import _libc
-from .base import MemoryBackend, MemoryError_, Pool, PoolSpec, SizeMismatch, as_spec
+from .base import MemoryBackend, MemoryError_, Pool, PoolSpec, as_spec, checked_map_args
 
 log = logging.getLogger(__name__)
 
@@ -111,30 +111,16 @@ class HostShmBackend(MemoryBackend):
 
     # -- standby ------------------------------------------------------------
     def map(self, specs: Sequence[PoolSpec], fds: Sequence[int], readonly: bool) -> list[Pool]:
-        specs = [as_spec(s) for s in specs]
-        fds = list(fds)
-        try:
-            if len(specs) != len(fds):
-                raise SizeMismatch(f"map: {len(specs)} pools but {len(fds)} fds")
-            problems = []
-            for s, fd in zip(specs, fds):
-                self._check_spec(s)
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    problems.append(f"{s.tag}[{s.index}]: fd {fd} is not a shared-memory file")
-                elif st.st_size != s.size:
-                    problems.append(f"{s.tag}[{s.index}]: fd holds {st.st_size} bytes, layout says {s.size}")
-                r = self._reserved.get(s.key)
-                if r is not None and r.spec.size != s.size:
-                    problems.append(f"{s.tag}[{s.index}]: reserved {r.spec.size} bytes, brokered {s.size}")
-                if s.key in self._pools:
-                    problems.append(f"{s.tag}[{s.index}]: already mapped")
-            if problems:
-                raise SizeMismatch("pool size mismatch: " + "; ".join(problems))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
+        def fd_problem(s: PoolSpec, fd: int) -> str | None:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return f"{s.tag}[{s.index}]: fd {fd} is not a shared-memory file"
+            if st.st_size != s.size:
+                return f"{s.tag}[{s.index}]: fd holds {st.st_size} bytes, layout says {s.size}"
+            return None
+
+        specs, fds = checked_map_args(specs, fds, reserved=self._reserved, mapped=self._pools,
+                                      check_spec=self._check_spec, fd_problem=fd_problem)
         prot = _libc.PROT_READ if readonly else _libc.PROT_READ | _libc.PROT_WRITE
         out = []
         for i, (s, fd) in enumerate(zip(specs, fds)):
