@@ -35,7 +35,8 @@ func TestPythonWriterConcurrent(t *testing.T) {
 			s := NewSnapshot()
 			logPath, finalPath := filepath.Join(dir, "log"), filepath.Join(dir, "final.json")
 			cmd := exec.Command(python, "-m", "frmps_engine.ring._testwriter", "run", path, logPath,
-				"--seed", "11", "--steps", "1500", "--sync-every", strconv.Itoa(tc.syncEvery), "--final", finalPath)
+				"--seed", "11", "--steps", "1500", "--sync-every", strconv.Itoa(tc.syncEvery), "--final", finalPath,
+				"--linger", "1.5")
 			cmd.Env = env
 			var out strings.Builder
 			cmd.Stdout, cmd.Stderr = &out, &out

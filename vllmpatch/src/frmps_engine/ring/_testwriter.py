@@ -22,6 +22,7 @@ import os
 import random
 import struct
 import sys
+import time
 from array import array
 
 from .tracker import DeltaTracker
@@ -111,7 +112,8 @@ class Workload:
         return views
 
 
-def run_writer(ring: str, log_path: str, seed: int, steps: int, sync_every: int = 1, final: str | None = None) -> None:
+def run_writer(ring: str, log_path: str, seed: int, steps: int, sync_every: int = 1, final: str | None = None,
+               linger_s: float = 0.0) -> None:
     w = RingWriter.attach(ring)
     t = DeltaTracker(w)
     wl = Workload(seed)
@@ -147,6 +149,13 @@ def run_writer(ring: str, log_path: str, seed: int, steps: int, sync_every: int 
                     },
                     f,
                 )  # fmt: skip
+        # Like an engine that keeps running: a reader that fell behind near the
+        # end asks for a resync, and only a live writer can answer it.
+        deadline = time.monotonic() + linger_s
+        while time.monotonic() < deadline:
+            if w.resync_requested():
+                t.sync(s, list(wl.live.values()))
+            time.sleep(0.001)
     finally:
         os.close(fd)
         w.close()
@@ -182,12 +191,13 @@ def main(argv=None) -> int:
     r.add_argument("--steps", type=int, default=1000)
     r.add_argument("--sync-every", type=int, default=1)
     r.add_argument("--final")
+    r.add_argument("--linger", type=float, default=0.0, help="seconds to keep answering resync requests at the end")
     f = sub.add_parser("forkserver")
     f.add_argument("ring")
     f.add_argument("logdir")
     a = ap.parse_args(argv)
     if a.cmd == "run":
-        run_writer(a.ring, a.log, a.seed, a.steps, a.sync_every, a.final)
+        run_writer(a.ring, a.log, a.seed, a.steps, a.sync_every, a.final, a.linger)
     else:
         forkserver(a.ring, a.logdir)
     return 0
