@@ -122,7 +122,25 @@ class MemoryBackend(abc.ABC):
         """Map brokered fds (the backend takes ownership of ``fds`` and closes them on close())."""
 
     @abc.abstractmethod
-    def make_writable(self, tag: str) -> None: ...
+    def pools(self) -> list[Pool]:
+        """The pools allocated or mapped so far (not the reservations)."""
+
+    @abc.abstractmethod
+    def _grant_write(self, pool: Pool) -> None:
+        """Make one read-only mapped pool writable (the backend's own call)."""
+
+    def make_writable(self, tag: str) -> None:
+        """Flip every mapped pool of ``tag`` to read-write (a standby's wake)."""
+        found = False
+        for pool in self.pools():
+            if pool.spec.tag != tag:
+                continue
+            found = True
+            if pool.readonly:
+                self._grant_write(pool)
+                pool.readonly = False
+        if not found:
+            raise MemoryError_(f"make_writable: no mapped pool has tag {tag!r}")
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -328,17 +328,8 @@ class CudaVmmBackend(MemoryBackend):
             out.append(pool)
         return out
 
-    def make_writable(self, tag: str) -> None:
-        found = False
-        for pool in self._pools.values():
-            if pool.spec.tag != tag:
-                continue
-            found = True
-            if pool.readonly:
-                self._lib.pool_set_access(pool.extra["handle"], False)
-                pool.readonly = False
-        if not found:
-            raise MemoryError_(f"make_writable: no mapped pool has tag {tag!r}")
+    def _grant_write(self, pool: Pool) -> None:
+        self._lib.pool_set_access(pool.extra["handle"], False)
 
     def pools(self) -> list[Pool]:
         return list(self._pools.values())

@@ -142,17 +142,8 @@ class HostShmBackend(MemoryBackend):
             out.append(pool)
         return out
 
-    def make_writable(self, tag: str) -> None:
-        found = False
-        for pool in self._pools.values():
-            if pool.spec.tag != tag:
-                continue
-            found = True
-            if pool.readonly:
-                _libc.mprotect(pool.address, pool.spec.size, _libc.PROT_READ | _libc.PROT_WRITE)
-                pool.readonly = False
-        if not found:
-            raise MemoryError_(f"make_writable: no mapped pool has tag {tag!r}")
+    def _grant_write(self, pool: Pool) -> None:
+        _libc.mprotect(pool.address, pool.spec.size, _libc.PROT_READ | _libc.PROT_WRITE)
 
     def pools(self) -> list[Pool]:
         return list(self._pools.values())
