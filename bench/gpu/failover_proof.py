@@ -161,6 +161,7 @@ class Deployment:
             cmd += ["--max-model-len", str(a.max_model_len)]
         if a.cpu:
             cmd += ["--no-mps"]
+        cmd += [f"--engine-arg={x}" for x in a.engine_arg]
         env = dict(os.environ)
         src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src"))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -475,12 +476,15 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="CPU check of this script: --no-mps, SIGKILL as the fault")
     ap.add_argument("--stop-on-error", action="store_true", help="stop after the first fault whose failover failed")
     ap.add_argument("--time-budget", type=float, default=0, help="skip remaining faults after this many seconds")
+    ap.add_argument("--engine-arg", action="append", default=[],
+                    help="passed to frmps serve --engine-arg (repeatable), e.g. --engine-arg=--max-num-seqs=8")
     args = ap.parse_args()
     if args.cpu:
         args.device, args.memory = "cpu", "host-shm"
     os.makedirs(args.workdir, exist_ok=True)
     t_begin = now()
     report: dict = {"model": args.model, "device": args.device, "memory": args.memory, "sync_every": args.sync_every,
+                    "engine_args": args.engine_arg,
                     "requests": args.requests, "max_tokens": args.max_tokens, "mode": "cpu-check" if args.cpu else "gpu",
                     "faults": []}
     ref: list[dict] | None = None
@@ -564,6 +568,7 @@ def summary_line(e: dict) -> str:
         ra = p.get("rearmed_standby") or {}
         return (f"alive={(p.get('inject') or {}).get('streams_alive_at_inject')} cause={r.get('cause')} ok={r.get('ok')} resumed={r.get('resumed_requests')} "
                 f"detect->ack={r.get('duration_seconds')} detect->tok={p.get('detect_to_first_resumed_token_s')}/{p.get('detect_to_all_resumed_s')} "
+                f"sup_first_tok={r.get('first_token_seconds')} reused={r.get('reused_tokens')} prefilled={r.get('prefilled_tokens')} "
                 f"fault->detect={p.get('fault_to_detect_s')} kvw={tk.get('kv_writable_ms')}ms resume={tk.get('resume_ms')}ms "
                 f"rearm={p.get('rearm_s_from_detect')}s map={ra.get('map_ms')}ms "
                 f"text_eq={ex.get('text_equal')}/{ex.get('requests')} ids_eq={xi.get('ids_equal')}/{xi.get('requests')} "

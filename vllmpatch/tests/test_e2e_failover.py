@@ -122,3 +122,26 @@ def test_resume_reuses_synced_kv(dep: Deployment):
     # at kill time >= 40 tokens were out; the last sync is at most sync_every steps old
     assert reused >= prompt_len + 40 - 16 - 1
     assert prefilled <= 16 + 1 + 8   # tokens after the last sync (+ in-flight slack)
+
+
+@pytest.fixture(scope="module")
+def exact_dep():
+    args = ENGINE_ARGS + ["--engine-arg=--exact", "--engine-arg=--max-num-seqs=8"]
+    with deployment(sync_every=16, env=ENGINE_ENV, extra_args=args) as d:
+        yield d
+
+
+@pytest.mark.parametrize("kill_at", ["mid_prefill", 2, 17, 100], ids=str)
+def test_failover_is_exact_in_exact_mode(exact_dep: Deployment, kill_at):
+    """The same acceptance with the engines in exact mode (the GPU default): the
+    standby replays the unsynced tokens by decode steps and still matches."""
+    bodies = WORKLOADS["8-mixed"]
+    ref_outs = run_batch(exact_dep, bodies)
+    killer = Killer(exact_dep, after=kill_at if isinstance(kill_at, int) else 1)
+    got = run_batch(exact_dep, bodies, killer, kill_delay_s=0.03 if kill_at == "mid_prefill" else None)
+    assert killer.fired.is_set()
+    for ref, out in zip(ref_outs, got):
+        assert out.error is None and out.done, out.error
+        assert out.token_ids == ref.token_ids, "resumed output differs from the no-fault run"
+    st = exact_dep.wait_state("serving_ready")
+    assert st["failovers"][0]["ok"], st["failovers"][0]

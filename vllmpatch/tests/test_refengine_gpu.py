@@ -57,8 +57,9 @@ def test_graph_decode_equals_eager_decode_bf16():
 
 
 def test_gpu_takeover_continues():
+    # The ordinary (non-exact) scheduler: the catch-up is one prefill pass.
     reqs = requests(4, max_tokens=40, seeded=True)
-    cfg = EngineConfig.from_preset("qwen2.5-0.5b", device="cuda", num_blocks=128, max_model_len=512)
+    cfg = EngineConfig.from_preset("qwen2.5-0.5b", device="cuda", num_blocks=128, max_model_len=512, exact=False)
     ref, _ = run(cfg, reqs)
     pools = EngineCore.allocate_pools(cfg)
     a = EngineCore(cfg, pools, True)
@@ -95,3 +96,60 @@ def test_gpu_takeover_continues():
     print("gpu takeover agreement after the cut", agree)
     assert all(len(got[k]) == len(ref[k]) for k in ref)
     assert agree > 0.5, agree
+
+
+def _drive(core, reqs, stagger=0, steps=None, sync_every=None):
+    """Run core (staggered arrivals); returns outputs, and the snapshot of the last
+    sync when steps is given (the core is then left as killed)."""
+    out = {k: [] for k, _, _ in reqs}
+    pending = list(reqs)
+    step, snap = 0, {}
+    while pending or core.has_work():
+        if steps is not None and step >= steps:
+            break
+        while pending and step >= stagger * (len(reqs) - len(pending)):
+            core.add_request(*pending.pop(0))
+        for o in core.step():
+            out[o.key] += o.new_token_ids
+        step += 1
+        if sync_every and step % sync_every == 0:
+            for v in core.request_views():
+                snap.pop(v.key, None) if (v.finished or v.aborted) else snap.__setitem__(v.key, v)
+    return out, snap
+
+
+def test_gpu_exact_mode_takeover_is_token_identical():
+    """bf16 on the GPU in exact mode: runs with different arrivals, and takeovers at
+    several points (unsynced tokens replayed by decode), all equal token for token."""
+    reqs = requests(6, max_tokens=48, seeded=True)
+    cfg = EngineConfig.from_preset("qwen2.5-0.5b", device="cuda", num_blocks=160, max_model_len=512,
+                                   max_num_seqs=8, max_num_batched_tokens=32)
+    assert cfg.exact and cfg.dtype == "bfloat16"
+    ref, core = run(cfg, reqs)
+    assert core._graphs.buckets == [8] and core.counters["graph_steps"] > 0
+    staggered, _ = _drive(EngineCore(cfg, EngineCore.allocate_pools(cfg), True), reqs, stagger=4)
+    assert staggered == ref
+    for kill, sync_every, lag in ((3, 1, 0), (10, 4, 2), (25, 16, 0), (40, 16, 5)):
+        pools = EngineCore.allocate_pools(cfg)
+        a = EngineCore(cfg, pools, True)
+        got, snap = _drive(a, reqs, stagger=2, steps=kill, sync_every=sync_every)
+        del a
+        b = EngineCore(cfg, pools, False)
+        b.warmup()
+        final = {}
+        for k, ids, sp in reqs:
+            delivered = got[k][: max(0, len(got[k]) - lag)]
+            final[k] = list(delivered)
+            v = snap.get(k)
+            if v is None:
+                b.adopt_request(k, sp, ids, len(ids), 0, [], None, delivered)
+            else:
+                b.adopt_request(k, sp, v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed, delivered)
+        while b.has_work():
+            for o in b.step():
+                final[o.key] += o.new_token_ids
+        c = b.counters
+        print("kill", kill, "sync", sync_every, "lag", lag, "replayed", c["replayed_tokens"],
+              "mismatches", c["replay_mismatches"])
+        assert c["replay_mismatches"] == 0
+        assert final == ref, (kill, sync_every, lag)

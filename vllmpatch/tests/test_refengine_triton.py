@@ -78,6 +78,14 @@ ENGINE_SCRIPT = textwrap.dedent(
             assert core._graphs is not None and core._graphs.bucket(3) == 4
             assert len(rec) == 7 and rec[0].shape == (4, 512), (len(rec), rec[0].shape)
     assert outs["torch"] == outs["triton"], outs
+    # Exact mode: one bucket (max_num_seqs), every decode step padded to it.
+    cfg = EngineConfig.from_preset("tiny", num_blocks=32, attention="triton", max_num_seqs=8, exact=True)
+    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    rec = []
+    fwd = core.model.decode_forward
+    core.model.decode_forward = lambda *a: (rec.append(fwd(*a)), rec[-1])[1]
+    assert core.generate(reqs) == outs["torch"]
+    assert core._graphs.buckets == [8] and rec and all(r.shape == (8, 512) for r in rec)
     print("OK")
     """
 )

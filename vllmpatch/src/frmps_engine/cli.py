@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=_positive, help="most requests in one batch")
     s.add_argument("--max-num-batched-tokens", type=_positive,
                    help="token budget of one step (prefill chunk size)")
+    s.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="exact mode: a resumed request reproduces the no-fault output token for token "
+                        "(fixed decode batch, aligned per-request prefill; default on for GPUs)")
+    s.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
+                   help="ablation: a standby recomputes every adopted token instead of reusing the shared KV")
     s.add_argument("--ring-module", default="frmps_engine.ring", help=argparse.SUPPRESS)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -55,7 +60,8 @@ def serve(args: argparse.Namespace) -> int:
             adapters.EngineOptions(model=args.model, device=args.device, num_blocks=args.num_blocks,
                                    max_model_len=args.max_model_len, seed=args.seed,
                                    max_num_seqs=args.max_num_seqs,
-                                   max_num_batched_tokens=args.max_num_batched_tokens),
+                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                   exact=args.exact, kv_reuse=args.kv_reuse),
         )
         mem = memory.get_backend(args.memory, args.device)
         r = runner.Runner(

@@ -182,6 +182,16 @@ class EngineConfig:
     cuda_graphs: bool = True
     # "triton" (paged decode kernel) or "torch" (gather blocks + SDPA).
     attention: str = "triton"
+    # Exact mode (GPU default): every token's KV and logits come from a pass whose
+    # shapes depend only on that request, so a standby that resumes a request
+    # reproduces it bit for bit. Decode steps always run at one batch size
+    # (max_num_seqs, padded); prefill runs one request per pass in chunks aligned
+    # to max_num_batched_tokens; tokens after the last sync are replayed by
+    # decode steps, never folded into a prefill. See README ("Exact mode").
+    exact: bool = False
+    # A standby reuses the KV named by the snapshot (frmps's point). False is the
+    # ablation: every adopted token is recomputed.
+    kv_reuse: bool = True
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @staticmethod
@@ -231,7 +241,7 @@ class EngineConfig:
             raise ConfigError(f"weights must be 'dummy' or a directory with safetensors, got {weights!r}")
         defaults: dict[str, Any] = {}
         if on_gpu:
-            defaults.update(max_num_seqs=256, max_num_batched_tokens=2048, batch_invariant=False)
+            defaults.update(max_num_seqs=256, max_num_batched_tokens=2048, batch_invariant=False, exact=True)
         else:
             defaults.update(cuda_graphs=False, attention="torch")
         defaults.update(kw)
@@ -256,6 +266,9 @@ class EngineConfig:
             raise ConfigError(f"attention must be 'triton' or 'torch', got {self.attention!r}")
         if self.dtype not in _DTYPE_BYTES:
             raise ConfigError(f"dtype {self.dtype!r} not supported")
+        if self.exact:
+            if self.max_num_seqs > 512:
+                raise ConfigError(f"exact mode decodes at one batch size: max_num_seqs must be <= 512, got {self.max_num_seqs}")
 
     @property
     def dtype_bytes(self) -> int:

@@ -3,6 +3,7 @@ stop handling, committed-state views for the ring, and adoption on takeover."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -16,6 +17,8 @@ from .model import Batch, CudaGraphDecoder, Qwen2Model, SeqChunk
 from .sampling import SamplingParams, default_seed, sample
 from .tokenizer import TextState, Tokenizer, load_tokenizer
 from .weights import check_pools, init_dummy, load_safetensors
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(ValueError):
@@ -114,7 +117,10 @@ class EngineCore:
         self.counters: dict[str, int] = dict(
             steps=0, forward_passes=0, prefill_tokens_computed=0, decode_tokens=0, generated_tokens=0,
             adopted_requests=0, adopted_tokens_reused=0, preemptions=0, graph_steps=0,
+            replayed_tokens=0, replay_mismatches=0,
         )
+        # Exact mode alternates decode and prefill steps when both are waiting.
+        self._prefill_turn = False
 
     # ---- setup -----------------------------------------------------------
     @staticmethod
@@ -126,7 +132,9 @@ class EngineCore:
         """GPU: capture the decode CUDA graphs now rather than on the first decode
         step. Capture writes only the reserved null block (0) of the KV pool."""
         if self._static_decode() and self._graphs is None:
-            g = CudaGraphDecoder(self.model, min(self.cfg.max_num_seqs, 512), graphs=self.cfg.cuda_graphs)
+            b = min(self.cfg.max_num_seqs, 512)
+            # Exact mode: one batch size, so a row's GEMMs never depend on its neighbours.
+            g = CudaGraphDecoder(self.model, b, graphs=self.cfg.cuda_graphs, buckets=[b] if self.cfg.exact else None)
             g.capture()
             self._graphs = g
         if self.model.device.type == "cuda":
@@ -137,6 +145,9 @@ class EngineCore:
             sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
                             SamplingParams(temperature=0.8, top_p=0.9, top_k=50)], [1, 2, 3], [0, 0, 0])
             torch.cuda.synchronize(self.model.device)
+            # Hand back what the warm-up left in torch's cache: a standby keeps only
+            # the CUDA context, the graphs' pool and its small static buffers.
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def _warm_prefill(self) -> None:
@@ -287,10 +298,14 @@ class EngineCore:
                                                num_prompt_tokens=num_prompt))
         # The last token needs a forward pass for its logits; if the snapshot
         # already holds its KV it is computed again (same values, same slot).
-        reused = min(num_computed, len(full) - 1)
+        reused = min(num_computed, len(full) - 1) if self.cfg.kv_reuse else 0
+        if self.cfg.exact and reused < num_prompt:
+            # Recompute the prompt from a chunk boundary, so every chunk has the
+            # active's shape; tokens past the prompt are replayed by decode steps.
+            reused -= reused % self.cfg.max_num_batched_tokens
         req.num_computed = reused
         req.block_ids = blocks
-        req.no_chunk = True
+        req.no_chunk = not self.cfg.exact
         self.counters["adopted_tokens_reused"] += reused
         self._running.append(req)
         return AdoptResult(key, reused, len(full) - reused, len(pending), False)
@@ -345,16 +360,40 @@ class EngineCore:
         if not sched:
             return outputs
         t0 = time.perf_counter()
-        logits, samplers = self._forward(sched)
-        if samplers:
-            toks = sample(logits, [r.params for r in samplers], [r.seed for r in samplers],
-                          [len(r.token_ids) for r in samplers])
-            for req, tok in zip(samplers, toks):
-                outputs.append(self._append_token(req, tok))
+        logits, rows = self._forward(sched)
+        if rows:
+            # Each row samples the token at index r.num_computed: a new one, or in
+            # exact mode one the request already has (a replayed token, checked).
+            toks = sample(logits, [r.params for r, _ in rows], [r.seed for r, _ in rows],
+                          [r.num_computed for r, _ in rows])
+            for (req, expected), tok in zip(rows, toks):
+                if expected is None:
+                    outputs.append(self._append_token(req, tok))
+                    continue
+                self.counters["replayed_tokens"] += 1
+                if tok != expected:
+                    # The replay diverged from what the active produced (the client has
+                    # those tokens: they stay). Exact mode should never get here.
+                    self.counters["replay_mismatches"] += 1
+                    if self.counters["replay_mismatches"] == 1:
+                        log.warning("request %d: replayed token %d is %d, the active produced %d",
+                                    req.key, req.num_computed, tok, expected)
         self._last_step_s = time.perf_counter() - t0
         return outputs
 
+    def _row(self, req: _Request) -> tuple[_Request, int | None] | None:
+        """After a pass that computed KV up to req.num_computed: the logits row it
+        wants, as (req, expected token or None for a new one), or None."""
+        e = req.num_computed
+        if e == len(req.token_ids):
+            return (req, None)
+        if self.cfg.exact and e >= req.num_prompt:
+            return (req, req.token_ids[e])
+        return None
+
     def _schedule(self) -> list[tuple[_Request, int]]:
+        if self.cfg.exact:
+            return self._schedule_exact()
         cfg = self.cfg
         budget = cfg.max_num_batched_tokens
         sched: list[tuple[_Request, int]] = []
@@ -385,13 +424,55 @@ class EngineCore:
             return self._schedule() if self.blocks.num_free else []
         return sched
 
-    def _fit_blocks(self, req: _Request, n: int) -> int:
-        """Allocate blocks for n more tokens, shrinking a prefill chunk to what fits."""
+    def _schedule_exact(self) -> list[tuple[_Request, int]]:
+        """Exact mode: a step is either a decode step of every request past its
+        prompt (one token each, replays included) or one prefill chunk of one
+        request, ending at the prompt's end or a multiple of max_num_batched_tokens.
+        Each computed token thus sees the same shapes whatever else is running."""
+        cfg = self.cfg
+        decodes = [r for r in self._running if r.num_computed >= r.num_prompt]
+        prefilling = [r for r in self._running if r.num_computed < r.num_prompt]
+        admit = bool(self._waiting) and len(self._running) < cfg.max_num_seqs
+
+        def decode_step():
+            sched = [(r, 1) for r in decodes if self._fit_blocks(r, 1, whole=True) == 1]
+            if sched:
+                self._prefill_turn = True
+            return sched
+
+        def prefill_step():
+            if not (prefilling or admit):
+                return []
+            req = prefilling[0] if prefilling else self._waiting[0]
+            C = cfg.max_num_batched_tokens
+            n = min(req.num_prompt - req.num_computed, C - req.num_computed % C)
+            if self._fit_blocks(req, n, whole=True) != n:
+                return []
+            if not prefilling:
+                self._waiting.popleft()
+                self._running.append(req)
+            self._prefill_turn = False
+            return [(req, n)]
+
+        order = (prefill_step, decode_step) if self._prefill_turn or not decodes else (decode_step, prefill_step)
+        for fn in order:
+            sched = fn()
+            if sched:
+                return sched
+        if self._running and not self.blocks.num_quarantined:
+            # Nothing fits: recompute the newest request later.
+            self._preempt(max(self._running, key=lambda r: r.arrival))
+            return self._schedule() if self.blocks.num_free else []
+        return []
+
+    def _fit_blocks(self, req: _Request, n: int, whole: bool = False) -> int:
+        """Allocate blocks for n more tokens, shrinking a prefill chunk to what fits
+        (unless whole: then all n or nothing)."""
         bs = self.cfg.block_size
         have = len(req.block_ids)
         need = -(-(req.num_computed + n) // bs) - have
         if need > self.blocks.num_free:
-            if req.no_chunk:
+            if req.no_chunk or whole:
                 return 0
             n = (have + self.blocks.num_free) * bs - req.num_computed
             if n <= 0:
@@ -410,9 +491,9 @@ class EngineCore:
         self._waiting.appendleft(req)
         self.counters["preemptions"] += 1
 
-    def _forward(self, sched: list[tuple[_Request, int]]) -> tuple[torch.Tensor, list[_Request]]:
+    def _forward(self, sched: list[tuple[_Request, int]]) -> tuple[torch.Tensor, list[tuple[_Request, int | None]]]:
+        """Run one pass; returns logits, one row per entry of the returned list (see _row)."""
         bs = self.cfg.block_size
-        samplers = [r for r, n in sched if r.num_computed + n == len(r.token_ids)]
         for r, n in sched:
             if n == 1 and r.num_computed >= r.num_prompt:
                 self.counters["decode_tokens"] += 1
@@ -431,12 +512,17 @@ class EngineCore:
                 self.counters["graph_steps"] += 1
             for r, n in sched:
                 r.num_computed += n
-            return logits, samplers
+            rows = [self._row(r) for r, _ in sched]
+            keep = [i for i, row in enumerate(rows) if row is not None]
+            if len(keep) < len(rows):
+                logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
+            return logits, [rows[i] for i in keep]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         seqs: list[SeqChunk] = []
         rows: list[int] = []
+        wanted: list[tuple[_Request, int | None]] = []
         for r, n in sched:
             start = r.num_computed
             seqs.append(SeqChunk(len(ids), n, start, list(r.block_ids)))
@@ -444,8 +530,22 @@ class EngineCore:
             for p in range(start, start + n):
                 pos.append(p)
                 slots.append(r.block_ids[p // bs] * bs + p % bs)
-            if start + n == len(r.token_ids):
+            r.num_computed += n
+            row = self._row(r)
+            r.num_computed -= n
+            if row is not None:
                 rows.append(len(ids) - 1)
+                wanted.append(row)
+        select = None
+        if self.cfg.exact and all(n == 1 and r.num_computed >= r.num_prompt for r, n in sched):
+            # A decode step without the fixed-size graphs: pad to the one decode batch
+            # size with rows that write only the reserved null block, and take the
+            # logits of every row (the LM head's GEMM keeps that size too).
+            for _ in range(min(self.cfg.max_num_seqs, 512) - len(sched)):
+                ids.append(0)
+                pos.append(0)
+                slots.append(NULL_BLOCK * bs)
+            select, rows = rows, list(range(len(ids)))
         dev = self.model.device
         batch = Batch(
             torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -455,9 +555,11 @@ class EngineCore:
             torch.tensor(rows, dtype=torch.int64, device=dev),
         )
         logits = self.model.forward(batch)
+        if select is not None:
+            logits = logits[torch.tensor(select, dtype=torch.int64, device=logits.device)]
         for r, n in sched:
             r.num_computed += n
-        return logits, samplers
+        return logits, wanted
 
     def _stop_after(self, req: _Request, tok: int) -> tuple[str, str | int | None] | None:
         """Finish reason after appending tok (already in req.token_ids), or None."""

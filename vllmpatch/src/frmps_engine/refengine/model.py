@@ -152,8 +152,13 @@ class Qwen2Model:
             drows = torch.tensor([batch.seqs[i].q_start for i in decode_idx], device=self.device)
         dset = set(decode_idx) if use_kernel else set()
 
+        # Rows that belong to no sequence pad the batch to a fixed size (exact mode);
+        # they attend to nothing and their zero outputs stay in their own rows.
+        padded = sum(sq.q_len for sq in batch.seqs) < batch.input_ids.shape[0]
+
         def attend(li, q, kc, vc):
-            out = torch.empty((q.shape[0], self.H, self.HD), dtype=q.dtype, device=q.device)
+            shape = (q.shape[0], self.H, self.HD)
+            out = torch.zeros(shape, dtype=q.dtype, device=q.device) if padded else torch.empty(shape, dtype=q.dtype, device=q.device)
             if use_kernel:
                 out[drows] = self._triton(q[drows].contiguous(), kc, vc, bt, cl, self.scale)
             for i, sq in enumerate(batch.seqs):
@@ -254,10 +259,15 @@ class CudaGraphDecoder:
 
     BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
-    def __init__(self, model: Qwen2Model, max_batch: int, graphs: bool = True) -> None:
+    def __init__(self, model: Qwen2Model, max_batch: int, graphs: bool = True, buckets: list[int] | None = None) -> None:
         self.model = model
         self.use_graphs = graphs and model.device.type == "cuda"
-        self.buckets = [b for b in self.BUCKETS if b < max_batch] + [max_batch]
+        if buckets is not None:
+            if not buckets or sorted(set(buckets)) != list(buckets) or buckets[-1] != max_batch or buckets[0] < 1:
+                raise ValueError(f"buckets must be increasing, positive and end at max_batch {max_batch}: {buckets}")
+            self.buckets = list(buckets)
+        else:
+            self.buckets = [b for b in self.BUCKETS if b < max_batch] + [max_batch]
         dev = model.device
         bm = self.buckets[-1]
         self.maxb = model.cfg.max_blocks_per_seq

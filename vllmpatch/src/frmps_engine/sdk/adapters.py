@@ -28,6 +28,8 @@ class EngineOptions:
     seed: int = 0
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    exact: bool | None = None  # None: the engine's default (the reference engine: on for GPUs)
+    kv_reuse: bool = True  # False: a standby recomputes adopted KV (ablation)
 
 
 KNOWN = {
@@ -64,9 +66,11 @@ class RefAdapter:
             kw["num_blocks"] = opts.num_blocks
         if opts.max_model_len is not None:
             kw["max_model_len"] = opts.max_model_len
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "exact"):
             if getattr(opts, name) is not None:
                 kw[name] = getattr(opts, name)
+        if not opts.kv_reuse:
+            kw["kv_reuse"] = False
         try:
             # A preset name or a model directory.
             self.cfg = refengine.EngineConfig.from_preset(opts.model, **kw)
