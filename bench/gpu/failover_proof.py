@@ -302,7 +302,9 @@ def compare_ids(ref: dict, got: dict) -> dict:
     return out
 
 
-LOG_TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused tokens, (\d+) to prefill; KV writable in ([\d.]+) ms\)")
+LOG_TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused tokens, (\d+) to prefill; KV writable in ([\d.]+) ms"
+                          r"(?:; adoption ([\d.]+) ms, ring attach ([\d.]+) ms)?\)")
+LOG_ALLOC = re.compile(r"torch allocator: ([\d.]+) MiB reserved, ([\d.]+) MiB allocated")
 LOG_FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
 LOG_SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after start\)")
 LOG_INIT = re.compile(r"standby built \(init (\d+) ms\)")
@@ -371,7 +373,8 @@ def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: s
     tk = grep_log(get(old_standby, "log_path"), LOG_TAKEOVER)
     if tk:
         res["takeover_log"] = {"requests": int(tk[0]), "resume_ms": float(tk[1]), "reused_tokens": int(tk[2]),
-                               "prefilled_tokens": int(tk[3]), "kv_writable_ms": float(tk[4])}
+                               "prefilled_tokens": int(tk[3]), "kv_writable_ms": float(tk[4]),
+                               "adoption_ms": float(tk[5]) if tk[5] else None, "ring_attach_ms": float(tk[6]) if tk[6] else None}
     sl = grep_log(get(new_standby, "log_path"), LOG_SLEEP)
     init = grep_log(get(new_standby, "log_path"), LOG_INIT)
     if sl:
@@ -510,7 +513,9 @@ def main() -> int:
             e = dep.engines(st)
             sl = grep_log(get(e["standby"], "log_path"), LOG_SLEEP)
             init = grep_log(get(e["standby"], "log_path"), LOG_INIT)
+            alloc = grep_log(get(e["standby"], "log_path"), LOG_ALLOC)
             entry["first_standby"] = {"map_ms": float(sl[0]) if sl else None,
+                                      "torch_reserved_mib": float(alloc[0]) if alloc else None,
                                       "ready_ms_after_start": int(sl[1]) if sl else None,
                                       "init_ms": int(init[0]) if init else None}
             if not args.cpu:

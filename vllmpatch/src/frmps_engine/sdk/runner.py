@@ -164,7 +164,8 @@ class Runner:
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
         self._prepare_debug_fault()
         self.client.start(self)
-        log.info("standby built (init %.0f ms), waiting for Sleep", (time.perf_counter_ns() - self._t0) / 1e6)
+        log.info("standby built (init %.0f ms), waiting for Sleep%s", (time.perf_counter_ns() - self._t0) / 1e6,
+                 _device_memory_note(self.adapter.device))
 
     # -- control commands (receive thread) ---------------------------------------------
     def on_sleep(self, env_id: int, msg: control_pb2.Sleep, fds: list[int]):
@@ -212,7 +213,10 @@ class Runner:
         t_wake = time.perf_counter_ns() - t0
         self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
                                on_fatal=self._fatal, step_delay_s=_test_step_delay())
+        t_adopt = time.perf_counter_ns()
         outcomes = [self._adopt(r) for r in msg.requests]
+        t_adopt = time.perf_counter_ns() - t_adopt
+        t_ring = time.perf_counter_ns()
         ring_path = msg.ring_path or self.welcome.ring_path
         ring_error = ""
         if ring_path:
@@ -225,6 +229,7 @@ class Runner:
                 # its snapshot. The Reply says so; the supervisor decides what to do.
                 ring_error = f"serving without the ring: attach {ring_path}: {e}"
                 log.error("%s", ring_error)
+        t_ring = time.perf_counter_ns() - t_ring
         self.backend.loop = self.loop
         self.role = control_pb2.ROLE_ACTIVE
         self.backend.is_serving = True
@@ -234,9 +239,10 @@ class Runner:
         self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
         self.loop.start()
         log.info(
-            "took over %d requests in %.2f ms (%d reused tokens, %d to prefill; KV writable in %.3f ms)",
+            "took over %d requests in %.2f ms (%d reused tokens, %d to prefill; KV writable in %.3f ms; "
+            "adoption %.2f ms, ring attach %.2f ms)",
             len(outcomes), took / 1e6, sum(o.reused_tokens for o in outcomes), sum(o.prefilled_tokens for o in outcomes),
-            t_wake / 1e6,
+            t_wake / 1e6, t_adopt / 1e6, t_ring / 1e6,
         )
         self.log_counters("after takeover")
         return None
@@ -383,3 +389,17 @@ class Runner:
 
     def log_counters(self, when: str) -> None:
         log.info("engine counters %s: %s", when, json.dumps(self.counters(), sort_keys=True))
+
+
+def _device_memory_note(device: str) -> str:
+    """'; torch allocator: N MiB reserved' on a GPU (what the standby keeps besides the
+    CUDA context, its loaded kernels and library workspaces), '' elsewhere."""
+    if not device.startswith("cuda"):
+        return ""
+    try:
+        import torch
+
+        return (f"; torch allocator: {torch.cuda.memory_reserved() / 2**20:.1f} MiB reserved, "
+                f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB allocated")
+    except Exception as e:  # a note in a log line is not worth failing a start for
+        return f"; torch allocator: unknown ({e})"
