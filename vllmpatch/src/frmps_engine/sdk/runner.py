@@ -11,6 +11,7 @@ Shutdown -> exit 0. A device error -> Fault (best effort) and exit 3 at once.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -143,6 +144,7 @@ class Runner:
         pools = self.memory.allocate(self.specs)
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
         self._prepare_debug_fault()
+        _freeze_heap()
         self.client.export_pools(self._pb_pools(), [p.fd for p in pools])
         self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal,
                                step_delay_s=_test_step_delay())
@@ -163,6 +165,7 @@ class Runner:
         reserved = self.memory.reserve(self.specs)
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
         self._prepare_debug_fault()
+        _freeze_heap()
         self.client.start(self)
         log.info("standby built (init %.0f ms), waiting for Sleep%s", (time.perf_counter_ns() - self._t0) / 1e6,
                  _device_memory_note(self.adapter.device))
@@ -209,6 +212,14 @@ class Runner:
         if self.role != control_pb2.ROLE_STANDBY or not self._slept or self._resumed:
             return control_pb2.Reply(ok=False, error="Resume is for a sleeping standby (send Sleep first)")
         self._resumed = True
+        # No collector pass in the middle of a takeover (it is re-enabled below).
+        gc.disable()
+        try:
+            return self._take_over(env_id, msg, t0)
+        finally:
+            gc.enable()
+
+    def _take_over(self, env_id: int, msg: control_pb2.Resume, t0: int):
         self.memory.make_writable("kv_cache")
         t_wake = time.perf_counter_ns() - t0
         self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
@@ -403,3 +414,11 @@ def _device_memory_note(device: str) -> str:
                 f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB allocated")
     except Exception as e:  # a note in a log line is not worth failing a start for
         return f"; torch allocator: unknown ({e})"
+
+
+def _freeze_heap() -> None:
+    """Move everything built so far (torch, the model, gRPC: ~200k objects) out of the
+    collector's reach. A full collection over that heap takes tens to hundreds of ms,
+    and would otherwise land at random in a decode step or in the middle of a takeover."""
+    gc.collect()
+    gc.freeze()
