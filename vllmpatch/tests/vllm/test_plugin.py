@@ -107,7 +107,7 @@ def test_every_patch_is_documented_and_targets_an_existing_vllm_attribute():
 
 
 class _Ctx:
-    """Test double for a device allocation context."""
+    """Test double for an allocation context."""
 
     def __init__(self, tag):
         self.tag = tag
@@ -184,7 +184,7 @@ def test_worker_pool_context_patch(controller):
             Worker._maybe_get_memory_pool_context(w, tag)
     # Without a device allocator wired, the frmps pools refuse clearly.
     pools.set_context_factory(None)
-    with pytest.raises(RuntimeError, match="no device allocator is wired"):
+    with pytest.raises(RuntimeError, match="no allocation context is installed for the frmps kv_cache pool"):
         Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache")
 
 
@@ -239,11 +239,38 @@ def test_kv_pool_size_matches_vllm_page_size():
         assert got == 28 * 1000 * spec.page_size_bytes
 
 
-def test_bump_allocator_is_deterministic_and_bounded():
-    from frmps_engine.vllm.pools import BumpAllocator, PoolExhausted
+def test_pool_layout_holds_the_segments_torch_requests():
+    from frmps_engine.vllm.pools import pool_layout, torch_segment_bytes
 
-    a, b = BumpAllocator("weights", 4096), BumpAllocator("weights", 4096)
-    sizes = [100, 1000, 7, 512]
-    assert [a.alloc(s) for s in sizes] == [b.alloc(s) for s in sizes] == [0, 512, 1536, 2048]
-    with pytest.raises(PoolExhausted, match="pool weights: 2000 bytes requested"):
-        a.alloc(2000)
+    MiB = 1 << 20
+    # c10/cuda/CUDACachingAllocator.cpp: <= 1 MiB -> 2 MiB, < 10 MiB -> 20 MiB, else 2 MiB multiples.
+    assert [torch_segment_bytes(n) for n in (1, MiB, MiB + 1, 10 * MiB - 1, 10 * MiB, 10 * MiB + 1)] == [
+        2 * MiB, 2 * MiB, 20 * MiB, 20 * MiB, 10 * MiB, 12 * MiB,
+    ]
+    for kv in (1, 3 * MiB, 10 * MiB, 4 * 1024 * MiB + 7):
+        w, k = pool_layout(5 * MiB, kv)
+        assert k.size == torch_segment_bytes(kv) and k.size % (2 * MiB) == 0
+        assert w.size == 6 * MiB
+    with pytest.raises(ValueError, match="must be >= 1"):
+        torch_segment_bytes(0)
+
+
+def test_torch_segments_bytes_follows_the_caching_allocator():
+    from frmps_engine.vllm.pools import torch_segments_bytes
+
+    MiB = 1 << 20
+    assert torch_segments_bytes([]) == 0
+    assert torch_segments_bytes([100] * 4096) == 2 * MiB  # 4096 x 512-byte blocks fill one 2 MiB segment
+    assert torch_segments_bytes([100] * 4097) == 2 * 2 * MiB
+    assert torch_segments_bytes([3 * MiB, 3 * MiB]) == 20 * MiB  # mid-size requests share a 20 MiB segment
+    # 1.5 MiB requests: 13 fit a 20 MiB segment (the last takes the unsplittable 2 MiB rest), the 14th opens another.
+    assert torch_segments_bytes([3 * MiB // 2] * 13) == 20 * MiB
+    assert torch_segments_bytes([3 * MiB // 2] * 14) == 40 * MiB
+    assert torch_segments_bytes([11 * MiB]) == 12 * MiB  # large: rounded to 2 MiB
+    # A large segment's 1 MiB+ rest serves a later mid-size request; a rest of 1 MiB or less is not kept.
+    assert torch_segments_bytes([11 * MiB - MiB // 2, 3 * MiB // 2]) == 12 * MiB
+    assert torch_segments_bytes([11 * MiB + MiB // 2, 3 * MiB // 2]) == 12 * MiB + 20 * MiB
+    # At max_split_size (20 MiB, vLLM's load) and above, blocks are not split: the rest is lost.
+    assert torch_segments_bytes([21 * MiB, 3 * MiB // 2]) == 22 * MiB + 20 * MiB
+    # Small and large pools never share blocks.
+    assert torch_segments_bytes([19 * MiB, MiB // 2]) == 20 * MiB + 2 * MiB
