@@ -1,11 +1,14 @@
 """The allocation contexts that place vLLM's weights and KV cache in frmps'
 pools (allocation.py), on the CPU: the real interceptor library and the SDK's
 cuda-vmm backend over the interceptor's fake driver, with ``HostMemPools`` as
-the labelled test double for torch's CUDA MemPool route (poolhelpers.py)."""
+the labelled test double for torch's CUDA MemPool route (poolhelpers.py).
+The same contexts on a GPU: VLLM.md, "GPU validation"."""
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
+
 import pytest
 
 from poolhelpers import MiB, HostMemPools, build_interceptor, inside, storage_range, vmm_backend
@@ -227,6 +230,102 @@ def test_standby_builds_on_scratch_at_the_active_offsets_then_sees_the_active_me
     for k, v in s_model.state_dict().items():
         assert torch.equal(v, a_state[k]), k
     assert int(s_kv[:1000].sum()) == 7000
+
+
+# -- through vLLM's own code ---------------------------------------------------------
+@pytest.fixture
+def frmps_vllm_config(tmp_path):
+    from vhelpers import make_vllm_config, write_tiny_model
+
+    vc = make_vllm_config(write_tiny_model(tmp_path / "m"), num_blocks=64)
+    vc.model_config.sleep_mode_backend = "frmps"
+    return vc
+
+
+def _tiny_loader():
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    class TinyLoader(BaseModelLoader):
+        """Test double for a model loader: builds a small model; vLLM's own
+        BaseModelLoader.load_model drives it (dtype, device, load, post-processing)."""
+
+        def download_model(self, model_config):
+            pass
+
+        def create_model(self, vllm_config, model_config, prefix=""):
+            return build_model(0)
+
+        def load_weights(self, model, model_config):
+            for p in model.parameters():
+                p.data.fill_(0.5)
+
+    return TinyLoader(LoadConfig(load_format="dummy"))
+
+
+def _worker(backend="frmps"):
+    """Test double for vllm.v1.worker.gpu_worker.Worker: what the patched method reads."""
+    return SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(sleep_mode_backend=backend, enable_cumem_allocator=True)))
+
+
+def test_vllm_worker_and_loader_place_the_model_and_kv_cache(libs, engines, frmps_vllm_config, caplog):
+    """vLLM's own Worker._maybe_get_memory_pool_context (patched), BaseModelLoader.load_model
+    (patched) and allocate_kv_cache, on a KV cache config from vLLM's planner: the model
+    lands in the weights pool, the KV cache fills a pool sized by pools.pool_layout exactly."""
+    import logging
+
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from frmps_engine.vllm import plugin
+    from frmps_engine.vllm.pools import kv_cache_bytes, pool_layout
+
+    plugin.register()
+    vc = frmps_vllm_config
+    vc.cache_config.num_gpu_blocks_override = 200
+    vc.cache_config.kv_cache_layout = "NHD"
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    layers = {f"model.layers.{i}.self_attn.attn": spec for i in range(2)}
+    (kv_config,) = get_kv_cache_configs(vc, [layers], [1 << 40], get_global_kv_cache_groups(vc, [layers]))
+    kv = kv_cache_bytes(num_layers=2, num_blocks=200, block_size=16, num_kv_heads=2, head_size=32, dtype_bytes=4)
+    layout = pool_layout(16 * MiB, kv)
+    assert kv_config.kv_cache_tensors[0].size == kv < layout[1].size == 20 * MiB  # torch takes a 20 MiB segment
+
+    e = engines(libs["active"], layout=layout)
+    worker = _worker()
+    caplog.set_level(logging.INFO, logger="frmps_engine.vllm")
+    with Worker._maybe_get_memory_pool_context(worker, "weights"):
+        model = _tiny_loader().load_model(vllm_config=vc, model_config=vc.model_config)
+        sampler_state = torch.zeros(64, 512, dtype=torch.int32)  # the runner's own state in the same phase
+    assert all(inside(p, e.pools["weights"].tensor) for p in model.parameters())
+    assert all(float(p.detach().float().mean()) == 0.5 for p in model.parameters())
+    assert not inside(sampler_state, e.pools["weights"].tensor)  # private, writable after a takeover
+    assert any("frmps weights placement" in r.getMessage() for r in caplog.records)
+    with Worker._maybe_get_memory_pool_context(worker, "kv_cache"):
+        caches = allocate_kv_cache(kv_config, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout())
+    assert set(caches) == set(layers)
+    for t in caches.values():
+        assert inside(t, e.pools["kv_cache"].tensor)
+    assert e.used("kv_cache") == layout[1].size  # exactly full
+    # Every other tag of the frmps backend is private memory (torch's default allocator).
+    with Worker._maybe_get_memory_pool_context(worker, "runtime"):
+        rt = torch.empty(1000)
+    assert not inside(rt, e.pools["weights"].tensor) and not inside(rt, e.pools["kv_cache"].tensor)
+
+
+def test_worker_weights_phase_refuses_a_load_that_bypassed_the_loader(libs, engines):
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from frmps_engine.vllm import plugin
+    from frmps_engine.vllm.pools import PlacementError
+
+    plugin.register()
+    engines(libs["active"])
+    with pytest.raises(PlacementError, match="without placing anything in the frmps weights pool"):
+        with Worker._maybe_get_memory_pool_context(_worker(), "weights"):
+            torch.nn.Linear(8, 8)  # a model built without BaseModelLoader.load_model
 
 
 def test_cuda_contexts_refuse_host_shm_pools():

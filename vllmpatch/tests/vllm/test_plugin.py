@@ -159,7 +159,14 @@ def controller():
     pools.set_context_factory(None)
 
 
+def _worker(backend):
+    """Test double for vllm.v1.worker.gpu_worker.Worker: what the patched method reads."""
+    return SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(sleep_mode_backend=backend, enable_cumem_allocator=True)))
+
+
 def test_worker_pool_context_patch(controller):
+    import contextlib
+
     from vllm.v1.worker.gpu_worker import Worker
 
     from frmps_engine.vllm import pools
@@ -167,25 +174,90 @@ def test_worker_pool_context_patch(controller):
 
     (patch,) = [p for p in PATCHES if p.name == "worker-pool-context"]
     patch.apply()
-    controller("active")
-    pools.set_context_factory(lambda ctl, tag: _Ctx(tag))
+    ctl = controller("active")
+    pools.set_context_factory(lambda c, tag: _Ctx(tag))
 
-    def worker(backend):
-        return SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(sleep_mode_backend=backend, enable_cumem_allocator=True)))
-
-    frmps_worker = worker("frmps")
-    for tag in ("weights", "kv_cache"):
-        ctx = Worker._maybe_get_memory_pool_context(frmps_worker, tag)
-        assert isinstance(ctx, _Ctx) and ctx.tag == tag
-    # Other tags and other backends reach vLLM's own code: on this GPU-less
-    # platform that is get_mem_allocator_instance() refusing (device_allocator/__init__.py:51).
-    for w, tag in ((frmps_worker, "runtime"), (worker("cumem"), "weights")):
+    frmps_worker = _worker("frmps")
+    ctx = Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache")
+    assert isinstance(ctx, _Ctx) and ctx.tag == "kv_cache"
+    # "weights" is only checked here: the loader patch places the model.
+    ctx = Worker._maybe_get_memory_pool_context(frmps_worker, "weights")
+    assert not isinstance(ctx, _Ctx)
+    ctl.placed["weights"] = 0
+    with ctx:
+        ctl.record_placed("weights", 4096)  # what the loader's allocation context records
+    # Every other tag of the frmps backend is private memory, without CuMemAllocator.
+    for tag in ("runtime", "workspace"):
+        assert isinstance(Worker._maybe_get_memory_pool_context(frmps_worker, tag), contextlib.nullcontext)
+    # Other backends reach vLLM's own code: on this GPU-less platform that is
+    # get_mem_allocator_instance() refusing (device_allocator/__init__.py:51).
+    for tag in ("weights", "kv_cache", "runtime"):
         with pytest.raises(RuntimeError, match="Sleep mode allocator is not available"):
-            Worker._maybe_get_memory_pool_context(w, tag)
-    # Without a device allocator wired, the frmps pools refuse clearly.
+            Worker._maybe_get_memory_pool_context(_worker("cumem"), tag)
+    # Without an allocation context installed, the frmps pools refuse clearly.
     pools.set_context_factory(None)
     with pytest.raises(RuntimeError, match="no allocation context is installed for the frmps kv_cache pool"):
         Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache")
+
+
+def test_loader_weights_pool_patch(tmp_path):
+    """vLLM's BaseModelLoader.load_model runs inside the frmps weights context
+    for the frmps backend only, and checks where the model landed."""
+    import torch
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from frmps_engine.vllm import pools
+    from frmps_engine.vllm.patches import PATCHES
+    from vhelpers import make_vllm_config, write_tiny_model
+
+    (patch,) = [p for p in PATCHES if p.name == "loader-weights-pool"]
+    patch.apply()
+    assert patch.is_applied()
+
+    class TinyLoader(BaseModelLoader):
+        """Test double for a model loader."""
+
+        def download_model(self, model_config):
+            pass
+
+        def create_model(self, vllm_config, model_config, prefix=""):
+            return torch.nn.Linear(4, 4)
+
+        def load_weights(self, model, model_config):
+            pass
+
+    entered = []
+
+    class Recording:
+        """Test double for an allocation context: records the tag it was entered for."""
+
+        def __init__(self, tag):
+            self.tag = tag
+
+        def __enter__(self):
+            entered.append(self.tag)
+
+        def __exit__(self, *exc):
+            return False
+
+    ctl = pools.PoolController.external({("weights", 0): torch.zeros(4096, dtype=torch.uint8),
+                                          ("kv_cache", 0): torch.zeros(4096, dtype=torch.uint8)}, "active")
+    pools.install_controller(ctl)
+    pools.set_context_factory(lambda c, tag: Recording(tag))
+    vc = make_vllm_config(write_tiny_model(tmp_path / "m"))
+    loader = TinyLoader(LoadConfig())
+    loader.load_model(vllm_config=vc, model_config=vc.model_config)  # the cumem backend: untouched
+    assert entered == []
+    vc.model_config.sleep_mode_backend = "frmps"
+    # The test double's pools are not where torch put the model: the placement check says so.
+    try:
+        with pytest.raises(pools.PlacementError, match=r"2 tensor\(s\) outside the frmps weights pool.*\bweight \("):
+            loader.load_model(vllm_config=vc, model_config=vc.model_config)
+        assert entered == ["weights"]
+    finally:
+        pools.install_controller(None)
+        pools.set_context_factory(None)
 
 
 # -- sleep backend ---------------------------------------------------------------
