@@ -258,3 +258,25 @@ def test_create_core_refuses_cpu_pools_before_building_vllm(model_dir):
         b.close()
     with pytest.raises(RuntimeError, match="no frmps pool controller is installed"):
         pools.get_controller()
+
+
+def test_engine_args_take_the_kv_cache_from_the_pool_and_fit_the_startup_check(model_dir):
+    """vLLM's worker checks free >= gpu_memory_utilization x total at start; the
+    pools are already allocated then, so the fraction is capped at what is free,
+    and the KV cache size comes from the pool, not from free memory."""
+    from types import SimpleNamespace
+
+    from frmps_engine.vllm.engine import make_adapter, startup_memory_fraction
+
+    GiB = 1 << 30
+    assert startup_memory_fraction(70 * GiB, 80 * GiB, 0.9) == pytest.approx(0.98 * 70 / 80)
+    assert startup_memory_fraction(79 * GiB, 80 * GiB, 0.5) == 0.5
+    assert startup_memory_fraction(0, 80 * GiB, 0.9) == 0.01  # vLLM then refuses with its own message
+    with pytest.raises(ValueError, match="bad device memory figures"):
+        startup_memory_fraction(1, 0, 0.9)
+    ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32"))
+    for load in (True, False):
+        ea = ad.engine_args(load, 0.42)
+        assert ea.kv_cache_memory_bytes == ad.pool_layout()[1].size and ea.gpu_memory_utilization == 0.42
+        assert (ea.num_gpu_blocks_override, ea.sleep_mode_backend, ea.enable_sleep_mode) == (100, "frmps", True)
+        assert ea.load_format == "dummy"  # this adapter was not asked to load weights (weights="dummy")

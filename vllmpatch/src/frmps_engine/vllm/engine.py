@@ -281,6 +281,19 @@ def weights_pool_bytes(cfg: dict, dtype: str) -> int:
     return torch_segments_bytes(allocated) + rope + TORCH_SMALL_SEGMENT + TORCH_LARGE_SEGMENT
 
 
+def startup_memory_fraction(free: int, total: int, wanted: float) -> float:
+    """The gpu_memory_utilization to hand vLLM. Its worker refuses to start
+    unless free memory >= gpu_memory_utilization x total (v1/worker/utils.py:
+    716-770, called from gpu_worker.py:542), but frmps allocated the shared
+    pools before vLLM starts (and the other engine shares the GPU), so the
+    fraction is capped at what is free then. With ``kv_cache_memory_bytes``
+    given and the block count pinned, vLLM sizes nothing else from it
+    (gpu_worker.py:655-681 skips the memory profiling)."""
+    if total <= 0 or free < 0:
+        raise ValueError(f"bad device memory figures: {free} free of {total}")
+    return max(0.01, min(float(wanted), 0.98 * free / total))
+
+
 @dataclass
 class VllmEngineConfig:
     model: str
@@ -327,7 +340,7 @@ class VllmAdapter:
         )
         return pool_layout(weights_pool_bytes(h, self.cfg.dtype), kv)
 
-    def engine_args(self, load_weights: bool) -> Any:
+    def engine_args(self, load_weights: bool, gpu_memory_utilization: float | None = None) -> Any:
         from vllm.engine.arg_utils import EngineArgs
 
         from . import ASYNC_SCHEDULER_CLS
@@ -346,7 +359,10 @@ class VllmAdapter:
             additional_config={"frmps": {"sync_every": self.cfg.sync_every}},
             tensor_parallel_size=1,
             distributed_executor_backend="uni",
-            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            # The KV cache is the kv_cache pool, allocated before vLLM starts:
+            # vLLM must not size it from free memory.
+            kv_cache_memory_bytes=self.pool_layout()[1].size,
+            gpu_memory_utilization=gpu_memory_utilization or self.cfg.gpu_memory_utilization,
             seed=0,
         )
 
@@ -372,7 +388,11 @@ class VllmAdapter:
         contexts = cuda_contexts(controller)
         install_controller(controller)
         set_context_factory(contexts)
-        vllm_config = self.engine_args(load_weights).create_engine_config()
+        import torch
+
+        free, total = torch.cuda.mem_get_info(controller.pool_device("kv_cache"))
+        fraction = startup_memory_fraction(free, total, self.cfg.gpu_memory_utilization)
+        vllm_config = self.engine_args(load_weights, fraction).create_engine_config()
         core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
         return VllmEngineCore(core, self.tokenizer())
 
