@@ -13,9 +13,10 @@ needs a GPU: inside ``use(pool)`` a dispatch mode (thread-local, like
 ``use_mem_pool``) moves every tensor that an op allocates into a segment from
 the library's ``frmps_malloc``, looked up by name as CUDAPluggableAllocator
 does. Its limits, against torch: one segment per tensor (sized by torch's
-segment rule, never packed: more pool use than torch, not less), segments are
-freed only by ``release`` (torch keeps a MemPool's segments cached too), and
-only what goes through the dispatcher is seen (op outputs, factories).
+segment rule, never packed: more pool use than torch, not less), blocks are
+never freed nor reused, segments are freed only by ``release`` (torch keeps a
+MemPool's segments cached too), and only what goes through the dispatcher is
+seen (op outputs, factories).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class DoublePool:
     lib: ctypes.CDLL
     segments: list[tuple[int, int]] = field(default_factory=list)
     buffers: list[object] = field(default_factory=list)
+    allocated: int = 0  # bytes handed to tensors (blocks are 512-byte multiples, as in torch)
 
     def place(self, t):
         import torch
@@ -109,6 +111,7 @@ class DoublePool:
         if not ptr:
             raise torch.OutOfMemoryError(f"TEST DOUBLE: frmps_malloc returned NULL for a {seg}-byte segment")
         self.segments.append((int(ptr), seg))
+        self.allocated += -(-nbytes // 512) * 512
         buf = (ctypes.c_ubyte * nbytes).from_address(ptr)
         self.buffers.append(buf)
         storage = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
@@ -121,6 +124,7 @@ class DoublePool:
             self.lib.frmps_free(ptr, seg, 0, None)
         self.segments.clear()
         self.buffers.clear()
+        self.allocated = 0
 
 
 class HostMemPools:
@@ -132,6 +136,7 @@ class HostMemPools:
         self.oom_errors = (torch.OutOfMemoryError,)
         self.pools: list[DoublePool] = []
         self.checked = 0
+        self.released = 0
 
     def check(self) -> None:
         self.checked += 1
@@ -175,6 +180,9 @@ class HostMemPools:
     def segments(self, pool: DoublePool) -> list[tuple[int, int]]:
         return list(pool.segments)
 
-    def release_all(self) -> None:
-        for p in self.pools:
-            p.release()
+    def allocated(self, pool: DoublePool) -> int:
+        return pool.allocated
+
+    def release(self, pool: DoublePool) -> None:
+        pool.release()
+        self.released += 1

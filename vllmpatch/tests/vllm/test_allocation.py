@@ -59,7 +59,7 @@ class Engine:
         return self.backend.library.pool_used(self.pools[tag].extra["handle"])
 
     def close(self):
-        self.torch_pools.release_all()
+        self.contexts.close()
         self.backend.close()
 
 
@@ -104,11 +104,16 @@ def test_weights_and_kv_phases_place_tensors_in_their_pools(libs, engines):
     assert inside(cache, kv) and storage_range(cache)[0] == kv.data_ptr()  # the KV cache starts the pool
     assert not inside(later, w) and not inside(later, kv)
     assert float(extra.sum()) == 1000.0 and int(cache.abs().sum()) == 0  # values computed by the ops survive the move
-    # The interceptor accounts every segment torch took, and the controller records them.
-    assert e.used("weights") == e.controller.placed["weights"] == sum(n for _, n in e.contexts._pools["weights"].segments)
-    assert e.used("kv_cache") == e.controller.placed["kv_cache"] == 12 * MiB  # 11 MiB -> one 12 MiB segment (torch's rule)
+    # The interceptor accounts every segment torch took; the controller records the bytes tensors hold.
+    assert e.used("weights") == sum(n for _, n in e.contexts._pools["weights"].segments)
+    kept = [p for _, p in model.named_parameters()] + [extra]
+    assert e.controller.placed["weights"] == sum(-(-storage_range(t)[1] // 512) * 512 for t in kept)
+    assert e.used("kv_cache") == 12 * MiB and e.controller.placed["kv_cache"] == 11 * MiB  # torch: a 12 MiB segment
     digest = e.controller.check_placement("weights", model.named_parameters())
     assert len(digest) == 16
+    # close() drops both MemPools, which hand their segments back to the interceptor.
+    e.contexts.close()
+    assert e.torch_pools.released == 2 and e.used("weights") == e.used("kv_cache") == 0
 
 
 def test_a_phase_beyond_its_pool_fails_loudly_and_leaves_no_region_open(libs, engines):

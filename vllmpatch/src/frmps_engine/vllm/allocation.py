@@ -21,8 +21,8 @@ stderr); torch raises ``OutOfMemoryError``, which the context turns into
 MemPools are not in use: torch's default allocator serves everything.
 
 On leaving, the context checks that the MemPool's segments all lie inside the
-pool and that the phase placed something (an empty phase means the
-allocations went elsewhere), and records the bytes on the controller.
+pool and that the phase left tensors in it (an empty phase means the
+allocations went elsewhere), and records those bytes on the controller.
 
 ``TorchPools`` is the seam to torch's allocator: ``CudaMemPools`` is the real
 one; the CPU tests use a labelled test double (tests/vllm/test_allocation.py).
@@ -65,6 +65,12 @@ class TorchPools(Protocol):
     def segments(self, pool: Any) -> list[tuple[int, int]]:
         """(address, bytes) of every segment ``pool`` holds."""
 
+    def allocated(self, pool: Any) -> int:
+        """Bytes of ``pool``'s blocks that tensors hold now."""
+
+    def release(self, pool: Any) -> None:
+        """Drop ``pool`` (its tensors must be gone)."""
+
 
 class CudaMemPools:
     """torch's CUDA route: CUDAPluggableAllocator(frmps_malloc, frmps_free) + MemPool."""
@@ -96,15 +102,28 @@ class CudaMemPools:
     def new_pool(self, library_path: str) -> Any:
         torch = self._torch
         allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path, "frmps_malloc", "frmps_free")
-        # The MemPool holds a non-owning pointer to the allocator: keep both,
-        # for the life of the process (the pools' tensors live that long).
-        return (torch.cuda.MemPool(allocator.allocator()), allocator)
+        # The MemPool holds a non-owning pointer to the allocator: keep both for
+        # the life of the process (the pools' tensors live that long; the SDK
+        # runner ends with os._exit, so no interpreter teardown runs them down).
+        return [torch.cuda.MemPool(allocator.allocator()), allocator]
 
     def use(self, pool: Any) -> ContextManager[None]:
         return self._torch.cuda.use_mem_pool(pool[0], self.device)
 
     def segments(self, pool: Any) -> list[tuple[int, int]]:
         return [(int(s["address"]), int(s["total_size"])) for s in pool[0].snapshot(include_traces=False)]
+
+    def allocated(self, pool: Any) -> int:
+        return sum(int(s["allocated_size"]) for s in pool[0].snapshot(include_traces=False))
+
+    def release(self, pool: Any) -> None:
+        # The MemPool first, while its allocator is alive (its teardown calls
+        # into the allocator: pytorch/pytorch#145168), then the allocator.
+        import gc
+
+        pool[0] = None
+        gc.collect()
+        pool[1] = None
 
 
 class Interceptor:
@@ -177,6 +196,12 @@ class PoolContexts:
     def __call__(self, controller: PoolController, tag: str) -> ContextManager[None]:
         return self._phase(controller, tag)
 
+    def close(self) -> None:
+        """Drop the MemPools (tests; every tensor placed through them must be gone)."""
+        for pool in self._pools.values():
+            self.torch.release(pool)
+        self._pools.clear()
+
     def _pool(self, tag: str) -> Any:
         if tag not in self._pools:
             self._pools[tag] = self.torch.new_pool(self.interceptor.path)
@@ -188,7 +213,7 @@ class PoolContexts:
         if self._active is not None:
             raise PlacementError(f"frmps {tag} phase entered inside the {self._active} phase (regions do not nest)")
         pool = self._pool(tag)
-        before = sum(n for _, n in self.torch.segments(pool))
+        before = self.torch.allocated(pool)
         self.interceptor.begin(tag)
         self._active = tag
         try:
@@ -212,14 +237,16 @@ class PoolContexts:
                 f"frmps {tag} phase: {len(outside)} segment(s) outside the pool [{base:#x}, +{size}), "
                 f"e.g. {n} bytes at {a:#x}: the allocator is not carving from this pool"
             )
-        total = sum(n for _, n in held)
-        if total == before:
+        placed = self.torch.allocated(pool) - before
+        if placed <= 0:
             raise PlacementError(
                 f"frmps {tag} phase placed nothing in the pool: this thread's allocations went to another "
                 "allocator (an outer MemPool, or another thread)"
             )
-        controller.record_placed(tag, total - before)
-        log.info("frmps %s pool: %d bytes in %d segments of %d (%.1f%%)", tag, total, len(held), size, 100.0 * total / size)
+        controller.record_placed(tag, placed)
+        taken = sum(n for _, n in held)
+        log.info("frmps %s pool: %d bytes placed; %d bytes in %d segments of %d (%.1f%%)",
+                 tag, placed, taken, len(held), size, 100.0 * taken / size)
 
 
 def cuda_contexts(controller: PoolController, library: str | None = None) -> PoolContexts:
