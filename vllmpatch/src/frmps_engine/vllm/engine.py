@@ -288,7 +288,7 @@ def startup_memory_fraction(free: int, total: int, wanted: float) -> float:
     pools before vLLM starts (and the other engine shares the GPU), so the
     fraction is capped at what is free then. With ``kv_cache_memory_bytes``
     given and the block count pinned, vLLM sizes nothing else from it
-    (gpu_worker.py:655-681 skips the memory profiling)."""
+    (gpu_worker.py:656-681 skips the memory profiling)."""
     if total <= 0 or free < 0:
         raise ValueError(f"bad device memory figures: {free} free of {total}")
     return max(0.01, min(float(wanted), 0.98 * free / total))
