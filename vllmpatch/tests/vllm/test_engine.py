@@ -172,8 +172,8 @@ def test_adapter_layout_params_and_refusals(model_dir):
     import transformers
 
     from frmps_engine._proto.frmps.v1 import control_pb2
-    from frmps_engine.vllm.engine import make_adapter, weight_bytes
-    from frmps_engine.vllm.pools import ALIGN
+    from frmps_engine.vllm.engine import make_adapter, weight_bytes, weights_pool_bytes
+    from frmps_engine.vllm.pools import ALIGN, round_up
 
     args = SimpleNamespace(model=model_dir, num_blocks=100, block_size=16, max_model_len=256, dtype="float32", sync_every=4)
     ad = make_adapter(args)
@@ -181,6 +181,7 @@ def test_adapter_layout_params_and_refusals(model_dir):
     w, kv = ad.pool_layout()
     assert (w.tag, kv.tag) == ("weights", "kv_cache") and w.size % ALIGN == 0 and kv.size % ALIGN == 0
     assert ad.pool_layout() == [w, kv]  # deterministic
+    assert w.size == round_up(weights_pool_bytes(ad.hf, "float32"), ALIGN)
 
     # The weights formula counts exactly the model's parameters (transformers'
     # Qwen2 on the meta device), plus at most one 512-byte pad per tensor.
@@ -206,3 +207,76 @@ def test_adapter_layout_params_and_refusals(model_dir):
         make_adapter(SimpleNamespace(model=model_dir + "/missing", num_blocks=10))
     with pytest.raises(ValueError, match="no frmps weights-pool formula"):
         weight_bytes({**cfg, "architectures": ["GPT2LMHeadModel"]}, "float32")
+
+
+# Qwen2.5-7B- and 0.5B-shaped configs: the weights-pool estimate holds every
+# tensor of 10 MiB or more in its own 2 MiB-rounded torch segment plus the rest,
+# and stays close to the parameter bytes.
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "intermediate_size": 18944,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28, "vocab_size": 152064,
+    "max_position_embeddings": 32768, "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("cfg", [QWEN25_7B, {**QWEN25_7B, "hidden_size": 896, "intermediate_size": 4864,
+                                             "num_attention_heads": 14, "num_key_value_heads": 2,
+                                             "num_hidden_layers": 24, "tie_word_embeddings": True}])
+def test_weights_pool_estimate_covers_torch_segments(cfg):
+    from frmps_engine.vllm.engine import _weight_tensors, weight_bytes, weights_pool_bytes
+    from frmps_engine.vllm.pools import TORCH_MIN_LARGE_ALLOC, torch_segment_bytes
+
+    tensors = _weight_tensors(cfg, "bfloat16", allocated=True)
+    pool = weights_pool_bytes(cfg, "bfloat16")
+    big = sum(torch_segment_bytes(n) for n in tensors if n >= TORCH_MIN_LARGE_ALLOC)
+    rest = sum(n for n in tensors if n < TORCH_MIN_LARGE_ALLOC)
+    hd = cfg["hidden_size"] // cfg["num_attention_heads"]
+    rope = 32768 * hd * 2
+    assert pool >= big + rest + rope
+    # vLLM allocates a tied lm_head before tying it (qwen2.py:480-487): counted in the pool, not in the weights.
+    vocab_rows = cfg["vocab_size"] * cfg["hidden_size"] * 2
+    tied = vocab_rows if cfg["tie_word_embeddings"] else 0
+    assert len(tensors) == len(_weight_tensors(cfg, "bfloat16")) + (1 if tied else 0)
+    assert pool - tied - weight_bytes(cfg, "bfloat16") < 0.12 * weight_bytes(cfg, "bfloat16")
+
+
+def test_create_core_refuses_cpu_pools_before_building_vllm(model_dir):
+    """--engine vllm with --memory host-shm: a clear refusal, nothing installed."""
+    from types import SimpleNamespace
+
+    from frmps_engine.sdk.memory.host_shm import HostShmBackend
+    from frmps_engine.vllm import pools
+    from frmps_engine.vllm.engine import make_adapter
+
+    ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=64, dtype="float32", device="cpu"))
+    b = HostShmBackend()
+    try:
+        got = b.allocate(ad.pool_layout())
+        with pytest.raises(ValueError, match="--engine vllm needs its pools on one CUDA device"):
+            ad.create_core({p.spec.key: p.tensor for p in got}, load_weights=True)
+    finally:
+        b.close()
+    with pytest.raises(RuntimeError, match="no frmps pool controller is installed"):
+        pools.get_controller()
+
+
+def test_engine_args_take_the_kv_cache_from_the_pool_and_fit_the_startup_check(model_dir):
+    """vLLM's worker checks free >= gpu_memory_utilization x total at start; the
+    pools are already allocated then, so the fraction is capped at what is free,
+    and the KV cache size comes from the pool, not from free memory."""
+    from types import SimpleNamespace
+
+    from frmps_engine.vllm.engine import make_adapter, startup_memory_fraction
+
+    GiB = 1 << 30
+    assert startup_memory_fraction(70 * GiB, 80 * GiB, 0.9) == pytest.approx(0.98 * 70 / 80)
+    assert startup_memory_fraction(79 * GiB, 80 * GiB, 0.5) == 0.5
+    assert startup_memory_fraction(0, 80 * GiB, 0.9) == 0.01  # vLLM then refuses with its own message
+    with pytest.raises(ValueError, match="bad device memory figures"):
+        startup_memory_fraction(1, 0, 0.9)
+    ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32"))
+    for load in (True, False):
+        ea = ad.engine_args(load, 0.42)
+        assert ea.kv_cache_memory_bytes == ad.pool_layout()[1].size and ea.gpu_memory_utilization == 0.42
+        assert (ea.num_gpu_blocks_override, ea.sleep_mode_backend, ea.enable_sleep_mode) == (100, "frmps", True)
+        assert ea.load_format == "dummy"  # this adapter was not asked to load weights (weights="dummy")

@@ -107,7 +107,7 @@ def test_every_patch_is_documented_and_targets_an_existing_vllm_attribute():
 
 
 class _Ctx:
-    """Test double for a device allocation context."""
+    """Test double for an allocation context."""
 
     def __init__(self, tag):
         self.tag = tag
@@ -159,7 +159,14 @@ def controller():
     pools.set_context_factory(None)
 
 
+def _worker(backend):
+    """Test double for vllm.v1.worker.gpu_worker.Worker: what the patched method reads."""
+    return SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(sleep_mode_backend=backend, enable_cumem_allocator=True)))
+
+
 def test_worker_pool_context_patch(controller):
+    import contextlib
+
     from vllm.v1.worker.gpu_worker import Worker
 
     from frmps_engine.vllm import pools
@@ -167,25 +174,90 @@ def test_worker_pool_context_patch(controller):
 
     (patch,) = [p for p in PATCHES if p.name == "worker-pool-context"]
     patch.apply()
-    controller("active")
-    pools.set_context_factory(lambda ctl, tag: _Ctx(tag))
+    ctl = controller("active")
+    pools.set_context_factory(lambda c, tag: _Ctx(tag))
 
-    def worker(backend):
-        return SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(sleep_mode_backend=backend, enable_cumem_allocator=True)))
-
-    frmps_worker = worker("frmps")
-    for tag in ("weights", "kv_cache"):
-        ctx = Worker._maybe_get_memory_pool_context(frmps_worker, tag)
-        assert isinstance(ctx, _Ctx) and ctx.tag == tag
-    # Other tags and other backends reach vLLM's own code: on this GPU-less
-    # platform that is get_mem_allocator_instance() refusing (device_allocator/__init__.py:51).
-    for w, tag in ((frmps_worker, "runtime"), (worker("cumem"), "weights")):
+    frmps_worker = _worker("frmps")
+    ctx = Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache")
+    assert isinstance(ctx, _Ctx) and ctx.tag == "kv_cache"
+    # "weights" is only checked here: the loader patch places the model.
+    ctx = Worker._maybe_get_memory_pool_context(frmps_worker, "weights")
+    assert not isinstance(ctx, _Ctx)
+    ctl.placed["weights"] = 0
+    with ctx:
+        ctl.record_placed("weights", 4096)  # what the loader's allocation context records
+    # Every other tag of the frmps backend is private memory, without CuMemAllocator.
+    for tag in ("runtime", "workspace"):
+        assert isinstance(Worker._maybe_get_memory_pool_context(frmps_worker, tag), contextlib.nullcontext)
+    # Other backends reach vLLM's own code: on this GPU-less platform that is
+    # get_mem_allocator_instance() refusing (device_allocator/__init__.py:51).
+    for tag in ("weights", "kv_cache", "runtime"):
         with pytest.raises(RuntimeError, match="Sleep mode allocator is not available"):
-            Worker._maybe_get_memory_pool_context(w, tag)
-    # Without a device allocator wired, the frmps pools refuse clearly.
+            Worker._maybe_get_memory_pool_context(_worker("cumem"), tag)
+    # Without an allocation context installed, the frmps pools refuse clearly.
     pools.set_context_factory(None)
-    with pytest.raises(RuntimeError, match="no device allocator is wired"):
+    with pytest.raises(RuntimeError, match="no allocation context is installed for the frmps kv_cache pool"):
         Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache")
+
+
+def test_loader_weights_pool_patch(tmp_path):
+    """vLLM's BaseModelLoader.load_model runs inside the frmps weights context
+    for the frmps backend only, and checks where the model landed."""
+    import torch
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from frmps_engine.vllm import pools
+    from frmps_engine.vllm.patches import PATCHES
+    from vhelpers import make_vllm_config, write_tiny_model
+
+    (patch,) = [p for p in PATCHES if p.name == "loader-weights-pool"]
+    patch.apply()
+    assert patch.is_applied()
+
+    class TinyLoader(BaseModelLoader):
+        """Test double for a model loader."""
+
+        def download_model(self, model_config):
+            pass
+
+        def create_model(self, vllm_config, model_config, prefix=""):
+            return torch.nn.Linear(4, 4)
+
+        def load_weights(self, model, model_config):
+            pass
+
+    entered = []
+
+    class Recording:
+        """Test double for an allocation context: records the tag it was entered for."""
+
+        def __init__(self, tag):
+            self.tag = tag
+
+        def __enter__(self):
+            entered.append(self.tag)
+
+        def __exit__(self, *exc):
+            return False
+
+    ctl = pools.PoolController.external({("weights", 0): torch.zeros(4096, dtype=torch.uint8),
+                                          ("kv_cache", 0): torch.zeros(4096, dtype=torch.uint8)}, "active")
+    pools.install_controller(ctl)
+    pools.set_context_factory(lambda c, tag: Recording(tag))
+    vc = make_vllm_config(write_tiny_model(tmp_path / "m"))
+    loader = TinyLoader(LoadConfig())
+    loader.load_model(vllm_config=vc, model_config=vc.model_config)  # the cumem backend: untouched
+    assert entered == []
+    vc.model_config.sleep_mode_backend = "frmps"
+    # The test double's pools are not where torch put the model: the placement check says so.
+    try:
+        with pytest.raises(pools.PlacementError, match=r"2 tensor\(s\) outside the frmps weights pool.*\bweight \("):
+            loader.load_model(vllm_config=vc, model_config=vc.model_config)
+        assert entered == ["weights"]
+    finally:
+        pools.install_controller(None)
+        pools.set_context_factory(None)
 
 
 # -- sleep backend ---------------------------------------------------------------
@@ -239,11 +311,38 @@ def test_kv_pool_size_matches_vllm_page_size():
         assert got == 28 * 1000 * spec.page_size_bytes
 
 
-def test_bump_allocator_is_deterministic_and_bounded():
-    from frmps_engine.vllm.pools import BumpAllocator, PoolExhausted
+def test_pool_layout_holds_the_segments_torch_requests():
+    from frmps_engine.vllm.pools import pool_layout, torch_segment_bytes
 
-    a, b = BumpAllocator("weights", 4096), BumpAllocator("weights", 4096)
-    sizes = [100, 1000, 7, 512]
-    assert [a.alloc(s) for s in sizes] == [b.alloc(s) for s in sizes] == [0, 512, 1536, 2048]
-    with pytest.raises(PoolExhausted, match="pool weights: 2000 bytes requested"):
-        a.alloc(2000)
+    MiB = 1 << 20
+    # c10/cuda/CUDACachingAllocator.cpp: <= 1 MiB -> 2 MiB, < 10 MiB -> 20 MiB, else 2 MiB multiples.
+    assert [torch_segment_bytes(n) for n in (1, MiB, MiB + 1, 10 * MiB - 1, 10 * MiB, 10 * MiB + 1)] == [
+        2 * MiB, 2 * MiB, 20 * MiB, 20 * MiB, 10 * MiB, 12 * MiB,
+    ]
+    for kv in (1, 3 * MiB, 10 * MiB, 4 * 1024 * MiB + 7):
+        w, k = pool_layout(5 * MiB, kv)
+        assert k.size == torch_segment_bytes(kv) and k.size % (2 * MiB) == 0
+        assert w.size == 6 * MiB
+    with pytest.raises(ValueError, match="must be >= 1"):
+        torch_segment_bytes(0)
+
+
+def test_torch_segments_bytes_follows_the_caching_allocator():
+    from frmps_engine.vllm.pools import torch_segments_bytes
+
+    MiB = 1 << 20
+    assert torch_segments_bytes([]) == 0
+    assert torch_segments_bytes([100] * 4096) == 2 * MiB  # 4096 x 512-byte blocks fill one 2 MiB segment
+    assert torch_segments_bytes([100] * 4097) == 2 * 2 * MiB
+    assert torch_segments_bytes([3 * MiB, 3 * MiB]) == 20 * MiB  # mid-size requests share a 20 MiB segment
+    # 1.5 MiB requests: 13 fit a 20 MiB segment (the last takes the unsplittable 2 MiB rest), the 14th opens another.
+    assert torch_segments_bytes([3 * MiB // 2] * 13) == 20 * MiB
+    assert torch_segments_bytes([3 * MiB // 2] * 14) == 40 * MiB
+    assert torch_segments_bytes([11 * MiB]) == 12 * MiB  # large: rounded to 2 MiB
+    # A large segment's 1 MiB+ rest serves a later mid-size request; a rest of 1 MiB or less is not kept.
+    assert torch_segments_bytes([11 * MiB - MiB // 2, 3 * MiB // 2]) == 12 * MiB
+    assert torch_segments_bytes([11 * MiB + MiB // 2, 3 * MiB // 2]) == 12 * MiB + 20 * MiB
+    # At max_split_size (20 MiB, vLLM's load) and above, blocks are not split: the rest is lost.
+    assert torch_segments_bytes([21 * MiB, 3 * MiB // 2]) == 22 * MiB + 20 * MiB
+    # Small and large pools never share blocks.
+    assert torch_segments_bytes([19 * MiB, MiB // 2]) == 20 * MiB + 2 * MiB

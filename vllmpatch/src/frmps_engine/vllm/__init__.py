@@ -5,8 +5,8 @@ Loaded by vLLM through the ``vllm.general_plugins`` entry point
 
 Layout: the vLLM-facing classes are thin (``scheduler``, ``sleep_backend``,
 ``engine``, ``patches``); the logic they call lives in plain modules that do
-not import vLLM (``version``, ``state``, ``seeds``, ``adoption``, ``pools``)
-so it can be tested without it.
+not import vLLM (``version``, ``state``, ``seeds``, ``adoption``, ``pools``,
+and ``allocation``, which needs torch only) so it can be tested without it.
 
 Importing this package never imports vLLM.
 """

@@ -219,35 +219,79 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DECODERS = {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
 
 
-def weight_bytes(cfg: dict, dtype: str) -> int:
-    """Weight bytes of a Llama-family decoder (Qwen2/Qwen3/Llama/Mistral) from its
-    config, each tensor padded as the pool's bump allocator pads it."""
+def _weight_tensors(cfg: dict, dtype: str, allocated: bool = False) -> list[int]:
+    """Bytes of each parameter tensor of a Llama-family decoder (Qwen2/Qwen3/
+    Llama/Mistral), in vLLM's construction order (vllm/model_executor/models/
+    qwen2.py: embed_tokens; per layer qkv_proj, o_proj, mlp, two norms; norm;
+    lm_head). Vocabulary-sized tensors are padded to 64 rows, as
+    VocabParallelEmbedding does. ``allocated``: every tensor vLLM allocates,
+    including a tied lm_head's own weight, which ParallelLMHead creates before
+    tie_weights replaces it (qwen2.py:480-487) and whose memory then stays
+    cached in the pool's MemPool."""
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in _DECODERS:
         raise ValueError(f"architecture {arch} has no frmps weights-pool formula yet (known: {sorted(_DECODERS)})")
     nb = _DTYPE_BYTES[dtype]
-    h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    v = -(-cfg["vocab_size"] // 64) * 64
     heads = cfg["num_attention_heads"]
     kvh = cfg.get("num_key_value_heads", heads)
     hd = cfg.get("head_dim") or h // heads
-    bias = arch == "Qwen2ForCausalLM"  # Qwen2 has q/k/v biases
-    pad = lambda n: -(-n * nb // 512) * 512  # noqa: E731
-    per_layer = [
-        h * (heads + 2 * kvh) * hd,  # fused qkv (vLLM's QKVParallelLinear)
-        heads * hd * h,  # o_proj
-        2 * i * h,  # fused gate_up
-        i * h,  # down
-        h,
-        h,  # two RMSNorms
-    ]
-    if bias:
-        per_layer.append((heads + 2 * kvh) * hd)
+    per_layer = [h * (heads + 2 * kvh) * hd]  # fused qkv (vLLM's QKVParallelLinear)
+    if arch == "Qwen2ForCausalLM":
+        per_layer.append((heads + 2 * kvh) * hd)  # Qwen2 has q/k/v biases
+    per_layer.append(heads * hd * h)  # o_proj
     if arch == "Qwen3ForCausalLM":
         per_layer += [hd, hd]  # q_norm, k_norm
-    total = L * sum(pad(n) for n in per_layer) + pad(v * h) + pad(h)
-    if not cfg.get("tie_word_embeddings", False):
-        total += pad(v * h)
-    return total
+    per_layer += [2 * i * h, i * h, h, h]  # fused gate_up, down, two RMSNorms
+    tensors = [v * h] + per_layer * L + [h]
+    if allocated or not cfg.get("tie_word_embeddings", False):
+        tensors.append(v * h)
+    return [n * nb for n in tensors]
+
+
+def weight_bytes(cfg: dict, dtype: str) -> int:
+    """Parameter bytes of a Llama-family decoder, each tensor padded to the
+    512 bytes torch's caching allocator rounds every block to."""
+    return sum(-(-n // 512) * 512 for n in _weight_tensors(cfg, dtype))
+
+
+def weights_pool_bytes(cfg: dict, dtype: str) -> int:
+    """The weights pool: what vLLM's model loader allocates inside it
+    (patches.py, loader-weights-pool), in the segments torch asks for.
+
+    The parameters (and a tied lm_head's discarded weight) as torch's caching
+    allocator packs them in construction order (pools.torch_segments_bytes);
+    the rotary embedding's cos/sin cache (one buffer, max_position_embeddings x
+    head_dim in the model dtype) and its float32 intermediates
+    (vllm/model_executor/layers/rotary_embedding/base.py:94-103; freed, but
+    their segments stay cached in the pool's MemPool); and one more small
+    (2 MiB) and large (20 MiB) segment for what this formula does not list
+    (attention scales, loader temporaries). An estimate of vLLM's allocation
+    sequence, not a replay of it: the GPU validation logs the bytes actually
+    placed (VLLM.md), and a pool that is too small stops the load with
+    PoolFull."""
+    from .pools import TORCH_LARGE_SEGMENT, TORCH_SMALL_SEGMENT, torch_segments_bytes
+
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    positions = int(cfg.get("max_position_embeddings", 0) or 0)
+    rope = positions * hd * _DTYPE_BYTES[dtype] + positions * hd * 4 * 5 // 2  # cache + cat, freqs, cos, sin (fp32)
+    allocated = _weight_tensors(cfg, dtype, allocated=True)
+    return torch_segments_bytes(allocated) + rope + TORCH_SMALL_SEGMENT + TORCH_LARGE_SEGMENT
+
+
+def startup_memory_fraction(free: int, total: int, wanted: float) -> float:
+    """The gpu_memory_utilization to hand vLLM. Its worker refuses to start
+    unless free memory >= gpu_memory_utilization x total (v1/worker/utils.py:
+    716-770, called from gpu_worker.py:542), but frmps allocated the shared
+    pools before vLLM starts (and the other engine shares the GPU), so the
+    fraction is capped at what is free then. With ``kv_cache_memory_bytes``
+    given and the block count pinned, vLLM sizes nothing else from it
+    (gpu_worker.py:656-681 skips the memory profiling)."""
+    if total <= 0 or free < 0:
+        raise ValueError(f"bad device memory figures: {free} free of {total}")
+    return max(0.01, min(float(wanted), 0.98 * free / total))
 
 
 @dataclass
@@ -294,9 +338,9 @@ class VllmAdapter:
             head_size=h.get("head_dim") or h["hidden_size"] // heads,
             dtype_bytes=_DTYPE_BYTES[self.cfg.dtype],
         )
-        return pool_layout(weight_bytes(h, self.cfg.dtype), kv)
+        return pool_layout(weights_pool_bytes(h, self.cfg.dtype), kv)
 
-    def engine_args(self, load_weights: bool) -> Any:
+    def engine_args(self, load_weights: bool, gpu_memory_utilization: float | None = None) -> Any:
         from vllm.engine.arg_utils import EngineArgs
 
         from . import ASYNC_SCHEDULER_CLS
@@ -315,26 +359,40 @@ class VllmAdapter:
             additional_config={"frmps": {"sync_every": self.cfg.sync_every}},
             tensor_parallel_size=1,
             distributed_executor_backend="uni",
-            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            # The KV cache is the kv_cache pool, allocated before vLLM starts:
+            # vLLM must not size it from free memory.
+            kv_cache_memory_bytes=self.pool_layout()[1].size,
+            gpu_memory_utilization=gpu_memory_utilization or self.cfg.gpu_memory_utilization,
             seed=0,
         )
 
     def create_core(self, pools: dict, load_weights: bool) -> VllmEngineCore:
         """Build vLLM in this process on the given pools (GPU path; see VLLM.md).
 
-        ``pools`` maps (tag, index) to the SDK's pool tensors; they are wrapped in
-        a PoolController so vLLM's worker allocates weights and the KV cache in
-        them through the frmps memory-pool context.
+        ``pools`` maps (tag, index) to the SDK's pool tensors (cuda-vmm: CUDA
+        tensors over the interceptor's pools; a standby's are its scratch-backed
+        reservations). They are wrapped in a PoolController with the allocation
+        contexts of allocation.py, through which vLLM's model loader places the
+        model in the weights pool and its worker the KV cache in the kv_cache
+        pool. CPU pools are refused here, before vLLM is built.
         """
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.executor.abstract import Executor
 
+        from .allocation import cuda_contexts
         from .plugin import register
-        from .pools import PoolController, install_controller
+        from .pools import PoolController, install_controller, set_context_factory
 
         register()
-        install_controller(PoolController.external(pools, "active" if load_weights else "standby"))
-        vllm_config = self.engine_args(load_weights).create_engine_config()
+        controller = PoolController.external(pools, "active" if load_weights else "standby")
+        contexts = cuda_contexts(controller)
+        install_controller(controller)
+        set_context_factory(contexts)
+        import torch
+
+        free, total = torch.cuda.mem_get_info(controller.pool_device("kv_cache"))
+        fraction = startup_memory_fraction(free, total, self.cfg.gpu_memory_utilization)
+        vllm_config = self.engine_args(load_weights, fraction).create_engine_config()
         core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
         return VllmEngineCore(core, self.tokenizer())
 

@@ -3,8 +3,9 @@
 vLLM's own cumem allocator creates its VMM memory with no exportable handle
 type (vllm/cumem_allocator.abi3.so imports cuMemCreate/cuMemMap/... but not
 cuMemExportToShareableHandle), so these two pools are allocated by frmps
-through the SDK's ``MemoryBackend`` (host-shm on CPU, cuda-vmm on GPU) and
-handed to vLLM through the worker's memory-pool context (see patches.py).
+through the SDK's ``MemoryBackend`` (cuda-vmm on GPU) and vLLM's tensors are
+placed in them by the allocation contexts of ``allocation.py`` (installed with
+``set_context_factory``), entered where patches.py hooks vLLM.
 
 ``PoolController`` is the one per-process owner of that memory. vLLM builds
 its sleep-mode backend with no arguments (gpu_worker.py:252-262), so the
@@ -15,9 +16,12 @@ process that installed it.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 POOL_TAGS = ("weights", "kv_cache")
 ALIGN = 2 << 20  # pools are whole 2 MiB pages: the VMM granularity on NVIDIA GPUs
@@ -46,45 +50,79 @@ def kv_cache_bytes(*, num_layers: int, num_blocks: int, block_size: int, num_kv_
     return num_layers * num_blocks * page
 
 
+# torch's CUDA caching allocator asks its allocator (here: the interceptor's
+# frmps_malloc, through a MemPool) for whole segments, not for tensor sizes
+# (c10/cuda/CUDACachingAllocator.cpp: kSmallSize, kSmallBuffer, kMinLargeAlloc,
+# kLargeBuffer, kRoundLarge): requests up to 1 MiB are packed into 2 MiB
+# segments, requests under 10 MiB into 20 MiB segments, larger ones get a
+# segment rounded up to 2 MiB. The pools must hold segments, not tensors.
+TORCH_SMALL_SIZE = 1 << 20
+TORCH_SMALL_SEGMENT = 2 << 20
+TORCH_MIN_LARGE_ALLOC = 10 << 20
+TORCH_LARGE_SEGMENT = 20 << 20
+TORCH_ROUND_LARGE = 2 << 20
+
+
+def torch_segment_bytes(nbytes: int) -> int:
+    """The segment torch's caching allocator requests for a fresh ``nbytes`` allocation."""
+    if nbytes < 1:
+        raise ValueError(f"allocation size must be >= 1, got {nbytes}")
+    if nbytes <= TORCH_SMALL_SIZE:
+        return TORCH_SMALL_SEGMENT
+    if nbytes < TORCH_MIN_LARGE_ALLOC:
+        return TORCH_LARGE_SEGMENT
+    return round_up(nbytes, TORCH_ROUND_LARGE)
+
+
+def torch_segments_bytes(sizes: Iterable[int], max_split: int = TORCH_LARGE_SEGMENT) -> int:
+    """Bytes of the segments torch's caching allocator requests for allocations
+    of ``sizes``, made in this order and kept (c10/cuda/CUDACachingAllocator.cpp:
+    blocks rounded to 512 bytes; best fit among the cached free blocks of the
+    small (<= 1 MiB) or large pool, never a block of ``max_split`` or more for a
+    smaller request; else a new ``torch_segment_bytes`` segment; a block is split
+    when the rest is >= 512 bytes (small pool) or the request is under
+    ``max_split`` and the rest over 1 MiB (large pool)). vLLM loads the model
+    with max_split_size 20 MiB (gpu_worker.py:594-601)."""
+    free: dict[bool, list[int]] = {True: [], False: []}  # small pool?, sorted free block sizes
+    total = 0
+    for n in sizes:
+        n = round_up(max(int(n), 1), 512)
+        small = n <= TORCH_SMALL_SIZE
+        blocks = free[small]
+        block = next((b for b in blocks if b >= n and not (n < max_split <= b)
+                      and not (n >= max_split and b >= n + TORCH_LARGE_SEGMENT)), None)
+        if block is None:
+            block = torch_segment_bytes(n)
+            total += block
+        else:
+            blocks.remove(block)
+        rest = block - n
+        if (small and rest >= 512) or (not small and n < max_split and rest > TORCH_SMALL_SIZE):
+            bisect.insort(blocks, rest)
+    return total
+
+
 def pool_layout(weight_bytes: int, kv_bytes: int) -> list[PoolSpec]:
-    """The pool layout both engines derive (deterministic from model + block count)."""
+    """The pool layout both engines derive (deterministic from model + block count).
+
+    ``weight_bytes`` is the weights pool's size (the caller's estimate of what
+    the model loader allocates, segments included); ``kv_bytes`` is vLLM's one
+    KV backing allocation, which the pool holds as the segment torch requests
+    for it."""
     if weight_bytes < 1 or kv_bytes < 1:
         raise ValueError(f"pool sizes must be positive: weights {weight_bytes}, kv_cache {kv_bytes}")
-    return [PoolSpec("weights", 0, round_up(weight_bytes, ALIGN)), PoolSpec("kv_cache", 0, round_up(kv_bytes, ALIGN))]
+    return [
+        PoolSpec("weights", 0, round_up(weight_bytes, ALIGN)),
+        PoolSpec("kv_cache", 0, round_up(torch_segment_bytes(kv_bytes), ALIGN)),
+    ]
 
 
 class PoolExhausted(MemoryError):
-    pass
+    """An allocation inside a pool's phase did not fit in the pool."""
 
 
-class BumpAllocator:
-    """Hands out aligned offsets in one pool, in call order.
-
-    Both engines build the same model in the same order, so the same tensor
-    lands at the same offset in each; that is what makes the standby's tensors
-    views of the active's memory. Nothing is freed individually: weights and
-    the KV cache live as long as the engine.
-    """
-
-    def __init__(self, tag: str, size: int, align: int = 512):
-        if size < 0 or align < 1 or align & (align - 1):
-            raise ValueError(f"bad pool {tag}: size {size}, align {align}")
-        self.tag, self.size, self.align = tag, int(size), int(align)
-        self.used = 0
-        self.allocations: list[tuple[int, int]] = []
-
-    def alloc(self, nbytes: int) -> int:
-        if nbytes < 0:
-            raise ValueError(f"negative allocation {nbytes} in pool {self.tag}")
-        off = round_up(self.used, self.align)
-        if off + nbytes > self.size:
-            raise PoolExhausted(
-                f"pool {self.tag}: {nbytes} bytes requested at offset {off}, pool is {self.size} bytes "
-                f"({self.size - off if off < self.size else 0} left); the pool layout underestimates this model"
-            )
-        self.used = off + nbytes
-        self.allocations.append((off, nbytes))
-        return off
+class PlacementError(RuntimeError):
+    """vLLM put a tensor that must live in a shared pool somewhere else (or nothing in the pool)."""
 
 
 class PoolController:
@@ -106,7 +144,7 @@ class PoolController:
             raise ValueError(f"vLLM pools must be exactly one weights and one kv_cache pool, got {tags}")
         self.backend, self.specs, self.role = backend, list(specs), role
         self.pools: dict[str, Any] = {}
-        self.allocators: dict[str, BumpAllocator] = {}
+        self.placed: dict[str, int] = {}  # bytes of torch segments placed in each pool so far
         self.state = "EMPTY"  # EMPTY -> READY (allocated/reserved) -> SHARED (standby mapped) -> AWAKE
         self._fds: list[int] | None = None
         self._lock = threading.Lock()
@@ -127,7 +165,6 @@ class PoolController:
 
     def _install(self, pools: Sequence[Any]) -> None:
         self.pools = {p.spec.tag: p for p in pools}
-        self.allocators = {p.spec.tag: BumpAllocator(p.spec.tag, p.spec.size) for p in pools}
 
     def setup(self) -> list[Any]:
         """Allocate (active) or reserve (standby) the pools; returns the backend's Pool list."""
@@ -187,16 +224,79 @@ class PoolController:
                 self.backend.make_writable("kv_cache")
                 self.state = "AWAKE"
 
+    # -- placement --------------------------------------------------------------
+    def pool_range(self, tag: str) -> tuple[int, int]:
+        """(address, size) of pool ``tag`` in this process."""
+        pool = self.pools.get(tag)
+        if pool is None:
+            raise KeyError(f"no pool {tag!r} (state {self.state})")
+        address = int(getattr(pool, "address", 0) or pool.tensor.data_ptr())
+        return address, int(pool.spec.size)
+
+    def pool_device(self, tag: str) -> Any:
+        return self.pools[tag].tensor.device
+
+    def record_placed(self, tag: str, nbytes: int) -> None:
+        """Called by the allocation context when a phase of ``tag`` ended with ``nbytes`` in the pool."""
+        with self._lock:
+            self.placed[tag] = self.placed.get(tag, 0) + int(nbytes)
+
     def memory_pool_context(self, tag: str) -> Any:
-        """The allocation context vLLM's worker enters for ``tag`` (patches.py)."""
-        if tag not in self.allocators:
+        """The allocation context for ``tag``: inside it, this thread's device
+        allocations land in the pool (entered where patches.py hooks vLLM)."""
+        if tag not in self.pools:
             raise KeyError(f"no pool {tag!r} (state {self.state})")
         if _context_factory is None:
             raise RuntimeError(
-                f"no device allocator is wired for the frmps {tag} pool: on CUDA the interceptor's "
-                "pluggable allocator must be installed with set_context_factory() before vLLM loads the model"
+                f"no allocation context is installed for the frmps {tag} pool: frmps_engine.vllm.engine's "
+                "create_core installs one (allocation.PoolContexts) before vLLM loads the model"
             )
         return _context_factory(self, tag)
+
+    @contextlib.contextmanager
+    def weights_phase(self) -> Iterator[None]:
+        """The worker's ``weights`` phase (vLLM's whole ``load_model``).
+
+        Only the model loader's part of it goes to the weights pool (patches.py:
+        the V2 model runner also builds mutable sampler state in this phase,
+        which must stay private); this phase only checks that the loader did
+        place the model there."""
+        before = self.placed.get("weights", 0)
+        yield
+        if self.placed.get("weights", 0) == before:
+            raise PlacementError(
+                "vLLM's weights phase ended without placing anything in the frmps weights pool: the model was "
+                "not built through BaseModelLoader.load_model (patches.py, loader-weights-pool), so its weights "
+                "would not be shared; use load_format auto or dummy"
+            )
+
+    def check_placement(self, tag: str, named_tensors: Iterable[tuple[str, Any]]) -> str:
+        """Every tensor on the pool's device must lie inside pool ``tag``;
+        returns a digest of (name, offset, bytes), equal in two engines that
+        placed the same model at the same offsets. Raises PlacementError naming
+        the tensors outside."""
+        base, size = self.pool_range(tag)
+        device = self.pool_device(tag)
+        placed: list[str] = []
+        outside: list[str] = []
+        for name, t in named_tensors:
+            if t.device != device or t.numel() == 0:
+                continue  # host-side buffers and meta placeholders stay private
+            st = t.untyped_storage()
+            ptr, n = int(st.data_ptr()), int(st.nbytes())
+            if base <= ptr and ptr + n <= base + size:
+                placed.append(f"{name}:{int(t.data_ptr()) - base}:{n}")
+            else:
+                outside.append(f"{name} ({n} bytes at {ptr:#x})")
+        if outside:
+            more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+            raise PlacementError(
+                f"{len(outside)} tensor(s) outside the frmps {tag} pool [{base:#x}, +{size}): "
+                f"{', '.join(outside[:5])}{more}"
+            )
+        if not placed:
+            raise PlacementError(f"no tensor of the frmps {tag} pool's device {device} to check")
+        return hashlib.sha256("\n".join(sorted(placed)).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -225,8 +325,8 @@ def get_controller() -> PoolController:
 
 
 def set_context_factory(factory: Callable[[PoolController, str], Any] | None) -> None:
-    """Install how a pool becomes a torch allocation context on this device
-    (CUDA: a ``torch.cuda.MemPool`` over the interceptor's pluggable allocator
-    that sub-allocates with ``controller.allocators[tag]``)."""
+    """Install how a pool becomes a torch allocation context: ``factory(controller,
+    tag)`` returns a context manager (allocation.PoolContexts: a torch.cuda.MemPool
+    over the interceptor's frmps_malloc, carving from the pool tagged ``tag``)."""
     global _context_factory
     _context_factory = factory
