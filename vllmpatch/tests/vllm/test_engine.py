@@ -280,3 +280,13 @@ def test_engine_args_take_the_kv_cache_from_the_pool_and_fit_the_startup_check(m
         assert ea.kv_cache_memory_bytes == ad.pool_layout()[1].size and ea.gpu_memory_utilization == 0.42
         assert (ea.num_gpu_blocks_override, ea.sleep_mode_backend, ea.enable_sleep_mode) == (100, "frmps", True)
         assert ea.load_format == "dummy"  # this adapter was not asked to load weights (weights="dummy")
+
+
+def test_reference_engine_only_flags_are_refused():
+    from frmps_engine.sdk.adapters import AdapterError, EngineOptions
+    from frmps_engine.vllm.engine import make_adapter
+
+    with pytest.raises(AdapterError, match="VLLM_BATCH_INVARIANT"):
+        make_adapter(EngineOptions(model="m", device="cuda", exact=True))
+    with pytest.raises(AdapterError, match="reference engine only"):
+        make_adapter(EngineOptions(model="m", device="cuda", kv_reuse=False))

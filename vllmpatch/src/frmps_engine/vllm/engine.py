@@ -423,6 +423,13 @@ class VllmAdapter:
 
 def make_adapter(args: Any) -> VllmAdapter:
     """Build the adapter from the CLI's parsed arguments (``serve --engine vllm``)."""
+    from frmps_engine.sdk.adapters import AdapterError
+
+    if getattr(args, "exact", None):
+        raise AdapterError("--exact is the reference engine's scheduler mode; for vLLM set VLLM_BATCH_INVARIANT=1 "
+                           "in the engines' environment (vLLM's batch-invariant kernels) instead")
+    if getattr(args, "kv_reuse", True) is False:
+        raise AdapterError("--no-kv-reuse (the recompute ablation) is implemented by the reference engine only")
     return VllmAdapter(
         VllmEngineConfig(
             model=args.model,
