@@ -140,7 +140,14 @@ class Runner:
             self._start_standby()
         threading.Thread(target=self._heartbeats, name="frmps-heartbeat", daemon=True).start()
 
+    def _preload_ring(self) -> None:
+        try:
+            RingPublisher.preload(self.cfg.ring_module)
+        except Exception as e:  # only a warm-up: attaching will report a real ring problem
+            log.warning("ring warm-up failed: %s", e)
+
     def _start_active(self) -> None:
+        self._preload_ring()
         pools = self.memory.allocate(self.specs)
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
         self._prepare_debug_fault()
@@ -158,10 +165,7 @@ class Runner:
         log.info("active engine serving on %s (init %.0f ms)", self.gen.endpoint, (time.perf_counter_ns() - self._t0) / 1e6)
 
     def _start_standby(self) -> None:
-        try:
-            RingPublisher.preload(self.cfg.ring_module)
-        except Exception as e:  # only a warm-up: the takeover will report a real ring problem
-            log.warning("ring warm-up failed: %s", e)
+        self._preload_ring()
         reserved = self.memory.reserve(self.specs)
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
         self._prepare_debug_fault()
