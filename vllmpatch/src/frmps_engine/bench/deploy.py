@@ -1,0 +1,543 @@
+"""Driving the real thing: a `frmps serve` deployment, streaming clients of its
+OpenAI endpoint, fault injection (a co-located MPS client running a bench/faults
+trigger, or SIGKILL on the CPU path), a private MPS daemon for the baselines, and
+one failover trial with everything it measures. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field as dc_field
+
+from .common import Cleanup, TrialError, die_with_parent, field, free_port, http_json, kill_group, med, now, stop_group, tail
+
+# ----------------------------------------------------------------------------- streaming client
+
+
+class Stream(threading.Thread):
+    """One streaming /v1/completions request. Records every chunk's arrival time
+    and token ids (vLLM's return_token_ids extension), so token counts and gaps
+    are exact even when the text is empty (dummy weights)."""
+
+    def __init__(self, base: str, body: dict, timeout: float = 600.0, key: int = 0):
+        super().__init__(daemon=True)
+        self.base, self.timeout, self.key = base, timeout, key
+        self.body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        self.chunks: list[tuple[float, list[int]]] = []
+        self.usage: dict | None = None
+        self.finish: str | None = None
+        self.error: str | None = None
+        self.t_start = 0.0
+        self.t_end = 0.0
+        self._n = 0
+        self._cond = threading.Condition()
+
+    def run(self) -> None:
+        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(self.body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        self.t_start = now()
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                for raw in r:
+                    line = raw.decode(errors="replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    t = now()
+                    ev = json.loads(data)
+                    if "error" in ev:
+                        self.error = json.dumps(ev["error"])[:500]
+                        continue
+                    if ev.get("usage"):
+                        self.usage = ev["usage"]
+                    for ch in ev.get("choices") or []:
+                        ids = list(ch.get("token_ids") or [])
+                        if ids:
+                            with self._cond:
+                                self.chunks.append((t, ids))
+                                self._n += len(ids)
+                                self._cond.notify_all()
+                        if ch.get("finish_reason"):
+                            self.finish = ch["finish_reason"]
+        except urllib.error.HTTPError as e:
+            self.error = f"HTTP {e.code}: {e.read()[:300]!r}"
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.t_end = now()
+            with self._cond:
+                self._cond.notify_all()
+
+    @property
+    def n_tokens(self) -> int:
+        return self._n
+
+    def wait_tokens(self, n: int, timeout: float) -> bool:
+        """Until the stream has n tokens (True), ends, or timeout passes (False)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._n < n:
+                if not self.is_alive() and self.t_end:
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    def token_ids(self) -> list[int]:
+        return [t for _, ids in self.chunks for t in ids]
+
+    def arrivals(self) -> list[tuple[float, int]]:
+        """(arrival time, token count) per chunk."""
+        return [(t, len(ids)) for t, ids in self.chunks]
+
+
+def completion_body(model: str, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0,
+                    seed: int | None = None) -> dict:
+    body = {"model": model, "prompt": list(prompt_ids), "max_tokens": int(max_tokens), "temperature": temperature,
+            "ignore_eos": True}
+    if seed is not None:
+        body["seed"] = int(seed)
+    return body
+
+
+# ----------------------------------------------------------------------------- deployment
+
+
+@dataclass
+class ServeOpts:
+    frmps: str
+    python: str
+    model: str
+    device: str = "cuda"
+    memory: str = "cuda-vmm"
+    mps: bool = True
+    sync_every: int = 16
+    num_blocks: int = 0
+    max_model_len: int = 0
+    engine_args: list[str] = dc_field(default_factory=list)
+    env: dict[str, str] = dc_field(default_factory=dict)
+
+
+LOG_TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused tokens, (\d+) to prefill; "
+                          r"KV writable in ([\d.]+) ms\)")
+LOG_FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
+LOG_SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after start\)")
+
+
+def grep_first(path: str | None, rx: re.Pattern) -> list[str] | None:
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = rx.search(line)
+            if m:
+                return list(m.groups())
+    return None
+
+
+class Deployment:
+    """One `frmps serve` (supervisor + active + standby) in a private run dir."""
+
+    def __init__(self, opts: ServeOpts, workdir: str, name: str, cleanup: Cleanup | None = None):
+        self.opts = opts
+        self.name = name
+        self.cleanup = cleanup
+        self.port = free_port()
+        self.admin = f"127.0.0.1:{free_port()}"
+        self.base = f"http://127.0.0.1:{self.port}"
+        # Unix socket paths must stay short (108 bytes): a short private run dir under /tmp.
+        self.run_dir = tempfile.mkdtemp(prefix="frmps-b-", dir="/tmp")
+        os.rmdir(self.run_dir)  # frmps creates it 0700 and removes it at exit
+        self.log_dir = os.path.join(workdir, f"logs-{name}")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.log_path = os.path.join(self.log_dir, "frmps.log")
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+        self.t_start = 0.0
+
+    def command(self) -> list[str]:
+        o = self.opts
+        cmd = [o.frmps, "serve", "--engine", "ref", "--model", o.model, "--device", o.device, "--memory", o.memory,
+               "--sync-every", str(o.sync_every), "--port", str(self.port), "--admin-addr", self.admin,
+               "--run-dir", self.run_dir, "--engine-log-dir", self.log_dir, "--python", o.python]
+        if o.num_blocks:
+            cmd += ["--num-blocks", str(o.num_blocks)]
+        if o.max_model_len:
+            cmd += ["--max-model-len", str(o.max_model_len)]
+        if not o.mps:
+            cmd += ["--no-mps"]
+        cmd += [f"--engine-arg={a}" for a in o.engine_args]
+        return cmd
+
+    def start(self) -> None:
+        env = {**os.environ, **self.opts.env}
+        self._log = open(self.log_path, "ab")
+        self.t_start = now()
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, preexec_fn=die_with_parent())
+        if self.cleanup is not None:
+            self.cleanup.add(self.stop)
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        rc = stop_group(self.proc, grace_s=30)
+        if self.opts.mps:
+            self._quit_mps()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self.cleanup is not None:
+            self.cleanup.remove(self.stop)
+        self.proc = None
+        return rc
+
+    def _quit_mps(self) -> None:
+        """frmps quits its MPS daemon on a clean exit; after a kill the daemon would stay."""
+        pipe = os.path.join(self.run_dir, "mps", "pipe")
+        if os.path.exists(os.path.join(pipe, "control")) and shutil.which("nvidia-cuda-mps-control"):
+            env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe,
+                   "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.run_dir, "mps", "log")}
+            try:
+                subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=env, timeout=10,
+                               capture_output=True)
+            except (OSError, subprocess.SubprocessError):
+                pass
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # -- admin API --------------------------------------------------------------
+    def status(self) -> dict:
+        return http_json(f"http://{self.admin}/v1/admin/status", timeout=5)
+
+    @staticmethod
+    def engines(st: dict) -> dict[str, dict]:
+        return {str(field(e, "role", "")).lower(): e for e in field(st, "engines", []) or []}
+
+    @staticmethod
+    def failovers(st: dict) -> list[dict]:
+        return list(field(st, "failovers", []) or [])
+
+    def wait(self, pred, timeout: float, what: str, poll: float = 0.02) -> dict:
+        deadline = time.monotonic() + timeout
+        last: dict | None = None
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise TrialError(f"frmps exited ({self.proc.returncode if self.proc else '-'}) while waiting for "
+                                 f"{what}; log tail:\n{tail(self.log_path, 25)}")
+            try:
+                st = self.status()
+                last = st
+                if pred(st):
+                    return st
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(poll)
+        raise TrialError(f"timed out after {timeout:.0f} s waiting for {what}; last status: {json.dumps(last)[:1500]}; "
+                         f"log tail:\n{tail(self.log_path, 25)}")
+
+    def ready_pair(self, st: dict, exclude_standby_pid: int | None = None) -> bool:
+        e = self.engines(st)
+        act, sb = e.get("active"), e.get("standby")
+        return (act is not None and field(act, "state") == "serving" and sb is not None and field(sb, "state") == "ready"
+                and int(field(sb, "pid", 0) or 0) != (exclude_standby_pid or -1))
+
+    def wait_pair(self, timeout: float = 600, exclude_standby_pid: int | None = None) -> dict:
+        return self.wait(lambda s: self.ready_pair(s, exclude_standby_pid), timeout,
+                         "an active serving and a standby ready")
+
+    def mps_client_env(self) -> dict[str, str]:
+        """The environment that makes a CUDA process a client of this deployment's MPS server."""
+        return {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.run_dir, "mps", "pipe"),
+                "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.run_dir, "mps", "log")}
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+class Trigger:
+    """Injects one fault. prepare() before the requests (an MPS client joins then),
+    fire() at the kill point; returns what it observed, with t_fault."""
+
+    how = ""
+
+    def prepare(self) -> None:
+        pass
+
+    def fire(self) -> dict:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class SigkillTrigger(Trigger):
+    """CPU path (no MPS): SIGKILL the victim. A check of the harness, not a GPU fault."""
+
+    how = "SIGKILL"
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def fire(self) -> dict:
+        t = now()
+        os.kill(self.pid, signal.SIGKILL)
+        return {"how": self.how, "t_fault": t}
+
+
+class MpsTrigger(Trigger):
+    """A bench/faults program run as a client of the victim's MPS server: it joins
+    MPS, says "ready", and faults when a byte arrives on stdin. An SM fault in any
+    client tears down every client of that server."""
+
+    def __init__(self, faults_dir: str, spec: str, mps_env: dict[str, str], cleanup: Cleanup | None = None):
+        prog, _, variant = spec.partition(":")
+        self.path = os.path.join(faults_dir, prog)
+        self.variant = variant
+        self.spec = spec
+        self.env = {**os.environ, **mps_env}
+        self.cleanup = cleanup
+        self.how = f"MPS client {spec}"
+        self.p: subprocess.Popen | None = None
+        self.err: list[str] = []
+        self.join_s: float | None = None
+        self.fired = False
+        self._reader: threading.Thread | None = None
+
+    def prepare(self) -> None:
+        if not os.access(self.path, os.X_OK):
+            raise TrialError(f"fault trigger {self.path} is missing: build it with `make -C bench/faults`")
+        t0 = time.monotonic()
+        self.p = subprocess.Popen([self.path, self.variant, "-1"], env=self.env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        if self.cleanup is not None:
+            self.cleanup.add_proc(self.p)
+        ready = threading.Event()
+
+        def read():  # the only reader of its stderr, to the end
+            for line in self.p.stderr:
+                self.err.append(line.strip())
+                if "ready" in line:
+                    ready.set()
+            ready.set()
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+        if not ready.wait(30) or self.p.poll() is not None:
+            raise TrialError(f"fault trigger {self.spec} did not join MPS: {self.err[-3:]}")
+        self.join_s = round(time.monotonic() - t0, 3)
+
+    def fire(self) -> dict:
+        self.fired = True
+        t_gate = now()
+        self.p.stdin.write("x")
+        self.p.stdin.flush()
+        # The program prints "triggering" right before its faulting launch.
+        deadline = time.monotonic() + 10
+        t_fault = None
+        while time.monotonic() < deadline:
+            if any("triggering" in e for e in self.err):
+                t_fault = now()
+                break
+            time.sleep(0.0005)
+        return {"how": self.how, "t_gate": t_gate, "t_fault": t_fault or t_gate, "join_s": self.join_s}
+
+    def close(self) -> dict:
+        out = ""
+        if self.p is not None:
+            if not self.fired:
+                kill_group(self.p)  # EOF on its stdin would make it fault: not fired means never fault
+            try:
+                self.p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                kill_group(self.p)
+            try:
+                out = self.p.stdout.read()
+            except (OSError, ValueError):
+                pass
+            if self._reader is not None:
+                self._reader.join(5)
+        return {"trigger_rc": self.p.returncode if self.p else None, "trigger_out": (out or "").strip()[-300:],
+                "trigger_err": self.err[-3:]}
+
+
+class MpsDaemon:
+    """A private MPS control daemon (for the baselines' victims), like the supervisor's."""
+
+    def __init__(self, base_dir: str):
+        self.base = base_dir
+        self.pipe = os.path.join(base_dir, "pipe")
+        self.logd = os.path.join(base_dir, "log")
+        for d in (base_dir, self.pipe, self.logd):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": self.pipe, "CUDA_MPS_LOG_DIRECTORY": self.logd}
+        self.running = False
+
+    def _control(self, line: str | None, timeout: float = 10) -> subprocess.CompletedProcess:
+        args = ["nvidia-cuda-mps-control"] + (["-d"] if line is None else [])
+        return subprocess.run(args, input=None if line is None else line + "\n", text=True, timeout=timeout,
+                              capture_output=True, env={**os.environ, **self.env})
+
+    def start(self) -> None:
+        if shutil.which("nvidia-cuda-mps-control") is None:
+            raise TrialError("nvidia-cuda-mps-control not found: run with --no-mps (SIGKILL instead of MPS faults)")
+        r = self._control(None)
+        if r.returncode != 0:
+            raise TrialError(f"nvidia-cuda-mps-control -d failed: {r.stdout}{r.stderr}")
+        self.running = True
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self._control("get_server_list", timeout=3).returncode == 0:
+                return
+            time.sleep(0.05)
+        raise TrialError("private MPS daemon does not answer")
+
+    def stop(self) -> None:
+        if not self.running:
+            return
+        pidf = os.path.join(self.pipe, "nvidia-cuda-mps-control.pid")
+        pid = 0
+        try:
+            with open(pidf) as f:
+                pid = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            pass
+        try:
+            self._control("quit")
+        except (OSError, subprocess.SubprocessError):
+            pass
+        deadline = time.monotonic() + 10
+        while pid and time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.05)
+        if pid and os.path.exists(f"/proc/{pid}"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.running = False
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def outside_mps_env(base_dir: str) -> dict[str, str]:
+    """A private, empty pipe dir: CUDA finds no daemon there and runs outside MPS."""
+    pipe, logd = os.path.join(base_dir, "pipe"), os.path.join(base_dir, "log")
+    for d in (base_dir, pipe, logd):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    return {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logd}
+
+
+# ----------------------------------------------------------------------------- one failover trial
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def frmps_trial(dep: Deployment, trigger: Trigger, body: dict, kill_after: int, *, timeout: float = 300.0,
+                wait_rearm: bool = True, extra_streams: list[dict] | None = None) -> dict:
+    """Stream `body` (plus `extra_streams`), fault the active once the first stream
+    has `kill_after` tokens, and measure the failover:
+
+    - recovery_s: the supervisor's first_token_seconds: death detected (control
+      socket EOF) -> first resumed token handed to a client by the front door;
+    - fault_to_detect_s: trigger's faulting launch -> death detected;
+    - ack_s: death detected -> the standby acknowledged Resume;
+    - engine_first_token_s: from the promoted engine's own log line;
+    - reused/prefilled tokens, client-side gaps and decode step times, token ids.
+    """
+    st0 = dep.status()
+    n0 = len(dep.failovers(st0))
+    eng = dep.engines(st0)
+    old_standby = eng.get("standby") or {}
+    res: dict = {"kill_after": kill_after, "standby_pid": int(field(old_standby, "pid", 0) or 0)}
+    trigger.prepare()
+    streams = [Stream(dep.base, body, timeout=timeout)]
+    streams += [Stream(dep.base, b, timeout=timeout, key=i + 1) for i, b in enumerate(extra_streams or [])]
+    for s in streams:
+        s.start()
+    main = streams[0]
+    try:
+        if not main.wait_tokens(kill_after, timeout):
+            raise TrialError(f"stream ended or stalled at {main.n_tokens} tokens before the kill point {kill_after} "
+                             f"(finish={main.finish}, error={main.error})", res)
+        res["tokens_at_fire"] = main.n_tokens
+        res["inject"] = trigger.fire()
+        t_fault = res["inject"]["t_fault"]
+
+        def recorded(st):
+            recs = dep.failovers(st)
+            return len(recs) > n0 and field(recs[0], "cause") != "pending"
+
+        st = dep.wait(recorded, 120, "the failover record", poll=0.01)
+        rec = dep.failovers(st)[0]
+        seq = field(rec, "seq")
+
+        def first_token(st):
+            r = next((r for r in dep.failovers(st) if field(r, "seq") == seq), {})
+            return float(field(r, "first_token_seconds", 0) or 0) > 0 or all(not s.is_alive() for s in streams)
+
+        st = dep.wait(first_token, 60, "the first resumed token", poll=0.01)
+        rec = next(r for r in dep.failovers(st) if field(r, "seq") == seq)
+        for s in streams:
+            s.join(timeout)
+        detect = int(field(rec, "unix_nanos", 0) or 0) / 1e9
+        res["record"] = {k: field(rec, k) for k in ("seq", "cause", "detail", "ok", "error", "duration_seconds",
+                                                    "resumed_requests", "reused_tokens", "prefilled_tokens",
+                                                    "first_token_seconds")}
+        res["detect_unix"] = detect
+        res["ok"] = bool(field(rec, "ok", False))
+        res["recovery_s"] = float(field(rec, "first_token_seconds", 0) or 0) or None
+        res["ack_s"] = float(field(rec, "duration_seconds", 0) or 0)
+        res["reused_tokens"] = int(field(rec, "reused_tokens", 0) or 0)
+        res["prefilled_tokens"] = int(field(rec, "prefilled_tokens", 0) or 0)
+        res["fault_to_detect_s"] = round(detect - t_fault, 4) if detect else None
+        times = [t for t, _ in main.chunks]
+        before = [t for t in times if t <= t_fault]
+        after = [t for t in times if t > detect]
+        res["tokens_before_fault"] = sum(len(ids) for t, ids in main.chunks if t <= t_fault)
+        res["client_first_after_detect_s"] = round(after[0] - detect, 4) if after else None
+        res["client_gap_s"] = round(after[0] - before[-1], 4) if after and before else None
+        # Decode step as the client sees it (batch of these streams), before and after the takeover.
+        res["step_before_s"] = med(gaps(before[1:]))
+        res["step_after_s"] = med(gaps(after[1:]))
+        res["streams"] = [{"tokens": s.n_tokens, "finish": s.finish, "error": s.error} for s in streams]
+        res["token_ids"] = main.token_ids()
+        res["extra_token_ids"] = [s.token_ids() for s in streams[1:]]
+        log = field(old_standby, "log_path")
+        tk = grep_first(log, LOG_TAKEOVER)
+        if tk:
+            res["takeover_log"] = {"requests": int(tk[0]), "resume_ms": float(tk[1]), "reused_tokens": int(tk[2]),
+                                   "prefilled_tokens": int(tk[3]), "kv_writable_ms": float(tk[4])}
+        fl = grep_first(log, LOG_FIRST)
+        if fl and detect:
+            res["engine_first_token_s"] = round(float(fl[0]) - detect, 4)
+        if wait_rearm:
+            t0 = now()
+            dep.wait_pair(300, exclude_standby_pid=int(field(old_standby, "pid", 0) or 0))
+            res["rearm_s"] = round(now() - detect, 2) if detect else round(now() - t0, 2)
+        errs = [s.error for s in streams if s.error]
+        if errs:
+            raise TrialError(f"client stream error after the failover: {errs[0]}", res)
+        if not res["ok"]:
+            raise TrialError(f"failover failed: {res['record'].get('error')}", res)
+        if res["recovery_s"] is None:
+            raise TrialError("no first resumed token was recorded", res)
+        return res
+    finally:
+        res.update(trigger.close() or {})
+        for s in streams:
+            if s.is_alive():
+                s.join(1)
