@@ -1,0 +1,563 @@
+"""Engine processes the bench driver starts itself (the reference engine, the same
+model and weights as `frmps serve`):
+
+  victim            the process that dies: an engine serving requests (inside MPS on the GPU)
+  sleep             the sleep-only baseline: weights in pinned host memory, no GPU weight or KV
+                    memory while asleep; on wake it re-creates the pools at the same addresses,
+                    copies the weights back, re-prefills and emits the first token
+  cold              the cold-restart baseline: a new process that loads the weights from a
+                    safetensors checkpoint on local disk, re-prefills and emits the first token
+  context           a bare CUDA context (torch initialised, one tiny allocation): the reference
+                    for the standby's memory overhead
+  write-checkpoint  writes the model's dummy weights as a sharded safetensors checkpoint
+  sync-overhead     decode throughput with a ring sync every N steps, in one process
+
+Protocol: JSON lines. Commands on stdin (victim, sleep); events on stdout, each
+with "ev" and "t" (time.time() when the event happened in this process).
+"""
+
+from __future__ import annotations
+
+import time
+
+T_PROCESS = time.time()  # before the heavy imports: the cold restart's import cost is measured from here
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import queue  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+
+_out_lock = threading.Lock()
+
+
+def emit(ev: str, **kw) -> None:
+    kw.setdefault("t", time.time())
+    line = json.dumps({"ev": ev, **kw}, separators=(",", ":"))
+    with _out_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def die_on_device_error(e: BaseException) -> None:
+    """A CUDA error is sticky: report it and exit at once, like an engine does."""
+    from frmps_engine.sdk.loop import is_device_error
+
+    if is_device_error(e):
+        try:
+            emit("fault", error=str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+        finally:
+            os._exit(3)
+
+
+def sync(device: str) -> None:
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def make_cfg(args, **over):
+    from frmps_engine.refengine import EngineConfig
+
+    kw = {}
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        v = getattr(args, name, None)
+        if v:
+            kw[name] = v
+    kw.update(over)
+    return EngineConfig.from_preset(args.model, device=args.device, num_blocks=args.num_blocks or None,
+                                    max_model_len=args.max_model_len or None, seed=args.seed, **kw)
+
+
+def sampling(r: dict):
+    from frmps_engine.refengine import SamplingParams
+
+    return SamplingParams(max_tokens=int(r.get("max_tokens", 16)), temperature=float(r.get("temperature", 0.0)),
+                          seed=r.get("seed"), ignore_eos=True)
+
+
+def read_commands(q: queue.Queue) -> None:
+    for line in sys.stdin:
+        line = line.strip()
+        if line:
+            try:
+                q.put(json.loads(line))
+            except json.JSONDecodeError as e:
+                emit("error", error=f"bad command: {e}")
+    q.put({"cmd": "eof"})
+
+
+# ----------------------------------------------------------------------------- victim
+
+
+def step_delay() -> float:
+    """FRMPS_TEST_STEP_DELAY_MS: the engines' test knob (CPU checks slow every step so that
+    kill points land on time); the bench sets it for the victim too on the CPU, never on the GPU."""
+    try:
+        return max(0.0, float(os.environ.get("FRMPS_TEST_STEP_DELAY_MS", "0") or 0) / 1000)
+    except ValueError:
+        return 0.0
+
+
+def run_victim(args) -> int:
+    from frmps_engine.refengine import EngineCore
+
+    delay = step_delay()
+
+    try:
+        cfg = make_cfg(args)
+        core = EngineCore(cfg, EngineCore.allocate_pools(cfg), load_weights=True)
+        if args.warmup:
+            core.warmup()
+        sync(args.device)
+    except Exception as e:
+        die_on_device_error(e)
+        raise
+    emit("ready", pid=os.getpid(), init_s=round(time.time() - T_PROCESS, 3))
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=read_commands, args=(q,), daemon=True).start()
+    while True:
+        try:
+            while True:
+                cmd = q.get(block=not core.has_work())
+                if cmd["cmd"] in ("exit", "eof"):
+                    return 0
+                if cmd["cmd"] == "generate":
+                    for r in cmd["requests"]:
+                        core.add_request(int(r["key"]), r["prompt"], sampling(r))
+        except queue.Empty:
+            pass
+        try:
+            outs = core.step()
+        except Exception as e:
+            die_on_device_error(e)
+            raise
+        if delay:
+            time.sleep(delay)
+        t = time.time()
+        for o in outs:
+            if o.new_token_ids:
+                emit("tok", key=o.key, i=o.output_index, ids=list(o.new_token_ids), t=t)
+            if o.finished:
+                emit("finished", key=o.key, t=t)
+
+
+# ----------------------------------------------------------------------------- recovery (sleep, cold)
+
+
+def recover(core, requests: list[dict], device: str) -> dict:
+    """Adopt each request with no KV (prompt + delivered tokens recomputed in one
+    pass: the engine's own path for a request with no snapshot) and step until
+    every one has its next token. Emits first_token per request."""
+    for r in requests:
+        core.adopt_request(int(r["key"]), sampling(r), r["prompt"], len(r["prompt"]), 0, [], r.get("seed"),
+                           r.get("delivered", []))
+    waiting = {int(r["key"]) for r in requests}
+    first: dict[int, float] = {}
+    steps = 0
+    if not core.has_work():
+        raise RuntimeError("nothing to recover: every request had finished before the fault")
+    while waiting:
+        outs = core.step()
+        steps += 1
+        t = time.time()
+        for o in outs:
+            if o.key in waiting and o.new_token_ids:
+                first[o.key] = t
+                emit("first_token", key=o.key, i=o.output_index, ids=list(o.new_token_ids), t=t)
+                waiting.discard(o.key)
+        if not core.has_work() and waiting:
+            raise RuntimeError(f"requests {sorted(waiting)} had finished before the fault: nothing to recover")
+    return {"steps": steps, "first_token_unix": first}
+
+
+def decode_more(core, n_steps: int) -> None:
+    for _ in range(n_steps):
+        if not core.has_work():
+            break
+        t0 = time.time()
+        outs = core.step()
+        t = time.time()
+        for o in outs:
+            if o.new_token_ids:
+                emit("tok", key=o.key, i=o.output_index, ids=list(o.new_token_ids), t=t, step_s=round(t - t0, 6))
+
+
+def run_sleep(args) -> int:
+    import torch
+
+    from frmps_engine.refengine import EngineCore, pool_layout
+
+    from .sleep_memory import make_sleep_pools
+
+    t0 = time.perf_counter()
+    try:
+        cfg = make_cfg(args)
+        specs = pool_layout(cfg)
+        pools = make_sleep_pools(specs, args.device)
+        pools.reserve()
+        pools.wake()
+        tensors = pools.tensors()
+        # Built and warmed up (graphs captured) on the pools' addresses, which survive sleep.
+        core = EngineCore(cfg, tensors, load_weights=True)
+        core.warmup()
+        weights = tensors[("weights", 0)]
+        kv = tensors[("kv_cache", 0)]
+        host = torch.empty(weights.numel(), dtype=torch.uint8, pin_memory=args.device != "cpu")
+        host.copy_(weights)
+        sync(args.device)
+        pools.sleep()
+    except Exception as e:
+        die_on_device_error(e)
+        raise
+    emit("ready", pid=os.getpid(), init_s=round(time.perf_counter() - t0, 3), host_copy_bytes=host.numel(),
+         pinned=bool(host.is_pinned()) if args.device != "cpu" else False)
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=read_commands, args=(q,), daemon=True).start()
+    awake = False
+    while True:
+        cmd = q.get()
+        if cmd["cmd"] in ("exit", "eof"):
+            return 0
+        try:
+            if cmd["cmd"] == "wake":
+                if awake:
+                    emit("error", error="already awake")
+                    continue
+                t_cmd = time.time()
+                w0 = time.perf_counter()
+                pools.wake()
+                w1 = time.perf_counter()
+                weights.copy_(host, non_blocking=True)
+                sync(args.device)
+                w2 = time.perf_counter()
+                kv.zero_()  # fresh physical memory is undefined; masked attention rows must not meet NaNs
+                sync(args.device)
+                w3 = time.perf_counter()
+                awake = True
+                rec = recover(core, cmd["requests"], args.device)
+                w4 = time.perf_counter()
+                emit("woke", received_unix=t_cmd, map_s=round(w1 - w0, 6), copy_weights_s=round(w2 - w1, 6),
+                     zero_kv_s=round(w3 - w2, 6), prefill_s=round(w4 - w3, 6), total_s=round(w4 - w0, 6),
+                     steps=rec["steps"], weights_gib=round(weights.numel() / (1 << 30), 3))
+                decode_more(core, int(cmd.get("then_steps", 0)))
+                emit("decoded")
+            elif cmd["cmd"] == "sleep":
+                for k in list(core._reqs):  # noqa: SLF001 (a baseline driving the core directly)
+                    core.abort(k)
+                core.step()  # drain aborted outputs
+                pools.sleep()
+                awake = False
+                emit("slept")
+            else:
+                emit("error", error=f"unknown command {cmd.get('cmd')!r}")
+        except Exception as e:
+            die_on_device_error(e)
+            emit("error", error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+
+
+def run_cold(args) -> int:
+    import torch
+
+    t_import = time.time()
+    from frmps_engine.refengine import EngineCore
+
+    raw = args.requests
+    if raw.startswith("@"):
+        with open(raw[1:]) as f:
+            raw = f.read()
+    requests = json.loads(raw)
+    try:
+        times = {"python_start_to_main_s": round(t_import - T_PROCESS, 4)}
+        t = time.perf_counter()
+        if args.device != "cpu":
+            torch.cuda.init()
+            torch.zeros(1, device=args.device)
+            sync(args.device)
+        times["cuda_context_s"] = round(time.perf_counter() - t, 4)
+        cfg = make_cfg(args, weights=args.checkpoint)
+        t = time.perf_counter()
+        pools = EngineCore.allocate_pools(cfg)
+        sync(args.device)
+        times["allocate_s"] = round(time.perf_counter() - t, 4)
+        t = time.perf_counter()
+        core = EngineCore(cfg, pools, load_weights=True)
+        sync(args.device)
+        times["load_weights_s"] = round(time.perf_counter() - t, 4)
+        t = time.perf_counter()
+        if args.warmup:
+            core.warmup()
+            sync(args.device)
+        times["warmup_s"] = round(time.perf_counter() - t, 4)
+        t = time.perf_counter()
+        rec = recover(core, requests, args.device)
+        times["prefill_s"] = round(time.perf_counter() - t, 4)
+        times["process_start_to_first_token_s"] = round(max(rec["first_token_unix"].values()) - T_PROCESS, 4)
+        emit("recovered", **times, steps=rec["steps"])
+        decode_more(core, args.then_steps)
+        emit("decoded")
+    except Exception as e:
+        die_on_device_error(e)
+        raise
+    return 0
+
+
+# ----------------------------------------------------------------------------- context, checkpoint
+
+
+def run_context(args) -> int:
+    import torch
+
+    if args.device != "cpu":
+        torch.cuda.init()
+        x = torch.zeros(1, device=args.device)
+        torch.cuda.synchronize()
+    else:
+        x = torch.zeros(1)
+    emit("ready", pid=os.getpid(), numel=int(x.numel()))
+    sys.stdin.read()  # until the driver closes stdin
+    return 0
+
+
+def hf_tensors(cfg, params):
+    """(HF name, tensor view) of every checkpoint tensor, in a fixed order."""
+    from frmps_engine.refengine.weights import _hf_targets
+
+    for name, (pname, start, rows) in _hf_targets(cfg).items():
+        yield name, params[pname].narrow(0, start, rows)
+
+
+def make_room(root: str, need: int, keep: str) -> list[str]:
+    """Delete other cached checkpoints under root (oldest first) until `need` bytes are free."""
+    import shutil
+
+    os.makedirs(root, exist_ok=True)
+    evicted = []
+    cands = []
+    for name in os.listdir(root):
+        d = os.path.join(root, name)
+        marker = os.path.join(d, "frmps-checkpoint.json")
+        if os.path.abspath(d) != os.path.abspath(keep) and os.path.isfile(marker):
+            cands.append((os.path.getmtime(marker), d))
+    for _, d in sorted(cands):
+        if shutil.disk_usage(root).free >= need:
+            break
+        shutil.rmtree(d, ignore_errors=True)
+        evicted.append(os.path.basename(d))
+    if shutil.disk_usage(root).free < need:
+        raise RuntimeError(f"not enough disk for the checkpoint: {need / (1 << 30):.1f} GiB needed, "
+                           f"{shutil.disk_usage(root).free / (1 << 30):.1f} GiB free in {root}")
+    return evicted
+
+
+def run_write_checkpoint(args) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    from frmps_engine.refengine import pool_layout
+    from frmps_engine.refengine.weights import init_dummy, param_views
+
+    from frmps_engine.refengine import weights_bytes
+
+    t0 = time.perf_counter()
+    cfg = make_cfg(args)
+    evicted = make_room(os.path.dirname(os.path.abspath(args.out)), weights_bytes(cfg) + (2 << 30), keep=args.out)
+    wspec = pool_layout(cfg)[0]
+    pool = torch.zeros(wspec.size, dtype=torch.uint8, device=cfg.device)
+    params = param_views(cfg, pool)
+    init_dummy(cfg, params)  # the same seeded weights the engines generate
+    sync(cfg.device)
+    tmp = args.out.rstrip("/") + f".tmp-{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    shard: dict = {}
+    shard_bytes = 0
+    files: list[str] = []
+    total = 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if not shard:
+            return
+        path = os.path.join(tmp, f"model-{len(files) + 1:05d}.safetensors")
+        save_file(shard, path, metadata={"format": "pt"})
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())  # clean pages: dropping them from the page cache later works
+        files.append(os.path.basename(path))
+        shard, shard_bytes = {}, 0
+
+    for name, t in hf_tensors(cfg, params):
+        c = t.to("cpu").contiguous()
+        shard[name] = c
+        shard_bytes += c.numel() * c.element_size()
+        total += c.numel() * c.element_size()
+        if shard_bytes >= args.shard_bytes:
+            flush()
+    flush()
+    meta = {"model": args.model, "seed": args.seed, "dtype": cfg.dtype, "device_kind": "cpu" if cfg.device == "cpu" else "cuda",
+            "bytes": total, "files": files, "evicted": evicted, "written_unix": time.time(), "write_s": round(time.perf_counter() - t0, 2)}
+    with open(os.path.join(tmp, "frmps-checkpoint.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    if os.path.exists(args.out):
+        import shutil
+
+        shutil.rmtree(args.out)
+    os.replace(tmp, args.out)
+    emit("done", **meta)
+    return 0
+
+
+# ----------------------------------------------------------------------------- sync overhead
+
+
+def run_sync_overhead(args) -> int:
+    """Decode throughput at a saturating batch with the ring synced every N steps
+    (N = 0: never): the same engine and batch, trials interleaved (forward and
+    backward rounds), each trial starting right after a sync; the time inside the
+    sync calls is measured directly too."""
+    import torch
+
+    from frmps_engine.refengine import EngineCore, SamplingParams, weights_bytes
+    from frmps_engine.refengine.config import EngineConfig
+    from frmps_engine.ring import create_ring
+    from frmps_engine.sdk.loop import RingPublisher
+
+    sync_list = [int(x) for x in args.sync_list.split(",")]
+    S, R = args.steps_per_trial, args.reps
+    total_steps = len(sync_list) * S * R + args.warmup_steps + 8
+    ctx = args.prompt_len + total_steps + 16
+    probe = EngineConfig.from_preset(args.model, device=args.device, max_model_len=max(ctx, 256), num_blocks=2)
+    blocks_per_seq = math.ceil(ctx / probe.block_size)
+    batch = args.batch
+    if not batch:
+        if args.device == "cpu":
+            batch = 8
+        else:
+            free, _total = torch.cuda.mem_get_info()
+            budget = free - weights_bytes(probe) - int(args.reserve_gib * (1 << 30))
+            batch = max(1, min(args.max_batch, budget // (blocks_per_seq * probe.kv_block_bytes)))
+            batch = batch // 8 * 8 or batch
+    kw = {"max_num_seqs": batch}
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    cfg = EngineConfig.from_preset(args.model, device=args.device, max_model_len=max(ctx, 256),
+                                   num_blocks=batch * blocks_per_seq + 1, seed=args.seed, **kw)
+    t0 = time.perf_counter()
+    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), load_weights=True)
+    core.warmup()
+    sync(args.device)
+    init_s = time.perf_counter() - t0
+    ring_dir = args.ring_dir if os.path.isdir(args.ring_dir) else "/tmp"
+    path = os.path.join(ring_dir, f"frmps-bench-ring-{os.getpid()}")
+    create_ring(path, args.ring_capacity)
+    try:
+        pub = RingPublisher(path)
+        g = torch.Generator().manual_seed(args.seed)
+        V = min(cfg.shape.vocab_size, 32000)
+        for k in range(batch):
+            core.add_request(k + 1, torch.randint(0, V, (args.prompt_len,), generator=g).tolist(),
+                             SamplingParams(max_tokens=total_steps + 4, temperature=0.0, ignore_eos=True))
+        pub.publish_full(0, core.request_views())
+        step = 0
+        t0 = time.perf_counter()
+        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core._reqs.values()):  # noqa: SLF001
+            core.step()
+            step += 1
+        sync(args.device)
+        prefill_s = time.perf_counter() - t0
+        for _ in range(args.warmup_steps):
+            core.step()
+            step += 1
+            pub.sync(step, core.request_views())
+        trials = []
+        for rep in range(R):
+            # Forward, then backward: over an even number of rounds a linear drift (the
+            # context grows with every step) weighs on every N alike.
+            order = sync_list if rep % 2 == 0 else sync_list[::-1]
+            for n in order:
+                pub.sync(step, core.request_views())  # untimed: every trial starts right after a sync
+                since, t_sync, n_sync = 0, 0.0, 0
+                sync(args.device)
+                ta = time.perf_counter()
+                for _ in range(S):
+                    outs = core.step()
+                    step += 1
+                    since += 1
+                    if n and since >= n:
+                        ts = time.perf_counter()
+                        pub.sync(step, core.request_views())
+                        t_sync += time.perf_counter() - ts
+                        n_sync += 1
+                        since = 0
+                sync(args.device)
+                dt = time.perf_counter() - ta
+                if len(outs) != batch:
+                    raise RuntimeError(f"expected {batch} decodes per step, got {len(outs)}")
+                trials.append({"sync_every": n, "rep": rep, "seconds": dt, "tokens": S * batch, "sync_s": t_sync,
+                               "syncs": n_sync})
+                print(f"sync-overhead {args.model} rep {rep} N={n or 'none'}: {S * batch / dt:,.0f} tok/s, "
+                      f"sync {t_sync * 1e3:.2f} ms / {n_sync}", file=sys.stderr, flush=True)
+        pub.close()
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    emit("result", model=args.model, batch=batch, prompt_len=args.prompt_len, steps_per_trial=S, reps=R,
+         max_context=ctx, init_s=round(init_s, 2), prefill_s=round(prefill_s, 3), trials=trials,
+         graph_steps=core.counters.get("graph_steps"), ring_capacity=args.ring_capacity)
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="frmps_engine.bench.baseline_engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("role", choices=["victim", "sleep", "cold", "context", "write-checkpoint", "sync-overhead"])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights")
+    p.add_argument("--num-blocks", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="capture decode graphs before serving (1) or not (0)")
+    p.add_argument("--checkpoint", default="", help="cold: the safetensors directory")
+    p.add_argument("--requests", default="[]", help="cold: JSON list of requests to recover, or @file")
+    p.add_argument("--then-steps", type=int, default=0, help="cold: decode steps after the first token")
+    p.add_argument("--out", default="", help="write-checkpoint: target directory")
+    p.add_argument("--shard-bytes", type=int, default=4 << 30)
+    p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64")
+    p.add_argument("--steps-per-trial", type=int, default=64)
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=0, help="sync-overhead: batch (0: as large as memory allows, up to --max-batch)")
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--reserve-gib", type=float, default=8.0)
+    p.add_argument("--ring-dir", default="/dev/shm")
+    p.add_argument("--ring-capacity", type=int, default=8 << 20)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    run = {"victim": run_victim, "sleep": run_sleep, "cold": run_cold, "context": run_context,
+           "write-checkpoint": run_write_checkpoint, "sync-overhead": run_sync_overhead}[args.role]
+    try:
+        code = run(args)
+    except Exception as e:
+        emit("error", error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-3000:])
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown (CUDA state, daemon threads)
+
+
+if __name__ == "__main__":
+    main()
