@@ -1,0 +1,331 @@
+"""`frmps bench`: every experiment's CPU mode end to end through the real
+supervisor (tiny model, SIGKILL, host-shm; a check of the harness, not a
+measurement), the result files' shape, resumability, and the report and plot
+helpers on synthetic records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from frmps_engine.bench import report
+from frmps_engine.bench.common import ResultFile, key_id, latest_ok, load_records
+from frmps_engine.bench.experiments import EXPERIMENTS, outage_metrics
+
+# Reduced CPU plans: every experiment and every system once, a few seconds each.
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(report.__file__))))  # .../src
+# recovery runs the GPU mode's fault path: MPS on, a co-located "MPS client" faults the
+# victim, a fresh deployment per faulted trial, a private MPS daemon for the baselines'
+# victims; against TEST DOUBLES of nvidia-cuda-mps-control and of the fault triggers.
+CPU_RUNS = {
+    "recovery": ["--cold-cache", "warm", "--tail-tokens", "8", "--cpu-with-mps-doubles", "--faults-dir",
+                 os.path.join(HERE, "bench_doubles")],
+    "prompt-length": ["--lengths", "48"],
+    "since-sync": ["--ks", "4"],
+    "sync-overhead": [],
+    "outage": ["--duration", "2.5", "--fault-at", "1.2"],
+    "standby-memory": ["--settle-s", "0.2"],
+    "correctness": ["--ks", "4", "--tail-tokens", "12"],
+}
+
+
+def bench(out: str, workdir: str, exp: str, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    fake_bin = os.path.join(workdir, "fake-bin")
+    os.makedirs(fake_bin, exist_ok=True)
+    link = os.path.join(fake_bin, "nvidia-cuda-mps-control")
+    if not os.path.lexists(link):
+        os.symlink(os.path.join(REPO, "supervisor", "mps", "testdata", "nvidia-cuda-mps-control"), link)
+    # Only the package's source dir: the test's own sys.path may hold directories whose
+    # modules would shadow the standard library in the engines.
+    env = {**os.environ, "PYTHONPATH": SRC, "PATH": fake_bin + os.pathsep + os.environ.get("PATH", "")}
+    cmd = [sys.executable, "-m", "frmps_engine.bench", exp, "--cpu", "--out", out, "--workdir", workdir,
+           "--frmps", os.environ["FRMPS_BIN"], "--cache-dir", os.path.join(workdir, "ckpt"), "--no-plots", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def cpu_results(tmp_path_factory):
+    pytest.importorskip("torch")
+    if not os.environ.get("FRMPS_BIN") or not os.access(os.environ["FRMPS_BIN"], os.X_OK):
+        pytest.skip("FRMPS_BIN is not set to a built frmps binary (make py-test sets it)")
+    out = str(tmp_path_factory.mktemp("bench-out"))
+    work = str(tmp_path_factory.mktemp("bench-work"))
+    runs = {}
+    for exp, extra in CPU_RUNS.items():
+        t0 = time.monotonic()
+        p = bench(out, work, exp, *extra)
+        runs[exp] = (p, time.monotonic() - t0)
+    return out, work, runs
+
+
+def records(out: str, exp: str) -> list[dict]:
+    return load_records(os.path.join(out, f"{exp}.jsonl"))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("exp", list(CPU_RUNS))
+def test_cpu_mode_end_to_end(cpu_results, exp):
+    out, _, runs = cpu_results
+    p, _ = runs[exp]
+    # 0: every point ok; the ablation needs an engine flag that may not exist yet (recorded "unsupported").
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stderr[-4000:]}"
+    recs = records(out, exp)
+    assert recs, p.stderr[-2000:]
+    ok = [r for r in recs if r["ok"]]
+    assert ok, [r["error"] for r in recs]
+    for r in recs:
+        assert set(r) >= {"schema", "experiment", "key", "ok", "error", "run_id", "t", "data"}
+        assert r["experiment"] == exp
+        assert r["ok"] or r.get("unsupported"), r["error"]
+    summary = json.load(open(os.path.join(out, f"{exp}.json")))
+    assert summary["experiment"] == exp and summary["summary"] and summary["runs"]
+    assert all(run["cpu_check"] for run in summary["runs"])
+    assert "[" + exp in p.stderr  # progress lines
+    readme = open(os.path.join(out, "README.md")).read()
+    assert report.TITLES[exp] in readme and "CPU check of the harness" in readme
+
+
+@pytest.mark.torch
+def test_cpu_recovery_measures_every_system(cpu_results):
+    out, _, _ = cpu_results
+    by = {r["key"]["system"]: r["data"] for r in records(out, "recovery") if r["ok"]}
+    assert set(by) == {"frmps", "sleep-only", "cold"}
+    for d in by.values():
+        assert 0 < d["recovery_s"] < 60
+    f = by["frmps"]
+    assert f["record"]["ok"] and f["record"]["resumed_requests"] == 1
+    assert f["tokens_before_fault"] >= 1 and len(f["token_ids"]) == 1 + 8
+    assert f["fault_to_detect_s"] is not None and f["fault_to_detect_s"] >= 0
+    # The fault came from the (double of the) co-located MPS client, not from a signal of ours.
+    for d in by.values():
+        assert d["inject"]["how"] == "MPS client misaligned:load", d["inject"]
+        assert d["trigger_rc"] == 0 and "observed misaligned" in d["trigger_out"]
+    # The baselines recovered the request the victim was serving: prompt + delivered re-prefilled.
+    for name in ("sleep-only", "cold"):
+        d = by[name]
+        assert d["delivered"][0] >= 1 and d["victim_rc"] == -9  # the double's SIGKILL: the victim was an MPS client
+        assert d["first_token_ids"]["1"]
+    assert by["sleep-only"]["wake"]["copy_weights_s"] >= 0
+    assert by["cold"]["cold"]["load_weights_s"] > 0 and by["cold"]["page_cache_fraction_before"] is not None
+    s = json.load(open(os.path.join(out, "recovery.json")))["summary"]["models"]["tiny"]
+    assert s["speedup_vs_sleep_only"] and s["speedup_vs_cold"]
+
+
+@pytest.mark.torch
+def test_cpu_kv_sharing_is_visible(cpu_results):
+    """With N=1 the standby recomputes one token; the snapshot covers the rest."""
+    out, _, _ = cpu_results
+    pts = {r["key"]["system"]: r["data"] for r in records(out, "since-sync") if r["ok"]}
+    n1 = pts["frmps-n1"]
+    assert n1["prefilled_tokens"] == 1 and n1["reused_tokens"] >= 6
+    pl = [r["data"] for r in records(out, "prompt-length") if r["ok"] and r["key"]["system"] == "frmps"]
+    assert pl and pl[0]["reused_tokens"] >= 48
+
+
+@pytest.mark.torch
+def test_cpu_correctness_is_exact(cpu_results):
+    out, _, _ = cpu_results
+    d = next(r["data"] for r in records(out, "correctness") if r["ok"])
+    assert d["equal"] == 2 and d["greedy_equal"] and d["seeded_equal"], d
+
+
+@pytest.mark.torch
+def test_cpu_outage_and_memory(cpu_results):
+    out, _, _ = cpu_results
+    o = {r["key"]["system"]: r["data"] for r in records(out, "outage") if r["ok"]}
+    assert o["frmps"]["stream_errors"] == 0 and o["frmps"]["requests"] >= 4 and o["frmps"]["outage_s"] > 0
+    assert sum(o["frmps"]["tokens_per_s"]) > 0
+    assert o["sleep-only"]["recovery_all_s"] >= o["sleep-only"]["recovery_s"] > 0
+    m = next(r["data"] for r in records(out, "standby-memory") if r["ok"])
+    assert m["standby_mib"] > 0 and m["context_mib"] > 0 and m["sleep_only_standby_mib"] > 0
+    s = next(r["data"] for r in records(out, "sync-overhead") if r["ok"])
+    ns = {t["sync_every"] for t in s["trials"]}
+    assert ns == {0, 1, 2, 4, 8, 16, 32, 64}
+    assert all(t["syncs"] == 0 for t in s["trials"] if t["sync_every"] == 0)
+    assert any(t["syncs"] > 0 and t["sync_s"] > 0 for t in s["trials"] if t["sync_every"] == 1)
+
+
+@pytest.mark.torch
+def test_rerun_skips_done_points(cpu_results):
+    out, work, runs = cpu_results
+    before = {exp: len(records(out, exp)) for exp in CPU_RUNS}
+    for exp, extra in CPU_RUNS.items():
+        t0 = time.monotonic()
+        p = bench(out, work, exp, *extra)
+        assert p.returncode == 0, p.stderr[-2000:]
+        after = records(out, exp)
+        new = after[before[exp]:]
+        # Only the unsupported points are looked at again (a cheap capability check).
+        assert all(r.get("unsupported") for r in new), new
+        if not new:
+            assert time.monotonic() - t0 < 15, f"{exp}: a re-run with nothing to do took {time.monotonic() - t0:.1f} s"
+
+
+# ----------------------------------------------------------------------------- without the GPU or the engine
+
+
+def test_result_file_resume_and_attempts(tmp_path):
+    rf = ResultFile(str(tmp_path), "x", "run1", max_attempts=2)
+    a, b, c = {"m": "a", "t": 0}, {"m": "b", "t": 0}, {"m": "c", "t": 0}
+    assert rf.pending([a, b, c]) == [a, b, c]
+    rf.add(a, {"v": 1}, None, 0.1)
+    rf.add(b, None, "boom", 0.1)
+    rf.add(c, None, "unsupported: no flag", 0.0, unsupported=True)
+    assert rf.status(a) == "done" and rf.status(b) == "pending" and rf.status(c) == "unsupported"
+    assert rf.pending([a, b, c]) == [b, c]
+    rf.add(b, None, "boom again", 0.1)
+    assert rf.status(b) == "failed" and rf.pending([a, b]) == []
+    for _ in range(3):  # unsupported records never use up attempts
+        rf.add(c, None, "unsupported: no flag", 0.0, unsupported=True)
+    assert rf.status(c) == "unsupported" and rf.attempts(c) == 0
+    rf.add(c, {"v": 3}, None, 0.1)
+    assert rf.status(c) == "done"
+    # A torn last line (killed mid-write) is skipped; every attempt stays in the file.
+    with open(rf.path, "a") as f:
+        f.write('{"key": {"m": "d"')
+    recs = load_records(rf.path)
+    assert len(recs) == 8
+    latest = {key_id(r["key"]): r for r in latest_ok(recs)}
+    assert latest[key_id(b)]["error"] == "boom again" and latest[key_id(c)]["ok"]
+
+
+def test_outage_metrics():
+    t0, tf = 100.0, 105.0
+    arr = [(t0 + i * 0.01, 1) for i in range(500)]  # 100 tok/s until the fault
+    arr += [(tf + 0.25 + i * 0.01, 2) for i in range(300)]  # back 250 ms later, twice as many tokens per chunk
+    m = outage_metrics(arr, tf, t0, 0.5)
+    assert abs(m["outage_s"] - 0.26) < 1e-6
+    assert m["tokens"] == 500 + 600
+    assert m["tokens_per_s"][0] == 100.0 and m["tokens_per_s"][10] == 0.0 + 2 * 25 / 0.5
+    assert abs(m["last_token_before_fault_rel_s"] + 0.01) < 1e-6
+    assert abs(m["first_token_after_fault_rel_s"] - 0.25) < 1e-6
+    assert m["throughput_back_rel_fault_s"] == 0.0  # the bin of the fault already holds the first tokens back
+    m = outage_metrics(arr, tf, t0, 0.05)
+    assert m["throughput_back_rel_fault_s"] == pytest.approx(0.25)
+
+
+def _rec(exp, key, data, ok=True, err=None, **kw):
+    return {"schema": 1, "experiment": exp, "key": key, "ok": ok, "error": err, "run_id": "r", "t": 0, "data": data, **kw}
+
+
+def synthetic(out: str) -> None:
+    """Result files like a GPU run's, with known figures."""
+    def write(exp, recs, cpu=False):
+        with open(os.path.join(out, f"{exp}.jsonl"), "w") as f:
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
+        with open(os.path.join(out, "runs.jsonl"), "a") as f:
+            f.write(json.dumps({"experiment": exp, "cpu_check": cpu, "fault": "misaligned:load",
+                                "env": {"nvidia_smi": {"name": "NVIDIA H100 80GB HBM3", "driver": "580.1"},
+                                        "engine": {"torch": "2.11", "torch_cuda": "13.0"}, "commit": "abc"}}) + "\n")
+
+    rec = []
+    for m, f, sl, cold, step in (("qwen2.5-0.5b", 0.010, 0.080, 30.0, 0.006), ("qwen2.5-14b", 0.020, 1.0, 60.0, 0.018)):
+        for t, jitter in enumerate((0.0, 0.001, -0.001)):
+            rec.append(_rec("recovery", {"model": m, "system": "frmps", "trial": t},
+                            {"recovery_s": f + jitter, "step_after_s": step, "fault_to_detect_s": 0.1}))
+            rec.append(_rec("recovery", {"model": m, "system": "sleep-only", "trial": t},
+                            {"recovery_s": sl, "wake": {"copy_weights_s": sl / 2}}))
+        rec.append(_rec("recovery", {"model": m, "system": "cold", "cache": "dropped", "trial": 0},
+                        {"recovery_s": cold, "cold": {"load_weights_s": cold / 2}, "page_cache_fraction_before": 0.0}))
+    rec.append(_rec("recovery", {"model": "qwen2.5-7b", "system": "frmps", "trial": 0}, {}, ok=False, err="TrialError: x"))
+    write("recovery", rec)
+    trials = []
+    for rep in range(2):
+        for n in (0, 1, 16):
+            trials.append({"sync_every": n, "rep": rep, "seconds": 1.0 + (0.004 if n == 1 else 0.0), "tokens": 1000,
+                           "sync_s": 0.003 if n == 1 else 0.0, "syncs": 64 if n == 1 else 4 * (n == 16)})
+    write("sync-overhead", [_rec("sync-overhead", {"model": "qwen2.5-14b"}, {"batch": 128, "trials": trials})])
+    write("standby-memory", [_rec("standby-memory", {"model": "qwen2.5-14b"},
+                                  {"standby_mib": 600, "context_mib": 520, "overhead_mib": 80, "unit": "GPU MiB"})])
+    write("outage", [_rec("outage", {"model": "qwen2.5-14b", "system": "frmps", "trial": 0},
+                          {"outage_s": 0.05, "stream_errors": 0, "requests": 40, "bin_s": 0.05,
+                           "tokens_per_s": [100, 100, 0, 100], "fault_rel_t0_s": 0.1}),
+                     _rec("outage", {"model": "qwen2.5-14b", "system": "frmps-no-kv", "trial": 0}, {}, ok=False,
+                          err="unsupported: no flag", unsupported=True)])
+    write("correctness", [_rec("correctness", {"model": "qwen2.5-0.5b", "k": k, "trial": 0},
+                               {"greedy_equal": True, "seeded_equal": k != 8, "first_diff": [None, 3] if k == 8 else [None, None],
+                                "exact_mode": "on"}) for k in (1, 8)])
+    write("since-sync", [_rec("since-sync", {"model": "qwen2.5-14b", "system": "frmps-n1", "k": k, "trial": 0},
+                              {"recovery_s": 0.02, "prefilled_tokens": 1, "reused_tokens": 6 + k}) for k in (1, 128)])
+
+
+def test_report_targets_and_tables(tmp_path):
+    out = str(tmp_path)
+    synthetic(out)
+    written = report.write_all(out, plots=False)
+    assert os.path.join(out, "README.md") in written
+    summ = {n: json.load(open(os.path.join(out, f"{n}.json")))["summary"] for n in
+            ("recovery", "sync-overhead", "standby-memory", "outage", "correctness", "since-sync")}
+    r = summ["recovery"]["models"]
+    assert r["qwen2.5-0.5b"]["frmps"]["recovery_s"] == pytest.approx(0.010)
+    assert r["qwen2.5-0.5b"]["speedup_vs_sleep_only"] == pytest.approx(8.0)
+    assert r["qwen2.5-14b"]["speedup_vs_sleep_only"] == pytest.approx(50.0)
+    assert r["qwen2.5-14b"]["speedup_vs_cold"] == pytest.approx(3000.0)
+    assert summ["sync-overhead"]["models"]["qwen2.5-14b"]["per_n"]["1"]["overhead_pct"] == pytest.approx(100 * (1 - 1 / 1.004))
+    t = {row["target"]: row for row in report.targets(summ)}
+    assert t["≥ 5× faster than sleep-only at 0.5B"]["met"] is True
+    assert t["≥ 40× faster than sleep-only at 14B"]["met"] is True
+    assert t["≥ 2000× faster than cold restart"]["met"] is True  # 0.5B: 3000×, 14B: 3000×
+    assert t["takeover flat across model sizes (spread ≤ 5 ms)"]["met"] is False  # 10 ms vs 20 ms
+    assert t["takeover ≤ one decode step + 5 ms"]["met"] is True  # 20 ms <= 18 + 5 ms
+    assert t["sync overhead ≤ 0.5% at N = 1"]["met"] is True
+    assert t["standby ≤ CUDA context + 64 MiB"]["met"] is False  # +80 MiB
+    assert t["outage ≤ 60 ms (qwen2.5-14b)"]["met"] is True
+    assert t["outputs after recovery = no-fault outputs, K = 1…1024"]["reached"] == "3/4"
+    readme = open(os.path.join(out, "README.md")).read()
+    assert "NVIDIA H100 80GB HBM3" in readme and "| qwen2.5-14b | 20.0 ms | 1,000.0 ms |" in readme
+    assert "TrialError: x" in readme and "Not measured (1 points): unsupported: no flag" in readme
+    # Regenerating keeps text written outside the generated block.
+    with open(os.path.join(out, "README.md"), "a") as f:
+        f.write("\nNotes by hand.\n")
+    with open(os.path.join(out, "README.md")) as f:
+        text = f.read().replace("# frmps bench results", "# Results\n\nIntro by hand.\n\n# frmps bench results")
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(text)
+    report.write_all(out, plots=False)
+    again = open(os.path.join(out, "README.md")).read()
+    assert "Intro by hand." in again and "Notes by hand." in again and again.count(report.BEGIN) == 1
+
+
+def test_plots_from_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    from frmps_engine.bench import plots
+
+    out = str(tmp_path)
+    synthetic(out)
+    assert plots.main([out]) == 0
+    for name in ("recovery", "sync-overhead", "standby-memory", "outage", "correctness", "since-sync"):
+        path = os.path.join(out, f"{name}.png")
+        assert os.path.getsize(path) > 5000, name
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "![recovery](recovery.png)" in open(os.path.join(out, "README.md")).read()
+
+
+def test_every_experiment_plans_points_in_both_modes():
+    from frmps_engine.bench.__main__ import build_parser, normalise
+
+    for name, exp in EXPERIMENTS.items():
+        for mode in (["--cpu"], ["--device", "cuda", "--quick"], ["--device", "cuda"]):
+            args = build_parser().parse_args([name, *mode, "--out", "/tmp/unused", "--frmps", "/bin/true"])
+            normalise(args)
+            exp.defaults(args)
+            keys = exp.plan(args)
+            assert keys and len({key_id(k) for k in keys}) == len(keys), name
+            if "--cpu" in mode:
+                assert all(k.get("model", "tiny") == "tiny" for k in keys)
+            else:
+                assert all(k.get("model") != "tiny" for k in keys)
+    full = build_parser().parse_args(["recovery", "--device", "cuda", "--frmps", "/bin/true"])
+    normalise(full)
+    EXPERIMENTS["recovery"].defaults(full)
+    assert {k["model"] for k in EXPERIMENTS["recovery"].plan(full)} == {
+        "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b"}
