@@ -3,12 +3,17 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 )
 
 func main() {
 	if err := newRootCmd().Execute(); err != nil {
+		var ee exitError
+		if errors.As(err, &ee) { // a child (the bench driver) already said why
+			os.Exit(ee.code)
+		}
 		fmt.Fprintln(os.Stderr, "frmps:", err)
 		os.Exit(1)
 	}

@@ -1,0 +1,112 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
+)
+
+// benchModule is the Python driver `frmps bench` runs; the experiments,
+// baselines and reports live there, next to the engine they measure.
+const benchModule = "frmps_engine.bench"
+
+func newBenchCmd() *cobra.Command {
+	python := os.Getenv("FRMPS_PYTHON")
+	if python == "" {
+		python = "python3"
+	}
+	cmd := &cobra.Command{
+		Use:   "bench [--python PY] <experiment|list|report> [experiment flags]",
+		Short: "Measure recovery, sync overhead, outage, standby memory and correctness against the baselines",
+		Long: `Run one experiment of the evaluation (or "list" them, or "report" to rewrite
+the tables from result files). Everything after the experiment name goes to the
+Python driver (python -m ` + benchModule + `), which starts frmps serve (this
+binary), the baselines and the fault triggers itself:
+
+  frmps bench list
+  frmps bench recovery --models qwen2.5-0.5b,qwen2.5-14b --budget 500
+  frmps bench correctness --cpu          # a CPU check of the harness
+  frmps bench recovery --help            # the experiment's own flags
+
+The interpreter is --python, else $FRMPS_PYTHON, else python3; frmps_engine must
+be importable there (e.g. PYTHONPATH=vllmpatch/src). Results are appended to
+bench/results/<date>-<gpu>/ as they are measured; re-running a command resumes.`,
+		Args:                  cobra.MinimumNArgs(1),
+		DisableFlagsInUseLine: true,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			self, err := os.Executable()
+			if err != nil {
+				return fmt.Errorf("find the frmps binary: %w", err)
+			}
+			return runBench(python, benchArgv(self, args), cmd.InOrStdin(), cmd.OutOrStdout(), cmd.ErrOrStderr())
+		},
+	}
+	// Flags after the experiment name belong to the driver.
+	cmd.Flags().SetInterspersed(false)
+	cmd.Flags().StringVar(&python, "python", python, "Python interpreter that runs the bench driver and the engines")
+	return cmd
+}
+
+// benchArgv is the driver's command line: the experiment, this binary as
+// --frmps (a later --frmps in args wins), then the user's arguments.
+func benchArgv(self string, args []string) []string {
+	argv := []string{"-m", benchModule, args[0]}
+	if args[0] != "list" {
+		argv = append(argv, "--frmps", self)
+	}
+	return append(argv, args[1:]...)
+}
+
+// exitError carries the driver's exit status (0 done, 2 a point failed, 3
+// stopped by --budget) back to main without another message.
+type exitError struct{ code int }
+
+func (e exitError) Error() string { return fmt.Sprintf("bench driver exited with status %d", e.code) }
+
+// runBench runs the driver in the foreground, passing SIGINT and SIGTERM on so
+// that it stops its deployments and engines before it exits.
+func runBench(python string, argv []string, stdin io.Reader, stdout, stderr io.Writer) error {
+	path, err := exec.LookPath(python)
+	if err != nil {
+		return fmt.Errorf("bench needs Python with frmps_engine (--python or FRMPS_PYTHON): %w", err)
+	}
+	c := exec.Command(path, argv...)
+	c.Stdin, c.Stdout, c.Stderr = stdin, stdout, stderr
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+	if err := c.Start(); err != nil {
+		return fmt.Errorf("start the bench driver: %w", err)
+	}
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		for {
+			select {
+			case s := <-sigs:
+				_ = c.Process.Signal(s)
+			case <-done:
+				return
+			}
+		}
+	}()
+	err = c.Wait()
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		code := ee.ExitCode()
+		if code < 0 { // killed by a signal
+			code = 128 + int(ee.Sys().(syscall.WaitStatus).Signal())
+		}
+		return exitError{code}
+	}
+	if err != nil {
+		return fmt.Errorf("bench driver: %w", err)
+	}
+	return nil
+}
