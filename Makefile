@@ -132,6 +132,20 @@ frontdoor-bench: ## front-door overhead per streamed chunk (fake engine)
 engine-speed: $(VENV)/.stamp ## reference engine decode speed (GPU; --device cpu --model tiny for a smoke run)
 	$(VPY) bench/engine_speed.py
 
+.PHONY: bench-cpu
+bench-cpu: $(VENV)/.stamp go-build ## every `frmps bench` experiment on the CPU (tiny model): a check of the harness, not a measurement
+	for e in recovery prompt-length since-sync sync-overhead outage standby-memory correctness; do \
+	  PYTHONPATH=$(CURDIR)/vllmpatch/src $(BIN)/frmps bench --python $(CURDIR)/$(VPY) $$e --cpu --out $(or $(RESULTS),bench/build/bench-cpu) || exit 1; done
+
+.PHONY: bench-gpu
+bench-gpu: ## on the GPU machine: `make bench-gpu SLOTS="s1" RESULTS=bench/results/<date>-h100` (bench/README.md)
+	RESULTS=$(RESULTS) bench/gpu/bench_run.sh $(or $(SLOTS),quick)
+
+.PHONY: bench-plots
+bench-plots: $(VENV)/.stamp ## PNGs and README tables from the JSON results: make bench-plots RESULTS=bench/results/<date>-<gpu>
+	@test -n "$(RESULTS)" || { echo "usage: make bench-plots RESULTS=bench/results/<date>-<gpu>"; exit 2; }
+	PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY) -m frmps_engine.bench.plots $(RESULTS)
+
 .PHONY: clean
 clean:
 	rm -rf $(BIN) .tools interceptor/build bench/build
