@@ -50,7 +50,18 @@ for slot in "$@"; do
     s6) bench since-sync --systems frmps-no-kv; bench outage ;;
     s7) bench correctness ;;
     quick) bench recovery --quick --models qwen2.5-0.5b,qwen2.5-14b; bench sync-overhead --quick --models qwen2.5-0.5b,qwen2.5-14b ;;
-    *) echo "unknown slot $slot (s1..s7, quick)"; exit 2 ;;
+    smoke)  # every experiment once on 0.5B, into <RESULTS>-smoke: run first, to catch GPU-only problems cheaply
+        R0=$RESULTS; RESULTS=$R0-smoke; mkdir -p "$RESULTS"
+        bench recovery --models qwen2.5-0.5b --trials 1 --cold-cache warm
+        bench sync-overhead --models qwen2.5-0.5b --quick
+        bench standby-memory --models qwen2.5-0.5b
+        bench correctness --ks 4
+        bench since-sync --model qwen2.5-0.5b --ks 4
+        bench prompt-length --model qwen2.5-0.5b --lengths 500
+        bench outage --model qwen2.5-0.5b --duration 8
+        bin/frmps bench --python "$PY" report --out "$RESULTS" >/dev/null
+        RESULTS=$R0 ;;
+    *) echo "unknown slot $slot (smoke, s1..s7, quick)"; exit 2 ;;
     esac
 done
 
@@ -59,6 +70,7 @@ bench_report
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT"
     cp -r "$RESULTS" "$OUT/"
+    [ -d "$RESULTS-smoke" ] && cp -r "$RESULTS-smoke" "$OUT/"
     for f in "$WORK"/logs-*/*.log "$WORK"/baseline-logs/*.log "$WORK"/*.log; do
         [ -f "$f" ] && { echo "=== $f"; grep -v '^\s*$' "$f" | tail -n 30; }
     done > "$OUT/logs_tail.txt" 2>&1

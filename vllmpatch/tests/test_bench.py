@@ -329,3 +329,17 @@ def test_every_experiment_plans_points_in_both_modes():
     EXPERIMENTS["recovery"].defaults(full)
     assert {k["model"] for k in EXPERIMENTS["recovery"].plan(full)} == {
         "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b"}
+
+
+@pytest.mark.torch
+def test_budget_stops_before_work_that_does_not_fit(tmp_path):
+    pytest.importorskip("torch")
+    if not os.environ.get("FRMPS_BIN"):
+        pytest.skip("FRMPS_BIN is not set")
+    out, work = str(tmp_path / "out"), str(tmp_path / "work")
+    p = bench(out, work, "sync-overhead", "--budget", "2")
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert "time budget" in p.stderr and "re-run the same command to continue" in p.stderr
+    assert records(out, "sync-overhead") == []
+    runs = report.load_runs(out)
+    assert runs and runs[-1]["stopped"] and runs[-1]["new_points"] == 0

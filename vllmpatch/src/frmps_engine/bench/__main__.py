@@ -105,18 +105,18 @@ def normalise(args) -> None:
     os.makedirs(args.workdir, exist_ok=True)
 
 
-def preflight(args) -> list[str]:
+def preflight(args, faults: bool) -> list[str]:
     """What is missing before anything starts (a clear message instead of N failed points)."""
     probs = []
     if not (os.access(args.frmps, os.X_OK)):
         probs.append(f"frmps binary not found: {args.frmps} (build it: make go-build, or pass --frmps)")
-    if args.mps:
+    if args.mps and shutil.which("nvidia-cuda-mps-control") is None:
+        probs.append("nvidia-cuda-mps-control not in PATH (or run with --no-mps)")
+    if args.mps and faults:
         prog = args.fault.partition(":")[0]
         if not os.access(os.path.join(args.faults_dir, prog), os.X_OK):
             probs.append(f"fault trigger {os.path.join(args.faults_dir, prog)} not built (make -C bench/faults), "
                          "or run with --no-mps")
-        if shutil.which("nvidia-cuda-mps-control") is None:
-            probs.append("nvidia-cuda-mps-control not in PATH (or run with --no-mps)")
     return probs
 
 
@@ -124,7 +124,7 @@ def run_experiment(args) -> int:
     exp = by_name_or_number(args.cmd)
     normalise(args)
     exp.defaults(args)
-    probs = preflight(args)
+    probs = preflight(args, exp.faults)
     if probs:
         for pr in probs:
             print(f"frmps bench: {pr}", file=sys.stderr)

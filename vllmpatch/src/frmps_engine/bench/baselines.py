@@ -156,7 +156,8 @@ def checkpoint_meta(path: str) -> dict | None:
 
 
 def ensure_checkpoint(python: str, cache_dir: str, model: str, seed: int, device: str, engine_args: list[str],
-                      log_path: str, log: Callable[[str], None], cleanup: Cleanup | None = None) -> tuple[str, dict]:
+                      log_path: str, log: Callable[[str], None], cleanup: Cleanup | None = None,
+                      env: dict[str, str] | None = None) -> tuple[str, dict]:
     """The model's dummy weights as a safetensors checkpoint, written once and cached."""
     path = checkpoint_dir(cache_dir, model, seed, device)
     meta = checkpoint_meta(path)
@@ -165,7 +166,7 @@ def ensure_checkpoint(python: str, cache_dir: str, model: str, seed: int, device
     os.makedirs(cache_dir, exist_ok=True)
     log(f"writing the {model} checkpoint to {path} (once; cached for later runs)")
     proc = EngineProc("write-checkpoint", python, ["--model", model, "--device", device, "--seed", str(seed),
-                                                   "--out", path, *engine_args], {}, log_path, cleanup)
+                                                   "--out", path, *engine_args], env or {}, log_path, cleanup)
     try:
         ev = proc.wait_event(lambda e: e.get("ev") == "done", 1800, "the checkpoint")
     finally:
@@ -278,6 +279,7 @@ class BaselineRig:
                 box["delivered"] = [len(r["delivered"]) for r in reqs]
                 try:
                     if system == "sleep-only":
+                        box["wake_sent"] = True
                         standby.send({"cmd": "wake", "requests": reqs, "then_steps": then_steps})
                     else:
                         rq = os.path.join(self.workdir, f"requests-{os.getpid()}-{self._n}.json")
@@ -355,8 +357,17 @@ class BaselineRig:
                 n = len(standby.events)
                 standby.send({"cmd": "sleep"})
                 standby.wait_event(lambda e: e.get("ev") == "slept", 120, "the standby to sleep again", start=n)
+                box["slept_again"] = True
             return res
         finally:
+            armed.clear()  # closing a victim that outlived the trial must not start a recovery
+            if box.get("wake_sent") and not box.get("slept_again") and standby.p.poll() is None:
+                try:  # a failed trial must not leave the next one a standby that is awake
+                    n = len(standby.events)
+                    standby.send({"cmd": "sleep"})
+                    standby.wait_event(lambda e: e.get("ev") in ("slept", "error"), 120, "the standby to sleep", start=n)
+                except (TrialError, OSError):
+                    pass
             if trig is not None:
                 res.update(trig.close() or {})
             if victim is not None:

@@ -21,7 +21,8 @@ import time
 from .baselines import (BaselineRig, EngineProc, checkpoint_files, drop_page_cache, engine_supports, ensure_checkpoint,
                         page_cache_fraction)
 from .common import Ctx, TrialError, field, fmt_s, now, nvidia_smi_apps, private_mib
-from .deploy import Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, completion_body, frmps_trial
+from .deploy import (Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, completion_body, frmps_trial,
+                     outside_mps_env)
 
 GPU_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b"]
 # Weight bytes (GB, bf16) per preset: only for time estimates (the budget), never for results.
@@ -162,6 +163,11 @@ def shape_args(num_blocks: int, max_model_len: int) -> list[str]:
     return out
 
 
+def outside_env(ctx: Ctx) -> dict[str, str]:
+    """Environment for an engine process that must not join any MPS server (a system-wide one included)."""
+    return outside_mps_env(os.path.join(ctx.args.workdir, "mps-outside")) if ctx.args.mps else {}
+
+
 def drop_arrivals(r: dict) -> dict:
     """Token arrival times matter for the outage plot only; elsewhere they just bloat the file."""
     r.pop("arrivals", None)
@@ -183,6 +189,7 @@ class Experiment:
     name = ""
     number = 0
     title = ""
+    faults = True  # injects faults (needs the triggers and MPS on the GPU)
     models_default_gpu: list[str] = []
 
     def add_args(self, p: argparse.ArgumentParser) -> None:
@@ -290,7 +297,7 @@ class Recovery(Experiment):
         ctx.budget.check(10 + 2.5 * gb(model), f"the {model} checkpoint")
         try:
             path, meta = ensure_checkpoint(a.python, a.cache_dir, model, 0, a.device, [],
-                                           rig.logfile(f"checkpoint-{model}"), ctx.log, ctx.cleanup)
+                                           rig.logfile(f"checkpoint-{model}"), ctx.log, ctx.cleanup, rig.outside_env)
         except Exception as e:
             ctx.fail_points(keys, f"checkpoint: {e}")
             return
@@ -412,6 +419,7 @@ class SinceSync(Experiment):
 
 class SyncOverhead(Experiment):
     name, number = "sync-overhead", 4
+    faults = False
     title = "Decode throughput overhead of syncing every N steps, saturating batch"
 
     def add_args(self, p):
@@ -440,7 +448,7 @@ class SyncOverhead(Experiment):
                         "--steps-per-trial", str(a.steps_per_trial), "--reps", str(a.reps), "--batch", str(a.batch),
                         "--prompt-len", str(a.prompt_len)]
                 log = os.path.join(a.workdir, f"sync-overhead-{model}.log")
-                proc = EngineProc("sync-overhead", a.python, args, {}, log, ctx.cleanup)
+                proc = EngineProc("sync-overhead", a.python, args, outside_env(ctx), log, ctx.cleanup)
                 try:
                     ev = proc.wait_event(lambda e: e.get("ev") == "result", a.trial_timeout * 3, "the sync-overhead result")
                 finally:
@@ -682,6 +690,7 @@ class Outage(Experiment):
 
 class StandbyMemory(Experiment):
     name, number = "standby-memory", 6
+    faults = False
     title = "Standby GPU memory per model size, against a bare CUDA context"
 
     def add_args(self, p):
