@@ -340,6 +340,9 @@ def make_room(root: str, need: int, keep: str) -> list[str]:
     cands = []
     for name in os.listdir(root):
         d = os.path.join(root, name)
+        if ".tmp-" in name and not os.path.exists(f"/proc/{name.rsplit('.tmp-', 1)[1]}"):
+            shutil.rmtree(d, ignore_errors=True)  # left by a writer that was killed
+            continue
         marker = os.path.join(d, "frmps-checkpoint.json")
         if os.path.abspath(d) != os.path.abspath(keep) and os.path.isfile(marker):
             cands.append((os.path.getmtime(marker), d))

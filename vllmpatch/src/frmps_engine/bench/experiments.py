@@ -116,6 +116,14 @@ class Deployments:
         if not self.reuse:
             self.close()
 
+    def after_trial(self, res: dict | None, promoted_pid: int) -> None:
+        """After a trial that fired its fault (res has "inject"): the pair is spent. One that
+        failed before firing leaves it as it was; when unsure, start afresh next time."""
+        if res is None:
+            self.close()
+        elif res.get("inject"):
+            self.spent(promoted_pid)
+
     def close(self) -> None:
         if self.dep is not None:
             self.dep.stop()
@@ -132,18 +140,20 @@ def make_trigger(ctx: Ctx, dep: Deployment):
 def frmps_point(ctx: Ctx, deps: Deployments, body: dict, kill_after: int, extra: list[dict] | None = None) -> dict:
     dep = deps.get()
     promoted = int(field(dep.engines(dep.status()).get("standby") or {}, "pid", 0) or 0)
+    res: dict | None = None
     try:
         # No wait for the re-armed standby here: the next deps.get() waits if it reuses the pair.
-        r = frmps_trial(dep, make_trigger(ctx, dep), body, kill_after, wait_rearm=False,
-                        extra_streams=extra, timeout=ctx.args.trial_timeout)
+        res = frmps_trial(dep, make_trigger(ctx, dep), body, kill_after, wait_rearm=False,
+                          extra_streams=extra, timeout=ctx.args.trial_timeout)
     except TrialError as e:
+        res = e.partial
         if e.partial is not None:
             e.partial["deployment_startup_s"] = deps.startup_s
         raise
     finally:
-        deps.spent(promoted)
-    r["deployment_startup_s"] = deps.startup_s
-    return r
+        deps.after_trial(res, promoted)
+    res["deployment_startup_s"] = deps.startup_s
+    return res
 
 
 def rig_for(ctx: Ctx, model: str, engine_args: list[str]) -> BaselineRig:
@@ -641,7 +651,7 @@ class Outage(Experiment):
             raise
         finally:
             res.update(trig.close() or {})
-            deps.spent(promoted)
+            deps.after_trial(res, promoted)
 
     def _sleep_only(self, ctx, model, keys, nb):
         """The same recovery work in the sleep-only baseline, measured in process (no front door):
@@ -808,11 +818,15 @@ class Correctness(Experiment):
         ref_ids = [s.token_ids() for s in ref]
         # deps.get() would replace a fresh deployment: the fault run uses the same one, still in MPS.
         promoted = int(field(dep.engines(dep.status()).get("standby") or {}, "pid", 0) or 0)
+        r: dict | None = None
         try:
             r = frmps_trial(dep, make_trigger(ctx, dep), greedy, k, wait_rearm=False, extra_streams=[seeded],
                             timeout=a.trial_timeout)
+        except TrialError as e:
+            r = e.partial
+            raise
         finally:
-            deps.spent(promoted)
+            deps.after_trial(r, promoted)
         got = [r.pop("token_ids"), *r.pop("extra_token_ids")]
         out = {"k": k, "tokens_at_fire": r.get("tokens_at_fire"), "requests": 2,
                "equal": sum(1 for x, y in zip(ref_ids, got) if x == y),

@@ -47,16 +47,18 @@ def plot_recovery(out_dir: str, s: dict) -> str | None:
         ys = [((s["models"][m].get(name) or {}).get("recovery_s") or float("nan")) * 1e3 for m in models]
         xs = [j + (i - (len(systems) - 1) / 2) * w for j in range(len(models))]
         ax.bar(xs, ys, w, label=name, color=COLORS.get(name))
+    ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi * 8)  # room for the labels
     for j, m in enumerate(models):
         r = s["models"][m]
         label = " / ".join(f"{report.times(r.get(k))}" for k in ("speedup_vs_sleep_only", "speedup_vs_cold") if r.get(k))
         if label:
-            ax.annotate(label, (j, 1), xycoords=("data", "axes fraction"), ha="center", va="top", fontsize=8)
-    ax.set_yscale("log")
+            ax.annotate(label, (j, 0.97), xycoords=("data", "axes fraction"), ha="center", va="top", fontsize=8)
     ax.set_xticks(range(len(models)), models)
     ax.set_ylabel("death → first token (ms, log)")
-    ax.set_title("Recovery across model sizes (speedup vs sleep-only / cold on top)")
-    ax.legend(fontsize=8)
+    ax.set_title("Recovery (labels: frmps × faster than sleep-only / cold)", fontsize=10)
+    ax.legend(fontsize=8, loc="center left")
     return _save(fig, out_dir, "recovery", _cpu_note(out_dir, "recovery"))
 
 

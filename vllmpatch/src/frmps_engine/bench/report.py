@@ -372,7 +372,8 @@ def targets(summ: dict[str, dict]) -> list[dict]:
         ovs = [(m, r.get("overhead_mib")) for m, r in mem.items() if r.get("overhead_mib") is not None]
         if ovs:
             m, v = max(ovs, key=lambda x: x[1])
-            rows.append({"target": "standby ≤ CUDA context + 64 MiB", "reached": f"worst +{v:,.0f} MiB ({m})", "met": v <= 64})
+            rows.append({"target": "standby ≤ CUDA context + 64 MiB", "reached": f"worst {v:+,.0f} MiB over the context ({m})",
+                         "met": v <= 64})
     cor = summ.get("correctness") or {}
     if cor.get("requests"):
         rows.append({"target": "outputs after recovery = no-fault outputs, K = 1…1024",
