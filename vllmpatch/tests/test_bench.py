@@ -27,10 +27,10 @@ SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(report.__f
 CPU_RUNS = {
     "recovery": ["--cold-cache", "warm", "--tail-tokens", "8", "--cpu-with-mps-doubles", "--faults-dir",
                  os.path.join(HERE, "bench_doubles")],
-    "prompt-length": ["--lengths", "48"],
-    "since-sync": ["--ks", "4"],
+    "prompt-length": ["--lengths", "48"],  # frmps and the no-KV ablation
+    "since-sync": ["--ks", "4", "--systems", "frmps-n1"],
     "sync-overhead": [],
-    "outage": ["--duration", "2.5", "--fault-at", "1.2"],
+    "outage": ["--duration", "2.5", "--fault-at", "1.2", "--systems", "frmps,sleep-only"],
     "standby-memory": ["--settle-s", "0.2"],
     "correctness": ["--ks", "4", "--tail-tokens", "12"],
 }
@@ -125,8 +125,10 @@ def test_cpu_kv_sharing_is_visible(cpu_results):
     pts = {r["key"]["system"]: r["data"] for r in records(out, "since-sync") if r["ok"]}
     n1 = pts["frmps-n1"]
     assert n1["prefilled_tokens"] == 1 and n1["reused_tokens"] >= 6
-    pl = [r["data"] for r in records(out, "prompt-length") if r["ok"] and r["key"]["system"] == "frmps"]
-    assert pl and pl[0]["reused_tokens"] >= 48
+    pl = {r["key"]["system"]: r["data"] for r in records(out, "prompt-length") if r["ok"]}
+    assert pl["frmps"]["reused_tokens"] >= 48 and pl["frmps"]["prefilled_tokens"] <= 2
+    if "frmps-no-kv" in pl:  # engines with --no-kv-reuse: the standby recomputes prompt and output
+        assert pl["frmps-no-kv"]["reused_tokens"] == 0 and pl["frmps-no-kv"]["prefilled_tokens"] >= 48 + 16
 
 
 @pytest.mark.torch

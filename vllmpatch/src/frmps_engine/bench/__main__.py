@@ -65,6 +65,11 @@ def common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", default=os.path.join(root, "bench", "build", "checkpoints"),
                    help="safetensors checkpoints for the cold restart (written once per model, evicted when the disk is full)")
     g.add_argument("--num-blocks", type=int, default=0, help="KV blocks (0: the engine's default)")
+    g.add_argument("--max-num-seqs", type=int, default=0,
+                   help="engines' batch size; exact mode (the GPU default) decodes at exactly this many rows "
+                        "(0: 8, the outage experiment: its concurrency, sync-overhead: the saturating batch)")
+    g.add_argument("--baseline-exact", action="store_true",
+                   help="run the baselines' engines in exact mode too (default: their one-pass re-prefill)")
     g.add_argument("--max-model-len", type=int, default=0)
     g.add_argument("--max-attempts", type=int, default=2, help="attempts per point over re-runs (failures are kept)")
     g.add_argument("--start-timeout", type=float, default=300)
@@ -124,6 +129,8 @@ def run_experiment(args) -> int:
     exp = by_name_or_number(args.cmd)
     normalise(args)
     exp.defaults(args)
+    if not args.max_num_seqs and exp.name != "sync-overhead":
+        args.max_num_seqs = exp.default_max_num_seqs(args)
     probs = preflight(args, exp.faults)
     if probs:
         for pr in probs:

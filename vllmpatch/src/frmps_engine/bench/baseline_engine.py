@@ -68,9 +68,20 @@ def make_cfg(args, **over):
         v = getattr(args, name, None)
         if v:
             kw[name] = v
+    if args.role in ("victim", "sleep", "cold") and has_exact_mode():
+        # The baselines recover with one re-prefill pass unless asked for exact mode.
+        kw["exact"] = bool(args.exact)
     kw.update(over)
     return EngineConfig.from_preset(args.model, device=args.device, num_blocks=args.num_blocks or None,
                                     max_model_len=args.max_model_len or None, seed=args.seed, **kw)
+
+
+def has_exact_mode() -> bool:
+    import dataclasses
+
+    from frmps_engine.refengine import EngineConfig
+
+    return any(f.name == "exact" for f in dataclasses.fields(EngineConfig))
 
 
 def sampling(r: dict):
@@ -530,6 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="capture decode graphs before serving (1) or not (0)")
+    p.add_argument("--exact", type=int, default=0, help="victim/sleep/cold: the engine's exact mode (1) or not (0)")
     p.add_argument("--checkpoint", default="", help="cold: the safetensors directory")
     p.add_argument("--requests", default="[]", help="cold: JSON list of requests to recover, or @file")
     p.add_argument("--then-steps", type=int, default=0, help="cold: decode steps after the first token")

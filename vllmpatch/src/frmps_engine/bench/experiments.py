@@ -59,9 +59,12 @@ def serve_opts(ctx: Ctx, model: str, sync_every: int = 16, engine_args: list[str
         # CPU check: slow each engine step so a kill lands at the chosen token (FRMPS_TEST_STEP_DELAY_MS
         # is the engine's test knob; never set on the GPU).
         env["FRMPS_TEST_STEP_DELAY_MS"] = str(a.cpu_step_delay_ms)
+    eargs = list(engine_args or [])
+    if a.max_num_seqs:
+        eargs.append(f"--max-num-seqs={a.max_num_seqs}")
     return ServeOpts(frmps=a.frmps, python=a.python, model=model, device=a.device, memory=a.memory, mps=a.mps,
                      sync_every=sync_every, num_blocks=num_blocks or a.num_blocks,
-                     max_model_len=max_model_len or a.max_model_len, engine_args=list(engine_args or []), env=env)
+                     max_model_len=max_model_len or a.max_model_len, engine_args=eargs, env=env)
 
 
 class Deployments:
@@ -153,12 +156,21 @@ def frmps_point(ctx: Ctx, deps: Deployments, body: dict, kill_after: int, extra:
     finally:
         deps.after_trial(res, promoted)
     res["deployment_startup_s"] = deps.startup_s
+    res["engine_args"] = deps.opts.engine_args
     return res
 
 
 def rig_for(ctx: Ctx, model: str, engine_args: list[str]) -> BaselineRig:
+    """The baselines' engines get the deployment's sizes (pools, batch). They recover in one
+    prefill pass, without the exact mode that frmps's engines run with on the GPU (which
+    replays the unsynced tokens by decode steps): the baselines' fastest path."""
     a = ctx.args
-    rig = BaselineRig(a.python, a.device, a.mps, a.faults_dir, a.fault, a.workdir, engine_args, ctx.cleanup, ctx.log)
+    eargs = list(engine_args)
+    if a.max_num_seqs:
+        eargs += ["--max-num-seqs", str(a.max_num_seqs)]
+    if a.baseline_exact:
+        eargs += ["--exact", "1"]
+    rig = BaselineRig(a.python, a.device, a.mps, a.faults_dir, a.fault, a.workdir, eargs, ctx.cleanup, ctx.log)
     if ctx.cpu:  # the victim decodes at the pace of the CPU check's frmps engines
         rig.victim_env["FRMPS_TEST_STEP_DELAY_MS"] = str(a.cpu_step_delay_ms)
     return rig
@@ -200,6 +212,12 @@ class Experiment:
     number = 0
     title = ""
     faults = True  # injects faults (needs the triggers and MPS on the GPU)
+    # The engines' batch size (exact mode, the GPU default, decodes at exactly this many rows:
+    # sized to the load, as the H100 exact-mode proof did with 8).
+    max_num_seqs = 8
+
+    def default_max_num_seqs(self, a) -> int:
+        return self.max_num_seqs
     models_default_gpu: list[str] = []
 
     def add_args(self, p: argparse.ArgumentParser) -> None:
@@ -563,6 +581,9 @@ class Outage(Experiment):
         p.add_argument("--output-range", default="64,256")
         p.add_argument("--bin-ms", type=float, default=50)
 
+    def default_max_num_seqs(self, a) -> int:
+        return a.concurrency
+
     def defaults(self, a):
         cpu = a.device == "cpu"
         a.concurrency = a.concurrency or (4 if cpu else 32)
@@ -789,7 +810,9 @@ class Correctness(Experiment):
         keys = ctx.results.pending(self.plan(a))
         if not keys:
             return
-        exact = engine_supports(a.python, "--exact")
+        # Exact mode is the GPU default; name it anyway. On the CPU the float32 engine is
+        # batch-invariant by itself.
+        exact = not ctx.cpu and engine_supports(a.python, "--exact")
         eargs = ["--exact"] if exact else []
         mml = max(a.max_model_len, -(-(a.prompt_len + max(int_list(a.ks)) + a.tail_tokens + 16) // 256) * 256)
         with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml), "correct") as deps:
@@ -834,7 +857,7 @@ class Correctness(Experiment):
                "first_diff": [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
                               if x != y else None for x, y in zip(ref_ids, got)],
                "lengths": [len(g) for g in got],
-               "exact_mode": "on" if exact else ("cpu float32 (batch-invariant)" if ctx.cpu else "unsupported by the engine"),
+               "exact_mode": "on" if exact else ("off (CPU float32, batch-invariant)" if ctx.cpu else "unsupported by the engine"),
                "failover": {kk: r.get(kk) for kk in ("recovery_s", "reused_tokens", "prefilled_tokens", "record")}}
         return out
 

@@ -406,12 +406,14 @@ def md_env(runs: list[dict]) -> str:
                 f"torch {eng.get('torch', '–')}, Python {eng.get('python', '–')}, commit {str(e.get('commit') or '–')[:12]}")
         if r.get("cpu_check"):
             desc += " — **CPU check of the harness, not a measurement**"
-        k = (r.get("experiment"), desc)
+        k = (r.get("experiment"), desc, (r.get("options") or {}).get("max_num_seqs"))
         if k in seen:
             continue
         seen.add(k)
+        o = r.get("options") or {}
+        sizes = f"; max_num_seqs {o['max_num_seqs']}" if o.get("max_num_seqs") else ""
         lines.append(f"- {r.get('experiment')}: {desc} ({(e.get('date_utc') or '')[:10]}; "
-                     f"fault: {r.get('fault')})")
+                     f"fault: {r.get('fault')}{sizes})")
     return "\n".join(lines) or "- no runs recorded"
 
 
