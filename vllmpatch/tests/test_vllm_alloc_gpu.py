@@ -98,7 +98,10 @@ def test_phases_place_torch_allocations_in_the_pools_and_overflow_is_pool_full(l
         torch.cuda.synchronize()
         assert out.shape == (8, 4096) and bool(torch.isfinite(out).all())
         # torch took one 12 MiB segment for the 11 MiB KV tensor; the weights' segments hold the parameters.
-        assert b.library.pool_used(by["kv_cache"].extra["handle"]) == 12 * MiB and ctl.placed["kv_cache"] == 11 * MiB
+        # torch's MemPool holds the 12 MiB segment; what the phase counts as placed is
+        # the tensor (test double) or its segment (real torch), depending on the route.
+        assert b.library.pool_used(by["kv_cache"].extra["handle"]) == 12 * MiB
+        assert 11 * MiB <= ctl.placed["kv_cache"] <= 12 * MiB
         assert b.library.pool_used(by["weights"].extra["handle"]) >= ctl.placed["weights"] > 0
         assert ctl.check_placement("weights", model.named_parameters())
         # The kv_cache pool is full: torch's OutOfMemoryError (frmps_malloc returned NULL) becomes PoolFull.

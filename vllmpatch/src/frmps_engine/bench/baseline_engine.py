@@ -442,6 +442,10 @@ def run_sync_overhead(args) -> int:
     sync_list = [int(x) for x in args.sync_list.split(",")]
     S, R = args.steps_per_trial, args.reps
     total_steps = len(sync_list) * S * R + args.warmup_steps + 8
+    # Exact mode (the GPU default) prefills one request per step, alternating with a
+    # decode step of those already in: the first ones decode up to one token per later
+    # arrival before the timed steps start. Leave room so none finishes early.
+    total_steps += 2 * (args.batch or args.max_batch)
     ctx = args.prompt_len + total_steps + 16
     probe = EngineConfig.from_preset(args.model, device=args.device, max_model_len=max(ctx, 256), num_blocks=2)
     blocks_per_seq = math.ceil(ctx / probe.block_size)

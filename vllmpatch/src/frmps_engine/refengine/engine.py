@@ -170,6 +170,19 @@ class EngineCore:
             rows.append(len(ids) - 1)
         t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
         self.model.forward(Batch(t(ids), t(pos), t(slots), seqs, t(rows)))
+        if self.model.pow2_prefill:
+            # Exact mode pads prefill GEMMs to powers of two: run each size a chunk can
+            # have once (one sequence from position 0), so none loads during a takeover.
+            top = min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len)
+            m = 16
+            while True:
+                n = min(m, top)
+                nb = -(-n // bs)
+                self.model.forward(Batch(t([0] * n), t(list(range(n))), t([NULL_BLOCK * bs + p % bs for p in range(n)]),
+                                         [SeqChunk(0, n, 0, [NULL_BLOCK] * nb)], t([n - 1])))
+                if n == top:
+                    break
+                m *= 2
 
     def _static_decode(self) -> bool:
         """Decode-only steps go through the Triton kernel on static buffers (and

@@ -54,6 +54,11 @@ class Qwen2Model:
         self.scale = 1.0 / math.sqrt(self.HD)
         self.bs = cfg.block_size
         self.pad_rows = 16 if cfg.batch_invariant else 0
+        # Exact mode on a GPU: prefill GEMMs run at power-of-two row counts, so the
+        # kernels a standby needs are a small known set it loads at start-up (warm-up)
+        # instead of on its first catch-up. Decode (one fixed size) is not padded.
+        self.pow2_prefill = cfg.exact and self.device.type == "cuda"
+        self._pad_pow2 = False
         self.layers = []
         for i in range(s.num_layers):
             p = f"layers.{i}."
@@ -81,6 +86,10 @@ class Qwen2Model:
         self.cos = torch.cat([cos, cos], -1).to(rope_dtype).to(self.device)
         self.sin = torch.cat([-sin, sin], -1).to(rope_dtype).to(self.device)
         assert self.cos.shape[1] == 2 * half
+        if self.device.type == "cuda":
+            # cuDNN's SDPA failed at run time on the H100 for masked prefill chunks
+            # ("mha_graph.execute ... is_good()"); flash / memory-efficient / math only.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self._triton = None
         interpret = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
         if cfg.attention == "triton" and (self.device.type == "cuda" or interpret):
@@ -92,10 +101,17 @@ class Qwen2Model:
         self.attention_backend = "triton" if self._triton is not None else "torch"
 
     # ---- building blocks -------------------------------------------------
+    def padded_rows(self, n: int) -> int:
+        """Rows a GEMM of n rows runs at."""
+        if self._pad_pow2:
+            return max(16, 1 << max(n - 1, 0).bit_length())
+        return max(n, self.pad_rows)
+
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         n = x.shape[0]
-        if n < self.pad_rows:
-            xp = x.new_zeros((self.pad_rows, x.shape[1]))
+        m = self.padded_rows(n)
+        if m > n:
+            xp = x.new_zeros((m, x.shape[1]))
             xp[:n] = x
             return F.linear(xp, w, b)[:n]
         return F.linear(x, w, b)
@@ -171,8 +187,12 @@ class Qwen2Model:
                     out[sq.q_start : sq.q_start + sq.q_len] = self._attn_grouped(qs, kc, vc, sq, key_slots[i])
             return out
 
-        x = self._run_layers(batch.input_ids, batch.positions, batch.slots, attend)
-        return self._logits(x[batch.logits_rows])
+        self._pad_pow2 = self.pow2_prefill
+        try:
+            x = self._run_layers(batch.input_ids, batch.positions, batch.slots, attend)
+            return self._logits(x[batch.logits_rows])
+        finally:
+            self._pad_pow2 = False
 
     def _key_slots(self, sq: SeqChunk) -> torch.Tensor:
         end = sq.start_pos + sq.q_len
