@@ -322,6 +322,11 @@ class CudaGraphDecoder:
             with torch.cuda.graph(g, pool=pool):
                 self.outputs[b] = self._run(b)
             self.graphs[b] = g
+        # Launch each graph once now: the first launch uploads the executable graph
+        # (tens of ms for a model's worth of kernels), which a standby must not pay in
+        # its takeover. The static buffers hold padding rows: only the null block is written.
+        for g in self.graphs.values():
+            g.replay()
         torch.cuda.synchronize()
 
     def bucket(self, n: int) -> int | None:
