@@ -503,6 +503,13 @@ def repo_root() -> str:
 
 def git_commit() -> str | None:
     root = repo_root()
+    try:  # a COMMIT file written when the tree was copied wins: a copied tree's .git may be stale
+        with open(os.path.join(root, "COMMIT")) as f:
+            c = f.read().strip()
+            if c:
+                return c
+    except OSError:
+        pass
     try:
         r = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if r.returncode == 0:
