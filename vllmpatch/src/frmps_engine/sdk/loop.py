@@ -330,7 +330,11 @@ class EngineLoop:
                     self.step_count += 1
                     self._since_sync += 1
                     self._dispatch(outs)
-                    if self._since_sync >= self.sync_every:
+                    # Also publish as soon as a request has its first token: its prompt's
+                    # KV is the costliest part to recompute, so a fault right after a
+                    # prefill should not have to.
+                    if self._since_sync >= self.sync_every or any(o.output_index == 0 and o.new_token_ids
+                                                                  for o in outs):
                         self._sync()
                     continue
                 if self._since_sync:
