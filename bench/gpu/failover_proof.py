@@ -302,23 +302,12 @@ def compare_ids(ref: dict, got: dict) -> dict:
     return out
 
 
-LOG_TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused tokens, (\d+) to prefill; KV writable in ([\d.]+) ms"
-                          r"(?:; adoption ([\d.]+) ms, ring attach ([\d.]+) ms)?\)")
-LOG_ALLOC = re.compile(r"torch allocator: ([\d.]+) MiB reserved, ([\d.]+) MiB allocated")
-LOG_FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
-LOG_SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after start\)")
-LOG_INIT = re.compile(r"standby built \(init (\d+) ms\)")
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src")))
+from frmps_engine.bench import loglines  # noqa: E402  (standard library only)
 
-
-def grep_log(path: str | None, rx: re.Pattern) -> list[str] | None:
-    if not path or not os.path.exists(path):
-        return None
-    with open(path, errors="replace") as f:
-        for line in f:
-            m = rx.search(line)
-            if m:
-                return list(m.groups())
-    return None
+LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP, LOG_INIT, LOG_ALLOC = (loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP,
+                                                           loglines.INIT, loglines.ALLOC)
+grep_log = loglines.grep_first
 
 
 def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: str, trig, res: dict) -> dict:
@@ -372,9 +361,7 @@ def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: s
         res["detect_to_all_resumed_s"] = round(max(firsts) - detect, 4)
     tk = grep_log(get(old_standby, "log_path"), LOG_TAKEOVER)
     if tk:
-        res["takeover_log"] = {"requests": int(tk[0]), "resume_ms": float(tk[1]), "reused_tokens": int(tk[2]),
-                               "prefilled_tokens": int(tk[3]), "kv_writable_ms": float(tk[4]),
-                               "adoption_ms": float(tk[5]) if tk[5] else None, "ring_attach_ms": float(tk[6]) if tk[6] else None}
+        res["takeover_log"] = loglines.takeover_fields(tk)
     sl = grep_log(get(new_standby, "log_path"), LOG_SLEEP)
     init = grep_log(get(new_standby, "log_path"), LOG_INIT)
     if sl:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field as dc_field
 
+from . import loglines
 from .common import Cleanup, TrialError, die_with_parent, field, free_port, http_json, kill_group, med, now, stop_group, tail
 
 # ----------------------------------------------------------------------------- streaming client
@@ -132,21 +132,8 @@ class ServeOpts:
     env: dict[str, str] = dc_field(default_factory=dict)
 
 
-LOG_TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused tokens, (\d+) to prefill; "
-                          r"KV writable in ([\d.]+) ms\)")
-LOG_FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
-LOG_SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after start\)")
-
-
-def grep_first(path: str | None, rx: re.Pattern) -> list[str] | None:
-    if not path or not os.path.exists(path):
-        return None
-    with open(path, errors="replace") as f:
-        for line in f:
-            m = rx.search(line)
-            if m:
-                return list(m.groups())
-    return None
+LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP = loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP
+grep_first = loglines.grep_first
 
 
 class Deployment:
@@ -528,8 +515,7 @@ def frmps_trial(dep: Deployment, trigger: Trigger, body: dict, kill_after: int, 
         log = field(old_standby, "log_path")
         tk = grep_first(log, LOG_TAKEOVER)
         if tk:
-            res["takeover_log"] = {"requests": int(tk[0]), "resume_ms": float(tk[1]), "reused_tokens": int(tk[2]),
-                                   "prefilled_tokens": int(tk[3]), "kv_writable_ms": float(tk[4])}
+            res["takeover_log"] = loglines.takeover_fields(tk)
         fl = grep_first(log, LOG_FIRST)
         if fl and detect:
             res["engine_first_token_s"] = round(float(fl[0]) - detect, 4)
