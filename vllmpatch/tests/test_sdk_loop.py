@@ -53,13 +53,13 @@ def test_ring_cadence_and_final_state(core, tmp_path):
     loop.stop()
     assert recs[0] == {"attach": 1}
     assert recs[1]["full"] and recs[1]["entries"] == []
-    # A sync right after the prefill (the first token), then every 3 steps.
-    assert [r["step"] for r in recs[2:]] == [1, 4, 7, 10]
+    # A sync right after the prefill (the first token), and every 3 steps as before.
+    assert [r["step"] for r in recs[2:]] == [1, 3, 6, 9, 10]
     first = recs[2]["entries"][0]
     assert (len(first["tokens"]), first["num_computed"], first["num_prompt"]) == (3, 2, 2)
     mid = recs[4]["entries"][0]
-    # Committed state after step 7: 7 outputs sampled, the KV of all but the newest computed.
-    assert (len(mid["tokens"]), mid["num_computed"], mid["num_prompt"]) == (9, 8, 2)
+    # Committed state after step 6: 6 outputs sampled, the KV of all but the newest computed.
+    assert (len(mid["tokens"]), mid["num_computed"], mid["num_prompt"]) == (8, 7, 2)
     assert recs[-1]["entries"][0]["finished"]
     assert read_snapshot(ring) == {}
     assert len(s.output) == 10 and s.finish_reason == "length"

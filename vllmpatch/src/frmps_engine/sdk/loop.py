@@ -301,11 +301,12 @@ class EngineLoop:
     def _is_fatal(e: BaseException) -> bool:
         return is_device_error(e)
 
-    def _sync(self) -> None:
+    def _sync(self, restart: bool = True) -> None:
         if self._publisher is not None:
             self._publisher.sync(self.step_count, self.core.request_views())
             self.counters["ring_syncs"] += 1
-        self._since_sync = 0
+        if restart:
+            self._since_sync = 0
 
     def _run(self) -> None:
         last_prune = time.monotonic()
@@ -333,9 +334,10 @@ class EngineLoop:
                     # Also publish as soon as a request has its first token: its prompt's
                     # KV is the costliest part to recompute, so a fault right after a
                     # prefill should not have to.
-                    if self._since_sync >= self.sync_every or any(o.output_index == 0 and o.new_token_ids
-                                                                  for o in outs):
-                        self._sync()
+                    # (That extra sync keeps the every-N cadence: it does not restart the count.)
+                    due = self._since_sync >= self.sync_every
+                    if due or any(o.output_index == 0 and o.new_token_ids for o in outs):
+                        self._sync(restart=due)
                     continue
                 if self._since_sync:
                     # Going idle: publish what finished so the supervisor's snapshot is current.
