@@ -152,16 +152,9 @@ class Deployment:
 
     def start(self) -> None:
         a = self.args
-        cmd = [a.frmps, "serve", "--engine", "ref", "--model", a.model, "--device", a.device, "--memory", a.memory,
-               "--sync-every", str(a.sync_every), "--port", str(self.port), "--admin-addr", self.admin,
-               "--run-dir", self.run_dir, "--engine-log-dir", self.log_dir, "--python", a.python]
-        if a.num_blocks:
-            cmd += ["--num-blocks", str(a.num_blocks)]
-        if a.max_model_len:
-            cmd += ["--max-model-len", str(a.max_model_len)]
-        if a.cpu:
-            cmd += ["--no-mps"]
-        cmd += [f"--engine-arg={x}" for x in a.engine_arg]
+        cmd = ServeOpts(frmps=a.frmps, python=a.python, model=a.model, device=a.device, memory=a.memory, mps=not a.cpu,
+                        sync_every=a.sync_every, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
+                        engine_args=list(a.engine_arg)).command(self.port, self.admin, self.run_dir, self.log_dir)
         env = dict(os.environ)
         src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src"))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -304,6 +297,7 @@ def compare_ids(ref: dict, got: dict) -> dict:
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src")))
 from frmps_engine.bench import loglines  # noqa: E402  (standard library only)
+from frmps_engine.bench.deploy import ServeOpts  # noqa: E402  (standard library only)
 
 LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP, LOG_INIT, LOG_ALLOC = (loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP,
                                                            loglines.INIT, loglines.ALLOC)

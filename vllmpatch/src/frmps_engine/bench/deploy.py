@@ -131,6 +131,19 @@ class ServeOpts:
     engine_args: list[str] = dc_field(default_factory=list)
     env: dict[str, str] = dc_field(default_factory=dict)
 
+    def command(self, port: int, admin: str, run_dir: str, log_dir: str) -> list[str]:
+        """The `frmps serve` command line (also used by bench/gpu/failover_proof.py)."""
+        cmd = [self.frmps, "serve", "--engine", "ref", "--model", self.model, "--device", self.device,
+               "--memory", self.memory, "--sync-every", str(self.sync_every), "--port", str(port),
+               "--admin-addr", admin, "--run-dir", run_dir, "--engine-log-dir", log_dir, "--python", self.python]
+        if self.num_blocks:
+            cmd += ["--num-blocks", str(self.num_blocks)]
+        if self.max_model_len:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if not self.mps:
+            cmd += ["--no-mps"]
+        return cmd + [f"--engine-arg={a}" for a in self.engine_args]
+
 
 LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP = loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP
 grep_first = loglines.grep_first
@@ -157,18 +170,7 @@ class Deployment:
         self.t_start = 0.0
 
     def command(self) -> list[str]:
-        o = self.opts
-        cmd = [o.frmps, "serve", "--engine", "ref", "--model", o.model, "--device", o.device, "--memory", o.memory,
-               "--sync-every", str(o.sync_every), "--port", str(self.port), "--admin-addr", self.admin,
-               "--run-dir", self.run_dir, "--engine-log-dir", self.log_dir, "--python", o.python]
-        if o.num_blocks:
-            cmd += ["--num-blocks", str(o.num_blocks)]
-        if o.max_model_len:
-            cmd += ["--max-model-len", str(o.max_model_len)]
-        if not o.mps:
-            cmd += ["--no-mps"]
-        cmd += [f"--engine-arg={a}" for a in o.engine_args]
-        return cmd
+        return self.opts.command(self.port, self.admin, self.run_dir, self.log_dir)
 
     def start(self) -> None:
         env = {**os.environ, **self.opts.env}
