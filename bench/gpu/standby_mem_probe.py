@@ -44,9 +44,37 @@ def main() -> int:
     cfg = EngineConfig.from_preset(a.model, device="cuda", max_num_seqs=a.max_num_seqs)
     pools = EngineCore.allocate_pools(cfg)
     pool_bytes = sum(t.numel() for t in pools.values())
+    pool_mib = pool_bytes / 2**20
+    stages = []
+
+    def stage(name: str) -> None:
+        torch.cuda.synchronize()
+        m = smi_mib(os.getpid())
+        stages.append((name, None if m is None else m - pool_mib, (torch.cuda.memory_reserved() - pool_bytes) / 2**20))
+
+    stage("context + pools")
     core = EngineCore(cfg, pools, load_weights=False)
-    core.warmup()
-    torch.cuda.synchronize()
+    stage("core built (no weights)")
+    # The stages of EngineCore.warmup(), one by one, on the engine's stream.
+    from frmps_engine.refengine.engine import SamplingParams, sample
+
+    with core._on_stream():  # noqa: SLF001
+        core._warmup_graphs()  # noqa: SLF001
+        stage("decode graph captured + launched")
+        core._warm_prefill()  # noqa: SLF001
+        stage("prefill shapes warmed")
+        logits = torch.zeros((3, cfg.shape.vocab_size), dtype=torch.float32, device="cuda")
+        sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+                        SamplingParams(temperature=0.8, top_p=0.9, top_k=50)], [1, 2, 3], [0, 0, 0])
+        del logits
+        stage("sampler warmed")
+    torch.cuda.empty_cache()
+    stage("allocator cache emptied")
+    core.warmup()  # a no-op now: checks that the stages above were all of it
+    stage("warmup() after the stages (should not grow)")
+    for name, m, r in stages:
+        print(f"  stage {name:45s} process {m if m is None else round(m)} MiB (pools excluded), "
+              f"torch reserved {r:.1f} MiB")
     time.sleep(0.3)
     total = smi_mib(os.getpid())
     reserved = torch.cuda.memory_reserved()

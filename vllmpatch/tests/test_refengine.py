@@ -586,3 +586,69 @@ def test_results_do_not_depend_on_thread_count():
         torch.set_num_threads(1)
     assert outs[0] == outs[1]
     assert all(torch.equal(a, b) for a, b in zip(rec[:3], rec[3:]))
+
+
+def test_views_are_snapshots():
+    # request_views() is O(1) per request (it keeps the live lists and their lengths);
+    # a view must still read as it was when taken.
+    core = make_core()
+    core.add_request(1, [1, 2, 3], SamplingParams(max_tokens=40, temperature=0))
+    core.step()
+    (v,) = core.request_views()
+    toks, blocks, nc = v.token_ids, v.block_ids, v.num_computed
+    for _ in range(30):
+        core.step()
+    assert len(core._reqs[1].token_ids) > len(toks) and len(core._reqs[1].block_ids) > len(blocks)  # noqa: SLF001
+    assert (v.token_ids, v.block_ids, v.num_computed) == (toks, blocks, nc)
+    b, nb, t, nt = v.parts()
+    assert (b[:nb], t[:nt]) == (blocks, toks)
+    assert v == v and v != core.request_views()[0]
+
+
+def _committed(views) -> list[tuple]:
+    return sorted((v.key, tuple(v.token_ids), v.num_prompt, v.num_computed, v.finished, v.aborted) for v in views)
+
+
+@pytest.mark.parametrize("after_enqueue", [True, False], ids=["gpu-placement", "cpu-placement"])
+@pytest.mark.parametrize("exact", [False, True], ids=["default", "exact"])
+def test_on_launch_sees_the_previous_steps_committed_state(exact, after_enqueue):
+    # The engine loop publishes the ring record from inside the next step, once its
+    # pass is enqueued (so the publish overlaps the device's work; on the CPU before
+    # the pass, which computes synchronously). There the views must equal those right
+    # after the previous step, and the hook must not change what the engine computes.
+    a, b = make_core(exact=exact, max_num_seqs=8), make_core(exact=exact, max_num_seqs=8)
+    a._launch_async = after_enqueue  # noqa: SLF001  (the GPU's placement, run on the CPU)
+    ps = prompts(6)
+    sp = {k: SamplingParams(max_tokens=10 + k, temperature=0.0 if k % 2 else 0.8, seed=k) for k in ps}
+    outs_a: dict[int, list[int]] = {}
+    outs_b: dict[int, list[int]] = {}
+    hooked = 0
+    for step in range(80):
+        for k in ps:
+            if step == (0 if k <= 3 else k):
+                a.add_request(k, ps[k], sp[k])
+                b.add_request(k, ps[k], sp[k])
+        if step == 5:
+            assert a.abort(3) and b.abort(3)
+        before = _committed(b.request_views())  # b: the state right after the previous step
+        seen = []
+
+        def hook():
+            views = a.request_views()
+            seen.append(_committed(views))
+            bs = a.cfg.block_size
+            for v in views:
+                if not (v.finished or v.aborted):
+                    assert len(v.block_ids) >= -(-v.num_computed // bs)
+
+        for o in a.step(on_launch=hook):
+            outs_a.setdefault(o.key, []).extend(o.new_token_ids)
+        for o in b.step():
+            outs_b.setdefault(o.key, []).extend(o.new_token_ids)
+        assert len(seen) <= 1
+        if seen:
+            hooked += 1
+            assert seen[0] == before, f"step {step}"
+        if not (a.has_work() or b.has_work()) and step > 6:
+            break
+    assert outs_a == outs_b and hooked > 20

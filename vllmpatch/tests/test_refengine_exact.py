@@ -61,9 +61,9 @@ class Shapes:
         fwd, model_fwd = core._forward, core.model.forward
         current: list = []
 
-        def forward(sched):
+        def forward(sched, on_launch=None):
             current[:] = sched
-            return fwd(sched)
+            return fwd(sched, on_launch)
 
         def model_forward(batch):
             kinds = set()

@@ -153,3 +153,43 @@ def test_gpu_exact_mode_takeover_is_token_identical():
               "mismatches", c["replay_mismatches"])
         assert c["replay_mismatches"] == 0
         assert final == ref, (kill, sync_every, lag)
+
+
+def test_gpu_on_launch_overlaps_and_sees_the_previous_step():
+    # The loop publishes inside step(on_launch=...): on the GPU the hook must run after
+    # the pass is enqueued (graph replay or eager) and before the host waits for it,
+    # and see the state of the previous step. A long GPU-side pass makes "before the
+    # host waits" visible: the pass is still running when the hook starts.
+    cfg = EngineConfig.from_preset("qwen2.5-0.5b", device="cuda", num_blocks=256, max_model_len=512, exact=True,
+                                   max_num_seqs=16)
+    a = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    b = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    reqs = requests(6, seeded=True)
+    for r in reqs:
+        a.add_request(*r)
+        b.add_request(*r)
+    out_a: dict[int, list[int]] = {}
+    out_b: dict[int, list[int]] = {}
+    busy = []
+    hooked = 0
+    while a.has_work() or b.has_work():
+        before = sorted((v.key, tuple(v.token_ids), v.num_computed, v.finished) for v in b.request_views())
+        seen = []
+
+        def hook():
+            ev = torch.cuda.Event()
+            ev.record()
+            busy.append(not ev.query())  # work still queued ahead of this point
+            seen.append(sorted((v.key, tuple(v.token_ids), v.num_computed, v.finished) for v in a.request_views()))
+
+        for o in a.step(on_launch=hook):
+            out_a.setdefault(o.key, []).extend(o.new_token_ids)
+        for o in b.step():
+            out_b.setdefault(o.key, []).extend(o.new_token_ids)
+        if seen:
+            hooked += 1
+            assert seen == [before]
+    assert out_a == out_b and hooked > 20
+    assert a.counters["graph_steps"] > 0
+    # Most hooks find the pass still on the device (a 0.5B decode step is ~2 ms of GPU work).
+    assert sum(busy) > len(busy) // 2, busy

@@ -35,11 +35,27 @@ def core(monkeypatch):
         m.close()
 
 
-def test_ring_cadence_and_final_state(core, tmp_path):
+class _CountingPublisher(RingPublisher):
+    """Records, per published step, the core's own step count at that moment."""
+
+    def __init__(self, path, c):
+        super().__init__(path, "frmps_engine.sdk.testing.fake_ring")
+        self.core, self.at = c, {}
+
+    def sync(self, step, views):
+        self.at[step] = self.core.counters["steps"]
+        super().sync(step, views)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "between-steps"])
+def test_ring_cadence_and_final_state(core, tmp_path, overlap):
     ring = str(tmp_path / "ring")
     open(ring, "w").close()
-    loop = EngineLoop(core(), sync_every=3)
-    loop.attach_ring(RingPublisher(ring, "frmps_engine.sdk.testing.fake_ring"))
+    c = core()
+    c.launch_hook = overlap
+    loop = EngineLoop(c, sync_every=3)
+    pub = _CountingPublisher(ring, c)
+    loop.attach_ring(pub)
     loop.start()
     s = loop.submit(1, [104, 105], control_pb2.SamplingParams(max_tokens=10), FakeParams(10, 0.0, 1))
     with s.cond:
@@ -63,6 +79,10 @@ def test_ring_cadence_and_final_state(core, tmp_path):
     assert recs[-1]["entries"][0]["finished"]
     assert read_snapshot(ring) == {}
     assert len(s.output) == 10 and s.finish_reason == "length"
+    # Overlapped: the record of step k goes out inside step k+1, once its pass is
+    # enqueued (the fake core counts a step on entry); the last one when going idle.
+    lag = 1 if overlap else 0
+    assert pub.at == {1: 1 + lag, 3: 3 + lag, 6: 6 + lag, 9: 9 + lag, 10: 10}
 
 
 def test_device_error_reaches_on_fatal_and_leaves_streams_open(core):

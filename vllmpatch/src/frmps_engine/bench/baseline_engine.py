@@ -427,11 +427,31 @@ def run_write_checkpoint(args) -> int:
 # ----------------------------------------------------------------------------- sync overhead
 
 
+def parse_sync_list(s: str) -> list[tuple[int, bool]]:
+    """"0,1,2,16,1i" -> [(0, False), (1, False), (2, False), (16, False), (1, True)]:
+    N = 0 is never; a trailing "i" publishes inline, between steps (as an engine
+    without the launch hook does), instead of inside the next step's launch window."""
+    out = []
+    for x in s.split(","):
+        x = x.strip()
+        inline = x.endswith("i")
+        try:
+            n = int(x[:-1] if inline else x)
+        except ValueError:
+            raise SystemExit(f"--sync-list: {x!r} is not N or Ni") from None
+        if n < 0 or (inline and n == 0):
+            raise SystemExit(f"--sync-list: {x!r} is out of range")
+        out.append((n, inline))
+    return out
+
+
 def run_sync_overhead(args) -> int:
     """Decode throughput at a saturating batch with the ring synced every N steps
     (N = 0: never): the same engine and batch, trials interleaved (forward and
     backward rounds), each trial starting right after a sync; the time inside the
-    sync calls is measured directly too."""
+    sync calls is measured directly too. The publish goes where the engine loop
+    puts it: inside the next step, once its pass is enqueued (the core's on_launch),
+    or between steps for the "Ni" entries."""
     import torch
 
     from frmps_engine.refengine import EngineCore, SamplingParams, weights_bytes
@@ -439,7 +459,7 @@ def run_sync_overhead(args) -> int:
     from frmps_engine.ring import create_ring
     from frmps_engine.sdk.loop import RingPublisher
 
-    sync_list = [int(x) for x in args.sync_list.split(",")]
+    sync_list = parse_sync_list(args.sync_list)
     S, R = args.steps_per_trial, args.reps
     total_steps = len(sync_list) * S * R + args.warmup_steps + 8
     # Exact mode (the GPU default) prefills one request per step, alternating with a
@@ -495,29 +515,45 @@ def run_sync_overhead(args) -> int:
             # Forward, then backward: over an even number of rounds a linear drift (the
             # context grows with every step) weighs on every N alike.
             order = sync_list if rep % 2 == 0 else sync_list[::-1]
-            for n in order:
+            for n, inline in order:
                 pub.sync(step, core.request_views())  # untimed: every trial starts right after a sync
-                since, t_sync, n_sync = 0, 0.0, 0
+                acc = [0.0, 0]  # time inside the publishes, their number
+                pending = False
+
+                def publish():
+                    nonlocal pending
+                    pending = False
+                    ts = time.perf_counter()
+                    pub.sync(step, core.request_views())
+                    acc[0] += time.perf_counter() - ts
+                    acc[1] += 1
+
+                since = 0
                 sync(args.device)
                 ta = time.perf_counter()
                 for _ in range(S):
-                    outs = core.step()
+                    if pending:
+                        outs = core.step(on_launch=publish)
+                        if pending:
+                            publish()
+                    else:
+                        outs = core.step()
                     step += 1
                     since += 1
                     if n and since >= n:
-                        ts = time.perf_counter()
-                        pub.sync(step, core.request_views())
-                        t_sync += time.perf_counter() - ts
-                        n_sync += 1
                         since = 0
+                        if inline:
+                            publish()
+                        else:
+                            pending = True  # the last one is left to the next trial's untimed sync
                 sync(args.device)
                 dt = time.perf_counter() - ta
                 if len(outs) != batch:
                     raise RuntimeError(f"expected {batch} decodes per step, got {len(outs)}")
-                trials.append({"sync_every": n, "rep": rep, "seconds": dt, "tokens": S * batch, "sync_s": t_sync,
-                               "syncs": n_sync})
-                print(f"sync-overhead {args.model} rep {rep} N={n or 'none'}: {S * batch / dt:,.0f} tok/s, "
-                      f"sync {t_sync * 1e3:.2f} ms / {n_sync}", file=sys.stderr, flush=True)
+                trials.append({"sync_every": n, "inline": inline, "rep": rep, "seconds": dt, "tokens": S * batch,
+                               "sync_s": acc[0], "syncs": acc[1]})
+                print(f"sync-overhead {args.model} rep {rep} N={n or 'none'}{' inline' if inline else ''}: "
+                      f"{S * batch / dt:,.0f} tok/s, sync {acc[0] * 1e3:.2f} ms / {acc[1]}", file=sys.stderr, flush=True)
         pub.close()
     finally:
         try:
@@ -551,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--then-steps", type=int, default=0, help="cold: decode steps after the first token")
     p.add_argument("--out", default="", help="write-checkpoint: target directory")
     p.add_argument("--shard-bytes", type=int, default=4 << 30)
-    p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64")
+    p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64,1i")
     p.add_argument("--steps-per-trial", type=int, default=64)
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--warmup-steps", type=int, default=8)

@@ -452,7 +452,9 @@ class SyncOverhead(Experiment):
 
     def add_args(self, p):
         p.add_argument("--models", default="", help="presets (default: the five sizes; --cpu: tiny)")
-        p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64", help="N values; 0 = never (the reference)")
+        p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64,1i",
+                       help="N values; 0 = never (the reference); Ni = every N steps, published between steps "
+                            "instead of overlapped with the next step's device work")
         p.add_argument("--steps-per-trial", type=int, default=0, help="default 64 (--quick 32, --cpu 8)")
         p.add_argument("--reps", type=int, default=0,
                        help="rounds over all N, alternately forward and backward (default 4; --quick and --cpu 2)")
@@ -572,7 +574,8 @@ class Outage(Experiment):
 
     def add_args(self, p):
         p.add_argument("--model", default="", help="preset (default qwen2.5-14b; --cpu: tiny)")
-        p.add_argument("--systems", default="frmps,frmps-no-kv,sleep-only")
+        p.add_argument("--systems", default="frmps,frmps-n1,frmps-no-kv,sleep-only",
+                       help="frmps (--sync-every 16), frmps-n1 (--sync-every 1), frmps-no-kv, sleep-only")
         p.add_argument("--trials", type=int, default=1)
         p.add_argument("--concurrency", type=int, default=0, help="client streams (default 32; --cpu 4)")
         p.add_argument("--duration", type=float, default=0, help="seconds of load (default 20; --cpu 4)")
@@ -621,7 +624,8 @@ class Outage(Experiment):
                 if eargs is None:
                     ctx.unsupported(keys, "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)")
                     continue
-            with Deployments(ctx, serve_opts(ctx, model, 16, eargs, num_blocks=nb), f"outage-{system}") as deps:
+            n = 1 if system == "frmps-n1" else 16
+            with Deployments(ctx, serve_opts(ctx, model, n, eargs, num_blocks=nb), f"outage-{system}") as deps:
                 for key in keys:
                     ctx.run_point(key, lambda key=key: self._frmps(ctx, deps, model, key["trial"]),
                                   a.duration + 30 + deps.estimate_start(),

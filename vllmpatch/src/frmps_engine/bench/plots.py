@@ -87,12 +87,16 @@ def plot_sync(out_dir: str, s: dict) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for m, r in s["models"].items():
-        ns = sorted(int(n) for n in r["per_n"] if n != "0")
-        ax.plot(ns, [r["per_n"][str(n)]["overhead_pct"] for n in ns], "o-", label=f"{m} (batch {r['batch']})")
+        ns = sorted(int(n) for n in r["per_n"] if n != "0" and not n.endswith("i"))
+        line = ax.plot(ns, [r["per_n"][str(n)]["overhead_pct"] for n in ns], "o-", label=f"{m} (batch {r['batch']})")
+        inl = sorted(int(n[:-1]) for n in r["per_n"] if n.endswith("i"))
+        if inl:  # published between steps (no overlap): hollow markers
+            ax.plot(inl, [r["per_n"][f"{n}i"]["overhead_pct"] for n in inl], "o", mfc="none",
+                    color=line[0].get_color(), label=f"{m}, between steps")
     ax.axhline(0.5, ls="--", color="#b2182b", lw=1, label="target 0.5%")
     ax.axhline(0, color="black", lw=0.5)
     ax.set_xscale("log", base=2)
-    allns = sorted({int(n) for r in s["models"].values() for n in r["per_n"] if n != "0"})
+    allns = sorted({int(n.rstrip("i")) for r in s["models"].values() for n in r["per_n"] if n != "0"})
     ax.set_xticks(allns, [str(n) for n in allns])
     ax.set_xlabel("sync every N steps")
     ax.set_ylabel("throughput overhead vs no sync (%)")

@@ -174,41 +174,63 @@ def md_series(s: dict, xlabel: str) -> str:
 # ----------------------------------------------------------------------------- 4. sync overhead
 
 
+def _sync_label(t: dict) -> str:
+    return f"{t['sync_every']}{'i' if t.get('inline') else ''}"
+
+
+def _sync_order(label: str) -> tuple[bool, int]:
+    return (label.endswith("i"), int(label.rstrip("i")))
+
+
 def summarize_sync(records: list[dict]) -> dict:
+    """Per N: throughput over all trials, and the overhead as the median over rounds of
+    each trial against the no-sync trial of the same round (pairs close in time, so
+    drift and noise between rounds cancel); its range over rounds shows the noise."""
     good, bad = _ok(records)
     models = {}
     for r in sorted(good, key=lambda r: model_key(r["key"]["model"])):
         d = r["data"]
         trials = d.get("trials") or []
+        base_by_rep = {t["rep"]: t["tokens"] / t["seconds"] for t in trials if t["sync_every"] == 0 and t["seconds"]}
         per_n: dict[str, dict] = {}
-        for n in sorted({t["sync_every"] for t in trials}):
-            ts = [t for t in trials if t["sync_every"] == n]
+        for label in sorted({_sync_label(t) for t in trials}, key=_sync_order):
+            ts = [t for t in trials if _sync_label(t) == label]
             secs, toks = sum(t["seconds"] for t in ts), sum(t["tokens"] for t in ts)
             sync_s, syncs = sum(t["sync_s"] for t in ts), sum(t["syncs"] for t in ts)
-            per_n[str(n)] = {"tokens_per_s": toks / secs if secs else None,
-                             "sync_share_pct": 100 * sync_s / secs if secs else None,
-                             "us_per_sync": 1e6 * sync_s / syncs if syncs else None, "trials": len(ts)}
+            lost = [100 * (1 - (t["tokens"] / t["seconds"]) / base_by_rep[t["rep"]])
+                    for t in ts if t["seconds"] and base_by_rep.get(t["rep"])]
+            per_n[label] = {"tokens_per_s": toks / secs if secs else None,
+                            "sync_share_pct": 100 * sync_s / secs if secs else None,
+                            "us_per_sync": 1e6 * sync_s / syncs if syncs else None, "trials": len(ts),
+                            "overhead_pct": med(lost) if lost else None,
+                            "overhead_range_pct": [min(lost), max(lost)] if lost else None}
         base = (per_n.get("0") or {}).get("tokens_per_s")
-        for n, p in per_n.items():
-            p["overhead_pct"] = 100 * (1 - p["tokens_per_s"] / base) if base and p["tokens_per_s"] else None
         models[r["key"]["model"]] = {"batch": d.get("batch"), "max_context": d.get("max_context"),
                                      "step_ms": 1e3 * d["batch"] / base if base else None, "per_n": per_n}
     return {"models": models, "errors": len(bad), "failed": failed_list(bad)}
 
 
 def md_sync(s: dict) -> str:
-    ns = sorted({int(n) for m in s["models"].values() for n in m["per_n"] if n != "0"})
-    if not ns:
+    labels = sorted({n for m in s["models"].values() for n in m["per_n"] if n != "0"}, key=_sync_order)
+    if not labels:
         return "No points yet." + errors_md_list(s)
-    out = ["Cells: decode throughput lost against no sync (all rounds, forward and backward) / share of the time "
-           "spent inside the sync calls (the direct cost; the first also catches indirect costs, and the run's noise).", "",
-           "| model | batch | decode step | " + " | ".join(f"N={n}" for n in ns) + " |", "|---" * (len(ns) + 3) + "|"]
+    head = [f"N={n[:-1]} between steps" if n.endswith("i") else f"N={n}" for n in labels]
+    out = ["Cells: decode throughput lost against no sync (median over rounds of each trial against the no-sync "
+           "trial of its round; the range over rounds below it) / share of the time spent inside the sync calls "
+           "(the direct cost). The publish runs inside the next step once its pass is enqueued, so its cost "
+           "hides behind the device's work; the \"between steps\" column publishes after the step instead, as "
+           "an engine without that hook does.", "",
+           "| model | batch | decode step | " + " | ".join(head) + " |", "|---" * (len(labels) + 3) + "|"]
     for m, r in s["models"].items():
         cells = []
-        for n in ns:
-            p = r["per_n"].get(str(n)) or {}
-            o, sh = p.get("overhead_pct"), p.get("sync_share_pct")
-            cells.append("–" if o is None else f"{o:+.2f}% / {sh:.2f}%")
+        for n in labels:
+            p = r["per_n"].get(n) or {}
+            o, sh, rng = p.get("overhead_pct"), p.get("sync_share_pct"), p.get("overhead_range_pct")
+            if o is None:
+                cells.append("–")
+                continue
+            spread = f" ({rng[0]:+.1f}…{rng[1]:+.1f})" if rng else ""
+            cells.append(f"{o:+.2f}%{spread} / {sh:.2f}%")
         step = "–" if r["step_ms"] is None else f"{r['step_ms']:.2f} ms"
         out.append(f"| {m} | {r['batch']} | {step} | " + " | ".join(cells) + " |")
     return "\n".join(out) + errors_md_list(s)
@@ -357,16 +379,22 @@ def targets(summ: dict[str, dict]) -> list[dict]:
                      "met": None if not cold else min(cold) >= 2000})
     out = (summ.get("outage") or {}).get("systems") or {}
     o = (out.get("frmps") or {}).get("outage_s")
+    o1 = (out.get("frmps-n1") or {}).get("outage_s")
     if out:
-        rows.append({"target": f"outage ≤ 60 ms ({summ['outage'].get('model')})", "reached": ms(o),
-                     "met": None if o is None else o <= 0.060})
+        best = min((x for x in (o, o1) if x is not None), default=None)
+        reached = ms(o) + ("" if o1 is None else f" at N = 16, {ms(o1)} at N = 1")
+        rows.append({"target": f"outage ≤ 60 ms ({summ['outage'].get('model')})", "reached": reached,
+                     "met": None if best is None else best <= 0.060})
     sy = (summ.get("sync-overhead") or {}).get("models") or {}
     if sy:
         ov = [(m, (r["per_n"].get("1") or {}).get("overhead_pct")) for m, r in sy.items()]
         ov = [(m, v) for m, v in ov if v is not None]
         if ov:
             m, v = max(ov, key=lambda x: x[1])
-            rows.append({"target": "sync overhead ≤ 0.5% at N = 1", "reached": f"worst {v:+.2f}% ({m})", "met": v <= 0.5})
+            inl = (sy[m]["per_n"].get("1i") or {}).get("overhead_pct")
+            also = "" if inl is None else f"; {inl:+.2f}% published between steps"
+            rows.append({"target": "sync overhead ≤ 0.5% at N = 1", "reached": f"worst {v:+.2f}% ({m}{also})",
+                         "met": v <= 0.5})
     mem = (summ.get("standby-memory") or {}).get("models") or {}
     if mem:
         ovs = [(m, r.get("overhead_mib")) for m, r in mem.items() if r.get("overhead_mib") is not None]

@@ -3,10 +3,11 @@ stop handling, committed-state views for the ring, and adoption on takeover."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,18 +42,47 @@ class RequestOutput:
     num_prompt_tokens: int = 0
 
 
-@dataclass(frozen=True)
 class RequestView:
-    """Committed state of one request (what the ring publishes)."""
+    """Committed state of one request (what the ring publishes), a snapshot taken in
+    O(1): it keeps the request's own token and block lists with their lengths at the
+    time of the view. The engine only ever appends to those lists in place (a
+    preempted or retired request gets new ones), so the first n entries stay what
+    they were. ``block_ids`` / ``token_ids`` return copies; the ring's DeltaTracker
+    reads the live lists through ``parts()`` and copies only what changed."""
 
-    key: int
-    seed: int
-    block_ids: list[int]
-    token_ids: list[int]  # prompt + output
-    num_prompt: int
-    num_computed: int  # tokens whose KV is in the cache
-    finished: bool = False
-    aborted: bool = False
+    __slots__ = ("key", "seed", "num_prompt", "num_computed", "finished", "aborted", "_b", "_nb", "_t", "_nt")
+
+    def __init__(self, key: int, seed: int, block_ids: list[int], token_ids: list[int], num_prompt: int,
+                 num_computed: int, finished: bool = False, aborted: bool = False):
+        self.key, self.seed, self.num_prompt, self.num_computed = key, seed, num_prompt, num_computed
+        self.finished, self.aborted = finished, aborted
+        self._b, self._nb, self._t, self._nt = block_ids, len(block_ids), token_ids, len(token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self._b[: self._nb]
+
+    @property
+    def token_ids(self) -> list[int]:  # prompt + output
+        return self._t[: self._nt]
+
+    def parts(self) -> tuple[list[int], int, list[int], int]:
+        """(blocks, n_blocks, tokens, n_tokens): the live lists, valid up to those lengths."""
+        return self._b, self._nb, self._t, self._nt
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RequestView):
+            return NotImplemented
+        return (self.key, self.seed, self.block_ids, self.token_ids, self.num_prompt, self.num_computed,
+                self.finished, self.aborted) == (other.key, other.seed, other.block_ids, other.token_ids,
+                                                 other.num_prompt, other.num_computed, other.finished, other.aborted)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"RequestView(key={self.key}, seed={self.seed}, blocks={self._nb}, tokens={self._nt}, "
+                f"num_prompt={self.num_prompt}, num_computed={self.num_computed}, finished={self.finished}, "
+                f"aborted={self.aborted})")
 
 
 @dataclass(frozen=True)
@@ -119,6 +149,13 @@ class EngineCore:
             adopted_requests=0, adopted_tokens_reused=0, preemptions=0, graph_steps=0,
             replayed_tokens=0, replay_mismatches=0,
         )
+        # Device work is asynchronous (CUDA): step()'s on_launch runs after the enqueue.
+        self._launch_async = self.model.device.type == "cuda"
+        # All of the engine's device work (warm-up, graph capture, steps) goes to one
+        # stream: torch gives each (cuBLAS handle, stream) pair its own workspace (32 MiB
+        # on Hopper), and a standby keeps every one it ever used.
+        self._stream = torch.cuda.Stream(self.model.device) if self._launch_async else None
+        self._warmed = False
         # Exact mode alternates decode and prefill steps when both are waiting.
         self._prefill_turn = False
 
@@ -128,15 +165,33 @@ class EngineCore:
         """Zero-filled private pools (tests, benchmarks, single-process use)."""
         return {(p.tag, p.index): torch.zeros(p.size, dtype=torch.uint8, device=cfg.device) for p in pool_layout(cfg)}
 
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        """Run on the engine's stream, after whatever the caller queued before."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        return torch.cuda.stream(self._stream)
+
     def warmup(self) -> None:
         """GPU: capture the decode CUDA graphs now rather than on the first decode
         step. Capture writes only the reserved null block (0) of the KV pool."""
+        with self._on_stream():
+            self._warmup()
+
+    def _warmup_graphs(self) -> None:
         if self._static_decode() and self._graphs is None:
             b = min(self.cfg.max_num_seqs, 512)
             # Exact mode: one batch size, so a row's GEMMs never depend on its neighbours.
-            g = CudaGraphDecoder(self.model, b, graphs=self.cfg.cuda_graphs, buckets=[b] if self.cfg.exact else None)
+            g = CudaGraphDecoder(self.model, b, graphs=self.cfg.cuda_graphs, buckets=[b] if self.cfg.exact else None,
+                                 stream=self._stream)
             g.capture()
             self._graphs = g
+
+    def _warmup(self) -> None:
+        if self._graphs is not None and self._warmed:
+            return
+        self._warmup_graphs()
+        self._warmed = True
         if self.model.device.type == "cuda":
             self._warm_prefill()
             # Load the sampler's kernels now (lazy module loading): a standby's first
@@ -356,7 +411,7 @@ class EngineCore:
         steps and publish the result before the next step: blocks released by
         those requests become reusable only now."""
         views = [
-            RequestView(r.key, r.seed, list(r.block_ids), list(r.token_ids), r.num_prompt, r.num_computed)
+            RequestView(r.key, r.seed, r.block_ids, r.token_ids, r.num_prompt, r.num_computed)
             for r in self._reqs.values()
         ]
         views += self._done_views
@@ -366,14 +421,25 @@ class EngineCore:
         return views
 
     # ---- stepping --------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    # The engine loop may pass step(on_launch=...): see engine_api.EngineCore.
+    launch_hook = True
+
+    def step(self, on_launch: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One scheduling step. on_launch, if given, runs once the pass is enqueued on
+        the device and before the host waits for its result, with the committed state
+        still that of the previous step (only blocks for this pass are allocated). It
+        does not run when nothing is scheduled."""
+        with self._on_stream():
+            return self._step(on_launch)
+
+    def _step(self, on_launch: Callable[[], None] | None) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         sched = self._schedule()
         self.counters["steps"] += 1
         if not sched:
             return outputs
         t0 = time.perf_counter()
-        logits, rows = self._forward(sched)
+        logits, rows = self._forward(sched, on_launch)
         if rows:
             # Each row samples the token at index r.num_computed: a new one, or in
             # exact mode one the request already has (a replayed token, checked).
@@ -504,8 +570,15 @@ class EngineCore:
         self._waiting.appendleft(req)
         self.counters["preemptions"] += 1
 
-    def _forward(self, sched: list[tuple[_Request, int]]) -> tuple[torch.Tensor, list[tuple[_Request, int | None]]]:
-        """Run one pass; returns logits, one row per entry of the returned list (see _row)."""
+    def _forward(self, sched: list[tuple[_Request, int]], on_launch: Callable[[], None] | None = None,
+                 ) -> tuple[torch.Tensor, list[tuple[_Request, int | None]]]:
+        """Run one pass; returns logits, one row per entry of the returned list (see _row).
+        on_launch runs after the pass is enqueued on a GPU (before num_computed moves on),
+        so that it overlaps the device's work. On the CPU the pass computes as it is
+        "enqueued": there it runs first, lest the record wait for the whole pass."""
+        if on_launch is not None and not self._launch_async:
+            on_launch()
+            on_launch = None
         bs = self.cfg.block_size
         for r, n in sched:
             if n == 1 and r.num_computed >= r.num_prompt:
@@ -516,11 +589,13 @@ class EngineCore:
         decode_only = all(n == 1 for _, n in sched)
         if decode_only and self._static_decode() and len(sched) <= min(self.cfg.max_num_seqs, 512):
             if self._graphs is None:
-                self.warmup()
+                self._warmup()
             ids = [r.token_ids[r.num_computed] for r, _ in sched]
             pos = [r.num_computed for r, _ in sched]
             slots = [r.block_ids[p // bs] * bs + p % bs for (r, _), p in zip(sched, pos)]
             logits = self._graphs.run(ids, pos, slots, [r.block_ids for r, _ in sched])
+            if on_launch is not None:
+                on_launch()
             if self._graphs.use_graphs:
                 self.counters["graph_steps"] += 1
             for r, n in sched:
@@ -570,6 +645,8 @@ class EngineCore:
         logits = self.model.forward(batch)
         if select is not None:
             logits = logits[torch.tensor(select, dtype=torch.int64, device=logits.device)]
+        if on_launch is not None:
+            on_launch()
         for r, n in sched:
             r.num_computed += n
         return logits, wanted
@@ -604,7 +681,7 @@ class EngineCore:
     def _retire(self, req: _Request, finished: bool, aborted: bool, release: bool = True) -> None:
         if release and req.block_ids:
             self.blocks.release(req.block_ids, quarantine=self._views_read)
-        self._done_views.append(RequestView(req.key, req.seed, list(req.block_ids), list(req.token_ids),
+        self._done_views.append(RequestView(req.key, req.seed, req.block_ids, req.token_ids,
                                             req.num_prompt, req.num_computed, finished, aborted))
         req.block_ids = []
         del self._reqs[req.key]

@@ -279,8 +279,10 @@ class CudaGraphDecoder:
 
     BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
-    def __init__(self, model: Qwen2Model, max_batch: int, graphs: bool = True, buckets: list[int] | None = None) -> None:
+    def __init__(self, model: Qwen2Model, max_batch: int, graphs: bool = True, buckets: list[int] | None = None,
+                 stream: torch.cuda.Stream | None = None) -> None:
         self.model = model
+        self.stream = stream  # warm-up and capture stream (None: a new side stream)
         self.use_graphs = graphs and model.device.type == "cuda"
         if buckets is not None:
             if not buckets or sorted(set(buckets)) != list(buckets) or buckets[-1] != max_batch or buckets[0] < 1:
@@ -309,7 +311,7 @@ class CudaGraphDecoder:
         if not self.use_graphs:
             return
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        stream = self.stream if self.stream is not None else torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             # Every bucket once eagerly, so nothing compiles or loads during capture.
@@ -319,7 +321,8 @@ class CudaGraphDecoder:
         torch.cuda.synchronize()
         for b in reversed(self.buckets):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            # Captured on the warm-up's stream: its cuBLAS workspace is reused, not a new one.
+            with torch.cuda.graph(g, pool=pool, stream=stream):
                 self.outputs[b] = self._run(b)
             self.graphs[b] = g
         # Launch each graph once now: the first launch uploads the executable graph

@@ -25,6 +25,11 @@ from .writer import RingWriter
 
 
 class RequestView(Protocol):
+    """What the tracker reads of one request. A view may also have ``parts()`` ->
+    (blocks, n_blocks, tokens, n_tokens): lists that are valid up to those lengths
+    (the engine's own, appended to in place); the tracker then copies only the new
+    entries instead of reading ``block_ids`` / ``token_ids``."""
+
     key: int
     seed: int
     block_ids: list[int]
@@ -84,10 +89,15 @@ class DeltaTracker:
             if full and fin:
                 continue  # absent from a FULL record = gone
             prev = pub.get(key)
-            b = v.block_ids
-            t = v.token_ids
-            nb = len(b)
-            nt = len(t)
+            parts = getattr(v, "parts", None)
+            if parts is not None:
+                # Live lists valid up to nb / nt: nothing is copied but what is new.
+                b, nb, t, nt = parts()
+            else:
+                b = v.block_ids
+                t = v.token_ids
+                nb = len(b)
+                nt = len(t)
             nc = v.num_computed
             if (
                 prev is None
@@ -96,23 +106,23 @@ class DeltaTracker:
                 or (prev[0] and (b[0] != prev[2] or b[prev[0] - 1] != prev[3]))
                 or (force and key in force)
             ):
-                blocks_extend(b)
-                tokens_extend(t)
+                blocks_extend(b if len(b) == nb else b[:nb])
+                tokens_extend(t if len(t) == nt else t[:nt])
                 cols_extend((nc, v.num_prompt, FLAG_RESET | fin, nb, nt))
             else:
                 pb, pt = prev[0], prev[1]
                 if nb == pb and nt == pt and nc == prev[4] and not fin:
                     continue
                 if nb > pb:
-                    blocks_extend(b[pb:])
+                    blocks_extend(b[pb:nb])
                 if nt > pt:
-                    tokens_extend(t[pt:])
+                    tokens_extend(t[pt:nt])
                 cols_extend((nc, 0, fin, nb - pb, nt - pt))
             ks_extend((key, v.seed))
             if fin:
                 done.append(key)
             elif nb:
-                pub[key] = (nb, nt, b[0], b[-1], nc)
+                pub[key] = (nb, nt, b[0], b[nb - 1], nc)
             else:
                 pub[key] = (0, nt, 0, 0, nc)
         for key in self._gone:

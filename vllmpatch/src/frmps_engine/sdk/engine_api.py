@@ -37,7 +37,8 @@ class AdoptResult(Protocol):
 
 
 class RequestView(Protocol):
-    """Committed forward state of one request, as the ring's DeltaTracker wants it."""
+    """Committed forward state of one request, as the ring's DeltaTracker wants it.
+    Optionally ``parts()`` (see ring.tracker.RequestView) to skip copying the lists."""
 
     key: int
     seed: int
@@ -72,6 +73,12 @@ class EngineCore(Protocol):
     def has_work(self) -> bool: ...
     def request_views(self) -> Iterable[RequestView]: ...
 
+    # Optional: launch_hook = True and step(on_launch=fn). The core calls fn once per step
+    # after the step's device work is enqueued and before the host waits for it, while
+    # request_views() still describes the previous step (blocks allocated for this step
+    # may be included). The loop publishes the ring record there, so the publish runs
+    # while the device computes instead of between steps. fn is not called if nothing
+    # is scheduled; the loop then publishes after step() returns.
     # Optional: num_running() / num_waiting() for heartbeats and Health (else the SDK counts streams).
     # Optional: check_device() raises the device's sticky error; the loop calls it while idle.
 

@@ -167,6 +167,10 @@ class EngineLoop:
         self._streams_lock = threading.Lock()
         self.step_count = 0
         self._since_sync = 0
+        # Publish overlapped with the next step's device work where the core allows it
+        # (EngineCore's launch_hook); else right after the step, between steps.
+        self._overlap = bool(getattr(core, "launch_hook", False))
+        self._sync_pending = False
         self.counters = collections.Counter()
         self.dead: BaseException | None = None
         # Test knob only (FRMPS_TEST_STEP_DELAY_MS): slows every step so that
@@ -293,6 +297,7 @@ class EngineLoop:
             if publisher is not None:
                 publisher.publish_full(self.step_count, self.core.request_views())
                 self._since_sync = 0
+                self._sync_pending = False
 
         self.call(attach)
 
@@ -301,12 +306,27 @@ class EngineLoop:
     def _is_fatal(e: BaseException) -> bool:
         return is_device_error(e)
 
-    def _sync(self, restart: bool = True) -> None:
+    def _publish(self) -> None:
+        """Publish the committed state now (also the core's on_launch hook)."""
+        self._sync_pending = False
         if self._publisher is not None:
+            t0 = time.perf_counter_ns()
             self._publisher.sync(self.step_count, self.core.request_views())
             self.counters["ring_syncs"] += 1
+            self.counters["ring_sync_ns"] += time.perf_counter_ns() - t0
+
+    def _sync(self, restart: bool = True) -> None:
+        self._publish()
         if restart:
             self._since_sync = 0
+
+    def _step(self):
+        if not self._sync_pending:
+            return self.core.step()
+        outs = self.core.step(on_launch=self._publish)
+        if self._sync_pending:  # nothing was launched: publish now
+            self._publish()
+        return outs
 
     def _run(self) -> None:
         last_prune = time.monotonic()
@@ -325,7 +345,7 @@ class EngineLoop:
                             raise
                         log.exception("engine loop command failed")
                 if self.core.has_work():
-                    outs = self.core.step()
+                    outs = self._step()
                     if self._step_delay:
                         time.sleep(self._step_delay)
                     self.step_count += 1
@@ -337,9 +357,16 @@ class EngineLoop:
                     # (That extra sync keeps the every-N cadence: it does not restart the count.)
                     due = self._since_sync >= self.sync_every
                     if due or any(o.output_index == 0 and o.new_token_ids for o in outs):
-                        self._sync(restart=due)
+                        if due:
+                            self._since_sync = 0
+                        if self._overlap:
+                            # Published by the next step once its pass is enqueued (or
+                            # below, when the loop goes idle first).
+                            self._sync_pending = True
+                        else:
+                            self._publish()
                     continue
-                if self._since_sync:
+                if self._since_sync or self._sync_pending:
                     # Going idle: publish what finished so the supervisor's snapshot is current.
                     self._sync()
                 if not self._wake.wait(0.5):

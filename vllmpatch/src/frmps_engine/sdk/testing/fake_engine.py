@@ -173,7 +173,11 @@ class FakeCore:
     def _slot(self, r: _Req, pos: int) -> int:
         return r.blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
 
-    def step(self) -> list[FakeOutput]:
+    # step(on_launch=...) as the reference engine has it (see engine_api.EngineCore);
+    # a test may set it False on the instance to get the publish-between-steps path.
+    launch_hook = True
+
+    def step(self, on_launch=None) -> list[FakeOutput]:
         self.counters["steps"] += 1
         if self._fault_at and self.counters["steps"] >= self._fault_at:
             raise RuntimeError("CUDA error: misaligned address")
@@ -181,12 +185,16 @@ class FakeCore:
             time.sleep(self._delay)
         torch = self._torch
         outs = []
-        for r in list(self._reqs.values()):
-            n = len(r.tokens)
-            while len(r.blocks) * BLOCK_SIZE < n:
+        reqs = list(self._reqs.values())
+        for r in reqs:
+            while len(r.blocks) * BLOCK_SIZE < len(r.tokens):
                 if not self._free:
                     raise RuntimeError("fake core: out of KV blocks")
                 r.blocks.append(self._free.pop(0))
+        if on_launch is not None and reqs:
+            on_launch()  # "enqueued": nothing computed yet
+        for r in reqs:
+            n = len(r.tokens)
             todo = n - r.num_computed
             for i in range(r.num_computed, n):
                 self.kv[self._slot(r, i)] = kv_value(r.tokens[i], i)
