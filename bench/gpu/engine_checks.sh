@@ -23,15 +23,15 @@ stamp() { echo "== $* ($(( $(date +%s) - T0 ))s)"; }
 } > "$OUT/env.txt" 2>&1
 
 stamp "GPU tests"
-"$PY" -m pytest -q -p no:cacheprovider vllmpatch/tests/test_refengine_gpu.py > "$OUT/pytest_refengine_gpu.txt" 2>&1
+[ -n "${SKIP_TESTS:-}" ] || "$PY" -m pytest -q -p no:cacheprovider vllmpatch/tests/test_refengine_gpu.py > "$OUT/pytest_refengine_gpu.txt" 2>&1
 tail -3 "$OUT/pytest_refengine_gpu.txt"
 
 stamp "standby memory probe"
-for cfg in default :4096:1; do
-    for m in qwen2.5-0.5b qwen2.5-14b; do
+for cfg in ${PROBE_CONFIGS:-default :4096:1}; do
+    for m in ${PROBE_MODELS:-qwen2.5-0.5b qwen2.5-14b}; do
         echo "### $m CUBLAS_WORKSPACE_CONFIG=$cfg"
         if [ "$cfg" = default ]; then
-            env -u CUBLAS_WORKSPACE_CONFIG "$PY" bench/gpu/standby_mem_probe.py --model "$m"
+            CUBLAS_WORKSPACE_CONFIG= "$PY" bench/gpu/standby_mem_probe.py --model "$m"
         else
             CUBLAS_WORKSPACE_CONFIG=$cfg "$PY" bench/gpu/standby_mem_probe.py --model "$m"
         fi
@@ -40,7 +40,7 @@ done > "$OUT/standby_mem_probe.txt" 2>&1
 grep -E "^###|=>|stream" "$OUT/standby_mem_probe.txt" | head -40
 
 stamp "workspace speed"
-"$PY" bench/gpu/workspace_speed.py --models "$MODELS" --rounds "${WS_ROUNDS:-1}" > "$OUT/workspace_speed.jsonl" 2> "$OUT/workspace_speed.err"
+"$PY" bench/gpu/workspace_speed.py --models "${WS_MODELS:-$MODELS}" --rounds "${WS_ROUNDS:-1}" > "$OUT/workspace_speed.jsonl" 2> "$OUT/workspace_speed.err"
 cat "$OUT/workspace_speed.jsonl"; tail -5 "$OUT/workspace_speed.err"
 
 stamp "sync overhead"

@@ -37,6 +37,9 @@ def main() -> int:
     a = ap.parse_args()
     bare = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "ctx_mem.py")],
                           capture_output=True, text=True, timeout=120).stdout.strip()
+    from frmps_engine.refengine.config import apply_cuda_env
+
+    apply_cuda_env("cuda")  # the engine's cuBLAS workspace unless the environment sets one
     import torch
 
     from frmps_engine.refengine import EngineConfig, EngineCore
@@ -70,8 +73,6 @@ def main() -> int:
         stage("sampler warmed")
     torch.cuda.empty_cache()
     stage("allocator cache emptied")
-    core.warmup()  # a no-op now: checks that the stages above were all of it
-    stage("warmup() after the stages (should not grow)")
     for name, m, r in stages:
         print(f"  stage {name:45s} process {m if m is None else round(m)} MiB (pools excluded), "
               f"torch reserved {r:.1f} MiB")

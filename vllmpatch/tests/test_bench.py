@@ -355,3 +355,21 @@ def test_budget_stops_before_work_that_does_not_fit(tmp_path):
     assert records(out, "sync-overhead") == []
     runs = report.load_runs(out)
     assert runs and runs[-1]["stopped"] and runs[-1]["new_points"] == 0
+
+
+def test_sync_overhead_against_neighbouring_no_sync_trials():
+    # The step time drifts (contexts grow): every trial is compared with the no-sync
+    # trials right before and after it, so a linear drift cancels.
+    trials, seq = [], 0
+    for rep in range(2):
+        for n in ((0, 1, 0, 16, 0) if rep == 0 else (1, 0, 16, 0)):
+            secs = 1.0 + 0.1 * seq  # drift: every trial 10% slower than the one before
+            if n == 1:
+                secs *= 1.02  # N = 1 costs 2% on top
+            trials.append({"sync_every": n, "inline": False, "rep": rep, "seq": seq, "seconds": secs, "tokens": 1000,
+                           "sync_s": 0.0, "syncs": 0})
+            seq += 1
+    s = report.summarize_sync([_rec("sync-overhead", {"model": "qwen2.5-0.5b"}, {"batch": 8, "trials": trials})])
+    per_n = s["models"]["qwen2.5-0.5b"]["per_n"]
+    assert per_n["1"]["overhead_pct"] == pytest.approx(100 * (1 - 1 / 1.02))
+    assert per_n["16"]["overhead_pct"] == pytest.approx(0.0, abs=1e-9)

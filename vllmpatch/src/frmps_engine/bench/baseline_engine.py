@@ -459,9 +459,11 @@ def run_sync_overhead(args) -> int:
     from frmps_engine.ring import create_ring
     from frmps_engine.sdk.loop import RingPublisher
 
-    sync_list = parse_sync_list(args.sync_list)
+    sync_list = [x for x in parse_sync_list(args.sync_list) if x != (0, False)]
     S, R = args.steps_per_trial, args.reps
-    total_steps = len(sync_list) * S * R + args.warmup_steps + 8
+    # Every trial sits between two no-sync trials (the contexts grow with every step, so
+    # the step time drifts over a run; each trial is compared with its neighbours).
+    total_steps = (2 * len(sync_list) + 1) * S * R + args.warmup_steps + 8
     # Exact mode (the GPU default) prefills one request per step, alternating with a
     # decode step of those already in: the first ones decode up to one token per later
     # arrival before the timed steps start. Leave room so none finishes early.
@@ -512,10 +514,15 @@ def run_sync_overhead(args) -> int:
             pub.sync(step, core.request_views())
         trials = []
         for rep in range(R):
-            # Forward, then backward: over an even number of rounds a linear drift (the
-            # context grows with every step) weighs on every N alike.
+            # Forward, then backward, each N between two no-sync trials: 0, a, 0, b, ..., 0.
             order = sync_list if rep % 2 == 0 else sync_list[::-1]
-            for n, inline in order:
+            seq = [(0, False)]
+            for x in order:
+                seq += [x, (0, False)]
+            for i, (n, inline) in enumerate(seq):
+                if rep and i == 0:
+                    continue  # the previous round ended with a no-sync trial
+                idx = len(trials)
                 pub.sync(step, core.request_views())  # untimed: every trial starts right after a sync
                 acc = [0.0, 0]  # time inside the publishes, their number
                 pending = False
@@ -550,8 +557,8 @@ def run_sync_overhead(args) -> int:
                 dt = time.perf_counter() - ta
                 if len(outs) != batch:
                     raise RuntimeError(f"expected {batch} decodes per step, got {len(outs)}")
-                trials.append({"sync_every": n, "inline": inline, "rep": rep, "seconds": dt, "tokens": S * batch,
-                               "sync_s": acc[0], "syncs": acc[1]})
+                trials.append({"sync_every": n, "inline": inline, "rep": rep, "seq": idx, "seconds": dt,
+                               "tokens": S * batch, "sync_s": acc[0], "syncs": acc[1]})
                 print(f"sync-overhead {args.model} rep {rep} N={n or 'none'}{' inline' if inline else ''}: "
                       f"{S * batch / dt:,.0f} tok/s, sync {acc[0] * 1e3:.2f} ms / {acc[1]}", file=sys.stderr, flush=True)
         pub.close()
@@ -602,6 +609,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.role != "context":  # the same cuBLAS workspace as the served engine (a bare context has none)
+        from frmps_engine.refengine.config import apply_cuda_env
+
+        apply_cuda_env(args.device)
     run = {"victim": run_victim, "sleep": run_sleep, "cold": run_cold, "context": run_context,
            "write-checkpoint": run_write_checkpoint, "sync-overhead": run_sync_overhead}[args.role]
     try:

@@ -457,13 +457,14 @@ class SyncOverhead(Experiment):
                             "instead of overlapped with the next step's device work")
         p.add_argument("--steps-per-trial", type=int, default=0, help="default 64 (--quick 32, --cpu 8)")
         p.add_argument("--reps", type=int, default=0,
-                       help="rounds over all N, alternately forward and backward (default 4; --quick and --cpu 2)")
+                       help="rounds over all N, alternately forward and backward, each N between two no-sync "
+                            "trials (default 2; --quick 1)")
         p.add_argument("--batch", type=int, default=0, help="0: as many sequences as memory allows, up to 256")
         p.add_argument("--prompt-len", type=int, default=128)
 
     def defaults(self, a):
         a.steps_per_trial = a.steps_per_trial or (8 if a.device == "cpu" else 32 if a.quick else 64)
-        a.reps = a.reps or (2 if a.quick or a.device == "cpu" else 4)
+        a.reps = a.reps or (1 if a.quick else 2)
 
     def plan(self, a):
         return [{"model": m} for m in _models(a, GPU_MODELS)]

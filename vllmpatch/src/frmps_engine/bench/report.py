@@ -182,23 +182,46 @@ def _sync_order(label: str) -> tuple[bool, int]:
     return (label.endswith("i"), int(label.rstrip("i")))
 
 
+def _sync_lost(trials: list[dict], t: dict) -> float | None:
+    """Throughput lost by trial t against no sync, in %: against the mean of the
+    no-sync trials right before and after it ("seq" order; the step time drifts as the
+    contexts grow), or, for results without that order, the no-sync trial of its round."""
+    if not t["seconds"]:
+        return None
+    tput = t["tokens"] / t["seconds"]
+    if t["sync_every"] == 0:
+        return None if "seq" in t else 0.0
+    if "seq" in t:
+        by_seq = {x["seq"]: x for x in trials if "seq" in x}
+        nb = [by_seq.get(t["seq"] + d) for d in (-1, 1)]
+        nb = [x for x in nb if x is not None and x["sync_every"] == 0 and x["seconds"]]
+        if not nb:
+            return None
+        # Mean time per token of the neighbours: a drift linear in time cancels exactly.
+        base = len(nb) / sum(x["seconds"] / x["tokens"] for x in nb)
+    else:
+        base = next((x["tokens"] / x["seconds"] for x in trials
+                     if x["sync_every"] == 0 and x["rep"] == t["rep"] and x["seconds"]), None)
+        if not base:
+            return None
+    return 100 * (1 - tput / base)
+
+
 def summarize_sync(records: list[dict]) -> dict:
-    """Per N: throughput over all trials, and the overhead as the median over rounds of
-    each trial against the no-sync trial of the same round (pairs close in time, so
-    drift and noise between rounds cancel); its range over rounds shows the noise."""
+    """Per N: throughput over all trials, and the overhead: the median over rounds of
+    each trial against its neighbouring no-sync trials (close in time, so the drift
+    over a run and the noise between rounds cancel); its range shows the noise."""
     good, bad = _ok(records)
     models = {}
     for r in sorted(good, key=lambda r: model_key(r["key"]["model"])):
         d = r["data"]
         trials = d.get("trials") or []
-        base_by_rep = {t["rep"]: t["tokens"] / t["seconds"] for t in trials if t["sync_every"] == 0 and t["seconds"]}
         per_n: dict[str, dict] = {}
         for label in sorted({_sync_label(t) for t in trials}, key=_sync_order):
             ts = [t for t in trials if _sync_label(t) == label]
             secs, toks = sum(t["seconds"] for t in ts), sum(t["tokens"] for t in ts)
             sync_s, syncs = sum(t["sync_s"] for t in ts), sum(t["syncs"] for t in ts)
-            lost = [100 * (1 - (t["tokens"] / t["seconds"]) / base_by_rep[t["rep"]])
-                    for t in ts if t["seconds"] and base_by_rep.get(t["rep"])]
+            lost = [x for x in (_sync_lost(trials, t) for t in ts) if x is not None]
             per_n[label] = {"tokens_per_s": toks / secs if secs else None,
                             "sync_share_pct": 100 * sync_s / secs if secs else None,
                             "us_per_sync": 1e6 * sync_s / syncs if syncs else None, "trials": len(ts),
@@ -216,7 +239,7 @@ def md_sync(s: dict) -> str:
         return "No points yet." + errors_md_list(s)
     head = [f"N={n[:-1]} between steps" if n.endswith("i") else f"N={n}" for n in labels]
     out = ["Cells: decode throughput lost against no sync (median over rounds of each trial against the no-sync "
-           "trial of its round; the range over rounds below it) / share of the time spent inside the sync calls "
+           "trials right before and after it; the range over rounds in brackets) / share of the time spent inside the sync calls "
            "(the direct cost). The publish runs inside the next step once its pass is enqueued, so its cost "
            "hides behind the device's work; the \"between steps\" column publishes after the step instead, as "
            "an engine without that hook does.", "",

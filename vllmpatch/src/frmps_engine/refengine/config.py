@@ -364,3 +364,20 @@ def pool_layout(cfg: EngineConfig) -> list[PoolSpec]:
 
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+# torch gives every (cuBLAS handle, stream) pair a workspace: 32 MiB by default on
+# Hopper. A standby holds its workspace for as long as it lives; 4 MiB is what cuBLAS
+# documents as enough for pre-Hopper GPUs, and on the H100 the engine's GEMMs were not
+# slower with it (bench/gpu/workspace_speed.py; results in bench/results/). Active and
+# standby must agree (cuBLAS picks kernels knowing the workspace size), so it is set the
+# same way in every engine process, and a value already in the environment wins.
+CUBLAS_WORKSPACE_DEFAULT = ":4096:1"
+
+
+def apply_cuda_env(device: str) -> None:
+    """Call before the process's first cuBLAS call (torch reads the variable once)."""
+    import os
+
+    if str(device).startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_DEFAULT)

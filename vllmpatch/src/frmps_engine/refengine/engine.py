@@ -199,6 +199,7 @@ class EngineCore:
             logits = torch.zeros((3, self.cfg.shape.vocab_size), dtype=torch.float32, device=self.model.device)
             sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
                             SamplingParams(temperature=0.8, top_p=0.9, top_k=50)], [1, 2, 3], [0, 0, 0])
+            del logits  # else its 20 MiB segment outlives empty_cache() below
             torch.cuda.synchronize(self.model.device)
             # Hand back what the warm-up left in torch's cache: a standby keeps only
             # the CUDA context, the graphs' pool and its small static buffers.

@@ -61,6 +61,7 @@ class RefAdapter:
         except ImportError as e:
             raise AdapterError(f"reference engine unavailable: {e}") from e
         self._re = refengine
+        refengine.config.apply_cuda_env(opts.device)
         kw: dict[str, Any] = {"device": opts.device, "seed": opts.seed}
         if opts.num_blocks is not None:
             kw["num_blocks"] = opts.num_blocks
