@@ -1,7 +1,8 @@
 #!/bin/bash
 # One GPU-machine run of `frmps bench`: builds what is missing (interceptor, fault
 # triggers), then runs the named slots, each a set of experiments that fits with the
-# others in about 9 minutes on an H100 (bench/README.md has the table). Every
+# others in about 9 minutes on an H100 (bench/README.md has the table), or given
+# as "x:<experiment> <flags>". Every
 # command gets --budget from the time left, so a slow run stops cleanly between
 # points; re-running the same slot resumes from the result files.
 #
@@ -49,6 +50,7 @@ for slot in "$@"; do
     s5) bench since-sync --systems frmps-n1,frmps-n16 ;;
     s6) bench since-sync --systems frmps-no-kv; bench outage ;;
     s7) bench correctness ;;
+    x:*) bench ${slot#x:} ;;  # one experiment with its flags: "x:recovery --models qwen2.5-3b"
     quick) bench recovery --quick --models qwen2.5-0.5b,qwen2.5-14b; bench sync-overhead --quick --models qwen2.5-0.5b,qwen2.5-14b ;;
     smoke)  # every experiment once on 0.5B, into <RESULTS>-smoke: run first, to catch GPU-only problems cheaply
         R0=$RESULTS; RESULTS=$R0-smoke; mkdir -p "$RESULTS"
@@ -61,7 +63,7 @@ for slot in "$@"; do
         bench outage --model qwen2.5-0.5b --duration 8
         bin/frmps bench --python "$PY" report --out "$RESULTS" >/dev/null
         RESULTS=$R0 ;;
-    *) echo "unknown slot $slot (smoke, s1..s7, quick)"; exit 2 ;;
+    *) echo "unknown slot $slot (smoke, s1..s7, quick, x:<experiment> <flags>)"; exit 2 ;;
     esac
 done
 

@@ -524,23 +524,35 @@ def run_sync_overhead(args) -> int:
                     continue  # the previous round ended with a no-sync trial
                 idx = len(trials)
                 pub.sync(step, core.request_views())  # untimed: every trial starts right after a sync
-                acc = [0.0, 0]  # time inside the publishes, their number
+                # Time inside the publishes, their number, the part of it that was exposed
+                # (the device had finished its pass before the publish did: an upper
+                # bound of what the publish added to the step), publishes fully hidden.
+                acc = [0.0, 0, 0.0, 0]
                 pending = False
 
-                def publish():
+                def publish(hooked: bool = False):
                     nonlocal pending
                     pending = False
+                    ev = None
+                    if hooked and args.device.startswith("cuda"):
+                        ev = torch.cuda.Event()
+                        ev.record()  # after the pass just enqueued
                     ts = time.perf_counter()
                     pub.sync(step, core.request_views())
-                    acc[0] += time.perf_counter() - ts
+                    dt = time.perf_counter() - ts
+                    acc[0] += dt
                     acc[1] += 1
+                    if ev is not None and not ev.query():
+                        acc[3] += 1
+                    else:
+                        acc[2] += dt
 
                 since = 0
                 sync(args.device)
                 ta = time.perf_counter()
                 for _ in range(S):
                     if pending:
-                        outs = core.step(on_launch=publish)
+                        outs = core.step(on_launch=lambda: publish(True))
                         if pending:
                             publish()
                     else:
@@ -558,7 +570,8 @@ def run_sync_overhead(args) -> int:
                 if len(outs) != batch:
                     raise RuntimeError(f"expected {batch} decodes per step, got {len(outs)}")
                 trials.append({"sync_every": n, "inline": inline, "rep": rep, "seq": idx, "seconds": dt,
-                               "tokens": S * batch, "sync_s": acc[0], "syncs": acc[1]})
+                               "tokens": S * batch, "sync_s": acc[0], "syncs": acc[1], "exposed_s": acc[2],
+                               "hidden_syncs": acc[3]})
                 print(f"sync-overhead {args.model} rep {rep} N={n or 'none'}{' inline' if inline else ''}: "
                       f"{S * batch / dt:,.0f} tok/s, sync {acc[0] * 1e3:.2f} ms / {acc[1]}", file=sys.stderr, flush=True)
         pub.close()
