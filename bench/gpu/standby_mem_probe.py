@@ -58,21 +58,7 @@ def main() -> int:
     stage("context + pools")
     core = EngineCore(cfg, pools, load_weights=False)
     stage("core built (no weights)")
-    # The stages of EngineCore.warmup(), one by one, on the engine's stream.
-    from frmps_engine.refengine.engine import SamplingParams, sample
-
-    with core._on_stream():  # noqa: SLF001
-        core._warmup_graphs()  # noqa: SLF001
-        stage("decode graph captured + launched")
-        core._warm_prefill()  # noqa: SLF001
-        stage("prefill shapes warmed")
-        logits = torch.zeros((3, cfg.shape.vocab_size), dtype=torch.float32, device="cuda")
-        sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
-                        SamplingParams(temperature=0.8, top_p=0.9, top_k=50)], [1, 2, 3], [0, 0, 0])
-        del logits
-        stage("sampler warmed")
-    torch.cuda.empty_cache()
-    stage("allocator cache emptied")
+    core.warmup(on_stage=stage)  # the standby's own warm-up, measured after each of its stages
     for name, m, r in stages:
         print(f"  stage {name:45s} process {m if m is None else round(m)} MiB (pools excluded), "
               f"torch reserved {r:.1f} MiB")

@@ -182,7 +182,7 @@ def _sync_order(label: str) -> tuple[bool, int]:
     return (label.endswith("i"), int(label.rstrip("i")))
 
 
-def _sync_lost(trials: list[dict], t: dict) -> float | None:
+def _sync_lost(trials: list[dict], by_seq: dict[int, dict], t: dict) -> float | None:
     """Throughput lost by trial t against no sync, in %: against the mean of the
     no-sync trials right before and after it ("seq" order; the step time drifts as the
     contexts grow), or, for results without that order, the no-sync trial of its round."""
@@ -192,7 +192,6 @@ def _sync_lost(trials: list[dict], t: dict) -> float | None:
     if t["sync_every"] == 0:
         return None if "seq" in t else 0.0
     if "seq" in t:
-        by_seq = {x["seq"]: x for x in trials if "seq" in x}
         nb = [by_seq.get(t["seq"] + d) for d in (-1, 1)]
         nb = [x for x in nb if x is not None and x["sync_every"] == 0 and x["seconds"]]
         if not nb:
@@ -217,11 +216,12 @@ def summarize_sync(records: list[dict]) -> dict:
         d = r["data"]
         trials = d.get("trials") or []
         per_n: dict[str, dict] = {}
+        by_seq = {x["seq"]: x for x in trials if "seq" in x}
         for label in sorted({_sync_label(t) for t in trials}, key=_sync_order):
             ts = [t for t in trials if _sync_label(t) == label]
             secs, toks = sum(t["seconds"] for t in ts), sum(t["tokens"] for t in ts)
             sync_s, syncs = sum(t["sync_s"] for t in ts), sum(t["syncs"] for t in ts)
-            lost = [x for x in (_sync_lost(trials, t) for t in ts) if x is not None]
+            lost = [x for x in (_sync_lost(trials, by_seq, t) for t in ts) if x is not None]
             exposed = sum(t.get("exposed_s", t["sync_s"]) for t in ts)
             per_n[label] = {"tokens_per_s": toks / secs if secs else None,
                             "sync_share_pct": 100 * sync_s / secs if secs else None,

@@ -155,7 +155,6 @@ class EngineCore:
         # stream: torch gives each (cuBLAS handle, stream) pair its own workspace (32 MiB
         # on Hopper), and a standby keeps every one it ever used.
         self._stream = torch.cuda.Stream(self.model.device) if self._launch_async else None
-        self._warmed = False
         # Exact mode alternates decode and prefill steps when both are waiting.
         self._prefill_turn = False
 
@@ -172,13 +171,15 @@ class EngineCore:
         self._stream.wait_stream(torch.cuda.current_stream(self.model.device))
         return torch.cuda.stream(self._stream)
 
-    def warmup(self) -> None:
+    def warmup(self, on_stage: Callable[[str], None] | None = None) -> None:
         """GPU: capture the decode CUDA graphs now rather than on the first decode
-        step. Capture writes only the reserved null block (0) of the KV pool."""
+        step. Capture writes only the reserved null block (0) of the KV pool.
+        on_stage(name), if given, runs after each stage (a memory probe measures there)."""
         with self._on_stream():
-            self._warmup()
+            self._warmup(on_stage)
 
-    def _warmup_graphs(self) -> None:
+    def _warmup(self, on_stage: Callable[[str], None] | None = None) -> None:
+        stage = on_stage or (lambda _name: None)
         if self._static_decode() and self._graphs is None:
             b = min(self.cfg.max_num_seqs, 512)
             # Exact mode: one batch size, so a row's GEMMs never depend on its neighbours.
@@ -186,24 +187,22 @@ class EngineCore:
                                  stream=self._stream)
             g.capture()
             self._graphs = g
-
-    def _warmup(self) -> None:
-        if self._graphs is not None and self._warmed:
-            return
-        self._warmup_graphs()
-        self._warmed = True
+            stage("decode graph captured + launched")
         if self.model.device.type == "cuda":
             self._warm_prefill()
+            stage("prefill shapes warmed")
             # Load the sampler's kernels now (lazy module loading): a standby's first
             # sampled token, right after a takeover, must not pay for it. Touches no pool.
             logits = torch.zeros((3, self.cfg.shape.vocab_size), dtype=torch.float32, device=self.model.device)
             sample(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
                             SamplingParams(temperature=0.8, top_p=0.9, top_k=50)], [1, 2, 3], [0, 0, 0])
             del logits  # else its 20 MiB segment outlives empty_cache() below
+            stage("sampler warmed")
             torch.cuda.synchronize(self.model.device)
             # Hand back what the warm-up left in torch's cache: a standby keeps only
             # the CUDA context, the graphs' pool and its small static buffers.
             torch.cuda.empty_cache()
+            stage("allocator cache emptied")
 
     @torch.inference_mode()
     def _warm_prefill(self) -> None:

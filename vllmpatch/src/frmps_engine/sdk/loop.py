@@ -315,10 +315,9 @@ class EngineLoop:
             self.counters["ring_syncs"] += 1
             self.counters["ring_sync_ns"] += time.perf_counter_ns() - t0
 
-    def _sync(self, restart: bool = True) -> None:
+    def _sync(self) -> None:
         self._publish()
-        if restart:
-            self._since_sync = 0
+        self._since_sync = 0
 
     def _step(self):
         if not self._sync_pending:
