@@ -19,6 +19,19 @@ def open_fds() -> set[int]:
     return {int(x) for x in os.listdir("/proc/self/fd")}
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Module-wide: torch on one intra-op thread. The CI machine's cores are shared, and
+    for models this small more threads only add contention (results do not depend on
+    the thread count). Torch is imported here only, so torch-free modules never load it."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def no_fd_leak():
     """Fails the test if it leaves file descriptors open."""

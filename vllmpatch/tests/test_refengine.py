@@ -8,7 +8,8 @@ import math
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.torch
+# one_torch_thread (conftest.py): one intra-op thread for the whole module.
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 import torch.nn.functional as F  # noqa: E402
 
@@ -31,16 +32,6 @@ from frmps_engine.refengine import (  # noqa: E402
 from frmps_engine.refengine.sampling import gumbel_noise, row_key, sample  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The CI machine's cores are shared; intra-op threads only add contention for
-    # models this small. (Results do not depend on the thread count.)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_core(budget: int = 512, pools=None, load=True, **kw) -> EngineCore:

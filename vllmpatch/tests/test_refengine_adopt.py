@@ -7,18 +7,10 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.torch
+# one_torch_thread (conftest.py): one intra-op thread for the whole module.
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Shared CI cores: intra-op threads only add contention at this model size.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_cfg(budget: int) -> EngineConfig:

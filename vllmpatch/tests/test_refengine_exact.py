@@ -16,20 +16,13 @@ from collections import defaultdict
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.torch
+# one_torch_thread (conftest.py): one intra-op thread for the whole module.
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 from frmps_engine.refengine import ConfigError, EngineConfig, EngineCore, SamplingParams  # noqa: E402
 
 B = 6  # max_num_seqs: the one decode batch size
 C = 24  # max_num_batched_tokens: the prefill chunk alignment
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_cfg(exact: bool = True, **kw) -> EngineConfig:
