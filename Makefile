@@ -6,6 +6,9 @@ GO       ?= go
 PYTHON   ?= python3
 VENV     := .venv
 VPY      := $(VENV)/bin/python
+# vLLM 0.26.0 (the adapter's second supported version) as an overlay on .venv.
+VENV026  := .venv-vllm026
+VPY026   := $(VENV026)/bin/python
 BIN      := bin
 PKG      := github.com/frmps/frmps
 VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
@@ -26,6 +29,18 @@ $(VENV)/.stamp: vllmpatch/requirements.lock vllmpatch/pyproject.toml
 
 .PHONY: venv
 venv: $(VENV)/.stamp ## Python virtualenv with pinned deps (torch CPU-usable build)
+
+# Only the packages that differ (requirements-vllm026.lock); .venv's site-packages
+# follow them on sys.path through a .pth file.
+$(VENV026)/.stamp: vllmpatch/requirements-vllm026.lock $(VENV)/.stamp
+	test -x $(VPY026) || $(PYTHON) -m venv $(VENV026)
+	$(VPY026) -m pip install -q --disable-pip-version-check --no-deps -r vllmpatch/requirements-vllm026.lock
+	$(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$$($(VPY026) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_frmps_base.pth"
+	$(VPY026) -c 'import importlib.metadata as m; v = m.version("vllm"); assert v == "0.26.0", v; import torch; assert torch.__version__.startswith("2.11.0"), torch.__version__'
+	touch $@
+
+.PHONY: venv-vllm026
+venv-vllm026: $(VENV026)/.stamp ## overlay virtualenv with vLLM 0.26.0 + torch 2.11.0 for the adapter's tests
 
 .PHONY: lock
 lock: ## re-pin the Python lock from the current virtualenv
@@ -99,8 +114,12 @@ c-test: c-build ## interceptor unit tests against the fake libcuda
 	$(MAKE) -C interceptor test CFLAGS_STRICT='$(CFLAGS_STRICT)'
 
 .PHONY: py-test
-py-test: $(VENV)/.stamp go-build ## Python tests (engine SDK, reference engine, ring writer)
-	FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY) -m pytest -q vllmpatch/tests
+py-test: $(VENV)/.stamp go-build py-test-vllm026 ## Python tests (engine SDK, reference engine, ring writer, vLLM adapter on 0.33.0 and 0.26.0)
+	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY) -m pytest -q vllmpatch/tests
+
+.PHONY: py-test-vllm026
+py-test-vllm026: $(VENV026)/.stamp ## the vLLM adapter's tests against vLLM 0.26.0
+	FRMPS_EXPECT_VLLM=0.26.0 PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY026) -m pytest -q -p no:cacheprovider vllmpatch/tests/vllm
 
 .PHONY: test-notorch
 test-notorch: ## Go tests and the torch-free Python tests, without installing torch

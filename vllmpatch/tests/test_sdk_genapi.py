@@ -13,7 +13,7 @@ from frmps_engine.sdk.adapters import EngineOptions
 from frmps_engine.sdk.genapi import GenerationServer
 from frmps_engine.sdk.loop import EngineBackend, EngineLoop
 from frmps_engine.sdk.memory import get_backend
-from frmps_engine.sdk.params import derive_seed
+from frmps_engine.sdk.seeds import derive_seed
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")

@@ -12,7 +12,7 @@ import pytest
 
 from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
 from frmps_engine.sdk.control import ConnectionClosed
-from frmps_engine.sdk.params import derive_seed
+from frmps_engine.sdk.seeds import derive_seed
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")

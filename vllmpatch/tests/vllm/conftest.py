@@ -1,8 +1,10 @@
-"""The vLLM adapter's tests run against the real vLLM 0.33.0 package.
+"""The vLLM adapter's tests run against a real vLLM package of a supported
+version (0.26.0 or 0.33.0; `make test` runs them against both).
 
 Where vLLM is not importable, or is another version, every test in this folder
-is skipped with the reason (the adapter refuses other versions at runtime too).
-Run them in the vLLM virtualenv built from requirements-vllm.lock (VLLM.md).
+is skipped with the reason (the adapter refuses other versions at runtime too),
+unless FRMPS_EXPECT_VLLM names the version that must be there: then a missing
+or different vLLM fails the run instead of skipping it (CI sets it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-REQUIRED = "0.33.0"
+from frmps_engine.vllm.version import SUPPORTED_VLLM_VERSIONS  # noqa: E402  (never imports vLLM)
+
+EXPECTED = os.environ.get("FRMPS_EXPECT_VLLM", "")
+WANTED = EXPECTED or " or ".join(SUPPORTED_VLLM_VERSIONS)
 
 
 def _skip_reason() -> str | None:
@@ -26,20 +31,23 @@ def _skip_reason() -> str | None:
     try:
         import vllm  # noqa: F401
     except Exception as exc:  # any import failure means: cannot test against vLLM here
-        return f"vLLM adapter tests need vllm=={REQUIRED} importable: import vllm failed: {exc!r}"
+        return f"vLLM adapter tests need vllm {WANTED} importable: import vllm failed: {exc!r}"
     from importlib import metadata
 
     try:
         found = metadata.version("vllm")
     except metadata.PackageNotFoundError:
         # `import vllm` found only this test folder (a namespace package)
-        return f"vLLM adapter tests need vllm=={REQUIRED} installed; it is not"
-    if found.split("+", 1)[0] != REQUIRED:
-        return f"vLLM adapter tests need vllm=={REQUIRED}, found {found}"
+        return f"vLLM adapter tests need vllm {WANTED} installed; it is not"
+    public = found.split("+", 1)[0]
+    if public not in SUPPORTED_VLLM_VERSIONS or (EXPECTED and public != EXPECTED):
+        return f"vLLM adapter tests need vllm {WANTED}, found {found}"
     return None
 
 
 SKIP_REASON = _skip_reason()
+if SKIP_REASON and EXPECTED:
+    raise pytest.UsageError(f"FRMPS_EXPECT_VLLM={EXPECTED}: {SKIP_REASON}")
 
 
 def pytest_collection_modifyitems(config, items):

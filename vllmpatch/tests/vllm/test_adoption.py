@@ -71,7 +71,7 @@ def no_fault_outputs(model_dir, prompts=PROMPTS):
 def resume_set(views, delivered, prompts=PROMPTS):
     """What the supervisor hands the standby: every open request, with its snapshot
     where the ring had one, else (never synced) just its prompt and no KV."""
-    from frmps_engine.vllm.seeds import derive_seed
+    from frmps_engine.sdk.seeds import derive_seed
     from frmps_engine.vllm.state import CommittedView
 
     by_key = {v.key: v for v in views if not (v.finished or v.aborted)}
@@ -120,6 +120,11 @@ def test_standby_adopts_blocks_and_skips_covered_prefill(model_dir, kill_after, 
     assert views, "something must be left to resume"
 
     standby = make_scheduler(make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS))
+    # Which model runner the scheduler prepares new requests for (its copy of the
+    # config's choice, scheduler.py). vLLM picks V2 for Qwen2 on a GPU; on this
+    # GPU-less box 0.26 falls back to V1 and refuses to be told otherwise
+    # (config/vllm.py:549-591), so the choice under test is set here.
+    standby.use_v2_model_runner = not fold
     plans, results = adopt_all(standby, views, delivered, fold=fold)
     summary = block_pool_invariants(standby)
     assert summary["held"] == sum(len(p.block_ids) for p in plans.values())

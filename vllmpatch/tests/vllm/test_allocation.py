@@ -258,14 +258,11 @@ def _tiny_loader():
         def download_model(self, model_config):
             pass
 
-        def create_model(self, vllm_config, model_config, prefix=""):
-            return build_model(0)
-
         def load_weights(self, model, model_config):
             for p in model.parameters():
                 p.data.fill_(0.5)
 
-    return TinyLoader(LoadConfig(load_format="dummy"))
+    return TinyLoader(LoadConfig(load_format="dummy")), TinyLoader
 
 
 def _worker(backend="frmps"):
@@ -275,44 +272,56 @@ def _worker(backend="frmps"):
 
 def test_vllm_worker_and_loader_place_the_model_and_kv_cache(libs, engines, frmps_vllm_config, caplog):
     """vLLM's own Worker._maybe_get_memory_pool_context (patched), BaseModelLoader.load_model
-    (patched) and allocate_kv_cache, on a KV cache config from vLLM's planner: the model
-    lands in the weights pool, the KV cache fills a pool sized by pools.pool_layout exactly."""
+    (patched) and the model runner's KV allocation (0.26: patched too), on a KV cache config
+    from vLLM's planner: the model lands in the weights pool, the KV cache fills a pool sized
+    by pools.pool_layout exactly."""
     import logging
 
-    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.worker.gpu_worker import Worker
-    from vllm.v1.worker.utils import allocate_kv_cache
 
-    from frmps_engine.vllm import plugin
-    from frmps_engine.vllm.pools import kv_cache_bytes, pool_layout
+    from frmps_engine.vllm import compat, plugin
+    from frmps_engine.vllm.pools import kv_cache_bytes, pool_layout, torch_segment_bytes
+    from vcompat import allocate_kv_cache, model_factory, plan_kv_cache
 
     plugin.register()
     vc = frmps_vllm_config
-    vc.cache_config.num_gpu_blocks_override = 200
+    # 1400 blocks: every KV allocation is over 10 MiB, so torch (and this test's
+    # allocator double, which does not pack) gives each a segment of its own.
+    vc.cache_config.num_gpu_blocks_override = 1400
     vc.cache_config.kv_cache_layout = "NHD"
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
     layers = {f"model.layers.{i}.self_attn.attn": spec for i in range(2)}
-    (kv_config,) = get_kv_cache_configs(vc, [layers], [1 << 40], get_global_kv_cache_groups(vc, [layers]))
-    kv = kv_cache_bytes(num_layers=2, num_blocks=200, block_size=16, num_kv_heads=2, head_size=32, dtype_bytes=4)
-    layout = pool_layout(16 * MiB, kv)
-    assert kv_config.kv_cache_tensors[0].size == kv < layout[1].size == 20 * MiB  # torch takes a 20 MiB segment
+    (kv_config,) = plan_kv_cache(vc, [layers])
+    kv = kv_cache_bytes(num_layers=2, num_blocks=1400, block_size=16, num_kv_heads=2, head_size=32, dtype_bytes=4)
+    allocations = compat.current().kv_cache_allocations(2, kv // 2)
+    assert {t.size for t in kv_config.kv_cache_tensors} == set(allocations)  # vLLM's own plan
+    layout = pool_layout(16 * MiB, allocations)
+    assert min(allocations) >= 10 * MiB and layout[1].size == sum(torch_segment_bytes(n) for n in allocations)
 
     e = engines(libs["active"], layout=layout)
     worker = _worker()
     caplog.set_level(logging.INFO, logger="frmps_engine.vllm")
-    with Worker._maybe_get_memory_pool_context(worker, "weights"):
-        model = _tiny_loader().load_model(vllm_config=vc, model_config=vc.model_config)
-        sampler_state = torch.zeros(64, 512, dtype=torch.int32)  # the runner's own state in the same phase
+    loader, loader_cls = _tiny_loader()
+    with model_factory(loader_cls, lambda: build_model(0)):
+        with Worker._maybe_get_memory_pool_context(worker, "weights"):
+            model = loader.load_model(vllm_config=vc, model_config=vc.model_config)
+            sampler_state = torch.zeros(64, 512, dtype=torch.int32)  # the runner's own state in the same phase
     assert all(inside(p, e.pools["weights"].tensor) for p in model.parameters())
     assert all(float(p.detach().float().mean()) == 0.5 for p in model.parameters())
     assert not inside(sampler_state, e.pools["weights"].tensor)  # private, writable after a takeover
     assert any("frmps weights placement" in r.getMessage() for r in caplog.records)
+    places_kv = compat.current().WORKER_PLACES_KV
     with Worker._maybe_get_memory_pool_context(worker, "kv_cache"):
-        caches = allocate_kv_cache(kv_config, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout())
+        # 0.26: the runner builds block tables in the same phase; they must stay private.
+        block_tables = None if places_kv else torch.zeros(64, 32, dtype=torch.int32)
+        caches = allocate_kv_cache(kv_config, torch.device("cpu"), vc)
     assert set(caches) == set(layers)
     for t in caches.values():
         assert inside(t, e.pools["kv_cache"].tensor)
+    if not places_kv:
+        assert not inside(block_tables, e.pools["kv_cache"].tensor)  # private
+        assert any("frmps kv_cache placement digest" in r.getMessage() for r in caplog.records)
     assert e.used("kv_cache") == layout[1].size  # exactly full
     # Every other tag of the frmps backend is private memory (torch's default allocator).
     with Worker._maybe_get_memory_pool_context(worker, "runtime"):

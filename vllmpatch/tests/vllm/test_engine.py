@@ -87,7 +87,7 @@ MAX = {41: 10, 42: 25}
 
 
 def test_generates_with_explicit_seeds_and_contiguous_indices(model_dir):
-    from frmps_engine.vllm.seeds import derive_seed
+    from frmps_engine.sdk.seeds import derive_seed
 
     eng = engine(model_dir)
     for k, p in PROMPTS.items():
@@ -177,7 +177,9 @@ def test_adapter_layout_params_and_refusals(model_dir):
 
     args = SimpleNamespace(model=model_dir, num_blocks=100, block_size=16, max_model_len=256, dtype="float32", sync_every=4)
     ad = make_adapter(args)
-    assert (ad.name, ad.version, ad.num_blocks) == ("vllm", "0.33.0", 100)
+    from importlib import metadata
+
+    assert (ad.name, ad.version, ad.num_blocks) == ("vllm", metadata.version("vllm").split("+")[0], 100)
     w, kv = ad.pool_layout()
     assert (w.tag, kv.tag) == ("weights", "kv_cache") and w.size % ALIGN == 0 and kv.size % ALIGN == 0
     assert ad.pool_layout() == [w, kv]  # deterministic
@@ -278,8 +280,22 @@ def test_engine_args_take_the_kv_cache_from_the_pool_and_fit_the_startup_check(m
     for load in (True, False):
         ea = ad.engine_args(load, 0.42)
         assert ea.kv_cache_memory_bytes == ad.pool_layout()[1].size and ea.gpu_memory_utilization == 0.42
-        assert (ea.num_gpu_blocks_override, ea.sleep_mode_backend, ea.enable_sleep_mode) == (100, "frmps", True)
+        assert (ea.num_gpu_blocks_override, ea.enable_sleep_mode) == (100, True)
+        for name, value in ad.compat.engine_args("frmps").items():  # 0.33: the backend rides on EngineArgs
+            assert getattr(ea, name) == value
         assert ea.load_format == "dummy"  # this adapter was not asked to load weights (weights="dummy")
+    # The backend must reach vLLM's ModelConfig: 0.26's EngineArgs has no field for it,
+    # so finish_config sets it on the built config; 0.33's checks that EngineArgs carried it.
+    from vhelpers import make_vllm_config
+
+    vc = make_vllm_config(model_dir)
+    assert vc.model_config.sleep_mode_backend == "cumem"
+    if "sleep_mode_backend" in ad.compat.engine_args("frmps"):
+        with pytest.raises(ValueError, match="sleep_mode_backend 'cumem'"):
+            ad.compat.finish_config(vc, "frmps")
+    else:
+        ad.compat.finish_config(vc, "frmps")
+        assert vc.model_config.sleep_mode_backend == "frmps"
 
 
 def test_reference_engine_only_flags_are_refused():
@@ -290,3 +306,84 @@ def test_reference_engine_only_flags_are_refused():
         make_adapter(EngineOptions(model="m", device="cuda", exact=True))
     with pytest.raises(AdapterError, match="reference engine only"):
         make_adapter(EngineOptions(model="m", device="cuda", kv_reuse=False))
+
+
+def test_unseeded_and_negative_seeds_from_the_sdk_reach_vllm_and_the_ring(model_dir):
+    """Through the SDK's own path (normalize -> adapter.sampling_params ->
+    add_request): an unseeded request gets the SDK's derived seed, which vLLM
+    can hold for every key (some keys' splitmix64 values are >= 2**63), and a
+    negative client seed (-5: uint64 2**64-5 on the wire) works too; the ring
+    view carries each request's wire seed back exactly. (-1 is vLLM's "no
+    seed": SamplingParams turns it into None, and the request then gets the
+    derived seed, as an unseeded one.)"""
+    from frmps_engine._proto.frmps.v1 import control_pb2
+    from frmps_engine.sdk.params import normalize
+    from frmps_engine.sdk.seeds import derive_seed, splitmix64
+    from frmps_engine.vllm.engine import VllmAdapter, VllmEngineConfig
+
+    adapter = VllmAdapter(VllmEngineConfig(model=model_dir, num_blocks=64, max_model_len=512))
+    keys = [k for k in range(1, 200) if splitmix64(k) >= 1 << 63][:3] + [7]
+    assert len(keys) == 4, "keys whose raw splitmix64 does not fit an int64"
+    eng = engine(model_dir)
+    wire: dict[int, int] = {}
+    for k in keys:
+        p = normalize(control_pb2.SamplingParams(max_tokens=4, temperature=0.7), k, 5, 512)
+        assert p.seed == derive_seed(k) < 1 << 63
+        eng.add_request(k, [10 + k % 50] * 5, adapter.sampling_params(p, p.seed))
+        wire[k] = p.seed
+    neg = normalize(control_pb2.SamplingParams(max_tokens=4, temperature=0.7, seed=(1 << 64) - 5), 300, 5, 512)
+    eng.add_request(300, [11] * 5, adapter.sampling_params(neg, neg.seed))
+    wire[300] = (1 << 64) - 5
+    assert eng.scheduler.requests["frmps-300"].sampling_params.seed == -5  # what vllm serve gives seed=-5
+    minus_one = normalize(control_pb2.SamplingParams(max_tokens=4, temperature=0.7, seed=(1 << 64) - 1), 301, 5, 512)
+    eng.add_request(301, [12] * 5, adapter.sampling_params(minus_one, minus_one.seed))
+    wire[301] = derive_seed(301)
+    views = {v.key: v.seed for v in eng.request_views()}
+    assert views == wire
+    got = by_key(drain(eng))
+    assert {k: len(v) for k, v in got.items()} == {k: 4 for k in wire}
+    # A standby adopting the seed -1 request before any sync (wire seed 2**64-1,
+    # no snapshot) must sample with the seed the active used: the derived one.
+    standby = engine(model_dir)
+    standby.adopt_request(301, adapter.sampling_params(minus_one, minus_one.seed), [12] * 5, 5, 0, [], minus_one.seed, [])
+    assert standby.scheduler.requests["frmps-301"].sampling_params.seed == derive_seed(301)
+
+
+def test_a_presets_model_directory_works_with_vllms_tokenizer(tmp_path):
+    """`frmps model init qwen2.5-0.5b` writes a directory vLLM reads: its
+    tokenizer (through vLLM's get_tokenizer), the chat template and the pool
+    layout of the real shapes."""
+    from frmps_engine import modeldir
+    from frmps_engine.refengine import load_tokenizer
+    from frmps_engine.vllm.engine import VllmAdapter, VllmEngineConfig
+
+    d = modeldir.write("qwen2.5-0.5b", str(tmp_path / "q05"))
+    ad = VllmAdapter(VllmEngineConfig(model=d, num_blocks=512, max_model_len=4096))
+    tok = ad.tokenizer()
+    assert tok.eos_token_id == 151645
+    msgs = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(msgs) == load_tokenizer(d).apply_chat_template(msgs)
+    ids = tok.encode("a tiny test")
+    assert tok.decode(ids) == "a tiny test"
+    w, kv = ad.pool_layout()
+    # 494M bf16 parameters (0.99 GB), the tied lm_head's discarded copy (0.27 GB), segments.
+    assert 1.2e9 < w.size < 1.45e9
+    assert kv.size >= 24 * 512 * 16 * 2 * 2 * 64 * 2  # layers x blocks x tokens x K,V x heads x dim x bf16
+
+
+def test_requests_stop_at_the_models_end_of_sequence_tokens(tmp_path):
+    """Like vllm serve: the tokenizer's EOS and generation_config.json's eos ids
+    end a request unless ignore_eos (vLLM's input processor sets them; frmps
+    builds SamplingParams itself, so the adapter must)."""
+    from frmps_engine import modeldir
+    from frmps_engine._proto.frmps.v1 import control_pb2
+    from frmps_engine.vllm.engine import VllmAdapter, VllmEngineConfig
+
+    d = modeldir.write("qwen2.5-0.5b", str(tmp_path / "q05"))
+    ad = VllmAdapter(VllmEngineConfig(model=d, num_blocks=64, max_model_len=512))
+    sp = ad.sampling_params(control_pb2.SamplingParams(max_tokens=8, stop_token_ids=[7]), seed=1)
+    assert sp.eos_token_id == 151645
+    assert set(sp.stop_token_ids) == {7, 151643}  # generation_config's other eos id, and the client's
+    assert sp.all_stop_token_ids >= {151643, 151645, 7}
+    ignore = ad.sampling_params(control_pb2.SamplingParams(max_tokens=8, ignore_eos=True), seed=1)
+    assert ignore.eos_token_id is None and ignore.stop_token_ids == []

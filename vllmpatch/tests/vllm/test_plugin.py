@@ -1,5 +1,5 @@
 """The plugin entry point, the version guard, the patch registry and the sleep
-backend, against the real vLLM 0.33.0 package."""
+backend, against the real vLLM package (each supported version)."""
 
 from __future__ import annotations
 
@@ -10,27 +10,36 @@ import pytest
 
 
 # -- version guard ---------------------------------------------------------------
-@pytest.mark.parametrize("found", ["0.32.0", "0.33.1", "0.33.0rc1", "0.34.0", "1.0.0", "0.33"])
+@pytest.mark.parametrize(
+    "found", ["0.25.0", "0.26.1", "0.26.0rc1", "0.27.0", "0.32.0", "0.33.1", "0.33.0rc1", "0.34.0", "1.0.0", "0.33", "0.26"]
+)
 def test_version_guard_refuses_other_versions(found):
     from frmps_engine.vllm.version import VllmVersionError, check_vllm_version
 
     with pytest.raises(VllmVersionError) as err:
         check_vllm_version(found)
     msg = str(err.value)
-    assert f"found vllm {found}" in msg and "supports only vllm==0.33.0" in msg
+    assert f"found vllm {found}" in msg and "supports only vllm==0.26.0 or vllm==0.33.0" in msg
 
 
-@pytest.mark.parametrize("found", ["0.33.0", "0.33.0+cu130"])
-def test_version_guard_accepts_0_33_0(found):
+@pytest.mark.parametrize("found,public", [("0.26.0", "0.26.0"), ("0.26.0+cu130", "0.26.0"),
+                                          ("0.33.0", "0.33.0"), ("0.33.0+cu130", "0.33.0")])
+def test_version_guard_accepts_the_supported_versions(found, public):
+    from frmps_engine.vllm import compat
     from frmps_engine.vllm.version import check_vllm_version
 
-    assert check_vllm_version(found) == found
+    assert check_vllm_version(found) == public
+    assert compat.for_version(found).VERSION == public
 
 
 def test_version_guard_detects_the_installed_vllm_and_missing_vllm(monkeypatch):
-    from frmps_engine.vllm import version
+    from importlib import metadata
 
-    assert version.check_vllm_version() == "0.33.0"
+    from frmps_engine.vllm import compat, version
+
+    installed = metadata.version("vllm").split("+", 1)[0]
+    assert version.check_vllm_version() == installed
+    assert compat.current().VERSION == installed
     monkeypatch.setattr(version, "installed_vllm_version", lambda: None)
     with pytest.raises(version.VllmVersionError, match="vLLM is not installed"):
         version.check_vllm_version()
@@ -56,7 +65,7 @@ def test_register_is_idempotent():
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
     from frmps_engine.vllm import plugin
-    from frmps_engine.vllm.patches import PATCHES
+    from frmps_engine.vllm.patches import patches
     from frmps_engine.vllm.sleep_backend import FrmpsSleepBackend
 
     for _ in range(3):
@@ -66,7 +75,7 @@ def test_register_is_idempotent():
     plugin._registered = False
     plugin.register()
     assert SleepModeBackendFactory.get_backend_class("frmps") is FrmpsSleepBackend
-    for patch in PATCHES:
+    for patch in patches():
         assert patch.is_applied()
         owner, attr = patch._owner_attr()
         assert not hasattr(getattr(owner, attr).__wrapped__, "__frmps_patch__"), "patch applied twice"
@@ -96,12 +105,21 @@ def test_vllm_loads_the_plugin_through_its_entry_point(tmp_path, monkeypatch):
 
 
 # -- patch registry --------------------------------------------------------------
-def test_every_patch_is_documented_and_targets_an_existing_vllm_attribute():
-    from frmps_engine.vllm.patches import PATCHES
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_every_patch_is_documented(version):
+    from frmps_engine.vllm import compat
 
-    assert PATCHES, "the registry lists the remaining patches"
-    for p in PATCHES:
-        assert p.why and p.how and p.removable_when
+    registry = compat.for_version(version).PATCHES
+    assert registry, "the registry lists the remaining patches"
+    assert len({p.name for p in registry}) == len(registry)
+    for p in registry:
+        assert p.why and p.how and p.removable_when and ":" in p.target
+
+
+def test_every_patch_of_the_installed_version_targets_an_existing_vllm_attribute():
+    from frmps_engine.vllm.patches import patches
+
+    for p in patches():
         owner, attr = p._owner_attr()
         assert callable(getattr(owner, attr)), p.target
 
@@ -169,17 +187,28 @@ def test_worker_pool_context_patch(controller):
 
     from vllm.v1.worker.gpu_worker import Worker
 
-    from frmps_engine.vllm import pools
-    from frmps_engine.vllm.patches import PATCHES
+    from frmps_engine.vllm import compat, pools
+    from frmps_engine.vllm.patches import patches
 
-    (patch,) = [p for p in PATCHES if p.name == "worker-pool-context"]
+    (patch,) = [p for p in patches() if p.name == "worker-pool-context"]
     patch.apply()
     ctl = controller("active")
     pools.set_context_factory(lambda c, tag: _Ctx(tag))
 
     frmps_worker = _worker("frmps")
     ctx = Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache")
-    assert isinstance(ctx, _Ctx) and ctx.tag == "kv_cache"
+    if compat.current().WORKER_PLACES_KV:
+        assert isinstance(ctx, _Ctx) and ctx.tag == "kv_cache"
+    else:
+        # 0.26: the tag covers the runner's whole initialize_kv_cache; it only arms
+        # the allocation-level patches, and refuses a phase in which they placed nothing.
+        assert not isinstance(ctx, _Ctx)
+        with pytest.raises(pools.PlacementError, match="without placing the KV cache"):
+            with ctx:
+                assert pools.armed_kv_controller() is ctl
+        assert pools.armed_kv_controller() is None
+        with Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache"):
+            ctl.record_placed("kv_cache", 4096)  # what the allocation patch's context records
     # "weights" is only checked here: the loader patch places the model.
     ctx = Worker._maybe_get_memory_pool_context(frmps_worker, "weights")
     assert not isinstance(ctx, _Ctx)
@@ -197,7 +226,11 @@ def test_worker_pool_context_patch(controller):
     # Without an allocation context installed, the frmps pools refuse clearly.
     pools.set_context_factory(None)
     with pytest.raises(RuntimeError, match="no allocation context is installed for the frmps kv_cache pool"):
-        Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache")
+        if compat.current().WORKER_PLACES_KV:
+            Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache")
+        else:
+            with Worker._maybe_get_memory_pool_context(frmps_worker, "kv_cache"):
+                ctl.memory_pool_context("kv_cache")
 
 
 def test_loader_weights_pool_patch(tmp_path):
@@ -208,10 +241,11 @@ def test_loader_weights_pool_patch(tmp_path):
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     from frmps_engine.vllm import pools
-    from frmps_engine.vllm.patches import PATCHES
+    from frmps_engine.vllm.patches import patches
+    from vcompat import model_factory
     from vhelpers import make_vllm_config, write_tiny_model
 
-    (patch,) = [p for p in PATCHES if p.name == "loader-weights-pool"]
+    (patch,) = [p for p in patches() if p.name == "loader-weights-pool"]
     patch.apply()
     assert patch.is_applied()
 
@@ -220,9 +254,6 @@ def test_loader_weights_pool_patch(tmp_path):
 
         def download_model(self, model_config):
             pass
-
-        def create_model(self, vllm_config, model_config, prefix=""):
-            return torch.nn.Linear(4, 4)
 
         def load_weights(self, model, model_config):
             pass
@@ -247,14 +278,15 @@ def test_loader_weights_pool_patch(tmp_path):
     pools.set_context_factory(lambda c, tag: Recording(tag))
     vc = make_vllm_config(write_tiny_model(tmp_path / "m"))
     loader = TinyLoader(LoadConfig())
-    loader.load_model(vllm_config=vc, model_config=vc.model_config)  # the cumem backend: untouched
-    assert entered == []
-    vc.model_config.sleep_mode_backend = "frmps"
-    # The test double's pools are not where torch put the model: the placement check says so.
     try:
-        with pytest.raises(pools.PlacementError, match=r"2 tensor\(s\) outside the frmps weights pool.*\bweight \("):
-            loader.load_model(vllm_config=vc, model_config=vc.model_config)
-        assert entered == ["weights"]
+        with model_factory(TinyLoader, lambda: torch.nn.Linear(4, 4)):
+            loader.load_model(vllm_config=vc, model_config=vc.model_config)  # the cumem backend: untouched
+            assert entered == []
+            vc.model_config.sleep_mode_backend = "frmps"
+            # The test double's pools are not where torch put the model: the placement check says so.
+            with pytest.raises(pools.PlacementError, match=r"2 tensor\(s\) outside the frmps weights pool.*\bweight \("):
+                loader.load_model(vllm_config=vc, model_config=vc.model_config)
+            assert entered == ["weights"]
     finally:
         pools.install_controller(None)
         pools.set_context_factory(None)

@@ -36,7 +36,7 @@ def expected_view(model: FakeModel, req, prompt):
 def test_publishes_committed_state_every_n_steps(model_dir, sync_every):
     from frmps_engine.vllm import SCHEDULER_CLS
     from frmps_engine.vllm.scheduler import FrmpsScheduler
-    from frmps_engine.vllm.seeds import derive_seed
+    from frmps_engine.sdk.seeds import derive_seed
 
     vc = make_vllm_config(model_dir, num_blocks=64, max_num_batched_tokens=48, scheduler_cls=SCHEDULER_CLS)
     sched = make_scheduler(vc)

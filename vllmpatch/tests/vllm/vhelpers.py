@@ -117,10 +117,10 @@ def make_request(key: int, prompt: list[int], *, max_tokens: int = 40, seed: int
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from frmps_engine.vllm.seeds import resolve_seed
+    from frmps_engine.sdk.seeds import resolve_seed, to_int64
     from frmps_engine.vllm.state import request_id_for_key
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=resolve_seed(key, seed), ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=to_int64(resolve_seed(key, seed)), ignore_eos=True)
     return Request(
         request_id=request_id_for_key(key), prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None, block_hasher=hasher
     )

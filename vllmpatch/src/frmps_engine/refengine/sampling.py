@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from frmps_engine.sdk.seeds import derive_seed, splitmix64
+
 M32 = 0xFFFFFFFF
 M64 = 0xFFFFFFFFFFFFFFFF
 
@@ -54,17 +56,11 @@ class SamplingParams:
         return self.temperature < 1e-5
 
 
-def splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
-    return x ^ (x >> 31)
-
-
 def default_seed(key: int) -> int:
-    """The seed given to a request that brought none: derived from its key, so a
-    standby that adopts the request before any sync still knows it."""
-    return splitmix64(int(key) & M64)
+    """The seed given to a request that brought none (the engine side's one rule,
+    sdk/seeds.py): derived from its key, so a standby that adopts the request
+    before any sync still knows it."""
+    return derive_seed(key)
 
 
 def row_key(seed: int, position: int) -> int:

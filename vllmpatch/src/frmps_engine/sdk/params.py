@@ -6,21 +6,10 @@ import math
 
 from frmps_engine._proto.frmps.v1 import control_pb2
 
-_MASK64 = (1 << 64) - 1
-
+from .seeds import derive_seed
 
 class InvalidRequest(ValueError):
     """Bad client input: maps to INVALID_ARGUMENT."""
-
-
-def derive_seed(key: int) -> int:
-    """Seed for a request whose client gave none: a function of the request key only
-    (splitmix64), so a standby that takes over a request that never reached a ring sync
-    still samples it exactly like the active did."""
-    z = (key + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & _MASK64
 
 
 def normalize(p: control_pb2.SamplingParams, key: int, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> control_pb2.SamplingParams:

@@ -30,6 +30,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..sdk.seeds import to_int64
 from .state import cdiv, request_id_for_key
 
 
@@ -164,7 +165,7 @@ def adopt(
     if fold_outputs is None:
         fold_outputs = not bool(getattr(scheduler, "use_v2_model_runner", False))
     params = copy.deepcopy(sampling_params)
-    params.seed = plan.seed
+    params.seed = to_int64(plan.seed)  # the ring's uint64 -> vLLM's int64 (sdk/seeds.py)
     outs = list(plan.output_token_ids)
     if fold_outputs and outs:
         if params.max_tokens is not None:

@@ -13,7 +13,8 @@ The vLLM side is built with official knobs only:
   loads weights; whatever it initialises lands in its private placeholder pools;
 - ``tensor_parallel_size=1`` and the in-process executor (the worker shares this
   process, hence the pool controller).
-- every request carries an explicit seed (seeds.py).
+- every request carries an explicit seed (the SDK's one rule, sdk/seeds.py;
+  vLLM keeps it as int64).
 
 This module imports vLLM only inside functions, so the SDK can list engines
 without vLLM installed.
@@ -24,12 +25,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME
 from .adoption import AdoptResult, plan_adoption
 from .pools import kv_cache_bytes, pool_layout
-from .seeds import resolve_seed
+from ..sdk.seeds import derive_seed, resolve_seed, to_int64, to_uint64
 from .state import CommittedView, key_for_request_id, request_id_for_key
 
 _FINISH = {0: "stop", 1: "length", 2: "abort"}  # vllm.v1.engine.FinishReason values
@@ -69,7 +70,7 @@ class VllmTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         ids = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if isinstance(ids, dict):  # some tokenizers return a BatchEncoding
+        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping, not a dict)
             ids = ids["input_ids"]
         return list(ids)
 
@@ -95,11 +96,23 @@ class VllmEngineCore:
     def counters(self) -> dict[str, int]:
         return dict(self.scheduler.frmps_counters)
 
+    @staticmethod
+    def _vllm_seed(key: int, wire_seed: int | None) -> int:
+        """The int64 seed vLLM gets for a request (sdk/seeds.py: the one rule).
+        vLLM reads -1 as "no seed" (SamplingParams turns it into None), so -1
+        gets the derived seed too, on the active and on a standby alike."""
+        seed = to_int64(resolve_seed(key, wire_seed))
+        return to_int64(derive_seed(key)) if seed == -1 else seed
+
     def _params(self, key: int, params: Any, seed: int | None = None) -> Any:
+        """A copy of ``params`` with the request's seed: the wire ``seed`` when
+        given (adoption), else what the params carry (None: derived)."""
         import copy
 
         params = copy.deepcopy(params)
-        params.seed = resolve_seed(key, params.seed if seed is None else seed)
+        if seed is None:
+            seed = None if params.seed is None else to_uint64(params.seed)
+        params.seed = self._vllm_seed(key, seed)
         return params
 
     def add_request(self, key: int, prompt_token_ids: list[int], params: Any) -> None:
@@ -133,6 +146,7 @@ class VllmEngineCore:
     ) -> AdoptResult:
         if key in self._tracks:
             raise ValueError(f"request {key} already exists")
+        seed = to_uint64(self._vllm_seed(key, seed))
         plan = plan_adoption(
             key=key,
             token_ids=token_ids,
@@ -309,14 +323,15 @@ class VllmEngineConfig:
 
 
 class VllmAdapter:
-    """The SDK's EngineAdapter for vLLM 0.33.0."""
+    """The SDK's EngineAdapter for the supported vLLM versions (``compat``)."""
 
     name = "vllm"
 
     def __init__(self, cfg: VllmEngineConfig):
-        from .version import check_vllm_version
+        from .compat import current
 
-        self.version = check_vllm_version()
+        self.compat = current()
+        self.version = self.compat.VERSION
         if cfg.num_blocks < 1:
             raise ValueError("--num-blocks is required with --engine vllm: both engines must have the same KV block count")
         if cfg.dtype not in _DTYPE_BYTES:
@@ -326,19 +341,22 @@ class VllmAdapter:
         self.model, self.device = cfg.model, cfg.device
         self.block_size, self.num_blocks, self.max_model_len = cfg.block_size, cfg.num_blocks, cfg.max_model_len
         self._tokenizer = None
+        self._gen_config: dict | None = None
 
     def pool_layout(self):
         h = self.hf
         heads = h["num_attention_heads"]
+        layers = h["num_hidden_layers"]
         kv = kv_cache_bytes(
-            num_layers=h["num_hidden_layers"],
+            num_layers=layers,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             num_kv_heads=h.get("num_key_value_heads", heads),
             head_size=h.get("head_dim") or h["hidden_size"] // heads,
             dtype_bytes=_DTYPE_BYTES[self.cfg.dtype],
         )
-        return pool_layout(weights_pool_bytes(h, self.cfg.dtype), kv)
+        allocations = self.compat.kv_cache_allocations(layers, kv // layers)
+        return pool_layout(weights_pool_bytes(h, self.cfg.dtype), allocations)
 
     def engine_args(self, load_weights: bool, gpu_memory_utilization: float | None = None) -> Any:
         from vllm.engine.arg_utils import EngineArgs
@@ -353,7 +371,7 @@ class VllmAdapter:
             num_gpu_blocks_override=self.cfg.num_blocks,
             load_format="auto" if (load_weights and self.cfg.weights == "load") else "dummy",
             enable_sleep_mode=True,
-            sleep_mode_backend=SLEEP_BACKEND_NAME,
+            **self.compat.engine_args(SLEEP_BACKEND_NAME),
             scheduler_cls=ASYNC_SCHEDULER_CLS if self.cfg.async_scheduling else SCHEDULER_CLS,
             async_scheduling=self.cfg.async_scheduling,
             additional_config={"frmps": {"sync_every": self.cfg.sync_every}},
@@ -393,14 +411,17 @@ class VllmAdapter:
         free, total = torch.cuda.mem_get_info(controller.pool_device("kv_cache"))
         fraction = startup_memory_fraction(free, total, self.cfg.gpu_memory_utilization)
         vllm_config = self.engine_args(load_weights, fraction).create_engine_config()
+        self.compat.finish_config(vllm_config, SLEEP_BACKEND_NAME)
         core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
         return VllmEngineCore(core, self.tokenizer())
 
     def sampling_params(self, params: Any, seed: int) -> Any:
-        """control_pb2.SamplingParams (validated by the SDK; ``seed`` resolved) -> vllm SamplingParams."""
+        """control_pb2.SamplingParams (validated by the SDK; ``seed`` resolved) -> vllm SamplingParams,
+        with the model's end-of-sequence tokens as vLLM's own input processor sets them
+        (v1/engine/input_processor.py: update_from_generation_config)."""
         from vllm import SamplingParams
 
-        return SamplingParams(
+        sp = SamplingParams(
             # vLLM requires max_tokens (vllm/v1/request.py:114); 0 on the wire means "up to the context".
             max_tokens=int(params.max_tokens) or self.max_model_len,
             temperature=float(params.temperature),
@@ -410,8 +431,24 @@ class VllmAdapter:
             stop_token_ids=[int(t) for t in params.stop_token_ids] or None,
             ignore_eos=bool(params.ignore_eos),
             include_stop_str_in_output=bool(params.include_stop_str_in_output),
-            seed=resolve_seed(0, seed),
+            seed=to_int64(seed),
         )
+        sp.update_from_generation_config(self._generation_config(), self.tokenizer().eos_token_id)
+        return sp
+
+    def _generation_config(self) -> dict:
+        """The model directory's generation_config.json ({} without one), which vLLM
+        reads for the end-of-sequence ids (ModelConfig.try_get_generation_config)."""
+        if self._gen_config is None:
+            path = os.path.join(self.cfg.model, "generation_config.json")
+            try:
+                with open(path) as f:
+                    self._gen_config = dict(json.load(f))
+            except FileNotFoundError:
+                self._gen_config = {}
+            except (OSError, ValueError, TypeError) as exc:
+                raise ValueError(f"{path}: {exc}") from exc
+        return self._gen_config
 
     def tokenizer(self) -> VllmTokenizer:
         if self._tokenizer is None:

@@ -1,10 +1,13 @@
-"""Every monkey-patch the adapter still applies to vLLM 0.33.0, in one registry.
+"""The adapter's monkey-patches: the Patch record and the patch builders.
 
-Everything else goes through official hooks: ``vllm.general_plugins`` (plugin.py),
-``scheduler_cls`` (scheduler.py), ``SleepModeBackendFactory.register_backend``
-(sleep_backend.py), ``additional_config`` (settings), ``num_gpu_blocks_override``
-(same block count on both engines) and ``load_format="dummy"`` (a standby that
-never loads weights).
+Each supported vLLM version declares its registry (``compat/v0_26.py``,
+``compat/v0_33.py``: which targets, why, how, when removable) from the
+builders here. Everything else goes through official hooks:
+``vllm.general_plugins`` (plugin.py), ``scheduler_cls`` (scheduler.py),
+``SleepModeBackendFactory.register_backend`` (sleep_backend.py),
+``additional_config`` (settings), ``num_gpu_blocks_override`` (same block count
+on both engines) and ``load_format="dummy"`` (a standby that never loads
+weights).
 
 Each patch is idempotent (marked on the patched function), applied only by
 ``plugin.register()`` after the version guard, and is tested in
@@ -29,7 +32,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Patch:
     name: str
-    target: str  # "module:Class.attribute"
+    target: str  # "module:Class.attribute" or "module:function"
     why: str
     how: str
     removable_when: str
@@ -37,9 +40,9 @@ class Patch:
 
     def _owner_attr(self):
         module_name, qual = self.target.split(":")
-        owner_name, attr = qual.rsplit(".", 1)
         owner = importlib.import_module(module_name)
-        for part in owner_name.split("."):
+        *path, attr = qual.split(".")
+        for part in path:
             owner = getattr(owner, part)
         return owner, attr
 
@@ -69,26 +72,57 @@ class Patch:
         return True
 
 
-def _pool_context(original: Callable) -> Callable:
-    def _maybe_get_memory_pool_context(self, tag: str):
-        if self.vllm_config.model_config.sleep_mode_backend != SLEEP_BACKEND_NAME:
-            return original(self, tag)
-        from .pools import get_controller
+def worker_pool_context(places_kv: bool) -> Callable[[Callable], Callable]:
+    """Builder of the ``worker-pool-context`` patch. ``places_kv``: the worker's
+    ``kv_cache`` tag covers exactly the KV allocation (it then places it in the
+    pool); otherwise it only arms the allocation-level patches
+    (``kv_allocation``) and checks that they placed the cache."""
 
-        if tag == "kv_cache":
-            return get_controller().memory_pool_context("kv_cache")
-        if tag == "weights":
-            # The model itself is placed by the loader patch below; the rest of
-            # the runner's load_model (V2: sampler and structured-output state)
-            # is mutable and stays private. This only checks the model got there.
-            return get_controller().weights_phase()
-        return contextlib.nullcontext()  # runtime, workspace: private, nothing offloaded
+    def make(original: Callable) -> Callable:
+        def _maybe_get_memory_pool_context(self, tag: str):
+            if self.vllm_config.model_config.sleep_mode_backend != SLEEP_BACKEND_NAME:
+                return original(self, tag)
+            from .pools import get_controller
 
-    _maybe_get_memory_pool_context.__doc__ = original.__doc__
-    return _maybe_get_memory_pool_context
+            if tag == "kv_cache":
+                controller = get_controller()
+                return controller.memory_pool_context("kv_cache") if places_kv else controller.kv_phase()
+            if tag == "weights":
+                # The model itself is placed by the loader patch; the rest of the
+                # runner's load_model (V2: sampler and structured-output state) is
+                # mutable and stays private. This only checks the model got there.
+                return get_controller().weights_phase()
+            return contextlib.nullcontext()  # runtime, workspace: private, nothing offloaded
+
+        _maybe_get_memory_pool_context.__doc__ = original.__doc__
+        return _maybe_get_memory_pool_context
+
+    return make
 
 
-def _loader_weights_pool(original: Callable) -> Callable:
+def kv_allocation(original: Callable) -> Callable:
+    """Builder of the allocation-level KV patches: while the worker's kv_cache
+    phase is armed (``PoolController.kv_phase``), the wrapped function's device
+    allocations go to the kv_cache pool; it returns {layer name: tensor}, whose
+    placement is checked and logged as a digest (equal in both engines)."""
+
+    def allocate(*args, **kwargs):
+        from .pools import armed_kv_controller
+
+        controller = armed_kv_controller()
+        if controller is None:
+            return original(*args, **kwargs)
+        with controller.memory_pool_context("kv_cache"):
+            tensors = original(*args, **kwargs)
+        digest = controller.check_placement("kv_cache", sorted(tensors.items()))
+        log.info("frmps kv_cache placement digest %s (%d layers)", digest, len(tensors))
+        return tensors
+
+    allocate.__doc__ = original.__doc__
+    return allocate
+
+
+def loader_weights_pool(original: Callable) -> Callable:
     def load_model(self, *args, **kwargs):
         vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
         if vllm_config.model_config.sleep_mode_backend != SLEEP_BACKEND_NAME:
@@ -110,58 +144,13 @@ def _loader_weights_pool(original: Callable) -> Callable:
     return load_model
 
 
-PATCHES: tuple[Patch, ...] = (
-    Patch(
-        name="worker-pool-context",
-        target="vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context",
-        why=(
-            "A sleep-mode backend controls only suspend/resume/discard; allocation of the tagged pools "
-            "still goes to get_mem_allocator_instance(), i.e. CuMemAllocator (gpu_worker.py:396-417), "
-            "whose VMM memory has no exportable handle. The kv_cache pool must come from frmps' "
-            "exportable pool instead, and frmps offloads nothing, so no other tag needs CuMemAllocator."
-        ),
-        how=(
-            "When model_config.sleep_mode_backend == 'frmps': 'kv_cache' returns the PoolController's "
-            "allocation context (allocation.PoolContexts: the interceptor's region + a MemPool over "
-            "frmps_malloc); 'weights' returns PoolController.weights_phase(), which only checks that the "
-            "loader patch placed the model; every other tag returns nullcontext() (private memory, and no "
-            "CuMemAllocator MemPool around the KV one: nested use_mem_pool contexts routed allocations to "
-            "the outer pool in torch releases without the fix for pytorch/pytorch#161193). Every other "
-            "backend calls the original."
-        ),
-        removable_when=(
-            "vLLM lets a SleepModeBackend provide the memory-pool context for a tag (the RFC #34303 "
-            "backend interface grows an allocation hook), or CuMemAllocator can create exportable handles."
-        ),
-        make=_pool_context,
-    ),
-    Patch(
-        name="loader-weights-pool",
-        target="vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
-        why=(
-            "vLLM's 'weights' phase is the runner's whole load_model (gpu_worker.py:594-601), and the V2 "
-            "runner builds mutable per-request state there after the model (gpu/model_runner.py:435-536: "
-            "PenaltiesState.output_bin_counts, StructuredOutputsWorker.grammar_bitmask). In the shared "
-            "weights pool that state would be read-only on a standby and shared with the active; only "
-            "the model (parameters and buffers) may go there."
-        ),
-        how=(
-            "When vllm_config.model_config.sleep_mode_backend == 'frmps': run the original (model "
-            "creation, weight loading, post-processing: base_loader.py:62-116) inside the PoolController's "
-            "'weights' allocation context, then check that every parameter and buffer on the pool's "
-            "device lies in the weights pool and log a placement digest. Otherwise call the original. "
-            "Loaders that override load_model (tensorizer, modelexpress) bypass it, and the worker's "
-            "weights phase then refuses to start."
-        ),
-        removable_when=(
-            "vLLM scopes the 'weights' memory-pool tag to the model loader (or gives model state its own "
-            "tag), so that the worker-level context places exactly the model."
-        ),
-        make=_loader_weights_pool,
-    ),
-)
+def patches() -> tuple[Patch, ...]:
+    """The installed vLLM version's patch registry."""
+    from .compat import current
+
+    return current().PATCHES
 
 
 def apply_all() -> list[str]:
-    """Apply every patch (idempotent); returns the names applied by this call."""
-    return [p.name for p in PATCHES if p.apply()]
+    """Apply every patch of the installed version (idempotent); returns the names applied by this call."""
+    return [p.name for p in patches() if p.apply()]

@@ -102,18 +102,20 @@ def torch_segments_bytes(sizes: Iterable[int], max_split: int = TORCH_LARGE_SEGM
     return total
 
 
-def pool_layout(weight_bytes: int, kv_bytes: int) -> list[PoolSpec]:
+def pool_layout(weight_bytes: int, kv_bytes: int | Sequence[int]) -> list[PoolSpec]:
     """The pool layout both engines derive (deterministic from model + block count).
 
     ``weight_bytes`` is the weights pool's size (the caller's estimate of what
-    the model loader allocates, segments included); ``kv_bytes`` is vLLM's one
-    KV backing allocation, which the pool holds as the segment torch requests
-    for it."""
-    if weight_bytes < 1 or kv_bytes < 1:
+    the model loader allocates, segments included); ``kv_bytes`` is vLLM's KV
+    backing allocation (one int), or its allocations in order (vLLM 0.26: one
+    per layer; ``compat``), which the pool holds as the segments torch
+    requests for them (no max split outside the model loader)."""
+    kv_allocs = [int(kv_bytes)] if isinstance(kv_bytes, int) else [int(n) for n in kv_bytes]
+    if weight_bytes < 1 or not kv_allocs or min(kv_allocs) < 1:
         raise ValueError(f"pool sizes must be positive: weights {weight_bytes}, kv_cache {kv_bytes}")
     return [
         PoolSpec("weights", 0, round_up(weight_bytes, ALIGN)),
-        PoolSpec("kv_cache", 0, round_up(torch_segment_bytes(kv_bytes), ALIGN)),
+        PoolSpec("kv_cache", 0, round_up(torch_segments_bytes(kv_allocs, max_split=1 << 62), ALIGN)),
     ]
 
 
@@ -270,6 +272,28 @@ class PoolController:
                 "would not be shared; use load_format auto or dummy"
             )
 
+    @contextlib.contextmanager
+    def kv_phase(self) -> Iterator[None]:
+        """The worker's ``kv_cache`` phase where it covers more than the KV
+        allocation (vLLM 0.26: the runner's whole ``initialize_kv_cache``, block
+        tables and attention metadata included, which are mutable and stay
+        private). It arms the allocation-level patches (``armed_kv_controller``),
+        which place only the KV tensors in the pool, and checks that they did."""
+        global _armed_kv
+        before = self.placed.get("kv_cache", 0)
+        if _armed_kv is not None:
+            raise PlacementError("frmps kv_cache phase entered twice")
+        _armed_kv = self
+        try:
+            yield
+        finally:
+            _armed_kv = None
+        if self.placed.get("kv_cache", 0) == before:
+            raise PlacementError(
+                "vLLM's kv_cache phase ended without placing the KV cache in the frmps kv_cache pool: the model "
+                "runner did not allocate it through the patched allocation function (patches.py, kv_allocation)"
+            )
+
     def check_placement(self, tag: str, named_tensors: Iterable[tuple[str, Any]]) -> str:
         """Every tensor on the pool's device must lie inside pool ``tag``;
         returns a digest of (name, offset, bytes), equal in two engines that
@@ -307,6 +331,7 @@ class _ExternalPool:
 
 
 _controller: PoolController | None = None
+_armed_kv: PoolController | None = None
 _context_factory: Callable[[PoolController, str], Any] | None = None
 
 
@@ -322,6 +347,11 @@ def get_controller() -> PoolController:
             "start vLLM through `python -m frmps_engine.cli serve --engine vllm`"
         )
     return _controller
+
+
+def armed_kv_controller() -> PoolController | None:
+    """The controller whose kv_cache phase is open (``PoolController.kv_phase``), else None."""
+    return _armed_kv
 
 
 def set_context_factory(factory: Callable[[PoolController, str], Any] | None) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from ..sdk.seeds import to_uint64
+
 REQUEST_ID_PREFIX = "frmps-"
 
 
@@ -95,7 +97,7 @@ def committed_view(
         raise ValueError(f"request {request.request_id} has no explicit seed; frmps assigns one to every request")
     return CommittedView(
         key=key,
-        seed=int(seed),
+        seed=to_uint64(seed),  # vLLM's int64 -> the ring's uint64 (sdk/seeds.py)
         block_ids=blocks,
         token_ids=tokens,
         num_prompt=int(request.num_prompt_tokens) - num_folded,

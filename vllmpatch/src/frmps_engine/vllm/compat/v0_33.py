@@ -1,0 +1,87 @@
+"""vLLM 0.33.0: what this version needs that 0.26.0 does not (file:line are
+inside the 0.33.0 wheel's ``vllm`` package; VLLM.md has the rest)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..patches import Patch, loader_weights_pool, worker_pool_context
+
+VERSION = "0.33.0"
+
+# The worker's kv_cache tag is entered by the runners only around the one KV
+# backing allocation (v1/worker/gpu_model_runner.py:6934, v1/worker/gpu/attn_utils.py:409).
+WORKER_PLACES_KV = True
+
+
+def engine_args(sleep_backend: str) -> dict[str, Any]:
+    # EngineArgs carries the backend name to ModelConfig (engine/arg_utils.py:800, 2050).
+    return {"sleep_mode_backend": sleep_backend}
+
+
+def finish_config(vllm_config: Any, sleep_backend: str) -> None:
+    if vllm_config.model_config.sleep_mode_backend != sleep_backend:
+        raise ValueError(f"vLLM config has sleep_mode_backend {vllm_config.model_config.sleep_mode_backend!r}")
+
+
+def kv_cache_allocations(num_layers: int, layer_bytes: int) -> list[int]:
+    # One backing allocation for every layer (v1/worker/utils.py:564-596: torch.zeros(buf_size)).
+    return [num_layers * layer_bytes]
+
+
+def kv_cache_planner():
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_configs
+
+    return get_kv_cache_configs
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="worker-pool-context",
+        target="vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context",
+        why=(
+            "A sleep-mode backend controls only suspend/resume/discard; allocation of the tagged pools "
+            "still goes to get_mem_allocator_instance(), i.e. CuMemAllocator (gpu_worker.py:396-417), "
+            "whose VMM memory has no exportable handle. The kv_cache pool must come from frmps' "
+            "exportable pool instead, and frmps offloads nothing, so no other tag needs CuMemAllocator."
+        ),
+        how=(
+            "When model_config.sleep_mode_backend == 'frmps': 'kv_cache' returns the PoolController's "
+            "allocation context (allocation.PoolContexts: the interceptor's region + a MemPool over "
+            "frmps_malloc); 'weights' returns PoolController.weights_phase(), which only checks that the "
+            "loader patch placed the model; every other tag returns nullcontext() (private memory, and no "
+            "CuMemAllocator MemPool around the KV one: nested use_mem_pool contexts routed allocations to "
+            "the outer pool in torch releases without the fix for pytorch/pytorch#161193). Every other "
+            "backend calls the original."
+        ),
+        removable_when=(
+            "vLLM lets a SleepModeBackend provide the memory-pool context for a tag (the RFC #34303 "
+            "backend interface grows an allocation hook), or CuMemAllocator can create exportable handles."
+        ),
+        make=worker_pool_context(places_kv=True),
+    ),
+    Patch(
+        name="loader-weights-pool",
+        target="vllm.model_executor.model_loader.base_loader:BaseModelLoader.load_model",
+        why=(
+            "vLLM's 'weights' phase is the runner's whole load_model (gpu_worker.py:594-601), and the V2 "
+            "runner builds mutable per-request state there after the model (gpu/model_runner.py:435-536: "
+            "PenaltiesState.output_bin_counts, StructuredOutputsWorker.grammar_bitmask). In the shared "
+            "weights pool that state would be read-only on a standby and shared with the active; only "
+            "the model (parameters and buffers) may go there."
+        ),
+        how=(
+            "When vllm_config.model_config.sleep_mode_backend == 'frmps': run the original (model "
+            "creation, weight loading, post-processing: base_loader.py:62-116) inside the PoolController's "
+            "'weights' allocation context, then check that every parameter and buffer on the pool's "
+            "device lies in the weights pool and log a placement digest. Otherwise call the original. "
+            "Loaders that override load_model (tensorizer, modelexpress) bypass it, and the worker's "
+            "weights phase then refuses to start."
+        ),
+        removable_when=(
+            "vLLM scopes the 'weights' memory-pool tag to the model loader (or gives model state its own "
+            "tag), so that the worker-level context places exactly the model."
+        ),
+        make=loader_weights_pool,
+    ),
+)
