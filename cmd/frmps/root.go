@@ -15,7 +15,7 @@ func newRootCmd() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newVersionCmd(), newServeCmd(), newStatusCmd(), newBenchCmd())
+	root.AddCommand(newVersionCmd(), newServeCmd(), newStatusCmd(), newBenchCmd(), newModelCmd())
 	return root
 }
 

@@ -212,6 +212,13 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	if err := o.validate(); err != nil {
 		return err
 	}
+	if o.Engine == "vllm" {
+		dir, err := resolveVLLMModel(ctx, o.Python, o.Model)
+		if err != nil {
+			return err
+		}
+		o.Model = dir
+	}
 	lvl := hclog.LevelFromString(o.LogLevel)
 	log := hclog.New(&hclog.LoggerOptions{Name: "frmps", Level: lvl, JSONFormat: o.LogJSON, Output: stderr})
 

@@ -44,7 +44,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ablation: a standby recomputes every adopted token instead of reusing the shared KV")
     s.add_argument("--ring-module", default="frmps_engine.ring", help=argparse.SUPPRESS)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    m = sub.add_parser("model-dir", help="write (or find) a preset's Hugging Face model directory for dummy-weight runs")
+    m.add_argument("preset", help="qwen2.5-0.5b, -1.5b, -3b, -7b or -14b")
+    m.add_argument("--out", help="directory to write (default: the model cache, see frmps_engine.modeldir.default_dir)")
+    m.add_argument("--force", action="store_true", help="rewrite the directory if it exists")
     return p
+
+
+def model_dir(args: argparse.Namespace) -> int:
+    """Print the preset's model directory, writing it first unless it exists."""
+    from frmps_engine import modeldir
+
+    try:
+        path = modeldir.write(args.preset, args.out or modeldir.default_dir(args.preset), force=args.force)
+    except (ValueError, OSError) as e:
+        print(f"frmps model-dir: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -83,10 +100,10 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr,
+        level=getattr(args, "log_level", "info").upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    code = serve(args)
+    code = serve(args) if args.cmd == "serve" else model_dir(args)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
