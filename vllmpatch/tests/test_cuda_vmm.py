@@ -180,6 +180,13 @@ def test_active_then_standby_shares_memory_at_reserved_addresses(lib_path):
     assert not kv.readonly and mapped[0].readonly
     kv.tensor[123] = 0x42
     assert ctypes.string_at(pools[1].address + 123, 1) == b"\x42"
+    # A handover puts it back to sleep: read-only again, and writable at the next takeover.
+    standby.make_readonly("kv_cache")
+    standby.make_readonly("weights")
+    assert kv.readonly and mapped[0].readonly
+    standby.make_writable("kv_cache")
+    kv.tensor[124] = 0x43
+    assert ctypes.string_at(pools[1].address + 124, 1) == b"\x43"
 
     standby.close()
     active.close()

@@ -643,3 +643,32 @@ def test_on_launch_sees_the_previous_steps_committed_state(exact, after_enqueue)
         if not (a.has_work() or b.has_work()) and step > 6:
             break
     assert outs_a == outs_b and hooked > 20
+
+
+def test_reset_forgets_requests_frees_blocks_and_writes_nothing():
+    """A planned handover's reset: every request and block gone, the KV pool
+    untouched (its contents belong to the next engine), and the engine then
+    adopts those requests back as a standby would and finishes them exactly."""
+    ps = prompts(3)
+    ref = make_core().generate((k, p, SamplingParams(max_tokens=12, temperature=0.8, seed=k)) for k, p in ps.items())
+    core = make_core()
+    for k, p in ps.items():
+        core.add_request(k, p, SamplingParams(max_tokens=12, temperature=0.8, seed=k))
+    out = {k: [] for k in ps}
+    for _ in range(4):
+        for o in core.step():
+            out[o.key] += o.new_token_ids
+    views = {v.key: v for v in core.request_views()}
+    kv = core.model.kv.clone()
+    core.reset()
+    assert not core.has_work() and core.request_views() == []
+    assert core.blocks.num_free == core.cfg.num_blocks - 1
+    core.blocks.check()
+    assert torch.equal(core.model.kv, kv)
+    for k, v in views.items():
+        core.adopt_request(k, SamplingParams(max_tokens=12, temperature=0.8, seed=k), list(v.token_ids), v.num_prompt,
+                           v.num_computed, list(v.block_ids), v.seed, out[k])
+    while core.has_work():
+        for o in core.step():
+            out[o.key] += o.new_token_ids
+    assert out == ref

@@ -37,6 +37,15 @@ elif mode == "writable":
     b.make_writable("kv_cache")
     pools[1].tensor[0] = 42
     print("ok")
+elif mode == "handover":  # took over, then handed over: read-only again
+    b.make_writable("kv_cache")
+    pools[1].tensor[0] = 43
+    b.make_readonly("kv_cache")
+    b.make_readonly("kv_cache")  # idempotent
+    assert [p.readonly for p in b.pools()] == [True, True]
+    print("about to write", flush=True)
+    pools[1].tensor[0] = 1          # must fault: read-only again
+    print("WROTE")
 """
 
 
@@ -99,6 +108,14 @@ def test_make_writable_flips_kv(active):
     r = _child("writable", [p.fd for p in pools])
     assert r.returncode == 0, r.stderr
     assert int(pools[1].tensor[0]) == 42
+
+
+def test_make_readonly_flips_kv_back(active):
+    _, pools = active
+    r = _child("handover", [p.fd for p in pools])
+    assert r.returncode == -11, (r.returncode, r.stdout, r.stderr)  # SIGSEGV on the write after make_readonly
+    assert "about to write" in r.stdout and "WROTE" not in r.stdout
+    assert int(pools[1].tensor[0]) == 43
 
 
 def test_reserve_then_map_in_place(active, no_fd_leak):

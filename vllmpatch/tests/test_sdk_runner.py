@@ -346,3 +346,96 @@ def test_sigterm_drains_and_exits_0(sup):
     a.proc.send_signal(signal.SIGTERM)
     assert a.proc.wait(30) == 0
     assert not os.path.exists(a.gen_path)  # the generation socket is removed on a clean exit
+
+
+def _resume_set(reqs, delivered, snap):
+    out = []
+    for k, r in reqs.items():
+        rr = c.ResumeRequest(key=k, params=r.params, delivered_token_ids=delivered[k], prompt=r.prompt)
+        if k in snap:
+            e = snap[k]
+            rr.snapshot.CopyFrom(c.RequestSnapshot(block_ids=e["blocks"], token_ids=e["tokens"],
+                                                   num_prompt_tokens=e["num_prompt"], num_computed_tokens=e["num_computed"],
+                                                   seed=e["seed"], step=e["step"]))
+        out.append(rr)
+    return out
+
+
+def test_planned_handover_both_ways_is_exact(sup):
+    """Failback's planned handover between two live engines: the active yields
+    (state published, streams moved with UNAVAILABLE after their last token,
+    requests forgotten, asleep), the standby resumes from the fresh sync without
+    replaying, and then the same happens in the other direction."""
+    env = {"FRMPS_FAKE_STEP_DELAY_MS": "20"}
+    a, pools, fds = start_active(sup, sync_every=4, env=env)
+    s = sup.spawn("standby", "s", env=env)
+    sup.accept(s)
+    sup.welcome(s)
+    s.conn.send(c.Envelope(id=1, sleep=c.Sleep(pools=pools)), fds)
+    assert sup.expect(s, "ready", "reply")["reply"][0].reply.ok
+    s.conn.send(c.Envelope(id=2, handoff=c.Handoff()))
+    r = sup.expect(s, "reply")["reply"][0].reply
+    assert not r.ok and "serving active" in r.error  # only a serving active hands over
+
+    P = c.SamplingParams
+    reqs = {
+        1: g.GenerateRequest(key=1, prompt="hello", params=P(max_tokens=60)),
+        2: g.GenerateRequest(key=2, prompt="abc", params=P(max_tokens=60, temperature=1.0, seed=7)),
+        3: g.GenerateRequest(key=3, prompt="xyz", params=P(max_tokens=60, temperature=0.8)),
+    }
+    expected = {1: reference(TOK.encode("hello"), 60), 2: reference(TOK.encode("abc"), 60, 1.0, 7),
+                3: reference(TOK.encode("xyz"), 60, 0.8, derive_seed(3))}
+    engines = [a, s]
+    delivered = {k: [] for k in reqs}
+    for hop in range(2):
+        src, dst = engines[hop % 2], engines[(hop + 1) % 2]
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("unix://" + src.gen_path))
+        if hop == 0:
+            streams = {k: Stream(stub, r) for k, r in reqs.items()}
+        else:
+            streams = {k: ResumeStream(stub, k, len(delivered[k])) for k in reqs}
+        for st in streams.values():
+            st.start()
+        want = 10 * (hop + 1)
+        deadline = time.monotonic() + 60
+        while min(len(delivered[k]) + len(streams[k].tokens) for k in reqs) < want and time.monotonic() < deadline:
+            time.sleep(0.005)
+        src.conn.send(c.Envelope(id=10 + hop, handoff=c.Handoff()))
+        rep = sup.expect(src, "reply")["reply"][0]
+        assert rep.id == 10 + hop and rep.reply.ok, rep
+        for k, st in streams.items():
+            st.join(30)
+            assert st.error == grpc.StatusCode.UNAVAILABLE and not st.finished, (k, st.error)
+            delivered[k] += st.tokens
+            assert delivered[k] == expected[k][: len(delivered[k])], f"request {k}: a token lost or repeated"
+        with pytest.raises(grpc.RpcError) as ei:  # asleep now
+            list(stub.Generate(g.GenerateRequest(key=99, prompt="x")))
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "handed over 3 requests" in src.log()
+        snap = read_snapshot(sup.ring)
+        dst.conn.send(c.Envelope(id=20 + hop, resume=c.Resume(requests=_resume_set(reqs, delivered, snap),
+                                                              ring_path=sup.ring, sync_every=4)))
+        rep = sup.expect(dst, "reply")["reply"][0].reply
+        assert rep.ok, rep
+        for o in rep.resumed:
+            # The handover published a fresh sync: the standby computes only the token
+            # sampled last (its KV was not written yet), never a replay.
+            assert o.ok and o.prefilled_tokens <= 1, o
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("unix://" + a.gen_path))
+    for k in reqs:
+        rest = [t for ch in stub.Resume(g.ResumeStreamRequest(key=k, delivered=len(delivered[k]))) for t in ch.token_ids]
+        assert delivered[k] + rest == expected[k], f"request {k} diverged after two handovers"
+
+
+class ResumeStream(Stream):
+    def __init__(self, stub, key, delivered):
+        super().__init__(stub, None)
+        self.key, self.start_at = key, delivered
+
+    def run(self):
+        try:
+            for ch in self.stub.Resume(g.ResumeStreamRequest(key=self.key, delivered=self.start_at)):
+                self.tokens += ch.token_ids
+                self.finished = ch.finish_reason != g.FINISH_REASON_UNSPECIFIED
+        except grpc.RpcError as e:
+            self.error = e.code()

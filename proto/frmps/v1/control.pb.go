@@ -220,6 +220,7 @@ type Envelope struct {
 	//	*Envelope_Resume
 	//	*Envelope_Shutdown
 	//	*Envelope_Ping
+	//	*Envelope_Handoff
 	Msg           isEnvelope_Msg `protobuf_oneof:"msg"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -368,6 +369,15 @@ func (x *Envelope) GetPing() *Ping {
 	return nil
 }
 
+func (x *Envelope) GetHandoff() *Handoff {
+	if x != nil {
+		if x, ok := x.Msg.(*Envelope_Handoff); ok {
+			return x.Handoff
+		}
+	}
+	return nil
+}
+
 type isEnvelope_Msg interface {
 	isEnvelope_Msg()
 }
@@ -418,6 +428,10 @@ type Envelope_Ping struct {
 	Ping *Ping `protobuf:"bytes,24,opt,name=ping,proto3,oneof"`
 }
 
+type Envelope_Handoff struct {
+	Handoff *Handoff `protobuf:"bytes,25,opt,name=handoff,proto3,oneof"`
+}
+
 func (*Envelope_Hello) isEnvelope_Msg() {}
 
 func (*Envelope_PoolExport) isEnvelope_Msg() {}
@@ -439,6 +453,8 @@ func (*Envelope_Resume) isEnvelope_Msg() {}
 func (*Envelope_Shutdown) isEnvelope_Msg() {}
 
 func (*Envelope_Ping) isEnvelope_Msg() {}
+
+func (*Envelope_Handoff) isEnvelope_Msg() {}
 
 type Hello struct {
 	state           protoimpl.MessageState `protogen:"open.v1"`
@@ -1505,6 +1521,49 @@ func (x *Shutdown) GetGraceMs() uint32 {
 	return 0
 }
 
+// Active: a planned handover to the standby (failback). The engine stops
+// taking requests, finishes the step in flight, publishes every request's
+// state to the ring and stops publishing, ends every open generation stream
+// with UNAVAILABLE (the front door resumes it on the next engine), forgets its
+// requests, maps the pools read-only and sleeps: it is a standby afterwards
+// and answers a later Resume like one. Reply ok=true once asleep; ok=false
+// (a refusal) leaves it serving.
+type Handoff struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Handoff) Reset() {
+	*x = Handoff{}
+	mi := &file_frmps_v1_control_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Handoff) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Handoff) ProtoMessage() {}
+
+func (x *Handoff) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_control_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Handoff.ProtoReflect.Descriptor instead.
+func (*Handoff) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{17}
+}
+
 type ChatMessage struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Role          string                 `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
@@ -1515,7 +1574,7 @@ type ChatMessage struct {
 
 func (x *ChatMessage) Reset() {
 	*x = ChatMessage{}
-	mi := &file_frmps_v1_control_proto_msgTypes[17]
+	mi := &file_frmps_v1_control_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1527,7 +1586,7 @@ func (x *ChatMessage) String() string {
 func (*ChatMessage) ProtoMessage() {}
 
 func (x *ChatMessage) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[17]
+	mi := &file_frmps_v1_control_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1540,7 +1599,7 @@ func (x *ChatMessage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessage.ProtoReflect.Descriptor instead.
 func (*ChatMessage) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{17}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ChatMessage) GetRole() string {
@@ -1566,7 +1625,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\x03tag\x18\x01 \x01(\tR\x03tag\x12\x14\n" +
 	"\x05index\x18\x02 \x01(\rR\x05index\x12\x12\n" +
 	"\x04size\x18\x03 \x01(\x04R\x04size\x12\x18\n" +
-	"\abackend\x18\x04 \x01(\tR\abackend\"\x8f\x04\n" +
+	"\abackend\x18\x04 \x01(\tR\abackend\"\xbe\x04\n" +
 	"\bEnvelope\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x12'\n" +
 	"\x05hello\x18\n" +
@@ -1581,7 +1640,8 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\x05sleep\x18\x15 \x01(\v2\x0f.frmps.v1.SleepH\x00R\x05sleep\x12*\n" +
 	"\x06resume\x18\x16 \x01(\v2\x10.frmps.v1.ResumeH\x00R\x06resume\x120\n" +
 	"\bshutdown\x18\x17 \x01(\v2\x12.frmps.v1.ShutdownH\x00R\bshutdown\x12$\n" +
-	"\x04ping\x18\x18 \x01(\v2\x0e.frmps.v1.PingH\x00R\x04pingB\x05\n" +
+	"\x04ping\x18\x18 \x01(\v2\x0e.frmps.v1.PingH\x00R\x04ping\x12-\n" +
+	"\ahandoff\x18\x19 \x01(\v2\x11.frmps.v1.HandoffH\x00R\ahandoffB\x05\n" +
 	"\x03msg\"\x85\x03\n" +
 	"\x05Hello\x12D\n" +
 	"\x10protocol_version\x18\x01 \x01(\x0e2\x19.frmps.v1.ProtocolVersionR\x0fprotocolVersion\x12\"\n" +
@@ -1672,7 +1732,8 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\n" +
 	"sync_every\x18\x03 \x01(\rR\tsyncEvery\"%\n" +
 	"\bShutdown\x12\x19\n" +
-	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\";\n" +
+	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\"\t\n" +
+	"\aHandoff\";\n" +
 	"\vChatMessage\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent*K\n" +
@@ -1697,7 +1758,7 @@ func file_frmps_v1_control_proto_rawDescGZIP() []byte {
 }
 
 var file_frmps_v1_control_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_frmps_v1_control_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
+var file_frmps_v1_control_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_frmps_v1_control_proto_goTypes = []any{
 	(ProtocolVersion)(0),    // 0: frmps.v1.ProtocolVersion
 	(Role)(0),               // 1: frmps.v1.Role
@@ -1718,7 +1779,8 @@ var file_frmps_v1_control_proto_goTypes = []any{
 	(*RequestSnapshot)(nil), // 16: frmps.v1.RequestSnapshot
 	(*Resume)(nil),          // 17: frmps.v1.Resume
 	(*Shutdown)(nil),        // 18: frmps.v1.Shutdown
-	(*ChatMessage)(nil),     // 19: frmps.v1.ChatMessage
+	(*Handoff)(nil),         // 19: frmps.v1.Handoff
+	(*ChatMessage)(nil),     // 20: frmps.v1.ChatMessage
 }
 var file_frmps_v1_control_proto_depIdxs = []int32{
 	4,  // 0: frmps.v1.Envelope.hello:type_name -> frmps.v1.Hello
@@ -1732,23 +1794,24 @@ var file_frmps_v1_control_proto_depIdxs = []int32{
 	17, // 8: frmps.v1.Envelope.resume:type_name -> frmps.v1.Resume
 	18, // 9: frmps.v1.Envelope.shutdown:type_name -> frmps.v1.Shutdown
 	12, // 10: frmps.v1.Envelope.ping:type_name -> frmps.v1.Ping
-	0,  // 11: frmps.v1.Hello.protocol_version:type_name -> frmps.v1.ProtocolVersion
-	1,  // 12: frmps.v1.Hello.role:type_name -> frmps.v1.Role
-	2,  // 13: frmps.v1.Hello.pools:type_name -> frmps.v1.Pool
-	0,  // 14: frmps.v1.Welcome.protocol_version:type_name -> frmps.v1.ProtocolVersion
-	2,  // 15: frmps.v1.PoolExport.pools:type_name -> frmps.v1.Pool
-	1,  // 16: frmps.v1.Ready.role:type_name -> frmps.v1.Role
-	9,  // 17: frmps.v1.Reply.resumed:type_name -> frmps.v1.ResumeOutcome
-	2,  // 18: frmps.v1.Sleep.pools:type_name -> frmps.v1.Pool
-	19, // 19: frmps.v1.ResumeRequest.messages:type_name -> frmps.v1.ChatMessage
-	14, // 20: frmps.v1.ResumeRequest.params:type_name -> frmps.v1.SamplingParams
-	16, // 21: frmps.v1.ResumeRequest.snapshot:type_name -> frmps.v1.RequestSnapshot
-	15, // 22: frmps.v1.Resume.requests:type_name -> frmps.v1.ResumeRequest
-	23, // [23:23] is the sub-list for method output_type
-	23, // [23:23] is the sub-list for method input_type
-	23, // [23:23] is the sub-list for extension type_name
-	23, // [23:23] is the sub-list for extension extendee
-	0,  // [0:23] is the sub-list for field type_name
+	19, // 11: frmps.v1.Envelope.handoff:type_name -> frmps.v1.Handoff
+	0,  // 12: frmps.v1.Hello.protocol_version:type_name -> frmps.v1.ProtocolVersion
+	1,  // 13: frmps.v1.Hello.role:type_name -> frmps.v1.Role
+	2,  // 14: frmps.v1.Hello.pools:type_name -> frmps.v1.Pool
+	0,  // 15: frmps.v1.Welcome.protocol_version:type_name -> frmps.v1.ProtocolVersion
+	2,  // 16: frmps.v1.PoolExport.pools:type_name -> frmps.v1.Pool
+	1,  // 17: frmps.v1.Ready.role:type_name -> frmps.v1.Role
+	9,  // 18: frmps.v1.Reply.resumed:type_name -> frmps.v1.ResumeOutcome
+	2,  // 19: frmps.v1.Sleep.pools:type_name -> frmps.v1.Pool
+	20, // 20: frmps.v1.ResumeRequest.messages:type_name -> frmps.v1.ChatMessage
+	14, // 21: frmps.v1.ResumeRequest.params:type_name -> frmps.v1.SamplingParams
+	16, // 22: frmps.v1.ResumeRequest.snapshot:type_name -> frmps.v1.RequestSnapshot
+	15, // 23: frmps.v1.Resume.requests:type_name -> frmps.v1.ResumeRequest
+	24, // [24:24] is the sub-list for method output_type
+	24, // [24:24] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_control_proto_init() }
@@ -1768,6 +1831,7 @@ func file_frmps_v1_control_proto_init() {
 		(*Envelope_Resume)(nil),
 		(*Envelope_Shutdown)(nil),
 		(*Envelope_Ping)(nil),
+		(*Envelope_Handoff)(nil),
 	}
 	file_frmps_v1_control_proto_msgTypes[12].OneofWrappers = []any{}
 	file_frmps_v1_control_proto_msgTypes[13].OneofWrappers = []any{}
@@ -1777,7 +1841,7 @@ func file_frmps_v1_control_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_control_proto_rawDesc), len(file_frmps_v1_control_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   18,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

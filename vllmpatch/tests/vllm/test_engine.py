@@ -387,3 +387,31 @@ def test_requests_stop_at_the_models_end_of_sequence_tokens(tmp_path):
     assert sp.all_stop_token_ids >= {151643, 151645, 7}
     ignore = ad.sampling_params(control_pb2.SamplingParams(max_tokens=8, ignore_eos=True), seed=1)
     assert ignore.eos_token_id is None and ignore.stop_token_ids == []
+
+
+def test_reset_hands_the_requests_over_and_the_engine_can_adopt_them_back(model_dir):
+    """A planned handover on vLLM: reset() aborts every request in the real
+    scheduler (blocks back to the pool), the ring views forget them, and the
+    same engine later adopts them again (as a standby that is resumed) and
+    finishes them exactly: the ids freed at the abort reach the model runner
+    in the same step as the re-adopted requests, freed first."""
+    reference = by_key(_run_all(model_dir))
+    eng = engine(model_dir)
+    for k, p in PROMPTS.items():
+        eng.add_request(k, p, params(MAX[k]))
+    delivered: dict[int, list[int]] = {k: [] for k in PROMPTS}
+    for _ in range(4):
+        for o in eng.step():
+            delivered[o.key].extend(o.new_token_ids)
+    views = {v.key: v for v in eng.request_views()}
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    eng.reset()
+    assert not eng.has_work() and list(eng.request_views()) == []
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
+    for k, v in views.items():
+        eng.adopt_request(k, params(MAX[k]), v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed,
+                          delivered[k])
+    for o in drain(eng):
+        assert o.output_index == len(delivered[o.key])
+        delivered[o.key].extend(o.new_token_ids)
+    assert delivered == reference

@@ -390,6 +390,19 @@ class EngineCore:
         self._retire(req, finished=False, aborted=True)
         return True
 
+    def reset(self) -> None:
+        """Forget every request and free every block, writing nothing to the device:
+        a planned handover gave them (and the KV cache's contents) to another engine.
+        The engine is then as a fresh standby's: empty, ready to adopt."""
+        self.blocks = BlockManager(self.cfg.num_blocks)
+        self._reqs.clear()
+        self._waiting.clear()
+        self._running.clear()
+        self._pending = []
+        self._done_views = []
+        self._views_read = False
+        self._prefill_turn = False
+
     def check_device(self) -> None:
         """Raise the device's sticky error, if any (a cheap synchronise; the engine loop
         calls it while idle). No-op on the CPU."""

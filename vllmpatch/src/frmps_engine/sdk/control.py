@@ -188,6 +188,7 @@ class CommandHandler(Protocol):
     def on_sleep(self, env_id: int, msg: control_pb2.Sleep, fds: list[int]) -> control_pb2.Reply | None: ...
     def on_resume(self, env_id: int, msg: control_pb2.Resume) -> control_pb2.Reply | None: ...
     def on_shutdown(self, env_id: int, msg: control_pb2.Shutdown) -> control_pb2.Reply | None: ...
+    def on_handoff(self, env_id: int, msg: control_pb2.Handoff) -> control_pb2.Reply | None: ...
     def on_disconnect(self, err: Exception) -> None: ...
 
 
@@ -314,6 +315,8 @@ class ControlClient:
                     reply = handler.on_resume(env.id, env.resume)
                 elif kind == "shutdown":
                     reply = handler.on_shutdown(env.id, env.shutdown)
+                elif kind == "handoff":
+                    reply = handler.on_handoff(env.id, env.handoff)
                 elif kind == "ping":
                     reply = control_pb2.Reply(ok=True)
                 else:

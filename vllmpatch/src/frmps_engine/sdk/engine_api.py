@@ -8,7 +8,7 @@ engine loop drives the ``EngineCore`` from one thread only.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from frmps_engine._proto.frmps.v1 import control_pb2
 
@@ -73,14 +73,51 @@ class EngineCore(Protocol):
     def has_work(self) -> bool: ...
     def request_views(self) -> Iterable[RequestView]: ...
 
-    # Optional: launch_hook = True and step(on_launch=fn). The core calls fn once per step
-    # after the step's device work is enqueued and before the host waits for it, while
-    # request_views() still describes the previous step (blocks allocated for this step
-    # may be included). The loop publishes the ring record there, so the publish runs
-    # while the device computes instead of between steps. fn is not called if nothing
-    # is scheduled; the loop then publishes after step() returns.
-    # Optional: num_running() / num_waiting() for heartbeats and Health (else the SDK counts streams).
-    # Optional: check_device() raises the device's sticky error; the loop calls it while idle.
+
+# Optional capabilities of an EngineCore: declared here, checked with isinstance.
+
+
+@runtime_checkable
+class LaunchHook(Protocol):
+    """step(on_launch=fn): the core calls fn once per step after the step's device
+    work is enqueued and before the host waits for it, while request_views() still
+    describes the previous step (blocks allocated for this step may be included).
+    The loop publishes the ring record there, so the publish runs while the device
+    computes instead of between steps. fn is not called if nothing is scheduled;
+    the loop then publishes after step() returns. ``launch_hook`` must be True."""
+
+    launch_hook: bool
+
+    def step(self, on_launch: Callable[[], None] | None = None) -> list[RequestOutput]: ...
+
+
+@runtime_checkable
+class LoadReport(Protocol):
+    """The core's own request counts, for heartbeats and Health (else the SDK counts streams)."""
+
+    def num_running(self) -> int: ...
+    def num_waiting(self) -> int: ...
+
+
+@runtime_checkable
+class DeviceCheck(Protocol):
+    """check_device() raises the device's sticky error; the loop calls it while idle."""
+
+    def check_device(self) -> None: ...
+
+
+@runtime_checkable
+class Resettable(Protocol):
+    """reset() forgets every request and frees every KV block without writing the
+    device: a planned handover gave them to another engine, which owns the KV
+    cache's contents now. Needed to hand over (failback); a core without it
+    refuses Handoff and keeps serving."""
+
+    def reset(self) -> None: ...
+
+
+def has_launch_hook(core: object) -> bool:
+    return isinstance(core, LaunchHook) and bool(getattr(core, "launch_hook", False))
 
 
 @runtime_checkable

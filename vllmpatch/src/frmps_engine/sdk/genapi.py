@@ -158,9 +158,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     stream.cond.wait(self._tick)
                 new = stream.output[idx:]
                 finished, reason, stop_reason, error = stream.finished, stream.finish_reason, stream.stop_reason, stream.error
-                invalid = stream.error_invalid
+                invalid, moved = stream.error_invalid, stream.moved
             if not context.is_active():
                 return
+            if moved:
+                # Handed over (a planned handover): send what this engine produced,
+                # then end the stream; the front door resumes it on the next engine.
+                if not new:
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
+                                  f"request {stream.key} moved to another engine (planned handover)")
+                finished = False
             if error is not None:
                 code = grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.INTERNAL
                 context.abort(code, f"request {stream.key}: {error}")

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from .engine_api import EngineCore, RequestView
+from .engine_api import DeviceCheck, EngineCore, LoadReport, RequestView, has_launch_hook
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ class RequestStream:
         self.stop_reason: str = ""
         self.error: str | None = None
         self.error_invalid = False
+        self.moved = False  # handed over to another engine (move())
         self.finished_at = 0.0
         self.cond = threading.Condition()
 
@@ -76,6 +77,18 @@ class RequestStream:
                 self.finished = True
                 self.finished_at = time.monotonic()
             self.cond.notify_all()
+
+    def move(self) -> bool:
+        """The request now belongs to another engine (a planned handover): followers
+        send what they have not sent yet, then end the stream with UNAVAILABLE, and
+        the front door resumes it there. False if it had finished already."""
+        with self.cond:
+            if self.finished:
+                return False
+            self.moved = self.finished = True
+            self.finished_at = time.monotonic()
+            self.cond.notify_all()
+            return True
 
     def finish(self, reason: str, stop_reason: str = "", truncate_to: int | None = None) -> bool:
         """Finish from outside the core (abort, a stop string found by the detokenizer)."""
@@ -169,7 +182,7 @@ class EngineLoop:
         self._since_sync = 0
         # Publish overlapped with the next step's device work where the core allows it
         # (EngineCore's launch_hook); else right after the step, between steps.
-        self._overlap = bool(getattr(core, "launch_hook", False))
+        self._overlap = has_launch_hook(core)
         self._sync_pending = False
         self.counters = collections.Counter()
         self.dead: BaseException | None = None
@@ -276,10 +289,9 @@ class EngineLoop:
 
     def load(self) -> tuple[int, int]:
         """(running, waiting): the core's own counts when it has them."""
-        nr, nw = getattr(self.core, "num_running", None), getattr(self.core, "num_waiting", None)
-        if callable(nr) and callable(nw):
+        if isinstance(self.core, LoadReport):
             try:
-                return int(nr()), int(nw()) + len(self._cmds)
+                return int(self.core.num_running()), int(self.core.num_waiting()) + len(self._cmds)
             except Exception:  # read from another thread; a racing count is not worth failing for
                 pass
         with self._streams_lock:
@@ -300,6 +312,38 @@ class EngineLoop:
                 self._sync_pending = False
 
         self.call(attach)
+
+    # -- planned handover ---------------------------------------------------------
+    def hand_over(self, timeout: float = 30.0) -> int:
+        """On the loop thread, between steps: publish every request's state (a FULL
+        record) and detach from the ring, move every open stream to the next engine
+        and forget the requests (the core's reset); then stop the loop. Returns how
+        many streams were moved. The core is empty afterwards.
+
+        The caller has stopped new submissions first (EngineBackend.is_serving).
+        Submissions already queued reach the core first and are moved like the rest:
+        the next engine starts them afresh."""
+        if self.dead is not None:
+            raise RuntimeError(f"engine loop died: {self.dead}")
+
+        def yield_requests() -> int:
+            if self._publisher is not None:
+                self._publisher.publish_full(self.step_count, self.core.request_views())
+                self.counters["ring_syncs"] += 1
+                self._publisher.close()
+                self._publisher = None
+            with self._streams_lock:
+                streams = list(self._streams.values())
+            moved = sum(1 for s in streams if s.move())
+            self.core.reset()
+            self._stop.set()
+            return moved
+
+        moved = self.call(yield_requests, timeout)
+        self.stop(timeout)
+        if self.running:
+            raise TimeoutError(f"engine loop did not stop within {timeout:.0f}s")
+        return moved
 
     # -- the loop ---------------------------------------------------------------
     @staticmethod
@@ -389,9 +433,8 @@ class EngineLoop:
         """Idle: ask the device for a sticky error. Under MPS another client's fault
         kills this context too, and an idle engine would otherwise learn of it only
         at its next request, leaving the supervisor without a standby takeover until then."""
-        probe = getattr(self.core, "check_device", None)
-        if probe is not None:
-            probe()
+        if isinstance(self.core, DeviceCheck):
+            self.core.check_device()
 
     def _dispatch(self, outs) -> None:
         n = 0

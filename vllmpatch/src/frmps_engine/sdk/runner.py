@@ -6,6 +6,10 @@ Standby: Hello -> Welcome -> reserve pool address ranges -> build core (no
          weights, pools untouched) -> [Sleep(fds)] map read-only in place ->
          Ready -> [Resume] KV writable, adopt requests, ring attach, serve,
          Reply(per-request outcomes).
+Active:  [Handoff] (a planned handover, failback) stop after the step in flight,
+         publish every request to the ring, move the open streams to the next
+         engine, forget the requests, pools read-only: a standby again, asleep,
+         and a later Resume is answered like any standby's.
 Shutdown -> exit 0. A device error -> Fault (best effort) and exit 3 at once.
 """
 
@@ -24,7 +28,7 @@ from typing import Any, Callable
 from frmps_engine._proto.frmps.v1 import control_pb2
 
 from . import control
-from .engine_api import EngineAdapter
+from .engine_api import EngineAdapter, Resettable
 from .genapi import GenerationServer, input_to_ids
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
 from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
@@ -261,6 +265,35 @@ class Runner:
         )
         self.log_counters("after takeover")
         return None
+
+    def on_handoff(self, env_id: int, msg: control_pb2.Handoff):
+        """A planned handover (failback): hand every request to the standby the
+        supervisor resumes next, and go to sleep as the standby. Any failure once
+        the loop is stopping is fatal (Fault + exit): the supervisor then fails
+        over to the standby as after any death."""
+        loop = self.loop
+        if self.role != control_pb2.ROLE_ACTIVE or loop is None or not self.backend.is_serving:
+            return control_pb2.Reply(ok=False, error="Handoff is for a serving active")
+        if not isinstance(self.core, Resettable):
+            return control_pb2.Reply(ok=False, error=f"engine {self.adapter.name} cannot hand over: its core has no reset()")
+        t0 = time.perf_counter_ns()
+        self.backend.is_serving = False  # new requests: UNAVAILABLE, the front door waits for the next engine
+        try:
+            moved = loop.hand_over()
+            t_loop = time.perf_counter_ns() - t0
+            self.memory.make_readonly("kv_cache")
+            self.memory.make_readonly("weights")
+        except Exception as e:  # the engine is half way to sleep: it must not serve on
+            self._fatal(e)
+            raise  # not reached: _fatal exits
+        self.loop = None
+        self.role = control_pb2.ROLE_STANDBY
+        self._slept, self._resumed = True, False
+        took = time.perf_counter_ns() - t0
+        log.info("handed over %d requests in %.2f ms (loop stopped, state published and requests moved in %.2f ms); "
+                 "asleep as the standby", moved, took / 1e6, t_loop / 1e6)
+        self.log_counters("after handover")
+        return control_pb2.Reply(ok=True, took_ns=took)
 
     def _adopt(self, r: control_pb2.ResumeRequest) -> control_pb2.ResumeOutcome:
         try:

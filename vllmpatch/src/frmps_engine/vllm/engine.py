@@ -169,6 +169,24 @@ class VllmEngineCore:
         self.core.abort_requests([request_id_for_key(key)])
         return True
 
+    def reset(self) -> None:
+        """Forget every request (a planned handover gave them to another engine):
+        abort them in vLLM's scheduler, which frees their blocks, run the step that
+        tells the model runner to drop their state (SchedulerOutput.finished_req_ids;
+        it computes no token), and drop what the ring would still report. Runs on
+        the engine loop's thread, like every step."""
+        ids = [request_id_for_key(k) for k in self._tracks]
+        if ids:
+            self.core.abort_requests(ids)
+        for _ in range(4):  # one step delivers the finished ids; bounded all the same
+            if not self.scheduler.has_requests():
+                break
+            self.core.step()
+        if self.scheduler.has_requests():
+            raise RuntimeError("vLLM still has requests after the handover's reset")
+        self._tracks.clear()
+        self.scheduler.frmps_reset()
+
     def has_work(self) -> bool:
         return bool(self.scheduler.has_requests())
 

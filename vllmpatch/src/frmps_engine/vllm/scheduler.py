@@ -91,6 +91,13 @@ class _FrmpsSchedulerMixin:
             self._frmps_folded.pop(rid, None)
         return views_sorted(views)
 
+    def frmps_reset(self) -> None:
+        """Forget every frmps request's ring state (after they were aborted for a
+        planned handover: the next engine publishes them now)."""
+        self._frmps_live.clear()
+        self._frmps_folded.clear()
+        self._frmps_last_blocks.clear()
+
     def frmps_publish(self) -> int:
         """Publish one record now (no-op returning -1 without a tracker)."""
         if self._frmps_tracker is None:

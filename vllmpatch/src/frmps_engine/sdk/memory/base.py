@@ -106,7 +106,8 @@ class MemoryBackend(abc.ABC):
     has the shared memory (backed by private, untouched memory), then
     ``map(specs, fds, readonly=True)`` maps the brokered handles *in place*
     (same addresses, so tensors built on the reservation stay valid), and
-    ``make_writable("kv_cache")`` flips the KV pools on takeover.
+    ``make_writable("kv_cache")`` flips the KV pools on takeover; ``make_readonly``
+    flips them back when an active hands over and sleeps.
     """
 
     name: str = ""
@@ -126,21 +127,29 @@ class MemoryBackend(abc.ABC):
         """The pools allocated or mapped so far (not the reservations)."""
 
     @abc.abstractmethod
-    def _grant_write(self, pool: Pool) -> None:
-        """Make one read-only mapped pool writable (the backend's own call)."""
+    def _set_access(self, pool: Pool, readonly: bool) -> None:
+        """Make one pool read-only or read-write (the backend's own call)."""
 
     def make_writable(self, tag: str) -> None:
         """Flip every mapped pool of ``tag`` to read-write (a standby's wake)."""
+        self._flip(tag, readonly=False, what="make_writable")
+
+    def make_readonly(self, tag: str) -> None:
+        """Flip every pool of ``tag`` to read-only (an active handing over: it is a
+        standby afterwards, and a standby never writes the shared memory)."""
+        self._flip(tag, readonly=True, what="make_readonly")
+
+    def _flip(self, tag: str, readonly: bool, what: str) -> None:
         found = False
         for pool in self.pools():
             if pool.spec.tag != tag:
                 continue
             found = True
-            if pool.readonly:
-                self._grant_write(pool)
-                pool.readonly = False
+            if pool.readonly != readonly:
+                self._set_access(pool, readonly)
+                pool.readonly = readonly
         if not found:
-            raise MemoryError_(f"make_writable: no mapped pool has tag {tag!r}")
+            raise MemoryError_(f"{what}: no mapped pool has tag {tag!r}")
 
     @abc.abstractmethod
     def close(self) -> None:

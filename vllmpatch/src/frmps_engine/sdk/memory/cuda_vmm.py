@@ -328,8 +328,8 @@ class CudaVmmBackend(MemoryBackend):
             out.append(pool)
         return out
 
-    def _grant_write(self, pool: Pool) -> None:
-        self._lib.pool_set_access(pool.extra["handle"], False)
+    def _set_access(self, pool: Pool, readonly: bool) -> None:
+        self._lib.pool_set_access(pool.extra["handle"], readonly)
 
     def pools(self) -> list[Pool]:
         return list(self._pools.values())

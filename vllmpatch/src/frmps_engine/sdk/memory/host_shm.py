@@ -142,8 +142,9 @@ class HostShmBackend(MemoryBackend):
             out.append(pool)
         return out
 
-    def _grant_write(self, pool: Pool) -> None:
-        _libc.mprotect(pool.address, pool.spec.size, _libc.PROT_READ | _libc.PROT_WRITE)
+    def _set_access(self, pool: Pool, readonly: bool) -> None:
+        prot = _libc.PROT_READ if readonly else _libc.PROT_READ | _libc.PROT_WRITE
+        _libc.mprotect(pool.address, pool.spec.size, prot)
 
     def pools(self) -> list[Pool]:
         return list(self._pools.values())

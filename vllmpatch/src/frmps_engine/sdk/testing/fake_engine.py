@@ -161,6 +161,12 @@ class FakeCore:
         self._free.extend(r.blocks)
         self._done.append(r)
 
+    def reset(self) -> None:
+        """Forget every request and free every block (a planned handover)."""
+        self._free = list(range(self.num_blocks))
+        self._reqs.clear()
+        self._done = []
+
     def has_work(self) -> bool:
         return bool(self._reqs)
 

@@ -36,7 +36,7 @@ class Pool(_message.Message):
     def __init__(self, tag: _Optional[str] = ..., index: _Optional[int] = ..., size: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("id", "hello", "pool_export", "ready", "reply", "fault", "heartbeat", "welcome", "sleep", "resume", "shutdown", "ping")
+    __slots__ = ("id", "hello", "pool_export", "ready", "reply", "fault", "heartbeat", "welcome", "sleep", "resume", "shutdown", "ping", "handoff")
     ID_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     POOL_EXPORT_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class Envelope(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     id: int
     hello: Hello
     pool_export: PoolExport
@@ -61,7 +62,8 @@ class Envelope(_message.Message):
     resume: Resume
     shutdown: Shutdown
     ping: Ping
-    def __init__(self, id: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., pool_export: _Optional[_Union[PoolExport, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., reply: _Optional[_Union[Reply, _Mapping]] = ..., fault: _Optional[_Union[Fault, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., sleep: _Optional[_Union[Sleep, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
+    handoff: Handoff
+    def __init__(self, id: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., pool_export: _Optional[_Union[PoolExport, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., reply: _Optional[_Union[Reply, _Mapping]] = ..., fault: _Optional[_Union[Fault, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., sleep: _Optional[_Union[Sleep, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("protocol_version", "role", "pid", "model", "engine", "engine_version", "pools", "generation_endpoint", "device", "block_size", "num_blocks")
@@ -248,6 +250,10 @@ class Shutdown(_message.Message):
     GRACE_MS_FIELD_NUMBER: _ClassVar[int]
     grace_ms: int
     def __init__(self, grace_ms: _Optional[int] = ...) -> None: ...
+
+class Handoff(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
