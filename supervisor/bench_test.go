@@ -45,7 +45,9 @@ func BenchmarkDetectToResume(b *testing.B) {
 		act.Kill()
 		wait(func() bool {
 			st := s.Status()
-			return st.GetState() == "serving_ready" && len(st.GetFailovers()) > 0 && st.GetFailovers()[0].GetSeq() == seq
+			// and the failback that follows it done, so the next kill hits the serving active
+			return st.GetState() == "serving_ready" && len(st.GetFailovers()) > 0 && st.GetFailovers()[0].GetSeq() == seq &&
+				st.GetFailback().GetState() == "idle"
 		})
 		acked = append(acked, time.Duration(s.Status().GetFailovers()[0].GetDurationSeconds()*float64(time.Second)))
 	}
@@ -122,13 +124,15 @@ func TestStatusDuringFailoversRealTime(t *testing.T) {
 		}
 	}
 	wait("ready", func() bool { return s.Status().GetState() == "serving_ready" })
-	for i := range 30 {
+	for i := range 30 { // each kill: a failover, then a failback
 		act, _ := roleProcs(w, s)
 		act.Kill()
 		seq := uint64(i + 1)
 		wait("failover", func() bool {
 			st := s.Status()
-			return st.GetState() == "serving_ready" && len(st.GetFailovers()) > 0 && st.GetFailovers()[0].GetSeq() == seq
+			// and the failback that follows it done, so the next kill hits the serving active
+			return st.GetState() == "serving_ready" && len(st.GetFailovers()) > 0 && st.GetFailovers()[0].GetSeq() == seq &&
+				st.GetFailback().GetState() == "idle"
 		})
 	}
 	close(stopRead)

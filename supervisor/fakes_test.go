@@ -131,24 +131,39 @@ type behavior struct {
 	// heartbeat, when set, gives the Heartbeat to send every second after
 	// Ready (nil: stop sending).
 	heartbeat func(n int) *frmpsv1.Heartbeat
+	// handoff answers a Handoff (nil: ok, the engine yields); dieOnHandoff
+	// exits instead.
+	handoff      func() *frmpsv1.Reply
+	dieOnHandoff bool
 }
 
 type fakeProc struct {
-	pid     int
-	role    failover.Role
-	inv     engine.Invocation
-	env     []string
-	logPath string
-	done    chan struct{}
-	mu      sync.Mutex
-	ws      syscall.WaitStatus
-	conn    *fakeConn
-	exited  bool
-	resumes []*frmpsv1.Resume
-	sleep   *frmpsv1.Sleep
-	sleepFD []int
-	welcome *frmpsv1.Welcome
-	gotShut bool
+	pid      int
+	role     failover.Role
+	inv      engine.Invocation
+	env      []string
+	logPath  string
+	done     chan struct{}
+	mu       sync.Mutex
+	ws       syscall.WaitStatus
+	conn     *fakeConn
+	exited   bool
+	resumes  []*frmpsv1.Resume
+	sleep    *frmpsv1.Sleep
+	sleepFD  []int
+	welcome  *frmpsv1.Welcome
+	gotShut  bool
+	handoffs int
+}
+
+// inMPS: launched with the MPS client environment.
+func (p *fakeProc) inMPS() bool {
+	for _, e := range p.env {
+		if e == "CUDA_MPS_PIPE_DIRECTORY=/fake/mps/pipe" {
+			return true
+		}
+	}
+	return false
 }
 
 func (p *fakeProc) PID() int                       { return p.pid }
@@ -451,6 +466,22 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 			}
 			if b.resumeReply != nil {
 				reply = b.resumeReply(m.Resume)
+			}
+			if conn.Send(&frmpsv1.Envelope{Id: env.GetId(), Msg: &frmpsv1.Envelope_Reply{Reply: reply}}, nil) != nil {
+				p.exit(exitCode(3))
+				return
+			}
+		case *frmpsv1.Envelope_Handoff:
+			p.mu.Lock()
+			p.handoffs++
+			p.mu.Unlock()
+			if b.dieOnHandoff {
+				p.exit(syscall.WaitStatus(syscall.SIGSEGV))
+				return
+			}
+			reply := &frmpsv1.Reply{Ok: true}
+			if b.handoff != nil {
+				reply = b.handoff()
 			}
 			if conn.Send(&frmpsv1.Envelope{Id: env.GetId(), Msg: &frmpsv1.Envelope_Reply{Reply: reply}}, nil) != nil {
 				p.exit(exitCode(3))

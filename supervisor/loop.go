@@ -29,7 +29,9 @@ const (
 	evDrill                       // admin: kill the active on purpose
 	evMPSChecked                  // CheckMPS finished
 	evShutdown
-	evStep // a machine event raised while executing actions (no re-entrant steps)
+	evStep           // a machine event raised while executing actions (no re-entrant steps)
+	evHandoverDue    // the failback policy's timer fired
+	evHandoffTimeout // Handoff got no reply in time
 )
 
 type event struct {
@@ -96,8 +98,19 @@ func (sl *slot) getConn() ControlConn {
 	return sl.conn
 }
 
-// failoverRun is the failover in progress.
+// resumeKind says why an engine is being resumed.
+type resumeKind int
+
+const (
+	resumeFailover resumeKind = iota // the active died; the standby takes over
+	resumeHandover                   // failback: the active yielded; the standby takes over
+	resumeRestore                    // failback failed: the yielded active takes its requests back
+)
+
+// failoverRun is the resume in progress (a failover's, or a handover's).
 type failoverRun struct {
+	kind     resumeKind
+	target   *slot // the engine being resumed
 	detected time.Time
 	sent     time.Time
 	cause    string
@@ -129,8 +142,11 @@ func (s *Supervisor) handle(ev event) {
 	case evDied:
 		s.died(ev.slot, ev.cause, ev.at, "")
 	case evReply:
+		if s.handoffReply(ev) {
+			break
+		}
 		fo := s.inflight
-		if fo == nil || ev.slot != s.standby || ev.id != fo.resumeID {
+		if fo == nil || ev.slot != fo.target || ev.id != fo.resumeID {
 			return // a stale or unsolicited reply
 		}
 		fo.timer.Stop()
@@ -172,9 +188,14 @@ func (s *Supervisor) handle(ev event) {
 		s.step(failover.Event{Kind: failover.Shutdown, At: ev.at, Cause: ev.cause})
 	case evStep:
 		s.step(ev.fev)
+	case evHandoverDue:
+		s.handoverDue(ev)
+	case evHandoffTimeout:
+		s.handoffTimeout(ev)
 	}
 	s.reap()
 	s.syncShown()
+	s.maybeScheduleHandover()
 }
 
 // reap forgets retired slots whose process is gone (a handful at most).
@@ -273,8 +294,8 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 		kind = failover.ActiveDied
 	}
 	st, _ := s.machine.State()
-	if kind == failover.ActiveDied && st == failover.ServingReady {
-		s.inflight = &failoverRun{detected: at, cause: cause, old: sl, class: class}
+	if kind == failover.ActiveDied && (st == failover.ServingReady || s.machine.Handover() == failover.Yielding) {
+		s.inflight = &failoverRun{kind: resumeFailover, target: s.standby, detected: at, cause: cause, old: sl, class: class}
 	}
 	s.step(failover.Event{Kind: kind, At: at, Cause: cause})
 }
@@ -298,9 +319,14 @@ func (s *Supervisor) step(ev failover.Event) {
 		lvl("state", "from", tr.From, "to", tr.To, "event", ev.Kind, "cause", tr.Cause, "actions", fmt.Sprint(tr.Actions))
 	}
 	s.execute(tr.Actions, ev)
+	s.noteHandoverStep(tr)
+	if tr.From == failover.HandingOver && tr.To != failover.HandingOver {
+		s.endHandover(tr)
+	}
 	if tr.To == failover.CrashLoop {
 		s.unpublish(fmt.Errorf("%w: crash loop: %s", ErrUnavailable, tr.Cause))
 	}
+	s.syncFailback()
 }
 
 func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
@@ -308,19 +334,32 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 		switch a.Kind {
 		case failover.FenceActive:
 			s.fence(s.active)
+			if fo := s.inflight; fo != nil && fo.target == s.active {
+				s.abortFailover(fo, ev)
+			}
 		case failover.FenceStandby:
 			s.cancelStart(failover.Standby) // a backoff pending for the dead standby
 			sb := s.standby
 			s.standby = nil
 			s.fence(sb)
 			s.retire(sb)
-			if fo := s.inflight; fo != nil {
+			if fo := s.inflight; fo != nil && fo.target == sb {
 				s.abortFailover(fo, ev)
 			}
 		case failover.DrainRing:
 			s.drainRing()
 		case failover.SendResume:
+			if s.inflight == nil && s.machine.Handover() == failover.Resuming {
+				s.inflight = &failoverRun{kind: resumeHandover, target: s.standby, detected: time.Now(), cause: "failback handover"}
+			}
 			s.sendResume()
+		case failover.ResumeYielded:
+			s.inflight = &failoverRun{kind: resumeRestore, target: s.active, detected: time.Now(), cause: "failback failed: restore the yielded engine"}
+			s.sendResume()
+		case failover.SendHandoff:
+			s.sendHandoff()
+		case failover.Swap:
+			s.swap()
 		case failover.Promote:
 			old := s.active
 			s.active, s.standby = s.standby, nil
@@ -335,6 +374,7 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			s.publish(s.active)
 		case failover.Publish:
 			s.active.setState("serving")
+			s.metrics.up(failover.Active, true)
 			s.publish(s.active)
 		case failover.Unpublish:
 			s.unpublish(nil)
@@ -404,11 +444,11 @@ func (s *Supervisor) retire(sl *slot) {
 
 func (s *Supervisor) sendResume() {
 	fo := s.inflight
-	sb := s.standby
-	if fo == nil || sb == nil {
-		s.raise(failover.Event{Kind: failover.ResumeFailed, At: time.Now(), Cause: "no standby to resume"})
+	if fo == nil || fo.target == nil || fo.target.dead {
+		s.raise(failover.Event{Kind: failover.ResumeFailed, At: time.Now(), Cause: "no engine to resume"})
 		return
 	}
+	sb := fo.target
 	reqs := s.resumeSet()
 	s.resumeSeq++
 	fo.resumeID = s.resumeSeq
@@ -430,6 +470,9 @@ func (s *Supervisor) sendResume() {
 		return
 	}
 	fo.sent = time.Now()
+	if fo.kind != resumeFailover {
+		return
+	}
 	d := fo.sent.Sub(fo.detected)
 	s.metrics.resumeSent(d)
 	s.mu.Lock()
@@ -439,18 +482,23 @@ func (s *Supervisor) sendResume() {
 	s.mu.Unlock()
 }
 
-// abortFailover records a failover that did not complete.
+// abortFailover records a failover that did not complete (a handover's
+// outcome is recorded when the machine leaves handing_over).
 func (s *Supervisor) abortFailover(fo *failoverRun, ev failover.Event) {
 	if fo.timer != nil {
 		fo.timer.Stop()
 	}
 	s.inflight = nil
-	s.finishRecord(fo, ev.At, nil, errors.New(ev.Cause))
+	if fo.kind == resumeFailover {
+		s.finishRecord(fo, ev.At, nil, errors.New(ev.Cause))
+	}
 }
 
 func (s *Supervisor) finishFailover(fo *failoverRun, at time.Time, reply *frmpsv1.Reply, err error) {
 	s.inflight = nil
-	s.finishRecord(fo, at, reply, err)
+	if fo.kind == resumeFailover {
+		s.finishRecord(fo, at, reply, err)
+	}
 }
 
 // finishRecord records a failover. The dead engine's exit status (and so its
@@ -483,7 +531,7 @@ func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.
 				delete(s.awaitingFirstToken, g)
 			}
 		}
-		s.awaitingFirstToken[s.generation] = pendingFirstToken{rec: rec, detected: fo.detected}
+		s.awaitingFirstToken[s.generation] = pendingFirstToken{detected: fo.detected, set: func(v float64) { rec.FirstTokenSeconds = v }}
 	}
 	s.records = append([]*frmpsv1.FailoverRecord{rec}, s.records...)
 	if len(s.records) > s.cfg.MaxFailoverRecords {
@@ -563,7 +611,8 @@ func (s *Supervisor) start(role failover.Role) {
 		s.log.Error("not starting a second engine for a role", "role", role, "pid", cur.proc.PID())
 		return
 	}
-	if role == failover.Active && s.mpsBusy {
+	inMPS := s.placeInMPS(role)
+	if inMPS && s.mpsBusy {
 		s.wantStart[role] = true // launch into a daemon known to answer
 		return
 	}
@@ -586,7 +635,7 @@ func (s *Supervisor) start(role failover.Role) {
 	s.nextID++
 	id := s.nextID
 	inv := s.invocation(role, id)
-	sl := &slot{id: id, role: role, started: time.Now(), state: "starting", inMPS: role == failover.Active && s.mps != nil, genSocket: inv.GenerationSocket}
+	sl := &slot{id: id, role: role, started: time.Now(), state: "starting", inMPS: inMPS, genSocket: inv.GenerationSocket}
 	sl.restartNo = s.metrics.started(role)
 	fail := func(err error) {
 		sl.proc = deadProcess{}
@@ -601,7 +650,7 @@ func (s *Supervisor) start(role failover.Role) {
 	}
 	env := slices.Clone(s.cfg.BaseEnv)
 	if s.mps != nil {
-		if role == failover.Active {
+		if inMPS {
 			env = append(env, s.mps.ClientEnv()...)
 		} else {
 			out, err := s.deps.OutsideEnv(s.runDir)
@@ -646,6 +695,25 @@ func (s *Supervisor) start(role failover.Role) {
 		defer s.wg.Done()
 		s.runEngine(ctx, sl)
 	}()
+}
+
+// placeInMPS decides where a new engine of role runs: inside MPS unless the
+// other engine is there (after a failover the promoted active runs outside,
+// so its fresh standby goes in, and failback swaps them). A standby stays out
+// while the daemon is known broken, or when failback is off; an active waits
+// for the daemon (or trips the breaker) in start.
+func (s *Supervisor) placeInMPS(role failover.Role) bool {
+	if s.mps == nil {
+		return false
+	}
+	other := s.slotOf(failover.Standby)
+	if role == failover.Standby {
+		other = s.slotOf(failover.Active)
+		if s.mpsErr != nil || s.cfg.NoFailback {
+			return false
+		}
+	}
+	return other == nil || other.dead || !other.inMPS
 }
 
 func describeExit(p Process) string {

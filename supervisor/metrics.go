@@ -22,6 +22,9 @@ type metrics struct {
 	engineUp     *prometheus.GaugeVec
 	restarts     *prometheus.CounterVec
 	crashLoopG   prometheus.Gauge
+	failbacks    *prometheus.CounterVec
+	failbackDur  prometheus.Histogram
+	placementG   prometheus.Gauge
 
 	mu       sync.Mutex
 	launches [2]uint32
@@ -48,12 +51,20 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 			Help: "Engine launches beyond the first, per role.", ConstLabels: cl}, []string{"role"}),
 		crashLoopG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_crash_loop_open",
 			Help: "1 when a crash-loop breaker stopped engine restarts.", ConstLabels: cl}),
+		failbacks: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "frmps_failbacks_total",
+			Help: "Planned handovers that restore the placement after a failover (the active back in MPS), by result.", ConstLabels: cl}, []string{"result"}),
+		failbackDur: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "frmps_failback_duration_seconds",
+			Help: "Time from Handoff sent to the standby's Resume acknowledged, per planned handover.", ConstLabels: cl,
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}),
+		placementG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_placement_ok",
+			Help: "1 when the active runs in MPS and the standby outside it (or MPS is off).", ConstLabels: cl}),
 	}
 	bi := buildinfo.Get()
 	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_build_info", Help: "Build of this frmps.",
 		ConstLabels: prometheus.Labels{"model_name": model, "version": bi.Version, "commit": bi.Commit, "goversion": bi.GoVersion}})
 	build.Set(1)
-	for _, c := range []prometheus.Collector{m.failovers, m.duration, m.resumeSentIn, m.engineUp, m.restarts, m.crashLoopG, build} {
+	for _, c := range []prometheus.Collector{m.failovers, m.duration, m.resumeSentIn, m.engineUp, m.restarts, m.crashLoopG,
+		m.failbacks, m.failbackDur, m.placementG, build} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
@@ -61,6 +72,9 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 	for _, r := range []string{"active", "standby"} {
 		m.engineUp.WithLabelValues(r).Set(0)
 		m.restarts.WithLabelValues(r).Add(0)
+	}
+	for _, r := range []string{"ok", "failed"} {
+		m.failbacks.WithLabelValues(r).Add(0)
 	}
 	return m, nil
 }
@@ -80,6 +94,16 @@ func (m *metrics) failoverDuration(d time.Duration) { m.duration.Observe(d.Secon
 func (m *metrics) resumeSent(d time.Duration)       { m.resumeSentIn.Observe(d.Seconds()) }
 func (m *metrics) up(r failover.Role, up bool)      { m.engineUp.WithLabelValues(r.String()).Set(b2f(up)) }
 func (m *metrics) crashLoop(open bool)              { m.crashLoopG.Set(b2f(open)) }
+func (m *metrics) placement(ok bool)                { m.placementG.Set(b2f(ok)) }
+
+func (m *metrics) failback(ok bool, d time.Duration) {
+	if ok {
+		m.failbacks.WithLabelValues("ok").Inc()
+		m.failbackDur.Observe(d.Seconds())
+		return
+	}
+	m.failbacks.WithLabelValues("failed").Inc()
+}
 
 // started counts a launch of role and returns how many came before it.
 func (m *metrics) started(r failover.Role) uint32 {

@@ -21,6 +21,9 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	for _, r := range s.records {
 		st.Failovers = append(st.Failovers, proto.Clone(r).(*frmpsv1.FailoverRecord))
 	}
+	if s.failbackStatus != nil {
+		st.Failback = proto.Clone(s.failbackStatus).(*frmpsv1.Failback)
+	}
 	s.mu.Unlock()
 	st.CrashLoopOpen = st.CrashLoopOpen || s.crashLoopOpen.Load()
 	for _, sl := range s.statusSlots() {

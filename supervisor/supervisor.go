@@ -68,13 +68,37 @@ type Config struct {
 	StallTimeout time.Duration
 	// MaxFailoverRecords kept for status; 0 means 32.
 	MaxFailoverRecords int
+	// NoFailback keeps the pair where a failover left it (the active outside
+	// MPS). By default, after a failover the fresh standby starts inside MPS
+	// and the pair swaps in a planned handover once it is ready.
+	NoFailback bool
+	// FailbackDelay is the wait between the standby in MPS being ready and the
+	// handover (0: at once).
+	FailbackDelay time.Duration
+	// FailbackBaseBackoff and FailbackMaxBackoff space handovers after failed
+	// ones: the base doubled per consecutive failure, capped. 0 means 1s and 5m.
+	FailbackBaseBackoff time.Duration
+	FailbackMaxBackoff  time.Duration
+	// HandoffTimeout bounds Handoff → the active's reply (it finishes one step
+	// and publishes); an active that does not yield in time is fenced and the
+	// standby takes over. 0 means 10s.
+	HandoffTimeout time.Duration
 	// BaseEnv is the environment every engine starts from; nil means os.Environ().
 	BaseEnv []string
 }
 
 func (c *Config) setDefaults() {
 	if c.SyncEvery == 0 {
-		c.SyncEvery = 16
+		c.SyncEvery = DefaultSyncEvery
+	}
+	if c.FailbackBaseBackoff == 0 {
+		c.FailbackBaseBackoff = time.Second
+	}
+	if c.FailbackMaxBackoff == 0 {
+		c.FailbackMaxBackoff = 5 * time.Minute
+	}
+	if c.HandoffTimeout == 0 {
+		c.HandoffTimeout = 10 * time.Second
 	}
 	if c.RingCapacity == 0 {
 		c.RingCapacity = 8 << 20
@@ -120,12 +144,20 @@ func (c *Config) validate() error {
 		return fmt.Errorf("device %q: want cpu or cuda", c.Device)
 	case c.RingCapacity < 4096:
 		return fmt.Errorf("ring capacity %d is below 4096 bytes", c.RingCapacity)
+	case c.FailbackDelay < 0 || c.FailbackBaseBackoff < 0 || c.FailbackMaxBackoff < c.FailbackBaseBackoff:
+		return fmt.Errorf("failback timing: want 0 <= delay (%s), 0 <= base backoff (%s) <= max backoff (%s)", c.FailbackDelay, c.FailbackBaseBackoff, c.FailbackMaxBackoff)
 	}
 	if err := c.Breaker.Validate(); err != nil {
 		return err
 	}
 	return nil
 }
+
+// DefaultSyncEvery is the ring publish interval in engine steps: every step.
+// The publish overlaps the device's pass, so it costs no measurable
+// throughput, and a takeover then replays at most the one token sampled after
+// the last sync (bench/results/2026-11-22-h100: sync overhead).
+const DefaultSyncEvery = 1
 
 // ErrUnavailable: no engine can serve now and none is coming (crash loop,
 // stopped).
@@ -157,6 +189,8 @@ type Supervisor struct {
 	startSeq   [2]uint64
 	wantStart  [2]bool // a start is due but waits (MPS check in progress)
 	inflight   *failoverRun
+	handover   *handoverRun
+	failback   failbackPolicy
 	resumeSeq  uint64
 	frontDoor  FrontDoor
 	deployID   string
@@ -180,9 +214,12 @@ type Supervisor struct {
 	// awaitingFirstToken: failover records, by the generation they promoted,
 	// whose first resumed token has not reached a client yet.
 	awaitingFirstToken map[uint64]pendingFirstToken
-	recordSeq          uint64
-	mpsState           string
-	shown              [2]*slot
+	failbackStatus     *frmpsv1.Failback
+	// failbackFirstTokenSeconds: the last handover's Handoff sent -> first resumed token.
+	failbackFirstTokenSeconds float64
+	recordSeq                 uint64
+	mpsState                  string
+	shown                     [2]*slot
 	// detectToResume: death detected → Resume sent, for benchmarks (bounded).
 	detectToResume []time.Duration
 	crashLoopOpen  atomic.Bool
@@ -528,8 +565,8 @@ func (s *Supervisor) setUnavailable(err error) {
 }
 
 type pendingFirstToken struct {
-	rec      *frmpsv1.FailoverRecord
 	detected time.Time
+	set      func(seconds float64) // called with s.mu held
 }
 
 // NoteResumedToken is called by the front door when the first token of a
@@ -540,7 +577,7 @@ func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if p, ok := s.awaitingFirstToken[gen]; ok {
-		p.rec.FirstTokenSeconds = at.Sub(p.detected).Seconds()
+		p.set(at.Sub(p.detected).Seconds())
 		delete(s.awaitingFirstToken, gen)
 	}
 }

@@ -204,7 +204,8 @@ func TestFailoverOnActiveKill(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
 		w.front.open = []*frmpsv1.ResumeRequest{{Key: 7, Prompt: "a", DeliveredTokenIds: []uint32{1, 2}}, {Key: 8, Prompt: "b"}}
-		h := start(t, w, nil)
+		// The failover alone (failback_test.go covers what follows it).
+		h := start(t, w, func(c *Config) { c.NoFailback = true })
 		w.ring.snaps[7] = &frmpsv1.RequestSnapshot{BlockIds: []uint32{3}, TokenIds: []uint32{9, 1}, NumComputedTokens: 2, Step: 5}
 		old, sb := w.liveRole(failover.Active), w.liveRole(failover.Standby)
 		old.Kill()

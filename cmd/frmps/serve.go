@@ -32,6 +32,11 @@ type serveOptions struct {
 	Engine           string        `json:"engine"`
 	Python           string        `json:"python"`
 	SyncEvery        uint32        `json:"sync_every"`
+	NoFailback       bool          `json:"no_failback"`
+	FailbackDelay    time.Duration `json:"-"`
+	FailbackDelayStr string        `json:"failback_delay"`
+	HandoffTimeout   time.Duration `json:"-"`
+	HandoffTimeoutStr string       `json:"handoff_timeout"`
 	Host             string        `json:"host"`
 	Port             int           `json:"port"`
 	AdminAddr        string        `json:"admin_addr"`
@@ -64,7 +69,7 @@ type serveOptions struct {
 
 func defaultServeOptions() serveOptions {
 	return serveOptions{
-		Model: "tiny", Engine: "ref", Python: "python3", SyncEvery: 16, Port: 8000,
+		Model: "tiny", Engine: "ref", Python: "python3", SyncEvery: supervisor.DefaultSyncEvery, Port: 8000,
 		AdminAddr: "127.0.0.1:8001", MPSControl: "nvidia-cuda-mps-control", RingCapacity: 8 << 20,
 		Device: "cpu", Memory: "host-shm", MaxRestarts: failover.DefaultBreaker.MaxRestarts,
 		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, StallTimeout: 30 * time.Second, LogLevel: "info",
@@ -110,7 +115,10 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.Model, "model", opts.Model, "model: a preset name (tiny, qwen2.5-0.5b, …, qwen2.5-14b) or a model directory")
 	f.StringVar(&opts.Engine, "engine", opts.Engine, "engine: ref (the reference engine) or vllm")
 	f.StringVar(&opts.Python, "python", opts.Python, "Python interpreter that runs the engine (with frmps_engine installed)")
-	f.Uint32Var(&opts.SyncEvery, "sync-every", opts.SyncEvery, "engine steps between forward-state syncs to the ring")
+	f.Uint32Var(&opts.SyncEvery, "sync-every", opts.SyncEvery, "engine steps between forward-state syncs to the ring (1: every step; the publish overlaps the device, and a takeover replays at most one token)")
+	f.BoolVar(&opts.NoFailback, "no-failback", opts.NoFailback, "after a failover, leave the promoted active outside MPS (by default a standby starts inside MPS and the pair swaps back in a planned handover)")
+	f.DurationVar(&opts.FailbackDelay, "failback-delay", opts.FailbackDelay, "wait this long after the standby in MPS is ready before handing over to it")
+	f.DurationVar(&opts.HandoffTimeout, "handoff-timeout", opts.HandoffTimeout, "an active that does not yield within this long during a handover is fenced and the standby takes over")
 	f.StringVar(&opts.Host, "host", opts.Host, "address the OpenAI endpoint binds (empty: all interfaces)")
 	f.IntVar(&opts.Port, "port", opts.Port, "port of the OpenAI endpoint")
 	f.StringVar(&opts.AdminAddr, "admin-addr", opts.AdminAddr, "admin API address (gRPC and REST); loopback only unless --admin-allow-remote")
@@ -156,7 +164,8 @@ func applyConfigFile(flags *pflag.FlagSet, opts *serveOptions, path string) erro
 		raw string
 		dst *time.Duration
 	}{"restart_window": {opts.RestartWindowStr, &opts.RestartWindow}, "shutdown_grace": {opts.ShutdownGraceStr, &opts.ShutdownGrace},
-		"stall_timeout": {opts.StallTimeoutStr, &opts.StallTimeout}} {
+		"stall_timeout": {opts.StallTimeoutStr, &opts.StallTimeout}, "failback_delay": {opts.FailbackDelayStr, &opts.FailbackDelay},
+		"handoff_timeout": {opts.HandoffTimeoutStr, &opts.HandoffTimeout}} {
 		if s.raw == "" {
 			continue
 		}
@@ -182,6 +191,7 @@ func (o serveOptions) supervisorConfig() supervisor.Config {
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, Device: o.Device, Memory: o.Memory,
 		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace, StallTimeout: o.StallTimeout,
+		NoFailback: o.NoFailback, FailbackDelay: o.FailbackDelay, HandoffTimeout: o.HandoffTimeout,
 	}
 }
 

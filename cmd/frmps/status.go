@@ -76,6 +76,23 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 		breaker = "OPEN: engines are not restarted"
 	}
 	fmt.Fprintf(tw, "crash-loop breaker:\t%s\n", breaker)
+	if fb := st.GetFailback(); fb != nil {
+		line := fb.GetState()
+		if fb.GetEnabled() {
+			line += fmt.Sprintf(", placement ok %v, %d done, %d failed", fb.GetPlacementOk(), fb.GetSucceeded(), fb.GetFailed())
+			if fb.GetLastUnixNanos() > 0 {
+				line += fmt.Sprintf(", last %s ago in %s", now.Sub(time.Unix(0, fb.GetLastUnixNanos())).Truncate(time.Second),
+					time.Duration(fb.GetLastDurationSeconds()*float64(time.Second)).Round(time.Microsecond))
+			}
+			if fb.GetNextAttemptUnixNanos() > 0 {
+				line += fmt.Sprintf(", next in %s", time.Unix(0, fb.GetNextAttemptUnixNanos()).Sub(now).Round(time.Millisecond))
+			}
+			if fb.GetLastError() != "" {
+				line += "; last error: " + fb.GetLastError()
+			}
+		}
+		fmt.Fprintf(tw, "failback:\t%s\n", line)
+	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}

@@ -14,6 +14,21 @@
 //	serving_degraded: serving, but no standby (its restarts tripped the breaker)
 //	crash_loop: nothing serves and the breaker forbids restarting the active
 //	any ──shutdown──► stopped (absorbing)
+//
+// Failback: after a failover the promoted active runs outside MPS and the
+// fresh standby is placed inside it. The executor then raises HandoverDue
+// (its policy: when, and how it backs off), and the pair swaps in a planned
+// handover that reuses the failover's resume path with a fresh sync:
+//
+//	serving_ready ──handover due──► handing_over: the active yields (Handoff)
+//	handing_over ──handoff done──► the standby is resumed ──resume acked──►
+//	        serving_ready with the roles swapped (the yielded engine is the standby)
+//
+// A fault during the handover is survived like any other: before the active
+// has yielded, its death is a failover to the standby; once it has yielded it
+// sleeps with the pools mapped, so if the standby dies instead the yielded
+// engine is resumed (phase "restore"). Only when both are gone is there a
+// cold start.
 package failover
 
 import (
@@ -32,9 +47,10 @@ const (
 	Rearming                     // the active serves; a fresh standby is being started
 	CrashLoop                    // nothing serves: the active's restarts tripped the breaker
 	Stopped                      // shut down (absorbing)
+	HandingOver                  // a planned handover (failback): the active yields, the standby is resumed
 )
 
-var stateNames = [...]string{"starting", "serving_ready", "serving_degraded", "failing_over", "rearming", "crash_loop", "stopped"}
+var stateNames = [...]string{"starting", "serving_ready", "serving_degraded", "failing_over", "rearming", "crash_loop", "stopped", "handing_over"}
 
 func (s State) String() string {
 	if s < 0 || int(s) >= len(stateNames) {
@@ -46,6 +62,25 @@ func (s State) String() string {
 // Serving reports whether an engine can take requests in this state.
 func (s State) Serving() bool {
 	return s == ServingReady || s == ServingDegraded || s == Rearming
+}
+
+// HandoverPhase is where a planned handover stands.
+type HandoverPhase int
+
+const (
+	NoHandover HandoverPhase = iota
+	Yielding                 // Handoff sent: the active finishes its step, publishes, moves its streams, sleeps
+	Resuming                 // the active sleeps; the standby is being resumed
+	Restoring                // the standby is gone: the yielded active is resumed (or still yielding first)
+)
+
+var phaseNames = [...]string{"none", "yielding", "resuming", "restoring"}
+
+func (p HandoverPhase) String() string {
+	if p < 0 || int(p) >= len(phaseNames) {
+		return fmt.Sprintf("phase(%d)", int(p))
+	}
+	return phaseNames[p]
 }
 
 // Role of an engine slot.
@@ -76,9 +111,13 @@ const (
 	RearmFailed                     // the standby could not be armed (e.g. Sleep could not be sent)
 	BreakerTripped                  // the executor declares a crash loop (Event.Role says whose)
 	Shutdown                        // stop everything
+	HandoverDue                     // the executor's failback policy: swap the pair now (planned handover)
+	HandoffDone                     // the active yielded: its requests are published and it sleeps
+	HandoffFailed                   // the active refused to yield and still serves
 )
 
-var eventNames = [...]string{"active_ready", "standby_ready", "active_died", "standby_died", "resume_acked", "resume_failed", "rearm_failed", "breaker_tripped", "shutdown"}
+var eventNames = [...]string{"active_ready", "standby_ready", "active_died", "standby_died", "resume_acked", "resume_failed", "rearm_failed", "breaker_tripped", "shutdown",
+	"handover_due", "handoff_done", "handoff_failed"}
 
 func (k EventKind) String() string {
 	if k < 0 || int(k) >= len(eventNames) {
@@ -100,20 +139,24 @@ type Event struct {
 type ActionKind int
 
 const (
-	FenceActive  ActionKind = iota // kill the active's whole process group (idempotent)
-	FenceStandby                   // kill the standby's whole process group (idempotent)
-	DrainRing                      // consume every committed ring record into the snapshot
-	SendResume                     // build the resume set and send Resume to the standby
-	Promote                        // the standby becomes the active: the backend's engine, generation+1
-	Publish                        // the (new) active serves: the backend's engine, generation+1
-	StartActive                    // launch an active (after Delay); it loads weights
-	StartStandby                   // launch a standby (after Delay) that maps the brokered pools
-	CheckMPS                       // check the MPS daemon, restart it if it does not answer
-	Unpublish                      // no engine serves: callers wait or get ErrUnavailable
-	StopAll                        // shut down children, MPS, sockets, ring, run dir
+	FenceActive   ActionKind = iota // kill the active's whole process group (idempotent)
+	FenceStandby                    // kill the standby's whole process group (idempotent)
+	DrainRing                       // consume every committed ring record into the snapshot
+	SendResume                      // build the resume set and send Resume to the standby
+	Promote                         // the standby becomes the active: the backend's engine, generation+1
+	Publish                         // the (new) active serves: the backend's engine, generation+1
+	StartActive                     // launch an active (after Delay); it loads weights
+	StartStandby                    // launch a standby (after Delay) that maps the brokered pools
+	CheckMPS                        // check the MPS daemon, restart it if it does not answer
+	Unpublish                       // no engine serves: callers wait or get ErrUnavailable
+	StopAll                         // shut down children, MPS, sockets, ring, run dir
+	SendHandoff                     // ask the active to yield (planned handover)
+	Swap                            // the resumed standby becomes the active (generation+1); the yielded active, if alive, the standby
+	ResumeYielded                   // build the resume set and send Resume to the yielded active (it sleeps with the pools mapped)
 )
 
-var actionNames = [...]string{"fence_active", "fence_standby", "drain_ring", "send_resume", "promote", "publish", "start_active", "start_standby", "check_mps", "unpublish", "stop_all"}
+var actionNames = [...]string{"fence_active", "fence_standby", "drain_ring", "send_resume", "promote", "publish", "start_active", "start_standby", "check_mps", "unpublish", "stop_all",
+	"send_handoff", "swap", "resume_yielded"}
 
 func (k ActionKind) String() string {
 	if k < 0 || int(k) >= len(actionNames) {
@@ -182,6 +225,9 @@ type Machine struct {
 	deaths [2][]time.Time // per role, within the window
 	open   [2]bool        // breaker open per role: that role is not restarted
 	openBy [2]string
+	// The planned handover in progress (state HandingOver).
+	phase       HandoverPhase
+	yieldedDead bool // the yielded active died while the standby was being resumed
 }
 
 // New returns a machine in Starting; the executor launches the first active
@@ -198,6 +244,9 @@ func (m *Machine) Initial() []Action { return []Action{{Kind: StartActive}} }
 
 // State returns the current state and why the machine entered it.
 func (m *Machine) State() (State, string) { return m.state, m.cause }
+
+// Handover returns the phase of the planned handover (NoHandover outside HandingOver).
+func (m *Machine) Handover() HandoverPhase { return m.phase }
 
 // BreakerOpen reports whether a role's restarts are blocked, and why.
 func (m *Machine) BreakerOpen(r Role) (bool, string) { return m.open[r], m.openBy[r] }
@@ -225,11 +274,7 @@ func (m *Machine) recordDeath(r Role, t time.Time, cause string) (backoff time.D
 		m.openBy[r] = fmt.Sprintf("%s died %d times within %s (last: %s)", r, n, m.cfg.Window, cause)
 		return 0, false
 	}
-	backoff = m.cfg.BaseBackoff
-	for i := 1; i < n && backoff < m.cfg.MaxBackoff; i++ {
-		backoff *= 2
-	}
-	return min(backoff, m.cfg.MaxBackoff), true
+	return m.backoff(r), true
 }
 
 // Handle applies one event and returns the transition.
@@ -238,6 +283,9 @@ func (m *Machine) Handle(ev Event) Transition {
 	tr.From, tr.Event = m.state, ev
 	if !tr.Ignored {
 		m.state, m.cause = tr.To, tr.Cause
+		if tr.To != HandingOver {
+			m.phase, m.yieldedDead = NoHandover, false
+		}
 	} else {
 		tr.To, tr.Cause = m.state, m.cause
 	}
@@ -267,11 +315,16 @@ func (m *Machine) next(ev Event) Transition {
 	case ServingReady:
 		switch ev.Kind {
 		case ActiveDied:
-			return Transition{To: FailingOver, Cause: "active died: " + ev.Cause,
-				Actions: []Action{{Kind: FenceActive}, {Kind: DrainRing}, {Kind: SendResume}}}
+			return failOver(ev)
 		case StandbyDied, RearmFailed:
 			return m.restartStandby(ev)
+		case HandoverDue:
+			m.phase = Yielding
+			return Transition{To: HandingOver, Cause: "failback: handing over to the standby: " + ev.Cause,
+				Actions: []Action{{Kind: SendHandoff}}}
 		}
+	case HandingOver:
+		return m.handover(ev)
 	case Rearming:
 		switch ev.Kind {
 		case StandbyReady:
@@ -307,6 +360,90 @@ func (m *Machine) next(ev Event) Transition {
 		// Nothing runs and nothing restarts; only shutdown gets out.
 	}
 	return ignored()
+}
+
+// failOver resumes the standby after the active's death.
+func failOver(ev Event) Transition {
+	return Transition{To: FailingOver, Cause: "active died: " + ev.Cause,
+		Actions: []Action{{Kind: FenceActive}, {Kind: DrainRing}, {Kind: SendResume}}}
+}
+
+// handover drives a planned handover (state HandingOver) by phase.
+func (m *Machine) handover(ev Event) Transition {
+	switch m.phase {
+	case Yielding:
+		switch ev.Kind {
+		case HandoffDone:
+			m.phase = Resuming
+			return Transition{To: HandingOver, Cause: "failback: the active yielded; resuming the standby",
+				Actions: []Action{{Kind: DrainRing}, {Kind: SendResume}}}
+		case HandoffFailed:
+			// It refused and still serves: nothing changed (the executor backs off).
+			return Transition{To: ServingReady, Cause: "failback: handover refused: " + ev.Cause}
+		case ActiveDied:
+			return failOver(ev)
+		case StandbyDied, RearmFailed:
+			// The active is yielding: once asleep it is resumed itself.
+			m.phase = Restoring
+			m.recordDeath(Standby, ev.At, ev.Cause)
+			return Transition{To: HandingOver, Cause: "failback: standby died during the handover: " + ev.Cause,
+				Actions: []Action{{Kind: FenceStandby}}}
+		}
+	case Resuming:
+		switch ev.Kind {
+		case ResumeAcked:
+			if m.yieldedDead {
+				return m.armStandby("failback: the standby took over; the yielded engine died, re-arming", []Action{{Kind: Swap}})
+			}
+			return Transition{To: ServingReady, Cause: "failback done: placement restored", Actions: []Action{{Kind: Swap}}}
+		case ResumeFailed, StandbyDied:
+			if m.yieldedDead {
+				return m.coldStart(ev, "failback failed and the yielded engine is gone: "+ev.Cause,
+					[]Action{{Kind: FenceStandby}, {Kind: FenceActive}})
+			}
+			m.phase = Restoring
+			m.recordDeath(Standby, ev.At, ev.Cause)
+			return Transition{To: HandingOver, Cause: "failback failed, resuming the yielded engine: " + ev.Kind.String() + ": " + ev.Cause,
+				Actions: []Action{{Kind: FenceStandby}, {Kind: DrainRing}, {Kind: ResumeYielded}}}
+		case ActiveDied:
+			// The yielded engine sleeps and serves nothing; the standby's resume goes on.
+			m.yieldedDead = true
+			return Transition{To: HandingOver, Cause: "failback: the yielded engine died: " + ev.Cause,
+				Actions: []Action{{Kind: FenceActive}}}
+		}
+	case Restoring:
+		switch ev.Kind {
+		case HandoffDone:
+			return Transition{To: HandingOver, Cause: "failback: the active yielded with no standby; resuming it",
+				Actions: []Action{{Kind: DrainRing}, {Kind: ResumeYielded}}}
+		case HandoffFailed:
+			return m.afterRestore("failback: the active refused to yield and serves on", nil)
+		case ResumeAcked:
+			return m.afterRestore("failback: the yielded engine serves again", []Action{{Kind: Publish}})
+		case ResumeFailed, ActiveDied:
+			return m.coldStart(ev, "failback: the yielded engine could not be resumed: "+ev.Cause,
+				[]Action{{Kind: FenceActive}})
+		}
+	}
+	return ignored()
+}
+
+// afterRestore: the active serves again after a failed handover; a new
+// standby is started after the standby's backoff (its death was recorded).
+func (m *Machine) afterRestore(cause string, acts []Action) Transition {
+	if m.open[Standby] {
+		return Transition{To: ServingDegraded, Cause: cause + "; no standby: " + m.openBy[Standby], Actions: acts}
+	}
+	return Transition{To: Rearming, Cause: cause, Actions: append(acts, Action{Kind: StartStandby, Delay: m.backoff(Standby)})}
+}
+
+// backoff is the delay before restarting role after its recorded deaths.
+func (m *Machine) backoff(r Role) time.Duration {
+	b := m.cfg.BaseBackoff
+	for i := 1; i < len(m.deaths[r]) && b < m.cfg.MaxBackoff; i++ {
+		b *= 2
+	}
+	return min(b, m.cfg.MaxBackoff)
 }
 
 // armStandby starts a fresh standby right away (it maps the brokered pools,
@@ -363,6 +500,7 @@ func (m *Machine) trip(ev Event) Transition {
 	case r == Active && m.state == Starting:
 		return Transition{To: CrashLoop, Cause: m.openBy[r], Actions: []Action{{Kind: FenceActive}, {Kind: Unpublish}}}
 	}
+	// In handing_over the open breaker takes effect when the handover ends.
 	// Otherwise the open breaker takes effect at the next death.
 	return Transition{To: m.state, Cause: m.cause}
 }

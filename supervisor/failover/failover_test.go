@@ -248,3 +248,118 @@ func TestNamesTotal(t *testing.T) {
 		t.Error("out-of-range names")
 	}
 }
+
+// handoverIn drives a machine into HandingOver at phase p through real events.
+func handoverIn(t *testing.T, p HandoverPhase, yieldedDead bool) *Machine {
+	t.Helper()
+	m := machineIn(t, ServingReady)
+	m.Handle(Event{Kind: HandoverDue, Cause: "setup", At: t0})
+	switch p {
+	case Resuming:
+		m.Handle(Event{Kind: HandoffDone, Cause: "setup", At: t0})
+	case Restoring:
+		m.Handle(Event{Kind: StandbyDied, Cause: "setup", At: t0})
+	}
+	if yieldedDead {
+		m.Handle(Event{Kind: ActiveDied, Cause: "setup", At: t0})
+	}
+	if st, _ := m.State(); st != HandingOver || m.Handover() != p {
+		t.Fatalf("setup reached %s/%s, want handing_over/%s", st, m.Handover(), p)
+	}
+	return m
+}
+
+func TestHandoverTransitions(t *testing.T) {
+	tests := []struct {
+		phase       HandoverPhase
+		yieldedDead bool
+		ev          EventKind
+		to          State
+		toPhase     HandoverPhase
+		wantCause   string
+		actions     []ActionKind
+		ignored     bool
+	}{
+		{Yielding, false, HandoffDone, HandingOver, Resuming, "the active yielded; resuming the standby", []ActionKind{DrainRing, SendResume}, false},
+		{Yielding, false, HandoffFailed, ServingReady, NoHandover, "handover refused: x", nil, false},
+		{Yielding, false, ActiveDied, FailingOver, NoHandover, "active died: x", []ActionKind{FenceActive, DrainRing, SendResume}, false},
+		{Yielding, false, StandbyDied, HandingOver, Restoring, "standby died during the handover: x", []ActionKind{FenceStandby}, false},
+		{Yielding, false, ResumeAcked, HandingOver, Yielding, "", nil, true},
+		{Yielding, false, Shutdown, Stopped, NoHandover, "shutdown: x", []ActionKind{Unpublish, StopAll}, false},
+
+		{Resuming, false, ResumeAcked, ServingReady, NoHandover, "failback done: placement restored", []ActionKind{Swap}, false},
+		{Resuming, false, ResumeFailed, HandingOver, Restoring, "failback failed, resuming the yielded engine: resume_failed: x", []ActionKind{FenceStandby, DrainRing, ResumeYielded}, false},
+		{Resuming, false, StandbyDied, HandingOver, Restoring, "failback failed, resuming the yielded engine: standby_died: x", []ActionKind{FenceStandby, DrainRing, ResumeYielded}, false},
+		{Resuming, false, ActiveDied, HandingOver, Resuming, "the yielded engine died: x", []ActionKind{FenceActive}, false},
+		{Resuming, true, ResumeAcked, Rearming, NoHandover, "the yielded engine died, re-arming", []ActionKind{Swap, StartStandby}, false},
+		{Resuming, true, StandbyDied, Starting, NoHandover, "failback failed and the yielded engine is gone: x", []ActionKind{FenceStandby, FenceActive, Unpublish, CheckMPS, StartActive}, false},
+		{Resuming, false, HandoffDone, HandingOver, Resuming, "", nil, true},
+
+		{Restoring, false, HandoffDone, HandingOver, Restoring, "the active yielded with no standby; resuming it", []ActionKind{DrainRing, ResumeYielded}, false},
+		{Restoring, false, HandoffFailed, Rearming, NoHandover, "refused to yield and serves on", []ActionKind{StartStandby}, false},
+		{Restoring, false, ResumeAcked, Rearming, NoHandover, "the yielded engine serves again", []ActionKind{Publish, StartStandby}, false},
+		{Restoring, false, ResumeFailed, Starting, NoHandover, "could not be resumed: x", []ActionKind{FenceActive, Unpublish, CheckMPS, StartActive}, false},
+		{Restoring, false, ActiveDied, Starting, NoHandover, "could not be resumed: x", []ActionKind{FenceActive, Unpublish, CheckMPS, StartActive}, false},
+		{Restoring, false, StandbyReady, HandingOver, Restoring, "", nil, true},
+	}
+	for _, tc := range tests {
+		name := tc.phase.String() + "/" + tc.ev.String()
+		if tc.yieldedDead {
+			name += "/yielded-dead"
+		}
+		t.Run(name, func(t *testing.T) {
+			m := handoverIn(t, tc.phase, tc.yieldedDead)
+			tr := m.Handle(Event{Kind: tc.ev, Cause: "x", At: t0.Add(time.Second)})
+			if tr.Ignored != tc.ignored {
+				t.Fatalf("ignored = %v, want %v", tr.Ignored, tc.ignored)
+			}
+			if tr.To != tc.to || m.Handover() != tc.toPhase {
+				t.Fatalf("went to %s/%s, want %s/%s", tr.To, m.Handover(), tc.to, tc.toPhase)
+			}
+			if !tc.ignored && !strings.Contains(tr.Cause, tc.wantCause) {
+				t.Errorf("cause %q, want it to contain %q", tr.Cause, tc.wantCause)
+			}
+			if got := kinds(tr.Actions); !slices.Equal(got, tc.actions) {
+				t.Errorf("actions %v, want %v", got, tc.actions)
+			}
+		})
+	}
+}
+
+func TestHandoverOnlyFromServingReady(t *testing.T) {
+	for _, st := range []State{Starting, Rearming, FailingOver, ServingDegraded, CrashLoop, Stopped} {
+		m := machineIn(t, st)
+		if tr := m.Handle(Event{Kind: HandoverDue, At: t0}); !tr.Ignored {
+			t.Errorf("%s: handover_due was not ignored: %+v", st, tr)
+		}
+	}
+	m := machineIn(t, ServingReady)
+	tr := m.Handle(Event{Kind: HandoverDue, Cause: "placement inverted", At: t0})
+	if tr.To != HandingOver || m.Handover() != Yielding || !slices.Equal(kinds(tr.Actions), []ActionKind{SendHandoff}) {
+		t.Fatalf("got %+v phase %s", tr, m.Handover())
+	}
+}
+
+// A standby that keeps dying during handovers trips its breaker: the active
+// then serves on without a standby instead of restarting it for ever.
+func TestHandoverStandbyDeathsCountAgainstTheBreaker(t *testing.T) {
+	m := machineIn(t, ServingReady)
+	at := t0
+	for i := range testBreaker.MaxRestarts + 1 {
+		at = at.Add(time.Second)
+		m.Handle(Event{Kind: HandoverDue, At: at})
+		m.Handle(Event{Kind: HandoffDone, At: at})
+		m.Handle(Event{Kind: StandbyDied, Cause: "mps fault", At: at})
+		tr := m.Handle(Event{Kind: ResumeAcked, At: at})
+		if i < testBreaker.MaxRestarts {
+			if tr.To != Rearming || tr.Actions[len(tr.Actions)-1].Delay <= 0 {
+				t.Fatalf("round %d: %+v", i, tr)
+			}
+			m.Handle(Event{Kind: StandbyReady, At: at})
+			continue
+		}
+		if tr.To != ServingDegraded || !strings.Contains(tr.Cause, "no standby") {
+			t.Fatalf("round %d: want serving_degraded, got %+v", i, tr)
+		}
+	}
+}

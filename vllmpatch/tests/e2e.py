@@ -131,14 +131,23 @@ class Deployment:
         return out
 
 
+# TEST DOUBLE of nvidia-cuda-mps-control (supervisor/mps/testdata): a CPU
+# deployment "with MPS" places engines exactly as on a GPU (the active gets the
+# daemon's pipe directory, the standby one with no daemon); the engines, on the
+# CPU, never use it.
+FAKE_MPS_CONTROL = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "supervisor", "mps", "testdata",
+                                                "nvidia-cuda-mps-control"))
+
+
 @contextlib.contextmanager
 def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: dict | None = None,
-               model: str = "tiny"):
+               model: str = "tiny", fake_mps: bool = False):
     bin_path = frmps_bin()
     port, admin_port = free_port(), free_port()
     run_dir = tempfile.mkdtemp(prefix="frmps-e2e-")
     log_path = os.path.join(run_dir, "serve.log")
-    cmd = [bin_path, "serve", "--model", model, "--engine", "ref", "--device", "cpu", "--no-mps",
+    mps = ["--mps-control", FAKE_MPS_CONTROL] if fake_mps else ["--no-mps"]
+    cmd = [bin_path, "serve", "--model", model, "--engine", "ref", "--device", "cpu", *mps,
            "--sync-every", str(sync_every), "--port", str(port),
            "--admin-addr", f"127.0.0.1:{admin_port}", "--run-dir", os.path.join(run_dir, "run"),
            "--python", sys.executable, *(extra_args or [])]

@@ -303,6 +303,7 @@ type Status struct {
 	LiveRequests   uint32                 `protobuf:"varint,12,opt,name=live_requests,json=liveRequests,proto3" json:"live_requests,omitempty"`
 	Version        string                 `protobuf:"bytes,13,opt,name=version,proto3" json:"version,omitempty"`
 	CrashLoopOpen  bool                   `protobuf:"varint,14,opt,name=crash_loop_open,json=crashLoopOpen,proto3" json:"crash_loop_open,omitempty"` // breaker tripped: engines are not restarted
+	Failback       *Failback              `protobuf:"bytes,15,opt,name=failback,proto3" json:"failback,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache
 }
@@ -435,6 +436,142 @@ func (x *Status) GetCrashLoopOpen() bool {
 	return false
 }
 
+func (x *Status) GetFailback() *Failback {
+	if x != nil {
+		return x.Failback
+	}
+	return nil
+}
+
+// Failback: restoring the placement (the active inside MPS, the standby
+// outside) after a failover, by a planned handover between the two engines.
+type Failback struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Enabled bool                   `protobuf:"varint,1,opt,name=enabled,proto3" json:"enabled,omitempty"` // MPS is on and --no-failback is not set
+	// "idle" (placement restored), "waiting" (inverted; the standby is not ready
+	// yet), "scheduled" (a handover is due at next_attempt_unix_nanos),
+	// "handing_over:<phase>", "disabled".
+	State                 string  `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
+	PlacementOk           bool    `protobuf:"varint,3,opt,name=placement_ok,json=placementOk,proto3" json:"placement_ok,omitempty"` // the active runs in MPS and the standby outside it
+	Succeeded             uint64  `protobuf:"varint,4,opt,name=succeeded,proto3" json:"succeeded,omitempty"`
+	Failed                uint64  `protobuf:"varint,5,opt,name=failed,proto3" json:"failed,omitempty"`
+	ConsecutiveFailures   uint32  `protobuf:"varint,6,opt,name=consecutive_failures,json=consecutiveFailures,proto3" json:"consecutive_failures,omitempty"` // each one doubles the wait before the next handover
+	NextAttemptUnixNanos  int64   `protobuf:"varint,7,opt,name=next_attempt_unix_nanos,json=nextAttemptUnixNanos,proto3" json:"next_attempt_unix_nanos,omitempty"`
+	LastError             string  `protobuf:"bytes,8,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`
+	LastDurationSeconds   float64 `protobuf:"fixed64,9,opt,name=last_duration_seconds,json=lastDurationSeconds,proto3" json:"last_duration_seconds,omitempty"`          // Handoff sent -> the standby's Resume acknowledged
+	LastFirstTokenSeconds float64 `protobuf:"fixed64,10,opt,name=last_first_token_seconds,json=lastFirstTokenSeconds,proto3" json:"last_first_token_seconds,omitempty"` // Handoff sent -> first resumed token reached a client
+	LastUnixNanos         int64   `protobuf:"varint,11,opt,name=last_unix_nanos,json=lastUnixNanos,proto3" json:"last_unix_nanos,omitempty"`
+	unknownFields         protoimpl.UnknownFields
+	sizeCache             protoimpl.SizeCache
+}
+
+func (x *Failback) Reset() {
+	*x = Failback{}
+	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Failback) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Failback) ProtoMessage() {}
+
+func (x *Failback) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Failback.ProtoReflect.Descriptor instead.
+func (*Failback) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *Failback) GetEnabled() bool {
+	if x != nil {
+		return x.Enabled
+	}
+	return false
+}
+
+func (x *Failback) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *Failback) GetPlacementOk() bool {
+	if x != nil {
+		return x.PlacementOk
+	}
+	return false
+}
+
+func (x *Failback) GetSucceeded() uint64 {
+	if x != nil {
+		return x.Succeeded
+	}
+	return 0
+}
+
+func (x *Failback) GetFailed() uint64 {
+	if x != nil {
+		return x.Failed
+	}
+	return 0
+}
+
+func (x *Failback) GetConsecutiveFailures() uint32 {
+	if x != nil {
+		return x.ConsecutiveFailures
+	}
+	return 0
+}
+
+func (x *Failback) GetNextAttemptUnixNanos() int64 {
+	if x != nil {
+		return x.NextAttemptUnixNanos
+	}
+	return 0
+}
+
+func (x *Failback) GetLastError() string {
+	if x != nil {
+		return x.LastError
+	}
+	return ""
+}
+
+func (x *Failback) GetLastDurationSeconds() float64 {
+	if x != nil {
+		return x.LastDurationSeconds
+	}
+	return 0
+}
+
+func (x *Failback) GetLastFirstTokenSeconds() float64 {
+	if x != nil {
+		return x.LastFirstTokenSeconds
+	}
+	return 0
+}
+
+func (x *Failback) GetLastUnixNanos() int64 {
+	if x != nil {
+		return x.LastUnixNanos
+	}
+	return 0
+}
+
 type TriggerFailoverRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Reason        string                 `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
@@ -444,7 +581,7 @@ type TriggerFailoverRequest struct {
 
 func (x *TriggerFailoverRequest) Reset() {
 	*x = TriggerFailoverRequest{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	mi := &file_frmps_v1_admin_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -456,7 +593,7 @@ func (x *TriggerFailoverRequest) String() string {
 func (*TriggerFailoverRequest) ProtoMessage() {}
 
 func (x *TriggerFailoverRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	mi := &file_frmps_v1_admin_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -469,7 +606,7 @@ func (x *TriggerFailoverRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TriggerFailoverRequest.ProtoReflect.Descriptor instead.
 func (*TriggerFailoverRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{4}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *TriggerFailoverRequest) GetReason() string {
@@ -489,7 +626,7 @@ type TriggerFailoverResponse struct {
 
 func (x *TriggerFailoverResponse) Reset() {
 	*x = TriggerFailoverResponse{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[5]
+	mi := &file_frmps_v1_admin_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -501,7 +638,7 @@ func (x *TriggerFailoverResponse) String() string {
 func (*TriggerFailoverResponse) ProtoMessage() {}
 
 func (x *TriggerFailoverResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[5]
+	mi := &file_frmps_v1_admin_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -514,7 +651,7 @@ func (x *TriggerFailoverResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TriggerFailoverResponse.ProtoReflect.Descriptor instead.
 func (*TriggerFailoverResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{5}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *TriggerFailoverResponse) GetAccepted() bool {
@@ -559,7 +696,7 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\rreused_tokens\x18\t \x01(\x04R\freusedTokens\x12)\n" +
 	"\x10prefilled_tokens\x18\n" +
 	" \x01(\x04R\x0fprefilledTokens\x12.\n" +
-	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\xd9\x03\n" +
+	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\x89\x04\n" +
 	"\x06Status\x12\x14\n" +
 	"\x05state\x18\x01 \x01(\tR\x05state\x12\x1f\n" +
 	"\vstate_cause\x18\x02 \x01(\tR\n" +
@@ -577,7 +714,22 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\fring_resyncs\x18\v \x01(\x04R\vringResyncs\x12#\n" +
 	"\rlive_requests\x18\f \x01(\rR\fliveRequests\x12\x18\n" +
 	"\aversion\x18\r \x01(\tR\aversion\x12&\n" +
-	"\x0fcrash_loop_open\x18\x0e \x01(\bR\rcrashLoopOpen\"0\n" +
+	"\x0fcrash_loop_open\x18\x0e \x01(\bR\rcrashLoopOpen\x12.\n" +
+	"\bfailback\x18\x0f \x01(\v2\x12.frmps.v1.FailbackR\bfailback\"\xb1\x03\n" +
+	"\bFailback\x12\x18\n" +
+	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x14\n" +
+	"\x05state\x18\x02 \x01(\tR\x05state\x12!\n" +
+	"\fplacement_ok\x18\x03 \x01(\bR\vplacementOk\x12\x1c\n" +
+	"\tsucceeded\x18\x04 \x01(\x04R\tsucceeded\x12\x16\n" +
+	"\x06failed\x18\x05 \x01(\x04R\x06failed\x121\n" +
+	"\x14consecutive_failures\x18\x06 \x01(\rR\x13consecutiveFailures\x125\n" +
+	"\x17next_attempt_unix_nanos\x18\a \x01(\x03R\x14nextAttemptUnixNanos\x12\x1d\n" +
+	"\n" +
+	"last_error\x18\b \x01(\tR\tlastError\x122\n" +
+	"\x15last_duration_seconds\x18\t \x01(\x01R\x13lastDurationSeconds\x127\n" +
+	"\x18last_first_token_seconds\x18\n" +
+	" \x01(\x01R\x15lastFirstTokenSeconds\x12&\n" +
+	"\x0flast_unix_nanos\x18\v \x01(\x03R\rlastUnixNanos\"0\n" +
 	"\x16TriggerFailoverRequest\x12\x16\n" +
 	"\x06reason\x18\x01 \x01(\tR\x06reason\"K\n" +
 	"\x17TriggerFailoverResponse\x12\x1a\n" +
@@ -599,27 +751,29 @@ func file_frmps_v1_admin_proto_rawDescGZIP() []byte {
 	return file_frmps_v1_admin_proto_rawDescData
 }
 
-var file_frmps_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_frmps_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
 var file_frmps_v1_admin_proto_goTypes = []any{
 	(*GetStatusRequest)(nil),        // 0: frmps.v1.GetStatusRequest
 	(*EngineStatus)(nil),            // 1: frmps.v1.EngineStatus
 	(*FailoverRecord)(nil),          // 2: frmps.v1.FailoverRecord
 	(*Status)(nil),                  // 3: frmps.v1.Status
-	(*TriggerFailoverRequest)(nil),  // 4: frmps.v1.TriggerFailoverRequest
-	(*TriggerFailoverResponse)(nil), // 5: frmps.v1.TriggerFailoverResponse
+	(*Failback)(nil),                // 4: frmps.v1.Failback
+	(*TriggerFailoverRequest)(nil),  // 5: frmps.v1.TriggerFailoverRequest
+	(*TriggerFailoverResponse)(nil), // 6: frmps.v1.TriggerFailoverResponse
 }
 var file_frmps_v1_admin_proto_depIdxs = []int32{
 	1, // 0: frmps.v1.Status.engines:type_name -> frmps.v1.EngineStatus
 	2, // 1: frmps.v1.Status.failovers:type_name -> frmps.v1.FailoverRecord
-	0, // 2: frmps.v1.Admin.GetStatus:input_type -> frmps.v1.GetStatusRequest
-	4, // 3: frmps.v1.Admin.TriggerFailover:input_type -> frmps.v1.TriggerFailoverRequest
-	3, // 4: frmps.v1.Admin.GetStatus:output_type -> frmps.v1.Status
-	5, // 5: frmps.v1.Admin.TriggerFailover:output_type -> frmps.v1.TriggerFailoverResponse
-	4, // [4:6] is the sub-list for method output_type
-	2, // [2:4] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	4, // 2: frmps.v1.Status.failback:type_name -> frmps.v1.Failback
+	0, // 3: frmps.v1.Admin.GetStatus:input_type -> frmps.v1.GetStatusRequest
+	5, // 4: frmps.v1.Admin.TriggerFailover:input_type -> frmps.v1.TriggerFailoverRequest
+	3, // 5: frmps.v1.Admin.GetStatus:output_type -> frmps.v1.Status
+	6, // 6: frmps.v1.Admin.TriggerFailover:output_type -> frmps.v1.TriggerFailoverResponse
+	5, // [5:7] is the sub-list for method output_type
+	3, // [3:5] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_admin_proto_init() }
@@ -633,7 +787,7 @@ func file_frmps_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_admin_proto_rawDesc), len(file_frmps_v1_admin_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   6,
+			NumMessages:   7,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

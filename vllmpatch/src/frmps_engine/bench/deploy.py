@@ -125,7 +125,7 @@ class ServeOpts:
     device: str = "cuda"
     memory: str = "cuda-vmm"
     mps: bool = True
-    sync_every: int = 16
+    sync_every: int = 1  # frmps serve's default
     num_blocks: int = 0
     max_model_len: int = 0
     engine_args: list[str] = dc_field(default_factory=list)

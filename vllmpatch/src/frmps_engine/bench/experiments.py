@@ -51,7 +51,7 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 # ----------------------------------------------------------------------------- deployments and faults
 
 
-def serve_opts(ctx: Ctx, model: str, sync_every: int = 16, engine_args: list[str] | None = None,
+def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str] | None = None,
                num_blocks: int = 0, max_model_len: int = 0) -> ServeOpts:
     a = ctx.args
     env = {}
@@ -356,7 +356,7 @@ class PromptLength(Experiment):
         p.add_argument("--lengths", default="", help="prompt lengths (default 500,1000,...,4000; --quick 500,2000,4000)")
         p.add_argument("--systems", default="frmps,frmps-no-kv")
         p.add_argument("--trials", type=int, default=1)
-        p.add_argument("--sync-every", type=int, default=16)
+        p.add_argument("--sync-every", type=int, default=1, help="frmps serve's --sync-every (its default: 1)")
         p.add_argument("--kill-after", type=int, default=0,
                        help="kill once the client has this many tokens (default: --sync-every, i.e. just after the "
                             "first sync that covers the prompt)")
@@ -575,8 +575,8 @@ class Outage(Experiment):
 
     def add_args(self, p):
         p.add_argument("--model", default="", help="preset (default qwen2.5-14b; --cpu: tiny)")
-        p.add_argument("--systems", default="frmps,frmps-n1,frmps-no-kv,sleep-only",
-                       help="frmps (--sync-every 16), frmps-n1 (--sync-every 1), frmps-no-kv, sleep-only")
+        p.add_argument("--systems", default="frmps,frmps-n16,frmps-no-kv,sleep-only",
+                       help="frmps (the defaults: --sync-every 1), frmps-n16 (--sync-every 16), frmps-no-kv, sleep-only")
         p.add_argument("--trials", type=int, default=1)
         p.add_argument("--concurrency", type=int, default=0, help="client streams (default 32; --cpu 4)")
         p.add_argument("--duration", type=float, default=0, help="seconds of load (default 20; --cpu 4)")
@@ -625,7 +625,7 @@ class Outage(Experiment):
                 if eargs is None:
                     ctx.unsupported(keys, "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)")
                     continue
-            n = 1 if system == "frmps-n1" else 16
+            n = 16 if system == "frmps-n16" else 1
             with Deployments(ctx, serve_opts(ctx, model, n, eargs, num_blocks=nb), f"outage-{system}") as deps:
                 for key in keys:
                     ctx.run_point(key, lambda key=key: self._frmps(ctx, deps, model, key["trial"]),
@@ -798,7 +798,7 @@ class Correctness(Experiment):
         p.add_argument("--model", default="", help="preset (default qwen2.5-0.5b; --cpu: tiny)")
         p.add_argument("--ks", default="", help="kill points K (default 1,2,4,...,1024; --quick 1,32,1024)")
         p.add_argument("--trials", type=int, default=1)
-        p.add_argument("--sync-every", type=int, default=16)
+        p.add_argument("--sync-every", type=int, default=1, help="frmps serve's --sync-every (its default: 1)")
         p.add_argument("--prompt-len", type=int, default=16)
         p.add_argument("--tail-tokens", type=int, default=32)
 

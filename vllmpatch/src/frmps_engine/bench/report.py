@@ -407,10 +407,10 @@ def targets(summ: dict[str, dict]) -> list[dict]:
                      "met": None if not cold else min(cold) >= 2000})
     out = (summ.get("outage") or {}).get("systems") or {}
     o = (out.get("frmps") or {}).get("outage_s")
-    o1 = (out.get("frmps-n1") or {}).get("outage_s")
+    o16 = (out.get("frmps-n16") or {}).get("outage_s")
     if out:
-        best = min((x for x in (o, o1) if x is not None), default=None)
-        reached = ms(o) + ("" if o1 is None else f" at N = 16, {ms(o1)} at N = 1")
+        best = o  # the target is the defaults' figure
+        reached = ms(o) + ("" if o16 is None else f" at the defaults (N = 1), {ms(o16)} at N = 16")
         rows.append({"target": f"outage ≤ 60 ms ({summ['outage'].get('model')})", "reached": reached,
                      "met": None if best is None else best <= 0.060})
     sy = (summ.get("sync-overhead") or {}).get("models") or {}

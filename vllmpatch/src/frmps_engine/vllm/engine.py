@@ -335,7 +335,7 @@ class VllmEngineConfig:
     max_model_len: int = 4096
     dtype: str = "bfloat16"
     weights: str = "dummy"  # "dummy" or "load"
-    sync_every: int = 16
+    sync_every: int = 1
     async_scheduling: bool = False
     gpu_memory_utilization: float = 0.9
 
@@ -494,6 +494,6 @@ def make_adapter(args: Any) -> VllmAdapter:
             max_model_len=int(getattr(args, "max_model_len", 0) or 4096),
             dtype=getattr(args, "dtype", None) or "bfloat16",
             weights=getattr(args, "weights", None) or "dummy",
-            sync_every=int(getattr(args, "sync_every", 16) or 16),
+            sync_every=int(getattr(args, "sync_every", 1) or 1),
         )
     )

@@ -57,7 +57,7 @@ class FailoverRecord(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., unix_nanos: _Optional[int] = ..., cause: _Optional[str] = ..., detail: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., resumed_requests: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., first_token_seconds: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open")
+    __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open", "failback")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STATE_CAUSE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class Status(_message.Message):
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CRASH_LOOP_OPEN_FIELD_NUMBER: _ClassVar[int]
+    FAILBACK_FIELD_NUMBER: _ClassVar[int]
     state: str
     state_cause: str
     model: str
@@ -86,7 +87,34 @@ class Status(_message.Message):
     live_requests: int
     version: str
     crash_loop_open: bool
-    def __init__(self, state: _Optional[str] = ..., state_cause: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., sync_every: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., failovers: _Optional[_Iterable[_Union[FailoverRecord, _Mapping]]] = ..., mps: _Optional[bool] = ..., mps_state: _Optional[str] = ..., ring_lag_records: _Optional[int] = ..., ring_resyncs: _Optional[int] = ..., live_requests: _Optional[int] = ..., version: _Optional[str] = ..., crash_loop_open: _Optional[bool] = ...) -> None: ...
+    failback: Failback
+    def __init__(self, state: _Optional[str] = ..., state_cause: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., sync_every: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., failovers: _Optional[_Iterable[_Union[FailoverRecord, _Mapping]]] = ..., mps: _Optional[bool] = ..., mps_state: _Optional[str] = ..., ring_lag_records: _Optional[int] = ..., ring_resyncs: _Optional[int] = ..., live_requests: _Optional[int] = ..., version: _Optional[str] = ..., crash_loop_open: _Optional[bool] = ..., failback: _Optional[_Union[Failback, _Mapping]] = ...) -> None: ...
+
+class Failback(_message.Message):
+    __slots__ = ("enabled", "state", "placement_ok", "succeeded", "failed", "consecutive_failures", "next_attempt_unix_nanos", "last_error", "last_duration_seconds", "last_first_token_seconds", "last_unix_nanos")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_OK_FIELD_NUMBER: _ClassVar[int]
+    SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ATTEMPT_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    state: str
+    placement_ok: bool
+    succeeded: int
+    failed: int
+    consecutive_failures: int
+    next_attempt_unix_nanos: int
+    last_error: str
+    last_duration_seconds: float
+    last_first_token_seconds: float
+    last_unix_nanos: int
+    def __init__(self, enabled: _Optional[bool] = ..., state: _Optional[str] = ..., placement_ok: _Optional[bool] = ..., succeeded: _Optional[int] = ..., failed: _Optional[int] = ..., consecutive_failures: _Optional[int] = ..., next_attempt_unix_nanos: _Optional[int] = ..., last_error: _Optional[str] = ..., last_duration_seconds: _Optional[float] = ..., last_first_token_seconds: _Optional[float] = ..., last_unix_nanos: _Optional[int] = ...) -> None: ...
 
 class TriggerFailoverRequest(_message.Message):
     __slots__ = ("reason",)

@@ -1,0 +1,272 @@
+package supervisor
+
+import (
+	"strings"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+// placement returns the fake processes Status names active and standby, and
+// checks the invariant failback restores: the active in MPS, the standby out.
+func (h *harness) wantPlacementRestored() (active, standby *fakeProc) {
+	h.t.Helper()
+	active, standby = h.roles()
+	if !active.inMPS() || standby.inMPS() {
+		h.t.Fatalf("placement: active pid %d in MPS %v, standby pid %d in MPS %v", active.pid, active.inMPS(), standby.pid, standby.inMPS())
+	}
+	for _, e := range h.s.Status().GetEngines() {
+		if e.GetInMps() != (e.GetRole() == "active") {
+			h.t.Fatalf("status engines %v", h.s.Status().GetEngines())
+		}
+	}
+	if fb := h.s.Status().GetFailback(); !fb.GetPlacementOk() || fb.GetState() != "idle" {
+		h.t.Fatalf("failback status %v", fb)
+	}
+	if v := testutil.ToFloat64(h.s.metrics.placementG); v != 1 {
+		h.t.Fatalf("placement_ok = %v", v)
+	}
+	return active, standby
+}
+
+// Fault after fault: each failover is followed by a failback that puts the
+// active back in MPS, with the engine that was promoted as the standby.
+func TestFailbackRestoresPlacementFaultAfterFault(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.front.open = []*frmpsv1.ResumeRequest{{Key: 7, Prompt: "a", DeliveredTokenIds: []uint32{1, 2}}}
+		h := start(t, w, nil)
+		act, sb := h.wantPlacementRestored()
+		for round := 1; round <= 3; round++ {
+			launched := len(w.procs)
+			act.Kill() // an MPS fault kills the active
+			synctest.Wait()
+			h.wantState(failover.ServingReady)
+			newAct, newSb := h.wantPlacementRestored()
+			if newSb != sb {
+				t.Fatalf("round %d: the standby is pid %d, want the promoted engine pid %d back as the standby", round, newSb.pid, sb.pid)
+			}
+			if len(w.procs) != launched+1 || newAct == act || newAct == sb {
+				t.Fatalf("round %d: want exactly one new engine (in MPS) per fault, %d launched", round, len(w.procs)-launched)
+			}
+			if sb.handoffs != round {
+				t.Fatalf("round %d: the promoted engine yielded %d times", round, sb.handoffs)
+			}
+			// The new active got the open requests in its Resume, like a failover's standby.
+			if n := len(newAct.resumes); n != 1 || len(newAct.resumes[0].GetRequests()) != 1 || newAct.resumes[0].GetRingPath() != w.ring.path {
+				t.Fatalf("round %d: new active resumes %v", round, newAct.resumes)
+			}
+			// Generations: the failover published one, the swap another.
+			gen, g := h.current(uint64(1 + 2*round))
+			if g != uint64(1+2*round) || gen.endpoint != "unix://"+newAct.inv.GenerationSocket {
+				t.Fatalf("round %d: current %s gen %d", round, gen.endpoint, g)
+			}
+			fb := h.s.Status().GetFailback()
+			if fb.GetSucceeded() != uint64(round) || fb.GetFailed() != 0 || fb.GetLastDurationSeconds() < 0 {
+				t.Fatalf("round %d: failback %v", round, fb)
+			}
+			act = newAct
+		}
+		if v := testutil.ToFloat64(h.s.metrics.failbacks.WithLabelValues("ok")); v != 3 {
+			t.Fatalf("failbacks_total{ok} = %v", v)
+		}
+		if n := len(h.s.Status().GetFailovers()); n != 3 {
+			t.Fatalf("%d failover records, want 3 (handovers are not failovers)", n)
+		}
+		h.stop()
+	})
+}
+
+// The standby in MPS dies while it is being resumed (another MPS fault): the
+// yielded engine takes its requests back, a new standby starts, and the next
+// handover, after the policy's backoff, succeeds.
+func TestFailbackStandbyDiesDuringResumeRestoresTheYieldedEngine(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.front.open = []*frmpsv1.ResumeRequest{{Key: 3, Prompt: "x"}}
+		w.behave = func(r failover.Role, nth int) behavior {
+			if r == failover.Standby && nth == 1 { // the first standby started in MPS
+				return behavior{dieOnResume: true}
+			}
+			return behavior{}
+		}
+		h := start(t, w, func(c *Config) { c.FailbackBaseBackoff = 2 * time.Second })
+		act, sb := h.roles()
+		act.Kill()
+		synctest.Wait()
+		time.Sleep(time.Second) // the breaker's backoff before the next standby (100ms)
+		synctest.Wait()
+		// Restored: the yielded engine serves again (outside MPS), a new standby sits in MPS,
+		// and the next handover waits for the failback backoff.
+		h.wantState(failover.ServingReady)
+		fb := h.s.Status().GetFailback()
+		if fb.GetFailed() != 1 || fb.GetSucceeded() != 0 || fb.GetConsecutiveFailures() != 1 || fb.GetState() != "scheduled" ||
+			!strings.Contains(fb.GetLastError(), "resuming the yielded engine") {
+			t.Fatalf("after the failed handover: %v", fb)
+		}
+		a, _ := h.roles()
+		if a != sb || len(sb.resumes) != 2 {
+			t.Fatalf("active pid %d (want the yielded pid %d), its resumes %d (failover + restore)", a.pid, sb.pid, len(sb.resumes))
+		}
+		time.Sleep(3 * time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		h.wantPlacementRestored()
+		if fb := h.s.Status().GetFailback(); fb.GetSucceeded() != 1 || fb.GetConsecutiveFailures() != 0 {
+			t.Fatalf("after the retry: %v", fb)
+		}
+		if v := testutil.ToFloat64(h.s.metrics.failbacks.WithLabelValues("failed")); v != 1 {
+			t.Fatalf("failbacks_total{failed} = %v", v)
+		}
+		h.stop()
+	})
+}
+
+// A refused Handoff leaves the active serving; the handover is retried after
+// the backoff.
+func TestFailbackRefusedHandoffIsRetriedWithBackoff(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		refusals := 2
+		w.behave = func(r failover.Role, nth int) behavior {
+			if r == failover.Standby && nth == 0 { // becomes the active at the failover
+				return behavior{handoff: func() *frmpsv1.Reply {
+					if refusals > 0 {
+						refusals--
+						return &frmpsv1.Reply{Ok: false, Error: "busy"}
+					}
+					return &frmpsv1.Reply{Ok: true}
+				}}
+			}
+			return behavior{}
+		}
+		h := start(t, w, func(c *Config) { c.FailbackBaseBackoff = time.Second; c.FailbackMaxBackoff = 10 * time.Second })
+		act, sb := h.roles()
+		act.Kill()
+		synctest.Wait()
+		fb := h.s.Status().GetFailback()
+		if fb.GetConsecutiveFailures() != 1 || !strings.Contains(fb.GetLastError(), "busy") {
+			t.Fatalf("after the first refusal %v", fb)
+		}
+		a, _ := h.roles()
+		if a != sb {
+			t.Fatal("a refused handover must leave the active serving")
+		}
+		start := time.Now()
+		time.Sleep(30 * time.Second)
+		synctest.Wait()
+		h.wantPlacementRestored()
+		if sb.handoffs != 3 {
+			t.Fatalf("%d handoffs, want 3 (two refused)", sb.handoffs)
+		}
+		if fb := h.s.Status().GetFailback(); fb.GetSucceeded() != 1 || fb.GetFailed() != 2 || time.Unix(0, fb.GetLastUnixNanos()).Sub(start) < 3*time.Second {
+			t.Fatalf("want backoffs of 1s then 2s before the third try: %v", fb)
+		}
+		h.stop()
+	})
+}
+
+// The active dies while it yields: an ordinary failover to the standby, which
+// is in MPS, so the placement is right at once.
+func TestFailbackActiveDiesWhileYielding(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, nth int) behavior {
+			if r == failover.Standby && nth == 0 {
+				return behavior{dieOnHandoff: true}
+			}
+			return behavior{}
+		}
+		h := start(t, w, nil)
+		act, _ := h.roles()
+		act.Kill()
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		h.wantPlacementRestored()
+		if n := len(h.s.Status().GetFailovers()); n != 2 {
+			t.Fatalf("%d failovers, want 2 (the MPS fault, then the death while yielding)", n)
+		}
+		if fb := h.s.Status().GetFailback(); fb.GetFailed() != 1 || fb.GetSucceeded() != 0 {
+			t.Fatalf("failback %v", fb)
+		}
+		h.stop()
+	})
+}
+
+// An active that never answers Handoff is fenced after HandoffTimeout and the
+// standby takes over.
+func TestFailbackHandoffTimeoutFencesTheActive(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		block := make(chan struct{})
+		w.behave = func(r failover.Role, nth int) behavior {
+			if r == failover.Standby && nth == 0 {
+				return behavior{handoff: func() *frmpsv1.Reply { <-block; return nil }}
+			}
+			return behavior{}
+		}
+		h := start(t, w, func(c *Config) { c.HandoffTimeout = 5 * time.Second })
+		act, sb := h.roles()
+		act.Kill()
+		synctest.Wait()
+		if st, _ := h.state(); st != failover.HandingOver.String() {
+			t.Fatalf("state %s, want handing_over while the active does not answer", st)
+		}
+		time.Sleep(6 * time.Second)
+		synctest.Wait()
+		close(block)
+		h.wantState(failover.ServingReady)
+		h.wantPlacementRestored()
+		if sb.alive() {
+			t.Fatal("the wedged active was not fenced")
+		}
+		recs := h.s.Status().GetFailovers()
+		if len(recs) != 2 || recs[0].GetCause() != "stalled" {
+			t.Fatalf("records %v", recs)
+		}
+		h.stop()
+	})
+}
+
+// With --no-failback the pair stays where the failover left it: both outside MPS.
+func TestNoFailbackLeavesThePlacement(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		h := start(t, w, func(c *Config) { c.NoFailback = true })
+		act, _ := h.roles()
+		act.Kill()
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		a, sb := h.roles()
+		if a.inMPS() || sb.inMPS() || a.handoffs != 0 {
+			t.Fatalf("active in MPS %v, standby in MPS %v, handoffs %d", a.inMPS(), sb.inMPS(), a.handoffs)
+		}
+		fb := h.s.Status().GetFailback()
+		if fb.GetEnabled() || fb.GetState() != "disabled" || fb.GetPlacementOk() {
+			t.Fatalf("failback %v", fb)
+		}
+		h.stop()
+	})
+}
+
+// Without MPS there is nothing to restore.
+func TestNoMPSHasNoFailback(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		h := start(t, w, func(c *Config) { c.NoMPS = true })
+		act, _ := h.roles()
+		act.Kill()
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		a, sb := h.roles()
+		if a.inMPS() || sb.inMPS() || a.handoffs != 0 || !h.s.Status().GetFailback().GetPlacementOk() {
+			t.Fatalf("active %v standby %v handoffs %d failback %v", a.inMPS(), sb.inMPS(), a.handoffs, h.s.Status().GetFailback())
+		}
+		h.stop()
+	})
+}
