@@ -152,14 +152,19 @@ class Deployment:
 
     def start(self) -> None:
         a = self.args
-        cmd = ServeOpts(frmps=a.frmps, python=a.python, model=a.model, device=a.device, memory=a.memory, mps=not a.cpu,
+        cmd = ServeOpts(frmps=a.frmps, python=a.python, model=a.model, device=a.device, memory=a.memory,
+                        mps=not a.cpu or bool(getattr(a, "mps_control", "")),
                         sync_every=a.sync_every, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
-                        engine_args=list(a.engine_arg)).command(self.port, self.admin, self.run_dir, self.log_dir)
+                        engine_args=list(a.engine_arg), engine=getattr(a, "engine", "ref"),
+                        serve_args=list(getattr(a, "serve_arg", []) or [])
+                        ).command(self.port, self.admin, self.run_dir, self.log_dir)
         env = dict(os.environ)
         src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src"))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["FRMPS_DEBUG_FAULT_SIGNAL"] = "1"
         env["FRMPS_DEBUG_TOKEN_LOG"] = self.token_dir
+        env["FRMPS_DEBUG_POOL_CHECKSUM"] = "1"
+        env.update(getattr(a, "env", None) or {})
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

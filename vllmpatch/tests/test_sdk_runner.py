@@ -439,3 +439,35 @@ class ResumeStream(Stream):
                 self.finished = ch.finish_reason != g.FINISH_REASON_UNSPECIFIED
         except grpc.RpcError as e:
             self.error = e.code()
+
+
+def _int64_sum(fd) -> str:
+    import numpy as np
+
+    with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as m:
+        n = len(m) // 8 * 8
+        s = int(np.frombuffer(m, dtype=np.int64, count=n // 8).sum(dtype=np.int64)) & 0xFFFFFFFFFFFFFFFF
+    return f"{s:016x}"
+
+
+def test_pool_checksum_hook_shows_the_standby_wrote_nothing(sup):
+    """Test hook for the GPU proof (FRMPS_DEBUG_POOL_CHECKSUM): the active logs its
+    pools' sums at Ready and again on a signal; a standby that started and slept in
+    between must leave them equal (and they are the real sums of the pools' bytes)."""
+    from frmps_engine.sdk import debug_fault
+
+    a, pools, fds = start_active(sup, env={debug_fault.CHECKSUM_ENV: "1"})
+    want = f"weights[0]={_int64_sum(fds[0])} kv_cache[0]={_int64_sum(fds[1])}"
+    deadline = time.monotonic() + 30
+    while "pool checksums at ready" not in a.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"pool checksums at ready: {want}" in a.log()
+    s = sup.spawn("standby", "s")
+    sup.accept(s)
+    sup.welcome(s)
+    s.conn.send(c.Envelope(id=1, sleep=c.Sleep(pools=pools)), fds)
+    assert sup.expect(s, "ready", "reply")["reply"][0].reply.ok
+    os.kill(a.proc.pid, debug_fault.checksum_signal())
+    while "pool checksums on request" not in a.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"pool checksums on request: {want}" in a.log()

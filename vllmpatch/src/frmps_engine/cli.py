@@ -94,6 +94,10 @@ def serve(args: argparse.Namespace) -> int:
     if os.environ.get("FRMPS_DEBUG_FAULT_SIGNAL") == "1":
         # Test hook for failover drills of an engine outside MPS (sdk/debug_fault.py).
         signal.signal(signal.SIGUSR1, lambda *_: r.inject_fault())
+    from frmps_engine.sdk import debug_fault
+
+    if os.environ.get(debug_fault.CHECKSUM_ENV) == "1":
+        signal.signal(debug_fault.checksum_signal(), lambda *_: r.checksum_pools())
     return r.run()
 
 

@@ -54,3 +54,31 @@ def illegal_address(device: str) -> None:
     x = torch.zeros(1, device=device)
     _kernel[(1,)](x, 1 << 40)
     torch.cuda.synchronize()
+
+
+# Test hook: with FRMPS_DEBUG_POOL_CHECKSUM=1 the engine logs a checksum of each
+# shared pool when it becomes ready, and again on CHECKSUM_SIGNAL. A harness
+# compares the active's checksum at its Ready (before any standby exists) with
+# one taken after the standby has started and slept while the active stayed
+# idle: equal sums show that the standby's start wrote only its own memory.
+CHECKSUM_ENV = "FRMPS_DEBUG_POOL_CHECKSUM"
+
+
+def checksum_signal() -> int:
+    import signal
+
+    return signal.SIGRTMIN + 1
+
+
+def pool_checksums(pools) -> str:
+    """'weights[0]=<hex> kv_cache[0]=<hex>': the wrapping int64 sum of each pool
+    (read on its device; a GPU reads tens of GB in milliseconds)."""
+    import torch
+
+    parts = []
+    for p in pools:
+        t = p.tensor
+        n = t.numel() // 8 * 8
+        s = int(t[:n].view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF
+        parts.append(f"{p.spec.tag}[{p.spec.index}]={s:016x}")
+    return " ".join(parts)

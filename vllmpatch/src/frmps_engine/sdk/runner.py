@@ -165,6 +165,7 @@ class Runner:
         self.backend.loop = self.loop
         self.backend.is_serving = True
         self.client.start(self)
+        self._log_checksums("at ready")
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
         log.info("active engine serving on %s (init %.0f ms)", self.gen.endpoint, (time.perf_counter_ns() - self._t0) / 1e6)
 
@@ -343,6 +344,21 @@ class Runner:
 
         if os.environ.get(debug_fault.ENV) == "1":
             debug_fault.prepare(self.adapter.device)
+
+    def _log_checksums(self, when: str) -> None:
+        from . import debug_fault
+
+        if os.environ.get(debug_fault.CHECKSUM_ENV) == "1":
+            log.info("pool checksums %s: %s", when, debug_fault.pool_checksums(self.memory.pools()))
+
+    def checksum_pools(self) -> None:
+        """Test hook (debug_fault.CHECKSUM_ENV): log the pools' checksums, on the
+        engine loop's thread when it runs."""
+        loop = self.loop
+        if loop is not None and loop.running:
+            loop.post(lambda: self._log_checksums("on request"))
+        else:
+            threading.Thread(target=self._log_checksums, args=("on request",), daemon=True).start()
 
     def inject_fault(self) -> None:
         """Test hook (debug_fault): fault this engine's GPU context from its loop thread."""

@@ -1,0 +1,342 @@
+#!/usr/bin/env python3
+"""Fault after fault through `frmps serve` at its defaults: failover, then failback.
+
+One deployment (active in MPS, standby outside). A load of --streams concurrent
+streaming completions runs for the whole proof, each stream repeating its own
+request (half greedy, half seeded) and comparing every finished output, token
+ids included (vLLM's return_token_ids, which frmps supports), with that
+request's no-fault output taken first on the same deployment. Then --faults
+times: wait until the placement is restored (status: the active in MPS, the
+standby outside, failback idle), check the active is in MPS, make a co-located
+MPS client fault (bench/faults triggers, rotating), and wait for the failover
+and the failback that follows it. Standard library only.
+
+Per fault it records: fault -> death detected, death -> first resumed token
+(the promoted engine's log), the longest client-visible gap measured from the
+fault, the topology restored (failback done) after the failover, the handover's
+duration and its longest stream gap, against the decode step seen by clients.
+
+    python3 bench/gpu/failback_proof.py --frmps bin/frmps --model qwen2.5-7b --faults 20 --out fb.json
+
+--cpu runs the same sequence on the CPU (the MPS control daemon's test double,
+SIGKILL as the fault): a check of this script, not of GPU faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from failover_proof import (  # noqa: E402  (same folder, standard library only)
+    LOG_FIRST, LOG_SLEEP, Deployment, get, grep_log, mps_trigger, nvidia_smi)
+
+FAULTS = ["misaligned:load", "illegal_instruction:jump-far", "shared_oob:shared", "shared_oob:local",
+          "invalid_address_space:ld-global-shared", "stack_overflow:recursion", "oob_write:write"]
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+FAKE_MPS = os.path.join(REPO, "supervisor", "mps", "testdata", "nvidia-cuda-mps-control")
+
+
+def now() -> float:
+    return time.time()
+
+
+def stream(base: str, model: str, body: dict, timeout: float = 900, live: list | None = None) -> dict:
+    """One streaming completion: chunk arrival times with their token ids (each
+    arrival time is also appended to ``live`` as it comes)."""
+    req = urllib.request.Request(base + "/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({**body, "model": model, "stream": True, "return_token_ids": True,
+                                                  "stream_options": {"include_usage": True}}).encode())
+    out = {"chunks": [], "error": None, "finish": None, "t0": now()}
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                ev = json.loads(line[5:])
+                if "error" in ev:
+                    out["error"] = ev["error"]
+                    continue
+                for ch in ev.get("choices") or []:
+                    if ch.get("token_ids"):
+                        t = now()
+                        out["chunks"].append((t, list(ch["token_ids"])))
+                        if live is not None:
+                            live.append(t)
+                    if ch.get("finish_reason"):
+                        out["finish"] = ch["finish_reason"]
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["t1"] = now()
+    out["ids"] = [t for _, ids in out["chunks"] for t in ids]
+    return out
+
+
+def bodies(n: int, max_tokens: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        b = {"prompt": f"Request {i}: " + " ".join(f"w{(i * 7 + j) % 50}" for j in range(24 + 11 * i)),
+             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
+        if i % 2:
+            b.update(temperature=0.8, seed=1000 + i)
+        out.append(b)
+    return out
+
+
+class Load:
+    """--streams threads, each repeating its request and checking it against the reference."""
+
+    def __init__(self, dep: Deployment, model: str, reqs: list[dict], ref: list[list[int]]):
+        self.dep, self.model, self.reqs, self.ref = dep, model, reqs, ref
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.done: list[dict] = []  # finished streams: {i, t0, t1, chunks(times), exact, error}
+        self.live: dict[int, list[float]] = {}  # stream index -> chunk times of the running request
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(reqs))]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        while not self.stop.is_set():
+            live: list[float] = []
+            with self.lock:
+                self.live[i] = live
+            r = stream(self.dep.base, self.model, self.reqs[i], live=live)
+            times = [t for t, _ in r["chunks"]]
+            rec = {"i": i, "t0": r["t0"], "t1": r["t1"], "times": times, "error": r["error"],
+                   "exact": r["ids"] == self.ref[i], "tokens": len(r["ids"]), "finish": r["finish"]}
+            if not rec["exact"] and not r["error"]:
+                n = next((k for k, (a, b) in enumerate(zip(r["ids"], self.ref[i])) if a != b), min(len(r["ids"]), len(self.ref[i])))
+                rec["first_diff"] = n
+            with self.lock:
+                self.done.append(rec)
+                self.live.pop(i, None)
+
+    def finish(self, timeout: float = 600) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout)
+
+    def chunk_times(self) -> list[list[float]]:
+        """Chunk times of every stream so far, finished or running."""
+        with self.lock:
+            return [list(d["times"]) for d in self.done] + [list(v) for v in self.live.values()]
+
+    def wait_all_streaming(self, min_chunks: int, timeout: float = 60) -> None:
+        deadline = now() + timeout
+        while now() < deadline:
+            with self.lock:
+                if len(self.live) == len(self.reqs) and all(len(v) >= min_chunks for v in self.live.values()):
+                    return
+            time.sleep(0.01)
+
+
+def engines(st: dict) -> dict:
+    return {str(get(e, "role", default="")).lower(): e for e in get(st, "engines", default=[]) or []}
+
+
+def restored(st: dict, n_failbacks: int) -> bool:
+    e, fb = engines(st), get(st, "failback", default={}) or {}
+    a, s = e.get("active") or {}, e.get("standby") or {}
+    return (get(st, "state") == "serving_ready" and get(a, "state") == "serving" and get(s, "state") == "ready"
+            and bool(get(a, "in_mps")) and not get(s, "in_mps") and get(fb, "state") == "idle"
+            and int(get(fb, "succeeded", default=0) or 0) >= n_failbacks)
+
+
+def gaps_after(times_list: list[list[float]], t: float) -> float | None:
+    """The longest wait from t to the next chunk, over streams that had a chunk before t and one after."""
+    out = []
+    for ts in times_list:
+        before = [x for x in ts if x <= t]
+        after = [x for x in ts if x > t]
+        if before and after:
+            out.append(after[0] - t)
+    return max(out) if out else None
+
+
+def max_gap_in(times_list: list[list[float]], lo: float, hi: float) -> float | None:
+    """The longest inter-chunk gap of any stream whose chunks straddle [lo, hi]."""
+    out = []
+    for ts in times_list:
+        inside = [x for x in ts if lo <= x <= hi]
+        prev = [x for x in ts if x < lo]
+        nxt = [x for x in ts if x > hi]
+        seq = ([prev[-1]] if prev else []) + inside + ([nxt[0]] if nxt else [])
+        if len(seq) >= 2 and prev and nxt:
+            out.append(max(b - a for a, b in zip(seq, seq[1:])))
+    return max(out) if out else None
+
+
+def first_resumed(path: str | None, after: float) -> float | None:
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, errors="replace") as f:
+        ts = [float(m.group(1)) for m in map(LOG_FIRST.search, f) if m]
+    ts = [t for t in ts if t >= after - 1]
+    return min(ts) if ts else None
+
+
+def grep_all(path: str | None, needle: str) -> list[str]:
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        return [line.strip() for line in f if needle in line]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--frmps", default="bin/frmps")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--engine", default="ref")
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--memory", default="cuda-vmm")
+    ap.add_argument("--sync-every", type=int, default=1, help="frmps serve's default")
+    ap.add_argument("--num-blocks", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=0)
+    ap.add_argument("--faults", type=int, default=20)
+    ap.add_argument("--fault-kinds", default=",".join(FAULTS))
+    ap.add_argument("--faults-dir", default="bench/build/faults")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--workdir", default="/tmp/frmps-failback")
+    ap.add_argument("--out", default="failback_proof.json")
+    ap.add_argument("--time-budget", type=float, default=0, help="stop injecting after this many seconds")
+    ap.add_argument("--engine-arg", action="append", default=[])
+    ap.add_argument("--serve-arg", action="append", default=[], help="more frmps serve flags")
+    ap.add_argument("--cpu", action="store_true", help="CPU check of this script: MPS control test double, SIGKILL faults")
+    args = ap.parse_args()
+    args.port, args.mps_control, args.env = 0, "", {}
+    if args.cpu:
+        args.device, args.memory, args.mps_control = "cpu", "host-shm", FAKE_MPS
+        args.serve_arg = [*args.serve_arg, "--mps-control", FAKE_MPS]
+        args.env = {"FRMPS_TEST_STEP_DELAY_MS": "10"}
+    t_begin = now()
+    os.makedirs(args.workdir, exist_ok=True)
+    report: dict = {"engine": args.engine, "model": args.model, "device": args.device, "sync_every": args.sync_every,
+                    "streams": args.streams, "max_tokens": args.max_tokens, "faults": []}
+
+    def save() -> None:
+        report["elapsed_s"] = round(now() - t_begin, 1)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    dep = Deployment(args, f"{args.engine}-{args.model}", args.workdir)
+    load = None
+    try:
+        t0 = now()
+        dep.start()
+        st, t_ready = dep.wait(lambda s: dep.ready_pair(s), 900, "active serving + standby ready")
+        e = engines(st)
+        report["startup_s"] = round(t_ready - t0, 2)
+        act_log, sb_log = get(e["active"], "log_path"), get(e["standby"], "log_path")
+        sl = grep_log(sb_log, LOG_SLEEP)
+        smi = nvidia_smi() if not args.cpu else {}
+        report["standby"] = {"map_ms": float(sl[0]) if sl else None, "ready_ms_after_start": int(sl[1]) if sl else None,
+                             "used_mib": (smi.get("apps", {}).get(int(get(e["standby"], "pid", default=0))) or {}).get("used_mib"),
+                             "gpu_used_mib": smi.get("gpu_used_mib")}
+        report["placement_digests"] = {"active": grep_all(act_log, "placement digest"), "standby": grep_all(sb_log, "placement digest")}
+        # The standby started and slept while the active stayed idle: its pools' sums must not change.
+        os.kill(int(get(e["active"], "pid")), signal.SIGRTMIN + 1)
+        time.sleep(2.0)
+        sums = [line.split(": ", 2)[-1] for line in grep_all(act_log, "pool checksums")]
+        report["pool_checksums"] = {"lines": sums, "unchanged_by_standby": len(sums) >= 2 and len(set(sums)) == 1}
+        save()
+
+        reqs = bodies(args.streams, args.max_tokens)
+        ref_runs: list[dict] = [{}] * len(reqs)
+
+        def one(i):
+            ref_runs[i] = stream(dep.base, args.model, reqs[i])
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        ref = [r["ids"] for r in ref_runs]
+        steps = [b - a for r in ref_runs for (a, _), (b, _) in zip(r["chunks"], r["chunks"][1:])]
+        report["reference"] = {"errors": [r["error"] for r in ref_runs if r["error"]], "tokens": [len(x) for x in ref],
+                               "decode_step_s_p50": statistics.median(steps) if steps else None,
+                               "decode_step_s_p90": statistics.quantiles(steps, n=10)[8] if len(steps) >= 10 else None}
+        step = report["reference"]["decode_step_s_p50"] or 0.0
+        save()
+        load = Load(dep, args.model, reqs, ref)
+        load.start()
+        kinds = [k for k in args.fault_kinds.split(",") if k]
+        for n in range(1, args.faults + 1):
+            if args.time_budget and now() - t_begin > args.time_budget:
+                report["stopped"] = f"time budget after {n - 1} faults"
+                break
+            spec = kinds[(n - 1) % len(kinds)]
+            rec: dict = {"n": n, "fault": spec}
+            report["faults"].append(rec)
+            st, _ = dep.wait(lambda s: restored(s, n - 1), 300, f"placement restored before fault {n}")
+            e = engines(st)
+            act = e["active"]
+            rec["active_in_mps_before"] = bool(get(act, "in_mps"))
+            n_fo = len(get(st, "failovers", default=[]) or [])
+            prepare, inject = mps_trigger(args, spec)(dep, act)
+            prepare()
+            load.wait_all_streaming(5)  # the fault lands mid-stream for every stream
+            inj = inject()
+            t_fault = inj.get("t_fault") or now()
+            rec["inject"] = {k: v for k, v in inj.items() if k != "t_fault"}
+            st, _ = dep.wait(lambda s: len(get(s, "failovers", default=[]) or []) > n_fo
+                             and get((get(s, "failovers") or [{}])[0], "cause") != "pending", 120, "the failover record")
+            fo = (get(st, "failovers") or [])[0]
+            detect = int(get(fo, "unix_nanos", default=0)) / 1e9
+            rec["failover"] = {k: get(fo, k) for k in ("cause", "ok", "duration_seconds", "resumed_requests",
+                                                       "reused_tokens", "prefilled_tokens", "first_token_seconds")}
+            rec["fault_to_detect_s"] = round(detect - t_fault, 4)
+            st, t_restored = dep.wait(lambda s: restored(s, n), 300, f"failback after fault {n}")
+            fr = first_resumed(get(e["standby"], "log_path"), detect)  # the engine the failover promoted
+            rec["detect_to_first_resumed_token_s"] = round(fr - detect, 4) if fr else None
+            fb = get(st, "failback") or {}
+            done = int(get(fb, "last_unix_nanos", default=0)) / 1e9
+            dur = float(get(fb, "last_duration_seconds", default=0) or 0)
+            rec["failback"] = {"restored_s_after_detect": round(done - detect, 3), "handover_s": round(dur, 4),
+                               "handover_first_token_s": get(fb, "last_first_token_seconds"),
+                               "active_in_mps_after": True}
+            time.sleep(0.5)  # let the streams run past the handover
+            times = load.chunk_times()
+            rec["client_gap_from_fault_s"] = gaps_after(times, t_fault)
+            rec["handover_max_gap_s"] = max_gap_in(times, done - dur - 0.05, done + 0.2)
+            rec["decode_step_s"] = step
+            print(f"fault {n} {spec}: in_mps={rec['active_in_mps_before']} cause={rec['failover']['cause']} "
+                  f"fault->detect={rec['fault_to_detect_s']} detect->tok={rec['detect_to_first_resumed_token_s']} "
+                  f"client_gap={rec['client_gap_from_fault_s']} restored={rec['failback']['restored_s_after_detect']}s "
+                  f"handover={rec['failback']['handover_s']}s gap={rec['handover_max_gap_s']} step={step:.4f}", flush=True)
+            save()
+        load.finish()
+        done = load.done
+        report["streams_total"] = len(done)
+        report["streams_exact"] = sum(1 for d in done if d["exact"] and not d["error"])
+        report["streams_errors"] = [d for d in done if d["error"]][:10]
+        report["streams_inexact"] = [{k: d.get(k) for k in ("i", "tokens", "first_diff", "finish")} for d in done
+                                     if not d["exact"] and not d["error"]][:10]
+    except Exception as ex:  # keep what was measured
+        report["error"] = f"{type(ex).__name__}: {ex}"
+        if load is not None:
+            load.stop.set()
+    finally:
+        dep.stop()
+        save()
+    print(json.dumps({k: report.get(k) for k in ("startup_s", "streams_total", "streams_exact", "error", "elapsed_s",
+                                                   "pool_checksums")}, default=str), flush=True)
+    return 0 if not report.get("error") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
