@@ -415,3 +415,17 @@ def test_reset_hands_the_requests_over_and_the_engine_can_adopt_them_back(model_
         assert o.output_index == len(delivered[o.key])
         delivered[o.key].extend(o.new_token_ids)
     assert delivered == reference
+
+
+def test_batch_limits_reach_vllm(model_dir):
+    """--max-num-seqs / --max-num-batched-tokens (the engine CLI's options) set vLLM's
+    own limits, which also bound the CUDA graphs it captures."""
+    from frmps_engine.sdk.adapters import EngineOptions
+    from frmps_engine.vllm.engine import make_adapter
+
+    ea = make_adapter(EngineOptions(model=model_dir, num_blocks=100, max_num_seqs=8, max_num_batched_tokens=512)).engine_args(True, 0.5)
+    assert (ea.max_num_seqs, ea.max_num_batched_tokens) == (8, 512)
+    default = make_adapter(EngineOptions(model=model_dir, num_blocks=100)).engine_args(True, 0.5)
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert default.max_num_seqs == EngineArgs.max_num_seqs  # vLLM's own default when not given

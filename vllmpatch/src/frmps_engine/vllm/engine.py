@@ -33,7 +33,8 @@ from .pools import kv_cache_bytes, pool_layout
 from ..sdk.seeds import derive_seed, resolve_seed, to_int64, to_uint64
 from .state import CommittedView, key_for_request_id, request_id_for_key
 
-_FINISH = {0: "stop", 1: "length", 2: "abort"}  # vllm.v1.engine.FinishReason values
+# vllm.v1.engine.FinishReason values; others (error, repetition) end the request too.
+_FINISH = {0: "stop", 1: "length", 2: "abort"}
 
 
 @dataclass
@@ -219,7 +220,7 @@ class VllmEngineCore:
                 new = list(out.new_token_ids)
                 index = tr.num_out
                 tr.num_out += len(new)
-                reason = _FINISH.get(int(out.finish_reason)) if out.finish_reason is not None else None
+                reason = _FINISH.get(int(out.finish_reason), "abort") if out.finish_reason is not None else None
                 stop_reason = out.stop_reason
                 if reason is None:
                     hit = self._check_stop_strings(tr, new)
@@ -338,6 +339,8 @@ class VllmEngineConfig:
     sync_every: int = 1
     async_scheduling: bool = False
     gpu_memory_utilization: float = 0.9
+    max_num_seqs: int | None = None  # None: vLLM's default
+    max_num_batched_tokens: int | None = None
 
 
 class VllmAdapter:
@@ -374,7 +377,10 @@ class VllmAdapter:
             dtype_bytes=_DTYPE_BYTES[self.cfg.dtype],
         )
         allocations = self.compat.kv_cache_allocations(layers, kv // layers)
-        return pool_layout(weights_pool_bytes(h, self.cfg.dtype), allocations)
+        # Diagnostic knob: room beyond the estimate (both engines read the same
+        # environment, so their layouts still agree).
+        slack = int(os.environ.get("FRMPS_VLLM_WEIGHTS_SLACK_MIB", "0") or 0) << 20
+        return pool_layout(weights_pool_bytes(h, self.cfg.dtype) + slack, allocations)
 
     def engine_args(self, load_weights: bool, gpu_memory_utilization: float | None = None) -> Any:
         from vllm.engine.arg_utils import EngineArgs
@@ -400,6 +406,8 @@ class VllmAdapter:
             kv_cache_memory_bytes=self.pool_layout()[1].size,
             gpu_memory_utilization=gpu_memory_utilization or self.cfg.gpu_memory_utilization,
             seed=0,
+            **{k: v for k, v in (("max_num_seqs", self.cfg.max_num_seqs),
+                                 ("max_num_batched_tokens", self.cfg.max_num_batched_tokens)) if v},
         )
 
     def create_core(self, pools: dict, load_weights: bool) -> VllmEngineCore:
@@ -495,5 +503,7 @@ def make_adapter(args: Any) -> VllmAdapter:
             dtype=getattr(args, "dtype", None) or "bfloat16",
             weights=getattr(args, "weights", None) or "dummy",
             sync_every=int(getattr(args, "sync_every", 1) or 1),
+            max_num_seqs=getattr(args, "max_num_seqs", None),
+            max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         )
     )
