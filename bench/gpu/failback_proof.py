@@ -146,6 +146,18 @@ def engines(st: dict) -> dict:
     return {str(get(e, "role", default="")).lower(): e for e in get(st, "engines", default=[]) or []}
 
 
+def started(dep: Deployment, st: dict) -> bool:
+    """The pair is up; raises at the first engine death while starting (no point
+    waiting through the crash-loop breaker's restarts)."""
+    for e in get(st, "engines", default=[]) or []:
+        if get(e, "state") == "dead" or get(e, "last_death_cause"):
+            raise RuntimeError(f"{get(e, 'role')} engine died while starting: {get(e, 'last_death_cause')} "
+                               f"(log {get(e, 'log_path')})")
+    if get(st, "state") == "crash_loop":
+        raise RuntimeError(f"crash loop: {get(st, 'state_cause')}")
+    return dep.ready_pair(st)
+
+
 def restored(st: dict, n_failbacks: int) -> bool:
     e, fb = engines(st), get(st, "failback", default={}) or {}
     a, s = e.get("active") or {}, e.get("standby") or {}
@@ -237,7 +249,7 @@ def main() -> int:
     try:
         t0 = now()
         dep.start()
-        st, t_ready = dep.wait(lambda s: dep.ready_pair(s), 900, "active serving + standby ready")
+        st, t_ready = dep.wait(lambda s: started(dep, s), 900, "active serving + standby ready")
         e = engines(st)
         report["startup_s"] = round(t_ready - t0, 2)
         act_log, sb_log = get(e["active"], "log_path"), get(e["standby"], "log_path")
@@ -250,8 +262,10 @@ def main() -> int:
         # The standby started and slept while the active stayed idle: its pools' sums must not change.
         os.kill(int(get(e["active"], "pid")), signal.SIGRTMIN + 1)
         time.sleep(2.0)
-        sums = [line.split(": ", 2)[-1] for line in grep_all(act_log, "pool checksums")]
-        report["pool_checksums"] = {"lines": sums, "unchanged_by_standby": len(sums) >= 2 and len(set(sums)) == 1}
+        at_ready = [line.split(": ", 2)[-1] for line in grep_all(act_log, "pool checksums at ready")][-1:]
+        later = [line.split(": ", 2)[-1] for line in grep_all(act_log, "pool checksums on request")][-1:]
+        report["pool_checksums"] = {"at_ready": at_ready, "after_standby_slept": later,
+                                    "unchanged_by_standby": bool(at_ready and later and at_ready == later)}
         save()
 
         reqs = bodies(args.streams, args.max_tokens)

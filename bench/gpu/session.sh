@@ -1,0 +1,97 @@
+#!/bin/bash
+# One GPU-machine session: stages run in order, each bounded, each appending a
+# line to $OUT/summary.txt; a failed stage does not stop the next one.
+#
+#   OUT=<dir> bench/gpu/session.sh prep ref-failback:qwen2.5-14b:20:330 vllm-failback:qwen2.5-0.5b:10:300 pack
+#
+# Stages:
+#   prep                               environment, builds (interceptor, fault triggers), commit
+#   ref-failback:<model>:<n>:<budget>  bench/gpu/failback_proof.py, reference engine, n faults, budget seconds
+#   vllm-failback:<model>:<n>:<budget> the same with --engine vllm on a `frmps model init` directory
+#   vllm-tp:<model>:<batches>          bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone)
+#   hang, shared-mps                   bench/gpu/hang_check.sh, bench/gpu/shared_mps_check.sh (when present)
+#   pack                               every log of this session into $OUT/logs.tar.gz
+# vLLM stages need vLLM 0.26.0 installed by shared/vllm-gpu (VLSITE, default /root/vlsite).
+# Needs bin/frmps (built elsewhere with CGO_ENABLED=0: the GPU machine has no Go).
+set -u
+OUT=${OUT:-bench/build/session}
+VLSITE=${VLSITE:-/root/vlsite}
+WORK=/tmp/frmps-session
+mkdir -p "$OUT" "$WORK"
+S=$OUT/summary.txt
+log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$S"; }
+export PYTHONUNBUFFERED=1
+
+nblocks() { case "$1" in *0.5b|*1.5b|*3b) echo 2048 ;; *7b) echo 2048 ;; *14b) echo 1536 ;; *) echo 1024 ;; esac; }
+
+stage_prep() {
+    {
+        date -u
+        nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,compute_mode --format=csv,noheader
+        python3 -c "import torch,triton;print('torch',torch.__version__,'cuda',torch.version.cuda,'triton',triton.__version__)"
+        nvcc --version | tail -1
+        echo "commit $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
+        bin/frmps version
+        [ -d "$VLSITE" ] && PYTHONPATH=$VLSITE python3 -c "import importlib.metadata as m; print('vllm', m.version('vllm'))"
+    } >> "$S" 2>&1
+    if make -C interceptor all > "$WORK/build.log" 2>&1 && make -C bench/faults >> "$WORK/build.log" 2>&1; then
+        log "prep: build OK"
+    else
+        log "prep: build FAILED"; tail -20 "$WORK/build.log" >> "$S"
+    fi
+    python3 bench/gpu/ctx_mem.py >> "$S" 2>&1
+}
+
+vllm_env() {
+    export PYTHONPATH=$VLSITE:$PWD/vllmpatch/src VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+}
+
+model_dir() {  # writes the preset's directory once, prints it
+    PYTHONPATH=$PWD/vllmpatch/src python3 -m frmps_engine.cli model-dir "$1" --out "$WORK/models/$1"
+}
+
+stage_failback() {  # engine model n budget
+    local engine=$1 model=$2 n=$3 budget=$4 m=$2 extra=()
+    if [ "$engine" = vllm ]; then
+        vllm_env
+        m=$(model_dir "$model") || { log "vllm-failback $model: model-dir failed"; return; }
+        extra=(--num-blocks "$(nblocks "$model")" --max-model-len 4096 --engine-arg=--max-num-seqs=16)
+    else
+        extra=(--engine-arg=--max-num-seqs=8)
+    fi
+    log "$engine-failback $model: $n faults, budget ${budget}s"
+    timeout $((budget + 420)) python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine "$engine" --model "$m" \
+        --faults "$n" --time-budget "$budget" --workdir "$WORK/$engine-$model" --out "$OUT/$engine-$model.json" \
+        "${extra[@]}" > "$WORK/$engine-$model.out" 2>&1
+    log "$engine-failback $model: rc=$?"
+    tail -n 25 "$WORK/$engine-$model.out" >> "$S"
+}
+
+stage_tp() {  # model batches
+    vllm_env
+    local m
+    m=$(model_dir "$1") || { log "vllm-tp $1: model-dir failed"; return; }
+    log "vllm-tp $1 batches $2"
+    timeout 580 python3 bench/gpu/vllm_throughput.py --frmps bin/frmps --model "$m" --batches "$2" \
+        --num-blocks 4096 --workdir "$WORK/tp-$1" --out "$OUT/vllm-tp-$1.json" > "$WORK/tp-$1.out" 2>&1
+    log "vllm-tp $1: rc=$?"
+    tail -n 8 "$WORK/tp-$1.out" >> "$S"
+}
+
+for st in "$@"; do
+    IFS=: read -r name a b c <<< "$st"
+    case "$name" in
+        prep) stage_prep ;;
+        ref-failback) stage_failback ref "$a" "$b" "$c" ;;
+        vllm-failback) stage_failback vllm "$a" "$b" "$c" ;;
+        vllm-tp) stage_tp "$a" "$b" ;;
+        hang|shared-mps)
+            f=bench/gpu/${name/-/_}_check.sh
+            if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name timeout 300 "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"
+            else log "$name: $f not present"; fi ;;
+        pack) tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude='models' . 2>/dev/null; log "pack: $(du -h "$OUT/logs.tar.gz" | cut -f1)" ;;
+        *) log "unknown stage $st" ;;
+    esac
+done
+echo "MPS processes left: $(ps -eo pid,args | grep -c '[n]vidia-cuda-mps')" | tee -a "$S"

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Decode throughput: `frmps serve --engine vllm` (its defaults: active in MPS,
+standby asleep, sync every step) against the same vLLM without frmps, at
+several batch sizes, in one run on one GPU.
+
+For each batch size B the same B prompts (token ids) are generated twice,
+with max_tokens=T and max_tokens=1, after a warm-up; decode throughput is
+B*(T-1) / (time(T) - time(1)), so prefill and per-request set-up cancel out.
+frmps is driven through its OpenAI endpoint with streaming clients (what a
+user sees); vLLM alone through its offline LLM API with its own defaults
+(async scheduling included, where it applies), in a fresh process.
+
+    PYTHONPATH=<vllm site>:vllmpatch/src python3 bench/gpu/vllm_throughput.py \\
+        --frmps bin/frmps --model /tmp/models/qwen2.5-0.5b --batches 1,8,64 --out tp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from failover_proof import Deployment  # noqa: E402
+
+from failback_proof import started, stream  # noqa: E402
+
+
+def prompts(b: int, n: int = 32) -> list[list[int]]:
+    return [[1000 + 37 * i + j for j in range(n)] for i in range(b)]
+
+
+def frmps_times(dep: Deployment, model: str, ps: list[list[int]], tokens: int) -> float:
+    res: list[dict] = [{}] * len(ps)
+
+    def one(i: int) -> None:
+        res[i] = stream(dep.base, model, {"prompt": ps[i], "max_tokens": tokens, "ignore_eos": True, "temperature": 0.0})
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(len(ps))]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    dt = time.perf_counter() - t0
+    bad = [r["error"] for r in res if r.get("error") or len(r.get("ids", [])) != tokens]
+    if bad:
+        raise RuntimeError(f"frmps requests failed: {bad[:3]}")
+    return dt
+
+
+VLLM_ALONE = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+a = json.loads(sys.argv[1])
+llm = LLM(model=a["model"], load_format="dummy", max_model_len=a["max_model_len"], max_num_seqs=a["max_num_seqs"],
+          num_gpu_blocks_override=a["num_blocks"], gpu_memory_utilization=a["util"], seed=0)
+cfg = llm.llm_engine.vllm_config
+out = {"async_scheduling": bool(getattr(cfg.scheduler_config, "async_scheduling", False)),
+       "v2_model_runner": bool(getattr(cfg, "use_v2_model_runner", False)), "batches": {}}
+def run(ps, n):
+    sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+    t0 = time.perf_counter()
+    r = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    assert all(len(x.outputs[0].token_ids) == n for x in r)
+    return dt
+for b in a["batches"]:
+    ps = [[1000 + 37 * i + j for j in range(32)] for i in range(b)]
+    run(ps, a["tokens"]); run(ps, 1)  # warm-up
+    tt = [run(ps, a["tokens"]) for _ in range(a["reps"])]
+    t1 = [run(ps, 1) for _ in range(a["reps"])]
+    out["batches"][str(b)] = {"t_tokens_s": tt, "t_one_s": t1}
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--frmps", default="bin/frmps")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--model", required=True, help="model directory (frmps model init)")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--num-blocks", type=int, default=4096)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--util", type=float, default=0.5, help="vLLM alone's gpu_memory_utilization")
+    ap.add_argument("--workdir", default="/tmp/frmps-tp")
+    ap.add_argument("--out", default="vllm_throughput.json")
+    ap.add_argument("--skip", default="", help="frmps or vllm: skip that side")
+    args = ap.parse_args()
+    batches = [int(x) for x in args.batches.split(",") if x]
+    report: dict = {"model": args.model, "tokens": args.tokens, "reps": args.reps, "batches": batches}
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    if args.skip != "frmps":
+        a = argparse.Namespace(frmps=args.frmps, python=args.python, model=args.model, device="cuda", memory="cuda-vmm",
+                               cpu=False, sync_every=1, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+                               engine="vllm", engine_arg=[f"--max-num-seqs={max(batches)}"], serve_arg=[], port=0,
+                               mps_control="", env={})
+        os.makedirs(args.workdir, exist_ok=True)
+        dep = Deployment(a, "tp", args.workdir)
+        fr: dict = {}
+        report["frmps"] = fr
+        try:
+            t0 = time.perf_counter()
+            dep.start()
+            dep.wait(lambda s: started(dep, s), 900, "active serving + standby ready")
+            fr["startup_s"] = round(time.perf_counter() - t0, 1)
+            for b in batches:
+                ps = prompts(b)
+                frmps_times(dep, args.model, ps, args.tokens)
+                frmps_times(dep, args.model, ps, 1)
+                tt = [frmps_times(dep, args.model, ps, args.tokens) for _ in range(args.reps)]
+                t1 = [frmps_times(dep, args.model, ps, 1) for _ in range(args.reps)]
+                fr[str(b)] = {"t_tokens_s": tt, "t_one_s": t1}
+                save()
+        except Exception as e:
+            fr["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            dep.stop()
+            save()
+    if args.skip != "vllm":
+        spec = json.dumps({"model": args.model, "max_model_len": args.max_model_len, "max_num_seqs": max(batches),
+                           "num_blocks": args.num_blocks, "util": args.util, "batches": batches, "tokens": args.tokens,
+                           "reps": args.reps})
+        p = subprocess.run([args.python, "-c", VLLM_ALONE, spec], capture_output=True, text=True, timeout=900)
+        line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+        report["vllm"] = json.loads(line[7:]) if line else {"error": (p.stderr or p.stdout)[-3000:]}
+        save()
+    rows = []
+    for b in batches:
+        row = {"batch": b}
+        for side, get in (("frmps", lambda: report.get("frmps", {}).get(str(b))),
+                          ("vllm", lambda: (report.get("vllm", {}).get("batches") or {}).get(str(b)))):
+            d = get()
+            if d:
+                dec = min(d["t_tokens_s"]) - min(d["t_one_s"])
+                row[f"{side}_decode_tok_s"] = round(b * (args.tokens - 1) / dec, 1) if dec > 0 else None
+        if row.get("frmps_decode_tok_s") and row.get("vllm_decode_tok_s"):
+            row["overhead_pct"] = round(100 * (1 - row["frmps_decode_tok_s"] / row["vllm_decode_tok_s"]), 2)
+        rows.append(row)
+    report["table"] = rows
+    save()
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
