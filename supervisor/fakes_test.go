@@ -6,6 +6,7 @@ package supervisor
 // orchestrator run inside testing/synctest bubbles, where time is virtual.
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -128,9 +129,10 @@ type behavior struct {
 	resumeReply   func(*frmpsv1.Resume) *frmpsv1.Reply
 	dieOnResume   bool
 	intruderFirst bool // a process with another pid dials the socket first
-	// heartbeat, when set, gives the Heartbeat to send every second after
-	// Ready (nil: stop sending).
+	// heartbeat, when set, gives the Heartbeat to send every beatEvery
+	// (0: a second) after Ready (nil: stop sending).
 	heartbeat func(n int) *frmpsv1.Heartbeat
+	beatEvery time.Duration
 }
 
 type fakeProc struct {
@@ -411,7 +413,7 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 	}
 	if b.heartbeat != nil {
 		go func() {
-			t := time.NewTicker(time.Second)
+			t := time.NewTicker(cmp.Or(b.beatEvery, time.Second))
 			defer t.Stop()
 			for n := 0; ; n++ {
 				select {

@@ -61,11 +61,19 @@ type Config struct {
 	ResumeTimeout time.Duration
 	// ShutdownGrace is how long engines get to exit after Shutdown; 0 means 10s.
 	ShutdownGrace time.Duration
-	// StallTimeout fences a serving active that is connected but wedged: no
-	// Heartbeat, or running requests and no engine step, for this long. 0
-	// means 30s; negative disables. Engines that send no heartbeats are not
-	// judged.
-	StallTimeout time.Duration
+	// Hang detection (hang.go) fences a serving active that is connected but
+	// wedged. HeartbeatTimeout: its heartbeats stopped for this long (the
+	// process is stopped or frozen as a whole); 0 means 1s; negative disables
+	// hang detection. StepTimeoutFactor, StepTimeoutMin: a step that runs
+	// longer than max(StepTimeoutMin, StepTimeoutFactor × the engine's own
+	// estimate for it) is hung; 0 means 8 and 1s. StepTimeoutDefault bounds a
+	// step the engine has no estimate for (its first serving steps, a batch far
+	// larger than any it measured), and judges engines without hang reporting;
+	// 0 means 60s. Engines that send no heartbeats are not judged.
+	HeartbeatTimeout   time.Duration
+	StepTimeoutFactor  float64
+	StepTimeoutMin     time.Duration
+	StepTimeoutDefault time.Duration
 	// MaxFailoverRecords kept for status; 0 means 32.
 	MaxFailoverRecords int
 	// BaseEnv is the environment every engine starts from; nil means os.Environ().
@@ -91,8 +99,17 @@ func (c *Config) setDefaults() {
 	if c.ShutdownGrace == 0 {
 		c.ShutdownGrace = 10 * time.Second
 	}
-	if c.StallTimeout == 0 {
-		c.StallTimeout = 30 * time.Second
+	if c.HeartbeatTimeout == 0 {
+		c.HeartbeatTimeout = time.Second
+	}
+	if c.StepTimeoutFactor == 0 {
+		c.StepTimeoutFactor = 8
+	}
+	if c.StepTimeoutMin == 0 {
+		c.StepTimeoutMin = time.Second
+	}
+	if c.StepTimeoutDefault == 0 {
+		c.StepTimeoutDefault = time.Minute
 	}
 	if c.MaxFailoverRecords == 0 {
 		c.MaxFailoverRecords = 32
@@ -120,6 +137,10 @@ func (c *Config) validate() error {
 		return fmt.Errorf("device %q: want cpu or cuda", c.Device)
 	case c.RingCapacity < 4096:
 		return fmt.Errorf("ring capacity %d is below 4096 bytes", c.RingCapacity)
+	case c.StepTimeoutFactor < 1:
+		return fmt.Errorf("step timeout factor %g: want at least 1 (a step may take what the engine expects)", c.StepTimeoutFactor)
+	case c.StepTimeoutMin < 0 || c.StepTimeoutDefault < 0:
+		return fmt.Errorf("step timeouts %s / %s: want positive durations", c.StepTimeoutMin, c.StepTimeoutDefault)
 	}
 	if err := c.Breaker.Validate(); err != nil {
 		return err
@@ -305,8 +326,8 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()
 	var watchdog <-chan time.Time
-	if s.cfg.StallTimeout > 0 {
-		t := time.NewTicker(min(s.cfg.StallTimeout/4, time.Second))
+	if p := s.cfg.hangPolicy(); p.enabled() {
+		t := time.NewTicker(p.tick())
 		defer t.Stop()
 		watchdog = t.C
 	}

@@ -154,7 +154,8 @@ class Deployment:
         a = self.args
         cmd = ServeOpts(frmps=a.frmps, python=a.python, model=a.model, device=a.device, memory=a.memory, mps=not a.cpu,
                         sync_every=a.sync_every, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
-                        engine_args=list(a.engine_arg)).command(self.port, self.admin, self.run_dir, self.log_dir)
+                        engine_args=list(a.engine_arg), serve_args=list(a.serve_arg),
+                        ).command(self.port, self.admin, self.run_dir, self.log_dir)
         env = dict(os.environ)
         src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src"))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -462,6 +463,8 @@ def main() -> int:
     ap.add_argument("--time-budget", type=float, default=0, help="skip remaining faults after this many seconds")
     ap.add_argument("--engine-arg", action="append", default=[],
                     help="passed to frmps serve --engine-arg (repeatable), e.g. --engine-arg=--max-num-seqs=8")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="another frmps serve flag (repeatable), e.g. --serve-arg=--max-restarts=100")
     args = ap.parse_args()
     if args.cpu:
         args.device, args.memory = "cpu", "host-shm"

@@ -28,7 +28,7 @@ func TestConfigFileFlagsWin(t *testing.T) {
 	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
 		t.Fatal(err)
 	}
-	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.RestartWindow != 2*time.Minute || opts.StallTimeout != 45*time.Second {
+	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.RestartWindow != 2*time.Minute || opts.HeartbeatTimeout != 45*time.Second {
 		t.Fatalf("file not applied: %+v", opts)
 	}
 	if opts.SyncEvery != 4 || opts.Port != 8000 {

@@ -55,11 +55,18 @@ type serveOptions struct {
 	RestartWindow    time.Duration `json:"-"`
 	RestartWindowStr string        `json:"restart_window"` // file only: a Go duration, e.g. "60s"
 	ShutdownGrace    time.Duration `json:"-"`
-	StallTimeout     time.Duration `json:"-"`
-	StallTimeoutStr  string        `json:"stall_timeout"`
 	ShutdownGraceStr string        `json:"shutdown_grace"`
-	LogLevel         string        `json:"log_level"`
-	LogJSON          bool          `json:"log_json"`
+	// Hang detection; durations in the file are Go durations, e.g. "1s".
+	HeartbeatTimeout      time.Duration `json:"-"`
+	HeartbeatTimeoutStr   string        `json:"heartbeat_timeout"`
+	StallTimeoutStr       string        `json:"stall_timeout"` // the older name of heartbeat_timeout
+	StepTimeoutFactor     float64       `json:"step_timeout_factor"`
+	StepTimeoutMin        time.Duration `json:"-"`
+	StepTimeoutMinStr     string        `json:"step_timeout_min"`
+	StepTimeoutDefault    time.Duration `json:"-"`
+	StepTimeoutDefaultStr string        `json:"step_timeout_default"`
+	LogLevel              string        `json:"log_level"`
+	LogJSON               bool          `json:"log_json"`
 }
 
 func defaultServeOptions() serveOptions {
@@ -67,7 +74,8 @@ func defaultServeOptions() serveOptions {
 		Model: "tiny", Engine: "ref", Python: "python3", SyncEvery: 16, Port: 8000,
 		AdminAddr: "127.0.0.1:8001", MPSControl: "nvidia-cuda-mps-control", RingCapacity: 8 << 20,
 		Device: "cpu", Memory: "host-shm", MaxRestarts: failover.DefaultBreaker.MaxRestarts,
-		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, StallTimeout: 30 * time.Second, LogLevel: "info",
+		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
+		HeartbeatTimeout: time.Second, StepTimeoutFactor: 8, StepTimeoutMin: time.Second, StepTimeoutDefault: time.Minute,
 	}
 }
 
@@ -87,6 +95,15 @@ started. SIGTERM or SIGINT shuts everything down gracefully.
 Settings may also come from a JSON file (--config) whose keys are the flag
 names with underscores (e.g. {"model": "qwen2.5-0.5b", "sync_every": 8,
 "restart_window": "2m"}); flags given on the command line override the file.
+
+Hang detection: the active's heartbeats come from a thread that never waits
+on the device. When they stop for --heartbeat-timeout (1s; a stopped or
+frozen process), or when one engine step runs longer than
+max(--step-timeout-min, --step-timeout-factor × the engine's estimate for it)
+(max(1s, 8 × estimate); a kernel that never returns), or longer than
+--step-timeout-default (60s) while the engine has no estimate (its first
+steps, a far larger batch than before), the active is fenced and the standby
+takes over.
 
 The default model "tiny" is the reference engine's small preset: it runs on a
 CPU in seconds, for trying frmps out. Use e.g. --model qwen2.5-7b --device cuda
@@ -132,7 +149,12 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.APIKeyFile, "api-key-file", opts.APIKeyFile, "file holding the API key clients must send as a Bearer token (else FRMPS_API_KEY, else none)")
 	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window is not restarted")
 	f.DurationVar(&opts.RestartWindow, "restart-window", opts.RestartWindow, "crash-loop breaker window")
-	f.DurationVar(&opts.StallTimeout, "stall-timeout", opts.StallTimeout, "fail over from an active that is connected but makes no progress (no heartbeat, or no step with requests running) for this long; negative disables")
+	f.DurationVar(&opts.HeartbeatTimeout, "heartbeat-timeout", opts.HeartbeatTimeout, "hang detection, liveness: fail over from an active whose heartbeats stop for this long (a stopped or frozen process: the heartbeat thread never waits on the device); negative disables hang detection")
+	f.Float64Var(&opts.StepTimeoutFactor, "step-timeout-factor", opts.StepTimeoutFactor, "hang detection, progress: fail over from an active whose step runs longer than this many times the engine's own estimate for it (recent step times scaled to the step's tokens), and longer than --step-timeout-min")
+	f.DurationVar(&opts.StepTimeoutMin, "step-timeout-min", opts.StepTimeoutMin, "hang detection, progress: the shortest bound of one engine step")
+	f.DurationVar(&opts.StepTimeoutDefault, "step-timeout-default", opts.StepTimeoutDefault, "hang detection, progress: the bound of a step the engine has no estimate for (its first serving steps, a batch far larger than its recent ones)")
+	f.DurationVar(&opts.HeartbeatTimeout, "stall-timeout", opts.HeartbeatTimeout, "the older name of --heartbeat-timeout")
+	_ = f.MarkDeprecated("stall-timeout", "use --heartbeat-timeout (the step bound is --step-timeout-factor/-min/-default)")
 	f.DurationVar(&opts.ShutdownGrace, "shutdown-grace", opts.ShutdownGrace, "how long engines get to exit on shutdown before being killed")
 	f.StringVar(&opts.LogLevel, "log-level", opts.LogLevel, "log level: trace, debug, info, warn, error")
 	f.BoolVar(&opts.LogJSON, "log-json", opts.LogJSON, "log as JSON lines")
@@ -156,7 +178,8 @@ func applyConfigFile(flags *pflag.FlagSet, opts *serveOptions, path string) erro
 		raw string
 		dst *time.Duration
 	}{"restart_window": {opts.RestartWindowStr, &opts.RestartWindow}, "shutdown_grace": {opts.ShutdownGraceStr, &opts.ShutdownGrace},
-		"stall_timeout": {opts.StallTimeoutStr, &opts.StallTimeout}} {
+		"stall_timeout": {opts.StallTimeoutStr, &opts.HeartbeatTimeout}, "heartbeat_timeout": {opts.HeartbeatTimeoutStr, &opts.HeartbeatTimeout},
+		"step_timeout_min": {opts.StepTimeoutMinStr, &opts.StepTimeoutMin}, "step_timeout_default": {opts.StepTimeoutDefaultStr, &opts.StepTimeoutDefault}} {
 		if s.raw == "" {
 			continue
 		}
@@ -181,7 +204,9 @@ func (o serveOptions) supervisorConfig() supervisor.Config {
 		Model: o.Model, Engine: o.Engine, Python: o.Python, SyncEvery: o.SyncEvery,
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, Device: o.Device, Memory: o.Memory,
-		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace, StallTimeout: o.StallTimeout,
+		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace,
+		HeartbeatTimeout: o.HeartbeatTimeout, StepTimeoutFactor: o.StepTimeoutFactor, StepTimeoutMin: o.StepTimeoutMin,
+		StepTimeoutDefault: o.StepTimeoutDefault,
 	}
 }
 
@@ -198,6 +223,13 @@ func (o serveOptions) validate() error {
 	}
 	if o.SyncEvery == 0 {
 		return errors.New("--sync-every must be at least 1")
+	}
+	if o.StepTimeoutFactor < 1 || o.StepTimeoutMin <= 0 || o.StepTimeoutDefault <= 0 {
+		return fmt.Errorf("--step-timeout-factor %g / --step-timeout-min %s / --step-timeout-default %s: want a factor of at least 1 and positive durations",
+			o.StepTimeoutFactor, o.StepTimeoutMin, o.StepTimeoutDefault)
+	}
+	if o.HeartbeatTimeout == 0 {
+		return errors.New("--heartbeat-timeout 0: give a duration (negative disables hang detection)")
 	}
 	if o.MaxRestarts < 1 || o.RestartWindow <= 0 {
 		return fmt.Errorf("--max-restarts %d / --restart-window %s: both must be positive", o.MaxRestarts, o.RestartWindow)

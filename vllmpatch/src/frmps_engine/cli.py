@@ -77,6 +77,9 @@ def serve(args: argparse.Namespace) -> int:
     if os.environ.get("FRMPS_DEBUG_FAULT_SIGNAL") == "1":
         # Test hook for failover drills of an engine outside MPS (sdk/debug_fault.py).
         signal.signal(signal.SIGUSR1, lambda *_: r.inject_fault())
+    if os.environ.get("FRMPS_DEBUG_HANG_SIGNAL") == "1":
+        # Test hook for hang detection: the next step never finishes (sdk/debug_hang.py).
+        signal.signal(signal.SIGUSR2, lambda *_: r.inject_hang())
     return r.run()
 
 

@@ -130,6 +130,7 @@ class ServeOpts:
     max_model_len: int = 0
     engine_args: list[str] = dc_field(default_factory=list)
     env: dict[str, str] = dc_field(default_factory=dict)
+    serve_args: list[str] = dc_field(default_factory=list)  # more `frmps serve` flags
 
     def command(self, port: int, admin: str, run_dir: str, log_dir: str) -> list[str]:
         """The `frmps serve` command line (also used by bench/gpu/failover_proof.py)."""
@@ -142,7 +143,7 @@ class ServeOpts:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if not self.mps:
             cmd += ["--no-mps"]
-        return cmd + [f"--engine-arg={a}" for a in self.engine_args]
+        return cmd + list(self.serve_args) + [f"--engine-arg={a}" for a in self.engine_args]
 
 
 LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP = loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP

@@ -79,6 +79,10 @@ class EngineCore(Protocol):
     # may be included). The loop publishes the ring record there, so the publish runs
     # while the device computes instead of between steps. fn is not called if nothing
     # is scheduled; the loop then publishes after step() returns.
+    # Optional: scheduled_tokens, an int attribute: the tokens (prefill + decode) the step in
+    # progress computes, set when step() has scheduled them and kept until the next step.
+    # Read from the heartbeat thread; the loop sizes its hang estimate with it, so a
+    # core without it gets no estimate (the supervisor's default bound applies).
     # Optional: num_running() / num_waiting() for heartbeats and Health (else the SDK counts streams).
     # Optional: check_device() raises the device's sticky error; the loop calls it while idle.
 

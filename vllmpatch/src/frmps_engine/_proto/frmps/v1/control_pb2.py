@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66rmps/v1/control.proto\x12\x08\x66rmps.v1\"A\n\x04Pool\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"\xb0\x03\n\x08\x45nvelope\x12\n\n\x02id\x18\x01 \x01(\x04\x12 \n\x05hello\x18\n \x01(\x0b\x32\x0f.frmps.v1.HelloH\x00\x12+\n\x0bpool_export\x18\x0b \x01(\x0b\x32\x14.frmps.v1.PoolExportH\x00\x12 \n\x05ready\x18\x0c \x01(\x0b\x32\x0f.frmps.v1.ReadyH\x00\x12 \n\x05reply\x18\r \x01(\x0b\x32\x0f.frmps.v1.ReplyH\x00\x12 \n\x05\x66\x61ult\x18\x0e \x01(\x0b\x32\x0f.frmps.v1.FaultH\x00\x12(\n\theartbeat\x18\x0f \x01(\x0b\x32\x13.frmps.v1.HeartbeatH\x00\x12$\n\x07welcome\x18\x14 \x01(\x0b\x32\x11.frmps.v1.WelcomeH\x00\x12 \n\x05sleep\x18\x15 \x01(\x0b\x32\x0f.frmps.v1.SleepH\x00\x12\"\n\x06resume\x18\x16 \x01(\x0b\x32\x10.frmps.v1.ResumeH\x00\x12&\n\x08shutdown\x18\x17 \x01(\x0b\x32\x12.frmps.v1.ShutdownH\x00\x12\x1e\n\x04ping\x18\x18 \x01(\x0b\x32\x0e.frmps.v1.PingH\x00\x42\x05\n\x03msg\"\x92\x02\n\x05Hello\x12\x33\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x19.frmps.v1.ProtocolVersion\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.frmps.v1.Role\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x06 \x01(\t\x12\x1d\n\x05pools\x18\x07 \x03(\x0b\x32\x0e.frmps.v1.Pool\x12\x1b\n\x13generation_endpoint\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\x04\"\x9e\x01\n\x07Welcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x33\n\x10protocol_version\x18\x03 \x01(\x0e\x32\x19.frmps.v1.ProtocolVersion\x12\x11\n\tring_path\x18\x04 \x01(\t\x12\x12\n\nsync_every\x18\x05 \x01(\r\x12\x15\n\rdeployment_id\x18\x06 \x01(\t\"+\n\nPoolExport\x12\x1d\n\x05pools\x18\x01 \x03(\x0b\x32\x0e.frmps.v1.Pool\"6\n\x05Ready\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.frmps.v1.Role\x12\x0f\n\x07init_ns\x18\x02 \x01(\x04\"]\n\x05Reply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07took_ns\x18\x03 \x01(\x04\x12(\n\x07resumed\x18\x04 \x03(\x0b\x32\x17.frmps.v1.ResumeOutcome\"h\n\rResumeOutcome\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\rreused_tokens\x18\x04 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x05 \x01(\r\":\n\x05\x46\x61ult\x12\r\n\x05\x63\x61use\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x12\n\nunix_nanos\x18\x03 \x01(\x04\";\n\tHeartbeat\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\"\x06\n\x04Ping\"&\n\x05Sleep\x12\x1d\n\x05pools\x18\x01 \x03(\x0b\x32\x0e.frmps.v1.Pool\"\xd1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x42\x07\n\x05_seed\"\x89\x02\n\rResumeRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\'\n\x08messages\x18\x05 \x03(\x0b\x32\x15.frmps.v1.ChatMessage\x12(\n\x06params\x18\x06 \x01(\x0b\x32\x18.frmps.v1.SamplingParams\x12\x1b\n\x13\x64\x65livered_token_ids\x18\x07 \x03(\r\x12\x30\n\x08snapshot\x18\x08 \x01(\x0b\x32\x19.frmps.v1.RequestSnapshotH\x00\x88\x01\x01\x42\x0b\n\t_snapshot\"\x8b\x01\n\x0fRequestSnapshot\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\"Z\n\x06Resume\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.frmps.v1.ResumeRequest\x12\x11\n\tring_path\x18\x02 \x01(\t\x12\x12\n\nsync_every\x18\x03 \x01(\r\"\x1c\n\x08Shutdown\x12\x10\n\x08grace_ms\x18\x01 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ACTIVE\x10\x01\x12\x10\n\x0cROLE_STANDBY\x10\x02\x42/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66rmps/v1/control.proto\x12\x08\x66rmps.v1\"A\n\x04Pool\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"\xb0\x03\n\x08\x45nvelope\x12\n\n\x02id\x18\x01 \x01(\x04\x12 \n\x05hello\x18\n \x01(\x0b\x32\x0f.frmps.v1.HelloH\x00\x12+\n\x0bpool_export\x18\x0b \x01(\x0b\x32\x14.frmps.v1.PoolExportH\x00\x12 \n\x05ready\x18\x0c \x01(\x0b\x32\x0f.frmps.v1.ReadyH\x00\x12 \n\x05reply\x18\r \x01(\x0b\x32\x0f.frmps.v1.ReplyH\x00\x12 \n\x05\x66\x61ult\x18\x0e \x01(\x0b\x32\x0f.frmps.v1.FaultH\x00\x12(\n\theartbeat\x18\x0f \x01(\x0b\x32\x13.frmps.v1.HeartbeatH\x00\x12$\n\x07welcome\x18\x14 \x01(\x0b\x32\x11.frmps.v1.WelcomeH\x00\x12 \n\x05sleep\x18\x15 \x01(\x0b\x32\x0f.frmps.v1.SleepH\x00\x12\"\n\x06resume\x18\x16 \x01(\x0b\x32\x10.frmps.v1.ResumeH\x00\x12&\n\x08shutdown\x18\x17 \x01(\x0b\x32\x12.frmps.v1.ShutdownH\x00\x12\x1e\n\x04ping\x18\x18 \x01(\x0b\x32\x0e.frmps.v1.PingH\x00\x42\x05\n\x03msg\"\x92\x02\n\x05Hello\x12\x33\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x19.frmps.v1.ProtocolVersion\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.frmps.v1.Role\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x06 \x01(\t\x12\x1d\n\x05pools\x18\x07 \x03(\x0b\x32\x0e.frmps.v1.Pool\x12\x1b\n\x13generation_endpoint\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\x04\"\xbd\x01\n\x07Welcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x33\n\x10protocol_version\x18\x03 \x01(\x0e\x32\x19.frmps.v1.ProtocolVersion\x12\x11\n\tring_path\x18\x04 \x01(\t\x12\x12\n\nsync_every\x18\x05 \x01(\r\x12\x15\n\rdeployment_id\x18\x06 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x07 \x01(\r\"+\n\nPoolExport\x12\x1d\n\x05pools\x18\x01 \x03(\x0b\x32\x0e.frmps.v1.Pool\"6\n\x05Ready\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.frmps.v1.Role\x12\x0f\n\x07init_ns\x18\x02 \x01(\x04\"]\n\x05Reply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07took_ns\x18\x03 \x01(\x04\x12(\n\x07resumed\x18\x04 \x03(\x0b\x32\x17.frmps.v1.ResumeOutcome\"h\n\rResumeOutcome\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\rreused_tokens\x18\x04 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x05 \x01(\r\":\n\x05\x46\x61ult\x12\r\n\x05\x63\x61use\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x12\n\nunix_nanos\x18\x03 \x01(\x04\"\x94\x01\n\tHeartbeat\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x13\n\x0binterval_ms\x18\x04 \x01(\r\x12\x13\n\x0bstep_age_ns\x18\x05 \x01(\x04\x12\x18\n\x10step_expected_ns\x18\x06 \x01(\x04\x12\x13\n\x0bstep_tokens\x18\x07 \x01(\r\"\x06\n\x04Ping\"&\n\x05Sleep\x12\x1d\n\x05pools\x18\x01 \x03(\x0b\x32\x0e.frmps.v1.Pool\"\xd1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x42\x07\n\x05_seed\"\x89\x02\n\rResumeRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\'\n\x08messages\x18\x05 \x03(\x0b\x32\x15.frmps.v1.ChatMessage\x12(\n\x06params\x18\x06 \x01(\x0b\x32\x18.frmps.v1.SamplingParams\x12\x1b\n\x13\x64\x65livered_token_ids\x18\x07 \x03(\r\x12\x30\n\x08snapshot\x18\x08 \x01(\x0b\x32\x19.frmps.v1.RequestSnapshotH\x00\x88\x01\x01\x42\x0b\n\t_snapshot\"\x8b\x01\n\x0fRequestSnapshot\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\"Z\n\x06Resume\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.frmps.v1.ResumeRequest\x12\x11\n\tring_path\x18\x02 \x01(\t\x12\x12\n\nsync_every\x18\x03 \x01(\r\"\x1c\n\x08Shutdown\x12\x10\n\x08grace_ms\x18\x01 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ACTIVE\x10\x01\x12\x10\n\x0cROLE_STANDBY\x10\x02\x42/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,10 +32,10 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'frmps.v1.control_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1'
-  _globals['_PROTOCOLVERSION']._serialized_start=2237
-  _globals['_PROTOCOLVERSION']._serialized_end=2312
-  _globals['_ROLE']._serialized_start=2314
-  _globals['_ROLE']._serialized_end=2377
+  _globals['_PROTOCOLVERSION']._serialized_start=2358
+  _globals['_PROTOCOLVERSION']._serialized_end=2433
+  _globals['_ROLE']._serialized_start=2435
+  _globals['_ROLE']._serialized_end=2498
   _globals['_POOL']._serialized_start=36
   _globals['_POOL']._serialized_end=101
   _globals['_ENVELOPE']._serialized_start=104
@@ -43,33 +43,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLO']._serialized_start=539
   _globals['_HELLO']._serialized_end=813
   _globals['_WELCOME']._serialized_start=816
-  _globals['_WELCOME']._serialized_end=974
-  _globals['_POOLEXPORT']._serialized_start=976
-  _globals['_POOLEXPORT']._serialized_end=1019
-  _globals['_READY']._serialized_start=1021
-  _globals['_READY']._serialized_end=1075
-  _globals['_REPLY']._serialized_start=1077
-  _globals['_REPLY']._serialized_end=1170
-  _globals['_RESUMEOUTCOME']._serialized_start=1172
-  _globals['_RESUMEOUTCOME']._serialized_end=1276
-  _globals['_FAULT']._serialized_start=1278
-  _globals['_FAULT']._serialized_end=1336
-  _globals['_HEARTBEAT']._serialized_start=1338
-  _globals['_HEARTBEAT']._serialized_end=1397
-  _globals['_PING']._serialized_start=1399
-  _globals['_PING']._serialized_end=1405
-  _globals['_SLEEP']._serialized_start=1407
-  _globals['_SLEEP']._serialized_end=1445
-  _globals['_SAMPLINGPARAMS']._serialized_start=1448
-  _globals['_SAMPLINGPARAMS']._serialized_end=1657
-  _globals['_RESUMEREQUEST']._serialized_start=1660
-  _globals['_RESUMEREQUEST']._serialized_end=1925
-  _globals['_REQUESTSNAPSHOT']._serialized_start=1928
-  _globals['_REQUESTSNAPSHOT']._serialized_end=2067
-  _globals['_RESUME']._serialized_start=2069
-  _globals['_RESUME']._serialized_end=2159
-  _globals['_SHUTDOWN']._serialized_start=2161
-  _globals['_SHUTDOWN']._serialized_end=2189
-  _globals['_CHATMESSAGE']._serialized_start=2191
-  _globals['_CHATMESSAGE']._serialized_end=2235
+  _globals['_WELCOME']._serialized_end=1005
+  _globals['_POOLEXPORT']._serialized_start=1007
+  _globals['_POOLEXPORT']._serialized_end=1050
+  _globals['_READY']._serialized_start=1052
+  _globals['_READY']._serialized_end=1106
+  _globals['_REPLY']._serialized_start=1108
+  _globals['_REPLY']._serialized_end=1201
+  _globals['_RESUMEOUTCOME']._serialized_start=1203
+  _globals['_RESUMEOUTCOME']._serialized_end=1307
+  _globals['_FAULT']._serialized_start=1309
+  _globals['_FAULT']._serialized_end=1367
+  _globals['_HEARTBEAT']._serialized_start=1370
+  _globals['_HEARTBEAT']._serialized_end=1518
+  _globals['_PING']._serialized_start=1520
+  _globals['_PING']._serialized_end=1526
+  _globals['_SLEEP']._serialized_start=1528
+  _globals['_SLEEP']._serialized_end=1566
+  _globals['_SAMPLINGPARAMS']._serialized_start=1569
+  _globals['_SAMPLINGPARAMS']._serialized_end=1778
+  _globals['_RESUMEREQUEST']._serialized_start=1781
+  _globals['_RESUMEREQUEST']._serialized_end=2046
+  _globals['_REQUESTSNAPSHOT']._serialized_start=2049
+  _globals['_REQUESTSNAPSHOT']._serialized_end=2188
+  _globals['_RESUME']._serialized_start=2190
+  _globals['_RESUME']._serialized_end=2280
+  _globals['_SHUTDOWN']._serialized_start=2282
+  _globals['_SHUTDOWN']._serialized_end=2310
+  _globals['_CHATMESSAGE']._serialized_start=2312
+  _globals['_CHATMESSAGE']._serialized_end=2356
 # @@protoc_insertion_point(module_scope)
