@@ -36,6 +36,42 @@ func TestConfigFileFlagsWin(t *testing.T) {
 	}
 }
 
+// The hang thresholds from flags and from the file, and --stall-timeout as
+// the older name of --heartbeat-timeout.
+func TestHangFlags(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "frmps.json")
+	if err := os.WriteFile(path, []byte(`{"heartbeat_timeout":"2s","step_timeout_factor":4,"step_timeout_min":"3s","step_timeout_default":"2m"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts := defaultServeOptions()
+	var cfgFile string
+	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--config", path, "--step-timeout-min", "500ms"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+		t.Fatal(err)
+	}
+	c := opts.supervisorConfig()
+	if c.HeartbeatTimeout != 2*time.Second || c.StepTimeoutFactor != 4 || c.StepTimeoutMin != 500*time.Millisecond || c.StepTimeoutDefault != 2*time.Minute {
+		t.Fatalf("config %+v", c)
+	}
+	opts = defaultServeOptions()
+	f = pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--stall-timeout", "7s"}); err != nil {
+		t.Fatal(err)
+	}
+	if opts.HeartbeatTimeout != 7*time.Second {
+		t.Fatalf("--stall-timeout set the heartbeat timeout to %s", opts.HeartbeatTimeout)
+	}
+	if d := defaultServeOptions().supervisorConfig(); d.HeartbeatTimeout != time.Second || d.StepTimeoutFactor != 8 ||
+		d.StepTimeoutMin != time.Second || d.StepTimeoutDefault != time.Minute {
+		t.Fatalf("defaults %+v", d)
+	}
+}
+
 func TestConfigFileErrors(t *testing.T) {
 	dir := t.TempDir()
 	for name, body := range map[string]string{
@@ -64,6 +100,10 @@ func TestServeRejectsBadOptions(t *testing.T) {
 		func(o *serveOptions) { o.AdminAddr = "0.0.0.0:8001" },
 		func(o *serveOptions) { o.SyncEvery = 0 },
 		func(o *serveOptions) { o.MaxRestarts = 0 },
+		func(o *serveOptions) { o.StepTimeoutFactor = 0.5 },
+		func(o *serveOptions) { o.StepTimeoutMin = 0 },
+		func(o *serveOptions) { o.StepTimeoutDefault = -time.Second },
+		func(o *serveOptions) { o.HeartbeatTimeout = 0 },
 	} {
 		o := defaultServeOptions()
 		mod(&o)
