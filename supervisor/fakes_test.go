@@ -197,6 +197,9 @@ type fakeWorld struct {
 	launched     [2]int
 	refusedPeers int
 	launchErr    error
+	// CheckComputeMode: what it was asked about, and its answer.
+	computeModeChecks []string
+	computeModeErr    error
 
 	ring   *fakeRing
 	broker []*fakeBroker
@@ -260,6 +263,12 @@ func (w *fakeWorld) deps() Deps {
 				return nil, w.mps.startErr
 			}
 			return w.mps, nil
+		},
+		CheckComputeMode: func(ctx context.Context, visible string) error {
+			w.mu.Lock()
+			defer w.mu.Unlock()
+			w.computeModeChecks = append(w.computeModeChecks, visible)
+			return w.computeModeErr
 		},
 		OutsideEnv: func(runDir string) ([]string, error) {
 			return []string{"CUDA_MPS_PIPE_DIRECTORY=" + runDir + "/no-mps"}, nil
@@ -549,8 +558,9 @@ type fakeMPS struct {
 	mu                   sync.Mutex
 	startErr             error
 	checkErr, restartErr error
-	checks, restarts     int
+	checks, restarts     int // restarts counts Recover calls
 	stopped              bool
+	shared               bool // the operator's daemon (Owned false)
 }
 
 func (m *fakeMPS) Check(context.Context) error {
@@ -559,7 +569,8 @@ func (m *fakeMPS) Check(context.Context) error {
 	m.checks++
 	return m.checkErr
 }
-func (m *fakeMPS) Restart(context.Context) error {
+func (m *fakeMPS) Owned() bool { return !m.shared }
+func (m *fakeMPS) Recover(context.Context) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.restarts++

@@ -532,13 +532,21 @@ func (s *Supervisor) checkMPS() {
 		defer cancel()
 		err := mps.Check(ctx)
 		if err != nil {
-			s.log.Warn("MPS daemon does not answer; restarting it", "error", err)
-			s.setMPSState("restarting")
-			if err = mps.Restart(ctx); err != nil {
-				err = fmt.Errorf("restart MPS: %w", err)
+			what, recovered := "restart MPS", "running (restarted)"
+			if mps.Owned() {
+				s.log.Warn("MPS daemon does not answer; restarting it", "error", err)
+				s.setMPSState("restarting")
+			} else {
+				what, recovered = "the operator's MPS daemon", "joined (the operator's daemon answers again)"
+				s.log.Warn("the operator's MPS daemon does not answer; waiting for it (frmps never restarts it)", "error", err)
+				s.setMPSState("waiting for the operator's daemon")
+			}
+			if err = mps.Recover(ctx); err != nil {
+				err = fmt.Errorf("%s: %w", what, err)
+				s.log.Error("MPS daemon unusable: no active can start in it", "error", err)
 				s.setMPSState("failed: " + err.Error())
 			} else {
-				s.setMPSState("running (restarted)")
+				s.setMPSState(recovered)
 			}
 		}
 		s.post(event{kind: evMPSChecked, err: err, at: time.Now()})

@@ -18,6 +18,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -45,10 +46,18 @@ type Config struct {
 	NoMPS        bool
 	// MPSControlBinary is nvidia-cuda-mps-control (looked up in PATH when bare).
 	MPSControlBinary string
-	Device           string // cpu | cuda
-	Memory           string // host-shm | cuda-vmm
-	NumBlocks        int
-	MaxModelLen      int
+	// MPSPipeDir joins the operator's MPS daemon at this pipe directory
+	// instead of starting one: frmps places the active in it, checks that it
+	// answers and never starts, stops or restarts it. MPSLogDir is that
+	// daemon's log directory, given to the active when set.
+	MPSPipeDir string
+	MPSLogDir  string
+	// NvidiaSMI reads the GPU's compute mode at start ("" = nvidia-smi in PATH).
+	NvidiaSMI   string
+	Device      string // cpu | cuda
+	Memory      string // host-shm | cuda-vmm
+	NumBlocks   int
+	MaxModelLen int
 	// EngineArgs are appended to every engine's command line (engine-specific
 	// options the supervisor does not interpret).
 	EngineArgs []string
@@ -137,6 +146,12 @@ func (c *Config) validate() error {
 		return fmt.Errorf("device %q: want cpu or cuda", c.Device)
 	case c.RingCapacity < 4096:
 		return fmt.Errorf("ring capacity %d is below 4096 bytes", c.RingCapacity)
+	case c.MPSPipeDir != "" && c.NoMPS:
+		return errors.New("an MPS pipe directory to join and no MPS: choose one")
+	case c.MPSPipeDir != "" && !filepath.IsAbs(c.MPSPipeDir):
+		return fmt.Errorf("MPS pipe directory %q: want an absolute path", c.MPSPipeDir)
+	case c.MPSLogDir != "" && c.MPSPipeDir == "":
+		return errors.New("an MPS log directory is for a joined daemon: give its pipe directory too")
 	case c.StepTimeoutFactor < 1:
 		return fmt.Errorf("step timeout factor %g: want at least 1 (a step may take what the engine expects)", c.StepTimeoutFactor)
 	case c.StepTimeoutMin < 0 || c.StepTimeoutDefault < 0:
@@ -355,6 +370,11 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 }
 
 func (s *Supervisor) setup(ctx context.Context) error {
+	if s.cfg.Device == "cuda" && s.deps.CheckComputeMode != nil {
+		if err := s.deps.CheckComputeMode(ctx, envValue(s.cfg.BaseEnv, "CUDA_VISIBLE_DEVICES")); err != nil {
+			return fmt.Errorf("check the GPU: %w", err)
+		}
+	}
 	runDir := s.cfg.RunDir
 	if runDir == "" {
 		d, err := os.MkdirTemp("", "frmps-")
@@ -402,9 +422,24 @@ func (s *Supervisor) setup(ctx context.Context) error {
 			return fmt.Errorf("start MPS (use --no-mps to run without): %w", err)
 		}
 		s.mps = mps
-		s.setMPSState("running")
+		if mps.Owned() {
+			s.setMPSState("running")
+		} else {
+			s.setMPSState("joined the operator's daemon at " + s.cfg.MPSPipeDir)
+		}
 	}
 	return nil
+}
+
+// envValue is key's value in env (the last one wins, as for exec); "" if unset.
+func envValue(env []string, key string) string {
+	v := ""
+	for _, kv := range env {
+		if k, val, ok := strings.Cut(kv, "="); ok && k == key {
+			v = val
+		}
+	}
+	return v
 }
 
 // cleanup releases what setup acquired; idempotent.

@@ -676,6 +676,89 @@ func TestMPSRestartFailureStopsColdStart(t *testing.T) {
 	})
 }
 
+// The operator's MPS daemon (--mps-pipe-dir): joined, checked after each
+// failover, waited for when it does not answer — never restarted — and
+// reported when it stays away; a cold start then trips the breaker.
+func TestSharedMPS(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.mps.shared = true
+		h := start(t, w, func(c *Config) { c.MPSPipeDir = "/op/mps/pipe" })
+		h.wantState(failover.ServingReady)
+		if st := h.s.Status().GetMpsState(); st != "joined the operator's daemon at /op/mps/pipe" {
+			t.Fatalf("mps state %q", st)
+		}
+		if act := w.liveRole(failover.Active); !slices.Contains(act.env, "CUDA_MPS_PIPE_DIRECTORY=/fake/mps/pipe") {
+			t.Fatalf("active env %v", act.env)
+		}
+		w.mps.mu.Lock()
+		w.mps.checkErr = errors.New("server gone")
+		w.mps.mu.Unlock()
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if st := h.s.Status().GetMpsState(); st != "joined (the operator's daemon answers again)" {
+			t.Fatalf("mps state after a recovered check %q", st)
+		}
+		w.mps.mu.Lock()
+		w.mps.restartErr = errors.New("did not answer within 30s; frmps does not restart it")
+		w.mps.mu.Unlock()
+		for _, p := range w.live() { // the promoted engine and the fresh standby
+			p.Kill()
+		}
+		synctest.Wait()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		st := h.s.Status()
+		if !strings.Contains(st.GetMpsState(), "failed: the operator's MPS daemon: did not answer") || !strings.Contains(st.GetStateCause(), "MPS") {
+			t.Fatalf("status %v", st)
+		}
+		w.mps.mu.Lock()
+		if w.mps.restarts != 2 {
+			t.Fatalf("%d recoveries, want 2", w.mps.restarts)
+		}
+		w.mps.mu.Unlock()
+		h.stop()
+	})
+}
+
+// A GPU whose compute mode leaves the standby no context of its own is
+// refused before anything starts; the check sees CUDA_VISIBLE_DEVICES, and
+// is skipped on the CPU.
+func TestComputeModeCheck(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.computeModeErr = errors.New("GPU 0 (GPU-aaaa) is in Exclusive_Process compute mode")
+		cfg := testConfig(t)
+		cfg.Device, cfg.Memory = "cuda", "cuda-vmm"
+		cfg.BaseEnv = append(cfg.BaseEnv, "CUDA_VISIBLE_DEVICES=GPU-aaaa")
+		s, err := NewWithDeps(cfg, w.deps(), hclog.NewNullLogger(), prometheus.NewRegistry())
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = s.Run(context.Background())
+		if err == nil || !strings.Contains(err.Error(), "check the GPU: GPU 0 (GPU-aaaa) is in Exclusive_Process") {
+			t.Fatalf("Run: %v", err)
+		}
+		if !slices.Equal(w.computeModeChecks, []string{"GPU-aaaa"}) || w.launched != [2]int{} {
+			t.Fatalf("checks %v, launched %v", w.computeModeChecks, w.launched)
+		}
+		if _, err := os.Stat(cfg.RunDir); !errors.Is(err, os.ErrNotExist) {
+			t.Fatal("run dir left behind")
+		}
+		w.computeModeChecks = nil
+		h := start(t, w, nil) // on the CPU
+		h.wantState(failover.ServingReady)
+		if len(w.computeModeChecks) != 0 {
+			t.Fatalf("checked the compute mode for a CPU deployment: %v", w.computeModeChecks)
+		}
+		h.stop()
+	})
+}
+
 func TestNoMPS(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()

@@ -72,6 +72,29 @@ func TestHangFlags(t *testing.T) {
 	}
 }
 
+func TestSharedMPSFlags(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "frmps.json")
+	if err := os.WriteFile(path, []byte(`{"mps_pipe_dir":"/op/mps/pipe","mps_log_dir":"/op/mps/log"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts := defaultServeOptions()
+	var cfgFile string
+	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--config", path}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+		t.Fatal(err)
+	}
+	if c := opts.supervisorConfig(); c.MPSPipeDir != "/op/mps/pipe" || c.MPSLogDir != "/op/mps/log" || c.NoMPS {
+		t.Fatalf("config %+v", c)
+	}
+	if err := opts.validate(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestConfigFileErrors(t *testing.T) {
 	dir := t.TempDir()
 	for name, body := range map[string]string{
@@ -104,6 +127,9 @@ func TestServeRejectsBadOptions(t *testing.T) {
 		func(o *serveOptions) { o.StepTimeoutMin = 0 },
 		func(o *serveOptions) { o.StepTimeoutDefault = -time.Second },
 		func(o *serveOptions) { o.HeartbeatTimeout = 0 },
+		func(o *serveOptions) { o.MPSPipeDir, o.NoMPS = "/op/mps", true },
+		func(o *serveOptions) { o.MPSLogDir = "/op/log" },
+		func(o *serveOptions) { o.MPSPipeDir = "op/mps" },
 	} {
 		o := defaultServeOptions()
 		mod(&o)

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strconv"
 	"syscall"
 	"time"
@@ -38,6 +39,8 @@ type serveOptions struct {
 	AdminAllowRemote bool          `json:"admin_allow_remote"`
 	NoMPS            bool          `json:"no_mps"`
 	MPSControl       string        `json:"mps_control"`
+	MPSPipeDir       string        `json:"mps_pipe_dir"`
+	MPSLogDir        string        `json:"mps_log_dir"`
 	RunDir           string        `json:"run_dir"`
 	EngineLogDir     string        `json:"engine_log_dir"`
 	RingDir          string        `json:"ring_dir"`
@@ -88,7 +91,12 @@ func newServeCmd() *cobra.Command {
 		Long: `Run an active/standby engine pair behind an OpenAI-compatible endpoint.
 
 The active engine runs inside a private MPS session (unless --no-mps), the
-standby outside it, asleep with the shared weights and KV cache mapped. When
+standby outside it, asleep with the shared weights and KV cache mapped. On a
+GPU shared through the operator's MPS daemon (e.g. Kubernetes MPS sharing),
+--mps-pipe-dir joins that daemon instead: frmps checks that it answers, runs
+the active in it, and never starts, stops or restarts it. A GPU in
+Exclusive_Process compute mode is refused at start: the standby needs a CUDA
+context of its own outside MPS. When
 the active dies the standby takes over its requests; a fresh standby is then
 started. SIGTERM or SIGINT shuts everything down gracefully.
 
@@ -134,6 +142,8 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.BoolVar(&opts.AdminAllowRemote, "admin-allow-remote", opts.AdminAllowRemote, "allow a non-loopback --admin-addr (the admin API can kill engines)")
 	f.BoolVar(&opts.NoMPS, "no-mps", opts.NoMPS, "do not start an MPS daemon; the active runs outside MPS")
 	f.StringVar(&opts.MPSControl, "mps-control", opts.MPSControl, "the nvidia-cuda-mps-control binary")
+	f.StringVar(&opts.MPSPipeDir, "mps-pipe-dir", opts.MPSPipeDir, "join the operator's MPS daemon at this pipe directory (its CUDA_MPS_PIPE_DIRECTORY) instead of starting one: the active runs in it, the standby outside; frmps checks it answers and never starts, stops or restarts it")
+	f.StringVar(&opts.MPSLogDir, "mps-log-dir", opts.MPSLogDir, "that daemon's CUDA_MPS_LOG_DIRECTORY, given to the active (with --mps-pipe-dir)")
 	f.StringVar(&opts.RunDir, "run-dir", opts.RunDir, "private run directory for sockets and logs, created 0700 and removed at exit (empty: a fresh temp dir)")
 	f.StringVar(&opts.EngineLogDir, "engine-log-dir", opts.EngineLogDir, "directory for the engines' log files, kept after exit (empty: inside the run dir, removed at exit)")
 	f.StringVar(&opts.RingDir, "ring-dir", opts.RingDir, "directory of the forward-state ring (empty: /dev/shm)")
@@ -203,7 +213,7 @@ func (o serveOptions) supervisorConfig() supervisor.Config {
 	return supervisor.Config{
 		Model: o.Model, Engine: o.Engine, Python: o.Python, SyncEvery: o.SyncEvery,
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity,
-		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, Device: o.Device, Memory: o.Memory,
+		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, MPSPipeDir: o.MPSPipeDir, MPSLogDir: o.MPSLogDir, Device: o.Device, Memory: o.Memory,
 		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace,
 		HeartbeatTimeout: o.HeartbeatTimeout, StepTimeoutFactor: o.StepTimeoutFactor, StepTimeoutMin: o.StepTimeoutMin,
 		StepTimeoutDefault: o.StepTimeoutDefault,
@@ -227,6 +237,15 @@ func (o serveOptions) validate() error {
 	if o.StepTimeoutFactor < 1 || o.StepTimeoutMin <= 0 || o.StepTimeoutDefault <= 0 {
 		return fmt.Errorf("--step-timeout-factor %g / --step-timeout-min %s / --step-timeout-default %s: want a factor of at least 1 and positive durations",
 			o.StepTimeoutFactor, o.StepTimeoutMin, o.StepTimeoutDefault)
+	}
+	if o.MPSPipeDir != "" && o.NoMPS {
+		return errors.New("--mps-pipe-dir joins an MPS daemon, --no-mps runs without one: choose one")
+	}
+	if o.MPSPipeDir != "" && !filepath.IsAbs(o.MPSPipeDir) {
+		return fmt.Errorf("--mps-pipe-dir %q: want an absolute path", o.MPSPipeDir)
+	}
+	if o.MPSLogDir != "" && o.MPSPipeDir == "" {
+		return errors.New("--mps-log-dir names the joined daemon's log directory: give --mps-pipe-dir too")
 	}
 	if o.HeartbeatTimeout == 0 {
 		return errors.New("--heartbeat-timeout 0: give a duration (negative disables hang detection)")
