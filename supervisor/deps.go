@@ -65,12 +65,16 @@ type Ring interface {
 	Close() error
 }
 
-// MPS is a running MPS control daemon.
+// MPS is the MPS control daemon the active runs under: frmps's own, or the
+// operator's, which frmps joins and never starts, stops or restarts.
 type MPS interface {
 	Check(ctx context.Context) error
-	Restart(ctx context.Context) error
-	Stop(ctx context.Context) error
+	// Recover brings a daemon that does not answer back: frmps's own is
+	// restarted, the operator's is waited for.
+	Recover(ctx context.Context) error
+	Stop(ctx context.Context) error // the operator's is left running
 	ClientEnv() []string
+	Owned() bool
 }
 
 // HelloExpect is what a Hello must match beyond the protocol version.
@@ -93,9 +97,13 @@ type Deps struct {
 	ValidateHello func(h *frmpsv1.Hello, want HelloExpect) error
 	NewBroker     func() Broker
 	// OpenRing creates the ring file (O_EXCL, 0600) and a reader on it.
-	OpenRing   func(path string, capacity uint64) (Ring, error)
+	OpenRing func(path string, capacity uint64) (Ring, error)
+	// StartMPS starts frmps's own daemon, or joins the operator's (Config.MPSPipeDir).
 	StartMPS   func(ctx context.Context, runDir string, log hclog.Logger) (MPS, error)
 	OutsideEnv func(runDir string) ([]string, error)
+	// CheckComputeMode refuses a GPU on which the standby cannot hold its own
+	// context (visible: the engines' CUDA_VISIBLE_DEVICES); nil = no check.
+	CheckComputeMode func(ctx context.Context, visible string) error
 	// Classify names a death: a metric-label class and a detail.
 	Classify func(ws syscall.WaitStatus, lastStderr []string, reported *frmpsv1.Fault) (class, detail string)
 	// DialGeneration connects to an engine's generation API (lazily).

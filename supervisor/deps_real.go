@@ -4,6 +4,7 @@ package supervisor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"syscall"
@@ -41,6 +42,13 @@ func defaultDeps(cfg Config, log hclog.Logger) (Deps, error) {
 		NewBroker: func() Broker { return control.NewBroker() },
 		OpenRing:  openRing,
 		StartMPS: func(ctx context.Context, runDir string, log hclog.Logger) (MPS, error) {
+			if cfg.MPSPipeDir != "" {
+				sh, err := mps.Join(ctx, mps.SharedConfig{ControlBinary: cfg.MPSControlBinary, PipeDir: cfg.MPSPipeDir, LogDir: cfg.MPSLogDir}, log)
+				if err != nil {
+					return nil, err
+				}
+				return sh, nil
+			}
 			d, err := mps.Start(ctx, mps.Config{ControlBinary: cfg.MPSControlBinary, RunDir: runDir}, log)
 			if err != nil {
 				return nil, err
@@ -48,6 +56,15 @@ func defaultDeps(cfg Config, log hclog.Logger) (Deps, error) {
 			return d, nil
 		},
 		OutsideEnv: mps.OutsideEnv,
+		CheckComputeMode: func(ctx context.Context, visible string) error {
+			err := mps.CheckComputeMode(ctx, cfg.NvidiaSMI, visible)
+			if errors.Is(err, mps.ErrComputeModeUnknown) {
+				// A GPU without nvidia-smi still serves; only the refusal is lost.
+				log.Warn("cannot check the GPU's compute mode; in Exclusive_Process mode the standby will fail to start", "error", err)
+				return nil
+			}
+			return err
+		},
 		Classify: func(ws syscall.WaitStatus, lines []string, f *frmpsv1.Fault) (string, string) {
 			c := deathcause.Classify(ws, lines, f)
 			return c.Class, c.Detail

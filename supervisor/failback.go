@@ -154,13 +154,13 @@ func (s *Supervisor) swap() {
 	s.active, s.standby = next, nil
 	next.mu.Lock()
 	next.role = failover.Active
-	next.stepSince = time.Now()
+	next.beats.stepSince = time.Now() // it slept until now
 	next.mu.Unlock()
 	next.setState("serving")
 	if yielded != nil && !yielded.dead {
 		yielded.mu.Lock()
 		yielded.role = failover.Standby
-		yielded.lastBeat, yielded.running = time.Time{}, 0
+		yielded.beats = beats{} // asleep: judged afresh once it serves again
 		yielded.mu.Unlock()
 		s.standby = yielded
 	} else if yielded != nil {

@@ -6,6 +6,7 @@ package supervisor
 // orchestrator run inside testing/synctest bubbles, where time is virtual.
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -128,13 +129,14 @@ type behavior struct {
 	resumeReply   func(*frmpsv1.Resume) *frmpsv1.Reply
 	dieOnResume   bool
 	intruderFirst bool // a process with another pid dials the socket first
-	// heartbeat, when set, gives the Heartbeat to send every second after
-	// Ready (nil: stop sending).
+	// heartbeat, when set, gives the Heartbeat to send every beatEvery
+	// (0: a second) after Ready (nil: stop sending).
 	heartbeat func(n int) *frmpsv1.Heartbeat
 	// handoff answers a Handoff (nil: ok, the engine yields); dieOnHandoff
 	// exits instead.
 	handoff      func() *frmpsv1.Reply
 	dieOnHandoff bool
+	beatEvery    time.Duration
 }
 
 type fakeProc struct {
@@ -210,6 +212,9 @@ type fakeWorld struct {
 	launched     [2]int
 	refusedPeers int
 	launchErr    error
+	// CheckComputeMode: what it was asked about, and its answer.
+	computeModeChecks []string
+	computeModeErr    error
 
 	ring   *fakeRing
 	broker []*fakeBroker
@@ -273,6 +278,12 @@ func (w *fakeWorld) deps() Deps {
 				return nil, w.mps.startErr
 			}
 			return w.mps, nil
+		},
+		CheckComputeMode: func(ctx context.Context, visible string) error {
+			w.mu.Lock()
+			defer w.mu.Unlock()
+			w.computeModeChecks = append(w.computeModeChecks, visible)
+			return w.computeModeErr
 		},
 		OutsideEnv: func(runDir string) ([]string, error) {
 			return []string{"CUDA_MPS_PIPE_DIRECTORY=" + runDir + "/no-mps"}, nil
@@ -426,7 +437,7 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 	}
 	if b.heartbeat != nil {
 		go func() {
-			t := time.NewTicker(time.Second)
+			t := time.NewTicker(cmp.Or(b.beatEvery, time.Second))
 			defer t.Stop()
 			for n := 0; ; n++ {
 				select {
@@ -578,8 +589,9 @@ type fakeMPS struct {
 	mu                   sync.Mutex
 	startErr             error
 	checkErr, restartErr error
-	checks, restarts     int
+	checks, restarts     int // restarts counts Recover calls
 	stopped              bool
+	shared               bool // the operator's daemon (Owned false)
 }
 
 func (m *fakeMPS) Check(context.Context) error {
@@ -588,7 +600,8 @@ func (m *fakeMPS) Check(context.Context) error {
 	m.checks++
 	return m.checkErr
 }
-func (m *fakeMPS) Restart(context.Context) error {
+func (m *fakeMPS) Owned() bool { return !m.shared }
+func (m *fakeMPS) Recover(context.Context) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.restarts++

@@ -9,6 +9,8 @@ package supervisor
 import (
 	"context"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -40,7 +42,7 @@ func (a fakeEngineAdapter) Command(inv engine.Invocation) (string, []string, err
 	return a.bin, args[2:], nil // drop "-m frmps_engine.cli"
 }
 
-func realSupervisor(t testing.TB, bin string, env []string, breaker failover.BreakerConfig) (*Supervisor, func()) {
+func realSupervisor(t testing.TB, bin string, env []string, breaker failover.BreakerConfig, mods ...func(*Config)) (*Supervisor, func()) {
 	t.Helper()
 	runDir, err := os.MkdirTemp("", "frmps-it-")
 	if err != nil {
@@ -50,6 +52,9 @@ func realSupervisor(t testing.TB, bin string, env []string, breaker failover.Bre
 	cfg := Config{Model: "fake", Engine: "ref", NoMPS: true, RunDir: runDir, RingDir: t.TempDir(),
 		HandshakeTimeout: 20 * time.Second, ResumeTimeout: 10 * time.Second, ShutdownGrace: 5 * time.Second,
 		Breaker: breaker, BaseEnv: env}
+	for _, m := range mods {
+		m(&cfg)
+	}
 	log := hclog.New(&hclog.LoggerOptions{Level: hclog.Warn, Output: testWriter{t}})
 	deps, err := defaultDeps(cfg, log)
 	if err != nil {
@@ -183,4 +188,80 @@ func TestRealWrongVersionCrashLoop(t *testing.T) {
 		t.Fatalf("cause %q", c)
 	}
 	stop()
+}
+
+// TestRealSharedMPS joins an MPS daemon an operator started (the labelled
+// fake control program of package mps): the active runs with its pipe
+// directory, the standby outside it, and frmps leaves the daemon as it found
+// it after a failover and a shutdown.
+func TestRealSharedMPS(t *testing.T) {
+	bin := buildFakeEngine(t)
+	ctl, err := filepath.Abs("mps/testdata/nvidia-cuda-mps-control")
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := t.TempDir()
+	pipeDir, logDir := filepath.Join(base, "pipe"), filepath.Join(base, "log")
+	operator := func(arg, stdin string) {
+		cmd := exec.Command(ctl)
+		if arg != "" {
+			cmd.Args = append(cmd.Args, arg)
+		}
+		cmd.Env = append(os.Environ(), "FAKE_MPS_MODE=ok", "CUDA_MPS_PIPE_DIRECTORY="+pipeDir, "CUDA_MPS_LOG_DIRECTORY="+logDir)
+		cmd.Stdin = strings.NewReader(stdin)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("operator %s: %v: %s", arg, err, out)
+		}
+	}
+	for _, d := range []string{pipeDir, logDir} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	operator("-d", "")
+	t.Cleanup(func() { operator("", "quit\n") })
+	daemonPID := func() string {
+		b, _ := os.ReadFile(filepath.Join(pipeDir, "nvidia-cuda-mps-control.pid"))
+		return strings.TrimSpace(string(b))
+	}
+	pid := daemonPID()
+	s, stop := realSupervisor(t, bin, []string{"FAKEENGINE_BEHAVIOR=normal"},
+		failover.BreakerConfig{MaxRestarts: 10, Window: time.Minute, BaseBackoff: time.Millisecond, MaxBackoff: 10 * time.Millisecond},
+		func(c *Config) { c.NoMPS, c.MPSPipeDir, c.MPSControlBinary = false, pipeDir, ctl })
+	waitFor(t, s, "serving_ready", func() bool { return s.Status().GetState() == "serving_ready" })
+	if st := s.Status().GetMpsState(); st != "joined the operator's daemon at "+pipeDir {
+		t.Fatalf("mps state %q", st)
+	}
+	pids := map[string]int{}
+	for _, e := range s.Status().GetEngines() {
+		pids[e.GetRole()] = int(e.GetPid())
+	}
+	environ := func(pid int) string {
+		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.ReplaceAll(string(b), "\x00", "\n")
+	}
+	if env := environ(pids["active"]); !strings.Contains(env, "CUDA_MPS_PIPE_DIRECTORY="+pipeDir+"\n") {
+		t.Fatalf("the active is not in the operator's daemon: %s", env)
+	}
+	if env := environ(pids["standby"]); strings.Contains(env, "CUDA_MPS_PIPE_DIRECTORY="+pipeDir+"\n") || !strings.Contains(env, "mps-outside") {
+		t.Fatalf("the standby is not outside MPS: %s", env)
+	}
+	if err := syscall.Kill(pids["active"], syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, s, "failover", func() bool {
+		st := s.Status()
+		return st.GetState() == "serving_ready" && len(st.GetFailovers()) == 1 && strings.HasPrefix(st.GetMpsState(), "joined")
+	})
+	stop()
+	starts, _ := os.ReadFile(filepath.Join(logDir, "fake-starts"))
+	if daemonPID() != pid || strings.Count(string(starts), "start") != 1 {
+		t.Fatalf("frmps touched the operator's daemon: pid %s, was %s; starts %q", daemonPID(), pid, starts)
+	}
+	if n, _ := strconv.Atoi(pid); n <= 0 || syscall.Kill(n, 0) != nil {
+		t.Fatalf("the operator's daemon %s is gone", pid)
+	}
 }

@@ -66,11 +66,7 @@ type slot struct {
 	state      string
 	deathCause string
 	refused    string // why the handshake refused this engine
-	// Liveness from Heartbeats (zero until the engine sends one).
-	lastBeat  time.Time
-	lastStep  uint64
-	stepSince time.Time // when lastStep last changed
-	running   uint32
+	beats      beats  // what its Heartbeats said (hang.go)
 
 	// loop-owned
 	dead bool
@@ -115,7 +111,7 @@ type failoverRun struct {
 	sent     time.Time
 	cause    string
 	old      *slot
-	class    string // known death class (drill, stalled); "" = classify the exit
+	class    string // known death class (drill, stalled, hung); "" = classify the exit
 	count    int
 	resumeID uint64
 	timer    *time.Timer
@@ -212,30 +208,25 @@ func (s *Supervisor) reap() {
 	}
 }
 
-// checkStall declares the serving active dead when it is connected but
-// wedged: its heartbeats stopped, or it has running requests and its step
-// count has not moved, for longer than StallTimeout. Engines that never
-// send heartbeats are not judged.
+// checkStall fences the serving active when hang detection judges it wedged
+// (hang.go): its heartbeats stopped, or its step in progress overran its bound.
 func (s *Supervisor) checkStall(now time.Time) {
 	sl := s.active
-	if sl == nil || sl.dead || s.cfg.StallTimeout <= 0 {
+	if sl == nil || sl.dead {
 		return
 	}
 	if st, _ := s.machine.State(); !st.Serving() {
 		return
 	}
 	sl.mu.Lock()
-	beat, step, since, running := sl.lastBeat, sl.lastStep, sl.stepSince, sl.running
+	b := sl.beats
 	sl.mu.Unlock()
-	switch {
-	case beat.IsZero():
-	case now.Sub(beat) > s.cfg.StallTimeout:
-		s.log.Error("active stopped sending heartbeats; fencing it", "pid", sl.proc.PID(), "last", beat)
-		s.died(sl, fmt.Sprintf("stalled: no heartbeat for %s", now.Sub(beat).Round(time.Millisecond)), now, "stalled")
-	case running > 0 && now.Sub(since) > s.cfg.StallTimeout:
-		s.log.Error("active makes no progress; fencing it", "pid", sl.proc.PID(), "step", step, "running", running)
-		s.died(sl, fmt.Sprintf("stalled: step %d unchanged for %s with %d running requests", step, now.Sub(since).Round(time.Millisecond), running), now, "stalled")
+	class, detail := s.cfg.hangPolicy().verdict(b, now)
+	if class == "" {
+		return
 	}
+	s.log.Error("active engine is wedged; fencing it", "pid", sl.proc.PID(), "class", class, "detail", detail)
+	s.died(sl, detail, now, class)
 }
 
 // raise queues a machine event from inside an action.
@@ -365,7 +356,7 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			s.active, s.standby = s.standby, nil
 			s.active.mu.Lock() // Status and the reader read role concurrently
 			s.active.role = failover.Active
-			s.active.stepSince = time.Now() // it slept until now
+			s.active.beats.stepSince = time.Now() // it slept until now
 			s.active.mu.Unlock()
 			s.active.setState("serving")
 			s.metrics.up(failover.Active, true)
@@ -589,13 +580,21 @@ func (s *Supervisor) checkMPS() {
 		defer cancel()
 		err := mps.Check(ctx)
 		if err != nil {
-			s.log.Warn("MPS daemon does not answer; restarting it", "error", err)
-			s.setMPSState("restarting")
-			if err = mps.Restart(ctx); err != nil {
-				err = fmt.Errorf("restart MPS: %w", err)
+			what, recovered := "restart MPS", "running (restarted)"
+			if mps.Owned() {
+				s.log.Warn("MPS daemon does not answer; restarting it", "error", err)
+				s.setMPSState("restarting")
+			} else {
+				what, recovered = "the operator's MPS daemon", "joined (the operator's daemon answers again)"
+				s.log.Warn("the operator's MPS daemon does not answer; waiting for it (frmps never restarts it)", "error", err)
+				s.setMPSState("waiting for the operator's daemon")
+			}
+			if err = mps.Recover(ctx); err != nil {
+				err = fmt.Errorf("%s: %w", what, err)
+				s.log.Error("MPS daemon unusable: no active can start in it", "error", err)
 				s.setMPSState("failed: " + err.Error())
 			} else {
-				s.setMPSState("running (restarted)")
+				s.setMPSState(recovered)
 			}
 		}
 		s.post(event{kind: evMPSChecked, err: err, at: time.Now()})
@@ -761,14 +760,18 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 			sl.mu.Unlock()
 			s.log.Warn("engine reports a fault", "role", sl.roleNow(), "cause", m.Fault.GetCause(), "detail", m.Fault.GetDetail())
 		case *frmpsv1.Envelope_Heartbeat:
-			now := time.Now()
+			now, hb := time.Now(), m.Heartbeat
 			sl.mu.Lock()
-			// Progress is judged only while requests run: an idle engine (or an
-			// asleep standby) may keep its step count for ever.
-			if sl.lastBeat.IsZero() || m.Heartbeat.GetStep() != sl.lastStep || sl.running == 0 {
-				sl.stepSince = now
+			b := &sl.beats
+			// The step count is judged only while requests run: an idle engine (or
+			// an asleep standby) may keep it for ever.
+			if b.last.IsZero() || hb.GetStep() != b.step || b.running == 0 {
+				b.stepSince = now
 			}
-			sl.lastBeat, sl.lastStep, sl.running = now, m.Heartbeat.GetStep(), m.Heartbeat.GetRunning()
+			b.last, b.step, b.running = now, hb.GetStep(), hb.GetRunning()
+			b.interval = time.Duration(hb.GetIntervalMs()) * time.Millisecond
+			b.stepAge, b.expected = time.Duration(hb.GetStepAgeNs()), time.Duration(hb.GetStepExpectedNs())
+			b.tokens = hb.GetStepTokens()
 			sl.mu.Unlock()
 		default:
 			s.log.Warn("unexpected control message", "role", sl.roleNow(), "type", fmt.Sprintf("%T", m))
@@ -815,7 +818,8 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 		}
 	}
 	welcome := &frmpsv1.Welcome{Accepted: true, ProtocolVersion: frmpsv1.ProtocolVersion_PROTOCOL_VERSION_1,
-		SyncEvery: s.cfg.SyncEvery, DeploymentId: s.deployID}
+		SyncEvery: s.cfg.SyncEvery, DeploymentId: s.deployID,
+		HeartbeatIntervalMs: uint32(s.cfg.hangPolicy().beatInterval().Milliseconds())}
 	if sl.role == failover.Active {
 		welcome.RingPath = s.ringPath
 	}

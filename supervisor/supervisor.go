@@ -18,6 +18,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -45,10 +46,18 @@ type Config struct {
 	NoMPS        bool
 	// MPSControlBinary is nvidia-cuda-mps-control (looked up in PATH when bare).
 	MPSControlBinary string
-	Device           string // cpu | cuda
-	Memory           string // host-shm | cuda-vmm
-	NumBlocks        int
-	MaxModelLen      int
+	// MPSPipeDir joins the operator's MPS daemon at this pipe directory
+	// instead of starting one: frmps places the active in it, checks that it
+	// answers and never starts, stops or restarts it. MPSLogDir is that
+	// daemon's log directory, given to the active when set.
+	MPSPipeDir string
+	MPSLogDir  string
+	// NvidiaSMI reads the GPU's compute mode at start ("" = nvidia-smi in PATH).
+	NvidiaSMI   string
+	Device      string // cpu | cuda
+	Memory      string // host-shm | cuda-vmm
+	NumBlocks   int
+	MaxModelLen int
 	// EngineArgs are appended to every engine's command line (engine-specific
 	// options the supervisor does not interpret).
 	EngineArgs []string
@@ -61,11 +70,19 @@ type Config struct {
 	ResumeTimeout time.Duration
 	// ShutdownGrace is how long engines get to exit after Shutdown; 0 means 10s.
 	ShutdownGrace time.Duration
-	// StallTimeout fences a serving active that is connected but wedged: no
-	// Heartbeat, or running requests and no engine step, for this long. 0
-	// means 30s; negative disables. Engines that send no heartbeats are not
-	// judged.
-	StallTimeout time.Duration
+	// Hang detection (hang.go) fences a serving active that is connected but
+	// wedged. HeartbeatTimeout: its heartbeats stopped for this long (the
+	// process is stopped or frozen as a whole); 0 means 1s; negative disables
+	// hang detection. StepTimeoutFactor, StepTimeoutMin: a step that runs
+	// longer than max(StepTimeoutMin, StepTimeoutFactor × the engine's own
+	// estimate for it) is hung; 0 means 8 and 1s. StepTimeoutDefault bounds a
+	// step the engine has no estimate for (its first serving steps, a batch far
+	// larger than any it measured), and judges engines without hang reporting;
+	// 0 means 60s. Engines that send no heartbeats are not judged.
+	HeartbeatTimeout   time.Duration
+	StepTimeoutFactor  float64
+	StepTimeoutMin     time.Duration
+	StepTimeoutDefault time.Duration
 	// MaxFailoverRecords kept for status; 0 means 32.
 	MaxFailoverRecords int
 	// NoFailback keeps the pair where a failover left it (the active outside
@@ -115,8 +132,17 @@ func (c *Config) setDefaults() {
 	if c.ShutdownGrace == 0 {
 		c.ShutdownGrace = 10 * time.Second
 	}
-	if c.StallTimeout == 0 {
-		c.StallTimeout = 30 * time.Second
+	if c.HeartbeatTimeout == 0 {
+		c.HeartbeatTimeout = time.Second
+	}
+	if c.StepTimeoutFactor == 0 {
+		c.StepTimeoutFactor = 8
+	}
+	if c.StepTimeoutMin == 0 {
+		c.StepTimeoutMin = time.Second
+	}
+	if c.StepTimeoutDefault == 0 {
+		c.StepTimeoutDefault = time.Minute
 	}
 	if c.MaxFailoverRecords == 0 {
 		c.MaxFailoverRecords = 32
@@ -146,6 +172,16 @@ func (c *Config) validate() error {
 		return fmt.Errorf("ring capacity %d is below 4096 bytes", c.RingCapacity)
 	case c.FailbackDelay < 0 || c.FailbackBaseBackoff < 0 || c.FailbackMaxBackoff < c.FailbackBaseBackoff:
 		return fmt.Errorf("failback timing: want 0 <= delay (%s), 0 <= base backoff (%s) <= max backoff (%s)", c.FailbackDelay, c.FailbackBaseBackoff, c.FailbackMaxBackoff)
+	case c.MPSPipeDir != "" && c.NoMPS:
+		return errors.New("an MPS pipe directory to join and no MPS: choose one")
+	case c.MPSPipeDir != "" && !filepath.IsAbs(c.MPSPipeDir):
+		return fmt.Errorf("MPS pipe directory %q: want an absolute path", c.MPSPipeDir)
+	case c.MPSLogDir != "" && c.MPSPipeDir == "":
+		return errors.New("an MPS log directory is for a joined daemon: give its pipe directory too")
+	case c.StepTimeoutFactor < 1:
+		return fmt.Errorf("step timeout factor %g: want at least 1 (a step may take what the engine expects)", c.StepTimeoutFactor)
+	case c.StepTimeoutMin < 0 || c.StepTimeoutDefault < 0:
+		return fmt.Errorf("step timeouts %s / %s: want positive durations", c.StepTimeoutMin, c.StepTimeoutDefault)
 	}
 	if err := c.Breaker.Validate(); err != nil {
 		return err
@@ -342,8 +378,8 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()
 	var watchdog <-chan time.Time
-	if s.cfg.StallTimeout > 0 {
-		t := time.NewTicker(min(s.cfg.StallTimeout/4, time.Second))
+	if p := s.cfg.hangPolicy(); p.enabled() {
+		t := time.NewTicker(p.tick())
 		defer t.Stop()
 		watchdog = t.C
 	}
@@ -371,6 +407,11 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 }
 
 func (s *Supervisor) setup(ctx context.Context) error {
+	if s.cfg.Device == "cuda" && s.deps.CheckComputeMode != nil {
+		if err := s.deps.CheckComputeMode(ctx, envValue(s.cfg.BaseEnv, "CUDA_VISIBLE_DEVICES")); err != nil {
+			return fmt.Errorf("check the GPU: %w", err)
+		}
+	}
 	runDir := s.cfg.RunDir
 	if runDir == "" {
 		d, err := os.MkdirTemp("", "frmps-")
@@ -418,9 +459,24 @@ func (s *Supervisor) setup(ctx context.Context) error {
 			return fmt.Errorf("start MPS (use --no-mps to run without): %w", err)
 		}
 		s.mps = mps
-		s.setMPSState("running")
+		if mps.Owned() {
+			s.setMPSState("running")
+		} else {
+			s.setMPSState("joined the operator's daemon at " + s.cfg.MPSPipeDir)
+		}
 	}
 	return nil
+}
+
+// envValue is key's value in env (the last one wins, as for exec); "" if unset.
+func envValue(env []string, key string) string {
+	v := ""
+	for _, kv := range env {
+		if k, val, ok := strings.Cut(kv, "="); ok && k == key {
+			v = val
+		}
+	}
+	return v
 }
 
 // cleanup releases what setup acquired; idempotent.

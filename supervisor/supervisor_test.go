@@ -1,6 +1,7 @@
 package supervisor
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"math/rand/v2"
@@ -469,48 +470,121 @@ func TestHandshakeTimeout(t *testing.T) {
 	})
 }
 
-// A connected but wedged active is fenced and failed over from: stuck steps
-// with requests running, or heartbeats that stop. A busy engine that makes
-// progress, and an idle one, are left alone.
-func TestStallDetection(t *testing.T) {
+// A connected but wedged active is fenced and failed over from; a busy or
+// idle engine, a long step within its bound and slow heartbeats that the
+// engine announced are left alone. Heartbeats go every 100ms (interval_ms
+// set) except in the cases of an engine without hang reporting (every
+// second, no interval), judged by the older rule at StepTimeoutDefault.
+func TestHangDetection(t *testing.T) {
+	beat := func(step uint64, age, expected time.Duration) *frmpsv1.Heartbeat {
+		return &frmpsv1.Heartbeat{Step: step, Running: 2, IntervalMs: 100, StepAgeNs: uint64(age), StepExpectedNs: uint64(expected), StepTokens: 8}
+	}
 	for _, tc := range []struct {
 		name      string
+		every     time.Duration // 0: 100ms
 		beat      func(n int) *frmpsv1.Heartbeat
-		wantCause string // "" = no failover
+		wantClass string // "" = no failover
+		wantCause string
+		// detectBy: the failover's detection at most this long after the
+		// engine's last regular heartbeat (0: not checked).
+		detectBy time.Duration
 	}{
-		{"stuck step", func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 5, Running: 2} }, "stalled: step 5 unchanged"},
-		{"silent", func(n int) *frmpsv1.Heartbeat {
+		{name: "silent", beat: func(n int) *frmpsv1.Heartbeat {
+			if n > 3 {
+				return nil
+			}
+			return beat(uint64(n), 0, 0)
+		}, wantClass: "stalled", wantCause: "stalled: no heartbeat", detectBy: time.Second + 100*time.Millisecond},
+		{name: "step overruns its bound", beat: func(n int) *frmpsv1.Heartbeat {
+			if n < 5 {
+				return beat(uint64(n), 0, 0)
+			}
+			return beat(5, time.Duration(n-4)*100*time.Millisecond, 20*time.Millisecond) // bound max(1s, 8×20ms)
+		}, wantClass: "hung", wantCause: "hung: step 6 running for 1.1s, bound 1s (engine expected 20ms, 8 tokens)"},
+		{name: "unestimated step overruns the default", beat: func(n int) *frmpsv1.Heartbeat {
+			return beat(1, time.Duration(n+1)*100*time.Millisecond, 0)
+		}, wantClass: "hung", wantCause: "bound 10s (no estimate"},
+		{name: "long step within the engine's estimate", beat: func(n int) *frmpsv1.Heartbeat {
+			if n%150 >= 120 { // 12s steps; 8 × 2s allowed
+				return beat(uint64(n/150+1), 0, 0)
+			}
+			return beat(uint64(n/150), time.Duration(n%150)*100*time.Millisecond, 2*time.Second)
+		}},
+		{name: "unestimated step within the default", beat: func(n int) *frmpsv1.Heartbeat {
+			return beat(uint64(n/95), time.Duration(n%95)*100*time.Millisecond, 0) // 9.5s steps
+		}},
+		{name: "slow heartbeats the engine announced", every: 2 * time.Second, beat: func(n int) *frmpsv1.Heartbeat {
+			return &frmpsv1.Heartbeat{Step: uint64(n), Running: 1, IntervalMs: 1000}
+		}},
+		{name: "progressing", beat: func(n int) *frmpsv1.Heartbeat {
+			return beat(uint64(n), time.Duration(n%3)*time.Millisecond, 5*time.Millisecond)
+		}},
+		{name: "idle", beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 7, IntervalMs: 100} }},
+		// Engines without hang reporting.
+		{name: "legacy stuck step", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 5, Running: 2} },
+			wantClass: "stalled", wantCause: "stalled: step 5 unchanged"},
+		{name: "legacy silent", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat {
 			if n > 3 {
 				return nil
 			}
 			return &frmpsv1.Heartbeat{Step: uint64(n)}
-		}, "stalled: no heartbeat"},
-		{"progressing", func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: uint64(n), Running: 3} }, ""},
-		{"idle", func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 7} }, ""},
+		}, wantClass: "stalled", wantCause: "stalled: no heartbeat"},
+		{name: "legacy progressing", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: uint64(n), Running: 3} }},
+		{name: "legacy idle", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 7} }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				w := newWorld()
+				var mu sync.Mutex
+				var lastBeat time.Time
 				w.behave = func(r failover.Role, n int) behavior {
 					if r == failover.Active && n == 0 {
-						return behavior{heartbeat: tc.beat}
+						return behavior{beatEvery: cmp.Or(tc.every, 100*time.Millisecond), heartbeat: func(n int) *frmpsv1.Heartbeat {
+							hb := tc.beat(n)
+							if hb != nil {
+								mu.Lock()
+								lastBeat = time.Now()
+								mu.Unlock()
+							}
+							return hb
+						}}
 					}
 					return behavior{}
 				}
-				h := start(t, w, func(c *Config) { c.StallTimeout = 10 * time.Second })
+				h := start(t, w, func(c *Config) { c.StepTimeoutDefault = 10 * time.Second })
 				time.Sleep(time.Minute)
 				synctest.Wait()
+				w.procs[0].mu.Lock()
+				interval := w.procs[0].welcome.GetHeartbeatIntervalMs()
+				w.procs[0].mu.Unlock()
+				if interval != 125 {
+					t.Fatalf("welcome asks for a heartbeat every %dms, want 125 (1s timeout / 8)", interval)
+				}
 				h.wantState(failover.ServingReady)
 				recs := h.s.Status().GetFailovers()
-				if tc.wantCause == "" {
+				if tc.wantClass == "" {
 					if len(recs) != 0 {
 						t.Fatalf("failed over from a healthy engine: %v", recs)
 					}
-				} else if len(recs) != 1 || recs[0].GetCause() != "stalled" || !strings.Contains(recs[0].GetDetail(), tc.wantCause) || !recs[0].GetOk() {
-					t.Fatalf("records %v; want one caused by %q", recs, tc.wantCause)
+					h.stop()
+					return
 				}
-				if tc.wantCause != "" && w.procs[0].alive() {
+				if len(recs) != 1 || recs[0].GetCause() != tc.wantClass || !strings.Contains(recs[0].GetDetail(), tc.wantCause) || !recs[0].GetOk() {
+					t.Fatalf("records %v; want one of class %s caused by %q", recs, tc.wantClass, tc.wantCause)
+				}
+				if w.procs[0].alive() {
 					t.Fatal("the wedged active was not fenced")
+				}
+				if v := testutil.ToFloat64(h.s.metrics.failovers.WithLabelValues(tc.wantClass)); v != 1 {
+					t.Fatalf("failovers{%s} %v", tc.wantClass, v)
+				}
+				if tc.detectBy > 0 {
+					mu.Lock()
+					took := time.Unix(0, recs[0].GetUnixNanos()).Sub(lastBeat)
+					mu.Unlock()
+					if took <= time.Second || took > tc.detectBy {
+						t.Fatalf("detected %s after the last heartbeat, want within (1s, %s]", took, tc.detectBy)
+					}
 				}
 				h.stop()
 			})
@@ -598,6 +672,89 @@ func TestMPSRestartFailureStopsColdStart(t *testing.T) {
 		st := h.s.Status()
 		if !strings.Contains(st.GetStateCause(), "MPS") || !strings.Contains(st.GetMpsState(), "cannot start") {
 			t.Fatalf("status %v", st)
+		}
+		h.stop()
+	})
+}
+
+// The operator's MPS daemon (--mps-pipe-dir): joined, checked after each
+// failover, waited for when it does not answer — never restarted — and
+// reported when it stays away; a cold start then trips the breaker.
+func TestSharedMPS(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.mps.shared = true
+		h := start(t, w, func(c *Config) { c.MPSPipeDir = "/op/mps/pipe" })
+		h.wantState(failover.ServingReady)
+		if st := h.s.Status().GetMpsState(); st != "joined the operator's daemon at /op/mps/pipe" {
+			t.Fatalf("mps state %q", st)
+		}
+		if act := w.liveRole(failover.Active); !slices.Contains(act.env, "CUDA_MPS_PIPE_DIRECTORY=/fake/mps/pipe") {
+			t.Fatalf("active env %v", act.env)
+		}
+		w.mps.mu.Lock()
+		w.mps.checkErr = errors.New("server gone")
+		w.mps.mu.Unlock()
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if st := h.s.Status().GetMpsState(); st != "joined (the operator's daemon answers again)" {
+			t.Fatalf("mps state after a recovered check %q", st)
+		}
+		w.mps.mu.Lock()
+		w.mps.restartErr = errors.New("did not answer within 30s; frmps does not restart it")
+		w.mps.mu.Unlock()
+		for _, p := range w.live() { // the promoted engine and the fresh standby
+			p.Kill()
+		}
+		synctest.Wait()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		st := h.s.Status()
+		if !strings.Contains(st.GetMpsState(), "failed: the operator's MPS daemon: did not answer") || !strings.Contains(st.GetStateCause(), "MPS") {
+			t.Fatalf("status %v", st)
+		}
+		w.mps.mu.Lock()
+		if w.mps.restarts != 2 {
+			t.Fatalf("%d recoveries, want 2", w.mps.restarts)
+		}
+		w.mps.mu.Unlock()
+		h.stop()
+	})
+}
+
+// A GPU whose compute mode leaves the standby no context of its own is
+// refused before anything starts; the check sees CUDA_VISIBLE_DEVICES, and
+// is skipped on the CPU.
+func TestComputeModeCheck(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.computeModeErr = errors.New("GPU 0 (GPU-aaaa) is in Exclusive_Process compute mode")
+		cfg := testConfig(t)
+		cfg.Device, cfg.Memory = "cuda", "cuda-vmm"
+		cfg.BaseEnv = append(cfg.BaseEnv, "CUDA_VISIBLE_DEVICES=GPU-aaaa")
+		s, err := NewWithDeps(cfg, w.deps(), hclog.NewNullLogger(), prometheus.NewRegistry())
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = s.Run(context.Background())
+		if err == nil || !strings.Contains(err.Error(), "check the GPU: GPU 0 (GPU-aaaa) is in Exclusive_Process") {
+			t.Fatalf("Run: %v", err)
+		}
+		if !slices.Equal(w.computeModeChecks, []string{"GPU-aaaa"}) || w.launched != [2]int{} {
+			t.Fatalf("checks %v, launched %v", w.computeModeChecks, w.launched)
+		}
+		if _, err := os.Stat(cfg.RunDir); !errors.Is(err, os.ErrNotExist) {
+			t.Fatal("run dir left behind")
+		}
+		w.computeModeChecks = nil
+		h := start(t, w, nil) // on the CPU
+		h.wantState(failover.ServingReady)
+		if len(w.computeModeChecks) != 0 {
+			t.Fatalf("checked the compute mode for a CPU deployment: %v", w.computeModeChecks)
 		}
 		h.stop()
 	})

@@ -156,7 +156,7 @@ class Deployment:
                         mps=not a.cpu or bool(getattr(a, "mps_control", "")),
                         sync_every=a.sync_every, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
                         engine_args=list(a.engine_arg), engine=getattr(a, "engine", "ref"),
-                        serve_args=list(getattr(a, "serve_arg", []) or [])
+                        serve_args=list(getattr(a, "serve_arg", []) or []) + shared_mps_args(a),
                         ).command(self.port, self.admin, self.run_dir, self.log_dir)
         env = dict(os.environ)
         src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src"))
@@ -211,9 +211,16 @@ class Deployment:
                         out[tuple(rec["prompt"])] = rec["output"]
         return out
 
+    def mps_dirs(self) -> tuple[str, str]:
+        """The pipe and log directories of the MPS daemon the active runs under: the
+        operator's (--mps-pipe-dir) or frmps's own in its run dir."""
+        if getattr(self.args, "mps_pipe_dir", ""):
+            return self.args.mps_pipe_dir, self.args.mps_log_dir
+        return os.path.join(self.run_dir, "mps", "pipe"), os.path.join(self.run_dir, "mps", "log")
+
     def save_mps_logs(self) -> None:
-        """The MPS daemon's logs live in the run dir, which frmps removes at exit: keep copies."""
-        src = os.path.join(self.run_dir, "mps", "log")
+        """frmps's own MPS daemon logs into the run dir, which frmps removes at exit: keep copies."""
+        src = self.mps_dirs()[1]
         for name in ("control.log", "server.log"):
             try:
                 with open(os.path.join(src, name), "rb") as f, open(os.path.join(self.log_dir, "mps-" + name), "wb") as g:
@@ -376,6 +383,13 @@ def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: s
     return res
 
 
+def shared_mps_args(a) -> list[str]:
+    """frmps serve flags that join the operator's MPS daemon, when one is given."""
+    if not getattr(a, "mps_pipe_dir", ""):
+        return []
+    return ["--mps-pipe-dir", a.mps_pipe_dir] + (["--mps-log-dir", a.mps_log_dir] if a.mps_log_dir else [])
+
+
 def mps_trigger(args, spec: str):
     prog, _, variant = spec.partition(":")
 
@@ -388,8 +402,7 @@ def mps_trigger(args, spec: str):
             if args.cpu:
                 return
             env = dict(os.environ)
-            env["CUDA_MPS_PIPE_DIRECTORY"] = os.path.join(dep.run_dir, "mps", "pipe")
-            env["CUDA_MPS_LOG_DIRECTORY"] = os.path.join(dep.run_dir, "mps", "log")
+            env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"] = dep.mps_dirs()
             p = subprocess.Popen([os.path.join(args.faults_dir, prog), variant or "", "-1"], env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             st["p"] = p
@@ -467,6 +480,11 @@ def main() -> int:
     ap.add_argument("--time-budget", type=float, default=0, help="skip remaining faults after this many seconds")
     ap.add_argument("--engine-arg", action="append", default=[],
                     help="passed to frmps serve --engine-arg (repeatable), e.g. --engine-arg=--max-num-seqs=8")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="another frmps serve flag (repeatable), e.g. --serve-arg=--max-restarts=100")
+    ap.add_argument("--mps-pipe-dir", default="", help="join the operator's MPS daemon there (frmps serve --mps-pipe-dir); "
+                    "the co-tenant fault trigger joins it too")
+    ap.add_argument("--mps-log-dir", default="", help="that daemon's log directory (with --mps-pipe-dir)")
     args = ap.parse_args()
     if args.cpu:
         args.device, args.memory = "cpu", "host-shm"

@@ -28,11 +28,70 @@ func TestConfigFileFlagsWin(t *testing.T) {
 	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
 		t.Fatal(err)
 	}
-	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.RestartWindow != 2*time.Minute || opts.StallTimeout != 45*time.Second {
+	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.RestartWindow != 2*time.Minute || opts.HeartbeatTimeout != 45*time.Second {
 		t.Fatalf("file not applied: %+v", opts)
 	}
 	if opts.SyncEvery != 4 || opts.Port != 8000 {
 		t.Fatalf("flags did not win: sync-every %d port %d", opts.SyncEvery, opts.Port)
+	}
+}
+
+// The hang thresholds from flags and from the file, and --stall-timeout as
+// the older name of --heartbeat-timeout.
+func TestHangFlags(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "frmps.json")
+	if err := os.WriteFile(path, []byte(`{"heartbeat_timeout":"2s","step_timeout_factor":4,"step_timeout_min":"3s","step_timeout_default":"2m"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts := defaultServeOptions()
+	var cfgFile string
+	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--config", path, "--step-timeout-min", "500ms"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+		t.Fatal(err)
+	}
+	c := opts.supervisorConfig()
+	if c.HeartbeatTimeout != 2*time.Second || c.StepTimeoutFactor != 4 || c.StepTimeoutMin != 500*time.Millisecond || c.StepTimeoutDefault != 2*time.Minute {
+		t.Fatalf("config %+v", c)
+	}
+	opts = defaultServeOptions()
+	f = pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--stall-timeout", "7s"}); err != nil {
+		t.Fatal(err)
+	}
+	if opts.HeartbeatTimeout != 7*time.Second {
+		t.Fatalf("--stall-timeout set the heartbeat timeout to %s", opts.HeartbeatTimeout)
+	}
+	if d := defaultServeOptions().supervisorConfig(); d.HeartbeatTimeout != time.Second || d.StepTimeoutFactor != 8 ||
+		d.StepTimeoutMin != time.Second || d.StepTimeoutDefault != time.Minute {
+		t.Fatalf("defaults %+v", d)
+	}
+}
+
+func TestSharedMPSFlags(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "frmps.json")
+	if err := os.WriteFile(path, []byte(`{"mps_pipe_dir":"/op/mps/pipe","mps_log_dir":"/op/mps/log"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts := defaultServeOptions()
+	var cfgFile string
+	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--config", path}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+		t.Fatal(err)
+	}
+	if c := opts.supervisorConfig(); c.MPSPipeDir != "/op/mps/pipe" || c.MPSLogDir != "/op/mps/log" || c.NoMPS {
+		t.Fatalf("config %+v", c)
+	}
+	if err := opts.validate(); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -64,6 +123,13 @@ func TestServeRejectsBadOptions(t *testing.T) {
 		func(o *serveOptions) { o.AdminAddr = "0.0.0.0:8001" },
 		func(o *serveOptions) { o.SyncEvery = 0 },
 		func(o *serveOptions) { o.MaxRestarts = 0 },
+		func(o *serveOptions) { o.StepTimeoutFactor = 0.5 },
+		func(o *serveOptions) { o.StepTimeoutMin = 0 },
+		func(o *serveOptions) { o.StepTimeoutDefault = -time.Second },
+		func(o *serveOptions) { o.HeartbeatTimeout = 0 },
+		func(o *serveOptions) { o.MPSPipeDir, o.NoMPS = "/op/mps", true },
+		func(o *serveOptions) { o.MPSLogDir = "/op/log" },
+		func(o *serveOptions) { o.MPSPipeDir = "op/mps" },
 	} {
 		o := defaultServeOptions()
 		mod(&o)

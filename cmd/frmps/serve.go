@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strconv"
 	"syscall"
 	"time"
@@ -28,43 +29,52 @@ import (
 // serveOptions are `frmps serve`'s settings. The JSON names are the keys of
 // the --config file; a flag given on the command line wins over the file.
 type serveOptions struct {
-	Model            string        `json:"model"`
-	Engine           string        `json:"engine"`
-	Python           string        `json:"python"`
-	SyncEvery        uint32        `json:"sync_every"`
-	NoFailback       bool          `json:"no_failback"`
-	FailbackDelay    time.Duration `json:"-"`
-	FailbackDelayStr string        `json:"failback_delay"`
-	HandoffTimeout   time.Duration `json:"-"`
-	HandoffTimeoutStr string       `json:"handoff_timeout"`
-	Host             string        `json:"host"`
-	Port             int           `json:"port"`
-	AdminAddr        string        `json:"admin_addr"`
-	AdminAllowRemote bool          `json:"admin_allow_remote"`
-	NoMPS            bool          `json:"no_mps"`
-	MPSControl       string        `json:"mps_control"`
-	RunDir           string        `json:"run_dir"`
-	EngineLogDir     string        `json:"engine_log_dir"`
-	RingDir          string        `json:"ring_dir"`
-	RingCapacity     uint64        `json:"ring_capacity"`
-	Device           string        `json:"device"`
-	Memory           string        `json:"memory"`
-	NumBlocks        int           `json:"num_blocks"`
-	MaxModelLen      int           `json:"max_model_len"`
-	EngineArgs       []string      `json:"engine_args"`
-	MaxConcurrent    int           `json:"max_concurrent"`
-	MaxQueue         int           `json:"max_queue"`
-	MaxBodyBytes     int64         `json:"max_body_bytes"`
-	APIKeyFile       string        `json:"api_key_file"`
-	MaxRestarts      int           `json:"max_restarts"`
-	RestartWindow    time.Duration `json:"-"`
-	RestartWindowStr string        `json:"restart_window"` // file only: a Go duration, e.g. "60s"
-	ShutdownGrace    time.Duration `json:"-"`
-	StallTimeout     time.Duration `json:"-"`
-	StallTimeoutStr  string        `json:"stall_timeout"`
-	ShutdownGraceStr string        `json:"shutdown_grace"`
-	LogLevel         string        `json:"log_level"`
-	LogJSON          bool          `json:"log_json"`
+	Model             string        `json:"model"`
+	Engine            string        `json:"engine"`
+	Python            string        `json:"python"`
+	SyncEvery         uint32        `json:"sync_every"`
+	NoFailback        bool          `json:"no_failback"`
+	FailbackDelay     time.Duration `json:"-"`
+	FailbackDelayStr  string        `json:"failback_delay"`
+	HandoffTimeout    time.Duration `json:"-"`
+	HandoffTimeoutStr string        `json:"handoff_timeout"`
+	Host              string        `json:"host"`
+	Port              int           `json:"port"`
+	AdminAddr         string        `json:"admin_addr"`
+	AdminAllowRemote  bool          `json:"admin_allow_remote"`
+	NoMPS             bool          `json:"no_mps"`
+	MPSControl        string        `json:"mps_control"`
+	MPSPipeDir        string        `json:"mps_pipe_dir"`
+	MPSLogDir         string        `json:"mps_log_dir"`
+	RunDir            string        `json:"run_dir"`
+	EngineLogDir      string        `json:"engine_log_dir"`
+	RingDir           string        `json:"ring_dir"`
+	RingCapacity      uint64        `json:"ring_capacity"`
+	Device            string        `json:"device"`
+	Memory            string        `json:"memory"`
+	NumBlocks         int           `json:"num_blocks"`
+	MaxModelLen       int           `json:"max_model_len"`
+	EngineArgs        []string      `json:"engine_args"`
+	MaxConcurrent     int           `json:"max_concurrent"`
+	MaxQueue          int           `json:"max_queue"`
+	MaxBodyBytes      int64         `json:"max_body_bytes"`
+	APIKeyFile        string        `json:"api_key_file"`
+	MaxRestarts       int           `json:"max_restarts"`
+	RestartWindow     time.Duration `json:"-"`
+	RestartWindowStr  string        `json:"restart_window"` // file only: a Go duration, e.g. "60s"
+	ShutdownGrace     time.Duration `json:"-"`
+	ShutdownGraceStr  string        `json:"shutdown_grace"`
+	// Hang detection; durations in the file are Go durations, e.g. "1s".
+	HeartbeatTimeout      time.Duration `json:"-"`
+	HeartbeatTimeoutStr   string        `json:"heartbeat_timeout"`
+	StallTimeoutStr       string        `json:"stall_timeout"` // the older name of heartbeat_timeout
+	StepTimeoutFactor     float64       `json:"step_timeout_factor"`
+	StepTimeoutMin        time.Duration `json:"-"`
+	StepTimeoutMinStr     string        `json:"step_timeout_min"`
+	StepTimeoutDefault    time.Duration `json:"-"`
+	StepTimeoutDefaultStr string        `json:"step_timeout_default"`
+	LogLevel              string        `json:"log_level"`
+	LogJSON               bool          `json:"log_json"`
 }
 
 func defaultServeOptions() serveOptions {
@@ -72,7 +82,8 @@ func defaultServeOptions() serveOptions {
 		Model: "tiny", Engine: "ref", Python: "python3", SyncEvery: supervisor.DefaultSyncEvery, Port: 8000,
 		AdminAddr: "127.0.0.1:8001", MPSControl: "nvidia-cuda-mps-control", RingCapacity: 8 << 20,
 		Device: "cpu", Memory: "host-shm", MaxRestarts: failover.DefaultBreaker.MaxRestarts,
-		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, StallTimeout: 30 * time.Second, LogLevel: "info",
+		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
+		HeartbeatTimeout: time.Second, StepTimeoutFactor: 8, StepTimeoutMin: time.Second, StepTimeoutDefault: time.Minute,
 	}
 }
 
@@ -85,13 +96,27 @@ func newServeCmd() *cobra.Command {
 		Long: `Run an active/standby engine pair behind an OpenAI-compatible endpoint.
 
 The active engine runs inside a private MPS session (unless --no-mps), the
-standby outside it, asleep with the shared weights and KV cache mapped. When
+standby outside it, asleep with the shared weights and KV cache mapped. On a
+GPU shared through the operator's MPS daemon (e.g. Kubernetes MPS sharing),
+--mps-pipe-dir joins that daemon instead: frmps checks that it answers, runs
+the active in it, and never starts, stops or restarts it. A GPU in
+Exclusive_Process compute mode is refused at start: the standby needs a CUDA
+context of its own outside MPS. When
 the active dies the standby takes over its requests; a fresh standby is then
 started. SIGTERM or SIGINT shuts everything down gracefully.
 
 Settings may also come from a JSON file (--config) whose keys are the flag
 names with underscores (e.g. {"model": "qwen2.5-0.5b", "sync_every": 8,
 "restart_window": "2m"}); flags given on the command line override the file.
+
+Hang detection: the active's heartbeats come from a thread that never waits
+on the device. When they stop for --heartbeat-timeout (1s; a stopped or
+frozen process), or when one engine step runs longer than
+max(--step-timeout-min, --step-timeout-factor × the engine's estimate for it)
+(max(1s, 8 × estimate); a kernel that never returns), or longer than
+--step-timeout-default (60s) while the engine has no estimate (its first
+steps, a far larger batch than before), the active is fenced and the standby
+takes over.
 
 The default model "tiny" is the reference engine's small preset: it runs on a
 CPU in seconds, for trying frmps out. Use e.g. --model qwen2.5-7b --device cuda
@@ -125,6 +150,8 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.BoolVar(&opts.AdminAllowRemote, "admin-allow-remote", opts.AdminAllowRemote, "allow a non-loopback --admin-addr (the admin API can kill engines)")
 	f.BoolVar(&opts.NoMPS, "no-mps", opts.NoMPS, "do not start an MPS daemon; the active runs outside MPS")
 	f.StringVar(&opts.MPSControl, "mps-control", opts.MPSControl, "the nvidia-cuda-mps-control binary")
+	f.StringVar(&opts.MPSPipeDir, "mps-pipe-dir", opts.MPSPipeDir, "join the operator's MPS daemon at this pipe directory (its CUDA_MPS_PIPE_DIRECTORY) instead of starting one: the active runs in it, the standby outside; frmps checks it answers and never starts, stops or restarts it")
+	f.StringVar(&opts.MPSLogDir, "mps-log-dir", opts.MPSLogDir, "that daemon's CUDA_MPS_LOG_DIRECTORY, given to the active (with --mps-pipe-dir)")
 	f.StringVar(&opts.RunDir, "run-dir", opts.RunDir, "private run directory for sockets and logs, created 0700 and removed at exit (empty: a fresh temp dir)")
 	f.StringVar(&opts.EngineLogDir, "engine-log-dir", opts.EngineLogDir, "directory for the engines' log files, kept after exit (empty: inside the run dir, removed at exit)")
 	f.StringVar(&opts.RingDir, "ring-dir", opts.RingDir, "directory of the forward-state ring (empty: /dev/shm)")
@@ -140,7 +167,12 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.APIKeyFile, "api-key-file", opts.APIKeyFile, "file holding the API key clients must send as a Bearer token (else FRMPS_API_KEY, else none)")
 	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window is not restarted")
 	f.DurationVar(&opts.RestartWindow, "restart-window", opts.RestartWindow, "crash-loop breaker window")
-	f.DurationVar(&opts.StallTimeout, "stall-timeout", opts.StallTimeout, "fail over from an active that is connected but makes no progress (no heartbeat, or no step with requests running) for this long; negative disables")
+	f.DurationVar(&opts.HeartbeatTimeout, "heartbeat-timeout", opts.HeartbeatTimeout, "hang detection, liveness: fail over from an active whose heartbeats stop for this long (a stopped or frozen process: the heartbeat thread never waits on the device); negative disables hang detection")
+	f.Float64Var(&opts.StepTimeoutFactor, "step-timeout-factor", opts.StepTimeoutFactor, "hang detection, progress: fail over from an active whose step runs longer than this many times the engine's own estimate for it (recent step times scaled to the step's tokens), and longer than --step-timeout-min")
+	f.DurationVar(&opts.StepTimeoutMin, "step-timeout-min", opts.StepTimeoutMin, "hang detection, progress: the shortest bound of one engine step")
+	f.DurationVar(&opts.StepTimeoutDefault, "step-timeout-default", opts.StepTimeoutDefault, "hang detection, progress: the bound of a step the engine has no estimate for (its first serving steps, a batch far larger than its recent ones)")
+	f.DurationVar(&opts.HeartbeatTimeout, "stall-timeout", opts.HeartbeatTimeout, "the older name of --heartbeat-timeout")
+	_ = f.MarkDeprecated("stall-timeout", "use --heartbeat-timeout (the step bound is --step-timeout-factor/-min/-default)")
 	f.DurationVar(&opts.ShutdownGrace, "shutdown-grace", opts.ShutdownGrace, "how long engines get to exit on shutdown before being killed")
 	f.StringVar(&opts.LogLevel, "log-level", opts.LogLevel, "log level: trace, debug, info, warn, error")
 	f.BoolVar(&opts.LogJSON, "log-json", opts.LogJSON, "log as JSON lines")
@@ -164,8 +196,9 @@ func applyConfigFile(flags *pflag.FlagSet, opts *serveOptions, path string) erro
 		raw string
 		dst *time.Duration
 	}{"restart_window": {opts.RestartWindowStr, &opts.RestartWindow}, "shutdown_grace": {opts.ShutdownGraceStr, &opts.ShutdownGrace},
-		"stall_timeout": {opts.StallTimeoutStr, &opts.StallTimeout}, "failback_delay": {opts.FailbackDelayStr, &opts.FailbackDelay},
-		"handoff_timeout": {opts.HandoffTimeoutStr, &opts.HandoffTimeout}} {
+		"stall_timeout": {opts.StallTimeoutStr, &opts.HeartbeatTimeout}, "heartbeat_timeout": {opts.HeartbeatTimeoutStr, &opts.HeartbeatTimeout},
+		"step_timeout_min": {opts.StepTimeoutMinStr, &opts.StepTimeoutMin}, "step_timeout_default": {opts.StepTimeoutDefaultStr, &opts.StepTimeoutDefault},
+		"failback_delay": {opts.FailbackDelayStr, &opts.FailbackDelay}, "handoff_timeout": {opts.HandoffTimeoutStr, &opts.HandoffTimeout}} {
 		if s.raw == "" {
 			continue
 		}
@@ -189,9 +222,11 @@ func (o serveOptions) supervisorConfig() supervisor.Config {
 	return supervisor.Config{
 		Model: o.Model, Engine: o.Engine, Python: o.Python, SyncEvery: o.SyncEvery,
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity,
-		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, Device: o.Device, Memory: o.Memory,
-		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace, StallTimeout: o.StallTimeout,
-		NoFailback: o.NoFailback, FailbackDelay: o.FailbackDelay, HandoffTimeout: o.HandoffTimeout,
+		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, MPSPipeDir: o.MPSPipeDir, MPSLogDir: o.MPSLogDir, Device: o.Device, Memory: o.Memory,
+		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace,
+		HeartbeatTimeout: o.HeartbeatTimeout, StepTimeoutFactor: o.StepTimeoutFactor, StepTimeoutMin: o.StepTimeoutMin,
+		StepTimeoutDefault: o.StepTimeoutDefault,
+		NoFailback:         o.NoFailback, FailbackDelay: o.FailbackDelay, HandoffTimeout: o.HandoffTimeout,
 	}
 }
 
@@ -208,6 +243,22 @@ func (o serveOptions) validate() error {
 	}
 	if o.SyncEvery == 0 {
 		return errors.New("--sync-every must be at least 1")
+	}
+	if o.StepTimeoutFactor < 1 || o.StepTimeoutMin <= 0 || o.StepTimeoutDefault <= 0 {
+		return fmt.Errorf("--step-timeout-factor %g / --step-timeout-min %s / --step-timeout-default %s: want a factor of at least 1 and positive durations",
+			o.StepTimeoutFactor, o.StepTimeoutMin, o.StepTimeoutDefault)
+	}
+	if o.MPSPipeDir != "" && o.NoMPS {
+		return errors.New("--mps-pipe-dir joins an MPS daemon, --no-mps runs without one: choose one")
+	}
+	if o.MPSPipeDir != "" && !filepath.IsAbs(o.MPSPipeDir) {
+		return fmt.Errorf("--mps-pipe-dir %q: want an absolute path", o.MPSPipeDir)
+	}
+	if o.MPSLogDir != "" && o.MPSPipeDir == "" {
+		return errors.New("--mps-log-dir names the joined daemon's log directory: give --mps-pipe-dir too")
+	}
+	if o.HeartbeatTimeout == 0 {
+		return errors.New("--heartbeat-timeout 0: give a duration (negative disables hang detection)")
 	}
 	if o.MaxRestarts < 1 || o.RestartWindow <= 0 {
 		return fmt.Errorf("--max-restarts %d / --restart-window %s: both must be positive", o.MaxRestarts, o.RestartWindow)

@@ -1,6 +1,7 @@
 // Package mps runs a private NVIDIA MPS control daemon for the active
-// engine, and gives the standby an environment in which CUDA runs outside
-// MPS.
+// engine, or joins the operator's (Join, shared.go), and gives the standby
+// an environment in which CUDA runs outside MPS. It also reads the GPU's
+// compute mode (computemode.go).
 //
 // The daemon is private to the deployment: its pipe and log directories
 // live under the supervisor's run directory (mode 0700), so it shares the
@@ -58,12 +59,17 @@ type Config struct {
 	StartTimeout  time.Duration // bounds Start, Restart and Stop; 0 = DefaultStartTimeout
 }
 
+// client runs nvidia-cuda-mps-control commands against one daemon.
+type client struct {
+	bin string
+	env []string // environment of every control command (names the daemon's pipe dir)
+}
+
 // Daemon is a running private MPS control daemon.
 type Daemon struct {
-	bin     string
+	client
 	pipeDir string
 	logDir  string
-	env     []string // environment of every control command
 	timeout time.Duration
 	log     hclog.Logger
 
@@ -102,7 +108,7 @@ func Start(ctx context.Context, cfg Config, log hclog.Logger) (*Daemon, error) {
 		}
 	}
 	d := &Daemon{
-		bin:     bin,
+		client:  client{bin: bin},
 		pipeDir: pipeDir,
 		logDir:  logDir,
 		timeout: timeout,
@@ -177,7 +183,7 @@ func (d *Daemon) startOutput() string {
 
 // command builds a control command in its own process group, so a timeout
 // kills it together with anything it spawned.
-func (d *Daemon) command(ctx context.Context, args ...string) *exec.Cmd {
+func (d client) command(ctx context.Context, args ...string) *exec.Cmd {
 	cmd := exec.CommandContext(ctx, d.bin, args...)
 	cmd.Env = d.env
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
@@ -188,7 +194,7 @@ func (d *Daemon) command(ctx context.Context, args ...string) *exec.Cmd {
 
 // control sends one command line to the daemon through the control client
 // and returns its output.
-func (d *Daemon) control(ctx context.Context, line string) (string, error) {
+func (d client) control(ctx context.Context, line string) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, checkTimeout)
 	defer cancel()
 	cmd := d.command(ctx)
@@ -205,7 +211,7 @@ func (d *Daemon) control(ctx context.Context, line string) (string, error) {
 	return out.String(), nil
 }
 
-func (d *Daemon) check(ctx context.Context) error {
+func (d client) check(ctx context.Context) error {
 	_, err := d.control(ctx, "get_server_list")
 	return err
 }
@@ -293,6 +299,12 @@ func (d *Daemon) Restart(ctx context.Context) error {
 	}
 	return nil
 }
+
+// Recover brings a daemon that does not answer back: this one is restarted.
+func (d *Daemon) Recover(ctx context.Context) error { return d.Restart(ctx) }
+
+// Owned: frmps started this daemon and stops it.
+func (d *Daemon) Owned() bool { return true }
 
 // stopStale quits a daemon that a previous supervisor left in our pipe
 // directory. Caller holds mu.

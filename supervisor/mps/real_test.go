@@ -49,3 +49,32 @@ func TestRealDaemon(t *testing.T) {
 	t.Logf("check of a stopped daemon failed in %s", time.Since(began))
 	checkNoProcessesIn(t, runDir)
 }
+
+// TestRealJoin joins a real daemon started apart (here by Start, standing in
+// for the operator) and leaves it running (GPU machines only):
+// FRMPS_TEST_REAL_MPS=1 go test -run TestRealJoin ./supervisor/mps
+func TestRealJoin(t *testing.T) {
+	if os.Getenv("FRMPS_TEST_REAL_MPS") != "1" {
+		t.Skip("set FRMPS_TEST_REAL_MPS=1 on a machine with NVIDIA MPS")
+	}
+	runDir := t.TempDir()
+	ctx := context.Background()
+	op, err := Start(ctx, Config{RunDir: runDir, StartTimeout: 20 * time.Second}, nil)
+	if err != nil {
+		t.Fatalf("the operator's daemon: %v", err)
+	}
+	defer op.Stop(ctx)
+	pid := op.daemonPID()
+	s, err := Join(ctx, SharedConfig{PipeDir: op.PipeDir()}, hclog.New(&hclog.LoggerOptions{Output: os.Stderr}))
+	if err != nil {
+		t.Fatalf("Join: %v", err)
+	}
+	if err := s.Check(ctx); err != nil {
+		t.Fatalf("Check: %v", err)
+	}
+	if err := s.Stop(ctx); err != nil || !alive(pid) || op.daemonPID() != pid {
+		t.Fatalf("Stop: %v; daemon %d alive %v, pid file %d", err, pid, alive(pid), op.daemonPID())
+	}
+	gpus, err := QueryComputeModes(ctx, "")
+	t.Logf("compute modes: %+v (%v)", gpus, err)
+}

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
-from frmps_engine.sdk.control import ConnectionClosed, ControlConn
+from frmps_engine.sdk.control import ConnectionClosed, ControlConn, ControlError
 from frmps_engine.sdk.seeds import derive_seed
 
 pytestmark = pytest.mark.torch
@@ -471,3 +471,56 @@ def test_pool_checksum_hook_shows_the_standby_wrote_nothing(sup):
     while "pool checksums on request" not in a.log() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert f"pool checksums on request: {want}" in a.log()
+def _heartbeats(e: Engine, seconds: float) -> list[tuple[float, c.Heartbeat]]:
+    """The heartbeats an engine sends for a while, with their arrival times."""
+    out = []
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        e.conn._sock.settimeout(left)
+        try:
+            env, _ = e.conn.recv()
+        except ControlError as err:
+            if isinstance(err.__cause__, TimeoutError):
+                break
+            raise
+        if env.WhichOneof("msg") == "heartbeat":
+            out.append((time.monotonic(), env.heartbeat))
+    e.conn._sock.settimeout(None)
+    return out
+
+
+def test_heartbeats_report_a_hung_step_and_keep_coming(sup):
+    """A step that never finishes (the debug hang hook, SIGUSR2, CPU variant: the loop
+    thread blocks inside the step) does not hold the heartbeat thread back: beats keep
+    coming at the period Welcome asked for, with the step's age growing and the
+    engine's estimate, measured on the steps before, beside it."""
+    a = sup.spawn("active", "a", env={"FRMPS_DEBUG_HANG_SIGNAL": "1", "FRMPS_FAKE_STEP_DELAY_MS": "5"})
+    sup.accept(a)
+    sup.welcome(a, ring_path=sup.ring, sync_every=4, heartbeat_interval_ms=50)
+    sup.fds += sup.expect(a, "pool_export", "ready")["pool_export"][1]
+    idle = _heartbeats(a, 0.3)
+    assert len(idle) >= 3 and all(hb.interval_ms == 50 and hb.step_age_ns == 0 for _, hb in idle), idle
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("unix://" + a.gen_path))
+    st = Stream(stub, g.GenerateRequest(key=1, prompt="hello", params=c.SamplingParams(max_tokens=100)))
+    st.start()
+    deadline = time.monotonic() + 30
+    while len(st.tokens) < 20 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(st.tokens) >= 20, "no generation"
+    os.kill(a.proc.pid, signal.SIGUSR2)
+    beats = _heartbeats(a, 1.5)
+    ages = [hb.step_age_ns for _, hb in beats]
+    # Every 50ms (generous slack for a loaded machine), none missing while the step hangs.
+    gaps = [b - a_ for (a_, _), (b, _) in zip(beats, beats[1:])]
+    assert len(beats) >= 15 and max(gaps) < 0.4, gaps
+    hung = [hb for _, hb in beats if hb.step_age_ns > 100_000_000]
+    assert hung and all(hb.step == hung[0].step for hb in hung), f"no single step older than 0.1 s: {ages}"
+    hung_ages = [hb.step_age_ns for hb in hung]
+    assert hung_ages == sorted(set(hung_ages)), f"the hung step's age does not grow: {hung_ages}"
+    last = hung[-1]
+    assert last.step_age_ns > 1_000_000_000 and last.running == 1
+    # The estimate comes from the fake's measured steps (~5 ms each, one token).
+    assert 1_000_000 < last.step_expected_ns < 200_000_000, last
+    assert last.step_tokens == 1
+    assert "debug hang requested" in a.log()
+    assert not st.finished

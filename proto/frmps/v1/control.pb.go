@@ -591,8 +591,12 @@ type Welcome struct {
 	RingPath        string                 `protobuf:"bytes,4,opt,name=ring_path,json=ringPath,proto3" json:"ring_path,omitempty"`     // active only: the /dev/shm ring to publish to
 	SyncEvery       uint32                 `protobuf:"varint,5,opt,name=sync_every,json=syncEvery,proto3" json:"sync_every,omitempty"` // publish every N engine steps
 	DeploymentId    string                 `protobuf:"bytes,6,opt,name=deployment_id,json=deploymentId,proto3" json:"deployment_id,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// How often the engine sends Heartbeats; 0 = the engine's own default. The
+	// supervisor fails over from a serving active whose heartbeats stop for its
+	// heartbeat timeout, so the interval is a fraction of it.
+	HeartbeatIntervalMs uint32 `protobuf:"varint,7,opt,name=heartbeat_interval_ms,json=heartbeatIntervalMs,proto3" json:"heartbeat_interval_ms,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *Welcome) Reset() {
@@ -665,6 +669,13 @@ func (x *Welcome) GetDeploymentId() string {
 		return x.DeploymentId
 	}
 	return ""
+}
+
+func (x *Welcome) GetHeartbeatIntervalMs() uint32 {
+	if x != nil {
+		return x.HeartbeatIntervalMs
+	}
+	return 0
 }
 
 // The active's pool fds follow as SCM_RIGHTS, one per pool, in order.
@@ -973,11 +984,28 @@ func (x *Fault) GetUnixNanos() uint64 {
 	return 0
 }
 
+// Sent by a dedicated engine thread that never waits on the device or on the
+// engine loop, so it keeps coming while a step hangs; it stops only when the
+// process is stopped or wedged as a whole (liveness). The step fields report
+// progress: how long the step in progress has run and how long the engine's
+// own measurements say it should take.
 type Heartbeat struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Step          uint64                 `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`       // engine steps so far
-	Running       uint32                 `protobuf:"varint,2,opt,name=running,proto3" json:"running,omitempty"` // running requests
-	Waiting       uint32                 `protobuf:"varint,3,opt,name=waiting,proto3" json:"waiting,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Step    uint64                 `protobuf:"varint,1,opt,name=step,proto3" json:"step,omitempty"`       // engine steps so far
+	Running uint32                 `protobuf:"varint,2,opt,name=running,proto3" json:"running,omitempty"` // running requests
+	Waiting uint32                 `protobuf:"varint,3,opt,name=waiting,proto3" json:"waiting,omitempty"`
+	// The engine's heartbeat period. 0: an engine without hang reporting (the
+	// fields below are then absent too), judged by the older, slower rule.
+	IntervalMs uint32 `protobuf:"varint,4,opt,name=interval_ms,json=intervalMs,proto3" json:"interval_ms,omitempty"`
+	// Age of the step in progress (the engine loop inside a step or another
+	// wait on the device); 0 between steps.
+	StepAgeNs uint64 `protobuf:"varint,5,opt,name=step_age_ns,json=stepAgeNs,proto3" json:"step_age_ns,omitempty"`
+	// What the engine expects the step in progress to take, from its measured
+	// step times scaled to the step's tokens; 0 = no estimate (its first
+	// serving steps, or a step larger than any it has measured).
+	StepExpectedNs uint64 `protobuf:"varint,6,opt,name=step_expected_ns,json=stepExpectedNs,proto3" json:"step_expected_ns,omitempty"`
+	// Tokens the step in progress computes at most (prefill + decode).
+	StepTokens    uint32 `protobuf:"varint,7,opt,name=step_tokens,json=stepTokens,proto3" json:"step_tokens,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1029,6 +1057,34 @@ func (x *Heartbeat) GetRunning() uint32 {
 func (x *Heartbeat) GetWaiting() uint32 {
 	if x != nil {
 		return x.Waiting
+	}
+	return 0
+}
+
+func (x *Heartbeat) GetIntervalMs() uint32 {
+	if x != nil {
+		return x.IntervalMs
+	}
+	return 0
+}
+
+func (x *Heartbeat) GetStepAgeNs() uint64 {
+	if x != nil {
+		return x.StepAgeNs
+	}
+	return 0
+}
+
+func (x *Heartbeat) GetStepExpectedNs() uint64 {
+	if x != nil {
+		return x.StepExpectedNs
+	}
+	return 0
+}
+
+func (x *Heartbeat) GetStepTokens() uint32 {
+	if x != nil {
+		return x.StepTokens
 	}
 	return 0
 }
@@ -1657,7 +1713,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"block_size\x18\n" +
 	" \x01(\rR\tblockSize\x12\x1d\n" +
 	"\n" +
-	"num_blocks\x18\v \x01(\x04R\tnumBlocks\"\xe4\x01\n" +
+	"num_blocks\x18\v \x01(\x04R\tnumBlocks\"\x98\x02\n" +
 	"\aWelcome\x12\x1a\n" +
 	"\baccepted\x18\x01 \x01(\bR\baccepted\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\x12D\n" +
@@ -1665,7 +1721,8 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\tring_path\x18\x04 \x01(\tR\bringPath\x12\x1d\n" +
 	"\n" +
 	"sync_every\x18\x05 \x01(\rR\tsyncEvery\x12#\n" +
-	"\rdeployment_id\x18\x06 \x01(\tR\fdeploymentId\"2\n" +
+	"\rdeployment_id\x18\x06 \x01(\tR\fdeploymentId\x122\n" +
+	"\x15heartbeat_interval_ms\x18\a \x01(\rR\x13heartbeatIntervalMs\"2\n" +
 	"\n" +
 	"PoolExport\x12$\n" +
 	"\x05pools\x18\x01 \x03(\v2\x0e.frmps.v1.PoolR\x05pools\"D\n" +
@@ -1687,11 +1744,17 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\x05cause\x18\x01 \x01(\tR\x05cause\x12\x16\n" +
 	"\x06detail\x18\x02 \x01(\tR\x06detail\x12\x1d\n" +
 	"\n" +
-	"unix_nanos\x18\x03 \x01(\x04R\tunixNanos\"S\n" +
+	"unix_nanos\x18\x03 \x01(\x04R\tunixNanos\"\xdf\x01\n" +
 	"\tHeartbeat\x12\x12\n" +
 	"\x04step\x18\x01 \x01(\x04R\x04step\x12\x18\n" +
 	"\arunning\x18\x02 \x01(\rR\arunning\x12\x18\n" +
-	"\awaiting\x18\x03 \x01(\rR\awaiting\"\x06\n" +
+	"\awaiting\x18\x03 \x01(\rR\awaiting\x12\x1f\n" +
+	"\vinterval_ms\x18\x04 \x01(\rR\n" +
+	"intervalMs\x12\x1e\n" +
+	"\vstep_age_ns\x18\x05 \x01(\x04R\tstepAgeNs\x12(\n" +
+	"\x10step_expected_ns\x18\x06 \x01(\x04R\x0estepExpectedNs\x12\x1f\n" +
+	"\vstep_tokens\x18\a \x01(\rR\n" +
+	"stepTokens\"\x06\n" +
 	"\x04Ping\"-\n" +
 	"\x05Sleep\x12$\n" +
 	"\x05pools\x18\x01 \x03(\v2\x0e.frmps.v1.PoolR\x05pools\"\xb2\x02\n" +

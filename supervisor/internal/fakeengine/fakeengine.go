@@ -401,7 +401,8 @@ func (e *engine) heartbeat(stop <-chan struct{}, done chan<- struct{}) {
 			return
 		case <-tick.C:
 		}
-		env := &frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Heartbeat{Heartbeat: &frmpsv1.Heartbeat{Step: step}}}
+		env := &frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Heartbeat{Heartbeat: &frmpsv1.Heartbeat{
+			Step: step, IntervalMs: uint32(max(1, e.cfg.HeartbeatEvery.Milliseconds()))}}}
 		if e.c.Send(env, nil) != nil {
 			return // the connection is gone; serve sees it too
 		}

@@ -98,6 +98,9 @@ def serve(args: argparse.Namespace) -> int:
 
     if os.environ.get(debug_fault.CHECKSUM_ENV) == "1":
         signal.signal(debug_fault.checksum_signal(), lambda *_: r.checksum_pools())
+    if os.environ.get("FRMPS_DEBUG_HANG_SIGNAL") == "1":
+        # Test hook for hang detection: the next step never finishes (sdk/debug_hang.py).
+        signal.signal(signal.SIGUSR2, lambda *_: r.inject_hang())
     return r.run()
 
 

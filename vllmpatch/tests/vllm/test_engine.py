@@ -105,6 +105,23 @@ def test_generates_with_explicit_seeds_and_contiguous_indices(model_dir):
     assert eng.abort(99) is False
 
 
+def test_reports_each_steps_tokens_and_its_load(model_dir):
+    """What the SDK's heartbeats read: the tokens of the step just scheduled (both
+    prompts' prefill first, then one decode token per request) and the running and
+    waiting counts."""
+    eng = engine(model_dir)
+    for k, p in PROMPTS.items():
+        eng.add_request(k, p, params(MAX[k]))
+    assert (eng.num_running(), eng.num_waiting(), eng.scheduled_tokens) == (0, 2, 0)
+    eng.step()
+    assert eng.scheduled_tokens == sum(len(p) for p in PROMPTS.values())
+    assert (eng.num_running(), eng.num_waiting()) == (2, 0)
+    eng.step()
+    assert eng.scheduled_tokens == 2
+    drain(eng)
+    assert (eng.num_running(), eng.num_waiting()) == (0, 0)
+
+
 @pytest.mark.parametrize("kill_after", [2, 5, 11])
 def test_takeover_resumes_exactly_without_recomputing_synced_tokens(model_dir, kill_after):
     reference = by_key(_run_all(model_dir))

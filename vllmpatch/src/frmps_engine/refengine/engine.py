@@ -157,6 +157,8 @@ class EngineCore:
         self._stream = torch.cuda.Stream(self.model.device) if self._launch_async else None
         # Exact mode alternates decode and prefill steps when both are waiting.
         self._prefill_turn = False
+        # Tokens the step in progress computes (engine_api: read by the heartbeat thread).
+        self.scheduled_tokens = 0
 
     # ---- setup -----------------------------------------------------------
     @staticmethod
@@ -447,7 +449,9 @@ class EngineCore:
 
     def _step(self, on_launch: Callable[[], None] | None) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        self.scheduled_tokens = 0
         sched = self._schedule()
+        self.scheduled_tokens = sum(n for _, n in sched)
         self.counters["steps"] += 1
         if not sched:
             return outputs

@@ -274,8 +274,11 @@ class ControlClient:
     def ready(self, role: int, init_ns: int) -> None:
         self.send(control_pb2.Envelope(ready=control_pb2.Ready(role=role, init_ns=init_ns)))
 
-    def heartbeat(self, step: int, running: int, waiting: int) -> None:
-        self.send(control_pb2.Envelope(heartbeat=control_pb2.Heartbeat(step=step, running=running, waiting=waiting)))
+    def heartbeat(self, step: int, running: int, waiting: int, *, interval_ms: int = 0, step_age_ns: int = 0,
+                  step_expected_ns: int = 0, step_tokens: int = 0) -> None:
+        self.send(control_pb2.Envelope(heartbeat=control_pb2.Heartbeat(
+            step=step, running=running, waiting=waiting, interval_ms=interval_ms, step_age_ns=step_age_ns,
+            step_expected_ns=step_expected_ns, step_tokens=step_tokens)))
 
     def reply(self, env_id: int, reply: control_pb2.Reply) -> None:
         self.send(control_pb2.Envelope(id=env_id, reply=reply))

@@ -92,6 +92,16 @@ class LaunchHook(Protocol):
 
 
 @runtime_checkable
+class StepSize(Protocol):
+    """``scheduled_tokens``: the tokens (prefill + decode) the step in progress
+    computes, set when step() has scheduled them and kept until the next step. Read
+    from the heartbeat thread; the loop sizes its hang estimate with it (a core
+    without it gets no estimate: the supervisor's default bound applies)."""
+
+    scheduled_tokens: int
+
+
+@runtime_checkable
 class LoadReport(Protocol):
     """The core's own request counts, for heartbeats and Health (else the SDK counts streams)."""
 

@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from .engine_api import DeviceCheck, EngineCore, LoadReport, RequestView, has_launch_hook
+from .engine_api import DeviceCheck, EngineCore, LoadReport, RequestView, StepSize, has_launch_hook
+from .steptime import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,12 @@ class EngineLoop:
         # Test knob only (FRMPS_TEST_STEP_DELAY_MS): slows every step so that
         # end-to-end tests can kill an engine at a chosen point of a request.
         self._step_delay = max(0.0, float(step_delay_s))
+        # Hang reporting: every step and idle device check is timed; the heartbeat
+        # thread reads the timer, step_count and these counts without a lock.
+        self.timer = StepTimer()
+        self.running_count = 0
+        self.waiting_count = 0
+        self._in_step: Callable[[], Any] | None = None  # test hook: runs inside the next step
 
     # -- threading ------------------------------------------------------------
     def start(self) -> None:
@@ -287,6 +294,26 @@ class EngineLoop:
         if stream.finish("stop", stop, truncate_to=n_tokens):
             self.post(lambda: self.core.abort(stream.key))
 
+    def run_in_step(self, fn: Callable[[], Any]) -> None:
+        """Test hook (debug_hang): run fn on the loop thread as part of the next step,
+        or, while idle, timed like an idle device check."""
+        self._in_step = fn
+        self._wake.set()
+
+    def scheduled_tokens(self) -> int | None:
+        """Tokens of the step in progress (or the last one), when the core says."""
+        n = self.core.scheduled_tokens if isinstance(self.core, StepSize) else None
+        return n if isinstance(n, int) else None
+
+    def heartbeat(self) -> tuple[int, int, int, int, int, int]:
+        """(step, running, waiting, step age ns, step expected ns, step tokens) for the
+        heartbeat thread: attribute reads only, no lock and nothing that waits on the
+        device or on this loop, so a hung step cannot hold a heartbeat back."""
+        tokens = self.scheduled_tokens()
+        age, expected = self.timer.progress(tokens)
+        return (self.step_count, self.running_count, self.waiting_count + len(self._cmds), age, expected,
+                (tokens or 0) if age else 0)
+
     def load(self) -> tuple[int, int]:
         """(running, waiting): the core's own counts when it has them."""
         if isinstance(self.core, LoadReport):
@@ -363,13 +390,31 @@ class EngineLoop:
         self._publish()
         self._since_sync = 0
 
+    def _run_hook(self) -> None:
+        fn, self._in_step = self._in_step, None
+        if fn is not None:
+            fn()
+
     def _step(self):
+        self.timer.begin()
+        self._run_hook()
         if not self._sync_pending:
-            return self.core.step()
-        outs = self.core.step(on_launch=self._publish)
-        if self._sync_pending:  # nothing was launched: publish now
-            self._publish()
+            outs = self.core.step()
+        else:
+            outs = self.core.step(on_launch=self._publish)
+            if self._sync_pending:  # nothing was launched: publish now
+                self._publish()
+        self.timer.end(self.scheduled_tokens())
         return outs
+
+    def _count_load(self) -> None:
+        """Refresh the counts heartbeats report (on this thread, between steps)."""
+        if isinstance(self.core, LoadReport):
+            self.running_count, self.waiting_count = int(self.core.num_running()), int(self.core.num_waiting())
+            return
+        with self._streams_lock:
+            self.running_count = sum(1 for s in self._streams.values() if not s.finished)
+        self.waiting_count = 0
 
     def _run(self) -> None:
         last_prune = time.monotonic()
@@ -393,6 +438,7 @@ class EngineLoop:
                         time.sleep(self._step_delay)
                     self.step_count += 1
                     self._since_sync += 1
+                    self._count_load()
                     self._dispatch(outs)
                     # Also publish as soon as a request has its first token: its prompt's
                     # KV is the costliest part to recompute, so a fault right after a
@@ -412,6 +458,13 @@ class EngineLoop:
                 if self._since_sync or self._sync_pending:
                     # Going idle: publish what finished so the supervisor's snapshot is current.
                     self._sync()
+                self._count_load()
+                if self._in_step is not None:
+                    # Idle: the hook runs where an idle device check would, timed alike.
+                    self.timer.begin()
+                    self._run_hook()
+                    self.timer.end(None)
+                    continue
                 if not self._wake.wait(0.5):
                     self._probe_device()
                 self._wake.clear()
@@ -434,7 +487,10 @@ class EngineLoop:
         kills this context too, and an idle engine would otherwise learn of it only
         at its next request, leaving the supervisor without a standby takeover until then."""
         if isinstance(self.core, DeviceCheck):
+            # Timed like a step: a device that never answers holds this thread here.
+            self.timer.begin()
             self.core.check_device()
+            self.timer.end(None)
 
     def _dispatch(self, outs) -> None:
         n = 0

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from frmps_engine._proto.frmps.v1 import control_pb2
 
-from . import control
+from . import control, debug_hang
 from .engine_api import EngineAdapter, Resettable
 from .genapi import GenerationServer, input_to_ids
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
@@ -61,7 +61,8 @@ class RunnerConfig:
     control_socket: str
     generation_socket: str
     ring_module: str = "frmps_engine.ring"
-    heartbeat_s: float = 1.0
+    # Heartbeat period when the supervisor's Welcome names none.
+    heartbeat_s: float = 0.125
     default_grace_s: float = 5.0
 
 
@@ -359,6 +360,15 @@ class Runner:
             loop.post(lambda: self._log_checksums("on request"))
         else:
             threading.Thread(target=self._log_checksums, args=("on request",), daemon=True).start()
+    def inject_hang(self) -> None:
+        """Test hook (debug_hang): make this engine's next step never finish."""
+        loop = self.loop
+        if loop is None:
+            log.warning("debug hang requested but the engine is not serving")
+            return
+        device = self.adapter.device
+        log.warning("debug hang requested: the next step on %s never finishes", device)
+        loop.run_in_step(lambda: debug_hang.hang(device))
 
     def inject_fault(self) -> None:
         """Test hook (debug_fault): fault this engine's GPU context from its loop thread."""
@@ -434,11 +444,19 @@ class Runner:
             self._exit(code)
 
     def _heartbeats(self) -> None:
-        while not self._done.wait(self.cfg.heartbeat_s):
+        """The liveness signal: its own thread, which never waits on the device, on the
+        engine loop or on a lock the loop holds (EngineLoop.heartbeat reads attributes),
+        so it stops only when the whole process does; a step that hangs shows as a
+        growing step age instead."""
+        ms = self.welcome.heartbeat_interval_ms if self.welcome is not None else 0
+        interval = ms / 1000 if ms else self.cfg.heartbeat_s
+        interval_ms = max(1, round(interval * 1000))
+        while not self._done.wait(interval):
             loop = self.loop
-            running, waiting = loop.load() if loop is not None else (0, 0)
+            step, running, waiting, age, expected, tokens = loop.heartbeat() if loop is not None else (0, 0, 0, 0, 0, 0)
             try:
-                self.client.heartbeat(loop.step_count if loop is not None else 0, running, waiting)
+                self.client.heartbeat(step, running, waiting, interval_ms=interval_ms, step_age_ns=age,
+                                      step_expected_ns=expected, step_tokens=tokens)
             except control.ControlError:
                 return
 

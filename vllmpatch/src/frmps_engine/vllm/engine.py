@@ -191,6 +191,17 @@ class VllmEngineCore:
     def has_work(self) -> bool:
         return bool(self.scheduler.has_requests())
 
+    # Optional EngineCore members (engine_api): heartbeat counts and the step's tokens.
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def scheduled_tokens(self) -> int:
+        return int(self.scheduler.frmps_scheduled_tokens)
+
     def request_views(self) -> Iterable[CommittedView]:
         return self.scheduler.frmps_views()
 

@@ -39,6 +39,9 @@ class _FrmpsSchedulerMixin:
         self._frmps_live: dict[str, Any] = {}
         self._frmps_folded: dict[str, int] = {}
         self._frmps_last_blocks: dict[str, list[int]] = {}
+        # Tokens of the batch scheduled last (the step in progress): the SDK's hang
+        # estimate reads it from its heartbeat thread.
+        self.frmps_scheduled_tokens = 0
         # What the engine computed, so tests and the supervisor can prove that a
         # takeover did not recompute tokens the last sync covered.
         self.frmps_counters = {
@@ -155,6 +158,11 @@ class _FrmpsSchedulerMixin:
                 c["decode_tokens"] += 1
             else:
                 c["prefill_tokens_computed"] += n
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self.frmps_scheduled_tokens = int(out.total_num_scheduled_tokens)
+        return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         if scheduler_output.total_num_scheduled_tokens > 0:

@@ -114,6 +114,7 @@ class FakeCore:
         self.counters = {"prefill_tokens_computed": 0, "decode_tokens": 0, "adopted_tokens_reused": 0, "steps": 0}
         self._delay = float(os.environ.get("FRMPS_FAKE_STEP_DELAY_MS", "0")) / 1000
         self._fault_at = int(os.environ.get("FRMPS_FAKE_FAULT_AT_STEP", "0"))
+        self.scheduled_tokens = 0  # engine_api: tokens of the step in progress
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, key, prompt_token_ids, params: FakeParams) -> None:
@@ -192,6 +193,7 @@ class FakeCore:
         torch = self._torch
         outs = []
         reqs = list(self._reqs.values())
+        self.scheduled_tokens = sum(len(r.tokens) - r.num_computed for r in reqs)
         for r in reqs:
             while len(r.blocks) * BLOCK_SIZE < len(r.tokens):
                 if not self._free:

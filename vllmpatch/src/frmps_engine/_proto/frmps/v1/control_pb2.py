@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66rmps/v1/control.proto\x12\x08\x66rmps.v1\"A\n\x04Pool\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"\xd6\x03\n\x08\x45nvelope\x12\n\n\x02id\x18\x01 \x01(\x04\x12 \n\x05hello\x18\n \x01(\x0b\x32\x0f.frmps.v1.HelloH\x00\x12+\n\x0bpool_export\x18\x0b \x01(\x0b\x32\x14.frmps.v1.PoolExportH\x00\x12 \n\x05ready\x18\x0c \x01(\x0b\x32\x0f.frmps.v1.ReadyH\x00\x12 \n\x05reply\x18\r \x01(\x0b\x32\x0f.frmps.v1.ReplyH\x00\x12 \n\x05\x66\x61ult\x18\x0e \x01(\x0b\x32\x0f.frmps.v1.FaultH\x00\x12(\n\theartbeat\x18\x0f \x01(\x0b\x32\x13.frmps.v1.HeartbeatH\x00\x12$\n\x07welcome\x18\x14 \x01(\x0b\x32\x11.frmps.v1.WelcomeH\x00\x12 \n\x05sleep\x18\x15 \x01(\x0b\x32\x0f.frmps.v1.SleepH\x00\x12\"\n\x06resume\x18\x16 \x01(\x0b\x32\x10.frmps.v1.ResumeH\x00\x12&\n\x08shutdown\x18\x17 \x01(\x0b\x32\x12.frmps.v1.ShutdownH\x00\x12\x1e\n\x04ping\x18\x18 \x01(\x0b\x32\x0e.frmps.v1.PingH\x00\x12$\n\x07handoff\x18\x19 \x01(\x0b\x32\x11.frmps.v1.HandoffH\x00\x42\x05\n\x03msg\"\x92\x02\n\x05Hello\x12\x33\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x19.frmps.v1.ProtocolVersion\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.frmps.v1.Role\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x06 \x01(\t\x12\x1d\n\x05pools\x18\x07 \x03(\x0b\x32\x0e.frmps.v1.Pool\x12\x1b\n\x13generation_endpoint\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\x04\"\x9e\x01\n\x07Welcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x33\n\x10protocol_version\x18\x03 \x01(\x0e\x32\x19.frmps.v1.ProtocolVersion\x12\x11\n\tring_path\x18\x04 \x01(\t\x12\x12\n\nsync_every\x18\x05 \x01(\r\x12\x15\n\rdeployment_id\x18\x06 \x01(\t\"+\n\nPoolExport\x12\x1d\n\x05pools\x18\x01 \x03(\x0b\x32\x0e.frmps.v1.Pool\"6\n\x05Ready\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.frmps.v1.Role\x12\x0f\n\x07init_ns\x18\x02 \x01(\x04\"]\n\x05Reply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07took_ns\x18\x03 \x01(\x04\x12(\n\x07resumed\x18\x04 \x03(\x0b\x32\x17.frmps.v1.ResumeOutcome\"h\n\rResumeOutcome\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\rreused_tokens\x18\x04 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x05 \x01(\r\":\n\x05\x46\x61ult\x12\r\n\x05\x63\x61use\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x12\n\nunix_nanos\x18\x03 \x01(\x04\";\n\tHeartbeat\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\"\x06\n\x04Ping\"&\n\x05Sleep\x12\x1d\n\x05pools\x18\x01 \x03(\x0b\x32\x0e.frmps.v1.Pool\"\xd1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x42\x07\n\x05_seed\"\x89\x02\n\rResumeRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\'\n\x08messages\x18\x05 \x03(\x0b\x32\x15.frmps.v1.ChatMessage\x12(\n\x06params\x18\x06 \x01(\x0b\x32\x18.frmps.v1.SamplingParams\x12\x1b\n\x13\x64\x65livered_token_ids\x18\x07 \x03(\r\x12\x30\n\x08snapshot\x18\x08 \x01(\x0b\x32\x19.frmps.v1.RequestSnapshotH\x00\x88\x01\x01\x42\x0b\n\t_snapshot\"\x8b\x01\n\x0fRequestSnapshot\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\"Z\n\x06Resume\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.frmps.v1.ResumeRequest\x12\x11\n\tring_path\x18\x02 \x01(\t\x12\x12\n\nsync_every\x18\x03 \x01(\r\"\x1c\n\x08Shutdown\x12\x10\n\x08grace_ms\x18\x01 \x01(\r\"\t\n\x07Handoff\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ACTIVE\x10\x01\x12\x10\n\x0cROLE_STANDBY\x10\x02\x42/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x66rmps/v1/control.proto\x12\x08\x66rmps.v1\"A\n\x04Pool\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\"\xd6\x03\n\x08\x45nvelope\x12\n\n\x02id\x18\x01 \x01(\x04\x12 \n\x05hello\x18\n \x01(\x0b\x32\x0f.frmps.v1.HelloH\x00\x12+\n\x0bpool_export\x18\x0b \x01(\x0b\x32\x14.frmps.v1.PoolExportH\x00\x12 \n\x05ready\x18\x0c \x01(\x0b\x32\x0f.frmps.v1.ReadyH\x00\x12 \n\x05reply\x18\r \x01(\x0b\x32\x0f.frmps.v1.ReplyH\x00\x12 \n\x05\x66\x61ult\x18\x0e \x01(\x0b\x32\x0f.frmps.v1.FaultH\x00\x12(\n\theartbeat\x18\x0f \x01(\x0b\x32\x13.frmps.v1.HeartbeatH\x00\x12$\n\x07welcome\x18\x14 \x01(\x0b\x32\x11.frmps.v1.WelcomeH\x00\x12 \n\x05sleep\x18\x15 \x01(\x0b\x32\x0f.frmps.v1.SleepH\x00\x12\"\n\x06resume\x18\x16 \x01(\x0b\x32\x10.frmps.v1.ResumeH\x00\x12&\n\x08shutdown\x18\x17 \x01(\x0b\x32\x12.frmps.v1.ShutdownH\x00\x12\x1e\n\x04ping\x18\x18 \x01(\x0b\x32\x0e.frmps.v1.PingH\x00\x12$\n\x07handoff\x18\x19 \x01(\x0b\x32\x11.frmps.v1.HandoffH\x00\x42\x05\n\x03msg\"\x92\x02\n\x05Hello\x12\x33\n\x10protocol_version\x18\x01 \x01(\x0e\x32\x19.frmps.v1.ProtocolVersion\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.frmps.v1.Role\x12\x0b\n\x03pid\x18\x03 \x01(\x05\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x06 \x01(\t\x12\x1d\n\x05pools\x18\x07 \x03(\x0b\x32\x0e.frmps.v1.Pool\x12\x1b\n\x13generation_endpoint\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x12\n\nnum_blocks\x18\x0b \x01(\x04\"\xbd\x01\n\x07Welcome\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x33\n\x10protocol_version\x18\x03 \x01(\x0e\x32\x19.frmps.v1.ProtocolVersion\x12\x11\n\tring_path\x18\x04 \x01(\t\x12\x12\n\nsync_every\x18\x05 \x01(\r\x12\x15\n\rdeployment_id\x18\x06 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x07 \x01(\r\"+\n\nPoolExport\x12\x1d\n\x05pools\x18\x01 \x03(\x0b\x32\x0e.frmps.v1.Pool\"6\n\x05Ready\x12\x1c\n\x04role\x18\x01 \x01(\x0e\x32\x0e.frmps.v1.Role\x12\x0f\n\x07init_ns\x18\x02 \x01(\x04\"]\n\x05Reply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0f\n\x07took_ns\x18\x03 \x01(\x04\x12(\n\x07resumed\x18\x04 \x03(\x0b\x32\x17.frmps.v1.ResumeOutcome\"h\n\rResumeOutcome\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x15\n\rreused_tokens\x18\x04 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x05 \x01(\r\":\n\x05\x46\x61ult\x12\r\n\x05\x63\x61use\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x12\n\nunix_nanos\x18\x03 \x01(\x04\"\x94\x01\n\tHeartbeat\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x13\n\x0binterval_ms\x18\x04 \x01(\r\x12\x13\n\x0bstep_age_ns\x18\x05 \x01(\x04\x12\x18\n\x10step_expected_ns\x18\x06 \x01(\x04\x12\x13\n\x0bstep_tokens\x18\x07 \x01(\r\"\x06\n\x04Ping\"&\n\x05Sleep\x12\x1d\n\x05pools\x18\x01 \x03(\x0b\x32\x0e.frmps.v1.Pool\"\xd1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x42\x07\n\x05_seed\"\x89\x02\n\rResumeRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12\'\n\x08messages\x18\x05 \x03(\x0b\x32\x15.frmps.v1.ChatMessage\x12(\n\x06params\x18\x06 \x01(\x0b\x32\x18.frmps.v1.SamplingParams\x12\x1b\n\x13\x64\x65livered_token_ids\x18\x07 \x03(\r\x12\x30\n\x08snapshot\x18\x08 \x01(\x0b\x32\x19.frmps.v1.RequestSnapshotH\x00\x88\x01\x01\x42\x0b\n\t_snapshot\"\x8b\x01\n\x0fRequestSnapshot\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\"Z\n\x06Resume\x12)\n\x08requests\x18\x01 \x03(\x0b\x32\x17.frmps.v1.ResumeRequest\x12\x11\n\tring_path\x18\x02 \x01(\t\x12\x12\n\nsync_every\x18\x03 \x01(\r\"\x1c\n\x08Shutdown\x12\x10\n\x08grace_ms\x18\x01 \x01(\r\"\t\n\x07Handoff\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t*K\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n\x12PROTOCOL_VERSION_1\x10\x01*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ACTIVE\x10\x01\x12\x10\n\x0cROLE_STANDBY\x10\x02\x42/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,10 +32,10 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'frmps.v1.control_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1'
-  _globals['_PROTOCOLVERSION']._serialized_start=2286
-  _globals['_PROTOCOLVERSION']._serialized_end=2361
-  _globals['_ROLE']._serialized_start=2363
-  _globals['_ROLE']._serialized_end=2426
+  _globals['_PROTOCOLVERSION']._serialized_start=2407
+  _globals['_PROTOCOLVERSION']._serialized_end=2482
+  _globals['_ROLE']._serialized_start=2484
+  _globals['_ROLE']._serialized_end=2547
   _globals['_POOL']._serialized_start=36
   _globals['_POOL']._serialized_end=101
   _globals['_ENVELOPE']._serialized_start=104
@@ -43,35 +43,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLO']._serialized_start=577
   _globals['_HELLO']._serialized_end=851
   _globals['_WELCOME']._serialized_start=854
-  _globals['_WELCOME']._serialized_end=1012
-  _globals['_POOLEXPORT']._serialized_start=1014
-  _globals['_POOLEXPORT']._serialized_end=1057
-  _globals['_READY']._serialized_start=1059
-  _globals['_READY']._serialized_end=1113
-  _globals['_REPLY']._serialized_start=1115
-  _globals['_REPLY']._serialized_end=1208
-  _globals['_RESUMEOUTCOME']._serialized_start=1210
-  _globals['_RESUMEOUTCOME']._serialized_end=1314
-  _globals['_FAULT']._serialized_start=1316
-  _globals['_FAULT']._serialized_end=1374
-  _globals['_HEARTBEAT']._serialized_start=1376
-  _globals['_HEARTBEAT']._serialized_end=1435
-  _globals['_PING']._serialized_start=1437
-  _globals['_PING']._serialized_end=1443
-  _globals['_SLEEP']._serialized_start=1445
-  _globals['_SLEEP']._serialized_end=1483
-  _globals['_SAMPLINGPARAMS']._serialized_start=1486
-  _globals['_SAMPLINGPARAMS']._serialized_end=1695
-  _globals['_RESUMEREQUEST']._serialized_start=1698
-  _globals['_RESUMEREQUEST']._serialized_end=1963
-  _globals['_REQUESTSNAPSHOT']._serialized_start=1966
-  _globals['_REQUESTSNAPSHOT']._serialized_end=2105
-  _globals['_RESUME']._serialized_start=2107
-  _globals['_RESUME']._serialized_end=2197
-  _globals['_SHUTDOWN']._serialized_start=2199
-  _globals['_SHUTDOWN']._serialized_end=2227
-  _globals['_HANDOFF']._serialized_start=2229
-  _globals['_HANDOFF']._serialized_end=2238
-  _globals['_CHATMESSAGE']._serialized_start=2240
-  _globals['_CHATMESSAGE']._serialized_end=2284
+  _globals['_WELCOME']._serialized_end=1043
+  _globals['_POOLEXPORT']._serialized_start=1045
+  _globals['_POOLEXPORT']._serialized_end=1088
+  _globals['_READY']._serialized_start=1090
+  _globals['_READY']._serialized_end=1144
+  _globals['_REPLY']._serialized_start=1146
+  _globals['_REPLY']._serialized_end=1239
+  _globals['_RESUMEOUTCOME']._serialized_start=1241
+  _globals['_RESUMEOUTCOME']._serialized_end=1345
+  _globals['_FAULT']._serialized_start=1347
+  _globals['_FAULT']._serialized_end=1405
+  _globals['_HEARTBEAT']._serialized_start=1408
+  _globals['_HEARTBEAT']._serialized_end=1556
+  _globals['_PING']._serialized_start=1558
+  _globals['_PING']._serialized_end=1564
+  _globals['_SLEEP']._serialized_start=1566
+  _globals['_SLEEP']._serialized_end=1604
+  _globals['_SAMPLINGPARAMS']._serialized_start=1607
+  _globals['_SAMPLINGPARAMS']._serialized_end=1816
+  _globals['_RESUMEREQUEST']._serialized_start=1819
+  _globals['_RESUMEREQUEST']._serialized_end=2084
+  _globals['_REQUESTSNAPSHOT']._serialized_start=2087
+  _globals['_REQUESTSNAPSHOT']._serialized_end=2226
+  _globals['_RESUME']._serialized_start=2228
+  _globals['_RESUME']._serialized_end=2318
+  _globals['_SHUTDOWN']._serialized_start=2320
+  _globals['_SHUTDOWN']._serialized_end=2348
+  _globals['_HANDOFF']._serialized_start=2350
+  _globals['_HANDOFF']._serialized_end=2359
+  _globals['_CHATMESSAGE']._serialized_start=2361
+  _globals['_CHATMESSAGE']._serialized_end=2405
 # @@protoc_insertion_point(module_scope)

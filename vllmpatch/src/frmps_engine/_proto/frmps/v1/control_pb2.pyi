@@ -92,20 +92,22 @@ class Hello(_message.Message):
     def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., role: _Optional[_Union[Role, str]] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., generation_endpoint: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("accepted", "reason", "protocol_version", "ring_path", "sync_every", "deployment_id")
+    __slots__ = ("accepted", "reason", "protocol_version", "ring_path", "sync_every", "deployment_id", "heartbeat_interval_ms")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RING_PATH_FIELD_NUMBER: _ClassVar[int]
     SYNC_EVERY_FIELD_NUMBER: _ClassVar[int]
     DEPLOYMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     protocol_version: ProtocolVersion
     ring_path: str
     sync_every: int
     deployment_id: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., ring_path: _Optional[str] = ..., sync_every: _Optional[int] = ..., deployment_id: _Optional[str] = ...) -> None: ...
+    heartbeat_interval_ms: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., ring_path: _Optional[str] = ..., sync_every: _Optional[int] = ..., deployment_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
 
 class PoolExport(_message.Message):
     __slots__ = ("pools",)
@@ -158,14 +160,22 @@ class Fault(_message.Message):
     def __init__(self, cause: _Optional[str] = ..., detail: _Optional[str] = ..., unix_nanos: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("step", "running", "waiting")
+    __slots__ = ("step", "running", "waiting", "interval_ms", "step_age_ns", "step_expected_ns", "step_tokens")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_AGE_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_EXPECTED_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step: int
     running: int
     waiting: int
-    def __init__(self, step: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    interval_ms: int
+    step_age_ns: int
+    step_expected_ns: int
+    step_tokens: int
+    def __init__(self, step: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., interval_ms: _Optional[int] = ..., step_age_ns: _Optional[int] = ..., step_expected_ns: _Optional[int] = ..., step_tokens: _Optional[int] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ()

@@ -1,0 +1,111 @@
+package supervisor
+
+import (
+	"fmt"
+	"time"
+)
+
+// Hang detection judges a serving active by its Heartbeats, in two ways:
+//
+//   - liveness: the heartbeats come from an engine thread that never waits on
+//     the device or the engine loop, so they stop only when the whole process
+//     is stopped or wedged. None for hangPolicy.heartbeat → class "stalled".
+//   - progress: each heartbeat carries the age of the step in progress and the
+//     engine's own estimate of it (measured step times scaled to the step's
+//     tokens). A step older than max(stepMin, stepFactor × estimate), or than
+//     stepDefault when the engine has no estimate → class "hung".
+//
+// An engine whose heartbeats carry no interval predates this reporting; it is
+// judged as before, slowly: no heartbeat, or a step count standing still
+// with requests running, for stepDefault → "stalled".
+
+// Death classes of a fenced wedged active (failover records, metrics).
+const (
+	classStalled = "stalled"
+	classHung    = "hung"
+)
+
+// hangPolicy holds the thresholds (Config's, defaults applied).
+type hangPolicy struct {
+	heartbeat   time.Duration
+	stepFactor  float64
+	stepMin     time.Duration
+	stepDefault time.Duration
+}
+
+func (c Config) hangPolicy() hangPolicy {
+	return hangPolicy{heartbeat: c.HeartbeatTimeout, stepFactor: c.StepTimeoutFactor, stepMin: c.StepTimeoutMin, stepDefault: c.StepTimeoutDefault}
+}
+
+// enabled: a negative HeartbeatTimeout turns hang detection off.
+func (p hangPolicy) enabled() bool { return p.heartbeat > 0 }
+
+// beatInterval is the heartbeat period asked of engines (in Welcome): several
+// beats fit in the timeout, so one late beat is not a death.
+func (p hangPolicy) beatInterval() time.Duration {
+	if !p.enabled() {
+		return time.Second
+	}
+	return min(max(p.heartbeat/8, 10*time.Millisecond), time.Second)
+}
+
+// tick is the watchdog period: a small fraction of the shortest bound.
+func (p hangPolicy) tick() time.Duration {
+	return min(max(min(p.heartbeat, p.stepMin)/20, 10*time.Millisecond), 250*time.Millisecond)
+}
+
+// stepBound is how long a step with the engine's estimate may run (0: none).
+func (p hangPolicy) stepBound(expected time.Duration) time.Duration {
+	if expected <= 0 {
+		return p.stepDefault
+	}
+	return max(p.stepMin, time.Duration(p.stepFactor*float64(expected)))
+}
+
+// beats is what an engine's heartbeats said, as its slot keeps it.
+type beats struct {
+	last      time.Time     // arrival of the latest; zero until the first
+	interval  time.Duration // the engine's period; 0 = no hang reporting
+	step      uint64
+	stepSince time.Time // when step last changed (or requests began to run)
+	running   uint32
+	stepAge   time.Duration // of the step in progress at the latest heartbeat; 0 between steps
+	expected  time.Duration // the engine's estimate of that step; 0 = none
+	tokens    uint32
+}
+
+// verdict says whether an engine is wedged at now: its death class and a
+// detail, or "" when it is fine. Engines that never sent a heartbeat are not
+// judged (socket EOF and process exit still are).
+func (p hangPolicy) verdict(b beats, now time.Time) (class, detail string) {
+	if !p.enabled() || b.last.IsZero() {
+		return "", ""
+	}
+	silent := now.Sub(b.last)
+	if b.interval == 0 {
+		switch {
+		case silent > p.stepDefault:
+			return classStalled, fmt.Sprintf("stalled: no heartbeat for %s", silent.Round(time.Millisecond))
+		case b.running > 0 && now.Sub(b.stepSince) > p.stepDefault:
+			return classStalled, fmt.Sprintf("stalled: step %d unchanged for %s with %d running requests",
+				b.step, now.Sub(b.stepSince).Round(time.Millisecond), b.running)
+		}
+		return "", ""
+	}
+	// An engine that beats slower than asked is given three of its periods.
+	if limit := max(p.heartbeat, 3*b.interval); silent > limit {
+		return classStalled, fmt.Sprintf("stalled: no heartbeat for %s (limit %s, one every %s expected)",
+			silent.Round(time.Millisecond), limit, b.interval)
+	}
+	if b.stepAge > 0 {
+		if bound := p.stepBound(b.expected); b.stepAge > bound {
+			est := "no estimate"
+			if b.expected > 0 {
+				est = "engine expected " + b.expected.Round(time.Microsecond).String()
+			}
+			return classHung, fmt.Sprintf("hung: step %d running for %s, bound %s (%s, %d tokens)",
+				b.step+1, b.stepAge.Round(time.Millisecond), bound.Round(time.Millisecond), est, b.tokens)
+		}
+	}
+	return "", ""
+}
