@@ -224,7 +224,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--workdir", default="/tmp/frmps-failback")
     ap.add_argument("--out", default="failback_proof.json")
-    ap.add_argument("--time-budget", type=float, default=0, help="stop injecting after this many seconds")
+    ap.add_argument("--time-budget", type=float, default=0,
+                    help="no new fault after this many seconds of faults (start-up and the reference run not counted)")
     ap.add_argument("--engine-arg", action="append", default=[])
     ap.add_argument("--serve-arg", action="append", default=[], help="more frmps serve flags")
     ap.add_argument("--cpu", action="store_true", help="CPU check of this script: MPS control test double, SIGKILL faults")
@@ -289,8 +290,9 @@ def main() -> int:
         load = Load(dep, args.model, reqs, ref)
         load.start()
         kinds = [k for k in args.fault_kinds.split(",") if k]
+        t_faults = now()
         for n in range(1, args.faults + 1):
-            if args.time_budget and now() - t_begin > args.time_budget:
+            if args.time_budget and now() - t_faults > args.time_budget:
                 report["stopped"] = f"time budget after {n - 1} faults"
                 break
             spec = kinds[(n - 1) % len(kinds)]

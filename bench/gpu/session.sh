@@ -6,10 +6,12 @@
 #
 # Stages:
 #   prep                               environment, builds (interceptor, fault triggers), commit
-#   ref-failback:<model>:<n>:<budget>  bench/gpu/failback_proof.py, reference engine, n faults, budget seconds
-#   vllm-failback:<model>:<n>:<budget> the same with --engine vllm on a `frmps model init` directory
-#   vllm-tp:<model>:<batches>          bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone)
-#   hang, shared-mps                   bench/gpu/hang_check.sh, bench/gpu/shared_mps_check.sh (when present)
+#   ref-failback:<model>:<n>:<budget>[:<timeout>]  bench/gpu/failback_proof.py, reference engine, n faults,
+#                                      no new fault after budget seconds of faults; the stage is killed after
+#                                      timeout seconds (default budget + 330)
+#   vllm-failback:<model>:<n>:<budget>[:<timeout>] the same with --engine vllm on a `frmps model init` directory
+#   vllm-tp:<model>:<batches>[:<timeout>] bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone; default 300 s)
+#   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0 installed by shared/vllm-gpu (VLSITE, default /root/vlsite).
 # Needs bin/frmps (built elsewhere with CGO_ENABLED=0: the GPU machine has no Go).
@@ -51,8 +53,8 @@ model_dir() {  # writes the preset's directory once, prints it
     PYTHONPATH=$PWD/vllmpatch/src python3 -m frmps_engine.cli model-dir "$1" --out "$WORK/models/$1"
 }
 
-stage_failback() {  # engine model n budget
-    local engine=$1 model=$2 n=$3 budget=$4 m=$2 extra=()
+stage_failback() {  # engine model n budget [timeout]
+    local engine=$1 model=$2 n=$3 budget=$4 limit=${5:-$(($4 + 330))} m=$2 extra=()
     if [ "$engine" = vllm ]; then
         vllm_env
         m=$(model_dir "$model") || { log "vllm-failback $model: model-dir failed"; return; }
@@ -61,34 +63,34 @@ stage_failback() {  # engine model n budget
         extra=(--engine-arg=--max-num-seqs=8)
     fi
     log "$engine-failback $model: $n faults, budget ${budget}s"
-    timeout $((budget + 420)) python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine "$engine" --model "$m" \
+    timeout "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine "$engine" --model "$m" \
         --faults "$n" --time-budget "$budget" --workdir "$WORK/$engine-$model" --out "$OUT/$engine-$model.json" \
         "${extra[@]}" > "$WORK/$engine-$model.out" 2>&1
     log "$engine-failback $model: rc=$?"
     tail -n 25 "$WORK/$engine-$model.out" >> "$S"
 }
 
-stage_tp() {  # model batches
+stage_tp() {  # model batches [timeout]
     vllm_env
     local m
     m=$(model_dir "$1") || { log "vllm-tp $1: model-dir failed"; return; }
     log "vllm-tp $1 batches $2"
-    timeout 580 python3 bench/gpu/vllm_throughput.py --frmps bin/frmps --model "$m" --batches "$2" \
+    timeout "${3:-300}" python3 bench/gpu/vllm_throughput.py --frmps bin/frmps --model "$m" --batches "$2" \
         --num-blocks 4096 --workdir "$WORK/tp-$1" --out "$OUT/vllm-tp-$1.json" > "$WORK/tp-$1.out" 2>&1
     log "vllm-tp $1: rc=$?"
     tail -n 8 "$WORK/tp-$1.out" >> "$S"
 }
 
 for st in "$@"; do
-    IFS=: read -r name a b c <<< "$st"
+    IFS=: read -r name a b c d <<< "$st"
     case "$name" in
         prep) stage_prep ;;
-        ref-failback) stage_failback ref "$a" "$b" "$c" ;;
-        vllm-failback) stage_failback vllm "$a" "$b" "$c" ;;
-        vllm-tp) stage_tp "$a" "$b" ;;
+        ref-failback) stage_failback ref "$a" "$b" "$c" "$d" ;;
+        vllm-failback) stage_failback vllm "$a" "$b" "$c" "$d" ;;
+        vllm-tp) stage_tp "$a" "$b" "$c" ;;
         hang|shared-mps)
             f=bench/gpu/${name/-/_}_check.sh
-            if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name timeout 300 "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"
+            if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name timeout "${a:-300}" "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"
             else log "$name: $f not present"; fi ;;
         pack) tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude='models' . 2>/dev/null; log "pack: $(du -h "$OUT/logs.tar.gz" | cut -f1)" ;;
         *) log "unknown stage $st" ;;
