@@ -41,7 +41,8 @@ stage_prep() {
     else
         log "prep: build FAILED"; tail -20 "$WORK/build.log" >> "$S"
     fi
-    python3 bench/gpu/ctx_mem.py >> "$S" 2>&1
+    [ -s "$WORK/ctx_mem.txt" ] || python3 bench/gpu/ctx_mem.py > "$WORK/ctx_mem.txt" 2>&1  # once per machine
+    cat "$WORK/ctx_mem.txt" >> "$S"
 }
 
 vllm_env() {
