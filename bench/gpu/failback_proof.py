@@ -245,7 +245,7 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
-    dep = Deployment(args, f"{args.engine}-{args.model}", args.workdir)
+    dep = Deployment(args, f"{args.engine}-{os.path.basename(os.path.normpath(args.model))}", args.workdir)
     load = None
     try:
         t0 = now()

@@ -93,7 +93,7 @@ for st in "$@"; do
             f=bench/gpu/${name/-/_}_check.sh
             if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name timeout "${a:-300}" "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"
             else log "$name: $f not present"; fi ;;
-        pack) tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude='models' . 2>/dev/null; log "pack: $(du -h "$OUT/logs.tar.gz" | cut -f1)" ;;
+        pack) tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude='./models' . 2>/dev/null; log "pack: $(du -h "$OUT/logs.tar.gz" | cut -f1)" ;;
         *) log "unknown stage $st" ;;
     esac
 done
