@@ -220,6 +220,10 @@ def main() -> int:
     ap.add_argument("--faults", type=int, default=20)
     ap.add_argument("--fault-kinds", default=",".join(FAULTS))
     ap.add_argument("--faults-dir", default="bench/build/faults")
+    ap.add_argument("--min-fault-interval", type=float, default=13.0,
+                    help="seconds between faults: frmps serve's crash-loop breaker stops re-arming after more than 5 "
+                         "active deaths within 60 s (--max-restarts, --restart-window), so at the defaults faults "
+                         "must come at least 12 s apart to keep every one of them protected")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--workdir", default="/tmp/frmps-failback")
@@ -290,7 +294,7 @@ def main() -> int:
         load = Load(dep, args.model, reqs, ref)
         load.start()
         kinds = [k for k in args.fault_kinds.split(",") if k]
-        t_faults = now()
+        t_faults, last_fault = now(), 0.0
         for n in range(1, args.faults + 1):
             if args.time_budget and now() - t_faults > args.time_budget:
                 report["stopped"] = f"time budget after {n - 1} faults"
@@ -299,6 +303,8 @@ def main() -> int:
             rec: dict = {"n": n, "fault": spec}
             report["faults"].append(rec)
             st, _ = dep.wait(lambda s: restored(s, n - 1), 300, f"placement restored before fault {n}")
+            if last_fault:
+                time.sleep(max(0.0, last_fault + args.min_fault_interval - now()))
             e = engines(st)
             act = e["active"]
             rec["active_in_mps_before"] = bool(get(act, "in_mps"))
@@ -308,6 +314,7 @@ def main() -> int:
             load.wait_all_streaming(5)  # the fault lands mid-stream for every stream
             inj = inject()
             t_fault = inj.get("t_fault") or now()
+            last_fault = t_fault
             rec["inject"] = {k: v for k, v in inj.items() if k != "t_fault"}
             st, _ = dep.wait(lambda s: len(get(s, "failovers", default=[]) or []) > n_fo
                              and get((get(s, "failovers") or [{}])[0], "cause") != "pending", 120, "the failover record")
