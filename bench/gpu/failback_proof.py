@@ -342,18 +342,17 @@ def main() -> int:
                   f"client_gap={rec['client_gap_from_fault_s']} restored={rec['failback']['restored_s_after_detect']}s "
                   f"handover={rec['failback']['handover_s']}s gap={rec['handover_max_gap_s']} step={step:.4f}", flush=True)
             save()
-        load.finish()
-        done = load.done
-        report["streams_total"] = len(done)
-        report["streams_exact"] = sum(1 for d in done if d["exact"] and not d["error"])
-        report["streams_errors"] = [d for d in done if d["error"]][:10]
-        report["streams_inexact"] = [{k: d.get(k) for k in ("i", "tokens", "first_diff", "finish")} for d in done
-                                     if not d["exact"] and not d["error"]][:10]
     except Exception as ex:  # keep what was measured
         report["error"] = f"{type(ex).__name__}: {ex}"
-        if load is not None:
-            load.stop.set()
     finally:
+        if load is not None:  # the streams that completed are checked whatever happened
+            load.finish(120)
+            done = list(load.done)
+            report["streams_total"] = len(done)
+            report["streams_exact"] = sum(1 for d in done if d["exact"] and not d["error"])
+            report["streams_errors"] = [d for d in done if d["error"]][:10]
+            report["streams_inexact"] = [{k: d.get(k) for k in ("i", "tokens", "first_diff", "finish")} for d in done
+                                         if not d["exact"] and not d["error"]][:10]
         dep.stop()
         save()
     print(json.dumps({k: report.get(k) for k in ("startup_s", "streams_total", "streams_exact", "error", "elapsed_s",
