@@ -63,6 +63,7 @@ stage_failback() {  # engine model n budget [timeout]
     else
         extra=(--engine-arg=--max-num-seqs=8)
     fi
+    rm -rf "$WORK/$engine-$model"  # a fresh log dir: the proof reads the engines' logs by name
     log "$engine-failback $model: $n faults, budget ${budget}s"
     timeout "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine "$engine" --model "$m" \
         --faults "$n" --time-budget "$budget" --workdir "$WORK/$engine-$model" --out "$OUT/$engine-$model.json" \
@@ -97,4 +98,6 @@ for st in "$@"; do
         *) log "unknown stage $st" ;;
     esac
 done
+for _ in $(seq 20); do ps -eo args | grep -q '[n]vidia-cuda-mps' || break; sleep 0.5; done
 echo "MPS processes left: $(ps -eo pid,args | grep -c '[n]vidia-cuda-mps')" | tee -a "$S"
+ps -eo pid,ppid,etimes,args | grep '[n]vidia-cuda-mps' | tee -a "$S"
