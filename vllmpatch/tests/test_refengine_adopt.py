@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
+from frmps_engine.sdk import engine_api  # noqa: E402
 
 
 def make_cfg(budget: int) -> EngineConfig:
@@ -86,6 +87,7 @@ def failover(reqs, budget: int, kill_step: int, sync_every: int, lag: int = 0):
                                         delivered[key])
             assert v.token_ids[: v.num_prompt] == ids
         adopted[key] = res
+        assert isinstance(res, engine_api.AdoptResult)  # what the SDK runner reads
         if not res.finished:
             # Covered tokens are reused; the first pass computes exactly the rest.
             full = len(ids) + max(len(delivered[key]), len(v.token_ids) - v.num_prompt if v else 0)

@@ -177,3 +177,28 @@ def test_bad_ring_path_still_serves(h):
     assert r.ok and "serving without the ring" in r.error and r.resumed[0].ok
     assert resume_stream(h, 1, []) == reference(TOK.encode("hi"), 3)
 
+
+
+def test_a_takeover_that_fails_after_the_core_adopted_aborts_it_there(h, monkeypatch):
+    """If anything fails after the core took a request (here: a result that does not
+    follow the engine contract), the core must not keep running it with no stream to
+    follow: the outcome is an error and the request is aborted in the core."""
+    assert h.sleep().ok
+    prompt = TOK.encode("hello")
+    out, snaps = run_active(h.active, 1, prompt, 4, FakeParams(20, 0.0, 11))
+    core = h.runner.core
+    real = core.adopt_request
+
+    class Partial:  # TEST DOUBLE of a wrong result: no prefill_tokens
+        reused_tokens = 0
+
+    def adopt(*a, **kw):
+        real(*a, **kw)
+        return Partial()
+
+    monkeypatch.setattr(core, "adopt_request", adopt)
+    req = c.ResumeRequest(key=1, prompt="hello", params=c.SamplingParams(max_tokens=20), delivered_token_ids=out,
+                          snapshot=snaps[-1])
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[req], ring_path=h.ring, sync_every=2)))
+    assert r.ok and not r.resumed[0].ok and "prefill_tokens" in r.resumed[0].error
+    assert not core.has_work(), "the adopted request was left running in the core"

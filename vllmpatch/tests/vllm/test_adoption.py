@@ -141,7 +141,7 @@ def test_standby_adopts_blocks_and_skips_covered_prefill(model_dir, kill_after, 
         # Exactly the tokens past the covered prefix are computed, in one pass.
         assert so.num_scheduled_tokens[rid] == plan.num_tokens - plan.num_computed
         assert results[key].reused_tokens == plan.num_computed
-        assert results[key].prefilled_tokens == so.num_scheduled_tokens[rid]
+        assert results[key].prefill_tokens == so.num_scheduled_tokens[rid]
         full = plan.prompt_token_ids + plan.output_token_ids
         if fold:
             assert nr.prompt_token_ids == full

@@ -124,8 +124,11 @@ def test_reports_each_steps_tokens_and_its_load(model_dir):
 
 @pytest.mark.parametrize("kill_after", [2, 5, 11])
 def test_takeover_resumes_exactly_without_recomputing_synced_tokens(model_dir, kill_after):
+    from frmps_engine.sdk import engine_api
+
     reference = by_key(_run_all(model_dir))
     active = engine(model_dir)
+    assert isinstance(active, engine_api.EngineCore) and isinstance(active, engine_api.Resettable)
     for k, p in PROMPTS.items():
         active.add_request(k, p, params(MAX[k]))
     delivered: dict[int, list[int]] = {k: [] for k in PROMPTS}
@@ -149,7 +152,10 @@ def test_takeover_resumes_exactly_without_recomputing_synced_tokens(model_dir, k
             block_ids=v.block_ids if v else [], seed=v.seed if v else 0, delivered_token_ids=delivered[k],
         )
         reused += res.reused_tokens
-        prefilled += res.prefilled_tokens
+        prefilled += res.prefill_tokens
+        # The SDK runner reads the result through the engine contract (a mismatch here
+        # failed every takeover of the first GPU run).
+        assert isinstance(res, engine_api.AdoptResult)
     outs = drain(standby)
     for o in outs:
         assert o.output_index >= len(delivered[o.key])

@@ -31,6 +31,7 @@ class RequestOutput(Protocol):
     stop_reason: Any  # matched stop string (str) or stop token (int), else None
 
 
+@runtime_checkable
 class AdoptResult(Protocol):
     reused_tokens: int  # tokens whose KV came from the shared cache
     prefill_tokens: int  # tokens the first pass computes (after the last sync)

@@ -298,6 +298,7 @@ class Runner:
         return control_pb2.Reply(ok=True, took_ns=took)
 
     def _adopt(self, r: control_pb2.ResumeRequest) -> control_pb2.ResumeOutcome:
+        in_core = False  # the core took the request: a later failure must abort it there
         try:
             if self.loop.get(r.key) is not None:
                 raise InvalidRequest(f"request key {r.key} appears twice in the resume set")
@@ -322,15 +323,18 @@ class Runner:
                     r.key, self.adapter.sampling_params(params, seed), list(snap.token_ids), snap.num_prompt_tokens,
                     snap.num_computed_tokens, list(snap.block_ids), seed, delivered,
                 )
+                in_core = True
                 reused, prefilled = int(res.reused_tokens), int(res.prefill_tokens)
             elif delivered:
                 # Never reached a sync: full prefill of prompt + delivered output.
                 res = self.core.adopt_request(
                     r.key, self.adapter.sampling_params(params, params.seed), ids, len(ids), 0, [], params.seed, delivered,
                 )
+                in_core = True
                 reused, prefilled = int(res.reused_tokens), int(res.prefill_tokens)
             else:
                 self.core.add_request(r.key, ids, self.adapter.sampling_params(params, params.seed))
+                in_core = True
                 reused, prefilled = 0, len(ids)
             self.loop.register_adopted(r.key, len(ids), params, delivered, prompt_ids=ids)
             return control_pb2.ResumeOutcome(key=r.key, ok=True, reused_tokens=reused, prefilled_tokens=prefilled)
@@ -338,6 +342,11 @@ class Runner:
             if is_device_error(e):
                 self._fatal(e)
             log.warning("takeover of request %d failed: %s", r.key, e)
+            if in_core:  # it must not run on with no stream to follow it
+                try:
+                    self.core.abort(r.key)
+                except Exception as abort_error:
+                    log.warning("takeover of request %d: abort after the failure: %s", r.key, abort_error)
             return control_pb2.ResumeOutcome(key=r.key, ok=False, error=str(e))
 
     def _prepare_debug_fault(self) -> None:

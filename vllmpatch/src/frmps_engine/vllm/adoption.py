@@ -57,7 +57,7 @@ class AdoptResult:
     key: int
     request_id: str
     reused_tokens: int  # tokens whose KV came from the shared cache
-    prefilled_tokens: int  # tokens the next step computes (one prefill pass)
+    prefill_tokens: int  # tokens the next step computes (one prefill pass)
     num_folded: int  # output tokens folded into the prompt (V1 model runner)
 
 
@@ -226,6 +226,6 @@ def adopt(
         key=plan.key,
         request_id=request_id,
         reused_tokens=plan.num_computed,
-        prefilled_tokens=plan.num_tokens - plan.num_computed,
+        prefill_tokens=plan.num_tokens - plan.num_computed,
         num_folded=len(outs) if fold_outputs else 0,
     )
