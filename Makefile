@@ -84,7 +84,8 @@ fmt-check:
 vet:
 	$(GO) vet ./...
 
-# FRMPS_PYTHON: the ring's cross-language tests run a real Python writer.
+# FRMPS_PYTHON: the ring's and the control protocol's cross-language tests run
+# a real Python peer (without one they skip, or fail when CI=true).
 GO_TEST_ENV := FRMPS_PYTHON=$(CURDIR)/$(VPY) PYTHONPATH=$(CURDIR)/vllmpatch/src
 
 .PHONY: go-test

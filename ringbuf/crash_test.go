@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/frmps/frmps/internal/testenv"
 )
 
 const fillByte = 0xEE
@@ -199,8 +201,8 @@ func TestCrashGoWriter(t *testing.T) {
 	}
 }
 
-// pythonWriter returns the interpreter for the cross-language tests, or
-// skips the test when it cannot import the writer.
+// pythonWriter returns the interpreter for the cross-language tests. When it
+// cannot import the writer the test is skipped, or fails in CI.
 func pythonWriter(t *testing.T) (python string, env []string) {
 	t.Helper()
 	python = os.Getenv("FRMPS_PYTHON")
@@ -215,7 +217,7 @@ func pythonWriter(t *testing.T) (python string, env []string) {
 	cmd := exec.Command(python, "-c", "import numpy, frmps_engine.ring._testwriter")
 	cmd.Env = env
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Skipf("no Python writer: %s cannot import numpy and frmps_engine.ring (%v: %s); set FRMPS_PYTHON to an interpreter with numpy", python, err, strings.TrimSpace(string(out)))
+		testenv.Missing(t, "no Python writer: %s cannot import numpy and frmps_engine.ring (%v: %s); set FRMPS_PYTHON to an interpreter with numpy", python, err, strings.TrimSpace(string(out)))
 	}
 	return python, env
 }
