@@ -94,6 +94,7 @@ go-test: $(VENV)/.stamp ## Go tests with the race detector, the full writer-cras
 	$(GO_TEST_ENV) $(GO) test -count=1 -run Crash ./ringbuf
 	$(GO) test -run '^$$' -fuzz FuzzReader -fuzztime 15s ./ringbuf
 	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 10s ./supervisor/control
+	$(GO) test -run '^$$' -fuzz FuzzRequest -fuzztime 10s -fuzzminimizetime 1s ./supervisor/openai
 
 .PHONY: c-test
 c-test: c-build ## interceptor unit tests against the fake libcuda

@@ -50,6 +50,7 @@ type serveOptions struct {
 	MaxConcurrent    int           `json:"max_concurrent"`
 	MaxQueue         int           `json:"max_queue"`
 	MaxBodyBytes     int64         `json:"max_body_bytes"`
+	MaxConnections   int           `json:"max_connections"`
 	APIKeyFile       string        `json:"api_key_file"`
 	MaxRestarts      int           `json:"max_restarts"`
 	RestartWindow    time.Duration `json:"-"`
@@ -129,6 +130,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.IntVar(&opts.MaxConcurrent, "max-concurrent", opts.MaxConcurrent, "most requests running against the engine at once (0: 512)")
 	f.IntVar(&opts.MaxQueue, "max-queue", opts.MaxQueue, "most requests waiting for a slot before 429 (0: 1024; negative: no queue)")
 	f.Int64Var(&opts.MaxBodyBytes, "max-body-bytes", opts.MaxBodyBytes, "largest request body accepted before 413 (0: 4 MiB)")
+	f.IntVar(&opts.MaxConnections, "max-connections", opts.MaxConnections, "most client connections open at once; more wait to be accepted (0: 4096; negative: no bound)")
 	f.StringVar(&opts.APIKeyFile, "api-key-file", opts.APIKeyFile, "file holding the API key clients must send as a Bearer token (else FRMPS_API_KEY, else none)")
 	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window is not restarted")
 	f.DurationVar(&opts.RestartWindow, "restart-window", opts.RestartWindow, "crash-loop breaker window")
