@@ -10,6 +10,7 @@ import (
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/engine"
 	"github.com/frmps/frmps/supervisor/failover"
+	"github.com/frmps/frmps/supervisor/leftover"
 )
 
 // The supervisor is written against these narrow interfaces; the real
@@ -96,6 +97,9 @@ type Deps struct {
 	OpenRing   func(path string, capacity uint64) (Ring, error)
 	StartMPS   func(ctx context.Context, runDir string, log hclog.Logger) (MPS, error)
 	OutsideEnv func(runDir string) ([]string, error)
+	// StopLeftoverMPS stops the private MPS daemon of a supervisor that
+	// died (Config.StateDir); nil leaves such a run dir in place.
+	StopLeftoverMPS leftover.StopMPS
 	// Classify names a death: a metric-label class and a detail.
 	Classify func(ws syscall.WaitStatus, lastStderr []string, reported *frmpsv1.Fault) (class, detail string)
 	// DialGeneration connects to an engine's generation API (lazily).

@@ -149,7 +149,7 @@ def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: d
     cmd = [bin_path, "serve", "--model", model, "--engine", "ref", "--device", "cpu", "--no-mps",
            "--sync-every", str(sync_every), "--port", str(port),
            "--admin-addr", f"127.0.0.1:{admin_port}", "--run-dir", os.path.join(run_dir, "run"),
-           "--python", sys.executable, *(extra_args or [])]
+           "--state-dir", os.path.join(run_dir, "state"), "--python", sys.executable, *(extra_args or [])]
     child_env = {**os.environ, **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
@@ -169,6 +169,9 @@ def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: d
         leftover = os.path.join(run_dir, "run")
         assert not os.path.exists(leftover) or not os.listdir(leftover), \
             f"run dir not cleaned: {os.listdir(leftover)}"
+        records = os.path.join(run_dir, "state")
+        assert not os.path.exists(records) or not os.listdir(records), \
+            f"launch record left after a clean stop: {os.listdir(records)}"
 
 
 class Killer:
