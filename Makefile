@@ -122,6 +122,11 @@ demo: $(VENV)/.stamp build ## set up and run the main job: frmps serve on the CP
 serve: $(VENV)/.stamp build ## run frmps serve on the CPU (tiny model) until Ctrl-C
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(BIN)/frmps serve --no-mps --python $(CURDIR)/$(VPY)
 
+.PHONY: soak
+soak: $(VENV)/.stamp go-build ## not in CI: 1,000 SIGKILLs of the active under 16 streams, resources sampled (about an hour on 2 cores): make soak RESULTS=bench/results/<date>-cpu-soak
+	PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY) -m frmps_engine.bench.chaos --frmps $(CURDIR)/$(BIN)/frmps \
+	  --kills $(or $(KILLS),1000) --streams $(or $(STREAMS),16) --out $(or $(RESULTS),bench/build/soak)
+
 .PHONY: ring-bench
 ring-bench: $(VENV)/.stamp ## ring publish/consume costs
 	$(VPY) -m frmps_engine.ring.bench
