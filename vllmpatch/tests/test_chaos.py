@@ -36,7 +36,7 @@ def test_chaos(tmp_path):
         reference = reference_outputs(serve, requests)
         base = sample(serve)
         t.append(time.monotonic())
-        assert base.children == 2 and base.shm_files == 1 and base.zombies == 0, base
+        assert base.children == 2 and base.shm_files == 1 and base.sockets == 4 and base.zombies == 0, base
 
         windows = []
         with Clients(lambda: serve.base, requests, 6) as clients:

@@ -286,6 +286,7 @@ class Sample:
     zombies: int
     rss_kib: int
     shm_files: int
+    sockets: int  # socket files in the run dir: the live engines' control and generation sockets
     kills: int = 0
     idle: bool = True  # no client running (else under the soak's streams)
 
@@ -321,7 +322,19 @@ def sample(serve: Serve, kills: int = 0) -> Sample:
     return Sample(t=time.monotonic(), pid=pid, fds=len(os.listdir(f"/proc/{pid}/fd")), threads=int(st["Threads"]),
                   goroutines=serve.goroutines(), children=sum(1 for _, s in kids if s != "Z"),
                   zombies=sum(1 for _, s in kids if s == "Z"), rss_kib=int(st["VmRSS"].split()[0]),
-                  shm_files=len(os.listdir(serve.ring_dir)), kills=kills)
+                  shm_files=len(os.listdir(serve.ring_dir)), sockets=_sockets(serve.run_dir), kills=kills)
+
+
+def _sockets(d: str) -> int:
+    import stat
+
+    n = 0
+    for name in os.listdir(d):
+        try:
+            n += stat.S_ISSOCK(os.lstat(os.path.join(d, name)).st_mode)
+        except OSError:
+            pass
+    return n
 
 
 def settle(serve: Serve, base: Sample, timeout: float = 15.0) -> tuple[Sample, list[str]]:
@@ -336,6 +349,7 @@ def settle(serve: Serve, base: Sample, timeout: float = 15.0) -> tuple[Sample, l
         diff += [f"children {s.children} (want 2)"] if s.children != 2 else []
         diff += [f"zombies {s.zombies}"] if s.zombies else []
         diff += [f"shm files {s.shm_files} (want the one ring)"] if s.shm_files != 1 else []
+        diff += [f"socket files {s.sockets} (want the two engines' four)"] if s.sockets != 4 else []
         if not diff or time.monotonic() > deadline:
             return s, diff
         time.sleep(0.2)
@@ -497,7 +511,7 @@ def kill_supervisor(serve: Serve) -> tuple[Window, list[str]]:
     left = [p for p in (before[0].get("ring"), before[0].get("run_dir")) if p and os.path.exists(p)]
     if not left:
         raise ChaosError("the killed supervisor left nothing behind: nothing to clean up")
-    serve.start()
+    serve.start()  # it creates the same --run-dir exclusively: it removed the old one first
     w.t1 = time.monotonic()
     stale = [p for p in (before[0].get("ring"),) if p and os.path.exists(p)]
     records = serve.records()
@@ -582,7 +596,7 @@ def soak(args: argparse.Namespace) -> int:
                     samples.append(s)
                     print(f"{k}/{args.kills} kills, {clients.completed()} streams completed, "
                           f"{time.monotonic() - t_begin:.0f}s: fds {s.fds} goroutines {s.goroutines} threads {s.threads} "
-                          f"children {s.children} rss {s.rss_kib} KiB shm {s.shm_files}", flush=True)
+                          f"children {s.children} rss {s.rss_kib} KiB shm {s.shm_files} sockets {s.sockets}", flush=True)
         final, diff = settle(serve, base)
         final.kills = args.kills
         samples.append(final)
@@ -629,7 +643,7 @@ def _write_soak(out: str, result: dict, samples: list[Sample]) -> None:
     with open(os.path.join(out, "samples.jsonl"), "w") as f:
         for s in samples:
             f.write(json.dumps({k: v for k, v in asdict(s).items() if k != "t"}) + "\n")
-    keys = ("fds", "goroutines", "threads", "children", "zombies", "rss_kib", "shm_files")
+    keys = ("fds", "goroutines", "threads", "children", "zombies", "rss_kib", "shm_files", "sockets")
     body = [f"| after kills | clients | {' | '.join(keys)} |", "| --- | --- |" + " --- |" * len(keys)]
     for s in samples:
         body.append(f"| {s.kills} | {'none' if s.idle else 'streaming'} | " + " | ".join(str(getattr(s, k)) for k in keys) + " |")
