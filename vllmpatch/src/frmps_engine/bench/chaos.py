@@ -435,21 +435,26 @@ def wait_for(cond, what: str, timeout: float = 120.0, serve: Serve | None = None
     raise ChaosError(f"timed out waiting for {what}" + (f":\n{tail(serve.log_path)}" if serve else ""))
 
 
+def _newest_seq(st: dict) -> int:
+    fos = st.get("failovers") or []  # newest first, and only the last few are kept
+    return int(fos[0]["seq"]) if fos else 0
+
+
 def kill_active(serve: Serve) -> None:
     """SIGKILL the active with a standby ready; returns once a fresh standby is ready."""
     st = serve.wait_state("serving_ready")
-    n, pid = len(serve.failovers(st)), serve.engine_pid("active", st)
+    seq, pid = _newest_seq(st), serve.engine_pid("active", st)
     os.kill(pid, signal.SIGKILL)
-    _await_failover(serve, n, pid, "SIGKILL")
+    _await_failover(serve, seq, pid, "SIGKILL")
 
 
 def hang_active(serve: Serve) -> str:
     """SIGSTOP the active: it must be fenced and failed over once its heartbeats stop."""
     st = serve.wait_state("serving_ready")
-    n, pid = len(serve.failovers(st)), serve.engine_pid("active", st)
+    seq, pid = _newest_seq(st), serve.engine_pid("active", st)
     os.kill(pid, signal.SIGSTOP)
     try:
-        rec = _await_failover(serve, n, pid, "SIGSTOP")
+        rec = _await_failover(serve, seq, pid, "SIGSTOP")
     finally:
         try:
             os.kill(pid, signal.SIGCONT)  # if it was not fenced, do not leave it stopped
@@ -458,11 +463,12 @@ def hang_active(serve: Serve) -> str:
     return rec.get("cause", "")
 
 
-def _await_failover(serve: Serve, n: int, pid: int, what: str) -> dict:
+def _await_failover(serve: Serve, seq: int, pid: int, what: str) -> dict:
+    """Waits for the failover record after seq, then for a fresh standby and the
+    dead engine reaped."""
     def done():
         st = serve.status()
-        fos = serve.failovers(st)
-        return fos[0] if len(fos) > n or (fos and len(fos) == n and int(fos[0]["seq"]) > n) else None
+        return serve.failovers(st)[0] if _newest_seq(st) > seq else None
 
     rec = wait_for(done, f"the failover after {what} of {pid}", serve=serve)
     if not rec.get("ok"):
