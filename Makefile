@@ -99,7 +99,8 @@ fmt-check:
 vet:
 	$(GO) vet ./...
 
-# FRMPS_PYTHON: the ring's cross-language tests run a real Python writer.
+# FRMPS_PYTHON: the ring's and the control protocol's cross-language tests run
+# a real Python peer (without one they skip, or fail when CI=true).
 GO_TEST_ENV := FRMPS_PYTHON=$(CURDIR)/$(VPY) PYTHONPATH=$(CURDIR)/vllmpatch/src
 
 .PHONY: go-test
@@ -108,6 +109,7 @@ go-test: $(VENV)/.stamp ## Go tests with the race detector, the full writer-cras
 	$(GO_TEST_ENV) $(GO) test -count=1 -run Crash ./ringbuf
 	$(GO) test -run '^$$' -fuzz FuzzReader -fuzztime 15s ./ringbuf
 	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 10s ./supervisor/control
+	$(GO) test -run '^$$' -fuzz FuzzRequest -fuzztime 10s -fuzzminimizetime 1s ./supervisor/openai
 
 .PHONY: c-test
 c-test: c-build ## interceptor unit tests against the fake libcuda
@@ -138,6 +140,11 @@ demo: $(VENV)/.stamp build ## set up and run the main job: frmps serve on the CP
 .PHONY: serve
 serve: $(VENV)/.stamp build ## run frmps serve on the CPU (tiny model) until Ctrl-C
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(BIN)/frmps serve --no-mps --python $(CURDIR)/$(VPY)
+
+.PHONY: soak
+soak: $(VENV)/.stamp go-build ## not in CI: 1,000 SIGKILLs of the active under 16 streams, resources sampled (about an hour on 2 cores): make soak RESULTS=bench/results/<date>-cpu-soak
+	PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY) -m frmps_engine.bench.chaos --frmps $(CURDIR)/$(BIN)/frmps \
+	  --kills $(or $(KILLS),1000) --streams $(or $(STREAMS),16) --out $(or $(RESULTS),bench/build/soak)
 
 .PHONY: ring-bench
 ring-bench: $(VENV)/.stamp ## ring publish/consume costs

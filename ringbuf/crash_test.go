@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/frmps/frmps/internal/testenv"
 )
 
 const fillByte = 0xEE
@@ -59,25 +61,34 @@ func (c *crashRig) poll() {
 }
 
 // beforeWriter fills the data region so that bytes a killed writer left past
-// its last commit can be recognised.
-func (c *crashRig) beforeWriter() (cursor uint64) {
+// its last commit can be recognised. It returns the write cursor and the epoch
+// the next writer will stamp on its records.
+func (c *crashRig) beforeWriter() (cursor, epoch uint64) {
 	c.poll()
 	copy(c.w.data, c.fill)
-	return c.w.load(offWriteCursor)
+	return c.w.load(offWriteCursor), c.w.load(offEpoch) + 1
 }
 
-// runUntilKilled waits for the writer's first commit, polls while it runs for
-// a random time, then SIGKILLs it. An aimed kill fires as soon as the writer
-// is seen writing the payload of a record it has not committed yet (the
-// writer may still commit it before the signal lands; that is fine).
-func (c *crashRig) runUntilKilled(seqBefore uint64, aim bool, kill func() error) {
+// runUntilKilled waits until the reader has applied a record of the writer's
+// epoch, polls while it runs for a random time, then SIGKILLs it. An aimed
+// kill fires as soon as the writer is seen writing the payload of a record it
+// has not committed yet (the writer may still commit it before the signal
+// lands; that is fine).
+//
+// A change of write_seq is not a sign that the writer committed: write_seq is
+// stored just before write_cursor, and a writer's first commit may be a PAD
+// (TestWriterKilledBeforeFirstRecord). Killed there, the writer leaves
+// nothing of its epoch, and the reader rightly keeps the previous writer's
+// snapshot.
+func (c *crashRig) runUntilKilled(epoch uint64, aim bool, kill func() error) {
 	c.t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
-	for c.w.load(offWriteSeq) == seqBefore {
+	for c.s.Epoch() != epoch {
 		if time.Now().After(deadline) {
-			c.t.Fatalf("iteration %d: the writer never committed", c.st.iterations)
+			c.t.Fatalf("iteration %d: the writer never committed a record of epoch %d", c.st.iterations, epoch)
 		}
 		time.Sleep(20 * time.Microsecond)
+		c.poll()
 	}
 	until := time.Now().Add(time.Duration(c.rnd.IntN(1500)) * time.Microsecond)
 	for time.Now().Before(until) {
@@ -96,7 +107,7 @@ func (c *crashRig) runUntilKilled(seqBefore uint64, aim bool, kill func() error)
 
 // afterWriter consumes what the dead writer committed and reports whether the
 // snapshot is fresh. It also counts kills that left a partly written record.
-func (c *crashRig) afterWriter(cursorBefore uint64) bool {
+func (c *crashRig) afterWriter(cursorBefore, epoch uint64) bool {
 	c.t.Helper()
 	c.st.iterations++
 	end := c.w.load(offWriteCursor)
@@ -117,6 +128,9 @@ func (c *crashRig) afterWriter(cursorBefore uint64) bool {
 	if c.s.Stale() {
 		c.st.stale++ // the writer died before it answered a resync
 		return false
+	}
+	if c.s.Epoch() != epoch {
+		c.t.Fatalf("iteration %d: snapshot from epoch %d, writer epoch %d", c.st.iterations, c.s.Epoch(), epoch)
 	}
 	c.st.verified++
 	return true
@@ -155,7 +169,7 @@ func TestCrashGoWriter(t *testing.T) {
 	start := time.Now()
 	for i := range n {
 		seed := uint64(i + 1)
-		cursor := c.beforeWriter()
+		cursor, epoch := c.beforeWriter()
 		cmd := exec.Command(os.Args[0], "-test.run=^$")
 		cmd.Env = append(os.Environ(), "FRMPS_RING_HELPER=writer", "FRMPS_RING_PATH="+path, "FRMPS_RING_SEED="+strconv.FormatUint(seed, 10))
 		var stderr strings.Builder
@@ -164,18 +178,15 @@ func TestCrashGoWriter(t *testing.T) {
 			t.Fatal(err)
 		}
 		running = cmd
-		c.runUntilKilled(c.w.load(offWriteSeq), i%2 == 1, cmd.Process.Kill)
+		c.runUntilKilled(epoch, i%2 == 1, cmd.Process.Kill)
 		err := cmd.Wait()
 		running = nil
 		var ee *exec.ExitError
 		if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
 			t.Fatalf("iteration %d: writer ended with %v: %s", i, err, stderr.String())
 		}
-		if !c.afterWriter(cursor) {
+		if !c.afterWriter(cursor, epoch) {
 			continue
-		}
-		if c.s.Epoch() != c.w.load(offEpoch) {
-			t.Fatalf("iteration %d: snapshot from epoch %d, writer epoch %d", i, c.s.Epoch(), c.w.load(offEpoch))
 		}
 		wl := newWorkload(seed)
 		for range c.s.Step() {
@@ -190,8 +201,8 @@ func TestCrashGoWriter(t *testing.T) {
 	}
 }
 
-// pythonWriter returns the interpreter for the cross-language tests, or
-// skips the test when it cannot import the writer.
+// pythonWriter returns the interpreter for the cross-language tests. When it
+// cannot import the writer the test is skipped, or fails in CI.
 func pythonWriter(t *testing.T) (python string, env []string) {
 	t.Helper()
 	python = os.Getenv("FRMPS_PYTHON")
@@ -206,7 +217,7 @@ func pythonWriter(t *testing.T) (python string, env []string) {
 	cmd := exec.Command(python, "-c", "import numpy, frmps_engine.ring._testwriter")
 	cmd.Env = env
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Skipf("no Python writer: %s cannot import numpy and frmps_engine.ring (%v: %s); set FRMPS_PYTHON to an interpreter with numpy", python, err, strings.TrimSpace(string(out)))
+		testenv.Missing(t, "no Python writer: %s cannot import numpy and frmps_engine.ring (%v: %s); set FRMPS_PYTHON to an interpreter with numpy", python, err, strings.TrimSpace(string(out)))
 	}
 	return python, env
 }
@@ -283,8 +294,7 @@ func TestCrashPythonWriter(t *testing.T) {
 	}
 	start := time.Now()
 	for i := range n {
-		cursor := c.beforeWriter()
-		seqBefore := c.w.load(offWriteSeq)
+		cursor, epoch := c.beforeWriter()
 		if _, err := fmt.Fprintf(stdin, "run %d %d\n", i, i+1); err != nil {
 			t.Fatal(err)
 		}
@@ -292,12 +302,12 @@ func TestCrashPythonWriter(t *testing.T) {
 		livePID = pid
 		// The child is not reaped before the forkserver reports it dead, so
 		// its pid cannot be reused while we may still signal it.
-		c.runUntilKilled(seqBefore, i%2 == 1, func() error { return syscall.Kill(pid, syscall.SIGKILL) })
+		c.runUntilKilled(epoch, i%2 == 1, func() error { return syscall.Kill(pid, syscall.SIGKILL) })
 		if dead := expect("dead"); dead != pid {
 			t.Fatalf("forkserver reaped %d, want %d", dead, pid)
 		}
 		livePID = 0
-		if !c.afterWriter(cursor) {
+		if !c.afterWriter(cursor, epoch) {
 			continue
 		}
 		digests := readDigests(t, filepath.Join(logdir, fmt.Sprintf("%d.log", i)))

@@ -343,6 +343,92 @@ func TestNewEpoch(t *testing.T) {
 	}
 }
 
+// TestWriterKilledBeforeFirstRecord: a new writer killed before it committed
+// a DELTA or FULL record leaves nothing of its epoch for the reader, which
+// keeps the previous writer's snapshot, fresh. write_seq has moved although
+// nothing of the new epoch was applied (it is stored before the commit, and a
+// writer's first commit may be a PAD): the crash test once took that move for
+// a commit and expected the new epoch in the snapshot.
+func TestWriterKilledBeforeFirstRecord(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		kill func(t *testing.T, w *Writer)
+	}{
+		{"between the write_seq and write_cursor stores", func(t *testing.T, w *Writer) {
+			// What commit leaves when the process dies right before its last store.
+			w.r.store(offWriteSeq, w.seq+1)
+		}},
+		{"after the PAD before its first FULL", func(t *testing.T, w *Writer) {
+			if left := w.r.capacity - w.cursor%w.r.capacity; left != RecordAlign {
+				t.Fatalf("%d bytes left before the end, want %d", left, RecordAlign)
+			}
+			w.padIfNeeded(alignUp(RecordHeaderSize + payloadFixed)) // Publish's first step for an empty FULL
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const capacity = 4096
+			p := newRing(t, capacity)
+			r := openReader(t, p)
+			s := NewSnapshot()
+			w1 := openWriter(t, p)
+			wl := newWorkload(3)
+			// A FULL record of an odd number of 32-byte units, then empty
+			// 64-byte DELTAs up to 32 bytes before the end: the next writer's
+			// first FULL (64 bytes) needs a PAD.
+			for {
+				wl.step()
+				if n := recordSize(wl.full()); n/RecordAlign%2 == 1 && n <= capacity/4 {
+					break
+				}
+			}
+			mustPublish(t, w1, 0, wl.full(), true)
+			for i := uint64(1); w1.cursor%capacity != capacity-RecordAlign; i++ {
+				if _, err := r.Poll(s); err != nil { // keep within capacity/2
+					t.Fatal(err)
+				}
+				mustPublish(t, w1, i, nil, false)
+			}
+			if _, err := r.Poll(s); err != nil || s.Stale() {
+				t.Fatalf("poll: %v stale %v", err, s.Stale())
+			}
+			seqBefore := w1.r.load(offWriteSeq)
+
+			w2 := openWriter(t, p)
+			tc.kill(t, w2)
+			if w2.r.load(offWriteSeq) == seqBefore {
+				t.Fatal("write_seq did not move")
+			}
+			if n, err := r.Poll(s); err != nil || n != 0 {
+				t.Fatalf("poll after the kill: %d records, %v", n, err)
+			}
+			if s.Stale() || s.Epoch() != w1.Epoch() || r.Lag() != 0 {
+				t.Fatalf("stale %v epoch %d (first writer %d) lag %d", s.Stale(), s.Epoch(), w1.Epoch(), r.Lag())
+			}
+			checkSnapshot(t, s, wl)
+
+			// The next writer is accepted, also when the dead one left write_seq ahead.
+			w3 := openWriter(t, p)
+			wl3 := newWorkload(4)
+			wl3.step()
+			mustPublish(t, w3, 0, wl3.full(), true)
+			mustPublish(t, w3, 1, wl3.step(), false)
+			if _, err := r.Poll(s); err != nil || s.Stale() || s.Epoch() != w3.Epoch() {
+				t.Fatalf("poll: %v stale %v epoch %d, want %d", err, s.Stale(), s.Epoch(), w3.Epoch())
+			}
+			checkSnapshot(t, s, wl3)
+		})
+	}
+}
+
+// recordSize is the length of a record carrying entries.
+func recordSize(entries []Entry) uint64 {
+	var b, tk uint64
+	for _, e := range entries {
+		b, tk = b+uint64(len(e.Blocks)), tk+uint64(len(e.Tokens))
+	}
+	return alignUp(RecordHeaderSize + payloadLen(uint64(len(entries)), b, tk))
+}
+
 func TestPublishLimits(t *testing.T) {
 	p := newRing(t, 4096)
 	w := openWriter(t, p)

@@ -10,6 +10,7 @@ import (
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/engine"
 	"github.com/frmps/frmps/supervisor/failover"
+	"github.com/frmps/frmps/supervisor/leftover"
 )
 
 // The supervisor is written against these narrow interfaces; the real
@@ -104,6 +105,9 @@ type Deps struct {
 	// CheckComputeMode refuses a GPU on which the standby cannot hold its own
 	// context (visible: the engines' CUDA_VISIBLE_DEVICES); nil = no check.
 	CheckComputeMode func(ctx context.Context, visible string) error
+	// StopLeftoverMPS stops the private MPS daemon of a supervisor that
+	// died (Config.StateDir); nil leaves such a run dir in place.
+	StopLeftoverMPS leftover.StopMPS
 	// Classify names a death: a metric-label class and a detail.
 	Classify func(ws syscall.WaitStatus, lastStderr []string, reported *frmpsv1.Fault) (class, detail string)
 	// DialGeneration connects to an engine's generation API (lazily).

@@ -65,6 +65,9 @@ func defaultDeps(cfg Config, log hclog.Logger) (Deps, error) {
 			}
 			return err
 		},
+		StopLeftoverMPS: func(ctx context.Context, controlBinary, runDir string) error {
+			return mps.StopLeftover(ctx, mps.Config{ControlBinary: controlBinary, RunDir: runDir}, log)
+		},
 		Classify: func(ws syscall.WaitStatus, lines []string, f *frmpsv1.Fault) (string, string) {
 			c := deathcause.Classify(ws, lines, f)
 			return c.Class, c.Detail

@@ -1,6 +1,9 @@
 package supervisor
 
 import (
+	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"testing/synctest"
@@ -10,6 +13,7 @@ import (
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
+	"github.com/frmps/frmps/supervisor/leftover"
 )
 
 // placement returns the fake processes Status names active and standby, and
@@ -269,4 +273,33 @@ func TestNoMPSHasNoFailback(t *testing.T) {
 		}
 		h.stop()
 	})
+}
+
+// A supervisor that joined an operator's MPS daemon records no private
+// daemon: whoever cleans up after it must not stop the operator's.
+func TestLaunchRecordNeverClaimsAnOperatorsDaemon(t *testing.T) {
+	for _, tc := range []struct {
+		pipeDir string
+		private bool
+	}{{"", true}, {"/run/operator-mps", false}} {
+		d, err := leftover.OpenDir(filepath.Join(t.TempDir(), "state"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := &Supervisor{cfg: Config{MPSPipeDir: tc.pipeDir, MPSControlBinary: "mps-control"}, stateDir: d, deployID: "x"}
+		if err := s.writeLaunchRecord(); err != nil {
+			t.Fatal(err)
+		}
+		raw, err := os.ReadFile(filepath.Join(d.Path(), "x.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r leftover.Record
+		if err := json.Unmarshal(raw, &r); err != nil {
+			t.Fatal(err)
+		}
+		if r.PrivateMPS != tc.private {
+			t.Errorf("pipe dir %q: record says private MPS %v", tc.pipeDir, r.PrivateMPS)
+		}
+	}
 }

@@ -8,6 +8,7 @@ package supervisor
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -42,7 +43,9 @@ func (a fakeEngineAdapter) Command(inv engine.Invocation) (string, []string, err
 	return a.bin, args[2:], nil // drop "-m frmps_engine.cli"
 }
 
-func realSupervisor(t testing.TB, bin string, env []string, breaker failover.BreakerConfig, mods ...func(*Config)) (*Supervisor, func()) {
+// realSupervisor runs a supervisor with its real collaborators over the
+// fake engine binary; mod, if given, adjusts the config.
+func realSupervisor(t testing.TB, bin string, env []string, breaker failover.BreakerConfig, mod ...func(*Config)) (*Supervisor, func()) {
 	t.Helper()
 	runDir, err := os.MkdirTemp("", "frmps-it-")
 	if err != nil {
@@ -52,16 +55,11 @@ func realSupervisor(t testing.TB, bin string, env []string, breaker failover.Bre
 	cfg := Config{Model: "fake", Engine: "ref", NoMPS: true, RunDir: runDir, RingDir: t.TempDir(),
 		HandshakeTimeout: 20 * time.Second, ResumeTimeout: 10 * time.Second, ShutdownGrace: 5 * time.Second,
 		Breaker: breaker, BaseEnv: env}
-	for _, m := range mods {
-		m(&cfg)
+	for _, f := range mod {
+		f(&cfg)
 	}
 	log := hclog.New(&hclog.LoggerOptions{Level: hclog.Warn, Output: testWriter{t}})
-	deps, err := defaultDeps(cfg, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	deps.Launcher = ProcessLauncher{Adapter: fakeEngineAdapter{bin: bin}, Log: log}
-	s, err := NewWithDeps(cfg, deps, log, prometheus.NewRegistry())
+	s, err := newFakeEngineSupervisor(cfg, bin, log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,6 +80,16 @@ func realSupervisor(t testing.TB, bin string, env []string, breaker failover.Bre
 	}
 	t.Cleanup(stop) // also after a failed assertion
 	return s, stop
+}
+
+// newFakeEngineSupervisor is New with the fake engine binary as the engine.
+func newFakeEngineSupervisor(cfg Config, bin string, log hclog.Logger) (*Supervisor, error) {
+	deps, err := defaultDeps(cfg, log)
+	if err != nil {
+		return nil, err
+	}
+	deps.Launcher = ProcessLauncher{Adapter: fakeEngineAdapter{bin: bin}, Log: log}
+	return NewWithDeps(cfg, deps, log, prometheus.NewRegistry())
 }
 
 type testWriter struct{ t testing.TB }
@@ -107,6 +115,22 @@ func buildFakeEngine(t testing.TB) string {
 		t.Fatal(err)
 	}
 	return bin
+}
+
+// socketFiles lists the unix socket files in dir.
+func socketFiles(t testing.TB, dir string) []string {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range ents {
+		if e.Type()&os.ModeSocket != 0 {
+			out = append(out, e.Name())
+		}
+	}
+	return out
 }
 
 func fdCount(t testing.TB) int {
@@ -161,10 +185,13 @@ func TestRealSIGKILLSoak(t *testing.T) {
 		if rec := s.Status().GetFailovers()[0]; !rec.GetOk() {
 			t.Fatalf("cycle %d: failover failed: %v", i, rec)
 		}
-		// Reaped by the launcher's exit goroutine, which may lag the resume ack
-		// on a loaded machine; a zombie left behind fails here.
-		waitFor(t, s, "the killed active reaped", func() bool { return syscall.Kill(int(pid), 0) == syscall.ESRCH })
+		// Reaped, not left a zombie. The failover record is written at the
+		// resume ack, which may come before the launcher's Wait returns.
+		waitFor(t, s, fmt.Sprintf("cycle %d: killed active %d reaped", i, pid), func() bool { return syscall.Kill(int(pid), 0) == syscall.ESRCH })
 	}
+	// A dead engine's socket files go when it is reaped: those of the two
+	// live engines (control and generation each) are all that is left.
+	waitFor(t, s, "the dead engines' sockets removed", func() bool { return len(socketFiles(t, s.runDir)) == 4 })
 	s.mu.Lock()
 	lat := slices.Clone(s.detectToResume)
 	s.mu.Unlock()

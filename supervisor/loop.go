@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -56,6 +57,7 @@ type slot struct {
 	started   time.Time
 	inMPS     bool
 	genSocket string
+	ctlSocket string
 	cancel    context.CancelFunc // ends the handshake / reader goroutine
 	restartNo uint32
 
@@ -194,7 +196,8 @@ func (s *Supervisor) handle(ev event) {
 	s.maybeScheduleHandover()
 }
 
-// reap forgets retired slots whose process is gone (a handful at most).
+// reap forgets retired slots whose process is gone (a handful at most),
+// and removes their socket files: nothing listens on them any more.
 func (s *Supervisor) reap() {
 	for sl := range s.slots {
 		if s.isLive(sl) {
@@ -203,6 +206,11 @@ func (s *Supervisor) reap() {
 		select {
 		case <-sl.proc.Done():
 			delete(s.slots, sl)
+			for _, p := range []string{sl.genSocket, sl.ctlSocket} {
+				if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+					s.log.Warn("remove a dead engine's socket", "path", p, "error", err)
+				}
+			}
 		default:
 		}
 	}
@@ -634,7 +642,7 @@ func (s *Supervisor) start(role failover.Role) {
 	s.nextID++
 	id := s.nextID
 	inv := s.invocation(role, id)
-	sl := &slot{id: id, role: role, started: time.Now(), state: "starting", inMPS: inMPS, genSocket: inv.GenerationSocket}
+	sl := &slot{id: id, role: role, started: time.Now(), state: "starting", inMPS: inMPS, genSocket: inv.GenerationSocket, ctlSocket: inv.ControlSocket}
 	sl.restartNo = s.metrics.started(role)
 	fail := func(err error) {
 		sl.proc = deadProcess{}

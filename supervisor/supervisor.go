@@ -29,6 +29,7 @@ import (
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/engine"
 	"github.com/frmps/frmps/supervisor/failover"
+	"github.com/frmps/frmps/supervisor/leftover"
 )
 
 // Config of one deployment.
@@ -43,7 +44,13 @@ type Config struct {
 	LogDir       string
 	RingDir      string // where the ring file goes; empty: /dev/shm if present, else RunDir
 	RingCapacity uint64 // bytes
-	NoMPS        bool
+	// StateDir holds launch records (package leftover): at start the ring,
+	// run dir and MPS daemon of supervisors that died without cleaning up
+	// are removed, and this one's record is kept until it has cleaned up.
+	// Empty: no launch record. frmps serve defaults it to
+	// leftover.DefaultDir().
+	StateDir string
+	NoMPS    bool
 	// MPSControlBinary is nvidia-cuda-mps-control (looked up in PATH when bare).
 	MPSControlBinary string
 	// MPSPipeDir joins the operator's MPS daemon at this pipe directory
@@ -230,6 +237,7 @@ type Supervisor struct {
 	resumeSeq  uint64
 	frontDoor  FrontDoor
 	deployID   string
+	stateDir   *leftover.Dir // nil: no launch record
 	ringPath   string
 	runDir     string
 	logDir     string
@@ -412,6 +420,14 @@ func (s *Supervisor) setup(ctx context.Context) error {
 			return fmt.Errorf("check the GPU: %w", err)
 		}
 	}
+	if s.cfg.StateDir != "" {
+		d, err := leftover.OpenDir(s.cfg.StateDir)
+		if err != nil {
+			return err
+		}
+		s.cleanLeftovers(ctx, d)
+		s.stateDir = d
+	}
 	runDir := s.cfg.RunDir
 	if runDir == "" {
 		d, err := os.MkdirTemp("", "frmps-")
@@ -441,6 +457,10 @@ func (s *Supervisor) setup(ctx context.Context) error {
 		}
 	}
 	s.ringPath = filepath.Join(ringDir, "frmps-"+s.deployID+".ring")
+	if err := s.writeLaunchRecord(); err != nil {
+		s.ringPath = "" // not created
+		return err
+	}
 	ring, err := s.deps.OpenRing(s.ringPath, s.cfg.RingCapacity)
 	if err != nil {
 		s.ringPath = "" // not ours to remove
@@ -498,9 +518,11 @@ func (s *Supervisor) cleanup() {
 		s.ring = nil
 	}
 	s.ringMu.Unlock()
+	cleaned := true // the launch record goes only once what it names is gone
 	if s.ringPath != "" {
 		if err := os.Remove(s.ringPath); err != nil && !errors.Is(err, os.ErrNotExist) {
 			s.log.Warn("remove ring", "error", err)
+			cleaned = false
 		}
 	}
 	s.mu.Lock()
@@ -515,9 +537,56 @@ func (s *Supervisor) cleanup() {
 	if s.runDir != "" {
 		if err := os.RemoveAll(s.runDir); err != nil {
 			s.log.Warn("remove run dir", "error", err)
+			cleaned = false
 		}
 		s.runDir = ""
 	}
+	if s.stateDir != nil && cleaned {
+		if err := s.stateDir.Remove(s.deployID); err != nil {
+			s.log.Warn("remove launch record", "error", err)
+		}
+		s.stateDir = nil
+	}
+}
+
+// cleanLeftovers removes what supervisors that died without their cleanup
+// left (their ring, run dir and private MPS daemon). Failures are logged:
+// they do not stop this deployment, and the record stays for a later try.
+func (s *Supervisor) cleanLeftovers(ctx context.Context, d *leftover.Dir) {
+	stale, err := d.Stale()
+	if err != nil {
+		s.log.Warn("launch records", "dir", d.Path(), "error", err)
+	}
+	for _, st := range stale {
+		r := st.Record
+		if err := leftover.Clean(ctx, r, s.deps.StopLeftoverMPS); err != nil {
+			s.log.Warn("clean up after a dead supervisor", "pid", r.Owner.PID, "why", st.Why, "record", st.Name, "error", err)
+			continue
+		}
+		if err := d.Remove(st.Name); err != nil {
+			s.log.Warn("clean up after a dead supervisor", "pid", r.Owner.PID, "error", err)
+			continue
+		}
+		s.log.Warn("cleaned up after a supervisor that died without doing so", "pid", r.Owner.PID, "why", st.Why, "ring", r.Ring, "run_dir", r.RunDir)
+	}
+}
+
+// writeLaunchRecord records this supervisor and what it creates outside
+// its process, before the ring and the MPS daemon exist (the run dir is
+// already ours: created exclusively).
+func (s *Supervisor) writeLaunchRecord() error {
+	if s.stateDir == nil {
+		return nil
+	}
+	self, err := leftover.Self()
+	if err != nil {
+		return fmt.Errorf("launch record: %w", err)
+	}
+	r := leftover.Record{Owner: self, Written: time.Now(), Ring: s.ringPath, RunDir: s.runDir}
+	if !s.cfg.NoMPS && s.cfg.MPSPipeDir == "" { // an operator's daemon is never ours to stop
+		r.PrivateMPS, r.MPSControl = true, s.cfg.MPSControlBinary
+	}
+	return s.stateDir.Write(s.deployID, r)
 }
 
 // pollRing consumes the ring into the snapshot. The interval adapts: it

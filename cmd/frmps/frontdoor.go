@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"time"
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/prometheus/client_golang/prometheus"
@@ -55,16 +54,16 @@ func newFrontDoor(o serveOptions, sup *supervisor.Supervisor, log hclog.Logger, 
 	gath, _ := reg.(prometheus.Gatherer)
 	srv, err := openai.New(openai.Config{
 		APIKey: key, Gatherer: gath, Version: buildinfo.Get().Version, OnResumedToken: sup.NoteResumedToken,
-		MaxConcurrent: o.MaxConcurrent, MaxQueue: o.MaxQueue, MaxBodyBytes: o.MaxBodyBytes,
+		MaxConcurrent: o.MaxConcurrent, MaxQueue: o.MaxQueue, MaxBodyBytes: o.MaxBodyBytes, MaxConnections: o.MaxConnections,
 	}, backend{sup}, log, reg)
 	if err != nil {
 		return nil, fmt.Errorf("OpenAI front door: %w", err)
 	}
-	return &openaiDoor{Server: srv, http: &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second}}, nil
+	return &openaiDoor{Server: srv, http: srv.HTTPServer()}, nil
 }
 
 func (d *openaiDoor) Serve(l net.Listener) error {
-	if err := d.http.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+	if err := d.http.Serve(d.Server.Listener(l)); err != nil && !errors.Is(err, http.ErrServerClosed) {
 		return fmt.Errorf("OpenAI endpoint: %w", err)
 	}
 	return nil

@@ -24,6 +24,7 @@ import (
 	"github.com/frmps/frmps/supervisor"
 	"github.com/frmps/frmps/supervisor/admin"
 	"github.com/frmps/frmps/supervisor/failover"
+	"github.com/frmps/frmps/supervisor/leftover"
 )
 
 // serveOptions are `frmps serve`'s settings. The JSON names are the keys of
@@ -50,6 +51,7 @@ type serveOptions struct {
 	EngineLogDir      string        `json:"engine_log_dir"`
 	RingDir           string        `json:"ring_dir"`
 	RingCapacity      uint64        `json:"ring_capacity"`
+	StateDir          string        `json:"state_dir"`
 	Device            string        `json:"device"`
 	Memory            string        `json:"memory"`
 	NumBlocks         int           `json:"num_blocks"`
@@ -58,6 +60,7 @@ type serveOptions struct {
 	MaxConcurrent     int           `json:"max_concurrent"`
 	MaxQueue          int           `json:"max_queue"`
 	MaxBodyBytes      int64         `json:"max_body_bytes"`
+	MaxConnections    int           `json:"max_connections"`
 	APIKeyFile        string        `json:"api_key_file"`
 	MaxRestarts       int           `json:"max_restarts"`
 	RestartWindow     time.Duration `json:"-"`
@@ -80,7 +83,7 @@ type serveOptions struct {
 func defaultServeOptions() serveOptions {
 	return serveOptions{
 		Model: "tiny", Engine: "ref", Python: "python3", SyncEvery: supervisor.DefaultSyncEvery, Port: 8000,
-		AdminAddr: "127.0.0.1:8001", MPSControl: "nvidia-cuda-mps-control", RingCapacity: 8 << 20,
+		AdminAddr: "127.0.0.1:8001", MPSControl: "nvidia-cuda-mps-control", RingCapacity: 8 << 20, StateDir: leftover.DefaultDir(),
 		Device: "cpu", Memory: "host-shm", MaxRestarts: failover.DefaultBreaker.MaxRestarts,
 		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
 		HeartbeatTimeout: time.Second, StepTimeoutFactor: 8, StepTimeoutMin: time.Second, StepTimeoutDefault: time.Minute,
@@ -156,6 +159,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.EngineLogDir, "engine-log-dir", opts.EngineLogDir, "directory for the engines' log files, kept after exit (empty: inside the run dir, removed at exit)")
 	f.StringVar(&opts.RingDir, "ring-dir", opts.RingDir, "directory of the forward-state ring (empty: /dev/shm)")
 	f.Uint64Var(&opts.RingCapacity, "ring-capacity", opts.RingCapacity, "ring size in bytes")
+	f.StringVar(&opts.StateDir, "state-dir", opts.StateDir, "private directory (0700) of launch records: at start, the ring, run dir and MPS daemon of an frmps that was killed before it could clean up are removed (default: $XDG_RUNTIME_DIR/frmps, else /run/frmps as root, else <temp dir>/frmps-<uid>; empty: no records)")
 	f.StringVar(&opts.Device, "device", opts.Device, "engine device: cpu or cuda")
 	f.StringVar(&opts.Memory, "memory", opts.Memory, "shared memory backend: host-shm (CPU) or cuda-vmm (GPU)")
 	f.IntVar(&opts.NumBlocks, "num-blocks", opts.NumBlocks, "KV cache blocks (0: the engine's default)")
@@ -164,6 +168,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.IntVar(&opts.MaxConcurrent, "max-concurrent", opts.MaxConcurrent, "most requests running against the engine at once (0: 512)")
 	f.IntVar(&opts.MaxQueue, "max-queue", opts.MaxQueue, "most requests waiting for a slot before 429 (0: 1024; negative: no queue)")
 	f.Int64Var(&opts.MaxBodyBytes, "max-body-bytes", opts.MaxBodyBytes, "largest request body accepted before 413 (0: 4 MiB)")
+	f.IntVar(&opts.MaxConnections, "max-connections", opts.MaxConnections, "most client connections open at once; more wait to be accepted (0: 4096; negative: no bound)")
 	f.StringVar(&opts.APIKeyFile, "api-key-file", opts.APIKeyFile, "file holding the API key clients must send as a Bearer token (else FRMPS_API_KEY, else none)")
 	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window is not restarted")
 	f.DurationVar(&opts.RestartWindow, "restart-window", opts.RestartWindow, "crash-loop breaker window")
@@ -221,7 +226,7 @@ func (o serveOptions) supervisorConfig() supervisor.Config {
 	b.MaxRestarts, b.Window = o.MaxRestarts, o.RestartWindow
 	return supervisor.Config{
 		Model: o.Model, Engine: o.Engine, Python: o.Python, SyncEvery: o.SyncEvery,
-		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity,
+		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity, StateDir: o.StateDir,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, MPSPipeDir: o.MPSPipeDir, MPSLogDir: o.MPSLogDir, Device: o.Device, Memory: o.Memory,
 		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace,
 		HeartbeatTimeout: o.HeartbeatTimeout, StepTimeoutFactor: o.StepTimeoutFactor, StepTimeoutMin: o.StepTimeoutMin,

@@ -448,3 +448,39 @@ func lastLines(b []byte) string {
 	}
 	return s
 }
+
+// StopLeftover stops the daemon that Start ran under cfg.RunDir for a
+// supervisor that died without stopping it, if one still answers there
+// (the leftover package's cleanup of a dead supervisor). Nothing is created.
+func StopLeftover(ctx context.Context, cfg Config, log hclog.Logger) error {
+	if log == nil {
+		log = hclog.NewNullLogger()
+	}
+	base := filepath.Join(cfg.RunDir, "mps")
+	d := &Daemon{pipeDir: filepath.Join(base, "pipe"), logDir: filepath.Join(base, "log"), timeout: cfg.StartTimeout, log: log.Named("mps")}
+	if d.timeout <= 0 {
+		d.timeout = DefaultStartTimeout
+	}
+	if _, err := os.Stat(filepath.Join(d.pipeDir, "control")); err != nil {
+		return nil // no daemon was ever started there
+	}
+	name := cfg.ControlBinary
+	if name == "" {
+		name = DefaultControlBinary
+	}
+	bin, err := exec.LookPath(name)
+	if err != nil {
+		if d.daemonPID() <= 0 || !alive(d.daemonPID()) {
+			return nil // it quit (the pid file goes) or its process is gone
+		}
+		return fmt.Errorf("stop leftover mps daemon in %s: %w: %q: %w", d.pipeDir, ErrBinaryMissing, name, err)
+	}
+	d.bin = bin
+	d.env = append(withoutMPSEnv(os.Environ()), d.ClientEnv()...)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := d.stopStale(ctx); err != nil {
+		return fmt.Errorf("stop leftover mps daemon: %w", err)
+	}
+	return nil
+}

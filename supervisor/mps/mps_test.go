@@ -240,6 +240,35 @@ func TestStartStopsStaleDaemon(t *testing.T) {
 	}
 }
 
+func TestStopLeftover(t *testing.T) {
+	cfg := fakeControl(t, "ok")
+	ctx := context.Background()
+	if err := StopLeftover(ctx, cfg, nil); err != nil {
+		t.Fatalf("no daemon ever started: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(cfg.RunDir, "mps")); !os.IsNotExist(err) {
+		t.Fatalf("StopLeftover created directories: %v", err)
+	}
+	left, err := Start(ctx, cfg, nil) // its supervisor "died" without Stop
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid := left.daemonPID()
+	if err := StopLeftover(ctx, cfg, nil); err != nil {
+		t.Fatal(err)
+	}
+	if alive(pid) {
+		t.Fatalf("leftover daemon %d still running", pid)
+	}
+	if err := StopLeftover(ctx, cfg, nil); err != nil {
+		t.Fatalf("a daemon that already quit: %v", err)
+	}
+	cfg.ControlBinary = "no-such-mps-control"
+	if err := StopLeftover(ctx, cfg, nil); err != nil {
+		t.Fatalf("a daemon that quit, binary gone: %v", err)
+	}
+}
+
 func TestStartHonoursContext(t *testing.T) {
 	cfg := fakeControl(t, "hang-start")
 	cfg.StartTimeout = time.Minute

@@ -28,6 +28,20 @@ type Config struct {
 	QueueTimeout time.Duration
 	// MaxBodyBytes bounds a request body; beyond it: 413 (default 4 MiB).
 	MaxBodyBytes int64
+	// BodyReadTimeout bounds reading one request body; a client that sends
+	// it slower gets 408 and the connection is closed (default 30s).
+	BodyReadTimeout time.Duration
+	// ReadHeaderTimeout bounds reading a request's headers (HTTPServer;
+	// default 10s). A client that sends them slower is disconnected.
+	ReadHeaderTimeout time.Duration
+	// IdleTimeout closes a keep-alive connection idle between requests for
+	// this long (HTTPServer; default 2m).
+	IdleTimeout time.Duration
+	// MaxConnections bounds the connections open at once (Listener; default
+	// 4096, negative: no bound); beyond it new connections wait to be
+	// accepted. It keeps the supervisor's own descriptors (engine sockets,
+	// pools, the ring) available whatever the clients do.
+	MaxConnections int
 	// EngineWaitTimeout bounds the wait for a serving engine before a request
 	// has started; then 503 with Retry-After (default 30s).
 	EngineWaitTimeout time.Duration
@@ -95,6 +109,10 @@ func (c Config) withDefaults() Config {
 	if c.MaxBodyBytes == 0 {
 		c.MaxBodyBytes = 4 << 20
 	}
+	setDur(&c.BodyReadTimeout, 30*time.Second)
+	setDur(&c.ReadHeaderTimeout, 10*time.Second)
+	setDur(&c.IdleTimeout, 2*time.Minute)
+	setInt(&c.MaxConnections, 4096)
 	setDur(&c.EngineWaitTimeout, 30*time.Second)
 	setDur(&c.ResumeTimeout, 60*time.Second)
 	setInt(&c.MaxResumes, 8)
@@ -117,7 +135,8 @@ func (c Config) validate() error {
 		return errors.New("max concurrent requests must not be negative")
 	case c.MaxBodyBytes < 0:
 		return errors.New("max body bytes must not be negative")
-	case c.KeepAliveInterval < 0, c.ResumeTimeout < 0, c.EngineWaitTimeout < 0, c.QueueTimeout < 0:
+	case c.KeepAliveInterval < 0, c.ResumeTimeout < 0, c.EngineWaitTimeout < 0, c.QueueTimeout < 0,
+		c.BodyReadTimeout < 0, c.ReadHeaderTimeout < 0, c.IdleTimeout < 0:
 		return errors.New("timeouts and intervals must not be negative")
 	case c.DefaultMaxTokens < 0:
 		return errors.New("default max tokens must not be negative")

@@ -224,6 +224,22 @@ func TestResumeRefusedEndsWithErrorEvent(t *testing.T) {
 	}
 }
 
+// TestResumeRefusedWholeIs503 is the non-streaming case: nothing was sent
+// yet, so the client gets a 503 it may retry (the output is reproducible).
+func TestResumeRefusedWholeIs503(t *testing.T) {
+	h, a := newHarness(t, openai.Config{}, fakegen.Config{KillAfter: 4})
+	b := h.addEngine(fakegen.Config{})
+	go func() { // a new engine that never adopted the request
+		<-a.Dead()
+		h.backend.Set(b.Client())
+	}()
+	resp := h.post("/v1/completions", `{"model":"test-model","prompt":"x","max_tokens":10}`)
+	checkError(t, resp, 503, nil, "stream_resume_failed")
+	if resp.Header.Get("Retry-After") != "1" || resp.Header.Get("X-Should-Retry") != "true" {
+		t.Errorf("503 without Retry-After: %v", resp.Header)
+	}
+}
+
 func TestResumeTimeoutEndsWithErrorEvent(t *testing.T) {
 	h, _ := newHarness(t, openai.Config{ResumeTimeout: 50 * time.Millisecond}, fakegen.Config{KillAfter: 3})
 	resp := h.post("/v1/completions", `{"model":"test-model","prompt":"x","stream":true,"max_tokens":10}`)

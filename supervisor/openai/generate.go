@@ -117,15 +117,17 @@ func engineFailed(err error) bool {
 }
 
 // engineError maps an engine's refusal of a request to an API error.
-func engineError(err error) *apiError {
+func engineError(err error, retryAfter int) *apiError {
 	st := status.Convert(err)
 	switch st.Code() {
 	case codes.InvalidArgument, codes.OutOfRange:
 		return &apiError{Status: 400, Type: typeInvalidRequest, Message: st.Message()}
 	case codes.ResourceExhausted:
-		return &apiError{Status: 429, Type: typeRateLimit, Code: "engine_overloaded", Message: "The engine is overloaded: " + st.Message(), RetryAfter: 1}
+		return &apiError{Status: 429, Type: typeRateLimit, Code: "engine_overloaded", Message: "The engine is overloaded: " + st.Message(), RetryAfter: retryAfter}
 	case codes.FailedPrecondition, codes.NotFound:
-		return &apiError{Status: 503, Type: typeUnavailable, Code: "stream_resume_failed", Message: "The request could not be resumed on the new engine: " + st.Message()}
+		// The output is reproducible (the seed is fixed): a retry gets the same answer.
+		return &apiError{Status: 503, Type: typeUnavailable, Code: "stream_resume_failed", RetryAfter: retryAfter,
+			Message: "The request could not be resumed on the new engine: " + st.Message()}
 	}
 	return &apiError{Status: 500, Type: typeServer, Message: "The engine failed the request: " + st.Message()}
 }
@@ -213,12 +215,12 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 				if resuming {
 					s.m.resumes.WithLabelValues("failed").Inc()
 				}
-				return fail(engineError(err))
+				return fail(engineError(err, s.cfg.RetryAfter))
 			}
 			resumes++
 			if resumes > s.cfg.MaxResumes {
 				s.m.resumes.WithLabelValues("failed").Inc()
-				return fail(&apiError{Status: 503, Type: typeUnavailable, Code: "stream_resume_failed",
+				return fail(&apiError{Status: 503, Type: typeUnavailable, Code: "stream_resume_failed", RetryAfter: s.cfg.RetryAfter,
 					Message: fmt.Sprintf("The request was interrupted by %d engine failovers; giving up.", resumes-1)})
 			}
 			out.gap(true)
@@ -232,7 +234,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 				if !started {
 					return fail(unavailable(s.cfg.RetryAfter, "engine failover did not complete: "+err.Error()))
 				}
-				return fail(&apiError{Status: 503, Type: typeUnavailable, Code: "stream_resume_failed",
+				return fail(&apiError{Status: 503, Type: typeUnavailable, Code: "stream_resume_failed", RetryAfter: s.cfg.RetryAfter,
 					Message: "The engine failed and the stream could not be resumed: " + err.Error()})
 			}
 			open(true)

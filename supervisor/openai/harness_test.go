@@ -40,7 +40,10 @@ type harness struct {
 	engines []*fakegen.Engine
 }
 
-func newHarness(t *testing.T, cfg openai.Config, ecfg fakegen.Config) (*harness, *fakegen.Engine) {
+// newHarness serves the front door over real TCP with the http.Server and
+// listener it is deployed with (Server.HTTPServer, Server.Listener); tune,
+// if given, adjusts that http.Server before it starts.
+func newHarness(t *testing.T, cfg openai.Config, ecfg fakegen.Config, tune ...func(*http.Server)) (*harness, *fakegen.Engine) {
 	t.Helper()
 	// Short path: unix socket paths are limited to 108 bytes.
 	dir, err := os.MkdirTemp("", "fd")
@@ -61,7 +64,13 @@ func newHarness(t *testing.T, cfg openai.Config, ecfg fakegen.Config) (*harness,
 	if err != nil {
 		t.Fatal(err)
 	}
-	h.srv = httptest.NewServer(h.fd.Handler())
+	h.srv = httptest.NewUnstartedServer(nil)
+	h.srv.Config = h.fd.HTTPServer()
+	for _, f := range tune {
+		f(h.srv.Config)
+	}
+	h.srv.Listener = h.fd.Listener(h.srv.Listener)
+	h.srv.Start()
 	h.tr = &http.Transport{}
 	h.client = &http.Client{Transport: h.tr, Timeout: 20 * time.Second}
 	t.Cleanup(func() {

@@ -10,7 +10,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -20,6 +22,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/net/netutil"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/buildinfo"
@@ -103,6 +106,22 @@ func New(cfg Config, b Backend, log hclog.Logger, reg prometheus.Registerer) (*S
 
 // Handler returns the HTTP handler serving the API.
 func (s *Server) Handler() http.Handler { return s.handler }
+
+// HTTPServer returns an http.Server for Handler with the header and idle
+// timeouts of the Config, so that slow or idle clients cannot hold
+// connections. It has no ReadTimeout or WriteTimeout: those would cut long
+// streams (the body's read time is bounded per request, BodyReadTimeout).
+func (s *Server) HTTPServer() *http.Server {
+	return &http.Server{Handler: s.handler, ReadHeaderTimeout: s.cfg.ReadHeaderTimeout, IdleTimeout: s.cfg.IdleTimeout}
+}
+
+// Listener bounds l to Config.MaxConnections open connections.
+func (s *Server) Listener(l net.Listener) net.Listener {
+	if s.cfg.MaxConnections < 0 {
+		return l
+	}
+	return netutil.LimitListener(l, s.cfg.MaxConnections)
+}
 
 func (s *Server) routes() http.Handler {
 	mux := http.NewServeMux()
@@ -249,14 +268,8 @@ func (s *Server) completionHandler(ep endpoint) http.HandlerFunc {
 			s.m.requests.WithLabelValues(label, "405").Inc()
 			return
 		}
-		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
-		if err != nil {
-			var tooBig *http.MaxBytesError
-			e := &apiError{Status: 400, Type: typeInvalidRequest, Message: "Could not read the request body: " + err.Error()}
-			if errors.As(err, &tooBig) {
-				e = &apiError{Status: 413, Type: typeInvalidRequest, Code: "request_too_large",
-					Message: fmt.Sprintf("The request body exceeds the limit of %d bytes.", s.cfg.MaxBodyBytes)}
-			}
+		body, e := s.readBody(w, r)
+		if e != nil {
 			e.write(w)
 			s.m.requests.WithLabelValues(label, strconv.Itoa(e.Status)).Inc()
 			return
@@ -282,6 +295,38 @@ func (s *Server) completionHandler(ep endpoint) http.HandlerFunc {
 		}
 		s.execute(r.Context(), w, j, rid, arrived)
 	}
+}
+
+// readBody reads the request body within MaxBodyBytes and BodyReadTimeout.
+// Refused bodies are not read further; net/http then closes the connection
+// after a lingering close, so a client still sending reads the error.
+func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *apiError) {
+	tooLarge := &apiError{Status: http.StatusRequestEntityTooLarge, Type: typeInvalidRequest, Code: "request_too_large",
+		Message: fmt.Sprintf("The request body exceeds the limit of %d bytes.", s.cfg.MaxBodyBytes)}
+	if r.ContentLength > s.cfg.MaxBodyBytes {
+		w.Header().Set("Connection", "close")
+		return nil, tooLarge
+	}
+	rc := http.NewResponseController(w)
+	// Not supported by every ResponseWriter (HTTP/2 streams, recorders): the
+	// header timeout and the connection bound still hold there.
+	_ = rc.SetReadDeadline(time.Now().Add(s.cfg.BodyReadTimeout))
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		switch {
+		case errors.As(err, &tooBig):
+			return nil, tooLarge
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			w.Header().Set("Connection", "close")
+			return nil, &apiError{Status: http.StatusRequestTimeout, Type: typeInvalidRequest, Code: "request_timeout",
+				Message: fmt.Sprintf("The request body was not received within %s.", s.cfg.BodyReadTimeout)}
+		}
+		return nil, &apiError{Status: 400, Type: typeInvalidRequest, Message: "Could not read the request body: " + err.Error()}
+	}
+	// The connection is read again only to notice a client going away.
+	_ = rc.SetReadDeadline(time.Time{})
+	return body, nil
 }
 
 // execute runs one validated request to its end, writing the response to w,

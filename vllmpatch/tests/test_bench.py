@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from e2e import frmps_bin
 from frmps_engine.bench import report
 from frmps_engine.bench.common import ResultFile, key_id, latest_ok, load_records
 from frmps_engine.bench.experiments import EXPERIMENTS, outage_metrics
@@ -53,8 +54,7 @@ def bench(out: str, workdir: str, exp: str, *extra: str, timeout: float = 240) -
 @pytest.fixture(scope="module")
 def cpu_results(tmp_path_factory):
     pytest.importorskip("torch")
-    if not os.environ.get("FRMPS_BIN") or not os.access(os.environ["FRMPS_BIN"], os.X_OK):
-        pytest.skip("FRMPS_BIN is not set to a built frmps binary (make py-test sets it)")
+    frmps_bin()
     out = str(tmp_path_factory.mktemp("bench-out"))
     work = str(tmp_path_factory.mktemp("bench-work"))
     runs = {}
@@ -346,8 +346,7 @@ def test_every_experiment_plans_points_in_both_modes():
 @pytest.mark.torch
 def test_budget_stops_before_work_that_does_not_fit(tmp_path):
     pytest.importorskip("torch")
-    if not os.environ.get("FRMPS_BIN"):
-        pytest.skip("FRMPS_BIN is not set")
+    frmps_bin()
     out, work = str(tmp_path / "out"), str(tmp_path / "work")
     p = bench(out, work, "sync-overhead", "--budget", "2")
     assert p.returncode == 3, p.stderr[-2000:]

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("frmps_engine.sdk.memory.base", reason="the engine SDK's memory interface is not in this tree")
 
+from e2e import missing  # noqa: E402
 from frmps_engine.sdk.memory.base import MemoryError_, PoolSpec, SizeMismatch  # noqa: E402
 from frmps_engine.sdk.memory.cuda_vmm import (  # noqa: E402
     CudaVmmBackend,
@@ -42,7 +43,7 @@ def built(tmp_path_factory):
     private copy so that its once-per-process driver choice (the fake) cannot
     leak into other tests of this session."""
     if not shutil.which(os.environ.get("CC", "cc")) or not shutil.which("make"):
-        pytest.skip("needs a C compiler and make to build the interceptor")
+        missing("needs a C compiler and make to build the interceptor")
     r = subprocess.run(["make", "-s", "-C", str(INTERCEPTOR), "all", "build/libcuda_fake.so"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

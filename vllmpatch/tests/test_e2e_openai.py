@@ -116,6 +116,16 @@ def test_errors(dep, client):
     assert code == 400 and "model" in body["error"]["message"]
 
 
+def test_oversize_body_is_413_the_client_reads(client):
+    # Over the default 4 MiB body limit: the client gets the error, not a reset connection.
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="tiny", prompt="x" * (5 << 20), max_tokens=4)
+    assert e.value.status_code == 413
+    assert e.value.body["code"] == "request_too_large" and e.value.body["type"] == "invalid_request_error"
+    ok = client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
+
+
 def test_bad_json(dep):
     import urllib.error
     import urllib.request

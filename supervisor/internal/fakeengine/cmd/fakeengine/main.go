@@ -17,6 +17,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -49,7 +50,7 @@ func run(args []string) int {
 	connectFrom := fs.String("connect-from", "self", "self, or child: a child process connects (a wrong peer for SO_PEERCRED)")
 	model := fs.String("model", "fake", "model name in Hello")
 	pools := fs.String("pools", "", "pool layout tag:index:size,... (default: weights 64 KiB, kv_cache 128 KiB)")
-	genSocket := fs.String("generation-socket", "", "generation endpoint reported in Hello (not served)")
+	genSocket := fs.String("generation-socket", "", "generation endpoint reported in Hello: bound like a real engine's (its file stays when the engine is killed), not served")
 	checkMarkers := fs.Bool("check-markers", true, "standby: verify the pool markers a fake active wrote")
 	heartbeat := fs.Duration("heartbeat", 0, "send a Heartbeat at this interval while serving (0 = never)")
 	// Accepted and ignored: the real engine CLI's options, so a supervisor
@@ -110,6 +111,15 @@ func run(args []string) int {
 	default:
 		fmt.Fprintf(os.Stderr, "fakeengine: unknown -connect-from %q\n", *connectFrom)
 		return 2
+	}
+
+	if *genSocket != "" {
+		l, err := holdGenerationSocket(*genSocket)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "fakeengine: %v\n", err)
+			return 1
+		}
+		defer l.Close()
 	}
 
 	ctx := context.Background()
@@ -196,4 +206,24 @@ func parsePools(spec string) ([]*frmpsv1.Pool, error) {
 		return nil, err
 	}
 	return out, nil
+}
+
+// holdGenerationSocket binds path as a real engine's generation server does
+// and closes every connection at once (the fake serves no generation API,
+// so a client fails fast rather than waiting for a handshake).
+func holdGenerationSocket(path string) (net.Listener, error) {
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("generation socket: %w", err)
+	}
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	return l, nil
 }

@@ -1,0 +1,30 @@
+// Package testenv decides what a test does when something it needs from the
+// machine is missing: locally it skips with the reason; in CI (CI set to a
+// true value, as CI services and .ci/run do) it fails, so that a test that
+// never ran cannot pass as green.
+package testenv
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"testing"
+)
+
+// InCI reports whether the CI environment variable is set to a true value.
+func InCI() bool {
+	ci, err := strconv.ParseBool(os.Getenv("CI"))
+	return err == nil && ci
+}
+
+// Missing ends the test because a prerequisite is missing: Fatal in CI,
+// Skip elsewhere. The message says what is missing and how to provide it.
+func Missing(t testing.TB, format string, args ...any) {
+	t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	if InCI() {
+		t.Fatalf("%s (CI is set: a test that cannot run fails)", msg)
+		return
+	}
+	t.Skip(msg)
+}
