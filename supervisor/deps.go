@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"syscall"
+	"time"
 
 	"github.com/hashicorp/go-hclog"
 
@@ -102,6 +103,10 @@ type Deps struct {
 	// StartMPS starts frmps's own daemon, or joins the operator's (Config.MPSPipeDir).
 	StartMPS   func(ctx context.Context, runDir string, log hclog.Logger) (MPS, error)
 	OutsideEnv func(runDir string) ([]string, error)
+	// RunWait reads the run-queue wait (time runnable but not running) of
+	// each thread of a process; ok false when it cannot. nil = CPU waits are
+	// never excused (hang.go).
+	RunWait func(pid int) (byThread map[int]time.Duration, ok bool)
 	// CheckComputeMode refuses a GPU on which the standby cannot hold its own
 	// context (visible: the engines' CUDA_VISIBLE_DEVICES); nil = no check.
 	CheckComputeMode func(ctx context.Context, visible string) error

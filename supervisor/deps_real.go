@@ -7,7 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
+	"strings"
 	"syscall"
+	"time"
 
 	"github.com/hashicorp/go-hclog"
 
@@ -73,7 +76,40 @@ func defaultDeps(cfg Config, log hclog.Logger) (Deps, error) {
 			return c.Class, c.Detail
 		},
 		DialGeneration: DialGenerationUnix,
+		RunWait:        runWait,
 	}, nil
+}
+
+// runWait reads the second field of /proc/<pid>/task/<tid>/schedstat (ns
+// spent runnable but not running) of every thread of pid. A thread that
+// ends while it is read is skipped.
+func runWait(pid int) (map[int]time.Duration, bool) {
+	dir := fmt.Sprintf("/proc/%d/task", pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, false
+	}
+	out := make(map[int]time.Duration, len(ents))
+	for _, e := range ents {
+		tid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(dir + "/" + e.Name() + "/schedstat")
+		if err != nil {
+			continue
+		}
+		f := strings.Fields(string(b))
+		if len(f) < 2 {
+			return nil, false
+		}
+		ns, err := strconv.ParseInt(f[1], 10, 64)
+		if err != nil {
+			return nil, false
+		}
+		out[tid] = time.Duration(ns)
+	}
+	return out, len(out) > 0
 }
 
 type controlListener struct{ *control.Listener }

@@ -215,6 +215,8 @@ type fakeWorld struct {
 	// CheckComputeMode: what it was asked about, and its answer.
 	computeModeChecks []string
 	computeModeErr    error
+	// runWait answers RunWait (nil: unknown).
+	runWait func(pid int) map[int]time.Duration
 
 	ring   *fakeRing
 	broker []*fakeBroker
@@ -278,6 +280,15 @@ func (w *fakeWorld) deps() Deps {
 				return nil, w.mps.startErr
 			}
 			return w.mps, nil
+		},
+		RunWait: func(pid int) (map[int]time.Duration, bool) {
+			w.mu.Lock()
+			f := w.runWait
+			w.mu.Unlock()
+			if f == nil {
+				return nil, false
+			}
+			return f(pid), true
 		},
 		CheckComputeMode: func(ctx context.Context, visible string) error {
 			w.mu.Lock()

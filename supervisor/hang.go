@@ -15,6 +15,15 @@ import (
 //     tokens). A step older than max(stepMin, stepFactor × estimate), or than
 //     stepDefault when the engine has no estimate → class "hung".
 //
+// Time the engine spent waiting for a CPU is not held against it (up to
+// stepDefault): on an overloaded machine a starved engine is slow, not hung,
+// and a stopped or wedged one waits for no CPU. When either rule is past half
+// its threshold, the supervisor notes the run-queue wait (time runnable but
+// not running) of every thread of the engine, from
+// /proc/<pid>/task/<tid>/schedstat; once the rule is past its threshold, the
+// wait added since then is subtracted. Every thread counts: the one starved
+// may be another holding Python's GIL that the heartbeat thread waits for.
+//
 // An engine whose heartbeats carry no interval predates this reporting; it is
 // judged as before, slowly: no heartbeat, or a step count standing still
 // with requests running, for stepDefault → "stalled".
@@ -74,10 +83,41 @@ type beats struct {
 	tokens    uint32
 }
 
+// silenceLimit is how long b's engine may stay silent (0: not judged).
+func (p hangPolicy) silenceLimit(b beats) time.Duration {
+	if !p.enabled() || b.last.IsZero() {
+		return 0
+	}
+	if b.interval == 0 {
+		return p.stepDefault
+	}
+	// An engine that beats slower than asked is given three of its periods.
+	return max(p.heartbeat, 3*b.interval)
+}
+
+// excused is the part of d spent waiting for a CPU, at most d and stepDefault.
+func (p hangPolicy) excused(d, wait time.Duration) time.Duration {
+	return max(0, min(wait, d, p.stepDefault))
+}
+
+// suspicion names the episode in which an engine is past half a threshold:
+// its silence since the latest heartbeat, or its step in progress; "" when
+// neither. The supervisor starts measuring CPU waits there.
+func (p hangPolicy) suspicion(b beats, now time.Time) string {
+	if lim := p.silenceLimit(b); lim > 0 && now.Sub(b.last) > lim/2 {
+		return "silence after " + b.last.Format(time.RFC3339Nano)
+	}
+	if p.enabled() && b.interval > 0 && b.stepAge > p.stepBound(b.expected)/2 {
+		return fmt.Sprintf("step %d", b.step+1)
+	}
+	return ""
+}
+
 // verdict says whether an engine is wedged at now: its death class and a
-// detail, or "" when it is fine. Engines that never sent a heartbeat are not
-// judged (socket EOF and process exit still are).
-func (p hangPolicy) verdict(b beats, now time.Time) (class, detail string) {
+// detail, or "" when it is fine. starved is how long its threads waited for a
+// CPU during the current suspicion (0 if unknown). Engines that never sent a
+// heartbeat are not judged (socket EOF and process exit still are).
+func (p hangPolicy) verdict(b beats, now time.Time, starved time.Duration) (class, detail string) {
 	if !p.enabled() || b.last.IsZero() {
 		return "", ""
 	}
@@ -92,20 +132,46 @@ func (p hangPolicy) verdict(b beats, now time.Time) (class, detail string) {
 		}
 		return "", ""
 	}
-	// An engine that beats slower than asked is given three of its periods.
-	if limit := max(p.heartbeat, 3*b.interval); silent > limit {
-		return classStalled, fmt.Sprintf("stalled: no heartbeat for %s (limit %s, one every %s expected)",
-			silent.Round(time.Millisecond), limit, b.interval)
+	if limit := p.silenceLimit(b); silent-p.excused(silent, starved) > limit {
+		return classStalled, fmt.Sprintf("stalled: no heartbeat for %s%s limit %s (one every %s expected)",
+			silent.Round(time.Millisecond), waitedNote(p.excused(silent, starved)), limit, b.interval)
 	}
 	if b.stepAge > 0 {
-		if bound := p.stepBound(b.expected); b.stepAge > bound {
+		waited := p.excused(b.stepAge, starved)
+		if bound := p.stepBound(b.expected); b.stepAge-waited > bound {
 			est := "no estimate"
 			if b.expected > 0 {
 				est = "engine expected " + b.expected.Round(time.Microsecond).String()
 			}
-			return classHung, fmt.Sprintf("hung: step %d running for %s, bound %s (%s, %d tokens)",
-				b.step+1, b.stepAge.Round(time.Millisecond), bound.Round(time.Millisecond), est, b.tokens)
+			return classHung, fmt.Sprintf("hung: step %d running for %s%s bound %s (%s, %d tokens)",
+				b.step+1, b.stepAge.Round(time.Millisecond), waitedNote(waited), bound.Round(time.Millisecond), est, b.tokens)
 		}
 	}
 	return "", ""
+}
+
+func waitedNote(waited time.Duration) string {
+	if waited < time.Millisecond {
+		return ","
+	}
+	return fmt.Sprintf(", %s of it waiting for a CPU,", waited.Round(time.Millisecond))
+}
+
+// cpuProbe holds the run-queue wait of an engine's threads at the start of a
+// suspicion (loop-owned).
+type cpuProbe struct {
+	episode string // hangPolicy.suspicion's name; "" = none
+	at      time.Time
+	waits   map[int]time.Duration // by thread id
+}
+
+// waitedSince is the run-queue wait added to now since the probe: by thread,
+// a thread born since counted whole, one gone not at all; at most the wall
+// time since the probe (several threads may wait at once).
+func (c cpuProbe) waitedSince(now map[int]time.Duration, at time.Time) time.Duration {
+	var sum time.Duration
+	for tid, w := range now {
+		sum += max(0, w-c.waits[tid])
+	}
+	return min(sum, max(0, at.Sub(c.at)))
 }

@@ -71,9 +71,10 @@ type slot struct {
 	beats      beats  // what its Heartbeats said (hang.go)
 
 	// loop-owned
-	dead bool
-	gen  frmpsv1.GenerationClient
-	genC io.Closer
+	dead  bool
+	probe cpuProbe // CPU waits during a hang suspicion (hang.go)
+	gen   frmpsv1.GenerationClient
+	genC  io.Closer
 }
 
 func (sl *slot) setState(st string) {
@@ -229,7 +230,23 @@ func (s *Supervisor) checkStall(now time.Time) {
 	sl.mu.Lock()
 	b := sl.beats
 	sl.mu.Unlock()
-	class, detail := s.cfg.hangPolicy().verdict(b, now)
+	p := s.cfg.hangPolicy()
+	episode := p.suspicion(b, now)
+	if episode != sl.probe.episode {
+		sl.probe = cpuProbe{episode: episode}
+		if episode != "" && s.deps.RunWait != nil {
+			if w, ok := s.deps.RunWait(sl.proc.PID()); ok {
+				sl.probe.at, sl.probe.waits = now, w
+			}
+		}
+	}
+	class, detail := p.verdict(b, now, 0)
+	if class != "" && sl.probe.waits != nil {
+		// Past the threshold: how much of it did the engine spend waiting for a CPU?
+		if w, ok := s.deps.RunWait(sl.proc.PID()); ok {
+			class, detail = p.verdict(b, now, sl.probe.waitedSince(w, now))
+		}
+	}
 	if class == "" {
 		return
 	}

@@ -485,9 +485,12 @@ func TestHangDetection(t *testing.T) {
 		beat      func(n int) *frmpsv1.Heartbeat
 		wantClass string // "" = no failover
 		wantCause string
-		// detectBy: the failover's detection at most this long after the
-		// engine's last regular heartbeat (0: not checked).
-		detectBy time.Duration
+		// detectBy, detectAfter: the failover's detection at most / more than
+		// this long after the engine's last regular heartbeat (0: not checked).
+		detectBy, detectAfter time.Duration
+		// starved: one of the engine's threads waited for a CPU all along
+		// (RunWait grows with the clock).
+		starved bool
 	}{
 		{name: "silent", beat: func(n int) *frmpsv1.Heartbeat {
 			if n > 3 {
@@ -495,6 +498,15 @@ func TestHangDetection(t *testing.T) {
 			}
 			return beat(uint64(n), 0, 0)
 		}, wantClass: "stalled", wantCause: "stalled: no heartbeat", detectBy: time.Second + 100*time.Millisecond},
+		{name: "silent while waiting for a CPU: excused up to the default bound", starved: true, beat: func(n int) *frmpsv1.Heartbeat {
+			if n > 3 {
+				return nil
+			}
+			return beat(uint64(n), 0, 0)
+		}, wantClass: "stalled", wantCause: "of it waiting for a CPU", detectAfter: 11 * time.Second, detectBy: 11*time.Second + 100*time.Millisecond},
+		{name: "step past its bound while waiting for a CPU: excused up to the default bound", starved: true, beat: func(n int) *frmpsv1.Heartbeat {
+			return beat(3, time.Duration(n+1)*100*time.Millisecond, 20*time.Millisecond)
+		}, wantClass: "hung", wantCause: "hung: step 4 running for 11.1s, 10s of it waiting for a CPU, bound 1s"},
 		{name: "step overruns its bound", beat: func(n int) *frmpsv1.Heartbeat {
 			if n < 5 {
 				return beat(uint64(n), 0, 0)
@@ -537,6 +549,15 @@ func TestHangDetection(t *testing.T) {
 				w := newWorld()
 				var mu sync.Mutex
 				var lastBeat time.Time
+				t0 := time.Now()
+				if tc.starved {
+					w.runWait = func(pid int) map[int]time.Duration {
+						if pid != w.procs[0].pid {
+							t.Errorf("RunWait(%d): not the active's pid %d", pid, w.procs[0].pid)
+						}
+						return map[int]time.Duration{pid: 0, pid + 1: time.Since(t0)}
+					}
+				}
 				w.behave = func(r failover.Role, n int) behavior {
 					if r == failover.Active && n == 0 {
 						return behavior{beatEvery: cmp.Or(tc.every, 100*time.Millisecond), heartbeat: func(n int) *frmpsv1.Heartbeat {
@@ -582,8 +603,8 @@ func TestHangDetection(t *testing.T) {
 					mu.Lock()
 					took := time.Unix(0, recs[0].GetUnixNanos()).Sub(lastBeat)
 					mu.Unlock()
-					if took <= time.Second || took > tc.detectBy {
-						t.Fatalf("detected %s after the last heartbeat, want within (1s, %s]", took, tc.detectBy)
+					if took <= max(time.Second, tc.detectAfter) || took > tc.detectBy {
+						t.Fatalf("detected %s after the last heartbeat, want within (%s, %s]", took, max(time.Second, tc.detectAfter), tc.detectBy)
 					}
 				}
 				h.stop()

@@ -15,7 +15,7 @@ default hang thresholds:
 
 Per round: signal -> detected, signal -> takeover acked (targets: 2 s for a hung kernel,
 1.5 s for SIGSTOP), detected -> the fenced process gone, the failover class, and the
-streams' texts against a no-fault run. Results: --out JSON and a summary on stdout.
+streams' texts and token ids (the engines' token logs) against a no-fault run. Results: --out JSON and a summary on stdout.
 
     python3 bench/gpu/hang_check.py --frmps bin/frmps --model qwen2.5-0.5b --out hang.json
 
@@ -34,7 +34,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from failover_proof import Deployment, Stream, compare, get, nvidia_smi, run_batch  # noqa: E402
+from failover_proof import Deployment, Stream, compare, compare_ids, get, nvidia_smi, run_batch  # noqa: E402
 
 TARGET_S = {"hung": 2.0, "stalled": 1.5}
 
@@ -66,16 +66,21 @@ def long_prompt_phase(dep: Deployment, args) -> dict:
         s.start()
     time.sleep(0.3)
     long.start()
-    for s in [long, *decodes]:
+    long.join(900)
+    long_s = round(now() - long.t_start, 3)
+    for s in decodes:
         s.join(900)
     recs = failovers(dep)
-    return {"prompt_tokens": args.long_prompt, "ttft_s": round(long.chunks[0][0] - long.t_start, 3) if long.chunks else None,
+    # Dummy weights often decode to empty text (no chunk, so no first-token time): the
+    # whole request's time bounds the prefill from above.
+    return {"prompt_tokens": args.long_prompt, "request_s": long_s,
+            "ttft_s": round(long.chunks[0][0] - long.t_start, 3) if long.chunks else None,
             "long_result": long.result() | {"text": None}, "decode_errors": [s.error for s in decodes if s.error],
             "failovers_during": len(recs) - before, "ok": len(recs) == before and long.error is None,
             "records": recs[: len(recs) - before]}
 
 
-def signal_phase(dep: Deployment, args, ref: list[dict], sig: int, want: str) -> dict:
+def signal_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, sig: int, want: str) -> dict:
     e0 = dep.engines(dep.status())
     old_active, old_standby = e0["active"], e0["standby"]
     pid = int(get(old_active, "pid"))
@@ -99,10 +104,11 @@ def signal_phase(dep: Deployment, args, ref: list[dict], sig: int, want: str) ->
         box["watch"].start()
         return {"t_signal": box["t"]}
 
-    streams, inj, _ = run_batch(dep, args, inject=inject)
+    streams, inj, ids = run_batch(dep, args, inject=inject)
     t_sig = box["t"]
     res["inject"] = inj
     res["outputs_exact"] = compare(ref, [s.result() for s in streams])
+    res["ids_exact"] = compare_ids(ref_ids, ids)  # the engines' token logs
 
     def done(st):
         recs = get(st, "failovers", default=[]) or []
@@ -124,9 +130,9 @@ def signal_phase(dep: Deployment, args, ref: list[dict], sig: int, want: str) ->
     res["mps_state"] = get(st, "mps_state")
     if not args.cpu:
         res["gpu_after_rearm"] = nvidia_smi()
-    ex = res["outputs_exact"]
+    ex, xi = res["outputs_exact"], res["ids_exact"]
     res["ok"] = bool(res["record"]["ok"] and res["record"]["cause"] == want and res["fenced_gone"]
-                     and ex["errors"] == 0 and ex["text_equal"] == ex["requests"])
+                     and ex["errors"] == 0 and ex["text_equal"] == ex["requests"] and xi["ids_equal"] == xi["requests"])
     return res
 
 
@@ -181,16 +187,17 @@ def main() -> int:
         if args.long_prompt:
             report["long_prompt"] = long_prompt_phase(dep, args)
             save()
-            print(f"long prompt ({args.long_prompt} tokens): ttft {report['long_prompt']['ttft_s']} s, "
+            print(f"long prompt ({args.long_prompt} tokens): request {report['long_prompt']['request_s']} s, "
                   f"failovers during it {report['long_prompt']['failovers_during']}", flush=True)
-        ref = [s.result() for s in run_batch(dep, args)[0]]
+        ref_streams, _, ref_ids = run_batch(dep, args)
+        ref = [s.result() for s in ref_streams]
         report["reference_errors"] = [r["error"] for r in ref if r["error"]]
         plan = [(signal.SIGUSR2, "hung")] * args.hang_rounds + [(signal.SIGSTOP, "stalled")] * args.stop_rounds
         for sig, want in plan:
             r = {"signal": signal.Signals(sig).name, "want_class": want}
             report["rounds"].append(r)
             try:
-                r.update(signal_phase(dep, args, ref, sig, want))
+                r.update(signal_phase(dep, args, ref, ref_ids, sig, want))
             except Exception as ex:  # keep the rounds that ran
                 r["error"] = f"{type(ex).__name__}: {ex}"
             save()
@@ -213,7 +220,8 @@ def line(r: dict) -> str:
     return (f"{r['signal']} (active in MPS: {r['active_in_mps']}): class {r['record']['cause']} ok={r['ok']} "
             f"signal->detect {r['signal_to_detect_s']} s, ->takeover {r['signal_to_takeover_s']} s "
             f"(target {TARGET_S[r['want_class']]} s), detect->fenced gone {r['detect_to_gone_s']} s, "
-            f"texts {ex['text_equal']}/{ex['requests']} equal, errors {ex['errors']}, mps {r['mps_state']}; "
+            f"texts {ex['text_equal']}/{ex['requests']} equal, token ids {r['ids_exact']['ids_equal']}/"
+            f"{r['ids_exact']['requests']}, errors {ex['errors']}, mps {r['mps_state']}; "
             f"{r['record']['detail']}")
 
 
@@ -229,7 +237,7 @@ def summary(report: dict) -> str:
         out.append(f"error: {report['error']}")
     lp = report.get("long_prompt")
     if lp:
-        out.append(f"long prompt {lp['prompt_tokens']} tokens: ttft {lp['ttft_s']} s, failovers during it: "
+        out.append(f"long prompt {lp['prompt_tokens']} tokens: request {lp['request_s']} s, failovers during it: "
                    f"{lp['failovers_during']}")
     for want in TARGET_S:
         xs = [r["signal_to_takeover_s"] for r in report["rounds"] if r.get("want_class") == want and "signal_to_takeover_s" in r]

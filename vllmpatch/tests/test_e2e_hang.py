@@ -9,7 +9,8 @@ at its default thresholds.
 - Busy mixed traffic (long chunked prefills beside decodes) causes no failover.
 
 Every stream completes equal to its no-fault output. The signal-to-takeover times are
-printed (run with -s to see them); the asserted bound is a loose regression guard,
+printed (run with -s to see them) and must stay within the rule's threshold plus 2 s (a
+regression guard; the step bound grows with the engine's step times on a loaded machine);
 the figures are in bench/results/.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import re
 import signal
 import threading
 import time
@@ -69,8 +71,18 @@ def gone(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
+def go_seconds(d: str) -> float:
+    """A Go duration as the supervisor prints it ("1.5s", "980ms", "2m0.5s") in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+    parts = re.findall(r"([\d.]+)(h|ms|us|µs|ns|m|s)", d)
+    assert parts and "".join(a + b for a, b in parts) == d, d
+    return sum(float(a) * units[b] for a, b in parts)
+
+
 def fail_over_with(dep: Deployment, reference, sig: int, want_class: str, rounds: int) -> list[float]:
-    """Signal the active mid-stream `rounds` times; returns the signal-to-takeover seconds."""
+    """Signal the active mid-stream `rounds` times; returns the signal-to-takeover seconds.
+    The detection must come within the rule's own threshold (the limit or the step's bound,
+    which grows with the engine's measured step times on a loaded machine) plus slack."""
     figures = []
     for _ in range(rounds):
         before = len(dep.status().get("failovers") or [])
@@ -101,6 +113,8 @@ def fail_over_with(dep: Deployment, reference, sig: int, want_class: str, rounds
         assert gone(pid), f"the fenced active {pid} still exists"
         detected = int(rec["unix_nanos"]) / 1e9
         took = detected + float(rec["duration_seconds"]) - sent[0]
+        threshold = go_seconds(re.search(r"(?:limit|bound) ([\dhmsuµn.]+)", rec["detail"]).group(1))
+        assert took < threshold + 2.0, f"taken over {took:.3f} s after the signal, threshold {threshold} s: {rec}"
         print(f"\n{want_class}: signal -> detected {detected - sent[0]:.3f} s, -> takeover acked {took:.3f} s "
               f"({rec['detail']})")
         figures.append(took)
@@ -111,13 +125,11 @@ def test_sigstopped_active_fails_over(dep: Deployment, reference):
     figures = fail_over_with(dep, reference, signal.SIGSTOP, "stalled", rounds=3)
     print(f"\nSIGSTOP -> takeover over {len(figures)} rounds: {', '.join(f'{x:.3f}' for x in figures)} s "
           f"(target 1.5 s)")
-    assert max(figures) < 5.0, figures
 
 
 def test_hung_step_fails_over(dep: Deployment, reference):
     figures = fail_over_with(dep, reference, signal.SIGUSR2, "hung", rounds=3)
     print(f"\nhung step -> takeover over {len(figures)} rounds: {', '.join(f'{x:.3f}' for x in figures)} s")
-    assert max(figures) < 5.0, figures
 
 
 def test_busy_mixed_traffic_is_not_a_hang(dep: Deployment):
