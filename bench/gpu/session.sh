@@ -13,11 +13,12 @@
 #   vllm-tp:<model>:<batches>[:<timeout>] bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone; default 300 s)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   pack                               every log of this session into $OUT/logs.tar.gz
-# vLLM stages need vLLM 0.26.0 installed by shared/vllm-gpu (VLSITE, default /root/vlsite).
+# vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
+# (put ahead of PYTHONPATH).
 # Needs bin/frmps (built elsewhere with CGO_ENABLED=0: the GPU machine has no Go).
 set -u
 OUT=${OUT:-bench/build/session}
-VLSITE=${VLSITE:-/root/vlsite}
+VLSITE=${VLSITE:-}
 WORK=/tmp/frmps-session
 mkdir -p "$OUT" "$WORK"
 S=$OUT/summary.txt
@@ -34,7 +35,7 @@ stage_prep() {
         nvcc --version | tail -1
         echo "commit $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
         bin/frmps version
-        [ -d "$VLSITE" ] && PYTHONPATH=$VLSITE python3 -c "import importlib.metadata as m; print('vllm', m.version('vllm'))"
+        PYTHONPATH=${VLSITE:-} python3 -c "import importlib.metadata as m; print('vllm', m.version('vllm'))"
     } >> "$S" 2>&1
     if make -C interceptor all > "$WORK/build.log" 2>&1 && make -C bench/faults >> "$WORK/build.log" 2>&1; then
         log "prep: build OK"
@@ -46,7 +47,7 @@ stage_prep() {
 }
 
 vllm_env() {
-    export PYTHONPATH=$VLSITE:$PWD/vllmpatch/src VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
+    export PYTHONPATH=${VLSITE:+$VLSITE:}$PWD/vllmpatch/src VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
         HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 }
 
