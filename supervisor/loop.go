@@ -30,6 +30,7 @@ const (
 	evMPSChecked                  // CheckMPS finished
 	evShutdown
 	evStep // a machine event raised while executing actions (no re-entrant steps)
+	evPing // Alive: the loop answers
 )
 
 type event struct {
@@ -41,7 +42,7 @@ type event struct {
 	reply *frmpsv1.Reply
 	id    uint64
 	err   error
-	resp  chan error // evDrill
+	resp  chan error // evDrill, evPing
 	fev   failover.Event
 }
 
@@ -172,6 +173,8 @@ func (s *Supervisor) handle(ev event) {
 		s.step(failover.Event{Kind: failover.Shutdown, At: ev.at, Cause: ev.cause})
 	case evStep:
 		s.step(ev.fev)
+	case evPing:
+		ev.resp <- nil
 	}
 	s.reap()
 	s.syncShown()
@@ -671,6 +674,7 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 		}
 		return
 	}
+	s.learnModelLimit(ctx, sl)
 	s.post(event{kind: evReady, slot: sl, at: time.Now()})
 	for {
 		env, fds, err := conn.Recv()

@@ -22,6 +22,7 @@ type metrics struct {
 	engineUp     *prometheus.GaugeVec
 	restarts     *prometheus.CounterVec
 	crashLoopG   prometheus.Gauge
+	firstTokenIn prometheus.Histogram
 
 	mu       sync.Mutex
 	launches [2]uint32
@@ -48,12 +49,15 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 			Help: "Engine launches beyond the first, per role.", ConstLabels: cl}, []string{"role"}),
 		crashLoopG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_crash_loop_open",
 			Help: "1 when a crash-loop breaker stopped engine restarts.", ConstLabels: cl}),
+		firstTokenIn: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "frmps_failover_first_token_seconds",
+			Help: "Time from the active's death detected to the first resumed token reaching a client.", ConstLabels: cl,
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
 	}
 	bi := buildinfo.Get()
 	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_build_info", Help: "Build of this frmps.",
 		ConstLabels: prometheus.Labels{"model_name": model, "version": bi.Version, "commit": bi.Commit, "goversion": bi.GoVersion}})
 	build.Set(1)
-	for _, c := range []prometheus.Collector{m.failovers, m.duration, m.resumeSentIn, m.engineUp, m.restarts, m.crashLoopG, build} {
+	for _, c := range []prometheus.Collector{m.failovers, m.duration, m.resumeSentIn, m.engineUp, m.restarts, m.crashLoopG, m.firstTokenIn, build} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
@@ -78,6 +82,7 @@ func (m *metrics) ringResyncsFn(f func() float64) {
 func (m *metrics) failover(cause string)            { m.failovers.WithLabelValues(cause).Inc() }
 func (m *metrics) failoverDuration(d time.Duration) { m.duration.Observe(d.Seconds()) }
 func (m *metrics) resumeSent(d time.Duration)       { m.resumeSentIn.Observe(d.Seconds()) }
+func (m *metrics) firstToken(d time.Duration)       { m.firstTokenIn.Observe(d.Seconds()) }
 func (m *metrics) up(r failover.Role, up bool)      { m.engineUp.WithLabelValues(r.String()).Set(b2f(up)) }
 func (m *metrics) crashLoop(open bool)              { m.crashLoopG.Set(b2f(open)) }
 

@@ -165,6 +165,10 @@ type Supervisor struct {
 	logDir     string
 	wg         sync.WaitGroup // engine goroutines
 
+	// Set before Run (SetWatchdog); fed by the loop.
+	watchdog      Watchdog
+	watchdogEvery time.Duration
+
 	ringMu sync.Mutex
 	ring   Ring
 
@@ -304,6 +308,8 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ringPath, "mps", !s.cfg.NoMPS)
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()
+	feed, stopFeed := s.watchdogTick()
+	defer stopFeed()
 	var watchdog <-chan time.Time
 	if s.cfg.StallTimeout > 0 {
 		t := time.NewTicker(min(s.cfg.StallTimeout/4, time.Second))
@@ -329,6 +335,8 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 			s.checkStall(now)
 			s.reap()
 			s.syncShown()
+		case <-feed:
+			s.watchdog.Feed()
 		}
 	}
 }
@@ -542,6 +550,7 @@ func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
 	if p, ok := s.awaitingFirstToken[gen]; ok {
 		p.rec.FirstTokenSeconds = at.Sub(p.detected).Seconds()
 		delete(s.awaitingFirstToken, gen)
+		s.metrics.firstToken(at.Sub(p.detected))
 	}
 }
 
