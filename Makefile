@@ -119,11 +119,11 @@ deploy-test: $(VENV)/.stamp go-build ## deployment files: Helm chart, systemd un
 
 .PHONY: image-cpu
 image-cpu: ## container image, CPU variant (docker with BuildKit)
-	docker build -f deploy/docker/Dockerfile --target cpu --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t frmps:$(VERSION)-cpu .
+	docker build -f deploy/docker/Dockerfile --target cpu --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t frmps:$(VERSION)-cpu -t frmps:cpu .
 
 .PHONY: image-gpu
 image-gpu: ## container image, GPU variant on the CUDA base (docker with BuildKit)
-	docker build -f deploy/docker/Dockerfile --target gpu --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t frmps:$(VERSION)-gpu .
+	docker build -f deploy/docker/Dockerfile --target gpu --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t frmps:$(VERSION)-gpu -t frmps:gpu .
 
 # ---------------------------------------------------------------- run
 .PHONY: demo
