@@ -192,3 +192,43 @@ func TestFirstResumedTokenMetric(t *testing.T) {
 		h.stop()
 	})
 }
+
+// noteDuringLaunch calls NoteResumedToken for the newest generation from
+// inside the launch of the fresh standby, which the loop runs after it has
+// published the promoted engine and before it has written the failover
+// record: a client may get its first resumed token that early.
+type noteDuringLaunch struct {
+	Launcher
+	s     *Supervisor
+	after time.Duration
+}
+
+func (n *noteDuringLaunch) Launch(role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, error) {
+	if role == failover.Standby && n.s != nil {
+		if _, gen, err := n.s.Current(context.Background(), 2); err == nil {
+			time.Sleep(n.after)
+			n.s.NoteResumedToken(gen, time.Now())
+		}
+	}
+	return n.Launcher.Launch(role, inv, env, logPath)
+}
+
+func TestFirstResumedTokenBeforeTheRecord(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.front.open = []*frmpsv1.ResumeRequest{{Key: 7, Prompt: "a", DeliveredTokenIds: []uint32{1}}}
+		deps := w.deps()
+		nl := &noteDuringLaunch{Launcher: w, after: 20 * time.Millisecond}
+		deps.Launcher = nl
+		h := startWithDeps(t, w, deps, nil)
+		nl.s = h.s
+		w.liveRole(failover.Active).Kill()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if got := h.s.Status().Failovers[0].GetFirstTokenSeconds(); got < 0.02 || got > 0.021 {
+			t.Fatalf("first_token_seconds %v, want the 20ms the token took", got)
+		}
+		h.stop()
+	})
+}

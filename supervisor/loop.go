@@ -487,6 +487,9 @@ func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.
 			}
 		}
 		s.awaitingFirstToken[s.generation] = pendingFirstToken{rec: rec, detected: fo.detected}
+		if e := s.earlyFirstToken; e.gen == s.generation {
+			s.noteFirstTokenLocked(e.gen, e.at)
+		}
 	}
 	s.records = append([]*frmpsv1.FailoverRecord{rec}, s.records...)
 	if len(s.records) > s.cfg.MaxFailoverRecords {

@@ -193,6 +193,10 @@ type Supervisor struct {
 	ringLag        atomic.Uint64
 	learnedMaxLen  atomic.Uint32
 	ringResyncs    atomic.Uint64
+
+	// earlyFirstToken (under mu): a first resumed token that came before its
+	// failover record was written.
+	earlyFirstToken earlyToken
 }
 
 // New checks cfg and prepares a supervisor bound to the real collaborators.
@@ -547,11 +551,28 @@ type pendingFirstToken struct {
 func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.noteFirstTokenLocked(gen, at)
+}
+
+// noteFirstTokenLocked records the first resumed token of generation gen in
+// its failover record. Promote publishes the engine before the loop writes
+// that record, so a token can come first: it is kept until the record is
+// written (finishRecord calls this again).
+func (s *Supervisor) noteFirstTokenLocked(gen uint64, at time.Time) {
 	if p, ok := s.awaitingFirstToken[gen]; ok {
 		p.rec.FirstTokenSeconds = at.Sub(p.detected).Seconds()
 		delete(s.awaitingFirstToken, gen)
 		s.metrics.firstToken(at.Sub(p.detected))
+		return
 	}
+	if gen == s.generation && s.earlyFirstToken.gen != gen {
+		s.earlyFirstToken = earlyToken{gen: gen, at: at}
+	}
+}
+
+type earlyToken struct {
+	gen uint64
+	at  time.Time
 }
 
 // publish makes sl the engine Current returns, with a new generation.
