@@ -89,7 +89,7 @@ proto-check: proto ## fail if the committed generated code is stale
 
 # ---------------------------------------------------------------- tests
 .PHONY: test
-test: fmt-check vet proto-check go-test c-test py-test ## every test (what CI runs)
+test: fmt-check vet proto-check go-test c-test py-test deploy-test ## every test (what CI runs)
 
 .PHONY: fmt-check
 fmt-check:
@@ -130,6 +130,21 @@ test-notorch: ## Go tests and the torch-free Python tests, without installing to
 	.venv-notorch/bin/python -m pip install -q -r vllmpatch/requirements-notorch.txt
 	.venv-notorch/bin/python -m pip install -q --no-deps -e vllmpatch
 	.venv-notorch/bin/python -m pytest -q -m "not torch" vllmpatch/tests
+
+# deploy/ is a Go module of its own, so Helm, the Kubernetes API types,
+# Prometheus and BuildKit stay out of frmps's dependencies.
+.PHONY: deploy-test
+deploy-test: $(VENV)/.stamp go-build ## deployment files: Helm chart, systemd unit, Dockerfile, Grafana dashboard, alert rules
+	cd deploy && $(GO) vet ./...
+	cd deploy && FRMPS_BIN=$(CURDIR)/$(BIN)/frmps $(GO) test -count=1 -timeout 10m ./...
+
+.PHONY: image-cpu
+image-cpu: ## container image, CPU variant (docker with BuildKit)
+	docker build -f deploy/docker/Dockerfile --target cpu --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t frmps:$(VERSION)-cpu -t frmps:cpu .
+
+.PHONY: image-gpu
+image-gpu: ## container image, GPU variant on the CUDA base (docker with BuildKit)
+	docker build -f deploy/docker/Dockerfile --target gpu --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t frmps:$(VERSION)-gpu -t frmps:gpu .
 
 # ---------------------------------------------------------------- run
 .PHONY: demo

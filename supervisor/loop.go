@@ -33,6 +33,7 @@ const (
 	evStep           // a machine event raised while executing actions (no re-entrant steps)
 	evHandoverDue    // the failback policy's timer fired
 	evHandoffTimeout // Handoff got no reply in time
+	evPing           // Alive: the loop answers
 )
 
 type event struct {
@@ -44,7 +45,7 @@ type event struct {
 	reply *frmpsv1.Reply
 	id    uint64
 	err   error
-	resp  chan error // evDrill
+	resp  chan error // evDrill, evPing
 	fev   failover.Event
 }
 
@@ -191,6 +192,8 @@ func (s *Supervisor) handle(ev event) {
 		s.handoverDue(ev)
 	case evHandoffTimeout:
 		s.handoffTimeout(ev)
+	case evPing:
+		ev.resp <- nil
 	}
 	s.reap()
 	s.syncShown()
@@ -547,7 +550,11 @@ func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.
 				delete(s.awaitingFirstToken, g)
 			}
 		}
-		s.awaitingFirstToken[s.generation] = pendingFirstToken{detected: fo.detected, set: func(v float64) { rec.FirstTokenSeconds = v }}
+		s.awaitingFirstToken[s.generation] = pendingFirstToken{detected: fo.detected, failover: true,
+			set: func(v float64) { rec.FirstTokenSeconds = v }}
+		if e := s.earlyFirstToken; e.gen == s.generation {
+			s.noteFirstTokenLocked(e.gen, e.at)
+		}
 	}
 	s.records = append([]*frmpsv1.FailoverRecord{rec}, s.records...)
 	if len(s.records) > s.cfg.MaxFailoverRecords {
@@ -763,6 +770,7 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 		}
 		return
 	}
+	s.learnModelLimit(ctx, sl)
 	s.post(event{kind: evReady, slot: sl, at: time.Now()})
 	for {
 		env, fds, err := conn.Recv()

@@ -25,6 +25,7 @@ type metrics struct {
 	failbacks    *prometheus.CounterVec
 	failbackDur  prometheus.Histogram
 	placementG   prometheus.Gauge
+	firstTokenIn prometheus.Histogram
 
 	mu       sync.Mutex
 	launches [2]uint32
@@ -58,13 +59,16 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}),
 		placementG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_placement_ok",
 			Help: "1 when the active runs in MPS and the standby outside it (or MPS is off).", ConstLabels: cl}),
+		firstTokenIn: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "frmps_failover_first_token_seconds",
+			Help: "Time from the active's death detected to the first resumed token reaching a client.", ConstLabels: cl,
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
 	}
 	bi := buildinfo.Get()
 	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_build_info", Help: "Build of this frmps.",
 		ConstLabels: prometheus.Labels{"model_name": model, "version": bi.Version, "commit": bi.Commit, "goversion": bi.GoVersion}})
 	build.Set(1)
 	for _, c := range []prometheus.Collector{m.failovers, m.duration, m.resumeSentIn, m.engineUp, m.restarts, m.crashLoopG,
-		m.failbacks, m.failbackDur, m.placementG, build} {
+		m.failbacks, m.failbackDur, m.placementG, m.firstTokenIn, build} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
@@ -92,6 +96,7 @@ func (m *metrics) ringResyncsFn(f func() float64) {
 func (m *metrics) failover(cause string)            { m.failovers.WithLabelValues(cause).Inc() }
 func (m *metrics) failoverDuration(d time.Duration) { m.duration.Observe(d.Seconds()) }
 func (m *metrics) resumeSent(d time.Duration)       { m.resumeSentIn.Observe(d.Seconds()) }
+func (m *metrics) firstToken(d time.Duration)       { m.firstTokenIn.Observe(d.Seconds()) }
 func (m *metrics) up(r failover.Role, up bool)      { m.engineUp.WithLabelValues(r.String()).Set(b2f(up)) }
 func (m *metrics) crashLoop(open bool)              { m.crashLoopG.Set(b2f(open)) }
 func (m *metrics) placement(ok bool)                { m.placementG.Set(b2f(ok)) }

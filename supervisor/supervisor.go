@@ -243,6 +243,10 @@ type Supervisor struct {
 	logDir     string
 	wg         sync.WaitGroup // engine goroutines
 
+	// Set before Run (SetWatchdog); fed by the loop.
+	watchdog      Watchdog
+	watchdogEvery time.Duration
+
 	ringMu sync.Mutex
 	ring   Ring
 
@@ -270,6 +274,10 @@ type Supervisor struct {
 	ringLag        atomic.Uint64
 	learnedMaxLen  atomic.Uint32
 	ringResyncs    atomic.Uint64
+
+	// earlyFirstToken (under mu): a first resumed token that came before its
+	// failover record was written.
+	earlyFirstToken earlyToken
 }
 
 // New checks cfg and prepares a supervisor bound to the real collaborators.
@@ -385,6 +393,8 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ringPath, "mps", !s.cfg.NoMPS)
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()
+	feed, stopFeed := s.watchdogTick()
+	defer stopFeed()
 	var watchdog <-chan time.Time
 	if p := s.cfg.hangPolicy(); p.enabled() {
 		t := time.NewTicker(p.tick())
@@ -410,6 +420,8 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 			s.checkStall(now)
 			s.reap()
 			s.syncShown()
+		case <-feed:
+			s.watchdog.Feed()
 		}
 	}
 }
@@ -691,6 +703,7 @@ func (s *Supervisor) setUnavailable(err error) {
 
 type pendingFirstToken struct {
 	detected time.Time
+	failover bool                  // a failover's (counted in frmps_failover_first_token_seconds), not a handover's
 	set      func(seconds float64) // called with s.mu held
 }
 
@@ -701,10 +714,30 @@ type pendingFirstToken struct {
 func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.noteFirstTokenLocked(gen, at)
+}
+
+// noteFirstTokenLocked records the first resumed token of generation gen in
+// its failover record. Promote publishes the engine before the loop writes
+// that record, so a token can come first: it is kept until the record is
+// written (finishRecord calls this again).
+func (s *Supervisor) noteFirstTokenLocked(gen uint64, at time.Time) {
 	if p, ok := s.awaitingFirstToken[gen]; ok {
 		p.set(at.Sub(p.detected).Seconds())
 		delete(s.awaitingFirstToken, gen)
+		if p.failover {
+			s.metrics.firstToken(at.Sub(p.detected))
+		}
+		return
 	}
+	if gen == s.generation && s.earlyFirstToken.gen != gen {
+		s.earlyFirstToken = earlyToken{gen: gen, at: at}
+	}
+}
+
+type earlyToken struct {
+	gen uint64
+	at  time.Time
 }
 
 // publish makes sl the engine Current returns, with a new generation.

@@ -17,10 +17,7 @@ import (
 const benchModule = "frmps_engine.bench"
 
 func newBenchCmd() *cobra.Command {
-	python := os.Getenv("FRMPS_PYTHON")
-	if python == "" {
-		python = "python3"
-	}
+	var python string
 	cmd := &cobra.Command{
 		Use:   "bench [--python PY] <experiment|list|report> [experiment flags]",
 		Short: "Measure recovery, sync overhead, outage, standby memory and correctness against the baselines",
@@ -34,8 +31,9 @@ binary), the baselines and the fault triggers itself:
   frmps bench correctness --cpu          # a CPU check of the harness
   frmps bench recovery --help            # the experiment's own flags
 
-The interpreter is --python, else $FRMPS_PYTHON, else python3; frmps_engine must
-be importable there (e.g. PYTHONPATH=vllmpatch/src). Results are appended to
+The interpreter is --python, else $FRMPS_PYTHON, else the .venv of the source
+checkout holding this binary (whose vllmpatch/src then goes on PYTHONPATH),
+else python3; frmps_engine must be importable there. Results are appended to
 bench/results/<date>-<gpu>/ as they are measured; re-running a command resumes.`,
 		Args:                  cobra.MinimumNArgs(1),
 		DisableFlagsInUseLine: true,
@@ -44,12 +42,13 @@ bench/results/<date>-<gpu>/ as they are measured; re-running a command resumes.`
 			if err != nil {
 				return fmt.Errorf("find the frmps binary: %w", err)
 			}
-			return runBench(python, benchArgv(self, args), cmd.InOrStdin(), cmd.OutOrStdout(), cmd.ErrOrStderr())
+			py := findPython(python, selfPath(), os.Environ())
+			return runBench(py, benchArgv(self, args), cmd.InOrStdin(), cmd.OutOrStdout(), cmd.ErrOrStderr())
 		},
 	}
 	// Flags after the experiment name belong to the driver.
 	cmd.Flags().SetInterspersed(false)
-	cmd.Flags().StringVar(&python, "python", python, "Python interpreter that runs the bench driver and the engines")
+	cmd.Flags().StringVar(&python, "python", "", "Python interpreter that runs the bench driver and the engines (default: $FRMPS_PYTHON, else the checkout's .venv, else python3)")
 	return cmd
 }
 
@@ -71,12 +70,13 @@ func (e exitError) Error() string { return fmt.Sprintf("bench driver exited with
 
 // runBench runs the driver in the foreground, passing SIGINT and SIGTERM on so
 // that it stops its deployments and engines before it exits.
-func runBench(python string, argv []string, stdin io.Reader, stdout, stderr io.Writer) error {
-	path, err := exec.LookPath(python)
+func runBench(py pythonEnv, argv []string, stdin io.Reader, stdout, stderr io.Writer) error {
+	path, err := exec.LookPath(py.Python)
 	if err != nil {
 		return fmt.Errorf("bench needs Python with frmps_engine (--python or FRMPS_PYTHON): %w", err)
 	}
 	c := exec.Command(path, argv...)
+	c.Env = py.Env
 	c.Stdin, c.Stdout, c.Stderr = stdin, stdout, stderr
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)

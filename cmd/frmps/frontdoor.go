@@ -21,6 +21,7 @@ type backend struct{ s *supervisor.Supervisor }
 var (
 	_ openai.Backend           = backend{}
 	_ openai.ReadinessReporter = backend{}
+	_ openai.LivenessReporter  = backend{}
 )
 
 func (b backend) Current(ctx context.Context, minGeneration uint64) (openai.Engine, error) {
@@ -40,6 +41,8 @@ func (b backend) Model() openai.ModelInfo {
 }
 
 func (b backend) Serving() bool { return b.s.Serving() }
+
+func (b backend) Alive(ctx context.Context) error { return b.s.Alive(ctx) }
 
 type openaiDoor struct {
 	*openai.Server

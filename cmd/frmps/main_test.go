@@ -53,7 +53,7 @@ func TestHangFlags(t *testing.T) {
 	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
 		t.Fatal(err)
 	}
-	c := opts.supervisorConfig()
+	c := opts.supervisorConfig(pythonEnv{})
 	if c.HeartbeatTimeout != 2*time.Second || c.StepTimeoutFactor != 4 || c.StepTimeoutMin != 500*time.Millisecond || c.StepTimeoutDefault != 2*time.Minute {
 		t.Fatalf("config %+v", c)
 	}
@@ -66,7 +66,7 @@ func TestHangFlags(t *testing.T) {
 	if opts.HeartbeatTimeout != 7*time.Second {
 		t.Fatalf("--stall-timeout set the heartbeat timeout to %s", opts.HeartbeatTimeout)
 	}
-	if d := defaultServeOptions().supervisorConfig(); d.HeartbeatTimeout != time.Second || d.StepTimeoutFactor != 8 ||
+	if d := defaultServeOptions().supervisorConfig(pythonEnv{}); d.HeartbeatTimeout != time.Second || d.StepTimeoutFactor != 8 ||
 		d.StepTimeoutMin != time.Second || d.StepTimeoutDefault != time.Minute {
 		t.Fatalf("defaults %+v", d)
 	}
@@ -87,7 +87,7 @@ func TestSharedMPSFlags(t *testing.T) {
 	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
 		t.Fatal(err)
 	}
-	if c := opts.supervisorConfig(); c.MPSPipeDir != "/op/mps/pipe" || c.MPSLogDir != "/op/mps/log" || c.NoMPS {
+	if c := opts.supervisorConfig(pythonEnv{}); c.MPSPipeDir != "/op/mps/pipe" || c.MPSLogDir != "/op/mps/log" || c.NoMPS {
 		t.Fatalf("config %+v", c)
 	}
 	if err := opts.validate(); err != nil {

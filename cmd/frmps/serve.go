@@ -23,8 +23,10 @@ import (
 
 	"github.com/frmps/frmps/supervisor"
 	"github.com/frmps/frmps/supervisor/admin"
+	"github.com/frmps/frmps/supervisor/engine"
 	"github.com/frmps/frmps/supervisor/failover"
 	"github.com/frmps/frmps/supervisor/leftover"
+	"github.com/frmps/frmps/supervisor/sdnotify"
 )
 
 // serveOptions are `frmps serve`'s settings. The JSON names are the keys of
@@ -82,7 +84,7 @@ type serveOptions struct {
 
 func defaultServeOptions() serveOptions {
 	return serveOptions{
-		Model: "tiny", Engine: "ref", Python: "python3", SyncEvery: supervisor.DefaultSyncEvery, Port: 8000,
+		Model: "tiny", Engine: "ref", SyncEvery: supervisor.DefaultSyncEvery, Port: 8000,
 		AdminAddr: "127.0.0.1:8001", MPSControl: "nvidia-cuda-mps-control", RingCapacity: 8 << 20, StateDir: leftover.DefaultDir(),
 		Device: "cpu", Memory: "host-shm", MaxRestarts: failover.DefaultBreaker.MaxRestarts,
 		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
@@ -142,7 +144,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(configFile, "config", "", "JSON config file (flags override it)")
 	f.StringVar(&opts.Model, "model", opts.Model, "model: a preset name (tiny, qwen2.5-0.5b, …, qwen2.5-14b) or a model directory")
 	f.StringVar(&opts.Engine, "engine", opts.Engine, "engine: ref (the reference engine) or vllm")
-	f.StringVar(&opts.Python, "python", opts.Python, "Python interpreter that runs the engine (with frmps_engine installed)")
+	f.StringVar(&opts.Python, "python", opts.Python, "Python interpreter that runs the engines, with frmps_engine importable (default: $FRMPS_PYTHON, else the .venv of the source checkout holding this binary, else python3)")
 	f.Uint32Var(&opts.SyncEvery, "sync-every", opts.SyncEvery, "engine steps between forward-state syncs to the ring (1: every step; the publish overlaps the device, and a takeover replays at most one token)")
 	f.BoolVar(&opts.NoFailback, "no-failback", opts.NoFailback, "after a failover, leave the promoted active outside MPS (by default a standby starts inside MPS and the pair swaps back in a planned handover)")
 	f.DurationVar(&opts.FailbackDelay, "failback-delay", opts.FailbackDelay, "wait this long after the standby in MPS is ready before handing over to it")
@@ -221,11 +223,11 @@ func applyConfigFile(flags *pflag.FlagSet, opts *serveOptions, path string) erro
 	return nil
 }
 
-func (o serveOptions) supervisorConfig() supervisor.Config {
+func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 	b := failover.DefaultBreaker
 	b.MaxRestarts, b.Window = o.MaxRestarts, o.RestartWindow
 	return supervisor.Config{
-		Model: o.Model, Engine: o.Engine, Python: o.Python, SyncEvery: o.SyncEvery,
+		Model: o.Model, Engine: o.Engine, Python: py.Python, BaseEnv: sdnotify.StripEnv(py.Env), SyncEvery: o.SyncEvery,
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity, StateDir: o.StateDir,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, MPSPipeDir: o.MPSPipeDir, MPSLogDir: o.MPSLogDir, Device: o.Device, Memory: o.Memory,
 		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace,
@@ -288,11 +290,28 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	lvl := hclog.LevelFromString(o.LogLevel)
 	log := hclog.New(&hclog.LoggerOptions{Name: "frmps", Level: lvl, JSONFormat: o.LogJSON, Output: stderr})
 
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	sup, err := supervisor.New(o.supervisorConfig(), log.Named("supervisor"), reg)
+	py := findPython(o.Python, selfPath(), os.Environ())
+	pkg, err := engine.PythonCLI{Engine: o.Engine, Python: py.Python}.Preflight(ctx, py.Env)
+	if err != nil {
+		return fmt.Errorf("%w (interpreter from %s); pass --python with an interpreter that has frmps_engine installed "+
+			"(`make venv` creates .venv in a source checkout), or set FRMPS_PYTHON", err, py.Source)
+	}
+	log.Info("engine interpreter", "python", py.Python, "from", py.Source, "frmps_engine", pkg)
+
+	notify, err := sdnotify.New(log.Named("systemd"))
 	if err != nil {
 		return err
+	}
+	defer notify.Close()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	sup, err := supervisor.New(o.supervisorConfig(py), log.Named("supervisor"), reg)
+	if err != nil {
+		return err
+	}
+	if every := notify.WatchdogInterval(); every > 0 {
+		sup.SetWatchdog(notify, every)
 	}
 	fd, err := newFrontDoor(o, sup, log.Named("openai"), reg)
 	if err != nil {
@@ -332,6 +351,13 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		go func() { apiDone <- fd.Serve(apiL) }()
 	}
 	log.Info("serving", "model", o.Model, "engine", o.Engine, "port", o.Port, "admin", admL.Addr().String())
+	readyCtx, stopReady := context.WithCancel(context.Background())
+	defer stopReady()
+	readyDone := make(chan struct{})
+	go func() {
+		defer close(readyDone)
+		notifyReady(readyCtx, sup, notify, o.Model)
+	}()
 
 	var runErr error
 	select {
@@ -347,6 +373,9 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	case runErr = <-apiDone:
 		apiDone <- runErr
 	}
+	notify.Stopping("draining requests, then stopping the engines")
+	stopReady()
+	<-readyDone
 	// Order matters: stop taking requests and drain them, then the engines,
 	// then the admin API (status stays readable during the drain).
 	if fd != nil {
@@ -366,6 +395,19 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		runErr = err
 	}
 	return runErr
+}
+
+// notifyReady tells systemd READY=1 once an engine serves (the first
+// generation is published), and nothing if none ever does (a crash loop at
+// start): systemd's start timeout then fails the unit.
+func notifyReady(ctx context.Context, sup *supervisor.Supervisor, n *sdnotify.Notifier, model string) {
+	if !n.Enabled() {
+		return
+	}
+	if _, _, err := sup.Current(ctx, 1); err != nil {
+		return
+	}
+	n.Ready("serving " + model)
 }
 
 // frontDoor is the OpenAI endpoint as serve drives it.

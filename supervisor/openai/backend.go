@@ -1,5 +1,5 @@
 // Package openai is frmps's OpenAI-compatible front door: /v1/chat/completions,
-// /v1/completions, /v1/models, /health, /version and /metrics, served over the
+// /v1/completions, /v1/models, /health, /livez, /readyz, /version and /metrics, served over the
 // generation API of whichever engine is active. It remembers, per open request,
 // every token it has delivered, so a stream survives an engine failover with no
 // token lost or repeated.
@@ -18,6 +18,8 @@ type Backend interface {
 	// Generation increments on every failover. ErrUnavailable (wrapped) when no
 	// engine can serve now (degraded, crash-loop, stopped).
 	Current(ctx context.Context, minGeneration uint64) (Engine, error)
+	// Model is read once at New for the name, and per request for
+	// MaxModelLen (0 while unknown), which may be learned later.
 	Model() ModelInfo
 }
 
@@ -26,6 +28,13 @@ type Backend interface {
 type ReadinessReporter interface {
 	// Serving reports whether an engine can take a request right now.
 	Serving() bool
+}
+
+// LivenessReporter is optional: a Backend that implements it answers /livez.
+// Without it /livez reports only that the HTTP server answers.
+type LivenessReporter interface {
+	// Alive returns nil when the backend's control loop answers before ctx ends.
+	Alive(ctx context.Context) error
 }
 
 // Engine is one serving engine as seen through its generation API.

@@ -57,6 +57,8 @@ type Config struct {
 	// HealthTimeout bounds /health's Current call when the Backend does not
 	// implement ReadinessReporter (default 100ms).
 	HealthTimeout time.Duration
+	// LivenessTimeout bounds /livez's Alive call (default 1s).
+	LivenessTimeout time.Duration
 	// AbortTimeout bounds the Abort RPC sent when a client goes away (default 2s).
 	AbortTimeout time.Duration
 	// FinalWriteTimeout bounds writes once a request's context has ended
@@ -118,6 +120,7 @@ func (c Config) withDefaults() Config {
 	setInt(&c.MaxResumes, 8)
 	setDur(&c.KeepAliveInterval, time.Second)
 	setDur(&c.HealthTimeout, 100*time.Millisecond)
+	setDur(&c.LivenessTimeout, time.Second)
 	setDur(&c.AbortTimeout, 2*time.Second)
 	setDur(&c.FinalWriteTimeout, time.Second)
 	setInt(&c.RetryAfter, 1)
@@ -136,7 +139,7 @@ func (c Config) validate() error {
 	case c.MaxBodyBytes < 0:
 		return errors.New("max body bytes must not be negative")
 	case c.KeepAliveInterval < 0, c.ResumeTimeout < 0, c.EngineWaitTimeout < 0, c.QueueTimeout < 0,
-		c.BodyReadTimeout < 0, c.ReadHeaderTimeout < 0, c.IdleTimeout < 0:
+		c.BodyReadTimeout < 0, c.ReadHeaderTimeout < 0, c.IdleTimeout < 0, c.LivenessTimeout < 0:
 		return errors.New("timeouts and intervals must not be negative")
 	case c.DefaultMaxTokens < 0:
 		return errors.New("default max tokens must not be negative")

@@ -311,7 +311,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 
 // checkContext checks the prompt length the engine reported against the model's context.
 func (s *Server) checkContext(j *job, promptTokens int) *apiError {
-	max := s.model.MaxModelLen
+	max := s.modelInfo().MaxModelLen
 	if max <= 0 || promptTokens == 0 {
 		return nil
 	}

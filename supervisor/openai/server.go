@@ -129,6 +129,8 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("/v1/completions", s.auth(s.completionHandler(endpointCompletions)))
 	mux.HandleFunc("/v1/models", s.auth(s.handleModels))
 	mux.HandleFunc("/health", s.handleHealth)
+	mux.HandleFunc("/readyz", s.handleHealth)
+	mux.HandleFunc("/livez", s.handleLive)
 	mux.HandleFunc("/version", s.handleVersion)
 	if s.cfg.Gatherer != nil {
 		mux.Handle("/metrics", promhttp.HandlerFor(s.cfg.Gatherer, promhttp.HandlerOpts{}))
@@ -211,11 +213,18 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 	b = strconv.AppendInt(b, time.Now().Unix(), 10)
 	b = append(b, `,"owned_by":"frmps","root":`...)
 	b = appendJSONString(b, s.model.Name)
-	b = append(b, `,"max_model_len":`...)
-	b = strconv.AppendInt(b, int64(s.model.MaxModelLen), 10)
+	if n := s.modelInfo().MaxModelLen; n > 0 { // left out while no engine has told it
+		b = append(b, `,"max_model_len":`...)
+		b = strconv.AppendInt(b, int64(n), 10)
+	}
 	b = append(b, "}]}\n"...)
 	w.Header().Set("Content-Type", "application/json")
 	_, _ = w.Write(b)
+}
+
+// modelInfo is the served model with its current context limit.
+func (s *Server) modelInfo() ModelInfo {
+	return ModelInfo{Name: s.model.Name, MaxModelLen: s.backend.Model().MaxModelLen}
 }
 
 func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
@@ -236,6 +245,26 @@ func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Retry-After", strconv.Itoa(s.cfg.RetryAfter))
 		w.WriteHeader(http.StatusServiceUnavailable)
 		_, _ = io.WriteString(w, `{"status":"unavailable"}`+"\n")
+		return
+	}
+	_, _ = io.WriteString(w, `{"status":"ok"}`+"\n")
+}
+
+// handleLive answers whether the process should be left running: the
+// backend's control loop answers (LivenessReporter), whatever the engines do.
+// A draining server is still alive.
+func (s *Server) handleLive(w http.ResponseWriter, r *http.Request) {
+	var err error
+	if lr, ok := s.backend.(LivenessReporter); ok {
+		ctx, cancel := context.WithTimeout(r.Context(), s.cfg.LivenessTimeout)
+		err = lr.Alive(ctx)
+		cancel()
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if err != nil {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		b := appendJSONString([]byte(`{"status":"unavailable","error":`), err.Error())
+		_, _ = w.Write(append(b, "}\n"...))
 		return
 	}
 	_, _ = io.WriteString(w, `{"status":"ok"}`+"\n")
@@ -274,7 +303,7 @@ func (s *Server) completionHandler(ep endpoint) http.HandlerFunc {
 			s.m.requests.WithLabelValues(label, strconv.Itoa(e.Status)).Inc()
 			return
 		}
-		j, e := parseRequest(ep, body, s.model, &s.cfg)
+		j, e := parseRequest(ep, body, s.modelInfo(), &s.cfg)
 		if e != nil {
 			e.write(w)
 			s.m.requests.WithLabelValues(label, strconv.Itoa(e.Status)).Inc()

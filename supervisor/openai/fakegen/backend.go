@@ -12,23 +12,52 @@ import (
 // Backend is a TEST DOUBLE of the supervisor's side of the front door: it
 // hands out the current engine and lets a test stage a failover.
 type Backend struct {
-	model openai.ModelInfo
-
 	mu          sync.Mutex
+	model       openai.ModelInfo
+	aliveErr    error
 	client      frmpsv1.GenerationClient
 	gen         uint64
 	unavailable bool
 	changed     chan struct{}
 }
 
-var _ openai.Backend = (*Backend)(nil)
+var (
+	_ openai.Backend          = (*Backend)(nil)
+	_ openai.LivenessReporter = (*Backend)(nil)
+)
 
 // NewBackend starts with no engine; call Set.
 func NewBackend(model openai.ModelInfo) *Backend {
 	return &Backend{model: model, changed: make(chan struct{})}
 }
 
-func (b *Backend) Model() openai.ModelInfo { return b.model }
+func (b *Backend) Model() openai.ModelInfo {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.model
+}
+
+// SetMaxModelLen changes the context limit Model reports, as a supervisor
+// does once its first engine told it.
+func (b *Backend) SetMaxModelLen(n int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.model.MaxModelLen = n
+}
+
+// Alive implements openai.LivenessReporter: the error SetAliveErr staged.
+func (b *Backend) Alive(context.Context) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.aliveErr
+}
+
+// SetAliveErr makes Alive fail with err (nil: alive).
+func (b *Backend) SetAliveErr(err error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.aliveErr = err
+}
 
 // Current implements openai.Backend.
 func (b *Backend) Current(ctx context.Context, minGeneration uint64) (openai.Engine, error) {

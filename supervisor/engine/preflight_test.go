@@ -1,0 +1,91 @@
+package engine
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// fakePackage writes a stand-in frmps_engine (TEST DOUBLE: the modules the
+// preflight imports, empty) and returns its PYTHONPATH entry.
+func fakePackage(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	for _, f := range []string{"frmps_engine/__init__.py", "frmps_engine/cli.py", "frmps_engine/sdk/__init__.py", "frmps_engine/sdk/runner.py"} {
+		p := filepath.Join(dir, f)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return dir
+}
+
+func python3(t *testing.T) string {
+	t.Helper()
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 is not in PATH")
+	}
+	return py
+}
+
+func TestPreflight(t *testing.T) {
+	py := python3(t)
+	pkg := fakePackage(t)
+	env := []string{"PATH=" + os.Getenv("PATH"), "PYTHONPATH=" + pkg}
+	where, err := PythonCLI{Engine: "ref", Python: py}.Preflight(context.Background(), env)
+	if err != nil || where != filepath.Join(pkg, "frmps_engine", "__init__.py") {
+		t.Fatalf("ref: %q %v", where, err)
+	}
+	for _, tc := range []struct {
+		name   string
+		cli    PythonCLI
+		env    []string
+		reason string
+	}{
+		{"no engine package", PythonCLI{Engine: "ref", Python: py}, []string{"PYTHONPATH=" + t.TempDir()}, "ModuleNotFoundError: No module named 'frmps_engine'"},
+		{"vllm missing", PythonCLI{Engine: "vllm", Python: py}, env, "No module named 'vllm'"},
+		{"no interpreter", PythonCLI{Engine: "ref", Python: filepath.Join(t.TempDir(), "python")}, env, "no such file or directory"},
+	} {
+		_, err := tc.cli.Preflight(context.Background(), tc.env)
+		if err == nil || !strings.Contains(err.Error(), tc.reason) || strings.Contains(err.Error(), "\n") {
+			t.Errorf("%s: %v, want one line with %q", tc.name, err, tc.reason)
+		}
+	}
+}
+
+// The project's own interpreter (FRMPS_PYTHON, as `make test` sets it) passes.
+func TestPreflightProjectPython(t *testing.T) {
+	py := os.Getenv("FRMPS_PYTHON")
+	if py == "" {
+		t.Skip("set FRMPS_PYTHON (and PYTHONPATH=vllmpatch/src) to check the project's interpreter")
+	}
+	where, err := PythonCLI{Engine: "ref", Python: py}.Preflight(context.Background(), os.Environ())
+	if err != nil || !strings.HasSuffix(where, filepath.Join("frmps_engine", "__init__.py")) {
+		t.Fatalf("%q %v", where, err)
+	}
+}
+
+func TestPreflightTimesOut(t *testing.T) {
+	script := filepath.Join(t.TempDir(), "python")
+	if err := os.WriteFile(script, []byte("#!/bin/sh\nexec sleep 30\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := PythonCLI{Engine: "ref", Python: script}.Preflight(ctx, nil)
+	if err == nil || !strings.Contains(err.Error(), "did not finish importing") {
+		t.Fatalf("%v", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("took %s", d)
+	}
+}

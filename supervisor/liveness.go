@@ -1,0 +1,97 @@
+package supervisor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+// Watchdog is fed by the event loop goroutine itself, between events, so a
+// loop that is wedged stops feeding it (systemd's WatchdogSec restarts the
+// service then). Feed must not block.
+type Watchdog interface {
+	Feed()
+}
+
+// SetWatchdog makes the event loop call w.Feed every interval while it runs.
+// Call before Run.
+func (s *Supervisor) SetWatchdog(w Watchdog, every time.Duration) {
+	if w == nil || every <= 0 {
+		s.watchdog, s.watchdogEvery = nil, 0
+		return
+	}
+	s.watchdog, s.watchdogEvery = w, every
+}
+
+// watchdogTick is the loop's feeding schedule; nil (never fires) without a
+// watchdog. The loop feeds once at once, so the first ping does not wait a
+// full interval.
+func (s *Supervisor) watchdogTick() (<-chan time.Time, func()) {
+	if s.watchdog == nil {
+		return nil, func() {}
+	}
+	s.watchdog.Feed()
+	t := time.NewTicker(s.watchdogEvery)
+	return t.C, t.Stop
+}
+
+// Alive reports whether the event loop answers: a ping travels through the
+// loop's event queue and back, so a loop that is wedged, or so far behind
+// that the ping waits until ctx ends, is not alive. It is what a liveness
+// probe should ask; whether an engine can serve is Serving.
+func (s *Supervisor) Alive(ctx context.Context) error {
+	resp := make(chan error, 1)
+	select {
+	case s.events <- event{kind: evPing, resp: resp, at: time.Now()}:
+	case <-s.stopped:
+		return errors.New("supervisor stopped")
+	case <-ctx.Done():
+		return fmt.Errorf("event loop queue full: %w", context.Cause(ctx))
+	}
+	select {
+	case err := <-resp:
+		return err
+	case <-s.stopped:
+		return errors.New("supervisor stopped")
+	case <-ctx.Done():
+		return fmt.Errorf("event loop did not answer: %w", context.Cause(ctx))
+	}
+}
+
+// generationEndpoint is where a handshaken engine serves its generation API.
+func (sl *slot) generationEndpoint() string {
+	sl.mu.Lock()
+	defer sl.mu.Unlock()
+	if ep := sl.hello.GetGenerationEndpoint(); ep != "" {
+		return ep
+	}
+	return "unix://" + sl.genSocket
+}
+
+// learnModelLimit asks a freshly handshaken active for its context limit
+// before it is announced ready, so Model reports the real limit from the
+// moment anything is served. Best effort: on failure the limit is asked
+// again when the engine is published.
+func (s *Supervisor) learnModelLimit(ctx context.Context, sl *slot) {
+	if s.cfg.MaxModelLen > 0 || s.learnedMaxLen.Load() != 0 || sl.roleNow() != failover.Active {
+		return
+	}
+	c, closer, err := s.deps.DialGeneration(sl.generationEndpoint())
+	if err != nil {
+		s.log.Debug("generation API for the context limit", "error", err)
+		return
+	}
+	defer closer.Close()
+	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	h, err := c.Health(hctx, &frmpsv1.HealthRequest{})
+	if err != nil {
+		s.log.Warn("engine did not report its context limit", "error", err)
+		return
+	}
+	s.learnedMaxLen.Store(h.GetMaxModelLen())
+}
