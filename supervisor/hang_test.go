@@ -129,6 +129,9 @@ func TestRunWaitReadsSchedstat(t *testing.T) {
 		cpu++
 	}
 	const spinners, spin = 3, 600 * time.Millisecond
+	// Every spinner needs a P of its own, or Go's scheduler, not the
+	// kernel's run queue, makes them take turns.
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(spinners + 2))
 	var wg sync.WaitGroup
 	for range spinners {
 		wg.Add(1)

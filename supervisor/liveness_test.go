@@ -166,7 +166,8 @@ func TestFirstResumedTokenMetric(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
 		w.front.open = []*frmpsv1.ResumeRequest{{Key: 7, Prompt: "a", DeliveredTokenIds: []uint32{1}}}
-		h := start(t, w, nil)
+		// No handover after the failover: its generation would take the token.
+		h := start(t, w, func(c *Config) { c.NoFailback = true })
 		w.liveRole(failover.Active).Kill()
 		synctest.Wait()
 		_, gen := h.current(2)
