@@ -133,6 +133,8 @@ func (d Deps) missing() string {
 		return "Classify"
 	case d.DialGeneration == nil:
 		return "DialGeneration"
+	case d.ValidateHello == nil:
+		return "ValidateHello"
 	}
 	return ""
 }

@@ -251,6 +251,9 @@ func (w *fakeWorld) deps() Deps {
 			return l, nil
 		},
 		ValidateHello: func(h *frmpsv1.Hello, want HelloExpect) error {
+			if v := h.GetProtocolVersion(); v != frmpsv1.ProtocolVersion_PROTOCOL_VERSION_1 {
+				return fmt.Errorf("hello: protocol version mismatch: engine speaks %d, supervisor speaks 1", v)
+			}
 			if h.GetRole() != want.Role || int(h.GetPid()) != want.PID || h.GetModel() != want.Model {
 				return fmt.Errorf("hello %v does not match %+v", h, want)
 			}
@@ -640,3 +643,8 @@ func (f *fakeFrontDoor) OpenRequests() []*frmpsv1.ResumeRequest {
 	}
 	return out
 }
+
+// nopCloser: a generation connection with nothing to close.
+type nopCloser struct{}
+
+func (nopCloser) Close() error { return nil }

@@ -422,7 +422,7 @@ func TestVersionMismatchRefusedToCrashLoop(t *testing.T) {
 		synctest.Wait()
 		h.wantState(failover.CrashLoop)
 		_, cause := h.state()
-		if !strings.Contains(cause, "protocol version 2, this supervisor speaks 1") {
+		if !strings.Contains(cause, "protocol version mismatch: engine speaks 2") {
 			t.Fatalf("cause %q", cause)
 		}
 		p := w.procs[0]

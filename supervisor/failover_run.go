@@ -1,0 +1,218 @@
+package supervisor
+
+import (
+	"errors"
+	"time"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+// The resume in progress (a failover's or a handover's) and its record.
+// Loop-owned, except NoteResumedToken, which the front door calls from its
+// own goroutines under s.mu.
+
+func (s *Supervisor) resumeSet() []*frmpsv1.ResumeRequest {
+	if s.frontDoor == nil {
+		return nil
+	}
+	reqs := s.frontDoor.OpenRequests()
+	s.ringMu.Lock()
+	defer s.ringMu.Unlock()
+	for _, r := range reqs {
+		if r == nil || s.ring == nil {
+			continue
+		}
+		if snap, ok := s.ring.Snapshot(r.GetKey()); ok {
+			r.Snapshot = snap
+		}
+	}
+	return reqs
+}
+
+// resumeKind says why an engine is being resumed.
+type resumeKind int
+
+const (
+	resumeFailover resumeKind = iota // the active died; the standby takes over
+	resumeHandover                   // failback: the active yielded; the standby takes over
+	resumeRestore                    // failback failed: the yielded active takes its requests back
+)
+
+// failoverRun is the resume in progress (a failover's, or a handover's).
+type failoverRun struct {
+	kind     resumeKind
+	target   *slot // the engine being resumed
+	detected time.Time
+	sent     time.Time
+	cause    string
+	old      *slot
+	class    string // known death class (drill, stalled, hung); "" = classify the exit
+	count    int
+	resumeID uint64
+	timer    *time.Timer
+}
+
+func (s *Supervisor) sendResume() {
+	fo := s.inflight
+	if fo == nil || fo.target == nil || fo.target.dead {
+		s.raise(failover.Event{Kind: failover.ResumeFailed, At: time.Now(), Cause: "no engine to resume"})
+		return
+	}
+	sb := fo.target
+	reqs := s.resumeSet()
+	s.resumeSeq++
+	fo.resumeID = s.resumeSeq
+	fo.count = len(reqs)
+	env := &frmpsv1.Envelope{Id: fo.resumeID, Msg: &frmpsv1.Envelope_Resume{Resume: &frmpsv1.Resume{
+		Requests: reqs, RingPath: s.ringPath, SyncEvery: s.cfg.SyncEvery,
+	}}}
+	id := fo.resumeID
+	fo.timer = time.AfterFunc(s.cfg.ResumeTimeout, func() { s.post(event{kind: evResumeTimeout, id: id, at: time.Now()}) })
+	conn := sb.getConn()
+	if conn == nil {
+		fo.timer.Stop()
+		s.raise(failover.Event{Kind: failover.ResumeFailed, At: time.Now(), Cause: "standby has no control connection"})
+		return
+	}
+	if err := conn.Send(env, nil); err != nil {
+		fo.timer.Stop()
+		s.raise(failover.Event{Kind: failover.ResumeFailed, At: time.Now(), Cause: "send resume: " + err.Error()})
+		return
+	}
+	fo.sent = time.Now()
+	if fo.kind != resumeFailover {
+		return
+	}
+	d := fo.sent.Sub(fo.detected)
+	s.metrics.resumeSent(d)
+	s.mu.Lock()
+	if len(s.detectToResume) < 4096 {
+		s.detectToResume = append(s.detectToResume, d)
+	}
+	s.mu.Unlock()
+}
+
+// abortFailover records a failover that did not complete (a handover's
+// outcome is recorded when the machine leaves handing_over).
+func (s *Supervisor) abortFailover(fo *failoverRun, ev failover.Event) {
+	if fo.timer != nil {
+		fo.timer.Stop()
+	}
+	s.inflight = nil
+	if fo.kind == resumeFailover {
+		s.finishRecord(fo, ev.At, nil, errors.New(ev.Cause))
+	}
+}
+
+func (s *Supervisor) finishFailover(fo *failoverRun, at time.Time, reply *frmpsv1.Reply, err error) {
+	s.inflight = nil
+	if fo.kind == resumeFailover {
+		s.finishRecord(fo, at, reply, err)
+	}
+}
+
+// finishRecord records a failover. The dead engine's exit status (and so its
+// death class) may come a little after the resume ack: classify off the loop.
+func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.Reply, ferr error) {
+	dur := at.Sub(fo.detected)
+	resumed := 0
+	var reused, prefilled uint64
+	for _, o := range reply.GetResumed() {
+		if o.GetOk() {
+			resumed++
+			reused += uint64(o.GetReusedTokens())
+			prefilled += uint64(o.GetPrefilledTokens())
+		}
+	}
+	s.mu.Lock()
+	s.recordSeq++
+	rec := &frmpsv1.FailoverRecord{Seq: s.recordSeq, UnixNanos: fo.detected.UnixNano(), Cause: "pending", Detail: fo.cause,
+		DurationSeconds: dur.Seconds(), ResumedRequests: uint32(resumed), Ok: ferr == nil,
+		ReusedTokens: reused, PrefilledTokens: prefilled}
+	if ferr != nil {
+		rec.Error = ferr.Error()
+	} else if resumed > 0 {
+		// Promote ran before this: s.generation is the resumed engine's.
+		if s.awaitingFirstToken == nil {
+			s.awaitingFirstToken = make(map[uint64]pendingFirstToken)
+		}
+		for g := range s.awaitingFirstToken { // only the newest failovers matter
+			if g+4 < s.generation {
+				delete(s.awaitingFirstToken, g)
+			}
+		}
+		s.awaitingFirstToken[s.generation] = pendingFirstToken{detected: fo.detected, failover: true,
+			set: func(v float64) { rec.FirstTokenSeconds = v }}
+		if e := s.earlyFirstToken; e.gen == s.generation {
+			s.noteFirstTokenLocked(e.gen, e.at)
+		}
+	}
+	s.records = append([]*frmpsv1.FailoverRecord{rec}, s.records...)
+	if len(s.records) > s.cfg.MaxFailoverRecords {
+		s.records = s.records[:s.cfg.MaxFailoverRecords]
+	}
+	s.mu.Unlock()
+	if ferr == nil {
+		s.metrics.failoverDuration(dur)
+		s.log.Info("failover done", "cause", fo.cause, "duration", dur, "resumed", resumed, "open_requests", fo.count)
+	} else {
+		s.log.Error("failover failed", "cause", fo.cause, "error", ferr)
+	}
+	old, class, detail := fo.old, fo.class, fo.cause
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		if class == "" {
+			class, detail = s.classify(old)
+		}
+		s.mu.Lock()
+		rec.Cause, rec.Detail = class, detail
+		s.mu.Unlock()
+		old.mu.Lock()
+		old.deathCause = class + ": " + detail
+		old.mu.Unlock()
+		if ferr == nil {
+			s.metrics.failover(class)
+		}
+	}()
+}
+
+type pendingFirstToken struct {
+	detected time.Time
+	failover bool                  // a failover's (counted in frmps_failover_first_token_seconds), not a handover's
+	set      func(seconds float64) // called with s.mu held
+}
+
+// NoteResumedToken is called by the front door when the first token of a
+// stream resumed on engine generation gen reaches its client: the failover
+// that promoted gen then records death-to-first-resumed-token. Cheap; safe
+// from any goroutine.
+func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.noteFirstTokenLocked(gen, at)
+}
+
+// noteFirstTokenLocked records the first resumed token of generation gen in
+// its failover record. Promote publishes the engine before the loop writes
+// that record, so a token can come first: it is kept until the record is
+// written (finishRecord calls this again).
+func (s *Supervisor) noteFirstTokenLocked(gen uint64, at time.Time) {
+	if p, ok := s.awaitingFirstToken[gen]; ok {
+		p.set(at.Sub(p.detected).Seconds())
+		delete(s.awaitingFirstToken, gen)
+		if p.failover {
+			s.metrics.firstToken(at.Sub(p.detected))
+		}
+		return
+	}
+	if gen == s.generation && s.earlyFirstToken.gen != gen {
+		s.earlyFirstToken = earlyToken{gen: gen, at: at}
+	}
+}
+
+type earlyToken struct {
+	gen uint64
+	at  time.Time
+}

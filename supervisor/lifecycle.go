@@ -1,0 +1,192 @@
+package supervisor
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/frmps/frmps/supervisor/leftover"
+)
+
+// Run's setup and cleanup: what a deployment acquires before the event loop
+// starts (run dir, launch record, ring, broker, MPS) and releases after it
+// ends. Runs on Run's goroutine, outside the loop.
+
+func (s *Supervisor) setup(ctx context.Context) error {
+	if s.cfg.Device == "cuda" && s.deps.CheckComputeMode != nil {
+		if err := s.deps.CheckComputeMode(ctx, envValue(s.cfg.BaseEnv, "CUDA_VISIBLE_DEVICES")); err != nil {
+			return fmt.Errorf("check the GPU: %w", err)
+		}
+	}
+	if s.cfg.StateDir != "" {
+		d, err := leftover.OpenDir(s.cfg.StateDir)
+		if err != nil {
+			return err
+		}
+		s.cleanLeftovers(ctx, d)
+		s.stateDir = d
+	}
+	runDir := s.cfg.RunDir
+	if runDir == "" {
+		d, err := os.MkdirTemp("", "frmps-")
+		if err != nil {
+			return fmt.Errorf("create run dir: %w", err)
+		}
+		runDir = d
+	} else if err := os.Mkdir(runDir, 0o700); err != nil {
+		return fmt.Errorf("create run dir (is another frmps using it?): %w", err)
+	}
+	s.runDir = runDir
+	if err := os.Chmod(runDir, 0o700); err != nil { // MkdirTemp is 0700, Mkdir obeys umask
+		return fmt.Errorf("chmod run dir: %w", err)
+	}
+	s.logDir = s.cfg.LogDir
+	if s.logDir == "" {
+		s.logDir = filepath.Join(runDir, "logs")
+	}
+	if err := os.MkdirAll(s.logDir, 0o700); err != nil {
+		return fmt.Errorf("create engine log dir: %w", err)
+	}
+	ringDir := s.cfg.RingDir
+	if ringDir == "" {
+		ringDir = runDir
+		if fi, err := os.Stat("/dev/shm"); err == nil && fi.IsDir() {
+			ringDir = "/dev/shm"
+		}
+	}
+	s.ringPath = filepath.Join(ringDir, "frmps-"+s.deployID+".ring")
+	if err := s.writeLaunchRecord(); err != nil {
+		s.ringPath = "" // not created
+		return err
+	}
+	ring, err := s.deps.OpenRing(s.ringPath, s.cfg.RingCapacity)
+	if err != nil {
+		s.ringPath = "" // not ours to remove
+		return fmt.Errorf("open ring: %w", err)
+	}
+	// Status may already be reading these from another goroutine.
+	s.ringMu.Lock()
+	s.ring = ring
+	s.ringMu.Unlock()
+	s.mu.Lock()
+	s.broker = s.deps.NewBroker()
+	s.mu.Unlock()
+	if !s.cfg.NoMPS {
+		mps, err := s.deps.StartMPS(ctx, runDir, s.log.Named("mps"))
+		if err != nil {
+			return fmt.Errorf("start MPS (use --no-mps to run without): %w", err)
+		}
+		s.mps = mps
+		if mps.Owned() {
+			s.setMPSState("running")
+		} else {
+			s.setMPSState("joined the operator's daemon at " + s.cfg.MPSPipeDir)
+		}
+	}
+	return nil
+}
+
+// envValue is key's value in env (the last one wins, as for exec); "" if unset.
+func envValue(env []string, key string) string {
+	v := ""
+	for _, kv := range env {
+		if k, val, ok := strings.Cut(kv, "="); ok && k == key {
+			v = val
+		}
+	}
+	return v
+}
+
+// cleanup releases what setup acquired; idempotent.
+func (s *Supervisor) cleanup() {
+	if s.mps != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		if err := s.mps.Stop(ctx); err != nil {
+			s.log.Warn("stop MPS", "error", err)
+		}
+		cancel()
+		s.mps = nil
+		s.setMPSState("stopped")
+	}
+	s.ringMu.Lock()
+	if s.ring != nil {
+		if err := s.ring.Close(); err != nil {
+			s.log.Warn("close ring", "error", err)
+		}
+		s.ring = nil
+	}
+	s.ringMu.Unlock()
+	cleaned := true // the launch record goes only once what it names is gone
+	if s.ringPath != "" {
+		if err := os.Remove(s.ringPath); err != nil && !errors.Is(err, os.ErrNotExist) {
+			s.log.Warn("remove ring", "error", err)
+			cleaned = false
+		}
+	}
+	s.mu.Lock()
+	b := s.broker
+	s.broker = nil
+	s.mu.Unlock()
+	if b != nil {
+		if err := b.Close(); err != nil {
+			s.log.Warn("close fd broker", "error", err)
+		}
+	}
+	if s.runDir != "" {
+		if err := os.RemoveAll(s.runDir); err != nil {
+			s.log.Warn("remove run dir", "error", err)
+			cleaned = false
+		}
+		s.runDir = ""
+	}
+	if s.stateDir != nil && cleaned {
+		if err := s.stateDir.Remove(s.deployID); err != nil {
+			s.log.Warn("remove launch record", "error", err)
+		}
+		s.stateDir = nil
+	}
+}
+
+// cleanLeftovers removes what supervisors that died without their cleanup
+// left (their ring, run dir and private MPS daemon). Failures are logged:
+// they do not stop this deployment, and the record stays for a later try.
+func (s *Supervisor) cleanLeftovers(ctx context.Context, d *leftover.Dir) {
+	stale, err := d.Stale()
+	if err != nil {
+		s.log.Warn("launch records", "dir", d.Path(), "error", err)
+	}
+	for _, st := range stale {
+		r := st.Record
+		if err := leftover.Clean(ctx, r, s.deps.StopLeftoverMPS); err != nil {
+			s.log.Warn("clean up after a dead supervisor", "pid", r.Owner.PID, "why", st.Why, "record", st.Name, "error", err)
+			continue
+		}
+		if err := d.Remove(st.Name); err != nil {
+			s.log.Warn("clean up after a dead supervisor", "pid", r.Owner.PID, "error", err)
+			continue
+		}
+		s.log.Warn("cleaned up after a supervisor that died without doing so", "pid", r.Owner.PID, "why", st.Why, "ring", r.Ring, "run_dir", r.RunDir)
+	}
+}
+
+// writeLaunchRecord records this supervisor and what it creates outside
+// its process, before the ring and the MPS daemon exist (the run dir is
+// already ours: created exclusively).
+func (s *Supervisor) writeLaunchRecord() error {
+	if s.stateDir == nil {
+		return nil
+	}
+	self, err := leftover.Self()
+	if err != nil {
+		return fmt.Errorf("launch record: %w", err)
+	}
+	r := leftover.Record{Owner: self, Written: time.Now(), Ring: s.ringPath, RunDir: s.runDir}
+	if !s.cfg.NoMPS && s.cfg.MPSPipeDir == "" { // an operator's daemon is never ours to stop
+		r.PrivateMPS, r.MPSControl = true, s.cfg.MPSControlBinary
+	}
+	return s.stateDir.Write(s.deployID, r)
+}
