@@ -41,6 +41,8 @@ type slot struct {
 	deathCause string
 	refused    string // why the handshake refused this engine
 	beats      beats  // what its Heartbeats said (hang.go)
+	waiting    uint32 // queued requests, at the latest Heartbeat
+	initTook   time.Duration
 
 	// loop-owned
 	dead  bool
@@ -99,10 +101,15 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 		case *frmpsv1.Envelope_Reply:
 			s.post(event{kind: evReply, slot: sl, id: env.GetId(), reply: m.Reply, at: time.Now()})
 		case *frmpsv1.Envelope_Fault:
+			now := time.Now()
 			sl.mu.Lock()
 			sl.fault = m.Fault
 			sl.mu.Unlock()
-			s.log.Warn("engine reports a fault", "role", sl.roleNow(), "cause", m.Fault.GetCause(), "detail", m.Fault.GetDetail())
+			args := []any{"role", sl.roleNow(), "cause", m.Fault.GetCause(), "detail", m.Fault.GetDetail()}
+			if t := m.Fault.GetUnixNanos(); t > 0 {
+				args = append(args, "reported_after", now.Sub(time.Unix(0, int64(t))))
+			}
+			s.log.Warn("engine reports a fault", args...)
 		case *frmpsv1.Envelope_Heartbeat:
 			now, hb := time.Now(), m.Heartbeat
 			sl.mu.Lock()
@@ -116,6 +123,7 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 			b.interval = time.Duration(hb.GetIntervalMs()) * time.Millisecond
 			b.stepAge, b.expected = time.Duration(hb.GetStepAgeNs()), time.Duration(hb.GetStepExpectedNs())
 			b.tokens = hb.GetStepTokens()
+			sl.waiting = hb.GetWaiting()
 			sl.mu.Unlock()
 		default:
 			s.log.Warn("unexpected control message", "role", sl.roleNow(), "type", fmt.Sprintf("%T", m))
@@ -192,6 +200,12 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 			if sl.role == failover.Active && len(s.brokerPools()) == 0 {
 				return nil, s.refuse(sl, conn, "ready before exporting any pool")
 			}
+			if r := m.Ready.GetRole(); r != wantRole {
+				return nil, s.refuse(sl, conn, fmt.Sprintf("ready as %s, launched as %s", r, wantRole))
+			}
+			sl.mu.Lock()
+			sl.initTook = time.Duration(m.Ready.GetInitNs())
+			sl.mu.Unlock()
 			return conn, nil
 		case *frmpsv1.Envelope_Fault:
 			closeFDs(fds)

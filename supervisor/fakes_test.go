@@ -137,6 +137,7 @@ type behavior struct {
 	handoff      func() *frmpsv1.Reply
 	dieOnHandoff bool
 	beatEvery    time.Duration
+	readyAs      frmpsv1.Role // the Ready's role; 0: the launched one
 }
 
 type fakeProc struct {
@@ -415,6 +416,7 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 		return conn.Send(env, fds) == nil
 	}
 	if !send(&frmpsv1.Hello{ProtocolVersion: ver, Role: role, Pid: int32(p.pid), Model: p.inv.Model, Engine: "fake",
+		EngineVersion: "0.1", Device: "cpu", BlockSize: 16, NumBlocks: 64,
 		Pools: testPools, GenerationEndpoint: "unix://" + p.inv.GenerationSocket}, nil) {
 		p.exit(exitCode(3))
 		return
@@ -431,7 +433,7 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 	p.welcome = env.GetWelcome()
 	p.mu.Unlock()
 	if p.role == failover.Active {
-		if !send(&frmpsv1.PoolExport{Pools: testPools}, testFDs) || !send(&frmpsv1.Ready{Role: role}, nil) {
+		if !send(&frmpsv1.PoolExport{Pools: testPools}, testFDs) || !send(&frmpsv1.Ready{Role: cmp.Or(b.readyAs, role), InitNs: uint64(2 * time.Second)}, nil) {
 			p.exit(exitCode(3))
 			return
 		}
@@ -444,7 +446,7 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 		p.mu.Lock()
 		p.sleep, p.sleepFD = env.GetSleep(), fds
 		p.mu.Unlock()
-		if !send(&frmpsv1.Ready{Role: role}, nil) {
+		if !send(&frmpsv1.Ready{Role: cmp.Or(b.readyAs, role), InitNs: uint64(2 * time.Second)}, nil) {
 			p.exit(exitCode(3))
 			return
 		}

@@ -1,6 +1,8 @@
 package supervisor
 
 import (
+	"strings"
+
 	"google.golang.org/protobuf/proto"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
@@ -29,7 +31,12 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	for _, sl := range s.statusSlots() {
 		sl.mu.Lock()
 		es := &frmpsv1.EngineStatus{Role: sl.role.String(), Pid: int32(sl.proc.PID()), State: sl.state, InMps: sl.inMPS,
-			Restarts: sl.restartNo, StartedUnixNanos: sl.started.UnixNano(), LastDeathCause: sl.deathCause, LogPath: sl.proc.LogPath()}
+			Restarts: sl.restartNo, StartedUnixNanos: sl.started.UnixNano(), LastDeathCause: sl.deathCause, LogPath: sl.proc.LogPath(),
+			InitSeconds: sl.initTook.Seconds(), Steps: sl.beats.step, Running: sl.beats.running, Waiting: sl.waiting}
+		if h := sl.hello; h != nil {
+			es.Engine = strings.TrimSpace(h.GetEngine() + " " + h.GetEngineVersion())
+			es.Device, es.BlockSize, es.NumBlocks = h.GetDevice(), h.GetBlockSize(), h.GetNumBlocks()
+		}
 		sl.mu.Unlock()
 		st.Engines = append(st.Engines, es)
 	}

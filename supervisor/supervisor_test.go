@@ -931,3 +931,52 @@ func TestSoakSIGKILL(t *testing.T) {
 		_ = syscall.SIGKILL
 	})
 }
+
+// Status shows what each engine said of itself: its Hello, its Ready and its
+// latest Heartbeat.
+func TestStatusShowsWhatEnginesSaid(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, _ int) behavior {
+			if r != failover.Active {
+				return behavior{}
+			}
+			return behavior{beatEvery: 100 * time.Millisecond, heartbeat: func(n int) *frmpsv1.Heartbeat {
+				return &frmpsv1.Heartbeat{Step: 40, Running: 3, Waiting: 5, IntervalMs: 100}
+			}}
+		}
+		h := start(t, w, nil)
+		time.Sleep(300 * time.Millisecond)
+		synctest.Wait()
+		engines := h.s.Status().GetEngines()
+		if len(engines) != 2 {
+			t.Fatalf("engines %v", engines)
+		}
+		for _, e := range engines {
+			if e.GetEngine() != "fake 0.1" || e.GetDevice() != "cpu" || e.GetBlockSize() != 16 || e.GetNumBlocks() != 64 || e.GetInitSeconds() != 2 {
+				t.Fatalf("%s: %v", e.GetRole(), e)
+			}
+			if e.GetRole() == "active" && (e.GetSteps() != 40 || e.GetRunning() != 3 || e.GetWaiting() != 5) {
+				t.Fatalf("active's heartbeat not shown: %v", e)
+			}
+		}
+		h.stop()
+	})
+}
+
+// An engine whose Ready names another role than it was launched as is
+// refused like a wrong Hello.
+func TestReadyInAnotherRoleRefused(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(failover.Role, int) behavior { return behavior{readyAs: frmpsv1.Role_ROLE_STANDBY} }
+		h := start(t, w, nil)
+		time.Sleep(10 * time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		if _, cause := h.state(); !strings.Contains(cause, "ready as ROLE_STANDBY, launched as ROLE_ACTIVE") {
+			t.Fatalf("cause %q", cause)
+		}
+		h.stop()
+	})
+}

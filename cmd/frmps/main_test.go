@@ -149,7 +149,8 @@ func TestPrintStatus(t *testing.T) {
 	now := time.Unix(1000, 0)
 	st := &frmpsv1.Status{State: "serving_ready", StateCause: "standby ready", Model: "tiny", Engine: "ref", SyncEvery: 16,
 		Mps: true, MpsState: "running", CrashLoopOpen: true,
-		Engines:   []*frmpsv1.EngineStatus{{Role: "active", Pid: 12, State: "serving", InMps: true, StartedUnixNanos: time.Unix(940, 0).UnixNano()}},
+		Engines:   []*frmpsv1.EngineStatus{{Role: "active", Pid: 12, State: "serving", InMps: true, StartedUnixNanos: time.Unix(940, 0).UnixNano(),
+			Engine: "vllm 0.26.0", Device: "cuda:0", InitSeconds: 61.2, Running: 3, Waiting: 1}},
 		Failovers: []*frmpsv1.FailoverRecord{{Seq: 3, Cause: "misaligned_address", DurationSeconds: 0.0042, ResumedRequests: 5, Ok: true, Detail: "x"}},
 	}
 	var b bytes.Buffer
@@ -157,7 +158,7 @@ func TestPrintStatus(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := b.String()
-	for _, want := range []string{"serving_ready", "(standby ready)", "OPEN", "active", "serving", "1m0s", "#3", "misaligned_address", "4.2ms", "running"} {
+	for _, want := range []string{"serving_ready", "(standby ready)", "OPEN", "active", "serving", "1m0s", "#3", "misaligned_address", "4.2ms", "running", "vllm 0.26.0 cuda:0 (up in 61.2s)", "3 running, 1 waiting"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("status output lacks %q:\n%s", want, out)
 		}

@@ -325,16 +325,12 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	var apiL net.Listener
-	if fd != nil {
-		if apiL, err = net.Listen("tcp", net.JoinHostPort(o.Host, strconv.Itoa(o.Port))); err != nil {
-			admL.Close()
-			return fmt.Errorf("OpenAI endpoint listen: %w", err)
-		}
-		sup.SetFrontDoor(fd)
-	} else {
-		log.Warn("this build has no OpenAI front door; serving the admin API only")
+	apiL, err := net.Listen("tcp", net.JoinHostPort(o.Host, strconv.Itoa(o.Port)))
+	if err != nil {
+		admL.Close()
+		return fmt.Errorf("OpenAI endpoint listen: %w", err)
 	}
+	sup.SetFrontDoor(fd)
 
 	sigCtx, stopSignals := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 	defer stopSignals()
@@ -347,9 +343,7 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	admDone := make(chan error, 1)
 	go func() { admDone <- adm.Serve(admCtx, admL) }()
 	apiDone := make(chan error, 1)
-	if fd != nil {
-		go func() { apiDone <- fd.Serve(apiL) }()
-	}
+	go func() { apiDone <- fd.Serve(apiL) }()
 	log.Info("serving", "model", o.Model, "engine", o.Engine, "port", o.Port, "admin", admL.Addr().String())
 	readyCtx, stopReady := context.WithCancel(context.Background())
 	defer stopReady()
@@ -378,14 +372,12 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	<-readyDone
 	// Order matters: stop taking requests and drain them, then the engines,
 	// then the admin API (status stays readable during the drain).
-	if fd != nil {
-		dctx, cancel := context.WithTimeout(context.Background(), o.ShutdownGrace+5*time.Second)
-		if err := fd.Shutdown(dctx); err != nil {
-			log.Warn("front door shutdown", "error", err)
-		}
-		cancel()
-		<-apiDone
+	dctx, cancel := context.WithTimeout(context.Background(), o.ShutdownGrace+5*time.Second)
+	if err := fd.Shutdown(dctx); err != nil {
+		log.Warn("front door shutdown", "error", err)
 	}
+	cancel()
+	<-apiDone
 	stopSup()
 	if err := <-supDone; err != nil && runErr == nil {
 		runErr = err

@@ -134,10 +134,13 @@ func (n *Notifier) run() {
 		case <-n.pings:
 			send(daemon.SdNotifyWatchdog)
 		case <-n.quit:
+			// What was queued before Close still goes out, a coalesced ping too.
 			for {
 				select {
 				case m := <-n.msgs:
 					send(m)
+				case <-n.pings:
+					send(daemon.SdNotifyWatchdog)
 				default:
 					return
 				}

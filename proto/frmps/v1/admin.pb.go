@@ -70,8 +70,18 @@ type EngineStatus struct {
 	StartedUnixNanos int64                  `protobuf:"varint,6,opt,name=started_unix_nanos,json=startedUnixNanos,proto3" json:"started_unix_nanos,omitempty"`
 	LastDeathCause   string                 `protobuf:"bytes,7,opt,name=last_death_cause,json=lastDeathCause,proto3" json:"last_death_cause,omitempty"`
 	LogPath          string                 `protobuf:"bytes,8,opt,name=log_path,json=logPath,proto3" json:"log_path,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// From the engine's Hello and Ready (empty / 0 until its handshake).
+	Engine      string  `protobuf:"bytes,9,opt,name=engine,proto3" json:"engine,omitempty"`                                 // e.g. "vllm 0.26.0"
+	Device      string  `protobuf:"bytes,10,opt,name=device,proto3" json:"device,omitempty"`                                // "cpu", "cuda:0", ...
+	BlockSize   uint32  `protobuf:"varint,11,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`        // KV block size in tokens
+	NumBlocks   uint64  `protobuf:"varint,12,opt,name=num_blocks,json=numBlocks,proto3" json:"num_blocks,omitempty"`        // KV blocks in the pool
+	InitSeconds float64 `protobuf:"fixed64,13,opt,name=init_seconds,json=initSeconds,proto3" json:"init_seconds,omitempty"` // the engine's own start-up time
+	// From its latest Heartbeat.
+	Steps         uint64 `protobuf:"varint,14,opt,name=steps,proto3" json:"steps,omitempty"`
+	Running       uint32 `protobuf:"varint,15,opt,name=running,proto3" json:"running,omitempty"`
+	Waiting       uint32 `protobuf:"varint,16,opt,name=waiting,proto3" json:"waiting,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *EngineStatus) Reset() {
@@ -158,6 +168,62 @@ func (x *EngineStatus) GetLogPath() string {
 		return x.LogPath
 	}
 	return ""
+}
+
+func (x *EngineStatus) GetEngine() string {
+	if x != nil {
+		return x.Engine
+	}
+	return ""
+}
+
+func (x *EngineStatus) GetDevice() string {
+	if x != nil {
+		return x.Device
+	}
+	return ""
+}
+
+func (x *EngineStatus) GetBlockSize() uint32 {
+	if x != nil {
+		return x.BlockSize
+	}
+	return 0
+}
+
+func (x *EngineStatus) GetNumBlocks() uint64 {
+	if x != nil {
+		return x.NumBlocks
+	}
+	return 0
+}
+
+func (x *EngineStatus) GetInitSeconds() float64 {
+	if x != nil {
+		return x.InitSeconds
+	}
+	return 0
+}
+
+func (x *EngineStatus) GetSteps() uint64 {
+	if x != nil {
+		return x.Steps
+	}
+	return 0
+}
+
+func (x *EngineStatus) GetRunning() uint32 {
+	if x != nil {
+		return x.Running
+	}
+	return 0
+}
+
+func (x *EngineStatus) GetWaiting() uint32 {
+	if x != nil {
+		return x.Waiting
+	}
+	return 0
 }
 
 type FailoverRecord struct {
@@ -673,7 +739,7 @@ var File_frmps_v1_admin_proto protoreflect.FileDescriptor
 const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"\x14frmps/v1/admin.proto\x12\bfrmps.v1\"\x12\n" +
-	"\x10GetStatusRequest\"\xf0\x01\n" +
+	"\x10GetStatusRequest\"\xcb\x03\n" +
 	"\fEngineStatus\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x10\n" +
 	"\x03pid\x18\x02 \x01(\x05R\x03pid\x12\x14\n" +
@@ -682,7 +748,18 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\brestarts\x18\x05 \x01(\rR\brestarts\x12,\n" +
 	"\x12started_unix_nanos\x18\x06 \x01(\x03R\x10startedUnixNanos\x12(\n" +
 	"\x10last_death_cause\x18\a \x01(\tR\x0elastDeathCause\x12\x19\n" +
-	"\blog_path\x18\b \x01(\tR\alogPath\"\xeb\x02\n" +
+	"\blog_path\x18\b \x01(\tR\alogPath\x12\x16\n" +
+	"\x06engine\x18\t \x01(\tR\x06engine\x12\x16\n" +
+	"\x06device\x18\n" +
+	" \x01(\tR\x06device\x12\x1d\n" +
+	"\n" +
+	"block_size\x18\v \x01(\rR\tblockSize\x12\x1d\n" +
+	"\n" +
+	"num_blocks\x18\f \x01(\x04R\tnumBlocks\x12!\n" +
+	"\finit_seconds\x18\r \x01(\x01R\vinitSeconds\x12\x14\n" +
+	"\x05steps\x18\x0e \x01(\x04R\x05steps\x12\x18\n" +
+	"\arunning\x18\x0f \x01(\rR\arunning\x12\x18\n" +
+	"\awaiting\x18\x10 \x01(\rR\awaiting\"\xeb\x02\n" +
 	"\x0eFailoverRecord\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1d\n" +
 	"\n" +

@@ -727,8 +727,8 @@ func (x *PoolExport) GetPools() []*Pool {
 // brokered pools mapped read-only).
 type Ready struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
-	Role          Role                   `protobuf:"varint,1,opt,name=role,proto3,enum=frmps.v1.Role" json:"role,omitempty"`
-	InitNs        uint64                 `protobuf:"varint,2,opt,name=init_ns,json=initNs,proto3" json:"init_ns,omitempty"` // time spent initialising
+	Role          Role                   `protobuf:"varint,1,opt,name=role,proto3,enum=frmps.v1.Role" json:"role,omitempty"` // the role of its Hello; another is refused
+	InitNs        uint64                 `protobuf:"varint,2,opt,name=init_ns,json=initNs,proto3" json:"init_ns,omitempty"`  // time spent initialising
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1089,6 +1089,9 @@ func (x *Heartbeat) GetStepTokens() uint32 {
 	return 0
 }
 
+// A no-op command: the engine answers Reply{ok: true} at once. The supervisor
+// does not send it in operation; tools and tests use it to measure the control
+// round trip.
 type Ping struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields

@@ -11,7 +11,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("role", "pid", "state", "in_mps", "restarts", "started_unix_nanos", "last_death_cause", "log_path")
+    __slots__ = ("role", "pid", "state", "in_mps", "restarts", "started_unix_nanos", "last_death_cause", "log_path", "engine", "device", "block_size", "num_blocks", "init_seconds", "steps", "running", "waiting")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,14 @@ class EngineStatus(_message.Message):
     STARTED_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     LAST_DEATH_CAUSE_FIELD_NUMBER: _ClassVar[int]
     LOG_PATH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     role: str
     pid: int
     state: str
@@ -28,7 +36,15 @@ class EngineStatus(_message.Message):
     started_unix_nanos: int
     last_death_cause: str
     log_path: str
-    def __init__(self, role: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., in_mps: _Optional[bool] = ..., restarts: _Optional[int] = ..., started_unix_nanos: _Optional[int] = ..., last_death_cause: _Optional[str] = ..., log_path: _Optional[str] = ...) -> None: ...
+    engine: str
+    device: str
+    block_size: int
+    num_blocks: int
+    init_seconds: float
+    steps: int
+    running: int
+    waiting: int
+    def __init__(self, role: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., in_mps: _Optional[bool] = ..., restarts: _Optional[int] = ..., started_unix_nanos: _Optional[int] = ..., last_death_cause: _Optional[str] = ..., log_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., init_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
 
 class FailoverRecord(_message.Message):
     __slots__ = ("seq", "unix_nanos", "cause", "detail", "duration_seconds", "resumed_requests", "ok", "error", "reused_tokens", "prefilled_tokens", "first_token_seconds")
