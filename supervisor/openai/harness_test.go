@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -45,6 +46,13 @@ type harness struct {
 // if given, adjusts that http.Server before it starts.
 func newHarness(t *testing.T, cfg openai.Config, ecfg fakegen.Config, tune ...func(*http.Server)) (*harness, *fakegen.Engine) {
 	t.Helper()
+	return newHarnessWrapped(t, cfg, ecfg, nil, tune...)
+}
+
+// newHarnessWrapped is newHarness whose server accepts through
+// wrap(the front door's listener) when wrap is not nil.
+func newHarnessWrapped(t *testing.T, cfg openai.Config, ecfg fakegen.Config, wrap func(net.Listener) net.Listener, tune ...func(*http.Server)) (*harness, *fakegen.Engine) {
+	t.Helper()
 	// Short path: unix socket paths are limited to 108 bytes.
 	dir, err := os.MkdirTemp("", "fd")
 	if err != nil {
@@ -70,6 +78,9 @@ func newHarness(t *testing.T, cfg openai.Config, ecfg fakegen.Config, tune ...fu
 		f(h.srv.Config)
 	}
 	h.srv.Listener = h.fd.Listener(h.srv.Listener)
+	if wrap != nil {
+		h.srv.Listener = wrap(h.srv.Listener)
+	}
 	h.srv.Start()
 	h.tr = &http.Transport{}
 	h.client = &http.Client{Transport: h.tr, Timeout: 20 * time.Second}

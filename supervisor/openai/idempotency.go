@@ -151,7 +151,9 @@ func (c *idempotency) detach(e *idemEntry) {
 
 // finish records the end of the entry's run with the outcome's status.
 func (c *idempotency) finish(e *idemEntry, code int) {
-	e.rec.finish()
+	// The followers' responses end after the bookkeeping (defers run last in,
+	// first out): a client holding the whole response finds the entry finished.
+	defer e.rec.finish()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	e.done = true

@@ -163,6 +163,7 @@ func TestIdempotencyBounds(t *testing.T) {
 	body := `{"model":"test-model","prompt":"x","max_tokens":3}`
 	for _, k := range []string{"a", "b", "a"} {
 		resp := h.post("/v1/completions", body, "Idempotency-Key", k)
+		_, _ = io.Copy(io.Discard, resp.Body) // the whole response: its run has finished
 		resp.Body.Close()
 		if resp.StatusCode != 200 {
 			t.Fatalf("key %s: %d", k, resp.StatusCode)
