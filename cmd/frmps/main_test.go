@@ -149,7 +149,7 @@ func TestPrintStatus(t *testing.T) {
 	now := time.Unix(1000, 0)
 	st := &frmpsv1.Status{State: "serving_ready", StateCause: "standby ready", Model: "tiny", Engine: "ref", SyncEvery: 16,
 		Mps: true, MpsState: "running", CrashLoopOpen: true,
-		Engines:   []*frmpsv1.EngineStatus{{Role: "active", Pid: 12, State: "serving", InMps: true, StartedUnixNanos: time.Unix(940, 0).UnixNano(),
+		Engines: []*frmpsv1.EngineStatus{{Role: "active", Pid: 12, State: "serving", InMps: true, StartedUnixNanos: time.Unix(940, 0).UnixNano(),
 			Engine: "vllm 0.26.0", Device: "cuda:0", InitSeconds: 61.2, Running: 3, Waiting: 1}},
 		Failovers: []*frmpsv1.FailoverRecord{{Seq: 3, Cause: "misaligned_address", DurationSeconds: 0.0042, ResumedRequests: 5, Ok: true, Detail: "x"}},
 	}
