@@ -149,8 +149,14 @@ FAKE_MPS_CONTROL = os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 @contextlib.contextmanager
 def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: dict | None = None,
-               model: str = "tiny", fake_mps: bool = False):
+               model: str = "tiny", fake_mps: bool = False, hang_defaults: bool = False):
+    """`frmps serve` on the CPU for one test module. Unless hang_defaults, hang
+    detection is given 10 s bounds: these tests kill engines on purpose, and on a
+    loaded CI machine a CPU engine's step can stall past the 1 s defaults (a false
+    "hung" verdict, then a cold start that loses the streams under test). Hang
+    detection at its defaults is test_e2e_hang.py's."""
     bin_path = frmps_bin()
+    hang = [] if hang_defaults else ["--heartbeat-timeout=10s", "--step-timeout-min=10s"]
     port, admin_port = free_port(), free_port()
     run_dir = tempfile.mkdtemp(prefix="frmps-e2e-")
     log_path = os.path.join(run_dir, "serve.log")
@@ -158,7 +164,7 @@ def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: d
     cmd = [bin_path, "serve", "--model", model, "--engine", "ref", "--device", "cpu", *mps,
            "--sync-every", str(sync_every), "--port", str(port),
            "--admin-addr", f"127.0.0.1:{admin_port}", "--run-dir", os.path.join(run_dir, "run"),
-           "--state-dir", os.path.join(run_dir, "state"), "--python", sys.executable, *(extra_args or [])]
+           "--state-dir", os.path.join(run_dir, "state"), "--python", sys.executable, *hang, *(extra_args or [])]
     child_env = {**os.environ, **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)

@@ -41,7 +41,7 @@ def bodies(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def dep():
-    with deployment(sync_every=16, env=ENGINE_ENV, extra_args=ENGINE_ARGS) as d:
+    with deployment(sync_every=16, env=ENGINE_ENV, extra_args=ENGINE_ARGS, hang_defaults=True) as d:
         yield d
 
 
