@@ -50,7 +50,7 @@ def child(model: str, big: int, steps: int) -> dict:
         for k in keys:
             core.add_request(k, [5 + k % 200] * 64, SamplingParams(max_tokens=steps + 40, temperature=0.0,
                                                                     ignore_eos=True))
-        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core._reqs.values()):  # noqa: SLF001
+        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core.scheduler.requests.values()):
             core.step()
         for _ in range(5):
             core.step()

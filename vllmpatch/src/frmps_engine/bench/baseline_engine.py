@@ -258,7 +258,7 @@ def run_sleep(args) -> int:
                 decode_more(core, int(cmd.get("then_steps", 0)))
                 emit("decoded")
             elif cmd["cmd"] == "sleep":
-                for k in list(core._reqs):  # noqa: SLF001 (a baseline driving the core directly)
+                for k in list(core.scheduler.requests):
                     core.abort(k)
                 core.step()  # drain aborted outputs
                 pools.sleep()
@@ -503,7 +503,7 @@ def run_sync_overhead(args) -> int:
         pub.publish_full(0, core.request_views())
         step = 0
         t0 = time.perf_counter()
-        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core._reqs.values()):  # noqa: SLF001
+        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core.scheduler.requests.values()):
             core.step()
             step += 1
         sync(args.device)

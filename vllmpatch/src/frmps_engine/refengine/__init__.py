@@ -7,14 +7,15 @@
 
 from .block_manager import BlockError, BlockManager
 from .config import ConfigError, EngineConfig, ModelShape, PoolSpec, pool_layout, presets, weights_bytes
-from .engine import AdoptError, AdoptResult, EngineCore, EngineError, RequestOutput, RequestView
+from .engine import EngineCore
 from .sampling import SamplingParams, default_seed
+from .scheduler import AdoptError, AdoptResult, EngineError, RequestOutput, RequestView, Scheduler, SchedulerOutput
 from .tokenizer import ByteTokenizer, IncrementalDetokenizer, TextState, TokenizerError, load_tokenizer
 from .weights import WeightsError
 
 __all__ = [
     "AdoptError", "AdoptResult", "BlockError", "BlockManager", "ByteTokenizer", "ConfigError", "EngineConfig",
     "EngineCore", "EngineError", "IncrementalDetokenizer", "ModelShape", "PoolSpec", "RequestOutput", "RequestView",
-    "SamplingParams", "TextState", "TokenizerError", "WeightsError", "default_seed", "load_tokenizer",
+    "SamplingParams", "Scheduler", "SchedulerOutput", "TextState", "TokenizerError", "WeightsError", "default_seed", "load_tokenizer",
     "pool_layout", "presets", "weights_bytes",
 ]
