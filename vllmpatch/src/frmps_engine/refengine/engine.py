@@ -1,4 +1,4 @@
-"""EngineCore: the reference engine as the SDK drives it. The scheduler
+"""RefCore: the reference engine's core, as the SDK drives it. The scheduler
 (scheduler.py) decides what each pass computes and owns every request's state;
 this class runs the passes on the model (the prefill path, the static/CUDA-graph
 decode path, padding), samples, and hands the tokens back to the scheduler."""
@@ -19,7 +19,7 @@ from .tokenizer import Tokenizer, load_tokenizer
 from .weights import check_pools, init_dummy, load_safetensors
 
 
-class EngineCore:
+class RefCore:
     def __init__(
         self,
         cfg: EngineConfig,
@@ -203,7 +203,7 @@ class EngineCore:
         return self.scheduler.request_views()
 
     # ---- stepping --------------------------------------------------------
-    # The engine loop may pass step(on_launch=...): see engine_api.EngineCore.
+    # The engine loop may pass step(on_launch=...): see engine_api.LaunchHook.
     launch_hook = True
 
     def step(self, on_launch: Callable[[], None] | None = None) -> list[RequestOutput]:
