@@ -998,7 +998,7 @@ type Heartbeat struct {
 	Running uint32                 `protobuf:"varint,2,opt,name=running,proto3" json:"running,omitempty"` // running requests
 	Waiting uint32                 `protobuf:"varint,3,opt,name=waiting,proto3" json:"waiting,omitempty"`
 	// The engine's heartbeat period. 0: an engine without hang reporting (the
-	// fields below are then absent too), judged by the older, slower rule.
+	// fields below are then absent too), judged by the coarse, slower rule.
 	IntervalMs uint32 `protobuf:"varint,4,opt,name=interval_ms,json=intervalMs,proto3" json:"interval_ms,omitempty"`
 	// Age of the step in progress (the engine loop inside a step or another
 	// wait on the device); 0 between steps.
