@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams, weights_bytes  # noqa: E402
+from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams, weights_bytes  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -43,7 +43,7 @@ def bench_model(args, model: str) -> list[dict]:
                                    max_model_len=max(args.context + args.steps + args.warmup + 16, 256),
                                    dtype=args.dtype, **kw)
     t0 = time.perf_counter()
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), load_weights=True)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), load_weights=True)
     sync(args.device)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()

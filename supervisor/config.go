@@ -15,7 +15,7 @@ import (
 // Config of one deployment.
 type Config struct {
 	Model     string // preset name or model directory, passed to the engine
-	Engine    string // adapter name: "ref" or "vllm"
+	Engine    string // --engine of the engine CLI, which validates it (frmps_engine.sdk.adapters)
 	Python    string // interpreter for Python engines
 	SyncEvery uint32 // ring publish interval in engine steps
 	RunDir    string // created 0700, must not exist; empty: a fresh temp dir
@@ -149,8 +149,8 @@ func (c *Config) validate() error {
 	switch {
 	case c.Model == "":
 		return errors.New("model is required")
-	case c.Engine != "ref" && c.Engine != "vllm":
-		return fmt.Errorf("engine %q: want ref or vllm", c.Engine)
+	case c.Engine == "":
+		return errors.New("engine is required")
 	case c.Memory != "host-shm" && c.Memory != "cuda-vmm":
 		return fmt.Errorf("memory %q: want host-shm or cuda-vmm", c.Memory)
 	case c.Device != "" && c.Device != "cpu" && c.Device != "cuda":

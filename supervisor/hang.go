@@ -24,8 +24,8 @@ import (
 // wait added since then is subtracted. Every thread counts: the one starved
 // may be another holding Python's GIL that the heartbeat thread waits for.
 //
-// An engine whose heartbeats carry no interval predates this reporting; it is
-// judged as before, slowly: no heartbeat, or a step count standing still
+// An engine whose heartbeats carry no interval does no hang reporting; it is
+// judged by the coarse rule: no heartbeat, or a step count standing still
 // with requests running, for stepDefault → "stalled".
 
 // Death classes of a fenced wedged active (failover records, metrics).

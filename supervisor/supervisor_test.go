@@ -474,7 +474,7 @@ func TestHandshakeTimeout(t *testing.T) {
 // idle engine, a long step within its bound and slow heartbeats that the
 // engine announced are left alone. Heartbeats go every 100ms (interval_ms
 // set) except in the cases of an engine without hang reporting (every
-// second, no interval), judged by the older rule at StepTimeoutDefault.
+// second, no interval), judged by the coarse rule at StepTimeoutDefault.
 func TestHangDetection(t *testing.T) {
 	beat := func(step uint64, age, expected time.Duration) *frmpsv1.Heartbeat {
 		return &frmpsv1.Heartbeat{Step: step, Running: 2, IntervalMs: 100, StepAgeNs: uint64(age), StepExpectedNs: uint64(expected), StepTokens: 8}
@@ -533,16 +533,16 @@ func TestHangDetection(t *testing.T) {
 		}},
 		{name: "idle", beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 7, IntervalMs: 100} }},
 		// Engines without hang reporting.
-		{name: "legacy stuck step", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 5, Running: 2} },
+		{name: "coarse stuck step", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 5, Running: 2} },
 			wantClass: "stalled", wantCause: "stalled: step 5 unchanged"},
-		{name: "legacy silent", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat {
+		{name: "coarse silent", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat {
 			if n > 3 {
 				return nil
 			}
 			return &frmpsv1.Heartbeat{Step: uint64(n)}
 		}, wantClass: "stalled", wantCause: "stalled: no heartbeat"},
-		{name: "legacy progressing", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: uint64(n), Running: 3} }},
-		{name: "legacy idle", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 7} }},
+		{name: "coarse progressing", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: uint64(n), Running: 3} }},
+		{name: "coarse idle", every: time.Second, beat: func(n int) *frmpsv1.Heartbeat { return &frmpsv1.Heartbeat{Step: 7} }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
@@ -820,7 +820,7 @@ func TestBadConfig(t *testing.T) {
 	w := newWorld()
 	for _, mod := range []func(*Config){
 		func(c *Config) { c.Model = "" },
-		func(c *Config) { c.Engine = "tgi" },
+		func(c *Config) { c.Engine = "" }, // names themselves belong to the engine CLI (frmps serve checks them)
 		func(c *Config) { c.Memory = "disk" },
 		func(c *Config) { c.Device = "tpu" },
 		func(c *Config) { c.RingCapacity = 10 },

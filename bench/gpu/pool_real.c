@@ -131,7 +131,7 @@ static int do_export(size_t size, int sock)
     OK_F(frmps_pool_export_fd(p, &fd));
     double t2 = now_ms();
     if (!(fcntl(fd, F_GETFD) & FD_CLOEXEC))
-        FAIL("exported fd lacks FD_CLOEXEC (DESIGN.md says the driver sets it)");
+        FAIL("exported fd lacks FD_CLOEXEC (ARCHITECTURE.md: the driver sets it)");
     unsigned char *host = malloc(size);
     if (!host)
         FAIL("malloc");

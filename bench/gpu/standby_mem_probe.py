@@ -42,10 +42,10 @@ def main() -> int:
     apply_cuda_env("cuda")  # the engine's cuBLAS workspace unless the environment sets one
     import torch
 
-    from frmps_engine.refengine import EngineConfig, EngineCore
+    from frmps_engine.refengine import EngineConfig, RefCore
 
     cfg = EngineConfig.from_preset(a.model, device="cuda", max_num_seqs=a.max_num_seqs)
-    pools = EngineCore.allocate_pools(cfg)
+    pools = RefCore.allocate_pools(cfg)
     pool_bytes = sum(t.numel() for t in pools.values())
     pool_mib = pool_bytes / 2**20
     stages = []
@@ -56,7 +56,7 @@ def main() -> int:
         stages.append((name, None if m is None else m - pool_mib, (torch.cuda.memory_reserved() - pool_bytes) / 2**20))
 
     stage("context + pools")
-    core = EngineCore(cfg, pools, load_weights=False)
+    core = RefCore(cfg, pools, load_weights=False)
     stage("core built (no weights)")
     core.warmup(on_stage=stage)  # the standby's own warm-up, measured after each of its stages
     for name, m, r in stages:

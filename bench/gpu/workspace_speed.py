@@ -26,13 +26,13 @@ import time
 def child(model: str, big: int, steps: int) -> dict:
     import torch
 
-    from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams
+    from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams
 
     cfg = EngineConfig.from_preset(model, device="cuda", max_num_seqs=big, max_model_len=4096,
                                    num_blocks=big * 24 + 160, exact=True)
-    pools = EngineCore.allocate_pools(cfg)
+    pools = RefCore.allocate_pools(cfg)
     pool_bytes = sum(t.numel() for t in pools.values())
-    core = EngineCore(cfg, pools, load_weights=True)
+    core = RefCore(cfg, pools, load_weights=True)
     core.warmup()
     torch.cuda.synchronize()
     res: dict = {"model": model, "config": os.environ.get("CUBLAS_WORKSPACE_CONFIG", "default")}
@@ -50,7 +50,7 @@ def child(model: str, big: int, steps: int) -> dict:
         for k in keys:
             core.add_request(k, [5 + k % 200] * 64, SamplingParams(max_tokens=steps + 40, temperature=0.0,
                                                                     ignore_eos=True))
-        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core._reqs.values()):  # noqa: SLF001
+        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core.scheduler.requests.values()):
             core.step()
         for _ in range(5):
             core.step()

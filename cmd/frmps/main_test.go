@@ -119,7 +119,6 @@ func TestServeRejectsBadOptions(t *testing.T) {
 	for _, mod := range []func(*serveOptions){
 		func(o *serveOptions) { o.Port = 70000 },
 		func(o *serveOptions) { o.LogLevel = "loud" },
-		func(o *serveOptions) { o.Engine = "tgi" },
 		func(o *serveOptions) { o.AdminAddr = "0.0.0.0:8001" },
 		func(o *serveOptions) { o.SyncEvery = 0 },
 		func(o *serveOptions) { o.MaxRestarts = 0 },

@@ -143,7 +143,7 @@ CPU in seconds, for trying frmps out. Use e.g. --model qwen2.5-7b --device cuda
 func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(configFile, "config", "", "JSON config file (flags override it)")
 	f.StringVar(&opts.Model, "model", opts.Model, "model: a preset name (tiny, qwen2.5-0.5b, …, qwen2.5-14b) or a model directory")
-	f.StringVar(&opts.Engine, "engine", opts.Engine, "engine: ref (the reference engine) or vllm")
+	f.StringVar(&opts.Engine, "engine", opts.Engine, "engine: ref (the reference engine), vllm, or a Python adapter factory as package.module:Factory (proto/frmps/v1/ENGINE.md); checked by the engine side before anything starts")
 	f.StringVar(&opts.Python, "python", opts.Python, "Python interpreter that runs the engines, with frmps_engine importable (default: $FRMPS_PYTHON, else the .venv of the source checkout holding this binary, else python3)")
 	f.Uint32Var(&opts.SyncEvery, "sync-every", opts.SyncEvery, "engine steps between forward-state syncs to the ring (1: every step; the publish overlaps the device, and a takeover replays at most one token)")
 	f.BoolVar(&opts.NoFailback, "no-failback", opts.NoFailback, "after a failover, leave the promoted active outside MPS (by default a standby starts inside MPS and the pair swaps back in a planned handover)")
@@ -245,9 +245,6 @@ func (o serveOptions) validate() error {
 	if hclog.LevelFromString(o.LogLevel) == hclog.NoLevel {
 		return fmt.Errorf("--log-level %q: want trace, debug, info, warn or error", o.LogLevel)
 	}
-	if o.Engine != "ref" && o.Engine != "vllm" {
-		return fmt.Errorf("--engine %q: want ref or vllm", o.Engine)
-	}
 	if o.SyncEvery == 0 {
 		return errors.New("--sync-every must be at least 1")
 	}
@@ -278,6 +275,9 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		ctx = context.Background()
 	}
 	if err := o.validate(); err != nil {
+		return err
+	}
+	if err := checkEngine(ctx, o.Python, o.Engine); err != nil {
 		return err
 	}
 	if o.Engine == "vllm" {

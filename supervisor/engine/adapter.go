@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"errors"
 	"fmt"
 	"strconv"
 )
@@ -35,21 +36,23 @@ type Adapter interface {
 }
 
 // PythonCLI runs `python -m frmps_engine.cli serve --engine <Engine> …`,
-// the engine CLI shared by the reference engine and the vLLM adapter.
+// the engine CLI shared by every Python engine (the reference engine, the
+// vLLM adapter, an adapter named package.module:Factory).
 type PythonCLI struct {
-	Engine string // "ref" or "vllm"
+	Engine string // the engine CLI's --engine: ref, vllm or package.module:Factory
 	Python string // interpreter; "python3" when empty
 }
 
 var _ Adapter = PythonCLI{}
 
-// NewAdapter returns the adapter for --engine.
+// NewAdapter returns the adapter for --engine. The engine CLI owns engine
+// names (frmps_engine.sdk.adapters; frmps serve asks it once before it
+// starts), so any name is passed through.
 func NewAdapter(engine, python string) (Adapter, error) {
-	switch engine {
-	case "ref", "vllm":
-		return PythonCLI{Engine: engine, Python: python}, nil
+	if engine == "" {
+		return nil, errors.New("no engine named")
 	}
-	return nil, fmt.Errorf("unknown engine %q (want ref or vllm)", engine)
+	return PythonCLI{Engine: engine, Python: python}, nil
 }
 
 func (a PythonCLI) Name() string { return a.Engine }

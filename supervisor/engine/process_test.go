@@ -346,8 +346,17 @@ func TestPythonCLI(t *testing.T) {
 	if path != "python3" || args[4] != "vllm" {
 		t.Fatalf("vllm: %s %v", path, args)
 	}
-	if _, err := NewAdapter("tgi", ""); err == nil {
-		t.Error("unknown engine accepted")
+	// Engine names belong to the engine CLI (frmps serve asks it before it
+	// starts): any name is passed through as one argument.
+	c, err := NewAdapter("mypkg.engines:Factory", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, args, _ = c.Command(Invocation{Role: RoleActive, Model: "m", ControlSocket: "c", GenerationSocket: "g"}); args[3] != "--engine" || args[4] != "mypkg.engines:Factory" {
+		t.Fatalf("custom engine: %v", args)
+	}
+	if _, err := NewAdapter("", ""); err == nil {
+		t.Error("empty engine name accepted")
 	}
 	if _, _, err := a.Command(Invocation{Role: "leader", Model: "m", ControlSocket: "c", GenerationSocket: "g"}); err == nil {
 		t.Error("bad role accepted")

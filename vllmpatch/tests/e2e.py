@@ -149,7 +149,7 @@ FAKE_MPS_CONTROL = os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 @contextlib.contextmanager
 def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: dict | None = None,
-               model: str = "tiny", fake_mps: bool = False, hang_defaults: bool = False):
+               model: str = "tiny", fake_mps: bool = False, engine: str = "ref", hang_defaults: bool = False):
     """`frmps serve` on the CPU for one test module. Unless hang_defaults, hang
     detection is given 10 s bounds: these tests kill engines on purpose, and on a
     loaded CI machine a CPU engine's step can stall past the 1 s defaults (a false
@@ -161,7 +161,7 @@ def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: d
     run_dir = tempfile.mkdtemp(prefix="frmps-e2e-")
     log_path = os.path.join(run_dir, "serve.log")
     mps = ["--mps-control", FAKE_MPS_CONTROL] if fake_mps else ["--no-mps"]
-    cmd = [bin_path, "serve", "--model", model, "--engine", "ref", "--device", "cpu", *mps,
+    cmd = [bin_path, "serve", "--model", model, "--engine", engine, "--device", "cpu", *mps,
            "--sync-every", str(sync_every), "--port", str(port),
            "--admin-addr", f"127.0.0.1:{admin_port}", "--run-dir", os.path.join(run_dir, "run"),
            "--state-dir", os.path.join(run_dir, "state"), "--python", sys.executable, *hang, *(extra_args or [])]

@@ -20,7 +20,7 @@ from frmps_engine.refengine import (  # noqa: E402
     ByteTokenizer,
     ConfigError,
     EngineConfig,
-    EngineCore,
+    RefCore,
     EngineError,
     IncrementalDetokenizer,
     SamplingParams,
@@ -34,9 +34,9 @@ from frmps_engine.refengine.sampling import gumbel_noise, row_key, sample  # noq
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
-def make_core(budget: int = 512, pools=None, load=True, **kw) -> EngineCore:
+def make_core(budget: int = 512, pools=None, load=True, **kw) -> RefCore:
     cfg = EngineConfig.from_preset("tiny", num_blocks=kw.pop("num_blocks", 96), max_num_batched_tokens=budget, **kw)
-    return EngineCore(cfg, pools if pools is not None else EngineCore.allocate_pools(cfg), load)
+    return RefCore(cfg, pools if pools is not None else RefCore.allocate_pools(cfg), load)
 
 
 def prompts(n: int, seed: int = 1, lengths=(5, 17, 33, 1, 16, 40, 3, 70)) -> dict[int, list[int]]:
@@ -44,7 +44,7 @@ def prompts(n: int, seed: int = 1, lengths=(5, 17, 33, 1, 16, 40, 3, 70)) -> dic
     return {k + 1: torch.randint(0, 256, (lengths[k % len(lengths)],), generator=g).tolist() for k in range(n)}
 
 
-def record_logits(core: EngineCore) -> list[torch.Tensor]:
+def record_logits(core: RefCore) -> list[torch.Tensor]:
     rec: list[torch.Tensor] = []
     orig = core.model.forward
 
@@ -123,20 +123,20 @@ def test_pool_layout_deterministic_and_sized():
 
 def test_pools_checked():
     cfg = EngineConfig.from_preset("tiny", num_blocks=20)
-    pools = EngineCore.allocate_pools(cfg)
+    pools = RefCore.allocate_pools(cfg)
     with pytest.raises(ConfigError, match="missing"):
-        EngineCore(cfg, {("weights", 0): pools[("weights", 0)]}, True)
+        RefCore(cfg, {("weights", 0): pools[("weights", 0)]}, True)
     small = dict(pools)
     small[("kv_cache", 0)] = torch.zeros(100, dtype=torch.uint8)
     with pytest.raises(ConfigError, match="layout needs"):
-        EngineCore(cfg, small, True)
+        RefCore(cfg, small, True)
 
 
 def test_standby_never_writes_pools():
     cfg = EngineConfig.from_preset("tiny", num_blocks=20)
-    pools = {k: torch.full_like(v, 0xA5) for k, v in EngineCore.allocate_pools(cfg).items()}
+    pools = {k: torch.full_like(v, 0xA5) for k, v in RefCore.allocate_pools(cfg).items()}
     before = {k: v.clone() for k, v in pools.items()}
-    core = EngineCore(cfg, pools, load_weights=False)
+    core = RefCore(cfg, pools, load_weights=False)
     core.request_views()
     assert all(torch.equal(pools[k], before[k]) for k in pools)
     # Weights are views into the pool: a write through the pool shows up in the model.
@@ -147,7 +147,7 @@ def test_standby_never_writes_pools():
 # ---- model ---------------------------------------------------------------
 
 
-def dense_forward(core: EngineCore, ids: list[int]) -> torch.Tensor:
+def dense_forward(core: RefCore, ids: list[int]) -> torch.Tensor:
     """Plain causal forward with no cache (an independent reference): logits at every position."""
     cfg, p = core.cfg, core.model.params
     s = cfg.shape
@@ -199,7 +199,7 @@ def test_paged_prefill_and_decode_match_dense_reference():
 
 def test_untied_model_matches_dense_reference():
     cfg = EngineConfig.from_preset("tiny-untied", num_blocks=32)
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), True)
     assert not core.model.lm_head.data_ptr() == core.model.embed.data_ptr()
     rec = record_logits(core)
     prompt = prompts(1, lengths=(21,))[1]
@@ -364,7 +364,7 @@ def test_eos_and_ignore_eos():
     eos = base[3]
     cfg = EngineConfig.from_preset("tiny", num_blocks=96)
     ps = prompts(1, lengths=(12,))
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True, tokenizer=EosTokenizer(eos))
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), True, tokenizer=EosTokenizer(eos))
     out = core.generate([(1, ps[1], SamplingParams(max_tokens=30, temperature=0))])[1]
     assert out == base[: base.index(eos) + 1]
     out = core.generate([(2, ps[1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))])[2]
@@ -405,7 +405,7 @@ class LetterTokenizer(ByteTokenizer):
 
 def letter_run(**kw):
     cfg = EngineConfig.from_preset("tiny", num_blocks=32)
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True, tokenizer=LetterTokenizer())
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), True, tokenizer=LetterTokenizer())
     core.add_request(1, prompts(1, lengths=(12,))[1], SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True, **kw))
     outs = []
     while core.has_work():
@@ -565,7 +565,7 @@ def test_freed_blocks_wait_for_the_next_sync():
 def test_results_do_not_depend_on_thread_count():
     # Active and standby may run with different intra-op thread counts.
     cfg = EngineConfig.from_preset("small", num_blocks=16, max_model_len=256)
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), True)
     rec = record_logits(core)
     ids = list(range(3, 60))
     outs = []

@@ -1,4 +1,4 @@
-"""Takeover on CPU: a second EngineCore on the same pool tensors adopts the
+"""Takeover on CPU: a second RefCore on the same pool tensors adopts the
 requests from the last sync's committed views and continues exactly like a
 run without the fault, computing only what the sync did not cover."""
 
@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 # one_torch_thread (conftest.py): one intra-op thread for the whole module.
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
-from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
+from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams  # noqa: E402
 from frmps_engine.sdk import engine_api  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def no_fault(reqs, budget):
     memo = repr((reqs, budget))
     if memo not in _REF:
         cfg = make_cfg(budget)
-        _REF[memo] = EngineCore(cfg, EngineCore.allocate_pools(cfg), True).generate(reqs)
+        _REF[memo] = RefCore(cfg, RefCore.allocate_pools(cfg), True).generate(reqs)
     return _REF[memo]
 
 
@@ -49,8 +49,8 @@ def failover(reqs, budget: int, kill_step: int, sync_every: int, lag: int = 0):
     lags `lag` tokens behind what the active produced. Then a standby built on the
     same pools adopts everything and runs to the end."""
     cfg = make_cfg(budget)
-    pools = EngineCore.allocate_pools(cfg)
-    active = EngineCore(cfg, pools, load_weights=True)
+    pools = RefCore.allocate_pools(cfg)
+    active = RefCore(cfg, pools, load_weights=True)
     for key, ids, sp in reqs:
         active.add_request(key, ids, sp)
     produced = {key: [] for key, _, _ in reqs}
@@ -72,7 +72,7 @@ def failover(reqs, budget: int, kill_step: int, sync_every: int, lag: int = 0):
                     snapshot[v.key] = v
     del active  # SIGKILL stand-in: nothing of it survives but the pools
 
-    standby = EngineCore(cfg, pools, load_weights=False)
+    standby = RefCore(cfg, pools, load_weights=False)
     delivered = {k: toks[: max(0, len(toks) - lag)] for k, toks in produced.items()}
     expect_reused = expect_first_pass = 0
     adopted = {}
@@ -164,13 +164,13 @@ def test_snapshot_ahead_of_client_emits_pending_first():
     reqs = make_requests([20], "greedy", max_tokens=30)
     ref = no_fault(reqs, budget=64)[100]
     cfg = make_cfg(64)
-    pools = EngineCore.allocate_pools(cfg)
-    a = EngineCore(cfg, pools, True)
+    pools = RefCore.allocate_pools(cfg)
+    a = RefCore(cfg, pools, True)
     a.add_request(*reqs[0])
     for _ in range(10):
         a.step()
     (v,) = a.request_views()
-    b = EngineCore(cfg, pools, False)
+    b = RefCore(cfg, pools, False)
     res = b.adopt_request(100, reqs[0][2], v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed, ref[:4])
     assert res.pending_tokens == 6 and res.reused_tokens == v.num_computed
     outs = b.step()
@@ -183,7 +183,7 @@ def test_adopt_already_finished_request_reports_finish():
     reqs = make_requests([20], "greedy", max_tokens=8)
     ref = no_fault(reqs, budget=64)[100]
     cfg = make_cfg(64)
-    b = EngineCore(cfg, EngineCore.allocate_pools(cfg), False)
+    b = RefCore(cfg, RefCore.allocate_pools(cfg), False)
     # The client got all 8 tokens but not the finish: the standby reports it without computing.
     res = b.adopt_request(100, reqs[0][2], reqs[0][1], 20, 0, [], None, ref)
     assert res.finished
@@ -196,13 +196,13 @@ def test_adopt_already_finished_request_reports_finish():
 def test_adopted_blocks_are_pinned_and_freed():
     reqs = make_requests([40], "greedy", max_tokens=20)
     cfg = make_cfg(64)
-    pools = EngineCore.allocate_pools(cfg)
-    a = EngineCore(cfg, pools, True)
+    pools = RefCore.allocate_pools(cfg)
+    a = RefCore(cfg, pools, True)
     a.add_request(*reqs[0])
     for _ in range(5):
         a.step()
     (v,) = a.request_views()
-    b = EngineCore(cfg, pools, False)
+    b = RefCore(cfg, pools, False)
     b.adopt_request(100, reqs[0][2], v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed, v.token_ids[40:])
     assert all(b.blocks.refcount(x) == 1 for x in v.block_ids)
     assert b.blocks.num_free == cfg.num_blocks - 1 - len(v.block_ids)

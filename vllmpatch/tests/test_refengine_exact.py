@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 # one_torch_thread (conftest.py): one intra-op thread for the whole module.
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
-from frmps_engine.refengine import ConfigError, EngineConfig, EngineCore, SamplingParams  # noqa: E402
+from frmps_engine.refengine import ConfigError, EngineConfig, RefCore, SamplingParams  # noqa: E402
 
 B = 6  # max_num_seqs: the one decode batch size
 C = 24  # max_num_batched_tokens: the prefill chunk alignment
@@ -46,7 +46,7 @@ class Shapes:
     """Records, per (request key, position), the shape of the pass that computed it:
     (rows in the pass, the chunk's start, the chunk's length, logits rows)."""
 
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: RefCore):
         self.sig: dict[tuple[int, int], tuple] = {}
         self.mixed_steps = 0
         self.prefill_chunks: list[tuple[int, int, int]] = []  # (key, start, n)
@@ -79,7 +79,7 @@ class Shapes:
 
 def run_no_fault(reqs, cfg, stagger: int = 0):
     """All requests to the end; with stagger > 0 request i arrives at step i*stagger."""
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), True)
     shapes = Shapes(core)
     out = {k: [] for k, _, _ in reqs}
     pending = list(reqs)
@@ -96,8 +96,8 @@ def run_no_fault(reqs, cfg, stagger: int = 0):
 def run_failover(reqs, cfg, kill_step: int, sync_every: int, lag: int):
     """The active runs kill_step steps (syncing every sync_every); the client lags
     `lag` tokens behind it; a standby on the same pools adopts and finishes."""
-    pools = EngineCore.allocate_pools(cfg)
-    active = EngineCore(cfg, pools, True)
+    pools = RefCore.allocate_pools(cfg)
+    active = RefCore(cfg, pools, True)
     shapes = Shapes(active)
     for r in reqs:
         active.add_request(*r)
@@ -115,7 +115,7 @@ def run_failover(reqs, cfg, kill_step: int, sync_every: int, lag: int):
                     snap.pop(v.key, None)
                 else:
                     snap[v.key] = v
-    standby = EngineCore(cfg, pools, False)
+    standby = RefCore(cfg, pools, False)
     sig_active = dict(shapes.sig)
     shapes = Shapes(standby)
     final = {}
@@ -222,7 +222,7 @@ def test_replay_detects_a_divergence():
     key, ids, sp = reqs[0]
     bad = list(ref[key][:5])
     bad[3] = (bad[3] + 1) % 256
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), True)
     core.adopt_request(key, sp, ids, len(ids), 0, [], None, bad)
     out = list(bad)
     while core.has_work():

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams  # noqa: E402
+from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams  # noqa: E402
 
 
 def requests(n, max_tokens=32, seeded=False):
@@ -22,23 +22,23 @@ def requests(n, max_tokens=32, seeded=False):
 
 
 def run(cfg, reqs):
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), True)
     return core.generate(reqs), core
 
 
 def test_gpu_float32_matches_cpu():
     reqs = requests(6)
     cpu_cfg = EngineConfig.from_preset("tiny", num_blocks=64)
-    cpu_pools = EngineCore.allocate_pools(cpu_cfg)
-    cpu = EngineCore(cpu_cfg, cpu_pools, True).generate(reqs)
+    cpu_pools = RefCore.allocate_pools(cpu_cfg)
+    cpu = RefCore(cpu_cfg, cpu_pools, True).generate(reqs)
     for attention, graphs in (("triton", True), ("triton", False), ("torch", False)):
         cfg = EngineConfig.from_preset("tiny", device="cuda", dtype="float32", num_blocks=64, attention=attention,
                                        cuda_graphs=graphs)
         # Dummy weights come from the device's generator (Philox on CUDA, MT19937
         # on the CPU), so the GPU engine gets the CPU engine's weights copied over.
-        pools = EngineCore.allocate_pools(cfg)
+        pools = RefCore.allocate_pools(cfg)
         pools[("weights", 0)].copy_(cpu_pools[("weights", 0)])
-        core = EngineCore(cfg, pools, False)
+        core = RefCore(cfg, pools, False)
         gpu = core.generate(reqs)
         agree = sum(a == b for k in cpu for a, b in zip(cpu[k], gpu[k])) / sum(len(v) for v in cpu.values())
         assert agree > 0.95, (attention, graphs, agree)
@@ -61,8 +61,8 @@ def test_gpu_takeover_continues():
     reqs = requests(4, max_tokens=40, seeded=True)
     cfg = EngineConfig.from_preset("qwen2.5-0.5b", device="cuda", num_blocks=128, max_model_len=512, exact=False)
     ref, _ = run(cfg, reqs)
-    pools = EngineCore.allocate_pools(cfg)
-    a = EngineCore(cfg, pools, True)
+    pools = RefCore.allocate_pools(cfg)
+    a = RefCore(cfg, pools, True)
     for r in reqs:
         a.add_request(*r)
     got = {k: [] for k, _, _ in reqs}
@@ -75,7 +75,7 @@ def test_gpu_takeover_continues():
             got[o.key] += o.new_token_ids
     del a
     cut = {k: len(v) for k, v in got.items()}
-    b = EngineCore(cfg, pools, False)
+    b = RefCore(cfg, pools, False)
     expect = 0
     for k, ids, sp in reqs:
         v = views[k]
@@ -127,14 +127,14 @@ def test_gpu_exact_mode_takeover_is_token_identical():
     assert cfg.exact and cfg.dtype == "bfloat16"
     ref, core = run(cfg, reqs)
     assert core._graphs.buckets == [8] and core.counters["graph_steps"] > 0
-    staggered, _ = _drive(EngineCore(cfg, EngineCore.allocate_pools(cfg), True), reqs, stagger=4)
+    staggered, _ = _drive(RefCore(cfg, RefCore.allocate_pools(cfg), True), reqs, stagger=4)
     assert staggered == ref
     for kill, sync_every, lag in ((3, 1, 0), (10, 4, 2), (25, 16, 0), (40, 16, 5)):
-        pools = EngineCore.allocate_pools(cfg)
-        a = EngineCore(cfg, pools, True)
+        pools = RefCore.allocate_pools(cfg)
+        a = RefCore(cfg, pools, True)
         got, snap = _drive(a, reqs, stagger=2, steps=kill, sync_every=sync_every)
         del a
-        b = EngineCore(cfg, pools, False)
+        b = RefCore(cfg, pools, False)
         b.warmup()
         final = {}
         for k, ids, sp in reqs:
@@ -162,8 +162,8 @@ def test_gpu_on_launch_overlaps_and_sees_the_previous_step():
     # host waits" visible: the pass is still running when the hook starts.
     cfg = EngineConfig.from_preset("qwen2.5-0.5b", device="cuda", num_blocks=256, max_model_len=512, exact=True,
                                    max_num_seqs=16)
-    a = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
-    b = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    a = RefCore(cfg, RefCore.allocate_pools(cfg), True)
+    b = RefCore(cfg, RefCore.allocate_pools(cfg), True)
     reqs = requests(6, seeded=True)
     for r in reqs:
         a.add_request(*r)

@@ -16,18 +16,18 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams, pool_layout  # noqa: E402
+from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams, pool_layout  # noqa: E402
 
 ACTIVE = textwrap.dedent(
     """
     import json, os, signal, sys, torch
     torch.set_num_threads(1)
-    from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams, pool_layout
+    from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams, pool_layout
     d = sys.argv[1]
     cfg = EngineConfig.from_preset("tiny", num_blocks=64, max_num_batched_tokens=24)
     pools = {(p.tag, p.index): torch.from_file(os.path.join(d, f"{p.tag}-{p.index}"), shared=True, size=p.size,
                                                dtype=torch.uint8) for p in pool_layout(cfg)}
-    core = EngineCore(cfg, pools, load_weights=True)
+    core = RefCore(cfg, pools, load_weights=True)
     for key, ids, kw in json.loads(sys.argv[2]):
         core.add_request(key, ids, SamplingParams(**kw))
     got = {}
@@ -62,11 +62,11 @@ def test_kill9_active_process_then_adopt(tmp_path):
     delivered = {int(k): v for k, v in state["delivered"].items()}
     views = {v["key"]: v for v in state["views"]}
 
-    ref = EngineCore(cfg, EngineCore.allocate_pools(cfg), True).generate(
+    ref = RefCore(cfg, RefCore.allocate_pools(cfg), True).generate(
         [(k, ids, SamplingParams(**kw)) for k, ids, kw in reqs])
     pools = {(p.tag, p.index): torch.from_file(str(tmp_path / f"{p.tag}-{p.index}"), shared=True, size=p.size,
                                                dtype=torch.uint8) for p in pool_layout(cfg)}
-    standby = EngineCore(cfg, pools, load_weights=False)
+    standby = RefCore(cfg, pools, load_weights=False)
     reused = 0
     for k, ids, kw in reqs:
         v = views[k]

@@ -59,7 +59,7 @@ ENGINE_SCRIPT = textwrap.dedent(
     """
     import torch
     torch.set_num_threads(1)
-    from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams
+    from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams
     g = torch.Generator().manual_seed(0)
     reqs = [(k, torch.randint(0, 256, (n,), generator=g).tolist(),
              SamplingParams(max_tokens=8, temperature=0.0 if k % 2 else 0.9, seed=k, ignore_eos=True))
@@ -67,7 +67,7 @@ ENGINE_SCRIPT = textwrap.dedent(
     outs, logits = {}, {}
     for att in ("torch", "triton"):
         cfg = EngineConfig.from_preset("tiny", num_blocks=32, attention=att, max_num_seqs=8)
-        core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+        core = RefCore(cfg, RefCore.allocate_pools(cfg), True)
         rec = []
         fwd = core.model.decode_forward
         core.model.decode_forward = lambda *a: (rec.append(fwd(*a)), rec[-1])[1]
@@ -80,7 +80,7 @@ ENGINE_SCRIPT = textwrap.dedent(
     assert outs["torch"] == outs["triton"], outs
     # Exact mode: one bucket (max_num_seqs), every decode step padded to it.
     cfg = EngineConfig.from_preset("tiny", num_blocks=32, attention="triton", max_num_seqs=8, exact=True)
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), True)
     rec = []
     fwd = core.model.decode_forward
     core.model.decode_forward = lambda *a: (rec.append(fwd(*a)), rec[-1])[1]

@@ -11,11 +11,11 @@ pytestmark = pytest.mark.torch
 safetensors_torch = pytest.importorskip("safetensors.torch")
 tokenizers = pytest.importorskip("tokenizers")
 
-from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams, WeightsError  # noqa: E402
+from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams, WeightsError  # noqa: E402
 from frmps_engine.refengine.tokenizer import HFTokenizer, IncrementalDetokenizer  # noqa: E402
 
 
-def export_hf(core: EngineCore, d, drop: str | None = None) -> None:
+def export_hf(core: RefCore, d, drop: str | None = None) -> None:
     """Write core's weights under Hugging Face names (q/k/v and gate/up split again)."""
     s = core.cfg.shape
     p = core.model.params
@@ -64,12 +64,12 @@ def write_tokenizer(d) -> None:
 
 def test_safetensors_round_trip_and_tokenizer(tmp_path):
     cfg = EngineConfig.from_preset("tiny", num_blocks=32)
-    src = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    src = RefCore(cfg, RefCore.allocate_pools(cfg), True)
     export_hf(src, tmp_path)
     write_tokenizer(tmp_path)
     cfg2 = EngineConfig.from_preset(str(tmp_path), num_blocks=32, max_model_len=512)
     assert cfg2.weights == str(tmp_path) and cfg2.shape.hidden_size == 64
-    core = EngineCore(cfg2, EngineCore.allocate_pools(cfg2), True)
+    core = RefCore(cfg2, RefCore.allocate_pools(cfg2), True)
     for name, t in src.model.params.items():
         assert torch.equal(core.model.params[name], t), name
     assert isinstance(core.tokenizer, HFTokenizer)
@@ -89,21 +89,21 @@ def test_safetensors_round_trip_and_tokenizer(tmp_path):
 
 def test_incomplete_checkpoint_is_refused(tmp_path):
     cfg = EngineConfig.from_preset("tiny", num_blocks=32)
-    src = EngineCore(cfg, EngineCore.allocate_pools(cfg), True)
+    src = RefCore(cfg, RefCore.allocate_pools(cfg), True)
     export_hf(src, tmp_path, drop="model.layers.1.mlp.up_proj.weight")
     cfg2 = EngineConfig.from_preset(str(tmp_path), num_blocks=32, max_model_len=512)
     with pytest.raises(WeightsError, match="lack model.layers.1.mlp.up_proj.weight"):
-        EngineCore(cfg2, EngineCore.allocate_pools(cfg2), True)
+        RefCore(cfg2, RefCore.allocate_pools(cfg2), True)
     # A standby never reads the weights, so it does not notice.
-    EngineCore(cfg2, EngineCore.allocate_pools(cfg2), False)
+    RefCore(cfg2, RefCore.allocate_pools(cfg2), False)
 
 
 def test_wrong_shapes_are_refused(tmp_path):
     cfg = EngineConfig.from_preset("tiny", num_blocks=32)
-    export_hf(EngineCore(cfg, EngineCore.allocate_pools(cfg), True), tmp_path)
+    export_hf(RefCore(cfg, RefCore.allocate_pools(cfg), True), tmp_path)
     conf = json.loads((tmp_path / "config.json").read_text())
     conf["intermediate_size"] = 96
     (tmp_path / "config.json").write_text(json.dumps(conf))
     cfg2 = EngineConfig.from_preset(str(tmp_path), num_blocks=32, max_model_len=512)
     with pytest.raises(WeightsError, match="has shape"):
-        EngineCore(cfg2, EngineCore.allocate_pools(cfg2), True)
+        RefCore(cfg2, RefCore.allocate_pools(cfg2), True)

@@ -69,7 +69,7 @@ def test_ring_cadence_and_final_state(core, tmp_path, overlap):
     loop.stop()
     assert recs[0] == {"attach": 1}
     assert recs[1]["full"] and recs[1]["entries"] == []
-    # A sync right after the prefill (the first token), and every 3 steps as before.
+    # A sync right after the prefill (the first token), and every 3 steps.
     assert [r["step"] for r in recs[2:]] == [1, 3, 6, 9, 10]
     first = recs[2]["entries"][0]
     assert (len(first["tokens"]), first["num_computed"], first["num_prompt"]) == (3, 2, 2)

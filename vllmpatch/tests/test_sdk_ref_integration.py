@@ -26,7 +26,7 @@ ARGS = ("--num-blocks", "64", "--max-model-len", "256")
 
 def reference_outputs(reqs, tok_prompts):
     cfg = refengine.EngineConfig.from_preset("tiny", device="cpu", num_blocks=64, max_model_len=256, seed=0)
-    core = refengine.EngineCore(cfg, refengine.EngineCore.allocate_pools(cfg), load_weights=True)
+    core = refengine.RefCore(cfg, refengine.RefCore.allocate_pools(cfg), load_weights=True)
     jobs = []
     for k, r in reqs.items():
         p = r.params

@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="frmps-engine", description="frmps engine process")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run an engine (active or standby) under the frmps supervisor")
-    s.add_argument("--engine", default="ref", help="ref, or module:Factory for another adapter")
+    s.add_argument("--engine", default="ref",
+                   help="ref, vllm, or package.module:Factory for another adapter (proto/frmps/v1/ENGINE.md)")
     s.add_argument("--role", required=True, choices=["active", "standby"])
     s.add_argument("--model", required=True, help="model preset name or model directory")
     s.add_argument("--control-socket", required=True)
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ablation: a standby recomputes every adopted token instead of reusing the shared KV")
     s.add_argument("--ring-module", default="frmps_engine.ring", help=argparse.SUPPRESS)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    c = sub.add_parser("check-engine", help="check that an --engine name loads; print its factory")
+    c.add_argument("engine", help="ref, vllm, or package.module:Factory")
     m = sub.add_parser("model-dir", help="write (or find) a preset's Hugging Face model directory for dummy-weight runs")
     m.add_argument("preset", help="qwen2.5-0.5b, -1.5b, -3b, -7b or -14b")
     m.add_argument("--out", help="directory to write (default: the model cache, see frmps_engine.modeldir.default_dir)")
@@ -61,6 +64,20 @@ def model_dir(args: argparse.Namespace) -> int:
         print(f"frmps model-dir: {e}", file=sys.stderr)
         return 2
     print(path)
+    return 0
+
+
+def check_engine(args: argparse.Namespace) -> int:
+    """Resolve an --engine name (frmps serve runs this once before it starts the
+    engines): print the factory it names, or say why not and return 2."""
+    from frmps_engine.sdk import adapters
+
+    try:
+        target, _ = adapters.resolve(args.engine)
+    except adapters.AdapterError as e:
+        print(f"frmps-engine: {e}", file=sys.stderr)
+        return 2
+    print(target)
     return 0
 
 
@@ -110,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         level=getattr(args, "log_level", "info").upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    code = serve(args) if args.cmd == "serve" else model_dir(args)
+    code = {"serve": serve, "check-engine": check_engine, "model-dir": model_dir}[args.cmd](args)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,4 +1,4 @@
-"""VllmEngineCore (the SDK's EngineCore protocol over vLLM) driven through a
+"""VllmCore (the SDK's Core protocol over vLLM) driven through a
 scheduler-only stand-in for vLLM's EngineCore: ``SchedulerCore`` is a labelled
 test double that runs the real FrmpsScheduler with FakeModel instead of a GPU
 model executor."""
@@ -52,10 +52,10 @@ class CharTokenizer:
 
 def engine(model_dir, tokenizer=None):
     from frmps_engine.vllm import SCHEDULER_CLS
-    from frmps_engine.vllm.engine import VllmEngineCore
+    from frmps_engine.vllm.engine import VllmCore
 
     sched = make_scheduler(make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS))
-    return VllmEngineCore(SchedulerCore(sched), tokenizer)
+    return VllmCore(SchedulerCore(sched), tokenizer)
 
 
 def params(max_tokens, stop=None):
@@ -122,13 +122,41 @@ def test_reports_each_steps_tokens_and_its_load(model_dir):
     assert (eng.num_running(), eng.num_waiting()) == (0, 0)
 
 
+def test_capabilities_of_the_vllm_core(model_dir):
+    """What the SDK probes (sdk/engine_api.py): the vLLM core reports its load and
+    step size and can be reset for a handover; it has no launch hook (the loop
+    publishes between steps) and no idle device check; its tokenizer does not say
+    its vocabulary size."""
+    from frmps_engine.sdk import engine_api
+
+    eng = engine(model_dir, CharTokenizer())
+    assert isinstance(eng, engine_api.Core)
+    for cap in (engine_api.StepSize, engine_api.LoadReport, engine_api.Resettable):
+        assert isinstance(eng, cap), cap.__name__
+    for cap in (engine_api.LaunchHook, engine_api.DeviceCheck):
+        assert not isinstance(eng, cap), cap.__name__
+    assert not engine_api.has_launch_hook(eng)
+    from frmps_engine.vllm.engine import VllmTokenizer
+
+    assert engine_api.vocab_size(VllmTokenizer(CharTokenizer())) is None
+
+
+def test_a_scheduler_without_the_frmps_members_is_refused(model_dir):
+    from frmps_engine.vllm.engine import FrmpsSchedulerAPI, VllmCore
+
+    plain = make_scheduler(make_vllm_config(model_dir, num_blocks=64))  # vLLM's own scheduler
+    assert not isinstance(plain, FrmpsSchedulerAPI)
+    with pytest.raises(TypeError, match="set scheduler_cls=frmps_engine.vllm.scheduler.FrmpsScheduler"):
+        VllmCore(SchedulerCore(plain))
+
+
 @pytest.mark.parametrize("kill_after", [2, 5, 11])
 def test_takeover_resumes_exactly_without_recomputing_synced_tokens(model_dir, kill_after):
     from frmps_engine.sdk import engine_api
 
     reference = by_key(_run_all(model_dir))
     active = engine(model_dir)
-    assert isinstance(active, engine_api.EngineCore) and isinstance(active, engine_api.Resettable)
+    assert isinstance(active, engine_api.Core) and isinstance(active, engine_api.Resettable)
     for k, p in PROMPTS.items():
         active.add_request(k, p, params(MAX[k]))
     delivered: dict[int, list[int]] = {k: [] for k in PROMPTS}

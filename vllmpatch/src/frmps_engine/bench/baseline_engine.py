@@ -115,13 +115,13 @@ def step_delay() -> float:
 
 
 def run_victim(args) -> int:
-    from frmps_engine.refengine import EngineCore
+    from frmps_engine.refengine import RefCore
 
     delay = step_delay()
 
     try:
         cfg = make_cfg(args)
-        core = EngineCore(cfg, EngineCore.allocate_pools(cfg), load_weights=True)
+        core = RefCore(cfg, RefCore.allocate_pools(cfg), load_weights=True)
         if args.warmup:
             core.warmup()
         sync(args.device)
@@ -201,7 +201,7 @@ def decode_more(core, n_steps: int) -> None:
 def run_sleep(args) -> int:
     import torch
 
-    from frmps_engine.refengine import EngineCore, pool_layout
+    from frmps_engine.refengine import RefCore, pool_layout
 
     from .sleep_memory import make_sleep_pools
 
@@ -214,7 +214,7 @@ def run_sleep(args) -> int:
         pools.wake()
         tensors = pools.tensors()
         # Built and warmed up (graphs captured) on the pools' addresses, which survive sleep.
-        core = EngineCore(cfg, tensors, load_weights=True)
+        core = RefCore(cfg, tensors, load_weights=True)
         core.warmup()
         weights = tensors[("weights", 0)]
         kv = tensors[("kv_cache", 0)]
@@ -258,7 +258,7 @@ def run_sleep(args) -> int:
                 decode_more(core, int(cmd.get("then_steps", 0)))
                 emit("decoded")
             elif cmd["cmd"] == "sleep":
-                for k in list(core._reqs):  # noqa: SLF001 (a baseline driving the core directly)
+                for k in list(core.scheduler.requests):
                     core.abort(k)
                 core.step()  # drain aborted outputs
                 pools.sleep()
@@ -275,7 +275,7 @@ def run_cold(args) -> int:
     import torch
 
     t_import = time.time()
-    from frmps_engine.refengine import EngineCore
+    from frmps_engine.refengine import RefCore
 
     raw = args.requests
     if raw.startswith("@"):
@@ -292,11 +292,11 @@ def run_cold(args) -> int:
         times["cuda_context_s"] = round(time.perf_counter() - t, 4)
         cfg = make_cfg(args, weights=args.checkpoint)
         t = time.perf_counter()
-        pools = EngineCore.allocate_pools(cfg)
+        pools = RefCore.allocate_pools(cfg)
         sync(args.device)
         times["allocate_s"] = round(time.perf_counter() - t, 4)
         t = time.perf_counter()
-        core = EngineCore(cfg, pools, load_weights=True)
+        core = RefCore(cfg, pools, load_weights=True)
         sync(args.device)
         times["load_weights_s"] = round(time.perf_counter() - t, 4)
         t = time.perf_counter()
@@ -454,7 +454,7 @@ def run_sync_overhead(args) -> int:
     or between steps for the "Ni" entries."""
     import torch
 
-    from frmps_engine.refengine import EngineCore, SamplingParams, weights_bytes
+    from frmps_engine.refengine import RefCore, SamplingParams, weights_bytes
     from frmps_engine.refengine.config import EngineConfig
     from frmps_engine.ring import create_ring
     from frmps_engine.sdk.loop import RingPublisher
@@ -486,7 +486,7 @@ def run_sync_overhead(args) -> int:
     cfg = EngineConfig.from_preset(args.model, device=args.device, max_model_len=max(ctx, 256),
                                    num_blocks=batch * blocks_per_seq + 1, seed=args.seed, **kw)
     t0 = time.perf_counter()
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), load_weights=True)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), load_weights=True)
     core.warmup()
     sync(args.device)
     init_s = time.perf_counter() - t0
@@ -503,7 +503,7 @@ def run_sync_overhead(args) -> int:
         pub.publish_full(0, core.request_views())
         step = 0
         t0 = time.perf_counter()
-        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core._reqs.values()):  # noqa: SLF001
+        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core.scheduler.requests.values()):
             core.step()
             step += 1
         sync(args.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 
-# runner.on_resume; the adoption/ring-attach tail is optional (older engines lack it).
+# runner.on_resume; the adoption/ring-attach tail is optional (engine logs kept in older result folders lack it).
 TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused tokens, (\d+) to prefill; "
                       r"KV writable in ([\d.]+) ms(?:; adoption ([\d.]+) ms, ring attach ([\d.]+) ms)?\)")
 FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")

@@ -16,7 +16,7 @@ publish that request with ``reset()`` (its scheduler knows when it preempts).
 from __future__ import annotations
 
 from array import array
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -25,10 +25,7 @@ from .writer import RingWriter
 
 
 class RequestView(Protocol):
-    """What the tracker reads of one request. A view may also have ``parts()`` ->
-    (blocks, n_blocks, tokens, n_tokens): lists that are valid up to those lengths
-    (the engine's own, appended to in place); the tracker then copies only the new
-    entries instead of reading ``block_ids`` / ``token_ids``."""
+    """What the tracker reads of one request (optionally also ViewParts)."""
 
     key: int
     seed: int
@@ -40,6 +37,16 @@ class RequestView(Protocol):
     aborted: bool
 
 
+@runtime_checkable
+class ViewParts(Protocol):
+    """An optional capability of a view: ``parts()`` -> (blocks, n_blocks, tokens,
+    n_tokens), lists valid up to those lengths (the engine's own, appended to in
+    place). The tracker then copies only the new entries instead of reading
+    ``block_ids`` / ``token_ids`` (which copy whole lists)."""
+
+    def parts(self) -> tuple[list[int], int, list[int], int]: ...
+
+
 class DeltaTracker:
     def __init__(self, writer: RingWriter) -> None:
         self._w = writer
@@ -48,6 +55,7 @@ class DeltaTracker:
         self._need_full = True  # a writer's first record after attach is FULL
         self._gone: list[int] = []  # forgotten keys the reader must drop
         self._reset: set[int] = set()
+        self._has_parts: dict[type, bool] = {}  # ViewParts, probed once per view class
 
     def forget(self, key: int) -> None:
         """Drop a request the engine no longer has; the next record tells the
@@ -81,6 +89,7 @@ class DeltaTracker:
         blocks_extend, tokens_extend = blocks.extend, tokens.extend
         done = []
         force = self._reset
+        has_parts = self._has_parts
         for v in states:
             key = v.key
             fin = FLAG_FINISHED if v.finished else 0
@@ -89,10 +98,13 @@ class DeltaTracker:
             if full and fin:
                 continue  # absent from a FULL record = gone
             prev = pub.get(key)
-            parts = getattr(v, "parts", None)
-            if parts is not None:
+            cls = type(v)
+            parts = has_parts.get(cls)
+            if parts is None:
+                parts = has_parts[cls] = isinstance(v, ViewParts)
+            if parts:
                 # Live lists valid up to nb / nt: nothing is copied but what is new.
-                b, nb, t, nt = parts()
+                b, nb, t, nt = v.parts()
             else:
                 b = v.block_ids
                 t = v.token_ids

@@ -1,12 +1,17 @@
-"""Engine adapters known to the CLI, and loading one by name.
+"""Engine names, and loading an engine's adapter by name.
 
-``--engine ref`` is the reference engine; ``--engine package.module:Factory``
-loads any other adapter (the vLLM adapter, test doubles) the same way.
+This module owns what ``--engine`` may name: ``ref`` (the reference engine),
+``vllm`` (the vLLM adapter), or ``package.module:Factory``, any importable
+callable that takes ``EngineOptions`` and returns an ``EngineAdapter``
+(proto/frmps/v1/ENGINE.md). ``frmps serve --engine NAME`` asks it once before
+anything starts (``python -m frmps_engine.cli check-engine NAME``); the Go
+supervisor passes the name through to every engine it launches.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,17 +42,37 @@ KNOWN = {
     "vllm": "frmps_engine.vllm.engine:make_adapter",
 }
 
+Factory = Callable[[EngineOptions], EngineAdapter]
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_TARGET = re.compile(rf"({_IDENT}(?:\.{_IDENT})*):({_IDENT})")
+
+
+def resolve(engine: str) -> tuple[str, Factory]:
+    """(import target, factory) of an engine name; AdapterError saying why not.
+    Imports the factory's module (a known engine's imports nothing heavy: vLLM
+    itself is imported only when its adapter is built)."""
+    target = KNOWN.get(engine, engine)
+    m = _TARGET.fullmatch(target)
+    if m is None:
+        raise AdapterError(f"unknown engine {engine!r}: want {', '.join(KNOWN)}, "
+                           "or an adapter factory as package.module:Factory")
+    mod_name, attr = m.groups()
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise AdapterError(f"engine {engine!r}: cannot import {mod_name}: {e}") from e
+    try:
+        factory = getattr(mod, attr)
+    except AttributeError:
+        raise AdapterError(f"engine {engine!r}: module {mod_name} has no {attr}") from None
+    if not callable(factory):
+        raise AdapterError(f"engine {engine!r}: {target} is a {type(factory).__name__}, not a callable factory")
+    return target, factory
+
 
 def load_adapter(engine: str, opts: EngineOptions) -> EngineAdapter:
-    target = KNOWN.get(engine, engine)
-    if ":" not in target:
-        raise AdapterError(f"unknown engine {engine!r} (known: {', '.join(KNOWN)}, or module:Factory)")
-    mod_name, _, attr = target.partition(":")
-    try:
-        factory: Callable[[EngineOptions], EngineAdapter] = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise AdapterError(f"engine {engine!r}: cannot load {target}: {e}") from e
-    return factory(opts)
+    return resolve(engine)[1](opts)
 
 
 class RefAdapter:
@@ -67,9 +92,10 @@ class RefAdapter:
             kw["num_blocks"] = opts.num_blocks
         if opts.max_model_len is not None:
             kw["max_model_len"] = opts.max_model_len
-        for name in ("max_num_seqs", "max_num_batched_tokens", "exact"):
-            if getattr(opts, name) is not None:
-                kw[name] = getattr(opts, name)
+        for name, value in (("max_num_seqs", opts.max_num_seqs), ("max_num_batched_tokens", opts.max_num_batched_tokens),
+                            ("exact", opts.exact)):
+            if value is not None:
+                kw[name] = value
         if not opts.kv_reuse:
             kw["kv_reuse"] = False
         try:
@@ -79,7 +105,7 @@ class RefAdapter:
             raise AdapterError(f"model {opts.model!r}: {e}") from e
         import frmps_engine
 
-        self.version = getattr(refengine, "__version__", frmps_engine.__version__)
+        self.version = frmps_engine.__version__
         self.model = opts.model
         self.device = opts.device
         self.block_size = int(self.cfg.block_size)
@@ -92,7 +118,7 @@ class RefAdapter:
         return list(self._re.pool_layout(self.cfg))
 
     def create_core(self, pools, load_weights: bool):
-        core = self._re.EngineCore(self.cfg, pools, load_weights=load_weights)
+        core = self._re.RefCore(self.cfg, pools, load_weights=load_weights)
         # GPU: capture decode graphs now, off the takeover path. A standby does this on
         # its reserved (private) ranges, before the shared pools are mapped in place.
         core.warmup()
@@ -103,7 +129,7 @@ class RefAdapter:
         if self.core is not None:
             return self.core.tokenizer
         if self._tok is None:
-            self._tok = self._re.load_tokenizer(getattr(self.cfg, "model_dir", None))
+            self._tok = self._re.load_tokenizer(self.cfg.model_dir)
         return self._tok
 
     def sampling_params(self, p: control_pb2.SamplingParams, seed: int):

@@ -1,9 +1,14 @@
-"""What the SDK needs from an engine. The reference engine's EngineCore fits
-``EngineCore`` as is; the vLLM adapter implements the same two protocols.
+"""What the SDK needs from an engine (proto/frmps/v1/ENGINE.md is the whole
+contract; this is its Python half). The reference engine's ``RefCore`` and the
+vLLM adapter's ``VllmCore`` both implement ``Core``.
 
 The runner talks to an ``EngineAdapter`` (one per engine kind): it derives the
 pool layout, builds the core on given pools and converts sampling params. The
-engine loop drives the ``EngineCore`` from one thread only.
+engine loop drives the ``Core`` from one thread only.
+
+Optional capabilities are declared below as runtime-checkable protocols and
+probed with ``isinstance`` (the engine loop probes its core once, when it gets
+it); a core without one gets the fallback its docstring names.
 """
 
 from __future__ import annotations
@@ -20,6 +25,15 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]: ...
+
+
+@runtime_checkable
+class VocabSize(Protocol):
+    """A tokenizer that knows its vocabulary size: prompt token ids and stop token
+    ids at or above it are refused with INVALID_ARGUMENT before they reach the
+    engine (without it the engine itself refuses what it cannot take)."""
+
+    vocab_size: int
 
 
 class RequestOutput(Protocol):
@@ -39,7 +53,7 @@ class AdoptResult(Protocol):
 
 class RequestView(Protocol):
     """Committed forward state of one request, as the ring's DeltaTracker wants it.
-    Optionally ``parts()`` (see ring.tracker.RequestView) to skip copying the lists."""
+    Optionally ``parts()`` (ring.tracker.ViewParts) to skip copying the lists."""
 
     key: int
     seed: int
@@ -52,7 +66,9 @@ class RequestView(Protocol):
 
 
 @runtime_checkable
-class EngineCore(Protocol):
+class Core(Protocol):
+    """What the engine loop drives: requests in, one step at a time, outputs out."""
+
     tokenizer: Tokenizer
     counters: Mapping[str, int]
 
@@ -75,7 +91,7 @@ class EngineCore(Protocol):
     def request_views(self) -> Iterable[RequestView]: ...
 
 
-# Optional capabilities of an EngineCore: declared here, checked with isinstance.
+# Optional capabilities of a Core.
 
 
 @runtime_checkable
@@ -85,7 +101,9 @@ class LaunchHook(Protocol):
     describes the previous step (blocks allocated for this step may be included).
     The loop publishes the ring record there, so the publish runs while the device
     computes instead of between steps. fn is not called if nothing is scheduled;
-    the loop then publishes after step() returns. ``launch_hook`` must be True."""
+    the loop then publishes after step() returns. ``launch_hook`` must be True
+    (False turns the overlap off for that instance). Without it: the loop
+    publishes between steps."""
 
     launch_hook: bool
 
@@ -96,15 +114,16 @@ class LaunchHook(Protocol):
 class StepSize(Protocol):
     """``scheduled_tokens``: the tokens (prefill + decode) the step in progress
     computes, set when step() has scheduled them and kept until the next step. Read
-    from the heartbeat thread; the loop sizes its hang estimate with it (a core
-    without it gets no estimate: the supervisor's default bound applies)."""
+    from the heartbeat thread; the loop sizes its hang estimate with it. Without
+    it: no estimate, so the supervisor's default step bound applies."""
 
     scheduled_tokens: int
 
 
 @runtime_checkable
 class LoadReport(Protocol):
-    """The core's own request counts, for heartbeats and Health (else the SDK counts streams)."""
+    """The core's own running and waiting counts, for heartbeats and Health.
+    Without it: the SDK counts the streams it has open."""
 
     def num_running(self) -> int: ...
     def num_waiting(self) -> int: ...
@@ -112,7 +131,9 @@ class LoadReport(Protocol):
 
 @runtime_checkable
 class DeviceCheck(Protocol):
-    """check_device() raises the device's sticky error; the loop calls it while idle."""
+    """check_device() raises the device's sticky error; the loop calls it while
+    idle, so an idle engine in a context another MPS client broke dies (and is
+    replaced) at once. Without it: the error surfaces at the next step."""
 
     def check_device(self) -> None: ...
 
@@ -121,19 +142,25 @@ class DeviceCheck(Protocol):
 class Resettable(Protocol):
     """reset() forgets every request and frees every KV block without writing the
     device: a planned handover gave them to another engine, which owns the KV
-    cache's contents now. Needed to hand over (failback); a core without it
-    refuses Handoff and keeps serving."""
+    cache's contents now. Without it: the engine refuses Handoff and keeps
+    serving (no failback to it)."""
 
     def reset(self) -> None: ...
 
 
 def has_launch_hook(core: object) -> bool:
-    return isinstance(core, LaunchHook) and bool(getattr(core, "launch_hook", False))
+    return isinstance(core, LaunchHook) and bool(core.launch_hook)
+
+
+def vocab_size(tok: object) -> int | None:
+    """The tokenizer's vocabulary size, or None when it does not say (VocabSize)."""
+    return int(tok.vocab_size) if isinstance(tok, VocabSize) else None
 
 
 @runtime_checkable
 class EngineAdapter(Protocol):
-    """One engine kind, configured from the command line."""
+    """One engine kind, configured from the command line (built by the factory
+    that ``--engine`` names: sdk/adapters.py)."""
 
     name: str  # Hello.engine: "ref", "vllm", ...
     version: str
@@ -146,7 +173,7 @@ class EngineAdapter(Protocol):
     def pool_layout(self) -> list[Any]:
         """PoolSpec-likes (.tag .index .size), deterministic from the configuration."""
 
-    def create_core(self, pools: dict[tuple[str, int], Any], load_weights: bool) -> EngineCore:
+    def create_core(self, pools: dict[tuple[str, int], Any], load_weights: bool) -> Core:
         """Build the core with its weights and KV cache as views into ``pools``.
         load_weights=False (standby) must never write the pools."""
 

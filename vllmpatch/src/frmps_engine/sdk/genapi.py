@@ -18,7 +18,7 @@ import grpc
 from frmps_engine._proto.frmps.v1 import control_pb2, generation_pb2, generation_pb2_grpc
 
 from .detok import TextStream
-from .engine_api import Tokenizer
+from .engine_api import Tokenizer, vocab_size
 from .loop import DuplicateRequest, RequestStream
 from .params import InvalidRequest, normalize
 
@@ -65,7 +65,7 @@ def input_to_ids(tok: Tokenizer, *, prompt: str | None = None, prompt_token_ids=
         return chat_to_ids(tok, messages, add_generation_prompt)
     if prompt_token_ids is not None:
         ids = [int(t) for t in prompt_token_ids]
-        vocab = getattr(tok, "vocab_size", None)
+        vocab = vocab_size(tok)
         if vocab is not None:
             bad = [t for t in ids if t >= vocab]
             if bad:
@@ -102,7 +102,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     f"prompt has {len(ids)} tokens; this model's max_model_len is {self._b.max_model_len} "
                     "(the prompt must leave room for at least one output token)"
                 )
-            params = normalize(request.params, request.key, len(ids), self._b.max_model_len, getattr(tok, "vocab_size", None))
+            params = normalize(request.params, request.key, len(ids), self._b.max_model_len, vocab_size(tok))
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:

@@ -1,5 +1,5 @@
-"""The engine loop: one thread owns the EngineCore, steps it, hands outputs to
-request streams and publishes committed forward state to the ring.
+"""The engine loop: one thread owns the core (engine_api.Core), steps it, hands
+outputs to request streams and publishes committed forward state to the ring.
 
 Other threads never touch the core; they post commands (``call`` / ``post``).
 """
@@ -14,9 +14,9 @@ import secrets
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-from .engine_api import DeviceCheck, EngineCore, LoadReport, RequestView, StepSize, has_launch_hook
+from .engine_api import Core, DeviceCheck, LoadReport, RequestView, StepSize, has_launch_hook
 from .steptime import StepTimer
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class RequestStream:
         self.error_invalid = False
         self.moved = False  # handed over to another engine (move())
         self.finished_at = 0.0
+        self.debug_prompt: list[int] | None = None  # FRMPS_DEBUG_TOKEN_LOG only
         self.cond = threading.Condition()
 
     def _append(self, index: int, ids, finished: bool, reason: str | None, stop_reason: Any) -> None:
@@ -104,21 +105,39 @@ class RequestStream:
             return True
 
 
+@runtime_checkable
+class RingModule(Protocol):
+    """A ring module as RingPublisher uses it: frmps_engine.ring (the ring of
+    ringbuf/FORMAT.md), or a test double with the same API
+    (sdk/testing/fake_ring.py). RingWriter.attach(path) returns a writer with
+    close(); DeltaTracker(writer) has request_full() and sync(step, views)."""
+
+    RingWriter: Any
+    DeltaTracker: Any
+
+
+@runtime_checkable
+class CreatesRings(Protocol):
+    """A ring module that can create a ring file (create_ring(path, capacity)):
+    preload warms it up on a scratch ring. Without it there is nothing to warm."""
+
+    def create_ring(self, path: str, capacity: int) -> None: ...
+
+
 class RingPublisher:
-    """Ring glue: the ring module's RingWriter + DeltaTracker (API in CONTRACTS)."""
+    """Ring glue: the ring module's RingWriter + DeltaTracker (frmps_engine.ring)."""
 
     @staticmethod
     def preload(module: str = "frmps_engine.ring") -> None:
         """Import the ring module and run one publish on a scratch ring, so that the
         takeover does not pay for imports and lazy initialisation (~0.6 s measured)."""
         mod = importlib.import_module(module)
-        create = getattr(mod, "create_ring", None)
-        if create is None:
+        if not isinstance(mod, CreatesRings):
             return
         d = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(d, f"frmps-warmup-{os.getpid()}-{secrets.token_hex(4)}")
         try:
-            create(path, 1 << 16)
+            mod.create_ring(path, 1 << 16)
             w = mod.RingWriter.attach(path)
             try:
                 w.publish(0, [mod.RequestDelta(key=1, seed=1, num_computed=1, num_prompt=1, reset=True, blocks=[0], tokens=[0])], full=True)
@@ -139,6 +158,8 @@ class RingPublisher:
 
     def __init__(self, path: str, module: str = "frmps_engine.ring"):
         self._mod = importlib.import_module(module)
+        if not isinstance(self._mod, RingModule):
+            raise TypeError(f"{module} is not a ring module (it lacks RingWriter or DeltaTracker)")
         self._writer = self._mod.RingWriter.attach(path)  # bumps the epoch
         self._tracker = self._mod.DeltaTracker(self._writer)
         self.path = path
@@ -146,9 +167,7 @@ class RingPublisher:
     def publish_full(self, step: int, views: Iterable[RequestView]) -> None:
         """After attaching, the writer owes the reader a FULL record of everything it knows.
         The tracker makes its first record after attach FULL; ask explicitly anyway."""
-        request_full = getattr(self._tracker, "request_full", None)
-        if request_full is not None:
-            request_full()
+        self._tracker.request_full()
         self._tracker.sync(step, views)
 
     def sync(self, step: int, views: Iterable[RequestView]) -> None:
@@ -161,7 +180,7 @@ class RingPublisher:
 class EngineLoop:
     def __init__(
         self,
-        core: EngineCore,
+        core: Core,
         *,
         sync_every: int = 1,
         on_fatal: Callable[[BaseException], None] | None = None,
@@ -181,9 +200,13 @@ class EngineLoop:
         self._streams_lock = threading.Lock()
         self.step_count = 0
         self._since_sync = 0
+        # The core's optional capabilities (engine_api), probed once.
         # Publish overlapped with the next step's device work where the core allows it
-        # (EngineCore's launch_hook); else right after the step, between steps.
+        # (LaunchHook); else right after the step, between steps.
         self._overlap = has_launch_hook(core)
+        self._step_size = isinstance(core, StepSize)
+        self._load_report = isinstance(core, LoadReport)
+        self._device_check = isinstance(core, DeviceCheck)
         self._sync_pending = False
         self.counters = collections.Counter()
         self.dead: BaseException | None = None
@@ -302,7 +325,7 @@ class EngineLoop:
 
     def scheduled_tokens(self) -> int | None:
         """Tokens of the step in progress (or the last one), when the core says."""
-        n = self.core.scheduled_tokens if isinstance(self.core, StepSize) else None
+        n = self.core.scheduled_tokens if self._step_size else None
         return n if isinstance(n, int) else None
 
     def heartbeat(self) -> tuple[int, int, int, int, int, int]:
@@ -316,7 +339,7 @@ class EngineLoop:
 
     def load(self) -> tuple[int, int]:
         """(running, waiting): the core's own counts when it has them."""
-        if isinstance(self.core, LoadReport):
+        if self._load_report:
             try:
                 return int(self.core.num_running()), int(self.core.num_waiting()) + len(self._cmds)
             except Exception:  # read from another thread; a racing count is not worth failing for
@@ -409,7 +432,7 @@ class EngineLoop:
 
     def _count_load(self) -> None:
         """Refresh the counts heartbeats report (on this thread, between steps)."""
-        if isinstance(self.core, LoadReport):
+        if self._load_report:
             self.running_count, self.waiting_count = int(self.core.num_running()), int(self.core.num_waiting())
             return
         with self._streams_lock:
@@ -486,7 +509,7 @@ class EngineLoop:
         """Idle: ask the device for a sticky error. Under MPS another client's fault
         kills this context too, and an idle engine would otherwise learn of it only
         at its next request, leaving the supervisor without a standby takeover until then."""
-        if isinstance(self.core, DeviceCheck):
+        if self._device_check:
             # Timed like a step: a device that never answers holds this thread here.
             self.timer.begin()
             self.core.check_device()
@@ -525,7 +548,7 @@ _TOKEN_LOG = os.environ.get("FRMPS_DEBUG_TOKEN_LOG", "")
 def _log_tokens(s: RequestStream) -> None:
     import json
 
-    rec = {"t": time.time(), "key": s.key, "prompt": getattr(s, "debug_prompt", None), "output": list(s.output),
+    rec = {"t": time.time(), "key": s.key, "prompt": s.debug_prompt, "output": list(s.output),
            "finish_reason": s.finish_reason, "pid": os.getpid()}
     try:
         with open(os.path.join(_TOKEN_LOG, f"tokens-{os.getpid()}.jsonl"), "a") as f:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from frmps_engine._proto.frmps.v1 import control_pb2
 
 from . import control, debug_hang
-from .engine_api import EngineAdapter, Resettable
+from .engine_api import EngineAdapter, Resettable, vocab_size
 from .genapi import GenerationServer, input_to_ids
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
 from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
@@ -311,7 +311,7 @@ class Runner:
             )
             if not ids:
                 raise InvalidRequest("empty prompt")
-            params = normalize(r.params, r.key, len(ids), self.adapter.max_model_len, getattr(tok, "vocab_size", None))
+            params = normalize(r.params, r.key, len(ids), self.adapter.max_model_len, vocab_size(tok))
             delivered = list(r.delivered_token_ids)
             if r.HasField("snapshot"):
                 snap = r.snapshot
@@ -472,7 +472,7 @@ class Runner:
     def counters(self) -> dict[str, int]:
         out: dict[str, int] = {}
         if self.core is not None:
-            out.update({str(k): int(v) for k, v in dict(getattr(self.core, "counters", {}) or {}).items()})
+            out.update({str(k): int(v) for k, v in self.core.counters.items()})
         if self.loop is not None:
             out.update({f"loop_{k}": int(v) for k, v in self.loop.counters.items()})
             out["loop_steps"] = self.loop.step_count

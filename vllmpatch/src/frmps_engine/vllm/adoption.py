@@ -163,7 +163,7 @@ def adopt(
         raise AdoptionError(f"request {plan.key}: block id {max(plan.block_ids)} >= pool size {pool.num_gpu_blocks}")
 
     if fold_outputs is None:
-        fold_outputs = not bool(getattr(scheduler, "use_v2_model_runner", False))
+        fold_outputs = not scheduler.use_v2_model_runner
     params = copy.deepcopy(sampling_params)
     params.seed = to_int64(plan.seed)  # the ring's uint64 -> vLLM's int64 (sdk/seeds.py)
     outs = list(plan.output_token_ids)

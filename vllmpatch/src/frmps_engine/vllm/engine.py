@@ -1,9 +1,10 @@
-"""The engine core the SDK's runner drives, on top of vLLM's in-process EngineCore.
+"""The core the SDK's runner drives, on top of vLLM's in-process EngineCore.
 
 ``python -m frmps_engine.cli serve --engine vllm --model <hf-dir> ...`` makes the
 SDK runner call ``make_adapter(args)``; the adapter derives the pool layout and
-builds a ``VllmEngineCore`` (the SDK's ``EngineCore`` protocol: add_request,
-adopt_request, abort, step, has_work, request_views, tokenizer, counters).
+builds a ``VllmCore`` (the SDK's ``Core`` protocol, sdk/engine_api.py: add_request,
+adopt_request, abort, step, has_work, request_views, tokenizer, counters; and the
+optional LoadReport, StepSize and Resettable).
 
 The vLLM side is built with official knobs only:
 - ``scheduler_cls`` = FrmpsScheduler (committed views, adoption, counters);
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME
 from .adoption import AdoptResult, plan_adoption
@@ -76,8 +77,22 @@ class VllmTokenizer:
         return list(ids)
 
 
-class VllmEngineCore:
-    """SDK EngineCore over a vLLM ``EngineCore`` whose scheduler is a FrmpsScheduler.
+@runtime_checkable
+class FrmpsSchedulerAPI(Protocol):
+    """What VllmCore needs of vLLM's scheduler beyond vLLM's own API: the members
+    scheduler.FrmpsScheduler (and FrmpsAsyncScheduler) add."""
+
+    frmps_counters: Mapping[str, int]
+    frmps_scheduled_tokens: int
+
+    def frmps_adopt(self, plan: Any, sampling_params: Any, *, block_hasher: Any = None,
+                    fold_outputs: bool | None = None) -> AdoptResult: ...
+    def frmps_views(self) -> list[CommittedView]: ...
+    def frmps_reset(self) -> None: ...
+
+
+class VllmCore:
+    """The SDK's Core over a vLLM ``EngineCore`` whose scheduler is a FrmpsScheduler.
 
     ``core`` is vLLM's in-process EngineCore (built by ``VllmAdapter.create_core``);
     anything with ``scheduler``, ``step()``, ``add_request(Request)``,
@@ -88,7 +103,7 @@ class VllmEngineCore:
     def __init__(self, core: Any, tokenizer: Any = None):
         self.core = core
         self.scheduler = core.scheduler
-        if not hasattr(self.scheduler, "frmps_adopt"):
+        if not isinstance(self.scheduler, FrmpsSchedulerAPI):
             raise TypeError(f"vLLM scheduler is {type(self.scheduler).__name__}; set scheduler_cls={SCHEDULER_CLS}")
         self.tokenizer = tokenizer
         self._tracks: dict[int, _Track] = {}
@@ -129,7 +144,7 @@ class VllmEngineCore:
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             pooling_params=None,
-            block_hasher=getattr(self.core, "request_block_hasher", None),
+            block_hasher=self.core.request_block_hasher,
         )
         self.core.add_request(req)
         self._tracks[key] = _Track(0, list(params.stop or []))
@@ -160,7 +175,7 @@ class VllmEngineCore:
             num_blocks=self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
         )
         params = self._params(key, params, seed)
-        result = self.scheduler.frmps_adopt(plan, params, block_hasher=getattr(self.core, "request_block_hasher", None))
+        result = self.scheduler.frmps_adopt(plan, params, block_hasher=self.core.request_block_hasher)
         self._tracks[key] = _Track(len(plan.output_token_ids), list(params.stop or []))
         return result
 
@@ -191,7 +206,7 @@ class VllmEngineCore:
     def has_work(self) -> bool:
         return bool(self.scheduler.has_requests())
 
-    # Optional EngineCore members (engine_api): heartbeat counts and the step's tokens.
+    # Optional Core capabilities (engine_api): LoadReport and StepSize.
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
@@ -421,7 +436,7 @@ class VllmAdapter:
                                  ("max_num_batched_tokens", self.cfg.max_num_batched_tokens)) if v},
         )
 
-    def create_core(self, pools: dict, load_weights: bool) -> VllmEngineCore:
+    def create_core(self, pools: dict, load_weights: bool) -> VllmCore:
         """Build vLLM in this process on the given pools (GPU path; see VLLM.md).
 
         ``pools`` maps (tag, index) to the SDK's pool tensors (cuda-vmm: CUDA
@@ -450,7 +465,7 @@ class VllmAdapter:
         vllm_config = self.engine_args(load_weights, fraction).create_engine_config()
         self.compat.finish_config(vllm_config, SLEEP_BACKEND_NAME)
         core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
-        return VllmEngineCore(core, self.tokenizer())
+        return VllmCore(core, self.tokenizer())
 
     def sampling_params(self, params: Any, seed: int) -> Any:
         """control_pb2.SamplingParams (validated by the SDK; ``seed`` resolved) -> vllm SamplingParams,

@@ -28,7 +28,7 @@ class _FrmpsSchedulerMixin:
     """Adds ring publishing and adoption to a vLLM Scheduler (mixed in first)."""
 
     def _frmps_init(self) -> None:
-        extra = getattr(self.vllm_config, "additional_config", None)
+        extra = self.vllm_config.additional_config
         cfg = extra.get(ADDITIONAL_CONFIG_KEY, {}) if isinstance(extra, dict) else {}
         self._frmps_tracker: Any = None
         self._frmps_policy = SyncPolicy(int(cfg.get("sync_every", 1)))

@@ -180,7 +180,7 @@ class FakeCore:
     def _slot(self, r: _Req, pos: int) -> int:
         return r.blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
 
-    # step(on_launch=...) as the reference engine has it (see engine_api.EngineCore);
+    # step(on_launch=...) as the reference engine has it (engine_api.LaunchHook);
     # a test may set it False on the instance to get the publish-between-steps path.
     launch_hook = True
 

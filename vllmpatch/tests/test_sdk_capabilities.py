@@ -1,0 +1,168 @@
+"""The SDK's declared engine capabilities (sdk/engine_api.py): what the reference
+engine has, what a core without any of them gets instead. The vLLM adapter's core
+is checked against the same protocols in tests/vllm/test_engine.py."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
+
+from frmps_engine._proto.frmps.v1 import control_pb2  # noqa: E402
+from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams  # noqa: E402
+from frmps_engine.sdk.engine_api import (  # noqa: E402
+    Core,
+    DeviceCheck,
+    LaunchHook,
+    LoadReport,
+    Resettable,
+    StepSize,
+    VocabSize,
+    has_launch_hook,
+    vocab_size,
+)
+from frmps_engine.sdk.genapi import input_to_ids  # noqa: E402
+from frmps_engine.sdk.loop import CreatesRings, EngineLoop, RingModule, RingPublisher  # noqa: E402
+from frmps_engine.sdk.params import InvalidRequest  # noqa: E402
+
+OPTIONAL = (LaunchHook, StepSize, LoadReport, DeviceCheck, Resettable)
+
+
+class ByteTok:
+    """TEST DOUBLE tokenizer without a vocabulary size (no VocabSize)."""
+
+    eos_token_id = None
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(ids).decode(errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return self.encode("".join(m["content"] for m in messages))
+
+
+class Out:
+    def __init__(self, key, tok, index, finished):
+        self.key, self.new_token_ids, self.output_index = key, [tok], index
+        self.finished, self.finish_reason, self.stop_reason = finished, "length" if finished else None, None
+
+
+class BareCore:
+    """TEST DOUBLE: a core with the required members only (engine_api.Core) and none
+    of the optional capabilities. Each request emits `max_tokens` tokens, one a step."""
+
+    def __init__(self):
+        self.tokenizer = ByteTok()
+        self.counters = {"steps": 0}
+        self._reqs: dict[int, list] = {}
+
+    def add_request(self, key, prompt_token_ids, params):
+        self._reqs[key] = [params, 0]
+
+    def adopt_request(self, key, params, token_ids, num_prompt, num_computed, block_ids, seed, delivered_token_ids):
+        raise NotImplementedError
+
+    def abort(self, key):
+        return self._reqs.pop(key, None) is not None
+
+    def step(self):
+        self.counters["steps"] += 1
+        outs = []
+        for key, st in list(self._reqs.items()):
+            st[1] += 1
+            done = st[1] >= st[0]
+            outs.append(Out(key, 65, st[1] - 1, done))
+            if done:
+                del self._reqs[key]
+        return outs
+
+    def has_work(self):
+        return bool(self._reqs)
+
+    def request_views(self):
+        return []
+
+
+def ref_core() -> RefCore:
+    cfg = EngineConfig.from_preset("tiny", num_blocks=32)
+    return RefCore(cfg, RefCore.allocate_pools(cfg), True)
+
+
+def test_the_reference_engine_declares_every_capability():
+    core = ref_core()
+    assert isinstance(core, Core)
+    for cap in OPTIONAL:
+        assert isinstance(core, cap), cap.__name__
+    assert has_launch_hook(core)
+    assert isinstance(core.tokenizer, VocabSize) and vocab_size(core.tokenizer) == core.tokenizer.vocab_size
+
+
+def test_a_core_without_capabilities_gets_the_fallbacks():
+    core = BareCore()
+    assert isinstance(core, Core)
+    for cap in OPTIONAL:
+        assert not isinstance(core, cap), cap.__name__
+    assert not has_launch_hook(core) and vocab_size(core.tokenizer) is None
+    loop = EngineLoop(core, sync_every=1)
+    loop.start()
+    try:
+        s = loop.submit(1, [1, 2], control_pb2.SamplingParams(max_tokens=3), 3)
+        with s.cond:
+            assert s.cond.wait_for(lambda: s.finished, 10)
+        assert s.output == [65, 65, 65] and s.finish_reason == "length"
+        # No StepSize: no token count, so no hang estimate for its steps.
+        assert loop.scheduled_tokens() is None
+        step, running, waiting, age, expected, tokens = loop.heartbeat()
+        assert step == 3 and (expected, tokens) == (0, 0)
+        # No LoadReport: the loop counts the streams it has open (none now).
+        assert loop.load() == (0, 0)
+    finally:
+        loop.stop()
+
+
+def test_launch_hook_off_on_an_instance():
+    core = ref_core()
+    core.launch_hook = False
+    assert isinstance(core, LaunchHook) and not has_launch_hook(core)
+
+
+def test_the_reference_engines_capabilities_feed_the_loop():
+    core = ref_core()
+    loop = EngineLoop(core, sync_every=1)
+    core.add_request(7, [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0))
+    assert loop.load() == (0, 1)  # LoadReport: the core's own waiting request
+    core.step()
+    assert loop.scheduled_tokens() == 4  # StepSize: the prompt's tokens
+
+
+def test_vocab_size_bounds_prompt_token_ids_only_when_declared():
+    ref_tok = ref_core().tokenizer
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        input_to_ids(ref_tok, prompt_token_ids=[1, ref_tok.vocab_size])
+    assert input_to_ids(ByteTok(), prompt_token_ids=[1, 10**6]) == [1, 10**6]
+
+
+def test_ring_modules():
+    import frmps_engine.ring as real
+    import frmps_engine.sdk.testing.fake_ring as fake
+
+    assert isinstance(real, RingModule) and isinstance(real, CreatesRings)
+    assert isinstance(fake, RingModule) and not isinstance(fake, CreatesRings)
+    RingPublisher.preload("frmps_engine.sdk.testing.fake_ring")  # nothing to warm: returns
+    with pytest.raises(TypeError, match="is not a ring module"):
+        RingPublisher("/nonexistent", "frmps_engine.sdk.engine_api")
+
+
+def test_view_parts():
+    """The reference engine's views hand the tracker their live lists (ViewParts);
+    the vLLM adapter's are plain lists. The tracker publishes both alike
+    (test_ring_tracker.py: the reader follows the engine with and without parts)."""
+    from frmps_engine.refengine import RequestView
+    from frmps_engine.ring import ViewParts
+    from frmps_engine.vllm.state import CommittedView
+
+    assert isinstance(RequestView(1, 2, [3], [4, 5], 1, 1), ViewParts)
+    assert not isinstance(CommittedView(1, 2, [3], [4, 5], 1, 1), ViewParts)
