@@ -18,19 +18,20 @@ const engineCheckTimeout = time.Minute
 // vllm, or an importable package.module:Factory. It runs once, before
 // anything starts, so a bad name is a clear error instead of engines that
 // exit at start until the crash-loop breaker opens.
-func checkEngine(ctx context.Context, python, name string) error {
+func checkEngine(ctx context.Context, py pythonEnv, name string) error {
 	if ctx == nil {
 		ctx = context.Background()
 	}
 	ctx, cancel := context.WithTimeout(ctx, engineCheckTimeout)
 	defer cancel()
 	var stdout, stderr bytes.Buffer
-	c := exec.CommandContext(ctx, python, "-m", "frmps_engine.cli", "check-engine", "--", name)
+	c := exec.CommandContext(ctx, py.Python, "-m", "frmps_engine.cli", "check-engine", "--", name)
+	c.Env = py.Env
 	c.Stdout, c.Stderr = &stdout, &stderr
 	if err := c.Run(); err != nil {
 		msg := lastLine(strings.TrimSpace(stderr.String()))
 		if msg == "" {
-			msg = fmt.Sprintf("run %s: %v", python, err)
+			msg = fmt.Sprintf("run %s: %v", py.Python, err)
 		}
 		return fmt.Errorf("--engine %q: %s", name, strings.TrimPrefix(msg, "frmps-engine: "))
 	}

@@ -25,7 +25,7 @@ func enginePython(t *testing.T) string {
 func TestEngineNameIsCheckedByTheEngineSide(t *testing.T) {
 	py := enginePython(t)
 	for _, name := range []string{"ref", "vllm", "frmps_engine.sdk.testing.fake_engine:FakeAdapter"} {
-		if err := checkEngine(t.Context(), py, name); err != nil {
+		if err := checkEngine(t.Context(), pythonEnv{Python: py}, name); err != nil {
 			t.Errorf("%s refused: %v", name, err)
 		}
 	}
@@ -36,12 +36,12 @@ func TestEngineNameIsCheckedByTheEngineSide(t *testing.T) {
 		"frmps_engine.sdk.adapters:NoSuch": `module frmps_engine.sdk.adapters has no NoSuch`,
 		"frmps_engine.sdk.adapters:KNOWN":  `frmps_engine.sdk.adapters:KNOWN is a dict, not a callable factory`,
 	} {
-		err := checkEngine(t.Context(), py, name)
+		err := checkEngine(t.Context(), pythonEnv{Python: py}, name)
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("%s: got %v, want an error containing %q", name, err, want)
 		}
 	}
-	if err := checkEngine(t.Context(), "/nonexistent/python3", "ref"); err == nil || !strings.Contains(err.Error(), `--engine "ref": run /nonexistent/python3`) {
+	if err := checkEngine(t.Context(), pythonEnv{Python: "/nonexistent/python3"}, "ref"); err == nil || !strings.Contains(err.Error(), `--engine "ref": run /nonexistent/python3`) {
 		t.Errorf("missing interpreter: %v", err)
 	}
 }

@@ -43,7 +43,7 @@ frmps serve --engine vllm --model PRESET does this itself.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx, cancel := context.WithTimeout(cmd.Context(), modelDirTimeout)
 			defer cancel()
-			dir, err := modelDir(ctx, python, args[0], out, force)
+			dir, err := modelDir(ctx, pythonEnv{Python: python}, args[0], out, force)
 			if err != nil {
 				return err
 			}
@@ -60,7 +60,7 @@ frmps serve --engine vllm --model PRESET does this itself.`,
 
 // modelDir runs the engine package's model-dir writer and returns the
 // directory it printed.
-func modelDir(ctx context.Context, python, preset, out string, force bool) (string, error) {
+func modelDir(ctx context.Context, py pythonEnv, preset, out string, force bool) (string, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
@@ -72,7 +72,8 @@ func modelDir(ctx context.Context, python, preset, out string, force bool) (stri
 		argv = append(argv, "--force")
 	}
 	var stdout, stderr bytes.Buffer
-	c := exec.CommandContext(ctx, python, argv...)
+	c := exec.CommandContext(ctx, py.Python, argv...)
+	c.Env = py.Env // nil: this process's
 	c.Stdout, c.Stderr = &stdout, &stderr
 	if err := c.Run(); err != nil {
 		msg := strings.TrimSpace(stderr.String())
@@ -90,7 +91,7 @@ func modelDir(ctx context.Context, python, preset, out string, force bool) (stri
 
 // resolveVLLMModel turns a preset name into its model directory for vLLM,
 // which reads only Hugging Face directories; an existing path is used as is.
-func resolveVLLMModel(ctx context.Context, python, model string) (string, error) {
+func resolveVLLMModel(ctx context.Context, py pythonEnv, model string) (string, error) {
 	if fi, err := os.Stat(model); err == nil {
 		if !fi.IsDir() {
 			return "", fmt.Errorf("--model %s: not a directory", model)
@@ -102,5 +103,5 @@ func resolveVLLMModel(ctx context.Context, python, model string) (string, error)
 	}
 	ctx, cancel := context.WithTimeout(ctx, modelDirTimeout)
 	defer cancel()
-	return modelDir(ctx, python, model, "", false)
+	return modelDir(ctx, py, model, "", false)
 }

@@ -277,16 +277,6 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	if err := o.validate(); err != nil {
 		return err
 	}
-	if err := checkEngine(ctx, o.Python, o.Engine); err != nil {
-		return err
-	}
-	if o.Engine == "vllm" {
-		dir, err := resolveVLLMModel(ctx, o.Python, o.Model)
-		if err != nil {
-			return err
-		}
-		o.Model = dir
-	}
 	lvl := hclog.LevelFromString(o.LogLevel)
 	log := hclog.New(&hclog.LoggerOptions{Name: "frmps", Level: lvl, JSONFormat: o.LogJSON, Output: stderr})
 
@@ -295,6 +285,16 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("%w (interpreter from %s); pass --python with an interpreter that has frmps_engine installed "+
 			"(`make venv` creates .venv in a source checkout), or set FRMPS_PYTHON", err, py.Source)
+	}
+	if err := checkEngine(ctx, py, o.Engine); err != nil {
+		return err
+	}
+	if o.Engine == "vllm" {
+		dir, err := resolveVLLMModel(ctx, py, o.Model)
+		if err != nil {
+			return err
+		}
+		o.Model = dir
 	}
 	log.Info("engine interpreter", "python", py.Python, "from", py.Source, "frmps_engine", pkg)
 
