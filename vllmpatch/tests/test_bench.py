@@ -15,7 +15,7 @@ import pytest
 
 from e2e import frmps_bin
 from frmps_engine.bench import report
-from frmps_engine.bench.common import ResultFile, key_id, latest_ok, load_records
+from frmps_engine.bench.results import ResultFile, key_id, latest_ok, load_records
 from frmps_engine.bench.experiments import EXPERIMENTS, outage_metrics
 
 # Reduced CPU plans: every experiment and every system once, a few seconds each.

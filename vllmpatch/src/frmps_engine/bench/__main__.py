@@ -31,7 +31,10 @@ import sys
 import time
 
 from . import report
-from .common import Budget, BudgetExhausted, Cleanup, Ctx, Progress, ResultFile, capture_env, default_out_dir, new_run_id
+from .envinfo import capture_env, default_out_dir, new_run_id, repo_root
+from .procs import Cleanup
+from .results import ResultFile
+from .runctx import Budget, BudgetExhausted, Ctx, Progress
 from .experiments import EXPERIMENTS, by_name_or_number
 
 
@@ -39,15 +42,11 @@ def _default_frmps() -> str:
     env = os.environ.get("FRMPS_BIN")
     if env:
         return env
-    from .common import repo_root
-
     built = os.path.join(repo_root(), "bin", "frmps")
     return built if os.access(built, os.X_OK) else (shutil.which("frmps") or "frmps")
 
 
 def common_args(p: argparse.ArgumentParser) -> None:
-    from .common import repo_root
-
     root = repo_root()
     g = p.add_argument_group("common options")
     g.add_argument("--out", default="", help="results directory (default bench/results/<date>-<gpu>; --cpu: bench/build/bench-cpu)")

@@ -27,7 +27,8 @@ import threading
 import time
 from typing import Callable
 
-from .common import Cleanup, TrialError, die_with_parent, kill_group, now, tail
+from .procs import Cleanup, die_with_parent, kill_group, now, tail
+from .runctx import TrialError
 from .deploy import MpsDaemon, MpsTrigger, SigkillTrigger, outside_mps_env
 
 

@@ -19,7 +19,9 @@ import urllib.request
 from dataclasses import dataclass, field as dc_field
 
 from . import loglines
-from .common import Cleanup, TrialError, die_with_parent, field, free_port, http_json, kill_group, med, now, stop_group, tail
+from .procs import Cleanup, die_with_parent, field, free_port, http_json, kill_group, now, stop_group, tail
+from .runctx import TrialError
+from .stats import gaps, med
 
 # ----------------------------------------------------------------------------- streaming client
 
@@ -431,10 +433,6 @@ def outside_mps_env(base_dir: str) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- one failover trial
-
-
-def gaps(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:])]
 
 
 def frmps_trial(dep: Deployment, trigger: Trigger, body: dict, kill_after: int, *, timeout: float = 300.0,

@@ -20,7 +20,9 @@ import time
 
 from .baselines import (BaselineRig, EngineProc, checkpoint_files, drop_page_cache, engine_supports, ensure_checkpoint,
                         page_cache_fraction)
-from .common import Ctx, TrialError, field, fmt_s, now, nvidia_smi_apps, private_mib
+from .envinfo import nvidia_smi_apps, private_mib
+from .procs import field, now
+from .runctx import Ctx, TrialError, fmt_s
 from .deploy import (Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, completion_body, frmps_trial,
                      outside_mps_env)
 

@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from . import report  # noqa: E402
-from .common import latest_ok, load_records  # noqa: E402
+from .results import latest_ok, load_records  # noqa: E402
 
 COLORS = {"frmps": "#1b7837", "frmps-n1": "#1b7837", "frmps-n16": "#5aae61", "frmps-no-kv": "#9970ab",
           "sleep-only": "#e08214", "cold (dropped)": "#b2182b", "cold (warm)": "#ef8a62", "context": "#999999"}
