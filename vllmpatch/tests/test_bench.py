@@ -128,7 +128,8 @@ def test_cpu_kv_sharing_is_visible(cpu_results):
     pl = {r["key"]["system"]: r["data"] for r in records(out, "prompt-length") if r["ok"]}
     assert pl["frmps"]["reused_tokens"] >= 48 and pl["frmps"]["prefilled_tokens"] <= 2
     if "frmps-no-kv" in pl:  # engines with --no-kv-reuse: the standby recomputes prompt and output
-        assert pl["frmps-no-kv"]["reused_tokens"] == 0 and pl["frmps-no-kv"]["prefilled_tokens"] >= 48 + 16
+        nokv = pl["frmps-no-kv"]
+        assert nokv["reused_tokens"] == 0 and nokv["prefilled_tokens"] >= 48 + nokv["tokens_at_fire"] >= 48 + 1
 
 
 @pytest.mark.torch
