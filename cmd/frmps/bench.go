@@ -50,6 +50,7 @@ bench/results/<date>-<gpu>/ as they are measured; re-running a command resumes.`
 	// Flags after the experiment name belong to the driver.
 	cmd.Flags().SetInterspersed(false)
 	cmd.Flags().StringVar(&python, "python", python, "Python interpreter that runs the bench driver and the engines")
+	cmd.AddCommand(newBenchMPSCmd())
 	return cmd
 }
 

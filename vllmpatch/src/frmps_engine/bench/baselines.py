@@ -29,7 +29,8 @@ from typing import Callable
 
 from .procs import Cleanup, die_with_parent, kill_group, now, tail
 from .runctx import TrialError
-from .deploy import MpsDaemon, MpsTrigger, SigkillTrigger, outside_mps_env
+from .deploy import MpsTrigger, SigkillTrigger
+from .mps import MpsDaemon, outside_mps_env
 
 
 class EngineProc:
@@ -230,15 +231,16 @@ class BaselineRig:
     """What one baseline trial needs: how to start engines, where the victim runs,
     how it is faulted."""
 
-    def __init__(self, python: str, device: str, mps: bool, faults_dir: str, fault: str, workdir: str,
+    def __init__(self, frmps: str, python: str, device: str, mps: bool, faults_dir: str, fault: str, workdir: str,
                  engine_args: list[str], cleanup: Cleanup | None, log: Callable[[str], None]):
+        self.frmps = frmps
         self.python, self.device, self.mps = python, device, mps
         self.faults_dir, self.fault = faults_dir, fault
         self.workdir = workdir
         self.engine_args = engine_args
         self.cleanup = cleanup
         self.log = log
-        self.outside_env = outside_mps_env(os.path.join(workdir, "mps-outside")) if mps else {}
+        self.outside_env = outside_mps_env(frmps, workdir) if mps else {}
         self.victim_env: dict[str, str] = {}
         self._n = 0
 
@@ -263,7 +265,7 @@ class BaselineRig:
         res: dict = {"system": system, "kill_after": kill_after}
         daemon = None
         if self.mps:
-            daemon = MpsDaemon(os.path.join(self.workdir, f"mps-{os.getpid()}-{self._n}"))
+            daemon = MpsDaemon(self.frmps, os.path.join(self.workdir, f"mps-{os.getpid()}-{self._n}"))
             daemon.start()
         victim: EngineProc | None = None
         trig = None

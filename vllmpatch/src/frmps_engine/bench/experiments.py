@@ -17,14 +17,16 @@ import os
 import random
 import threading
 import time
+from typing import Callable
 
 from .baselines import (BaselineRig, EngineProc, checkpoint_files, drop_page_cache, engine_supports, ensure_checkpoint,
                         page_cache_fraction)
+from .deploy import (Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, Trigger, completion_body,
+                     frmps_trial)
 from .envinfo import nvidia_smi_apps, private_mib
+from .mps import outside_mps_env
 from .procs import field, now
 from .runctx import Ctx, TrialError, fmt_s
-from .deploy import (Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, completion_body, frmps_trial,
-                     outside_mps_env)
 
 GPU_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b"]
 # Weight bytes (GB, bf16) per preset: only for time estimates (the budget), never for results.
@@ -142,14 +144,15 @@ def make_trigger(ctx: Ctx, dep: Deployment):
     return SigkillTrigger(pid)
 
 
-def frmps_point(ctx: Ctx, deps: Deployments, body: dict, kill_after: int, extra: list[dict] | None = None) -> dict:
+def frmps_point(ctx: Ctx, deps: Deployments, measure: Callable[[Deployment, Trigger], dict]) -> dict:
+    """One faulted trial on the next ready pair: ``measure(dep, trigger)`` streams, fires
+    the trigger and returns what it measured (a TrialError carries what it had). The
+    pair is then spent if the fault fired, kept if it did not, dropped if unsure."""
     dep = deps.get()
     promoted = int(field(dep.engines(dep.status()).get("standby") or {}, "pid", 0) or 0)
     res: dict | None = None
     try:
-        # No wait for the re-armed standby here: the next deps.get() waits if it reuses the pair.
-        res = frmps_trial(dep, make_trigger(ctx, dep), body, kill_after, wait_rearm=False,
-                          extra_streams=extra, timeout=ctx.args.trial_timeout)
+        res = measure(dep, make_trigger(ctx, dep))
     except TrialError as e:
         res = e.partial
         if e.partial is not None:
@@ -162,6 +165,13 @@ def frmps_point(ctx: Ctx, deps: Deployments, body: dict, kill_after: int, extra:
     return res
 
 
+def stream_point(ctx: Ctx, deps: Deployments, body: dict, kill_after: int, extra: list[dict] | None = None) -> dict:
+    """frmps_point for one stream (plus `extra`), faulted once it has `kill_after` tokens."""
+    # No wait for the re-armed standby here: the next deps.get() waits if it reuses the pair.
+    return frmps_point(ctx, deps, lambda dep, trig: frmps_trial(dep, trig, body, kill_after, wait_rearm=False,
+                                                                extra_streams=extra, timeout=ctx.args.trial_timeout))
+
+
 def rig_for(ctx: Ctx, model: str, engine_args: list[str]) -> BaselineRig:
     """The baselines' engines get the deployment's sizes (pools, batch). They recover in one
     prefill pass, without the exact mode that frmps's engines run with on the GPU (which
@@ -172,7 +182,7 @@ def rig_for(ctx: Ctx, model: str, engine_args: list[str]) -> BaselineRig:
         eargs += ["--max-num-seqs", str(a.max_num_seqs)]
     if a.baseline_exact:
         eargs += ["--exact", "1"]
-    rig = BaselineRig(a.python, a.device, a.mps, a.faults_dir, a.fault, a.workdir, eargs, ctx.cleanup, ctx.log)
+    rig = BaselineRig(a.frmps, a.python, a.device, a.mps, a.faults_dir, a.fault, a.workdir, eargs, ctx.cleanup, ctx.log)
     if ctx.cpu:  # the victim decodes at the pace of the CPU check's frmps engines
         rig.victim_env["FRMPS_TEST_STEP_DELAY_MS"] = str(a.cpu_step_delay_ms)
     return rig
@@ -189,7 +199,7 @@ def shape_args(num_blocks: int, max_model_len: int) -> list[str]:
 
 def outside_env(ctx: Ctx) -> dict[str, str]:
     """Environment for an engine process that must not join any MPS server (a system-wide one included)."""
-    return outside_mps_env(os.path.join(ctx.args.workdir, "mps-outside")) if ctx.args.mps else {}
+    return outside_mps_env(ctx.args.frmps, ctx.args.workdir) if ctx.args.mps else {}
 
 
 def drop_arrivals(r: dict) -> dict:
@@ -293,7 +303,7 @@ class Recovery(Experiment):
                 with Deployments(ctx, serve_opts(ctx, model), f"recovery-{model}") as deps:
                     for key in fk:
                         body = completion_body(model, prompt, 1 + a.tail_tokens)
-                        ctx.run_point(key, lambda: frmps_point(ctx, deps, body, 1), 10 + deps.estimate_start(),
+                        ctx.run_point(key, lambda: stream_point(ctx, deps, body, 1), 10 + deps.estimate_start(),
                                       describe_recovery)
             reqs = [{"key": 1, "prompt": prompt, "max_tokens": 1 + a.tail_tokens + 4096, "temperature": 0.0}]
             sk = ctx.results.pending([k for k in keys if k["system"] == "sleep-only"])
@@ -392,7 +402,7 @@ class PromptLength(Experiment):
             with Deployments(ctx, opts, f"plen-{system}") as deps:
                 for key in keys:
                     body = completion_body(model, prompt_ids(key["prompt_len"], 100 + key["trial"]), a.kill_after + 16)
-                    ctx.run_point(key, lambda: frmps_point(ctx, deps, body, a.kill_after),
+                    ctx.run_point(key, lambda: stream_point(ctx, deps, body, a.kill_after),
                                   10 + deps.estimate_start(), describe_recovery)
 
 
@@ -440,7 +450,7 @@ class SinceSync(Experiment):
             with Deployments(ctx, serve_opts(ctx, model, n, eargs), f"since-{system}") as deps:
                 for key in keys:
                     body = completion_body(model, prompt_ids(a.prompt_len, 200 + key["trial"]), key["k"] + 16)
-                    ctx.run_point(key, lambda: {**frmps_point(ctx, deps, body, key["k"]), "sync_every": n},
+                    ctx.run_point(key, lambda: {**stream_point(ctx, deps, body, key["k"]), "sync_every": n},
                                   10 + deps.estimate_start() + 0.05 * key["k"], describe_recovery)
 
 
@@ -630,15 +640,13 @@ class Outage(Experiment):
             n = 16 if system == "frmps-n16" else 1
             with Deployments(ctx, serve_opts(ctx, model, n, eargs, num_blocks=nb), f"outage-{system}") as deps:
                 for key in keys:
-                    ctx.run_point(key, lambda key=key: self._frmps(ctx, deps, model, key["trial"]),
+                    ctx.run_point(key, lambda key=key: frmps_point(
+                                      ctx, deps, lambda dep, trig: self._measure(ctx, dep, trig, model, key["trial"])),
                                   a.duration + 30 + deps.estimate_start(),
                                   lambda d: f"outage {fmt_s(d.get('outage_s'))}, {d.get('stream_errors')} stream errors")
 
-    def _frmps(self, ctx, deps, model, trial) -> dict:
+    def _measure(self, ctx, dep, trig, model, trial) -> dict:
         a = ctx.args
-        dep = deps.get()
-        promoted = int(field(dep.engines(dep.status()).get("standby") or {}, "pid", 0) or 0)
-        trig = make_trigger(ctx, dep)
         res: dict = {}
         try:
             n0 = len(dep.failovers(dep.status()))
@@ -669,7 +677,6 @@ class Outage(Experiment):
             res["max_stream_gap_s"] = round(max(per_stream, default=0.0), 4)
             res["load"] = {"concurrency": a.concurrency, "duration_s": a.duration, "fault_at_s": a.fault_at,
                            "prompt_range": a.prompt_range, "output_range": a.output_range}
-            res["deployment_startup_s"] = deps.startup_s
             if res["stream_errors"]:
                 raise TrialError(f"{res['stream_errors']} client streams failed: {res['errors_sample'][0]}", res)
             return res
@@ -679,7 +686,6 @@ class Outage(Experiment):
             raise
         finally:
             res.update(trig.close() or {})
-            deps.after_trial(res, promoted)
 
     def _sleep_only(self, ctx, model, keys, nb):
         """The same recovery work in the sleep-only baseline, measured in process (no front door):
@@ -824,39 +830,29 @@ class Correctness(Experiment):
         mml = max(a.max_model_len, -(-(a.prompt_len + max(int_list(a.ks)) + a.tail_tokens + 16) // 256) * 256)
         with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml), "correct") as deps:
             for key in keys:
-                ctx.run_point(key, lambda key=key: self._point(ctx, deps, model, key, exact),
+                ctx.run_point(key, lambda key=key: frmps_point(
+                                  ctx, deps, lambda dep, trig: self._measure(ctx, dep, trig, model, key, exact)),
                               10 + deps.estimate_start() + 0.02 * key["k"],
                               lambda d: f"equal {d.get('equal')}/{d.get('requests')} (exact mode: {d.get('exact_mode')})")
 
-    def _point(self, ctx, deps, model, key, exact) -> dict:
+    def _measure(self, ctx, dep, trig, model, key, exact) -> dict:
         a = ctx.args
         k = key["k"]
         n = k + a.tail_tokens
         p1, p2 = prompt_ids(a.prompt_len, 300 + key["trial"]), prompt_ids(a.prompt_len, 400 + key["trial"])
         greedy = completion_body(model, p1, n, temperature=0.0)
         seeded = completion_body(model, p2, n, temperature=0.8, seed=1234 + key["trial"])
-        dep = deps.get()
-        # The reference: the same two requests, concurrently, no fault, same deployment.
+        # The reference: the same two requests, concurrently, no fault, on the pair the fault
+        # run then uses (still in MPS).
         ref = [Stream(dep.base, greedy), Stream(dep.base, seeded)]
         for s in ref:
             s.start()
         for s in ref:
             s.join(a.trial_timeout)
         if any(s.error or s.n_tokens != n for s in ref):
-            deps.close()
             raise TrialError(f"no-fault reference run failed: {[(s.n_tokens, s.error) for s in ref]}")
         ref_ids = [s.token_ids() for s in ref]
-        # deps.get() would replace a fresh deployment: the fault run uses the same one, still in MPS.
-        promoted = int(field(dep.engines(dep.status()).get("standby") or {}, "pid", 0) or 0)
-        r: dict | None = None
-        try:
-            r = frmps_trial(dep, make_trigger(ctx, dep), greedy, k, wait_rearm=False, extra_streams=[seeded],
-                            timeout=a.trial_timeout)
-        except TrialError as e:
-            r = e.partial
-            raise
-        finally:
-            deps.after_trial(r, promoted)
+        r = frmps_trial(dep, trig, greedy, k, wait_rearm=False, extra_streams=[seeded], timeout=a.trial_timeout)
         got = [r.pop("token_ids"), *r.pop("extra_token_ids")]
         out = {"k": k, "tokens_at_fire": r.get("tokens_at_fire"), "requests": 2,
                "equal": sum(1 for x, y in zip(ref_ids, got) if x == y),
