@@ -55,6 +55,9 @@ def common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     g.add_argument("--cpu", action="store_true", help="CPU check of the harness: --device cpu, tiny model, no MPS, SIGKILL")
     g.add_argument("--no-mps", action="store_true", help="GPU without MPS: SIGKILL the victim instead of an MPS-client fault")
+    g.add_argument("--engine", default="ref", choices=["ref", "vllm"],
+                   help="the engine frmps serve and the baselines run (vllm: the vLLM adapter, vLLM's own sleep mode "
+                        "and cold start)")
     g.add_argument("--memory", default="", help="frmps serve --memory (default cuda-vmm on the GPU, host-shm on the CPU)")
     g.add_argument("--quick", action="store_true", help="fewer points and trials")
     g.add_argument("--budget", type=float, default=0, help="stop before work that would end later than this many seconds")

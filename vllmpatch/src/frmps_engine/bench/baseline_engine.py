@@ -10,7 +10,8 @@ model and weights as `frmps serve`):
   context           a bare CUDA context (torch initialised, one tiny allocation): the reference
                     for the standby's memory overhead
   write-checkpoint  writes the model's dummy weights as a sharded safetensors checkpoint
-  sync-overhead     decode throughput with a ring sync every N steps, in one process
+  sync-overhead     step time with the engine loop publishing to the ring every N steps, and
+                    without, in one process (sync_overhead.py)
 
 Protocol: JSON lines. Commands on stdin (victim, sleep); events on stdout, each
 with "ev" and "t" (time.time() when the event happened in this process).
@@ -24,7 +25,6 @@ T_PROCESS = time.time()  # before the heavy imports: the cold restart's import c
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import queue  # noqa: E402
 import sys  # noqa: E402
@@ -427,163 +427,12 @@ def run_write_checkpoint(args) -> int:
 # ----------------------------------------------------------------------------- sync overhead
 
 
-def parse_sync_list(s: str) -> list[tuple[int, bool]]:
-    """"0,1,2,16,1i" -> [(0, False), (1, False), (2, False), (16, False), (1, True)]:
-    N = 0 is never; a trailing "i" publishes inline, between steps (as an engine
-    without the launch hook does), instead of inside the next step's launch window."""
-    out = []
-    for x in s.split(","):
-        x = x.strip()
-        inline = x.endswith("i")
-        try:
-            n = int(x[:-1] if inline else x)
-        except ValueError:
-            raise SystemExit(f"--sync-list: {x!r} is not N or Ni") from None
-        if n < 0 or (inline and n == 0):
-            raise SystemExit(f"--sync-list: {x!r} is out of range")
-        out.append((n, inline))
-    return out
-
-
 def run_sync_overhead(args) -> int:
-    """Decode throughput at a saturating batch with the ring synced every N steps
-    (N = 0: never): the same engine and batch, trials interleaved (forward and
-    backward rounds), each trial starting right after a sync; the time inside the
-    sync calls is measured directly too. The publish goes where the engine loop
-    puts it: inside the next step, once its pass is enqueued (the core's on_launch),
-    or between steps for the "Ni" entries."""
-    import torch
+    from .sync_overhead import run
 
-    from frmps_engine.refengine import EngineCore, SamplingParams, weights_bytes
-    from frmps_engine.refengine.config import EngineConfig
-    from frmps_engine.ring import create_ring
-    from frmps_engine.sdk.loop import RingPublisher
-
-    sync_list = [x for x in parse_sync_list(args.sync_list) if x != (0, False)]
-    S, R = args.steps_per_trial, args.reps
-    # Every trial sits between two no-sync trials (the contexts grow with every step, so
-    # the step time drifts over a run; each trial is compared with its neighbours).
-    total_steps = (2 * len(sync_list) + 1) * S * R + args.warmup_steps + 8
-    # Exact mode (the GPU default) prefills one request per step, alternating with a
-    # decode step of those already in: the first ones decode up to one token per later
-    # arrival before the timed steps start. Leave room so none finishes early.
-    total_steps += 2 * (args.batch or args.max_batch)
-    ctx = args.prompt_len + total_steps + 16
-    probe = EngineConfig.from_preset(args.model, device=args.device, max_model_len=max(ctx, 256), num_blocks=2)
-    blocks_per_seq = math.ceil(ctx / probe.block_size)
-    batch = args.batch
-    if not batch:
-        if args.device == "cpu":
-            batch = 8
-        else:
-            free, _total = torch.cuda.mem_get_info()
-            budget = free - weights_bytes(probe) - int(args.reserve_gib * (1 << 30))
-            batch = max(1, min(args.max_batch, budget // (blocks_per_seq * probe.kv_block_bytes)))
-            batch = batch // 8 * 8 or batch
-    kw = {"max_num_seqs": batch}
-    if args.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
-    cfg = EngineConfig.from_preset(args.model, device=args.device, max_model_len=max(ctx, 256),
-                                   num_blocks=batch * blocks_per_seq + 1, seed=args.seed, **kw)
-    t0 = time.perf_counter()
-    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), load_weights=True)
-    core.warmup()
-    sync(args.device)
-    init_s = time.perf_counter() - t0
-    ring_dir = args.ring_dir if os.path.isdir(args.ring_dir) else "/tmp"
-    path = os.path.join(ring_dir, f"frmps-bench-ring-{os.getpid()}")
-    create_ring(path, args.ring_capacity)
-    try:
-        pub = RingPublisher(path)
-        g = torch.Generator().manual_seed(args.seed)
-        V = min(cfg.shape.vocab_size, 32000)
-        for k in range(batch):
-            core.add_request(k + 1, torch.randint(0, V, (args.prompt_len,), generator=g).tolist(),
-                             SamplingParams(max_tokens=total_steps + 4, temperature=0.0, ignore_eos=True))
-        pub.publish_full(0, core.request_views())
-        step = 0
-        t0 = time.perf_counter()
-        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core._reqs.values()):  # noqa: SLF001
-            core.step()
-            step += 1
-        sync(args.device)
-        prefill_s = time.perf_counter() - t0
-        for _ in range(args.warmup_steps):
-            core.step()
-            step += 1
-            pub.sync(step, core.request_views())
-        trials = []
-        for rep in range(R):
-            # Forward, then backward, each N between two no-sync trials: 0, a, 0, b, ..., 0.
-            order = sync_list if rep % 2 == 0 else sync_list[::-1]
-            seq = [(0, False)]
-            for x in order:
-                seq += [x, (0, False)]
-            for i, (n, inline) in enumerate(seq):
-                if rep and i == 0:
-                    continue  # the previous round ended with a no-sync trial
-                idx = len(trials)
-                pub.sync(step, core.request_views())  # untimed: every trial starts right after a sync
-                # Time inside the publishes, their number, the part of it that was exposed
-                # (the device had finished its pass before the publish did: an upper
-                # bound of what the publish added to the step), publishes fully hidden.
-                acc = [0.0, 0, 0.0, 0]
-                pending = False
-
-                def publish(hooked: bool = False):
-                    nonlocal pending
-                    pending = False
-                    ev = None
-                    if hooked and args.device.startswith("cuda"):
-                        ev = torch.cuda.Event()
-                        ev.record()  # after the pass just enqueued
-                    ts = time.perf_counter()
-                    pub.sync(step, core.request_views())
-                    dt = time.perf_counter() - ts
-                    acc[0] += dt
-                    acc[1] += 1
-                    if ev is not None and not ev.query():
-                        acc[3] += 1
-                    else:
-                        acc[2] += dt
-
-                since = 0
-                sync(args.device)
-                ta = time.perf_counter()
-                for _ in range(S):
-                    if pending:
-                        outs = core.step(on_launch=lambda: publish(True))
-                        if pending:
-                            publish()
-                    else:
-                        outs = core.step()
-                    step += 1
-                    since += 1
-                    if n and since >= n:
-                        since = 0
-                        if inline:
-                            publish()
-                        else:
-                            pending = True  # the last one is left to the next trial's untimed sync
-                sync(args.device)
-                dt = time.perf_counter() - ta
-                if len(outs) != batch:
-                    raise RuntimeError(f"expected {batch} decodes per step, got {len(outs)}")
-                trials.append({"sync_every": n, "inline": inline, "rep": rep, "seq": idx, "seconds": dt,
-                               "tokens": S * batch, "sync_s": acc[0], "syncs": acc[1], "exposed_s": acc[2],
-                               "hidden_syncs": acc[3]})
-                print(f"sync-overhead {args.model} rep {rep} N={n or 'none'}{' inline' if inline else ''}: "
-                      f"{S * batch / dt:,.0f} tok/s, sync {acc[0] * 1e3:.2f} ms / {acc[1]}", file=sys.stderr, flush=True)
-        pub.close()
-    finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    emit("result", model=args.model, batch=batch, prompt_len=args.prompt_len, steps_per_trial=S, reps=R,
-         max_context=ctx, init_s=round(init_s, 2), prefill_s=round(prefill_s, 3), trials=trials,
-         graph_steps=core.counters.get("graph_steps"), ring_capacity=args.ring_capacity)
-    return 0
+    if not args.memory:
+        args.memory = "host-shm" if args.device == "cpu" else "cuda-vmm"
+    return run(args)
 
 
 # ----------------------------------------------------------------------------- main
@@ -607,9 +456,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--then-steps", type=int, default=0, help="cold: decode steps after the first token")
     p.add_argument("--out", default="", help="write-checkpoint: target directory")
     p.add_argument("--shard-bytes", type=int, default=4 << 30)
-    p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64,1i")
-    p.add_argument("--steps-per-trial", type=int, default=64)
-    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--engine", default="ref", help="sync-overhead: ref or vllm")
+    p.add_argument("--memory", default="", help="sync-overhead: the pools' memory backend (default host-shm on the "
+                                                 "CPU, cuda-vmm on a GPU, as frmps serve)")
+    p.add_argument("--workdir", default="", help="sync-overhead: scratch files")
+    p.add_argument("--timeout", type=float, default=600, help="sync-overhead: bound of the prefill and of one trial")
+    p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64")
+    p.add_argument("--steps-per-trial", type=int, default=128)
+    p.add_argument("--reps", type=int, default=2)
     p.add_argument("--warmup-steps", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=0, help="sync-overhead: batch (0: as large as memory allows, up to --max-batch)")

@@ -460,37 +460,41 @@ class SinceSync(Experiment):
 class SyncOverhead(Experiment):
     name, number = "sync-overhead", 4
     faults = False
-    title = "Decode throughput overhead of syncing every N steps, saturating batch"
+    title = "Step time with the engine loop publishing to the ring every N steps, and without, saturating batch"
 
     def add_args(self, p):
         p.add_argument("--models", default="", help="presets (default: the five sizes; --cpu: tiny)")
-        p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64,1i",
-                       help="N values; 0 = never (the reference); Ni = every N steps, published between steps "
-                            "instead of overlapped with the next step's device work")
-        p.add_argument("--steps-per-trial", type=int, default=0, help="default 64 (--quick 32, --cpu 8)")
+        p.add_argument("--engines", default="", help="ref, vllm or both (default: --engine)")
+        p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64",
+                       help="N values: publish every N steps; 0 = no ring attached (the reference)")
+        p.add_argument("--steps-per-trial", type=int, default=0,
+                       help="steps per trial (+ 1; default 128, --quick 64, --cpu 8: at least twice the largest N "
+                            "for a steady count of publishes)")
         p.add_argument("--reps", type=int, default=0,
-                       help="rounds over all N, alternately forward and backward, each N between two no-sync "
+                       help="rounds over all N, alternately forward and backward, each N between two no-publish "
                             "trials (default 2; --quick 1)")
-        p.add_argument("--batch", type=int, default=0, help="0: as many sequences as memory allows, up to 256")
+        p.add_argument("--batch", type=int, default=0, help="0: as many sequences as memory allows, up to 256 (CPU: 8)")
         p.add_argument("--prompt-len", type=int, default=128)
 
     def defaults(self, a):
-        a.steps_per_trial = a.steps_per_trial or (8 if a.device == "cpu" else 32 if a.quick else 64)
+        a.steps_per_trial = a.steps_per_trial or (8 if a.device == "cpu" else 64 if a.quick else 128)
         a.reps = a.reps or (1 if a.quick else 2)
+        a.engines = a.engines or a.engine
 
     def plan(self, a):
-        return [{"model": m} for m in _models(a, GPU_MODELS)]
+        return [{"model": m, "engine": e} for m in _models(a, GPU_MODELS) for e in csv_list(a.engines)]
 
     def run(self, ctx):
         a = ctx.args
         for key in ctx.results.pending(self.plan(a)):
-            model = key["model"]
+            model, engine = key["model"], key["engine"]
 
-            def point(model=model):
-                args = ["--model", model, "--device", a.device, "--sync-list", a.sync_list,
-                        "--steps-per-trial", str(a.steps_per_trial), "--reps", str(a.reps), "--batch", str(a.batch),
-                        "--prompt-len", str(a.prompt_len)]
-                log = os.path.join(a.workdir, f"sync-overhead-{model}.log")
+            def point(model=model, engine=engine):
+                args = ["--model", model, "--device", a.device, "--engine", engine, "--memory", a.memory,
+                        "--sync-list", a.sync_list, "--steps-per-trial", str(a.steps_per_trial), "--reps", str(a.reps),
+                        "--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--workdir", a.workdir,
+                        "--timeout", str(a.trial_timeout)]
+                log = os.path.join(a.workdir, f"sync-overhead-{engine}-{model}.log")
                 proc = EngineProc("sync-overhead", a.python, args, outside_env(ctx), log, ctx.cleanup)
                 try:
                     ev = proc.wait_event(lambda e: e.get("ev") == "result", a.trial_timeout * 3, "the sync-overhead result")
@@ -498,7 +502,8 @@ class SyncOverhead(Experiment):
                     proc.close()
                 return {k: v for k, v in ev.items() if k not in ("ev", "rt")}
 
-            ctx.run_point(key, point, 30 + 3 * gb(model), lambda d: f"batch {d.get('batch')}, {len(d.get('trials', []))} trials")
+            ctx.run_point(key, point, 30 + 3 * gb(model),
+                          lambda d: f"batch {d.get('batch')}, {len(d.get('trials', []))} trials, publish {d.get('publish')}")
 
 
 # ----------------------------------------------------------------------------- 5. outage under load

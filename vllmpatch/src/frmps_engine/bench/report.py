@@ -201,33 +201,53 @@ def _sync_lost(trials: list[dict], by_seq: dict[int, dict], t: dict) -> float | 
     return 100 * (1 - tput / base)
 
 
+ENGINE_ORDER = ["ref", "vllm"]
+
+
+def engine_label(model: str, engine: str) -> str:
+    """A table row's name: the model for the reference engine, "model (engine)" for others."""
+    return model if engine == "ref" else f"{model} ({engine})"
+
+
 def summarize_sync(records: list[dict]) -> dict:
-    """Per N: throughput over all trials, and the overhead: the median over rounds of
-    each trial against its neighbouring no-sync trials (close in time, so the drift
-    over a run and the noise between rounds cancel); its range shows the noise."""
+    """Per engine and model, per N: the step time, and the overhead: the median over
+    rounds of each trial against its neighbouring no-publish trials (close in time, so
+    the drift over a run and the noise between rounds cancel); its range shows the
+    noise. Rows: engine_label()."""
     good, bad = _ok(records)
     models = {}
-    for r in sorted(good, key=lambda r: model_key(r["key"]["model"])):
+
+    def order(r):
+        e = r["key"].get("engine", "ref")
+        return model_key(r["key"]["model"]), (ENGINE_ORDER.index(e) if e in ENGINE_ORDER else len(ENGINE_ORDER), e)
+
+    for r in sorted(good, key=order):
         d = r["data"]
+        engine = r["key"].get("engine", "ref")
         trials = d.get("trials") or []
         per_n: dict[str, dict] = {}
         by_seq = {x["seq"]: x for x in trials if "seq" in x}
         for label in sorted({_sync_label(t) for t in trials}, key=_sync_order):
             ts = [t for t in trials if _sync_label(t) == label]
             secs, toks = sum(t["seconds"] for t in ts), sum(t["tokens"] for t in ts)
+            steps = sum(t.get("steps") or t["tokens"] / d["batch"] for t in ts)
             sync_s, syncs = sum(t["sync_s"] for t in ts), sum(t["syncs"] for t in ts)
             lost = [x for x in (_sync_lost(trials, by_seq, t) for t in ts) if x is not None]
-            exposed = sum(t.get("exposed_s", t["sync_s"]) for t in ts)
-            per_n[label] = {"tokens_per_s": toks / secs if secs else None,
-                            "sync_share_pct": 100 * sync_s / secs if secs else None,
-                            "exposed_share_pct": 100 * exposed / secs if secs else None,
-                            "hidden_syncs": sum(t.get("hidden_syncs", 0) for t in ts),
-                            "us_per_sync": 1e6 * sync_s / syncs if syncs else None, "trials": len(ts),
-                            "overhead_pct": med(lost) if lost else None,
-                            "overhead_range_pct": [min(lost), max(lost)] if lost else None}
+            p = {"tokens_per_s": toks / secs if secs else None, "step_ms": 1e3 * secs / steps if steps else None,
+                 "sync_share_pct": 100 * sync_s / secs if secs else None,
+                 "syncs_per_step": syncs / steps if steps else None,
+                 "us_per_sync": 1e6 * sync_s / syncs if syncs else None, "trials": len(ts),
+                 "overhead_pct": med(lost) if lost else None,
+                 "overhead_range_pct": [min(lost), max(lost)] if lost else None}
+            if any("exposed_s" in t for t in ts):  # measured by the earlier harness's copy of the loop
+                p["exposed_share_pct"] = 100 * sum(t.get("exposed_s", t["sync_s"]) for t in ts) / secs if secs else None
+                p["hidden_syncs"] = sum(t.get("hidden_syncs", 0) for t in ts)
+            per_n[label] = p
         base = (per_n.get("0") or {}).get("tokens_per_s")
-        models[r["key"]["model"]] = {"batch": d.get("batch"), "max_context": d.get("max_context"),
-                                     "step_ms": 1e3 * d["batch"] / base if base else None, "per_n": per_n}
+        models[engine_label(r["key"]["model"], engine)] = {
+            "model": r["key"]["model"], "engine": engine, "batch": d.get("batch"), "max_context": d.get("max_context"),
+            "publish": d.get("publish"), "engine_info": d.get("engine_info"),
+            "step_ms": 1e3 * d["batch"] / base if base else None, "per_n": per_n}
     return {"models": models, "errors": len(bad), "failed": failed_list(bad)}
 
 
@@ -236,13 +256,15 @@ def md_sync(s: dict) -> str:
     if not labels:
         return "No points yet." + errors_md_list(s)
     head = [f"N={n[:-1]} between steps" if n.endswith("i") else f"N={n}" for n in labels]
-    out = ["Cells: decode throughput lost against no sync (median over rounds of each trial against the no-sync "
-           "trials right before and after it; the range over rounds in brackets) / share of the time spent inside the sync calls "
-           "/ the exposed share: sync time while the device had already finished its pass (an upper bound of "
-           "what syncing added to the steps; the rest ran while the device computed). The publish runs inside the "
-           "next step once its pass is enqueued; the \"between steps\" column publishes after the step instead, "
-           "as an engine without that hook does (all of it exposed).", "",
-           "| model | batch | decode step | " + " | ".join(head) + " |", "|---" * (len(labels) + 3) + "|"]
+    exposed = any("exposed_share_pct" in p for m in s["models"].values() for p in m["per_n"].values())
+    out = ["Cells: the step time publishing every N steps / the step time lost against no publishing (median over "
+           "rounds of each trial against the no-publish trials right before and after it; the range over rounds in "
+           "brackets) / the share of the time spent inside the publishes"
+           + (" / the exposed share (earlier harness: publish time while the device had already finished its pass)"
+              if exposed else "") + ". \"step, no publish\": the step time with no ring attached. \"publish\": "
+           "where the engine loop publishes (overlapped with the next step's device work through the core's launch "
+           "hook, or between steps).", "",
+           "| model | batch | publish | step, no publish | " + " | ".join(head) + " |", "|---" * (len(labels) + 4) + "|"]
     for m, r in s["models"].items():
         cells = []
         for n in labels:
@@ -252,10 +274,16 @@ def md_sync(s: dict) -> str:
                 cells.append("–")
                 continue
             spread = f" ({rng[0]:+.1f}…{rng[1]:+.1f})" if rng else ""
+            step = f"{p['step_ms']:.2f} ms, " if p.get("step_ms") is not None else ""
             ex = p.get("exposed_share_pct")
-            cells.append(f"{o:+.2f}%{spread} / {sh:.2f}% / {ex:.2f}%")
+            cells.append(f"{step}{o:+.2f}%{spread} / {sh:.2f}%" + (f" / {ex:.2f}%" if ex is not None else ""))
         step = "–" if r["step_ms"] is None else f"{r['step_ms']:.2f} ms"
-        out.append(f"| {m} | {r['batch']} | {step} | " + " | ".join(cells) + " |")
+        pub = "overlapped" if str(r.get("publish") or "").startswith("overlapped") else r.get("publish") or "–"
+        out.append(f"| {m} | {r['batch']} | {pub} | {step} | " + " | ".join(cells) + " |")
+    notes = sorted({f"{m}: {r['engine_info']['model_runner']}" for m, r in s["models"].items()
+                    if (r.get("engine_info") or {}).get("model_runner")})
+    if notes:
+        out += ["", *[f"- {n}" for n in notes]]
     return "\n".join(out) + errors_md_list(s)
 
 
@@ -361,7 +389,7 @@ MARKDOWN = {"recovery": md_recovery, "prompt-length": lambda s: md_series(s, "pr
 TITLES = {"recovery": "1. Recovery across model sizes (killed right after prefill, 6-token prompt)",
           "prompt-length": "2. Recovery vs prompt length, with and without KV sharing",
           "since-sync": "3. Recovery vs tokens generated before the kill (K)",
-          "sync-overhead": "4. Throughput overhead of syncing every N steps",
+          "sync-overhead": "4. Sync overhead through the engine loop: publishing every N steps vs not",
           "outage": "5. Client-visible outage under load",
           "standby-memory": "6. Standby GPU memory",
           "correctness": "7. Outputs after recovery vs no-fault outputs"}
@@ -413,15 +441,20 @@ def targets(summ: dict[str, dict]) -> list[dict]:
         ov = [(m, r["per_n"].get("1") or {}) for m, r in sy.items()]
         ov = [(m, p) for m, p in ov if p.get("overhead_pct") is not None]
         if ov:
-            # The throughput loss is measured with noise (its range over rounds); the exposed
-            # share bounds the cost from above without that noise. Met: the bound is within the
-            # target and no model's measured range lies wholly above it.
-            m, p = max(ov, key=lambda x: x[1].get("exposed_share_pct", x[1]["overhead_pct"]))
+            # The step time lost is measured with noise (its range over rounds); where the earlier
+            # harness measured the exposed share, that bounds the cost from above without the
+            # noise. Met: the figure is within the target and no row's range lies wholly above it.
+            def bound(q: dict) -> float:  # the exposed share where the earlier harness measured it
+                ex = q.get("exposed_share_pct")
+                return q["overhead_pct"] if ex is None else ex
+
+            m, p = max(ov, key=lambda x: bound(x[1]))
             ex = p.get("exposed_share_pct")
             rng = p.get("overhead_range_pct") or [p["overhead_pct"]] * 2
             inl = (sy[m]["per_n"].get("1i") or {}).get("overhead_pct")
             reached = (f"worst {m}: exposed ≤ {ex:.2f}%, throughput {p['overhead_pct']:+.2f}% "
-                       f"({rng[0]:+.1f}…{rng[1]:+.1f})" if ex is not None else f"worst {p['overhead_pct']:+.2f}% ({m})")
+                       f"({rng[0]:+.1f}…{rng[1]:+.1f})" if ex is not None else
+                       f"worst {m}: {p['overhead_pct']:+.2f}% of the step ({rng[0]:+.1f}…{rng[1]:+.1f})")
             if inl is not None:
                 reached += f"; between steps {inl:+.2f}%"
             contradicted = any((q.get("overhead_range_pct") or [q["overhead_pct"]])[0] > 0.5 for _, q in ov)

@@ -38,9 +38,9 @@ EOS = 2
 BLOCK_SIZE = 16
 
 
-def write_tiny_model(dirpath: Path) -> str:
+def write_tiny_model(dirpath: Path, **overrides: Any) -> str:
     dirpath.mkdir(parents=True, exist_ok=True)
-    (dirpath / "config.json").write_text(json.dumps(TINY_QWEN2))
+    (dirpath / "config.json").write_text(json.dumps({**TINY_QWEN2, **overrides}))
     return str(dirpath)
 
 
