@@ -46,6 +46,17 @@ def _default_frmps() -> str:
     return built if os.access(built, os.X_OK) else (shutil.which("frmps") or "frmps")
 
 
+def portable_path(v):
+    """Paths in a run's record relative to the repository (<repo>/...) or the home
+    directory (~/...): result folders are committed and read on other machines."""
+    if not isinstance(v, str) or os.path.sep not in v:
+        return v
+    for base, name in ((repo_root(), "<repo>"), (os.path.expanduser("~"), "~")):
+        if base and base != os.path.sep and (v == base or v.startswith(base + os.path.sep)):
+            return name + v[len(base):]
+    return v
+
+
 def common_args(p: argparse.ArgumentParser) -> None:
     root = repo_root()
     g = p.add_argument_group("common options")
@@ -147,9 +158,11 @@ def run_experiment(args) -> int:
               progress=Progress(exp.name, len(pending)), cleanup=cleanup)
     mode = "CPU check of the harness (not a measurement)" if args.device == "cpu" else f"{args.device}, MPS {'on' if args.mps else 'off'}"
     ctx.log(f"{exp.title}; {len(plan)} points planned, {len(plan) - len(pending)} already in {results.path}; {mode}")
-    run = {"run_id": run_id, "experiment": exp.name, "argv": sys.argv[1:], "started_unix": time.time(),
-           "cpu_check": args.device == "cpu", "mps": args.mps, "fault": args.fault if args.mps else "SIGKILL",
-           "options": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool)) and k != "cmd"}}
+    run = {"run_id": run_id, "experiment": exp.name, "argv": [portable_path(a) for a in sys.argv[1:]],
+           "started_unix": time.time(), "cpu_check": args.device == "cpu", "mps": args.mps,
+           "fault": args.fault if args.mps else "SIGKILL",
+           "options": {k: portable_path(v) for k, v in vars(args).items()
+                       if isinstance(v, (str, int, float, bool)) and k != "cmd"}}
     stopped = None
 
     def on_term(signum, _frame):
