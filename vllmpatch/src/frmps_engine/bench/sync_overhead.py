@@ -305,7 +305,7 @@ def run(args) -> int:
     total_steps = n_trials * (args.steps_per_trial + 1) + args.warmup_steps + 8
     # (The reference engine's exact mode prefills one request per step, alternating with
     # decode steps of those already in: leave room for the first ones' extra tokens.)
-    total_steps += 2 * (args.batch or args.max_batch)
+    total_steps += 2 * (args.batch or (8 if args.device == "cpu" else args.max_batch))
     ctx_len = args.prompt_len + total_steps + 16
     batch, per_seq = _batch(args, ctx_len)
     workdir = args.workdir or tempfile.gettempdir()
