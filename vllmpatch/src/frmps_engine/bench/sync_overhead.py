@@ -164,35 +164,29 @@ def _batch(args, ctx_len: int) -> tuple[int, int]:
     return (batch // 8 * 8 or batch), per_seq
 
 
-def _wait_steps(loop, target: int, timeout: float) -> None:
-    """Until the loop has run `target` steps (polled: used outside the timed trials)."""
-    deadline = time.monotonic() + timeout
-    while loop.step_count < target:
-        if loop.dead is not None:
-            raise RuntimeError(f"engine loop died: {loop.dead!r}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the loop ran {loop.step_count} of {target} steps in {timeout:.0f} s")
-        time.sleep(0.01)
-
-
 class TrialClock:
-    """Switches and times the trials on the loop's own thread, exactly every S + 1 steps
-    (the + 1: a publish due after a trial's last step, which the loop makes during the
-    next step when it overlaps publishing with the device's work, still falls inside
-    the trial: N publishes S / N times a trial when overlapped, (S + 1) // N times
-    between steps).
+    """Runs the measurement on the loop's own thread, at the start of every step
+    (EngineLoop.run_in_step, re-armed each time), before the core's work: it waits
+    until every request has its first token (the prefill), lets `warmup` steps pass,
+    then switches and times the trials exactly every S + 1 steps. Where a trial ends
+    it records the time, the step count, the loop's publish counters and every
+    request's output length, switches the ring and N for the next trial and records
+    the same again. The + 1: a publish due after a trial's last step, which the loop
+    makes during the next step when it overlaps publishing with the device's work,
+    still falls inside the trial (N publishes S / N times a trial when overlapped,
+    (S + 1) // N times between steps). Every step carries the same call, so it
+    cancels in the comparison; the driver thread only waits for ``done``, so nothing
+    competes with the loop for the interpreter."""
 
-    It runs at the start of every step (EngineLoop.run_in_step, re-armed each time),
-    before the core's work: where a trial ends it records the time, the step count,
-    the loop's publish counters and every request's output length, switches the ring
-    and N for the next trial and records the same again. Every trial's steps carry
-    the same call, so it cancels in the comparison. The driver thread only waits for
-    ``done``: nothing competes with the loop for the interpreter."""
-
-    def __init__(self, loop, order: list[tuple[int, int]], steps: int, switch: Callable[[int], None], streams: list):
-        self.loop, self.order, self.steps, self.switch, self.streams = loop, order, steps + 1, switch, streams
+    def __init__(self, loop, order: list[tuple[int, int]], steps: int, warmup: int, switch: Callable[[int], None],
+                 streams: list):
+        self.loop, self.order, self.switch, self.streams = loop, order, switch, streams
+        self.steps, self.warmup = steps + 1, warmup
+        self.phase = "prefill"
         self.i = -1
         self.next_at = 0
+        self.t0 = time.perf_counter()
+        self.prefill_s: float | None = None
         self.marks: list[tuple[tuple, tuple]] = []  # (start, end) per trial
         self._start: tuple | None = None
         self.done = threading.Event()
@@ -203,24 +197,38 @@ class TrialClock:
         return (time.perf_counter(), self.loop.step_count, c["ring_syncs"], c["ring_sync_ns"],
                 [len(s.output) for s in self.streams])
 
+    def _tick(self) -> bool:
+        """One call; False when the measurement is over."""
+        loop = self.loop
+        if any(s.finished for s in self.streams):
+            raise RuntimeError(f"a request ended before the trials did ({self.phase}, trial {self.i}): "
+                               f"{[s.error or s.finish_reason for s in self.streams if s.finished][:1]}")
+        if self.phase == "prefill":
+            if min(len(s.output) for s in self.streams) >= 1:
+                self.prefill_s = time.perf_counter() - self.t0
+                self.phase, self.next_at = "warmup", loop.step_count + self.warmup
+            return True
+        if loop.step_count < self.next_at:
+            return True
+        if self.phase == "trials":
+            self.marks.append((self._start, self._mark()))
+        self.phase = "trials"
+        self.i += 1
+        if self.i == len(self.order):
+            return False
+        self.switch(self.order[self.i][1])
+        self._start = self._mark()
+        self.next_at = loop.step_count + self.steps
+        return True
+
     def __call__(self) -> None:
         try:
-            if self.i >= 0 and self.loop.step_count < self.next_at:
+            if self._tick():
                 self.loop.run_in_step(self)
                 return
-            if self.i >= 0:
-                self.marks.append((self._start, self._mark()))
-            self.i += 1
-            if self.i == len(self.order):
-                self.done.set()
-                return
-            self.switch(self.order[self.i][1])
-            self._start = self._mark()
-            self.next_at = self.loop.step_count + self.steps
-            self.loop.run_in_step(self)
         except BaseException as e:  # reported by the driver thread
             self.error = e
-            self.done.set()
+        self.done.set()
 
 
 def measure(served: Served, args, batch: int, total_steps: int, ring_path: str) -> dict:
@@ -239,21 +247,10 @@ def measure(served: Served, args, batch: int, total_steps: int, ring_path: str) 
     loop.start()
     try:
         g = torch.Generator().manual_seed(args.seed)
-        streams = []
+        reqs = []
         for k in range(batch):
             prompt = torch.randint(3, served.vocab, (args.prompt_len,), generator=g).tolist()
-            wire, eparams = served.params(k + 1, len(prompt), total_steps + 8)
-            streams.append(loop.submit(k + 1, prompt, wire, eparams))
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + args.timeout
-        while min(len(s.output) for s in streams) < 1:
-            if loop.dead is not None or any(s.finished for s in streams):
-                raise RuntimeError(f"prefill failed: {loop.dead!r} {[s.error for s in streams if s.error][:1]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("prefill did not finish in time")
-            time.sleep(0.01)
-        prefill_s = time.perf_counter() - t0
-        _wait_steps(loop, loop.step_count + args.warmup_steps, args.timeout)
+            reqs.append((k + 1, prompt, *served.params(k + 1, len(prompt), total_steps + 8)))
 
         def switch(n: int) -> None:  # on the loop thread, right before a step
             if n:
@@ -264,14 +261,23 @@ def measure(served: Served, args, batch: int, total_steps: int, ring_path: str) 
                 loop.sync_every = NEVER
 
         order = trial_order(parse_sync_list(args.sync_list), args.reps)
-        clock = TrialClock(loop, order, args.steps_per_trial, switch, streams)
-        loop.run_in_step(clock)
-        deadline = time.monotonic() + args.timeout * len(order)
+
+        def begin() -> TrialClock:
+            # On the loop thread: the requests and the clock arrive before any step runs,
+            # so the clock counts every step (the tokens budgeted per request suffice).
+            streams = [loop.submit(k, prompt, wire, eparams) for k, prompt, wire, eparams in reqs]
+            clock = TrialClock(loop, order, args.steps_per_trial, args.warmup_steps, switch, streams)
+            loop.run_in_step(clock)
+            return clock
+
+        clock = loop.call(begin)
+        deadline = time.monotonic() + args.timeout * (len(order) + 1)
         while not clock.done.wait(1.0):
             if loop.dead is not None:
                 raise RuntimeError(f"engine loop died: {loop.dead!r}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the trials did not finish in time ({len(clock.marks)} of {len(order)})")
+                raise RuntimeError(f"the trials did not finish in time ({clock.phase}, {len(clock.marks)} of "
+                                   f"{len(order)} trials)")
         if clock.error is not None:
             raise clock.error
         trials = []
@@ -288,7 +294,7 @@ def measure(served: Served, args, batch: int, total_steps: int, ring_path: str) 
             print(f"sync-overhead {served.engine} {args.model} rep {rep} N={n or 'none'}: "
                   f"{1e3 * seconds / steps:.3f} ms/step, {end[2] - start[2]} publishes "
                   f"{(end[3] - start[3]) / 1e6:.2f} ms", file=sys.stderr, flush=True)
-        return {"trials": trials, "prefill_s": round(prefill_s, 3),
+        return {"trials": trials, "prefill_s": round(clock.prefill_s or 0.0, 3),
                 "publish": "overlapped with the step's device work (the core's launch hook)"
                            if has_launch_hook(served.core) else "between steps",
                 "loop_counters": dict(loop.counters)}
