@@ -412,3 +412,31 @@ def test_sync_overhead_through_the_vllm_adapter_core(tmp_path):
     assert all(t["syncs"] == 9 // t["sync_every"] for t in d["trials"] if t["sync_every"])
     s = json.load(open(os.path.join(out, "sync-overhead.json")))["summary"]["models"]["tiny (vllm)"]
     assert s["per_n"]["1"]["syncs_per_step"] == 1 and s["per_n"]["0"]["syncs_per_step"] == 0
+
+
+def test_sharegpt_like_lengths_are_seeded_and_match_their_documented_moments():
+    import random
+    import statistics
+
+    from frmps_engine.bench import lengths as L
+
+    def run(seed, client, n=200):
+        c = L.RequestLengths(L.SHAREGPT_PROMPT, L.SHAREGPT_OUTPUT, seed=seed).client(client)
+        return [c.next() for _ in range(n)]
+
+    assert run(3, 0) == run(3, 0) and run(3, 5) == run(3, 5)  # the same per (seed, client), every time
+    assert run(3, 0) != run(4, 0) and run(3, 0) != run(3, 1)
+    for d in (L.SHAREGPT_PROMPT, L.SHAREGPT_OUTPUT, L.SHAREGPT_PROMPT.scaled(0.1)):
+        rng = random.Random(11)
+        xs = [d.sample(rng) for _ in range(60_000)]
+        assert d.lo <= min(xs) and max(xs) <= d.hi
+        mean, std = d.moments()
+        assert statistics.fmean(xs) == pytest.approx(mean, rel=0.02)
+        assert statistics.pstdev(xs) == pytest.approx(std, rel=0.04)
+    # The documented figures: ShareGPT's means (vLLM paper) before clipping, and the moments after.
+    assert (L.SHAREGPT_PROMPT.mean, L.SHAREGPT_OUTPUT.mean) == (161.0, 338.0)
+    assert L.SHAREGPT_PROMPT.moments() == pytest.approx((156.4, 174.0), abs=0.05)
+    assert L.SHAREGPT_OUTPUT.moments() == pytest.approx((321.2, 245.0), abs=0.05)
+    readme = open(os.path.join(REPO, "bench", "README.md")).read()
+    for row in L.table_rows():
+        assert row in readme, f"bench/README.md lacks the row {row!r}"

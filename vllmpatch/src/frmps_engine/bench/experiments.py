@@ -24,6 +24,8 @@ from .baselines import (BaselineRig, EngineProc, checkpoint_files, drop_page_cac
 from .deploy import (Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, Trigger, completion_body,
                      frmps_trial)
 from .envinfo import nvidia_smi_apps, private_mib
+from .lengths import RequestLengths, UniformLengths, sharegpt
+from .lengths import describe as describe_lengths
 from .mps import outside_mps_env
 from .procs import field, now
 from .runctx import Ctx, TrialError, fmt_s
@@ -511,14 +513,13 @@ class SyncOverhead(Experiment):
 
 class LoadGen:
     """A steady stream of requests: `concurrency` client threads, each sending one
-    streaming request after another until `duration` s have passed."""
+    streaming request after another until `duration` s have passed; prompt and
+    output lengths from `lengths` (client i's sequence depends on the seed and i only)."""
 
-    def __init__(self, base: str, model: str, concurrency: int, duration: float, prompt_range: tuple[int, int],
-                 output_range: tuple[int, int], seed: int = 0):
+    def __init__(self, base: str, model: str, concurrency: int, duration: float, lengths: RequestLengths):
         self.base, self.model = base, model
         self.concurrency, self.duration = concurrency, duration
-        self.prompt_range, self.output_range = prompt_range, output_range
-        self.seed = seed
+        self.lengths = lengths
         self.streams: list[Stream] = []
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -532,12 +533,12 @@ class LoadGen:
             self._threads.append(t)
 
     def _worker(self, i: int) -> None:
-        rng = random.Random(self.seed * 1000 + i)
+        client = self.lengths.client(i)
         n = 0
         while now() < self.t0 + self.duration:
             n += 1
-            body = completion_body(self.model, prompt_ids(rng.randint(*self.prompt_range), rng.randrange(1 << 30)),
-                                   rng.randint(*self.output_range))
+            plen, olen, pseed = client.next()
+            body = completion_body(self.model, prompt_ids(plen, pseed), olen)
             s = Stream(self.base, body, timeout=600, key=i * 100000 + n)
             with self._lock:
                 self.streams.append(s)
@@ -598,8 +599,13 @@ class Outage(Experiment):
         p.add_argument("--concurrency", type=int, default=0, help="client streams (default 32; --cpu 4)")
         p.add_argument("--duration", type=float, default=0, help="seconds of load (default 20; --cpu 4)")
         p.add_argument("--fault-at", type=float, default=0, help="fault this many seconds into the load (default: half)")
-        p.add_argument("--prompt-range", default="128,512")
-        p.add_argument("--output-range", default="64,256")
+        p.add_argument("--lengths", default="sharegpt", choices=["sharegpt", "uniform"],
+                       help="prompt and output lengths: a seeded ShareGPT-like distribution (bench/README.md), or "
+                            "uniform over --prompt-range / --output-range")
+        p.add_argument("--length-scale", type=float, default=0,
+                       help="sharegpt: every length times this (default 1; --cpu 0.1)")
+        p.add_argument("--prompt-range", default="128,512", help="uniform: prompt lengths lo,hi")
+        p.add_argument("--output-range", default="64,256", help="uniform: output lengths lo,hi")
         p.add_argument("--bin-ms", type=float, default=50)
 
     def default_max_num_seqs(self, a) -> int:
@@ -612,6 +618,18 @@ class Outage(Experiment):
         a.fault_at = a.fault_at or a.duration / 2
         if cpu and a.prompt_range == "128,512":
             a.prompt_range, a.output_range = "8,32", "16,48"
+        a.length_scale = a.length_scale or (0.1 if cpu else 1.0)
+
+    @staticmethod
+    def length_dists(a):
+        """(prompt lengths, output lengths) of the request stream."""
+        if a.lengths == "sharegpt":
+            return sharegpt(a.length_scale)
+        return UniformLengths(*int_list(a.prompt_range)), UniformLengths(*int_list(a.output_range))
+
+    def load_record(self, a) -> dict:
+        pd, od = self.length_dists(a)
+        return {"lengths": a.lengths, "prompt": describe_lengths(pd), "output": describe_lengths(od)}
 
     def plan(self, a):
         return [{"model": _model(a, "qwen2.5-14b"), "system": s, "trial": t} for s in csv_list(a.systems)
@@ -621,7 +639,8 @@ class Outage(Experiment):
         """KV blocks for the load: the frmps streams (prompt + output) and the sleep-only
         victim's open-ended requests (prompt + ~40 tokens/s until the end); the same pool
         size for every system, so their wake-up costs compare."""
-        hi, ohi = int_list(a.prompt_range)[1], int_list(a.output_range)[1]
+        pd, od = self.length_dists(a)
+        hi, ohi = pd.hi, od.hi
         per = max(hi + ohi, -(-(hi + int(min(a.fault_at, 2.0) * 150) + 64) // 256) * 256)
         return a.concurrency * (-(-per // 16)) + 64
 
@@ -643,7 +662,10 @@ class Outage(Experiment):
                     ctx.unsupported(keys, "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)")
                     continue
             n = 16 if system == "frmps-n16" else 1
-            with Deployments(ctx, serve_opts(ctx, model, n, eargs, num_blocks=nb), f"outage-{system}") as deps:
+            pd, od = self.length_dists(a)
+            mml = max(a.max_model_len, -(-(pd.hi + od.hi + 16) // 256) * 256)
+            with Deployments(ctx, serve_opts(ctx, model, n, eargs, num_blocks=nb, max_model_len=mml),
+                             f"outage-{system}") as deps:
                 for key in keys:
                     ctx.run_point(key, lambda key=key: frmps_point(
                                       ctx, deps, lambda dep, trig: self._measure(ctx, dep, trig, model, key["trial"])),
@@ -656,8 +678,7 @@ class Outage(Experiment):
         try:
             n0 = len(dep.failovers(dep.status()))
             trig.prepare()
-            load = LoadGen(dep.base, model, a.concurrency, a.duration, tuple(int_list(a.prompt_range)),
-                           tuple(int_list(a.output_range)), seed=trial)
+            load = LoadGen(dep.base, model, a.concurrency, a.duration, RequestLengths(*self.length_dists(a), seed=trial))
             load.start()
             time.sleep(max(0.0, load.t0 + a.fault_at - now()))
             res["inject"] = trig.fire()
@@ -681,7 +702,7 @@ class Outage(Experiment):
                           for s in load.streams if s.chunks]
             res["max_stream_gap_s"] = round(max(per_stream, default=0.0), 4)
             res["load"] = {"concurrency": a.concurrency, "duration_s": a.duration, "fault_at_s": a.fault_at,
-                           "prompt_range": a.prompt_range, "output_range": a.output_range}
+                           **self.load_record(a)}
             if res["stream_errors"]:
                 raise TrialError(f"{res['stream_errors']} client streams failed: {res['errors_sample'][0]}", res)
             return res
@@ -700,7 +721,8 @@ class Outage(Experiment):
         # The victim's requests must still be open at the fault: as long as the context
         # allows, the fault a few seconds into steady decoding.
         kill_at = min(a.fault_at, 2.0)
-        mml = max(a.max_model_len, -(-(int_list(a.prompt_range)[1] + int(kill_at * 150) + 64) // 256) * 256)
+        pd, _ = self.length_dists(a)
+        mml = max(a.max_model_len, -(-(pd.hi + int(kill_at * 150) + 64) // 256) * 256)
         eargs = shape_args(nb, mml)
         rig = rig_for(ctx, model, eargs)
         ctx.budget.check(10 + 0.6 * gb(model), "starting the sleep-only standby")
@@ -712,11 +734,13 @@ class Outage(Experiment):
         try:
             for key in keys:
                 def point(trial=key["trial"]):
-                    rng = random.Random(trial)
-                    plo, phi = int_list(a.prompt_range)
+                    # The same prompt lengths as the frmps streams (each client's first request);
+                    # the outputs run on to the end of the trial.
+                    lengths = RequestLengths(*self.length_dists(a), seed=trial)
                     reqs = []
                     for i in range(a.concurrency):
-                        p = prompt_ids(rng.randint(plo, phi), rng.randrange(1 << 30))
+                        plen, _, pseed = lengths.client(i).next()
+                        p = prompt_ids(plen, pseed)
                         reqs.append({"key": i + 1, "prompt": p, "max_tokens": mml - len(p) - 1, "temperature": 0.0})
                     r = rig.trial("sleep-only", model, reqs, 1, standby=sb, kill_at_s=kill_at,
                                   then_steps=int(max(1.0, a.duration - a.fault_at) * 20), victim_args=["--warmup", "1"])
@@ -724,7 +748,7 @@ class Outage(Experiment):
                     t0 = min(t for t, _ in arrivals)
                     r.update(outage_metrics(arrivals, r["inject"]["t_fault"], t0, a.bin_ms / 1000))
                     r["load"] = {"concurrency": a.concurrency, "all_requests_at_once": True,
-                                 "fault_s_after_first_token": kill_at, "prompt_range": a.prompt_range}
+                                 "fault_s_after_first_token": kill_at, **self.load_record(a)}
                     r["standby_init_s"] = ready.get("init_s")
                     return r
 
