@@ -440,3 +440,77 @@ def test_sharegpt_like_lengths_are_seeded_and_match_their_documented_moments():
     readme = open(os.path.join(REPO, "bench", "README.md")).read()
     for row in L.table_rows():
         assert row in readme, f"bench/README.md lacks the row {row!r}"
+
+
+def test_report_keeps_the_engines_apart(tmp_path):
+    """Points of `--engine vllm` (keys naming the engine) get their own rows and vLLM's
+    targets, beside the reference engine's rows of the same models."""
+    out = str(tmp_path)
+    rec = []
+    for engine, f, sl, cold in (("ref", 0.010, 0.080, 30.0), ("vllm", 0.012, 0.300, 45.0)):
+        ek = {} if engine == "ref" else {"engine": engine}
+        rec.append(_rec("recovery", {"model": "qwen2.5-0.5b", "system": "frmps", "trial": 0, **ek},
+                        {"recovery_s": f, "step_after_s": 0.006}))
+        rec.append(_rec("recovery", {"model": "qwen2.5-0.5b", "system": "sleep-only", "trial": 0, **ek},
+                        {"recovery_s": sl, "wake": {"wake_up_s": sl / 2} if engine == "vllm" else {"copy_weights_s": sl / 2}}))
+        rec.append(_rec("recovery", {"model": "qwen2.5-0.5b", "system": "cold", "cache": "warm", "trial": 0, **ek},
+                        {"recovery_s": cold, "cold": {"engine_init_s": cold / 2} if engine == "vllm" else {}}))
+    with open(os.path.join(out, "recovery.jsonl"), "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rec)
+    cor = [_rec("correctness", {"model": "qwen2.5-0.5b", "k": 1, "trial": 0, **({} if e == "ref" else {"engine": e})},
+                {"greedy_equal": True, "seeded_equal": e == "ref", "exact_mode": "x"}) for e in ("ref", "vllm")]
+    with open(os.path.join(out, "correctness.jsonl"), "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in cor)
+    report.write_all(out, plots=False)
+    r = json.load(open(os.path.join(out, "recovery.json")))["summary"]["models"]
+    assert r["qwen2.5-0.5b"]["speedup_vs_sleep_only"] == pytest.approx(8.0)
+    assert r["qwen2.5-0.5b (vllm)"]["speedup_vs_sleep_only"] == pytest.approx(25.0)
+    t = {row["target"]: row for row in report.targets({"recovery": {"models": r}})}
+    assert t["≥ 5× faster than sleep-only at 0.5B"]["met"] is True
+    assert t["vllm: ≥ 10× faster than vLLM sleep-only at 0.5B"]["met"] is True
+    assert t["vllm: ≥ 3000× faster than vLLM cold restart"]["met"] is True  # 45 s / 12 ms = 3,750×
+    assert t["≥ 2000× faster than cold restart"]["met"] is True
+    c = json.load(open(os.path.join(out, "correctness.json")))["summary"]
+    assert (c["equal"], c["requests"]) == (2, 2) and (c["engines"]["vllm"]["equal"], c["engines"]["vllm"]["requests"]) == (1, 2)
+    readme = open(os.path.join(out, "README.md")).read()
+    assert "| qwen2.5-0.5b (vllm) | 12.0 ms | 300.0 ms |" in readme and "wake_up() 150.0 ms" in readme
+    assert "Engine vllm. Model: qwen2.5-0.5b" in readme and "| vllm: outputs after recovery = no-fault outputs" in readme
+
+
+@pytest.mark.torch
+def test_checkpoint_is_a_model_directory_both_engines_load(tmp_path):
+    """The cold restart's checkpoint (written once per model): Hugging Face's sharded
+    layout (shards + index + config.json), which loaders that read Hugging Face
+    directories (vLLM's, transformers') load without a missing or unexpected tensor,
+    holding the reference engine's seeded weights: transformers' greedy output from it
+    equals the reference engine's from the same files."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    out = str(tmp_path / "tiny")
+    env = {**os.environ, "PYTHONPATH": SRC}
+    p = subprocess.run([sys.executable, "-m", "frmps_engine.bench.baseline_engine", "write-checkpoint", "--model", "tiny",
+                        "--device", "cpu", "--out", out, "--shard-bytes", str(100 << 10)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    meta = json.load(open(os.path.join(out, "frmps-checkpoint.json")))
+    assert meta["format"] == 2 and len(meta["files"]) > 1  # sharded
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert sorted(set(index["weight_map"].values())) == meta["files"]
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+
+    from frmps_engine.refengine import EngineConfig, EngineCore, SamplingParams
+
+    cfg = EngineConfig.from_preset("tiny", device="cpu", weights=out)
+    core = EngineCore(cfg, EngineCore.allocate_pools(cfg), load_weights=True)
+    prompts = {1: [5, 17, 99, 200, 3, 42, 7, 8], 2: [250, 11, 12, 13], 3: list(range(30, 60))}
+    for k, pr in prompts.items():
+        core.add_request(k, pr, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    ours: dict[int, list[int]] = {k: [] for k in prompts}
+    while core.has_work():
+        for o in core.step():
+            ours[o.key] += list(o.new_token_ids)
+    theirs = {k: model.generate(torch.tensor([pr]), max_new_tokens=10, min_new_tokens=10,
+                                do_sample=False)[0, len(pr):].tolist() for k, pr in prompts.items()}
+    assert ours == theirs
+    assert len({tuple(v) for v in ours.values()}) > 1  # the prompts lead to different outputs

@@ -123,9 +123,19 @@ def normalise(args) -> None:
     os.makedirs(args.workdir, exist_ok=True)
 
 
-def preflight(args, faults: bool) -> list[str]:
+def preflight(args, faults: bool, experiment: str = "") -> list[str]:
     """What is missing before anything starts (a clear message instead of N failed points)."""
     probs = []
+    engines = set(getattr(args, "engines", "") and args.engines.split(",") or [args.engine])
+    if "vllm" in engines:
+        if args.device == "cpu" and experiment != "sync-overhead":
+            probs.append("--engine vllm needs a GPU: vLLM builds no engine on the CPU (the CPU check runs the "
+                         "harness with --engine ref; sync-overhead runs vLLM's scheduler on the CPU)")
+        else:
+            from .baselines import python_has_module
+
+            if not python_has_module(args.python, "vllm"):
+                probs.append(f"--engine vllm: {args.python} cannot import vllm (pass --python, or PYTHONPATH)")
     if not (os.access(args.frmps, os.X_OK)):
         probs.append(f"frmps binary not found: {args.frmps} (build it: make go-build, or pass --frmps)")
     if args.mps and shutil.which("nvidia-cuda-mps-control") is None:
@@ -144,7 +154,7 @@ def run_experiment(args) -> int:
     exp.defaults(args)
     if not args.max_num_seqs and exp.name != "sync-overhead":
         args.max_num_seqs = exp.default_max_num_seqs(args)
-    probs = preflight(args, exp.faults)
+    probs = preflight(args, exp.faults, exp.name)
     if probs:
         for pr in probs:
             print(f"frmps bench: {pr}", file=sys.stderr)

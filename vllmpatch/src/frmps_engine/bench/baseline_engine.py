@@ -31,34 +31,8 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
 
-_out_lock = threading.Lock()
-
-
-def emit(ev: str, **kw) -> None:
-    kw.setdefault("t", time.time())
-    line = json.dumps({"ev": ev, **kw}, separators=(",", ":"))
-    with _out_lock:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-
-def die_on_device_error(e: BaseException) -> None:
-    """A CUDA error is sticky: report it and exit at once, like an engine does."""
-    from frmps_engine.sdk.loop import is_device_error
-
-    if is_device_error(e):
-        try:
-            emit("fault", error=str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
-        finally:
-            os._exit(3)
-
-
-def sync(device: str) -> None:
-    if device != "cpu":
-        import torch
-
-        torch.cuda.synchronize()
-
+from frmps_engine.bench.engine_io import (decode_more, die_on_device_error, emit, read_commands, recover,  # noqa: E402
+                                          serve_victim, sync)
 
 def make_cfg(args, **over):
     from frmps_engine.refengine import EngineConfig
@@ -91,33 +65,20 @@ def sampling(r: dict):
                           seed=r.get("seed"), ignore_eos=True)
 
 
-def read_commands(q: queue.Queue) -> None:
-    for line in sys.stdin:
-        line = line.strip()
-        if line:
-            try:
-                q.put(json.loads(line))
-            except json.JSONDecodeError as e:
-                emit("error", error=f"bad command: {e}")
-    q.put({"cmd": "eof"})
-
-
 # ----------------------------------------------------------------------------- victim
 
 
-def step_delay() -> float:
-    """FRMPS_TEST_STEP_DELAY_MS: the engines' test knob (CPU checks slow every step so that
-    kill points land on time); the bench sets it for the victim too on the CPU, never on the GPU."""
-    try:
-        return max(0.0, float(os.environ.get("FRMPS_TEST_STEP_DELAY_MS", "0") or 0) / 1000)
-    except ValueError:
-        return 0.0
-
-
 def run_victim(args) -> int:
-    from frmps_engine.refengine import EngineCore
+    if args.engine == "vllm":
+        from .vllm_baseline import build, sampling as vllm_sampling
 
-    delay = step_delay()
+        try:
+            core = build(args, load_format="dummy")
+        except Exception as e:
+            die_on_device_error(e)
+            raise
+        return serve_victim(core, vllm_sampling, args.t_process)
+    from frmps_engine.refengine import EngineCore
 
     try:
         cfg = make_cfg(args)
@@ -128,77 +89,17 @@ def run_victim(args) -> int:
     except Exception as e:
         die_on_device_error(e)
         raise
-    emit("ready", pid=os.getpid(), init_s=round(time.time() - T_PROCESS, 3))
-    q: queue.Queue = queue.Queue()
-    threading.Thread(target=read_commands, args=(q,), daemon=True).start()
-    while True:
-        try:
-            while True:
-                cmd = q.get(block=not core.has_work())
-                if cmd["cmd"] in ("exit", "eof"):
-                    return 0
-                if cmd["cmd"] == "generate":
-                    for r in cmd["requests"]:
-                        core.add_request(int(r["key"]), r["prompt"], sampling(r))
-        except queue.Empty:
-            pass
-        try:
-            outs = core.step()
-        except Exception as e:
-            die_on_device_error(e)
-            raise
-        if delay:
-            time.sleep(delay)
-        t = time.time()
-        for o in outs:
-            if o.new_token_ids:
-                emit("tok", key=o.key, i=o.output_index, ids=list(o.new_token_ids), t=t)
-            if o.finished:
-                emit("finished", key=o.key, t=t)
+    return serve_victim(core, sampling, args.t_process)
 
 
 # ----------------------------------------------------------------------------- recovery (sleep, cold)
 
 
-def recover(core, requests: list[dict], device: str) -> dict:
-    """Adopt each request with no KV (prompt + delivered tokens recomputed in one
-    pass: the engine's own path for a request with no snapshot) and step until
-    every one has its next token. Emits first_token per request."""
-    for r in requests:
-        core.adopt_request(int(r["key"]), sampling(r), r["prompt"], len(r["prompt"]), 0, [], r.get("seed"),
-                           r.get("delivered", []))
-    waiting = {int(r["key"]) for r in requests}
-    first: dict[int, float] = {}
-    steps = 0
-    if not core.has_work():
-        raise RuntimeError("nothing to recover: every request had finished before the fault")
-    while waiting:
-        outs = core.step()
-        steps += 1
-        t = time.time()
-        for o in outs:
-            if o.key in waiting and o.new_token_ids:
-                first[o.key] = t
-                emit("first_token", key=o.key, i=o.output_index, ids=list(o.new_token_ids), t=t)
-                waiting.discard(o.key)
-        if not core.has_work() and waiting:
-            raise RuntimeError(f"requests {sorted(waiting)} had finished before the fault: nothing to recover")
-    return {"steps": steps, "first_token_unix": first}
-
-
-def decode_more(core, n_steps: int) -> None:
-    for _ in range(n_steps):
-        if not core.has_work():
-            break
-        t0 = time.time()
-        outs = core.step()
-        t = time.time()
-        for o in outs:
-            if o.new_token_ids:
-                emit("tok", key=o.key, i=o.output_index, ids=list(o.new_token_ids), t=t, step_s=round(t - t0, 6))
-
-
 def run_sleep(args) -> int:
+    if args.engine == "vllm":
+        from .vllm_baseline import run_sleep as run_vllm_sleep
+
+        return run_vllm_sleep(args)
     import torch
 
     from frmps_engine.refengine import EngineCore, pool_layout
@@ -250,7 +151,7 @@ def run_sleep(args) -> int:
                 sync(args.device)
                 w3 = time.perf_counter()
                 awake = True
-                rec = recover(core, cmd["requests"], args.device)
+                rec = recover(core, cmd["requests"], sampling)
                 w4 = time.perf_counter()
                 emit("woke", received_unix=t_cmd, map_s=round(w1 - w0, 6), copy_weights_s=round(w2 - w1, 6),
                      zero_kv_s=round(w3 - w2, 6), prefill_s=round(w4 - w3, 6), total_s=round(w4 - w0, 6),
@@ -275,13 +176,25 @@ def run_cold(args) -> int:
     import torch
 
     t_import = time.time()
-    from frmps_engine.refengine import EngineCore
-
     raw = args.requests
     if raw.startswith("@"):
         with open(raw[1:]) as f:
             raw = f.read()
     requests = json.loads(raw)
+    if args.engine == "vllm":
+        from .vllm_baseline import run_cold as run_vllm_cold
+
+        try:
+            r = run_vllm_cold(args, requests, T_PROCESS, t_import)
+            emit("recovered", **r["times"], steps=r["steps"])
+            decode_more(r["core"], args.then_steps)
+            emit("decoded")
+        except Exception as e:
+            die_on_device_error(e)
+            raise
+        return 0
+    from frmps_engine.refengine import EngineCore
+
     try:
         times = {"python_start_to_main_s": round(t_import - T_PROCESS, 4)}
         t = time.perf_counter()
@@ -305,7 +218,7 @@ def run_cold(args) -> int:
             sync(args.device)
         times["warmup_s"] = round(time.perf_counter() - t, 4)
         t = time.perf_counter()
-        rec = recover(core, requests, args.device)
+        rec = recover(core, requests, sampling)
         times["prefill_s"] = round(time.perf_counter() - t, 4)
         times["process_start_to_first_token_s"] = round(max(rec["first_token_unix"].values()) - T_PROCESS, 4)
         emit("recovered", **times, steps=rec["steps"])
@@ -368,6 +281,37 @@ def make_room(root: str, need: int, keep: str) -> list[str]:
     return evicted
 
 
+# 2: a model directory (config.json, tokenizer) besides the shards, which vLLM loads too.
+CHECKPOINT_FORMAT = 2
+
+
+def write_model_files(model: str, cfg, out: str) -> list[str]:
+    """The checkpoint's model directory files: a preset's (frmps model init: Qwen2.5's
+    config.json and the local tokenizer, what `frmps serve --engine vllm` reads), or
+    for other reference shapes (the tiny test model) a Qwen2 config.json of that shape."""
+    from frmps_engine import modeldir
+
+    try:
+        modeldir.config_json(model)
+    except ValueError:
+        s = cfg.shape
+        os.makedirs(out, exist_ok=True)
+        conf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+                "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+                "num_hidden_layers": s.num_layers, "num_attention_heads": s.num_heads,
+                "num_key_value_heads": s.num_kv_heads, "vocab_size": s.vocab_size,
+                "max_position_embeddings": s.max_position_embeddings, "rms_norm_eps": s.rms_norm_eps,
+                "rope_theta": s.rope_theta, "tie_word_embeddings": s.tie_word_embeddings,
+                "torch_dtype": cfg.dtype, "use_sliding_window": False}
+        if s.head_dim:
+            conf["head_dim"] = s.head_dim
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(conf, f, indent=2, sort_keys=True)
+        return ["config.json"]
+    modeldir.write(model, out)
+    return sorted(os.listdir(out))
+
+
 def run_write_checkpoint(args) -> int:
     import torch
     from safetensors.torch import save_file
@@ -386,7 +330,7 @@ def run_write_checkpoint(args) -> int:
     init_dummy(cfg, params)  # the same seeded weights the engines generate
     sync(cfg.device)
     tmp = args.out.rstrip("/") + f".tmp-{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
+    model_files = write_model_files(args.model, cfg, tmp)
     shard: dict = {}
     shard_bytes = 0
     files: list[str] = []
@@ -401,8 +345,10 @@ def run_write_checkpoint(args) -> int:
         with open(path, "rb") as f:
             os.fsync(f.fileno())  # clean pages: dropping them from the page cache later works
         files.append(os.path.basename(path))
+        weight_map.update({name: files[-1] for name in shard})
         shard, shard_bytes = {}, 0
 
+    weight_map: dict[str, str] = {}
     for name, t in hf_tensors(cfg, params):
         c = t.to("cpu").contiguous()
         shard[name] = c
@@ -411,7 +357,11 @@ def run_write_checkpoint(args) -> int:
         if shard_bytes >= args.shard_bytes:
             flush()
     flush()
-    meta = {"model": args.model, "seed": args.seed, "dtype": cfg.dtype, "device_kind": "cpu" if cfg.device == "cpu" else "cuda",
+    # The shards' index, as Hugging Face writes it: loaders (vLLM's, transformers') read it.
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
+    meta = {"format": CHECKPOINT_FORMAT, "model_files": model_files,
+            "model": args.model, "seed": args.seed, "dtype": cfg.dtype, "device_kind": "cpu" if cfg.device == "cpu" else "cuda",
             "bytes": total, "files": files, "evicted": evicted, "written_unix": time.time(), "write_s": round(time.perf_counter() - t0, 2)}
     with open(os.path.join(tmp, "frmps-checkpoint.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -456,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--then-steps", type=int, default=0, help="cold: decode steps after the first token")
     p.add_argument("--out", default="", help="write-checkpoint: target directory")
     p.add_argument("--shard-bytes", type=int, default=4 << 30)
-    p.add_argument("--engine", default="ref", help="sync-overhead: ref or vllm")
+    p.add_argument("--engine", default="ref", choices=["ref", "vllm"],
+                   help="victim, sleep, cold, sync-overhead: the reference engine or vLLM (vllm_baseline.py)")
     p.add_argument("--memory", default="", help="sync-overhead: the pools' memory backend (default host-shm on the "
                                                  "CPU, cuda-vmm on a GPU, as frmps serve)")
     p.add_argument("--workdir", default="", help="sync-overhead: scratch files")
@@ -476,7 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.role != "context":  # the same cuBLAS workspace as the served engine (a bare context has none)
+    args.t_process = T_PROCESS
+    # The same cuBLAS workspace as the served reference engine (a bare context has none; vLLM
+    # keeps its own defaults).
+    if args.role != "context" and not (args.engine == "vllm" and args.role in ("victim", "sleep", "cold")):
         from frmps_engine.refengine.config import apply_cuda_env
 
         apply_cuda_env(args.device)

@@ -39,6 +39,15 @@ def gb(model: str) -> float:
     return WEIGHTS_GB.get(model, 0.05)
 
 
+# Seconds a vLLM engine takes to start beyond the reference engine's (torch.compile, graph
+# capture, profiling; 35-61 s on the H100 for 0.5B): only for time estimates (the budget).
+VLLM_START_S = 60.0
+
+
+def engine_start(a) -> float:
+    return VLLM_START_S if a.engine == "vllm" else 0.0
+
+
 def csv_list(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
@@ -57,10 +66,35 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 # ----------------------------------------------------------------------------- deployments and faults
 
 
-def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str] | None = None,
-               num_blocks: int = 0, max_model_len: int = 0) -> ServeOpts:
+# KV blocks of a vLLM deployment when --num-blocks is not given (vLLM's adapter needs the
+# count: both engines must have the same one), as bench/gpu/session.sh runs them.
+VLLM_BLOCKS = {"qwen2.5-14b": 1536}
+VLLM_BLOCKS_DEFAULT = 2048
+VLLM_MAX_MODEL_LEN = 4096
+
+
+def engine_key(a) -> dict:
+    """The engine in a point's key: none for the reference engine (keys as before there
+    was a second engine, so earlier result files resume), {"engine": ...} otherwise."""
+    return {"engine": a.engine} if a.engine != "ref" else {}
+
+
+def engine_shape(ctx: Ctx, model: str, num_blocks: int = 0, max_model_len: int = 0) -> tuple[int, int]:
+    """(KV blocks, context) of the engines for `model`: what the experiment asks, else
+    --num-blocks / --max-model-len, else the engine's default (0 for the reference
+    engine, which sizes itself; the vLLM adapter needs both)."""
     a = ctx.args
-    env = {}
+    nb, mml = num_blocks or a.num_blocks, max_model_len or a.max_model_len
+    if a.engine == "vllm":
+        nb = nb or VLLM_BLOCKS.get(model, VLLM_BLOCKS_DEFAULT)
+        mml = mml or VLLM_MAX_MODEL_LEN
+    return nb, mml
+
+
+def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str] | None = None,
+               num_blocks: int = 0, max_model_len: int = 0, env: dict[str, str] | None = None) -> ServeOpts:
+    a = ctx.args
+    env = dict(env or {})
     if ctx.cpu:
         # CPU check: slow each engine step so a kill lands at the chosen token (FRMPS_TEST_STEP_DELAY_MS
         # is the engine's test knob; never set on the GPU).
@@ -68,9 +102,10 @@ def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str]
     eargs = list(engine_args or [])
     if a.max_num_seqs:
         eargs.append(f"--max-num-seqs={a.max_num_seqs}")
+    nb, mml = engine_shape(ctx, model, num_blocks, max_model_len)
     return ServeOpts(frmps=a.frmps, python=a.python, model=model, device=a.device, memory=a.memory, mps=a.mps,
-                     sync_every=sync_every, num_blocks=num_blocks or a.num_blocks,
-                     max_model_len=max_model_len or a.max_model_len, engine_args=eargs, env=env)
+                     sync_every=sync_every, num_blocks=nb, max_model_len=mml, engine_args=eargs, env=env,
+                     engine=a.engine)
 
 
 class Deployments:
@@ -94,7 +129,8 @@ class Deployments:
         self.close()
 
     def estimate_start(self) -> float:
-        return 4.0 if self.ctx.cpu else 15.0 + 0.3 * gb(self.opts.model)
+        extra = 2 * VLLM_START_S if self.opts.engine == "vllm" else 0.0  # two engines, one after the other
+        return 4.0 if self.ctx.cpu else 15.0 + 0.3 * gb(self.opts.model) + extra
 
     def get(self) -> Deployment:
         if self.dep is not None:
@@ -184,7 +220,8 @@ def rig_for(ctx: Ctx, model: str, engine_args: list[str]) -> BaselineRig:
         eargs += ["--max-num-seqs", str(a.max_num_seqs)]
     if a.baseline_exact:
         eargs += ["--exact", "1"]
-    rig = BaselineRig(a.frmps, a.python, a.device, a.mps, a.faults_dir, a.fault, a.workdir, eargs, ctx.cleanup, ctx.log)
+    rig = BaselineRig(a.frmps, a.python, a.device, a.mps, a.faults_dir, a.fault, a.workdir, eargs, ctx.cleanup, ctx.log,
+                      engine=a.engine)
     if ctx.cpu:  # the victim decodes at the pace of the CPU check's frmps engines
         rig.victim_env["FRMPS_TEST_STEP_DELAY_MS"] = str(a.cpu_step_delay_ms)
     return rig
@@ -211,8 +248,17 @@ def drop_arrivals(r: dict) -> dict:
 
 
 def no_kv_args(ctx: Ctx) -> list[str] | None:
-    """Engine flag for the ablation (the standby ignores the snapshot's KV), or None if the engine lacks it."""
+    """Engine flag for the ablation (the standby ignores the snapshot's KV), or None if the engine lacks it
+    (the vLLM adapter refuses it: the ablation is the reference engine's)."""
+    if ctx.args.engine != "ref":
+        return None
     return ["--no-kv-reuse"] if engine_supports(ctx.args.python, "--no-kv-reuse") else None
+
+
+def no_kv_why(ctx: Ctx) -> str:
+    if ctx.args.engine != "ref":
+        return f"--engine {ctx.args.engine}: the no-KV ablation (--no-kv-reuse) is the reference engine's"
+    return "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)"
 
 
 def describe_recovery(d: dict) -> str:
@@ -288,9 +334,10 @@ class Recovery(Experiment):
         for m in _models(a, GPU_MODELS):
             for s in systems:
                 if s == "cold":
-                    keys += [{"model": m, "system": s, "cache": c, "trial": 0} for c in csv_list(a.cold_cache)]
+                    keys += [{"model": m, "system": s, "cache": c, "trial": 0, **engine_key(a)}
+                             for c in csv_list(a.cold_cache)]
                 else:
-                    keys += [{"model": m, "system": s, "trial": t} for t in range(a.trials)]
+                    keys += [{"model": m, "system": s, "trial": t, **engine_key(a)} for t in range(a.trials)]
         return keys
 
     def run(self, ctx):
@@ -298,7 +345,7 @@ class Recovery(Experiment):
         plan = self.plan(a)
         for model in _models(a, GPU_MODELS):
             prompt = prompt_ids(a.prompt_len, 1)
-            eargs = shape_args(a.num_blocks, a.max_model_len)
+            eargs = shape_args(*engine_shape(ctx, model))
             keys = [k for k in plan if k["model"] == model]
             fk = ctx.results.pending([k for k in keys if k["system"] == "frmps"])
             if fk:
@@ -318,7 +365,7 @@ class Recovery(Experiment):
     @staticmethod
     def _sleep_only(ctx, model, keys, reqs, eargs):
         rig = rig_for(ctx, model, eargs)
-        ctx.budget.check(10 + 0.6 * gb(model), f"starting the sleep-only standby ({model})")
+        ctx.budget.check(10 + 0.6 * gb(model) + engine_start(ctx.args), f"starting the sleep-only standby ({model})")
         try:
             sb, ready = rig.start_sleep_standby(model)
         except Exception as e:
@@ -328,7 +375,7 @@ class Recovery(Experiment):
             for key in keys:
                 ctx.run_point(key, lambda: {**drop_arrivals(rig.trial("sleep-only", model, reqs, 1, standby=sb)),
                                             "standby_init_s": ready.get("init_s")},
-                              10 + 0.2 * gb(model), describe_recovery)
+                              10 + 0.2 * gb(model) + engine_start(ctx.args), describe_recovery)
         finally:
             sb.close()
 
@@ -355,7 +402,7 @@ class Recovery(Experiment):
                 r["checkpoint"]["files"] = len(meta.get("files") or [])
                 return r
 
-            ctx.run_point(key, point, 15 + 1.0 * gb(model), describe_recovery)
+            ctx.run_point(key, point, 15 + 1.0 * gb(model) + 2 * engine_start(a), describe_recovery)
 
 
 # ----------------------------------------------------------------------------- 2. prompt length
@@ -382,7 +429,7 @@ class PromptLength(Experiment):
         a.kill_after = a.kill_after or a.sync_every
 
     def plan(self, a):
-        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "prompt_len": n, "trial": t}
+        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "prompt_len": n, "trial": t, **engine_key(a)}
                 for s in csv_list(a.systems) for n in int_list(a.lengths) for t in range(a.trials)]
 
     def run(self, ctx):
@@ -398,7 +445,7 @@ class PromptLength(Experiment):
             if system == "frmps-no-kv":
                 eargs = no_kv_args(ctx)
                 if eargs is None:
-                    ctx.unsupported(keys, "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)")
+                    ctx.unsupported(keys, no_kv_why(ctx))
                     continue
             opts = serve_opts(ctx, model, a.sync_every, eargs, max_model_len=max(mml, a.max_model_len))
             with Deployments(ctx, opts, f"plen-{system}") as deps:
@@ -428,7 +475,7 @@ class SinceSync(Experiment):
             a.ks = "1,16" if a.device == "cpu" else "1,16,128" if a.quick else "1,2,4,8,16,32,64,128"
 
     def plan(self, a):
-        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "k": k, "trial": t}
+        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "k": k, "trial": t, **engine_key(a)}
                 for s in csv_list(a.systems) for k in int_list(a.ks) for t in range(a.trials)]
 
     def run(self, ctx):
@@ -442,7 +489,7 @@ class SinceSync(Experiment):
             if system == "frmps-no-kv":
                 n, eargs = 16, no_kv_args(ctx)
                 if eargs is None:
-                    ctx.unsupported(keys, "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)")
+                    ctx.unsupported(keys, no_kv_why(ctx))
                     continue
             elif system.startswith("frmps-n") and system[7:].isdigit():
                 n = int(system[7:])
@@ -504,7 +551,7 @@ class SyncOverhead(Experiment):
                     proc.close()
                 return {k: v for k, v in ev.items() if k not in ("ev", "rt")}
 
-            ctx.run_point(key, point, 30 + 3 * gb(model),
+            ctx.run_point(key, point, 30 + 3 * gb(model) + (VLLM_START_S if engine == "vllm" and not ctx.cpu else 0),
                           lambda d: f"batch {d.get('batch')}, {len(d.get('trials', []))} trials, publish {d.get('publish')}")
 
 
@@ -632,8 +679,8 @@ class Outage(Experiment):
         return {"lengths": a.lengths, "prompt": describe_lengths(pd), "output": describe_lengths(od)}
 
     def plan(self, a):
-        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "trial": t} for s in csv_list(a.systems)
-                for t in range(a.trials)]
+        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "trial": t, **engine_key(a)}
+                for s in csv_list(a.systems) for t in range(a.trials)]
 
     def _blocks(self, a) -> int:
         """KV blocks for the load: the frmps streams (prompt + output) and the sleep-only
@@ -659,7 +706,7 @@ class Outage(Experiment):
             if system == "frmps-no-kv":
                 eargs = no_kv_args(ctx)
                 if eargs is None:
-                    ctx.unsupported(keys, "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)")
+                    ctx.unsupported(keys, no_kv_why(ctx))
                     continue
             n = 16 if system == "frmps-n16" else 1
             pd, od = self.length_dists(a)
@@ -723,9 +770,9 @@ class Outage(Experiment):
         kill_at = min(a.fault_at, 2.0)
         pd, _ = self.length_dists(a)
         mml = max(a.max_model_len, -(-(pd.hi + int(kill_at * 150) + 64) // 256) * 256)
-        eargs = shape_args(nb, mml)
+        eargs = shape_args(*engine_shape(ctx, model, nb, mml))
         rig = rig_for(ctx, model, eargs)
-        ctx.budget.check(10 + 0.6 * gb(model), "starting the sleep-only standby")
+        ctx.budget.check(10 + 0.6 * gb(model) + engine_start(a), "starting the sleep-only standby")
         try:
             sb, ready = rig.start_sleep_standby(model)
         except Exception as e:
@@ -752,7 +799,7 @@ class Outage(Experiment):
                     r["standby_init_s"] = ready.get("init_s")
                     return r
 
-                ctx.run_point(key, point, a.duration + 30 + 0.2 * gb(model),
+                ctx.run_point(key, point, a.duration + 30 + 0.2 * gb(model) + engine_start(a),
                               lambda d: f"outage {fmt_s(d.get('outage_s'))} (sleep-only, in process)")
         finally:
             sb.close()
@@ -772,7 +819,7 @@ class StandbyMemory(Experiment):
         p.add_argument("--settle-s", type=float, default=2.0)
 
     def plan(self, a):
-        return [{"model": m} for m in _models(a, GPU_MODELS)]
+        return [{"model": m, **engine_key(a)} for m in _models(a, GPU_MODELS)]
 
     def _mem(self, ctx, pid: int) -> float | None:
         if ctx.cpu:
@@ -798,7 +845,7 @@ class StandbyMemory(Experiment):
                         res["apps"] = {str(k): v for k, v in nvidia_smi_apps().items()}
                 finally:
                     dep.stop()
-                rig = rig_for(ctx, model, shape_args(a.num_blocks, a.max_model_len))
+                rig = rig_for(ctx, model, shape_args(*engine_shape(ctx, model)))
                 c = EngineProc("context", a.python, ["--device", a.device], rig.outside_env, rig.logfile("context"),
                                ctx.cleanup)
                 try:
@@ -820,7 +867,7 @@ class StandbyMemory(Experiment):
                 res["overhead_mib"] = round(res["standby_mib"] - res["context_mib"], 1)
                 return res
 
-            ctx.run_point(key, point, 40 + 1.0 * gb(model),
+            ctx.run_point(key, point, 40 + 1.0 * gb(model) + 3 * engine_start(a),
                           lambda d: f"standby {d.get('standby_mib')} MiB, context {d.get('context_mib')} MiB")
 
 
@@ -838,13 +885,20 @@ class Correctness(Experiment):
         p.add_argument("--sync-every", type=int, default=1, help="frmps serve's --sync-every (its default: 1)")
         p.add_argument("--prompt-len", type=int, default=16)
         p.add_argument("--tail-tokens", type=int, default=32)
+        p.add_argument("--batch-invariant", action="store_true",
+                       help="--engine vllm: run the engines with vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1; "
+                            "the reference engine's exact mode is its own)")
 
     def defaults(self, a):
         if not a.ks:
             a.ks = "1,16" if a.device == "cpu" else "1,32,1024" if a.quick else "1,2,4,8,16,32,64,128,256,512,1024"
 
     def plan(self, a):
-        return [{"model": _model(a, "qwen2.5-0.5b"), "k": k, "trial": t} for k in int_list(a.ks) for t in range(a.trials)]
+        extra = engine_key(a)
+        if a.batch_invariant:
+            extra["batch_invariant"] = True
+        return [{"model": _model(a, "qwen2.5-0.5b"), "k": k, "trial": t, **extra} for k in int_list(a.ks)
+                for t in range(a.trials)]
 
     def run(self, ctx):
         a = ctx.args
@@ -854,10 +908,11 @@ class Correctness(Experiment):
             return
         # Exact mode is the GPU default; name it anyway. On the CPU the float32 engine is
         # batch-invariant by itself.
-        exact = not ctx.cpu and engine_supports(a.python, "--exact")
+        exact = a.engine == "ref" and not ctx.cpu and engine_supports(a.python, "--exact")
         eargs = ["--exact"] if exact else []
+        env = {"VLLM_BATCH_INVARIANT": "1"} if a.batch_invariant else {}
         mml = max(a.max_model_len, -(-(a.prompt_len + max(int_list(a.ks)) + a.tail_tokens + 16) // 256) * 256)
-        with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml), "correct") as deps:
+        with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml, env=env), "correct") as deps:
             for key in keys:
                 ctx.run_point(key, lambda key=key: frmps_point(
                                   ctx, deps, lambda dep, trig: self._measure(ctx, dep, trig, model, key, exact)),
@@ -889,7 +944,9 @@ class Correctness(Experiment):
                "first_diff": [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
                               if x != y else None for x, y in zip(ref_ids, got)],
                "lengths": [len(g) for g in got],
-               "exact_mode": "on" if exact else ("off (CPU float32, batch-invariant)" if ctx.cpu else "unsupported by the engine"),
+               "exact_mode": ("on" if exact else "off (CPU float32, batch-invariant)" if ctx.cpu else
+                              f"vLLM, VLLM_BATCH_INVARIANT={'1' if a.batch_invariant else '0'}" if a.engine == "vllm"
+                              else "unsupported by the engine"),
                "failover": {kk: r.get(kk) for kk in ("recovery_s", "reused_tokens", "prefilled_tokens", "record")}}
         return out
 

@@ -304,7 +304,7 @@ def measure(served: Served, args, batch: int, total_steps: int, ring_path: str) 
 
 
 def run(args) -> int:
-    from frmps_engine.bench.baseline_engine import emit, sync
+    from .engine_io import emit, sync
 
     sync_list = parse_sync_list(args.sync_list)
     n_trials = len(trial_order(sync_list, args.reps))
