@@ -134,6 +134,8 @@ def capture_env(python: str, frmps: str | None, device: str) -> dict:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device, "driver_python": sys.version.split()[0], "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "commit": git_commit(),
+        # Other work on the machine when the run started (1, 5, 15 min): CPU figures depend on it.
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
     try:
         with open("/proc/cpuinfo") as f:
