@@ -573,7 +573,8 @@ def md_env(runs: list[dict]) -> str:
         e = r.get("env") or {}
         eng = e.get("engine") or {}
         smi = e.get("nvidia_smi") or {}
-        desc = (f"{smi.get('name') or eng.get('gpu') or 'CPU'}, driver {smi.get('driver', '–')}, CUDA {eng.get('torch_cuda') or '–'}, "
+        cuda = "–" if r.get("cpu_check") else eng.get("torch_cuda") or "–"
+        desc = (f"{smi.get('name') or eng.get('gpu') or 'CPU'}, driver {smi.get('driver', '–')}, CUDA {cuda}, "
                 f"torch {eng.get('torch', '–')}, Python {eng.get('python', '–')}, commit {str(e.get('commit') or '–')[:12]}")
         if r.get("cpu_check"):
             desc += " — **CPU check of the harness, not a measurement**"
