@@ -3,7 +3,9 @@
  * It compiles only if every constant, type, struct layout and function-pointer
  * type matches; main() then prints a summary. Built by interceptor_check.sh
  * with the generated cuda_decls_renamed.h (our types, every CUDA name prefixed
- * with ours_, so both sets coexist in one translation unit). */
+ * with ours_, so both sets coexist in one translation unit). The Python
+ * declarations of the bench's sleep-only baseline are checked against
+ * cuda_decls.h by vllmpatch/tests/test_sleep_memory.py. */
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <stddef.h>

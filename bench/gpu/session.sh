@@ -3,6 +3,7 @@
 # line to $OUT/summary.txt; a failed stage does not stop the next one.
 #
 #   OUT=<dir> bench/gpu/session.sh prep ref-failback:qwen2.5-14b:20:330 vllm-failback:qwen2.5-0.5b:10:300 pack
+#   OUT=<dir> bench/gpu/session.sh prep bench:vllm:recovery:qwen2.5-0.5b:500 bench:ref:recovery:qwen2.5-0.5b pack
 #
 # Stages:
 #   prep                               environment, builds (interceptor, fault triggers), commit
@@ -11,6 +12,11 @@
 #                                      timeout seconds (default budget + 330)
 #   vllm-failback:<model>:<n>:<budget>[:<timeout>] the same with --engine vllm on a `frmps model init` directory
 #   vllm-tp:<model>:<batches>[:<timeout>] bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone; default 300 s)
+#   bench:<engine>:<experiment>:<models>[:<budget>]  `frmps bench <experiment> --engine <engine>` (ref, vllm; for
+#                                      sync-overhead also ref+vllm: both engines in one run) on <models> (comma list),
+#                                      results appended to $RESULTS (default $OUT/bench-results: one folder for the
+#                                      session, both engines side by side; a re-run resumes), --budget <budget> s
+#                                      (default 540); the stage is killed 60 s after its budget
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
@@ -20,6 +26,7 @@ set -u
 OUT=${OUT:-bench/build/session}
 VLSITE=${VLSITE:-}
 WORK=/tmp/frmps-session
+RESULTS=${RESULTS:-$OUT/bench-results}
 mkdir -p "$OUT" "$WORK"
 S=$OUT/summary.txt
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$S"; }
@@ -73,6 +80,26 @@ stage_failback() {  # engine model n budget [timeout]
     tail -n 25 "$WORK/$engine-$model.out" >> "$S"
 }
 
+stage_bench() {  # engine experiment models [budget]
+    local engine=$1 exp=$2 models=$3 budget=${4:-540} sel=() eng=()
+    vllm_env
+    case "$exp" in
+        recovery|sync-overhead|standby-memory) sel=(--models "$models") ;;
+        *) sel=(--model "$models") ;;
+    esac
+    case "$engine" in
+        ref+vllm) eng=(--engines ref,vllm) ;;  # sync-overhead: both engines in one run
+        *) eng=(--engine "$engine") ;;
+    esac
+    mkdir -p "$RESULTS"
+    log "bench $engine $exp $models (budget ${budget}s) -> $RESULTS"
+    timeout $((budget + 60)) bin/frmps bench --python python3 "$exp" "${eng[@]}" "${sel[@]}" --budget "$budget" \
+        --out "$RESULTS" --workdir "$WORK/bench-$engine-$exp" --faults-dir bench/build/faults --no-plots \
+        > "$WORK/bench-$engine-$exp.out" 2>&1
+    log "bench $engine $exp: rc=$? (0 done, 2 a point failed, 3 stopped by the budget: run the stage again)"
+    tail -n 12 "$WORK/bench-$engine-$exp.out" >> "$S"
+}
+
 stage_tp() {  # model batches [timeout]
     vllm_env
     local m
@@ -91,6 +118,7 @@ for st in "$@"; do
         ref-failback) stage_failback ref "$a" "$b" "$c" "$d" ;;
         vllm-failback) stage_failback vllm "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" ;;
+        bench) stage_bench "$a" "$b" "$c" "$d" ;;
         hang|shared-mps)
             f=bench/gpu/${name/-/_}_check.sh
             if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name timeout "${a:-300}" "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"

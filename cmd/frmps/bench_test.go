@@ -3,11 +3,15 @@ package main
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 )
 
 func TestBenchArgv(t *testing.T) {
@@ -103,5 +107,124 @@ func TestBenchPythonFromEnvironment(t *testing.T) {
 	}
 	if raw, err := os.ReadFile(argsFile); err != nil || !strings.Contains(string(raw), "list") {
 		t.Fatalf("FRMPS_PYTHON not used: %v %q", err, raw)
+	}
+}
+
+// fakeMPSControl is the mps package's test double of nvidia-cuda-mps-control.
+func fakeMPSControl(t *testing.T) string {
+	t.Helper()
+	bin, err := filepath.Abs(filepath.Join("..", "..", "supervisor", "mps", "testdata", "nvidia-cuda-mps-control"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bin
+}
+
+func runBenchMPS(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	cmd := newBenchCmd()
+	var out, errOut bytes.Buffer
+	cmd.SetOut(&out)
+	cmd.SetErr(&errOut)
+	cmd.SetArgs(append([]string{"mps"}, args...))
+	err := cmd.Execute()
+	if err != nil {
+		err = fmt.Errorf("%w (stderr: %s)", err, errOut.String())
+	}
+	return out.String(), err
+}
+
+func daemonPID(t *testing.T, pipeDir string) int {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(pipeDir, "nvidia-cuda-mps-control.pid"))
+	if err != nil {
+		return 0
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(raw)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pid
+}
+
+func TestBenchMPSStartPrintsTheClientEnvironmentAndStopEndsTheDaemon(t *testing.T) {
+	ctl := fakeMPSControl(t)
+	run := t.TempDir()
+	out, err := runBenchMPS(t, "start", "--run-dir", run, "--mps-control", ctl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pipe, logd := filepath.Join(run, "mps", "pipe"), filepath.Join(run, "mps", "log")
+	t.Cleanup(func() { _, _ = runBenchMPS(t, "stop", "--run-dir", run, "--mps-control", ctl) })
+	want := "CUDA_MPS_PIPE_DIRECTORY=" + pipe + "\nCUDA_MPS_LOG_DIRECTORY=" + logd + "\n"
+	if out != want {
+		t.Fatalf("start printed %q, want %q", out, want)
+	}
+	for _, d := range []string{filepath.Join(run, "mps"), pipe, logd} {
+		fi, err := os.Stat(d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !fi.IsDir() || fi.Mode().Perm() != 0o700 {
+			t.Fatalf("%s: mode %v; want a 0700 directory", d, fi.Mode())
+		}
+	}
+	pid := daemonPID(t, pipe)
+	if pid <= 0 || syscall.Kill(pid, 0) != nil {
+		t.Fatalf("no running daemon after start (pid %d)", pid)
+	}
+	if _, err := runBenchMPS(t, "stop", "--run-dir", run, "--mps-control", ctl); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for syscall.Kill(pid, 0) == nil && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if syscall.Kill(pid, 0) == nil {
+		t.Fatalf("daemon pid %d still alive after stop", pid)
+	}
+	// Nothing left to stop: not an error.
+	if _, err := runBenchMPS(t, "stop", "--run-dir", run, "--mps-control", ctl); err != nil {
+		t.Fatalf("second stop: %v", err)
+	}
+}
+
+func TestBenchMPSRefusesUnsafeOrMissingDirectories(t *testing.T) {
+	ctl := fakeMPSControl(t)
+	if _, err := runBenchMPS(t, "start", "--mps-control", ctl); err == nil || !strings.Contains(err.Error(), "--run-dir is required") {
+		t.Fatalf("no --run-dir: %v", err)
+	}
+	if _, err := runBenchMPS(t, "start", "--run-dir", filepath.Join(t.TempDir(), "missing"), "--mps-control", ctl); err == nil {
+		t.Fatal("a missing run dir was accepted")
+	}
+	// The daemon's directory planted as a symlink: the supervisor's check refuses it.
+	run, elsewhere := t.TempDir(), t.TempDir()
+	if err := os.Symlink(elsewhere, filepath.Join(run, "mps")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := runBenchMPS(t, "start", "--run-dir", run, "--mps-control", ctl); err == nil || !strings.Contains(err.Error(), "is not a directory") {
+		t.Fatalf("symlinked mps dir: %v", err)
+	}
+	if ents, _ := os.ReadDir(elsewhere); len(ents) != 0 {
+		t.Fatalf("start wrote through the symlink: %v", ents)
+	}
+	// An outside-MPS pipe dir with a control socket in it is a daemon's: refused.
+	run = t.TempDir()
+	out, err := runBenchMPS(t, "outside-env", "--run-dir", run)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pipe := filepath.Join(run, "mps-outside", "pipe")
+	if !strings.Contains(out, "CUDA_MPS_PIPE_DIRECTORY="+pipe+"\n") {
+		t.Fatalf("outside-env printed %q", out)
+	}
+	if fi, err := os.Stat(pipe); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("outside pipe dir: %v %v", err, fi)
+	}
+	if err := os.WriteFile(filepath.Join(pipe, "control"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := runBenchMPS(t, "outside-env", "--run-dir", run); err == nil || !strings.Contains(err.Error(), "has a control pipe") {
+		t.Fatalf("outside pipe dir with a daemon's control socket: %v", err)
 	}
 }

@@ -284,3 +284,20 @@ def test_python_reader_never_crashes(tmp_path_factory, data, cursor, flips):
         for s in r.snapshot.values():
             assert s.num_computed <= len(s.tokens) and s.num_prompt <= len(s.tokens)
     r.close()
+
+
+@pytest.mark.parametrize("n_tokens", [40_000, 40_001])
+def test_large_record_grows_the_scratch_to_whole_words(tmp_path, n_tokens):
+    """A record more than twice the writer's scratch buffer, of any length (here with an
+    odd number of 4-byte columns), is published and read back whole."""
+    p = str(tmp_path / "ring")
+    create_ring(p, 1 << 20)
+    r = RingReader(p)
+    with RingWriter.attach(p) as w:
+        tokens = [i % 50_000 for i in range(n_tokens)]
+        w.publish(7, [RequestDelta(key=1, seed=2, num_computed=n_tokens, num_prompt=5, reset=True,
+                                   blocks=[3], tokens=tokens)], full=True)
+        r.poll()
+        (e,) = r.records[-1].entries
+        assert (e.key, e.num_computed, e.blocks, e.tokens) == (1, n_tokens, [3], tokens)
+    r.close()

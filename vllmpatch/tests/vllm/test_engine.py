@@ -5,40 +5,14 @@ model executor."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
-from vhelpers import FakeModel, fake_token, make_scheduler, make_vllm_config, write_tiny_model
+from vhelpers import SchedulerCore, fake_token, make_scheduler, make_vllm_config, write_tiny_model
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
-
-
-@dataclass
-class SchedulerCore:
-    """Test double for vllm.v1.engine.core.EngineCore: same methods the adapter uses."""
-
-    scheduler: object
-    model: FakeModel = field(default_factory=FakeModel)
-    request_block_hasher: object = None
-
-    def add_request(self, request):
-        self.scheduler.add_request(request)
-
-    def abort_requests(self, ids):
-        from vllm.v1.request import RequestStatus
-
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-
-    def step(self):
-        if not self.scheduler.has_requests():
-            return {}, False
-        so = self.scheduler.schedule()
-        outs = self.scheduler.update_from_output(so, self.model.run(self.scheduler, so))
-        return outs, so.total_num_scheduled_tokens > 0
 
 
 class CharTokenizer:

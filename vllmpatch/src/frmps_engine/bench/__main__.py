@@ -31,7 +31,10 @@ import sys
 import time
 
 from . import report
-from .common import Budget, BudgetExhausted, Cleanup, Ctx, Progress, ResultFile, capture_env, default_out_dir, new_run_id
+from .envinfo import capture_env, default_out_dir, new_run_id, repo_root
+from .procs import Cleanup
+from .results import ResultFile
+from .runctx import Budget, BudgetExhausted, Ctx, Progress
 from .experiments import EXPERIMENTS, by_name_or_number
 
 
@@ -39,15 +42,22 @@ def _default_frmps() -> str:
     env = os.environ.get("FRMPS_BIN")
     if env:
         return env
-    from .common import repo_root
-
     built = os.path.join(repo_root(), "bin", "frmps")
     return built if os.access(built, os.X_OK) else (shutil.which("frmps") or "frmps")
 
 
-def common_args(p: argparse.ArgumentParser) -> None:
-    from .common import repo_root
+def portable_path(v):
+    """Paths in a run's record relative to the repository (<repo>/...) or the home
+    directory (~/...): result folders are committed and read on other machines."""
+    if not isinstance(v, str) or os.path.sep not in v:
+        return v
+    for base, name in ((repo_root(), "<repo>"), (os.path.expanduser("~"), "~")):
+        if base and base != os.path.sep and (v == base or v.startswith(base + os.path.sep)):
+            return name + v[len(base):]
+    return v
 
+
+def common_args(p: argparse.ArgumentParser) -> None:
     root = repo_root()
     g = p.add_argument_group("common options")
     g.add_argument("--out", default="", help="results directory (default bench/results/<date>-<gpu>; --cpu: bench/build/bench-cpu)")
@@ -56,6 +66,9 @@ def common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     g.add_argument("--cpu", action="store_true", help="CPU check of the harness: --device cpu, tiny model, no MPS, SIGKILL")
     g.add_argument("--no-mps", action="store_true", help="GPU without MPS: SIGKILL the victim instead of an MPS-client fault")
+    g.add_argument("--engine", default="ref", choices=["ref", "vllm"],
+                   help="the engine frmps serve and the baselines run (vllm: the vLLM adapter, vLLM's own sleep mode "
+                        "and cold start)")
     g.add_argument("--memory", default="", help="frmps serve --memory (default cuda-vmm on the GPU, host-shm on the CPU)")
     g.add_argument("--quick", action="store_true", help="fewer points and trials")
     g.add_argument("--budget", type=float, default=0, help="stop before work that would end later than this many seconds")
@@ -110,9 +123,19 @@ def normalise(args) -> None:
     os.makedirs(args.workdir, exist_ok=True)
 
 
-def preflight(args, faults: bool) -> list[str]:
+def preflight(args, faults: bool, experiment: str = "") -> list[str]:
     """What is missing before anything starts (a clear message instead of N failed points)."""
     probs = []
+    engines = set(getattr(args, "engines", "") and args.engines.split(",") or [args.engine])
+    if "vllm" in engines:
+        if args.device == "cpu" and experiment != "sync-overhead":
+            probs.append("--engine vllm needs a GPU: vLLM builds no engine on the CPU (the CPU check runs the "
+                         "harness with --engine ref; sync-overhead runs vLLM's scheduler on the CPU)")
+        else:
+            from .baselines import python_has_module
+
+            if not python_has_module(args.python, "vllm"):
+                probs.append(f"--engine vllm: {args.python} cannot import vllm (pass --python, or PYTHONPATH)")
     if not (os.access(args.frmps, os.X_OK)):
         probs.append(f"frmps binary not found: {args.frmps} (build it: make go-build, or pass --frmps)")
     if args.mps and shutil.which("nvidia-cuda-mps-control") is None:
@@ -131,7 +154,7 @@ def run_experiment(args) -> int:
     exp.defaults(args)
     if not args.max_num_seqs and exp.name != "sync-overhead":
         args.max_num_seqs = exp.default_max_num_seqs(args)
-    probs = preflight(args, exp.faults)
+    probs = preflight(args, exp.faults, exp.name)
     if probs:
         for pr in probs:
             print(f"frmps bench: {pr}", file=sys.stderr)
@@ -145,9 +168,11 @@ def run_experiment(args) -> int:
               progress=Progress(exp.name, len(pending)), cleanup=cleanup)
     mode = "CPU check of the harness (not a measurement)" if args.device == "cpu" else f"{args.device}, MPS {'on' if args.mps else 'off'}"
     ctx.log(f"{exp.title}; {len(plan)} points planned, {len(plan) - len(pending)} already in {results.path}; {mode}")
-    run = {"run_id": run_id, "experiment": exp.name, "argv": sys.argv[1:], "started_unix": time.time(),
-           "cpu_check": args.device == "cpu", "mps": args.mps, "fault": args.fault if args.mps else "SIGKILL",
-           "options": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool)) and k != "cmd"}}
+    run = {"run_id": run_id, "experiment": exp.name, "argv": [portable_path(a) for a in sys.argv[1:]],
+           "started_unix": time.time(), "cpu_check": args.device == "cpu", "mps": args.mps,
+           "fault": args.fault if args.mps else "SIGKILL",
+           "options": {k: portable_path(v) for k, v in vars(args).items()
+                       if isinstance(v, (str, int, float, bool)) and k != "cmd"}}
     stopped = None
 
     def on_term(signum, _frame):

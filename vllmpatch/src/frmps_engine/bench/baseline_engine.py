@@ -10,7 +10,8 @@ model and weights as `frmps serve`):
   context           a bare CUDA context (torch initialised, one tiny allocation): the reference
                     for the standby's memory overhead
   write-checkpoint  writes the model's dummy weights as a sharded safetensors checkpoint
-  sync-overhead     decode throughput with a ring sync every N steps, in one process
+  sync-overhead     step time with the engine loop publishing to the ring every N steps, and
+                    without, in one process (sync_overhead.py)
 
 Protocol: JSON lines. Commands on stdin (victim, sleep); events on stdout, each
 with "ev" and "t" (time.time() when the event happened in this process).
@@ -24,41 +25,14 @@ T_PROCESS = time.time()  # before the heavy imports: the cold restart's import c
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import queue  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
 
-_out_lock = threading.Lock()
-
-
-def emit(ev: str, **kw) -> None:
-    kw.setdefault("t", time.time())
-    line = json.dumps({"ev": ev, **kw}, separators=(",", ":"))
-    with _out_lock:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-
-def die_on_device_error(e: BaseException) -> None:
-    """A CUDA error is sticky: report it and exit at once, like an engine does."""
-    from frmps_engine.sdk.loop import is_device_error
-
-    if is_device_error(e):
-        try:
-            emit("fault", error=str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
-        finally:
-            os._exit(3)
-
-
-def sync(device: str) -> None:
-    if device != "cpu":
-        import torch
-
-        torch.cuda.synchronize()
-
+from frmps_engine.bench.engine_io import (decode_more, die_on_device_error, emit, read_commands, recover,  # noqa: E402
+                                          serve_victim, sync)
 
 def make_cfg(args, **over):
     from frmps_engine.refengine import EngineConfig
@@ -91,33 +65,20 @@ def sampling(r: dict):
                           seed=r.get("seed"), ignore_eos=True)
 
 
-def read_commands(q: queue.Queue) -> None:
-    for line in sys.stdin:
-        line = line.strip()
-        if line:
-            try:
-                q.put(json.loads(line))
-            except json.JSONDecodeError as e:
-                emit("error", error=f"bad command: {e}")
-    q.put({"cmd": "eof"})
-
-
 # ----------------------------------------------------------------------------- victim
 
 
-def step_delay() -> float:
-    """FRMPS_TEST_STEP_DELAY_MS: the engines' test knob (CPU checks slow every step so that
-    kill points land on time); the bench sets it for the victim too on the CPU, never on the GPU."""
-    try:
-        return max(0.0, float(os.environ.get("FRMPS_TEST_STEP_DELAY_MS", "0") or 0) / 1000)
-    except ValueError:
-        return 0.0
-
-
 def run_victim(args) -> int:
-    from frmps_engine.refengine import RefCore
+    if args.engine == "vllm":
+        from .vllm_baseline import build, sampling as vllm_sampling
 
-    delay = step_delay()
+        try:
+            core = build(args, load_format="dummy")
+        except Exception as e:
+            die_on_device_error(e)
+            raise
+        return serve_victim(core, vllm_sampling, args.t_process)
+    from frmps_engine.refengine import RefCore
 
     try:
         cfg = make_cfg(args)
@@ -128,77 +89,17 @@ def run_victim(args) -> int:
     except Exception as e:
         die_on_device_error(e)
         raise
-    emit("ready", pid=os.getpid(), init_s=round(time.time() - T_PROCESS, 3))
-    q: queue.Queue = queue.Queue()
-    threading.Thread(target=read_commands, args=(q,), daemon=True).start()
-    while True:
-        try:
-            while True:
-                cmd = q.get(block=not core.has_work())
-                if cmd["cmd"] in ("exit", "eof"):
-                    return 0
-                if cmd["cmd"] == "generate":
-                    for r in cmd["requests"]:
-                        core.add_request(int(r["key"]), r["prompt"], sampling(r))
-        except queue.Empty:
-            pass
-        try:
-            outs = core.step()
-        except Exception as e:
-            die_on_device_error(e)
-            raise
-        if delay:
-            time.sleep(delay)
-        t = time.time()
-        for o in outs:
-            if o.new_token_ids:
-                emit("tok", key=o.key, i=o.output_index, ids=list(o.new_token_ids), t=t)
-            if o.finished:
-                emit("finished", key=o.key, t=t)
+    return serve_victim(core, sampling, args.t_process)
 
 
 # ----------------------------------------------------------------------------- recovery (sleep, cold)
 
 
-def recover(core, requests: list[dict], device: str) -> dict:
-    """Adopt each request with no KV (prompt + delivered tokens recomputed in one
-    pass: the engine's own path for a request with no snapshot) and step until
-    every one has its next token. Emits first_token per request."""
-    for r in requests:
-        core.adopt_request(int(r["key"]), sampling(r), r["prompt"], len(r["prompt"]), 0, [], r.get("seed"),
-                           r.get("delivered", []))
-    waiting = {int(r["key"]) for r in requests}
-    first: dict[int, float] = {}
-    steps = 0
-    if not core.has_work():
-        raise RuntimeError("nothing to recover: every request had finished before the fault")
-    while waiting:
-        outs = core.step()
-        steps += 1
-        t = time.time()
-        for o in outs:
-            if o.key in waiting and o.new_token_ids:
-                first[o.key] = t
-                emit("first_token", key=o.key, i=o.output_index, ids=list(o.new_token_ids), t=t)
-                waiting.discard(o.key)
-        if not core.has_work() and waiting:
-            raise RuntimeError(f"requests {sorted(waiting)} had finished before the fault: nothing to recover")
-    return {"steps": steps, "first_token_unix": first}
-
-
-def decode_more(core, n_steps: int) -> None:
-    for _ in range(n_steps):
-        if not core.has_work():
-            break
-        t0 = time.time()
-        outs = core.step()
-        t = time.time()
-        for o in outs:
-            if o.new_token_ids:
-                emit("tok", key=o.key, i=o.output_index, ids=list(o.new_token_ids), t=t, step_s=round(t - t0, 6))
-
-
 def run_sleep(args) -> int:
+    if args.engine == "vllm":
+        from .vllm_baseline import run_sleep as run_vllm_sleep
+
+        return run_vllm_sleep(args)
     import torch
 
     from frmps_engine.refengine import RefCore, pool_layout
@@ -250,7 +151,7 @@ def run_sleep(args) -> int:
                 sync(args.device)
                 w3 = time.perf_counter()
                 awake = True
-                rec = recover(core, cmd["requests"], args.device)
+                rec = recover(core, cmd["requests"], sampling)
                 w4 = time.perf_counter()
                 emit("woke", received_unix=t_cmd, map_s=round(w1 - w0, 6), copy_weights_s=round(w2 - w1, 6),
                      zero_kv_s=round(w3 - w2, 6), prefill_s=round(w4 - w3, 6), total_s=round(w4 - w0, 6),
@@ -275,13 +176,25 @@ def run_cold(args) -> int:
     import torch
 
     t_import = time.time()
-    from frmps_engine.refengine import RefCore
-
     raw = args.requests
     if raw.startswith("@"):
         with open(raw[1:]) as f:
             raw = f.read()
     requests = json.loads(raw)
+    if args.engine == "vllm":
+        from .vllm_baseline import run_cold as run_vllm_cold
+
+        try:
+            r = run_vllm_cold(args, requests, T_PROCESS, t_import)
+            emit("recovered", **r["times"], steps=r["steps"])
+            decode_more(r["core"], args.then_steps)
+            emit("decoded")
+        except Exception as e:
+            die_on_device_error(e)
+            raise
+        return 0
+    from frmps_engine.refengine import RefCore
+
     try:
         times = {"python_start_to_main_s": round(t_import - T_PROCESS, 4)}
         t = time.perf_counter()
@@ -305,7 +218,7 @@ def run_cold(args) -> int:
             sync(args.device)
         times["warmup_s"] = round(time.perf_counter() - t, 4)
         t = time.perf_counter()
-        rec = recover(core, requests, args.device)
+        rec = recover(core, requests, sampling)
         times["prefill_s"] = round(time.perf_counter() - t, 4)
         times["process_start_to_first_token_s"] = round(max(rec["first_token_unix"].values()) - T_PROCESS, 4)
         emit("recovered", **times, steps=rec["steps"])
@@ -368,6 +281,37 @@ def make_room(root: str, need: int, keep: str) -> list[str]:
     return evicted
 
 
+# 2: a model directory (config.json, tokenizer) besides the shards, which vLLM loads too.
+CHECKPOINT_FORMAT = 2
+
+
+def write_model_files(model: str, cfg, out: str) -> list[str]:
+    """The checkpoint's model directory files: a preset's (frmps model init: Qwen2.5's
+    config.json and the local tokenizer, what `frmps serve --engine vllm` reads), or
+    for other reference shapes (the tiny test model) a Qwen2 config.json of that shape."""
+    from frmps_engine import modeldir
+
+    try:
+        modeldir.config_json(model)
+    except ValueError:
+        s = cfg.shape
+        os.makedirs(out, exist_ok=True)
+        conf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+                "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
+                "num_hidden_layers": s.num_layers, "num_attention_heads": s.num_heads,
+                "num_key_value_heads": s.num_kv_heads, "vocab_size": s.vocab_size,
+                "max_position_embeddings": s.max_position_embeddings, "rms_norm_eps": s.rms_norm_eps,
+                "rope_theta": s.rope_theta, "tie_word_embeddings": s.tie_word_embeddings,
+                "torch_dtype": cfg.dtype, "use_sliding_window": False}
+        if s.head_dim:
+            conf["head_dim"] = s.head_dim
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(conf, f, indent=2, sort_keys=True)
+        return ["config.json"]
+    modeldir.write(model, out)
+    return sorted(os.listdir(out))
+
+
 def run_write_checkpoint(args) -> int:
     import torch
     from safetensors.torch import save_file
@@ -386,7 +330,7 @@ def run_write_checkpoint(args) -> int:
     init_dummy(cfg, params)  # the same seeded weights the engines generate
     sync(cfg.device)
     tmp = args.out.rstrip("/") + f".tmp-{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
+    model_files = write_model_files(args.model, cfg, tmp)
     shard: dict = {}
     shard_bytes = 0
     files: list[str] = []
@@ -401,8 +345,10 @@ def run_write_checkpoint(args) -> int:
         with open(path, "rb") as f:
             os.fsync(f.fileno())  # clean pages: dropping them from the page cache later works
         files.append(os.path.basename(path))
+        weight_map.update({name: files[-1] for name in shard})
         shard, shard_bytes = {}, 0
 
+    weight_map: dict[str, str] = {}
     for name, t in hf_tensors(cfg, params):
         c = t.to("cpu").contiguous()
         shard[name] = c
@@ -411,7 +357,11 @@ def run_write_checkpoint(args) -> int:
         if shard_bytes >= args.shard_bytes:
             flush()
     flush()
-    meta = {"model": args.model, "seed": args.seed, "dtype": cfg.dtype, "device_kind": "cpu" if cfg.device == "cpu" else "cuda",
+    # The shards' index, as Hugging Face writes it: loaders (vLLM's, transformers') read it.
+    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
+    meta = {"format": CHECKPOINT_FORMAT, "model_files": model_files,
+            "model": args.model, "seed": args.seed, "dtype": cfg.dtype, "device_kind": "cpu" if cfg.device == "cpu" else "cuda",
             "bytes": total, "files": files, "evicted": evicted, "written_unix": time.time(), "write_s": round(time.perf_counter() - t0, 2)}
     with open(os.path.join(tmp, "frmps-checkpoint.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -427,163 +377,12 @@ def run_write_checkpoint(args) -> int:
 # ----------------------------------------------------------------------------- sync overhead
 
 
-def parse_sync_list(s: str) -> list[tuple[int, bool]]:
-    """"0,1,2,16,1i" -> [(0, False), (1, False), (2, False), (16, False), (1, True)]:
-    N = 0 is never; a trailing "i" publishes inline, between steps (as an engine
-    without the launch hook does), instead of inside the next step's launch window."""
-    out = []
-    for x in s.split(","):
-        x = x.strip()
-        inline = x.endswith("i")
-        try:
-            n = int(x[:-1] if inline else x)
-        except ValueError:
-            raise SystemExit(f"--sync-list: {x!r} is not N or Ni") from None
-        if n < 0 or (inline and n == 0):
-            raise SystemExit(f"--sync-list: {x!r} is out of range")
-        out.append((n, inline))
-    return out
-
-
 def run_sync_overhead(args) -> int:
-    """Decode throughput at a saturating batch with the ring synced every N steps
-    (N = 0: never): the same engine and batch, trials interleaved (forward and
-    backward rounds), each trial starting right after a sync; the time inside the
-    sync calls is measured directly too. The publish goes where the engine loop
-    puts it: inside the next step, once its pass is enqueued (the core's on_launch),
-    or between steps for the "Ni" entries."""
-    import torch
+    from .sync_overhead import run
 
-    from frmps_engine.refengine import RefCore, SamplingParams, weights_bytes
-    from frmps_engine.refengine.config import EngineConfig
-    from frmps_engine.ring import create_ring
-    from frmps_engine.sdk.loop import RingPublisher
-
-    sync_list = [x for x in parse_sync_list(args.sync_list) if x != (0, False)]
-    S, R = args.steps_per_trial, args.reps
-    # Every trial sits between two no-sync trials (the contexts grow with every step, so
-    # the step time drifts over a run; each trial is compared with its neighbours).
-    total_steps = (2 * len(sync_list) + 1) * S * R + args.warmup_steps + 8
-    # Exact mode (the GPU default) prefills one request per step, alternating with a
-    # decode step of those already in: the first ones decode up to one token per later
-    # arrival before the timed steps start. Leave room so none finishes early.
-    total_steps += 2 * (args.batch or args.max_batch)
-    ctx = args.prompt_len + total_steps + 16
-    probe = EngineConfig.from_preset(args.model, device=args.device, max_model_len=max(ctx, 256), num_blocks=2)
-    blocks_per_seq = math.ceil(ctx / probe.block_size)
-    batch = args.batch
-    if not batch:
-        if args.device == "cpu":
-            batch = 8
-        else:
-            free, _total = torch.cuda.mem_get_info()
-            budget = free - weights_bytes(probe) - int(args.reserve_gib * (1 << 30))
-            batch = max(1, min(args.max_batch, budget // (blocks_per_seq * probe.kv_block_bytes)))
-            batch = batch // 8 * 8 or batch
-    kw = {"max_num_seqs": batch}
-    if args.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
-    cfg = EngineConfig.from_preset(args.model, device=args.device, max_model_len=max(ctx, 256),
-                                   num_blocks=batch * blocks_per_seq + 1, seed=args.seed, **kw)
-    t0 = time.perf_counter()
-    core = RefCore(cfg, RefCore.allocate_pools(cfg), load_weights=True)
-    core.warmup()
-    sync(args.device)
-    init_s = time.perf_counter() - t0
-    ring_dir = args.ring_dir if os.path.isdir(args.ring_dir) else "/tmp"
-    path = os.path.join(ring_dir, f"frmps-bench-ring-{os.getpid()}")
-    create_ring(path, args.ring_capacity)
-    try:
-        pub = RingPublisher(path)
-        g = torch.Generator().manual_seed(args.seed)
-        V = min(cfg.shape.vocab_size, 32000)
-        for k in range(batch):
-            core.add_request(k + 1, torch.randint(0, V, (args.prompt_len,), generator=g).tolist(),
-                             SamplingParams(max_tokens=total_steps + 4, temperature=0.0, ignore_eos=True))
-        pub.publish_full(0, core.request_views())
-        step = 0
-        t0 = time.perf_counter()
-        while core.num_waiting() or any(len(r.token_ids) == r.num_prompt for r in core.scheduler.requests.values()):
-            core.step()
-            step += 1
-        sync(args.device)
-        prefill_s = time.perf_counter() - t0
-        for _ in range(args.warmup_steps):
-            core.step()
-            step += 1
-            pub.sync(step, core.request_views())
-        trials = []
-        for rep in range(R):
-            # Forward, then backward, each N between two no-sync trials: 0, a, 0, b, ..., 0.
-            order = sync_list if rep % 2 == 0 else sync_list[::-1]
-            seq = [(0, False)]
-            for x in order:
-                seq += [x, (0, False)]
-            for i, (n, inline) in enumerate(seq):
-                if rep and i == 0:
-                    continue  # the previous round ended with a no-sync trial
-                idx = len(trials)
-                pub.sync(step, core.request_views())  # untimed: every trial starts right after a sync
-                # Time inside the publishes, their number, the part of it that was exposed
-                # (the device had finished its pass before the publish did: an upper
-                # bound of what the publish added to the step), publishes fully hidden.
-                acc = [0.0, 0, 0.0, 0]
-                pending = False
-
-                def publish(hooked: bool = False):
-                    nonlocal pending
-                    pending = False
-                    ev = None
-                    if hooked and args.device.startswith("cuda"):
-                        ev = torch.cuda.Event()
-                        ev.record()  # after the pass just enqueued
-                    ts = time.perf_counter()
-                    pub.sync(step, core.request_views())
-                    dt = time.perf_counter() - ts
-                    acc[0] += dt
-                    acc[1] += 1
-                    if ev is not None and not ev.query():
-                        acc[3] += 1
-                    else:
-                        acc[2] += dt
-
-                since = 0
-                sync(args.device)
-                ta = time.perf_counter()
-                for _ in range(S):
-                    if pending:
-                        outs = core.step(on_launch=lambda: publish(True))
-                        if pending:
-                            publish()
-                    else:
-                        outs = core.step()
-                    step += 1
-                    since += 1
-                    if n and since >= n:
-                        since = 0
-                        if inline:
-                            publish()
-                        else:
-                            pending = True  # the last one is left to the next trial's untimed sync
-                sync(args.device)
-                dt = time.perf_counter() - ta
-                if len(outs) != batch:
-                    raise RuntimeError(f"expected {batch} decodes per step, got {len(outs)}")
-                trials.append({"sync_every": n, "inline": inline, "rep": rep, "seq": idx, "seconds": dt,
-                               "tokens": S * batch, "sync_s": acc[0], "syncs": acc[1], "exposed_s": acc[2],
-                               "hidden_syncs": acc[3]})
-                print(f"sync-overhead {args.model} rep {rep} N={n or 'none'}{' inline' if inline else ''}: "
-                      f"{S * batch / dt:,.0f} tok/s, sync {acc[0] * 1e3:.2f} ms / {acc[1]}", file=sys.stderr, flush=True)
-        pub.close()
-    finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-    emit("result", model=args.model, batch=batch, prompt_len=args.prompt_len, steps_per_trial=S, reps=R,
-         max_context=ctx, init_s=round(init_s, 2), prefill_s=round(prefill_s, 3), trials=trials,
-         graph_steps=core.counters.get("graph_steps"), ring_capacity=args.ring_capacity)
-    return 0
+    if not args.memory:
+        args.memory = "host-shm" if args.device == "cpu" else "cuda-vmm"
+    return run(args)
 
 
 # ----------------------------------------------------------------------------- main
@@ -607,9 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--then-steps", type=int, default=0, help="cold: decode steps after the first token")
     p.add_argument("--out", default="", help="write-checkpoint: target directory")
     p.add_argument("--shard-bytes", type=int, default=4 << 30)
-    p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64,1i")
-    p.add_argument("--steps-per-trial", type=int, default=64)
-    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--engine", default="ref", choices=["ref", "vllm"],
+                   help="victim, sleep, cold, sync-overhead: the reference engine or vLLM (vllm_baseline.py)")
+    p.add_argument("--memory", default="", help="sync-overhead: the pools' memory backend (default host-shm on the "
+                                                 "CPU, cuda-vmm on a GPU, as frmps serve)")
+    p.add_argument("--workdir", default="", help="sync-overhead: scratch files")
+    p.add_argument("--timeout", type=float, default=600, help="sync-overhead: bound of the prefill and of one trial")
+    p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64")
+    p.add_argument("--steps-per-trial", type=int, default=128)
+    p.add_argument("--reps", type=int, default=2)
     p.add_argument("--warmup-steps", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=0, help="sync-overhead: batch (0: as large as memory allows, up to --max-batch)")
@@ -622,7 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.role != "context":  # the same cuBLAS workspace as the served engine (a bare context has none)
+    args.t_process = T_PROCESS
+    # The same cuBLAS workspace as the served reference engine (a bare context has none; vLLM
+    # keeps its own defaults).
+    if args.role != "context" and not (args.engine == "vllm" and args.role in ("victim", "sleep", "cold")):
         from frmps_engine.refengine.config import apply_cuda_env
 
         apply_cuda_env(args.device)

@@ -27,8 +27,10 @@ import threading
 import time
 from typing import Callable
 
-from .common import Cleanup, TrialError, die_with_parent, kill_group, now, tail
-from .deploy import MpsDaemon, MpsTrigger, SigkillTrigger, outside_mps_env
+from .procs import Cleanup, die_with_parent, kill_group, now, tail
+from .runctx import TrialError
+from .deploy import MpsTrigger, SigkillTrigger
+from .mps import MpsDaemon, outside_mps_env
 
 
 class EngineProc:
@@ -142,6 +144,10 @@ class EngineProc:
 # ----------------------------------------------------------------------------- checkpoints and page cache
 
 
+# baseline_engine.CHECKPOINT_FORMAT (not imported: that module times its own imports).
+CHECKPOINT_FORMAT = 2
+
+
 def checkpoint_dir(cache_dir: str, model: str, seed: int, device: str) -> str:
     kind = "cpu" if device == "cpu" else "cuda"  # dummy weights come from the device's own generator
     return os.path.join(cache_dir, f"{model}-seed{seed}-{kind}")
@@ -161,7 +167,7 @@ def ensure_checkpoint(python: str, cache_dir: str, model: str, seed: int, device
     """The model's dummy weights as a safetensors checkpoint, written once and cached."""
     path = checkpoint_dir(cache_dir, model, seed, device)
     meta = checkpoint_meta(path)
-    if meta and meta.get("model") == model and meta.get("seed") == seed:
+    if meta and meta.get("model") == model and meta.get("seed") == seed and meta.get("format") == CHECKPOINT_FORMAT:
         return path, {**meta, "cached": True}
     os.makedirs(cache_dir, exist_ok=True)
     log(f"writing the {model} checkpoint to {path} (once; cached for later runs)")
@@ -229,15 +235,17 @@ class BaselineRig:
     """What one baseline trial needs: how to start engines, where the victim runs,
     how it is faulted."""
 
-    def __init__(self, python: str, device: str, mps: bool, faults_dir: str, fault: str, workdir: str,
-                 engine_args: list[str], cleanup: Cleanup | None, log: Callable[[str], None]):
+    def __init__(self, frmps: str, python: str, device: str, mps: bool, faults_dir: str, fault: str, workdir: str,
+                 engine_args: list[str], cleanup: Cleanup | None, log: Callable[[str], None], engine: str = "ref"):
+        self.frmps = frmps
+        self.engine = engine
         self.python, self.device, self.mps = python, device, mps
         self.faults_dir, self.fault = faults_dir, fault
         self.workdir = workdir
         self.engine_args = engine_args
         self.cleanup = cleanup
         self.log = log
-        self.outside_env = outside_mps_env(os.path.join(workdir, "mps-outside")) if mps else {}
+        self.outside_env = outside_mps_env(frmps, workdir) if mps else {}
         self.victim_env: dict[str, str] = {}
         self._n = 0
 
@@ -248,7 +256,8 @@ class BaselineRig:
         return os.path.join(d, f"{self._n:03d}-{what}.log")
 
     def start_sleep_standby(self, model: str, timeout: float = 900) -> tuple[EngineProc, dict]:
-        sb = EngineProc("sleep", self.python, ["--model", model, "--device", self.device, *self.engine_args],
+        sb = EngineProc("sleep", self.python, ["--engine", self.engine, "--model", model, "--device", self.device,
+                                               *self.engine_args],
                         self.outside_env, self.logfile(f"sleep-{model}"), self.cleanup)
         ev = sb.wait_event(lambda e: e.get("ev") == "ready", timeout, "the sleep-only standby to be ready")
         return sb, ev
@@ -262,7 +271,7 @@ class BaselineRig:
         res: dict = {"system": system, "kill_after": kill_after}
         daemon = None
         if self.mps:
-            daemon = MpsDaemon(os.path.join(self.workdir, f"mps-{os.getpid()}-{self._n}"))
+            daemon = MpsDaemon(self.frmps, os.path.join(self.workdir, f"mps-{os.getpid()}-{self._n}"))
             daemon.start()
         victim: EngineProc | None = None
         trig = None
@@ -287,7 +296,7 @@ class BaselineRig:
                             json.dump(reqs, f)
                         box["requests_file"] = rq
                         box["cold"] = EngineProc("cold", self.python, [
-                            "--model", model, "--device", self.device, "--checkpoint", checkpoint,
+                            "--engine", self.engine, "--model", model, "--device", self.device, "--checkpoint", checkpoint,
                             "--requests", "@" + rq, "--warmup", "1" if cold_warmup else "0",
                             "--then-steps", str(then_steps), *self.engine_args,
                         ], self.outside_env, self.logfile(f"cold-{model}"), self.cleanup)
@@ -298,7 +307,8 @@ class BaselineRig:
 
             venv = {**(daemon.env if daemon else {}), **self.victim_env}
             victim = EngineProc("victim", self.python,
-                                ["--model", model, "--device", self.device, "--warmup", "0", *self.engine_args,
+                                ["--engine", self.engine, "--model", model, "--device", self.device, "--warmup", "0",
+                                 *self.engine_args,
                                  *(victim_args or [])],
                                 venv, self.logfile(f"victim-{model}"), self.cleanup, on_exit=on_death)
             ready = victim.wait_event(lambda e: e.get("ev") == "ready", 600, "the victim to be ready")

@@ -37,7 +37,8 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
-from .common import free_port, git_commit, repo_root, tail
+from .envinfo import git_commit, repo_root
+from .procs import free_port, tail
 
 # ----------------------------------------------------------------------------- workload
 

@@ -1,7 +1,7 @@
 """Driving the real thing: a `frmps serve` deployment, streaming clients of its
 OpenAI endpoint, fault injection (a co-located MPS client running a bench/faults
-trigger, or SIGKILL on the CPU path), a private MPS daemon for the baselines, and
-one failover trial with everything it measures. Standard library only.
+trigger, or SIGKILL on the CPU path), and one failover trial with everything it
+measures. Standard library only.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -19,7 +20,10 @@ import urllib.request
 from dataclasses import dataclass, field as dc_field
 
 from . import loglines
-from .common import Cleanup, TrialError, die_with_parent, field, free_port, http_json, kill_group, med, now, stop_group, tail
+from .mps import stop_daemon
+from .procs import Cleanup, die_with_parent, field, free_port, http_json, kill_group, now, stop_group, tail
+from .runctx import TrialError
+from .stats import gaps, med
 
 # ----------------------------------------------------------------------------- streaming client
 
@@ -188,7 +192,12 @@ class Deployment:
             return None
         rc = stop_group(self.proc, grace_s=30)
         if self.opts.mps:
-            self._quit_mps()
+            # frmps quits its MPS daemon on a clean exit; after a kill the daemon would stay.
+            try:
+                stop_daemon(self.opts.frmps, self.run_dir)
+            except TrialError as e:  # best effort, like the rest of a stop
+                print(f"deployment {self.name}: {e}", file=sys.stderr)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -196,19 +205,6 @@ class Deployment:
             self.cleanup.remove(self.stop)
         self.proc = None
         return rc
-
-    def _quit_mps(self) -> None:
-        """frmps quits its MPS daemon on a clean exit; after a kill the daemon would stay."""
-        pipe = os.path.join(self.run_dir, "mps", "pipe")
-        if os.path.exists(os.path.join(pipe, "control")) and shutil.which("nvidia-cuda-mps-control"):
-            env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe,
-                   "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.run_dir, "mps", "log")}
-            try:
-                subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=env, timeout=10,
-                               capture_output=True)
-            except (OSError, subprocess.SubprocessError):
-                pass
-        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # -- admin API --------------------------------------------------------------
     def status(self) -> dict:
@@ -365,76 +361,7 @@ class MpsTrigger(Trigger):
                 "trigger_err": self.err[-3:]}
 
 
-class MpsDaemon:
-    """A private MPS control daemon (for the baselines' victims), like the supervisor's."""
-
-    def __init__(self, base_dir: str):
-        self.base = base_dir
-        self.pipe = os.path.join(base_dir, "pipe")
-        self.logd = os.path.join(base_dir, "log")
-        for d in (base_dir, self.pipe, self.logd):
-            os.makedirs(d, mode=0o700, exist_ok=True)
-        self.env = {"CUDA_MPS_PIPE_DIRECTORY": self.pipe, "CUDA_MPS_LOG_DIRECTORY": self.logd}
-        self.running = False
-
-    def _control(self, line: str | None, timeout: float = 10) -> subprocess.CompletedProcess:
-        args = ["nvidia-cuda-mps-control"] + (["-d"] if line is None else [])
-        return subprocess.run(args, input=None if line is None else line + "\n", text=True, timeout=timeout,
-                              capture_output=True, env={**os.environ, **self.env})
-
-    def start(self) -> None:
-        if shutil.which("nvidia-cuda-mps-control") is None:
-            raise TrialError("nvidia-cuda-mps-control not found: run with --no-mps (SIGKILL instead of MPS faults)")
-        r = self._control(None)
-        if r.returncode != 0:
-            raise TrialError(f"nvidia-cuda-mps-control -d failed: {r.stdout}{r.stderr}")
-        self.running = True
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self._control("get_server_list", timeout=3).returncode == 0:
-                return
-            time.sleep(0.05)
-        raise TrialError("private MPS daemon does not answer")
-
-    def stop(self) -> None:
-        if not self.running:
-            return
-        pidf = os.path.join(self.pipe, "nvidia-cuda-mps-control.pid")
-        pid = 0
-        try:
-            with open(pidf) as f:
-                pid = int(f.read().strip() or 0)
-        except (OSError, ValueError):
-            pass
-        try:
-            self._control("quit")
-        except (OSError, subprocess.SubprocessError):
-            pass
-        deadline = time.monotonic() + 10
-        while pid and time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
-            time.sleep(0.05)
-        if pid and os.path.exists(f"/proc/{pid}"):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.running = False
-        shutil.rmtree(self.base, ignore_errors=True)
-
-
-def outside_mps_env(base_dir: str) -> dict[str, str]:
-    """A private, empty pipe dir: CUDA finds no daemon there and runs outside MPS."""
-    pipe, logd = os.path.join(base_dir, "pipe"), os.path.join(base_dir, "log")
-    for d in (base_dir, pipe, logd):
-        os.makedirs(d, mode=0o700, exist_ok=True)
-    return {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": logd}
-
-
 # ----------------------------------------------------------------------------- one failover trial
-
-
-def gaps(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:])]
 
 
 def frmps_trial(dep: Deployment, trigger: Trigger, body: dict, kill_after: int, *, timeout: float = 300.0,

@@ -17,12 +17,18 @@ import os
 import random
 import threading
 import time
+from typing import Callable
 
 from .baselines import (BaselineRig, EngineProc, checkpoint_files, drop_page_cache, engine_supports, ensure_checkpoint,
                         page_cache_fraction)
-from .common import Ctx, TrialError, field, fmt_s, now, nvidia_smi_apps, private_mib
-from .deploy import (Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, completion_body, frmps_trial,
-                     outside_mps_env)
+from .deploy import (Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, Trigger, completion_body,
+                     frmps_trial)
+from .envinfo import nvidia_smi_apps, private_mib
+from .lengths import RequestLengths, UniformLengths, sharegpt
+from .lengths import describe as describe_lengths
+from .mps import outside_mps_env
+from .procs import field, now
+from .runctx import Ctx, TrialError, fmt_s
 
 GPU_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b"]
 # Weight bytes (GB, bf16) per preset: only for time estimates (the budget), never for results.
@@ -31,6 +37,15 @@ WEIGHTS_GB = {"qwen2.5-0.5b": 1.0, "qwen2.5-1.5b": 3.1, "qwen2.5-3b": 6.2, "qwen
 
 def gb(model: str) -> float:
     return WEIGHTS_GB.get(model, 0.05)
+
+
+# Seconds a vLLM engine takes to start beyond the reference engine's (torch.compile, graph
+# capture, profiling; 35-61 s on the H100 for 0.5B): only for time estimates (the budget).
+VLLM_START_S = 60.0
+
+
+def engine_start(a) -> float:
+    return VLLM_START_S if a.engine == "vllm" else 0.0
 
 
 def csv_list(s: str) -> list[str]:
@@ -51,10 +66,35 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 # ----------------------------------------------------------------------------- deployments and faults
 
 
-def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str] | None = None,
-               num_blocks: int = 0, max_model_len: int = 0) -> ServeOpts:
+# KV blocks of a vLLM deployment when --num-blocks is not given (vLLM's adapter needs the
+# count: both engines must have the same one), as bench/gpu/session.sh runs them.
+VLLM_BLOCKS = {"qwen2.5-14b": 1536}
+VLLM_BLOCKS_DEFAULT = 2048
+VLLM_MAX_MODEL_LEN = 4096
+
+
+def engine_key(a) -> dict:
+    """The engine in a point's key: none for the reference engine (keys as before there
+    was a second engine, so earlier result files resume), {"engine": ...} otherwise."""
+    return {"engine": a.engine} if a.engine != "ref" else {}
+
+
+def engine_shape(ctx: Ctx, model: str, num_blocks: int = 0, max_model_len: int = 0) -> tuple[int, int]:
+    """(KV blocks, context) of the engines for `model`: what the experiment asks, else
+    --num-blocks / --max-model-len, else the engine's default (0 for the reference
+    engine, which sizes itself; the vLLM adapter needs both)."""
     a = ctx.args
-    env = {}
+    nb, mml = num_blocks or a.num_blocks, max_model_len or a.max_model_len
+    if a.engine == "vllm":
+        nb = nb or VLLM_BLOCKS.get(model, VLLM_BLOCKS_DEFAULT)
+        mml = mml or VLLM_MAX_MODEL_LEN
+    return nb, mml
+
+
+def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str] | None = None,
+               num_blocks: int = 0, max_model_len: int = 0, env: dict[str, str] | None = None) -> ServeOpts:
+    a = ctx.args
+    env = dict(env or {})
     if ctx.cpu:
         # CPU check: slow each engine step so a kill lands at the chosen token (FRMPS_TEST_STEP_DELAY_MS
         # is the engine's test knob; never set on the GPU).
@@ -62,9 +102,10 @@ def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str]
     eargs = list(engine_args or [])
     if a.max_num_seqs:
         eargs.append(f"--max-num-seqs={a.max_num_seqs}")
+    nb, mml = engine_shape(ctx, model, num_blocks, max_model_len)
     return ServeOpts(frmps=a.frmps, python=a.python, model=model, device=a.device, memory=a.memory, mps=a.mps,
-                     sync_every=sync_every, num_blocks=num_blocks or a.num_blocks,
-                     max_model_len=max_model_len or a.max_model_len, engine_args=eargs, env=env)
+                     sync_every=sync_every, num_blocks=nb, max_model_len=mml, engine_args=eargs, env=env,
+                     engine=a.engine)
 
 
 class Deployments:
@@ -88,7 +129,8 @@ class Deployments:
         self.close()
 
     def estimate_start(self) -> float:
-        return 4.0 if self.ctx.cpu else 15.0 + 0.3 * gb(self.opts.model)
+        extra = 2 * VLLM_START_S if self.opts.engine == "vllm" else 0.0  # two engines, one after the other
+        return 4.0 if self.ctx.cpu else 15.0 + 0.3 * gb(self.opts.model) + extra
 
     def get(self) -> Deployment:
         if self.dep is not None:
@@ -140,14 +182,15 @@ def make_trigger(ctx: Ctx, dep: Deployment):
     return SigkillTrigger(pid)
 
 
-def frmps_point(ctx: Ctx, deps: Deployments, body: dict, kill_after: int, extra: list[dict] | None = None) -> dict:
+def frmps_point(ctx: Ctx, deps: Deployments, measure: Callable[[Deployment, Trigger], dict]) -> dict:
+    """One faulted trial on the next ready pair: ``measure(dep, trigger)`` streams, fires
+    the trigger and returns what it measured (a TrialError carries what it had). The
+    pair is then spent if the fault fired, kept if it did not, dropped if unsure."""
     dep = deps.get()
     promoted = int(field(dep.engines(dep.status()).get("standby") or {}, "pid", 0) or 0)
     res: dict | None = None
     try:
-        # No wait for the re-armed standby here: the next deps.get() waits if it reuses the pair.
-        res = frmps_trial(dep, make_trigger(ctx, dep), body, kill_after, wait_rearm=False,
-                          extra_streams=extra, timeout=ctx.args.trial_timeout)
+        res = measure(dep, make_trigger(ctx, dep))
     except TrialError as e:
         res = e.partial
         if e.partial is not None:
@@ -160,6 +203,13 @@ def frmps_point(ctx: Ctx, deps: Deployments, body: dict, kill_after: int, extra:
     return res
 
 
+def stream_point(ctx: Ctx, deps: Deployments, body: dict, kill_after: int, extra: list[dict] | None = None) -> dict:
+    """frmps_point for one stream (plus `extra`), faulted once it has `kill_after` tokens."""
+    # No wait for the re-armed standby here: the next deps.get() waits if it reuses the pair.
+    return frmps_point(ctx, deps, lambda dep, trig: frmps_trial(dep, trig, body, kill_after, wait_rearm=False,
+                                                                extra_streams=extra, timeout=ctx.args.trial_timeout))
+
+
 def rig_for(ctx: Ctx, model: str, engine_args: list[str]) -> BaselineRig:
     """The baselines' engines get the deployment's sizes (pools, batch). They recover in one
     prefill pass, without the exact mode that frmps's engines run with on the GPU (which
@@ -170,7 +220,8 @@ def rig_for(ctx: Ctx, model: str, engine_args: list[str]) -> BaselineRig:
         eargs += ["--max-num-seqs", str(a.max_num_seqs)]
     if a.baseline_exact:
         eargs += ["--exact", "1"]
-    rig = BaselineRig(a.python, a.device, a.mps, a.faults_dir, a.fault, a.workdir, eargs, ctx.cleanup, ctx.log)
+    rig = BaselineRig(a.frmps, a.python, a.device, a.mps, a.faults_dir, a.fault, a.workdir, eargs, ctx.cleanup, ctx.log,
+                      engine=a.engine)
     if ctx.cpu:  # the victim decodes at the pace of the CPU check's frmps engines
         rig.victim_env["FRMPS_TEST_STEP_DELAY_MS"] = str(a.cpu_step_delay_ms)
     return rig
@@ -187,7 +238,7 @@ def shape_args(num_blocks: int, max_model_len: int) -> list[str]:
 
 def outside_env(ctx: Ctx) -> dict[str, str]:
     """Environment for an engine process that must not join any MPS server (a system-wide one included)."""
-    return outside_mps_env(os.path.join(ctx.args.workdir, "mps-outside")) if ctx.args.mps else {}
+    return outside_mps_env(ctx.args.frmps, ctx.args.workdir) if ctx.args.mps else {}
 
 
 def drop_arrivals(r: dict) -> dict:
@@ -197,8 +248,17 @@ def drop_arrivals(r: dict) -> dict:
 
 
 def no_kv_args(ctx: Ctx) -> list[str] | None:
-    """Engine flag for the ablation (the standby ignores the snapshot's KV), or None if the engine lacks it."""
+    """Engine flag for the ablation (the standby ignores the snapshot's KV), or None if the engine lacks it
+    (the vLLM adapter refuses it: the ablation is the reference engine's)."""
+    if ctx.args.engine != "ref":
+        return None
     return ["--no-kv-reuse"] if engine_supports(ctx.args.python, "--no-kv-reuse") else None
+
+
+def no_kv_why(ctx: Ctx) -> str:
+    if ctx.args.engine != "ref":
+        return f"--engine {ctx.args.engine}: the no-KV ablation (--no-kv-reuse) is the reference engine's"
+    return "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)"
 
 
 def describe_recovery(d: dict) -> str:
@@ -274,9 +334,10 @@ class Recovery(Experiment):
         for m in _models(a, GPU_MODELS):
             for s in systems:
                 if s == "cold":
-                    keys += [{"model": m, "system": s, "cache": c, "trial": 0} for c in csv_list(a.cold_cache)]
+                    keys += [{"model": m, "system": s, "cache": c, "trial": 0, **engine_key(a)}
+                             for c in csv_list(a.cold_cache)]
                 else:
-                    keys += [{"model": m, "system": s, "trial": t} for t in range(a.trials)]
+                    keys += [{"model": m, "system": s, "trial": t, **engine_key(a)} for t in range(a.trials)]
         return keys
 
     def run(self, ctx):
@@ -284,14 +345,14 @@ class Recovery(Experiment):
         plan = self.plan(a)
         for model in _models(a, GPU_MODELS):
             prompt = prompt_ids(a.prompt_len, 1)
-            eargs = shape_args(a.num_blocks, a.max_model_len)
+            eargs = shape_args(*engine_shape(ctx, model))
             keys = [k for k in plan if k["model"] == model]
             fk = ctx.results.pending([k for k in keys if k["system"] == "frmps"])
             if fk:
                 with Deployments(ctx, serve_opts(ctx, model), f"recovery-{model}") as deps:
                     for key in fk:
                         body = completion_body(model, prompt, 1 + a.tail_tokens)
-                        ctx.run_point(key, lambda: frmps_point(ctx, deps, body, 1), 10 + deps.estimate_start(),
+                        ctx.run_point(key, lambda: stream_point(ctx, deps, body, 1), 10 + deps.estimate_start(),
                                       describe_recovery)
             reqs = [{"key": 1, "prompt": prompt, "max_tokens": 1 + a.tail_tokens + 4096, "temperature": 0.0}]
             sk = ctx.results.pending([k for k in keys if k["system"] == "sleep-only"])
@@ -304,7 +365,7 @@ class Recovery(Experiment):
     @staticmethod
     def _sleep_only(ctx, model, keys, reqs, eargs):
         rig = rig_for(ctx, model, eargs)
-        ctx.budget.check(10 + 0.6 * gb(model), f"starting the sleep-only standby ({model})")
+        ctx.budget.check(10 + 0.6 * gb(model) + engine_start(ctx.args), f"starting the sleep-only standby ({model})")
         try:
             sb, ready = rig.start_sleep_standby(model)
         except Exception as e:
@@ -314,7 +375,7 @@ class Recovery(Experiment):
             for key in keys:
                 ctx.run_point(key, lambda: {**drop_arrivals(rig.trial("sleep-only", model, reqs, 1, standby=sb)),
                                             "standby_init_s": ready.get("init_s")},
-                              10 + 0.2 * gb(model), describe_recovery)
+                              10 + 0.2 * gb(model) + engine_start(ctx.args), describe_recovery)
         finally:
             sb.close()
 
@@ -341,7 +402,7 @@ class Recovery(Experiment):
                 r["checkpoint"]["files"] = len(meta.get("files") or [])
                 return r
 
-            ctx.run_point(key, point, 15 + 1.0 * gb(model), describe_recovery)
+            ctx.run_point(key, point, 15 + 1.0 * gb(model) + 2 * engine_start(a), describe_recovery)
 
 
 # ----------------------------------------------------------------------------- 2. prompt length
@@ -368,7 +429,7 @@ class PromptLength(Experiment):
         a.kill_after = a.kill_after or a.sync_every
 
     def plan(self, a):
-        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "prompt_len": n, "trial": t}
+        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "prompt_len": n, "trial": t, **engine_key(a)}
                 for s in csv_list(a.systems) for n in int_list(a.lengths) for t in range(a.trials)]
 
     def run(self, ctx):
@@ -384,13 +445,13 @@ class PromptLength(Experiment):
             if system == "frmps-no-kv":
                 eargs = no_kv_args(ctx)
                 if eargs is None:
-                    ctx.unsupported(keys, "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)")
+                    ctx.unsupported(keys, no_kv_why(ctx))
                     continue
             opts = serve_opts(ctx, model, a.sync_every, eargs, max_model_len=max(mml, a.max_model_len))
             with Deployments(ctx, opts, f"plen-{system}") as deps:
                 for key in keys:
                     body = completion_body(model, prompt_ids(key["prompt_len"], 100 + key["trial"]), a.kill_after + 16)
-                    ctx.run_point(key, lambda: frmps_point(ctx, deps, body, a.kill_after),
+                    ctx.run_point(key, lambda: stream_point(ctx, deps, body, a.kill_after),
                                   10 + deps.estimate_start(), describe_recovery)
 
 
@@ -414,7 +475,7 @@ class SinceSync(Experiment):
             a.ks = "1,16" if a.device == "cpu" else "1,16,128" if a.quick else "1,2,4,8,16,32,64,128"
 
     def plan(self, a):
-        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "k": k, "trial": t}
+        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "k": k, "trial": t, **engine_key(a)}
                 for s in csv_list(a.systems) for k in int_list(a.ks) for t in range(a.trials)]
 
     def run(self, ctx):
@@ -428,7 +489,7 @@ class SinceSync(Experiment):
             if system == "frmps-no-kv":
                 n, eargs = 16, no_kv_args(ctx)
                 if eargs is None:
-                    ctx.unsupported(keys, "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)")
+                    ctx.unsupported(keys, no_kv_why(ctx))
                     continue
             elif system.startswith("frmps-n") and system[7:].isdigit():
                 n = int(system[7:])
@@ -438,7 +499,7 @@ class SinceSync(Experiment):
             with Deployments(ctx, serve_opts(ctx, model, n, eargs), f"since-{system}") as deps:
                 for key in keys:
                     body = completion_body(model, prompt_ids(a.prompt_len, 200 + key["trial"]), key["k"] + 16)
-                    ctx.run_point(key, lambda: {**frmps_point(ctx, deps, body, key["k"]), "sync_every": n},
+                    ctx.run_point(key, lambda: {**stream_point(ctx, deps, body, key["k"]), "sync_every": n},
                                   10 + deps.estimate_start() + 0.05 * key["k"], describe_recovery)
 
 
@@ -448,37 +509,41 @@ class SinceSync(Experiment):
 class SyncOverhead(Experiment):
     name, number = "sync-overhead", 4
     faults = False
-    title = "Decode throughput overhead of syncing every N steps, saturating batch"
+    title = "Step time with the engine loop publishing to the ring every N steps, and without, saturating batch"
 
     def add_args(self, p):
         p.add_argument("--models", default="", help="presets (default: the five sizes; --cpu: tiny)")
-        p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64,1i",
-                       help="N values; 0 = never (the reference); Ni = every N steps, published between steps "
-                            "instead of overlapped with the next step's device work")
-        p.add_argument("--steps-per-trial", type=int, default=0, help="default 64 (--quick 32, --cpu 8)")
+        p.add_argument("--engines", default="", help="ref, vllm or both (default: --engine)")
+        p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64",
+                       help="N values: publish every N steps; 0 = no ring attached (the reference)")
+        p.add_argument("--steps-per-trial", type=int, default=0,
+                       help="steps per trial (+ 1; default 128, --quick 64, --cpu 8: at least twice the largest N "
+                            "for a steady count of publishes)")
         p.add_argument("--reps", type=int, default=0,
-                       help="rounds over all N, alternately forward and backward, each N between two no-sync "
+                       help="rounds over all N, alternately forward and backward, each N between two no-publish "
                             "trials (default 2; --quick 1)")
-        p.add_argument("--batch", type=int, default=0, help="0: as many sequences as memory allows, up to 256")
+        p.add_argument("--batch", type=int, default=0, help="0: as many sequences as memory allows, up to 256 (CPU: 8)")
         p.add_argument("--prompt-len", type=int, default=128)
 
     def defaults(self, a):
-        a.steps_per_trial = a.steps_per_trial or (8 if a.device == "cpu" else 32 if a.quick else 64)
+        a.steps_per_trial = a.steps_per_trial or (8 if a.device == "cpu" else 64 if a.quick else 128)
         a.reps = a.reps or (1 if a.quick else 2)
+        a.engines = a.engines or a.engine
 
     def plan(self, a):
-        return [{"model": m} for m in _models(a, GPU_MODELS)]
+        return [{"model": m, "engine": e} for m in _models(a, GPU_MODELS) for e in csv_list(a.engines)]
 
     def run(self, ctx):
         a = ctx.args
         for key in ctx.results.pending(self.plan(a)):
-            model = key["model"]
+            model, engine = key["model"], key["engine"]
 
-            def point(model=model):
-                args = ["--model", model, "--device", a.device, "--sync-list", a.sync_list,
-                        "--steps-per-trial", str(a.steps_per_trial), "--reps", str(a.reps), "--batch", str(a.batch),
-                        "--prompt-len", str(a.prompt_len)]
-                log = os.path.join(a.workdir, f"sync-overhead-{model}.log")
+            def point(model=model, engine=engine):
+                args = ["--model", model, "--device", a.device, "--engine", engine, "--memory", a.memory,
+                        "--sync-list", a.sync_list, "--steps-per-trial", str(a.steps_per_trial), "--reps", str(a.reps),
+                        "--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--workdir", a.workdir,
+                        "--timeout", str(a.trial_timeout)]
+                log = os.path.join(a.workdir, f"sync-overhead-{engine}-{model}.log")
                 proc = EngineProc("sync-overhead", a.python, args, outside_env(ctx), log, ctx.cleanup)
                 try:
                     ev = proc.wait_event(lambda e: e.get("ev") == "result", a.trial_timeout * 3, "the sync-overhead result")
@@ -486,7 +551,8 @@ class SyncOverhead(Experiment):
                     proc.close()
                 return {k: v for k, v in ev.items() if k not in ("ev", "rt")}
 
-            ctx.run_point(key, point, 30 + 3 * gb(model), lambda d: f"batch {d.get('batch')}, {len(d.get('trials', []))} trials")
+            ctx.run_point(key, point, 30 + 3 * gb(model) + (VLLM_START_S if engine == "vllm" and not ctx.cpu else 0),
+                          lambda d: f"batch {d.get('batch')}, {len(d.get('trials', []))} trials, publish {d.get('publish')}")
 
 
 # ----------------------------------------------------------------------------- 5. outage under load
@@ -494,14 +560,13 @@ class SyncOverhead(Experiment):
 
 class LoadGen:
     """A steady stream of requests: `concurrency` client threads, each sending one
-    streaming request after another until `duration` s have passed."""
+    streaming request after another until `duration` s have passed; prompt and
+    output lengths from `lengths` (client i's sequence depends on the seed and i only)."""
 
-    def __init__(self, base: str, model: str, concurrency: int, duration: float, prompt_range: tuple[int, int],
-                 output_range: tuple[int, int], seed: int = 0):
+    def __init__(self, base: str, model: str, concurrency: int, duration: float, lengths: RequestLengths):
         self.base, self.model = base, model
         self.concurrency, self.duration = concurrency, duration
-        self.prompt_range, self.output_range = prompt_range, output_range
-        self.seed = seed
+        self.lengths = lengths
         self.streams: list[Stream] = []
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -515,12 +580,12 @@ class LoadGen:
             self._threads.append(t)
 
     def _worker(self, i: int) -> None:
-        rng = random.Random(self.seed * 1000 + i)
+        client = self.lengths.client(i)
         n = 0
         while now() < self.t0 + self.duration:
             n += 1
-            body = completion_body(self.model, prompt_ids(rng.randint(*self.prompt_range), rng.randrange(1 << 30)),
-                                   rng.randint(*self.output_range))
+            plen, olen, pseed = client.next()
+            body = completion_body(self.model, prompt_ids(plen, pseed), olen)
             s = Stream(self.base, body, timeout=600, key=i * 100000 + n)
             with self._lock:
                 self.streams.append(s)
@@ -581,8 +646,13 @@ class Outage(Experiment):
         p.add_argument("--concurrency", type=int, default=0, help="client streams (default 32; --cpu 4)")
         p.add_argument("--duration", type=float, default=0, help="seconds of load (default 20; --cpu 4)")
         p.add_argument("--fault-at", type=float, default=0, help="fault this many seconds into the load (default: half)")
-        p.add_argument("--prompt-range", default="128,512")
-        p.add_argument("--output-range", default="64,256")
+        p.add_argument("--lengths", default="sharegpt", choices=["sharegpt", "uniform"],
+                       help="prompt and output lengths: a seeded ShareGPT-like distribution (bench/README.md), or "
+                            "uniform over --prompt-range / --output-range")
+        p.add_argument("--length-scale", type=float, default=0,
+                       help="sharegpt: every length times this (default 1; --cpu 0.1)")
+        p.add_argument("--prompt-range", default="128,512", help="uniform: prompt lengths lo,hi")
+        p.add_argument("--output-range", default="64,256", help="uniform: output lengths lo,hi")
         p.add_argument("--bin-ms", type=float, default=50)
 
     def default_max_num_seqs(self, a) -> int:
@@ -595,16 +665,29 @@ class Outage(Experiment):
         a.fault_at = a.fault_at or a.duration / 2
         if cpu and a.prompt_range == "128,512":
             a.prompt_range, a.output_range = "8,32", "16,48"
+        a.length_scale = a.length_scale or (0.1 if cpu else 1.0)
+
+    @staticmethod
+    def length_dists(a):
+        """(prompt lengths, output lengths) of the request stream."""
+        if a.lengths == "sharegpt":
+            return sharegpt(a.length_scale)
+        return UniformLengths(*int_list(a.prompt_range)), UniformLengths(*int_list(a.output_range))
+
+    def load_record(self, a) -> dict:
+        pd, od = self.length_dists(a)
+        return {"lengths": a.lengths, "prompt": describe_lengths(pd), "output": describe_lengths(od)}
 
     def plan(self, a):
-        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "trial": t} for s in csv_list(a.systems)
-                for t in range(a.trials)]
+        return [{"model": _model(a, "qwen2.5-14b"), "system": s, "trial": t, **engine_key(a)}
+                for s in csv_list(a.systems) for t in range(a.trials)]
 
     def _blocks(self, a) -> int:
         """KV blocks for the load: the frmps streams (prompt + output) and the sleep-only
         victim's open-ended requests (prompt + ~40 tokens/s until the end); the same pool
         size for every system, so their wake-up costs compare."""
-        hi, ohi = int_list(a.prompt_range)[1], int_list(a.output_range)[1]
+        pd, od = self.length_dists(a)
+        hi, ohi = pd.hi, od.hi
         per = max(hi + ohi, -(-(hi + int(min(a.fault_at, 2.0) * 150) + 64) // 256) * 256)
         return a.concurrency * (-(-per // 16)) + 64
 
@@ -623,26 +706,26 @@ class Outage(Experiment):
             if system == "frmps-no-kv":
                 eargs = no_kv_args(ctx)
                 if eargs is None:
-                    ctx.unsupported(keys, "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)")
+                    ctx.unsupported(keys, no_kv_why(ctx))
                     continue
             n = 16 if system == "frmps-n16" else 1
-            with Deployments(ctx, serve_opts(ctx, model, n, eargs, num_blocks=nb), f"outage-{system}") as deps:
+            pd, od = self.length_dists(a)
+            mml = max(a.max_model_len, -(-(pd.hi + od.hi + 16) // 256) * 256)
+            with Deployments(ctx, serve_opts(ctx, model, n, eargs, num_blocks=nb, max_model_len=mml),
+                             f"outage-{system}") as deps:
                 for key in keys:
-                    ctx.run_point(key, lambda key=key: self._frmps(ctx, deps, model, key["trial"]),
+                    ctx.run_point(key, lambda key=key: frmps_point(
+                                      ctx, deps, lambda dep, trig: self._measure(ctx, dep, trig, model, key["trial"])),
                                   a.duration + 30 + deps.estimate_start(),
                                   lambda d: f"outage {fmt_s(d.get('outage_s'))}, {d.get('stream_errors')} stream errors")
 
-    def _frmps(self, ctx, deps, model, trial) -> dict:
+    def _measure(self, ctx, dep, trig, model, trial) -> dict:
         a = ctx.args
-        dep = deps.get()
-        promoted = int(field(dep.engines(dep.status()).get("standby") or {}, "pid", 0) or 0)
-        trig = make_trigger(ctx, dep)
         res: dict = {}
         try:
             n0 = len(dep.failovers(dep.status()))
             trig.prepare()
-            load = LoadGen(dep.base, model, a.concurrency, a.duration, tuple(int_list(a.prompt_range)),
-                           tuple(int_list(a.output_range)), seed=trial)
+            load = LoadGen(dep.base, model, a.concurrency, a.duration, RequestLengths(*self.length_dists(a), seed=trial))
             load.start()
             time.sleep(max(0.0, load.t0 + a.fault_at - now()))
             res["inject"] = trig.fire()
@@ -666,8 +749,7 @@ class Outage(Experiment):
                           for s in load.streams if s.chunks]
             res["max_stream_gap_s"] = round(max(per_stream, default=0.0), 4)
             res["load"] = {"concurrency": a.concurrency, "duration_s": a.duration, "fault_at_s": a.fault_at,
-                           "prompt_range": a.prompt_range, "output_range": a.output_range}
-            res["deployment_startup_s"] = deps.startup_s
+                           **self.load_record(a)}
             if res["stream_errors"]:
                 raise TrialError(f"{res['stream_errors']} client streams failed: {res['errors_sample'][0]}", res)
             return res
@@ -677,7 +759,6 @@ class Outage(Experiment):
             raise
         finally:
             res.update(trig.close() or {})
-            deps.after_trial(res, promoted)
 
     def _sleep_only(self, ctx, model, keys, nb):
         """The same recovery work in the sleep-only baseline, measured in process (no front door):
@@ -687,10 +768,11 @@ class Outage(Experiment):
         # The victim's requests must still be open at the fault: as long as the context
         # allows, the fault a few seconds into steady decoding.
         kill_at = min(a.fault_at, 2.0)
-        mml = max(a.max_model_len, -(-(int_list(a.prompt_range)[1] + int(kill_at * 150) + 64) // 256) * 256)
-        eargs = shape_args(nb, mml)
+        pd, _ = self.length_dists(a)
+        mml = max(a.max_model_len, -(-(pd.hi + int(kill_at * 150) + 64) // 256) * 256)
+        eargs = shape_args(*engine_shape(ctx, model, nb, mml))
         rig = rig_for(ctx, model, eargs)
-        ctx.budget.check(10 + 0.6 * gb(model), "starting the sleep-only standby")
+        ctx.budget.check(10 + 0.6 * gb(model) + engine_start(a), "starting the sleep-only standby")
         try:
             sb, ready = rig.start_sleep_standby(model)
         except Exception as e:
@@ -699,11 +781,13 @@ class Outage(Experiment):
         try:
             for key in keys:
                 def point(trial=key["trial"]):
-                    rng = random.Random(trial)
-                    plo, phi = int_list(a.prompt_range)
+                    # The same prompt lengths as the frmps streams (each client's first request);
+                    # the outputs run on to the end of the trial.
+                    lengths = RequestLengths(*self.length_dists(a), seed=trial)
                     reqs = []
                     for i in range(a.concurrency):
-                        p = prompt_ids(rng.randint(plo, phi), rng.randrange(1 << 30))
+                        plen, _, pseed = lengths.client(i).next()
+                        p = prompt_ids(plen, pseed)
                         reqs.append({"key": i + 1, "prompt": p, "max_tokens": mml - len(p) - 1, "temperature": 0.0})
                     r = rig.trial("sleep-only", model, reqs, 1, standby=sb, kill_at_s=kill_at,
                                   then_steps=int(max(1.0, a.duration - a.fault_at) * 20), victim_args=["--warmup", "1"])
@@ -711,11 +795,11 @@ class Outage(Experiment):
                     t0 = min(t for t, _ in arrivals)
                     r.update(outage_metrics(arrivals, r["inject"]["t_fault"], t0, a.bin_ms / 1000))
                     r["load"] = {"concurrency": a.concurrency, "all_requests_at_once": True,
-                                 "fault_s_after_first_token": kill_at, "prompt_range": a.prompt_range}
+                                 "fault_s_after_first_token": kill_at, **self.load_record(a)}
                     r["standby_init_s"] = ready.get("init_s")
                     return r
 
-                ctx.run_point(key, point, a.duration + 30 + 0.2 * gb(model),
+                ctx.run_point(key, point, a.duration + 30 + 0.2 * gb(model) + engine_start(a),
                               lambda d: f"outage {fmt_s(d.get('outage_s'))} (sleep-only, in process)")
         finally:
             sb.close()
@@ -735,7 +819,7 @@ class StandbyMemory(Experiment):
         p.add_argument("--settle-s", type=float, default=2.0)
 
     def plan(self, a):
-        return [{"model": m} for m in _models(a, GPU_MODELS)]
+        return [{"model": m, **engine_key(a)} for m in _models(a, GPU_MODELS)]
 
     def _mem(self, ctx, pid: int) -> float | None:
         if ctx.cpu:
@@ -761,7 +845,7 @@ class StandbyMemory(Experiment):
                         res["apps"] = {str(k): v for k, v in nvidia_smi_apps().items()}
                 finally:
                     dep.stop()
-                rig = rig_for(ctx, model, shape_args(a.num_blocks, a.max_model_len))
+                rig = rig_for(ctx, model, shape_args(*engine_shape(ctx, model)))
                 c = EngineProc("context", a.python, ["--device", a.device], rig.outside_env, rig.logfile("context"),
                                ctx.cleanup)
                 try:
@@ -783,7 +867,7 @@ class StandbyMemory(Experiment):
                 res["overhead_mib"] = round(res["standby_mib"] - res["context_mib"], 1)
                 return res
 
-            ctx.run_point(key, point, 40 + 1.0 * gb(model),
+            ctx.run_point(key, point, 40 + 1.0 * gb(model) + 3 * engine_start(a),
                           lambda d: f"standby {d.get('standby_mib')} MiB, context {d.get('context_mib')} MiB")
 
 
@@ -801,13 +885,20 @@ class Correctness(Experiment):
         p.add_argument("--sync-every", type=int, default=1, help="frmps serve's --sync-every (its default: 1)")
         p.add_argument("--prompt-len", type=int, default=16)
         p.add_argument("--tail-tokens", type=int, default=32)
+        p.add_argument("--batch-invariant", action="store_true",
+                       help="--engine vllm: run the engines with vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1; "
+                            "the reference engine's exact mode is its own)")
 
     def defaults(self, a):
         if not a.ks:
             a.ks = "1,16" if a.device == "cpu" else "1,32,1024" if a.quick else "1,2,4,8,16,32,64,128,256,512,1024"
 
     def plan(self, a):
-        return [{"model": _model(a, "qwen2.5-0.5b"), "k": k, "trial": t} for k in int_list(a.ks) for t in range(a.trials)]
+        extra = engine_key(a)
+        if a.batch_invariant:
+            extra["batch_invariant"] = True
+        return [{"model": _model(a, "qwen2.5-0.5b"), "k": k, "trial": t, **extra} for k in int_list(a.ks)
+                for t in range(a.trials)]
 
     def run(self, ctx):
         a = ctx.args
@@ -817,44 +908,35 @@ class Correctness(Experiment):
             return
         # Exact mode is the GPU default; name it anyway. On the CPU the float32 engine is
         # batch-invariant by itself.
-        exact = not ctx.cpu and engine_supports(a.python, "--exact")
+        exact = a.engine == "ref" and not ctx.cpu and engine_supports(a.python, "--exact")
         eargs = ["--exact"] if exact else []
+        env = {"VLLM_BATCH_INVARIANT": "1"} if a.batch_invariant else {}
         mml = max(a.max_model_len, -(-(a.prompt_len + max(int_list(a.ks)) + a.tail_tokens + 16) // 256) * 256)
-        with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml), "correct") as deps:
+        with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml, env=env), "correct") as deps:
             for key in keys:
-                ctx.run_point(key, lambda key=key: self._point(ctx, deps, model, key, exact),
+                ctx.run_point(key, lambda key=key: frmps_point(
+                                  ctx, deps, lambda dep, trig: self._measure(ctx, dep, trig, model, key, exact)),
                               10 + deps.estimate_start() + 0.02 * key["k"],
                               lambda d: f"equal {d.get('equal')}/{d.get('requests')} (exact mode: {d.get('exact_mode')})")
 
-    def _point(self, ctx, deps, model, key, exact) -> dict:
+    def _measure(self, ctx, dep, trig, model, key, exact) -> dict:
         a = ctx.args
         k = key["k"]
         n = k + a.tail_tokens
         p1, p2 = prompt_ids(a.prompt_len, 300 + key["trial"]), prompt_ids(a.prompt_len, 400 + key["trial"])
         greedy = completion_body(model, p1, n, temperature=0.0)
         seeded = completion_body(model, p2, n, temperature=0.8, seed=1234 + key["trial"])
-        dep = deps.get()
-        # The reference: the same two requests, concurrently, no fault, same deployment.
+        # The reference: the same two requests, concurrently, no fault, on the pair the fault
+        # run then uses (still in MPS).
         ref = [Stream(dep.base, greedy), Stream(dep.base, seeded)]
         for s in ref:
             s.start()
         for s in ref:
             s.join(a.trial_timeout)
         if any(s.error or s.n_tokens != n for s in ref):
-            deps.close()
             raise TrialError(f"no-fault reference run failed: {[(s.n_tokens, s.error) for s in ref]}")
         ref_ids = [s.token_ids() for s in ref]
-        # deps.get() would replace a fresh deployment: the fault run uses the same one, still in MPS.
-        promoted = int(field(dep.engines(dep.status()).get("standby") or {}, "pid", 0) or 0)
-        r: dict | None = None
-        try:
-            r = frmps_trial(dep, make_trigger(ctx, dep), greedy, k, wait_rearm=False, extra_streams=[seeded],
-                            timeout=a.trial_timeout)
-        except TrialError as e:
-            r = e.partial
-            raise
-        finally:
-            deps.after_trial(r, promoted)
+        r = frmps_trial(dep, trig, greedy, k, wait_rearm=False, extra_streams=[seeded], timeout=a.trial_timeout)
         got = [r.pop("token_ids"), *r.pop("extra_token_ids")]
         out = {"k": k, "tokens_at_fire": r.get("tokens_at_fire"), "requests": 2,
                "equal": sum(1 for x, y in zip(ref_ids, got) if x == y),
@@ -862,7 +944,9 @@ class Correctness(Experiment):
                "first_diff": [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
                               if x != y else None for x, y in zip(ref_ids, got)],
                "lengths": [len(g) for g in got],
-               "exact_mode": "on" if exact else ("off (CPU float32, batch-invariant)" if ctx.cpu else "unsupported by the engine"),
+               "exact_mode": ("on" if exact else "off (CPU float32, batch-invariant)" if ctx.cpu else
+                              f"vLLM, VLLM_BATCH_INVARIANT={'1' if a.batch_invariant else '0'}" if a.engine == "vllm"
+                              else "unsupported by the engine"),
                "failover": {kk: r.get(kk) for kk in ("recovery_s", "reused_tokens", "prefilled_tokens", "record")}}
         return out
 

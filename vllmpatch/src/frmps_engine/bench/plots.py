@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from . import report  # noqa: E402
-from .common import latest_ok, load_records  # noqa: E402
+from .results import latest_ok, load_records  # noqa: E402
 
 COLORS = {"frmps": "#1b7837", "frmps-n1": "#1b7837", "frmps-n16": "#5aae61", "frmps-no-kv": "#9970ab",
           "sleep-only": "#e08214", "cold (dropped)": "#b2182b", "cold (warm)": "#ef8a62", "context": "#999999"}
@@ -98,8 +98,8 @@ def plot_sync(out_dir: str, s: dict) -> str | None:
     ax.set_xscale("log", base=2)
     allns = sorted({int(n.rstrip("i")) for r in s["models"].values() for n in r["per_n"] if n != "0"})
     ax.set_xticks(allns, [str(n) for n in allns])
-    ax.set_xlabel("sync every N steps")
-    ax.set_ylabel("throughput overhead vs no sync (%)")
+    ax.set_xlabel("publish every N steps")
+    ax.set_ylabel("step time lost vs no publishing (%)")
     ax.set_title("Sync overhead at a saturating batch")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

@@ -34,14 +34,21 @@ class _AllocFlags(ctypes.Structure):
 
 
 class _AllocProp(ctypes.Structure):
-    # CUmemAllocationProp (cuda.h); the same layout interceptor/src/cuda_decls.h
-    # declares and bench/gpu/check_decls.c checks against cuda.h.
     _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
                 ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
 
 
 class _AccessDesc(ctypes.Structure):
     _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+# The driver declarations above, by their cuda.h names. vllmpatch/tests/
+# test_sleep_memory.py checks every layout and value against the interceptor's
+# interceptor/src/cuda_decls.h, which bench/gpu/check_decls.c checks against cuda.h.
+CUDA_STRUCTS = {"CUmemLocation": _Location, "CUmemAllocationProp": _AllocProp, "CUmemAccessDesc": _AccessDesc}
+CUDA_CONSTANTS = {name: globals()[name] for name in ("CUDA_SUCCESS", "CU_MEM_ALLOCATION_TYPE_PINNED",
+                                                     "CU_MEM_LOCATION_TYPE_DEVICE", "CU_MEM_ACCESS_FLAGS_PROT_READWRITE",
+                                                     "CU_MEM_ALLOC_GRANULARITY_MINIMUM")}
 
 
 class SleepMemoryError(RuntimeError):

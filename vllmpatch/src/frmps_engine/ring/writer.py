@@ -267,7 +267,8 @@ class RingWriter:
     def _scratch_for(self, plen: int) -> np.ndarray:
         need = _FRONT + RECORD_HEADER_SIZE + plen + 8
         if self._scratch.size < need:
-            size = max(need, 2 * self._scratch.size, 1 << 16)
+            # Whole 8-byte words: publish_columns views the scratch as uint64.
+            size = -(-max(need, 2 * self._scratch.size, 1 << 16) // 8) * 8
             self._scratch = np.zeros(size, dtype=np.uint8)
         return self._scratch
 

@@ -1,0 +1,150 @@
+"""Child processes the driver starts (process groups, cleanup however the run
+ends, death with the driver) and small HTTP and log helpers. Standard library
+only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any, Callable
+
+
+def now() -> float:
+    return time.time()
+
+
+class Cleanup:
+    """Process groups and callbacks to stop when the run ends, however it ends."""
+
+    def __init__(self):
+        self._procs: list[subprocess.Popen] = []
+        self._fns: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def add_proc(self, p: subprocess.Popen) -> subprocess.Popen:
+        with self._lock:
+            self._procs.append(p)
+        return p
+
+    def add(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._fns.append(fn)
+
+    def remove(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if fn in self._fns:
+                self._fns.remove(fn)
+
+    def run(self) -> None:
+        with self._lock:
+            fns, self._fns = list(reversed(self._fns)), []
+            procs, self._procs = list(self._procs), []
+        for fn in fns:
+            try:
+                fn()
+            except Exception as e:  # best effort: keep cleaning
+                print(f"cleanup: {e}", file=sys.stderr)
+        for p in procs:
+            kill_group(p)
+
+
+_PR_SET_PDEATHSIG = 1
+_prctl = None
+
+
+def die_with_parent():
+    """A preexec_fn: the child gets SIGTERM when the driver dies, even by SIGKILL, so
+    a killed run leaves no deployment behind. The kernel sends it when the *thread*
+    that forked exits, so use it only for children started on the main thread."""
+    global _prctl
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if _prctl is None:
+        import ctypes
+
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    fn = _prctl
+
+    def preexec() -> None:
+        fn(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+    return preexec
+
+
+def kill_group(p: subprocess.Popen, sig: int = signal.SIGKILL, wait_s: float = 10.0) -> None:
+    """Kill the process group a child leads (started with start_new_session) and reap it."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            try:
+                p.send_signal(sig)
+            except ProcessLookupError:
+                pass
+    try:
+        p.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def stop_group(p: subprocess.Popen, grace_s: float = 30.0) -> int | None:
+    """SIGTERM the child, wait up to grace_s, then SIGKILL its process group."""
+    if p.poll() is None:
+        try:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            pass
+    rc = p.poll()
+    # Anything left in its group (an engine it did not reap) goes too.
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if rc is None:
+        try:
+            rc = p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            rc = None
+    return rc
+
+
+def tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 10.0) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def field(d: dict, name: str, default: Any = None) -> Any:
+    """A field by proto name or lowerCamelCase (grpc-gateway's JSON)."""
+    if name in d:
+        return d[name]
+    camel = re.sub(r"_([a-z])", lambda m: m.group(1).upper(), name)
+    return d.get(camel, default)

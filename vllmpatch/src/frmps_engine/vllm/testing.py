@@ -1,0 +1,197 @@
+"""TEST DOUBLES for running the vLLM adapter without a GPU: vLLM's real
+scheduler (FrmpsScheduler through ``scheduler_cls``) and the adapter's
+VllmCore over it, with ``FakeModel`` standing in for the model runner
+(deterministic tokens, no computation) and ``SchedulerCore`` standing in for
+vLLM's in-process EngineCore. Built from real vLLM config objects, by hand, as
+vLLM's own tests/v1/core tests do (no weights, no GPU, no network: the model
+config is a tiny Qwen2 config.json written to a directory).
+
+Used by the adapter's tests (tests/vllm) and by the CPU check of the bench's
+sync-overhead measurement; never by an engine that serves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TINY_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+EOS = 2
+BLOCK_SIZE = 16
+
+
+def write_tiny_model(dirpath: Path, **overrides: Any) -> str:
+    dirpath.mkdir(parents=True, exist_ok=True)
+    (dirpath / "config.json").write_text(json.dumps({**TINY_QWEN2, **overrides}))
+    return str(dirpath)
+
+
+def make_vllm_config(
+    model_dir: str,
+    *,
+    num_blocks: int = 64,
+    block_size: int = BLOCK_SIZE,
+    max_num_batched_tokens: int = 256,
+    max_num_seqs: int = 8,
+    max_model_len: int = 512,
+    enable_prefix_caching: bool = False,
+    async_scheduling: bool = False,
+    scheduler_cls: str | None = None,
+    additional_config: dict | None = None,
+):
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float32", seed=0)
+    sc = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
+        scheduler_cls=scheduler_cls,
+    )
+    cc = CacheConfig(block_size=block_size, cache_dtype="auto", enable_prefix_caching=enable_prefix_caching)
+    cc.num_gpu_blocks = num_blocks
+    return VllmConfig(
+        model_config=mc,
+        cache_config=cc,
+        scheduler_config=sc,
+        device_config=DeviceConfig(device="cpu"),
+        additional_config=additional_config or {},
+    )
+
+
+def make_kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"], spec)],
+    )
+
+
+def make_scheduler(vllm_config, cls=None):
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    if cls is None:
+        cls = vllm_config.scheduler_config.get_scheduler_cls()
+    kvc = make_kv_cache_config(vllm_config.cache_config.num_gpu_blocks, vllm_config.cache_config.block_size)
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kvc,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=vllm_config.cache_config.block_size,
+        log_stats=False,
+    )
+
+
+def fake_token(request_id: str, position: int) -> int:
+    """The token the fake model samples at ``position`` (deterministic, never EOS)."""
+    h = sum(ord(c) for c in request_id) * 131 + position * 17
+    return 3 + h % 500
+
+
+@dataclass
+class FakeModel:
+    """Test double for the model runner: records every token it is asked to compute
+    (per request, by position) and returns one sampled token per request whose
+    scheduled chunk reaches the end of its known tokens."""
+
+    computed: dict[str, list[int]] = field(default_factory=dict)  # positions computed per request
+    blocks: dict[str, list[int]] = field(default_factory=dict)  # block table per request, as a worker keeps it
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # tokens sampled per request
+    steps: list[Any] = field(default_factory=list)
+
+    def _apply_block_updates(self, so) -> None:
+        for new in so.scheduled_new_reqs:
+            (ids,) = new.block_ids
+            self.blocks[new.req_id] = list(ids)
+        cached = so.scheduled_cached_reqs
+        for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            if new_ids is None:
+                continue
+            (ids,) = new_ids
+            if rid in cached.resumed_req_ids:
+                self.blocks[rid] = list(ids)
+            else:
+                self.blocks.setdefault(rid, []).extend(ids)
+
+    def run(self, scheduler, so):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        self.steps.append(so)
+        self._apply_block_updates(so)
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            req = scheduler.requests[rid]
+            n = so.num_scheduled_tokens[rid]
+            start = req.num_computed_tokens - n  # _update_after_schedule already advanced it
+            self.computed.setdefault(rid, []).extend(range(start, start + n))
+            end = start + n
+            if end >= req.num_tokens:
+                tok = fake_token(rid, end)
+                self.sampled.setdefault(rid, []).append(tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled)
+
+
+
+@dataclass
+class SchedulerCore:
+    """Test double for vllm.v1.engine.core.EngineCore: same methods the adapter uses."""
+
+    scheduler: object
+    model: FakeModel = field(default_factory=FakeModel)
+    request_block_hasher: object = None
+
+    def add_request(self, request):
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, ids):
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self):
+        if not self.scheduler.has_requests():
+            return {}, False
+        so = self.scheduler.schedule()
+        outs = self.scheduler.update_from_output(so, self.model.run(self.scheduler, so))
+        return outs, so.total_num_scheduled_tokens > 0
+
+
+def cpu_engine_core(model_dir: str, *, num_blocks: int, max_num_seqs: int, max_model_len: int,
+                    max_num_batched_tokens: int = 0, tokenizer: Any = None):
+    """The adapter's VllmCore over the real FrmpsScheduler and the stand-in model."""
+    from . import SCHEDULER_CLS
+    from .engine import VllmCore
+
+    cfg = make_vllm_config(model_dir, num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                           max_num_batched_tokens=max(max_num_batched_tokens, max_model_len, 256),
+                           scheduler_cls=SCHEDULER_CLS)
+    return VllmCore(SchedulerCore(make_scheduler(cfg)), tokenizer)
