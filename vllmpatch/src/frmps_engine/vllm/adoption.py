@@ -20,6 +20,15 @@ Adoption therefore:
    ``Scheduler.add_request``, which queues a request holding KV blocks in
    ``kv_holding_waiting`` (scheduler.py:2697-2715).
 
+A request with structured outputs also needs its grammar in the state the
+output so far left it in: vLLM compiles a grammar when the engine first receives
+a request (``EngineCore.preprocess_add_request`` → ``grammar_init``,
+core.py:1140-1147; 0.26: :968-975) and advances it by every sampled token
+(``Scheduler.update_from_output``, scheduler.py:2432; 0.26: :1745). Adoption
+compiles it through the scheduler's ``StructuredOutputManager``, waits for it,
+and feeds it the tokens the client has received; the request then waits as an
+ordinary one. Output tokens that do not fit the grammar are refused.
+
 Plain logic (``plan_adoption``) is separated from the part that touches vLLM
 objects (``adopt``); ``adopt`` imports vLLM lazily.
 """
@@ -133,6 +142,7 @@ def adopt(
     enqueue: Callable[[Any], None] | None = None,
     block_hasher: Callable[[Any], list] | None = None,
     fold_outputs: bool | None = None,
+    grammar_timeout: float = 30.0,
 ) -> tuple[Any, AdoptResult]:
     """Adopt ``plan`` into a vLLM 0.33.0 ``Scheduler``; returns (vllm Request, result).
 
@@ -143,6 +153,7 @@ def adopt(
     tokens must be folded into the prompt there; the V2 runner receives all
     token ids (scheduler.py:1642-1652) and keeps them as outputs. Default: fold
     unless the scheduler uses the V2 runner.
+    ``grammar_timeout``: how long to wait for a structured-output grammar to compile.
     """
     from vllm.v1.request import Request
 
@@ -200,6 +211,8 @@ def adopt(
     )
     if not fold_outputs and outs:
         request.append_output_token_ids(outs)
+    if request.use_structured_output:
+        _advance_grammar(scheduler, request, plan, grammar_timeout)
 
     # A free block may still carry a prefix-cache hash from this engine's own past
     # (a stale eviction candidate); its contents are now the adopted request's.
@@ -229,3 +242,37 @@ def adopt(
         prefill_tokens=plan.num_tokens - plan.num_computed,
         num_folded=len(outs) if fold_outputs else 0,
     )
+
+
+def _advance_grammar(scheduler: Any, request: Any, plan: AdoptPlan, timeout: float) -> None:
+    """Compile ``request``'s grammar and feed it the output so far (see the module
+    docstring). Raises AdoptionError; leaves the scheduler untouched."""
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    manager = getattr(scheduler, "structured_output_manager", None)
+    if manager is None:
+        raise AdoptionError(f"request {plan.key}: structured outputs, and the scheduler has no StructuredOutputManager")
+    if manager.vllm_config.structured_outputs_config.reasoning_parser:
+        # The grammar starts after the reasoning ends; which of the delivered
+        # tokens were reasoning is not carried across a takeover yet.
+        raise AdoptionError(f"request {plan.key}: not yet: adopting a structured-output request with a reasoning parser")
+    try:
+        manager.grammar_init(request)
+    except Exception as e:
+        raise AdoptionError(f"request {plan.key}: structured outputs: {e}") from e
+    deadline = time.monotonic() + timeout
+    grammar = request.structured_output_request.grammar
+    while grammar is None:  # compiling on the manager's executor
+        if time.monotonic() > deadline:
+            raise AdoptionError(f"request {plan.key}: grammar not compiled within {timeout:g}s")
+        time.sleep(0.001)
+        grammar = request.structured_output_request.grammar
+    if isinstance(grammar, Exception):
+        raise AdoptionError(f"request {plan.key}: structured outputs: {grammar}") from grammar
+    outs = list(plan.output_token_ids)
+    if outs and not grammar.accept_tokens(request.request_id, outs):
+        raise AdoptionError(
+            f"request {plan.key}: the {len(outs)} tokens the client received do not fit the request's grammar")
+    request.status = RequestStatus.WAITING

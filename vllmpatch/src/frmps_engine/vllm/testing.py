@@ -56,10 +56,14 @@ def make_vllm_config(
     async_scheduling: bool = False,
     scheduler_cls: str | None = None,
     additional_config: dict | None = None,
+    tokenizer: bool = False,
+    structured_outputs_config: object | None = None,
 ):
+    """``tokenizer``: load the model directory's tokenizer (structured outputs need it)."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float32", seed=0)
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=not tokenizer, max_model_len=max_model_len, dtype="float32",
+                     seed=0)
     sc = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -77,6 +81,7 @@ def make_vllm_config(
         scheduler_config=sc,
         device_config=DeviceConfig(device="cpu"),
         additional_config=additional_config or {},
+        **({"structured_outputs_config": structured_outputs_config} if structured_outputs_config is not None else {}),
     )
 
 

@@ -1,0 +1,119 @@
+"""``FrmpsAsyncMPClient``: vLLM's asyncio engine-core client, re-pointable.
+
+vLLM's API server talks to its EngineCore through ``AsyncMPClient``: requests go
+out on a ROUTER socket to the engine's identity, outputs come in on a PULL socket
+(``v1/engine/core_client.py``; ``OPENAI.md`` cites the lines per version). This
+subclass keeps vLLM's code path and adds what a failover needs:
+
+- every request passes through the ``ResumeLedger`` on its way out (ring key,
+  engine id, seed) and every output on its way in (tokens received, ids renamed
+  back), so the frontend's resume point of each request is known exactly;
+- ``engine_lost()`` makes the client hold what it would send (a ROUTER drops
+  messages for an identity with no peer), and ``wait_engine_back()`` waits for
+  the promoted engine's ready message under the same identity, then sends what
+  was held, in order;
+- the ROUTER hands an identity over to a new peer (``ZMQ_ROUTER_HANDOVER``,
+  which vLLM sets only for elastic EP), so the standby can take the dead
+  engine's place even before the old connection is seen closed.
+
+It needs engines managed outside the API server (``client_addresses``): frmps's
+supervisor launches them. The resume set (``resume_entries``) is read by the
+supervisor; the standby adopts it and then connects. Thin on purpose: the logic
+is in ``ledger``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import zmq
+from vllm.v1.engine.core_client import AsyncMPClient
+
+from .ledger import Entry, ResumeLedger
+
+
+class EngineReplaced(RuntimeError):
+    """A utility call was in flight on an engine that died."""
+
+
+class FrmpsAsyncMPClient(AsyncMPClient):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.resources.engine_manager is not None:
+            self.shutdown()
+            raise ValueError("FrmpsAsyncMPClient needs engines managed by frmps (client_addresses), "
+                             "not engines launched by vLLM's client")
+        self.ledger = ResumeLedger()
+        self.input_socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Messages held while no engine is connected: (args to _send_input_message, ledger entry or None).
+        self._held: list[tuple[tuple, Entry | None]] | None = None
+        self._admitting: Entry | None = None
+
+    # ------------------------------------------------------------ requests out
+
+    async def add_request_async(self, request: Any) -> None:
+        entry = self.ledger.admit(request)
+        entry.held = self._held is not None
+        self._admitting = entry
+        try:
+            await super().add_request_async(request)
+        finally:
+            self._admitting = None
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        await super().abort_requests_async(self.ledger.abort(request_ids))
+
+    def _send_input_message(self, message: Any, engine: Any, *rest: Any):
+        # 0.33: (message, engine); 0.26: (message, engine, objects).
+        if self._held is not None:
+            self._held.append(((message, engine, *rest), self._admitting))
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return super()._send_input_message(message, engine, *rest)
+
+    # ------------------------------------------------------------ outputs in
+
+    async def process_engine_outputs(self, outputs: Any) -> None:
+        # Called by vLLM's output task for every EngineCoreOutputs before it is
+        # queued for the output processor (core_client.py, process_outputs_socket).
+        if outputs.outputs:
+            self.ledger.record(outputs.outputs)
+
+    # ------------------------------------------------------------ failover
+
+    def engine_lost(self) -> None:
+        """The engine died: hold what would be sent until the next one is
+        connected, and fail utility calls that were waiting on the dead one."""
+        if self._held is None:
+            self._held = []
+        for call_id, fut in list(self.utility_results.items()):
+            if not fut.done():
+                fut.set_exception(EngineReplaced(f"engine died during utility call {call_id}"))
+            self.utility_results.pop(call_id, None)
+
+    def resume_entries(self) -> list[Entry]:
+        """What the promoted engine must adopt: every request sent to an engine
+        and still open, with the tokens the frontend received. Requests held
+        since the failover began are left out: they are sent afresh."""
+        return [e for e in self.ledger.open_entries() if not e.held]
+
+    async def wait_engine_back(self, timeout: float) -> None:
+        """Wait for the promoted engine's ready message (its identity on the
+        ROUTER), then send everything held. Raises TimeoutError."""
+        if self._held is None:
+            raise RuntimeError("wait_engine_back without engine_lost")
+
+        async def ready() -> None:
+            while True:
+                identity, *_ = await self.input_socket.recv_multipart()
+                if bytes(identity) == bytes(self.core_engine):
+                    return
+
+        await asyncio.wait_for(ready(), timeout)
+        held, self._held = self._held, None
+        for args, entry in held:
+            await super()._send_input_message(*args)
+            if entry is not None:
+                entry.held = False

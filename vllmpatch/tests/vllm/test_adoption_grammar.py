@@ -1,0 +1,90 @@
+"""Adoption of a structured-output request on the real vLLM Scheduler with the
+real StructuredOutputManager (xgrammar, the Qwen2.5-vocabulary tokenizer that
+`frmps model init` writes): the standby's grammar continues from the tokens the
+client received, exactly once, and the request is scheduled, not left waiting
+for a grammar."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from frmps_engine import modeldir
+from frmps_engine.vllm.adoption import AdoptionError, AdoptPlan, adopt
+from vhelpers import make_scheduler, make_vllm_config
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+          "additionalProperties": False}
+RECEIVED = '{"city": "Pa'  # the client has this much when the active dies
+REST = 'ris"}'
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return modeldir.write("qwen2.5-0.5b", str(tmp_path_factory.mktemp("qwen") / "m"))
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+
+
+def ids(tok, text):
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def modeldir_eos() -> int:
+    return modeldir.QWEN_REGULAR_TOKENS + 2  # <|im_end|>, the tokenizer's EOS
+
+
+def params():
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=json.dumps(SCHEMA))
+    so._backend = "xgrammar"  # set by vLLM's input processor in the frontend, carried in the request
+    return SamplingParams(max_tokens=32, seed=1, structured_outputs=so)
+
+
+def scheduler(model_dir, **so_config):
+    from vllm.config import StructuredOutputsConfig
+
+    cfg = make_vllm_config(model_dir, tokenizer=True, structured_outputs_config=StructuredOutputsConfig(**so_config))
+    return make_scheduler(cfg)
+
+
+def plan(key, out_ids):
+    return AdoptPlan(key=key, seed=1, prompt_token_ids=[10, 11, 12], output_token_ids=list(out_ids),
+                     num_computed=0, block_ids=[])
+
+
+def test_grammar_continues_after_the_received_tokens(model_dir, tok):
+    sched = scheduler(model_dir, backend="xgrammar")
+    request, _ = adopt(sched, plan(5, ids(tok, RECEIVED)), params(), fold_outputs=False)
+    grammar = request.structured_output_request.grammar
+    # Fed exactly the received tokens: the rest of the object completes it. A
+    # grammar fed nothing would refuse 'ris"}' (an object starts with '{'); one
+    # fed twice would have refused adoption ('{"city": "Pa{"city"…' is not JSON).
+    assert grammar.accept_tokens(request.request_id, ids(tok, REST) + [modeldir_eos()])
+    assert grammar.is_terminated()
+    out = sched.schedule()
+    assert request.request_id in out.num_scheduled_tokens, "adopted request left waiting for its grammar"
+    # The same request adopted with nothing received starts at the object's beginning.
+    fresh, _ = adopt(sched, plan(8, []), params(), fold_outputs=False)
+    assert not fresh.structured_output_request.grammar.accept_tokens(fresh.request_id, ids(tok, REST))
+
+
+def test_received_tokens_outside_the_grammar_are_refused(model_dir, tok):
+    sched = scheduler(model_dir, backend="xgrammar")
+    free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    with pytest.raises(AdoptionError, match="do not fit the request's grammar"):
+        adopt(sched, plan(6, ids(tok, "hello")), params(), fold_outputs=False)
+    assert not sched.requests and sched.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
+def test_reasoning_parser_is_not_yet_supported(model_dir, tok):
+    sched = scheduler(model_dir, backend="xgrammar", reasoning_parser="deepseek_r1")
+    with pytest.raises(AdoptionError, match="not yet"):
+        adopt(sched, plan(7, ids(tok, RECEIVED)), params(), fold_outputs=False)

@@ -1,0 +1,222 @@
+"""FrmpsAsyncMPClient (frmps_engine.vllm.frontend.client): vLLM's own asyncio
+engine-core client, real ZMQ sockets and vLLM's own msgpack structs, re-pointed
+from a dead engine to a promoted one mid-stream.
+
+The engines here are TEST DOUBLES (``FakeEngine``): a thread that speaks vLLM's
+engine-core socket protocol (DEALER with the engine's identity + PUSH, a ready
+message, ADD/ABORT in, EngineCoreOutputs out) with vLLM's own encoder and
+decoder, and emits token ``f(seed, index)`` per step — the stateless
+(seed, position) sampling a standby relies on. The promoted double adopts the
+client's resume entries and continues each request after the tokens the
+frontend received, as the real engine must."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import zmq
+
+from vhelpers import make_vllm_config, write_tiny_model
+
+MAX_TOKENS = 12
+KILL_AFTER = 5  # tokens per request before the first engine "dies"
+
+
+def token(seed: int, index: int) -> int:
+    return (seed * 31 + index * 7) % 500 + 3
+
+
+class FakeEngine(threading.Thread):
+    """TEST DOUBLE of an engine process on vLLM's engine-core sockets."""
+
+    def __init__(self, input_addr: str, output_addr: str, *, adopt=(), stop_after: int | None = None,
+                 hang: bool = False):
+        super().__init__(daemon=True)
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        self.T = EngineCoreRequestType
+        self.Out, self.Outs = EngineCoreOutput, EngineCoreOutputs
+        self.enc, self.dec_req, self.dec_any = MsgpackEncoder(), MsgpackDecoder(EngineCoreRequest), MsgpackDecoder()
+        self.input_addr, self.output_addr = input_addr, output_addr
+        self.stop_after = stop_after
+        self.hang = hang  # after stop_after: stop working but keep the sockets open (a wedged engine)
+        self.stopped_working = threading.Event()
+        # engine id -> [seed, next index, max_tokens]
+        self.running: dict[str, list[int]] = {}
+        for e in adopt:
+            sp = e.request.sampling_params
+            self.running[e.engine_id] = [sp.seed, len(e.delivered), sp.max_tokens]
+        self.received: list[str] = []
+        self.aborted: list[str] = []
+        self.stop = threading.Event()
+        self.ctx = zmq.Context()
+
+    def run(self):
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, (0).to_bytes(2, "little"))
+        dealer.setsockopt(zmq.LINGER, 0)
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.input_addr)
+        push.connect(self.output_addr)
+        dealer.send(b"")  # ready; an empty payload is accepted (no ready response)
+        emitted = 0
+        try:
+            while not self.stop.is_set():
+                while dealer.poll(0):
+                    kind, *frames = dealer.recv_multipart(copy=False)
+                    kind = bytes(kind.buffer)
+                    if kind == self.T.ADD.value:
+                        r = self.dec_req.decode(frames)
+                        self.received.append(r.request_id)
+                        self.running[r.request_id] = [r.sampling_params.seed, 0, r.sampling_params.max_tokens]
+                    elif kind == self.T.ABORT.value:
+                        for rid in self.dec_any.decode(frames):
+                            self.aborted.append(rid)
+                            self.running.pop(rid, None)
+                outs = []
+                for rid, st in list(self.running.items()):
+                    seed, i, mx = st
+                    done = i + 1 >= mx
+                    outs.append(self.Out(request_id=rid, new_token_ids=[token(seed, i)],
+                                         finish_reason=self._length() if done else None))
+                    st[1] += 1
+                    if done:
+                        del self.running[rid]
+                if outs:
+                    push.send_multipart(self.enc.encode(self.Outs(engine_index=0, outputs=outs)), copy=False)
+                    emitted += 1
+                    if self.stop_after is not None and emitted >= self.stop_after:
+                        self.stopped_working.set()
+                        if self.hang:
+                            self.stop.wait()
+                        return  # dies: sockets closed with linger 0, no goodbye
+                time.sleep(0.005)
+        finally:
+            dealer.close(0)
+            push.close(0)
+            self.ctx.term()
+
+    def _length(self):
+        from vllm.v1.engine import FinishReason
+
+        return FinishReason.LENGTH
+
+
+def make_request(rid: str, sp):
+    from vllm.v1.engine import EngineCoreRequest
+
+    return EngineCoreRequest(rid, [1, 2, 3], None, sp, None, time.time(), None, None, None)
+
+
+@pytest.fixture
+def addrs(sockdir):
+    return f"ipc://{os.path.join(sockdir, 'in.sock')}", f"ipc://{os.path.join(sockdir, 'out.sock')}"
+
+
+@pytest.mark.parametrize("first_fate", ["dies", "wedged"])
+def test_stream_continues_on_a_promoted_engine_exactly_once(tmp_path, addrs, first_fate):
+    """``dies``: the first engine's sockets close (a killed process). ``wedged``:
+    they stay open while the promoted engine connects under the same identity,
+    which only the ROUTER's handover lets it take."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.executor import Executor
+
+    from frmps_engine.vllm.frontend.client import FrmpsAsyncMPClient
+
+    cfg = make_vllm_config(write_tiny_model(tmp_path / "m"))
+    in_addr, out_addr = addrs
+
+    async def main():
+        first = FakeEngine(in_addr, out_addr, stop_after=KILL_AFTER, hang=first_fate == "wedged")
+        first.start()
+        client = FrmpsAsyncMPClient(cfg, Executor, False, client_addresses={
+            "input_address": in_addr, "output_address": out_addr})
+        try:
+            seeded = SamplingParams(max_tokens=MAX_TOKENS, seed=11)
+            # Two children of one unseeded n=2 request share a SamplingParams object in vLLM.
+            shared = SamplingParams(max_tokens=MAX_TOKENS)
+            reqs = [make_request("cmpl-a", seeded), make_request("0_cmpl-b", shared), make_request("1_cmpl-b", shared)]
+            for r in reqs:
+                await client.add_request_async(r)
+            seeds = {r.request_id: r.sampling_params.seed for r in reqs}  # engine ids now
+            assert len(set(seeds.values())) == 3 and seeds["frmps-1"] == 11
+
+            got: dict[str, list[int]] = {}
+            finished: set[str] = set()
+
+            async def drain(until):
+                while not until():
+                    outs = await asyncio.wait_for(client.get_output_async(), 10)
+                    for o in outs.outputs:
+                        got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                        if o.finish_reason is not None:
+                            finished.add(o.request_id)
+
+            await drain(lambda: all(len(got.get(f, [])) >= KILL_AFTER for f in ("cmpl-a", "0_cmpl-b", "1_cmpl-b")))
+            assert first.stopped_working.wait(5)
+            if first_fate == "dies":
+                first.join(5)
+                assert not first.is_alive()
+
+            # The supervisor's part, done here by hand: the engine is gone.
+            client.engine_lost()
+            late = make_request("cmpl-late", SamplingParams(max_tokens=4, seed=3))
+            await client.add_request_async(late)  # held: no engine to send it to
+            await client.abort_requests_async(["1_cmpl-b"])  # held too
+            entries = client.resume_entries()
+            assert [e.frontend_id for e in entries] == ["cmpl-a", "0_cmpl-b"]
+            assert all(e.delivered == got[e.frontend_id] for e in entries)
+
+            second = FakeEngine(in_addr, out_addr, adopt=entries)
+            second.start()
+            await client.wait_engine_back(timeout=10)
+            await drain(lambda: {"cmpl-a", "0_cmpl-b", "cmpl-late"} <= finished)
+            for eng in (first, second):
+                eng.stop.set()
+                eng.join(5)
+
+            want = {"cmpl-a": [token(11, i) for i in range(MAX_TOKENS)],
+                    "0_cmpl-b": [token(seeds["frmps-2"], i) for i in range(MAX_TOKENS)],
+                    "cmpl-late": [token(3, i) for i in range(4)]}
+            for fid, toks in want.items():
+                assert got[fid] == toks, fid  # every token once, in order, under the frontend's id
+            assert second.received == ["frmps-4"], "only the held request is sent afresh"
+            assert second.aborted == ["frmps-3"]
+            assert len(client.ledger) == 0
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_wait_engine_back_times_out_and_needs_engine_lost(tmp_path, addrs):
+    from vllm.v1.executor import Executor
+
+    from frmps_engine.vllm.frontend.client import FrmpsAsyncMPClient
+
+    cfg = make_vllm_config(write_tiny_model(tmp_path / "m"))
+    in_addr, out_addr = addrs
+
+    async def main():
+        eng = FakeEngine(in_addr, out_addr, stop_after=0)
+        eng.start()
+        client = FrmpsAsyncMPClient(cfg, Executor, False, client_addresses={
+            "input_address": in_addr, "output_address": out_addr})
+        try:
+            with pytest.raises(RuntimeError, match="without engine_lost"):
+                await client.wait_engine_back(timeout=0.1)
+            client.engine_lost()
+            with pytest.raises(asyncio.TimeoutError):
+                await client.wait_engine_back(timeout=0.2)
+        finally:
+            client.shutdown()
+            eng.stop.set()
+            eng.join(5)
+
+    asyncio.run(main())
