@@ -27,7 +27,22 @@ from frmps_engine.sdk.seeds import derive_seed
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 from frmps_engine.sdk.testing.fake_engine import FakeTokenizer  # noqa: E402
-from frmps_engine.sdk.testing.fake_ring import read_snapshot  # noqa: E402
+from frmps_engine.ring import create_ring  # noqa: E402
+from frmps_engine.ring.layout import TYPE_FULL, TYPE_PAD  # noqa: E402
+from frmps_engine.ring.reader import RingReader  # noqa: E402
+
+
+def read_snapshot(path: str) -> dict[int, dict]:
+    """What the supervisor holds after consuming every record of the (real) ring,
+    read from its start (these tests' rings never wrap)."""
+    r = RingReader(path, start=0)
+    try:
+        r.poll()
+        return {k: {"blocks": list(st.blocks), "tokens": list(st.tokens), "num_prompt": st.num_prompt,
+                    "num_computed": st.num_computed, "seed": st.seed, "step": st.step}
+                for k, st in r.snapshot.items()}
+    finally:
+        r.close()
 from test_sdk_genapi import reference  # noqa: E402
 
 TOK = FakeTokenizer()
@@ -49,13 +64,12 @@ class FakeSupervisor:
 
     def __init__(self, d):
         self.dir = d
-        self.ring = os.path.join(d, "ring.jsonl")
-        open(self.ring, "w").close()
+        self.ring = os.path.join(d, "ring")
+        create_ring(self.ring, 1 << 20)
         self.engines: list[Engine] = []
         self.fds: list[int] = []
 
-    def spawn(self, role, name, *extra, env=None, engine=FAKE, model="fake-tiny",
-              ring_module="frmps_engine.sdk.testing.fake_ring") -> Engine:
+    def spawn(self, role, name, *extra, env=None, engine=FAKE, model="fake-tiny") -> Engine:
         ctrl, gen, log = (os.path.join(self.dir, f"{name}.{x}") for x in ("ctl", "gen", "log"))
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         srv.bind(ctrl)
@@ -63,7 +77,7 @@ class FakeSupervisor:
         srv.settimeout(90)
         cmd = [sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", engine, "--role", role,
                "--model", model, "--control-socket", ctrl, "--generation-socket", gen, "--memory", "host-shm",
-               "--ring-module", ring_module, *extra]
+               *extra]
         with open(log, "w") as lf:
             proc = subprocess.Popen(cmd, stderr=lf, stdout=lf, env={**os.environ, **(env or {})})
         e = Engine(proc, srv, gen, log)
@@ -249,10 +263,13 @@ def test_failover_end_to_end(sup):
         assert chunks[-1].finish_reason == g.FINISH_REASON_LENGTH
 
     # The new active attached to the ring (epoch 2) and published a FULL record first.
-    lines = [json.loads(x) for x in open(sup.ring)]
-    att = [i for i, x in enumerate(lines) if "attach" in x]
-    assert [lines[i]["attach"] for i in att] == [1, 2]
-    assert lines[att[1] + 1]["full"] and lines[att[1] + 1]["epoch"] == 2
+    rr = RingReader(sup.ring, start=0)
+    rr.poll()
+    recs = [x for x in rr.records if x.type != TYPE_PAD]
+    rr.close()
+    epochs = [x.epoch for x in recs]
+    assert sorted(set(epochs)) == [1, 2] and epochs == sorted(epochs)
+    assert recs[epochs.index(2)].type == TYPE_FULL
 
     # New requests are served by the new active.
     new = list(s_stub.Generate(g.GenerateRequest(key=5, prompt="again", params=P(max_tokens=5))))

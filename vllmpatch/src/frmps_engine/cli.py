@@ -43,7 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fixed decode batch, aligned per-request prefill; default on for GPUs)")
     s.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
                    help="ablation: a standby recomputes every adopted token instead of reusing the shared KV")
-    s.add_argument("--ring-module", default="frmps_engine.ring", help=argparse.SUPPRESS)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     c = sub.add_parser("check-engine", help="check that an --engine name loads; print its factory")
     c.add_argument("engine", help="ref, vllm, or package.module:Factory")
@@ -100,7 +99,7 @@ def serve(args: argparse.Namespace) -> int:
         mem = memory.get_backend(args.memory, args.device)
         r = runner.Runner(
             runner.RunnerConfig(role=args.role, control_socket=args.control_socket,
-                                generation_socket=args.generation_socket, ring_module=args.ring_module),
+                                generation_socket=args.generation_socket),
             adapter, mem,
         )
     except (adapters.AdapterError, memory.MemoryError_, runner.StartupError) as e:
