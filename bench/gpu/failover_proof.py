@@ -308,6 +308,17 @@ def compare_ids(ref: dict, got: dict) -> dict:
 
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src")))
+
+
+def _exit_on_term(signum, _frame):
+    # A bounded stage ends a check with SIGTERM: unwind, so that every
+    # Deployment.stop() in a finally block stops its frmps (which runs in a
+    # session of its own and would otherwise outlive the check with its MPS
+    # daemon and engines).
+    raise SystemExit(128 + signum)
+
+
+signal.signal(signal.SIGTERM, _exit_on_term)
 from frmps_engine.bench import loglines  # noqa: E402  (standard library only)
 from frmps_engine.bench.deploy import ServeOpts  # noqa: E402  (standard library only)
 
