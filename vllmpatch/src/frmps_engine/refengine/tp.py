@@ -152,6 +152,11 @@ class Comm:
     def all_reduce(self, t) -> None:
         self._dist.all_reduce(t)
 
+    def close(self) -> None:
+        """Leave the group (torch.distributed has one default group per process)."""
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
 
 # ---- rank 0's side --------------------------------------------------------------
 
@@ -183,6 +188,7 @@ class Group:
         self._closing = False
         self._lock = threading.Lock()  # one command at a time on the channels
         self.workers: list[_Worker] = []
+        self.comm: Comm | None = None
         rendezvous = tempfile.mkdtemp(prefix="frmps-tp-")
         try:
             store = os.path.join(rendezvous, "store")
@@ -288,7 +294,8 @@ class Group:
                 self._call(w, dict(op="access", tag=tag, readonly=readonly))
 
     def close(self) -> None:
-        """Stop the workers (an orderly exit; rank 0's death kills them anyway)."""
+        """Stop the workers and leave the communicator (an orderly exit for tests and
+        failed starts; in an engine, rank 0's death kills the workers anyway)."""
         self._closing = True
         for w in self.workers:
             try:
@@ -304,6 +311,9 @@ class Group:
                 w.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 log.error("tensor-parallel rank %d (pid %d) did not exit after SIGKILL", w.rank, w.proc.pid)
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
 
 
 class GroupMemory:
