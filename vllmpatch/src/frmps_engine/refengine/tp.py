@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from .config import EngineConfig, ModelShape, PoolSpec, rank_pools
@@ -130,6 +131,9 @@ class Comm:
         import torch.distributed as dist
 
         self._dist = dist
+        # Runs when a collective fails, before the error propagates (Group: a dead
+        # peer is reported as such, not as the communicator's error).
+        self.on_error: Callable[[], None] | None = None
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -150,7 +154,12 @@ class Comm:
             raise GroupError(f"communicator warm-up: all-reduce gave {probe.item()}, want {size}")
 
     def all_reduce(self, t) -> None:
-        self._dist.all_reduce(t)
+        try:
+            self._dist.all_reduce(t)
+        except Exception:
+            if self.on_error is not None:
+                self.on_error()
+            raise
 
     def close(self) -> None:
         """Leave the group (torch.distributed has one default group per process)."""
@@ -185,6 +194,7 @@ class Group:
         if self.size < 2:
             raise GroupError(f"a tensor-parallel group needs at least 2 ranks, got {self.size}")
         self.on_death: Callable[[str], None] = self._default_on_death
+        self._reported = threading.Lock()  # held by the one report of a death
         self._closing = False
         self._lock = threading.Lock()  # one command at a time on the channels
         self.workers: list[_Worker] = []
@@ -197,6 +207,7 @@ class Group:
             for w in self.workers:
                 threading.Thread(target=self._watch, args=(w,), name=f"frmps-tp-watch-{w.rank}", daemon=True).start()
             self.comm = Comm(store, 0, self.size, cfg.device)
+            self.comm.on_error = self._collective_failed
             for w in self.workers:
                 self._expect_ok(w, "join the communicator")
         except BaseException:
@@ -228,11 +239,27 @@ class Group:
         os._exit(Group.EXIT_PEER_DIED)
 
     def _watch(self, w: _Worker) -> None:
-        code = w.proc.wait()
-        if self._closing:
+        self._report(w, w.proc.wait())
+
+    def _report(self, w: _Worker, code: int) -> None:
+        """Report a worker's death once (on_death ends the process; a second report
+        waits for that)."""
+        if self._closing or not self._reported.acquire(blocking=False):
             return
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         self.on_death(f"tensor-parallel rank {w.rank} (pid {w.proc.pid}) died: {how}")
+
+    def _collective_failed(self) -> None:
+        """A collective failed on rank 0 (gloo raises when a peer's connection
+        drops): when a worker is dying, report that death rather than the symptom."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            for w in self.workers:
+                code = w.proc.poll()
+                if code is not None:
+                    self._report(w, code)
+                    return
+            time.sleep(0.01)
 
     def _call(self, w: _Worker, msg: dict, fds: Sequence[int] = (), reply: bool = True) -> tuple[dict, list[int]]:
         send_msg(w.sock, msg, fds)
