@@ -272,7 +272,7 @@ class RefCore:
         plan = self._plan(batch)
         if self._workers is not None:
             self._workers.run_plan(plan)  # the other ranks run the same pass on their shards
-        logits = self.run_plan(plan)
+        logits = self._run_plan(plan)  # step() put us on the engine's stream already
         if on_launch is not None:
             on_launch()
         return logits
@@ -290,7 +290,7 @@ class RefCore:
                 ids=[r.token_ids[r.num_computed] for r, _ in batch],
                 pos=pos,
                 slots=[r.block_ids[p // bs] * bs + p % bs for (r, _), p in zip(batch, pos)],
-                tables=[list(r.block_ids) for r, _ in batch],
+                tables=[r.block_ids for r, _ in batch],  # run (or sent) before the scheduler changes them
                 keep=keep if len(keep) < len(batch) else None,
             )
         ids: list[int] = []
@@ -320,8 +320,9 @@ class RefCore:
         return dict(kind="varlen", ids=ids, pos=pos, slots=slots, seqs=seqs, rows=rows, select=select)
 
     def run_plan(self, plan: dict) -> torch.Tensor:
-        """Execute a pass described by _plan on this rank's shard; the logits of the
-        sampled rows (empty on a tensor-parallel worker, which does not sample)."""
+        """Execute a pass described by _plan on this rank's shard (a tensor-parallel
+        worker's entry point); the logits of the sampled rows (empty on a worker,
+        which does not sample)."""
         with self._on_stream():
             return self._run_plan(plan)
 
@@ -338,7 +339,7 @@ class RefCore:
             return logits
         dev = self.model.device
         t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
-        seqs = [SeqChunk(q0, n, start, list(blocks)) for q0, n, start, blocks in plan["seqs"]]
+        seqs = [SeqChunk(q0, n, start, blocks) for q0, n, start, blocks in plan["seqs"]]
         logits = self.model.forward(Batch(t(plan["ids"]), t(plan["pos"]), t(plan["slots"]), seqs, t(plan["rows"])))
         select = plan["select"]
         if select is not None:

@@ -136,6 +136,8 @@ class Comm:
         self.on_error: Callable[[], None] | None = None
         dev = torch.device(device)
         if dev.type == "cuda":
+            if dev.index is None:  # "cuda": the current device, named (NCCL's device_id needs an index)
+                dev = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(dev)
             backend = "nccl"
         else:
