@@ -72,6 +72,22 @@ def engines(dep: Deployment) -> dict[str, int]:
     return {e["role"]: int(e["pid"]) for e in dep.status().get("engines", []) if e.get("pid")}
 
 
+def active_log(dep: Deployment) -> str:
+    return next(e["log_path"] for e in dep.status()["engines"] if e["role"] == "active")
+
+
+def exit_line(path: str, timeout: float = 20.0) -> str:
+    """The supervisor's record of how the engine logging to path exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path, errors="replace") as f:
+            lines = [line.strip() for line in f if " exited: " in line and line.startswith("frmps: ")]
+        if lines:
+            return lines[-1]
+        time.sleep(0.05)
+    return ""
+
+
 def run(dep: Deployment, kill_pid: int | None = None, after: int = 20):
     fired = []
 
@@ -112,11 +128,13 @@ def test_tp2_failover_on_either_rank():
 
         # 1. A worker (rank 1) of the active dies: rank 0 reports it and exits; the standby group takes over.
         old_active, old_standby, worker = pids["active"], pids["standby"], groups["active"][0]
+        old_log = active_log(dep)
         check_same(ref, run(dep, kill_pid=worker))
         st = dep.wait_state("serving_ready")
         fo = st["failovers"][0]
         assert fo["ok"], fo
         assert "tensor-parallel rank 1" in fo["detail"], fo
+        assert exit_line(old_log).endswith("exited: exit code 4"), "rank 0 must exit with its peer-died code"
         assert wait_gone([old_active, worker]) == [], "the failed group left a rank behind"
         pids = engines(dep)
         assert pids["active"] == old_standby, "the standby group did not take over"
