@@ -401,7 +401,9 @@ def shared_mps_args(a) -> list[str]:
     return ["--mps-pipe-dir", a.mps_pipe_dir] + (["--mps-log-dir", a.mps_log_dir] if a.mps_log_dir else [])
 
 
-def mps_trigger(args, spec: str):
+def mps_trigger(args, spec: str, gpu: int | None = None):
+    """A fault trigger as a co-located MPS client (bench/faults); gpu: the one GPU
+    of the daemon's it runs on (CUDA_VISIBLE_DEVICES), else the default device."""
     prog, _, variant = spec.partition(":")
 
     def make(dep: Deployment, active: dict):
@@ -414,6 +416,9 @@ def mps_trigger(args, spec: str):
                 return
             env = dict(os.environ)
             env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"] = dep.mps_dirs()
+            if gpu is not None:  # the gpu-th of the devices the deployment sees
+                seen = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+                env["CUDA_VISIBLE_DEVICES"] = seen[gpu] if gpu < len(seen) else str(gpu)
             p = subprocess.Popen([os.path.join(args.faults_dir, prog), variant or "", "-1"], env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             st["p"] = p

@@ -4,6 +4,7 @@
 #
 #   OUT=<dir> bench/gpu/session.sh prep ref-failback:qwen2.5-14b:20:330 vllm-failback:qwen2.5-0.5b:10:300 pack
 #   OUT=<dir> bench/gpu/session.sh prep bench:vllm:recovery:qwen2.5-0.5b:500 bench:ref:recovery:qwen2.5-0.5b pack
+#   OUT=<dir> bench/gpu/session.sh prep ref-tp:qwen2.5-7b:10:300 pack        (a machine with 2 GPUs)
 #
 # Stages:
 #   prep                               environment, builds (interceptor, fault triggers), commit
@@ -11,6 +12,9 @@
 #                                      no new fault after budget seconds of faults; the stage is killed after
 #                                      timeout seconds (default budget + 330)
 #   vllm-failback:<model>:<n>:<budget>[:<timeout>] the same with --engine vllm on a `frmps model init` directory
+#   ref-tp:<model>:<n>:<budget>[:<timeout>]  bench/gpu/tp_proof.py: the reference engine with --tensor-parallel-size 2
+#                                      on GPUs 0 and 1 (one MPS daemon for both), n faults by MPS clients pinned to
+#                                      GPU 0 and GPU 1 alternately; timeout as for ref-failback
 #   vllm-tp:<model>:<batches>[:<timeout>] bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone; default 300 s)
 #   bench:<engine>:<experiment>:<models>[:<budget>]  `frmps bench <experiment> --engine <engine>` (ref, vllm; for
 #                                      sync-overhead also ref+vllm: both engines in one run) on <models> (comma list),
@@ -106,6 +110,20 @@ stage_failback() {  # engine model n budget [timeout]
     tail -n 25 "$WORK/$engine-$model.out" >> "$S"
 }
 
+stage_ref_tp() {  # model n budget [timeout]
+    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330))}
+    local gpus
+    gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+    if [ "$gpus" -lt 2 ]; then log "ref-tp $model: needs 2 GPUs, this machine has $gpus"; return; fi
+    rm -rf "$WORK/ref-tp-$model"
+    log "ref-tp $model: TP=2, $n faults, budget ${budget}s"
+    timeout "$limit" python3 bench/gpu/tp_proof.py --frmps bin/frmps --model "$model" --tensor-parallel-size 2 \
+        --faults "$n" --time-budget "$budget" --workdir "$WORK/ref-tp-$model" --out "$OUT/ref-tp-$model.json" \
+        --engine-arg=--max-num-seqs=8 --num-blocks "$(nblocks "$model")" > "$WORK/ref-tp-$model.out" 2>&1
+    log "ref-tp $model: rc=$?"
+    tail -n 25 "$WORK/ref-tp-$model.out" >> "$S"
+}
+
 stage_bench() {  # engine experiment models [budget]
     local engine=$1 exp=$2 models=$3 budget=${4:-540} sel=() eng=()
     vllm_env
@@ -143,6 +161,7 @@ for st in "$@"; do
         prep) stage_prep ;;
         ref-failback) stage_failback ref "$a" "$b" "$c" "$d" ;;
         vllm-failback) stage_failback vllm "$a" "$b" "$c" "$d" ;;
+        ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" ;;
         bench) stage_bench "$a" "$b" "$c" "$d" ;;
         hang|shared-mps)
