@@ -117,7 +117,7 @@ stage_ref_tp() {  # model n budget [timeout]
     if [ "$gpus" -lt 2 ]; then log "ref-tp $model: needs 2 GPUs, this machine has $gpus"; return; fi
     rm -rf "$WORK/ref-tp-$model"
     log "ref-tp $model: TP=2, $n faults, budget ${budget}s"
-    timeout "$limit" python3 bench/gpu/tp_proof.py --frmps bin/frmps --model "$model" --tensor-parallel-size 2 \
+    bounded "$limit" python3 bench/gpu/tp_proof.py --frmps bin/frmps --model "$model" --tensor-parallel-size 2 \
         --faults "$n" --time-budget "$budget" --workdir "$WORK/ref-tp-$model" --out "$OUT/ref-tp-$model.json" \
         --engine-arg=--max-num-seqs=8 --num-blocks "$(nblocks "$model")" > "$WORK/ref-tp-$model.out" 2>&1
     log "ref-tp $model: rc=$?"
