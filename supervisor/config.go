@@ -93,6 +93,14 @@ type Config struct {
 	// and publishes); an active that does not yield in time is fenced and the
 	// standby takes over. 0 means 10s.
 	HandoffTimeout time.Duration
+	// MPSRecoveryWindow: for this long after an active inside MPS died, a
+	// standby launched into MPS that dies before Ready is taken for one the
+	// recovering MPS server did not admit (after a fatal fault the server
+	// resets the device and refuses or breaks new clients for seconds): it is
+	// relaunched every failover.MPSRetryDelay without counting against the
+	// crash-loop breaker. An engine's own refusal (exit code 2) always counts.
+	// 0 means 60s; negative: every such death counts.
+	MPSRecoveryWindow time.Duration
 	// BaseEnv is the environment every engine starts from; nil means os.Environ().
 	BaseEnv []string
 }
@@ -109,6 +117,9 @@ func (c *Config) setDefaults() {
 	}
 	if c.HandoffTimeout == 0 {
 		c.HandoffTimeout = 10 * time.Second
+	}
+	if c.MPSRecoveryWindow == 0 {
+		c.MPSRecoveryWindow = time.Minute
 	}
 	if c.RingCapacity == 0 {
 		c.RingCapacity = 8 << 20

@@ -303,3 +303,46 @@ func TestLaunchRecordNeverClaimsAnOperatorsDaemon(t *testing.T) {
 		}
 	}
 }
+
+// After an MPS fault the MPS server refuses or breaks new clients while it
+// resets the device (seen on a 2-GPU machine: the first standbys launched into
+// MPS for the failback died at start for ~5 s). Those deaths, within
+// MPSRecoveryWindow of the active's death, are relaunched without counting
+// against the breaker, and the placement is restored once one starts; an
+// engine's own refusal (exit code 2) still counts.
+func TestStandbyNotAdmittedByRecoveringMPSIsRelaunched(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		code      int
+		wantState failover.State
+	}{
+		{"device error at start", 3, failover.ServingReady},
+		{"engine refused", 2, failover.ServingDegraded},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				w := newWorld()
+				fails := 8 // more than the default breaker's 5 restarts in a minute
+				w.behave = func(r failover.Role, nth int) behavior {
+					if r == failover.Standby && nth >= 1 && nth <= fails { // launched into MPS after the failover
+						return behavior{exitOnStart: true, startExit: tc.code}
+					}
+					return behavior{}
+				}
+				h := start(t, w, nil)
+				act, _ := h.roles()
+				act.Kill()
+				time.Sleep(30 * time.Second)
+				synctest.Wait()
+				h.wantState(tc.wantState)
+				if tc.wantState == failover.ServingReady {
+					h.wantPlacementRestored()
+					if n := w.launched[failover.Standby]; n != fails+2 {
+						t.Fatalf("%d standbys launched, want %d", n, fails+2)
+					}
+				}
+				h.stop()
+			})
+		})
+	}
+}

@@ -123,9 +123,10 @@ func (l *fakeListener) Close() error {
 // behavior scripts one fake engine.
 type behavior struct {
 	version       frmpsv1.ProtocolVersion // 0: version 1
-	exitOnStart   bool                    // exits with code 1 before connecting
-	hang          bool                    // connects, never says hello
-	noConnect     bool                    // never connects (e.g. still loading)
+	exitOnStart   bool                    // exits before connecting, with startExit (0: code 1)
+	startExit     int
+	hang          bool // connects, never says hello
+	noConnect     bool // never connects (e.g. still loading)
 	resumeReply   func(*frmpsv1.Resume) *frmpsv1.Reply
 	dieOnResume   bool
 	intruderFirst bool // a process with another pid dials the socket first
@@ -364,7 +365,7 @@ func (w *fakeWorld) dial(path string, pid int) (*fakeConn, error) {
 // speaks it.
 func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 	if b.exitOnStart {
-		p.exit(exitCode(1))
+		p.exit(exitCode(cmp.Or(b.startExit, 1)))
 		return
 	}
 	if b.noConnect {

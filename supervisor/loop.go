@@ -203,6 +203,7 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 	}
 	sl.dead = true
 	sl.mu.Lock()
+	wasReady := sl.state == "ready" || sl.state == "serving"
 	refused := sl.refused != ""
 	if refused && !strings.HasPrefix(cause, "hello refused") {
 		cause = sl.refused + " (" + cause + ")"
@@ -217,8 +218,16 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 		s.log.Warn("engine died", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
 	}
 	kind := failover.StandbyDied
-	if sl.role == failover.Active {
+	switch {
+	case sl.role == failover.Active:
 		kind = failover.ActiveDied
+		if sl.inMPS {
+			s.lastMPSDeath = at
+		}
+	case !wasReady && !refused && s.notAdmitted(sl, at):
+		kind = failover.StandbyNotAdmitted
+		s.log.Warn("standby in MPS died at start-up while the MPS server recovers from the active's death; relaunching it without counting it against the breaker",
+			"pid", sl.proc.PID(), "since_active_death", at.Sub(s.lastMPSDeath).Round(time.Millisecond), "cause", cause)
 	}
 	st, _ := s.machine.State()
 	if kind == failover.ActiveDied && (st == failover.ServingReady || s.machine.Handover() == failover.Yielding) {
@@ -226,6 +235,25 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 	}
 	s.step(failover.Event{Kind: kind, At: at, Cause: cause})
 }
+
+// notAdmitted: a standby launched into MPS within Config.MPSRecoveryWindow of
+// an MPS active's death, which did not exit with the engines' refusal code.
+func (s *Supervisor) notAdmitted(sl *slot, at time.Time) bool {
+	if !sl.inMPS || s.lastMPSDeath.IsZero() || s.cfg.MPSRecoveryWindow < 0 || at.Sub(s.lastMPSDeath) > s.cfg.MPSRecoveryWindow {
+		return false
+	}
+	select {
+	case <-sl.proc.Done():
+		ws := sl.proc.WaitStatus()
+		return !(ws.Exited() && ws.ExitStatus() == engineExitRefused)
+	default:
+		return true // its exit status is not known yet
+	}
+}
+
+// engineExitRefused is the engines' exit code for "refused at start" (bad
+// configuration, pool mismatch): never the MPS server's doing (ENGINE.md).
+const engineExitRefused = 2
 
 // step feeds the machine and executes its actions.
 func (s *Supervisor) step(ev failover.Event) {

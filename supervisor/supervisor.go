@@ -45,29 +45,32 @@ type Supervisor struct {
 	ran     atomic.Bool
 
 	// Loop-owned.
-	pending    []event
-	nextID     int
-	active     *slot
-	standby    *slot
-	slots      map[*slot]struct{} // every slot not yet cleaned up
-	broker     Broker
-	mps        MPS
-	mpsBusy    bool
-	mpsErr     error // the last MPS check/restart failed: no active can start in it
-	startAfter [2]*time.Timer
-	startSeq   [2]uint64
-	wantStart  [2]bool // a start is due but waits (MPS check in progress)
-	inflight   *failoverRun
-	handover   *handoverRun
-	failback   failbackPolicy
-	resumeSeq  uint64
-	frontDoor  FrontDoor
-	deployID   string
-	stateDir   *leftover.Dir // nil: no launch record
-	ringPath   string
-	runDir     string
-	logDir     string
-	wg         sync.WaitGroup // engine goroutines
+	pending []event
+	nextID  int
+	active  *slot
+	standby *slot
+	slots   map[*slot]struct{} // every slot not yet cleaned up
+	broker  Broker
+	mps     MPS
+	mpsBusy bool
+	mpsErr  error // the last MPS check/restart failed: no active can start in it
+	// lastMPSDeath: when an active inside MPS last died (the MPS server may
+	// still be recovering; see Config.MPSRecoveryWindow).
+	lastMPSDeath time.Time
+	startAfter   [2]*time.Timer
+	startSeq     [2]uint64
+	wantStart    [2]bool // a start is due but waits (MPS check in progress)
+	inflight     *failoverRun
+	handover     *handoverRun
+	failback     failbackPolicy
+	resumeSeq    uint64
+	frontDoor    FrontDoor
+	deployID     string
+	stateDir     *leftover.Dir // nil: no launch record
+	ringPath     string
+	runDir       string
+	logDir       string
+	wg           sync.WaitGroup // engine goroutines
 
 	// Set before Run (SetWatchdog); fed by the loop.
 	watchdog      Watchdog

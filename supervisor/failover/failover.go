@@ -114,10 +114,21 @@ const (
 	HandoverDue                     // the executor's failback policy: swap the pair now (planned handover)
 	HandoffDone                     // the active yielded: its requests are published and it sleeps
 	HandoffFailed                   // the active refused to yield and still serves
+	// StandbyNotAdmitted: a standby launched into MPS died at start-up
+	// while the MPS server recovers from a fault that killed the active (the
+	// server refuses or breaks new clients for some seconds after it reset a
+	// device). Outside Rearming it counts as StandbyDied.
+	StandbyNotAdmitted
 )
 
+// MPSRetryDelay spaces the relaunches of a standby the recovering MPS server
+// did not admit. They do not count against the breaker: the executor sends
+// StandbyNotAdmitted only within a bounded window after the fault, and deaths
+// after it count as usual.
+const MPSRetryDelay = time.Second
+
 var eventNames = [...]string{"active_ready", "standby_ready", "active_died", "standby_died", "resume_acked", "resume_failed", "rearm_failed", "breaker_tripped", "shutdown",
-	"handover_due", "handoff_done", "handoff_failed"}
+	"handover_due", "handoff_done", "handoff_failed", "standby_not_admitted"}
 
 func (k EventKind) String() string {
 	if k < 0 || int(k) >= len(eventNames) {
@@ -303,6 +314,14 @@ func (m *Machine) next(ev Event) Transition {
 	}
 	if ev.Kind == BreakerTripped {
 		return m.trip(ev)
+	}
+	if ev.Kind == StandbyNotAdmitted {
+		if m.state != Rearming {
+			ev.Kind = StandbyDied
+		} else {
+			return Transition{To: Rearming, Cause: "standby not admitted by the recovering MPS server, relaunching: " + ev.Cause,
+				Actions: []Action{{Kind: FenceStandby}, {Kind: StartStandby, Delay: MPSRetryDelay}}}
+		}
 	}
 	switch m.state {
 	case Starting:

@@ -363,3 +363,28 @@ func TestHandoverStandbyDeathsCountAgainstTheBreaker(t *testing.T) {
 		}
 	}
 }
+
+// A standby the recovering MPS server did not admit is relaunched after
+// MPSRetryDelay, any number of times, without opening the standby breaker;
+// outside Rearming the same event counts as a death.
+func TestStandbyNotAdmittedIsRetriedWithoutTheBreaker(t *testing.T) {
+	m := machineIn(t, Rearming)
+	for i := range 3 * testBreaker.MaxRestarts {
+		tr := m.Handle(Event{Kind: StandbyNotAdmitted, Cause: "exit code 3", At: t0.Add(time.Duration(i) * time.Second)})
+		if tr.To != Rearming || !slices.Equal(kinds(tr.Actions), []ActionKind{FenceStandby, StartStandby}) ||
+			tr.Actions[1].Delay != MPSRetryDelay || !strings.Contains(tr.Cause, "not admitted") {
+			t.Fatalf("relaunch %d: %+v", i, tr)
+		}
+	}
+	if m.CrashLoopOpen() {
+		t.Fatal("relaunches of a standby not admitted opened the breaker")
+	}
+	if tr := m.Handle(Event{Kind: StandbyReady, At: t0.Add(time.Minute)}); tr.To != ServingReady {
+		t.Fatalf("after the relaunches: %+v", tr)
+	}
+	// Serving with a ready standby, the event is an ordinary standby death.
+	tr := m.Handle(Event{Kind: StandbyNotAdmitted, Cause: "exit code 3", At: t0.Add(2 * time.Minute)})
+	if tr.To != Rearming || !strings.Contains(tr.Cause, "standby died") {
+		t.Fatalf("in ServingReady: %+v", tr)
+	}
+}

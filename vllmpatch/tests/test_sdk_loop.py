@@ -133,3 +133,23 @@ def test_is_device_error():
     assert device_error_cause(RuntimeError("CUDA error: an illegal memory access was encountered\nmore")) == \
         "an illegal memory access was encountered"
     assert not is_device_error(ValueError("bad prompt"))
+
+
+def test_is_device_error_follows_explicit_causes():
+    """What a CUDA init in a recovering MPS server raises, wrapped by an adapter
+    (`raise ... from e`), is a device error (the engine exits 3, not 2)."""
+    class AdapterError(Exception):
+        pass
+
+    for text in ("Unexpected error from cudaGetDeviceCount(). Error 700: an illegal memory access was encountered",
+                 "CUDA unknown error - this may be due to an incorrectly set up environment"):
+        try:
+            try:
+                raise RuntimeError(text)
+            except RuntimeError as e:
+                raise AdapterError("tensor-parallel group of 2: rank 1 failed") from e
+        except AdapterError as wrapped:
+            assert is_device_error(wrapped), text
+    # A configuration message that names the cuda-vmm backend is not one.
+    assert not is_device_error(ValueError("cuda-vmm backend needs a GPU device (cuda or cuda:N), got --device cpu"))
+    assert not is_device_error(None)

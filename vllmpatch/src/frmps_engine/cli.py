@@ -85,6 +85,7 @@ def check_engine(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     from frmps_engine.sdk import adapters, memory, runner
+    from frmps_engine.sdk.loop import is_device_error
 
     log = logging.getLogger("frmps_engine")
     if args.memory == "host-shm" and args.device != "cpu":
@@ -107,6 +108,9 @@ def serve(args: argparse.Namespace) -> int:
             adapter, mem,
         )
     except (adapters.AdapterError, memory.MemoryError_, runner.StartupError) as e:
+        if is_device_error(e):  # e.g. a tensor-parallel group whose CUDA init failed
+            log.error("engine cannot start: device error: %s", e)
+            return runner.EXIT_DEVICE
         log.error("engine cannot start: %s", e)
         return runner.EXIT_REFUSED
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -557,13 +557,23 @@ def _log_tokens(s: RequestStream) -> None:
         log.warning("token log: %s", e)
 
 
-def is_device_error(e: BaseException) -> bool:
-    """A CUDA error leaves the context unusable (sticky): the process must exit."""
-    name = type(e).__name__
-    if name in ("AcceleratorError", "CudaError", "OutOfMemoryError") or "cuda" in type(e).__module__.lower():
-        return True
-    msg = str(e)
-    return "CUDA error" in msg or "CUDA_ERROR" in msg or "cudaError" in msg
+_DEVICE_ERROR_TEXT = ("CUDA error", "CUDA_ERROR", "cudaError", "CUDA unknown error",
+                      "Unexpected error from cudaGetDeviceCount")
+
+
+def is_device_error(e: BaseException | None) -> bool:
+    """A CUDA error leaves the context unusable (sticky): the process must exit.
+    Follows explicit causes (`raise ... from e`: an adapter wraps what CUDA raised)."""
+    seen = 0
+    while e is not None and seen < 8:
+        name = type(e).__name__
+        if name in ("AcceleratorError", "CudaError", "OutOfMemoryError") or type(e).__module__.startswith(("torch.cuda", "cuda.")):
+            return True
+        msg = str(e)
+        if any(t in msg for t in _DEVICE_ERROR_TEXT):
+            return True
+        e, seen = e.__cause__, seen + 1
+    return False
 
 
 def device_error_cause(e: BaseException) -> str:
