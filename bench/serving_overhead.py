@@ -190,12 +190,15 @@ def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, 
         p.start()
     time.sleep(1.0)  # clients imported and connected
     steps0, cpu0 = loop.step_count, time.process_time()
+    syncs0, sync_ns0 = loop.counters["ring_syncs"], loop.counters["ring_sync_ns"]
     t0 = time.perf_counter()
     start.set()
     res = _collect(q, ps, 600)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     steps = loop.step_count - steps0
+    syncs = loop.counters["ring_syncs"] - syncs0
+    ring_us = round((loop.counters["ring_sync_ns"] - sync_ns0) / 1e3 / syncs, 1) if syncs else None
     for p in ps:
         p.join(30)
     toks, msgs = sum(r[0] for r in res), sum(r[1] for r in res)
@@ -204,7 +207,8 @@ def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, 
     return {"batch": batch, "tokens": toks, "messages": msgs, "steps": steps, "wall_s": round(wall, 3),
             "tok_s": round(toks / wall), "us_per_step_wall": round(1e6 * wall / steps, 1),
             "added_us_per_step": round(1e6 * wall / steps - loop.core._device_s * 1e6, 1),
-            "engine_cpu_us_per_token": round(1e6 * cpu / toks, 1), "tokens_per_message": round(toks / max(1, msgs - batch), 2)}
+            "engine_cpu_us_per_token": round(1e6 * cpu / toks, 1), "tokens_per_message": round(toks / max(1, msgs - batch), 2),
+            "ring_publish_us": ring_us}
 
 
 def main() -> int:
@@ -216,6 +220,8 @@ def main() -> int:
     ap.add_argument("--client-procs", type=int, default=2, help="client processes (streams split between them)")
     ap.add_argument("--tokenizer", default="", help="HF model directory whose tokenizer detokenises (default: a byte tokenizer)")
     ap.add_argument("--no-ring", action="store_true", help="do not publish to a ring")
+    ap.add_argument("--numpy-crc", action="store_true",
+                    help="checksum ring records with the numpy CRC-32C, as a machine without the crc32c package does")
     ap.add_argument("--profile", default="", help="cProfile the engine process (all threads' hot spots) into this file")
     ap.add_argument("--switch-interval-ms", type=float, default=0.0, help="sys.setswitchinterval for the engine process (0: Python's default)")
     args = ap.parse_args()
@@ -230,7 +236,10 @@ def main() -> int:
 
             rpath = os.path.join(d, "ring")
             ring.create_ring(rpath, 64 << 20)
-            loop.attach_ring(RingPublisher(rpath))
+            pub = RingPublisher(rpath)
+            if args.numpy_crc:
+                pub._writer._hw = False
+            loop.attach_ring(pub)
         backend = EngineBackend(ZeroAdapter(tok), loop)
         backend.is_serving = True
         sock = os.path.join(d, "gen.sock")
