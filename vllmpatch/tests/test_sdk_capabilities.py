@@ -16,6 +16,7 @@ from frmps_engine.sdk.engine_api import (  # noqa: E402
     DeviceCheck,
     LaunchHook,
     LoadReport,
+    Pipelined,
     Resettable,
     StepSize,
     VocabSize,
@@ -97,13 +98,15 @@ def test_the_reference_engine_declares_every_capability():
     for cap in OPTIONAL:
         assert isinstance(core, cap), cap.__name__
     assert has_launch_hook(core)
+    # Its publish overlaps the device through LaunchHook; nothing stays in flight between steps.
+    assert not isinstance(core, Pipelined)
     assert isinstance(core.tokenizer, VocabSize) and vocab_size(core.tokenizer) == core.tokenizer.vocab_size
 
 
 def test_a_core_without_capabilities_gets_the_fallbacks():
     core = BareCore()
     assert isinstance(core, Core)
-    for cap in OPTIONAL:
+    for cap in OPTIONAL + (Pipelined,):
         assert not isinstance(core, cap), cap.__name__
     assert not has_launch_hook(core) and vocab_size(core.tokenizer) is None
     loop = EngineLoop(core, sync_every=1)
