@@ -160,12 +160,16 @@ def test_ring_modules():
 
 
 def test_view_parts():
-    """The reference engine's views hand the tracker their live lists (ViewParts);
-    the vLLM adapter's are plain lists. The tracker publishes both alike
-    (test_ring_tracker.py: the reader follows the engine with and without parts)."""
+    """The reference engine's and the vLLM adapter's views hand the tracker their
+    live lists (ViewParts); the tracker publishes views with and without parts
+    alike (test_ring_tracker.py: the reader follows the engine either way)."""
     from frmps_engine.refengine import RequestView
     from frmps_engine.ring import ViewParts
     from frmps_engine.vllm.state import CommittedView
 
     assert isinstance(RequestView(1, 2, [3], [4, 5], 1, 1), ViewParts)
-    assert not isinstance(CommittedView(1, 2, [3], [4, 5], 1, 1), ViewParts)
+    live = [4, 5]
+    v = CommittedView(1, 2, [3], live, 1, 1)
+    assert isinstance(v, ViewParts)
+    live.append(6)  # the engine appends after the view was taken: the view keeps its length
+    assert v.token_ids == [4, 5] and v.parts() == ([3], 1, live, 2)

@@ -85,7 +85,7 @@ class _FrmpsSchedulerMixin:
             key = key_for_request_id(rid)
             folded = self._frmps_folded.get(rid, 0)
             if self.requests.get(rid) is req and not req.is_finished():
-                blocks = list(self.kv_cache_manager.get_block_ids(rid)[0])
+                blocks = self.kv_cache_manager.get_block_ids(rid)[0]  # a new list per call
                 self._frmps_last_blocks[rid] = blocks
                 views.append(committed_view(req, key, blocks, bs, num_folded=folded))
                 continue
