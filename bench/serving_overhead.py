@@ -1,8 +1,17 @@
 #!/usr/bin/env python3
 """The engine side's own cost per step and per token: the SDK's engine loop,
 its generation gRPC server (detokenisation, one message per ready chunk) and
-the ring publish, over a ZERO-COST FAKE core (a labelled test double: every
-step emits one token per running request and computes nothing).
+the ring publish, over a FAKE core (labelled test doubles):
+
+  --core zero        every step emits one token per running request and computes
+                     nothing (ZeroCore below);
+  --core vllm-sync   the vLLM adapter's VllmCore over vLLM's real scheduler
+  --core vllm-async  (FrmpsScheduler / FrmpsAsyncScheduler) with a fake model
+                     runner (frmps_engine.vllm.testing.SchedulerCore): stepped
+                     with EngineCore.step, or through the batch queue of async
+                     scheduling, where the host's work overlaps the "device".
+
+--step-ms is the device's time per step, a sleep with the GIL free.
 
 Whatever a step costs here is what frmps adds to an engine's own step on the
 engine process's CPU (the loop thread shares the GIL with one gRPC thread per
@@ -126,6 +135,47 @@ class ZeroAdapter:
         return params
 
 
+class WordTokenizer:
+    """TEST DOUBLE tokenizer for any token id: token t is the word " w<t>"."""
+
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(w[1:]) for w in text.split()]
+
+    def decode(self, ids) -> str:
+        return "".join(f" w{int(t)}" for t in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        raise NotImplementedError
+
+
+class VllmAdapterDouble(ZeroAdapter):
+    """TEST DOUBLE: the adapter half the generation server reads, with vLLM's sampling params."""
+
+    def sampling_params(self, params, seed):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=int(params.max_tokens), temperature=0.0, ignore_eos=True)
+
+
+def vllm_core(kind: str, max_batch: int, tokens: int, device_s: float, tok):
+    """VllmCore over vLLM's real scheduler and the fake model runner (tiny Qwen2 config)."""
+    import pathlib
+
+    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
+    from frmps_engine.vllm.testing import SchedulerCore, make_scheduler, make_vllm_config, write_tiny_model
+
+    model_dir = write_tiny_model(pathlib.Path(tempfile.mkdtemp(prefix="frmps-so-model-")))
+    per_req = -(-(32 + tokens + 16) // 16)
+    vc = make_vllm_config(model_dir, num_blocks=max_batch * per_req * 2 + 16, max_num_seqs=max_batch,
+                          max_model_len=32 + tokens + 64, max_num_batched_tokens=max(8192, 32 * max_batch),
+                          async_scheduling=kind == "vllm-async")
+    vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
+    core = SchedulerCore(make_scheduler(vc), batch_queue_size=2 if kind == "vllm-async" else 1, device_s=device_s)
+    return VllmCore(core, tok)
+
+
 def _tokenizer(path: str):
     if not path:
         return FakeTokenizer(), [ord(c) for c in " the quick brown fox jumps over a lazy dog,"]
@@ -180,7 +230,7 @@ def _collect(q, procs: list, timeout: float) -> list:
     return out
 
 
-def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, key0: int) -> dict:
+def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, key0: int, step_s: float) -> dict:
     ctx = mp.get_context("spawn")
     start, q = ctx.Event(), ctx.Queue()
     keys = [key0 + i for i in range(batch)]
@@ -206,7 +256,7 @@ def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, 
         raise RuntimeError(f"clients got {toks} tokens, expected {batch * tokens}")
     return {"batch": batch, "tokens": toks, "messages": msgs, "steps": steps, "wall_s": round(wall, 3),
             "tok_s": round(toks / wall), "us_per_step_wall": round(1e6 * wall / steps, 1),
-            "added_us_per_step": round(1e6 * wall / steps - loop.core._device_s * 1e6, 1),
+            "added_us_per_step": round(1e6 * wall / steps - step_s * 1e6, 1),
             "engine_cpu_us_per_token": round(1e6 * cpu / toks, 1), "tokens_per_message": round(toks / max(1, msgs - batch), 2),
             "ring_publish_us": ring_us}
 
@@ -215,6 +265,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--core", choices=["zero", "vllm-sync", "vllm-async"], default="zero")
     ap.add_argument("--step-ms", type=float, default=2.0,
                     help="device time per step (a sleep that frees the GIL; vLLM alone: ~2.1 ms at b=1 on an H100)")
     ap.add_argument("--client-procs", type=int, default=2, help="client processes (streams split between them)")
@@ -227,8 +278,14 @@ def main() -> int:
     args = ap.parse_args()
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    batches = [int(x) for x in args.batches.split(",") if x]
     tok, cycle = _tokenizer(args.tokenizer)
-    core = ZeroCore(tok, cycle, args.step_ms / 1e3)
+    if args.core == "zero":
+        core, adapter = ZeroCore(tok, cycle, args.step_ms / 1e3), ZeroAdapter(tok)
+    else:
+        if not args.tokenizer:
+            tok = WordTokenizer()  # the fake model's token ids go past a byte tokenizer's
+        core, adapter = vllm_core(args.core, max(batches), args.tokens, args.step_ms / 1e3, tok), VllmAdapterDouble(tok)
     loop = EngineLoop(core, sync_every=1)
     with tempfile.TemporaryDirectory(prefix="frmps-so-") as d:
         if not args.no_ring:
@@ -240,7 +297,7 @@ def main() -> int:
             if args.numpy_crc:
                 pub._writer._hw = False
             loop.attach_ring(pub)
-        backend = EngineBackend(ZeroAdapter(tok), loop)
+        backend = EngineBackend(adapter, loop)
         backend.is_serving = True
         sock = os.path.join(d, "gen.sock")
         srv = GenerationServer(backend, sock)
@@ -252,14 +309,15 @@ def main() -> int:
             prof.enable()
         try:
             key = 1
-            for b in (int(x) for x in args.batches.split(",") if x):
-                run_batch(sock, loop, b, 16, args.client_procs, key)  # warm-up
+            for b in batches:
+                run_batch(sock, loop, b, 16, args.client_procs, key, args.step_ms / 1e3)  # warm-up
                 key += b
-                r = run_batch(sock, loop, b, args.tokens, args.client_procs, key)
+                r = run_batch(sock, loop, b, args.tokens, args.client_procs, key, args.step_ms / 1e3)
                 key += b
                 r["tokenizer"] = "hf:" + os.path.basename(args.tokenizer.rstrip("/")) if args.tokenizer else "bytes"
                 r["ring"] = not args.no_ring
                 r["step_ms"] = args.step_ms
+                r["core"] = args.core
                 print(json.dumps(r), flush=True)
         finally:
             if prof is not None:
