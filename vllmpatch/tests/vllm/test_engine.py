@@ -608,3 +608,23 @@ def test_hand_over_publishes_every_delivered_token_with_nothing_in_flight(model_
         e = entries[k]
         assert e["tokens"] == PROMPTS[k] + s.output, "the record holds exactly the delivered tokens"
         assert e["num_computed"] == len(e["tokens"]) - 1
+
+
+def test_async_scheduling_switch_from_the_environment(model_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    from frmps_engine.vllm.engine import async_scheduling_from_env, make_adapter
+
+    assert [async_scheduling_from_env(e) for e in ({}, {"FRMPS_VLLM_ASYNC_SCHEDULING": ""},
+                                                   {"FRMPS_VLLM_ASYNC_SCHEDULING": "0"},
+                                                   {"FRMPS_VLLM_ASYNC_SCHEDULING": "1"})] == [None, None, False, True]
+    with pytest.raises(ValueError, match="use 1, 0, or leave it unset"):
+        async_scheduling_from_env({"FRMPS_VLLM_ASYNC_SCHEDULING": "yes"})
+    from frmps_engine.sdk.adapters import AdapterError
+
+    monkeypatch.setenv("FRMPS_VLLM_ASYNC_SCHEDULING", "on")
+    with pytest.raises(AdapterError, match="FRMPS_VLLM_ASYNC_SCHEDULING='on'"):
+        make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32"))
+    monkeypatch.setenv("FRMPS_VLLM_ASYNC_SCHEDULING", "0")
+    ea = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32")).engine_args(True, 0.5)
+    assert ea.async_scheduling is False

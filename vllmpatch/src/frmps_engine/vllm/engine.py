@@ -561,6 +561,18 @@ class VllmAdapter:
         return self._tokenizer
 
 
+def async_scheduling_from_env(env: Mapping[str, str]) -> bool | None:
+    """FRMPS_VLLM_ASYNC_SCHEDULING: unset or empty leaves the choice to vLLM; 1 / 0
+    asks for it or turns it off (an operator's switch; both engines read the same
+    environment)."""
+    v = env.get("FRMPS_VLLM_ASYNC_SCHEDULING", "").strip()
+    if not v:
+        return None
+    if v in ("0", "1"):
+        return v == "1"
+    raise ValueError(f"FRMPS_VLLM_ASYNC_SCHEDULING={v!r}: use 1, 0, or leave it unset (vLLM decides)")
+
+
 def make_adapter(args: Any) -> VllmAdapter:
     """Build the adapter from the CLI's parsed arguments (``serve --engine vllm``)."""
     from frmps_engine.sdk.adapters import AdapterError
@@ -570,6 +582,10 @@ def make_adapter(args: Any) -> VllmAdapter:
                            "in the engines' environment (vLLM's batch-invariant kernels) instead")
     if getattr(args, "kv_reuse", True) is False:
         raise AdapterError("--no-kv-reuse (the recompute ablation) is implemented by the reference engine only")
+    try:
+        async_scheduling = async_scheduling_from_env(os.environ)
+    except ValueError as exc:
+        raise AdapterError(str(exc)) from exc
     return VllmAdapter(
         VllmEngineConfig(
             model=args.model,
@@ -580,6 +596,7 @@ def make_adapter(args: Any) -> VllmAdapter:
             dtype=getattr(args, "dtype", None) or "bfloat16",
             weights=getattr(args, "weights", None) or "dummy",
             sync_every=int(getattr(args, "sync_every", 1) or 1),
+            async_scheduling=async_scheduling,
             max_num_seqs=getattr(args, "max_num_seqs", None),
             max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         )
