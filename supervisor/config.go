@@ -45,6 +45,12 @@ type Config struct {
 	Memory      string // host-shm | cuda-vmm
 	NumBlocks   int
 	MaxModelLen int
+	// TensorParallelSize shards the model over this many GPUs per engine
+	// (0 means 1). Each engine process the supervisor launches is rank 0 of
+	// its group and starts the other ranks itself, in its process group, so
+	// fencing the engine fences the group; the supervisor still sees one
+	// active and one standby.
+	TensorParallelSize int
 	// EngineArgs are appended to every engine's command line (engine-specific
 	// options the supervisor does not interpret).
 	EngineArgs []string
@@ -140,6 +146,9 @@ func (c *Config) setDefaults() {
 	if c.Memory == "" {
 		c.Memory = "host-shm"
 	}
+	if c.TensorParallelSize == 0 {
+		c.TensorParallelSize = 1
+	}
 	if c.BaseEnv == nil {
 		c.BaseEnv = os.Environ()
 	}
@@ -155,6 +164,10 @@ func (c *Config) validate() error {
 		return fmt.Errorf("memory %q: want host-shm or cuda-vmm", c.Memory)
 	case c.Device != "" && c.Device != "cpu" && c.Device != "cuda":
 		return fmt.Errorf("device %q: want cpu or cuda", c.Device)
+	case c.TensorParallelSize < 1:
+		return fmt.Errorf("tensor parallel size %d: want at least 1", c.TensorParallelSize)
+	case c.TensorParallelSize > 1 && c.Engine == "vllm":
+		return fmt.Errorf("tensor parallel size %d: the vllm engine runs one GPU per engine for now (the reference engine has tensor parallelism)", c.TensorParallelSize)
 	case c.RingCapacity < 4096:
 		return fmt.Errorf("ring capacity %d is below 4096 bytes", c.RingCapacity)
 	case c.FailbackDelay < 0 || c.FailbackBaseBackoff < 0 || c.FailbackMaxBackoff < c.FailbackBaseBackoff:

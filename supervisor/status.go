@@ -17,8 +17,9 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 		State: s.state.String(), StateCause: s.stateCause, Model: s.cfg.Model, Engine: s.cfg.Engine,
 		SyncEvery: s.cfg.SyncEvery, Mps: !s.cfg.NoMPS, MpsState: s.mpsState,
 		RingLagRecords: s.ringLag.Load(), RingResyncs: s.ringResyncs.Load(),
-		Version:       buildinfo.Get().Version,
-		CrashLoopOpen: s.state == failover.CrashLoop,
+		Version:            buildinfo.Get().Version,
+		CrashLoopOpen:      s.state == failover.CrashLoop,
+		TensorParallelSize: uint32(s.cfg.TensorParallelSize),
 	}
 	for _, r := range s.records {
 		st.Failovers = append(st.Failovers, proto.Clone(r).(*frmpsv1.FailoverRecord))

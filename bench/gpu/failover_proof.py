@@ -308,6 +308,17 @@ def compare_ids(ref: dict, got: dict) -> dict:
 
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src")))
+
+
+def _exit_on_term(signum, _frame):
+    # A bounded stage ends a check with SIGTERM: unwind, so that every
+    # Deployment.stop() in a finally block stops its frmps (which runs in a
+    # session of its own and would otherwise outlive the check with its MPS
+    # daemon and engines).
+    raise SystemExit(128 + signum)
+
+
+signal.signal(signal.SIGTERM, _exit_on_term)
 from frmps_engine.bench import loglines  # noqa: E402  (standard library only)
 from frmps_engine.bench.deploy import ServeOpts  # noqa: E402  (standard library only)
 
@@ -390,7 +401,9 @@ def shared_mps_args(a) -> list[str]:
     return ["--mps-pipe-dir", a.mps_pipe_dir] + (["--mps-log-dir", a.mps_log_dir] if a.mps_log_dir else [])
 
 
-def mps_trigger(args, spec: str):
+def mps_trigger(args, spec: str, gpu: int | None = None):
+    """A fault trigger as a co-located MPS client (bench/faults); gpu: the one GPU
+    of the daemon's it runs on (CUDA_VISIBLE_DEVICES), else the default device."""
     prog, _, variant = spec.partition(":")
 
     def make(dep: Deployment, active: dict):
@@ -403,6 +416,9 @@ def mps_trigger(args, spec: str):
                 return
             env = dict(os.environ)
             env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"] = dep.mps_dirs()
+            if gpu is not None:  # the gpu-th of the devices the deployment sees
+                seen = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+                env["CUDA_VISIBLE_DEVICES"] = seen[gpu] if gpu < len(seen) else str(gpu)
             p = subprocess.Popen([os.path.join(args.faults_dir, prog), variant or "", "-1"], env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             st["p"] = p

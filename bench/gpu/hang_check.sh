@@ -6,6 +6,9 @@
 # Needs bin/frmps built where Go is (CGO_ENABLED=0 go build -o bin/frmps ./cmd/frmps).
 # Results: $OUT/hang_check.json, $OUT/summary.txt, $OUT/logs_tail.txt.
 set -u
+# Stopped by a bound (SIGTERM to the process group): the Python check unwinds and
+# stops its frmps; this script then still writes its logs and cleans up.
+trap 'echo "stopped by SIGTERM (a time bound)" >> "${OUT:-.}/summary.txt"' TERM
 OUT=${OUT:-bench/build/hang}
 mkdir -p "$OUT"
 S=$OUT/summary.txt

@@ -4,6 +4,7 @@
 #
 #   OUT=<dir> bench/gpu/session.sh prep ref-failback:qwen2.5-14b:20:330 vllm-failback:qwen2.5-0.5b:10:300 pack
 #   OUT=<dir> bench/gpu/session.sh prep bench:vllm:recovery:qwen2.5-0.5b:500 bench:ref:recovery:qwen2.5-0.5b pack
+#   OUT=<dir> bench/gpu/session.sh prep ref-tp:qwen2.5-7b:10:300 pack        (a machine with 2 GPUs)
 #
 # Stages:
 #   prep                               environment, builds (interceptor, fault triggers), commit
@@ -11,6 +12,9 @@
 #                                      no new fault after budget seconds of faults; the stage is killed after
 #                                      timeout seconds (default budget + 330)
 #   vllm-failback:<model>:<n>:<budget>[:<timeout>] the same with --engine vllm on a `frmps model init` directory
+#   ref-tp:<model>:<n>:<budget>[:<timeout>]  bench/gpu/tp_proof.py: the reference engine with --tensor-parallel-size 2
+#                                      on GPUs 0 and 1 (one MPS daemon for both), n faults by MPS clients pinned to
+#                                      GPU 0 and GPU 1 alternately; timeout as for ref-failback
 #   vllm-tp:<model>:<batches>[:<timeout>] bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone; default 300 s)
 #   bench:<engine>:<experiment>:<models>[:<budget>]  `frmps bench <experiment> --engine <engine>` (ref, vllm; for
 #                                      sync-overhead also ref+vllm: both engines in one run) on <models> (comma list),
@@ -30,6 +34,32 @@ RESULTS=${RESULTS:-$OUT/bench-results}
 mkdir -p "$OUT" "$WORK"
 S=$OUT/summary.txt
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$S"; }
+
+# bounded SECONDS CMD...: run CMD in a process group of its own; past SECONDS the
+# whole group gets SIGTERM (the checks then stop their frmps, which stops its MPS
+# daemon and engines), and SIGKILL 90 s later. Returns CMD's status, 124 when it
+# was stopped. `timeout` would signal only its child: a check's frmps (in a session
+# of its own) and its MPS daemon would outlive it.
+bounded() {
+    local limit=$1 pid t=0
+    shift
+    set -m
+    "$@" &
+    pid=$!
+    set +m
+    while kill -0 "$pid" 2>/dev/null; do
+        if [ "$t" -ge "$limit" ]; then
+            kill -TERM -- "-$pid" 2>/dev/null
+            for _ in $(seq 90); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+            kill -KILL -- "-$pid" 2>/dev/null
+            wait "$pid" 2>/dev/null
+            return 124
+        fi
+        sleep 1
+        t=$((t + 1))
+    done
+    wait "$pid"
+}
 export PYTHONUNBUFFERED=1
 
 nblocks() { case "$1" in *0.5b|*1.5b|*3b) echo 2048 ;; *7b) echo 2048 ;; *14b) echo 1536 ;; *) echo 1024 ;; esac; }
@@ -73,11 +103,25 @@ stage_failback() {  # engine model n budget [timeout]
     fi
     rm -rf "$WORK/$engine-$model"  # a fresh log dir: the proof reads the engines' logs by name
     log "$engine-failback $model: $n faults, budget ${budget}s"
-    timeout "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine "$engine" --model "$m" \
+    bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine "$engine" --model "$m" \
         --faults "$n" --time-budget "$budget" --workdir "$WORK/$engine-$model" --out "$OUT/$engine-$model.json" \
         "${extra[@]}" > "$WORK/$engine-$model.out" 2>&1
     log "$engine-failback $model: rc=$?"
     tail -n 25 "$WORK/$engine-$model.out" >> "$S"
+}
+
+stage_ref_tp() {  # model n budget [timeout]
+    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330))}
+    local gpus
+    gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+    if [ "$gpus" -lt 2 ]; then log "ref-tp $model: needs 2 GPUs, this machine has $gpus"; return; fi
+    rm -rf "$WORK/ref-tp-$model"
+    log "ref-tp $model: TP=2, $n faults, budget ${budget}s"
+    bounded "$limit" python3 bench/gpu/tp_proof.py --frmps bin/frmps --model "$model" --tensor-parallel-size 2 \
+        --faults "$n" --time-budget "$budget" --workdir "$WORK/ref-tp-$model" --out "$OUT/ref-tp-$model.json" \
+        --engine-arg=--max-num-seqs=8 --num-blocks "$(nblocks "$model")" > "$WORK/ref-tp-$model.out" 2>&1
+    log "ref-tp $model: rc=$?"
+    tail -n 25 "$WORK/ref-tp-$model.out" >> "$S"
 }
 
 stage_bench() {  # engine experiment models [budget]
@@ -93,7 +137,7 @@ stage_bench() {  # engine experiment models [budget]
     esac
     mkdir -p "$RESULTS"
     log "bench $engine $exp $models (budget ${budget}s) -> $RESULTS"
-    timeout $((budget + 60)) bin/frmps bench --python python3 "$exp" "${eng[@]}" "${sel[@]}" --budget "$budget" \
+    bounded $((budget + 60)) bin/frmps bench --python python3 "$exp" "${eng[@]}" "${sel[@]}" --budget "$budget" \
         --out "$RESULTS" --workdir "$WORK/bench-$engine-$exp" --faults-dir bench/build/faults --no-plots \
         > "$WORK/bench-$engine-$exp.out" 2>&1
     log "bench $engine $exp: rc=$? (0 done, 2 a point failed, 3 stopped by the budget: run the stage again)"
@@ -105,7 +149,7 @@ stage_tp() {  # model batches [timeout]
     local m
     m=$(model_dir "$1") || { log "vllm-tp $1: model-dir failed"; return; }
     log "vllm-tp $1 batches $2"
-    timeout "${3:-300}" python3 bench/gpu/vllm_throughput.py --frmps bin/frmps --model "$m" --batches "$2" \
+    bounded "${3:-300}" python3 bench/gpu/vllm_throughput.py --frmps bin/frmps --model "$m" --batches "$2" \
         --num-blocks 4096 --workdir "$WORK/tp-$1" --out "$OUT/vllm-tp-$1.json" > "$WORK/tp-$1.out" 2>&1
     log "vllm-tp $1: rc=$?"
     tail -n 8 "$WORK/tp-$1.out" >> "$S"
@@ -117,11 +161,12 @@ for st in "$@"; do
         prep) stage_prep ;;
         ref-failback) stage_failback ref "$a" "$b" "$c" "$d" ;;
         vllm-failback) stage_failback vllm "$a" "$b" "$c" "$d" ;;
+        ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" ;;
         bench) stage_bench "$a" "$b" "$c" "$d" ;;
         hang|shared-mps)
             f=bench/gpu/${name/-/_}_check.sh
-            if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name timeout "${a:-300}" "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"
+            if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name bounded "${a:-300}" "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"
             else log "$name: $f not present"; fi ;;
         pack) tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude='./models' . 2>/dev/null; log "pack: $(du -h "$OUT/logs.tar.gz" | cut -f1)" ;;
         *) log "unknown stage $st" ;;

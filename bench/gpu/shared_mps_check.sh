@@ -12,6 +12,9 @@
 # and nvcc for the fault triggers. Results: $OUT/summary.txt (ends with PASS/FAIL),
 # $OUT/proof-shared.json, $OUT/mps-control.log, $OUT/logs_tail.txt.
 set -u
+# Stopped by a bound (SIGTERM to the process group): the Python check unwinds and
+# stops its frmps; this script then still writes its logs and cleans up.
+trap 'echo "stopped by SIGTERM (a time bound)" >> "${OUT:-.}/summary.txt"' TERM
 OUT=${OUT:-bench/build/shared-mps}
 FAULTS=${1:-misaligned:load,oob_write:write}
 MAXTOK=${2:-512}

@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/pflag"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/engine"
 )
 
 func TestConfigFileFlagsWin(t *testing.T) {
@@ -33,6 +34,55 @@ func TestConfigFileFlagsWin(t *testing.T) {
 	}
 	if opts.SyncEvery != 4 || opts.Port != 8000 {
 		t.Fatalf("flags did not win: sync-every %d port %d", opts.SyncEvery, opts.Port)
+	}
+}
+
+// --tensor-parallel-size from the file and the flag; it reaches the engines'
+// command line only when above 1 (one process stays exactly as before).
+func TestTensorParallelFlag(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "frmps.json")
+	if err := os.WriteFile(path, []byte(`{"tensor_parallel_size":2}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts := defaultServeOptions()
+	if opts.TensorParallelSize != 1 {
+		t.Fatalf("default tensor parallel size %d, want 1", opts.TensorParallelSize)
+	}
+	var cfgFile string
+	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--config", path}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+		t.Fatal(err)
+	}
+	if opts.TensorParallelSize != 2 || opts.validate() != nil {
+		t.Fatalf("tensor parallel size %d from the file (validate: %v)", opts.TensorParallelSize, opts.validate())
+	}
+	if got := opts.supervisorConfig(pythonEnv{}).TensorParallelSize; got != 2 {
+		t.Fatalf("supervisor config tensor parallel size %d, want 2", got)
+	}
+	if err := f.Parse([]string{"--tensor-parallel-size", "1"}); err != nil || opts.TensorParallelSize != 1 {
+		t.Fatalf("flag: %v, size %d", err, opts.TensorParallelSize)
+	}
+	inv := engine.Invocation{Role: engine.RoleActive, Model: "tiny", ControlSocket: "c", GenerationSocket: "g"}
+	for _, tc := range []struct {
+		n    int
+		want bool
+	}{{0, false}, {1, false}, {2, true}} {
+		inv.TensorParallelSize = tc.n
+		_, args, err := engine.PythonCLI{Engine: "ref"}.Command(inv)
+		if err != nil {
+			t.Fatal(err)
+		}
+		joined := strings.Join(args, " ")
+		if got := strings.Contains(joined, "--tensor-parallel-size"); got != tc.want {
+			t.Errorf("size %d: command line %q", tc.n, joined)
+		}
+		if tc.want && !strings.Contains(joined, "--tensor-parallel-size 2") {
+			t.Errorf("size %d: command line %q", tc.n, joined)
+		}
 	}
 }
 
@@ -129,6 +179,8 @@ func TestServeRejectsBadOptions(t *testing.T) {
 		func(o *serveOptions) { o.MPSPipeDir, o.NoMPS = "/op/mps", true },
 		func(o *serveOptions) { o.MPSLogDir = "/op/log" },
 		func(o *serveOptions) { o.MPSPipeDir = "op/mps" },
+		func(o *serveOptions) { o.TensorParallelSize = 0 },
+		func(o *serveOptions) { o.TensorParallelSize, o.Engine = 2, "vllm" },
 	} {
 		o := defaultServeOptions()
 		mod(&o)
@@ -147,7 +199,7 @@ func TestServeRejectsBadOptions(t *testing.T) {
 func TestPrintStatus(t *testing.T) {
 	now := time.Unix(1000, 0)
 	st := &frmpsv1.Status{State: "serving_ready", StateCause: "standby ready", Model: "tiny", Engine: "ref", SyncEvery: 16,
-		Mps: true, MpsState: "running", CrashLoopOpen: true,
+		Mps: true, MpsState: "running", CrashLoopOpen: true, TensorParallelSize: 2,
 		Engines: []*frmpsv1.EngineStatus{{Role: "active", Pid: 12, State: "serving", InMps: true, StartedUnixNanos: time.Unix(940, 0).UnixNano(),
 			Engine: "vllm 0.26.0", Device: "cuda:0", InitSeconds: 61.2, Running: 3, Waiting: 1}},
 		Failovers: []*frmpsv1.FailoverRecord{{Seq: 3, Cause: "misaligned_address", DurationSeconds: 0.0042, ResumedRequests: 5, Ok: true, Detail: "x"}},
@@ -157,7 +209,7 @@ func TestPrintStatus(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := b.String()
-	for _, want := range []string{"serving_ready", "(standby ready)", "OPEN", "active", "serving", "1m0s", "#3", "misaligned_address", "4.2ms", "running", "vllm 0.26.0 cuda:0 (up in 61.2s)", "3 running, 1 waiting"} {
+	for _, want := range []string{"serving_ready", "(standby ready)", "OPEN", "active", "serving", "1m0s", "#3", "misaligned_address", "4.2ms", "running", "vllm 0.26.0 cuda:0 (up in 61.2s)", "3 running, 1 waiting", "tensor parallel 2"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("status output lacks %q:\n%s", want, out)
 		}

@@ -32,43 +32,44 @@ import (
 // serveOptions are `frmps serve`'s settings. The JSON names are the keys of
 // the --config file; a flag given on the command line wins over the file.
 type serveOptions struct {
-	Model             string        `json:"model"`
-	Engine            string        `json:"engine"`
-	Python            string        `json:"python"`
-	SyncEvery         uint32        `json:"sync_every"`
-	NoFailback        bool          `json:"no_failback"`
-	FailbackDelay     time.Duration `json:"-"`
-	FailbackDelayStr  string        `json:"failback_delay"`
-	HandoffTimeout    time.Duration `json:"-"`
-	HandoffTimeoutStr string        `json:"handoff_timeout"`
-	Host              string        `json:"host"`
-	Port              int           `json:"port"`
-	AdminAddr         string        `json:"admin_addr"`
-	AdminAllowRemote  bool          `json:"admin_allow_remote"`
-	NoMPS             bool          `json:"no_mps"`
-	MPSControl        string        `json:"mps_control"`
-	MPSPipeDir        string        `json:"mps_pipe_dir"`
-	MPSLogDir         string        `json:"mps_log_dir"`
-	RunDir            string        `json:"run_dir"`
-	EngineLogDir      string        `json:"engine_log_dir"`
-	RingDir           string        `json:"ring_dir"`
-	RingCapacity      uint64        `json:"ring_capacity"`
-	StateDir          string        `json:"state_dir"`
-	Device            string        `json:"device"`
-	Memory            string        `json:"memory"`
-	NumBlocks         int           `json:"num_blocks"`
-	MaxModelLen       int           `json:"max_model_len"`
-	EngineArgs        []string      `json:"engine_args"`
-	MaxConcurrent     int           `json:"max_concurrent"`
-	MaxQueue          int           `json:"max_queue"`
-	MaxBodyBytes      int64         `json:"max_body_bytes"`
-	MaxConnections    int           `json:"max_connections"`
-	APIKeyFile        string        `json:"api_key_file"`
-	MaxRestarts       int           `json:"max_restarts"`
-	RestartWindow     time.Duration `json:"-"`
-	RestartWindowStr  string        `json:"restart_window"` // file only: a Go duration, e.g. "60s"
-	ShutdownGrace     time.Duration `json:"-"`
-	ShutdownGraceStr  string        `json:"shutdown_grace"`
+	Model              string        `json:"model"`
+	Engine             string        `json:"engine"`
+	Python             string        `json:"python"`
+	SyncEvery          uint32        `json:"sync_every"`
+	NoFailback         bool          `json:"no_failback"`
+	FailbackDelay      time.Duration `json:"-"`
+	FailbackDelayStr   string        `json:"failback_delay"`
+	HandoffTimeout     time.Duration `json:"-"`
+	HandoffTimeoutStr  string        `json:"handoff_timeout"`
+	Host               string        `json:"host"`
+	Port               int           `json:"port"`
+	AdminAddr          string        `json:"admin_addr"`
+	AdminAllowRemote   bool          `json:"admin_allow_remote"`
+	NoMPS              bool          `json:"no_mps"`
+	MPSControl         string        `json:"mps_control"`
+	MPSPipeDir         string        `json:"mps_pipe_dir"`
+	MPSLogDir          string        `json:"mps_log_dir"`
+	RunDir             string        `json:"run_dir"`
+	EngineLogDir       string        `json:"engine_log_dir"`
+	RingDir            string        `json:"ring_dir"`
+	RingCapacity       uint64        `json:"ring_capacity"`
+	StateDir           string        `json:"state_dir"`
+	Device             string        `json:"device"`
+	Memory             string        `json:"memory"`
+	NumBlocks          int           `json:"num_blocks"`
+	MaxModelLen        int           `json:"max_model_len"`
+	TensorParallelSize int           `json:"tensor_parallel_size"`
+	EngineArgs         []string      `json:"engine_args"`
+	MaxConcurrent      int           `json:"max_concurrent"`
+	MaxQueue           int           `json:"max_queue"`
+	MaxBodyBytes       int64         `json:"max_body_bytes"`
+	MaxConnections     int           `json:"max_connections"`
+	APIKeyFile         string        `json:"api_key_file"`
+	MaxRestarts        int           `json:"max_restarts"`
+	RestartWindow      time.Duration `json:"-"`
+	RestartWindowStr   string        `json:"restart_window"` // file only: a Go duration, e.g. "60s"
+	ShutdownGrace      time.Duration `json:"-"`
+	ShutdownGraceStr   string        `json:"shutdown_grace"`
 	// Hang detection; durations in the file are Go durations, e.g. "1s".
 	HeartbeatTimeout      time.Duration `json:"-"`
 	HeartbeatTimeoutStr   string        `json:"heartbeat_timeout"`
@@ -86,7 +87,7 @@ func defaultServeOptions() serveOptions {
 	return serveOptions{
 		Model: "tiny", Engine: "ref", SyncEvery: supervisor.DefaultSyncEvery, Port: 8000,
 		AdminAddr: "127.0.0.1:8001", MPSControl: "nvidia-cuda-mps-control", RingCapacity: 8 << 20, StateDir: leftover.DefaultDir(),
-		Device: "cpu", Memory: "host-shm", MaxRestarts: failover.DefaultBreaker.MaxRestarts,
+		Device: "cpu", Memory: "host-shm", TensorParallelSize: 1, MaxRestarts: failover.DefaultBreaker.MaxRestarts,
 		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
 		HeartbeatTimeout: time.Second, StepTimeoutFactor: 8, StepTimeoutMin: time.Second, StepTimeoutDefault: time.Minute,
 	}
@@ -166,6 +167,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.Memory, "memory", opts.Memory, "shared memory backend: host-shm (CPU) or cuda-vmm (GPU)")
 	f.IntVar(&opts.NumBlocks, "num-blocks", opts.NumBlocks, "KV cache blocks (0: the engine's default)")
 	f.IntVar(&opts.MaxModelLen, "max-model-len", opts.MaxModelLen, "maximum sequence length (0: the engine's default)")
+	f.IntVar(&opts.TensorParallelSize, "tensor-parallel-size", opts.TensorParallelSize, "shard the model over this many GPUs per engine (reference engine): each engine is a group of this many processes, rank r on GPU r of the visible devices; the group fails over as a unit. On the CPU (tests) the ranks share the host")
 	f.StringArrayVar(&opts.EngineArgs, "engine-arg", opts.EngineArgs, "extra argument for the engine's command line, repeatable (e.g. --engine-arg=--max-num-seqs=64)")
 	f.IntVar(&opts.MaxConcurrent, "max-concurrent", opts.MaxConcurrent, "most requests running against the engine at once (0: 512)")
 	f.IntVar(&opts.MaxQueue, "max-queue", opts.MaxQueue, "most requests waiting for a slot before 429 (0: 1024; negative: no queue)")
@@ -230,7 +232,7 @@ func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 		Model: o.Model, Engine: o.Engine, Python: py.Python, BaseEnv: sdnotify.StripEnv(py.Env), SyncEvery: o.SyncEvery,
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity, StateDir: o.StateDir,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, MPSPipeDir: o.MPSPipeDir, MPSLogDir: o.MPSLogDir, Device: o.Device, Memory: o.Memory,
-		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace,
+		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, TensorParallelSize: o.TensorParallelSize, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace,
 		HeartbeatTimeout: o.HeartbeatTimeout, StepTimeoutFactor: o.StepTimeoutFactor, StepTimeoutMin: o.StepTimeoutMin,
 		StepTimeoutDefault: o.StepTimeoutDefault,
 		NoFailback:         o.NoFailback, FailbackDelay: o.FailbackDelay, HandoffTimeout: o.HandoffTimeout,
@@ -247,6 +249,12 @@ func (o serveOptions) validate() error {
 	}
 	if o.SyncEvery == 0 {
 		return errors.New("--sync-every must be at least 1")
+	}
+	if o.TensorParallelSize < 1 {
+		return fmt.Errorf("--tensor-parallel-size %d: want at least 1", o.TensorParallelSize)
+	}
+	if o.TensorParallelSize > 1 && o.Engine == "vllm" {
+		return errors.New("--tensor-parallel-size > 1 is implemented by the reference engine (--engine ref) only; vLLM engines run on one GPU each for now")
 	}
 	if o.StepTimeoutFactor < 1 || o.StepTimeoutMin <= 0 || o.StepTimeoutDefault <= 0 {
 		return fmt.Errorf("--step-timeout-factor %g / --step-timeout-min %s / --step-timeout-default %s: want a factor of at least 1 and positive durations",

@@ -64,7 +64,11 @@ func fetchStatus(ctx context.Context, addr string) (*frmpsv1.Status, error) {
 func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "state:\t%s\t(%s)\n", st.GetState(), st.GetStateCause())
-	fmt.Fprintf(tw, "model:\t%s\tengine %s, sync every %d steps, frmps %s\n", st.GetModel(), st.GetEngine(), st.GetSyncEvery(), st.GetVersion())
+	tp := ""
+	if n := st.GetTensorParallelSize(); n > 1 {
+		tp = fmt.Sprintf(", tensor parallel %d", n)
+	}
+	fmt.Fprintf(tw, "model:\t%s\tengine %s%s, sync every %d steps, frmps %s\n", st.GetModel(), st.GetEngine(), tp, st.GetSyncEvery(), st.GetVersion())
 	mps := "off"
 	if st.GetMps() {
 		mps = st.GetMpsState()

@@ -26,7 +26,10 @@ type Invocation struct {
 	Device           string // cpu | cuda (empty: the engine's default)
 	NumBlocks        int    // 0: the engine's default
 	MaxModelLen      int    // 0: the engine's default
-	ExtraArgs        []string
+	// TensorParallelSize > 1: the engine process is rank 0 of a group of this
+	// many ranks (0 or 1: one process).
+	TensorParallelSize int
+	ExtraArgs          []string
 }
 
 // Adapter builds the command line of one engine kind.
@@ -86,6 +89,9 @@ func (a PythonCLI) Command(inv Invocation) (string, []string, error) {
 	}
 	if inv.MaxModelLen > 0 {
 		args = append(args, "--max-model-len", strconv.Itoa(inv.MaxModelLen))
+	}
+	if inv.TensorParallelSize > 1 {
+		args = append(args, "--tensor-parallel-size", strconv.Itoa(inv.TensorParallelSize))
 	}
 	return py, append(args, inv.ExtraArgs...), nil
 }

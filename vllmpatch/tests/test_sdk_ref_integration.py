@@ -43,14 +43,14 @@ def test_ref_engine_failover_is_exact(sockdir, sync_every, kill_after):
     ring.create_ring(ring_path, 1 << 20)
     reader = ring_reader.RingReader(ring_path)
     try:
-        a = sup.spawn("active", "a", *ARGS, engine="ref", model="tiny", ring_module="frmps_engine.ring")
+        a = sup.spawn("active", "a", *ARGS, engine="ref", model="tiny")
         hello = sup.accept(a)
         sup.welcome(a, ring_path=ring_path, sync_every=sync_every)
         got = sup.expect(a, "pool_export", "ready")
         pools, fds = got["pool_export"][0].pool_export.pools, got["pool_export"][1]
         sup.fds += fds
         assert list(pools) == list(hello.pools)
-        s = sup.spawn("standby", "s", *ARGS, engine="ref", model="tiny", ring_module="frmps_engine.ring")
+        s = sup.spawn("standby", "s", *ARGS, engine="ref", model="tiny")
         assert list(sup.accept(s).pools) == list(pools)
         sup.welcome(s)
         s.conn.send(c.Envelope(id=1, sleep=c.Sleep(pools=pools)), fds)

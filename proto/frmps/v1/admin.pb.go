@@ -370,8 +370,11 @@ type Status struct {
 	Version        string                 `protobuf:"bytes,13,opt,name=version,proto3" json:"version,omitempty"`
 	CrashLoopOpen  bool                   `protobuf:"varint,14,opt,name=crash_loop_open,json=crashLoopOpen,proto3" json:"crash_loop_open,omitempty"` // breaker tripped: engines are not restarted
 	Failback       *Failback              `protobuf:"bytes,15,opt,name=failback,proto3" json:"failback,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Ranks of each engine's tensor-parallel group (one process and GPU each;
+	// rank 0 is the engine process listed in engines).
+	TensorParallelSize uint32 `protobuf:"varint,16,opt,name=tensor_parallel_size,json=tensorParallelSize,proto3" json:"tensor_parallel_size,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *Status) Reset() {
@@ -507,6 +510,13 @@ func (x *Status) GetFailback() *Failback {
 		return x.Failback
 	}
 	return nil
+}
+
+func (x *Status) GetTensorParallelSize() uint32 {
+	if x != nil {
+		return x.TensorParallelSize
+	}
+	return 0
 }
 
 // Failback: restoring the placement (the active inside MPS, the standby
@@ -773,7 +783,7 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\rreused_tokens\x18\t \x01(\x04R\freusedTokens\x12)\n" +
 	"\x10prefilled_tokens\x18\n" +
 	" \x01(\x04R\x0fprefilledTokens\x12.\n" +
-	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\x89\x04\n" +
+	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\xbb\x04\n" +
 	"\x06Status\x12\x14\n" +
 	"\x05state\x18\x01 \x01(\tR\x05state\x12\x1f\n" +
 	"\vstate_cause\x18\x02 \x01(\tR\n" +
@@ -792,7 +802,8 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\rlive_requests\x18\f \x01(\rR\fliveRequests\x12\x18\n" +
 	"\aversion\x18\r \x01(\tR\aversion\x12&\n" +
 	"\x0fcrash_loop_open\x18\x0e \x01(\bR\rcrashLoopOpen\x12.\n" +
-	"\bfailback\x18\x0f \x01(\v2\x12.frmps.v1.FailbackR\bfailback\"\xb1\x03\n" +
+	"\bfailback\x18\x0f \x01(\v2\x12.frmps.v1.FailbackR\bfailback\x120\n" +
+	"\x14tensor_parallel_size\x18\x10 \x01(\rR\x12tensorParallelSize\"\xb1\x03\n" +
 	"\bFailback\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12!\n" +

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(fixed decode batch, aligned per-request prefill; default on for GPUs)")
     s.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
                    help="ablation: a standby recomputes every adopted token instead of reusing the shared KV")
+    s.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                   help="shard the model over this many ranks, one process and device each (reference engine); "
+                        "this process is rank 0 and starts the others")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     c = sub.add_parser("check-engine", help="check that an --engine name loads; print its factory")
     c.add_argument("engine", help="ref, vllm, or package.module:Factory")
@@ -94,7 +97,8 @@ def serve(args: argparse.Namespace) -> int:
                                    max_model_len=args.max_model_len, seed=args.seed,
                                    max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens,
-                                   exact=args.exact, kv_reuse=args.kv_reuse),
+                                   exact=args.exact, kv_reuse=args.kv_reuse,
+                                   tensor_parallel_size=args.tensor_parallel_size),
         )
         mem = memory.get_backend(args.memory, args.device)
         r = runner.Runner(

@@ -23,7 +23,7 @@ import zmq
 from vhelpers import make_vllm_config, write_tiny_model
 
 MAX_TOKENS = 12
-KILL_AFTER = 5  # tokens per request before the first engine "dies"
+KILL_AFTER = 5  # tokens of every request before the first engine "dies"
 
 
 def token(seed: int, index: int) -> int:
@@ -34,7 +34,7 @@ class FakeEngine(threading.Thread):
     """TEST DOUBLE of an engine process on vLLM's engine-core sockets."""
 
     def __init__(self, input_addr: str, output_addr: str, *, adopt=(), stop_after: int | None = None,
-                 hang: bool = False):
+                 hang: bool = False, expect: int = 0):
         super().__init__(daemon=True)
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
         from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -43,7 +43,10 @@ class FakeEngine(threading.Thread):
         self.Out, self.Outs = EngineCoreOutput, EngineCoreOutputs
         self.enc, self.dec_req, self.dec_any = MsgpackEncoder(), MsgpackDecoder(EngineCoreRequest), MsgpackDecoder()
         self.input_addr, self.output_addr = input_addr, output_addr
-        self.stop_after = stop_after
+        # Stop working once `expect` requests arrived and each has emitted stop_after
+        # tokens (not after a number of batches: on a loaded machine the client's
+        # requests arrive some batches apart).
+        self.stop_after, self.expect = stop_after, expect
         self.hang = hang  # after stop_after: stop working but keep the sockets open (a wedged engine)
         self.stopped_working = threading.Event()
         # engine id -> [seed, next index, max_tokens]
@@ -65,7 +68,6 @@ class FakeEngine(threading.Thread):
         dealer.connect(self.input_addr)
         push.connect(self.output_addr)
         dealer.send(b"")  # ready; an empty payload is accepted (no ready response)
-        emitted = 0
         try:
             while not self.stop.is_set():
                 while dealer.poll(0):
@@ -90,8 +92,8 @@ class FakeEngine(threading.Thread):
                         del self.running[rid]
                 if outs:
                     push.send_multipart(self.enc.encode(self.Outs(engine_index=0, outputs=outs)), copy=False)
-                    emitted += 1
-                    if self.stop_after is not None and emitted >= self.stop_after:
+                    if self.stop_after is not None and len(self.received) >= self.expect and all(
+                            st[1] >= self.stop_after for st in self.running.values()):
                         self.stopped_working.set()
                         if self.hang:
                             self.stop.wait()
@@ -133,7 +135,7 @@ def test_stream_continues_on_a_promoted_engine_exactly_once(tmp_path, addrs, fir
     in_addr, out_addr = addrs
 
     async def main():
-        first = FakeEngine(in_addr, out_addr, stop_after=KILL_AFTER, hang=first_fate == "wedged")
+        first = FakeEngine(in_addr, out_addr, stop_after=KILL_AFTER, hang=first_fate == "wedged", expect=3)
         first.start()
         client = FrmpsAsyncMPClient(cfg, Executor, False, client_addresses={
             "input_address": in_addr, "output_address": out_addr})

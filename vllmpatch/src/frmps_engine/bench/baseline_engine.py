@@ -26,13 +26,11 @@ T_PROCESS = time.time()  # before the heavy imports: the cold restart's import c
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import queue  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 import traceback  # noqa: E402
 
-from frmps_engine.bench.engine_io import (decode_more, die_on_device_error, emit, read_commands, recover,  # noqa: E402
-                                          serve_victim, sync)
+from frmps_engine.bench.engine_io import (decode_more, die_on_device_error, emit, recover,  # noqa: E402
+                                          serve_sleep_commands, serve_victim, sync)
 
 def make_cfg(args, **over):
     from frmps_engine.refengine import EngineConfig
@@ -128,48 +126,25 @@ def run_sleep(args) -> int:
         raise
     emit("ready", pid=os.getpid(), init_s=round(time.perf_counter() - t0, 3), host_copy_bytes=host.numel(),
          pinned=bool(host.is_pinned()) if args.device != "cpu" else False)
-    q: queue.Queue = queue.Queue()
-    threading.Thread(target=read_commands, args=(q,), daemon=True).start()
-    awake = False
-    while True:
-        cmd = q.get()
-        if cmd["cmd"] in ("exit", "eof"):
-            return 0
-        try:
-            if cmd["cmd"] == "wake":
-                if awake:
-                    emit("error", error="already awake")
-                    continue
-                t_cmd = time.time()
-                w0 = time.perf_counter()
-                pools.wake()
-                w1 = time.perf_counter()
-                weights.copy_(host, non_blocking=True)
-                sync(args.device)
-                w2 = time.perf_counter()
-                kv.zero_()  # fresh physical memory is undefined; masked attention rows must not meet NaNs
-                sync(args.device)
-                w3 = time.perf_counter()
-                awake = True
-                rec = recover(core, cmd["requests"], sampling)
-                w4 = time.perf_counter()
-                emit("woke", received_unix=t_cmd, map_s=round(w1 - w0, 6), copy_weights_s=round(w2 - w1, 6),
-                     zero_kv_s=round(w3 - w2, 6), prefill_s=round(w4 - w3, 6), total_s=round(w4 - w0, 6),
-                     steps=rec["steps"], weights_gib=round(weights.numel() / (1 << 30), 3))
-                decode_more(core, int(cmd.get("then_steps", 0)))
-                emit("decoded")
-            elif cmd["cmd"] == "sleep":
-                for k in list(core.scheduler.requests):
-                    core.abort(k)
-                core.step()  # drain aborted outputs
-                pools.sleep()
-                awake = False
-                emit("slept")
-            else:
-                emit("error", error=f"unknown command {cmd.get('cmd')!r}")
-        except Exception as e:
-            die_on_device_error(e)
-            emit("error", error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+    def wake() -> dict:
+        w0 = time.perf_counter()
+        pools.wake()
+        w1 = time.perf_counter()
+        weights.copy_(host, non_blocking=True)
+        sync(args.device)
+        w2 = time.perf_counter()
+        kv.zero_()  # fresh physical memory is undefined; masked attention rows must not meet NaNs
+        sync(args.device)
+        return {"map_s": round(w1 - w0, 6), "copy_weights_s": round(w2 - w1, 6),
+                "zero_kv_s": round(time.perf_counter() - w2, 6), "weights_gib": round(weights.numel() / (1 << 30), 3)}
+
+    def sleep() -> None:
+        for k in list(core.scheduler.requests):
+            core.abort(k)
+        core.step()  # drain aborted outputs
+        pools.sleep()
+
+    return serve_sleep_commands(core, sampling, wake, sleep)
 
 
 def run_cold(args) -> int:

@@ -133,3 +133,45 @@ def serve_victim(core, sampling: Callable[[dict], Any], t_process: float) -> int
                 emit("tok", key=o.key, i=o.output_index, ids=list(o.new_token_ids), t=t)
             if o.finished:
                 emit("finished", key=o.key, t=t)
+
+
+def serve_sleep_commands(core, sampling: Callable[[dict], Any], wake: Callable[[], dict],
+                         sleep: Callable[[], None]) -> int:
+    """The sleep-only victim's command loop, once its engine is built and asleep:
+    "wake" runs ``wake()`` (its timings go into the "woke" event), then the
+    recovery of the command's requests, then "then_steps" more steps; "sleep" runs
+    ``sleep()``. Until stdin ends."""
+    import traceback
+
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=read_commands, args=(q,), daemon=True).start()
+    awake = False
+    while True:
+        cmd = q.get()
+        if cmd["cmd"] in ("exit", "eof"):
+            return 0
+        try:
+            if cmd["cmd"] == "wake":
+                if awake:
+                    emit("error", error="already awake")
+                    continue
+                t_cmd = time.time()
+                w0 = time.perf_counter()
+                fields = wake()
+                awake = True
+                w1 = time.perf_counter()
+                rec = recover(core, cmd["requests"], sampling)
+                w2 = time.perf_counter()
+                emit("woke", received_unix=t_cmd, **fields, prefill_s=round(w2 - w1, 6), total_s=round(w2 - w0, 6),
+                     steps=rec["steps"])
+                decode_more(core, int(cmd.get("then_steps", 0)))
+                emit("decoded")
+            elif cmd["cmd"] == "sleep":
+                sleep()
+                awake = False
+                emit("slept")
+            else:
+                emit("error", error=f"unknown command {cmd.get('cmd')!r}")
+        except Exception as e:
+            die_on_device_error(e)
+            emit("error", error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])

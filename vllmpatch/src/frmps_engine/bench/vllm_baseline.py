@@ -191,11 +191,7 @@ def build(args, *, load_format: str, model: str | None = None, sleep: bool = Fal
 
 def run_sleep(args) -> int:
     """vLLM's sleep mode level 1 as the standby: built, asleep; wake on command."""
-    import queue
-    import threading
-    import traceback
-
-    from .engine_io import decode_more, die_on_device_error, emit, read_commands, recover
+    from .engine_io import die_on_device_error, emit, serve_sleep_commands
 
     t0 = time.perf_counter()
     try:
@@ -207,39 +203,17 @@ def run_sleep(args) -> int:
         raise
     emit("ready", pid=os.getpid(), init_s=round(time.perf_counter() - t0, 3),
          sleep_s=round(time.perf_counter() - t_built, 3), sleep_mode="vLLM level 1")
-    q: queue.Queue = queue.Queue()
-    threading.Thread(target=read_commands, args=(q,), daemon=True).start()
-    awake = False
-    while True:
-        cmd = q.get()
-        if cmd["cmd"] in ("exit", "eof"):
-            return 0
-        try:
-            if cmd["cmd"] == "wake":
-                if awake:
-                    emit("error", error="already awake")
-                    continue
-                t_cmd = time.time()
-                w0 = time.perf_counter()
-                core.core.wake_up()
-                w1 = time.perf_counter()
-                awake = True
-                rec = recover(core, cmd["requests"], sampling)
-                w2 = time.perf_counter()
-                emit("woke", received_unix=t_cmd, wake_up_s=round(w1 - w0, 6), prefill_s=round(w2 - w1, 6),
-                     total_s=round(w2 - w0, 6), steps=rec["steps"])
-                decode_more(core, int(cmd.get("then_steps", 0)))
-                emit("decoded")
-            elif cmd["cmd"] == "sleep":
-                core.abort_all()
-                core.core.sleep(level=1)
-                awake = False
-                emit("slept")
-            else:
-                emit("error", error=f"unknown command {cmd.get('cmd')!r}")
-        except Exception as e:
-            die_on_device_error(e)
-            emit("error", error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+
+    def wake() -> dict:
+        w0 = time.perf_counter()
+        core.core.wake_up()
+        return {"wake_up_s": round(time.perf_counter() - w0, 6)}
+
+    def sleep() -> None:
+        core.abort_all()
+        core.core.sleep(level=1)
+
+    return serve_sleep_commands(core, sampling, wake, sleep)
 
 
 def run_cold(args, requests: list[dict], t_process: float, t_import: float) -> dict:

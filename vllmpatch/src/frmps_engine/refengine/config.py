@@ -192,6 +192,10 @@ class EngineConfig:
     # A standby reuses the KV named by the snapshot (frmps's point). False is the
     # ablation: every adopted token is recomputed.
     kv_reuse: bool = True
+    # Tensor parallelism: the model is sharded over this many ranks (one process
+    # and one device each; README "Tensor parallelism"). Every pool, shape and
+    # offset below is one rank's; pool_layout lists the pools of every rank.
+    tensor_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @staticmethod
@@ -266,6 +270,16 @@ class EngineConfig:
             raise ConfigError(f"attention must be 'triton' or 'torch', got {self.attention!r}")
         if self.dtype not in _DTYPE_BYTES:
             raise ConfigError(f"dtype {self.dtype!r} not supported")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1:
+            s = self.shape
+            for what, n in (("num_heads", s.num_heads), ("num_kv_heads", s.num_kv_heads),
+                            ("intermediate_size", s.intermediate_size)):
+                if n % tp:
+                    raise ConfigError(f"tensor_parallel_size {tp} does not divide the model's {what} ({n}): "
+                                      "each rank holds an equal share")
         if self.exact:
             if self.max_num_seqs > 512:
                 raise ConfigError(f"exact mode decodes at one batch size: max_num_seqs must be <= 512, got {self.max_num_seqs}")
@@ -279,10 +293,29 @@ class EngineConfig:
         return math.ceil(self.max_model_len / self.block_size)
 
     @property
+    def local_heads(self) -> int:
+        """Query heads of one tensor-parallel rank."""
+        return self.shape.num_heads // self.tensor_parallel_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads of one tensor-parallel rank (its share of the KV cache)."""
+        return self.shape.num_kv_heads // self.tensor_parallel_size
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.shape.intermediate_size // self.tensor_parallel_size
+
+    def full(self) -> "EngineConfig":
+        """The same model unsharded (tensor_parallel_size 1): the reference that
+        shards are cut from."""
+        return self if self.tensor_parallel_size == 1 else dataclasses.replace(self, tensor_parallel_size=1)
+
+    @property
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block across all layers (K and V)."""
+        """Bytes of one KV block across all layers (K and V) on one rank."""
         s = self.shape
-        return s.num_layers * 2 * self.block_size * s.num_kv_heads * s.head_dim * self.dtype_bytes
+        return s.num_layers * 2 * self.block_size * self.local_kv_heads * s.head_dim * self.dtype_bytes
 
 
 def _has_safetensors(d: str) -> bool:
@@ -312,20 +345,24 @@ class ParamSpec:
 
 
 def param_specs(cfg: EngineConfig) -> list[ParamSpec]:
-    """Every parameter with its byte offset in the weights pool (q/k/v and gate/up fused)."""
+    """Every parameter of one rank with its byte offset in that rank's weights pool
+    (q/k/v and gate/up fused). With tensor parallelism q/k/v and gate/up are split
+    by heads and rows (column-parallel), o_proj and down_proj by columns
+    (row-parallel); embedding, norms and LM head are whole on every rank."""
     s = cfg.shape
-    H, I = s.hidden_size, s.intermediate_size
+    H, I = s.hidden_size, cfg.local_intermediate
+    q, kv = cfg.local_heads * s.head_dim, cfg.local_kv_heads * s.head_dim
     items: list[tuple[str, tuple[int, ...], str]] = [("embed_tokens", (s.vocab_size, H), "embedding")]
     for i in range(s.num_layers):
         p = f"layers.{i}."
         items += [
             (p + "input_layernorm", (H,), "norm"),
-            (p + "qkv_proj.weight", (s.q_size + 2 * s.kv_size, H), "matrix"),
+            (p + "qkv_proj.weight", (q + 2 * kv, H), "matrix"),
         ]
         if s.qkv_bias:
-            items.append((p + "qkv_proj.bias", (s.q_size + 2 * s.kv_size,), "bias"))
+            items.append((p + "qkv_proj.bias", (q + 2 * kv,), "bias"))
         items += [
-            (p + "o_proj.weight", (H, s.q_size), "matrix"),
+            (p + "o_proj.weight", (H, q), "matrix"),
             (p + "post_attention_layernorm", (H,), "norm"),
             (p + "gate_up_proj.weight", (2 * I, H), "matrix"),
             (p + "down_proj.weight", (H, I), "matrix"),
@@ -346,20 +383,28 @@ def weights_bytes(cfg: EngineConfig) -> int:
 
 
 def kv_cache_shape(cfg: EngineConfig) -> tuple[int, ...]:
+    """One rank's KV cache: its share of the KV heads, every block (block ids are
+    the same on every rank)."""
     s = cfg.shape
-    return (s.num_layers, 2, cfg.num_blocks, cfg.block_size, s.num_kv_heads, s.head_dim)
+    return (s.num_layers, 2, cfg.num_blocks, cfg.block_size, cfg.local_kv_heads, s.head_dim)
 
 
 def pool_layout(cfg: EngineConfig) -> list[PoolSpec]:
-    """The shared pools, in a fixed order: weights then kv_cache."""
+    """The shared pools, in a fixed order: weights then kv_cache of rank 0, then of
+    rank 1, ...; a pool's index is its rank (the pools of rank r live on its device)."""
     specs = param_specs(cfg)
     last = specs[-1]
-    wsize = last.offset + last.numel * cfg.dtype_bytes
-    kv = math.prod(kv_cache_shape(cfg)) * cfg.dtype_bytes
-    return [
-        PoolSpec("weights", 0, _round_up(wsize, POOL_ALIGN)),
-        PoolSpec("kv_cache", 0, _round_up(kv, POOL_ALIGN)),
-    ]
+    wsize = _round_up(last.offset + last.numel * cfg.dtype_bytes, POOL_ALIGN)
+    kv = _round_up(math.prod(kv_cache_shape(cfg)) * cfg.dtype_bytes, POOL_ALIGN)
+    out: list[PoolSpec] = []
+    for rank in range(cfg.tensor_parallel_size):
+        out += [PoolSpec("weights", rank, wsize), PoolSpec("kv_cache", rank, kv)]
+    return out
+
+
+def rank_pools(cfg: EngineConfig, rank: int) -> list[PoolSpec]:
+    """The pools of one rank: its weights and its KV cache."""
+    return [p for p in pool_layout(cfg) if p.index == rank]
 
 
 def _round_up(n: int, a: int) -> int:

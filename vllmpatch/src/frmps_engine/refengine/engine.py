@@ -7,16 +7,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import torch
 
 from .block_manager import BlockManager
-from .config import NULL_BLOCK, EngineConfig, pool_layout
-from .model import Batch, CudaGraphDecoder, Qwen2Model, SeqChunk
+from .config import NULL_BLOCK, EngineConfig, rank_pools
+from .model import AllReduce, Batch, CudaGraphDecoder, Qwen2Model, SeqChunk
 from .sampling import SamplingParams, sample
 from .scheduler import AdoptResult, EngineError, Request, RequestOutput, RequestView, Scheduler, SchedulerOutput
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import check_pools, init_dummy, load_safetensors
+
+
+class Workers(Protocol):
+    """Rank 0's handle on the other ranks of its tensor-parallel group (tp.Group):
+    each call returns once the request is sent; the group's collectives pair
+    rank 0's work with theirs."""
+
+    def run_plan(self, plan: dict) -> None: ...
+    def warmup(self) -> None: ...
 
 
 class RefCore:
@@ -26,15 +36,26 @@ class RefCore:
         pools: dict,
         load_weights: bool,
         tokenizer: Tokenizer | None = None,
+        *,
+        rank: int = 0,
+        comm: AllReduce | None = None,
+        workers: Workers | None = None,
     ) -> None:
+        """rank, comm: this process's place in a tensor-parallel group and the
+        group's all-reduce (tp.py); workers (rank 0 only): the other ranks, which
+        run every pass and warm-up that rank 0 runs."""
+        if cfg.tensor_parallel_size > 1 and comm is None:
+            raise EngineError(f"tensor_parallel_size {cfg.tensor_parallel_size} needs the group's communicator")
         self.cfg = cfg
-        weights_pool, kv_pool = check_pools(cfg, pools)
-        self.model = Qwen2Model(cfg, weights_pool, kv_pool)
+        self.rank = rank
+        weights_pool, kv_pool = check_pools(cfg, pools, rank)
+        self.model = Qwen2Model(cfg, weights_pool, kv_pool, comm=comm, rank=rank)
+        self._workers = workers
         if load_weights:
             if cfg.weights == "dummy":
-                init_dummy(cfg, self.model.params)
+                init_dummy(cfg, self.model.params, rank)
             else:
-                load_safetensors(cfg, self.model.params, cfg.weights)
+                load_safetensors(cfg, self.model.params, cfg.weights, rank)
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model_dir)
         if self.tokenizer.vocab_size > cfg.shape.vocab_size:
             raise EngineError(
@@ -58,9 +79,10 @@ class RefCore:
 
     # ---- setup -----------------------------------------------------------
     @staticmethod
-    def allocate_pools(cfg: EngineConfig) -> dict:
-        """Zero-filled private pools (tests, benchmarks, single-process use)."""
-        return {(p.tag, p.index): torch.zeros(p.size, dtype=torch.uint8, device=cfg.device) for p in pool_layout(cfg)}
+    def allocate_pools(cfg: EngineConfig, rank: int = 0) -> dict:
+        """Zero-filled private pools of one rank (tests, benchmarks, single-process use)."""
+        return {(p.tag, p.index): torch.zeros(p.size, dtype=torch.uint8, device=cfg.device)
+                for p in rank_pools(cfg, rank)}
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         """Run on the engine's stream, after whatever the caller queued before."""
@@ -73,6 +95,8 @@ class RefCore:
         """GPU: capture the decode CUDA graphs now rather than on the first decode
         step. Capture writes only the reserved null block (0) of the KV pool.
         on_stage(name), if given, runs after each stage (a memory probe measures there)."""
+        if self._workers is not None:
+            self._workers.warmup()
         with self._on_stream():
             self._warmup(on_stage)
 
@@ -239,37 +263,44 @@ class RefCore:
         if on_launch is not None and not self._launch_async:
             on_launch()
             on_launch = None
-        bs = self.cfg.block_size
         for r, n in batch:
             if n == 1 and r.num_computed >= r.num_prompt:
                 self.counters["decode_tokens"] += 1
             else:
                 self.counters["prefill_tokens_computed"] += n
         self.counters["forward_passes"] += 1
+        plan = self._plan(batch)
+        if self._workers is not None:
+            self._workers.run_plan(plan)  # the other ranks run the same pass on their shards
+        logits = self._run_plan(plan)  # step() put us on the engine's stream already
+        if on_launch is not None:
+            on_launch()
+        return logits
+
+    def _plan(self, batch: SchedulerOutput) -> dict:
+        """The pass as plain data (lists of ints): what every tensor-parallel rank
+        needs to run it (run_plan). No scheduler state is needed to execute it."""
+        bs = self.cfg.block_size
         decode_only = all(n == 1 for _, n in batch)
         if decode_only and self._static_decode() and len(batch) <= min(self.cfg.max_num_seqs, 512):
-            if self._graphs is None:
-                self._warmup()
-            ids = [r.token_ids[r.num_computed] for r, _ in batch]
             pos = [r.num_computed for r, _ in batch]
-            slots = [r.block_ids[p // bs] * bs + p % bs for (r, _), p in zip(batch, pos)]
-            logits = self._graphs.run(ids, pos, slots, [r.block_ids for r, _ in batch])
-            if on_launch is not None:
-                on_launch()
-            if self._graphs.use_graphs:
-                self.counters["graph_steps"] += 1
             keep = [i for i, row in enumerate(batch.rows) if row is not None]
-            if len(keep) < len(batch):
-                logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
-            return logits
+            return dict(
+                kind="decode",
+                ids=[r.token_ids[r.num_computed] for r, _ in batch],
+                pos=pos,
+                slots=[r.block_ids[p // bs] * bs + p % bs for (r, _), p in zip(batch, pos)],
+                tables=[r.block_ids for r, _ in batch],  # run (or sent) before the scheduler changes them
+                keep=keep if len(keep) < len(batch) else None,
+            )
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        seqs: list[SeqChunk] = []
+        seqs: list[tuple[int, int, int, list[int]]] = []
         rows: list[int] = []
         for (r, n), row in zip(batch, batch.rows):
             start = r.num_computed
-            seqs.append(SeqChunk(len(ids), n, start, list(r.block_ids)))
+            seqs.append((len(ids), n, start, list(r.block_ids)))
             ids += r.token_ids[start : start + n]
             for p in range(start, start + n):
                 pos.append(p)
@@ -286,19 +317,33 @@ class RefCore:
                 pos.append(0)
                 slots.append(NULL_BLOCK * bs)
             select, rows = rows, list(range(len(ids)))
+        return dict(kind="varlen", ids=ids, pos=pos, slots=slots, seqs=seqs, rows=rows, select=select)
+
+    def run_plan(self, plan: dict) -> torch.Tensor:
+        """Execute a pass described by _plan on this rank's shard (a tensor-parallel
+        worker's entry point); the logits of the sampled rows (empty on a worker,
+        which does not sample)."""
+        with self._on_stream():
+            return self._run_plan(plan)
+
+    def _run_plan(self, plan: dict) -> torch.Tensor:
+        if plan["kind"] == "decode":
+            if self._graphs is None:
+                self._warmup()
+            logits = self._graphs.run(plan["ids"], plan["pos"], plan["slots"], plan["tables"])
+            if self._graphs.use_graphs:
+                self.counters["graph_steps"] += 1
+            keep = plan["keep"]
+            if keep is not None:
+                logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
+            return logits
         dev = self.model.device
-        tensors = Batch(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(pos, dtype=torch.int64, device=dev),
-            torch.tensor(slots, dtype=torch.int64, device=dev),
-            seqs,
-            torch.tensor(rows, dtype=torch.int64, device=dev),
-        )
-        logits = self.model.forward(tensors)
+        t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        seqs = [SeqChunk(q0, n, start, blocks) for q0, n, start, blocks in plan["seqs"]]
+        logits = self.model.forward(Batch(t(plan["ids"]), t(plan["pos"]), t(plan["slots"]), seqs, t(plan["rows"])))
+        select = plan["select"]
         if select is not None:
             logits = logits[torch.tensor(select, dtype=torch.int64, device=logits.device)]
-        if on_launch is not None:
-            on_launch()
         return logits
 
     # ---- convenience -----------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -41,15 +42,29 @@ class Batch:
     extra: dict = field(default_factory=dict)
 
 
+class AllReduce(Protocol):
+    """Sums a tensor over the tensor-parallel group, in place (tp.Comm)."""
+
+    def all_reduce(self, t: torch.Tensor) -> None: ...
+
+
 class Qwen2Model:
-    def __init__(self, cfg: EngineConfig, weights_pool: torch.Tensor, kv_pool: torch.Tensor) -> None:
+    """One rank's shard of the model. With ``comm`` (tensor parallelism) the
+    attention heads and MLP columns are this rank's share, and the outputs of
+    o_proj and down_proj are summed over the group; only rank 0 computes logits."""
+
+    def __init__(self, cfg: EngineConfig, weights_pool: torch.Tensor, kv_pool: torch.Tensor,
+                 comm: AllReduce | None = None, rank: int = 0) -> None:
         self.cfg = cfg
         s = cfg.shape
         self.device = torch.device(cfg.device)
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.params = param_views(cfg, weights_pool)
         self.kv = kv_views(cfg, kv_pool)  # [L, 2, NB, BS, KVH, HD]
-        self.H, self.KVH, self.HD = s.num_heads, s.num_kv_heads, s.head_dim
+        self.comm = comm
+        self.wants_logits = rank == 0
+        self.H, self.KVH, self.HD = cfg.local_heads, cfg.local_kv_heads, s.head_dim
+        self.q_size, self.kv_size = self.H * self.HD, self.KVH * self.HD
         self.G = self.H // self.KVH
         self.scale = 1.0 / math.sqrt(self.HD)
         self.bs = cfg.block_size
@@ -129,9 +144,16 @@ class Qwen2Model:
         # Same arithmetic as x1*cos - x2*sin | x2*cos + x1*sin (HF's rotate_half form).
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
+    def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's partial sums, summed over the group."""
+        if self.comm is not None:
+            x = x.contiguous()
+            self.comm.all_reduce(x)
+        return x
+
     def _run_layers(self, input_ids, positions, slots, attend) -> torch.Tensor:
         T = input_ids.shape[0]
-        s = self.cfg.shape
+        qs, kvs = self.q_size, self.kv_size
         x = F.embedding(input_ids, self.embed)
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
@@ -139,21 +161,23 @@ class Qwen2Model:
             h = self._rmsnorm(x, ln1)
             qkv = self._linear(h, wqkv, bqkv)
             # q and k are adjacent in the fused projection: rotate both at once.
-            qk = self._rope(qkv[:, : s.q_size + s.kv_size].view(T, self.H + self.KVH, self.HD), cos, sin)
+            qk = self._rope(qkv[:, : qs + kvs].view(T, self.H + self.KVH, self.HD), cos, sin)
             q, k = qk[:, : self.H], qk[:, self.H :]
-            v = qkv[:, s.q_size + s.kv_size :].view(T, self.KVH, self.HD)
+            v = qkv[:, qs + kvs :].view(T, self.KVH, self.HD)
             kc, vc = self.kv[li, 0], self.kv[li, 1]
             kc.view(-1, self.KVH, self.HD).index_copy_(0, slots, k)
             vc.view(-1, self.KVH, self.HD).index_copy_(0, slots, v)
             o = attend(li, q, kc, vc)
-            x = x + self._linear(o.reshape(T, s.q_size), wo)
+            x = x + self._reduced(self._linear(o.reshape(T, qs), wo))
             h = self._rmsnorm(x, ln2)
             gu = self._linear(h, wgu)
             g, u = gu.chunk(2, dim=-1)
-            x = x + self._linear(F.silu(g) * u, wd)
+            x = x + self._reduced(self._linear(F.silu(g) * u, wd))
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.wants_logits:  # a tensor-parallel worker: rank 0 samples
+            return x.new_empty((x.shape[0], 0), dtype=torch.float32)
         return self._linear(self._rmsnorm(x, self.final_norm), self.lm_head).float()
 
     # ---- generic (varlen) forward -----------------------------------------
@@ -283,7 +307,8 @@ class CudaGraphDecoder:
                  stream: torch.cuda.Stream | None = None) -> None:
         self.model = model
         self.stream = stream  # warm-up and capture stream (None: a new side stream)
-        self.use_graphs = graphs and model.device.type == "cuda"
+        # Tensor parallelism runs decode eagerly: its all-reduces are not captured.
+        self.use_graphs = graphs and model.device.type == "cuda" and model.comm is None
         if buckets is not None:
             if not buckets or sorted(set(buckets)) != list(buckets) or buckets[-1] != max_batch or buckets[0] < 1:
                 raise ValueError(f"buckets must be increasing, positive and end at max_batch {max_batch}: {buckets}")

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .config import ConfigError, EngineConfig, ParamSpec, kv_cache_shape, param_specs, pool_layout
+from .config import ConfigError, EngineConfig, ParamSpec, kv_cache_shape, param_specs, rank_pools
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -16,10 +16,10 @@ class WeightsError(ValueError):
     pass
 
 
-def check_pools(cfg: EngineConfig, pools: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights and KV pools for cfg, checked against pool_layout(cfg)."""
+def check_pools(cfg: EngineConfig, pools: dict, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights and KV pools of one tensor-parallel rank, checked against pool_layout(cfg)."""
     out = []
-    for spec in pool_layout(cfg):
+    for spec in rank_pools(cfg, rank):
         t = pools.get((spec.tag, spec.index))
         if t is None:
             raise ConfigError(f"pool {spec.tag}/{spec.index} missing (have {sorted(pools)})")
@@ -52,14 +52,40 @@ def kv_views(cfg: EngineConfig, pool: torch.Tensor) -> torch.Tensor:
     return pool[: n * cfg.dtype_bytes].view(TORCH_DTYPES[cfg.dtype]).view(shape)
 
 
+def shard(cfg: EngineConfig, name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of the unsharded parameter ``full`` (a view or a copy)."""
+    n = cfg.tensor_parallel_size
+    if n == 1:
+        return full
+    s = cfg.shape
+    if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        q, kv = cfg.local_heads * s.head_dim, cfg.local_kv_heads * s.head_dim
+        fq, fkv = s.q_size, s.kv_size
+        return torch.cat([full[rank * q:(rank + 1) * q], full[fq + rank * kv:fq + (rank + 1) * kv],
+                          full[fq + fkv + rank * kv:fq + fkv + (rank + 1) * kv]])
+    if name.endswith("gate_up_proj.weight"):
+        i, fi = cfg.local_intermediate, s.intermediate_size
+        return torch.cat([full[rank * i:(rank + 1) * i], full[fi + rank * i:fi + (rank + 1) * i]])
+    if name.endswith("o_proj.weight"):
+        q = cfg.local_heads * s.head_dim
+        return full[:, rank * q:(rank + 1) * q]
+    if name.endswith("down_proj.weight"):
+        i = cfg.local_intermediate
+        return full[:, rank * i:(rank + 1) * i]
+    return full  # embedding, norms, LM head: whole on every rank
+
+
 @torch.no_grad()
-def init_dummy(cfg: EngineConfig, params: dict[str, torch.Tensor]) -> None:
+def init_dummy(cfg: EngineConfig, params: dict[str, torch.Tensor], rank: int = 0) -> None:
     """Seeded random weights. Each tensor has its own generator seeded from
     (cfg.seed, its index), so the result does not depend on load order. The
     generator is the device's own (Philox on CUDA, MT19937 on the CPU): the same
-    seed gives different weights on CPU and GPU."""
+    seed gives different weights on CPU and GPU. With tensor parallelism each rank
+    draws the whole tensor and keeps its shard, so a sharded model holds exactly
+    the unsharded model's weights (and every rank's are fixed by (seed, rank))."""
     std = cfg.shape.init_std
     dev = torch.device(cfg.device)
+    full_specs = param_specs(cfg.full())
     for i, spec in enumerate(param_specs(cfg)):
         t = params[spec.name]
         if spec.kind == "norm":
@@ -67,7 +93,13 @@ def init_dummy(cfg: EngineConfig, params: dict[str, torch.Tensor]) -> None:
             continue
         g = torch.Generator(device=dev)
         g.manual_seed((cfg.seed * 1_000_003 + i) & 0x7FFFFFFFFFFFFFFF)
-        t.normal_(0.0, std, generator=g)
+        if cfg.tensor_parallel_size == 1:
+            t.normal_(0.0, std, generator=g)
+            continue
+        full = torch.empty(full_specs[i].shape, dtype=t.dtype, device=dev)
+        full.normal_(0.0, std, generator=g)
+        t.copy_(shard(cfg, spec.name, full, rank))
+        del full
 
 
 def _hf_targets(cfg: EngineConfig) -> dict[str, tuple[str, int, int]]:
@@ -97,7 +129,22 @@ def _hf_targets(cfg: EngineConfig) -> dict[str, tuple[str, int, int]]:
 
 
 @torch.no_grad()
-def load_safetensors(cfg: EngineConfig, params: dict[str, torch.Tensor], directory: str) -> None:
+def load_safetensors(cfg: EngineConfig, params: dict[str, torch.Tensor], directory: str, rank: int = 0) -> None:
+    """Load a Hugging Face checkpoint into params (rank ``rank``'s shard of it)."""
+    if cfg.tensor_parallel_size == 1:
+        _load_full(cfg, params, directory)
+        return
+    # Sharded: load each whole parameter on the host, keep this rank's part.
+    full_cfg = cfg.full()
+    dt = TORCH_DTYPES[cfg.dtype]
+    full = {p.name: torch.empty(p.shape, dtype=dt) for p in param_specs(full_cfg)}
+    _load_full(full_cfg, full, directory)
+    for name, t in params.items():
+        t.copy_(shard(cfg, name, full.pop(name), rank))
+
+
+@torch.no_grad()
+def _load_full(cfg: EngineConfig, params: dict[str, torch.Tensor], directory: str) -> None:
     try:
         from safetensors import safe_open
     except ImportError as e:  # pragma: no cover

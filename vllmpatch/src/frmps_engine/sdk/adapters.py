@@ -11,6 +11,7 @@ supervisor passes the name through to every engine it launches.
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,6 +36,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None
     exact: bool | None = None  # None: the engine's default (the reference engine: on for GPUs)
     kv_reuse: bool = True  # False: a standby recomputes adopted KV (ablation)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (one process and device each)
 
 
 KNOWN = {
@@ -76,7 +78,10 @@ def load_adapter(engine: str, opts: EngineOptions) -> EngineAdapter:
 
 
 class RefAdapter:
-    """The reference engine (frmps_engine.refengine)."""
+    """The reference engine (frmps_engine.refengine). With tensor_parallel_size N > 1
+    this process is rank 0 and starts ranks 1..N-1 here (refengine/tp.py); build
+    it on the process's main thread, whose end the workers' death signal follows.
+    A group of one (N = 1) changes nothing: group_memory returns the backend as is."""
 
     name = "ref"
 
@@ -98,6 +103,8 @@ class RefAdapter:
                 kw[name] = value
         if not opts.kv_reuse:
             kw["kv_reuse"] = False
+        if opts.tensor_parallel_size != 1:
+            kw["tensor_parallel_size"] = opts.tensor_parallel_size
         try:
             # A preset name or a model directory.
             self.cfg = refengine.EngineConfig.from_preset(opts.model, **kw)
@@ -113,12 +120,36 @@ class RefAdapter:
         self.max_model_len = int(self.cfg.max_model_len)
         self._tok = None
         self.core = None
+        self.group = None
+        if self.cfg.tensor_parallel_size > 1:
+            from frmps_engine.refengine import tp
+
+            try:
+                self.group = tp.Group(self.cfg, log_level=logging.getLevelName(logging.getLogger().level))
+            except (tp.GroupError, OSError, RuntimeError) as e:  # RuntimeError: torch.distributed's
+                raise AdapterError(f"tensor-parallel group of {self.cfg.tensor_parallel_size}: {e}") from e
 
     def pool_layout(self):
         return list(self._re.pool_layout(self.cfg))
 
+    def group_memory(self, local):
+        if self.group is None:
+            return local
+        from frmps_engine.refengine import tp
+
+        return tp.GroupMemory(self.group, local)
+
+    def on_peer_death(self, fn) -> None:
+        if self.group is not None:
+            self.group.on_death = fn
+
     def create_core(self, pools, load_weights: bool):
-        core = self._re.RefCore(self.cfg, pools, load_weights=load_weights)
+        if self.group is None:
+            core = self._re.RefCore(self.cfg, pools, load_weights=load_weights)
+        else:
+            self.group.build(load_weights)
+            core = self._re.RefCore(self.cfg, pools, load_weights=load_weights, comm=self.group.comm,
+                                    workers=self.group)
         # GPU: capture decode graphs now, off the takeover path. A standby does this on
         # its reserved (private) ranges, before the shared pools are mapped in place.
         core.warmup()

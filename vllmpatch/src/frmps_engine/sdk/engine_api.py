@@ -161,6 +161,21 @@ class Resettable(Protocol):
     def reset(self) -> None: ...
 
 
+@runtime_checkable
+class ProcessGroup(Protocol):
+    """An engine that may run as several processes (tensor parallelism): the
+    process the supervisor launched is rank 0 and starts the others itself. The
+    runner wraps its memory backend with ``group_memory`` (the pools of every
+    rank are allocated, exported and mapped through rank 0; a group of one
+    returns the backend unchanged) and calls ``on_peer_death(fn)`` before the
+    handshake: ``fn(cause)`` runs when another rank dies, reports the death and
+    ends this process, whose exit the supervisor treats as the engine's death.
+    Without it: one process."""
+
+    def group_memory(self, local: Any) -> Any: ...
+    def on_peer_death(self, fn: Callable[[str], None]) -> None: ...
+
+
 def has_launch_hook(core: object) -> bool:
     return isinstance(core, LaunchHook) and bool(core.launch_hook)
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from frmps_engine._proto.frmps.v1 import control_pb2
 
 from . import control, debug_hang
-from .engine_api import EngineAdapter, Resettable, vocab_size
+from .engine_api import EngineAdapter, ProcessGroup, Resettable, vocab_size
 from .genapi import GenerationServer, input_to_ids
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
 from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
@@ -41,6 +41,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1  # engine failure other than a device error, or the supervisor went away
 EXIT_REFUSED = 2  # refused at start: Welcome refused, bad configuration, pool mismatch
 EXIT_DEVICE = 3  # sticky device error (e.g. a CUDA fault)
+EXIT_PEER_DIED = 4  # another rank of this engine's tensor-parallel group died
 
 
 def _test_step_delay() -> float:
@@ -82,7 +83,8 @@ class Runner:
             raise StartupError(f"role must be active or standby, got {cfg.role!r}")
         self.cfg = cfg
         self.adapter = adapter
-        self.memory = memory
+        # A tensor-parallel engine: the pools of every rank go through this process.
+        self.memory = adapter.group_memory(memory) if isinstance(adapter, ProcessGroup) else memory
         self._exit = exit_fn
         self.role = control_pb2.ROLE_ACTIVE if cfg.role == "active" else control_pb2.ROLE_STANDBY
         self.specs = [as_spec(s) for s in adapter.pool_layout()]
@@ -127,6 +129,8 @@ class Runner:
         return self._exit_code
 
     def _start(self) -> None:
+        if isinstance(self.adapter, ProcessGroup):
+            self.adapter.on_peer_death(self._peer_died)
         self.gen = GenerationServer(self.backend, self.cfg.generation_socket)
         self.gen.start()
         self.client = control.ControlClient.connect(self.cfg.control_socket)
@@ -451,6 +455,19 @@ class Runner:
         finally:
             # No Python teardown: after a sticky device error it can hang in the driver.
             self._exit(code)
+
+    def _peer_died(self, cause: str) -> None:
+        """Another rank of the group died: this engine is dead as a whole. Say so and
+        exit at once, without waiting on the loop (a collective may be stuck on the
+        dead peer) or on anything else. Never returns."""
+        try:
+            log.critical("fatal: %s", cause)
+            if self.client is not None:
+                self.client.fault(cause, "")
+        except Exception:
+            pass
+        finally:
+            self._exit(EXIT_PEER_DIED)
 
     def _heartbeats(self) -> None:
         """The liveness signal: its own thread, which never waits on the device, on the

@@ -582,6 +582,8 @@ def make_adapter(args: Any) -> VllmAdapter:
                            "in the engines' environment (vLLM's batch-invariant kernels) instead")
     if getattr(args, "kv_reuse", True) is False:
         raise AdapterError("--no-kv-reuse (the recompute ablation) is implemented by the reference engine only")
+    if int(getattr(args, "tensor_parallel_size", 1) or 1) != 1:
+        raise AdapterError("--tensor-parallel-size > 1 is implemented by the reference engine only (not yet for vLLM)")
     try:
         async_scheduling = async_scheduling_from_env(os.environ)
     except ValueError as exc:

@@ -73,7 +73,7 @@ class FailoverRecord(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., unix_nanos: _Optional[int] = ..., cause: _Optional[str] = ..., detail: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., resumed_requests: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., first_token_seconds: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open", "failback")
+    __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open", "failback", "tensor_parallel_size")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STATE_CAUSE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class Status(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CRASH_LOOP_OPEN_FIELD_NUMBER: _ClassVar[int]
     FAILBACK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     state: str
     state_cause: str
     model: str
@@ -104,7 +105,8 @@ class Status(_message.Message):
     version: str
     crash_loop_open: bool
     failback: Failback
-    def __init__(self, state: _Optional[str] = ..., state_cause: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., sync_every: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., failovers: _Optional[_Iterable[_Union[FailoverRecord, _Mapping]]] = ..., mps: _Optional[bool] = ..., mps_state: _Optional[str] = ..., ring_lag_records: _Optional[int] = ..., ring_resyncs: _Optional[int] = ..., live_requests: _Optional[int] = ..., version: _Optional[str] = ..., crash_loop_open: _Optional[bool] = ..., failback: _Optional[_Union[Failback, _Mapping]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, state: _Optional[str] = ..., state_cause: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., sync_every: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., failovers: _Optional[_Iterable[_Union[FailoverRecord, _Mapping]]] = ..., mps: _Optional[bool] = ..., mps_state: _Optional[str] = ..., ring_lag_records: _Optional[int] = ..., ring_resyncs: _Optional[int] = ..., live_requests: _Optional[int] = ..., version: _Optional[str] = ..., crash_loop_open: _Optional[bool] = ..., failback: _Optional[_Union[Failback, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class Failback(_message.Message):
     __slots__ = ("enabled", "state", "placement_ok", "succeeded", "failed", "consecutive_failures", "next_attempt_unix_nanos", "last_error", "last_duration_seconds", "last_first_token_seconds", "last_unix_nanos")

@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Tensor parallelism (TP=2) through `frmps serve`: real MPS faults on either GPU.
+
+One deployment of the reference engine with --tensor-parallel-size 2 (each engine
+a group of two processes, rank r on GPU r; the active group in one MPS daemon
+covering both GPUs, the standby group outside MPS). The same load as
+failback_proof.py (--streams concurrent streams, each repeating its request and
+comparing every finished output, token ids included, with its no-fault output
+taken first on the same deployment). Then --faults times: wait until the
+placement is restored (failover, then failback), make a co-located MPS client
+pinned to GPU 0, then GPU 1, alternately, fault (bench/faults triggers,
+rotating), and record:
+
+- the failover record: cause, detail (a fault on GPU 1 may kill rank 1 only:
+  rank 0 then reports "tensor-parallel rank 1 ... died"), ok;
+- fault -> death detected, death -> first resumed token (the promoted group's
+  rank-0 log), the longest client-visible gap from the fault;
+- the standby group's GPU memory per GPU (nvidia-smi per process: the standby
+  group's rank 0 and its worker), at start and after every restore.
+
+    python3 bench/gpu/tp_proof.py --frmps bin/frmps --model qwen2.5-7b --faults 10 --out tp.json
+
+--cpu runs the same sequence on the CPU (the MPS control daemon's test double;
+the "fault" is SIGKILL of rank 0, then rank 1, of the active group): a check of
+this script, not of GPU faults. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from failback_proof import (  # noqa: E402  (same folder, standard library only)
+    FAKE_MPS, FAULTS, Load, bodies, engines, first_resumed, gaps_after, restored, started, stream)
+from failover_proof import Deployment, get, mps_trigger  # noqa: E402
+
+
+def now() -> float:
+    return time.time()
+
+
+def children(pid: int) -> list[int]:
+    """Live direct children of pid (the worker ranks of an engine's group)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def group_pids(engine: dict) -> list[int]:
+    """Rank 0 (the engine the supervisor launched), then its workers."""
+    pid = int(get(engine, "pid", default=0) or 0)
+    return [pid] + sorted(children(pid)) if pid else []
+
+
+def gpu_memory(pids: list[int]) -> dict:
+    """MiB per GPU index used by the given processes, from nvidia-smi's per-process view."""
+    out: dict = {"per_gpu_mib": {}, "gpu_used_mib": {}}
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        index = {}
+        for line in q.stdout.strip().splitlines():
+            i, uuid, used = [p.strip() for p in line.split(",")]
+            index[uuid] = int(i)
+            out["gpu_used_mib"][int(i)] = int(used)
+        q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        for line in q.stdout.strip().splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 3 and parts[0].isdigit() and int(parts[0]) in pids and parts[2].isdigit():
+                gpu = index.get(parts[1], parts[1])
+                out["per_gpu_mib"][gpu] = out["per_gpu_mib"].get(gpu, 0) + int(parts[2])
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        out["error"] = str(e)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--frmps", default="bin/frmps")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--tensor-parallel-size", type=int, default=2)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--memory", default="cuda-vmm")
+    ap.add_argument("--sync-every", type=int, default=1)
+    ap.add_argument("--num-blocks", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=0)
+    ap.add_argument("--faults", type=int, default=10)
+    ap.add_argument("--fault-kinds", default=",".join(FAULTS))
+    ap.add_argument("--faults-dir", default="bench/build/faults")
+    ap.add_argument("--min-fault-interval", type=float, default=13.0,
+                    help="seconds between faults (frmps serve's crash-loop breaker: see failback_proof.py)")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--workdir", default="/tmp/frmps-tp")
+    ap.add_argument("--out", default="tp_proof.json")
+    ap.add_argument("--time-budget", type=float, default=0, help="no new fault after this many seconds of faults")
+    ap.add_argument("--engine-arg", action="append", default=[])
+    ap.add_argument("--serve-arg", action="append", default=[], help="more frmps serve flags")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment of frmps and its engines (e.g. NCCL_DEBUG=INFO)")
+    ap.add_argument("--cpu", action="store_true", help="CPU check of this script: MPS test double, SIGKILL of a rank")
+    args = ap.parse_args()
+    args.engine, args.port, args.mps_control = "ref", 0, ""
+    args.serve_arg = [*args.serve_arg, f"--tensor-parallel-size={args.tensor_parallel_size}"]
+    args.env = dict(kv.split("=", 1) for kv in args.env)
+    if args.cpu:
+        args.device, args.memory, args.mps_control = "cpu", "host-shm", FAKE_MPS
+        args.serve_arg = [*args.serve_arg, "--mps-control", FAKE_MPS]
+        args.env.setdefault("FRMPS_TEST_STEP_DELAY_MS", "10")
+    n_ranks = args.tensor_parallel_size
+    t_begin = now()
+    os.makedirs(args.workdir, exist_ok=True)
+    report: dict = {"engine": "ref", "model": args.model, "device": args.device, "tensor_parallel_size": n_ranks,
+                    "sync_every": args.sync_every, "streams": args.streams, "max_tokens": args.max_tokens,
+                    "faults": [], "standby_memory": []}
+
+    def save() -> None:
+        report["elapsed_s"] = round(now() - t_begin, 1)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    def standby_memory(st: dict, when: str) -> None:
+        sb = engines(st).get("standby") or {}
+        pids = group_pids(sb)
+        rec = {"when": when, "pids": pids}
+        if not args.cpu:
+            rec.update(gpu_memory(pids))
+        report["standby_memory"].append(rec)
+
+    dep = Deployment(args, f"ref-tp{n_ranks}-{os.path.basename(os.path.normpath(args.model))}", args.workdir)
+    load = None
+    try:
+        t0 = now()
+        dep.start()
+        st, t_ready = dep.wait(lambda s: started(dep, s), 900, "active serving + standby ready")
+        report["startup_s"] = round(t_ready - t0, 2)
+        if int(get(st, "tensor_parallel_size", default=1) or 1) != n_ranks:
+            raise RuntimeError(f"status says tensor_parallel_size {get(st, 'tensor_parallel_size')}, want {n_ranks}")
+        for role, e in engines(st).items():
+            if len(group_pids(e)) != n_ranks:
+                raise RuntimeError(f"{role} group has ranks {group_pids(e)}, want {n_ranks}")
+        standby_memory(st, "start")
+        save()
+
+        reqs = bodies(args.streams, args.max_tokens)
+        ref_runs: list[dict] = [{}] * len(reqs)
+
+        def one(i):
+            ref_runs[i] = stream(dep.base, args.model, reqs[i])
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        ref = [r["ids"] for r in ref_runs]
+        steps = [b - a for r in ref_runs for (a, _), (b, _) in zip(r["chunks"], r["chunks"][1:])]
+        report["reference"] = {"errors": [r["error"] for r in ref_runs if r["error"]], "tokens": [len(x) for x in ref],
+                               "decode_step_s_p50": statistics.median(steps) if steps else None}
+        if report["reference"]["errors"]:
+            raise RuntimeError(f"the no-fault run failed: {report['reference']['errors'][:3]}")
+        save()
+        load = Load(dep, args.model, reqs, ref)
+        load.start()
+        kinds = [k for k in args.fault_kinds.split(",") if k]
+        t_faults, last_fault = now(), 0.0
+        for n in range(1, args.faults + 1):
+            if args.time_budget and now() - t_faults > args.time_budget:
+                report["stopped"] = f"time budget after {n - 1} faults"
+                break
+            gpu = (n - 1) % n_ranks
+            spec = kinds[(n - 1) % len(kinds)]
+            rec: dict = {"n": n, "fault": spec, "gpu": gpu}
+            report["faults"].append(rec)
+            st, _ = dep.wait(lambda s: restored(s, n - 1), 300, f"placement restored before fault {n}")
+            if last_fault:
+                time.sleep(max(0.0, last_fault + args.min_fault_interval - now()))
+            e = engines(st)
+            act, sb = e["active"], e["standby"]
+            rec["active_ranks"] = group_pids(act)
+            n_fo = len(get(st, "failovers", default=[]) or [])
+            if args.cpu:
+                victim = rec["active_ranks"][gpu]
+                prepare, inject = (lambda: None), None
+            else:
+                prepare, inject = mps_trigger(args, spec, gpu=gpu)(dep, act)
+            prepare()
+            load.wait_all_streaming(5)  # the fault lands mid-stream for every stream
+            if args.cpu:
+                t_fault = now()
+                os.kill(victim, signal.SIGKILL)
+                rec["inject"] = {"how": f"SIGKILL of rank {gpu} (pid {victim}; cpu check)"}
+            else:
+                inj = inject()
+                t_fault = inj.get("t_fault") or now()
+                rec["inject"] = {k: v for k, v in inj.items() if k != "t_fault"}
+            last_fault = t_fault
+            st, _ = dep.wait(lambda s: len(get(s, "failovers", default=[]) or []) > n_fo
+                             and get((get(s, "failovers") or [{}])[0], "cause") != "pending", 120, "the failover record")
+            fo = (get(st, "failovers") or [])[0]
+            detect = int(get(fo, "unix_nanos", default=0)) / 1e9
+            rec["failover"] = {k: get(fo, k) for k in ("cause", "detail", "ok", "duration_seconds", "resumed_requests",
+                                                       "reused_tokens", "prefilled_tokens", "first_token_seconds")}
+            rec["fault_to_detect_s"] = round(detect - t_fault, 4)
+            rec["old_ranks_left"] = [p for p in rec["active_ranks"] if alive(p)]
+            st, _ = dep.wait(lambda s: restored(s, n), 300, f"failback after fault {n}")
+            fr = first_resumed(get(sb, "log_path"), detect)  # the group the failover promoted
+            rec["detect_to_first_resumed_token_s"] = round(fr - detect, 4) if fr else None
+            rec["old_ranks_left_after_restore"] = [p for p in rec["active_ranks"] if alive(p)]
+            standby_memory(st, f"after fault {n}")
+            time.sleep(0.5)
+            rec["client_gap_from_fault_s"] = gaps_after(load.chunk_times(), t_fault)
+            print(f"fault {n} {spec} on GPU {gpu}: cause={rec['failover']['cause']} ok={rec['failover']['ok']} "
+                  f"detail={rec['failover']['detail']!r} fault->detect={rec['fault_to_detect_s']} "
+                  f"detect->tok={rec['detect_to_first_resumed_token_s']} client_gap={rec['client_gap_from_fault_s']} "
+                  f"standby MiB/GPU={report['standby_memory'][-1].get('per_gpu_mib')}", flush=True)
+            save()
+    except Exception as ex:  # keep what was measured
+        report["error"] = f"{type(ex).__name__}: {ex}"
+    finally:
+        if load is not None:
+            load.finish(120)
+            done = list(load.done)
+            report["streams_total"] = len(done)
+            report["streams_exact"] = sum(1 for d in done if d["exact"] and not d["error"])
+            report["streams_errors"] = [d for d in done if d["error"]][:10]
+            report["streams_inexact"] = [{k: d.get(k) for k in ("i", "tokens", "first_diff", "finish")} for d in done
+                                         if not d["exact"] and not d["error"]][:10]
+        dep.stop()
+        fos = [f["failover"] for f in report["faults"] if "failover" in f]
+        report["takeovers_ok"] = sum(1 for f in fos if f.get("ok"))
+        report["takeovers"] = len(fos)
+        report["ranks_left"] = sorted({p for f in report["faults"] for p in f.get("old_ranks_left_after_restore", [])})
+        save()
+    summary = {k: report.get(k) for k in ("startup_s", "takeovers", "takeovers_ok", "streams_total", "streams_exact",
+                                          "ranks_left", "error", "elapsed_s")}
+    print(json.dumps(summary, default=str), flush=True)
+    ok = (not report.get("error") and report["takeovers"] == report["takeovers_ok"] > 0
+          and report.get("streams_exact") == report.get("streams_total") and not report["ranks_left"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
