@@ -7,7 +7,9 @@ For each batch size B the same B prompts (token ids) are generated twice,
 with max_tokens=T and max_tokens=1, after a warm-up; decode throughput is
 B*(T-1) / (time(T) - time(1)), so prefill and per-request set-up cancel out.
 frmps is driven through its OpenAI endpoint with streaming clients (what a
-user sees); vLLM alone through its offline LLM API with its own defaults
+user sees), split over --client-procs processes so that the clients' own SSE
+parsing (one GIL per process) does not cap the rate; the front door's own
+figures for each run (tokens delivered, its time per chunk) come from /metrics; vLLM alone through its offline LLM API with its own defaults
 (async scheduling included, where it applies), in a fresh process.
 
     PYTHONPATH=<vllm site>:vllmpatch/src python3 bench/gpu/vllm_throughput.py \\
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failover_proof import Deployment  # noqa: E402
@@ -34,22 +38,85 @@ def prompts(b: int, n: int = 32) -> list[list[int]]:
     return [[1000 + 37 * i + j for j in range(n)] for i in range(b)]
 
 
-def frmps_times(dep: Deployment, model: str, ps: list[list[int]], tokens: int) -> float:
+def _client_proc(base: str, model: str, ps: list[list[int]], tokens: int, start, q) -> None:
+    """One client process: its share of the streams, one thread each (a process
+    per few streams keeps SSE parsing off one GIL)."""
     res: list[dict] = [{}] * len(ps)
 
     def one(i: int) -> None:
-        res[i] = stream(dep.base, model, {"prompt": ps[i], "max_tokens": tokens, "ignore_eos": True, "temperature": 0.0})
+        res[i] = stream(base, model, {"prompt": ps[i], "max_tokens": tokens, "ignore_eos": True, "temperature": 0.0})
 
     ts = [threading.Thread(target=one, args=(i,)) for i in range(len(ps))]
-    t0 = time.perf_counter()
+    start.wait()
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    dt = time.perf_counter() - t0
-    bad = [r["error"] for r in res if r.get("error") or len(r.get("ids", [])) != tokens]
-    if bad:
-        raise RuntimeError(f"frmps requests failed: {bad[:3]}")
+    q.put([r.get("error") or ("" if len(r.get("ids", [])) == tokens else f"{len(r.get('ids', []))} tokens") for r in res])
+
+
+def collect(q, procs: list, timeout: float) -> list:
+    """One result per process; a process that died without one is an error (not a wait until the timeout)."""
+    import queue
+
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < len(procs):
+        try:
+            out.append(q.get(timeout=1.0))
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"client processes gave {len(out)} of {len(procs)} results in {timeout:.0f}s")
+            if sum(p.is_alive() for p in procs) < len(procs) - len(out) and q.empty():
+                raise RuntimeError(f"a client process died (exit codes {[p.exitcode for p in procs]})")
+    return out
+
+
+def scrape(base: str) -> dict[str, float]:
+    """The front door's own counters (/metrics): tokens delivered and its time per streamed chunk."""
+    want = ("frmps_tokens_generated_total", "frmps_stream_chunk_overhead_seconds_sum",
+            "frmps_stream_chunk_overhead_seconds_count")
+    out = dict.fromkeys(want, 0.0)
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in out:
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def frmps_times(dep: Deployment, model: str, ps: list[list[int]], tokens: int, procs: int,
+                server: list | None = None) -> float:
+    """Wall time of the batch, from the moment every client process is ready;
+    ``server`` gets the front door's figures for the run."""
+    ctx = mp.get_context("spawn")
+    start, q = ctx.Event(), ctx.Queue()
+    shares = [ps[i::procs] for i in range(min(procs, len(ps)))]
+    cs = [ctx.Process(target=_client_proc, args=(dep.base, model, sh, tokens, start, q), daemon=True) for sh in shares]
+    for c in cs:
+        c.start()
+    try:
+        time.sleep(2.0)  # interpreters started and imports done before the clock starts
+        m0 = scrape(dep.base)
+        t0 = time.perf_counter()
+        start.set()
+        errs = [e for r in collect(q, cs, 900) for e in r if e]
+        dt = time.perf_counter() - t0
+        m1 = scrape(dep.base)
+    finally:
+        for c in cs:
+            c.join(30)
+            if c.is_alive():
+                c.kill()
+                c.join()
+    if errs:
+        raise RuntimeError(f"frmps requests failed: {errs[:3]}")
+    if server is not None:
+        chunks = m1["frmps_stream_chunk_overhead_seconds_count"] - m0["frmps_stream_chunk_overhead_seconds_count"]
+        server.append({"tokens": m1["frmps_tokens_generated_total"] - m0["frmps_tokens_generated_total"], "chunks": chunks,
+                       "front_door_us_per_chunk": round(1e6 * (m1["frmps_stream_chunk_overhead_seconds_sum"]
+                                                               - m0["frmps_stream_chunk_overhead_seconds_sum"]) / chunks, 2)
+                       if chunks else None})
     return dt
 
 
@@ -93,6 +160,8 @@ def main() -> int:
     ap.add_argument("--util", type=float, default=0.5, help="vLLM alone's gpu_memory_utilization")
     ap.add_argument("--workdir", default="/tmp/frmps-tp")
     ap.add_argument("--out", default="vllm_throughput.json")
+    ap.add_argument("--client-procs", type=int, default=8,
+                    help="client processes for frmps's streams (streams split between them, a thread per stream)")
     ap.add_argument("--skip", default="", help="frmps or vllm: skip that side")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",") if x]
@@ -118,11 +187,13 @@ def main() -> int:
             fr["startup_s"] = round(time.perf_counter() - t0, 1)
             for b in batches:
                 ps = prompts(b)
-                frmps_times(dep, args.model, ps, args.tokens)
-                frmps_times(dep, args.model, ps, 1)
-                tt = [frmps_times(dep, args.model, ps, args.tokens) for _ in range(args.reps)]
-                t1 = [frmps_times(dep, args.model, ps, 1) for _ in range(args.reps)]
-                fr[str(b)] = {"t_tokens_s": tt, "t_one_s": t1}
+                n = args.client_procs
+                frmps_times(dep, args.model, ps, args.tokens, n)
+                frmps_times(dep, args.model, ps, 1, n)
+                server: list[dict] = []
+                tt = [frmps_times(dep, args.model, ps, args.tokens, n, server) for _ in range(args.reps)]
+                t1 = [frmps_times(dep, args.model, ps, 1, n) for _ in range(args.reps)]
+                fr[str(b)] = {"t_tokens_s": tt, "t_one_s": t1, "client_procs": min(n, b), "server": server}
                 save()
         except Exception as e:
             fr["error"] = f"{type(e).__name__}: {e}"

@@ -16,6 +16,7 @@ from frmps_engine.sdk.engine_api import (  # noqa: E402
     DeviceCheck,
     LaunchHook,
     LoadReport,
+    Pipelined,
     Resettable,
     StepSize,
     VocabSize,
@@ -97,13 +98,15 @@ def test_the_reference_engine_declares_every_capability():
     for cap in OPTIONAL:
         assert isinstance(core, cap), cap.__name__
     assert has_launch_hook(core)
+    # Its publish overlaps the device through LaunchHook; nothing stays in flight between steps.
+    assert not isinstance(core, Pipelined)
     assert isinstance(core.tokenizer, VocabSize) and vocab_size(core.tokenizer) == core.tokenizer.vocab_size
 
 
 def test_a_core_without_capabilities_gets_the_fallbacks():
     core = BareCore()
     assert isinstance(core, Core)
-    for cap in OPTIONAL:
+    for cap in OPTIONAL + (Pipelined,):
         assert not isinstance(core, cap), cap.__name__
     assert not has_launch_hook(core) and vocab_size(core.tokenizer) is None
     loop = EngineLoop(core, sync_every=1)
@@ -157,12 +160,16 @@ def test_ring_modules():
 
 
 def test_view_parts():
-    """The reference engine's views hand the tracker their live lists (ViewParts);
-    the vLLM adapter's are plain lists. The tracker publishes both alike
-    (test_ring_tracker.py: the reader follows the engine with and without parts)."""
+    """The reference engine's and the vLLM adapter's views hand the tracker their
+    live lists (ViewParts); the tracker publishes views with and without parts
+    alike (test_ring_tracker.py: the reader follows the engine either way)."""
     from frmps_engine.refengine import RequestView
     from frmps_engine.ring import ViewParts
     from frmps_engine.vllm.state import CommittedView
 
     assert isinstance(RequestView(1, 2, [3], [4, 5], 1, 1), ViewParts)
-    assert not isinstance(CommittedView(1, 2, [3], [4, 5], 1, 1), ViewParts)
+    live = [4, 5]
+    v = CommittedView(1, 2, [3], live, 1, 1)
+    assert isinstance(v, ViewParts)
+    live.append(6)  # the engine appends after the view was taken: the view keeps its length
+    assert v.token_ids == [4, 5] and v.parts() == ([3], 1, live, 2)

@@ -1,7 +1,9 @@
 """VllmCore (the SDK's Core protocol over vLLM) driven through a
 scheduler-only stand-in for vLLM's EngineCore: ``SchedulerCore`` is a labelled
 test double that runs the real FrmpsScheduler with FakeModel instead of a GPU
-model executor."""
+model executor. Tests taking ``mode`` run both ways vLLM steps: synchronously,
+and with async scheduling (FrmpsAsyncScheduler behind EngineCore's batch queue,
+one step always in flight)."""
 
 from __future__ import annotations
 
@@ -24,12 +26,17 @@ class CharTokenizer:
         return "".join(f"<{t}>" for t in ids)
 
 
-def engine(model_dir, tokenizer=None):
-    from frmps_engine.vllm import SCHEDULER_CLS
-    from frmps_engine.vllm.engine import VllmCore
+@pytest.fixture(params=["sync", "async"])
+def mode(request):
+    return request.param
 
-    sched = make_scheduler(make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS))
-    return VllmCore(SchedulerCore(sched), tokenizer)
+
+def engine(model_dir, tokenizer=None, mode="sync"):
+    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
+
+    vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async")
+    vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
+    return VllmCore(SchedulerCore(make_scheduler(vc), batch_queue_size=2 if mode == "async" else 1), tokenizer)
 
 
 def params(max_tokens, stop=None):
@@ -60,10 +67,10 @@ PROMPTS = {41: list(range(10, 45)), 42: list(range(60, 70))}
 MAX = {41: 10, 42: 25}
 
 
-def test_generates_with_explicit_seeds_and_contiguous_indices(model_dir):
+def test_generates_with_explicit_seeds_and_contiguous_indices(model_dir, mode):
     from frmps_engine.sdk.seeds import derive_seed
 
-    eng = engine(model_dir)
+    eng = engine(model_dir, mode=mode)
     for k, p in PROMPTS.items():
         eng.add_request(k, p, params(MAX[k]))
     assert {r.sampling_params.seed for r in eng.scheduler.requests.values()} == {derive_seed(41), derive_seed(42)}
@@ -73,6 +80,7 @@ def test_generates_with_explicit_seeds_and_contiguous_indices(model_dir):
     assert finals == {41: "length", 42: "length"}
     for k in PROMPTS:
         assert len(got[k]) == MAX[k]
+    assert got == by_key(_run_all(model_dir))  # the same tokens however vLLM steps
     assert eng.counters["prefill_tokens_computed"] == sum(len(p) for p in PROMPTS.values())
     with pytest.raises(ValueError, match="empty prompt"):
         eng.add_request(43, [], params(3))
@@ -98,14 +106,15 @@ def test_reports_each_steps_tokens_and_its_load(model_dir):
 
 def test_capabilities_of_the_vllm_core(model_dir):
     """What the SDK probes (sdk/engine_api.py): the vLLM core reports its load and
-    step size and can be reset for a handover; it has no launch hook (the loop
-    publishes between steps) and no idle device check; its tokenizer does not say
-    its vocabulary size."""
+    step size, can be reset for a handover and finishes its step in flight before
+    one (Pipelined); it has no launch hook (the loop publishes between steps, which
+    with async scheduling is under the next step's device work) and no idle device
+    check; its tokenizer does not say its vocabulary size."""
     from frmps_engine.sdk import engine_api
 
     eng = engine(model_dir, CharTokenizer())
     assert isinstance(eng, engine_api.Core)
-    for cap in (engine_api.StepSize, engine_api.LoadReport, engine_api.Resettable):
+    for cap in (engine_api.StepSize, engine_api.LoadReport, engine_api.Resettable, engine_api.Pipelined):
         assert isinstance(eng, cap), cap.__name__
     for cap in (engine_api.LaunchHook, engine_api.DeviceCheck):
         assert not isinstance(eng, cap), cap.__name__
@@ -125,24 +134,38 @@ def test_a_scheduler_without_the_frmps_members_is_refused(model_dir):
 
 
 @pytest.mark.parametrize("kill_after", [2, 5, 11])
-def test_takeover_resumes_exactly_without_recomputing_synced_tokens(model_dir, kill_after):
+def test_takeover_resumes_exactly_without_recomputing_synced_tokens(model_dir, kill_after, mode):
+    """With async scheduling the views are read while the next step is in flight:
+    they must hold only what processed outputs committed, or the standby would
+    skip or repeat a token."""
     from frmps_engine.sdk import engine_api
 
     reference = by_key(_run_all(model_dir))
-    active = engine(model_dir)
+    active = engine(model_dir, mode=mode)
     assert isinstance(active, engine_api.Core) and isinstance(active, engine_api.Resettable)
     for k, p in PROMPTS.items():
         active.add_request(k, p, params(MAX[k]))
     delivered: dict[int, list[int]] = {k: [] for k in PROMPTS}
     views = []
+    in_flight = 0
     for i in range(kill_after):
         for o in active.step():
             delivered[o.key].extend(o.new_token_ids)
         if i % 4 == 3 or i == 0:  # sync every 4 steps, and once at the start
             views = list(active.request_views())
+            if mode == "async":
+                in_flight += bool(active.core.batch_queue)
+                for v in views:
+                    req = active.scheduler.requests.get(f"frmps-{v.key}")
+                    if v.finished or req is None:
+                        continue
+                    assert v.num_computed == req.num_computed_tokens - req.num_in_flight_tokens
+                    assert v.token_ids == PROMPTS[v.key] + delivered[v.key]
     views = {v.key: v for v in views if not v.finished}
+    if mode == "async":
+        assert in_flight, "the views were read with a step in flight"
 
-    standby = engine(model_dir)
+    standby = engine(model_dir, mode=mode)
     reused = prefilled = 0
     for k, p in PROMPTS.items():
         if len(delivered[k]) >= MAX[k]:
@@ -414,14 +437,14 @@ def test_requests_stop_at_the_models_end_of_sequence_tokens(tmp_path):
     assert ignore.eos_token_id is None and ignore.stop_token_ids == []
 
 
-def test_reset_hands_the_requests_over_and_the_engine_can_adopt_them_back(model_dir):
+def test_reset_hands_the_requests_over_and_the_engine_can_adopt_them_back(model_dir, mode):
     """A planned handover on vLLM: reset() aborts every request in the real
     scheduler (blocks back to the pool), the ring views forget them, and the
     same engine later adopts them again (as a standby that is resumed) and
     finishes them exactly: the ids freed at the abort reach the model runner
     in the same step as the re-adopted requests, freed first."""
     reference = by_key(_run_all(model_dir))
-    eng = engine(model_dir)
+    eng = engine(model_dir, mode=mode)
     for k, p in PROMPTS.items():
         eng.add_request(k, p, params(MAX[k]))
     delivered: dict[int, list[int]] = {k: [] for k in PROMPTS}
@@ -432,6 +455,7 @@ def test_reset_hands_the_requests_over_and_the_engine_can_adopt_them_back(model_
     pool = eng.scheduler.kv_cache_manager.block_pool
     eng.reset()
     assert not eng.has_work() and list(eng.request_views()) == []
+    assert not eng.core.batch_queue  # nothing left in flight
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
     for k, v in views.items():
         eng.adopt_request(k, params(MAX[k]), v.token_ids, v.num_prompt, v.num_computed, v.block_ids, v.seed,
@@ -454,3 +478,153 @@ def test_batch_limits_reach_vllm(model_dir):
     from vllm.engine.arg_utils import EngineArgs
 
     assert default.max_num_seqs == EngineArgs.max_num_seqs  # vLLM's own default when not given
+
+
+def test_an_abort_while_its_batch_is_in_flight_is_processed(model_dir):
+    """Async scheduling: a request aborted with its batch in flight leaves vLLM's
+    scheduler at once, but the batch's output is still to be processed, so the
+    core has work until the batch queue is empty; the other request is unharmed."""
+    eng = engine(model_dir, mode="async")
+    for k, p in PROMPTS.items():
+        eng.add_request(k, p, params(MAX[k]))
+    got: dict[int, list[int]] = {k: [] for k in PROMPTS}
+    while not eng.core.batch_queue:
+        for o in eng.step():
+            got[o.key].extend(o.new_token_ids)
+    assert eng.abort(41)
+    for o in drain(eng):
+        assert o.key == 42 or o.finish_reason == "abort"
+        got[o.key].extend(o.new_token_ids)
+    assert not eng.has_work() and not eng.core.batch_queue
+    assert got[42] == by_key(_run_all(model_dir))[42]
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_the_scheduler_class_follows_vllms_async_decision(model_dir):
+    """--engine vllm leaves async scheduling to vLLM (as vLLM alone does) and puts
+    the frmps scheduler of the matching kind in the built config."""
+    from types import SimpleNamespace
+
+    from frmps_engine.vllm import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS
+    from frmps_engine.vllm.engine import make_adapter, scheduler_cls_for
+
+    ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32"))
+    assert ad.engine_args(True, 0.5).async_scheduling is None
+    for on, cls in ((True, ASYNC_SCHEDULER_CLS), (False, SCHEDULER_CLS)):
+        vc = make_vllm_config(model_dir, async_scheduling=on)
+        assert scheduler_cls_for(vc) == cls
+        vc.scheduler_config.scheduler_cls = cls
+        assert make_scheduler(vc).__class__.__name__ == cls.rsplit(".", 1)[1]
+
+
+def test_finish_in_flight_completes_the_pipeline_without_scheduling(model_dir):
+    """engine_api.Pipelined: with async scheduling a step is in flight between
+    step() calls; finish_in_flight processes it without launching another, so the
+    views then hold every token delivered, with nothing in flight, and stepping on
+    afterwards continues exactly."""
+    from frmps_engine.sdk import engine_api
+
+    reference = by_key(_run_all(model_dir))
+    eng = engine(model_dir, mode="async")
+    assert isinstance(eng, engine_api.Pipelined)
+    assert eng.finish_in_flight() == []  # nothing in flight yet
+    for k, p in PROMPTS.items():
+        eng.add_request(k, p, params(MAX[k]))
+    got: dict[int, list[int]] = {k: [] for k in PROMPTS}
+    for _ in range(4):
+        for o in eng.step():
+            got[o.key].extend(o.new_token_ids)
+    assert eng.core.batch_queue
+    launched = len(eng.core.model.steps)
+    outs = eng.finish_in_flight()
+    assert outs and len(eng.core.model.steps) == launched, "processed the batch in flight, launched none"
+    for o in outs:
+        assert o.output_index == len(got[o.key])
+        got[o.key].extend(o.new_token_ids)
+    assert not eng.core.batch_queue and not eng.scheduler.frmps_hold
+    for v in eng.request_views():
+        req = eng.scheduler.requests[f"frmps-{v.key}"]
+        assert req.num_in_flight_tokens == 0 and v.num_computed == req.num_computed_tokens
+        assert v.token_ids == PROMPTS[v.key] + got[v.key]
+    for o in drain(eng):
+        assert o.output_index == len(got[o.key])
+        got[o.key].extend(o.new_token_ids)
+    assert got == reference
+
+
+@pytest.mark.parametrize("mode_", ["sync", "async"])
+def test_hand_over_publishes_every_delivered_token_with_nothing_in_flight(model_dir, tmp_path, mode_):
+    """The engine loop's planned handover over the vLLM core: the step in flight
+    finishes first, so every token the model computed reaches its stream and the
+    FULL record, no computing step runs after that record (the device is idle
+    before the pools are handed over), and vLLM holds no request afterwards."""
+    import json
+    import threading
+
+    from frmps_engine._proto.frmps.v1 import control_pb2
+    from frmps_engine.sdk.loop import EngineLoop, RingPublisher
+
+    eng = engine(model_dir, mode=mode_)
+    loop = EngineLoop(eng, sync_every=1000)
+    ring = str(tmp_path / "ring")
+    open(ring, "w").close()
+    computing = lambda: sum(1 for so in eng.core.model.steps if so.total_num_scheduled_tokens)  # noqa: E731
+    at_full: list[int] = []
+
+    class Recording(RingPublisher):
+        def publish_full(self, step, views):
+            at_full.append(computing())
+            super().publish_full(step, views)
+
+    loop.attach_ring(Recording(ring, "frmps_engine.sdk.testing.fake_ring"))
+    gate = threading.Event()
+    stepped = [0]
+
+    def slow(_fn=eng.step):  # hold the loop after a few steps so the requests are mid-way
+        stepped[0] += 1
+        if stepped[0] == 6:
+            gate.wait(10)
+        return _fn()
+
+    eng.step = slow
+    loop.start()
+    streams = {k: loop.submit(k, p, control_pb2.SamplingParams(max_tokens=MAX[k]), params(MAX[k]))
+               for k, p in PROMPTS.items()}
+    for _ in range(500):
+        if stepped[0] >= 6:
+            break
+        threading.Event().wait(0.01)
+    threading.Timer(0.2, gate.set).start()
+    moved = loop.hand_over(timeout=10)
+    assert moved == 2 and not loop.running
+    assert not eng.core.batch_queue and not eng.has_work()
+    assert at_full[-1] == computing(), "no computing step after the FULL record"
+    full = [r for r in (json.loads(x) for x in open(ring)) if r.get("full")][-1]
+    entries = {e["key"]: e for e in full["entries"]}
+    for k, s in streams.items():
+        assert s.moved and 0 < len(s.output) < MAX[k]
+        assert s.output == eng.core.model.sampled[f"frmps-{k}"], "every computed token was delivered"
+        e = entries[k]
+        assert e["tokens"] == PROMPTS[k] + s.output, "the record holds exactly the delivered tokens"
+        assert e["num_computed"] == len(e["tokens"]) - 1
+
+
+def test_async_scheduling_switch_from_the_environment(model_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    from frmps_engine.vllm.engine import async_scheduling_from_env, make_adapter
+
+    assert [async_scheduling_from_env(e) for e in ({}, {"FRMPS_VLLM_ASYNC_SCHEDULING": ""},
+                                                   {"FRMPS_VLLM_ASYNC_SCHEDULING": "0"},
+                                                   {"FRMPS_VLLM_ASYNC_SCHEDULING": "1"})] == [None, None, False, True]
+    with pytest.raises(ValueError, match="use 1, 0, or leave it unset"):
+        async_scheduling_from_env({"FRMPS_VLLM_ASYNC_SCHEDULING": "yes"})
+    from frmps_engine.sdk.adapters import AdapterError
+
+    monkeypatch.setenv("FRMPS_VLLM_ASYNC_SCHEDULING", "on")
+    with pytest.raises(AdapterError, match="FRMPS_VLLM_ASYNC_SCHEDULING='on'"):
+        make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32"))
+    monkeypatch.setenv("FRMPS_VLLM_ASYNC_SCHEDULING", "0")
+    ea = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32")).engine_args(True, 0.5)
+    assert ea.async_scheduling is False

@@ -111,6 +111,19 @@ class LaunchHook(Protocol):
 
 
 @runtime_checkable
+class Pipelined(Protocol):
+    """The core keeps device work in flight between step() calls (vLLM's async
+    scheduling: step N+1 is launched before step N's outputs are processed).
+    finish_in_flight() completes that work without starting more and returns its
+    outputs; the loop calls it before a planned handover publishes its FULL
+    record, so the record and the streams hold every token computed and the device
+    is idle before the pools are handed over. Without it: nothing is in flight
+    between steps."""
+
+    def finish_in_flight(self) -> list[RequestOutput]: ...
+
+
+@runtime_checkable
 class StepSize(Protocol):
     """``scheduled_tokens``: the tokens (prefill + decode) the step in progress
     computes, set when step() has scheduled them and kept until the next step. Read

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-from .engine_api import Core, DeviceCheck, LoadReport, RequestView, StepSize, has_launch_hook
+from .engine_api import Core, DeviceCheck, LoadReport, Pipelined, RequestView, StepSize, has_launch_hook
 from .steptime import StepTimer
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,7 @@ class EngineLoop:
         self._step_size = isinstance(core, StepSize)
         self._load_report = isinstance(core, LoadReport)
         self._device_check = isinstance(core, DeviceCheck)
+        self._pipelined = isinstance(core, Pipelined)
         self._sync_pending = False
         self.counters = collections.Counter()
         self.dead: BaseException | None = None
@@ -377,6 +378,10 @@ class EngineLoop:
             raise RuntimeError(f"engine loop died: {self.dead}")
 
         def yield_requests() -> int:
+            if self._pipelined:
+                # The step in flight finishes here: its tokens reach the streams and
+                # the FULL record, and the device is idle before the pools go.
+                self._dispatch(self.core.finish_in_flight())
             if self._publisher is not None:
                 self._publisher.publish_full(self.step_count, self.core.request_views())
                 self.counters["ring_syncs"] += 1

@@ -87,6 +87,8 @@ class FrmpsSchedulerAPI(Protocol):
 
     def frmps_adopt(self, plan: Any, sampling_params: Any, *, block_hasher: Any = None,
                     fold_outputs: bool | None = None) -> AdoptResult: ...
+    frmps_hold: bool
+
     def frmps_views(self) -> list[CommittedView]: ...
     def frmps_reset(self) -> None: ...
 
@@ -95,9 +97,18 @@ class VllmCore:
     """The SDK's Core over a vLLM ``EngineCore`` whose scheduler is a FrmpsScheduler.
 
     ``core`` is vLLM's in-process EngineCore (built by ``VllmAdapter.create_core``);
-    anything with ``scheduler``, ``step()``, ``add_request(Request)``,
-    ``abort_requests(ids)`` and ``request_block_hasher`` works (tests drive the
-    real scheduler with a labelled fake model through this seam).
+    anything with ``scheduler``, ``step_fn()``, ``batch_queue``,
+    ``add_request(Request)``, ``abort_requests(ids)`` and ``request_block_hasher``
+    works (tests drive the real scheduler with a labelled fake model through this
+    seam).
+
+    Each ``step()`` runs the core's ``step_fn``, the step vLLM's own busy loop
+    runs: ``EngineCore.step`` without async scheduling; with it,
+    ``step_with_batch_queue``, which schedules and launches batch N+1 before it
+    waits for batch N, so the host's work (this step's outputs, the ring publish,
+    the next schedule) overlaps the device's. The scheduler then has one step in
+    flight whenever the engine loop holds the GIL, and its views stay committed
+    only (FrmpsAsyncScheduler: ``num_computed_tokens - num_in_flight_tokens``).
     """
 
     def __init__(self, core: Any, tokenizer: Any = None):
@@ -107,6 +118,7 @@ class VllmCore:
             raise TypeError(f"vLLM scheduler is {type(self.scheduler).__name__}; set scheduler_cls={SCHEDULER_CLS}")
         self.tokenizer = tokenizer
         self._tracks: dict[int, _Track] = {}
+        self._step_fn = core.step_fn
 
     @property
     def counters(self) -> dict[str, int]:
@@ -194,17 +206,20 @@ class VllmCore:
         ids = [request_id_for_key(k) for k in self._tracks]
         if ids:
             self.core.abort_requests(ids)
-        for _ in range(4):  # one step delivers the finished ids; bounded all the same
-            if not self.scheduler.has_requests():
+        # One step delivers the finished ids (with a batch queue, one more drains
+        # the batch in flight); bounded all the same.
+        for _ in range(8):
+            if not self.has_work():
                 break
-            self.core.step()
-        if self.scheduler.has_requests():
+            self._step_fn()
+        if self.has_work():
             raise RuntimeError("vLLM still has requests after the handover's reset")
         self._tracks.clear()
         self.scheduler.frmps_reset()
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.has_requests())
+        # A batch in flight has outputs to process even when its requests were aborted.
+        return bool(self.scheduler.has_requests()) or bool(self.core.batch_queue)
 
     # Optional Core capabilities (engine_api): LoadReport and StepSize.
     def num_running(self) -> int:
@@ -234,8 +249,30 @@ class VllmCore:
         return None
 
     def step(self) -> list[Output]:
-        outputs_by_client, _ = self.core.step()
+        outputs_by_client, _ = self._step_fn()
+        return self._outputs(outputs_by_client)
+
+    def finish_in_flight(self) -> list[Output]:
+        """engine_api.Pipelined: process the batches in flight (async scheduling)
+        without scheduling new ones. The scheduler reports no requests meanwhile,
+        so vLLM's own step_with_batch_queue only waits for the oldest batch and
+        processes it."""
         result: list[Output] = []
+        if not self.core.batch_queue:
+            return result
+        self.scheduler.frmps_hold = True
+        try:
+            while self.core.batch_queue:
+                outputs_by_client, _ = self._step_fn()
+                result.extend(self._outputs(outputs_by_client))
+        finally:
+            self.scheduler.frmps_hold = False
+        return result
+
+    def _outputs(self, outputs_by_client: Any) -> list[Output]:
+        result: list[Output] = []
+        if not outputs_by_client:  # the batch queue only took a new batch
+            return result
         stopped: list[int] = []
         for eco in outputs_by_client.values():
             for out in eco.outputs:
@@ -363,10 +400,22 @@ class VllmEngineConfig:
     dtype: str = "bfloat16"
     weights: str = "dummy"  # "dummy" or "load"
     sync_every: int = 1
-    async_scheduling: bool = False
+    # None: vLLM decides (on where its executor and model runner support it, as
+    # for vLLM alone); the scheduler class follows its decision (scheduler_cls_for).
+    async_scheduling: bool | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int | None = None  # None: vLLM's default
     max_num_batched_tokens: int | None = None
+
+
+def scheduler_cls_for(vllm_config: Any) -> str:
+    """The frmps scheduler for a built VllmConfig: the async variant where vLLM
+    settled on async scheduling (its platform hook has the last word, after
+    EngineArgs), else the synchronous one. A synchronous scheduler under async
+    scheduling would misread the in-flight step's placeholders."""
+    from . import ASYNC_SCHEDULER_CLS
+
+    return ASYNC_SCHEDULER_CLS if vllm_config.scheduler_config.async_scheduling else SCHEDULER_CLS
 
 
 class VllmAdapter:
@@ -422,6 +471,7 @@ class VllmAdapter:
             load_format="auto" if (load_weights and self.cfg.weights == "load") else "dummy",
             enable_sleep_mode=True,
             **self.compat.engine_args(SLEEP_BACKEND_NAME),
+            # Replaced by scheduler_cls_for once vLLM has settled async_scheduling.
             scheduler_cls=ASYNC_SCHEDULER_CLS if self.cfg.async_scheduling else SCHEDULER_CLS,
             async_scheduling=self.cfg.async_scheduling,
             additional_config={"frmps": {"sync_every": self.cfg.sync_every}},
@@ -464,6 +514,7 @@ class VllmAdapter:
         fraction = startup_memory_fraction(free, total, self.cfg.gpu_memory_utilization)
         vllm_config = self.engine_args(load_weights, fraction).create_engine_config()
         self.compat.finish_config(vllm_config, SLEEP_BACKEND_NAME)
+        vllm_config.scheduler_config.scheduler_cls = scheduler_cls_for(vllm_config)
         core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
         return VllmCore(core, self.tokenizer())
 
@@ -510,6 +561,18 @@ class VllmAdapter:
         return self._tokenizer
 
 
+def async_scheduling_from_env(env: Mapping[str, str]) -> bool | None:
+    """FRMPS_VLLM_ASYNC_SCHEDULING: unset or empty leaves the choice to vLLM; 1 / 0
+    asks for it or turns it off (an operator's switch; both engines read the same
+    environment)."""
+    v = env.get("FRMPS_VLLM_ASYNC_SCHEDULING", "").strip()
+    if not v:
+        return None
+    if v in ("0", "1"):
+        return v == "1"
+    raise ValueError(f"FRMPS_VLLM_ASYNC_SCHEDULING={v!r}: use 1, 0, or leave it unset (vLLM decides)")
+
+
 def make_adapter(args: Any) -> VllmAdapter:
     """Build the adapter from the CLI's parsed arguments (``serve --engine vllm``)."""
     from frmps_engine.sdk.adapters import AdapterError
@@ -521,6 +584,10 @@ def make_adapter(args: Any) -> VllmAdapter:
         raise AdapterError("--no-kv-reuse (the recompute ablation) is implemented by the reference engine only")
     if int(getattr(args, "tensor_parallel_size", 1) or 1) != 1:
         raise AdapterError("--tensor-parallel-size > 1 is implemented by the reference engine only (not yet for vLLM)")
+    try:
+        async_scheduling = async_scheduling_from_env(os.environ)
+    except ValueError as exc:
+        raise AdapterError(str(exc)) from exc
     return VllmAdapter(
         VllmEngineConfig(
             model=args.model,
@@ -531,6 +598,7 @@ def make_adapter(args: Any) -> VllmAdapter:
             dtype=getattr(args, "dtype", None) or "bfloat16",
             weights=getattr(args, "weights", None) or "dummy",
             sync_every=int(getattr(args, "sync_every", 1) or 1),
+            async_scheduling=async_scheduling,
             max_num_seqs=getattr(args, "max_num_seqs", None),
             max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         )

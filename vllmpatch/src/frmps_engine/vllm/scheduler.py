@@ -39,6 +39,10 @@ class _FrmpsSchedulerMixin:
         self._frmps_live: dict[str, Any] = {}
         self._frmps_folded: dict[str, int] = {}
         self._frmps_last_blocks: dict[str, list[int]] = {}
+        # While set, the scheduler reports no requests, so EngineCore's
+        # step_with_batch_queue only finishes the batches in flight
+        # (VllmCore.finish_in_flight, before a planned handover).
+        self.frmps_hold = False
         # Tokens of the batch scheduled last (the step in progress): the SDK's hang
         # estimate reads it from its heartbeat thread.
         self.frmps_scheduled_tokens = 0
@@ -81,7 +85,7 @@ class _FrmpsSchedulerMixin:
             key = key_for_request_id(rid)
             folded = self._frmps_folded.get(rid, 0)
             if self.requests.get(rid) is req and not req.is_finished():
-                blocks = list(self.kv_cache_manager.get_block_ids(rid)[0])
+                blocks = self.kv_cache_manager.get_block_ids(rid)[0]  # a new list per call
                 self._frmps_last_blocks[rid] = blocks
                 views.append(committed_view(req, key, blocks, bs, num_folded=folded))
                 continue
@@ -158,6 +162,9 @@ class _FrmpsSchedulerMixin:
                 c["decode_tokens"] += 1
             else:
                 c["prefill_tokens_computed"] += n
+
+    def has_requests(self) -> bool:
+        return False if self.frmps_hold else super().has_requests()  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]

@@ -17,7 +17,6 @@ itself (scheduler.py:2414, 3372). Sampled tokens join ``all_token_ids`` only in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from ..sdk.seeds import to_uint64
@@ -48,21 +47,51 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass
 class CommittedView:
-    """One request's committed state; satisfies the ring's RequestView protocol."""
+    """One request's committed state; satisfies the ring's RequestView protocol
+    and its ViewParts capability.
 
-    key: int
-    seed: int
-    block_ids: list[int]
-    token_ids: list[int]
-    num_prompt: int
-    num_computed: int
-    finished: bool = False
-    aborted: bool = False
-    # Output tokens that were folded into the prompt when this request was adopted
-    # on a V1-runner engine (see adoption.py); the ring sees the original prompt.
-    extra: dict = field(default_factory=dict)
+    A snapshot taken in O(1): ``token_ids`` may be the request's own token list
+    (vLLM's ``Request.all_token_ids``, which only grows while frmps drives it) with
+    ``n_tokens``, its length at the time of the view. ``token_ids`` returns a copy of
+    those entries; the ring's DeltaTracker reads the live list through ``parts()``
+    and copies only what it has not published, so a publish stays flat in the
+    sequence length."""
+
+    __slots__ = ("key", "seed", "num_prompt", "num_computed", "finished", "aborted", "_b", "_t", "_nt")
+
+    def __init__(self, key: int, seed: int, block_ids: list[int], token_ids: Sequence[int], num_prompt: int,
+                 num_computed: int, finished: bool = False, aborted: bool = False, n_tokens: int | None = None):
+        self.key, self.seed, self.num_prompt, self.num_computed = key, seed, num_prompt, num_computed
+        self.finished, self.aborted = finished, aborted
+        self._b, self._t = block_ids, token_ids
+        self._nt = len(token_ids) if n_tokens is None else n_tokens
+
+    @property
+    def block_ids(self) -> list[int]:
+        return list(self._b)
+
+    @property
+    def token_ids(self) -> list[int]:  # prompt + output
+        return list(self._t[: self._nt])
+
+    def parts(self) -> tuple[list[int], int, Sequence[int], int]:
+        """(blocks, n_blocks, tokens, n_tokens): tokens is the live list, valid up to n_tokens."""
+        return self._b, len(self._b), self._t, self._nt
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CommittedView):
+            return NotImplemented
+        return (self.key, self.seed, self.block_ids, self.token_ids, self.num_prompt, self.num_computed,
+                self.finished, self.aborted) == (other.key, other.seed, other.block_ids, other.token_ids,
+                                                 other.num_prompt, other.num_computed, other.finished, other.aborted)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"CommittedView(key={self.key}, seed={self.seed}, blocks={len(self._b)}, tokens={self._nt}, "
+                f"num_prompt={self.num_prompt}, num_computed={self.num_computed}, finished={self.finished}, "
+                f"aborted={self.aborted})")
 
 
 def committed_num_computed(request: Any) -> int:
@@ -89,9 +118,10 @@ def committed_view(
     ring keeps reporting the original prompt length.
     """
     num_computed = committed_num_computed(request)
-    tokens = list(request.all_token_ids)
-    num_computed = min(num_computed, len(tokens))
-    blocks = [int(b) for b in block_ids[: cdiv(num_computed, block_size)]]
+    tokens = request.all_token_ids  # vLLM's read-only wrapper of the live list: not copied
+    n_tokens = len(tokens)
+    num_computed = min(num_computed, n_tokens)
+    blocks = list(block_ids[: cdiv(num_computed, block_size)])
     seed = request.sampling_params.seed if request.sampling_params is not None else None
     if seed is None:
         raise ValueError(f"request {request.request_id} has no explicit seed; frmps assigns one to every request")
@@ -104,6 +134,7 @@ def committed_view(
         num_computed=num_computed,
         finished=finished,
         aborted=aborted,
+        n_tokens=n_tokens,
     )
 
 

@@ -13,6 +13,8 @@ sync-overhead measurement; never by an engine that serves.
 from __future__ import annotations
 
 import json
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,11 +170,30 @@ class FakeModel:
 
 @dataclass
 class SchedulerCore:
-    """Test double for vllm.v1.engine.core.EngineCore: same methods the adapter uses."""
+    """Test double for vllm.v1.engine.core.EngineCore: same methods the adapter uses.
+
+    ``batch_queue_size`` 2 stands in for vLLM's async scheduling (EngineCore's
+    batch queue, v1/engine/core.py ``step_with_batch_queue``): a step schedules
+    the next batch and "launches" it (FakeModel runs it at once, as the device
+    would start it) before the previous batch's output is processed, so the
+    scheduler always has one step in flight. ``step_fn`` is the step the engine
+    loop calls, chosen as EngineCore chooses it.
+
+    ``device_s`` (benchmarks): the "device" runs one batch at a time, each for
+    that long from its launch or the end of the batch before it; the host waits
+    for a batch's output sleeping with the GIL free, as a CUDA sync does. With the
+    batch queue, the host's work between launch and wait overlaps the device's."""
 
     scheduler: object
     model: FakeModel = field(default_factory=FakeModel)
     request_block_hasher: object = None
+    batch_queue_size: int = 1
+    device_s: float = 0.0
+
+    def __post_init__(self):
+        self._device_free_at = 0.0
+        self.batch_queue = deque(maxlen=self.batch_queue_size) if self.batch_queue_size > 1 else None
+        self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
 
     def add_request(self, request):
         self.scheduler.add_request(request)
@@ -186,8 +207,38 @@ class SchedulerCore:
         if not self.scheduler.has_requests():
             return {}, False
         so = self.scheduler.schedule()
-        outs = self.scheduler.update_from_output(so, self.model.run(self.scheduler, so))
+        out = self.model.run(self.scheduler, so)
+        self._wait(self._launch())
+        outs = self.scheduler.update_from_output(so, out)
         return outs, so.total_num_scheduled_tokens > 0
+
+    def _launch(self) -> float:
+        """When the batch launched now is done on the serial device."""
+        self._device_free_at = max(time.monotonic(), self._device_free_at) + self.device_s
+        return self._device_free_at
+
+    @staticmethod
+    def _wait(ready_at: float) -> None:
+        left = ready_at - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+
+    def step_with_batch_queue(self):
+        """EngineCore.step_with_batch_queue without the executor: None when it only
+        scheduled (the queue was not full), else the oldest batch's outputs."""
+        q = self.batch_queue
+        executed = False
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            executed = so.total_num_scheduled_tokens > 0
+            q.appendleft((so, self.model.run(self.scheduler, so), self._launch()))
+            if len(q) < self.batch_queue_size and (executed or self.scheduler.has_requests()):
+                return None, executed
+        elif not q:
+            return None, False
+        so, out, ready_at = q.pop()
+        self._wait(ready_at)
+        return self.scheduler.update_from_output(so, out), executed
 
 
 def cpu_engine_core(model_dir: str, *, num_blocks: int, max_num_seqs: int, max_model_len: int,
