@@ -501,14 +501,19 @@ def test_an_abort_while_its_batch_is_in_flight_is_processed(model_dir):
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
-def test_the_scheduler_class_follows_vllms_async_decision(model_dir):
-    """--engine vllm leaves async scheduling to vLLM (as vLLM alone does) and puts
-    the frmps scheduler of the matching kind in the built config."""
+def test_the_scheduler_class_follows_vllms_async_decision(model_dir, monkeypatch):
+    """--engine vllm steps synchronously unless asked (FRMPS_VLLM_ASYNC_SCHEDULING);
+    with "auto" it leaves async scheduling to vLLM (as vLLM alone does); either way
+    the frmps scheduler of the matching kind goes into the built config."""
     from types import SimpleNamespace
 
     from frmps_engine.vllm import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS
     from frmps_engine.vllm.engine import make_adapter, scheduler_cls_for
 
+    monkeypatch.delenv("FRMPS_VLLM_ASYNC_SCHEDULING", raising=False)
+    ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32"))
+    assert ad.engine_args(True, 0.5).async_scheduling is False
+    monkeypatch.setenv("FRMPS_VLLM_ASYNC_SCHEDULING", "auto")
     ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32"))
     assert ad.engine_args(True, 0.5).async_scheduling is None
     for on, cls in ((True, ASYNC_SCHEDULER_CLS), (False, SCHEDULER_CLS)):
@@ -615,10 +620,12 @@ def test_async_scheduling_switch_from_the_environment(model_dir, monkeypatch):
 
     from frmps_engine.vllm.engine import async_scheduling_from_env, make_adapter
 
+    # Off unless asked for (not yet proven on a GPU); "auto" lets vLLM decide.
     assert [async_scheduling_from_env(e) for e in ({}, {"FRMPS_VLLM_ASYNC_SCHEDULING": ""},
                                                    {"FRMPS_VLLM_ASYNC_SCHEDULING": "0"},
-                                                   {"FRMPS_VLLM_ASYNC_SCHEDULING": "1"})] == [None, None, False, True]
-    with pytest.raises(ValueError, match="use 1, 0, or leave it unset"):
+                                                   {"FRMPS_VLLM_ASYNC_SCHEDULING": "1"},
+                                                   {"FRMPS_VLLM_ASYNC_SCHEDULING": "auto"})] == [False, False, False, True, None]
+    with pytest.raises(ValueError, match=r"use 0 \(the default\), 1, or auto"):
         async_scheduling_from_env({"FRMPS_VLLM_ASYNC_SCHEDULING": "yes"})
     from frmps_engine.sdk.adapters import AdapterError
 

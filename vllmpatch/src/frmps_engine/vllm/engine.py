@@ -562,15 +562,22 @@ class VllmAdapter:
 
 
 def async_scheduling_from_env(env: Mapping[str, str]) -> bool | None:
-    """FRMPS_VLLM_ASYNC_SCHEDULING: unset or empty leaves the choice to vLLM; 1 / 0
-    asks for it or turns it off (an operator's switch; both engines read the same
-    environment)."""
+    """FRMPS_VLLM_ASYNC_SCHEDULING (both engines read the same environment): unset,
+    empty or 0: off; 1: on; auto: vLLM decides, as for vLLM alone.
+
+    Off by default until a takeover with async scheduling is proven on a GPU: the
+    token-exact takeovers measured on the H100 (bench/results/2026-11-23-h100-vllm-
+    takeover) ran the synchronous step; the pipelined one is tested on the CPU
+    only (real schedulers, a fake model runner). It is what closes most of the
+    throughput gap against vLLM alone (bench/README.md, serving overhead)."""
     v = env.get("FRMPS_VLLM_ASYNC_SCHEDULING", "").strip()
-    if not v:
+    if v in ("", "0"):
+        return False
+    if v == "1":
+        return True
+    if v == "auto":
         return None
-    if v in ("0", "1"):
-        return v == "1"
-    raise ValueError(f"FRMPS_VLLM_ASYNC_SCHEDULING={v!r}: use 1, 0, or leave it unset (vLLM decides)")
+    raise ValueError(f"FRMPS_VLLM_ASYNC_SCHEDULING={v!r}: use 0 (the default), 1, or auto (vLLM decides)")
 
 
 def make_adapter(args: Any) -> VllmAdapter:
