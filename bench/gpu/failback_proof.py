@@ -206,6 +206,26 @@ def grep_all(path: str | None, needle: str) -> list[str]:
         return [line.strip() for line in f if needle in line]
 
 
+def no_fault_run(dep, model: str, reqs: list[dict]) -> tuple[list[list[int]], dict]:
+    """The requests once each, concurrently, before any fault: their token ids
+    (what every later stream must equal) and the run's figures."""
+    runs: list[dict] = [{}] * len(reqs)
+
+    def one(i):
+        runs[i] = stream(dep.base, model, reqs[i])
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    ref = [r["ids"] for r in runs]
+    steps = [b - a for r in runs for (a, _), (b, _) in zip(r["chunks"], r["chunks"][1:])]
+    return ref, {"errors": [r["error"] for r in runs if r["error"]], "tokens": [len(x) for x in ref],
+                 "decode_step_s_p50": statistics.median(steps) if steps else None,
+                 "decode_step_s_p90": statistics.quantiles(steps, n=10)[8] if len(steps) >= 10 else None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frmps", default="bin/frmps")
@@ -274,21 +294,7 @@ def main() -> int:
         save()
 
         reqs = bodies(args.streams, args.max_tokens)
-        ref_runs: list[dict] = [{}] * len(reqs)
-
-        def one(i):
-            ref_runs[i] = stream(dep.base, args.model, reqs[i])
-
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        ref = [r["ids"] for r in ref_runs]
-        steps = [b - a for r in ref_runs for (a, _), (b, _) in zip(r["chunks"], r["chunks"][1:])]
-        report["reference"] = {"errors": [r["error"] for r in ref_runs if r["error"]], "tokens": [len(x) for x in ref],
-                               "decode_step_s_p50": statistics.median(steps) if steps else None,
-                               "decode_step_s_p90": statistics.quantiles(steps, n=10)[8] if len(steps) >= 10 else None}
+        ref, report["reference"] = no_fault_run(dep, args.model, reqs)
         step = report["reference"]["decode_step_s_p50"] or 0.0
         save()
         load = Load(dep, args.model, reqs, ref)

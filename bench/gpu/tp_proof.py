@@ -31,15 +31,13 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failback_proof import (  # noqa: E402  (same folder, standard library only)
-    FAKE_MPS, FAULTS, Load, bodies, engines, first_resumed, gaps_after, restored, started, stream)
+    FAKE_MPS, FAULTS, Load, bodies, engines, first_resumed, gaps_after, no_fault_run, restored, started)
 from failover_proof import Deployment, get, mps_trigger  # noqa: E402
 
 
@@ -170,20 +168,7 @@ def main() -> int:
         save()
 
         reqs = bodies(args.streams, args.max_tokens)
-        ref_runs: list[dict] = [{}] * len(reqs)
-
-        def one(i):
-            ref_runs[i] = stream(dep.base, args.model, reqs[i])
-
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        ref = [r["ids"] for r in ref_runs]
-        steps = [b - a for r in ref_runs for (a, _), (b, _) in zip(r["chunks"], r["chunks"][1:])]
-        report["reference"] = {"errors": [r["error"] for r in ref_runs if r["error"]], "tokens": [len(x) for x in ref],
-                               "decode_step_s_p50": statistics.median(steps) if steps else None}
+        ref, report["reference"] = no_fault_run(dep, args.model, reqs)
         if report["reference"]["errors"]:
             raise RuntimeError(f"the no-fault run failed: {report['reference']['errors'][:3]}")
         save()
