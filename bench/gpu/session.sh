@@ -74,6 +74,16 @@ stage_prep() {
         bin/frmps version
         PYTHONPATH=${VLSITE:-} python3 -c "import importlib.metadata as m; print('vllm', m.version('vllm'))"
     } >> "$S" 2>&1
+    # The ring's compiled CRC (the pinned crc32c; without it the engines checksum
+    # with numpy, 1.8 ms instead of 0.4 ms per step at batch 64): a wheel carried in
+    # .gpu/wheels (see README.md), installed into the machine's Python.
+    if ! python3 -c "import crc32c" 2>/dev/null; then
+        if compgen -G ".gpu/wheels/crc32c-*.whl" > /dev/null; then
+            python3 -m pip install -q --no-index --no-deps .gpu/wheels/crc32c-*.whl >> "$S" 2>&1 && log "prep: crc32c installed"
+        else
+            log "prep: no crc32c package and no wheel in .gpu/wheels: ring checksums in numpy (slower)"
+        fi
+    fi
     if make -C interceptor all > "$WORK/build.log" 2>&1 && make -C bench/faults >> "$WORK/build.log" 2>&1; then
         log "prep: build OK"
     else
