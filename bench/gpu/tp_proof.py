@@ -40,39 +40,17 @@ from failback_proof import (  # noqa: E402  (same folder, standard library only)
     FAKE_MPS, FAULTS, Load, bodies, engines, first_resumed, gaps_after, no_fault_run, restored, started)
 from failover_proof import Deployment, get, mps_trigger  # noqa: E402
 
+from frmps_engine.bench.procs import alive, live_children  # noqa: E402  (standard library only)
+
 
 def now() -> float:
     return time.time()
 
 
-def children(pid: int) -> list[int]:
-    """Live direct children of pid (the worker ranks of an engine's group)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def group_pids(engine: dict) -> list[int]:
     """Rank 0 (the engine the supervisor launched), then its workers."""
     pid = int(get(engine, "pid", default=0) or 0)
-    return [pid] + sorted(children(pid)) if pid else []
+    return [pid] + sorted(live_children(pid)) if pid else []
 
 
 def gpu_memory(pids: list[int]) -> dict:

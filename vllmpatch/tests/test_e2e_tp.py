@@ -18,6 +18,7 @@ import time
 import pytest
 
 from e2e import Deployment, deployment
+from frmps_engine.bench.procs import live_children, wait_gone
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
 
@@ -33,39 +34,6 @@ def bodies() -> list[dict]:
         b.update(temperature=0.9, top_p=0.95, seed=50 + i) if i % 2 else b.update(temperature=0.0)
         out.append(b)
     return out
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of pid (from /proc)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, timeout: float = 30.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    left = list(pids)
-    while left and time.monotonic() < deadline:
-        left = [p for p in left if alive(p)]
-        time.sleep(0.05)
-    return left
 
 
 def engines(dep: Deployment) -> dict[str, int]:
@@ -119,7 +87,7 @@ def test_tp2_failover_on_either_rank():
         st = dep.status()
         assert st.get("tensor_parallel_size") == 2, st
         pids = engines(dep)
-        groups = {role: children(pid) for role, pid in pids.items()}
+        groups = {role: live_children(pid) for role, pid in pids.items()}
         assert all(len(c) == 1 for c in groups.values()), f"each engine must have one worker rank: {groups}"
         seen_ranks |= {p for c in groups.values() for p in c}
         ref = run(dep)
@@ -138,7 +106,7 @@ def test_tp2_failover_on_either_rank():
         assert wait_gone([old_active, worker]) == [], "the failed group left a rank behind"
         pids = engines(dep)
         assert pids["active"] == old_standby, "the standby group did not take over"
-        new_groups = {role: children(pid) for role, pid in pids.items()}
+        new_groups = {role: live_children(pid) for role, pid in pids.items()}
         seen_ranks |= {p for c in new_groups.values() for p in c}
 
         # 2. Rank 0 of the new active dies: its worker must not survive it.
@@ -149,6 +117,6 @@ def test_tp2_failover_on_either_rank():
         assert engines(dep)["active"] == old_standby
         assert wait_gone([old_active, worker]) == [], "rank 1 outlived its rank 0"
         pids = engines(dep)
-        seen_ranks |= {p for pid in pids.values() for p in children(pid)}
+        seen_ranks |= {p for pid in pids.values() for p in live_children(pid)}
         seen_ranks |= set(pids.values())
     assert wait_gone(seen_ranks) == [], "ranks left after shutdown"

@@ -10,12 +10,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from frmps_engine.bench.procs import alive, wait_gone  # noqa: E402
 from frmps_engine.refengine import ConfigError, EngineConfig, RefCore, SamplingParams, pool_layout  # noqa: E402
 from frmps_engine.refengine import tp  # noqa: E402
 from frmps_engine.refengine.config import param_specs, rank_pools  # noqa: E402
@@ -26,24 +26,6 @@ from frmps_engine.sdk.memory.host_shm import HostShmBackend  # noqa: E402
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(300)]
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "src"))
-
-
-def _alive(pid: int) -> bool:
-    """True while pid exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pid: int, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_config_refuses_uneven_shards():
@@ -162,7 +144,7 @@ def test_worker_death_is_reported_once_with_its_rank():
     finally:
         g.close()
     assert got == [f"tensor-parallel rank 1 (pid {pid}) died: killed by signal 9"]
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 def test_workers_die_with_rank_0():
@@ -181,11 +163,11 @@ def test_workers_die_with_rank_0():
                          env=env, start_new_session=True)
     try:
         worker = int(p.stdout.readline())
-        assert _alive(worker)
+        assert alive(worker)
         p.stdin.write("\n")
         p.stdin.flush()
         assert p.wait(60) == 0
-        assert _wait_gone(worker), f"worker {worker} outlived rank 0"
+        assert wait_gone([worker], 20.0) == [], f"worker {worker} outlived rank 0"
     finally:
         if p.poll() is None:
             p.kill()

@@ -38,7 +38,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 
 from .envinfo import git_commit, repo_root
-from .procs import free_port, tail
+from .procs import children_of, free_port, tail
 
 # ----------------------------------------------------------------------------- workload
 
@@ -298,21 +298,6 @@ def _proc_status(pid: int) -> dict[str, str]:
         for line in f:
             k, _, v = line.partition(":")
             out[k] = v.strip()
-    return out
-
-
-def children_of(pid: int) -> list[tuple[int, str]]:
-    """(pid, state) of every process whose parent is pid."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            st = _proc_status(int(name))
-        except OSError:
-            continue
-        if st.get("PPid") == str(pid):
-            out.append((int(name), st.get("State", "?")[:1]))
     return out
 
 

@@ -79,6 +79,51 @@ def die_with_parent():
     return preexec
 
 
+def proc_state(pid: int) -> str | None:
+    """The one-letter state of pid from /proc (R, S, Z, ...), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """pid exists and is not a zombie."""
+    return proc_state(pid) not in (None, "Z")
+
+
+def children_of(pid: int) -> list[tuple[int, str]]:
+    """(pid, state) of every process whose parent is pid (zombies included)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append((int(name), fields[0]))
+    return out
+
+
+def live_children(pid: int) -> list[int]:
+    """The children of pid that are alive (not zombies)."""
+    return [c for c, state in children_of(pid) if state != "Z"]
+
+
+def wait_gone(pids, timeout: float = 30.0) -> list[int]:
+    """Wait until none of pids is alive; returns those still alive at the timeout."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if alive(p)]
+    return left
+
+
 def kill_group(p: subprocess.Popen, sig: int = signal.SIGKILL, wait_s: float = 10.0) -> None:
     """Kill the process group a child leads (started with start_new_session) and reap it."""
     if p.poll() is None:
