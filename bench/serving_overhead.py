@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 from frmps_engine._proto.frmps.v1 import control_pb2, generation_pb2, generation_pb2_grpc
+from frmps_engine.bench.procs import collect
 from frmps_engine.sdk.genapi import GenerationServer
 from frmps_engine.sdk.loop import EngineBackend, EngineLoop, RingPublisher
 from frmps_engine.sdk.testing.fake_engine import FakeTokenizer
@@ -213,23 +214,6 @@ def _client(sock: str, keys: list[int], tokens: int, start, q) -> None:
     q.put((sum(got), sum(msgs)))
 
 
-def _collect(q, procs: list, timeout: float) -> list:
-    """One result per process; a process that died without one is an error (not a wait until the timeout)."""
-    import queue
-
-    out: list = []
-    deadline = time.monotonic() + timeout
-    while len(out) < len(procs):
-        try:
-            out.append(q.get(timeout=1.0))
-        except queue.Empty:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"client processes gave {len(out)} of {len(procs)} results in {timeout:.0f}s")
-            if sum(p.is_alive() for p in procs) < len(procs) - len(out) and q.empty():
-                raise RuntimeError(f"a client process died (exit codes {[p.exitcode for p in procs]})")
-    return out
-
-
 def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, key0: int, step_s: float) -> dict:
     ctx = mp.get_context("spawn")
     start, q = ctx.Event(), ctx.Queue()
@@ -243,7 +227,7 @@ def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, 
     syncs0, sync_ns0 = loop.counters["ring_syncs"], loop.counters["ring_sync_ns"]
     t0 = time.perf_counter()
     start.set()
-    res = _collect(q, ps, 600)
+    res = collect(q, ps, 600)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     steps = loop.step_count - steps0

@@ -33,6 +33,8 @@ from failover_proof import Deployment  # noqa: E402
 
 from failback_proof import started, stream  # noqa: E402
 
+from frmps_engine.bench.procs import collect  # noqa: E402  (standard library only)
+
 
 def prompts(b: int, n: int = 32) -> list[list[int]]:
     return [[1000 + 37 * i + j for j in range(n)] for i in range(b)]
@@ -53,23 +55,6 @@ def _client_proc(base: str, model: str, ps: list[list[int]], tokens: int, start,
     for t in ts:
         t.join()
     q.put([r.get("error") or ("" if len(r.get("ids", [])) == tokens else f"{len(r.get('ids', []))} tokens") for r in res])
-
-
-def collect(q, procs: list, timeout: float) -> list:
-    """One result per process; a process that died without one is an error (not a wait until the timeout)."""
-    import queue
-
-    out: list = []
-    deadline = time.monotonic() + timeout
-    while len(out) < len(procs):
-        try:
-            out.append(q.get(timeout=1.0))
-        except queue.Empty:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"client processes gave {len(out)} of {len(procs)} results in {timeout:.0f}s")
-            if sum(p.is_alive() for p in procs) < len(procs) - len(out) and q.empty():
-                raise RuntimeError(f"a client process died (exit codes {[p.exitcode for p in procs]})")
-    return out
 
 
 def scrape(base: str) -> dict[str, float]:

@@ -124,6 +124,24 @@ def wait_gone(pids, timeout: float = 30.0) -> list[int]:
     return left
 
 
+def collect(q, procs: list, timeout: float) -> list:
+    """One result per client process from q (a multiprocessing queue); a process
+    that died without one is an error (not a wait until the timeout)."""
+    import queue
+
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < len(procs):
+        try:
+            out.append(q.get(timeout=1.0))
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"client processes gave {len(out)} of {len(procs)} results in {timeout:.0f}s")
+            if sum(p.is_alive() for p in procs) < len(procs) - len(out) and q.empty():
+                raise RuntimeError(f"a client process died (exit codes {[p.exitcode for p in procs]})")
+    return out
+
+
 def kill_group(p: subprocess.Popen, sig: int = signal.SIGKILL, wait_s: float = 10.0) -> None:
     """Kill the process group a child leads (started with start_new_session) and reap it."""
     if p.poll() is None:
