@@ -194,11 +194,17 @@ class Deployment:
             time.sleep(poll)
         raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; last status: {json.dumps(last)[:2000]}")
 
-    def ready_pair(self, st: dict, exclude_standby_pid: int | None = None) -> bool:
+    def ready_pair(self, st: dict, fenced_pid: int | None = None) -> bool:
+        """An active serving and a standby ready, neither of them fenced_pid (the
+        engine a failover replaced), and no failback under way. After a failover
+        with failback on, the standby is the same process as before (the promoted
+        engine went back to sleep), so "re-armed" cannot mean "a new standby pid"."""
         e = self.engines(st)
         act, sb = e.get("active"), e.get("standby")
+        fb = get(st, "failback", default={}) or {}
         return (act is not None and get(act, "state") == "serving" and sb is not None and get(sb, "state") == "ready"
-                and get(sb, "pid") != exclude_standby_pid)
+                and fenced_pid not in (get(act, "pid"), get(sb, "pid"))
+                and get(fb, "state", default="disabled") in ("idle", "disabled", ""))
 
     def tokens_since(self, t0: float) -> dict:
         """prompt ids (tuple) -> output ids of the requests that finished after t0 (engine token logs)."""
@@ -351,8 +357,8 @@ def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: s
     detect = int(get(rec, "unix_nanos", default=0)) / 1e9
     res["record"] = {k: get(rec, k) for k in ("cause", "detail", "ok", "error", "duration_seconds", "resumed_requests",
                                               "reused_tokens", "prefilled_tokens", "first_token_seconds")}
-    # Re-armed: a new standby, ready.
-    st, t_rearmed = dep.wait(lambda s: dep.ready_pair(s, exclude_standby_pid=get(old_standby, "pid")), 300,
+    # Re-armed: the replaced engine gone from both roles, a standby ready.
+    st, t_rearmed = dep.wait(lambda s: dep.ready_pair(s, fenced_pid=get(old_active, "pid")), 300,
                              "the re-armed standby")
     e1 = dep.engines(st)
     new_standby = e1["standby"]

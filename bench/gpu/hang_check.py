@@ -82,7 +82,7 @@ def long_prompt_phase(dep: Deployment, args) -> dict:
 
 def signal_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, sig: int, want: str) -> dict:
     e0 = dep.engines(dep.status())
-    old_active, old_standby = e0["active"], e0["standby"]
+    old_active = e0["active"]
     pid = int(get(old_active, "pid"))
     n0 = len(failovers(dep))
     res: dict = {"signal": signal.Signals(sig).name, "want_class": want, "active_in_mps": get(old_active, "in_mps"),
@@ -124,7 +124,7 @@ def signal_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, sig: int
     box["watch"].join(70)
     res["fenced_gone"] = "t_gone" in box
     res["detect_to_gone_s"] = round(box["t_gone"] - detect, 4) if res["fenced_gone"] else None
-    st, t_rearmed = dep.wait(lambda s: dep.ready_pair(s, exclude_standby_pid=get(old_standby, "pid")), 300,
+    st, t_rearmed = dep.wait(lambda s: dep.ready_pair(s, fenced_pid=pid), 300,
                              "the re-armed standby")
     res["rearm_s_from_detect"] = round(t_rearmed - detect, 3)
     res["mps_state"] = get(st, "mps_state")

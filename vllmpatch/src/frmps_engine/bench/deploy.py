@@ -236,14 +236,20 @@ class Deployment:
         raise TrialError(f"timed out after {timeout:.0f} s waiting for {what}; last status: {json.dumps(last)[:1500]}; "
                          f"log tail:\n{tail(self.log_path, 25)}")
 
-    def ready_pair(self, st: dict, exclude_standby_pid: int | None = None) -> bool:
+    def ready_pair(self, st: dict, fenced_pid: int | None = None) -> bool:
+        """An active serving and a standby ready, neither of them fenced_pid (the
+        engine a failover replaced), and no failback under way. With failback on
+        (the default) the standby after a failover is the same process as before
+        it, back asleep: "re-armed" cannot mean "a new standby pid"."""
         e = self.engines(st)
         act, sb = e.get("active"), e.get("standby")
+        fb = field(st, "failback", {}) or {}
         return (act is not None and field(act, "state") == "serving" and sb is not None and field(sb, "state") == "ready"
-                and int(field(sb, "pid", 0) or 0) != (exclude_standby_pid or -1))
+                and (fenced_pid is None or fenced_pid not in (int(field(act, "pid", 0) or 0), int(field(sb, "pid", 0) or 0)))
+                and (field(fb, "state", "disabled") or "disabled") in ("idle", "disabled"))
 
-    def wait_pair(self, timeout: float = 600, exclude_standby_pid: int | None = None) -> dict:
-        return self.wait(lambda s: self.ready_pair(s, exclude_standby_pid), timeout,
+    def wait_pair(self, timeout: float = 600, fenced_pid: int | None = None) -> dict:
+        return self.wait(lambda s: self.ready_pair(s, fenced_pid), timeout,
                          "an active serving and a standby ready")
 
     def mps_client_env(self) -> dict[str, str]:
@@ -380,6 +386,7 @@ def frmps_trial(dep: Deployment, trigger: Trigger, body: dict, kill_after: int, 
     n0 = len(dep.failovers(st0))
     eng = dep.engines(st0)
     old_standby = eng.get("standby") or {}
+    old_active = eng.get("active") or {}
     res: dict = {"kill_after": kill_after, "standby_pid": int(field(old_standby, "pid", 0) or 0)}
     trigger.prepare()
     streams = [Stream(dep.base, body, timeout=timeout)]
@@ -452,7 +459,7 @@ def frmps_trial(dep: Deployment, trigger: Trigger, body: dict, kill_after: int, 
             res["engine_first_token_s"] = round(float(fl[0]) - detect, 4)
         if wait_rearm:
             t0 = now()
-            dep.wait_pair(300, exclude_standby_pid=int(field(old_standby, "pid", 0) or 0))
+            dep.wait_pair(300, fenced_pid=int(field(old_active, "pid", 0) or 0))
             res["rearm_s"] = round(now() - detect, 2) if detect else round(now() - t0, 2)
         errs = [s.error for s in streams if s.error]
         if errs:

@@ -120,7 +120,7 @@ class Deployments:
         self.n = 0
         self.startup_s: float | None = None
         self.failures: list[str] = []
-        self.promoted_pid = 0  # the standby the last failover promoted: a re-armed pair has another one
+        self.fenced_pid = 0  # the active the last failover replaced: a re-armed pair has neither role on it
 
     def __enter__(self) -> "Deployments":
         return self
@@ -135,7 +135,7 @@ class Deployments:
     def get(self) -> Deployment:
         if self.dep is not None:
             if self.reuse:
-                self.dep.wait_pair(300, exclude_standby_pid=self.promoted_pid)
+                self.dep.wait_pair(300, fenced_pid=self.fenced_pid)
                 return self.dep
             self.close()
         if len(self.failures) >= 2:
@@ -155,19 +155,19 @@ class Deployments:
         self.dep = dep
         return dep
 
-    def spent(self, promoted_pid: int = 0) -> None:
-        """A failover happened on the current deployment (promoting that standby)."""
-        self.promoted_pid = promoted_pid
+    def spent(self, fenced_pid: int = 0) -> None:
+        """A failover happened on the current deployment (replacing that active)."""
+        self.fenced_pid = fenced_pid
         if not self.reuse:
             self.close()
 
-    def after_trial(self, res: dict | None, promoted_pid: int) -> None:
+    def after_trial(self, res: dict | None, fenced_pid: int) -> None:
         """After a trial that fired its fault (res has "inject"): the pair is spent. One that
         failed before firing leaves it as it was; when unsure, start afresh next time."""
         if res is None:
             self.close()
         elif res.get("inject"):
-            self.spent(promoted_pid)
+            self.spent(fenced_pid)
 
     def close(self) -> None:
         if self.dep is not None:
@@ -187,7 +187,7 @@ def frmps_point(ctx: Ctx, deps: Deployments, measure: Callable[[Deployment, Trig
     the trigger and returns what it measured (a TrialError carries what it had). The
     pair is then spent if the fault fired, kept if it did not, dropped if unsure."""
     dep = deps.get()
-    promoted = int(field(dep.engines(dep.status()).get("standby") or {}, "pid", 0) or 0)
+    fenced = int(field(dep.engines(dep.status()).get("active") or {}, "pid", 0) or 0)
     res: dict | None = None
     try:
         res = measure(dep, make_trigger(ctx, dep))
@@ -197,7 +197,7 @@ def frmps_point(ctx: Ctx, deps: Deployments, measure: Callable[[Deployment, Trig
             e.partial["deployment_startup_s"] = deps.startup_s
         raise
     finally:
-        deps.after_trial(res, promoted)
+        deps.after_trial(res, fenced)
     res["deployment_startup_s"] = deps.startup_s
     res["engine_args"] = deps.opts.engine_args
     return res
