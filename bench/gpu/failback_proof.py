@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -226,6 +227,26 @@ def no_fault_run(dep, model: str, reqs: list[dict]) -> tuple[list[list[int]], di
                  "decode_step_s_p90": statistics.quantiles(steps, n=10)[8] if len(steps) >= 10 else None}
 
 
+TRACE = re.compile(r"took over \d+ requests|step \d+ after start|first resumed token|handed over \d+ requests"
+                   # an engine's start-up, as vLLM times it (where a failback's restore time goes)
+                   r"|init engine \(profile|Model loading took|Graph capturing finished|torch.compile took"
+                   r"|active engine serving on|standby built|standby asleep")
+
+
+def takeover_traces(log_dir: str) -> dict[str, list[str]]:
+    """Per engine log, the lines that time a takeover (the Resume's own figures, the
+    first steps of the loop after it: began/step/dispatch, the first resumed tokens)
+    and an engine's start-up."""
+    out: dict[str, list[str]] = {}
+    for name in sorted(os.listdir(log_dir)):
+        if name.endswith(".log") and name != "frmps.log":
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                lines = [ln.rstrip() for ln in f if TRACE.search(ln)]
+            if lines:
+                out[name] = lines[:200]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frmps", default="bin/frmps")
@@ -360,6 +381,7 @@ def main() -> int:
             report["streams_inexact"] = [{k: d.get(k) for k in ("i", "tokens", "first_diff", "finish")} for d in done
                                          if not d["exact"] and not d["error"]][:10]
         dep.stop()
+        report["takeover_traces"] = takeover_traces(dep.log_dir)
         save()
     print(json.dumps({k: report.get(k) for k in ("startup_s", "streams_total", "streams_exact", "error", "elapsed_s",
                                                    "pool_checksums")}, default=str), flush=True)

@@ -220,9 +220,14 @@ class EngineLoop:
         self.running_count = 0
         self.waiting_count = 0
         self._in_step: Callable[[], Any] | None = None  # test hook: runs inside the next step
+        # Steps to log with their timings once the loop starts (set for a takeover:
+        # where the time between the Resume and the first resumed token goes).
+        self.trace_steps = 0
+        self._t_started = 0
 
     # -- threading ------------------------------------------------------------
     def start(self) -> None:
+        self._t_started = time.perf_counter_ns()
         self._thread = threading.Thread(target=self._run, name="frmps-engine-loop", daemon=True)
         self._thread.start()
 
@@ -461,13 +466,17 @@ class EngineLoop:
                             raise
                         log.exception("engine loop command failed")
                 if self.core.has_work():
+                    t_step = time.perf_counter_ns() if self.trace_steps else 0
                     outs = self._step()
                     if self._step_delay:
                         time.sleep(self._step_delay)
                     self.step_count += 1
                     self._since_sync += 1
                     self._count_load()
+                    t_disp = time.perf_counter_ns() if self.trace_steps else 0
                     self._dispatch(outs)
+                    if self.trace_steps:
+                        self._trace(t_step, t_disp, outs)
                     # Also publish as soon as a request has its first token: its prompt's
                     # KV is the costliest part to recompute, so a fault right after a
                     # prefill should not have to.
@@ -509,6 +518,13 @@ class EngineLoop:
                 self._on_fatal(e)
             else:
                 log.exception("engine loop died")
+
+    def _trace(self, t_step: int, t_disp: int, outs) -> None:
+        self.trace_steps -= 1
+        t_end = time.perf_counter_ns()
+        log.info("step %d after start: began %.2f ms after the loop started, step %.2f ms, dispatch %.2f ms, "
+                 "%d outputs, %s tokens scheduled", self.step_count, (t_step - self._t_started) / 1e6,
+                 (t_disp - t_step) / 1e6, (t_end - t_disp) / 1e6, len(outs), self.scheduled_tokens())
 
     def _probe_device(self) -> None:
         """Idle: ask the device for a sticky error. Under MPS another client's fault

@@ -262,6 +262,7 @@ class Runner:
         # Reply before the loop thread starts: its first step (the prefill) would
         # otherwise compete with this thread for the GIL and delay the Reply.
         self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
+        self.loop.trace_steps = 3
         self.loop.start()
         log.info(
             "took over %d requests in %.2f ms (%d reused tokens, %d to prefill; KV writable in %.3f ms; "
