@@ -2,11 +2,13 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"os"
 	"strings"
 	"testing"
 
 	"github.com/frmps/frmps/internal/testenv"
+	"github.com/frmps/frmps/supervisor/engine"
 )
 
 // enginePython is a Python with frmps_engine importable (make test sets
@@ -20,12 +22,16 @@ func enginePython(t *testing.T) string {
 	return py
 }
 
-// The engine side owns engine names: serve asks it once, before anything
-// starts, and passes its reason on.
+// The engine side owns engine names: serve asks it once, in the interpreter
+// check before anything starts, and passes its reason on.
 func TestEngineNameIsCheckedByTheEngineSide(t *testing.T) {
 	py := enginePython(t)
+	check := func(python, name string) error {
+		_, err := engine.PythonCLI{Engine: name, Python: python}.Preflight(t.Context(), nil)
+		return err
+	}
 	for _, name := range []string{"ref", "vllm", "frmps_engine.sdk.testing.fake_engine:FakeAdapter"} {
-		if err := checkEngine(t.Context(), pythonEnv{Python: py}, name); err != nil {
+		if err := check(py, name); err != nil && !strings.Contains(err.Error(), "No module named 'vllm'") {
 			t.Errorf("%s refused: %v", name, err)
 		}
 	}
@@ -36,12 +42,14 @@ func TestEngineNameIsCheckedByTheEngineSide(t *testing.T) {
 		"frmps_engine.sdk.adapters:NoSuch": `module frmps_engine.sdk.adapters has no NoSuch`,
 		"frmps_engine.sdk.adapters:KNOWN":  `frmps_engine.sdk.adapters:KNOWN is a dict, not a callable factory`,
 	} {
-		err := checkEngine(t.Context(), pythonEnv{Python: py}, name)
-		if err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("%s: got %v, want an error containing %q", name, err, want)
+		err := check(py, name)
+		var nameErr *engine.EngineNameError
+		if !errors.As(err, &nameErr) || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: got %v, want an EngineNameError containing %q", name, err, want)
 		}
 	}
-	if err := checkEngine(t.Context(), pythonEnv{Python: "/nonexistent/python3"}, "ref"); err == nil || !strings.Contains(err.Error(), `--engine "ref": run /nonexistent/python3`) {
+	err := check("/nonexistent/python3", "ref")
+	if nameErr := (*engine.EngineNameError)(nil); errors.As(err, &nameErr) || err == nil || !strings.Contains(err.Error(), `python interpreter "/nonexistent/python3" cannot run the engine`) {
 		t.Errorf("missing interpreter: %v", err)
 	}
 }

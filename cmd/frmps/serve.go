@@ -290,12 +290,12 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 
 	py := findPython(o.Python, selfPath(), os.Environ())
 	pkg, err := engine.PythonCLI{Engine: o.Engine, Python: py.Python}.Preflight(ctx, py.Env)
+	if nameErr := (*engine.EngineNameError)(nil); errors.As(err, &nameErr) {
+		return err
+	}
 	if err != nil {
 		return fmt.Errorf("%w (interpreter from %s); pass --python with an interpreter that has frmps_engine installed "+
 			"(`make venv` creates .venv in a source checkout), or set FRMPS_PYTHON", err, py.Source)
-	}
-	if err := checkEngine(ctx, py, o.Engine); err != nil {
-		return err
 	}
 	if o.Engine == "vllm" {
 		dir, err := resolveVLLMModel(ctx, py, o.Model)

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,17 +11,30 @@ import (
 	"time"
 )
 
+// fakeAdapters is the TEST DOUBLE of frmps_engine.sdk.adapters: it knows ref and vllm.
+const fakeAdapters = `class AdapterError(Exception):
+    pass
+def resolve(engine):
+    if engine not in ("ref", "vllm"):
+        raise AdapterError(f"unknown engine {engine!r}")
+    return engine, None
+`
+
 // fakePackage writes a stand-in frmps_engine (TEST DOUBLE: the modules the
-// preflight imports, empty) and returns its PYTHONPATH entry.
+// preflight imports, empty but for adapters) and returns its PYTHONPATH entry.
 func fakePackage(t *testing.T) string {
 	t.Helper()
 	dir := t.TempDir()
-	for _, f := range []string{"frmps_engine/__init__.py", "frmps_engine/cli.py", "frmps_engine/sdk/__init__.py", "frmps_engine/sdk/runner.py"} {
+	for _, f := range []string{"frmps_engine/__init__.py", "frmps_engine/cli.py", "frmps_engine/sdk/__init__.py", "frmps_engine/sdk/runner.py", "frmps_engine/sdk/adapters.py"} {
 		p := filepath.Join(dir, f)
 		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
 			t.Fatal(err)
 		}
-		if err := os.WriteFile(p, nil, 0o644); err != nil {
+		var body []byte
+		if strings.HasSuffix(f, "adapters.py") {
+			body = []byte(fakeAdapters)
+		}
+		if err := os.WriteFile(p, body, 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -53,10 +67,15 @@ func TestPreflight(t *testing.T) {
 		{"no engine package", PythonCLI{Engine: "ref", Python: py}, []string{"PYTHONPATH=" + t.TempDir()}, "ModuleNotFoundError: No module named 'frmps_engine'"},
 		{"vllm missing", PythonCLI{Engine: "vllm", Python: py}, env, "No module named 'vllm'"},
 		{"no interpreter", PythonCLI{Engine: "ref", Python: filepath.Join(t.TempDir(), "python")}, env, "no such file or directory"},
+		{"unknown engine", PythonCLI{Engine: "tgi", Python: py}, env, `--engine "tgi": unknown engine 'tgi'`},
 	} {
 		_, err := tc.cli.Preflight(context.Background(), tc.env)
 		if err == nil || !strings.Contains(err.Error(), tc.reason) || strings.Contains(err.Error(), "\n") {
 			t.Errorf("%s: %v, want one line with %q", tc.name, err, tc.reason)
+		}
+		var nameErr *EngineNameError
+		if isName := errors.As(err, &nameErr); isName != (tc.name == "unknown engine") {
+			t.Errorf("%s: EngineNameError %v: %v", tc.name, isName, err)
 		}
 	}
 }

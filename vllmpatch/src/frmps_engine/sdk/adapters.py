@@ -4,7 +4,8 @@ This module owns what ``--engine`` may name: ``ref`` (the reference engine),
 ``vllm`` (the vLLM adapter), or ``package.module:Factory``, any importable
 callable that takes ``EngineOptions`` and returns an ``EngineAdapter``
 (proto/frmps/v1/ENGINE.md). ``frmps serve --engine NAME`` asks it once before
-anything starts (``python -m frmps_engine.cli check-engine NAME``); the Go
+anything starts (its interpreter check calls ``resolve``, as
+``python -m frmps_engine.cli check-engine NAME`` does); the Go
 supervisor passes the name through to every engine it launches.
 """
 
