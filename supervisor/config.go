@@ -101,6 +101,11 @@ type Config struct {
 	// crash-loop breaker. An engine's own refusal (exit code 2) always counts.
 	// 0 means 60s; negative: every such death counts.
 	MPSRecoveryWindow time.Duration
+	// NoMPSFaultWatch turns off the early fault signal: by default the
+	// supervisor follows the MPS server's log (mps.ServerLog) and fails
+	// over as soon as the server says it tears the active's context down after
+	// a fatal GPU error, instead of waiting for the active to die of it.
+	NoMPSFaultWatch bool
 	// BaseEnv is the environment every engine starts from; nil means os.Environ().
 	BaseEnv []string
 }

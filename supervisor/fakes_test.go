@@ -609,7 +609,10 @@ type fakeMPS struct {
 	checks, restarts     int // restarts counts Recover calls
 	stopped              bool
 	shared               bool // the operator's daemon (Owned false)
+	logDir               string
 }
+
+func (m *fakeMPS) LogDir() string { return m.logDir }
 
 func (m *fakeMPS) Check(context.Context) error {
 	m.mu.Lock()

@@ -6,10 +6,12 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"syscall"
 	"time"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
+	"github.com/frmps/frmps/supervisor/mps"
 )
 
 // The event loop. Run's goroutine owns every field of Supervisor marked
@@ -31,6 +33,7 @@ const (
 	evHandoverDue    // the failback policy's timer fired
 	evHandoffTimeout // Handoff got no reply in time
 	evPing           // Alive: the loop answers
+	evMPSTeardown    // the MPS server tears a client's context down (mps.ServerLog)
 )
 
 type event struct {
@@ -43,6 +46,7 @@ type event struct {
 	id    uint64
 	err   error
 	resp  chan error // evDrill, evPing
+	pid   int        // evMPSTeardown: the client the server tears down
 	fev   failover.Event
 }
 
@@ -119,6 +123,8 @@ func (s *Supervisor) handle(ev event) {
 		s.handoffTimeout(ev)
 	case evPing:
 		ev.resp <- nil
+	case evMPSTeardown:
+		s.mpsTeardown(ev)
 	}
 	s.reap()
 	s.syncShown()
@@ -180,6 +186,32 @@ func (s *Supervisor) checkStall(now time.Time) {
 	}
 	s.log.Error("active engine is wedged; fencing it", "pid", sl.proc.PID(), "class", class, "detail", detail)
 	s.died(sl, detail, now, class)
+}
+
+// mpsTeardown fences the active as soon as the MPS server says it tears the
+// active's context down after a fatal GPU error: the context is lost already,
+// and the active would otherwise notice only at its next CUDA call's error
+// (tens to hundreds of ms later). The engine runs in its own process group,
+// so a CUDA client pid in it (a TP rank) dooms the active too. The server
+// writes these lines while it handles the fault, having stopped its clients'
+// work: the fenced active can no longer write the KV cache the standby takes.
+func (s *Supervisor) mpsTeardown(ev event) {
+	sl := s.active
+	if sl == nil || sl.dead || !sl.inMPS {
+		return
+	}
+	pid := sl.proc.PID()
+	if ev.pid != pid && !inProcessGroup(ev.pid, pid) {
+		return
+	}
+	s.log.Warn("the MPS server is tearing the active's context down; failing over now", "pid", pid, "client", ev.pid, "line", ev.cause)
+	s.died(sl, "MPS server: "+ev.cause, ev.at, "mps_fault")
+}
+
+// inProcessGroup: pid is alive in the process group pgid.
+func inProcessGroup(pid, pgid int) bool {
+	g, err := syscall.Getpgid(pid)
+	return err == nil && g == pgid
 }
 
 // raise queues a machine event from inside an action.
@@ -503,9 +535,11 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	pollCtx, stopPoll := context.WithCancel(context.Background())
 	pollDone := make(chan struct{})
 	go func() { defer close(pollDone); s.pollRing(pollCtx) }()
+	watchDone := s.watchMPSLog(pollCtx)
 	defer func() {
 		stopPoll()
 		<-pollDone
+		<-watchDone
 		s.cleanup()
 	}()
 
@@ -543,6 +577,29 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 			s.watchdog.Feed()
 		}
 	}
+}
+
+// watchMPSLog follows the MPS server's log (the early fault signal) until
+// ctx ends; the channel closes when the watcher has returned. Nothing to
+// follow without MPS, with the watch turned off, or with an operator's daemon
+// whose log directory frmps was not given.
+func (s *Supervisor) watchMPSLog(ctx context.Context) <-chan struct{} {
+	done := make(chan struct{})
+	logged, ok := s.mps.(interface{ LogDir() string })
+	if s.cfg.NoMPSFaultWatch || !ok || logged.LogDir() == "" {
+		close(done)
+		return done
+	}
+	path := mps.ServerLogPath(logged.LogDir())
+	s.log.Debug("following the MPS server's log for early fault signals", "path", path)
+	w := mps.OpenServerLog(path) // what the log holds now is history
+	go func() {
+		defer close(done)
+		w.Watch(ctx, 0, func(t mps.Teardown) {
+			s.post(event{kind: evMPSTeardown, pid: t.PID, cause: t.Line, at: t.Seen})
+		})
+	}()
+	return done
 }
 
 // post hands an event to the loop from another goroutine; dropped once the

@@ -358,6 +358,9 @@ func (d *Daemon) ClientEnv() []string {
 // PipeDir is the daemon's private pipe directory.
 func (d *Daemon) PipeDir() string { return d.pipeDir }
 
+// LogDir is the daemon's private log directory (its server.log: serverlog.go).
+func (d *Daemon) LogDir() string { return d.logDir }
+
 // OutsideEnv is the environment for a CUDA process that must run outside
 // MPS (the standby): its pipe directory is private and empty, so the CUDA
 // driver finds no daemon there and runs the process on its own context.

@@ -164,3 +164,6 @@ func (s *Shared) ClientEnv() []string {
 
 // PipeDir is the operator's pipe directory.
 func (s *Shared) PipeDir() string { return s.pipeDir }
+
+// LogDir is the operator's log directory ("" when frmps was not told it).
+func (s *Shared) LogDir() string { return s.logDir }
