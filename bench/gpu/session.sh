@@ -15,7 +15,8 @@
 #   ref-tp:<model>:<n>:<budget>[:<timeout>]  bench/gpu/tp_proof.py: the reference engine with --tensor-parallel-size 2
 #                                      on GPUs 0 and 1 (one MPS daemon for both), n faults by MPS clients pinned to
 #                                      GPU 0 and GPU 1 alternately; timeout as for ref-failback
-#   vllm-tp:<model>:<batches>[:<timeout>] bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone; default 300 s)
+#   vllm-tp:<model>:<batches>[:<timeout>[:<modes>]] bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone;
+#                                      default 300 s; modes: --frmps-modes, e.g. sync,async)
 #   bench:<engine>:<experiment>:<models>[:<budget>]  `frmps bench <experiment> --engine <engine>` (ref, vllm; for
 #                                      sync-overhead also ref+vllm: both engines in one run) on <models> (comma list),
 #                                      results appended to $RESULTS (default $OUT/bench-results: one folder for the
@@ -154,13 +155,13 @@ stage_bench() {  # engine experiment models [budget]
     tail -n 12 "$WORK/bench-$engine-$exp.out" >> "$S"
 }
 
-stage_tp() {  # model batches [timeout]
+stage_tp() {  # model batches [timeout] [modes]
     vllm_env
     local m
     m=$(model_dir "$1") || { log "vllm-tp $1: model-dir failed"; return; }
     log "vllm-tp $1 batches $2"
     bounded "${3:-300}" python3 bench/gpu/vllm_throughput.py --frmps bin/frmps --model "$m" --batches "$2" \
-        --num-blocks 4096 --workdir "$WORK/tp-$1" --out "$OUT/vllm-tp-$1.json" > "$WORK/tp-$1.out" 2>&1
+        --num-blocks 4096 --frmps-modes "${4:-default}" --workdir "$WORK/tp-$1" --out "$OUT/vllm-tp-$1.json" > "$WORK/tp-$1.out" 2>&1
     log "vllm-tp $1: rc=$?"
     tail -n 8 "$WORK/tp-$1.out" >> "$S"
 }
@@ -172,7 +173,7 @@ for st in "$@"; do
         ref-failback) stage_failback ref "$a" "$b" "$c" "$d" ;;
         vllm-failback) stage_failback vllm "$a" "$b" "$c" "$d" ;;
         ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
-        vllm-tp) stage_tp "$a" "$b" "$c" ;;
+        vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;
         bench) stage_bench "$a" "$b" "$c" "$d" ;;
         hang|shared-mps)
             f=bench/gpu/${name/-/_}_check.sh

@@ -148,6 +148,9 @@ def main() -> int:
     ap.add_argument("--client-procs", type=int, default=8,
                     help="client processes for frmps's streams (streams split between them, a thread per stream)")
     ap.add_argument("--skip", default="", help="frmps or vllm: skip that side")
+    ap.add_argument("--frmps-modes", default="default",
+                    help="comma list of frmps runs: default (the engines' environment as given), sync, async "
+                         "(FRMPS_VLLM_ASYNC_SCHEDULING=0 / 1), each a deployment of its own, in this order")
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",") if x]
     report: dict = {"model": args.model, "tokens": args.tokens, "reps": args.reps, "batches": batches}
@@ -156,15 +159,22 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
-    if args.skip != "frmps":
+    modes = {"default": ("frmps", {}), "sync": ("frmps-sync", {"FRMPS_VLLM_ASYNC_SCHEDULING": "0"}),
+             "async": ("frmps-async", {"FRMPS_VLLM_ASYNC_SCHEDULING": "1"})}
+    sides = []
+    for mode in (m for m in args.frmps_modes.split(",") if m and args.skip != "frmps"):
+        if mode not in modes:
+            ap.error(f"--frmps-modes: unknown mode {mode!r} (default, sync, async)")
+        key, env = modes[mode]
+        sides.append(key)
         a = argparse.Namespace(frmps=args.frmps, python=args.python, model=args.model, device="cuda", memory="cuda-vmm",
                                cpu=False, sync_every=1, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
                                engine="vllm", engine_arg=[f"--max-num-seqs={max(batches)}"], serve_arg=[], port=0,
-                               mps_control="", env={})
+                               mps_control="", env=env)
         os.makedirs(args.workdir, exist_ok=True)
-        dep = Deployment(a, "tp", args.workdir)
-        fr: dict = {}
-        report["frmps"] = fr
+        dep = Deployment(a, key, args.workdir)
+        fr: dict = {"env": env}
+        report[key] = fr
         try:
             t0 = time.perf_counter()
             dep.start()
@@ -196,14 +206,15 @@ def main() -> int:
     rows = []
     for b in batches:
         row = {"batch": b}
-        for side, get in (("frmps", lambda: report.get("frmps", {}).get(str(b))),
-                          ("vllm", lambda: (report.get("vllm", {}).get("batches") or {}).get(str(b)))):
-            d = get()
+        got = {k: report.get(k, {}).get(str(b)) for k in sides}
+        got["vllm"] = (report.get("vllm", {}).get("batches") or {}).get(str(b))
+        for side, d in got.items():
             if d:
                 dec = min(d["t_tokens_s"]) - min(d["t_one_s"])
                 row[f"{side}_decode_tok_s"] = round(b * (args.tokens - 1) / dec, 1) if dec > 0 else None
-        if row.get("frmps_decode_tok_s") and row.get("vllm_decode_tok_s"):
-            row["overhead_pct"] = round(100 * (1 - row["frmps_decode_tok_s"] / row["vllm_decode_tok_s"]), 2)
+        for side in sides:
+            if row.get(f"{side}_decode_tok_s") and row.get("vllm_decode_tok_s"):
+                row[f"{side}_overhead_pct"] = round(100 * (1 - row[f"{side}_decode_tok_s"] / row["vllm_decode_tok_s"]), 2)
         rows.append(row)
     report["table"] = rows
     save()
