@@ -287,7 +287,12 @@ def test_weights_pool_estimate_covers_torch_segments(cfg):
     vocab_rows = cfg["vocab_size"] * cfg["hidden_size"] * 2
     tied = vocab_rows if cfg["tie_word_embeddings"] else 0
     assert len(tensors) == len(_weight_tensors(cfg, "bfloat16")) + (1 if tied else 0)
-    assert pool - tied - weight_bytes(cfg, "bfloat16") < 0.12 * weight_bytes(cfg, "bfloat16")
+    # Not wasteful: within 12 % of the weights, plus the fragmentation headroom (2 %, at least 64 MiB).
+    w = weight_bytes(cfg, "bfloat16")
+    assert pool - tied - w < 0.12 * w + max(64 << 20, 0.021 * pool)
+    # The headroom that qwen2.5-7b's lm_head needed on the H100 (missed with 1.07 GiB free in pieces).
+    if not cfg["tie_word_embeddings"]:
+        assert pool - (big + rest + rope) >= 0.02 * w
 
 
 def test_create_core_refuses_cpu_pools_before_building_vllm(model_dir):

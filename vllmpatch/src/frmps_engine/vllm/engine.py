@@ -366,7 +366,13 @@ def weights_pool_bytes(cfg: dict, dtype: str) -> int:
     (attention scales, loader temporaries). An estimate of vLLM's allocation
     sequence, not a replay of it: the GPU validation logs the bytes actually
     placed (VLLM.md), and a pool that is too small stops the load with
-    PoolFull."""
+    PoolFull.
+
+    Plus headroom (2 %, at least 64 MiB) for fragmentation: when an allocation
+    misses, torch releases its cached free segments and retries, which leaves
+    holes in the pool's first-fit carve-out that a large tensor allocated last
+    (the lm_head) cannot use. Without it, qwen2.5-7b on vLLM 0.26 (H100) missed
+    its 1.02 GiB lm_head with 1.07 GiB free in the pool, in pieces."""
     from .pools import TORCH_LARGE_SEGMENT, TORCH_SMALL_SEGMENT, torch_segments_bytes
 
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -374,7 +380,8 @@ def weights_pool_bytes(cfg: dict, dtype: str) -> int:
     positions = int(cfg.get("max_position_embeddings", 0) or 0)
     rope = positions * hd * _DTYPE_BYTES[dtype] + positions * hd * 4 * 5 // 2  # cache + cat, freqs, cos, sin (fp32)
     allocated = _weight_tensors(cfg, dtype, allocated=True)
-    return torch_segments_bytes(allocated) + rope + TORCH_SMALL_SEGMENT + TORCH_LARGE_SEGMENT
+    est = torch_segments_bytes(allocated) + rope + TORCH_SMALL_SEGMENT + TORCH_LARGE_SEGMENT
+    return est + max(64 << 20, est // 50)
 
 
 def startup_memory_fraction(free: int, total: int, wanted: float) -> float:
