@@ -15,6 +15,7 @@ Shutdown -> exit 0. A device error -> Fault (best effort) and exit 3 at once.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import logging
@@ -107,6 +108,7 @@ class Runner:
 
     def run(self) -> int:
         """Run until shutdown; returns the exit code (the caller exits with it)."""
+        _startup_stacks(True)
         try:
             self._start()
         except control.WelcomeRefused as e:
@@ -156,9 +158,13 @@ class Runner:
             log.warning("ring warm-up failed: %s", e)
 
     def _start_active(self) -> None:
+        t = time.perf_counter_ns()
         self._preload_ring()
+        t_ring = time.perf_counter_ns()
         pools = self.memory.allocate(self.specs)
+        t_pools = time.perf_counter_ns()
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
+        _log_start_phases(t, t_ring, t_pools)
         self._prepare_debug_fault()
         _freeze_heap()
         self.client.export_pools(self._pb_pools(), [p.fd for p in pools])
@@ -173,16 +179,22 @@ class Runner:
         self._log_checksums("at ready")
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
         log.info("active engine serving on %s (init %.0f ms)", self.gen.endpoint, (time.perf_counter_ns() - self._t0) / 1e6)
+        _startup_stacks(False)
 
     def _start_standby(self) -> None:
+        t = time.perf_counter_ns()
         self._preload_ring()
+        t_ring = time.perf_counter_ns()
         reserved = self.memory.reserve(self.specs)
+        t_pools = time.perf_counter_ns()
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
+        _log_start_phases(t, t_ring, t_pools)
         self._prepare_debug_fault()
         _freeze_heap()
         self.client.start(self)
         log.info("standby built (init %.0f ms), waiting for Sleep%s", (time.perf_counter_ns() - self._t0) / 1e6,
                  _device_memory_note(self.adapter.device))
+        _startup_stacks(False)
 
     # -- control commands (receive thread) ---------------------------------------------
     def on_sleep(self, env_id: int, msg: control_pb2.Sleep, fds: list[int]):
@@ -520,3 +532,22 @@ def _freeze_heap() -> None:
     and would otherwise land at random in a decode step or in the middle of a takeover."""
     gc.collect()
     gc.freeze()
+
+
+def _log_start_phases(t: int, t_ring: int, t_pools: int) -> None:
+    now = time.perf_counter_ns()
+    log.info("start phases: ring warm-up %.0f ms, pools %.0f ms, engine core %.0f ms",
+             (t_ring - t) / 1e6, (t_pools - t_ring) / 1e6, (now - t_pools) / 1e6)
+
+
+def _startup_stacks(on: bool) -> None:
+    """Diagnostics (FRMPS_DEBUG_STARTUP_STACKS=<seconds>): every so many seconds
+    while the engine starts, every thread's stack to stderr (the engine log), to
+    see where a slow start spends its time; off once the engine is up."""
+    every = os.environ.get("FRMPS_DEBUG_STARTUP_STACKS", "")
+    if not every:
+        return
+    if on:
+        faulthandler.dump_traceback_later(float(every), repeat=True)
+    else:
+        faulthandler.cancel_dump_traceback_later()
