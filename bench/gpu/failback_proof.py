@@ -230,7 +230,7 @@ def no_fault_run(dep, model: str, reqs: list[dict]) -> tuple[list[list[int]], di
 TRACE = re.compile(r"took over \d+ requests|step \d+ after start|first resumed token|handed over \d+ requests"
                    # an engine's start-up, as vLLM times it (where a failback's restore time goes)
                    r"|init engine \(profile|Model loading took|Graph capturing finished|torch.compile took"
-                   r"|active engine serving on|standby built|standby asleep")
+                   r"|active engine serving on|standby built|standby asleep|start phases")
 
 
 def takeover_traces(log_dir: str) -> dict[str, list[str]]:
