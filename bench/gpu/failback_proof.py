@@ -38,7 +38,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failover_proof import (  # noqa: E402  (same folder, standard library only)
-    LOG_FIRST, LOG_SLEEP, Deployment, get, grep_log, mps_trigger, nvidia_smi)
+    LOG_FIRST, LOG_SLEEP, Deployment, get, grep_log, loglines, mps_trigger, nvidia_smi)
 
 FAULTS = ["misaligned:load", "illegal_instruction:jump-far", "shared_oob:shared", "shared_oob:local",
           "invalid_address_space:ld-global-shared", "stack_overflow:recursion", "oob_write:write"]
@@ -192,12 +192,8 @@ def max_gap_in(times_list: list[list[float]], lo: float, hi: float) -> float | N
 
 
 def first_resumed(path: str | None, after: float) -> float | None:
-    if not path or not os.path.exists(path):
-        return None
-    with open(path, errors="replace") as f:
-        ts = [float(m.group(1)) for m in map(LOG_FIRST.search, f) if m]
-    ts = [t for t in ts if t >= after - 1]
-    return min(ts) if ts else None
+    """The promoted engine's first resumed token of the takeover detected at `after`."""
+    return loglines.first_time_after(path, LOG_FIRST, after - 1)
 
 
 def grep_all(path: str | None, needle: str) -> list[str]:

@@ -378,11 +378,13 @@ def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: s
     if path and os.path.exists(path):
         with open(path, errors="replace") as f:
             firsts = [float(m.group(1)) for m in map(LOG_FIRST.search, f) if m]
+    # This takeover's lines only: with failback the same process takes over fault after fault.
+    firsts = [t for t in firsts if detect and detect <= t <= detect + 60]
     if firsts and detect:
         # Engine side: when the promoted engine handed each adopted request its first new token.
         res["detect_to_first_resumed_token_s"] = round(min(firsts) - detect, 4)
         res["detect_to_all_resumed_s"] = round(max(firsts) - detect, 4)
-    tk = grep_log(get(old_standby, "log_path"), LOG_TAKEOVER)
+    tk = loglines.grep_last(get(old_standby, "log_path"), LOG_TAKEOVER)
     if tk:
         res["takeover_log"] = loglines.takeover_fields(tk)
     sl = grep_log(get(new_standby, "log_path"), LOG_SLEEP)

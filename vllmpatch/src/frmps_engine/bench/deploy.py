@@ -451,12 +451,12 @@ def frmps_trial(dep: Deployment, trigger: Trigger, body: dict, kill_after: int, 
         res["token_ids"] = main.token_ids()
         res["extra_token_ids"] = [s.token_ids() for s in streams[1:]]
         log = field(old_standby, "log_path")
-        tk = grep_first(log, LOG_TAKEOVER)
+        tk = loglines.grep_last(log, LOG_TAKEOVER)  # a reused pair's promoted engine may have taken over before
         if tk:
             res["takeover_log"] = loglines.takeover_fields(tk)
-        fl = grep_first(log, LOG_FIRST)
-        if fl and detect:
-            res["engine_first_token_s"] = round(float(fl[0]) - detect, 4)
+        fl = loglines.first_time_after(log, LOG_FIRST, detect) if detect else None
+        if fl is not None:
+            res["engine_first_token_s"] = round(fl - detect, 4)
         if wait_rearm:
             t0 = now()
             dep.wait_pair(300, fenced_pid=int(field(old_active, "pid", 0) or 0))

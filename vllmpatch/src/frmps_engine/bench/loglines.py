@@ -28,6 +28,31 @@ def grep_first(path: str | None, rx: re.Pattern) -> list[str] | None:
     return None
 
 
+def grep_last(path: str | None, rx: re.Pattern) -> list[str] | None:
+    """The groups of rx's last match in the file at path (None: no file or no match):
+    an engine that took over, went back to sleep (failback) and took over again
+    logs one takeover per time."""
+    if not path or not os.path.exists(path):
+        return None
+    last = None
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = rx.search(line)
+            if m:
+                last = list(m.groups())
+    return last
+
+
+def first_time_after(path: str | None, rx: re.Pattern, after: float) -> float | None:
+    """The earliest time (rx's first group, unix seconds) at or after `after`."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, errors="replace") as f:
+        ts = [float(m.group(1)) for m in map(rx.search, f) if m]
+    ts = [t for t in ts if t >= after]
+    return min(ts) if ts else None
+
+
 def takeover_fields(groups: list[str]) -> dict:
     """TAKEOVER's groups as a record."""
     out = {"requests": int(groups[0]), "resume_ms": float(groups[1]), "reused_tokens": int(groups[2]),
