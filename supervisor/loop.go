@@ -205,6 +205,7 @@ func (s *Supervisor) mpsTeardown(ev event) {
 		return
 	}
 	s.log.Warn("the MPS server is tearing the active's context down; failing over now", "pid", pid, "client", ev.pid, "line", ev.cause)
+	s.mpsFaulted = true
 	s.died(sl, "MPS server: "+ev.cause, ev.at, "mps_fault")
 }
 
@@ -439,12 +440,32 @@ func (s *Supervisor) checkMPS() {
 	}
 	s.mpsBusy = true
 	mps := s.mps
+	// After a fatal GPU error the server that handled it lives on, and clients
+	// that join it in the next seconds can crash at start (H100, driver 580:
+	// segfaults up to 40 s after the fault): restart our own daemon so the
+	// engine launched into MPS next gets a fresh server. No client of it is
+	// left (every client was torn down with the fault). The operator's
+	// daemon is never restarted: there the launch is retried instead.
+	fresh := s.mpsFaulted && mps.Owned()
+	s.mpsFaulted = false
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
-		err := mps.Check(ctx)
+		var err error
+		if fresh {
+			s.log.Info("restarting the MPS daemon after a fatal GPU error: a fresh server for the next engine")
+			s.setMPSState("restarting")
+			if err = mps.Recover(ctx); err != nil {
+				s.log.Warn("MPS restart after the fault", "error", err)
+			} else {
+				s.setMPSState("running (restarted after a fatal GPU error)")
+			}
+		}
+		if err == nil {
+			err = mps.Check(ctx)
+		}
 		if err != nil {
 			what, recovered := "restart MPS", "running (restarted)"
 			if mps.Owned() {

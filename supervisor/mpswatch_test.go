@@ -54,6 +54,13 @@ func TestMPSServerTeardownFailsOverAtOnce(t *testing.T) {
 		if v := testutil.ToFloat64(h.s.metrics.failovers.WithLabelValues("mps_fault")); v != 1 {
 			t.Fatalf("failovers{mps_fault} %v", v)
 		}
+		// frmps's own daemon is restarted before an engine is launched into it again.
+		w.mps.mu.Lock()
+		restarts := w.mps.restarts
+		w.mps.mu.Unlock()
+		if restarts != 1 {
+			t.Fatalf("MPS restarted %d times after the fatal error, want 1", restarts)
+		}
 		// The same line again (the server repeats the pid in several lines): one failover.
 		appendServerLog(t, w.mps.logDir, fmt.Sprintf("[2026-11-23 22:19:03.147 Server  1623] Client {PID: %d, Context ID: 1} on device 0 to be torn down", act.pid))
 		time.Sleep(30 * time.Second)
@@ -62,6 +69,29 @@ func TestMPSServerTeardownFailsOverAtOnce(t *testing.T) {
 			t.Fatalf("%d failovers, want 1", n)
 		}
 		h.wantState(failover.ServingReady)
+		h.stop()
+	})
+}
+
+// The operator's daemon is never restarted after a fatal error.
+func TestMPSFaultLeavesTheOperatorsDaemon(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.mps.logDir, w.mps.shared = t.TempDir(), true
+		h := start(t, w, nil)
+		act, _ := h.roles()
+		appendServerLog(t, w.mps.logDir, fmt.Sprintf("[2026-11-23 22:19:03.147 Server  1623] Client {PID: %d, Context ID: 1} on device 0 to be torn down", act.pid))
+		time.Sleep(30 * time.Second)
+		synctest.Wait()
+		if recs := h.s.Status().Failovers; len(recs) != 1 || recs[0].GetCause() != "mps_fault" {
+			t.Fatalf("records %v", recs)
+		}
+		w.mps.mu.Lock()
+		restarts := w.mps.restarts
+		w.mps.mu.Unlock()
+		if restarts != 0 {
+			t.Fatalf("the operator's daemon was restarted %d times", restarts)
+		}
 		h.stop()
 	})
 }

@@ -57,20 +57,24 @@ type Supervisor struct {
 	// lastMPSDeath: when an active inside MPS last died (the MPS server may
 	// still be recovering; see Config.MPSRecoveryWindow).
 	lastMPSDeath time.Time
-	startAfter   [2]*time.Timer
-	startSeq     [2]uint64
-	wantStart    [2]bool // a start is due but waits (MPS check in progress)
-	inflight     *failoverRun
-	handover     *handoverRun
-	failback     failbackPolicy
-	resumeSeq    uint64
-	frontDoor    FrontDoor
-	deployID     string
-	stateDir     *leftover.Dir // nil: no launch record
-	ringPath     string
-	runDir       string
-	logDir       string
-	wg           sync.WaitGroup // engine goroutines
+	// mpsFaulted: the MPS server said it tore the active's context down after
+	// a fatal GPU error (mps_fault); the next MPS check restarts frmps's own
+	// daemon, whose server broke new clients for seconds after such a fault.
+	mpsFaulted bool
+	startAfter [2]*time.Timer
+	startSeq   [2]uint64
+	wantStart  [2]bool // a start is due but waits (MPS check in progress)
+	inflight   *failoverRun
+	handover   *handoverRun
+	failback   failbackPolicy
+	resumeSeq  uint64
+	frontDoor  FrontDoor
+	deployID   string
+	stateDir   *leftover.Dir // nil: no launch record
+	ringPath   string
+	runDir     string
+	logDir     string
+	wg         sync.WaitGroup // engine goroutines
 
 	// Set before Run (SetWatchdog); fed by the loop.
 	watchdog      Watchdog

@@ -358,11 +358,14 @@ def main() -> int:
             time.sleep(0.5)  # let the streams run past the handover
             times = load.chunk_times()
             rec["client_gap_from_fault_s"] = gaps_after(times, t_fault)
+            # The longest silence a client saw around the failover (the chunk that may still come from
+            # the dying active right after the fault does not end it).
+            rec["client_max_gap_s"] = max_gap_in(times, t_fault, t_fault + 1.0)
             rec["handover_max_gap_s"] = max_gap_in(times, done - dur - 0.05, done + 0.2)
             rec["decode_step_s"] = step
             print(f"fault {n} {spec}: in_mps={rec['active_in_mps_before']} cause={rec['failover']['cause']} "
                   f"fault->detect={rec['fault_to_detect_s']} detect->tok={rec['detect_to_first_resumed_token_s']} "
-                  f"client_gap={rec['client_gap_from_fault_s']} restored={rec['failback']['restored_s_after_detect']}s "
+                  f"client_gap={rec['client_gap_from_fault_s']} max_gap={rec['client_max_gap_s']} restored={rec['failback']['restored_s_after_detect']}s "
                   f"handover={rec['failback']['handover_s']}s gap={rec['handover_max_gap_s']} step={step:.4f}", flush=True)
             save()
     except Exception as ex:  # keep what was measured

@@ -467,7 +467,8 @@ class EngineLoop:
                         log.exception("engine loop command failed")
                 if self.core.has_work():
                     t_step = time.perf_counter_ns() if self.trace_steps else 0
-                    outs = self._step()
+                    prof = _step_profiler() if self.trace_steps else None
+                    outs = self._step() if prof is None else prof.runcall(self._step)
                     if self._step_delay:
                         time.sleep(self._step_delay)
                     self.step_count += 1
@@ -477,6 +478,8 @@ class EngineLoop:
                     self._dispatch(outs)
                     if self.trace_steps:
                         self._trace(t_step, t_disp, outs)
+                        if prof is not None:
+                            _log_profile(prof, self.step_count)
                     # Also publish as soon as a request has its first token: its prompt's
                     # KV is the costliest part to recompute, so a fault right after a
                     # prefill should not have to.
@@ -564,6 +567,25 @@ class EngineLoop:
 # request, to <dir>/tokens-<pid>.jsonl, so a harness can compare token ids across
 # a failover (the OpenAI stream carries text only).
 _TOKEN_LOG = os.environ.get("FRMPS_DEBUG_TOKEN_LOG", "")
+
+
+def _step_profiler():
+    """Diagnostics (FRMPS_DEBUG_TAKEOVER_PROFILE=1): profile the traced steps after
+    a takeover (where the first resumed token's time goes on the host)."""
+    if os.environ.get("FRMPS_DEBUG_TAKEOVER_PROFILE", "") not in ("", "0"):
+        import cProfile
+
+        return cProfile.Profile()
+    return None
+
+
+def _log_profile(prof, step: int) -> None:
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+    log.info("step %d after start, profile:\n%s", step, out.getvalue())
 
 
 def _log_tokens(s: RequestStream) -> None:
