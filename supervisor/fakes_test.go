@@ -614,6 +614,13 @@ type fakeMPS struct {
 
 func (m *fakeMPS) LogDir() string { return m.logDir }
 
+// recovers counts Recover calls (restarts of frmps's own daemon).
+func (m *fakeMPS) recovers() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.restarts
+}
+
 func (m *fakeMPS) Check(context.Context) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()

@@ -55,10 +55,7 @@ func TestMPSServerTeardownFailsOverAtOnce(t *testing.T) {
 			t.Fatalf("failovers{mps_fault} %v", v)
 		}
 		// frmps's own daemon is restarted before an engine is launched into it again.
-		w.mps.mu.Lock()
-		restarts := w.mps.restarts
-		w.mps.mu.Unlock()
-		if restarts != 1 {
+		if restarts := w.mps.recovers(); restarts != 1 {
 			t.Fatalf("MPS restarted %d times after the fatal error, want 1", restarts)
 		}
 		// The same line again (the server repeats the pid in several lines): one failover.
@@ -86,10 +83,7 @@ func TestMPSFaultLeavesTheOperatorsDaemon(t *testing.T) {
 		if recs := h.s.Status().Failovers; len(recs) != 1 || recs[0].GetCause() != "mps_fault" {
 			t.Fatalf("records %v", recs)
 		}
-		w.mps.mu.Lock()
-		restarts := w.mps.restarts
-		w.mps.mu.Unlock()
-		if restarts != 0 {
+		if restarts := w.mps.recovers(); restarts != 0 {
 			t.Fatalf("the operator's daemon was restarted %d times", restarts)
 		}
 		h.stop()
