@@ -14,9 +14,11 @@ the ring publish, over a FAKE core (labelled test doubles):
 --step-ms is the device's time per step, a sleep with the GIL free.
 
 Whatever a step costs here is what frmps adds to an engine's own step on the
-engine process's CPU (the loop thread shares the GIL with one gRPC thread per
-stream). Clients are separate processes reading the gRPC streams the way the Go
-front door does (one stream per request).
+engine process's CPU (the loop thread shares the GIL with the gRPC threads that
+send the output). Clients are separate processes reading the way the Go front
+door does: one Stream per client carrying all its requests (--wire stream, one
+message per engine step), or one Generate stream per request (--wire
+per-request, the fallback for engines without Stream).
 
     PYTHONPATH=vllmpatch/src .venv/bin/python bench/serving_overhead.py \\
         --batches 1,8,64 --tokens 256 [--tokenizer <hf dir>] [--no-ring] [--profile out.prof]
@@ -214,12 +216,45 @@ def _client(sock: str, keys: list[int], tokens: int, start, q) -> None:
     q.put((sum(got), sum(msgs)))
 
 
-def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, key0: int, step_s: float) -> dict:
+def _client_stream(sock: str, keys: list[int], tokens: int, start, q) -> None:
+    """The front door's way since the Stream RPC: one stream per connection for all its requests."""
+    import queue
+
+    import grpc
+
+    ch = grpc.insecure_channel("unix://" + sock)
+    stub = generation_pb2_grpc.GenerationStub(ch)
+    ops: queue.Queue = queue.Queue()
+    got = msgs = 0
+    start.wait()
+    for key in keys:
+        ops.put(generation_pb2.StreamRequest(generate=generation_pb2.GenerateRequest(
+            key=key, prompt_token_ids=generation_pb2.TokenIds(ids=list(range(100, 132))),
+            params=control_pb2.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))))
+    left = set(keys)
+    it = stub.Stream(iter(ops.get, None))
+    for resp in it:
+        msgs += 1
+        for c in resp.chunks:
+            got += len(c.response.token_ids)
+            if c.status_code or c.response.finish_reason:
+                left.discard(c.key)
+        if not left:
+            break
+    ops.put(None)
+    it.cancel()
+    ch.close()
+    q.put((got, msgs + len(keys)))  # + the first chunk per request, as a per-request stream counts it
+
+
+def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, key0: int, step_s: float,
+              wire: str = "stream") -> dict:
     ctx = mp.get_context("spawn")
     start, q = ctx.Event(), ctx.Queue()
     keys = [key0 + i for i in range(batch)]
     per = [keys[i::procs] for i in range(min(procs, batch))]
-    ps = [ctx.Process(target=_client, args=(sock, ks, tokens, start, q)) for ks in per]
+    target = _client_stream if wire == "stream" else _client
+    ps = [ctx.Process(target=target, args=(sock, ks, tokens, start, q)) for ks in per]
     for p in ps:
         p.start()
     time.sleep(1.0)  # clients imported and connected
@@ -253,6 +288,8 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=2.0,
                     help="device time per step (a sleep that frees the GIL; vLLM alone: ~2.1 ms at b=1 on an H100)")
     ap.add_argument("--client-procs", type=int, default=2, help="client processes (streams split between them)")
+    ap.add_argument("--wire", choices=["stream", "per-request"], default="stream",
+                    help="clients read through one Stream each (what the front door does) or one Generate per request")
     ap.add_argument("--tokenizer", default="", help="HF model directory whose tokenizer detokenises (default: a byte tokenizer)")
     ap.add_argument("--no-ring", action="store_true", help="do not publish to a ring")
     ap.add_argument("--numpy-crc", action="store_true",
@@ -294,9 +331,9 @@ def main() -> int:
         try:
             key = 1
             for b in batches:
-                run_batch(sock, loop, b, 16, args.client_procs, key, args.step_ms / 1e3)  # warm-up
+                run_batch(sock, loop, b, 16, args.client_procs, key, args.step_ms / 1e3, args.wire)  # warm-up
                 key += b
-                r = run_batch(sock, loop, b, args.tokens, args.client_procs, key, args.step_ms / 1e3)
+                r = run_batch(sock, loop, b, args.tokens, args.client_procs, key, args.step_ms / 1e3, args.wire)
                 key += b
                 r["tokenizer"] = "hf:" + os.path.basename(args.tokenizer.rstrip("/")) if args.tokenizer else "bytes"
                 r["ring"] = not args.no_ring

@@ -11,6 +11,8 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 )
@@ -43,6 +45,10 @@ func (c *memClient) Resume(context.Context, *frmpsv1.ResumeStreamRequest, ...grp
 
 func (c *memClient) Abort(context.Context, *frmpsv1.AbortRequest, ...grpc.CallOption) (*frmpsv1.AbortResponse, error) {
 	return &frmpsv1.AbortResponse{}, nil
+}
+
+func (c *memClient) Stream(context.Context, ...grpc.CallOption) (grpc.BidiStreamingClient[frmpsv1.StreamRequest, frmpsv1.StreamResponse], error) {
+	return nil, status.Error(codes.Unimplemented, "memClient has no Stream")
 }
 
 func (c *memClient) Health(context.Context, *frmpsv1.HealthRequest, ...grpc.CallOption) (*frmpsv1.HealthResponse, error) {

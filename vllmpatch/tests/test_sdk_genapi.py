@@ -236,3 +236,104 @@ def test_concurrent_streams(env):
         t.join()
     for k in range(8):
         assert results[k] == reference(TOK.encode(f"p{k}"), 5 + k)
+
+
+# -- Stream: many requests on one stream ---------------------------------------------
+
+
+class StreamClient:
+    """One Stream; operations go in through a queue, chunks are gathered per key."""
+
+    def __init__(self, stub):
+        import queue
+
+        self._q = queue.Queue()
+        self._it = stub.Stream(iter(self._q.get, None))
+        self.by_key: dict[int, list] = {}
+        self.messages = 0
+        self._done = threading.Event()
+        self._t = threading.Thread(target=self._read, daemon=True)
+        self._t.start()
+
+    def _read(self):
+        try:
+            for resp in self._it:
+                self.messages += 1
+                for ch in resp.chunks:
+                    self.by_key.setdefault(ch.key, []).append(ch)
+        except grpc.RpcError:
+            pass
+        self._done.set()
+
+    def send(self, **op):
+        self._q.put(g.StreamRequest(**op))
+
+    def ended(self, key):
+        chs = self.by_key.get(key, [])
+        return bool(chs) and (chs[-1].status_code != 0 or chs[-1].response.finish_reason != g.FINISH_REASON_UNSPECIFIED)
+
+    def wait(self, keys, timeout=20.0):
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not all(self.ended(k) for k in keys):
+            assert time.monotonic() < deadline, {k: len(self.by_key.get(k, [])) for k in keys}
+            time.sleep(0.005)
+
+    def tokens(self, key):
+        return [t for ch in self.by_key[key] for t in ch.response.token_ids]
+
+    def close(self):
+        self._q.put(None)
+        self._done.wait(10)
+
+
+def test_stream_carries_many_requests_exactly(slow_env):
+    sc = StreamClient(slow_env.stub)
+    keys = list(range(200, 216))
+    for k in keys:
+        sc.send(generate=gen(k, f"q{k}", 12))
+    sc.wait(keys)
+    for k in keys:
+        chs = sc.by_key[k]
+        assert chs[0].response.usage.prompt_tokens == len(TOK.encode(f"q{k}")) and not chs[0].response.token_ids
+        check_indices([c.response for c in chs])
+        assert sc.tokens(k) == reference(TOK.encode(f"q{k}"), 12)
+        assert "".join(c.response.text for c in chs) == TOK.decode(sc.tokens(k))
+        assert chs[-1].response.finish_reason == g.FINISH_REASON_LENGTH
+    # One message per engine step carries every request's token: far fewer messages than chunks.
+    assert sc.messages < sum(len(v) for v in sc.by_key.values()) / 4
+    sc.close()
+
+
+def test_stream_errors_resume_and_detach(slow_env):
+    sc = StreamClient(slow_env.stub)
+    sc.send(generate=gen(300, "", 5))  # refused: its own error chunk, the stream goes on
+    sc.send(resume=g.ResumeStreamRequest(key=999, delivered=0))
+    sc.send(generate=gen(301, "hello", 40))
+    sc.wait([300, 999])
+    assert sc.by_key[300][-1].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert sc.by_key[999][-1].status_code == grpc.StatusCode.NOT_FOUND.value[0]
+    # A second reader of 301 from index 3, on another stream, gets the same tail.
+    other = StreamClient(slow_env.stub)
+    import time
+
+    while len(sc.tokens(301) if 301 in sc.by_key else []) < 3:
+        time.sleep(0.005)
+    other.send(resume=g.ResumeStreamRequest(key=301, delivered=3))
+    sc.wait([301])
+    other.wait([301])
+    assert other.tokens(301) == sc.tokens(301)[3:]
+    check_indices([c.response for c in other.by_key[301]], 3)
+    # Detach: the engine stops sending that request on this stream; the request itself runs on.
+    sc.send(generate=gen(302, "hello", 100))
+    while 302 not in sc.by_key or len(sc.by_key[302]) < 3:
+        time.sleep(0.005)
+    sc.send(detach=g.AbortRequest(key=302))
+    time.sleep(0.3)
+    n = len(sc.by_key[302])
+    time.sleep(0.3)
+    assert len(sc.by_key[302]) == n and not sc.ended(302)
+    assert slow_env.stub.Abort(g.AbortRequest(key=302)).found
+    sc.close()
+    other.close()

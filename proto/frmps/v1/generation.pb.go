@@ -76,6 +76,219 @@ func (FinishReason) EnumDescriptor() ([]byte, []int) {
 	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{0}
 }
 
+type StreamRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Op:
+	//
+	//	*StreamRequest_Generate
+	//	*StreamRequest_Resume
+	//	*StreamRequest_Detach
+	Op            isStreamRequest_Op `protobuf_oneof:"op"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StreamRequest) Reset() {
+	*x = StreamRequest{}
+	mi := &file_frmps_v1_generation_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StreamRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StreamRequest) ProtoMessage() {}
+
+func (x *StreamRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_generation_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StreamRequest.ProtoReflect.Descriptor instead.
+func (*StreamRequest) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *StreamRequest) GetOp() isStreamRequest_Op {
+	if x != nil {
+		return x.Op
+	}
+	return nil
+}
+
+func (x *StreamRequest) GetGenerate() *GenerateRequest {
+	if x != nil {
+		if x, ok := x.Op.(*StreamRequest_Generate); ok {
+			return x.Generate
+		}
+	}
+	return nil
+}
+
+func (x *StreamRequest) GetResume() *ResumeStreamRequest {
+	if x != nil {
+		if x, ok := x.Op.(*StreamRequest_Resume); ok {
+			return x.Resume
+		}
+	}
+	return nil
+}
+
+func (x *StreamRequest) GetDetach() *AbortRequest {
+	if x != nil {
+		if x, ok := x.Op.(*StreamRequest_Detach); ok {
+			return x.Detach
+		}
+	}
+	return nil
+}
+
+type isStreamRequest_Op interface {
+	isStreamRequest_Op()
+}
+
+type StreamRequest_Generate struct {
+	Generate *GenerateRequest `protobuf:"bytes,1,opt,name=generate,proto3,oneof"`
+}
+
+type StreamRequest_Resume struct {
+	Resume *ResumeStreamRequest `protobuf:"bytes,2,opt,name=resume,proto3,oneof"`
+}
+
+type StreamRequest_Detach struct {
+	// Stop sending this request's output on this stream (the caller gave up
+	// on it); the request itself is aborted only by Abort.
+	Detach *AbortRequest `protobuf:"bytes,3,opt,name=detach,proto3,oneof"`
+}
+
+func (*StreamRequest_Generate) isStreamRequest_Op() {}
+
+func (*StreamRequest_Resume) isStreamRequest_Op() {}
+
+func (*StreamRequest_Detach) isStreamRequest_Op() {}
+
+type StreamChunk struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Key      uint64                 `protobuf:"varint,1,opt,name=key,proto3" json:"key,omitempty"`
+	Response *GenerateResponse      `protobuf:"bytes,2,opt,name=response,proto3" json:"response,omitempty"` // unset when status_code is set
+	// A gRPC status code: the request's output ended with this error (0: none).
+	StatusCode    int32  `protobuf:"varint,3,opt,name=status_code,json=statusCode,proto3" json:"status_code,omitempty"`
+	StatusMessage string `protobuf:"bytes,4,opt,name=status_message,json=statusMessage,proto3" json:"status_message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StreamChunk) Reset() {
+	*x = StreamChunk{}
+	mi := &file_frmps_v1_generation_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StreamChunk) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StreamChunk) ProtoMessage() {}
+
+func (x *StreamChunk) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_generation_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StreamChunk.ProtoReflect.Descriptor instead.
+func (*StreamChunk) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *StreamChunk) GetKey() uint64 {
+	if x != nil {
+		return x.Key
+	}
+	return 0
+}
+
+func (x *StreamChunk) GetResponse() *GenerateResponse {
+	if x != nil {
+		return x.Response
+	}
+	return nil
+}
+
+func (x *StreamChunk) GetStatusCode() int32 {
+	if x != nil {
+		return x.StatusCode
+	}
+	return 0
+}
+
+func (x *StreamChunk) GetStatusMessage() string {
+	if x != nil {
+		return x.StatusMessage
+	}
+	return ""
+}
+
+type StreamResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Chunks        []*StreamChunk         `protobuf:"bytes,1,rep,name=chunks,proto3" json:"chunks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StreamResponse) Reset() {
+	*x = StreamResponse{}
+	mi := &file_frmps_v1_generation_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StreamResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StreamResponse) ProtoMessage() {}
+
+func (x *StreamResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_generation_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StreamResponse.ProtoReflect.Descriptor instead.
+func (*StreamResponse) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *StreamResponse) GetChunks() []*StreamChunk {
+	if x != nil {
+		return x.Chunks
+	}
+	return nil
+}
+
 type GenerateRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Supervisor-assigned key, unique per deployment; used in the ring.
@@ -95,7 +308,7 @@ type GenerateRequest struct {
 
 func (x *GenerateRequest) Reset() {
 	*x = GenerateRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[0]
+	mi := &file_frmps_v1_generation_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -107,7 +320,7 @@ func (x *GenerateRequest) String() string {
 func (*GenerateRequest) ProtoMessage() {}
 
 func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[0]
+	mi := &file_frmps_v1_generation_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -120,7 +333,7 @@ func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateRequest.ProtoReflect.Descriptor instead.
 func (*GenerateRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{0}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *GenerateRequest) GetKey() uint64 {
@@ -216,7 +429,7 @@ type TokenIds struct {
 
 func (x *TokenIds) Reset() {
 	*x = TokenIds{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[1]
+	mi := &file_frmps_v1_generation_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -228,7 +441,7 @@ func (x *TokenIds) String() string {
 func (*TokenIds) ProtoMessage() {}
 
 func (x *TokenIds) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[1]
+	mi := &file_frmps_v1_generation_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -241,7 +454,7 @@ func (x *TokenIds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenIds.ProtoReflect.Descriptor instead.
 func (*TokenIds) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{1}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *TokenIds) GetIds() []uint32 {
@@ -260,7 +473,7 @@ type ChatMessages struct {
 
 func (x *ChatMessages) Reset() {
 	*x = ChatMessages{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[2]
+	mi := &file_frmps_v1_generation_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -272,7 +485,7 @@ func (x *ChatMessages) String() string {
 func (*ChatMessages) ProtoMessage() {}
 
 func (x *ChatMessages) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[2]
+	mi := &file_frmps_v1_generation_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -285,7 +498,7 @@ func (x *ChatMessages) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessages.ProtoReflect.Descriptor instead.
 func (*ChatMessages) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{2}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ChatMessages) GetMessages() []*ChatMessage {
@@ -305,7 +518,7 @@ type Usage struct {
 
 func (x *Usage) Reset() {
 	*x = Usage{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[3]
+	mi := &file_frmps_v1_generation_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -317,7 +530,7 @@ func (x *Usage) String() string {
 func (*Usage) ProtoMessage() {}
 
 func (x *Usage) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[3]
+	mi := &file_frmps_v1_generation_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -330,7 +543,7 @@ func (x *Usage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Usage.ProtoReflect.Descriptor instead.
 func (*Usage) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{3}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Usage) GetPromptTokens() uint32 {
@@ -364,7 +577,7 @@ type GenerateResponse struct {
 
 func (x *GenerateResponse) Reset() {
 	*x = GenerateResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[4]
+	mi := &file_frmps_v1_generation_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -376,7 +589,7 @@ func (x *GenerateResponse) String() string {
 func (*GenerateResponse) ProtoMessage() {}
 
 func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[4]
+	mi := &file_frmps_v1_generation_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -389,7 +602,7 @@ func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateResponse.ProtoReflect.Descriptor instead.
 func (*GenerateResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{4}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *GenerateResponse) GetTokenIds() []uint32 {
@@ -445,7 +658,7 @@ type ResumeStreamRequest struct {
 
 func (x *ResumeStreamRequest) Reset() {
 	*x = ResumeStreamRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[5]
+	mi := &file_frmps_v1_generation_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -457,7 +670,7 @@ func (x *ResumeStreamRequest) String() string {
 func (*ResumeStreamRequest) ProtoMessage() {}
 
 func (x *ResumeStreamRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[5]
+	mi := &file_frmps_v1_generation_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -470,7 +683,7 @@ func (x *ResumeStreamRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeStreamRequest.ProtoReflect.Descriptor instead.
 func (*ResumeStreamRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{5}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ResumeStreamRequest) GetKey() uint64 {
@@ -496,7 +709,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[6]
+	mi := &file_frmps_v1_generation_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -508,7 +721,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[6]
+	mi := &file_frmps_v1_generation_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -521,7 +734,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{6}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *AbortRequest) GetKey() uint64 {
@@ -540,7 +753,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[7]
+	mi := &file_frmps_v1_generation_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -552,7 +765,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[7]
+	mi := &file_frmps_v1_generation_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -565,7 +778,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{7}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *AbortResponse) GetFound() bool {
@@ -583,7 +796,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[8]
+	mi := &file_frmps_v1_generation_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -595,7 +808,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[8]
+	mi := &file_frmps_v1_generation_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -608,7 +821,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{8}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{11}
 }
 
 type HealthResponse struct {
@@ -624,7 +837,7 @@ type HealthResponse struct {
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[9]
+	mi := &file_frmps_v1_generation_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -636,7 +849,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[9]
+	mi := &file_frmps_v1_generation_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -649,7 +862,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{9}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *HealthResponse) GetServing() bool {
@@ -691,7 +904,20 @@ var File_frmps_v1_generation_proto protoreflect.FileDescriptor
 
 const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\n" +
-	"\x19frmps/v1/generation.proto\x12\bfrmps.v1\x1a\x16frmps/v1/control.proto\"\xc1\x02\n" +
+	"\x19frmps/v1/generation.proto\x12\bfrmps.v1\x1a\x16frmps/v1/control.proto\"\xb9\x01\n" +
+	"\rStreamRequest\x127\n" +
+	"\bgenerate\x18\x01 \x01(\v2\x19.frmps.v1.GenerateRequestH\x00R\bgenerate\x127\n" +
+	"\x06resume\x18\x02 \x01(\v2\x1d.frmps.v1.ResumeStreamRequestH\x00R\x06resume\x120\n" +
+	"\x06detach\x18\x03 \x01(\v2\x16.frmps.v1.AbortRequestH\x00R\x06detachB\x04\n" +
+	"\x02op\"\x9f\x01\n" +
+	"\vStreamChunk\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\x04R\x03key\x126\n" +
+	"\bresponse\x18\x02 \x01(\v2\x1a.frmps.v1.GenerateResponseR\bresponse\x12\x1f\n" +
+	"\vstatus_code\x18\x03 \x01(\x05R\n" +
+	"statusCode\x12%\n" +
+	"\x0estatus_message\x18\x04 \x01(\tR\rstatusMessage\"?\n" +
+	"\x0eStreamResponse\x12-\n" +
+	"\x06chunks\x18\x01 \x03(\v2\x15.frmps.v1.StreamChunkR\x06chunks\"\xc1\x02\n" +
 	"\x0fGenerateRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\x04R\x03key\x12\x1d\n" +
 	"\n" +
@@ -735,13 +961,14 @@ const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12FINISH_REASON_STOP\x10\x01\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x02\x12\x17\n" +
-	"\x13FINISH_REASON_ABORT\x10\x032\x8f\x02\n" +
+	"\x13FINISH_REASON_ABORT\x10\x032\xd0\x02\n" +
 	"\n" +
 	"Generation\x12C\n" +
 	"\bGenerate\x12\x19.frmps.v1.GenerateRequest\x1a\x1a.frmps.v1.GenerateResponse0\x01\x12E\n" +
 	"\x06Resume\x12\x1d.frmps.v1.ResumeStreamRequest\x1a\x1a.frmps.v1.GenerateResponse0\x01\x128\n" +
 	"\x05Abort\x12\x16.frmps.v1.AbortRequest\x1a\x17.frmps.v1.AbortResponse\x12;\n" +
-	"\x06Health\x12\x17.frmps.v1.HealthRequest\x1a\x18.frmps.v1.HealthResponseB/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3"
+	"\x06Health\x12\x17.frmps.v1.HealthRequest\x1a\x18.frmps.v1.HealthResponse\x12?\n" +
+	"\x06Stream\x12\x17.frmps.v1.StreamRequest\x1a\x18.frmps.v1.StreamResponse(\x010\x01B/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3"
 
 var (
 	file_frmps_v1_generation_proto_rawDescOnce sync.Once
@@ -756,42 +983,52 @@ func file_frmps_v1_generation_proto_rawDescGZIP() []byte {
 }
 
 var file_frmps_v1_generation_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_frmps_v1_generation_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_frmps_v1_generation_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_frmps_v1_generation_proto_goTypes = []any{
 	(FinishReason)(0),           // 0: frmps.v1.FinishReason
-	(*GenerateRequest)(nil),     // 1: frmps.v1.GenerateRequest
-	(*TokenIds)(nil),            // 2: frmps.v1.TokenIds
-	(*ChatMessages)(nil),        // 3: frmps.v1.ChatMessages
-	(*Usage)(nil),               // 4: frmps.v1.Usage
-	(*GenerateResponse)(nil),    // 5: frmps.v1.GenerateResponse
-	(*ResumeStreamRequest)(nil), // 6: frmps.v1.ResumeStreamRequest
-	(*AbortRequest)(nil),        // 7: frmps.v1.AbortRequest
-	(*AbortResponse)(nil),       // 8: frmps.v1.AbortResponse
-	(*HealthRequest)(nil),       // 9: frmps.v1.HealthRequest
-	(*HealthResponse)(nil),      // 10: frmps.v1.HealthResponse
-	(*SamplingParams)(nil),      // 11: frmps.v1.SamplingParams
-	(*ChatMessage)(nil),         // 12: frmps.v1.ChatMessage
+	(*StreamRequest)(nil),       // 1: frmps.v1.StreamRequest
+	(*StreamChunk)(nil),         // 2: frmps.v1.StreamChunk
+	(*StreamResponse)(nil),      // 3: frmps.v1.StreamResponse
+	(*GenerateRequest)(nil),     // 4: frmps.v1.GenerateRequest
+	(*TokenIds)(nil),            // 5: frmps.v1.TokenIds
+	(*ChatMessages)(nil),        // 6: frmps.v1.ChatMessages
+	(*Usage)(nil),               // 7: frmps.v1.Usage
+	(*GenerateResponse)(nil),    // 8: frmps.v1.GenerateResponse
+	(*ResumeStreamRequest)(nil), // 9: frmps.v1.ResumeStreamRequest
+	(*AbortRequest)(nil),        // 10: frmps.v1.AbortRequest
+	(*AbortResponse)(nil),       // 11: frmps.v1.AbortResponse
+	(*HealthRequest)(nil),       // 12: frmps.v1.HealthRequest
+	(*HealthResponse)(nil),      // 13: frmps.v1.HealthResponse
+	(*SamplingParams)(nil),      // 14: frmps.v1.SamplingParams
+	(*ChatMessage)(nil),         // 15: frmps.v1.ChatMessage
 }
 var file_frmps_v1_generation_proto_depIdxs = []int32{
-	2,  // 0: frmps.v1.GenerateRequest.prompt_token_ids:type_name -> frmps.v1.TokenIds
-	3,  // 1: frmps.v1.GenerateRequest.messages:type_name -> frmps.v1.ChatMessages
-	11, // 2: frmps.v1.GenerateRequest.params:type_name -> frmps.v1.SamplingParams
-	12, // 3: frmps.v1.ChatMessages.messages:type_name -> frmps.v1.ChatMessage
-	0,  // 4: frmps.v1.GenerateResponse.finish_reason:type_name -> frmps.v1.FinishReason
-	4,  // 5: frmps.v1.GenerateResponse.usage:type_name -> frmps.v1.Usage
-	1,  // 6: frmps.v1.Generation.Generate:input_type -> frmps.v1.GenerateRequest
-	6,  // 7: frmps.v1.Generation.Resume:input_type -> frmps.v1.ResumeStreamRequest
-	7,  // 8: frmps.v1.Generation.Abort:input_type -> frmps.v1.AbortRequest
-	9,  // 9: frmps.v1.Generation.Health:input_type -> frmps.v1.HealthRequest
-	5,  // 10: frmps.v1.Generation.Generate:output_type -> frmps.v1.GenerateResponse
-	5,  // 11: frmps.v1.Generation.Resume:output_type -> frmps.v1.GenerateResponse
-	8,  // 12: frmps.v1.Generation.Abort:output_type -> frmps.v1.AbortResponse
-	10, // 13: frmps.v1.Generation.Health:output_type -> frmps.v1.HealthResponse
-	10, // [10:14] is the sub-list for method output_type
-	6,  // [6:10] is the sub-list for method input_type
-	6,  // [6:6] is the sub-list for extension type_name
-	6,  // [6:6] is the sub-list for extension extendee
-	0,  // [0:6] is the sub-list for field type_name
+	4,  // 0: frmps.v1.StreamRequest.generate:type_name -> frmps.v1.GenerateRequest
+	9,  // 1: frmps.v1.StreamRequest.resume:type_name -> frmps.v1.ResumeStreamRequest
+	10, // 2: frmps.v1.StreamRequest.detach:type_name -> frmps.v1.AbortRequest
+	8,  // 3: frmps.v1.StreamChunk.response:type_name -> frmps.v1.GenerateResponse
+	2,  // 4: frmps.v1.StreamResponse.chunks:type_name -> frmps.v1.StreamChunk
+	5,  // 5: frmps.v1.GenerateRequest.prompt_token_ids:type_name -> frmps.v1.TokenIds
+	6,  // 6: frmps.v1.GenerateRequest.messages:type_name -> frmps.v1.ChatMessages
+	14, // 7: frmps.v1.GenerateRequest.params:type_name -> frmps.v1.SamplingParams
+	15, // 8: frmps.v1.ChatMessages.messages:type_name -> frmps.v1.ChatMessage
+	0,  // 9: frmps.v1.GenerateResponse.finish_reason:type_name -> frmps.v1.FinishReason
+	7,  // 10: frmps.v1.GenerateResponse.usage:type_name -> frmps.v1.Usage
+	4,  // 11: frmps.v1.Generation.Generate:input_type -> frmps.v1.GenerateRequest
+	9,  // 12: frmps.v1.Generation.Resume:input_type -> frmps.v1.ResumeStreamRequest
+	10, // 13: frmps.v1.Generation.Abort:input_type -> frmps.v1.AbortRequest
+	12, // 14: frmps.v1.Generation.Health:input_type -> frmps.v1.HealthRequest
+	1,  // 15: frmps.v1.Generation.Stream:input_type -> frmps.v1.StreamRequest
+	8,  // 16: frmps.v1.Generation.Generate:output_type -> frmps.v1.GenerateResponse
+	8,  // 17: frmps.v1.Generation.Resume:output_type -> frmps.v1.GenerateResponse
+	11, // 18: frmps.v1.Generation.Abort:output_type -> frmps.v1.AbortResponse
+	13, // 19: frmps.v1.Generation.Health:output_type -> frmps.v1.HealthResponse
+	3,  // 20: frmps.v1.Generation.Stream:output_type -> frmps.v1.StreamResponse
+	16, // [16:21] is the sub-list for method output_type
+	11, // [11:16] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_generation_proto_init() }
@@ -801,6 +1038,11 @@ func file_frmps_v1_generation_proto_init() {
 	}
 	file_frmps_v1_control_proto_init()
 	file_frmps_v1_generation_proto_msgTypes[0].OneofWrappers = []any{
+		(*StreamRequest_Generate)(nil),
+		(*StreamRequest_Resume)(nil),
+		(*StreamRequest_Detach)(nil),
+	}
+	file_frmps_v1_generation_proto_msgTypes[3].OneofWrappers = []any{
 		(*GenerateRequest_Prompt)(nil),
 		(*GenerateRequest_PromptTokenIds)(nil),
 		(*GenerateRequest_Messages)(nil),
@@ -811,7 +1053,7 @@ func file_frmps_v1_generation_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_generation_proto_rawDesc), len(file_frmps_v1_generation_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   10,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -26,6 +26,7 @@ const (
 	Generation_Resume_FullMethodName   = "/frmps.v1.Generation/Resume"
 	Generation_Abort_FullMethodName    = "/frmps.v1.Generation/Abort"
 	Generation_Health_FullMethodName   = "/frmps.v1.Generation/Health"
+	Generation_Stream_FullMethodName   = "/frmps.v1.Generation/Stream"
 )
 
 // GenerationClient is the client API for Generation service.
@@ -39,6 +40,14 @@ type GenerationClient interface {
 	Resume(ctx context.Context, in *ResumeStreamRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[GenerateResponse], error)
 	Abort(ctx context.Context, in *AbortRequest, opts ...grpc.CallOption) (*AbortResponse, error)
 	Health(ctx context.Context, in *HealthRequest, opts ...grpc.CallOption) (*HealthResponse, error)
+	// Many requests on one stream: the client sends generate, resume and
+	// detach operations; the engine sends, each time it has output, one message
+	// with a chunk for every request that has one (one message per engine step
+	// under load instead of one per request). Per request, the chunks are what
+	// Generate or Resume would stream, and a request's errors come as a chunk
+	// with status_code set. Optional: a client that gets UNIMPLEMENTED falls back
+	// to Generate and Resume.
+	Stream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[StreamRequest, StreamResponse], error)
 }
 
 type generationClient struct {
@@ -107,6 +116,19 @@ func (c *generationClient) Health(ctx context.Context, in *HealthRequest, opts .
 	return out, nil
 }
 
+func (c *generationClient) Stream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[StreamRequest, StreamResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Generation_ServiceDesc.Streams[2], Generation_Stream_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[StreamRequest, StreamResponse]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Generation_StreamClient = grpc.BidiStreamingClient[StreamRequest, StreamResponse]
+
 // GenerationServer is the server API for Generation service.
 // All implementations must embed UnimplementedGenerationServer
 // for forward compatibility.
@@ -118,6 +140,14 @@ type GenerationServer interface {
 	Resume(*ResumeStreamRequest, grpc.ServerStreamingServer[GenerateResponse]) error
 	Abort(context.Context, *AbortRequest) (*AbortResponse, error)
 	Health(context.Context, *HealthRequest) (*HealthResponse, error)
+	// Many requests on one stream: the client sends generate, resume and
+	// detach operations; the engine sends, each time it has output, one message
+	// with a chunk for every request that has one (one message per engine step
+	// under load instead of one per request). Per request, the chunks are what
+	// Generate or Resume would stream, and a request's errors come as a chunk
+	// with status_code set. Optional: a client that gets UNIMPLEMENTED falls back
+	// to Generate and Resume.
+	Stream(grpc.BidiStreamingServer[StreamRequest, StreamResponse]) error
 	mustEmbedUnimplementedGenerationServer()
 }
 
@@ -139,6 +169,9 @@ func (UnimplementedGenerationServer) Abort(context.Context, *AbortRequest) (*Abo
 }
 func (UnimplementedGenerationServer) Health(context.Context, *HealthRequest) (*HealthResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Health not implemented")
+}
+func (UnimplementedGenerationServer) Stream(grpc.BidiStreamingServer[StreamRequest, StreamResponse]) error {
+	return status.Error(codes.Unimplemented, "method Stream not implemented")
 }
 func (UnimplementedGenerationServer) mustEmbedUnimplementedGenerationServer() {}
 func (UnimplementedGenerationServer) testEmbeddedByValue()                    {}
@@ -219,6 +252,13 @@ func _Generation_Health_Handler(srv interface{}, ctx context.Context, dec func(i
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Generation_Stream_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(GenerationServer).Stream(&grpc.GenericServerStream[StreamRequest, StreamResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Generation_StreamServer = grpc.BidiStreamingServer[StreamRequest, StreamResponse]
+
 // Generation_ServiceDesc is the grpc.ServiceDesc for Generation service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -245,6 +285,12 @@ var Generation_ServiceDesc = grpc.ServiceDesc{
 			StreamName:    "Resume",
 			Handler:       _Generation_Resume_Handler,
 			ServerStreams: true,
+		},
+		{
+			StreamName:    "Stream",
+			Handler:       _Generation_Stream_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
 		},
 	},
 	Metadata: "frmps/v1/generation.proto",

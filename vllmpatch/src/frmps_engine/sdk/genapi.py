@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
 from concurrent import futures
 from typing import Protocol
 
@@ -83,8 +84,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # -- RPCs -----------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext):
+        try:
+            stream, prompt_len = self._submit(request)
+        except _Refused as e:
+            context.abort(e.code, e.message)
+        # First chunk at once: the caller checks limits on prompt_tokens before any output exists.
+        yield generation_pb2.GenerateResponse(usage=generation_pb2.Usage(prompt_tokens=prompt_len))
+        yield from self._follow(stream, 0, context)
+
+    def _submit(self, request: generation_pb2.GenerateRequest) -> tuple[RequestStream, int]:
+        """Check and start a request; _Refused says why not."""
         if not self._b.serving():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not serving (standby or shutting down)")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "engine is not serving (standby or shutting down)")
         tok = self._b.tokenizer()
         which = request.WhichOneof("input")
         try:
@@ -104,14 +115,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 )
             params = normalize(request.params, request.key, len(ids), self._b.max_model_len, vocab_size(tok))
         except InvalidRequest as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
-            stream = self._b.submit(request.key, ids, params)
+            return self._b.submit(request.key, ids, params), len(ids)
         except DuplicateRequest as e:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        # First chunk at once: the caller checks limits on prompt_tokens before any output exists.
-        yield generation_pb2.GenerateResponse(usage=generation_pb2.Usage(prompt_tokens=len(ids)))
-        yield from self._follow(stream, 0, context)
+            raise _Refused(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
 
     def Resume(self, request: generation_pb2.ResumeStreamRequest, context: grpc.ServicerContext):
         stream = self._b.get(request.key)
@@ -131,67 +139,231 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             running=running, waiting=waiting,
         )
 
+    def Stream(self, request_iterator, context: grpc.ServicerContext):
+        mux = _Mux(self)
+        threading.Thread(target=mux.read, args=(request_iterator,), name="frmps-gen-stream-in", daemon=True).start()
+        try:
+            while context.is_active():
+                chunks = mux.next_chunks(self._tick)
+                if chunks:
+                    yield generation_pb2.StreamResponse(chunks=chunks)
+                elif mux.done():
+                    return
+        finally:
+            mux.close()
+
     # -- streaming --------------------------------------------------------------
     def _follow(self, stream: RequestStream, start: int, context: grpc.ServicerContext):
-        p = stream.params
-        text = TextStream(self._b.tokenizer(), list(p.stop), p.include_stop_str_in_output)
-        with stream.cond:
-            stream.cond.wait_for(lambda: len(stream.output) >= start or stream.finished, self._tick)
-            while len(stream.output) < start and not stream.finished and context.is_active():
-                stream.cond.wait(self._tick)
-            if len(stream.output) < start:
-                if not context.is_active():
-                    return
-                context.abort(
-                    grpc.StatusCode.OUT_OF_RANGE,
-                    f"request {stream.key} has {len(stream.output)} output tokens, client says it received {start}",
-                )
-            delivered = stream.output[:start]
-        try:
-            text.prime(delivered)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"request {stream.key}: {e}")
-        idx = start
+        f = _Follower(self._b, stream, start)
         while True:
             with stream.cond:
-                if len(stream.output) <= idx and not stream.finished:
+                if not f.ready():
                     stream.cond.wait(self._tick)
-                new = stream.output[idx:]
-                finished, reason, stop_reason, error = stream.finished, stream.finish_reason, stream.stop_reason, stream.error
-                invalid, moved = stream.error_invalid, stream.moved
             if not context.is_active():
                 return
-            if moved:
-                # Handed over (a planned handover): send what this engine produced,
-                # then end the stream; the front door resumes it on the next engine.
-                if not new:
-                    context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  f"request {stream.key} moved to another engine (planned handover)")
-                finished = False
-            if error is not None:
-                code = grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.INTERNAL
-                context.abort(code, f"request {stream.key}: {error}")
-            if not new and not finished:
+            out = f.poll()
+            if out is None:
                 continue
-            n, delta, stop = text.feed(new)
-            if stop is not None:
-                new = new[:n]
-                self._b.stop_at(stream, idx + n, stop)
-                finished, reason, stop_reason = True, "stop", stop
-            done = finished  # read with `new` under the lock: nothing follows a finish
-            if done:
-                delta += text.flush()
-            resp = generation_pb2.GenerateResponse(
-                token_ids=new, text=delta, output_index=idx,
-                usage=generation_pb2.Usage(prompt_tokens=stream.prompt_len, completion_tokens=idx + len(new)),
-            )
-            if done:
-                resp.finish_reason = _FINISH_PB.get(reason or "stop", generation_pb2.FINISH_REASON_STOP)
-                resp.stop_reason = stop_reason or ""
+            resp, err, done = out
+            if err is not None:
+                context.abort(*err)
             yield resp
-            idx += len(new)
             if done:
                 return
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Follower:
+    """One reader of a request's output from index ``start``: the chunks Generate
+    or Resume send, one poll at a time, never blocking."""
+
+    def __init__(self, backend: GenerationBackend, stream: RequestStream, start: int):
+        self._b = backend
+        self.stream = stream
+        self.idx = start
+        self.primed = False
+        p = stream.params
+        self.text = TextStream(backend.tokenizer(), list(p.stop), p.include_stop_str_in_output)
+
+    def ready(self) -> bool:
+        """Something to send (caller holds stream.cond)."""
+        s = self.stream
+        return s.finished or len(s.output) > self.idx or (not self.primed and len(s.output) >= self.idx)
+
+    def poll(self):
+        """None (nothing yet), or (response, error, done): error is (StatusCode, message)
+        and ends this reader, as does done."""
+        stream = self.stream
+        if not self.primed:
+            with stream.cond:
+                if len(stream.output) < self.idx and not stream.finished:
+                    return None
+                delivered = stream.output[: self.idx]
+            if len(delivered) < self.idx:
+                return None, (grpc.StatusCode.OUT_OF_RANGE, f"request {stream.key} has {len(delivered)} output "
+                              f"tokens, client says it received {self.idx}"), True
+            try:
+                self.text.prime(delivered)
+            except ValueError as e:
+                return None, (grpc.StatusCode.FAILED_PRECONDITION, f"request {stream.key}: {e}"), True
+            self.primed = True
+        idx = self.idx
+        with stream.cond:
+            new = stream.output[idx:]
+            finished, reason, stop_reason, error = stream.finished, stream.finish_reason, stream.stop_reason, stream.error
+            invalid, moved = stream.error_invalid, stream.moved
+        if moved:
+            # Handed over (a planned handover): send what this engine produced,
+            # then end the stream; the front door resumes it on the next engine.
+            if not new:
+                return None, (grpc.StatusCode.UNAVAILABLE,
+                              f"request {stream.key} moved to another engine (planned handover)"), True
+            finished = False
+        if error is not None:
+            code = grpc.StatusCode.INVALID_ARGUMENT if invalid else grpc.StatusCode.INTERNAL
+            return None, (code, f"request {stream.key}: {error}"), True
+        if not new and not finished:
+            return None
+        n, delta, stop = self.text.feed(new)
+        if stop is not None:
+            new = new[:n]
+            self._b.stop_at(stream, idx + n, stop)
+            finished, reason, stop_reason = True, "stop", stop
+        done = finished  # read with `new` under the lock: nothing follows a finish
+        if done:
+            delta += self.text.flush()
+        resp = generation_pb2.GenerateResponse(
+            token_ids=new, text=delta, output_index=idx,
+            usage=generation_pb2.Usage(prompt_tokens=stream.prompt_len, completion_tokens=idx + len(new)),
+        )
+        if done:
+            resp.finish_reason = _FINISH_PB.get(reason or "stop", generation_pb2.FINISH_REASON_STOP)
+            resp.stop_reason = stop_reason or ""
+        self.idx = idx + len(new)
+        return resp, None, done
+
+
+class _Mux:
+    """The requests of one Stream: operations read on their own thread, output
+    collected for all of them each time any of them changes (RequestStream.wakers),
+    so under load one message carries one engine step for every request."""
+
+    def __init__(self, svc: GenerationService):
+        self._svc = svc
+        self._cond = threading.Condition()
+        self._dirty = False
+        self._eof = False
+        self._pending: list[generation_pb2.StreamChunk] = []
+        self._followers: dict[int, _Follower] = {}
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._dirty = True
+            self._cond.notify()
+
+    def read(self, requests) -> None:
+        try:
+            for req in requests:
+                op = req.WhichOneof("op")
+                if op == "generate":
+                    self._generate(req.generate)
+                elif op == "resume":
+                    self._follow(req.resume.key, self._svc._b.get(req.resume.key), req.resume.delivered)
+                elif op == "detach":
+                    self._drop(req.detach.key)
+        except grpc.RpcError:
+            pass  # the client went away: Stream's loop sees the context end
+        except Exception:
+            log.exception("generation stream: reading requests failed")
+        finally:
+            with self._cond:
+                self._eof = True
+                self._cond.notify()
+
+    def _generate(self, g: generation_pb2.GenerateRequest) -> None:
+        try:
+            stream, prompt_len = self._svc._submit(g)
+        except _Refused as e:
+            self._error(g.key, e.code, e.message)
+            return
+        with self._cond:
+            self._pending.append(generation_pb2.StreamChunk(
+                key=g.key, response=generation_pb2.GenerateResponse(usage=generation_pb2.Usage(prompt_tokens=prompt_len))))
+        self._follow(g.key, stream, 0)
+
+    def _follow(self, key: int, stream: RequestStream | None, start: int) -> None:
+        if stream is None:
+            self._error(key, grpc.StatusCode.NOT_FOUND, f"no request with key {key} on this engine")
+            return
+        f = _Follower(self._svc._b, stream, start)
+        with self._cond:
+            old = self._followers.pop(key, None)
+            self._followers[key] = f
+        if old is not None:
+            self._unwatch(old)
+        with stream.cond:
+            stream.wakers.append(self._wake)
+        self._wake()
+
+    def _drop(self, key: int) -> None:
+        with self._cond:
+            f = self._followers.pop(key, None)
+        if f is not None:
+            self._unwatch(f)
+
+    def _unwatch(self, f: _Follower) -> None:
+        with f.stream.cond:
+            try:
+                f.stream.wakers.remove(self._wake)
+            except ValueError:
+                pass
+
+    def _error(self, key: int, code: grpc.StatusCode, message: str) -> None:
+        with self._cond:
+            self._pending.append(generation_pb2.StreamChunk(key=key, status_code=code.value[0], status_message=message))
+            self._dirty = True
+            self._cond.notify()
+
+    def next_chunks(self, timeout: float) -> list[generation_pb2.StreamChunk]:
+        with self._cond:
+            if not (self._dirty or self._pending or self._eof):
+                self._cond.wait(timeout)
+            self._dirty = False
+            chunks, self._pending = self._pending, []
+            followers = list(self._followers.items())
+        ended = []
+        for key, f in followers:
+            out = f.poll()
+            if out is None:
+                continue
+            resp, err, done = out
+            if err is not None:
+                chunks.append(generation_pb2.StreamChunk(key=key, status_code=err[0].value[0], status_message=err[1]))
+            else:
+                chunks.append(generation_pb2.StreamChunk(key=key, response=resp))
+            if done or err is not None:
+                ended.append((key, f))
+        for key, f in ended:
+            with self._cond:
+                if self._followers.get(key) is f:
+                    del self._followers[key]
+            self._unwatch(f)
+        return chunks
+
+    def done(self) -> bool:
+        with self._cond:
+            return self._eof and not self._followers and not self._pending
+
+    def close(self) -> None:
+        with self._cond:
+            followers, self._followers = list(self._followers.values()), {}
+        for f in followers:
+            self._unwatch(f)
 
 
 class GenerationServer:

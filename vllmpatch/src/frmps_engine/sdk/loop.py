@@ -51,6 +51,15 @@ class RequestStream:
         self.finished_at = 0.0
         self.debug_prompt: list[int] | None = None  # FRMPS_DEBUG_TOKEN_LOG only
         self.cond = threading.Condition()
+        # Called (under cond) at every change, besides cond's own waiters: a
+        # stream that follows many requests (genapi's Stream) waits on one
+        # condition of its own.
+        self.wakers: list[Callable[[], None]] = []
+
+    def _changed(self) -> None:
+        self.cond.notify_all()
+        for wake in self.wakers:
+            wake()
 
     def _append(self, index: int, ids, finished: bool, reason: str | None, stop_reason: Any) -> None:
         with self.cond:
@@ -70,7 +79,7 @@ class RequestStream:
                     self.stop_reason = "" if stop_reason is None else str(stop_reason)
             if self.finished:
                 self.finished_at = time.monotonic()
-            self.cond.notify_all()
+            self._changed()
 
     def fail(self, msg: str, invalid: bool = False) -> None:
         with self.cond:
@@ -78,7 +87,7 @@ class RequestStream:
                 self.error, self.error_invalid = msg, invalid
                 self.finished = True
                 self.finished_at = time.monotonic()
-            self.cond.notify_all()
+            self._changed()
 
     def move(self) -> bool:
         """The request now belongs to another engine (a planned handover): followers
@@ -89,7 +98,7 @@ class RequestStream:
                 return False
             self.moved = self.finished = True
             self.finished_at = time.monotonic()
-            self.cond.notify_all()
+            self._changed()
             return True
 
     def finish(self, reason: str, stop_reason: str = "", truncate_to: int | None = None) -> bool:
@@ -101,7 +110,7 @@ class RequestStream:
                 del self.output[truncate_to:]
             self.finished, self.finish_reason, self.stop_reason = True, reason, stop_reason
             self.finished_at = time.monotonic()
-            self.cond.notify_all()
+            self._changed()
             return True
 
 

@@ -19,6 +19,34 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class StreamRequest(_message.Message):
+    __slots__ = ("generate", "resume", "detach")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateRequest
+    resume: ResumeStreamRequest
+    detach: AbortRequest
+    def __init__(self, generate: _Optional[_Union[GenerateRequest, _Mapping]] = ..., resume: _Optional[_Union[ResumeStreamRequest, _Mapping]] = ..., detach: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+
+class StreamChunk(_message.Message):
+    __slots__ = ("key", "response", "status_code", "status_message")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    response: GenerateResponse
+    status_code: int
+    status_message: str
+    def __init__(self, key: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[StreamChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[StreamChunk, _Mapping]]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("key", "request_id", "prompt", "prompt_token_ids", "messages", "params", "add_generation_prompt")
     KEY_FIELD_NUMBER: _ClassVar[int]

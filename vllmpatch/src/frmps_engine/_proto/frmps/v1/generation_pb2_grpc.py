@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=frmps_dot_v1_dot_generation__pb2.HealthRequest.SerializeToString,
                 response_deserializer=frmps_dot_v1_dot_generation__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/frmps.v1.Generation/Stream',
+                request_serializer=frmps_dot_v1_dot_generation__pb2.StreamRequest.SerializeToString,
+                response_deserializer=frmps_dot_v1_dot_generation__pb2.StreamResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -86,6 +91,19 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """Many requests on one stream: the client sends generate, resume and
+        detach operations; the engine sends, each time it has output, one message
+        with a chunk for every request that has one (one message per engine step
+        under load instead of one per request). Per request, the chunks are what
+        Generate or Resume would stream, and a request's errors come as a chunk
+        with status_code set. Optional: a client that gets UNIMPLEMENTED falls back
+        to Generate and Resume.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +126,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=frmps_dot_v1_dot_generation__pb2.HealthRequest.FromString,
                     response_serializer=frmps_dot_v1_dot_generation__pb2.HealthResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=frmps_dot_v1_dot_generation__pb2.StreamRequest.FromString,
+                    response_serializer=frmps_dot_v1_dot_generation__pb2.StreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +241,33 @@ class Generation:
             '/frmps.v1.Generation/Health',
             frmps_dot_v1_dot_generation__pb2.HealthRequest.SerializeToString,
             frmps_dot_v1_dot_generation__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/frmps.v1.Generation/Stream',
+            frmps_dot_v1_dot_generation__pb2.StreamRequest.SerializeToString,
+            frmps_dot_v1_dot_generation__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
