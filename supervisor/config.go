@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/frmps/frmps/supervisor/failover"
@@ -106,8 +107,23 @@ type Config struct {
 	// over as soon as the server says it tears the active's context down after
 	// a fatal GPU error, instead of waiting for the active to die of it.
 	NoMPSFaultWatch bool
+	// Spare keeps one engine process started ahead of need (spare.go): "on",
+	// "off", or "auto" / "" = on for GPU devices, where an engine's Python
+	// start-up is most of the time it takes to restore the pair after a fault.
+	Spare string
 	// BaseEnv is the environment every engine starts from; nil means os.Environ().
 	BaseEnv []string
+}
+
+// sparesOn: whether to keep a spare (Config.Spare).
+func (c *Config) sparesOn() bool {
+	switch c.Spare {
+	case "on":
+		return true
+	case "off":
+		return false
+	}
+	return strings.HasPrefix(c.Device, "cuda")
 }
 
 func (c *Config) setDefaults() {
@@ -180,6 +196,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("memory %q: want host-shm or cuda-vmm", c.Memory)
 	case c.Device != "" && c.Device != "cpu" && c.Device != "cuda":
 		return fmt.Errorf("device %q: want cpu or cuda", c.Device)
+	case c.Spare != "" && c.Spare != "auto" && c.Spare != "on" && c.Spare != "off":
+		return fmt.Errorf("spare %q: want auto, on or off", c.Spare)
 	case c.TensorParallelSize < 1:
 		return fmt.Errorf("tensor parallel size %d: want at least 1", c.TensorParallelSize)
 	case c.TensorParallelSize > 1 && c.Engine == "vllm":

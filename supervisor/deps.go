@@ -2,6 +2,8 @@ package supervisor
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"io"
 	"syscall"
 	"time"
@@ -117,6 +119,33 @@ type Deps struct {
 	Classify func(ws syscall.WaitStatus, lastStderr []string, reported *frmpsv1.Fault) (class, detail string)
 	// DialGeneration connects to an engine's generation API (lazily).
 	DialGeneration func(endpoint string) (frmpsv1.GenerationClient, io.Closer, error)
+	// Spares starts engines ahead of need (spare.go); nil: engines always
+	// start cold.
+	Spares SpareLauncher
+}
+
+// SpareLauncher starts spares (engine processes started ahead of need, their
+// imports done, the GPU untouched) and makes them engines.
+type SpareLauncher interface {
+	// StartSpare starts one with env, logging to logPath; modulesFile lists
+	// the modules a served engine had loaded.
+	StartSpare(env []string, logPath, modulesFile string) (Spare, error)
+	// ActivateSpare makes sp the engine of role for inv, with env (which may
+	// differ from the spare's own only in engine.ActivationVars).
+	ActivateSpare(sp Spare, role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, error)
+}
+
+// Spare is a started spare (engine.Spare).
+type Spare interface {
+	PID() int
+	Done() <-chan struct{}
+	Ready() <-chan struct{}
+	ReadyLine() string
+	WaitStatus() syscall.WaitStatus
+	LastStderr() []string
+	CheckEnv(env []string) error
+	// Close sends it away unused: it exits, or is killed after grace.
+	Close(grace time.Duration)
 }
 
 func (d Deps) missing() string {
@@ -160,3 +189,43 @@ func (l ProcessLauncher) Launch(role failover.Role, inv engine.Invocation, env [
 }
 
 var _ Process = (*engine.Process)(nil)
+
+var (
+	_ SpareLauncher = ProcessLauncher{}
+	_ Spare         = (*engine.Spare)(nil)
+)
+
+// StartSpare implements SpareLauncher.
+func (l ProcessLauncher) StartSpare(env []string, logPath, modulesFile string) (Spare, error) {
+	sa, ok := l.Adapter.(engine.SpareAdapter)
+	if !ok {
+		return nil, fmt.Errorf("engine %s cannot be started ahead of need", l.Adapter.Name())
+	}
+	path, args, err := sa.SpareCommand(modulesFile)
+	if err != nil {
+		return nil, err
+	}
+	sp, err := engine.StartSpare(engine.Spec{Name: "spare", Path: path, Args: args, Env: env, LogPath: logPath}, l.Log)
+	if err != nil {
+		return nil, err
+	}
+	return sp, nil
+}
+
+// ActivateSpare implements SpareLauncher.
+func (l ProcessLauncher) ActivateSpare(sp Spare, role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, error) {
+	sa, ok := l.Adapter.(engine.SpareAdapter)
+	es, ok2 := sp.(*engine.Spare)
+	if !ok || !ok2 {
+		return nil, errors.New("not a spare of this launcher")
+	}
+	args, err := sa.ServeArgs(inv)
+	if err != nil {
+		return nil, err
+	}
+	p, err := es.Activate(role.String(), args, env, logPath)
+	if err != nil {
+		return nil, err
+	}
+	return p, nil
+}

@@ -30,8 +30,14 @@ func defaultDeps(cfg Config, log hclog.Logger) (Deps, error) {
 	if err != nil {
 		return Deps{}, err
 	}
+	launcher := ProcessLauncher{Adapter: adapter, Log: log.Named("engine")}
+	var spares SpareLauncher
+	if _, ok := adapter.(engine.SpareAdapter); ok {
+		spares = launcher
+	}
 	return Deps{
-		Launcher: ProcessLauncher{Adapter: adapter, Log: log.Named("engine")},
+		Launcher: launcher,
+		Spares:   spares,
 		Listen: func(path string) (ControlListener, error) {
 			l, err := control.Listen(path)
 			if err != nil {

@@ -32,6 +32,7 @@ type slot struct {
 	ctlSocket string
 	cancel    context.CancelFunc // ends the handshake / reader goroutine
 	restartNo uint32
+	fromSpare bool // launched from a spare (spare.go)
 
 	mu         sync.Mutex // fields below are set by the engine goroutine
 	conn       ControlConn

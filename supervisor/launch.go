@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"slices"
 	"syscall"
 	"time"
 
@@ -72,7 +71,7 @@ func (s *Supervisor) start(role failover.Role) {
 		}
 		s.enqueue(event{kind: evDied, slot: sl, cause: "launch failed: " + err.Error(), at: time.Now()})
 	}
-	env := slices.Clone(s.cfg.BaseEnv)
+	env := s.engineEnv()
 	if s.mps != nil {
 		if inMPS {
 			env = append(env, s.mps.ClientEnv()...)
@@ -91,12 +90,16 @@ func (s *Supervisor) start(role failover.Role) {
 		return
 	}
 	logPath := filepath.Join(s.logDir, fmt.Sprintf("%s-%d.log", role, id))
-	proc, err := s.deps.Launcher.Launch(role, inv, env, logPath)
-	if err != nil {
-		_ = l.Close()
-		fail(err)
-		return
+	proc, fromSpare := s.launchFromSpare(role, inv, env, logPath)
+	if !fromSpare {
+		if proc, err = s.deps.Launcher.Launch(role, inv, env, logPath); err != nil {
+			_ = l.Close()
+			fail(err)
+			return
+		}
 	}
+	s.metrics.launched(fromSpare)
+	sl.fromSpare = fromSpare
 	ctx, cancel := context.WithCancel(context.Background())
 	sl.proc, sl.listener, sl.cancel = proc, l, cancel
 	if role == failover.Active {
@@ -105,7 +108,7 @@ func (s *Supervisor) start(role failover.Role) {
 		s.standby = sl
 	}
 	s.slots[sl] = struct{}{}
-	s.log.Info("engine launched", "role", role, "pid", proc.PID(), "log", proc.LogPath(), "in_mps", sl.inMPS)
+	s.log.Info("engine launched", "role", role, "pid", proc.PID(), "log", proc.LogPath(), "in_mps", sl.inMPS, "from_spare", fromSpare)
 	s.wg.Add(2)
 	go func() {
 		defer s.wg.Done()

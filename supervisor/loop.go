@@ -34,6 +34,9 @@ const (
 	evHandoffTimeout // Handoff got no reply in time
 	evPing           // Alive: the loop answers
 	evMPSTeardown    // the MPS server tears a client's context down (mps.ServerLog)
+	evSpareReady     // the spare's imports are done (spare.go)
+	evSpareDied      // the spare process exited
+	evSpareDue       // the backoff after a failed spare elapsed
 )
 
 type event struct {
@@ -48,6 +51,7 @@ type event struct {
 	resp  chan error // evDrill, evPing
 	pid   int        // evMPSTeardown: the client the server tears down
 	fev   failover.Event
+	spare Spare // evSpareReady, evSpareDied
 }
 
 func (s *Supervisor) handle(ev event) {
@@ -125,10 +129,17 @@ func (s *Supervisor) handle(ev event) {
 		ev.resp <- nil
 	case evMPSTeardown:
 		s.mpsTeardown(ev)
+	case evSpareReady:
+		s.spareReady(ev)
+	case evSpareDied:
+		s.spareDied(ev)
+	case evSpareDue:
+		s.spareDue(ev)
 	}
 	s.reap()
 	s.syncShown()
 	s.maybeScheduleHandover()
+	s.maybeStartSpare()
 }
 
 // reap forgets retired slots whose process is gone (a handful at most),
@@ -535,6 +546,7 @@ func (s *Supervisor) stopAll(cause string) {
 		delete(s.slots, sl)
 	}
 	s.active, s.standby = nil, nil
+	s.stopSpare()
 	s.wg.Wait()
 	s.metrics.up(failover.Active, false)
 	s.metrics.up(failover.Standby, false)
@@ -565,6 +577,7 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	}()
 
 	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ringPath, "mps", !s.cfg.NoMPS)
+	s.syncSpare()
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()
 	feed, stopFeed := s.watchdogTick()

@@ -26,6 +26,8 @@ type metrics struct {
 	failbackDur  prometheus.Histogram
 	placementG   prometheus.Gauge
 	firstTokenIn prometheus.Histogram
+	launchesFrom *prometheus.CounterVec
+	spareReadyG  prometheus.Gauge
 
 	mu       sync.Mutex
 	launches [2]uint32
@@ -62,13 +64,17 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 		firstTokenIn: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "frmps_failover_first_token_seconds",
 			Help: "Time from the active's death detected to the first resumed token reaching a client.", ConstLabels: cl,
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}),
+		launchesFrom: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "frmps_engine_launches_total",
+			Help: "Engine launches, by how: from a spare (an engine process started ahead of need) or cold.", ConstLabels: cl}, []string{"from"}),
+		spareReadyG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_spare_ready",
+			Help: "1 when a spare engine process is ready (its imports done) to become the next engine.", ConstLabels: cl}),
 	}
 	bi := buildinfo.Get()
 	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_build_info", Help: "Build of this frmps.",
 		ConstLabels: prometheus.Labels{"model_name": model, "version": bi.Version, "commit": bi.Commit, "goversion": bi.GoVersion}})
 	build.Set(1)
 	for _, c := range []prometheus.Collector{m.failovers, m.duration, m.resumeSentIn, m.engineUp, m.restarts, m.crashLoopG,
-		m.failbacks, m.failbackDur, m.placementG, m.firstTokenIn, build} {
+		m.failbacks, m.failbackDur, m.placementG, m.firstTokenIn, m.launchesFrom, m.spareReadyG, build} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
@@ -79,6 +85,9 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 	}
 	for _, r := range []string{"ok", "failed"} {
 		m.failbacks.WithLabelValues(r).Add(0)
+	}
+	for _, f := range []string{"spare", "cold"} {
+		m.launchesFrom.WithLabelValues(f).Add(0)
 	}
 	return m, nil
 }
@@ -100,6 +109,15 @@ func (m *metrics) firstToken(d time.Duration)       { m.firstTokenIn.Observe(d.S
 func (m *metrics) up(r failover.Role, up bool)      { m.engineUp.WithLabelValues(r.String()).Set(b2f(up)) }
 func (m *metrics) crashLoop(open bool)              { m.crashLoopG.Set(b2f(open)) }
 func (m *metrics) placement(ok bool)                { m.placementG.Set(b2f(ok)) }
+func (m *metrics) spareReady(ok bool)               { m.spareReadyG.Set(b2f(ok)) }
+
+func (m *metrics) launched(fromSpare bool) {
+	if fromSpare {
+		m.launchesFrom.WithLabelValues("spare").Inc()
+		return
+	}
+	m.launchesFrom.WithLabelValues("cold").Inc()
+}
 
 func (m *metrics) failback(ok bool, d time.Duration) {
 	if ok {

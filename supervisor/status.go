@@ -27,13 +27,17 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	if s.failbackStatus != nil {
 		st.Failback = proto.Clone(s.failbackStatus).(*frmpsv1.Failback)
 	}
+	if s.spareStatus != nil {
+		st.Spare = proto.Clone(s.spareStatus).(*frmpsv1.Spare)
+	}
 	s.mu.Unlock()
 	st.CrashLoopOpen = st.CrashLoopOpen || s.crashLoopOpen.Load()
 	for _, sl := range s.statusSlots() {
 		sl.mu.Lock()
 		es := &frmpsv1.EngineStatus{Role: sl.role.String(), Pid: int32(sl.proc.PID()), State: sl.state, InMps: sl.inMPS,
 			Restarts: sl.restartNo, StartedUnixNanos: sl.started.UnixNano(), LastDeathCause: sl.deathCause, LogPath: sl.proc.LogPath(),
-			InitSeconds: sl.initTook.Seconds(), Steps: sl.beats.step, Running: sl.beats.running, Waiting: sl.waiting}
+			InitSeconds: sl.initTook.Seconds(), Steps: sl.beats.step, Running: sl.beats.running, Waiting: sl.waiting,
+			FromSpare: sl.fromSpare}
 		if h := sl.hello; h != nil {
 			es.Engine = strings.TrimSpace(h.GetEngine() + " " + h.GetEngineVersion())
 			es.Device, es.BlockSize, es.NumBlocks = h.GetDevice(), h.GetBlockSize(), h.GetNumBlocks()

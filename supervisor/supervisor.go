@@ -67,6 +67,7 @@ type Supervisor struct {
 	inflight   *failoverRun
 	handover   *handoverRun
 	failback   failbackPolicy
+	spares     spareState
 	resumeSeq  uint64
 	frontDoor  FrontDoor
 	deployID   string
@@ -96,6 +97,7 @@ type Supervisor struct {
 	// whose first resumed token has not reached a client yet.
 	awaitingFirstToken map[uint64]pendingFirstToken
 	failbackStatus     *frmpsv1.Failback
+	spareStatus        *frmpsv1.Spare
 	// failbackFirstTokenSeconds: the last handover's Handoff sent -> first resumed token.
 	failbackFirstTokenSeconds float64
 	recordSeq                 uint64

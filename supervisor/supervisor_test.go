@@ -791,7 +791,8 @@ func TestNoMPS(t *testing.T) {
 		if act.logPath != filepath.Join(logDir, "active-1.log") {
 			t.Fatalf("engine log %s, want it in %s", act.logPath, logDir)
 		}
-		if !slices.Equal(act.env, []string{"PATH=/usr/bin"}) {
+		// The base environment, and where the first served engine lists its modules for spares.
+		if !slices.Equal(act.env, []string{"PATH=/usr/bin", "FRMPS_MODULES_FILE=" + filepath.Join(h.s.runDir, "engine-modules.txt")}) {
 			t.Fatalf("env %v", act.env)
 		}
 		if h.s.Status().GetMpsState() != "disabled" {

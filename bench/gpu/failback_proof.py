@@ -167,6 +167,11 @@ def restored(st: dict, n_failbacks: int) -> bool:
             and int(get(fb, "succeeded", default=0) or 0) >= n_failbacks)
 
 
+def spare_state(st: dict) -> str:
+    """The spare's state in status ("" from an frmps without spares)."""
+    return str(get(get(st, "spare") or {}, "state", default="") or "")
+
+
 def gaps_after(times_list: list[list[float]], t: float) -> float | None:
     """The longest wait from t to the next chunk, over streams that had a chunk before t and one after."""
     out = []
@@ -261,6 +266,9 @@ def main() -> int:
                     help="seconds between faults: frmps serve's crash-loop breaker stops re-arming after more than 5 "
                          "active deaths within 60 s (--max-restarts, --restart-window), so at the defaults faults "
                          "must come at least 12 s apart to keep every one of them protected")
+    ap.add_argument("--wait-spare", type=float, default=180.0,
+                    help="before each fault, wait up to this long for frmps's spare engine process to finish its "
+                         "imports (faults spaced further apart than a spare's start-up; 0: do not wait)")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--workdir", default="/tmp/frmps-failback")
@@ -328,6 +336,11 @@ def main() -> int:
             st, _ = dep.wait(lambda s: restored(s, n - 1), 300, f"placement restored before fault {n}")
             if last_fault:
                 time.sleep(max(0.0, last_fault + args.min_fault_interval - now()))
+            if args.wait_spare > 0 and spare_state(st) not in ("off", "") and not spare_state(st).startswith("off"):
+                st, _ = dep.wait(lambda s: spare_state(s) == "ready" or spare_state(s).startswith("off"),
+                                 args.wait_spare, f"a ready spare before fault {n}")
+            rec["spare_before"] = {"state": spare_state(st),
+                                   "import_s": get(get(st, "spare") or {}, "last_ready_seconds")}
             e = engines(st)
             act = e["active"]
             rec["active_in_mps_before"] = bool(get(act, "in_mps"))
@@ -352,9 +365,12 @@ def main() -> int:
             fb = get(st, "failback") or {}
             done = int(get(fb, "last_unix_nanos", default=0)) / 1e9
             dur = float(get(fb, "last_duration_seconds", default=0) or 0)
+            new_act = engines(st)["active"]  # the engine launched after the fault, now the active in MPS
             rec["failback"] = {"restored_s_after_detect": round(done - detect, 3), "handover_s": round(dur, 4),
                                "handover_first_token_s": get(fb, "last_first_token_seconds"),
-                               "active_in_mps_after": True}
+                               "active_in_mps_after": True,
+                               "new_engine_from_spare": bool(get(new_act, "from_spare")),
+                               "new_engine_init_s": get(new_act, "init_seconds")}
             time.sleep(0.5)  # let the streams run past the handover
             times = load.chunk_times()
             rec["client_gap_from_fault_s"] = gaps_after(times, t_fault)
@@ -366,6 +382,7 @@ def main() -> int:
             print(f"fault {n} {spec}: in_mps={rec['active_in_mps_before']} cause={rec['failover']['cause']} "
                   f"fault->detect={rec['fault_to_detect_s']} detect->tok={rec['detect_to_first_resumed_token_s']} "
                   f"client_gap={rec['client_gap_from_fault_s']} max_gap={rec['client_max_gap_s']} restored={rec['failback']['restored_s_after_detect']}s "
+                  f"(from_spare={rec['failback']['new_engine_from_spare']} spare={rec['spare_before']['state']}) "
                   f"handover={rec['failback']['handover_s']}s gap={rec['handover_max_gap_s']} step={step:.4f}", flush=True)
             save()
     except Exception as ex:  # keep what was measured

@@ -38,6 +38,7 @@ type serveOptions struct {
 	SyncEvery          uint32        `json:"sync_every"`
 	NoFailback         bool          `json:"no_failback"`
 	NoMPSFaultWatch    bool          `json:"no_mps_fault_watch"`
+	Spare              string        `json:"spare"`
 	FailbackDelay      time.Duration `json:"-"`
 	FailbackDelayStr   string        `json:"failback_delay"`
 	HandoffTimeout     time.Duration `json:"-"`
@@ -91,6 +92,7 @@ func defaultServeOptions() serveOptions {
 		Device: "cpu", Memory: "host-shm", TensorParallelSize: 1, MaxRestarts: failover.DefaultBreaker.MaxRestarts,
 		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
 		HeartbeatTimeout: time.Second, StepTimeoutFactor: 8, StepTimeoutMin: time.Second, StepTimeoutDefault: time.Minute,
+		Spare: "auto",
 	}
 }
 
@@ -149,6 +151,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.Python, "python", opts.Python, "Python interpreter that runs the engines, with frmps_engine importable (default: $FRMPS_PYTHON, else the .venv of the source checkout holding this binary, else python3)")
 	f.Uint32Var(&opts.SyncEvery, "sync-every", opts.SyncEvery, "engine steps between forward-state syncs to the ring (1: every step; the publish overlaps the device, and a takeover replays at most one token)")
 	f.BoolVar(&opts.NoMPSFaultWatch, "no-mps-fault-watch", opts.NoMPSFaultWatch, "do not follow the MPS server's log: fail over when the active dies of a fault, not as soon as the server says it tears the active's context down")
+	f.StringVar(&opts.Spare, "spare", opts.Spare, "keep one engine process started ahead of need (interpreter up, engine imports done, GPU untouched), so the engine launched after a fault skips Python's start-up: auto (on for --device cuda), on or off")
 	f.BoolVar(&opts.NoFailback, "no-failback", opts.NoFailback, "after a failover, leave the promoted active outside MPS (by default a standby starts inside MPS and the pair swaps back in a planned handover)")
 	f.DurationVar(&opts.FailbackDelay, "failback-delay", opts.FailbackDelay, "wait this long after the standby in MPS is ready before handing over to it")
 	f.DurationVar(&opts.HandoffTimeout, "handoff-timeout", opts.HandoffTimeout, "an active that does not yield within this long during a handover is fenced and the standby takes over")
@@ -238,6 +241,7 @@ func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 		HeartbeatTimeout: o.HeartbeatTimeout, StepTimeoutFactor: o.StepTimeoutFactor, StepTimeoutMin: o.StepTimeoutMin,
 		StepTimeoutDefault: o.StepTimeoutDefault,
 		NoFailback:         o.NoFailback, NoMPSFaultWatch: o.NoMPSFaultWatch, FailbackDelay: o.FailbackDelay, HandoffTimeout: o.HandoffTimeout,
+		Spare: o.Spare,
 	}
 }
 

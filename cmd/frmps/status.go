@@ -97,6 +97,19 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 		}
 		fmt.Fprintf(tw, "failback:\t%s\n", line)
 	}
+	if sp := st.GetSpare(); sp != nil {
+		line := sp.GetState()
+		if sp.GetPid() > 0 {
+			line += fmt.Sprintf(" (pid %d)", sp.GetPid())
+		}
+		if sp.GetEnabled() {
+			line += fmt.Sprintf(", %d engines launched from spares, %d cold", sp.GetActivations(), sp.GetColdStarts())
+			if sp.GetLastReadySeconds() > 0 {
+				line += fmt.Sprintf(", imports took %.1fs", sp.GetLastReadySeconds())
+			}
+		}
+		fmt.Fprintf(tw, "spare:\t%s\n", line)
+	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
@@ -110,7 +123,11 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 		}
 		eng := dash(strings.TrimSpace(e.GetEngine() + " " + e.GetDevice()))
 		if e.GetInitSeconds() > 0 {
-			eng += fmt.Sprintf(" (up in %.1fs)", e.GetInitSeconds())
+			from := ""
+			if e.GetFromSpare() {
+				from = " from a spare"
+			}
+			eng += fmt.Sprintf(" (up in %.1fs%s)", e.GetInitSeconds(), from)
 		}
 		reqs := fmt.Sprintf("%d running, %d waiting", e.GetRunning(), e.GetWaiting())
 		fmt.Fprintf(tw, "%s\t%d\t%s\t%v\t%d\t%s\t%s\t%s\t%s\t%s\n", e.GetRole(), e.GetPid(), e.GetState(), e.GetInMps(), e.GetRestarts(), up,

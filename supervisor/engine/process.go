@@ -35,22 +35,30 @@ type Spec struct {
 	// StderrLines is how many last stderr lines to keep for the death
 	// classifier; 0 means 50.
 	StderrLines int
+	// Stdin: give the child a pipe as stdin, written through the Process
+	// (a spare's activation); otherwise stdin is /dev/null.
+	Stdin bool
+	// OnStdout, when set, sees every stdout line (on the pump goroutine).
+	OnStdout func(line string)
 }
 
 // Process is a launched engine. Safe for concurrent use.
 type Process struct {
-	name    string
-	pid     int
-	logPath string
-	done    chan struct{}
+	pid   int
+	done  chan struct{}
+	stdin *os.File // Spec.Stdin: the write end, until closed
 
 	mu       sync.Mutex
+	name     string
+	logPath  string
+	elog     hclog.Logger
 	ws       syscall.WaitStatus
 	waitErr  error
 	tail     []string // ring of the last stderr lines
 	tailNext int
 	tailCap  int
 	start    time.Time
+	base     hclog.Logger // the logger Start was given (elog = base named after the process)
 }
 
 // Start launches spec. On error no process is left behind, and the log file
@@ -84,6 +92,16 @@ func Start(spec Spec, log hclog.Logger) (_ *Process, retErr error) {
 		outW.Close()
 		return nil, fmt.Errorf("engine stderr pipe: %w", err)
 	}
+	var inR, inW *os.File
+	if spec.Stdin {
+		if inR, inW, err = os.Pipe(); err != nil {
+			outR.Close()
+			outW.Close()
+			errR.Close()
+			errW.Close()
+			return nil, fmt.Errorf("engine stdin pipe: %w", err)
+		}
+	}
 
 	cmd := exec.Command(spec.Path, spec.Args...)
 	cmd.Env = spec.Env
@@ -92,6 +110,9 @@ func Start(spec Spec, log hclog.Logger) (_ *Process, retErr error) {
 	}
 	cmd.Dir = spec.Dir
 	cmd.Stdout, cmd.Stderr = outW, errW
+	if inR != nil {
+		cmd.Stdin = inR
+	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{
 		Setpgid: true, // Kill fences the whole group, grandchildren included
 		// The kernel kills the engine if the supervisor dies, even by SIGKILL.
@@ -101,9 +122,15 @@ func Start(spec Spec, log hclog.Logger) (_ *Process, retErr error) {
 	// The child holds its own copies; ours must go so the readers see EOF.
 	outW.Close()
 	errW.Close()
+	if inR != nil {
+		inR.Close()
+	}
 	if startErr != nil {
 		outR.Close()
 		errR.Close()
+		if inW != nil {
+			inW.Close()
+		}
 		return nil, fmt.Errorf("start engine %s: %w", spec.Name, startErr)
 	}
 
@@ -111,14 +138,15 @@ func Start(spec Spec, log hclog.Logger) (_ *Process, retErr error) {
 	if n <= 0 {
 		n = 50
 	}
-	p := &Process{name: spec.Name, pid: cmd.Process.Pid, logPath: spec.LogPath, done: make(chan struct{}), tailCap: n, start: time.Now()}
-	elog := log.Named(spec.Name).With("pid", p.pid)
+	p := &Process{name: spec.Name, pid: cmd.Process.Pid, logPath: spec.LogPath, done: make(chan struct{}), tailCap: n, start: time.Now(), stdin: inW}
+	p.base = log
+	p.elog = log.Named(spec.Name).With("pid", p.pid)
 
 	var logMu sync.Mutex // the two streams share the file
 	var readers sync.WaitGroup
 	readers.Add(2)
-	go func() { defer readers.Done(); p.pump(outR, logFile, &logMu, elog, hclog.Info, false) }()
-	go func() { defer readers.Done(); p.pump(errR, logFile, &logMu, elog, hclog.Warn, true) }()
+	go func() { defer readers.Done(); p.pump(outR, logFile, &logMu, hclog.Info, false, spec.OnStdout) }()
+	go func() { defer readers.Done(); p.pump(errR, logFile, &logMu, hclog.Warn, true, nil) }()
 
 	// The one goroutine that owns the exit.
 	go func() {
@@ -148,6 +176,10 @@ func Start(spec Spec, log hclog.Logger) (_ *Process, retErr error) {
 		logFile.Close()
 		p.mu.Lock()
 		p.ws, p.waitErr = ws, werr
+		if p.stdin != nil {
+			p.stdin.Close()
+			p.stdin = nil
+		}
 		p.mu.Unlock()
 		close(p.done)
 	}()
@@ -155,7 +187,7 @@ func Start(spec Spec, log hclog.Logger) (_ *Process, retErr error) {
 }
 
 // pump copies one stream line by line into the log file and hclog.
-func (p *Process) pump(r io.Reader, file io.Writer, fileMu *sync.Mutex, log hclog.Logger, def hclog.Level, keep bool) {
+func (p *Process) pump(r io.Reader, file io.Writer, fileMu *sync.Mutex, def hclog.Level, keep bool, hook func(string)) {
 	br := bufio.NewReaderSize(r, 64<<10)
 	for {
 		line, err := br.ReadString('\n')
@@ -170,9 +202,12 @@ func (p *Process) pump(r io.Reader, file io.Writer, fileMu *sync.Mutex, log hclo
 			if keep {
 				p.keep(line)
 			}
+			if hook != nil {
+				hook(line)
+			}
 			if line != "" {
 				lvl, msg := ParseLevel(line, def)
-				log.Log(lvl, msg)
+				p.logger().Log(lvl, msg)
 			}
 		}
 		if err != nil {
@@ -196,7 +231,17 @@ func (p *Process) keep(line string) {
 func (p *Process) PID() int { return p.pid }
 
 // LogPath is the engine's log file.
-func (p *Process) LogPath() string { return p.logPath }
+func (p *Process) LogPath() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.logPath
+}
+
+func (p *Process) logger() hclog.Logger {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.elog
+}
 
 // Done is closed once the engine has exited, its group is fenced, and its
 // output is drained.

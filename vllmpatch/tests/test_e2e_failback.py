@@ -6,7 +6,9 @@ SIGKILL of the active (the stand-in for an MPS fault) is followed by a
 failover to the standby outside MPS, a fresh standby started inside MPS and a
 planned handover back to it: after every fault the active is in MPS again and
 the standby outside, and every stream finished token-identical to the
-no-fault run, each token once.
+no-fault run, each token once. With --spare on (the default on GPUs), the
+engine started after each fault is the spare, an engine process started ahead
+of need with its imports done.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from e2e import deployment
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
 
 ENGINE_ENV = {"FRMPS_TEST_STEP_DELAY_MS": "15"}
-ARGS = ["--max-restarts=1000"]
+ARGS = ["--max-restarts=1000", "--spare=on"]
 # Long enough (~15 ms a step) to span the failover, the fresh standby's start and the handover.
 MAX_TOKENS = 900
 BODIES = [{"model": "tiny", "prompt": f"request {i}: " + "abc " * (5 + 3 * i), "max_tokens": MAX_TOKENS, "ignore_eos": True,
@@ -48,6 +50,17 @@ def wait_placement_restored(dep, failbacks: int, timeout: float = 120.0) -> dict
     raise AssertionError(f"placement not restored within {timeout}s: {st}\n{dep.log_tail()}")
 
 
+def wait_spare_ready(dep, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    st: dict = {}
+    while time.monotonic() < deadline:
+        st = dep.status()
+        if (st.get("spare") or {}).get("state") == "ready":
+            return st
+        time.sleep(0.05)
+    raise AssertionError(f"no ready spare within {timeout}s: {st.get('spare')}\n{dep.log_tail()}")
+
+
 def test_every_fault_is_followed_by_failback_and_streams_stay_exact():
     with deployment(sync_every=1, env=ENGINE_ENV, extra_args=ARGS, fake_mps=True) as dep:
         st = dep.status()
@@ -57,6 +70,7 @@ def test_every_fault_is_followed_by_failback_and_streams_stay_exact():
         for r in reference:
             assert r.done and r.error is None and len(r.token_ids) == MAX_TOKENS
         for fault in range(1, 3):
+            spare_pid = int(wait_spare_ready(dep)["spare"]["pid"])
             standby_pid = int(engines(dep.status())["standby"]["pid"])
             with cf.ThreadPoolExecutor(len(BODIES)) as pool:
                 futs = [pool.submit(dep.stream, "/v1/completions", b) for b in BODIES]
@@ -75,6 +89,11 @@ def test_every_fault_is_followed_by_failback_and_streams_stay_exact():
             # The engine promoted by the failover is the standby again, asleep outside MPS.
             assert int(e["standby"]["pid"]) == standby_pid, (standby_pid, e)
             assert int(st["failback"]["failed"]) == 0
+            # The engine started after the fault, now the active in MPS, was the spare.
+            assert int(e["active"]["pid"]) == spare_pid and e["active"].get("from_spare"), (spare_pid, e)
+            assert int(st["spare"]["activations"]) == fault and int(st["spare"].get("cold_starts", 0)) == 0, st["spare"]
+            with open(e["active"]["log_path"]) as f:
+                assert "spare activated after" in f.read()
         assert len(st["failovers"]) == 2
         # A handover moved every request with a fresh sync: a stream's longest pause
         # during it is reported by the supervisor as the handover's first-token time.

@@ -77,9 +77,12 @@ type EngineStatus struct {
 	NumBlocks   uint64  `protobuf:"varint,12,opt,name=num_blocks,json=numBlocks,proto3" json:"num_blocks,omitempty"`        // KV blocks in the pool
 	InitSeconds float64 `protobuf:"fixed64,13,opt,name=init_seconds,json=initSeconds,proto3" json:"init_seconds,omitempty"` // the engine's own start-up time
 	// From its latest Heartbeat.
-	Steps         uint64 `protobuf:"varint,14,opt,name=steps,proto3" json:"steps,omitempty"`
-	Running       uint32 `protobuf:"varint,15,opt,name=running,proto3" json:"running,omitempty"`
-	Waiting       uint32 `protobuf:"varint,16,opt,name=waiting,proto3" json:"waiting,omitempty"`
+	Steps   uint64 `protobuf:"varint,14,opt,name=steps,proto3" json:"steps,omitempty"`
+	Running uint32 `protobuf:"varint,15,opt,name=running,proto3" json:"running,omitempty"`
+	Waiting uint32 `protobuf:"varint,16,opt,name=waiting,proto3" json:"waiting,omitempty"`
+	// Started from a spare (an engine process started ahead of need, its
+	// imports done): init_seconds then counts from the activation.
+	FromSpare     bool `protobuf:"varint,17,opt,name=from_spare,json=fromSpare,proto3" json:"from_spare,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -224,6 +227,13 @@ func (x *EngineStatus) GetWaiting() uint32 {
 		return x.Waiting
 	}
 	return 0
+}
+
+func (x *EngineStatus) GetFromSpare() bool {
+	if x != nil {
+		return x.FromSpare
+	}
+	return false
 }
 
 type FailoverRecord struct {
@@ -373,6 +383,7 @@ type Status struct {
 	// Ranks of each engine's tensor-parallel group (one process and GPU each;
 	// rank 0 is the engine process listed in engines).
 	TensorParallelSize uint32 `protobuf:"varint,16,opt,name=tensor_parallel_size,json=tensorParallelSize,proto3" json:"tensor_parallel_size,omitempty"`
+	Spare              *Spare `protobuf:"bytes,17,opt,name=spare,proto3" json:"spare,omitempty"`
 	unknownFields      protoimpl.UnknownFields
 	sizeCache          protoimpl.SizeCache
 }
@@ -519,6 +530,103 @@ func (x *Status) GetTensorParallelSize() uint32 {
 	return 0
 }
 
+func (x *Status) GetSpare() *Spare {
+	if x != nil {
+		return x.Spare
+	}
+	return nil
+}
+
+// Spare: one engine process started ahead of need (the interpreter up, the
+// engine's imports done, the GPU untouched), so that the engine launched
+// after a fault skips Python's start-up. It is placed inside or outside MPS
+// when it is activated.
+type Spare struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Enabled bool                   `protobuf:"varint,1,opt,name=enabled,proto3" json:"enabled,omitempty"` // --spare (auto: on for GPU devices)
+	// "none" (not started yet: the first one starts once the pair is ready),
+	// "importing", "ready", "backoff" (the last one died unused), "off: <why>".
+	State            string  `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
+	Pid              int32   `protobuf:"varint,3,opt,name=pid,proto3" json:"pid,omitempty"`
+	Activations      uint64  `protobuf:"varint,4,opt,name=activations,proto3" json:"activations,omitempty"`                                      // engines launched from a spare
+	ColdStarts       uint64  `protobuf:"varint,5,opt,name=cold_starts,json=coldStarts,proto3" json:"cold_starts,omitempty"`                      // engines launched without one, after the first pair
+	LastReadySeconds float64 `protobuf:"fixed64,6,opt,name=last_ready_seconds,json=lastReadySeconds,proto3" json:"last_ready_seconds,omitempty"` // the latest spare's start -> imports done
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *Spare) Reset() {
+	*x = Spare{}
+	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Spare) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Spare) ProtoMessage() {}
+
+func (x *Spare) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Spare.ProtoReflect.Descriptor instead.
+func (*Spare) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *Spare) GetEnabled() bool {
+	if x != nil {
+		return x.Enabled
+	}
+	return false
+}
+
+func (x *Spare) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *Spare) GetPid() int32 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *Spare) GetActivations() uint64 {
+	if x != nil {
+		return x.Activations
+	}
+	return 0
+}
+
+func (x *Spare) GetColdStarts() uint64 {
+	if x != nil {
+		return x.ColdStarts
+	}
+	return 0
+}
+
+func (x *Spare) GetLastReadySeconds() float64 {
+	if x != nil {
+		return x.LastReadySeconds
+	}
+	return 0
+}
+
 // Failback: restoring the placement (the active inside MPS, the standby
 // outside) after a failover, by a planned handover between the two engines.
 type Failback struct {
@@ -543,7 +651,7 @@ type Failback struct {
 
 func (x *Failback) Reset() {
 	*x = Failback{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	mi := &file_frmps_v1_admin_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -555,7 +663,7 @@ func (x *Failback) String() string {
 func (*Failback) ProtoMessage() {}
 
 func (x *Failback) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	mi := &file_frmps_v1_admin_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -568,7 +676,7 @@ func (x *Failback) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Failback.ProtoReflect.Descriptor instead.
 func (*Failback) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{4}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Failback) GetEnabled() bool {
@@ -657,7 +765,7 @@ type TriggerFailoverRequest struct {
 
 func (x *TriggerFailoverRequest) Reset() {
 	*x = TriggerFailoverRequest{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[5]
+	mi := &file_frmps_v1_admin_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -669,7 +777,7 @@ func (x *TriggerFailoverRequest) String() string {
 func (*TriggerFailoverRequest) ProtoMessage() {}
 
 func (x *TriggerFailoverRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[5]
+	mi := &file_frmps_v1_admin_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -682,7 +790,7 @@ func (x *TriggerFailoverRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TriggerFailoverRequest.ProtoReflect.Descriptor instead.
 func (*TriggerFailoverRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{5}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *TriggerFailoverRequest) GetReason() string {
@@ -702,7 +810,7 @@ type TriggerFailoverResponse struct {
 
 func (x *TriggerFailoverResponse) Reset() {
 	*x = TriggerFailoverResponse{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[6]
+	mi := &file_frmps_v1_admin_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -714,7 +822,7 @@ func (x *TriggerFailoverResponse) String() string {
 func (*TriggerFailoverResponse) ProtoMessage() {}
 
 func (x *TriggerFailoverResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[6]
+	mi := &file_frmps_v1_admin_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -727,7 +835,7 @@ func (x *TriggerFailoverResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TriggerFailoverResponse.ProtoReflect.Descriptor instead.
 func (*TriggerFailoverResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{6}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *TriggerFailoverResponse) GetAccepted() bool {
@@ -749,7 +857,7 @@ var File_frmps_v1_admin_proto protoreflect.FileDescriptor
 const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"\x14frmps/v1/admin.proto\x12\bfrmps.v1\"\x12\n" +
-	"\x10GetStatusRequest\"\xcb\x03\n" +
+	"\x10GetStatusRequest\"\xea\x03\n" +
 	"\fEngineStatus\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x10\n" +
 	"\x03pid\x18\x02 \x01(\x05R\x03pid\x12\x14\n" +
@@ -769,7 +877,9 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\finit_seconds\x18\r \x01(\x01R\vinitSeconds\x12\x14\n" +
 	"\x05steps\x18\x0e \x01(\x04R\x05steps\x12\x18\n" +
 	"\arunning\x18\x0f \x01(\rR\arunning\x12\x18\n" +
-	"\awaiting\x18\x10 \x01(\rR\awaiting\"\xeb\x02\n" +
+	"\awaiting\x18\x10 \x01(\rR\awaiting\x12\x1d\n" +
+	"\n" +
+	"from_spare\x18\x11 \x01(\bR\tfromSpare\"\xeb\x02\n" +
 	"\x0eFailoverRecord\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1d\n" +
 	"\n" +
@@ -783,7 +893,7 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\rreused_tokens\x18\t \x01(\x04R\freusedTokens\x12)\n" +
 	"\x10prefilled_tokens\x18\n" +
 	" \x01(\x04R\x0fprefilledTokens\x12.\n" +
-	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\xbb\x04\n" +
+	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\xe2\x04\n" +
 	"\x06Status\x12\x14\n" +
 	"\x05state\x18\x01 \x01(\tR\x05state\x12\x1f\n" +
 	"\vstate_cause\x18\x02 \x01(\tR\n" +
@@ -803,7 +913,16 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\aversion\x18\r \x01(\tR\aversion\x12&\n" +
 	"\x0fcrash_loop_open\x18\x0e \x01(\bR\rcrashLoopOpen\x12.\n" +
 	"\bfailback\x18\x0f \x01(\v2\x12.frmps.v1.FailbackR\bfailback\x120\n" +
-	"\x14tensor_parallel_size\x18\x10 \x01(\rR\x12tensorParallelSize\"\xb1\x03\n" +
+	"\x14tensor_parallel_size\x18\x10 \x01(\rR\x12tensorParallelSize\x12%\n" +
+	"\x05spare\x18\x11 \x01(\v2\x0f.frmps.v1.SpareR\x05spare\"\xba\x01\n" +
+	"\x05Spare\x12\x18\n" +
+	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x14\n" +
+	"\x05state\x18\x02 \x01(\tR\x05state\x12\x10\n" +
+	"\x03pid\x18\x03 \x01(\x05R\x03pid\x12 \n" +
+	"\vactivations\x18\x04 \x01(\x04R\vactivations\x12\x1f\n" +
+	"\vcold_starts\x18\x05 \x01(\x04R\n" +
+	"coldStarts\x12,\n" +
+	"\x12last_ready_seconds\x18\x06 \x01(\x01R\x10lastReadySeconds\"\xb1\x03\n" +
 	"\bFailback\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12!\n" +
@@ -839,29 +958,31 @@ func file_frmps_v1_admin_proto_rawDescGZIP() []byte {
 	return file_frmps_v1_admin_proto_rawDescData
 }
 
-var file_frmps_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_frmps_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_frmps_v1_admin_proto_goTypes = []any{
 	(*GetStatusRequest)(nil),        // 0: frmps.v1.GetStatusRequest
 	(*EngineStatus)(nil),            // 1: frmps.v1.EngineStatus
 	(*FailoverRecord)(nil),          // 2: frmps.v1.FailoverRecord
 	(*Status)(nil),                  // 3: frmps.v1.Status
-	(*Failback)(nil),                // 4: frmps.v1.Failback
-	(*TriggerFailoverRequest)(nil),  // 5: frmps.v1.TriggerFailoverRequest
-	(*TriggerFailoverResponse)(nil), // 6: frmps.v1.TriggerFailoverResponse
+	(*Spare)(nil),                   // 4: frmps.v1.Spare
+	(*Failback)(nil),                // 5: frmps.v1.Failback
+	(*TriggerFailoverRequest)(nil),  // 6: frmps.v1.TriggerFailoverRequest
+	(*TriggerFailoverResponse)(nil), // 7: frmps.v1.TriggerFailoverResponse
 }
 var file_frmps_v1_admin_proto_depIdxs = []int32{
 	1, // 0: frmps.v1.Status.engines:type_name -> frmps.v1.EngineStatus
 	2, // 1: frmps.v1.Status.failovers:type_name -> frmps.v1.FailoverRecord
-	4, // 2: frmps.v1.Status.failback:type_name -> frmps.v1.Failback
-	0, // 3: frmps.v1.Admin.GetStatus:input_type -> frmps.v1.GetStatusRequest
-	5, // 4: frmps.v1.Admin.TriggerFailover:input_type -> frmps.v1.TriggerFailoverRequest
-	3, // 5: frmps.v1.Admin.GetStatus:output_type -> frmps.v1.Status
-	6, // 6: frmps.v1.Admin.TriggerFailover:output_type -> frmps.v1.TriggerFailoverResponse
-	5, // [5:7] is the sub-list for method output_type
-	3, // [3:5] is the sub-list for method input_type
-	3, // [3:3] is the sub-list for extension type_name
-	3, // [3:3] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	5, // 2: frmps.v1.Status.failback:type_name -> frmps.v1.Failback
+	4, // 3: frmps.v1.Status.spare:type_name -> frmps.v1.Spare
+	0, // 4: frmps.v1.Admin.GetStatus:input_type -> frmps.v1.GetStatusRequest
+	6, // 5: frmps.v1.Admin.TriggerFailover:input_type -> frmps.v1.TriggerFailoverRequest
+	3, // 6: frmps.v1.Admin.GetStatus:output_type -> frmps.v1.Status
+	7, // 7: frmps.v1.Admin.TriggerFailover:output_type -> frmps.v1.TriggerFailoverResponse
+	6, // [6:8] is the sub-list for method output_type
+	4, // [4:6] is the sub-list for method input_type
+	4, // [4:4] is the sub-list for extension type_name
+	4, // [4:4] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_admin_proto_init() }
@@ -875,7 +996,7 @@ func file_frmps_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_admin_proto_rawDesc), len(file_frmps_v1_admin_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   7,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard the model over this many ranks, one process and device each (reference engine); "
                         "this process is rank 0 and starts the others")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sp = sub.add_parser("spare", help="start ahead of need: preload an engine's imports, then serve the "
+                                      "command line the supervisor sends on stdin (sdk/spare.py)")
+    sp.add_argument("--engine", default="ref", help="the engine whose imports to preload")
+    sp.add_argument("--modules", help="file of module names a served engine had loaded (optional; read if present)")
+    sp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     c = sub.add_parser("check-engine", help="check that an --engine name loads; print its factory")
     c.add_argument("engine", help="ref, vllm, or package.module:Factory")
     m = sub.add_parser("model-dir", help="write (or find) a preset's Hugging Face model directory for dummy-weight runs")
@@ -128,13 +133,25 @@ def serve(args: argparse.Namespace) -> int:
     return r.run()
 
 
+def spare(args: argparse.Namespace) -> int:
+    """A spare engine process: preload, then serve what the supervisor sends."""
+    from frmps_engine.sdk import spare as spare_mod
+
+    code, argv = spare_mod.run(args.engine, args.modules)
+    if argv is None:
+        return code
+    served = build_parser().parse_args(argv)  # the same command line a cold start gets
+    logging.getLogger().setLevel(served.log_level.upper())
+    return serve(served)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    code = {"serve": serve, "check-engine": check_engine, "model-dir": model_dir}[args.cmd](args)
+    code = {"serve": serve, "spare": spare, "check-engine": check_engine, "model-dir": model_dir}[args.cmd](args)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -86,6 +86,13 @@ class RefAdapter:
 
     name = "ref"
 
+    @staticmethod
+    def preload() -> None:
+        """Imports for a spare (sdk/spare.py); never initialises CUDA."""
+        from .spare import import_modules
+
+        import_modules(("torch", "frmps_engine.refengine"))
+
     def __init__(self, opts: EngineOptions):
         try:
             from frmps_engine import refengine

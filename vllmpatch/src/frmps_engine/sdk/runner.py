@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from frmps_engine._proto.frmps.v1 import control_pb2
 
-from . import control, debug_hang
+from . import control, debug_hang, spare
 from .engine_api import EngineAdapter, ProcessGroup, Resettable, vocab_size
 from .genapi import GenerationServer, input_to_ids
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
@@ -180,6 +180,7 @@ class Runner:
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
         log.info("active engine serving on %s (init %.0f ms)", self.gen.endpoint, (time.perf_counter_ns() - self._t0) / 1e6)
         _startup_stacks(False)
+        _write_modules()
 
     def _start_standby(self) -> None:
         t = time.perf_counter_ns()
@@ -524,6 +525,18 @@ def _device_memory_note(device: str) -> str:
                 f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB allocated")
     except Exception as e:  # a note in a log line is not worth failing a start for
         return f"; torch allocator: unknown ({e})"
+
+
+def _write_modules() -> None:
+    """FRMPS_MODULES_FILE (set by the supervisor): the modules this served engine
+    loaded, for the spares it starts later (sdk/spare.py)."""
+    path = os.environ.get("FRMPS_MODULES_FILE", "")
+    if not path:
+        return
+    try:
+        spare.write_modules(path)
+    except OSError as e:
+        log.warning("cannot write the module list for spares to %s: %s", path, e)
 
 
 def _freeze_heap() -> None:

@@ -617,3 +617,24 @@ def make_adapter(args: Any) -> VllmAdapter:
             max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         )
     )
+
+
+# What a spare imports ahead of need (sdk/spare.py): vLLM's engine core, its
+# GPU worker and model runner (torch._dynamo and the rest come with them) and
+# this adapter's vLLM-side modules. The model's own module comes from the list
+# a served engine wrote. Importing these never initialises CUDA.
+_PRELOAD = (
+    "vllm", "vllm.engine.arg_utils", "vllm.v1.engine.core", "vllm.v1.executor.abstract", "vllm.v1.request",
+    "vllm.tokenizers.registry", "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner",
+    "frmps_engine.vllm.scheduler", "frmps_engine.vllm.sleep_backend", "frmps_engine.vllm.plugin",
+)
+
+
+def preload() -> None:
+    """The factory's preload hook (proto/frmps/v1/ENGINE.md, spares)."""
+    from ..sdk.spare import import_modules
+
+    import_modules(_PRELOAD)  # a module that initialised CUDA is caught by the spare's check
+
+
+make_adapter.preload = preload  # type: ignore[attr-defined]

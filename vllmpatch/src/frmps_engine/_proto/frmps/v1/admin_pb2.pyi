@@ -11,7 +11,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("role", "pid", "state", "in_mps", "restarts", "started_unix_nanos", "last_death_cause", "log_path", "engine", "device", "block_size", "num_blocks", "init_seconds", "steps", "running", "waiting")
+    __slots__ = ("role", "pid", "state", "in_mps", "restarts", "started_unix_nanos", "last_death_cause", "log_path", "engine", "device", "block_size", "num_blocks", "init_seconds", "steps", "running", "waiting", "from_spare")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class EngineStatus(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    FROM_SPARE_FIELD_NUMBER: _ClassVar[int]
     role: str
     pid: int
     state: str
@@ -44,7 +45,8 @@ class EngineStatus(_message.Message):
     steps: int
     running: int
     waiting: int
-    def __init__(self, role: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., in_mps: _Optional[bool] = ..., restarts: _Optional[int] = ..., started_unix_nanos: _Optional[int] = ..., last_death_cause: _Optional[str] = ..., log_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., init_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    from_spare: bool
+    def __init__(self, role: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., in_mps: _Optional[bool] = ..., restarts: _Optional[int] = ..., started_unix_nanos: _Optional[int] = ..., last_death_cause: _Optional[str] = ..., log_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., init_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., from_spare: _Optional[bool] = ...) -> None: ...
 
 class FailoverRecord(_message.Message):
     __slots__ = ("seq", "unix_nanos", "cause", "detail", "duration_seconds", "resumed_requests", "ok", "error", "reused_tokens", "prefilled_tokens", "first_token_seconds")
@@ -73,7 +75,7 @@ class FailoverRecord(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., unix_nanos: _Optional[int] = ..., cause: _Optional[str] = ..., detail: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., resumed_requests: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., first_token_seconds: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open", "failback", "tensor_parallel_size")
+    __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open", "failback", "tensor_parallel_size", "spare")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STATE_CAUSE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,7 @@ class Status(_message.Message):
     CRASH_LOOP_OPEN_FIELD_NUMBER: _ClassVar[int]
     FAILBACK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
     state: str
     state_cause: str
     model: str
@@ -106,7 +109,24 @@ class Status(_message.Message):
     crash_loop_open: bool
     failback: Failback
     tensor_parallel_size: int
-    def __init__(self, state: _Optional[str] = ..., state_cause: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., sync_every: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., failovers: _Optional[_Iterable[_Union[FailoverRecord, _Mapping]]] = ..., mps: _Optional[bool] = ..., mps_state: _Optional[str] = ..., ring_lag_records: _Optional[int] = ..., ring_resyncs: _Optional[int] = ..., live_requests: _Optional[int] = ..., version: _Optional[str] = ..., crash_loop_open: _Optional[bool] = ..., failback: _Optional[_Union[Failback, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    spare: Spare
+    def __init__(self, state: _Optional[str] = ..., state_cause: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., sync_every: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., failovers: _Optional[_Iterable[_Union[FailoverRecord, _Mapping]]] = ..., mps: _Optional[bool] = ..., mps_state: _Optional[str] = ..., ring_lag_records: _Optional[int] = ..., ring_resyncs: _Optional[int] = ..., live_requests: _Optional[int] = ..., version: _Optional[str] = ..., crash_loop_open: _Optional[bool] = ..., failback: _Optional[_Union[Failback, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., spare: _Optional[_Union[Spare, _Mapping]] = ...) -> None: ...
+
+class Spare(_message.Message):
+    __slots__ = ("enabled", "state", "pid", "activations", "cold_starts", "last_ready_seconds")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    COLD_STARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_READY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    state: str
+    pid: int
+    activations: int
+    cold_starts: int
+    last_ready_seconds: float
+    def __init__(self, enabled: _Optional[bool] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., activations: _Optional[int] = ..., cold_starts: _Optional[int] = ..., last_ready_seconds: _Optional[float] = ...) -> None: ...
 
 class Failback(_message.Message):
     __slots__ = ("enabled", "state", "placement_ok", "succeeded", "failed", "consecutive_failures", "next_attempt_unix_nanos", "last_error", "last_duration_seconds", "last_first_token_seconds", "last_unix_nanos")

@@ -1,0 +1,258 @@
+package supervisor
+
+import (
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/engine"
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+// Spares: one engine process started ahead of need (Config.Spare). After a
+// fault the supervisor launches an engine (the fresh standby, which failback
+// then makes the active inside MPS); with vLLM most of that start-up is
+// Python importing torch and vLLM, none of which depends on the role or on
+// MPS. A spare has done it already and waits for its command line, so the
+// engine launched after a fault starts at vLLM's own initialisation.
+//
+// The first spare starts once the pair is ready (so it does not slow the
+// first start-up); a consumed spare is replaced at once; one that dies
+// unused is restarted with a backoff, and after spareMaxFails deaths in a
+// row (or a preload that initialised the CUDA driver) spares are turned off
+// and engines start cold, as without them. Everything here runs on the loop.
+
+const (
+	spareMaxFails    = 3
+	spareBaseBackoff = 2 * time.Second
+	// spareStopGrace: a spare sent away at shutdown exits at once once it
+	// reads its end of input; one still importing is killed after this.
+	spareStopGrace = 2 * time.Second
+)
+
+// spareState is the loop's view of the spare (loop-owned).
+type spareState struct {
+	cur       Spare
+	started   time.Time
+	ready     bool
+	fails     int
+	off       string // why spares are off ("" = on)
+	timer     *time.Timer
+	seq       uint64
+	pairOnce  bool // the pair was ready once: spares may start
+	activated uint64
+	cold      uint64
+	lastReady time.Duration
+}
+
+// engineEnv is the environment every engine and every spare starts from.
+func (s *Supervisor) engineEnv() []string {
+	env := slices.Clone(s.cfg.BaseEnv)
+	return append(env, "FRMPS_MODULES_FILE="+s.modulesFile())
+}
+
+// modulesFile: where the first served engine lists its modules for spares.
+func (s *Supervisor) modulesFile() string { return filepath.Join(s.runDir, "engine-modules.txt") }
+
+func (s *Supervisor) sparesEnabled() bool { return s.deps.Spares != nil && s.cfg.sparesOn() }
+
+// maybeStartSpare starts a spare when one is due. Called after every event.
+func (s *Supervisor) maybeStartSpare() {
+	if !s.sparesEnabled() {
+		return
+	}
+	sp := &s.spares
+	st, _ := s.machine.State()
+	if st == failover.ServingReady {
+		sp.pairOnce = true
+	}
+	if st == failover.Stopped || st == failover.CrashLoop || !sp.pairOnce || sp.off != "" || sp.cur != nil || sp.timer != nil {
+		return
+	}
+	s.nextID++
+	logPath := filepath.Join(s.logDir, fmt.Sprintf("spare-%d.log", s.nextID))
+	cur, err := s.deps.Spares.StartSpare(s.engineEnv(), logPath, s.modulesFile())
+	if err != nil {
+		s.spareFailed(fmt.Sprintf("start: %v", err))
+		return
+	}
+	sp.cur, sp.started, sp.ready = cur, time.Now(), false
+	s.log.Info("spare engine process started", "pid", cur.PID(), "log", logPath)
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		select {
+		case <-cur.Ready():
+			s.post(event{kind: evSpareReady, spare: cur, at: time.Now()})
+		case <-cur.Done():
+		case <-s.stopped:
+			return
+		}
+		select {
+		case <-cur.Done():
+			s.post(event{kind: evSpareDied, spare: cur, at: time.Now()})
+		case <-s.stopped:
+		}
+	}()
+	s.syncSpare()
+}
+
+// spareReady notes that the spare's imports are done.
+func (s *Supervisor) spareReady(ev event) {
+	sp := &s.spares
+	if ev.spare != sp.cur {
+		return
+	}
+	sp.ready, sp.fails = true, 0
+	sp.lastReady = ev.at.Sub(sp.started)
+	s.log.Info("spare engine process ready", "pid", ev.spare.PID(), "after", sp.lastReady.Round(time.Millisecond), "said", ev.spare.ReadyLine())
+	s.syncSpare()
+}
+
+// spareDied handles a spare that exited before it was activated.
+func (s *Supervisor) spareDied(ev event) {
+	sp := &s.spares
+	if ev.spare != sp.cur {
+		return // activated: its death is an engine's
+	}
+	sp.cur, sp.ready = nil, false
+	ws := ev.spare.WaitStatus()
+	if ws.Exited() && ws.ExitStatus() == engine.SpareExitDriverInitialised {
+		sp.off = "the engine's imports initialise the CUDA driver, so a spare could not be placed in or out of MPS"
+		s.log.Error("spares turned off: engines start cold", "why", sp.off)
+		s.syncSpare()
+		return
+	}
+	s.spareFailed(fmt.Sprintf("pid %d %s: %s", ev.spare.PID(), describeWait(ws), strings.Join(lastN(ev.spare.LastStderr(), 3), " | ")))
+}
+
+// spareFailed counts a spare that could not start or died unused, and
+// schedules the next one (or turns spares off).
+func (s *Supervisor) spareFailed(why string) {
+	sp := &s.spares
+	sp.fails++
+	if sp.fails >= spareMaxFails {
+		sp.off = fmt.Sprintf("%d spares in a row failed, the last: %s", sp.fails, why)
+		s.log.Error("spares turned off: engines start cold", "why", sp.off)
+		s.syncSpare()
+		return
+	}
+	delay := spareBaseBackoff << (sp.fails - 1)
+	s.log.Warn("spare engine process failed; starting another later", "why", why, "in", delay)
+	sp.seq++
+	seq := sp.seq
+	sp.timer = time.AfterFunc(delay, func() { s.post(event{kind: evSpareDue, id: seq, at: time.Now()}) })
+	s.syncSpare()
+}
+
+// spareDue: the backoff after a failed spare elapsed.
+func (s *Supervisor) spareDue(ev event) {
+	if s.spares.timer == nil || ev.id != s.spares.seq {
+		return
+	}
+	s.spares.timer = nil
+}
+
+// launchFromSpare makes the spare the engine of role, if there is one that
+// can take env. ok false: launch cold.
+func (s *Supervisor) launchFromSpare(role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, bool) {
+	sp := &s.spares
+	cur := sp.cur
+	if cur == nil {
+		if sp.pairOnce && s.sparesEnabled() {
+			sp.cold++
+			s.syncSpare()
+		}
+		return nil, false
+	}
+	select {
+	case <-cur.Done():
+		return nil, false // its death event is on the way
+	default:
+	}
+	sp.cur, sp.ready = nil, false
+	wasReady := false
+	select {
+	case <-cur.Ready():
+		wasReady = true
+	default:
+	}
+	p, err := s.deps.Spares.ActivateSpare(cur, role, inv, env, logPath)
+	if err != nil {
+		s.log.Warn("cannot use the spare; launching cold", "pid", cur.PID(), "error", err)
+		cur.Close(0)
+		sp.cold++
+		s.syncSpare()
+		return nil, false
+	}
+	sp.activated++
+	s.log.Info("engine launched from the spare", "role", role, "pid", p.PID(), "spare_ready", wasReady,
+		"spare_age", time.Since(sp.started).Round(time.Millisecond))
+	s.syncSpare()
+	return p, true
+}
+
+// stopSpare sends the spare away at shutdown and waits for it.
+func (s *Supervisor) stopSpare() {
+	sp := &s.spares
+	if sp.timer != nil {
+		sp.timer.Stop()
+		sp.timer = nil
+	}
+	if cur := sp.cur; cur != nil {
+		sp.cur = nil
+		cur.Close(spareStopGrace)
+		select {
+		case <-cur.Done():
+		case <-time.After(10 * time.Second):
+			s.log.Error("spare survived SIGKILL", "pid", cur.PID())
+		}
+	}
+	s.syncSpare()
+}
+
+// syncSpare publishes the spare's state to Status and metrics.
+func (s *Supervisor) syncSpare() {
+	sp := &s.spares
+	v := &frmpsv1.Spare{Enabled: s.sparesEnabled(), Activations: sp.activated, ColdStarts: sp.cold,
+		LastReadySeconds: sp.lastReady.Seconds()}
+	switch {
+	case !v.Enabled:
+		v.State = "off"
+	case sp.off != "":
+		v.State = "off: " + sp.off
+	case sp.cur != nil && sp.ready:
+		v.State, v.Pid = "ready", int32(sp.cur.PID())
+	case sp.cur != nil:
+		v.State, v.Pid = "importing", int32(sp.cur.PID())
+	case sp.timer != nil:
+		v.State = "backoff"
+	default:
+		v.State = "none"
+	}
+	s.metrics.spareReady(v.State == "ready")
+	s.mu.Lock()
+	s.spareStatus = v
+	s.mu.Unlock()
+}
+
+func describeWait(ws syscall.WaitStatus) string {
+	switch {
+	case ws.Signaled():
+		return "was killed"
+	case ws.Exited():
+		return fmt.Sprintf("exited with code %d", ws.ExitStatus())
+	}
+	return "ended"
+}
+
+func lastN(lines []string, n int) []string {
+	if len(lines) > n {
+		return lines[len(lines)-n:]
+	}
+	return lines
+}
