@@ -224,6 +224,7 @@ type fakeWorld struct {
 	broker []*fakeBroker
 	mps    *fakeMPS
 	front  *fakeFrontDoor
+	spares *fakeSpares // nil: no SpareLauncher (spare_test.go)
 }
 
 func newWorld() *fakeWorld {
@@ -240,6 +241,14 @@ var testPools = []*frmpsv1.Pool{{Tag: "weights", Index: 0, Size: 1 << 20, Backen
 var testFDs = []int{-101, -102}
 
 func (w *fakeWorld) deps() Deps {
+	d := w.baseDeps()
+	if w.spares != nil {
+		d.Spares = w.spares
+	}
+	return d
+}
+
+func (w *fakeWorld) baseDeps() Deps {
 	return Deps{
 		Launcher: w,
 		Listen: func(path string) (ControlListener, error) {

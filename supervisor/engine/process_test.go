@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"bufio"
 	"bytes"
 	"fmt"
 	"os"
@@ -61,6 +62,20 @@ func TestHelperProcess(t *testing.T) {
 	case "env":
 		fmt.Println("ENV", os.Getenv("FRMPS_X"), os.Getenv("HOME") == "")
 		os.Exit(0)
+	case "spare":
+		// A stand-in spare (frmps_engine/sdk/spare.py): ready, then one line
+		// from stdin, echoed into FRMPS_SPARE_OUT; end of input: exit 0.
+		fmt.Println(SpareReadyMark + " in 0.0 s: test double")
+		line, err := bufio.NewReader(os.Stdin).ReadString('\n')
+		if err != nil {
+			fmt.Println("no activation")
+			os.Exit(0)
+		}
+		if err := os.WriteFile(os.Getenv("FRMPS_SPARE_OUT"), []byte(line), 0o600); err != nil {
+			os.Exit(2)
+		}
+		fmt.Println("activated")
+		time.Sleep(time.Hour)
 	}
 	os.Exit(0)
 }

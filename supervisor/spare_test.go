@@ -1,0 +1,275 @@
+package supervisor
+
+import (
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/frmps/frmps/supervisor/engine"
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+// TEST DOUBLE of engine.Spare / ProcessLauncher's spares: a spare is a
+// channel pair; activating one makes a fake engine with its pid that speaks
+// the control protocol like any fake engine. engine/spare_test.go tests the
+// real spare process; vllmpatch/tests/test_e2e_failback.py the whole path.
+type fakeSpares struct {
+	w        *fakeWorld
+	mu       sync.Mutex
+	started  []*fakeSpare
+	exitWith int  // >0: every spare exits with this code before it is ready
+	notReady bool // spares never finish their imports
+}
+
+type fakeSpare struct {
+	pid       int
+	env       []string
+	modules   string
+	ready     chan struct{}
+	done      chan struct{}
+	mu        sync.Mutex
+	ws        syscall.WaitStatus
+	exited    bool
+	activated bool
+	closed    bool
+}
+
+func (f *fakeSpare) PID() int                       { return f.pid }
+func (f *fakeSpare) Done() <-chan struct{}          { return f.done }
+func (f *fakeSpare) Ready() <-chan struct{}         { return f.ready }
+func (f *fakeSpare) ReadyLine() string              { return engine.SpareReadyMark + " (fake)" }
+func (f *fakeSpare) LastStderr() []string           { return []string{"fake spare stderr"} }
+func (f *fakeSpare) WaitStatus() syscall.WaitStatus { f.mu.Lock(); defer f.mu.Unlock(); return f.ws }
+
+func (f *fakeSpare) CheckEnv(env []string) error {
+	strip := func(e []string) []string {
+		return slices.DeleteFunc(slices.Clone(e), func(kv string) bool { return strings.HasPrefix(kv, "CUDA_MPS_") })
+	}
+	if !slices.Equal(strip(f.env), strip(env)) {
+		return engine.ErrSpareEnv
+	}
+	return nil
+}
+
+func (f *fakeSpare) Close(time.Duration) {
+	f.mu.Lock()
+	f.closed = true
+	f.mu.Unlock()
+	f.exit(0)
+}
+
+func (f *fakeSpare) exit(ws syscall.WaitStatus) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.exited || f.activated { // after activation the engine owns done
+		return
+	}
+	f.exited, f.ws = true, ws
+	close(f.done)
+}
+
+func (fs *fakeSpares) StartSpare(env []string, logPath, modulesFile string) (Spare, error) {
+	fs.w.mu.Lock()
+	fs.w.nextPID++
+	pid := fs.w.nextPID
+	fs.w.mu.Unlock()
+	sp := &fakeSpare{pid: pid, env: env, modules: modulesFile, ready: make(chan struct{}), done: make(chan struct{})}
+	fs.mu.Lock()
+	fs.started = append(fs.started, sp)
+	exitWith, notReady := fs.exitWith, fs.notReady
+	fs.mu.Unlock()
+	switch {
+	case exitWith > 0:
+		go sp.exit(exitCode(exitWith))
+	case !notReady:
+		close(sp.ready)
+	}
+	return sp, nil
+}
+
+func (fs *fakeSpares) ActivateSpare(sp Spare, role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, error) {
+	f := sp.(*fakeSpare)
+	if err := f.CheckEnv(env); err != nil {
+		return nil, err
+	}
+	f.mu.Lock()
+	f.activated = true
+	f.mu.Unlock()
+	w := fs.w
+	w.mu.Lock()
+	p := &fakeProc{pid: f.pid, role: role, inv: inv, env: env, logPath: logPath, done: f.done}
+	w.procs = append(w.procs, p)
+	b := w.behave(role, w.launched[role])
+	w.launched[role]++
+	w.mu.Unlock()
+	go w.runEngine(p, b)
+	return p, nil
+}
+
+func (fs *fakeSpares) list() []*fakeSpare {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	return slices.Clone(fs.started)
+}
+
+func TestSpareBecomesTheEngineAfterAFailover(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.spares = &fakeSpares{w: w}
+		h := start(t, w, func(c *Config) { c.Spare = "on" })
+		h.wantState(failover.ServingReady)
+		spares := w.spares.list()
+		if len(spares) != 1 {
+			t.Fatalf("%d spares once the pair is ready, want 1", len(spares))
+		}
+		sp := spares[0]
+		if !strings.HasSuffix(sp.modules, "engine-modules.txt") || !slices.Contains(sp.env, "FRMPS_MODULES_FILE="+sp.modules) {
+			t.Fatalf("spare env %v modules %s", sp.env, sp.modules)
+		}
+		if st := h.s.Status().GetSpare(); st.GetState() != "ready" || int(st.GetPid()) != sp.pid {
+			t.Fatalf("spare status %v", st)
+		}
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		// The failover promoted the standby (outside MPS); the spare became the
+		// fresh standby inside MPS, and failback swapped the two.
+		h.wantState(failover.ServingReady)
+		st := h.s.Status()
+		var fromSpare bool
+		for _, e := range st.GetEngines() {
+			if e.GetRole() == "active" && (int(e.GetPid()) != sp.pid || !e.GetInMps()) {
+				t.Fatalf("active %v, want the spare %d inside MPS", e, sp.pid)
+			}
+			if int(e.GetPid()) == sp.pid {
+				fromSpare = e.GetFromSpare()
+			}
+		}
+		if st.GetFailback().GetSucceeded() != 1 {
+			t.Fatalf("failback %v", st.GetFailback())
+		}
+		if !fromSpare || st.GetSpare().GetActivations() != 1 || st.GetSpare().GetColdStarts() != 0 {
+			t.Fatalf("engines %v spare %v", st.GetEngines(), st.GetSpare())
+		}
+		if v := testutil.ToFloat64(h.s.metrics.launchesFrom.WithLabelValues("spare")); v != 1 {
+			t.Fatalf("launches{spare} = %v", v)
+		}
+		// The consumed spare was replaced at once.
+		spares = w.spares.list()
+		if len(spares) != 2 || h.s.Status().GetSpare().GetPid() != int32(spares[1].pid) {
+			t.Fatalf("spares %d, status %v", len(spares), h.s.Status().GetSpare())
+		}
+		h.stop()
+		if !spares[1].closed {
+			t.Fatal("the unused spare was not sent away at shutdown")
+		}
+		if v := testutil.ToFloat64(h.s.metrics.spareReadyG); v != 0 {
+			t.Fatalf("spare_ready = %v after shutdown", v)
+		}
+	})
+}
+
+func TestSparesThatDieAreRetriedThenTurnedOff(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.spares = &fakeSpares{w: w, exitWith: 1}
+		h := start(t, w, func(c *Config) { c.Spare = "on"; c.NoFailback = true })
+		h.wantState(failover.ServingReady)
+		time.Sleep(time.Minute) // past every backoff
+		synctest.Wait()
+		if n := len(w.spares.list()); n != spareMaxFails {
+			t.Fatalf("%d spares started, want %d", n, spareMaxFails)
+		}
+		st := h.s.Status().GetSpare()
+		if !strings.HasPrefix(st.GetState(), "off: ") || !strings.Contains(st.GetState(), "exited with code 1") {
+			t.Fatalf("spare state %q", st.GetState())
+		}
+		// Engines now start cold, as without spares.
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if st := h.s.Status().GetSpare(); st.GetColdStarts() != 1 || st.GetActivations() != 0 {
+			t.Fatalf("spare %v", st)
+		}
+		h.stop()
+	})
+}
+
+func TestSparesOffWhenTheirImportsInitialiseCUDA(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.spares = &fakeSpares{w: w, exitWith: engine.SpareExitDriverInitialised}
+		h := start(t, w, func(c *Config) { c.Spare = "on" })
+		h.wantState(failover.ServingReady)
+		time.Sleep(time.Minute)
+		synctest.Wait()
+		if n := len(w.spares.list()); n != 1 {
+			t.Fatalf("%d spares started, want 1 (no retry)", n)
+		}
+		if st := h.s.Status().GetSpare().GetState(); !strings.Contains(st, "CUDA driver") {
+			t.Fatalf("spare state %q", st)
+		}
+		h.stop()
+	})
+}
+
+func TestSpareStillImportingIsUsedAndShutdownDoesNotWaitForIt(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.spares = &fakeSpares{w: w, notReady: true}
+		h := start(t, w, func(c *Config) { c.Spare = "on"; c.NoFailback = true })
+		h.wantState(failover.ServingReady)
+		if st := h.s.Status().GetSpare().GetState(); st != "importing" {
+			t.Fatalf("spare state %q", st)
+		}
+		// A spare still importing is still the faster start: it takes the
+		// command line when its imports are done.
+		sp := w.spares.list()[0]
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		if sb := w.liveRole(failover.Standby); sb == nil || sb.pid != sp.pid {
+			t.Fatalf("standby %v, want the spare %d", sb, sp.pid)
+		}
+		h.stop()
+		for _, sp := range w.spares.list()[1:] {
+			if !sp.closed {
+				t.Fatalf("spare %d not sent away", sp.pid)
+			}
+		}
+	})
+}
+
+func TestSparesFollowTheDevice(t *testing.T) {
+	for _, tc := range []struct {
+		device, spare string
+		on            bool
+	}{{"cpu", "", false}, {"cpu", "auto", false}, {"cuda", "", true}, {"cuda", "auto", true}, {"cuda", "off", false}, {"cpu", "on", true}} {
+		c := Config{Device: tc.device, Spare: tc.spare}
+		if got := c.sparesOn(); got != tc.on {
+			t.Errorf("device %q spare %q: on %v, want %v", tc.device, tc.spare, got, tc.on)
+		}
+	}
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.spares = &fakeSpares{w: w}
+		h := start(t, w, nil) // the CPU: spares default off
+		h.wantState(failover.ServingReady)
+		if n := len(w.spares.list()); n != 0 {
+			t.Fatalf("%d spares on the CPU by default", n)
+		}
+		if st := h.s.Status().GetSpare(); st.GetEnabled() || st.GetState() != "off" {
+			t.Fatalf("spare %v", st)
+		}
+		h.stop()
+	})
+	cfg := testConfig(t)
+	cfg.Spare = "sometimes"
+	if _, err := NewWithDeps(cfg, newWorld().deps(), nil, nil); err == nil || !strings.Contains(err.Error(), "spare") {
+		t.Fatalf("bad --spare accepted: %v", err)
+	}
+}
