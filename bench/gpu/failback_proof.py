@@ -167,6 +167,30 @@ def restored(st: dict, n_failbacks: int) -> bool:
             and int(get(fb, "succeeded", default=0) or 0) >= n_failbacks)
 
 
+def resources(dep, cpu: bool) -> dict:
+    """What must stay flat fault after fault (a soak): the supervisor's open fds and
+    threads, its live child processes, frmps's files in /dev/shm, the GPU's memory."""
+    pid = dep.proc.pid
+    out: dict = {}
+    try:
+        out["supervisor_fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+        with open(f"/proc/{pid}/status") as f:
+            out["supervisor_threads"] = int(next(line for line in f if line.startswith("Threads:")).split()[1])
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            out["supervisor_children"] = len(f.read().split())
+    except (OSError, StopIteration, ValueError) as e:
+        out["error"] = str(e)
+    try:
+        out["shm_files"] = sum(1 for n in os.listdir("/dev/shm") if "frmps" in n)
+    except OSError:
+        pass
+    if not cpu:
+        smi = nvidia_smi()
+        out["gpu_used_mib"] = smi.get("gpu_used_mib")
+        out["gpu_apps"] = len(smi.get("apps") or {})
+    return out
+
+
 def spare_state(st: dict) -> str:
     """The spare's state in status ("" from an frmps without spares)."""
     return str(get(get(st, "spare") or {}, "state", default="") or "")
@@ -305,6 +329,7 @@ def main() -> int:
         act_log, sb_log = get(e["active"], "log_path"), get(e["standby"], "log_path")
         sl = grep_log(sb_log, LOG_SLEEP)
         smi = nvidia_smi() if not args.cpu else {}
+        report["resources_at_start"] = resources(dep, args.cpu)
         report["standby"] = {"map_ms": float(sl[0]) if sl else None, "ready_ms_after_start": int(sl[1]) if sl else None,
                              "used_mib": (smi.get("apps", {}).get(int(get(e["standby"], "pid", default=0))) or {}).get("used_mib"),
                              "gpu_used_mib": smi.get("gpu_used_mib")}
@@ -379,6 +404,7 @@ def main() -> int:
             rec["client_max_gap_s"] = max_gap_in(times, t_fault, t_fault + 1.0)
             rec["handover_max_gap_s"] = max_gap_in(times, done - dur - 0.05, done + 0.2)
             rec["decode_step_s"] = step
+            rec["resources"] = resources(dep, args.cpu)
             print(f"fault {n} {spec}: in_mps={rec['active_in_mps_before']} cause={rec['failover']['cause']} "
                   f"fault->detect={rec['fault_to_detect_s']} detect->tok={rec['detect_to_first_resumed_token_s']} "
                   f"client_gap={rec['client_gap_from_fault_s']} max_gap={rec['client_max_gap_s']} restored={rec['failback']['restored_s_after_detect']}s "

@@ -12,6 +12,9 @@
 #                                      no new fault after budget seconds of faults; the stage is killed after
 #                                      timeout seconds (default budget + 330)
 #   vllm-failback:<model>:<n>:<budget>[:<timeout>] the same with --engine vllm on a `frmps model init` directory
+#   ref-soak:…, vllm-soak:…            the same as a soak: no minimum spacing between faults, the crash-loop
+#                                      breaker widened, resources (fds, threads, children, /dev/shm, GPU memory)
+#                                      sampled after every cycle
 #   ref-tp:<model>:<n>:<budget>[:<timeout>]  bench/gpu/tp_proof.py: the reference engine with --tensor-parallel-size 2
 #                                      on GPUs 0 and 1 (one MPS daemon for both), n faults by MPS clients pinned to
 #                                      GPU 0 and GPU 1 alternately; timeout as for ref-failback
@@ -103,8 +106,13 @@ model_dir() {  # writes the preset's directory once, prints it
     PYTHONPATH=$PWD/vllmpatch/src python3 -m frmps_engine.cli model-dir "$1" --out "$WORK/models/$1"
 }
 
-stage_failback() {  # engine model n budget [timeout]
-    local engine=$1 model=$2 n=$3 budget=$4 limit=${5:-$(($4 + 330))} m=$2 extra=()
+stage_failback() {  # engine model n budget [timeout [soak]]
+    local engine=$1 model=$2 n=$3 budget=$4 limit=${5:-$(($4 + 330))} m=$2 extra=() soak=()
+    if [ "${6:-}" = soak ]; then
+        # Faults as fast as the placement is restored (and a spare is ready): the crash-loop
+        # breaker is widened so that it does not stop re-arming; resources sampled every cycle.
+        soak=(--min-fault-interval 0 --serve-arg=--max-restarts=100000)
+    fi
     if [ "$engine" = vllm ]; then
         vllm_env
         m=$(model_dir "$model") || { log "vllm-failback $model: model-dir failed"; return; }
@@ -116,7 +124,7 @@ stage_failback() {  # engine model n budget [timeout]
     log "$engine-failback $model: $n faults, budget ${budget}s"
     bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine "$engine" --model "$m" \
         --faults "$n" --time-budget "$budget" --workdir "$WORK/$engine-$model" --out "$OUT/$engine-$model.json" \
-        "${extra[@]}" > "$WORK/$engine-$model.out" 2>&1
+        "${extra[@]}" "${soak[@]}" > "$WORK/$engine-$model.out" 2>&1
     log "$engine-failback $model: rc=$?"
     tail -n 25 "$WORK/$engine-$model.out" >> "$S"
 }
@@ -172,6 +180,8 @@ for st in "$@"; do
         prep) stage_prep ;;
         ref-failback) stage_failback ref "$a" "$b" "$c" "$d" ;;
         vllm-failback) stage_failback vllm "$a" "$b" "$c" "$d" ;;
+        ref-soak) stage_failback ref "$a" "$b" "$c" "$d" soak ;;
+        vllm-soak) stage_failback vllm "$a" "$b" "$c" "$d" soak ;;
         ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;
         bench) stage_bench "$a" "$b" "$c" "$d" ;;
