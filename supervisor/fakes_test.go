@@ -345,13 +345,20 @@ func (w *fakeWorld) Launch(role failover.Role, inv engine.Invocation, env []stri
 		return nil, err
 	}
 	w.nextPID++
-	p := &fakeProc{pid: w.nextPID, role: role, inv: inv, env: env, logPath: logPath, done: make(chan struct{})}
+	pid := w.nextPID
+	w.mu.Unlock()
+	return w.spawn(&fakeProc{pid: pid, role: role, inv: inv, env: env, logPath: logPath, done: make(chan struct{})}), nil
+}
+
+// spawn runs p as the next engine of its role, with that launch's behaviour.
+func (w *fakeWorld) spawn(p *fakeProc) *fakeProc {
+	w.mu.Lock()
 	w.procs = append(w.procs, p)
-	b := w.behave(role, w.launched[role])
-	w.launched[role]++
+	b := w.behave(p.role, w.launched[p.role])
+	w.launched[p.role]++
 	w.mu.Unlock()
 	go w.runEngine(p, b)
-	return p, nil
+	return p
 }
 
 func (w *fakeWorld) dial(path string, pid int) (*fakeConn, error) {

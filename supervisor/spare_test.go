@@ -101,15 +101,7 @@ func (fs *fakeSpares) ActivateSpare(sp Spare, role failover.Role, inv engine.Inv
 	f.mu.Lock()
 	f.activated = true
 	f.mu.Unlock()
-	w := fs.w
-	w.mu.Lock()
-	p := &fakeProc{pid: f.pid, role: role, inv: inv, env: env, logPath: logPath, done: f.done}
-	w.procs = append(w.procs, p)
-	b := w.behave(role, w.launched[role])
-	w.launched[role]++
-	w.mu.Unlock()
-	go w.runEngine(p, b)
-	return p, nil
+	return fs.w.spawn(&fakeProc{pid: f.pid, role: role, inv: inv, env: env, logPath: logPath, done: f.done}), nil
 }
 
 func (fs *fakeSpares) list() []*fakeSpare {

@@ -16,11 +16,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from e2e import deployment
+from e2e import deployment, free_port, frmps_bin, http_json
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
 
@@ -98,3 +100,40 @@ def test_every_fault_is_followed_by_failback_and_streams_stay_exact():
         # A handover moved every request with a fresh sync: a stream's longest pause
         # during it is reported by the supervisor as the handover's first-token time.
         assert float(st["failback"]["last_duration_seconds"]) > 0
+
+
+def test_spare_dies_with_a_killed_supervisor(tmp_path):
+    """SIGKILL of the supervisor (the OOM killer): the engines and the spare die with it
+    (parent-death signal), leaving no process behind."""
+    port, admin = free_port(), free_port()
+    cmd = [frmps_bin(), "serve", "--model", "tiny", "--engine", "ref", "--device", "cpu", "--no-mps", "--spare=on",
+           "--port", str(port), "--admin-addr", f"127.0.0.1:{admin}", "--run-dir", str(tmp_path / "run"),
+           "--state-dir", str(tmp_path / "state"), "--python", sys.executable]
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline, st = time.monotonic() + 120, {}
+        while time.monotonic() < deadline and (st.get("spare") or {}).get("state") != "ready":
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            code, _, got = http_json("GET", f"http://127.0.0.1:{admin}/v1/admin/status", timeout=5)
+            st = got if code == 200 else {}
+            time.sleep(0.1)
+        assert (st.get("spare") or {}).get("state") == "ready", st
+        pids = [int(e["pid"]) for e in st["engines"]] + [int(st["spare"]["pid"])]
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+    left = pids
+    while left and time.monotonic() < deadline:
+        left = [p for p in pids if _alive(p)]
+        time.sleep(0.05)
+    assert not left, f"processes left after the supervisor was killed: {left}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is dead, waiting for init to reap it
+    except (FileNotFoundError, IndexError):
+        return False
