@@ -115,8 +115,11 @@ def test_spare_dies_with_a_killed_supervisor(tmp_path):
         deadline, st = time.monotonic() + 120, {}
         while time.monotonic() < deadline and (st.get("spare") or {}).get("state") != "ready":
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            code, _, got = http_json("GET", f"http://127.0.0.1:{admin}/v1/admin/status", timeout=5)
-            st = got if code == 200 else {}
+            try:
+                code, _, got = http_json("GET", f"http://127.0.0.1:{admin}/v1/admin/status", timeout=5)
+                st = got if code == 200 else {}
+            except OSError:  # not listening yet
+                st = {}
             time.sleep(0.1)
         assert (st.get("spare") or {}).get("state") == "ready", st
         pids = [int(e["pid"]) for e in st["engines"]] + [int(st["spare"]["pid"])]
