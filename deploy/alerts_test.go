@@ -115,6 +115,18 @@ frmps_engine_up{instance="a",model_name="m",role="active"} 1x60
 frmps_engine_up{instance="a",model_name="m",role="standby"} 1x10 0x50
 frmps_engine_restarts_total{instance="a",model_name="m",role="standby"} 0x10 1 2 3 4 5 6x40
 `, 15 * time.Minute, []string{"FrmpsEngineRestarts", "FrmpsStandbyMissing"}},
+		{"spares on, one ready after each use", healthy + `
+frmps_spare_enabled{instance="a",model_name="m"} 1x240
+frmps_spare_ready{instance="a",model_name="m"} 1x20 0 0 1x30 0x3 1x186
+`, time.Hour, nil},
+		{"spares off", healthy + `
+frmps_spare_enabled{instance="a",model_name="m"} 0x240
+frmps_spare_ready{instance="a",model_name="m"} 0x240
+`, time.Hour, nil},
+		{"spares failing", healthy + `
+frmps_spare_enabled{instance="a",model_name="m"} 1x240
+frmps_spare_ready{instance="a",model_name="m"} 1x20 0x220
+`, time.Hour, []string{"FrmpsSpareUnavailable"}},
 		{"streams cut at a failover", healthy + `frmps_stream_resumes_total{instance="a",model_name="m",outcome="failed"} 0x10 2x60`,
 			5 * time.Minute, []string{"FrmpsResumeFailures"}},
 		{"ring behind", `

@@ -28,6 +28,7 @@ type metrics struct {
 	firstTokenIn prometheus.Histogram
 	launchesFrom *prometheus.CounterVec
 	spareReadyG  prometheus.Gauge
+	spareOnG     prometheus.Gauge
 
 	mu       sync.Mutex
 	launches [2]uint32
@@ -68,13 +69,15 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 			Help: "Engine launches, by how: from a spare (an engine process started ahead of need) or cold.", ConstLabels: cl}, []string{"from"}),
 		spareReadyG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_spare_ready",
 			Help: "1 when a spare engine process is ready (its imports done) to become the next engine.", ConstLabels: cl}),
+		spareOnG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_spare_enabled",
+			Help: "1 when spares are configured (--spare; auto: on for GPU devices), whether or not one is ready.", ConstLabels: cl}),
 	}
 	bi := buildinfo.Get()
 	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_build_info", Help: "Build of this frmps.",
 		ConstLabels: prometheus.Labels{"model_name": model, "version": bi.Version, "commit": bi.Commit, "goversion": bi.GoVersion}})
 	build.Set(1)
 	for _, c := range []prometheus.Collector{m.failovers, m.duration, m.resumeSentIn, m.engineUp, m.restarts, m.crashLoopG,
-		m.failbacks, m.failbackDur, m.placementG, m.firstTokenIn, m.launchesFrom, m.spareReadyG, build} {
+		m.failbacks, m.failbackDur, m.placementG, m.firstTokenIn, m.launchesFrom, m.spareReadyG, m.spareOnG, build} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
@@ -109,7 +112,10 @@ func (m *metrics) firstToken(d time.Duration)       { m.firstTokenIn.Observe(d.S
 func (m *metrics) up(r failover.Role, up bool)      { m.engineUp.WithLabelValues(r.String()).Set(b2f(up)) }
 func (m *metrics) crashLoop(open bool)              { m.crashLoopG.Set(b2f(open)) }
 func (m *metrics) placement(ok bool)                { m.placementG.Set(b2f(ok)) }
-func (m *metrics) spareReady(ok bool)               { m.spareReadyG.Set(b2f(ok)) }
+func (m *metrics) spare(enabled, ready bool) {
+	m.spareOnG.Set(b2f(enabled))
+	m.spareReadyG.Set(b2f(ready))
+}
 
 func (m *metrics) launched(fromSpare bool) {
 	if fromSpare {

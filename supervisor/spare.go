@@ -234,7 +234,7 @@ func (s *Supervisor) syncSpare() {
 	default:
 		v.State = "none"
 	}
-	s.metrics.spareReady(v.State == "ready")
+	s.metrics.spare(v.Enabled, v.State == "ready")
 	s.mu.Lock()
 	s.spareStatus = v
 	s.mu.Unlock()
