@@ -92,10 +92,15 @@ def test_write_modules_first_writer_wins(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["engine-modules.txt"]
 
 
-def test_import_modules_counts_and_stops(monkeypatch):
+@pytest.mark.parametrize("before", [None, "0"])
+def test_import_modules_counts_and_stops(monkeypatch, before):
+    if before is None:
+        monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", before)
     ok, failed, culprit = spare.import_modules(["json", "no_such_module_xyz", "# comment", "", "os.path"])
     assert (ok, failed, culprit) == (2, 1, None)
-    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
+    assert os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == before  # restored as it was
     calls = []
     ok, failed, culprit = spare.import_modules(["json", "os", "csv"], stop_if=lambda: calls.append(1) or len(calls) == 2)
     assert culprit == "os" and ok == 2
