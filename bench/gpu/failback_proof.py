@@ -176,8 +176,11 @@ def resources(dep, cpu: bool) -> dict:
         out["supervisor_fds"] = len(os.listdir(f"/proc/{pid}/fd"))
         with open(f"/proc/{pid}/status") as f:
             out["supervisor_threads"] = int(next(line for line in f if line.startswith("Threads:")).split()[1])
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            out["supervisor_children"] = len(f.read().split())
+        kids = set()  # a Go process forks from any of its threads
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids.update(f.read().split())
+        out["supervisor_children"] = len(kids)
     except (OSError, StopIteration, ValueError) as e:
         out["error"] = str(e)
     try:
