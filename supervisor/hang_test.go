@@ -132,24 +132,33 @@ func TestRunWaitReadsSchedstat(t *testing.T) {
 	// Every spinner needs a P of its own, or Go's scheduler, not the
 	// kernel's run queue, makes them take turns.
 	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(spinners + 2))
-	var wg sync.WaitGroup
+	// The spinners' threads must still exist when the waits are read: a thread
+	// that has exited takes its schedstat with it.
+	var spun, ended sync.WaitGroup
+	release := make(chan struct{})
 	for range spinners {
-		wg.Add(1)
+		spun.Add(1)
+		ended.Add(1)
 		go func() {
-			defer wg.Done()
+			defer ended.Done()
 			runtime.LockOSThread() // the thread ends with the goroutine: its pinning goes with it
 			var one unix.CPUSet
 			one.Set(cpu)
 			if err := unix.SchedSetaffinity(0, &one); err != nil {
 				t.Error(err)
+				spun.Done()
 				return
 			}
 			for t0 := time.Now(); time.Since(t0) < spin; {
 			}
+			spun.Done()
+			<-release
 		}()
 	}
-	wg.Wait()
+	spun.Wait()
 	after, ok := runWait(os.Getpid())
+	close(release)
+	ended.Wait()
 	if !ok {
 		t.Fatal("runWait failed")
 	}
