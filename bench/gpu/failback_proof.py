@@ -38,7 +38,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failover_proof import (  # noqa: E402  (same folder, standard library only)
-    LOG_FIRST, LOG_SLEEP, Deployment, get, grep_log, loglines, mps_trigger, nvidia_smi)
+    LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, loglines, mps_trigger, nvidia_smi)
 
 FAULTS = ["misaligned:load", "illegal_instruction:jump-far", "shared_oob:shared", "shared_oob:local",
           "invalid_address_space:ld-global-shared", "stack_overflow:recursion", "oob_write:write"]
@@ -372,7 +372,7 @@ def main() -> int:
             e = engines(st)
             act = e["active"]
             rec["active_in_mps_before"] = bool(get(act, "in_mps"))
-            n_fo = len(get(st, "failovers", default=[]) or [])
+            n_fo = failover_seq(st)
             prepare, inject = mps_trigger(args, spec)(dep, act)
             prepare()
             load.wait_all_streaming(5)  # the fault lands mid-stream for every stream
@@ -380,8 +380,7 @@ def main() -> int:
             t_fault = inj.get("t_fault") or now()
             last_fault = t_fault
             rec["inject"] = {k: v for k, v in inj.items() if k != "t_fault"}
-            st, _ = dep.wait(lambda s: len(get(s, "failovers", default=[]) or []) > n_fo
-                             and get((get(s, "failovers") or [{}])[0], "cause") != "pending", 120, "the failover record")
+            st, _ = dep.wait(lambda s: failover_after(s, n_fo), 120, "the failover record")
             fo = (get(st, "failovers") or [])[0]
             detect = int(get(fo, "unix_nanos", default=0)) / 1e9
             rec["failover"] = {k: get(fo, k) for k in ("cause", "ok", "duration_seconds", "resumed_requests",

@@ -59,6 +59,19 @@ def get(d: dict, *names, default=None):
     return default
 
 
+def failover_seq(st: dict) -> int:
+    """The seq of the newest failover record (0: none yet). Status keeps a bounded list
+    (32, newest first), so a new failover shows as a higher seq, not a longer list."""
+    fos = get(st, "failovers", default=[]) or []
+    return int(get(fos[0], "seq", default=0) or 0) if fos else 0
+
+
+def failover_after(st: dict, seq: int) -> bool:
+    """A failover newer than seq is recorded, and its cause is known."""
+    fos = get(st, "failovers", default=[]) or []
+    return failover_seq(st) > seq and get(fos[0], "cause") != "pending"
+
+
 def http_json(url: str, body: dict | None = None, timeout: float = 10.0):
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})

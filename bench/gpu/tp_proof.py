@@ -38,7 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failback_proof import (  # noqa: E402  (same folder, standard library only)
     FAKE_MPS, FAULTS, Load, bodies, engines, first_resumed, gaps_after, no_fault_run, restored, started)
-from failover_proof import Deployment, get, mps_trigger  # noqa: E402
+from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
 
 from frmps_engine.bench.procs import alive, live_children  # noqa: E402  (standard library only)
 
@@ -168,7 +168,7 @@ def main() -> int:
             e = engines(st)
             act, sb = e["active"], e["standby"]
             rec["active_ranks"] = group_pids(act)
-            n_fo = len(get(st, "failovers", default=[]) or [])
+            n_fo = failover_seq(st)
             if args.cpu:
                 victim = rec["active_ranks"][gpu]
                 prepare, inject = (lambda: None), None
@@ -185,8 +185,7 @@ def main() -> int:
                 t_fault = inj.get("t_fault") or now()
                 rec["inject"] = {k: v for k, v in inj.items() if k != "t_fault"}
             last_fault = t_fault
-            st, _ = dep.wait(lambda s: len(get(s, "failovers", default=[]) or []) > n_fo
-                             and get((get(s, "failovers") or [{}])[0], "cause") != "pending", 120, "the failover record")
+            st, _ = dep.wait(lambda s: failover_after(s, n_fo), 120, "the failover record")
             fo = (get(st, "failovers") or [])[0]
             detect = int(get(fo, "unix_nanos", default=0)) / 1e9
             rec["failover"] = {k: get(fo, k) for k in ("cause", "detail", "ok", "duration_seconds", "resumed_requests",
