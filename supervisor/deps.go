@@ -127,9 +127,8 @@ type Deps struct {
 // SpareLauncher starts spares (engine processes started ahead of need, their
 // imports done, the GPU untouched) and makes them engines.
 type SpareLauncher interface {
-	// StartSpare starts one with env, logging to logPath; modulesFile lists
-	// the modules a served engine had loaded.
-	StartSpare(env []string, logPath, modulesFile string) (Spare, error)
+	// StartSpare starts one with env, logging to logPath.
+	StartSpare(env []string, logPath string, opts engine.SpareOptions) (Spare, error)
 	// ActivateSpare makes sp the engine of role for inv, with env (which may
 	// differ from the spare's own only in engine.ActivationVars).
 	ActivateSpare(sp Spare, role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, error)
@@ -196,12 +195,12 @@ var (
 )
 
 // StartSpare implements SpareLauncher.
-func (l ProcessLauncher) StartSpare(env []string, logPath, modulesFile string) (Spare, error) {
+func (l ProcessLauncher) StartSpare(env []string, logPath string, opts engine.SpareOptions) (Spare, error) {
 	sa, ok := l.Adapter.(engine.SpareAdapter)
 	if !ok {
 		return nil, fmt.Errorf("engine %s cannot be started ahead of need", l.Adapter.Name())
 	}
-	path, args, err := sa.SpareCommand(modulesFile)
+	path, args, err := sa.SpareCommand(opts)
 	if err != nil {
 		return nil, err
 	}

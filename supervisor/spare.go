@@ -75,7 +75,7 @@ func (s *Supervisor) maybeStartSpare() {
 	}
 	s.nextID++
 	logPath := filepath.Join(s.logDir, fmt.Sprintf("spare-%d.log", s.nextID))
-	cur, err := s.deps.Spares.StartSpare(s.engineEnv(), logPath, s.modulesFile())
+	cur, err := s.deps.Spares.StartSpare(s.engineEnv(), logPath, engine.SpareOptions{ModulesFile: s.modulesFile(), Model: s.cfg.Model})
 	if err != nil {
 		s.spareFailed(fmt.Sprintf("start: %v", err))
 		return

@@ -31,6 +31,7 @@ type fakeSpare struct {
 	pid       int
 	env       []string
 	modules   string
+	model     string
 	ready     chan struct{}
 	done      chan struct{}
 	mu        sync.Mutex
@@ -74,12 +75,12 @@ func (f *fakeSpare) exit(ws syscall.WaitStatus) {
 	close(f.done)
 }
 
-func (fs *fakeSpares) StartSpare(env []string, logPath, modulesFile string) (Spare, error) {
+func (fs *fakeSpares) StartSpare(env []string, logPath string, opts engine.SpareOptions) (Spare, error) {
 	fs.w.mu.Lock()
 	fs.w.nextPID++
 	pid := fs.w.nextPID
 	fs.w.mu.Unlock()
-	sp := &fakeSpare{pid: pid, env: env, modules: modulesFile, ready: make(chan struct{}), done: make(chan struct{})}
+	sp := &fakeSpare{pid: pid, env: env, modules: opts.ModulesFile, model: opts.Model, ready: make(chan struct{}), done: make(chan struct{})}
 	fs.mu.Lock()
 	fs.started = append(fs.started, sp)
 	exitWith, notReady := fs.exitWith, fs.notReady
@@ -121,7 +122,7 @@ func TestSpareBecomesTheEngineAfterAFailover(t *testing.T) {
 			t.Fatalf("%d spares once the pair is ready, want 1", len(spares))
 		}
 		sp := spares[0]
-		if !strings.HasSuffix(sp.modules, "engine-modules.txt") || !slices.Contains(sp.env, "FRMPS_MODULES_FILE="+sp.modules) {
+		if !strings.HasSuffix(sp.modules, "engine-modules.txt") || !slices.Contains(sp.env, "FRMPS_MODULES_FILE="+sp.modules) || sp.model != "tiny" {
 			t.Fatalf("spare env %v modules %s", sp.env, sp.modules)
 		}
 		if st := h.s.Status().GetSpare(); st.GetState() != "ready" || int(st.GetPid()) != sp.pid {

@@ -38,9 +38,8 @@ var ErrSpareEnv = errors.New("activation changes the environment beyond the MPS 
 // SpareAdapter is an Adapter whose engines can be started as spares.
 type SpareAdapter interface {
 	Adapter
-	// SpareCommand starts a spare of this engine; modulesFile lists modules
-	// a served engine had loaded (read if present).
-	SpareCommand(modulesFile string) (path string, args []string, err error)
+	// SpareCommand starts a spare of this engine.
+	SpareCommand(opts SpareOptions) (path string, args []string, err error)
 	// ServeArgs is the command line a spare serves for inv: what Command
 	// runs, without the interpreter's own arguments.
 	ServeArgs(inv Invocation) ([]string, error)
@@ -50,15 +49,27 @@ var _ SpareAdapter = PythonCLI{}
 
 const pythonModule = "frmps_engine.cli"
 
+// SpareOptions: what a spare may prepare ahead of its activation.
+type SpareOptions struct {
+	// ModulesFile lists the modules a served engine had loaded (read if present).
+	ModulesFile string
+	// Model the engines serve: the engine's preload hook may read what does not
+	// touch the GPU (its tokenizer, for instance).
+	Model string
+}
+
 // SpareCommand implements SpareAdapter.
-func (a PythonCLI) SpareCommand(modulesFile string) (string, []string, error) {
+func (a PythonCLI) SpareCommand(opts SpareOptions) (string, []string, error) {
 	py := a.Python
 	if py == "" {
 		py = "python3"
 	}
 	args := []string{"-m", pythonModule, "spare", "--engine", a.Engine}
-	if modulesFile != "" {
-		args = append(args, "--modules", modulesFile)
+	if opts.ModulesFile != "" {
+		args = append(args, "--modules", opts.ModulesFile)
+	}
+	if opts.Model != "" {
+		args = append(args, "--model", opts.Model)
 	}
 	return py, args, nil
 }

@@ -135,9 +135,9 @@ func TestSpareCloseKillsOneThatDoesNotRead(t *testing.T) {
 
 func TestPythonCLISpareCommandLines(t *testing.T) {
 	a := PythonCLI{Engine: "vllm", Python: "/venv/bin/python"}
-	path, args, err := a.SpareCommand("/run/engine-modules.txt")
+	path, args, err := a.SpareCommand(SpareOptions{ModulesFile: "/run/engine-modules.txt", Model: "/models/q"})
 	if err != nil || path != "/venv/bin/python" ||
-		!slices.Equal(args, []string{"-m", "frmps_engine.cli", "spare", "--engine", "vllm", "--modules", "/run/engine-modules.txt"}) {
+		!slices.Equal(args, []string{"-m", "frmps_engine.cli", "spare", "--engine", "vllm", "--modules", "/run/engine-modules.txt", "--model", "/models/q"}) {
 		t.Fatalf("spare command %s %v %v", path, args, err)
 	}
 	inv := Invocation{Role: RoleStandby, Model: "m", ControlSocket: "/c", GenerationSocket: "/g", Device: "cuda"}

@@ -175,3 +175,20 @@ def test_reference_spare_preloads_the_listed_modules(tmp_path):
     out, err = p.communicate(b"", timeout=300)
     assert p.returncode == 0, err.decode()
     assert "2 of 3 listed imported, 1 skipped" in out.decode()
+
+
+def test_preload_hook_gets_the_model_when_it_takes_one(tmp_path, monkeypatch):
+    (tmp_path / "frmps_test_factories.py").write_text(
+        "CALLS = []\n"
+        "def with_model(opts): pass\n"
+        "def _pre(model=None): CALLS.append(('with', model))\n"
+        "with_model.preload = _pre\n"
+        "def without(opts): pass\n"
+        "without.preload = lambda: CALLS.append(('without', None))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import frmps_test_factories as f
+
+    spare.preload("frmps_test_factories:with_model", None, model="/models/q")
+    spare.preload("frmps_test_factories:with_model", None)
+    spare.preload("frmps_test_factories:without", None, model="/models/q")
+    assert f.CALLS == [("with", "/models/q"), ("with", None), ("without", None)]

@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "command line the supervisor sends on stdin (sdk/spare.py)")
     sp.add_argument("--engine", default="ref", help="the engine whose imports to preload")
     sp.add_argument("--modules", help="file of module names a served engine had loaded (optional; read if present)")
+    sp.add_argument("--model", help="the model the engines serve (the engine's preload may read its tokenizer)")
     sp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     c = sub.add_parser("check-engine", help="check that an --engine name loads; print its factory")
     c.add_argument("engine", help="ref, vllm, or package.module:Factory")
@@ -137,7 +138,7 @@ def spare(args: argparse.Namespace) -> int:
     """A spare engine process: preload, then serve what the supervisor sends."""
     from frmps_engine.sdk import spare as spare_mod
 
-    code, argv = spare_mod.run(args.engine, args.modules)
+    code, argv = spare_mod.run(args.engine, args.modules, model=args.model)
     if argv is None:
         return code
     served = build_parser().parse_args(argv)  # the same command line a cold start gets

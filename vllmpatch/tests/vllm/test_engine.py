@@ -640,3 +640,30 @@ def test_async_scheduling_switch_from_the_environment(model_dir, monkeypatch):
     monkeypatch.setenv("FRMPS_VLLM_ASYNC_SCHEDULING", "0")
     ea = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32")).engine_args(True, 0.5)
     assert ea.async_scheduling is False
+
+
+def test_a_spares_preload_imports_vllm_and_hands_its_tokenizer_to_the_adapter(tmp_path):
+    """sdk/spare.py runs the factory's preload hook with the model: vLLM's modules are
+    imported without initialising CUDA, the tokenizer is read once, and the adapter
+    built after the activation takes it instead of reading it again."""
+    import sys
+
+    from frmps_engine import modeldir
+    from frmps_engine.sdk import spare
+    from frmps_engine.vllm import engine
+    from frmps_engine.vllm.engine import VllmAdapter, VllmEngineConfig, make_adapter
+
+    d = modeldir.write("qwen2.5-0.5b", str(tmp_path / "q05"))
+    engine._PRELOADED_TOKENIZERS.clear()
+    summary = spare.preload("vllm", None, model=d)
+    assert "modules loaded" in summary and "vllm.v1.engine.core" in sys.modules
+    assert not spare.driver_initialised()
+    preloaded = engine._PRELOADED_TOKENIZERS[d]
+    assert make_adapter.preload is engine.preload
+    ad = VllmAdapter(VllmEngineConfig(model=d, num_blocks=512, max_model_len=4096))
+    assert ad.tokenizer()._tok is preloaded and d not in engine._PRELOADED_TOKENIZERS  # taken, once
+    other = VllmAdapter(VllmEngineConfig(model=d, num_blocks=512, max_model_len=4096))
+    assert other.tokenizer()._tok is not preloaded  # a second engine in this process reads its own
+    # A model the spare could not read is only a lost head start.
+    spare.preload("vllm", None, model=str(tmp_path / "missing"))
+    assert str(tmp_path / "missing") not in engine._PRELOADED_TOKENIZERS

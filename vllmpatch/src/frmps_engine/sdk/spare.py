@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -183,16 +184,21 @@ def _read_names(path: str) -> list[str]:
         return []
 
 
-def preload(engine: str, modules_file: str | None) -> str:
-    """Import what an engine of this kind will need; a summary for the log. A listed
-    module whose import initialised the CUDA driver goes to modules_file + ".skip"
-    (DriverInitialised), so the next spare leaves it out."""
+def preload(engine: str, modules_file: str | None, model: str | None = None) -> str:
+    """Import what an engine of this kind will need; a summary for the log. The
+    factory's ``preload`` hook gets the model when it takes an argument (to read what
+    needs no GPU, e.g. the tokenizer). A listed module whose import initialised the
+    CUDA driver goes to modules_file + ".skip" (DriverInitialised), so the next spare
+    leaves it out."""
     from . import adapters
 
     _, factory = adapters.resolve(engine)
     hook = getattr(factory, "preload", None)
     if callable(hook):
-        hook()
+        if model and inspect.signature(hook).parameters:
+            hook(model)
+        else:
+            hook()
     if driver_initialised():
         raise DriverInitialised(None)
     names: list[str] = []
@@ -237,7 +243,8 @@ def apply_env(env: Mapping[str, str]) -> None:
     os.environ.update(env)
 
 
-def run(engine: str, modules_file: str | None, stdin=None, stdout=None) -> tuple[int, list[str] | None]:
+def run(engine: str, modules_file: str | None, stdin=None, stdout=None,
+        model: str | None = None) -> tuple[int, list[str] | None]:
     """Preload, announce, wait for the activation: (exit code, None) to exit,
     or (0, argv) to serve argv in this process."""
     stdin = stdin if stdin is not None else sys.stdin.buffer
@@ -247,7 +254,7 @@ def run(engine: str, modules_file: str | None, stdin=None, stdout=None) -> tuple
     from . import adapters
 
     try:
-        summary = preload(engine, modules_file)
+        summary = preload(engine, modules_file, model)
     except adapters.AdapterError as e:
         log.error("spare cannot preload: %s", e)
         return EXIT_BAD_ACTIVATION, None

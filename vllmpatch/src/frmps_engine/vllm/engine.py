@@ -562,9 +562,12 @@ class VllmAdapter:
 
     def tokenizer(self) -> VllmTokenizer:
         if self._tokenizer is None:
-            from vllm.tokenizers.registry import get_tokenizer
+            tok = _PRELOADED_TOKENIZERS.pop(self.cfg.model, None)  # a spare's (preload)
+            if tok is None:
+                from vllm.tokenizers.registry import get_tokenizer
 
-            self._tokenizer = VllmTokenizer(get_tokenizer(self.cfg.model))
+                tok = get_tokenizer(self.cfg.model)
+            self._tokenizer = VllmTokenizer(tok)
         return self._tokenizer
 
 
@@ -630,11 +633,27 @@ _PRELOAD = (
 )
 
 
-def preload() -> None:
-    """The factory's preload hook (proto/frmps/v1/ENGINE.md, spares)."""
+# Tokenizers a spare loaded before it knew its role, by model: the adapter built
+# after the activation takes its own from here (vLLM's get_tokenizer caches
+# nothing; Qwen2.5's takes about a second).
+_PRELOADED_TOKENIZERS: dict[str, Any] = {}
+
+
+def preload(model: str | None = None) -> None:
+    """The factory's preload hook (proto/frmps/v1/ENGINE.md, spares): vLLM's modules,
+    and the model's tokenizer (no GPU involved)."""
     from ..sdk.spare import import_modules
 
     import_modules(_PRELOAD)  # a module that initialised CUDA is caught by the spare's check
+    if model:
+        try:
+            from vllm.tokenizers.registry import get_tokenizer
+
+            _PRELOADED_TOKENIZERS[model] = get_tokenizer(model)
+        except Exception as e:  # only a head start: the engine loads it itself, and says why not
+            import logging
+
+            logging.getLogger(__name__).warning("spare: could not preload the tokenizer of %s: %s", model, e)
 
 
 make_adapter.preload = preload  # type: ignore[attr-defined]
