@@ -37,6 +37,7 @@ const (
 // spareState is the loop's view of the spare (loop-owned).
 type spareState struct {
 	cur       Spare
+	unwatch   chan struct{} // closed when cur is taken or sent away: its watcher returns
 	started   time.Time
 	ready     bool
 	fails     int
@@ -47,6 +48,15 @@ type spareState struct {
 	activated uint64
 	cold      uint64
 	lastReady time.Duration
+}
+
+// take forgets the current spare (used or sent away) and ends its watcher.
+func (sp *spareState) take() {
+	if sp.unwatch != nil {
+		close(sp.unwatch)
+		sp.unwatch = nil
+	}
+	sp.cur, sp.ready = nil, false
 }
 
 // engineEnv is the environment every engine and every spare starts from.
@@ -80,21 +90,25 @@ func (s *Supervisor) maybeStartSpare() {
 		s.spareFailed(fmt.Sprintf("start: %v", err))
 		return
 	}
-	sp.cur, sp.started, sp.ready = cur, time.Now(), false
+	unwatch := make(chan struct{})
+	sp.cur, sp.unwatch, sp.started, sp.ready = cur, unwatch, time.Now(), false
 	s.log.Info("spare engine process started", "pid", cur.PID(), "log", logPath)
 	s.wg.Add(1)
-	go func() {
+	go func() { // until the spare is used, sent away or dead
 		defer s.wg.Done()
 		select {
 		case <-cur.Ready():
 			s.post(event{kind: evSpareReady, spare: cur, at: time.Now()})
 		case <-cur.Done():
+		case <-unwatch:
+			return
 		case <-s.stopped:
 			return
 		}
 		select {
 		case <-cur.Done():
 			s.post(event{kind: evSpareDied, spare: cur, at: time.Now()})
+		case <-unwatch:
 		case <-s.stopped:
 		}
 	}()
@@ -119,7 +133,7 @@ func (s *Supervisor) spareDied(ev event) {
 	if ev.spare != sp.cur {
 		return // activated: its death is an engine's
 	}
-	sp.cur, sp.ready = nil, false
+	sp.take()
 	ws := ev.spare.WaitStatus()
 	if ws.Exited() && ws.ExitStatus() == engine.SpareExitDriverInitialised {
 		sp.off = "the engine's imports initialise the CUDA driver, so a spare could not be placed in or out of MPS"
@@ -174,7 +188,7 @@ func (s *Supervisor) launchFromSpare(role failover.Role, inv engine.Invocation, 
 		return nil, false // its death event is on the way
 	default:
 	}
-	sp.cur, sp.ready = nil, false
+	sp.take()
 	wasReady := false
 	select {
 	case <-cur.Ready():
@@ -204,7 +218,7 @@ func (s *Supervisor) stopSpare() {
 		sp.timer = nil
 	}
 	if cur := sp.cur; cur != nil {
-		sp.cur = nil
+		sp.take()
 		cur.Close(spareStopGrace)
 		select {
 		case <-cur.Done():

@@ -24,19 +24,22 @@ from frmps_engine.bench.chaos import (Clients, Serve, check, double_fault, hang_
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
 
 
-def test_chaos(tmp_path):
+@pytest.mark.parametrize("spare", [False, True], ids=["cold", "spare"])
+def test_chaos(tmp_path, spare):
     # --stall-timeout: the default (30 s) would make the SIGSTOP case slow; 2 s until
-    # the hang-detection defaults are shortened.
+    # the hang-detection defaults are shortened. spare: --spare on (the GPU default),
+    # every engine after the first pair launched from a spare.
     serve = Serve(frmps_bin(), sys.executable, str(tmp_path), sync_every=4, step_delay_ms=5,
-                  extra_args=["--stall-timeout=2s"])
+                  extra_args=["--stall-timeout=2s"], spare=spare)
     requests = workload(12)
     t = [time.monotonic()]
     try:
         serve.start()
         reference = reference_outputs(serve, requests)
+        serve.wait_spare()
         base = sample(serve)
         t.append(time.monotonic())
-        assert base.children == 2 and base.shm_files == 1 and base.sockets == 4 and base.zombies == 0, base
+        assert base.children == 2 + spare and base.shm_files == 1 and base.sockets == 4 and base.zombies == 0, base
 
         windows = []
         with Clients(lambda: serve.base, requests, 6) as clients:
@@ -54,6 +57,9 @@ def test_chaos(tmp_path):
         assert sum(int(f.get("resumed_requests", 0)) for f in fos) > 0, "no request was in flight at any failover"
         after, diff = settle(serve, base)
         assert not diff, f"not back to the baseline after {len(fos)} failovers: {diff}"
+        if spare:  # every engine launched after the first pair was a spare, even in the double fault
+            sp = serve.status().get("spare") or {}
+            assert int(sp.get("activations", 0)) >= len(fos) and int(sp.get("cold_starts", 0)) == 0, sp
 
         with Clients(lambda: serve.base, requests, 6) as clients:
             w, stale = kill_supervisor(serve)

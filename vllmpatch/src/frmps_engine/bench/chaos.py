@@ -168,8 +168,9 @@ class Serve:
     private ring dir under /dev/shm, so that a restart takes over all of them."""
 
     def __init__(self, frmps: str, python: str, workdir: str, sync_every: int = 4, step_delay_ms: int = 5,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, spare: bool = False):
         self.frmps, self.python, self.workdir = frmps, python, workdir
+        self.spare = spare  # --spare on: one more child, an engine process started ahead of need
         self.port, self.admin_port = free_port(), free_port()
         self.base, self.admin = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.admin_port}"
         # Unix socket paths are limited to 108 bytes: a short run dir.
@@ -187,7 +188,7 @@ class Serve:
                 "--sync-every", str(self.sync_every), "--port", str(self.port),
                 "--admin-addr", f"127.0.0.1:{self.admin_port}", "--run-dir", self.run_dir,
                 "--state-dir", self.state_dir, "--ring-dir", self.ring_dir, "--python", self.python,
-                "--max-restarts", "1000000", *self.extra_args]
+                "--max-restarts", "1000000", f"--spare={'on' if self.spare else 'off'}", *self.extra_args]
 
     def start(self, timeout: float = 180.0) -> None:
         with open(self.log_path, "a") as log:
@@ -220,6 +221,20 @@ class Serve:
                 pass
             time.sleep(0.02)
         raise ChaosError(f"state {want!r} not reached in {timeout:.0f}s; last {st.get('state')!r}:\n{tail(self.log_path)}")
+
+    def expected_children(self) -> int:
+        """The two engines, and the spare while one runs (status names its pid)."""
+        if not self.spare:
+            return 2
+        return 2 + (1 if int((self.status().get("spare") or {}).get("pid") or 0) > 0 else 0)
+
+    def wait_spare(self, timeout: float = 60.0) -> None:
+        """With spares on: until a spare is ready (its imports done)."""
+        deadline = time.monotonic() + timeout
+        while self.spare and (self.status().get("spare") or {}).get("state") != "ready":
+            if time.monotonic() > deadline:
+                raise ChaosError(f"no ready spare in {timeout:.0f}s: {self.status().get('spare')}")
+            time.sleep(0.05)
 
     def engine_pid(self, role: str, st: dict | None = None) -> int:
         for e in (st or self.status()).get("engines", []):
@@ -332,7 +347,8 @@ def settle(serve: Serve, base: Sample, timeout: float = 15.0) -> tuple[Sample, l
         s = sample(serve)
         diff = [f"{k} {getattr(base, k)} -> {getattr(s, k)}" for k in ("fds", "goroutines")
                 if getattr(s, k) != getattr(base, k)]
-        diff += [f"children {s.children} (want 2)"] if s.children != 2 else []
+        want = serve.expected_children()
+        diff += [f"children {s.children} (want {want})"] if s.children != want else []
         diff += [f"zombies {s.zombies}"] if s.zombies else []
         diff += [f"shm files {s.shm_files} (want the one ring)"] if s.shm_files != 1 else []
         diff += [f"socket files {s.sockets} (want the two engines' four)"] if s.sockets != 4 else []
