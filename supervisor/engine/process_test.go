@@ -116,10 +116,16 @@ func (c *capture) has(sub string) bool {
 
 func wait(t *testing.T, p *Process) {
 	t.Helper()
+	waitFor(t, p.Done(), "engine did not exit")
+}
+
+// waitFor waits for ch to close, failing the test with why after a long while.
+func waitFor(t *testing.T, ch <-chan struct{}, why string) {
+	t.Helper()
 	select {
-	case <-p.Done():
+	case <-ch:
 	case <-time.After(20 * time.Second): // a safety net, not a timing assertion
-		t.Fatal("engine did not exit")
+		t.Fatal(why)
 	}
 }
 

@@ -23,11 +23,7 @@ func spareSpec(t *testing.T) (Spec, string) {
 
 func waitReady(t *testing.T, s *Spare) {
 	t.Helper()
-	select {
-	case <-s.Ready():
-	case <-time.After(20 * time.Second): // a safety net, not a timing assertion
-		t.Fatal("spare never said it was ready")
-	}
+	waitFor(t, s.Ready(), "spare never said it was ready")
 }
 
 func TestSpareActivation(t *testing.T) {
