@@ -114,7 +114,7 @@ func (s *Supervisor) start(role failover.Role) {
 		defer s.wg.Done()
 		select {
 		case <-proc.Done():
-			s.post(event{kind: evDied, slot: sl, cause: "process exited: " + describeExit(proc), at: time.Now()})
+			s.post(event{kind: evDied, slot: sl, cause: "process exited: " + describeExit(proc.WaitStatus()), at: time.Now()})
 		case <-s.stopped:
 		}
 	}()
@@ -160,8 +160,8 @@ func (s *Supervisor) dialGeneration(sl *slot) error {
 	return nil
 }
 
-func describeExit(p Process) string {
-	ws := p.WaitStatus()
+// describeExit names how a process ended (an engine, a spare).
+func describeExit(ws syscall.WaitStatus) string {
 	switch {
 	case ws.Signaled():
 		return fmt.Sprintf("killed by signal %d", int(ws.Signal()))

@@ -5,7 +5,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"syscall"
 	"time"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
@@ -134,14 +133,13 @@ func (s *Supervisor) spareDied(ev event) {
 		return // activated: its death is an engine's
 	}
 	sp.take()
-	ws := ev.spare.WaitStatus()
-	if ws.Exited() && ws.ExitStatus() == engine.SpareExitDriverInitialised {
+	if ws := ev.spare.WaitStatus(); ws.Exited() && ws.ExitStatus() == engine.SpareExitDriverInitialised {
 		sp.off = "the engine's imports initialise the CUDA driver, so a spare could not be placed in or out of MPS"
 		s.log.Error("spares turned off: engines start cold", "why", sp.off)
 		s.syncSpare()
 		return
 	}
-	s.spareFailed(fmt.Sprintf("pid %d %s: %s", ev.spare.PID(), describeWait(ws), strings.Join(lastN(ev.spare.LastStderr(), 3), " | ")))
+	s.spareFailed(fmt.Sprintf("pid %d %s: %s", ev.spare.PID(), describeExit(ev.spare.WaitStatus()), strings.Join(lastN(ev.spare.LastStderr(), 3), " | ")))
 }
 
 // spareFailed counts a spare that could not start or died unused, and
@@ -252,16 +250,6 @@ func (s *Supervisor) syncSpare() {
 	s.mu.Lock()
 	s.spareStatus = v
 	s.mu.Unlock()
-}
-
-func describeWait(ws syscall.WaitStatus) string {
-	switch {
-	case ws.Signaled():
-		return "was killed"
-	case ws.Exited():
-		return fmt.Sprintf("exited with code %d", ws.ExitStatus())
-	}
-	return "ended"
 }
 
 func lastN(lines []string, n int) []string {

@@ -48,15 +48,7 @@ func (f *fakeSpare) ReadyLine() string              { return engine.SpareReadyMa
 func (f *fakeSpare) LastStderr() []string           { return []string{"fake spare stderr"} }
 func (f *fakeSpare) WaitStatus() syscall.WaitStatus { f.mu.Lock(); defer f.mu.Unlock(); return f.ws }
 
-func (f *fakeSpare) CheckEnv(env []string) error {
-	strip := func(e []string) []string {
-		return slices.DeleteFunc(slices.Clone(e), func(kv string) bool { return strings.HasPrefix(kv, "CUDA_MPS_") })
-	}
-	if !slices.Equal(strip(f.env), strip(env)) {
-		return engine.ErrSpareEnv
-	}
-	return nil
-}
+func (f *fakeSpare) CheckEnv(env []string) error { return engine.CheckActivationEnv(f.env, env) }
 
 func (f *fakeSpare) Close(time.Duration) {
 	f.mu.Lock()
@@ -179,7 +171,7 @@ func TestSparesThatDieAreRetriedThenTurnedOff(t *testing.T) {
 			t.Fatalf("%d spares started, want %d", n, spareMaxFails)
 		}
 		st := h.s.Status().GetSpare()
-		if !strings.HasPrefix(st.GetState(), "off: ") || !strings.Contains(st.GetState(), "exited with code 1") {
+		if !strings.HasPrefix(st.GetState(), "off: ") || !strings.Contains(st.GetState(), "exit code 1") {
 			t.Fatalf("spare state %q", st.GetState())
 		}
 		// Engines now start cold, as without spares.

@@ -176,11 +176,10 @@ func Start(spec Spec, log hclog.Logger) (_ *Process, retErr error) {
 		logFile.Close()
 		p.mu.Lock()
 		p.ws, p.waitErr = ws, werr
-		if p.stdin != nil {
-			p.stdin.Close()
-			p.stdin = nil
-		}
 		p.mu.Unlock()
+		if w := p.takeStdin(); w != nil {
+			w.Close()
+		}
 		close(p.done)
 	}()
 	return p, nil
@@ -235,6 +234,15 @@ func (p *Process) LogPath() string {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.logPath
+}
+
+// takeStdin hands over the write end of a Spec.Stdin pipe, once (nil after).
+func (p *Process) takeStdin() *os.File {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	w := p.stdin
+	p.stdin = nil
+	return w
 }
 
 func (p *Process) logger() hclog.Logger {

@@ -136,8 +136,12 @@ func (s *Spare) ReadyLine() string {
 
 // CheckEnv says whether env differs from the spare's own environment only
 // in ActivationVars.
-func (s *Spare) CheckEnv(env []string) error {
-	have, want := envMap(s.env), envMap(env)
+func (s *Spare) CheckEnv(env []string) error { return CheckActivationEnv(s.env, env) }
+
+// CheckActivationEnv says whether env differs from spareEnv, the environment
+// a spare started with, only in ActivationVars (ErrSpareEnv otherwise).
+func CheckActivationEnv(spareEnv, env []string) error {
+	have, want := envMap(spareEnv), envMap(env)
 	var bad []string
 	for k := range joinKeys(have, want) {
 		if have[k] != want[k] && !slices.Contains(ActivationVars, k) {
@@ -173,10 +177,7 @@ func (s *Spare) Activate(name string, args, env []string, logPath string) (*Proc
 	if err != nil {
 		return nil, err
 	}
-	p.mu.Lock()
-	w := p.stdin
-	p.stdin = nil
-	p.mu.Unlock()
+	w := p.takeStdin()
 	if w == nil {
 		return nil, errors.New("spare has exited")
 	}
@@ -206,11 +207,7 @@ func (s *Spare) Activate(name string, args, env []string, logPath string) (*Proc
 // if it has not exited within grace. Wait on Process().Done().
 func (s *Spare) Close(grace time.Duration) {
 	p := s.proc
-	p.mu.Lock()
-	w := p.stdin
-	p.stdin = nil
-	p.mu.Unlock()
-	if w != nil {
+	if w := p.takeStdin(); w != nil {
 		_ = w.Close()
 	}
 	select {

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from e2e import deployment, free_port, frmps_bin, http_json
+from frmps_engine.bench.procs import alive
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
 
@@ -129,14 +130,6 @@ def test_spare_dies_with_a_killed_supervisor(tmp_path):
     deadline = time.monotonic() + 20
     left = pids
     while left and time.monotonic() < deadline:
-        left = [p for p in pids if _alive(p)]
+        left = [p for p in pids if alive(p)]  # a zombie is dead, waiting for init to reap it
         time.sleep(0.05)
     assert not left, f"processes left after the supervisor was killed: {left}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie is dead, waiting for init to reap it
-    except (FileNotFoundError, IndexError):
-        return False
