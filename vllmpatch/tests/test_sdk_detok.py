@@ -75,3 +75,56 @@ def test_resume_prime_continues_the_text(s, d):
     second.prime(ids[:d])
     rest = second.feed(ids[d:])[1] + second.flush()
     assert sent + rest == s
+
+
+class _CountingTokenizer:
+    """FakeTokenizer that counts decode calls (test double)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def decode(self, ids):
+        self.calls += 1
+        return TOK.decode(ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 255), max_size=80), st.integers(0, 80), st.integers(0, 80))
+def test_window_decoder_is_the_tokenizers_decode(ids, a, b):
+    """The one-token cache returns exactly what decode does, for every window."""
+    from frmps_engine.sdk.detok import window_decoder
+
+    w = window_decoder(TOK)
+    assert w(ids, a, b) == (TOK.decode(ids[a:b]) if b > a else "")
+    assert w(ids, a, b) == (TOK.decode(ids[a:b]) if b > a else "")  # served from the cache now
+
+
+def test_priming_decodes_one_token_windows_once():
+    """Replaying a resumed stream's tokens: once text flows, every step's prefix is
+    a one-token window, decoded once per token id for the tokenizer's lifetime."""
+    tok = _CountingTokenizer()
+    ids = TOK.encode("abcd" * 50)
+    TextStream(tok).prime(ids)
+    first = tok.calls
+    assert first < 2 * len(ids) - 100  # without the cache: two decode calls per token
+    tok.calls = 0
+    TextStream(tok).prime(ids)
+    assert tok.calls <= len(ids) + 4  # every one-token window is cached by now
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 3), st.sampled_from(["", "STOP", "€Z"]), st.integers(1, 7))
+def test_long_streams_keep_only_the_text_they_still_need(reps, stop, chunk):
+    """A long stream's text is trimmed once handed out, without changing a delta or
+    a stop match (a match more than a trim's length into the stream)."""
+    body = "añb€c d" * (1000 * reps)
+    s = body + (stop or "xyz") + "tail"
+    ids = TOK.encode(s)
+    text, n, hit = _run(ids, [chunk] * (len(ids) // chunk + 1), stop=[stop] if stop else [])
+    if stop:
+        assert (text, hit, n) == (body, stop, len(TOK.encode(body + stop)))
+    else:
+        assert (text, hit) == (s, None)
+    ts = TextStream(TOK, [stop] if stop else [])
+    ts.feed(TOK.encode(body))
+    assert len(ts._text) < 4096 + 64  # not the ~7,000 characters per repetition handed out

@@ -667,3 +667,43 @@ def test_a_spares_preload_imports_vllm_and_hands_its_tokenizer_to_the_adapter(tm
     # A model the spare could not read is only a lost head start.
     spare.preload("vllm", None, model=str(tmp_path / "missing"))
     assert str(tmp_path / "missing") not in engine._PRELOADED_TOKENIZERS
+
+
+def test_the_tokenizers_backend_decode_is_used_only_where_it_equals_decode(tmp_path):
+    """A resumed stream replays its delivered tokens through decode: the Rust
+    backend's decode gives the same text as the Hugging Face tokenizer's (checked
+    here on random ids, specials included) at a fraction of the cost; a tokenizer
+    whose decode also cleans up spaces keeps its own decode."""
+    import random
+
+    from frmps_engine import modeldir
+    from frmps_engine.vllm.engine import VllmAdapter, VllmEngineConfig, VllmTokenizer
+
+    d = modeldir.write("qwen2.5-0.5b", str(tmp_path / "q05"))
+    tok = VllmAdapter(VllmEngineConfig(model=d, num_blocks=64, max_model_len=512)).tokenizer()
+    assert tok._backend is not None
+    hf = tok._tok
+    n = hf.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+    rng = random.Random(5)
+    for _ in range(2000):
+        ids = [rng.randrange(n) for _ in range(rng.randint(1, 6))]
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+    class Cleaning:  # test double: a fast tokenizer whose decode cleans up spaces
+        backend_tokenizer = hf.backend_tokenizer
+        clean_up_tokenization_spaces = True
+        eos_token_id = hf.eos_token_id
+
+        def decode(self, ids, skip_special_tokens=False):
+            return hf.decode(ids, skip_special_tokens=skip_special_tokens).replace(" ,", ",")
+
+    assert VllmTokenizer(Cleaning())._backend is None
+
+    class Differs(Cleaning):  # claims no clean-up, yet decodes differently: the sample check refuses it
+        clean_up_tokenization_spaces = False
+
+        def decode(self, ids, skip_special_tokens=False):
+            text = hf.decode(ids, skip_special_tokens=skip_special_tokens)
+            return text[1:] if text.startswith(" ") else text  # e.g. a decoder that strips a leading space
+
+    assert VllmTokenizer(Differs())._backend is None

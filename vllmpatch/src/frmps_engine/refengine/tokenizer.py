@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from frmps_engine.sdk.detok import window_decoder
+
 
 class TokenizerError(ValueError):
     pass
@@ -153,6 +155,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
         self._tok = tokenizer
+        self._window = window_decoder(tokenizer)
         # A few prompt tokens give the first output tokens their left context
         # (sentencepiece-style leading spaces).
         self._ids: list[int] = list(prompt_ids[-4:])
@@ -161,9 +164,10 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def add(self, token_id: int) -> str:
-        self._ids.append(int(token_id))
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
-        new_text = self._tok.decode(self._ids[self._prefix :])
+        ids = self._ids
+        ids.append(int(token_id))
+        prefix_text = self._window(ids, self._prefix, self._read)
+        new_text = self._window(ids, self._prefix, len(ids))
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             delta = new_text[len(prefix_text) :]
             self._prefix = self._read
@@ -174,8 +178,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Release whatever is held back (at the end of a sequence)."""
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
-        new_text = self._tok.decode(self._ids[self._prefix :])
+        prefix_text = self._window(self._ids, self._prefix, self._read)
+        new_text = self._window(self._ids, self._prefix, len(self._ids))
         delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         self._prefix = self._read = len(self._ids)
         self.text += delta
