@@ -119,6 +119,9 @@ func TestStreamAcrossFailover(t *testing.T) {
 			res := b.Resumes()
 			if len(res) != 1 || res[0].GetDelivered() != 7 {
 				t.Errorf("resume calls %v, want one with delivered=7", res)
+			} else if d := res[0].GetDetok(); d.GetPrefix() != 6 || d.GetRead() != 7 {
+				// The detokenizer state of the last chunk delivered (it ended at token 7).
+				t.Errorf("resume call's detok %v, want the last delivered chunk's {6, 7}", d)
 			}
 			if n := metricValue(t, h.reg, "frmps_stream_resumes_total", map[string]string{"outcome": "ok"}); n != 1 {
 				t.Errorf("stream_resumes_total{ok} = %v", n)

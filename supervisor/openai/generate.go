@@ -177,6 +177,10 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 		resumes      int
 		// gotResumedToken: OnResumedToken was called for the current resume.
 		gotResumedToken bool
+		// detok: the engine's detokenizer state after the last delivered chunk
+		// (nil where it sent none), handed to the next engine on a resume so that
+		// it need not replay the delivered tokens to continue the text.
+		detok *frmpsv1.DetokState
 	)
 	defer func() { cancelStream() }()
 	open := func(resume bool) {
@@ -185,7 +189,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 		or.setEngine(eng)
 		resuming, gotChunk, gotResumedToken = resume, false, false
 		if resume {
-			stream, err = eng.Client.Resume(sctx, &frmpsv1.ResumeStreamRequest{Key: or.key, Delivered: uint32(delivered)})
+			stream, err = eng.Client.Resume(sctx, &frmpsv1.ResumeStreamRequest{Key: or.key, Delivered: uint32(delivered), Detok: detok})
 		} else {
 			stream, err = eng.Client.Generate(sctx, or.gen)
 		}
@@ -288,6 +292,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 			}
 			or.deliver(ids)
 			delivered += len(ids)
+			detok = resp.GetDetok()
 			s.m.tokens.Add(float64(len(ids)))
 		}
 		if err := out.text(text, ids); err != nil {

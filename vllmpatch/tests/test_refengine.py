@@ -403,9 +403,19 @@ class LetterTokenizer(ByteTokenizer):
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def letter_run(**kw):
-    cfg = EngineConfig.from_preset("tiny", num_blocks=32)
-    core = RefCore(cfg, RefCore.allocate_pools(cfg), True, tokenizer=LetterTokenizer())
+class CountingLetters(LetterTokenizer):
+    """LetterTokenizer that counts decode calls (test double)."""
+
+    calls = 0
+
+    def decode(self, ids):
+        CountingLetters.calls += 1
+        return super().decode(ids)
+
+
+def letter_run(text_outputs=True, tokenizer=None, **kw):
+    cfg = EngineConfig.from_preset("tiny", num_blocks=32, text_outputs=text_outputs)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), True, tokenizer=tokenizer or LetterTokenizer())
     core.add_request(1, prompts(1, lengths=(12,))[1], SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True, **kw))
     outs = []
     while core.has_work():
@@ -425,6 +435,30 @@ def test_stop_string_in_engine():
     assert len(outs) == cut + 3  # the token completing the stop string is still reported
     outs = letter_run(stop=(stop,), include_stop_str_in_output=True)
     assert "".join(o.text for o in outs) == text[: cut + 3]
+
+
+def test_without_text_outputs_only_stop_strings_are_decoded():
+    """Under the SDK (text_outputs off: the generation service detokenizes) a
+    request without stop strings is never decoded, and adopting one replays no
+    text; stop strings still end a request at the same token."""
+    base = letter_run()
+    CountingLetters.calls = 0
+    plain = letter_run(text_outputs=False, tokenizer=CountingLetters())
+    assert CountingLetters.calls == 0
+    assert [o.new_token_ids for o in plain] == [o.new_token_ids for o in base] and not any(o.text for o in plain)
+    stop = "".join(o.text for o in base)[20:23]
+    want = letter_run(stop=(stop,))
+    got = letter_run(text_outputs=False, tokenizer=CountingLetters(), stop=(stop,))
+    assert CountingLetters.calls > 0
+    assert [o.new_token_ids for o in got] == [o.new_token_ids for o in want] and got[-1].stop_reason == stop
+    cfg = EngineConfig.from_preset("tiny", num_blocks=32, text_outputs=False)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), False, tokenizer=CountingLetters())
+    ids = prompts(1, lengths=(12,))[1]
+    out = [o.new_token_ids[0] for o in base]
+    CountingLetters.calls = 0
+    core.adopt_request(5, SamplingParams(max_tokens=40, ignore_eos=True), ids + out[:30], 12, 12 + 29, [1, 2, 3], 3,
+                       out[:30])
+    assert CountingLetters.calls == 0
 
 
 def test_incremental_detokenizer_utf8_boundaries():

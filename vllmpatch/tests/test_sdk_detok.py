@@ -128,3 +128,37 @@ def test_long_streams_keep_only_the_text_they_still_need(reps, stop, chunk):
     ts = TextStream(TOK, [stop] if stop else [])
     ts.feed(TOK.encode(body))
     assert len(ts._text) < 4096 + 64  # not the ~7,000 characters per repetition handed out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 255), max_size=60), st.integers(0, 60), st.lists(st.integers(1, 4), min_size=1, max_size=20))
+def test_restore_from_offsets_continues_exactly(ids, d, chunks):
+    """A stream restored from another stream's offsets after d tokens hands out
+    exactly the text the first one would have (bytes 0-255: invalid and
+    incomplete UTF-8 included, so the offsets are not trivial)."""
+    d = min(d, len(ids))
+    first = TextStream(TOK)
+    i = 0
+    for c in chunks * (d // max(1, sum(chunks)) + 1):
+        if i >= d:
+            break
+        first.feed(ids[i:min(d, i + c)])
+        i = min(d, i + c)
+    off = first.offsets()
+    assert off is not None
+    second = TextStream(TOK)
+    assert second.restore(ids[:d], *off)
+    want = first.feed(ids[d:])[1] + first.flush()
+    assert second.feed(ids[d:])[1] + second.flush() == want
+
+
+def test_restore_refuses_what_offsets_cannot_stand_for():
+    ts = TextStream(TOK, ["STOP"])
+    ts.feed(TOK.encode("abc"))
+    assert ts.offsets() is None  # text is held back for the stop string
+    assert not TextStream(TOK, ["STOP"]).restore(TOK.encode("abc"), 0, 3)
+    assert not TextStream(TOK).restore(TOK.encode("abc"), 2, 1)
+    assert not TextStream(TOK).restore(TOK.encode("abc"), 0, 4)
+    used = TextStream(TOK)
+    used.feed(TOK.encode("x"))
+    assert not used.restore(TOK.encode("abc"), 0, 3)  # only a fresh stream

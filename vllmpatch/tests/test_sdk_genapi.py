@@ -154,6 +154,41 @@ def test_resume_at_index_after_finish(env):
     assert ei.value.code() == grpc.StatusCode.OUT_OF_RANGE
 
 
+def test_resume_with_the_detokenizer_state_continues_the_text_without_a_replay(env, monkeypatch):
+    """Each chunk carries its detokenizer's offsets; a Resume that passes them back
+    continues the text exactly as a replay of the delivered tokens would, and does
+    not replay them (the first step after a takeover no longer pays per delivered
+    token). A Resume without them, or with offsets that do not fit, replays."""
+    import frmps_engine.sdk.detok as detok
+
+    chunks, full, text = collect(env.stub.Generate(gen(10, "hello", 40)))
+    primes = []
+    real_prime = detok.TextStream.prime
+    monkeypatch.setattr(detok.TextStream, "prime", lambda self, ids: (primes.append(len(ids)), real_prime(self, ids))[1])
+    sent, done = "", 0
+    for c in chunks[:-1]:
+        sent += c.text
+        done += len(c.token_ids)
+        if not c.token_ids:
+            continue
+        assert c.HasField("detok") and 0 <= c.detok.prefix <= c.detok.read <= done
+        _, toks, rest = collect(env.stub.Resume(g.ResumeStreamRequest(key=10, delivered=done, detok=c.detok)))
+        assert toks == full[done:] and sent + rest == text, done
+    assert primes == []
+    _, _, rest = collect(env.stub.Resume(g.ResumeStreamRequest(key=10, delivered=done)))
+    assert sent + rest == text and primes == [done]
+    bad = g.DetokState(prefix=0, read=done + 5)  # past the delivered tokens: ignored, replayed
+    _, _, rest = collect(env.stub.Resume(g.ResumeStreamRequest(key=10, delivered=done, detok=bad)))
+    assert sent + rest == text and primes == [done, done]
+
+
+def test_streams_with_stop_strings_send_no_detokenizer_state(env):
+    """Text held back for a stop string is not in the offsets: such a stream
+    sends none, and its resume replays."""
+    chunks, _, _ = collect(env.stub.Generate(gen(11, "hello", 20, stop=["\x00never"])))
+    assert not any(c.HasField("detok") for c in chunks)
+
+
 def test_resume_while_running(slow_env):
     it = slow_env.stub.Generate(gen(9, "hello", 12))
     first = [next(it), next(it), next(it)]  # usage chunk + 2 tokens

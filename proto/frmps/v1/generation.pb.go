@@ -569,8 +569,15 @@ type GenerateResponse struct {
 	FinishReason FinishReason           `protobuf:"varint,3,opt,name=finish_reason,json=finishReason,proto3,enum=frmps.v1.FinishReason" json:"finish_reason,omitempty"`
 	Usage        *Usage                 `protobuf:"bytes,4,opt,name=usage,proto3" json:"usage,omitempty"` // cumulative
 	// Index in the output of the first token of this chunk (0-based).
-	OutputIndex   uint32 `protobuf:"varint,5,opt,name=output_index,json=outputIndex,proto3" json:"output_index,omitempty"`
-	StopReason    string `protobuf:"bytes,6,opt,name=stop_reason,json=stopReason,proto3" json:"stop_reason,omitempty"` // the stop string or token that matched
+	OutputIndex uint32 `protobuf:"varint,5,opt,name=output_index,json=outputIndex,proto3" json:"output_index,omitempty"`
+	StopReason  string `protobuf:"bytes,6,opt,name=stop_reason,json=stopReason,proto3" json:"stop_reason,omitempty"` // the stop string or token that matched
+	// The engine's incremental detokenizer after this chunk. The client keeps the
+	// last one it received and passes it back in ResumeStreamRequest, so that the
+	// next engine continues the text without replaying every delivered token
+	// through the tokenizer (in a takeover's first step, where that replay costs
+	// most). Absent where offsets do not suffice (a request with stop strings
+	// holds text back: it is replayed).
+	Detok         *DetokState `protobuf:"bytes,7,opt,name=detok,proto3" json:"detok,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -647,18 +654,83 @@ func (x *GenerateResponse) GetStopReason() string {
 	return ""
 }
 
+func (x *GenerateResponse) GetDetok() *DetokState {
+	if x != nil {
+		return x.Detok
+	}
+	return nil
+}
+
+// Where an incremental detokenizer stands, in output-token indices: text is
+// decoded from token `prefix` on, and the text of the tokens before `read` has
+// been handed out (prefix <= read <= tokens received).
+type DetokState struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Prefix        uint32                 `protobuf:"varint,1,opt,name=prefix,proto3" json:"prefix,omitempty"`
+	Read          uint32                 `protobuf:"varint,2,opt,name=read,proto3" json:"read,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DetokState) Reset() {
+	*x = DetokState{}
+	mi := &file_frmps_v1_generation_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DetokState) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DetokState) ProtoMessage() {}
+
+func (x *DetokState) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_generation_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DetokState.ProtoReflect.Descriptor instead.
+func (*DetokState) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *DetokState) GetPrefix() uint32 {
+	if x != nil {
+		return x.Prefix
+	}
+	return 0
+}
+
+func (x *DetokState) GetRead() uint32 {
+	if x != nil {
+		return x.Read
+	}
+	return 0
+}
+
 type ResumeStreamRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Key   uint64                 `protobuf:"varint,1,opt,name=key,proto3" json:"key,omitempty"`
 	// How many output tokens the client already received.
-	Delivered     uint32 `protobuf:"varint,2,opt,name=delivered,proto3" json:"delivered,omitempty"`
+	Delivered uint32 `protobuf:"varint,2,opt,name=delivered,proto3" json:"delivered,omitempty"`
+	// The detok of the last chunk the client received, where it had one; else
+	// the engine replays the delivered tokens.
+	Detok         *DetokState `protobuf:"bytes,3,opt,name=detok,proto3" json:"detok,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ResumeStreamRequest) Reset() {
 	*x = ResumeStreamRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[8]
+	mi := &file_frmps_v1_generation_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -670,7 +742,7 @@ func (x *ResumeStreamRequest) String() string {
 func (*ResumeStreamRequest) ProtoMessage() {}
 
 func (x *ResumeStreamRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[8]
+	mi := &file_frmps_v1_generation_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -683,7 +755,7 @@ func (x *ResumeStreamRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeStreamRequest.ProtoReflect.Descriptor instead.
 func (*ResumeStreamRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{8}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ResumeStreamRequest) GetKey() uint64 {
@@ -700,6 +772,13 @@ func (x *ResumeStreamRequest) GetDelivered() uint32 {
 	return 0
 }
 
+func (x *ResumeStreamRequest) GetDetok() *DetokState {
+	if x != nil {
+		return x.Detok
+	}
+	return nil
+}
+
 type AbortRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Key           uint64                 `protobuf:"varint,1,opt,name=key,proto3" json:"key,omitempty"`
@@ -709,7 +788,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[9]
+	mi := &file_frmps_v1_generation_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -721,7 +800,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[9]
+	mi := &file_frmps_v1_generation_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -734,7 +813,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{9}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *AbortRequest) GetKey() uint64 {
@@ -753,7 +832,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[10]
+	mi := &file_frmps_v1_generation_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -765,7 +844,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[10]
+	mi := &file_frmps_v1_generation_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -778,7 +857,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{10}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *AbortResponse) GetFound() bool {
@@ -796,7 +875,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[11]
+	mi := &file_frmps_v1_generation_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -808,7 +887,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[11]
+	mi := &file_frmps_v1_generation_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -821,7 +900,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{11}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{12}
 }
 
 type HealthResponse struct {
@@ -837,7 +916,7 @@ type HealthResponse struct {
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[12]
+	mi := &file_frmps_v1_generation_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -849,7 +928,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[12]
+	mi := &file_frmps_v1_generation_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -862,7 +941,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{12}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *HealthResponse) GetServing() bool {
@@ -934,7 +1013,7 @@ const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\bmessages\x18\x01 \x03(\v2\x15.frmps.v1.ChatMessageR\bmessages\"Y\n" +
 	"\x05Usage\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\rR\fpromptTokens\x12+\n" +
-	"\x11completion_tokens\x18\x02 \x01(\rR\x10completionTokens\"\xeb\x01\n" +
+	"\x11completion_tokens\x18\x02 \x01(\rR\x10completionTokens\"\x97\x02\n" +
 	"\x10GenerateResponse\x12\x1b\n" +
 	"\ttoken_ids\x18\x01 \x03(\rR\btokenIds\x12\x12\n" +
 	"\x04text\x18\x02 \x01(\tR\x04text\x12;\n" +
@@ -942,10 +1021,16 @@ const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\x05usage\x18\x04 \x01(\v2\x0f.frmps.v1.UsageR\x05usage\x12!\n" +
 	"\foutput_index\x18\x05 \x01(\rR\voutputIndex\x12\x1f\n" +
 	"\vstop_reason\x18\x06 \x01(\tR\n" +
-	"stopReason\"E\n" +
+	"stopReason\x12*\n" +
+	"\x05detok\x18\a \x01(\v2\x14.frmps.v1.DetokStateR\x05detok\"8\n" +
+	"\n" +
+	"DetokState\x12\x16\n" +
+	"\x06prefix\x18\x01 \x01(\rR\x06prefix\x12\x12\n" +
+	"\x04read\x18\x02 \x01(\rR\x04read\"q\n" +
 	"\x13ResumeStreamRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\x04R\x03key\x12\x1c\n" +
-	"\tdelivered\x18\x02 \x01(\rR\tdelivered\" \n" +
+	"\tdelivered\x18\x02 \x01(\rR\tdelivered\x12*\n" +
+	"\x05detok\x18\x03 \x01(\v2\x14.frmps.v1.DetokStateR\x05detok\" \n" +
 	"\fAbortRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\x04R\x03key\"%\n" +
 	"\rAbortResponse\x12\x14\n" +
@@ -983,7 +1068,7 @@ func file_frmps_v1_generation_proto_rawDescGZIP() []byte {
 }
 
 var file_frmps_v1_generation_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_frmps_v1_generation_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_frmps_v1_generation_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_frmps_v1_generation_proto_goTypes = []any{
 	(FinishReason)(0),           // 0: frmps.v1.FinishReason
 	(*StreamRequest)(nil),       // 1: frmps.v1.StreamRequest
@@ -994,41 +1079,44 @@ var file_frmps_v1_generation_proto_goTypes = []any{
 	(*ChatMessages)(nil),        // 6: frmps.v1.ChatMessages
 	(*Usage)(nil),               // 7: frmps.v1.Usage
 	(*GenerateResponse)(nil),    // 8: frmps.v1.GenerateResponse
-	(*ResumeStreamRequest)(nil), // 9: frmps.v1.ResumeStreamRequest
-	(*AbortRequest)(nil),        // 10: frmps.v1.AbortRequest
-	(*AbortResponse)(nil),       // 11: frmps.v1.AbortResponse
-	(*HealthRequest)(nil),       // 12: frmps.v1.HealthRequest
-	(*HealthResponse)(nil),      // 13: frmps.v1.HealthResponse
-	(*SamplingParams)(nil),      // 14: frmps.v1.SamplingParams
-	(*ChatMessage)(nil),         // 15: frmps.v1.ChatMessage
+	(*DetokState)(nil),          // 9: frmps.v1.DetokState
+	(*ResumeStreamRequest)(nil), // 10: frmps.v1.ResumeStreamRequest
+	(*AbortRequest)(nil),        // 11: frmps.v1.AbortRequest
+	(*AbortResponse)(nil),       // 12: frmps.v1.AbortResponse
+	(*HealthRequest)(nil),       // 13: frmps.v1.HealthRequest
+	(*HealthResponse)(nil),      // 14: frmps.v1.HealthResponse
+	(*SamplingParams)(nil),      // 15: frmps.v1.SamplingParams
+	(*ChatMessage)(nil),         // 16: frmps.v1.ChatMessage
 }
 var file_frmps_v1_generation_proto_depIdxs = []int32{
 	4,  // 0: frmps.v1.StreamRequest.generate:type_name -> frmps.v1.GenerateRequest
-	9,  // 1: frmps.v1.StreamRequest.resume:type_name -> frmps.v1.ResumeStreamRequest
-	10, // 2: frmps.v1.StreamRequest.detach:type_name -> frmps.v1.AbortRequest
+	10, // 1: frmps.v1.StreamRequest.resume:type_name -> frmps.v1.ResumeStreamRequest
+	11, // 2: frmps.v1.StreamRequest.detach:type_name -> frmps.v1.AbortRequest
 	8,  // 3: frmps.v1.StreamChunk.response:type_name -> frmps.v1.GenerateResponse
 	2,  // 4: frmps.v1.StreamResponse.chunks:type_name -> frmps.v1.StreamChunk
 	5,  // 5: frmps.v1.GenerateRequest.prompt_token_ids:type_name -> frmps.v1.TokenIds
 	6,  // 6: frmps.v1.GenerateRequest.messages:type_name -> frmps.v1.ChatMessages
-	14, // 7: frmps.v1.GenerateRequest.params:type_name -> frmps.v1.SamplingParams
-	15, // 8: frmps.v1.ChatMessages.messages:type_name -> frmps.v1.ChatMessage
+	15, // 7: frmps.v1.GenerateRequest.params:type_name -> frmps.v1.SamplingParams
+	16, // 8: frmps.v1.ChatMessages.messages:type_name -> frmps.v1.ChatMessage
 	0,  // 9: frmps.v1.GenerateResponse.finish_reason:type_name -> frmps.v1.FinishReason
 	7,  // 10: frmps.v1.GenerateResponse.usage:type_name -> frmps.v1.Usage
-	4,  // 11: frmps.v1.Generation.Generate:input_type -> frmps.v1.GenerateRequest
-	9,  // 12: frmps.v1.Generation.Resume:input_type -> frmps.v1.ResumeStreamRequest
-	10, // 13: frmps.v1.Generation.Abort:input_type -> frmps.v1.AbortRequest
-	12, // 14: frmps.v1.Generation.Health:input_type -> frmps.v1.HealthRequest
-	1,  // 15: frmps.v1.Generation.Stream:input_type -> frmps.v1.StreamRequest
-	8,  // 16: frmps.v1.Generation.Generate:output_type -> frmps.v1.GenerateResponse
-	8,  // 17: frmps.v1.Generation.Resume:output_type -> frmps.v1.GenerateResponse
-	11, // 18: frmps.v1.Generation.Abort:output_type -> frmps.v1.AbortResponse
-	13, // 19: frmps.v1.Generation.Health:output_type -> frmps.v1.HealthResponse
-	3,  // 20: frmps.v1.Generation.Stream:output_type -> frmps.v1.StreamResponse
-	16, // [16:21] is the sub-list for method output_type
-	11, // [11:16] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	9,  // 11: frmps.v1.GenerateResponse.detok:type_name -> frmps.v1.DetokState
+	9,  // 12: frmps.v1.ResumeStreamRequest.detok:type_name -> frmps.v1.DetokState
+	4,  // 13: frmps.v1.Generation.Generate:input_type -> frmps.v1.GenerateRequest
+	10, // 14: frmps.v1.Generation.Resume:input_type -> frmps.v1.ResumeStreamRequest
+	11, // 15: frmps.v1.Generation.Abort:input_type -> frmps.v1.AbortRequest
+	13, // 16: frmps.v1.Generation.Health:input_type -> frmps.v1.HealthRequest
+	1,  // 17: frmps.v1.Generation.Stream:input_type -> frmps.v1.StreamRequest
+	8,  // 18: frmps.v1.Generation.Generate:output_type -> frmps.v1.GenerateResponse
+	8,  // 19: frmps.v1.Generation.Resume:output_type -> frmps.v1.GenerateResponse
+	12, // 20: frmps.v1.Generation.Abort:output_type -> frmps.v1.AbortResponse
+	14, // 21: frmps.v1.Generation.Health:output_type -> frmps.v1.HealthResponse
+	3,  // 22: frmps.v1.Generation.Stream:output_type -> frmps.v1.StreamResponse
+	18, // [18:23] is the sub-list for method output_type
+	13, // [13:18] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_generation_proto_init() }
@@ -1053,7 +1141,7 @@ func file_frmps_v1_generation_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_generation_proto_rawDesc), len(file_frmps_v1_generation_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   13,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -317,7 +317,9 @@ func (e *Engine) emit(stream grpc.ServerStreamingServer[frmpsv1.GenerateResponse
 			end, kill = i+e.cfg.KillAfter-sent, true
 		}
 		resp := &frmpsv1.GenerateResponse{OutputIndex: uint32(i),
-			Usage: &frmpsv1.Usage{PromptTokens: uint32(pl.promptTokens), CompletionTokens: uint32(end)}}
+			Usage: &frmpsv1.Usage{PromptTokens: uint32(pl.promptTokens), CompletionTokens: uint32(end)},
+			// A detokenizer state that names the chunk it follows (the fake's own convention).
+			Detok: &frmpsv1.DetokState{Prefix: uint32(end - 1), Read: uint32(end)}}
 		var sb strings.Builder
 		for k := i; k < end; k++ {
 			id := TokenID(pl.ident, k)

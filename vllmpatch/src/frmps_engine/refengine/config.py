@@ -180,6 +180,11 @@ class EngineConfig:
     # which makes results independent of batch composition (see README).
     batch_invariant: bool = True
     cuda_graphs: bool = True
+    # Detokenize outputs (RequestOutput.text). Under frmps's SDK the generation
+    # service makes the text from the token ids itself, so the adapter turns this
+    # off: the engine then decodes only requests with stop strings, and a takeover
+    # does not replay every delivered token through the detokenizer.
+    text_outputs: bool = True
     # "triton" (paged decode kernel) or "torch" (gather blocks + SDPA).
     attention: str = "triton"
     # Exact mode (GPU default): every token's KV and logits come from a pass whose

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from .block_manager import BlockError, BlockManager
 from .config import EngineConfig
 from .sampling import SamplingParams, default_seed
-from .tokenizer import TextState, Tokenizer
+from .tokenizer import NoText, TextState, Tokenizer, text_state
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Request:
     seed: int
     token_ids: list[int]  # prompt then output
     num_prompt: int
-    text: TextState
+    text: TextState | NoText
     arrival: int
     num_computed: int = 0  # tokens whose KV is written
     block_ids: list[int] = field(default_factory=list)
@@ -352,7 +352,7 @@ class Scheduler:
             )
         seed = params.seed if params.seed is not None else default_seed(key)
         self._arrivals += 1
-        text = TextState(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
+        text = text_state(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output, self.cfg.text_outputs)
         req = Request(key, params, seed, list(prompt), len(prompt), text, self._arrivals)
         self.requests[key] = req
         self.waiting.append(req)
@@ -408,7 +408,8 @@ class Scheduler:
         # Replay the output through the stop checks: the client's text state is a
         # pure function of the tokens it received.
         req = Request(key, params, int(seed), full[:num_prompt], num_prompt,
-                      TextState(self.tokenizer, full[:num_prompt], params.stop, params.include_stop_str_in_output),
+                      text_state(self.tokenizer, full[:num_prompt], params.stop, params.include_stop_str_in_output,
+                                 self.cfg.text_outputs),
                       self._arrivals + 1)
         outputs = full[num_prompt:]
         finish: tuple[str, str | int | None] | None = None

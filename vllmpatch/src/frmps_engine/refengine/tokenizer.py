@@ -186,6 +186,30 @@ class IncrementalDetokenizer:
         return delta
 
 
+class NoText:
+    """TextState's stand-in for a request whose text nobody reads (the engine's
+    text outputs are off and it has no stop strings): no decoding at all."""
+
+    stopped_by = None
+
+    def add(self, token_id: int) -> None:
+        return None
+
+    def take(self) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""
+
+
+def text_state(tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
+               include_stop_str_in_output: bool = False, text_outputs: bool = True) -> "TextState | NoText":
+    """The request's text state: a TextState where its text or stop strings are needed."""
+    if not text_outputs and not any(stop):
+        return NoText()
+    return TextState(tokenizer, prompt_ids, stop, include_stop_str_in_output)
+
+
 class TextState:
     """Output text of one request: detokenization, stop strings and what was emitted.
 

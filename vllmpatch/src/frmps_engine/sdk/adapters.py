@@ -100,7 +100,9 @@ class RefAdapter:
             raise AdapterError(f"reference engine unavailable: {e}") from e
         self._re = refengine
         refengine.config.apply_cuda_env(opts.device)
-        kw: dict[str, Any] = {"device": opts.device, "seed": opts.seed}
+        # The generation service detokenizes (sdk/detok.py): the engine's own text is
+        # needed for stop strings only.
+        kw: dict[str, Any] = {"device": opts.device, "seed": opts.seed, "text_outputs": False}
         if opts.num_blocks is not None:
             kw["num_blocks"] = opts.num_blocks
         if opts.max_model_len is not None:

@@ -76,6 +76,25 @@ class TextStream:
             self._prefix = self._read
             self._read = len(self._ids)
 
+    def offsets(self) -> tuple[int, int] | None:
+        """(prefix, read) in token indices, where they are the whole state: with no
+        stop strings no text is held back, so restore() continues exactly from them.
+        None for a stream with stop strings (or one that stopped)."""
+        if self._stop or self.stopped is not None or self._sent != len(self._text):
+            return None
+        return self._prefix, self._read
+
+    def restore(self, ids: Sequence[int], prefix: int, read: int) -> bool:
+        """Continue after the delivered tokens ids from the offsets another engine's
+        stream reported for them (offsets()), instead of replaying them (prime).
+        False, changing nothing, where offsets cannot stand for the state (stop
+        strings, or offsets that do not fit the tokens): prime then."""
+        if self._stop or self._ids or not 0 <= prefix <= read <= len(ids):
+            return False
+        self._ids = [int(t) for t in ids]
+        self._prefix, self._read = prefix, read
+        return True
+
     def prime(self, ids: Sequence[int]) -> None:
         """Replay tokens the client already has (a resumed stream) without handing out their text."""
         n, _, _ = self.feed(ids)

@@ -125,7 +125,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         stream = self._b.get(request.key)
         if stream is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no request with key {request.key} on this engine")
-        yield from self._follow(stream, request.delivered, context)
+        yield from self._follow(stream, request.delivered, context, request.detok if request.HasField("detok") else None)
 
     def Abort(self, request: generation_pb2.AbortRequest, context: grpc.ServicerContext):
         if not self._b.abort(request.key):
@@ -153,8 +153,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             mux.close()
 
     # -- streaming --------------------------------------------------------------
-    def _follow(self, stream: RequestStream, start: int, context: grpc.ServicerContext):
-        f = _Follower(self._b, stream, start)
+    def _follow(self, stream: RequestStream, start: int, context: grpc.ServicerContext,
+                detok: generation_pb2.DetokState | None = None):
+        f = _Follower(self._b, stream, start, detok)
         while True:
             with stream.cond:
                 if not f.ready():
@@ -182,11 +183,13 @@ class _Follower:
     """One reader of a request's output from index ``start``: the chunks Generate
     or Resume send, one poll at a time, never blocking."""
 
-    def __init__(self, backend: GenerationBackend, stream: RequestStream, start: int):
+    def __init__(self, backend: GenerationBackend, stream: RequestStream, start: int,
+                 detok: generation_pb2.DetokState | None = None):
         self._b = backend
         self.stream = stream
         self.idx = start
         self.primed = False
+        self.detok = detok  # the previous engine's detokenizer state at `start` (ResumeStreamRequest.detok)
         p = stream.params
         self.text = TextStream(backend.tokenizer(), list(p.stop), p.include_stop_str_in_output)
 
@@ -208,7 +211,11 @@ class _Follower:
                 return None, (grpc.StatusCode.OUT_OF_RANGE, f"request {stream.key} has {len(delivered)} output "
                               f"tokens, client says it received {self.idx}"), True
             try:
-                self.text.prime(delivered)
+                # The delivered tokens' text is the client's already: take the previous
+                # engine's detokenizer offsets where they suffice, else replay them.
+                d = self.detok
+                if d is None or not self.text.restore(delivered, d.prefix, d.read):
+                    self.text.prime(delivered)
             except ValueError as e:
                 return None, (grpc.StatusCode.FAILED_PRECONDITION, f"request {stream.key}: {e}"), True
             self.primed = True
@@ -244,6 +251,10 @@ class _Follower:
         if done:
             resp.finish_reason = _FINISH_PB.get(reason or "stop", generation_pb2.FINISH_REASON_STOP)
             resp.stop_reason = stop_reason or ""
+        else:
+            off = self.text.offsets()
+            if off is not None:
+                resp.detok.prefix, resp.detok.read = off
         self.idx = idx + len(new)
         return resp, None, done
 
@@ -273,7 +284,8 @@ class _Mux:
                 if op == "generate":
                     self._generate(req.generate)
                 elif op == "resume":
-                    self._follow(req.resume.key, self._svc._b.get(req.resume.key), req.resume.delivered)
+                    r = req.resume
+                    self._follow(r.key, self._svc._b.get(r.key), r.delivered, r.detok if r.HasField("detok") else None)
                 elif op == "detach":
                     self._drop(req.detach.key)
         except grpc.RpcError:
@@ -296,11 +308,12 @@ class _Mux:
                 key=g.key, response=generation_pb2.GenerateResponse(usage=generation_pb2.Usage(prompt_tokens=prompt_len))))
         self._follow(g.key, stream, 0)
 
-    def _follow(self, key: int, stream: RequestStream | None, start: int) -> None:
+    def _follow(self, key: int, stream: RequestStream | None, start: int,
+                detok: generation_pb2.DetokState | None = None) -> None:
         if stream is None:
             self._error(key, grpc.StatusCode.NOT_FOUND, f"no request with key {key} on this engine")
             return
-        f = _Follower(self._svc._b, stream, start)
+        f = _Follower(self._svc._b, stream, start, detok)
         with self._cond:
             old = self._followers.pop(key, None)
             self._followers[key] = f

@@ -86,28 +86,40 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "output_index", "stop_reason")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "output_index", "stop_reason", "detok")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    DETOK_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
     usage: Usage
     output_index: int
     stop_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., output_index: _Optional[int] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    detok: DetokState
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., output_index: _Optional[int] = ..., stop_reason: _Optional[str] = ..., detok: _Optional[_Union[DetokState, _Mapping]] = ...) -> None: ...
+
+class DetokState(_message.Message):
+    __slots__ = ("prefix", "read")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    READ_FIELD_NUMBER: _ClassVar[int]
+    prefix: int
+    read: int
+    def __init__(self, prefix: _Optional[int] = ..., read: _Optional[int] = ...) -> None: ...
 
 class ResumeStreamRequest(_message.Message):
-    __slots__ = ("key", "delivered")
+    __slots__ = ("key", "delivered", "detok")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    DETOK_FIELD_NUMBER: _ClassVar[int]
     key: int
     delivered: int
-    def __init__(self, key: _Optional[int] = ..., delivered: _Optional[int] = ...) -> None: ...
+    detok: DetokState
+    def __init__(self, key: _Optional[int] = ..., delivered: _Optional[int] = ..., detok: _Optional[_Union[DetokState, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("key",)
