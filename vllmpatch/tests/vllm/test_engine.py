@@ -707,3 +707,31 @@ def test_the_tokenizers_backend_decode_is_used_only_where_it_equals_decode(tmp_p
             return text[1:] if text.startswith(" ") else text  # e.g. a decoder that strips a leading space
 
     assert VllmTokenizer(Differs())._backend is None
+
+
+def test_a_handover_forgets_the_prefix_cache(model_dir, mode):
+    """After a planned handover the other engine owns the KV cache and overwrites
+    blocks at will, so the prefix-cache hashes this engine still holds for its
+    freed blocks would point at foreign contents when it serves again (it takes
+    over after the next fault): reset() drops them. Without that, a new request
+    with a prompt this engine had served would skip its prefill over stale KV."""
+    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
+
+    vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async", enable_prefix_caching=True)
+    vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
+    from vhelpers import block_hasher
+
+    sc = SchedulerCore(make_scheduler(vc), batch_queue_size=2 if mode == "async" else 1)
+    sc.request_block_hasher = block_hasher()  # as EngineCore sets it with prefix caching on
+    eng = VllmCore(sc, None)
+    prompt = list(range(10, 10 + 40))  # two full blocks of 16 and a partial one
+    eng.add_request(1, prompt, params(4))
+    drain(eng)
+    eng.add_request(2, prompt, params(4))
+    eng.step()
+    assert eng.scheduled_tokens == 40 - 32  # the cache works: two full blocks hit
+    eng.reset()
+    eng.add_request(3, prompt, params(4))
+    eng.step()
+    assert eng.scheduled_tokens == 40  # nothing stale is reused: the whole prompt is computed
+    drain(eng)

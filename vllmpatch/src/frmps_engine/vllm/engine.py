@@ -228,7 +228,7 @@ class VllmCore:
         return True
 
     def reset(self) -> None:
-        """Forget every request (a planned handover gave them to another engine):
+        """Forget every request (a planned handover gave them to another engine) and the prefix cache:
         abort them in vLLM's scheduler, which frees their blocks, run the step that
         tells the model runner to drop their state (SchedulerOutput.finished_req_ids;
         it computes no token), and drop what the ring would still report. Runs on
@@ -244,6 +244,11 @@ class VllmCore:
             self._step_fn()
         if self.has_work():
             raise RuntimeError("vLLM still has requests after the handover's reset")
+        # The next engine owns the KV cache now and will overwrite these blocks: the
+        # hashes vLLM keeps for freed blocks would let a request this engine serves
+        # after a later takeover skip its prefill over foreign contents.
+        if not self.scheduler.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after the handover's reset")
         self._tracks.clear()
         self.scheduler.frmps_reset()
 
