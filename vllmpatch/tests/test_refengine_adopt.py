@@ -216,3 +216,23 @@ def test_adopted_blocks_are_pinned_and_freed():
     b.request_views()
     b.blocks.check()
     assert b.blocks.num_free == cfg.num_blocks - 1
+
+
+def test_warm_takeover_leaves_nothing_behind():
+    """A standby runs a takeover's host path once before it sleeps: afterwards it
+    holds no request and no block, its counters are as before, and the requests it
+    adopts later finish exactly as without the warm-up."""
+    reqs = make_requests([20, 37, 5], "mixed", 12)
+    cfg = make_cfg(64)
+    core = RefCore(cfg, RefCore.allocate_pools(cfg), load_weights=True)
+    before = dict(core.counters)
+    steps = []
+    real = core.step
+    core.step = lambda *a, **k: steps.append(real(*a, **k)) or steps[-1]
+    core.warm_takeover()
+    del core.step
+    assert [len(o.new_token_ids) for o in steps[0]] == [1, 1]  # both throwaway requests computed a token
+    assert not core.has_work() and core.request_views() == [] and dict(core.counters) == before
+    assert core.scheduler.blocks.num_free == cfg.num_blocks - 1
+    got = core.generate(reqs)
+    assert got == no_fault(reqs, 64)

@@ -19,6 +19,7 @@ from frmps_engine.sdk.engine_api import (  # noqa: E402
     Pipelined,
     Resettable,
     StepSize,
+    TakeoverWarmup,
     VocabSize,
     has_launch_hook,
     vocab_size,
@@ -27,7 +28,7 @@ from frmps_engine.sdk.genapi import input_to_ids  # noqa: E402
 from frmps_engine.sdk.loop import CreatesRings, EngineLoop, RingModule, RingPublisher  # noqa: E402
 from frmps_engine.sdk.params import InvalidRequest  # noqa: E402
 
-OPTIONAL = (LaunchHook, StepSize, LoadReport, DeviceCheck, Resettable)
+OPTIONAL = (LaunchHook, StepSize, LoadReport, DeviceCheck, Resettable, TakeoverWarmup)
 
 
 class ByteTok:

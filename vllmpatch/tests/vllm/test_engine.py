@@ -114,7 +114,8 @@ def test_capabilities_of_the_vllm_core(model_dir):
 
     eng = engine(model_dir, CharTokenizer())
     assert isinstance(eng, engine_api.Core)
-    for cap in (engine_api.StepSize, engine_api.LoadReport, engine_api.Resettable, engine_api.Pipelined):
+    for cap in (engine_api.StepSize, engine_api.LoadReport, engine_api.Resettable, engine_api.Pipelined,
+                engine_api.TakeoverWarmup):
         assert isinstance(eng, cap), cap.__name__
     for cap in (engine_api.LaunchHook, engine_api.DeviceCheck):
         assert not isinstance(eng, cap), cap.__name__
@@ -735,3 +736,26 @@ def test_a_handover_forgets_the_prefix_cache(model_dir, mode):
     eng.step()
     assert eng.scheduled_tokens == 40  # nothing stale is reused: the whole prompt is computed
     drain(eng)
+
+
+def test_warm_takeover_leaves_nothing_behind(model_dir, mode):
+    """A standby runs a takeover's host path once before it sleeps (two throwaway
+    requests adopted, stepped, reset): afterwards vLLM holds no request, every
+    block is free, the prefix cache and the counters are as before, and a run on
+    the engine equals one on an engine that never warmed."""
+    reference = by_key(_run_all(model_dir))
+    eng = engine(model_dir, mode=mode)
+    before = eng.counters
+    produced = []
+    step = eng.step
+    eng.step = lambda: (lambda outs: (produced.extend(t for o in outs for t in o.new_token_ids), outs)[1])(step())
+    eng.warm_takeover()
+    del eng.step
+    assert len(produced) == 2  # both throwaway requests were adopted and computed a token
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    assert not eng.has_work() and list(eng.request_views()) == []
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    assert eng.counters == before
+    for k, p in PROMPTS.items():
+        eng.add_request(k, p, params(MAX[k]))
+    assert by_key(drain(eng)) == reference

@@ -29,6 +29,10 @@ class Workers(Protocol):
     def warmup(self) -> None: ...
 
 
+# Request keys of warm_takeover()'s throwaway requests (never a client's: keys count up from 1).
+_WARM_KEY = (1 << 63) - 1
+
+
 class RefCore:
     def __init__(
         self,
@@ -205,6 +209,26 @@ class RefCore:
         a planned handover gave them (and the KV cache's contents) to another engine.
         The engine is then as a fresh standby's: empty, ready to adopt."""
         self.scheduler.reset()
+
+    def warm_takeover(self) -> None:
+        """engine_api.TakeoverWarmup: adopt two small requests (greedy, and seeded
+        with top-k/top-p) on blocks 1-4, run one step, reset. Only for a standby's
+        own memory (before its pools are mapped): the step writes those blocks."""
+        bs = self.cfg.block_size
+        if self.cfg.num_blocks < 5 or self.cfg.max_model_len < bs + 2:
+            return
+        saved = dict(self.counters)
+        toks = [1] * (bs + 2)
+        try:
+            for i, sp in enumerate((SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, seed=1,
+                                                   ignore_eos=True))):
+                self.adopt_request(_WARM_KEY - i, sp, toks, bs + 1, bs + 1, [1 + 2 * i, 2 + 2 * i], 1, toks[bs + 1:])
+            self.step()
+        finally:
+            self.reset()
+            self.counters.clear()
+            self.counters.update(saved)
 
     def check_device(self) -> None:
         """Raise the device's sticky error, if any (a cheap synchronise; the engine loop

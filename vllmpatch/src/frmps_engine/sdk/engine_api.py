@@ -152,6 +152,18 @@ class DeviceCheck(Protocol):
 
 
 @runtime_checkable
+class TakeoverWarmup(Protocol):
+    """warm_takeover(): run a takeover's host path once (adopt two small requests,
+    one step, reset) on a standby's own memory before it sleeps, then forget it
+    all, counters included. A fresh engine's first takeover otherwise pays for
+    code run for the first time (lazy imports, first calls, first-use caches):
+    measured with vLLM on the H100, ~8 ms more adoption and ~8 ms more host time
+    in the first step than the same engine's later takeovers."""
+
+    def warm_takeover(self) -> None: ...
+
+
+@runtime_checkable
 class Resettable(Protocol):
     """reset() forgets every request and frees every KV block without writing the
     device: a planned handover gave them to another engine, which owns the KV

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from frmps_engine._proto.frmps.v1 import control_pb2
 
 from . import control, debug_hang, spare
-from .engine_api import EngineAdapter, ProcessGroup, Resettable, vocab_size
+from .engine_api import EngineAdapter, ProcessGroup, Resettable, TakeoverWarmup, vocab_size
 from .genapi import GenerationServer, input_to_ids
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
 from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
@@ -190,6 +190,12 @@ class Runner:
         t_pools = time.perf_counter_ns()
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
         _log_start_phases(t, t_ring, t_pools)
+        if isinstance(self.core, TakeoverWarmup):
+            # On the reserved (private) memory, before Sleep maps the brokered pools.
+            t_warm = time.perf_counter_ns()
+            self.core.warm_takeover()
+            log.info("takeover path warmed in %.1f ms (two throwaway requests adopted, stepped, reset)",
+                     (time.perf_counter_ns() - t_warm) / 1e6)
         self._prepare_debug_fault()
         _freeze_heap()
         self.client.start(self)

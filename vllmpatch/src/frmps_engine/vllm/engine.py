@@ -82,6 +82,10 @@ def _backend_decoder(tok: Any) -> Callable[..., str] | None:
     return decode
 
 
+# Request keys of warm_takeover()'s throwaway requests (never a client's: keys count up from 1).
+_WARM_KEY = (1 << 63) - 1
+
+
 class VllmTokenizer:
     """The SDK's Tokenizer protocol over vLLM's tokenizer (HF fast tokenizer + chat template)."""
 
@@ -251,6 +255,34 @@ class VllmCore:
             raise RuntimeError("vLLM refused to reset its prefix cache after the handover's reset")
         self._tracks.clear()
         self.scheduler.frmps_reset()
+
+    def warm_takeover(self) -> None:
+        """engine_api.TakeoverWarmup: adopt two small requests (greedy, and seeded
+        with top-k/top-p) on blocks 1-4, step until each has a token, reset (which
+        also empties the prefix cache). Only for a standby's own memory, before its
+        pools are mapped: the steps write those blocks."""
+        from vllm import SamplingParams
+
+        bs = int(self.scheduler.block_size)
+        if self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks < 5:
+            return
+        saved = dict(self.scheduler.frmps_counters)
+        toks = [1] * (bs + 2)
+        try:
+            for i, sp in enumerate((SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50,
+                                                   ignore_eos=True))):
+                self.adopt_request(_WARM_KEY - i, sp, toks, bs + 1, bs + 1, [1 + 2 * i, 2 + 2 * i], 1 + i,
+                                   toks[bs + 1:])
+            got = 0
+            for _ in range(4):  # with async scheduling the first step only queues its batch
+                got += sum(len(o.new_token_ids) for o in self.step())
+                if got >= 2:
+                    break
+        finally:
+            self.reset()
+            self.scheduler.frmps_counters.clear()
+            self.scheduler.frmps_counters.update(saved)
 
     def has_work(self) -> bool:
         # A batch in flight has outputs to process even when its requests were aborted.
