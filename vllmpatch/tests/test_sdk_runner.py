@@ -541,3 +541,43 @@ def test_heartbeats_report_a_hung_step_and_keep_coming(sup):
     assert last.step_tokens == 1
     assert "debug hang requested" in a.log()
     assert not st.finished
+
+
+def test_request_path_is_warmed_before_any_request():
+    """A fresh engine turns one throwaway chat request into its input before it
+    serves or sleeps (the chat template compiles on first use: paid at start, not
+    in a takeover's adoption); a tokenizer that fails it does not stop the engine."""
+    from frmps_engine.sdk.adapters import EngineOptions
+    from frmps_engine.sdk.runner import Runner
+    from frmps_engine.sdk.testing.fake_engine import FakeAdapter
+
+    class Counting(FakeAdapter):  # test double: counts the conversions
+        calls: list = []
+
+        def tokenizer(self):
+            tok = super().tokenizer()
+            calls = self.calls
+
+            class Tok(type(tok)):
+                def apply_chat_template(self, messages, add_generation_prompt=True):
+                    calls.append(("chat", [m["content"] for m in messages]))
+                    return super().apply_chat_template(messages, add_generation_prompt)
+
+            tok.__class__ = Tok
+            return tok
+
+        def sampling_params(self, p, seed):
+            self.calls.append(("params", p.max_tokens))
+            return super().sampling_params(p, seed)
+
+    runner = object.__new__(Runner)
+    runner.adapter = Counting(EngineOptions("fake-tiny"))
+    runner._warm_request_path()
+    assert ("chat", ["warm-up"]) in Counting.calls and ("params", 1) in Counting.calls
+
+    class Broken(FakeAdapter):
+        def sampling_params(self, p, seed):
+            raise RuntimeError("no sampling here")
+
+    runner.adapter = Broken(EngineOptions("fake-tiny"))
+    runner._warm_request_path()  # logged, not raised
