@@ -215,10 +215,11 @@ class Runner:
         """Run once what turning a request into the engine's input costs the first
         time: the chat template (compiled on its first use), prompt encoding, the
         parameter checks, the engine's sampling parameters. A fresh engine's first
-        adoption otherwise pays for it per takeover (measured with vLLM on the H100:
-        adoption 12-19 ms in engines launched from a spare, 7-10 ms in one that had
-        taken over before; the template alone is ~9 ms with vLLM's tokenizer on the
-        CPU box). Also for the active: its first request's latency. Never fatal."""
+        adoption otherwise pays for it in the takeover (the template alone is ~9 ms
+        with vLLM's tokenizer on the CPU box; on the H100 engines launched from a
+        spare adopted in 12-19 ms at 7B against 7-10 ms for one that had taken over
+        before, not all of it explained by this). Also for the active: its first
+        request's latency. Never fatal."""
         try:
             tok = self.adapter.tokenizer()
             ids = input_to_ids(tok, messages=[_WarmMessage("user", "warm-up")])
