@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from frmps_engine.sdk.engine_api import throwaway_takeover
+
 from .block_manager import BlockManager
 from .config import NULL_BLOCK, EngineConfig, rank_pools
 from .model import AllReduce, Batch, CudaGraphDecoder, Qwen2Model, SeqChunk
@@ -27,10 +29,6 @@ class Workers(Protocol):
 
     def run_plan(self, plan: dict) -> None: ...
     def warmup(self) -> None: ...
-
-
-# Request keys of warm_takeover()'s throwaway requests (never a client's: keys count up from 1).
-_WARM_KEY = (1 << 63) - 1
 
 
 class RefCore:
@@ -211,24 +209,15 @@ class RefCore:
         self.scheduler.reset()
 
     def warm_takeover(self) -> None:
-        """engine_api.TakeoverWarmup: adopt two small requests (greedy, and seeded
-        with top-k/top-p) on blocks 1-4, run one step, reset. Only for a standby's
-        own memory (before its pools are mapped): the step writes those blocks."""
+        """engine_api.TakeoverWarmup: two throwaway requests (greedy, and seeded with
+        top-k/top-p) adopted on blocks 1-4, one step, reset. Only for a standby's own
+        memory (before its pools are mapped): the step writes those blocks."""
         bs = self.cfg.block_size
         if self.cfg.num_blocks < 5 or self.cfg.max_model_len < bs + 2:
             return
-        saved = dict(self.counters)
-        toks = [1] * (bs + 2)
-        try:
-            for i, sp in enumerate((SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                                    SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, seed=1,
-                                                   ignore_eos=True))):
-                self.adopt_request(_WARM_KEY - i, sp, toks, bs + 1, bs + 1, [1 + 2 * i, 2 + 2 * i], 1, toks[bs + 1:])
-            self.step()
-        finally:
-            self.reset()
-            self.counters.clear()
-            self.counters.update(saved)
+        throwaway_takeover(self, (SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                  SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, seed=1,
+                                                 ignore_eos=True)), bs, self.counters)
 
     def check_device(self) -> None:
         """Raise the device's sticky error, if any (a cheap synchronise; the engine loop

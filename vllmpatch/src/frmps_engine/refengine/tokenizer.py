@@ -154,7 +154,6 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
-        self._tok = tokenizer
         self._window = window_decoder(tokenizer)
         # A few prompt tokens give the first output tokens their left context
         # (sentencepiece-style leading spaces).

@@ -48,7 +48,6 @@ def window_decoder(tok: Tokenizer) -> Callable[[list[int], int, int], str]:
 
 class TextStream:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), include_stop: bool = False):
-        self._tok = tokenizer
         self._window = window_decoder(tokenizer)
         self._stop = [s for s in stop if s]
         self._include_stop = include_stop

@@ -125,7 +125,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         stream = self._b.get(request.key)
         if stream is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no request with key {request.key} on this engine")
-        yield from self._follow(stream, request.delivered, context, request.detok if request.HasField("detok") else None)
+        yield from self._follow(stream, request.delivered, context, _detok_of(request))
 
     def Abort(self, request: generation_pb2.AbortRequest, context: grpc.ServicerContext):
         if not self._b.abort(request.key):
@@ -171,6 +171,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             yield resp
             if done:
                 return
+
+
+def _detok_of(r: generation_pb2.ResumeStreamRequest) -> generation_pb2.DetokState | None:
+    """The previous engine's detokenizer state a resume brings, if any."""
+    return r.detok if r.HasField("detok") else None
 
 
 class _Refused(Exception):
@@ -285,7 +290,7 @@ class _Mux:
                     self._generate(req.generate)
                 elif op == "resume":
                     r = req.resume
-                    self._follow(r.key, self._svc._b.get(r.key), r.delivered, r.detok if r.HasField("detok") else None)
+                    self._follow(r.key, self._svc._b.get(r.key), r.delivered, _detok_of(r))
                 elif op == "detach":
                     self._drop(req.detach.key)
         except grpc.RpcError:

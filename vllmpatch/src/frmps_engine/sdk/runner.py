@@ -199,11 +199,12 @@ class Runner:
         _log_start_phases(t, t_ring, t_pools)
         t_warm = time.perf_counter_ns()
         self._warm_request_path()
-        if isinstance(self.core, TakeoverWarmup):
+        throwaway = isinstance(self.core, TakeoverWarmup)
+        if throwaway:
             # On the reserved (private) memory, before Sleep maps the brokered pools.
             self.core.warm_takeover()
         log.info("takeover path warmed in %.1f ms (request conversions%s)", (time.perf_counter_ns() - t_warm) / 1e6,
-                 "; two throwaway requests adopted, stepped, reset" if isinstance(self.core, TakeoverWarmup) else "")
+                 "; two throwaway requests adopted, stepped, reset" if throwaway else "")
         self._prepare_debug_fault()
         _freeze_heap()
         self.client.start(self)

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME
 from .adoption import AdoptResult, plan_adoption
 from .pools import kv_cache_bytes, pool_layout
+from ..sdk.engine_api import throwaway_takeover
 from ..sdk.seeds import derive_seed, resolve_seed, to_int64, to_uint64
 from .state import CommittedView, key_for_request_id, request_id_for_key
 
@@ -80,10 +81,6 @@ def _backend_decoder(tok: Any) -> Callable[..., str] | None:
     except Exception:  # any surprise: the tokenizer's own decode
         return None
     return decode
-
-
-# Request keys of warm_takeover()'s throwaway requests (never a client's: keys count up from 1).
-_WARM_KEY = (1 << 63) - 1
 
 
 class VllmTokenizer:
@@ -257,32 +254,17 @@ class VllmCore:
         self.scheduler.frmps_reset()
 
     def warm_takeover(self) -> None:
-        """engine_api.TakeoverWarmup: adopt two small requests (greedy, and seeded
-        with top-k/top-p) on blocks 1-4, step until each has a token, reset (which
-        also empties the prefix cache). Only for a standby's own memory, before its
-        pools are mapped: the steps write those blocks."""
+        """engine_api.TakeoverWarmup: two throwaway requests (greedy, and seeded with
+        top-k/top-p) adopted on blocks 1-4, stepped until each has a token, reset
+        (which also empties the prefix cache). Only for a standby's own memory,
+        before its pools are mapped: the steps write those blocks."""
         from vllm import SamplingParams
 
-        bs = int(self.scheduler.block_size)
         if self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks < 5:
             return
-        saved = dict(self.scheduler.frmps_counters)
-        toks = [1] * (bs + 2)
-        try:
-            for i, sp in enumerate((SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                                    SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50,
-                                                   ignore_eos=True))):
-                self.adopt_request(_WARM_KEY - i, sp, toks, bs + 1, bs + 1, [1 + 2 * i, 2 + 2 * i], 1 + i,
-                                   toks[bs + 1:])
-            got = 0
-            for _ in range(4):  # with async scheduling the first step only queues its batch
-                got += sum(len(o.new_token_ids) for o in self.step())
-                if got >= 2:
-                    break
-        finally:
-            self.reset()
-            self.scheduler.frmps_counters.clear()
-            self.scheduler.frmps_counters.update(saved)
+        throwaway_takeover(self, (SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                                  SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True)),
+                           int(self.scheduler.block_size), self.scheduler.frmps_counters)
 
     def has_work(self) -> bool:
         # A batch in flight has outputs to process even when its requests were aborted.
