@@ -20,11 +20,12 @@
 #                                      GPU 0 and GPU 1 alternately; timeout as for ref-failback
 #   vllm-tp:<model>:<batches>[:<timeout>[:<modes>]] bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone;
 #                                      default 300 s; modes: --frmps-modes, e.g. sync,async)
-#   bench:<engine>:<experiment>:<models>[:<budget>]  `frmps bench <experiment> --engine <engine>` (ref, vllm; for
+#   bench:<engine>:<experiment>:<models>[:<budget>[:<flags>]]  `frmps bench <experiment> --engine <engine>` (ref, vllm; for
 #                                      sync-overhead also ref+vllm: both engines in one run) on <models> (comma list),
 #                                      results appended to $RESULTS (default $OUT/bench-results: one folder for the
 #                                      session, both engines side by side; a re-run resumes), --budget <budget> s
-#                                      (default 540); the stage is killed 60 s after its budget
+#                                      (default 540); the stage is killed 60 s after its budget; <flags>: more of
+#                                      the experiment's flags, '+' for a space (e.g. --trials+1+--cold-cache+dropped)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
@@ -143,8 +144,9 @@ stage_ref_tp() {  # model n budget [timeout]
     tail -n 25 "$WORK/ref-tp-$model.out" >> "$S"
 }
 
-stage_bench() {  # engine experiment models [budget]
-    local engine=$1 exp=$2 models=$3 budget=${4:-540} sel=() eng=()
+stage_bench() {  # engine experiment models [budget [flags]]
+    local engine=$1 exp=$2 models=$3 budget=${4:-540} sel=() eng=() more=()
+    [ -n "${5:-}" ] && read -r -a more <<< "${5//+/ }"
     vllm_env
     case "$exp" in
         recovery|sync-overhead|standby-memory) sel=(--models "$models") ;;
@@ -155,8 +157,8 @@ stage_bench() {  # engine experiment models [budget]
         *) eng=(--engine "$engine") ;;
     esac
     mkdir -p "$RESULTS"
-    log "bench $engine $exp $models (budget ${budget}s) -> $RESULTS"
-    bounded $((budget + 60)) bin/frmps bench --python python3 "$exp" "${eng[@]}" "${sel[@]}" --budget "$budget" \
+    log "bench $engine $exp $models ${more[*]} (budget ${budget}s) -> $RESULTS"
+    bounded $((budget + 60)) bin/frmps bench --python python3 "$exp" "${eng[@]}" "${sel[@]}" "${more[@]}" --budget "$budget" \
         --out "$RESULTS" --workdir "$WORK/bench-$engine-$exp" --faults-dir bench/build/faults --no-plots \
         > "$WORK/bench-$engine-$exp.out" 2>&1
     log "bench $engine $exp: rc=$? (0 done, 2 a point failed, 3 stopped by the budget: run the stage again)"
@@ -175,7 +177,7 @@ stage_tp() {  # model batches [timeout] [modes]
 }
 
 for st in "$@"; do
-    IFS=: read -r name a b c d <<< "$st"
+    IFS=: read -r name a b c d e <<< "$st"
     case "$name" in
         prep) stage_prep ;;
         ref-failback) stage_failback ref "$a" "$b" "$c" "$d" ;;
@@ -184,7 +186,7 @@ for st in "$@"; do
         vllm-soak) stage_failback vllm "$a" "$b" "$c" "$d" soak ;;
         ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;
-        bench) stage_bench "$a" "$b" "$c" "$d" ;;
+        bench) stage_bench "$a" "$b" "$c" "$d" "$e" ;;
         hang|shared-mps)
             f=bench/gpu/${name/-/_}_check.sh
             if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name bounded "${a:-300}" "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"

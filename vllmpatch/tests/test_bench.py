@@ -23,11 +23,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(report.__file__))))  # .../src
 # recovery runs the GPU mode's fault path: MPS on, a co-located "MPS client" faults the
-# victim, a fresh deployment per faulted trial, a private MPS daemon for the baselines'
-# victims; against TEST DOUBLES of nvidia-cuda-mps-control and of the fault triggers.
+# victim, the pair reused once its failback has put an active back inside MPS, a private
+# MPS daemon for the baselines' victims; against TEST DOUBLES of nvidia-cuda-mps-control
+# and of the fault triggers.
 CPU_RUNS = {
     "recovery": ["--cold-cache", "warm", "--tail-tokens", "8", "--cpu-with-mps-doubles", "--faults-dir",
-                 os.path.join(HERE, "bench_doubles")],
+                 os.path.join(HERE, "bench_doubles"), "--trials", "2"],
     "prompt-length": ["--lengths", "48"],  # frmps and the no-KV ablation
     "since-sync": ["--ks", "4", "--systems", "frmps-n1"],
     "sync-overhead": [],
@@ -116,6 +117,19 @@ def test_cpu_recovery_measures_every_system(cpu_results):
     assert by["cold"]["cold"]["load_weights_s"] > 0 and by["cold"]["page_cache_fraction_before"] is not None
     s = json.load(open(os.path.join(out, "recovery.json")))["summary"]["models"]["tiny"]
     assert s["speedup_vs_sleep_only"] and s["speedup_vs_cold"]
+
+
+@pytest.mark.torch
+def test_cpu_recovery_reuses_the_pair_the_failback_restored(cpu_results):
+    """With MPS faults the second trial runs on the same deployment, after its failback put
+    an active back inside MPS (an MPS client can reach only that), taken over by the same
+    standby: what a user's deployment goes through fault after fault."""
+    out, _, _ = cpu_results
+    fr = sorted((r["data"] for r in records(out, "recovery") if r["ok"] and r["key"]["system"] == "frmps"),
+                key=lambda d: d["deployment_prior_faults"])
+    assert [d["deployment_prior_faults"] for d in fr] == [0, 1]
+    assert fr[0]["standby_pid"] == fr[1]["standby_pid"] and fr[0]["deployment_startup_s"] == fr[1]["deployment_startup_s"]
+    assert all(d["inject"]["how"] == "MPS client misaligned:load" and d["record"]["ok"] for d in fr)
 
 
 @pytest.mark.torch

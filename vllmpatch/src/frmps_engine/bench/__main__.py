@@ -85,6 +85,9 @@ def common_args(p: argparse.ArgumentParser) -> None:
                    help="run the baselines' engines in exact mode too (default: their one-pass re-prefill)")
     g.add_argument("--max-model-len", type=int, default=0)
     g.add_argument("--max-attempts", type=int, default=2, help="attempts per point over re-runs (failures are kept)")
+    g.add_argument("--fresh-deployments", action="store_true",
+                   help="a new frmps serve pair for every faulted trial (default: reuse the pair once its failback "
+                        "has restored the placement, as a deployment lives through fault after fault)")
     g.add_argument("--start-timeout", type=float, default=300)
     g.add_argument("--trial-timeout", type=float, default=300)
     g.add_argument("--cpu-step-delay-ms", type=float, default=10, help="--cpu: slow engine steps so kills land on time")

@@ -236,21 +236,24 @@ class Deployment:
         raise TrialError(f"timed out after {timeout:.0f} s waiting for {what}; last status: {json.dumps(last)[:1500]}; "
                          f"log tail:\n{tail(self.log_path, 25)}")
 
-    def ready_pair(self, st: dict, fenced_pid: int | None = None) -> bool:
+    def ready_pair(self, st: dict, fenced_pid: int | None = None, placed: bool = False) -> bool:
         """An active serving and a standby ready, neither of them fenced_pid (the
         engine a failover replaced), and no failback under way. With failback on
         (the default) the standby after a failover is the same process as before
-        it, back asleep: "re-armed" cannot mean "a new standby pid"."""
+        it, back asleep: "re-armed" cannot mean "a new standby pid". placed: also
+        the active inside MPS and the standby outside (the placement a failback
+        restores: only then can an MPS client's fault reach the active)."""
         e = self.engines(st)
         act, sb = e.get("active"), e.get("standby")
         fb = field(st, "failback", {}) or {}
         return (act is not None and field(act, "state") == "serving" and sb is not None and field(sb, "state") == "ready"
                 and (fenced_pid is None or fenced_pid not in (int(field(act, "pid", 0) or 0), int(field(sb, "pid", 0) or 0)))
-                and (field(fb, "state", "disabled") or "disabled") in ("idle", "disabled"))
+                and (field(fb, "state", "disabled") or "disabled") in ("idle", "disabled")
+                and (not placed or (bool(field(act, "in_mps", False)) and not field(sb, "in_mps", False))))
 
-    def wait_pair(self, timeout: float = 600, fenced_pid: int | None = None) -> dict:
-        return self.wait(lambda s: self.ready_pair(s, fenced_pid), timeout,
-                         "an active serving and a standby ready")
+    def wait_pair(self, timeout: float = 600, fenced_pid: int | None = None, placed: bool = False) -> dict:
+        what = "an active serving inside MPS and a standby ready outside" if placed else "an active serving and a standby ready"
+        return self.wait(lambda s: self.ready_pair(s, fenced_pid, placed), timeout, what)
 
     def mps_client_env(self) -> dict[str, str]:
         """The environment that makes a CUDA process a client of this deployment's MPS server."""

@@ -4,10 +4,12 @@ re-run resumes), and leaves the aggregation to report.py.
 
 GPU mode faults with a real SM-fault trigger (bench/faults, default a misaligned
 address) run as a client of the victim's MPS server. An MPS client can reach an
-active only while it runs inside MPS, i.e. before its first failover (the
-promoted standby runs outside MPS), so on the GPU every faulted trial gets a fresh
-deployment. CPU mode (--cpu) SIGKILLs the victim instead and reuses deployments:
-it checks the harness end to end, it measures nothing.
+active only while it runs inside MPS: frmps serve's failback (on by default) puts
+an engine back inside MPS after each failover, so the next faulted trial waits for
+that placement and reuses the pair, as a user's deployment lives through fault
+after fault (--fresh-deployments: a new pair per faulted trial). CPU mode (--cpu)
+SIGKILLs the victim instead and reuses deployments: it checks the harness end to
+end, it measures nothing.
 """
 
 from __future__ import annotations
@@ -109,13 +111,17 @@ def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str]
 
 
 class Deployments:
-    """Hands out a ready `frmps serve` pair for the next faulted trial: a fresh one
-    when faults go through MPS (only a first failover can be reached that way), the
-    same one (after its standby re-armed) when the fault is a SIGKILL."""
+    """Hands out a ready `frmps serve` pair for the next faulted trial: the same one
+    once it is re-armed (with MPS faults: once the failback has put an active back
+    inside MPS and the standby back to sleep outside), or a fresh one per faulted
+    trial where nothing would restore the placement (a --no-failback serve) or on
+    --fresh-deployments."""
 
     def __init__(self, ctx: Ctx, opts: ServeOpts, name: str):
         self.ctx, self.opts, self.name = ctx, opts, name
-        self.reuse = not opts.mps
+        self.reuse = not opts.mps or ("--no-failback" not in opts.serve_args
+                                      and not getattr(ctx.args, "fresh_deployments", False))
+        self.faults = 0  # faults fired on the current deployment
         self.dep: Deployment | None = None
         self.n = 0
         self.startup_s: float | None = None
@@ -135,7 +141,7 @@ class Deployments:
     def get(self) -> Deployment:
         if self.dep is not None:
             if self.reuse:
-                self.dep.wait_pair(300, fenced_pid=self.fenced_pid)
+                self.dep.wait_pair(self.ctx.args.start_timeout, fenced_pid=self.fenced_pid, placed=self.opts.mps)
                 return self.dep
             self.close()
         if len(self.failures) >= 2:
@@ -153,11 +159,13 @@ class Deployments:
             raise
         self.startup_s = round(now() - t0, 2)
         self.dep = dep
+        self.faults = 0
         return dep
 
     def spent(self, fenced_pid: int = 0) -> None:
         """A failover happened on the current deployment (replacing that active)."""
         self.fenced_pid = fenced_pid
+        self.faults += 1
         if not self.reuse:
             self.close()
 
@@ -188,6 +196,7 @@ def frmps_point(ctx: Ctx, deps: Deployments, measure: Callable[[Deployment, Trig
     pair is then spent if the fault fired, kept if it did not, dropped if unsure."""
     dep = deps.get()
     fenced = int(field(dep.engines(dep.status()).get("active") or {}, "pid", 0) or 0)
+    prior = deps.faults  # faults this pair has been through before this trial (0: a fresh pair)
     res: dict | None = None
     try:
         res = measure(dep, make_trigger(ctx, dep))
@@ -199,6 +208,7 @@ def frmps_point(ctx: Ctx, deps: Deployments, measure: Callable[[Deployment, Trig
     finally:
         deps.after_trial(res, fenced)
     res["deployment_startup_s"] = deps.startup_s
+    res["deployment_prior_faults"] = prior
     res["engine_args"] = deps.opts.engine_args
     return res
 
