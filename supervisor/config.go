@@ -15,11 +15,14 @@ import (
 
 // Config of one deployment.
 type Config struct {
-	Model     string // preset name or model directory, passed to the engine
-	Engine    string // --engine of the engine CLI, which validates it (frmps_engine.sdk.adapters)
-	Python    string // interpreter for Python engines
-	SyncEvery uint32 // ring publish interval in engine steps
-	RunDir    string // created 0700, must not exist; empty: a fresh temp dir
+	Model string // preset name or model directory, passed to the engine
+	// ServedModelName is the name the OpenAI API serves the model under;
+	// empty: Model.
+	ServedModelName string
+	Engine          string // --engine of the engine CLI, which validates it (frmps_engine.sdk.adapters)
+	Python          string // interpreter for Python engines
+	SyncEvery       uint32 // ring publish interval in engine steps
+	RunDir          string // created 0700, must not exist; empty: a fresh temp dir
 	// LogDir keeps the engines' log files (<role>-<n>.log) after exit; empty:
 	// inside RunDir, removed with it.
 	LogDir       string

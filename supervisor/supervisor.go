@@ -169,10 +169,14 @@ func (s *Supervisor) SetFrontDoor(fd FrontDoor) { s.frontDoor = fd }
 // given, else what the serving engine reported through its Health call (0
 // until one did).
 func (s *Supervisor) Model() (name string, maxModelLen int) {
-	if s.cfg.MaxModelLen > 0 {
-		return s.cfg.Model, s.cfg.MaxModelLen
+	name = s.cfg.ServedModelName
+	if name == "" {
+		name = s.cfg.Model
 	}
-	return s.cfg.Model, int(s.learnedMaxLen.Load())
+	if s.cfg.MaxModelLen > 0 {
+		return name, s.cfg.MaxModelLen
+	}
+	return name, int(s.learnedMaxLen.Load())
 }
 
 // Current blocks until an engine with generation >= minGeneration serves,

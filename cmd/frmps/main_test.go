@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -216,5 +217,37 @@ func TestPrintStatus(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("status output lacks %q:\n%s", want, out)
 		}
+	}
+}
+
+func TestServedModelName(t *testing.T) {
+	dir := func(m string) (string, error) { return "/cache/models/" + m, nil }
+	for _, tc := range []struct {
+		args          []string
+		model, served string
+	}{
+		// vLLM reads a directory, but clients keep the name they were told to use.
+		{[]string{"--engine", "vllm", "--model", "qwen2.5-0.5b"}, "/cache/models/qwen2.5-0.5b", "qwen2.5-0.5b"},
+		{[]string{"--engine", "vllm", "--model", "qwen2.5-0.5b", "--served-model-name", "qwen"}, "/cache/models/qwen2.5-0.5b", "qwen"},
+		{[]string{"--engine", "ref", "--model", "tiny"}, "tiny", "tiny"},
+	} {
+		opts := defaultServeOptions()
+		var cfgFile string
+		f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+		bindServeFlags(f, &opts, &cfgFile)
+		if err := f.Parse(tc.args); err != nil {
+			t.Fatal(err)
+		}
+		if err := opts.resolveModel(dir); err != nil {
+			t.Fatal(err)
+		}
+		if c := opts.supervisorConfig(pythonEnv{}); c.Model != tc.model || c.ServedModelName != tc.served {
+			t.Fatalf("%v: model %q served as %q, want %q as %q", tc.args, c.Model, c.ServedModelName, tc.model, tc.served)
+		}
+	}
+	opts := defaultServeOptions()
+	opts.Engine, opts.Model = "vllm", "nope"
+	if err := opts.resolveModel(func(string) (string, error) { return "", errors.New("no preset nope") }); err == nil {
+		t.Fatal("a model that does not resolve must fail the start")
 	}
 }

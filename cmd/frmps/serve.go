@@ -33,6 +33,7 @@ import (
 // the --config file; a flag given on the command line wins over the file.
 type serveOptions struct {
 	Model              string        `json:"model"`
+	ServedModelName    string        `json:"served_model_name"`
 	Engine             string        `json:"engine"`
 	Python             string        `json:"python"`
 	SyncEvery          uint32        `json:"sync_every"`
@@ -147,6 +148,7 @@ CPU in seconds, for trying frmps out. Use e.g. --model qwen2.5-7b --device cuda
 func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(configFile, "config", "", "JSON config file (flags override it)")
 	f.StringVar(&opts.Model, "model", opts.Model, "model: a preset name (tiny, qwen2.5-0.5b, …, qwen2.5-14b) or a model directory")
+	f.StringVar(&opts.ServedModelName, "served-model-name", opts.ServedModelName, "the model name clients send and /v1/models lists (default: --model as given, as vllm serve does)")
 	f.StringVar(&opts.Engine, "engine", opts.Engine, "engine: ref (the reference engine), vllm, or a Python adapter factory as package.module:Factory (proto/frmps/v1/ENGINE.md); checked by the engine side before anything starts")
 	f.StringVar(&opts.Python, "python", opts.Python, "Python interpreter that runs the engines, with frmps_engine importable (default: $FRMPS_PYTHON, else the .venv of the source checkout holding this binary, else python3)")
 	f.Uint32Var(&opts.SyncEvery, "sync-every", opts.SyncEvery, "engine steps between forward-state syncs to the ring (1: every step; the publish overlaps the device, and a takeover replays at most one token)")
@@ -230,11 +232,30 @@ func applyConfigFile(flags *pflag.FlagSet, opts *serveOptions, path string) erro
 	return nil
 }
 
+// resolveModel names the served model as the user gave it (a preset name, not
+// the directory it resolves to, as vllm serve names a model by its argument)
+// unless --served-model-name says otherwise, and turns a preset into its
+// model directory for vLLM (resolveDir), which reads only directories.
+func (o *serveOptions) resolveModel(resolveDir func(string) (string, error)) error {
+	if o.ServedModelName == "" {
+		o.ServedModelName = o.Model
+	}
+	if o.Engine != "vllm" {
+		return nil
+	}
+	dir, err := resolveDir(o.Model)
+	if err != nil {
+		return err
+	}
+	o.Model = dir
+	return nil
+}
+
 func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 	b := failover.DefaultBreaker
 	b.MaxRestarts, b.Window = o.MaxRestarts, o.RestartWindow
 	return supervisor.Config{
-		Model: o.Model, Engine: o.Engine, Python: py.Python, BaseEnv: sdnotify.StripEnv(py.Env), SyncEvery: o.SyncEvery,
+		Model: o.Model, ServedModelName: o.ServedModelName, Engine: o.Engine, Python: py.Python, BaseEnv: sdnotify.StripEnv(py.Env), SyncEvery: o.SyncEvery,
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity, StateDir: o.StateDir,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, MPSPipeDir: o.MPSPipeDir, MPSLogDir: o.MPSLogDir, Device: o.Device, Memory: o.Memory,
 		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, TensorParallelSize: o.TensorParallelSize, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace,
@@ -303,12 +324,8 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		return fmt.Errorf("%w (interpreter from %s); pass --python with an interpreter that has frmps_engine installed "+
 			"(`make venv` creates .venv in a source checkout), or set FRMPS_PYTHON", err, py.Source)
 	}
-	if o.Engine == "vllm" {
-		dir, err := resolveVLLMModel(ctx, py, o.Model)
-		if err != nil {
-			return err
-		}
-		o.Model = dir
+	if err := o.resolveModel(func(m string) (string, error) { return resolveVLLMModel(ctx, py, m) }); err != nil {
+		return err
 	}
 	log.Info("engine interpreter", "python", py.Python, "from", py.Source, "frmps_engine", pkg)
 
