@@ -299,7 +299,8 @@ def md_sync(s: dict) -> str:
             ex = p.get("exposed_share_pct")
             cells.append(f"{step}{o:+.2f}%{spread} / {sh:.2f}%" + (f" / {ex:.2f}%" if ex is not None else ""))
         step = "–" if r["step_ms"] is None else f"{r['step_ms']:.2f} ms"
-        pub = "overlapped" if str(r.get("publish") or "").startswith("overlapped") else r.get("publish") or "–"
+        pub = str(r.get("publish") or "–")
+        pub = ("overlapped (async scheduling)" if "async" in pub else "overlapped") if pub.startswith("overlapped") else pub
         out.append(f"| {m} | {r['batch']} | {pub} | {step} | " + " | ".join(cells) + " |")
     notes = sorted({f"{m}: {r['engine_info']['model_runner']}" for m, r in s["models"].items()
                     if (r.get("engine_info") or {}).get("model_runner")})

@@ -164,6 +164,17 @@ def _batch(args, ctx_len: int) -> tuple[int, int]:
     return (batch // 8 * 8 or batch), per_seq
 
 
+def publish_mode(core: Any) -> str:
+    """Where the loop's publish falls against the device's work: inside the step
+    (the core's launch hook), between steps while the next batch computes (vLLM's
+    async scheduling: a batch queue), or between steps with the device idle."""
+    if has_launch_hook(core):
+        return "overlapped with the step's device work (the core's launch hook)"
+    if getattr(getattr(core, "core", None), "batch_queue", None) is not None:
+        return "overlapped: between steps with the next batch in flight (async scheduling)"
+    return "between steps"
+
+
 class TrialClock:
     """Runs the measurement on the loop's own thread, at the start of every step
     (EngineLoop.run_in_step, re-armed each time), before the core's work: it waits
@@ -295,8 +306,7 @@ def measure(served: Served, args, batch: int, total_steps: int, ring_path: str) 
                   f"{1e3 * seconds / steps:.3f} ms/step, {end[2] - start[2]} publishes "
                   f"{(end[3] - start[3]) / 1e6:.2f} ms", file=sys.stderr, flush=True)
         return {"trials": trials, "prefill_s": round(clock.prefill_s or 0.0, 3),
-                "publish": "overlapped with the step's device work (the core's launch hook)"
-                           if has_launch_hook(served.core) else "between steps",
+                "publish": publish_mode(served.core),
                 "loop_counters": dict(loop.counters)}
     finally:
         loop.stop()
