@@ -138,6 +138,14 @@ class Deployments:
         extra = 2 * VLLM_START_S if self.opts.engine == "vllm" else 0.0  # two engines, one after the other
         return 4.0 if self.ctx.cpu else 15.0 + 0.3 * gb(self.opts.model) + extra
 
+    def estimate_next(self) -> float:
+        """Seconds until the next trial's pair is ready: a reused pair's re-arm (on the GPU
+        the failback's new engine from a spare: ~8-12 s at 0.5B with vLLM, ~15 s at 14B),
+        else a fresh start."""
+        if self.dep is None or not self.reuse:
+            return self.estimate_start()
+        return 2.0 if self.ctx.cpu else 15.0 + 0.3 * gb(self.opts.model)
+
     def get(self) -> Deployment:
         if self.dep is not None:
             if self.reuse:
@@ -362,7 +370,7 @@ class Recovery(Experiment):
                 with Deployments(ctx, serve_opts(ctx, model), f"recovery-{model}") as deps:
                     for key in fk:
                         body = completion_body(model, prompt, 1 + a.tail_tokens)
-                        ctx.run_point(key, lambda: stream_point(ctx, deps, body, 1), 10 + deps.estimate_start(),
+                        ctx.run_point(key, lambda: stream_point(ctx, deps, body, 1), 10 + deps.estimate_next(),
                                       describe_recovery)
             reqs = [{"key": 1, "prompt": prompt, "max_tokens": 1 + a.tail_tokens + 4096, "temperature": 0.0}]
             sk = ctx.results.pending([k for k in keys if k["system"] == "sleep-only"])
@@ -462,7 +470,7 @@ class PromptLength(Experiment):
                 for key in keys:
                     body = completion_body(model, prompt_ids(key["prompt_len"], 100 + key["trial"]), a.kill_after + 16)
                     ctx.run_point(key, lambda: stream_point(ctx, deps, body, a.kill_after),
-                                  10 + deps.estimate_start(), describe_recovery)
+                                  10 + deps.estimate_next(), describe_recovery)
 
 
 # ----------------------------------------------------------------------------- 3. tokens since the last sync
@@ -510,7 +518,7 @@ class SinceSync(Experiment):
                 for key in keys:
                     body = completion_body(model, prompt_ids(a.prompt_len, 200 + key["trial"]), key["k"] + 16)
                     ctx.run_point(key, lambda: {**stream_point(ctx, deps, body, key["k"]), "sync_every": n},
-                                  10 + deps.estimate_start() + 0.05 * key["k"], describe_recovery)
+                                  10 + deps.estimate_next() + 0.05 * key["k"], describe_recovery)
 
 
 # ----------------------------------------------------------------------------- 4. sync overhead
@@ -726,7 +734,7 @@ class Outage(Experiment):
                 for key in keys:
                     ctx.run_point(key, lambda key=key: frmps_point(
                                       ctx, deps, lambda dep, trig: self._measure(ctx, dep, trig, model, key["trial"])),
-                                  a.duration + 30 + deps.estimate_start(),
+                                  a.duration + 30 + deps.estimate_next(),
                                   lambda d: f"outage {fmt_s(d.get('outage_s'))}, {d.get('stream_errors')} stream errors")
 
     def _measure(self, ctx, dep, trig, model, trial) -> dict:
@@ -926,7 +934,7 @@ class Correctness(Experiment):
             for key in keys:
                 ctx.run_point(key, lambda key=key: frmps_point(
                                   ctx, deps, lambda dep, trig: self._measure(ctx, dep, trig, model, key, exact)),
-                              10 + deps.estimate_start() + 0.02 * key["k"],
+                              10 + deps.estimate_next() + 0.02 * key["k"],
                               lambda d: f"equal {d.get('equal')}/{d.get('requests')} (exact mode: {d.get('exact_mode')})")
 
     def _measure(self, ctx, dep, trig, model, key, exact) -> dict:

@@ -168,6 +168,8 @@ def publish_mode(core: Any) -> str:
     """Where the loop's publish falls against the device's work: inside the step
     (the core's launch hook), between steps while the next batch computes (vLLM's
     async scheduling: a batch queue), or between steps with the device idle."""
+    from frmps_engine.sdk.engine_api import has_launch_hook
+
     if has_launch_hook(core):
         return "overlapped with the step's device work (the core's launch hook)"
     if getattr(getattr(core, "core", None), "batch_queue", None) is not None:
@@ -246,7 +248,6 @@ def measure(served: Served, args, batch: int, total_steps: int, ring_path: str) 
     """Decode `batch` requests through the engine loop and time the trials."""
     import torch
 
-    from frmps_engine.sdk.engine_api import has_launch_hook
     from frmps_engine.sdk.loop import EngineLoop, RingPublisher
 
     RingPublisher.preload()
