@@ -163,3 +163,38 @@ def test_async_scheduler_variant_is_selected_and_publishes(model_dir):
     (v,) = views
     assert v.num_computed == len(model.computed["frmps-11"])
     assert v.token_ids == list(range(20)) + model.sampled["frmps-11"]
+
+
+def test_published_block_ids_follow_preemption_and_reallocation(model_dir):
+    """The scheduler keeps each request's block ids between publishes and only
+    appends the new ones; a preemption frees the blocks and a later allocation
+    gives new ones. Every publish must still equal vLLM's own block table, cut to
+    the committed tokens (what a standby maps)."""
+    from frmps_engine.vllm import SCHEDULER_CLS
+
+    # 12 blocks of 16 for three requests that each grow to 6 blocks: vLLM must preempt.
+    vc = make_vllm_config(model_dir, num_blocks=13, max_num_batched_tokens=64, scheduler_cls=SCHEDULER_CLS)
+    sched = make_scheduler(vc)
+    assert sched._frmps_fast_blocks, "full attention: the cached block ids are in use"
+    tracker = RecordingTracker()
+    sched.frmps_attach(tracker, 1)
+    reqs = {k: make_request(k, list(range(30 * k, 30 * k + 40)), max_tokens=50) for k in (1, 2, 3)}
+    for r in reqs.values():
+        sched.add_request(r)
+    model = FakeModel()
+    checked = 0
+    for _ in range(400):
+        if not sched.has_requests():
+            break
+        step(sched, model)
+        for v in tracker.records[-1][1]:
+            req = reqs[v.key]
+            if v.finished or v.aborted or sched.requests.get(req.request_id) is not req:
+                continue
+            table = sched.kv_cache_manager.get_block_ids(req.request_id)[0]
+            assert v.block_ids == table[: cdiv(v.num_computed, BLOCK_SIZE)], (v.key, v.num_computed)
+            checked += 1
+    assert not sched.has_requests() and checked > 100
+    assert sum(r.num_preemptions for r in reqs.values()) >= 1, "the test must go through a preemption"
+    assert sched._frmps_pub == {}, "finished requests leave the publish cache"
+    block_pool_invariants(sched)

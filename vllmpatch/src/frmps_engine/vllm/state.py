@@ -58,26 +58,28 @@ class CommittedView:
     and copies only what it has not published, so a publish stays flat in the
     sequence length."""
 
-    __slots__ = ("key", "seed", "num_prompt", "num_computed", "finished", "aborted", "_b", "_t", "_nt")
+    __slots__ = ("key", "seed", "num_prompt", "num_computed", "finished", "aborted", "_b", "_nb", "_t", "_nt")
 
     def __init__(self, key: int, seed: int, block_ids: list[int], token_ids: Sequence[int], num_prompt: int,
-                 num_computed: int, finished: bool = False, aborted: bool = False, n_tokens: int | None = None):
+                 num_computed: int, finished: bool = False, aborted: bool = False, n_tokens: int | None = None,
+                 n_blocks: int | None = None):
         self.key, self.seed, self.num_prompt, self.num_computed = key, seed, num_prompt, num_computed
         self.finished, self.aborted = finished, aborted
         self._b, self._t = block_ids, token_ids
+        self._nb = len(block_ids) if n_blocks is None else n_blocks
         self._nt = len(token_ids) if n_tokens is None else n_tokens
 
     @property
     def block_ids(self) -> list[int]:
-        return list(self._b)
+        return list(self._b[: self._nb])
 
     @property
     def token_ids(self) -> list[int]:  # prompt + output
         return list(self._t[: self._nt])
 
     def parts(self) -> tuple[list[int], int, Sequence[int], int]:
-        """(blocks, n_blocks, tokens, n_tokens): tokens is the live list, valid up to n_tokens."""
-        return self._b, len(self._b), self._t, self._nt
+        """(blocks, n_blocks, tokens, n_tokens): the lists may be live ones, valid up to the counts."""
+        return self._b, self._nb, self._t, self._nt
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CommittedView):
@@ -121,21 +123,13 @@ def committed_view(
     tokens = request.all_token_ids  # vLLM's read-only wrapper of the live list: not copied
     n_tokens = len(tokens)
     num_computed = min(num_computed, n_tokens)
-    blocks = list(block_ids[: cdiv(num_computed, block_size)])
     seed = request.sampling_params.seed if request.sampling_params is not None else None
     if seed is None:
         raise ValueError(f"request {request.request_id} has no explicit seed; frmps assigns one to every request")
-    return CommittedView(
-        key=key,
-        seed=to_uint64(seed),  # vLLM's int64 -> the ring's uint64 (sdk/seeds.py)
-        block_ids=blocks,
-        token_ids=tokens,
-        num_prompt=int(request.num_prompt_tokens) - num_folded,
-        num_computed=num_computed,
-        finished=finished,
-        aborted=aborted,
-        n_tokens=n_tokens,
-    )
+    # block_ids may be a list the caller extends later (the scheduler's cache): the view
+    # keeps its length now, as it does the live token list's.
+    return CommittedView(key, to_uint64(seed), block_ids, tokens, int(request.num_prompt_tokens) - num_folded, num_computed,
+                         finished, aborted, n_tokens, min(len(block_ids), cdiv(num_computed, block_size)))
 
 
 class SyncPolicy:
