@@ -624,11 +624,12 @@ def async_scheduling_from_env(env: Mapping[str, str]) -> bool | None:
     """FRMPS_VLLM_ASYNC_SCHEDULING (both engines read the same environment): unset,
     empty or 0: off; 1: on; auto: vLLM decides, as for vLLM alone.
 
-    Off by default until a takeover with async scheduling is proven on a GPU: the
-    token-exact takeovers measured on the H100 (bench/results/2026-11-23-h100-vllm-
-    takeover) ran the synchronous step; the pipelined one is tested on the CPU
-    only (real schedulers, a fake model runner). It is what closes most of the
-    throughput gap against vLLM alone (bench/README.md, serving overhead)."""
+    Off by default. Takeovers with it are token-exact on the H100 (7B:
+    bench/results/2026-11-23-h100-vllm-7b, 0.5B: 2026-11-26-h100-vllm-bench/
+    async-scheduling), but through the OpenAI endpoint it lost throughput at 64
+    streams (2026-11-23-h100-vllm-takeover), and at 0.5B with 256 sequences the
+    host's work per step outlasts the device's, so it does not hide the ring
+    publish either (the same 2026-11-26 folder)."""
     v = env.get("FRMPS_VLLM_ASYNC_SCHEDULING", "").strip()
     if v in ("", "0"):
         return False
