@@ -107,22 +107,66 @@ def test_reports_each_steps_tokens_and_its_load(model_dir):
 def test_capabilities_of_the_vllm_core(model_dir):
     """What the SDK probes (sdk/engine_api.py): the vLLM core reports its load and
     step size, can be reset for a handover and finishes its step in flight before
-    one (Pipelined); it has no launch hook (the loop publishes between steps, which
-    with async scheduling is under the next step's device work) and no idle device
-    check; its tokenizer does not say its vocabulary size."""
+    one (Pipelined); with the synchronous step it has a launch hook (the loop's publish
+    runs once the batch is launched), with async scheduling not (the loop publishes
+    between steps, under the next batch's device work); no idle device check; its
+    tokenizer does not say its vocabulary size."""
     from frmps_engine.sdk import engine_api
 
     eng = engine(model_dir, CharTokenizer())
     assert isinstance(eng, engine_api.Core)
     for cap in (engine_api.StepSize, engine_api.LoadReport, engine_api.Resettable, engine_api.Pipelined,
-                engine_api.TakeoverWarmup):
+                engine_api.TakeoverWarmup, engine_api.LaunchHook):
         assert isinstance(eng, cap), cap.__name__
-    for cap in (engine_api.LaunchHook, engine_api.DeviceCheck):
-        assert not isinstance(eng, cap), cap.__name__
-    assert not engine_api.has_launch_hook(eng)
+    assert not isinstance(eng, engine_api.DeviceCheck)
+    assert engine_api.has_launch_hook(eng)
+    assert not engine_api.has_launch_hook(engine(model_dir, CharTokenizer(), mode="async"))
     from frmps_engine.vllm.engine import VllmTokenizer
 
     assert engine_api.vocab_size(VllmTokenizer(CharTokenizer())) is None
+
+
+def test_the_launch_hook_runs_once_per_step_between_launch_and_output(model_dir):
+    """step(on_launch=fn) runs fn where EngineCore.step asks for the grammar bitmask:
+    after the batch is launched, before its output is processed. The views fn reads
+    then are the committed state of the step before (the batch's tokens in flight),
+    the same record a publish after that step would make."""
+    eng = engine(model_dir, CharTokenizer())
+    for key, prompt in PROMPTS.items():
+        eng.add_request(key, prompt, params(MAX[key]))
+    seen: list[dict] = []
+    before: list[dict] = []
+
+    def hook():
+        seen.append({v.key: (v.num_computed, v.token_ids, v.block_ids) for v in eng.request_views()})
+        assert all(r.num_in_flight_tokens > 0 for r in eng.scheduler.running), "called after the launch"
+
+    outs = []
+    for _ in range(300):
+        if not eng.has_work():
+            break
+        before.append({v.key: (v.num_computed, v.token_ids, v.block_ids) for v in eng.request_views()})
+        n = len(seen)
+        outs.extend(eng.step(on_launch=hook))
+        assert len(seen) == n + 1, "once per step"
+        assert eng.scheduler.frmps_on_launch is None
+    assert not eng.has_work()
+    # Live requests' state in the hook = the state published between steps before it.
+    for b, s in zip(before, seen):
+        for key, st in s.items():
+            if key in b:
+                assert st == b[key]
+    got = by_key(outs)
+    assert {k: len(v) for k, v in got.items()} == MAX
+    # A step without the hook, and an async engine, never call it.
+    eng2 = engine(model_dir, CharTokenizer(), mode="async")
+    eng2.add_request(41, PROMPTS[41], params(3))
+    calls = []
+    for _ in range(20):
+        if not eng2.has_work():
+            break
+        eng2.step(on_launch=lambda: calls.append(1))
+    assert calls == [] and not eng2.has_work()
 
 
 def test_a_scheduler_without_the_frmps_members_is_refused(model_dir):
@@ -592,11 +636,11 @@ def test_hand_over_publishes_every_delivered_token_with_nothing_in_flight(model_
     gate = threading.Event()
     stepped = [0]
 
-    def slow(_fn=eng.step):  # hold the loop after a few steps so the requests are mid-way
+    def slow(on_launch=None, _fn=eng.step):  # hold the loop after a few steps so the requests are mid-way
         stepped[0] += 1
         if stepped[0] == 6:
             gate.wait(10)
-        return _fn()
+        return _fn(on_launch)
 
     eng.step = slow
     loop.start()

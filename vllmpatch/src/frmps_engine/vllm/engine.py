@@ -297,8 +297,25 @@ class VllmCore:
         tr.text_tail = tr.text_tail[-keep:]
         return None
 
-    def step(self) -> list[Output]:
-        outputs_by_client, _ = self._step_fn()
+    @property
+    def launch_hook(self) -> bool:
+        """engine_api.LaunchHook, for vLLM's synchronous step only (no batch queue):
+        EngineCore.step launches the batch (``execute_model(non_block=True)``), asks
+        the scheduler for the grammar bitmask and only then waits for the device, so
+        the scheduler runs ``on_launch`` there (FrmpsScheduler.get_grammar_bitmask)
+        and the ring publish overlaps the forward pass instead of leaving the device
+        idle. With async scheduling the next batch is in flight between steps anyway."""
+        return self.core.batch_queue is None
+
+    def step(self, on_launch: Callable[[], None] | None = None) -> list[Output]:
+        if on_launch is None or self.core.batch_queue is not None:
+            outputs_by_client, _ = self._step_fn()
+            return self._outputs(outputs_by_client)
+        self.scheduler.frmps_on_launch = on_launch  # taken (and cleared) by the scheduler at the launch
+        try:
+            outputs_by_client, _ = self._step_fn()
+        finally:
+            self.scheduler.frmps_on_launch = None
         return self._outputs(outputs_by_client)
 
     def finish_in_flight(self) -> list[Output]:

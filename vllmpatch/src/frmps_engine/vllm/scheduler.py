@@ -12,7 +12,7 @@ An engine that only learns its ring later (the standby, at Resume) calls
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -60,6 +60,9 @@ class _FrmpsSchedulerMixin:
         # step_with_batch_queue only finishes the batches in flight
         # (VllmCore.finish_in_flight, before a planned handover).
         self.frmps_hold = False
+        # The engine loop's publish, run once the step's batch is launched (see
+        # get_grammar_bitmask); set by VllmCore.step for one step.
+        self.frmps_on_launch: Callable[[], None] | None = None
         # Tokens of the batch scheduled last (the step in progress): the SDK's hang
         # estimate reads it from its heartbeat thread.
         self.frmps_scheduled_tokens = 0
@@ -75,6 +78,17 @@ class _FrmpsSchedulerMixin:
         ring_path = cfg.get("ring_path")
         if ring_path:
             self.frmps_attach_ring(str(ring_path), self._frmps_policy.every)
+
+    def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
+        """vLLM's EngineCore.step calls this right after ``execute_model(non_block=True)``
+        has launched the batch and before it waits for the result (0.26.0 and 0.33.0,
+        VLLM.md): the engine loop's pending publish runs here, overlapping the device's
+        work on that batch. The views it reads are the committed state (the batch's
+        tokens are in flight: ``num_in_flight_tokens``)."""
+        fn, self.frmps_on_launch = self.frmps_on_launch, None
+        if fn is not None:
+            fn()
+        return super().get_grammar_bitmask(scheduler_output)  # type: ignore[misc]
 
     # -- ring -------------------------------------------------------------------
     def frmps_attach(self, tracker: Any, sync_every: int) -> int:

@@ -208,7 +208,9 @@ class SchedulerCore:
             return {}, False
         so = self.scheduler.schedule()
         out = self.model.run(self.scheduler, so)
-        self._wait(self._launch())
+        ready_at = self._launch()
+        self.scheduler.get_grammar_bitmask(so)  # where EngineCore.step asks, between launch and wait
+        self._wait(ready_at)
         outs = self.scheduler.update_from_output(so, out)
         return outs, so.total_num_scheduled_tokens > 0
 
