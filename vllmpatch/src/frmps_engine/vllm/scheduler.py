@@ -24,6 +24,9 @@ from .state import CommittedView, SyncPolicy, committed_view, key_for_request_id
 ADDITIONAL_CONFIG_KEY = "frmps"
 
 
+_NO_BLOCKS: list[Any] = []  # never mutated: a request without blocks yet (or freed)
+
+
 def _appends_only(scheduler: Any) -> bool:
     """True where every request's block list only grows while it runs: one KV-cache
     group of full attention (the models frmps serves). Sliding-window and other
@@ -56,6 +59,10 @@ class _FrmpsSchedulerMixin:
         # finished view uses the last ones after vLLM has freed the blocks.
         self._frmps_pub: dict[str, list[Any]] = {}
         self._frmps_fast_blocks = _appends_only(self)
+        # The one manager's request -> live block list (what KVCacheCoordinator.get_blocks
+        # reads, without building its tuple per request).
+        self._frmps_blocks_of = (self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get
+                                 if self._frmps_fast_blocks else None)
         # While set, the scheduler reports no requests, so EngineCore's
         # step_with_batch_queue only finishes the batches in flight
         # (VllmCore.finish_in_flight, before a planned handover).
@@ -138,7 +145,7 @@ class _FrmpsSchedulerMixin:
         if not self._frmps_fast_blocks:
             pub[2] = self.kv_cache_manager.get_block_ids(rid)[0]  # a new list per call
             return pub[2]
-        live = self.kv_cache_manager.coordinator.get_blocks(rid)[0]
+        live = self._frmps_blocks_of(rid) or _NO_BLOCKS
         ids = pub[2]
         n = len(ids)
         if pub[1] is not live or len(live) < n or (n and (live[0].block_id != ids[0] or live[n - 1].block_id != ids[n - 1])):
