@@ -388,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="", help="sync-overhead: scratch files")
     p.add_argument("--timeout", type=float, default=600, help="sync-overhead: bound of the prefill and of one trial")
     p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64")
+    p.add_argument("--between-steps", default="1",
+                   help="sync-overhead: N values also measured with the publish between steps where the engine "
+                        "overlaps it with the device (the launch hook), in the same run ('' for none)")
     p.add_argument("--steps-per-trial", type=int, default=128)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--warmup-steps", type=int, default=8)

@@ -534,6 +534,9 @@ class SyncOverhead(Experiment):
         p.add_argument("--engines", default="", help="ref, vllm or both (default: --engine)")
         p.add_argument("--sync-list", default="0,1,2,4,8,16,32,64",
                        help="N values: publish every N steps; 0 = no ring attached (the reference)")
+        p.add_argument("--between-steps", default="1",
+                       help="N values also measured with the publish between steps where the engine overlaps it "
+                            "with the device (its launch hook), in the same run: what the overlap hides ('' for none)")
         p.add_argument("--steps-per-trial", type=int, default=0,
                        help="steps per trial (+ 1; default 128, --quick 64, --cpu 8: at least twice the largest N "
                             "for a steady count of publishes)")
@@ -558,7 +561,8 @@ class SyncOverhead(Experiment):
 
             def point(model=model, engine=engine):
                 args = ["--model", model, "--device", a.device, "--engine", engine, "--memory", a.memory,
-                        "--sync-list", a.sync_list, "--steps-per-trial", str(a.steps_per_trial), "--reps", str(a.reps),
+                        "--sync-list", a.sync_list, "--between-steps", a.between_steps,
+                        "--steps-per-trial", str(a.steps_per_trial), "--reps", str(a.reps),
                         "--batch", str(a.batch), "--prompt-len", str(a.prompt_len), "--workdir", a.workdir,
                         "--timeout", str(a.trial_timeout)]
                 log = os.path.join(a.workdir, f"sync-overhead-{engine}-{model}.log")

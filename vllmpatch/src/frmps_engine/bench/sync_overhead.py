@@ -48,6 +48,8 @@ def parse_sync_list(s: str) -> list[int]:
     out = []
     for x in s.split(","):
         x = x.strip()
+        if not x:
+            continue
         try:
             n = int(x)
         except ValueError:
@@ -264,15 +266,21 @@ def measure(served: Served, args, batch: int, total_steps: int, ring_path: str) 
             prompt = torch.randint(3, served.vocab, (args.prompt_len,), generator=g).tolist()
             reqs.append((k + 1, prompt, *served.params(k + 1, len(prompt), total_steps + 8)))
 
-        def switch(n: int) -> None:  # on the loop thread, right before a step
+        hook = loop.overlap_publish
+
+        def switch(n: int) -> None:  # on the loop thread, right before a step; n < 0: every -n steps, between steps
             if n:
                 loop.attach_ring(RingPublisher(ring_path))  # a FULL record first: the trial starts right after a sync
-                loop.sync_every = n
+                loop.sync_every = abs(n)
             else:
                 loop.attach_ring(None)
                 loop.sync_every = NEVER
+            loop.overlap_publish = hook and n >= 0
 
-        order = trial_order(parse_sync_list(args.sync_list), args.reps)
+        ns = parse_sync_list(args.sync_list)
+        if hook:  # the same publish between steps, in the same run: what the launch hook hides
+            ns += [-n for n in parse_sync_list(args.between_steps) if n]
+        order = trial_order(ns, args.reps)
 
         def begin() -> TrialClock:
             # On the loop thread: the requests and the clock arrive before any step runs,
@@ -300,10 +308,11 @@ def measure(served: Served, args, batch: int, total_steps: int, ring_path: str) 
                 raise RuntimeError(f"trial {i}: the requests decoded {sorted(decoded)} tokens in {steps} steps; "
                                    "the whole batch must decode every step")
             seconds = end[0] - start[0]
-            trials.append({"sync_every": n, "inline": False, "rep": rep, "seq": i, "seconds": seconds,
+            trials.append({"sync_every": abs(n), "inline": n < 0, "rep": rep, "seq": i, "seconds": seconds,
                            "steps": steps, "tokens": steps * batch, "step_s": seconds / steps,
                            "syncs": end[2] - start[2], "sync_s": (end[3] - start[3]) / 1e9})
-            print(f"sync-overhead {served.engine} {args.model} rep {rep} N={n or 'none'}: "
+            print(f"sync-overhead {served.engine} {args.model} rep {rep} N={abs(n) or 'none'}"
+                  f"{' between steps' if n < 0 else ''}: "
                   f"{1e3 * seconds / steps:.3f} ms/step, {end[2] - start[2]} publishes "
                   f"{(end[3] - start[3]) / 1e6:.2f} ms", file=sys.stderr, flush=True)
         return {"trials": trials, "prefill_s": round(clock.prefill_s or 0.0, 3),

@@ -378,6 +378,19 @@ class EngineLoop:
 
         self.call(attach)
 
+    @property
+    def overlap_publish(self) -> bool:
+        """Whether a due publish runs inside the next step, once its pass is launched
+        (the core's launch hook), rather than right after the step."""
+        return self._overlap
+
+    @overlap_publish.setter
+    def overlap_publish(self, on: bool) -> None:
+        """Set on the loop thread (between steps). Stays off for a core without a
+        launch hook; the sync-overhead benchmark turns it off to measure the same
+        publish between steps in the same run."""
+        self._overlap = bool(on) and has_launch_hook(self.core)
+
     # -- planned handover ---------------------------------------------------------
     def hand_over(self, timeout: float = 30.0) -> int:
         """On the loop thread, between steps: publish every request's state (a FULL
