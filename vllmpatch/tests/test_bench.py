@@ -169,9 +169,13 @@ def test_cpu_outage_and_memory(cpu_results):
     assert all(t["steps"] == 8 + 1 and t["tokens"] == 9 * s["batch"] for t in s["trials"])
     assert all(t["syncs"] == 0 for t in s["trials"] if t["sync_every"] == 0)
     # S = 8 steps (+ 1), overlapped: the publish due after the last step is made in the
-    # extra step, so N publishes S / N times a trial.
-    assert all(t["syncs"] == 8 // t["sync_every"] for t in s["trials"] if t["sync_every"])
+    # extra step, so N publishes S / N times a trial; N = 1 is also measured between steps
+    # in the same run (after every one of the 9).
+    assert {t["sync_every"] for t in s["trials"] if t["inline"]} == {1}
+    assert all(t["syncs"] == (9 if t["inline"] else 8) // t["sync_every"] for t in s["trials"] if t["sync_every"])
     assert all(t["sync_s"] > 0 for t in s["trials"] if t["sync_every"] == 1)
+    per_n = json.load(open(os.path.join(out, "sync-overhead.json")))["summary"]["models"]["tiny"]["per_n"]
+    assert "1i" in per_n and per_n["1i"]["syncs_per_step"] == 1
 
 
 @pytest.mark.torch

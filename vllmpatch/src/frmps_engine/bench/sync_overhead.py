@@ -326,7 +326,9 @@ def measure(served: Served, args, batch: int, total_steps: int, ring_path: str) 
 def run(args) -> int:
     from .engine_io import emit, sync
 
-    sync_list = parse_sync_list(args.sync_list)
+    # Tokens for every trial, the between-steps ones included (measure() runs them only
+    # where the engine overlaps its publish; the engine is not built yet).
+    sync_list = parse_sync_list(args.sync_list) + [-n for n in parse_sync_list(args.between_steps) if n]
     n_trials = len(trial_order(sync_list, args.reps))
     total_steps = n_trials * (args.steps_per_trial + 1) + args.warmup_steps + 8
     # (The reference engine's exact mode prefills one request per step, alternating with
