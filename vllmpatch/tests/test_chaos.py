@@ -18,7 +18,7 @@ import time
 import pytest
 
 from e2e import frmps_bin
-from frmps_engine.bench.chaos import (Clients, Serve, check, double_fault, hang_active, kill_active,
+from frmps_engine.bench.chaos import (Clients, Serve, check, double_fault, goroutine_dump, hang_active, kill_active,
                                       kill_supervisor, reference_outputs, sample, settle, summarize, workload)
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
@@ -56,7 +56,9 @@ def test_chaos(tmp_path, spare):
         assert first["completed"] >= 12, first
         assert sum(int(f.get("resumed_requests", 0)) for f in fos) > 0, "no request was in flight at any failover"
         after, diff = settle(serve, base)
-        assert not diff, f"not back to the baseline after {len(fos)} failovers: {diff}"
+        if diff:  # what the extra goroutines are (ends the supervisor: the run has failed)
+            stacks = goroutine_dump(serve) if any(d.startswith("goroutines") for d in diff) else ""
+            raise AssertionError(f"not back to the baseline after {len(fos)} failovers: {diff}\n{stacks[:12000]}")
         if spare:  # every engine launched after the first pair was a spare, even in the double fault
             sp = serve.status().get("spare") or {}
             assert int(sp.get("activations", 0)) >= len(fos) and int(sp.get("cold_starts", 0)) == 0, sp
@@ -72,7 +74,9 @@ def test_chaos(tmp_path, spare):
         second = summarize(clients.outcomes)
         assert second["completed"] >= 6, second
         restarted, diff = settle(serve, base)
-        assert not diff, f"the restarted supervisor: {diff}"
+        if diff:
+            stacks = goroutine_dump(serve) if any(d.startswith("goroutines") for d in diff) else ""
+            raise AssertionError(f"the restarted supervisor: {diff}\n{stacks[:12000]}")
 
         engines = [int(e["pid"]) for e in serve.status()["engines"]]
         assert serve.stop() == 0

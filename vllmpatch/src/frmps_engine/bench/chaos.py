@@ -338,6 +338,29 @@ def _sockets(d: str) -> int:
     return n
 
 
+def goroutine_dump(serve: Serve, timeout: float = 10.0) -> str:
+    """The supervisor's goroutines, for a failed baseline check: SIGQUIT makes the Go
+    runtime print every goroutine's stack to stderr (the serve log) and exit. Ends the
+    supervisor: only for a run that has already failed."""
+    if serve.proc is None or serve.proc.poll() is not None:
+        return ""
+    with open(serve.log_path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        start = f.tell()
+    serve.proc.send_signal(signal.SIGQUIT)
+    try:
+        serve.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    with open(serve.log_path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    # Only the goroutine stacks, the frmps frames first.
+    blocks = [b for b in text.split("\n\n") if b.startswith("goroutine ")]
+    blocks.sort(key=lambda b: "frmps/frmps" not in b)
+    return "\n\n".join(blocks)
+
+
 def settle(serve: Serve, base: Sample, timeout: float = 15.0) -> tuple[Sample, list[str]]:
     """Samples until descriptors and goroutines are back at the baseline (closing
     connections and ending goroutines are asynchronous), or timeout; returns the
