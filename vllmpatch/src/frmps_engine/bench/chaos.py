@@ -492,8 +492,13 @@ def _await_failover(serve: Serve, seq: int, pid: int, what: str) -> dict:
     """Waits for the failover record after seq, then for a fresh standby and the
     dead engine reaped."""
     def done():
+        # The record appears at detection with the cause "pending"; the cause is
+        # classified later (the engine reaped, its stderr read).
         st = serve.status()
-        return serve.failovers(st)[0] if _newest_seq(st) > seq else None
+        if _newest_seq(st) <= seq:
+            return None
+        rec = serve.failovers(st)[0]
+        return rec if rec.get("cause") != "pending" else None
 
     rec = wait_for(done, f"the failover after {what} of {pid}", serve=serve)
     if not rec.get("ok"):
