@@ -175,7 +175,7 @@ def test_published_block_ids_follow_preemption_and_reallocation(model_dir):
     # 12 blocks of 16 for three requests that each grow to 6 blocks: vLLM must preempt.
     vc = make_vllm_config(model_dir, num_blocks=13, max_num_batched_tokens=64, scheduler_cls=SCHEDULER_CLS)
     sched = make_scheduler(vc)
-    assert sched._frmps_fast_blocks, "full attention: the cached block ids are in use"
+    assert sched._frmps_blocks_of is not None, "full attention: the cached block ids are in use"
     tracker = RecordingTracker()
     sched.frmps_attach(tracker, 1)
     reqs = {k: make_request(k, list(range(30 * k, 30 * k + 40)), max_tokens=50) for k in (1, 2, 3)}

@@ -75,10 +75,14 @@ COLD_NAMES = {"python_start_to_main_s": "imports", "import_vllm_s": "import vLLM
               "engine_init_s": "engine init", "prefill_s": "prefill"}
 
 
+def _fault_to_death(d: dict) -> float | None:
+    """Fault → death seen, of one trial: frmps's detection, or a baseline's waitpid of the victim."""
+    return d.get("fault_to_detect_s", d.get("fault_to_death_s"))
+
+
 def _from_fault(d: dict) -> float | None:
-    """The fault → first token after recovery of one trial: fault → death seen (frmps: its
-    detection; a baseline: the driver's waitpid of the victim) + the recovery after it."""
-    f2d = d.get("fault_to_detect_s", d.get("fault_to_death_s"))
+    """The fault → first token after recovery of one trial: fault → death seen + the recovery after it."""
+    f2d = _fault_to_death(d)
     return None if f2d is None or d.get("recovery_s") is None else f2d + d["recovery_s"]
 
 
@@ -99,7 +103,7 @@ def summarize_recovery(records: list[dict]) -> dict:
             st = {"n": len(ds), "recovery_s": med(d.get("recovery_s") for d in ds),
                   "min_s": min((d["recovery_s"] for d in ds if d.get("recovery_s") is not None), default=None),
                   "max_s": max((d["recovery_s"] for d in ds if d.get("recovery_s") is not None), default=None),
-                  "fault_to_death_s": med(d.get("fault_to_detect_s", d.get("fault_to_death_s")) for d in ds),
+                  "fault_to_death_s": med(_fault_to_death(d) for d in ds),
                   "from_fault_s": med(_from_fault(d) for d in ds)}
             if s == "frmps":
                 st["step_s"] = med([d.get("step_after_s") or d.get("step_before_s") for d in ds])

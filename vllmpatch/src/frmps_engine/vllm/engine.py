@@ -308,14 +308,12 @@ class VllmCore:
         return self.core.batch_queue is None
 
     def step(self, on_launch: Callable[[], None] | None = None) -> list[Output]:
-        if on_launch is None or self.core.batch_queue is not None:
-            outputs_by_client, _ = self._step_fn()
-            return self._outputs(outputs_by_client)
-        self.scheduler.frmps_on_launch = on_launch  # taken (and cleared) by the scheduler at the launch
+        if on_launch is not None and self.launch_hook:
+            self.scheduler.frmps_on_launch = on_launch  # taken (and cleared) by the scheduler at the launch
         try:
             outputs_by_client, _ = self._step_fn()
         finally:
-            self.scheduler.frmps_on_launch = None
+            self.scheduler.frmps_on_launch = None  # not launched (nothing to schedule): the loop publishes after
         return self._outputs(outputs_by_client)
 
     def finish_in_flight(self) -> list[Output]:

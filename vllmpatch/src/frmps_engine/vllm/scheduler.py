@@ -27,15 +27,28 @@ ADDITIONAL_CONFIG_KEY = "frmps"
 _NO_BLOCKS: list[Any] = []  # never mutated: a request without blocks yet (or freed)
 
 
-def _appends_only(scheduler: Any) -> bool:
-    """True where every request's block list only grows while it runs: one KV-cache
-    group of full attention (the models frmps serves). Sliding-window and other
-    managers replace blocks in place, so their ids are read afresh every publish."""
+class _Pub:
+    """What a publish keeps of one frmps request between steps: its ring key, vLLM's
+    live block list last seen, and the block ids read from it so far."""
+
+    __slots__ = ("key", "live", "ids")
+
+    def __init__(self, key: int | None):
+        self.key, self.live, self.ids = key, None, []
+
+
+def _appending_block_lists(scheduler: Any) -> Any:
+    """The one KV-cache manager's request -> live block list lookup where every
+    request's list only grows while it runs (one group of full attention: the models
+    frmps serves), else None: sliding-window and other managers replace blocks in
+    place, so their ids are read afresh every publish."""
     try:
         managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     except AttributeError:
-        return False
-    return len(managers) == 1 and type(managers[0]).__name__ == "FullAttentionManager"
+        return None
+    if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionManager":
+        return None
+    return managers[0].req_to_blocks.get  # what KVCacheCoordinator.get_blocks reads, without its tuple
 
 
 class _FrmpsSchedulerMixin:
@@ -52,17 +65,13 @@ class _FrmpsSchedulerMixin:
         # object lets the next sync publish the finish once.
         self._frmps_live: dict[str, Any] = {}
         self._frmps_folded: dict[str, int] = {}
-        # Per frmps request, what a publish needs and does not change from one step to
-        # the next: request id -> [key, vLLM's live block list, its block ids so far].
-        # The ids are extended as blocks are appended, not rebuilt every step (a publish
-        # of 256 requests spent a third of its time rebuilding them); a request's
-        # finished view uses the last ones after vLLM has freed the blocks.
-        self._frmps_pub: dict[str, list[Any]] = {}
-        self._frmps_fast_blocks = _appends_only(self)
-        # The one manager's request -> live block list (what KVCacheCoordinator.get_blocks
-        # reads, without building its tuple per request).
-        self._frmps_blocks_of = (self.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks.get
-                                 if self._frmps_fast_blocks else None)
+        # Per frmps request, what a publish needs from one step to the next. The block
+        # ids are extended as blocks are appended, not rebuilt every step (a publish of
+        # 256 requests spent a third of its time rebuilding them); a request's finished
+        # view uses the last ones after vLLM has freed the blocks.
+        self._frmps_pub: dict[str, _Pub] = {}
+        # None: no cache of block ids (block lists that change in place).
+        self._frmps_blocks_of = _appending_block_lists(self)
         # While set, the scheduler reports no requests, so EngineCore's
         # step_with_batch_queue only finishes the batches in flight
         # (VllmCore.finish_in_flight, before a planned handover).
@@ -123,34 +132,34 @@ class _FrmpsSchedulerMixin:
         for rid, req in list(self._frmps_live.items()):
             pub = pubs.get(rid)
             if pub is None:
-                pub = pubs[rid] = [key_for_request_id(rid), None, []]
+                pub = pubs[rid] = _Pub(key_for_request_id(rid))
             folded = folded_of.get(rid, 0) if folded_of else 0
             if requests.get(rid) is req and not req.is_finished():
-                views.append(committed_view(req, pub[0], self._frmps_block_ids(rid, pub), bs, num_folded=folded))
+                views.append(committed_view(req, pub.key, self._frmps_block_ids(rid, pub), bs, num_folded=folded))
                 continue
             aborted = req.status == RequestStatus.FINISHED_ABORTED
             views.append(
-                committed_view(req, pub[0], pub[2], bs, num_folded=folded, finished=not aborted, aborted=aborted)
+                committed_view(req, pub.key, pub.ids, bs, num_folded=folded, finished=not aborted, aborted=aborted)
             )
             del self._frmps_live[rid]
             del pubs[rid]
             folded_of.pop(rid, None)
         return views_sorted(views)
 
-    def _frmps_block_ids(self, rid: str, pub: list[Any]) -> list[int]:
+    def _frmps_block_ids(self, rid: str, pub: _Pub) -> list[int]:
         """The request's block ids (its one KV-cache group), valid until the next call:
         the cached list, extended with the blocks vLLM appended since; rebuilt when
         vLLM's list is a new one (freed and allocated again: a preemption) or its
         cached ends no longer match."""
-        if not self._frmps_fast_blocks:
-            pub[2] = self.kv_cache_manager.get_block_ids(rid)[0]  # a new list per call
-            return pub[2]
+        if self._frmps_blocks_of is None:
+            pub.ids = self.kv_cache_manager.get_block_ids(rid)[0]  # a new list per call
+            return pub.ids
         live = self._frmps_blocks_of(rid) or _NO_BLOCKS
-        ids = pub[2]
+        ids = pub.ids
         n = len(ids)
-        if pub[1] is not live or len(live) < n or (n and (live[0].block_id != ids[0] or live[n - 1].block_id != ids[n - 1])):
-            pub[1], pub[2] = live, [b.block_id for b in live]
-            return pub[2]
+        if pub.live is not live or len(live) < n or (n and (live[0].block_id != ids[0] or live[n - 1].block_id != ids[n - 1])):
+            pub.live, pub.ids = live, [b.block_id for b in live]
+            return pub.ids
         if len(live) > n:
             ids.extend([b.block_id for b in live[n:]])
         return ids
