@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
+from frmps_engine.bench import loglines
 from frmps_engine.sdk.adapters import EngineOptions
 from frmps_engine.sdk.control import ControlConn
 from frmps_engine.sdk.memory import get_backend
@@ -202,3 +203,60 @@ def test_a_takeover_that_fails_after_the_core_adopted_aborts_it_there(h, monkeyp
     r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[req], ring_path=h.ring, sync_every=2)))
     assert r.ok and not r.resumed[0].ok and "prefill_tokens" in r.resumed[0].error
     assert not core.has_work(), "the adopted request was left running in the core"
+
+
+def test_the_kv_flip_runs_beside_the_adoption_and_before_any_step(h, monkeypatch, caplog):
+    """After a fault the KV pool's flip to read-write waits on the MPS server, so it
+    runs on a thread beside the adoption (host work only). The flip here finishes
+    only once adoption has started: done one after the other, the flip would run
+    first, see no adoption and time out, and the test fails. And the loop must not
+    step before the flip is over: the first step checks the pool is writable."""
+    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
+    assert h.sleep().ok
+    out, snaps = run_active(h.active, 1, TOK.encode("hello"), 4, FakeParams(20, 0.0, 11))
+    core, mem = h.runner.core, h.runner.memory
+    adopting, flipped = threading.Event(), threading.Event()
+    seen = {}
+    real_flip, real_adopt, real_step = mem.make_writable, core.adopt_request, core.step
+
+    def flip(tag):  # TEST DOUBLE of a slow flip (the dying MPS server)
+        seen["overlapped"] = adopting.wait(10)
+        real_flip(tag)
+        flipped.set()
+
+    def adopt(*a, **kw):
+        adopting.set()
+        return real_adopt(*a, **kw)
+
+    def step(*a, **kw):
+        seen.setdefault("first_step_after_flip", flipped.is_set())
+        return real_step(*a, **kw)
+
+    monkeypatch.setattr(mem, "make_writable", flip)
+    monkeypatch.setattr(core, "adopt_request", adopt)
+    monkeypatch.setattr(core, "step", step)
+    req = c.ResumeRequest(key=1, prompt="hello", params=c.SamplingParams(max_tokens=20), delivered_token_ids=out,
+                          snapshot=snaps[-1])
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[req], ring_path=h.ring, sync_every=2)))
+    assert r.ok and r.resumed[0].ok, r
+    assert seen["overlapped"], "the KV flip did not run beside the adoption"
+    assert resume_stream(h, 1, out) == reference(TOK.encode("hello"), 20, 0.0, 11)
+    assert seen["first_step_after_flip"]
+    # The harnesses read the takeover's figures from this log line (bench/loglines.py).
+    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
+    assert got["requests"] == 1 and got["adoption_cpu_ms"] >= 0 and got["kv_writable_ms"] >= 0, got
+
+
+def test_a_failed_kv_flip_fails_the_resume(h, monkeypatch):
+    assert h.sleep().ok
+
+    def flip(tag):  # TEST DOUBLE of the driver refusing the access change
+        raise RuntimeError("cuMemSetAccess: CUDA_ERROR_INVALID_VALUE")
+
+    monkeypatch.setattr(h.runner.memory, "make_writable", flip)
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[c.ResumeRequest(key=3, prompt="new",
+                                                                         params=c.SamplingParams(max_tokens=6))],
+                                               ring_path=h.ring)))
+    assert not r.ok and "cuMemSetAccess" in r.error
+    assert h.runner.loop is None or not h.runner.loop.running

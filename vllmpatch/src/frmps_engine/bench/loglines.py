@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import re
 
-# runner.on_resume; the adoption/ring-attach tail is optional (engine logs kept in older result folders lack it).
+# runner.on_resume; the adoption/ring-attach tail and the adoption's CPU time are optional (engine logs kept
+# in older result folders lack them).
 TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused tokens, (\d+) to prefill; "
-                      r"KV writable in ([\d.]+) ms(?:; adoption ([\d.]+) ms, ring attach ([\d.]+) ms)?\)")
+                      r"KV writable in ([\d.]+) ms(?:; adoption ([\d.]+) ms, ring attach ([\d.]+) ms)?"
+                      r"(?:; adoption CPU ([\d.]+) ms[^)]*)?\)")
 FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
 SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after start\)")
 INIT = re.compile(r"standby built \(init (\d+) ms\)")
@@ -59,4 +61,6 @@ def takeover_fields(groups: list[str]) -> dict:
            "prefilled_tokens": int(groups[3]), "kv_writable_ms": float(groups[4])}
     if groups[5] is not None:
         out.update(adoption_ms=float(groups[5]), ring_attach_ms=float(groups[6]))
+    if groups[7] is not None:
+        out.update(adoption_cpu_ms=float(groups[7]))
     return out

@@ -51,6 +51,33 @@ class _WarmMessage:
     content: str
 
 
+class _KvFlip:
+    """``memory.make_writable("kv_cache")`` on a thread of its own, started at
+    construction; ``join()`` waits for it, returns how long it took (ns) and
+    raises what it raised."""
+
+    def __init__(self, memory: MemoryBackend):
+        self._memory = memory
+        self._took = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="frmps-kv-flip", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t = time.perf_counter_ns()
+        try:
+            self._memory.make_writable("kv_cache")
+        except BaseException as e:  # re-raised by join() on the takeover's thread
+            self._error = e
+        self._took = time.perf_counter_ns() - t
+
+    def join(self) -> int:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._took
+
+
 def _test_step_delay() -> float:
     """FRMPS_TEST_STEP_DELAY_MS: a test knob that slows every engine step, so
     end-to-end tests can reach kill points such as "mid-prefill". Never set in
@@ -281,13 +308,22 @@ class Runner:
             gc.enable()
 
     def _take_over(self, env_id: int, msg: control_pb2.Resume, t0: int):
-        self.memory.make_writable("kv_cache")
-        t_wake = time.perf_counter_ns() - t0
-        self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
-                               on_fatal=self._fatal, step_delay_s=_test_step_delay())
-        t_adopt = time.perf_counter_ns()
-        outcomes = [self._adopt(r) for r in msg.requests]
-        t_adopt = time.perf_counter_ns() - t_adopt
+        # The KV flip and the adoption overlap: after a fault the flip's driver call
+        # waits on the MPS server tearing the dead context down (up to ~30 ms on the
+        # H100; ctypes releases the GIL meanwhile), and adoption is host work on the
+        # scheduler only (nothing reaches the device before the first step). Nothing
+        # steps before the flip has finished: the join below comes before the loop.
+        flip = _KvFlip(self.memory)
+        try:
+            self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
+                                   on_fatal=self._fatal, step_delay_s=_test_step_delay())
+            t_adopt = time.perf_counter_ns()
+            c_adopt = time.thread_time_ns()
+            outcomes = [self._adopt(r) for r in msg.requests]
+            c_adopt = time.thread_time_ns() - c_adopt
+            t_adopt = time.perf_counter_ns() - t_adopt
+        finally:
+            t_wake = flip.join()  # raises the flip's error (a device error: the engine is lost)
         t_ring = time.perf_counter_ns()
         ring_path = msg.ring_path or self.welcome.ring_path
         ring_error = ""
@@ -313,9 +349,9 @@ class Runner:
         self.loop.start()
         log.info(
             "took over %d requests in %.2f ms (%d reused tokens, %d to prefill; KV writable in %.3f ms; "
-            "adoption %.2f ms, ring attach %.2f ms)",
+            "adoption %.2f ms, ring attach %.2f ms; adoption CPU %.2f ms, the KV flip beside it)",
             len(outcomes), took / 1e6, sum(o.reused_tokens for o in outcomes), sum(o.prefilled_tokens for o in outcomes),
-            t_wake / 1e6, t_adopt / 1e6, t_ring / 1e6,
+            t_wake / 1e6, t_adopt / 1e6, t_ring / 1e6, c_adopt / 1e6,
         )
         self.log_counters("after takeover")
         return None
