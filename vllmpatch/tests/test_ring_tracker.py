@@ -139,13 +139,19 @@ def test_resync_request_gets_full(rig, tmp_path):
     r2.close()
 
 
-def test_failed_publish_forces_full(rig):
+def test_failed_publish_forces_full(rig, monkeypatch):
     w, t, r = rig
     a = req(1, [1, 2], [1])
     t.sync(0, [a])
-    huge = req(2, list(range(200_000)), [1])
-    with pytest.raises(Exception):
-        t.sync(1, [a, huge])
+    real = w.publish_columns
+
+    def fail_once(*args, **kw):  # TEST DOUBLE of a publish that fails (e.g. a closed ring)
+        monkeypatch.setattr(w, "publish_columns", real)
+        raise RuntimeError("publish failed")
+
+    monkeypatch.setattr(w, "publish_columns", fail_once)
+    with pytest.raises(RuntimeError):
+        t.sync(1, [a, req(2, [3, 4], [2])])
     t.sync(2, [a])
     assert last(r)[0] == layout.TYPE_FULL and set(r.snapshot) == {1}
 
@@ -178,14 +184,10 @@ class PartsView:
         return self._p
 
 
-@settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**32), sync_every=st.sampled_from([1, 2, 5]), parts=st.booleans())
-def test_reader_follows_engine(tmp_path_factory, seed, sync_every, parts):
-    """A random engine (arrivals, decode, preemption, finish, abort, forget)
-    through the tracker: after every record the reader holds the engine's state.
-    With parts: the views are O(1) snapshots whose lists grew after they were taken."""
-    p = str(tmp_path_factory.mktemp("t") / "ring")
-    create_ring(p, 1 << 20)
+def drive(p: str, seed: int, sync_every: int, after_record, wrap=lambda views: views) -> None:
+    """A random engine (arrivals, decode, preemption, finish, abort, forget) through
+    the tracker onto the ring at p for 150 steps; after_record(reader, live) after
+    every record."""
     r = RingReader(p)
     with RingWriter.attach(p) as w:
         t = DeltaTracker(w)
@@ -199,12 +201,128 @@ def test_reader_follows_engine(tmp_path_factory, seed, sync_every, parts):
                 del pending[k]
             if step % sync_every:
                 continue
-            views = list(pending.values()) + [x for x in wl.live.values() if x.key not in pending]
-            if parts:
-                views = [PartsView(v, [7777777] * (v.key % 3)) for v in views]
-            t.sync(step, views)
+            t.sync(step, wrap(list(pending.values()) + [x for x in wl.live.values() if x.key not in pending]))
             pending.clear()
-            r.poll()
-            assert not r.stale
-            assert _digest_of_reader(r) == state_digest(wl.live.values()), f"step {step}"
+            after_record(r, list(wl.live.values()))
     r.close()
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32), sync_every=st.sampled_from([1, 2, 5]), parts=st.booleans())
+def test_reader_follows_engine(tmp_path_factory, seed, sync_every, parts):
+    """A random engine through the tracker: after every record the reader holds the
+    engine's state. With parts: the views are O(1) snapshots whose lists grew after
+    they were taken."""
+    p = str(tmp_path_factory.mktemp("t") / "ring")
+    create_ring(p, 1 << 20)
+
+    def check(r, live):
+        r.poll()
+        assert not r.stale
+        assert _digest_of_reader(r) == state_digest(live)
+
+    wrap = (lambda views: [PartsView(v, [7777777] * (v.key % 3)) for v in views]) if parts else (lambda views: views)
+    drive(p, seed, sync_every, check, wrap)
+
+
+# ---- records larger than the ring takes -------------------------------------------
+
+
+@pytest.fixture
+def small(tmp_path):
+    """A 8 KiB ring: records of at most 2 KiB (a quarter)."""
+    p = str(tmp_path / "ring")
+    create_ring(p, 8192)
+    r = RingReader(p)
+    w = RingWriter.attach(p)
+    yield w, DeltaTracker(w), r
+    w.close()
+    r.close()
+
+
+def held(r: RingReader, reqs):
+    """The reader's snapshot: which requests it holds, each checked equal to the engine's state."""
+    r.poll()
+    by_key = {q.key: q for q in reqs}
+    for key, s in r.snapshot.items():
+        q = by_key[key]
+        assert (s.seed, s.num_prompt, s.num_computed, s.blocks, s.tokens) == (
+            q.seed, q.num_prompt, q.num_computed, q.block_ids, q.token_ids), key
+    return set(r.snapshot)
+
+
+def long_req(key, n_tokens):
+    return req(key, range(key * 1000, key * 1000 + n_tokens), range(key * 100, key * 100 + n_tokens // 16 + 1))
+
+
+def test_a_full_record_too_large_for_the_ring_leaves_requests_out_and_says_so(small, caplog):
+    """Eight requests of 200 tokens (~7 KiB of state) against 2 KiB records: the FULL
+    record carries the requests that fit, the reader holds exactly those (a takeover
+    re-prefills the others), the engine keeps publishing, and the log names the ring
+    size needed. When the next record has room, the left-out requests come in whole."""
+    w, t, r = small
+    reqs = [long_req(i, 200) for i in range(1, 9)]
+    t.sync(0, reqs)
+    got = held(r, reqs)
+    assert r.records[-1].type == layout.TYPE_FULL and len(r.records) == 1
+    assert 0 < len(got) < len(reqs)
+    assert "size the ring (frmps serve --ring-capacity) to at least 32768 bytes" in caplog.text
+    # The next record: what the reader holds goes as small deltas, which leaves room
+    # for the requests left out, tried again whole (RESET).
+    for q in reqs:
+        q.token_ids.append(7)
+        q.num_computed += 1
+    t.sync(1, reqs)
+    assert held(r, reqs) > got
+    assert r.records[-1].type == layout.TYPE_DELTA
+    for q in reqs[:6]:
+        q.finished = True
+    t.sync(2, reqs)
+    assert held(r, reqs) == {q.key for q in reqs[6:]}
+    assert len(caplog.records) == 1, "the warning is logged once"
+
+
+def test_a_delta_too_large_for_the_ring_drops_the_request_from_the_snapshot(small):
+    """A known request that grew by more than a record takes is dropped by a
+    RESET+ABORTED tombstone (not left stale in the reader), and published again
+    whole when it fits."""
+    w, t, r = small
+    a, b = req(1, [10, 11], [5]), req(2, [20, 21], [6])
+    t.sync(0, [a, b])
+    assert held(r, [a, b]) == {1, 2}
+    a.token_ids += list(range(100, 700))  # 600 tokens: 2.4 KiB on its own
+    a.num_computed = len(a.token_ids)
+    b.token_ids.append(22)
+    b.num_computed = 3
+    t.sync(1, [a, b])
+    assert held(r, [a, b]) == {2}
+    a.token_ids = a.token_ids[:300]  # (a test's liberty: the engine state shrank to what fits)
+    a.num_computed = 300
+    t.sync(2, [a, b])
+    assert held(r, [a, b]) == {1, 2}
+
+
+def test_a_record_whose_tombstones_alone_overflow_is_refused(small):
+    w, t, r = small
+    t.sync(0, [])  # a FULL record leaves out what does not fit; a DELTA owes each new request a tombstone
+    with pytest.raises(Exception, match="do not fit in a ring record"):
+        t.sync(1, [req(i, [1, 2], [i]) for i in range(1, 200)])  # 199 × 36 B of entries alone > 2 KiB
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32), sync_every=st.sampled_from([1, 2, 5]))
+def test_reader_holds_a_true_part_of_the_engine_on_a_ring_too_small(tmp_path_factory, seed, sync_every):
+    """The random engine of test_reader_follows_engine on a 4 KiB ring (records of at
+    most 1 KiB; the engine's state grows to several times that): every record is
+    published, the reader never goes stale, and every request it holds equals the
+    engine's state of that request (what it lacks, a takeover re-prefills)."""
+    p = str(tmp_path_factory.mktemp("t") / "ring")
+    create_ring(p, 4096)
+    seen = {"held": 0}
+
+    def check(r, live):
+        seen["held"] += len(held(r, live))
+        assert not r.stale
+
+    drive(p, seed, sync_every, check)
+    assert seen["held"]

@@ -11,17 +11,35 @@ sequence length: the block list must not have shrunk and its first and last
 previously published block IDs must be unchanged. An engine that re-arranges
 blocks in the middle of a list while keeping both ends and the length should
 publish that request with ``reset()`` (its scheduler knows when it preempts).
+
+A record never exceeds a quarter of the ring (the ring takes records of up to
+capacity/2, but a record of nearly that size right after a PAD would put the
+write cursor more than capacity/2 ahead of a reader that had read everything,
+which the reader must take for an overrun: ringbuf/FORMAT.md). When a record
+would be larger (a FULL record of many long requests, e.g. after a takeover at a
+large batch), the requests that do not fit are left out of the reader's snapshot
+instead: absent
+from a FULL record, and as a RESET+ABORTED tombstone in a DELTA record (the
+reader drops the request, whether it knew it or not). The reader then holds
+nothing for them, so a takeover re-prefills them from the prompt and the
+delivered tokens, which is exact, only slower; the tracker tries them again (as
+RESET) at every later record. Engine and reader stay in agreement, and the
+engine keeps serving. A ring that is too small for the engine's working set is
+logged once, with the size it would have needed.
 """
 
 from __future__ import annotations
 
+import logging
 from array import array
 from typing import Iterable, Protocol, runtime_checkable
 
 import numpy as np
 
-from .layout import FLAG_ABORTED, FLAG_FINISHED, FLAG_RESET
-from .writer import RingWriter
+from .layout import FLAG_ABORTED, FLAG_FINISHED, FLAG_RESET, PAYLOAD_PER_ENTRY, RECORD_HEADER_SIZE, align_up, payload_len
+from .writer import RingError, RingWriter
+
+log = logging.getLogger(__name__)
 
 
 class RequestView(Protocol):
@@ -56,6 +74,7 @@ class DeltaTracker:
         self._gone: list[int] = []  # forgotten keys the reader must drop
         self._reset: set[int] = set()
         self._has_parts: dict[type, bool] = {}  # ViewParts, probed once per view class
+        self._warned = False  # a record too large for the ring was logged
 
     def forget(self, key: int) -> None:
         """Drop a request the engine no longer has; the next record tells the
@@ -98,6 +117,8 @@ class DeltaTracker:
             if full and fin:
                 continue  # absent from a FULL record = gone
             prev = pub.get(key)
+            if fin and prev is None:
+                continue  # done, and the reader never had it (or was told to drop it): nothing to say
             cls = type(v)
             parts = has_parts.get(cls)
             if parts is None:
@@ -142,12 +163,18 @@ class DeltaTracker:
             cols_extend((0, 0, FLAG_ABORTED, 0, 0))
         k = np.frombuffer(ks, dtype=np.uint64).reshape(-1, 2)
         c = np.frombuffer(cols, dtype=np.uint32).reshape(-1, 5)
+        b = np.frombuffer(blocks, dtype=np.uint32)
+        tk = np.frombuffer(tokens, dtype=np.uint32)
         # pub was updated in place: if publishing fails, the next record must
         # be FULL to put reader and tracker back in agreement.
         self._need_full = True
+        if align_up(RECORD_HEADER_SIZE + payload_len(len(k), b.size, tk.size)) > self._w.max_record // 2:
+            k, c, b, tk, left = self._fit(k, c, b, tk, full)
+            for key in left:
+                pub.pop(key, None)
+            done = [key for key in done if key not in left]
         seq = self._w.publish_columns(
-            step, k[:, 0], k[:, 1], c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4],
-            np.frombuffer(blocks, dtype=np.uint32), np.frombuffer(tokens, dtype=np.uint32), full=full,
+            step, k[:, 0], k[:, 1], c[:, 0], c[:, 1], c[:, 2], c[:, 3], c[:, 4], b, tk, full=full,
         )  # fmt: skip
         self._need_full = False
         self._gone.clear()
@@ -155,3 +182,46 @@ class DeltaTracker:
         for key in done:
             pub.pop(key, None)
         return seq
+
+    def _fit(self, k, c, b, tk, full: bool):
+        """The record's entries cut to what the ring takes: entries in order while
+        they fit, each entry that does not fit left out (FULL) or replaced by a
+        RESET+ABORTED tombstone (DELTA). Returns the columns and the set of keys
+        left out of the reader's snapshot."""
+        n = len(k)
+        nb, nt = c[:, 3].astype(np.int64), c[:, 4].astype(np.int64)
+        size = PAYLOAD_PER_ENTRY + 4 * (nb + nt)
+        tomb = 0 if full else PAYLOAD_PER_ENTRY
+        # Room for the payload: a quarter of the ring (module docstring), less the
+        # header, the fixed part and the alignment.
+        budget = self._w.max_record // 2 - RECORD_HEADER_SIZE - payload_len(0, 0, 0) - 32
+        keep = np.zeros(n, dtype=bool)
+        # The tombstones of the entries after this one must still fit: reserve them.
+        used = tomb * n
+        for i in range(n):
+            extra = int(size[i]) - tomb
+            if used + extra <= budget:
+                keep[i] = True
+                used += extra
+        if used > budget:
+            raise RingError(f"publish: {n} requests do not fit in a ring record of {self._w.max_record} bytes "
+                            f"even without their tokens; raise the ring's capacity")
+        left = {int(key) for key in k[~keep, 0]}
+        need = align_up(RECORD_HEADER_SIZE + payload_len(n, int(nb.sum()), int(nt.sum())))
+        if not self._warned:
+            self._warned = True
+            log.warning("ring: a record of %d requests needs %d bytes and the ring takes %d (capacity/4): "
+                        "%d requests left out of the supervisor's snapshot (a takeover re-prefills them); "
+                        "size the ring (frmps serve --ring-capacity) to at least %d bytes",
+                        n, need, self._w.max_record // 2, len(left), 1 << (4 * need - 1).bit_length())
+        if full:
+            rows = keep
+        else:
+            rows = np.ones(n, dtype=bool)
+            c = c.copy()
+            k = k.copy()
+            c[~keep] = (0, 0, FLAG_RESET | FLAG_ABORTED, 0, 0)
+            k[~keep, 1] = 0
+        bkeep = np.repeat(keep, nb)
+        tkeep = np.repeat(keep, nt)
+        return k[rows], c[rows], b[bkeep], tk[tkeep], left

@@ -165,6 +165,11 @@ class RingWriter:
 
     # ------------------------------------------------------------------ state
     @property
+    def max_record(self) -> int:
+        """The largest record this ring takes (bytes, header included): capacity/2."""
+        return self._max_record
+
+    @property
     def seq(self) -> int:
         """seq of the last committed record."""
         return self._seq
