@@ -67,6 +67,9 @@ func TestStreamAcrossFailover(t *testing.T) {
 		{name: "one token per chunk", ecfg: fakegen.Config{}},
 		{name: "three tokens per chunk", ecfg: fakegen.Config{TokensPerChunk: 3}},
 		{name: "engine repeats delivered tokens", ecfg: fakegen.Config{ResumeFromAdopted: true}, lag: 2},
+		// The resume then carries the ids, not the messages: the next engine need not tokenize.
+		// (Paced: a fake that sends everything at once dies before the front door read its first chunk.)
+		{name: "engine reports the prompt's ids", ecfg: fakegen.Config{PromptIDs: true, Interval: time.Millisecond}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			want := noFault(t, streamBody, tc.ecfg)
@@ -110,8 +113,15 @@ func TestStreamAcrossFailover(t *testing.T) {
 				t.Fatalf("resume set has %d requests", len(set))
 			}
 			rr := set[0]
-			if rr.GetParams().GetSeed() != 7 || len(rr.GetMessages()) != 1 || rr.GetMessages()[0].GetContent() != "tell me" || rr.GetParams().GetMaxTokens() != 20 {
+			if rr.GetParams().GetSeed() != 7 || rr.GetParams().GetMaxTokens() != 20 {
 				t.Errorf("resume request %v", rr)
+			}
+			if tc.ecfg.PromptIDs {
+				if len(rr.GetPromptTokenIds()) != 5 || len(rr.GetMessages()) != 0 || rr.GetPrompt() != "" {
+					t.Errorf("resume request %v: want the 5 prompt ids the engine reported, no messages", rr)
+				}
+			} else if len(rr.GetMessages()) != 1 || rr.GetMessages()[0].GetContent() != "tell me" || len(rr.GetPromptTokenIds()) != 0 {
+				t.Errorf("resume request %v: want the request's messages", rr)
 			}
 			if n := len(rr.GetDeliveredTokenIds()); n > 7 {
 				t.Errorf("resume set claims %d delivered tokens; the engine sent 7", n)

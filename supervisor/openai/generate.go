@@ -26,7 +26,8 @@ type openRequest struct {
 	mu        sync.Mutex
 	submitted bool // sent to an engine: only these belong in a resume set
 	delivered []uint32
-	engine    Engine // the engine serving it now, for Abort
+	promptIDs []uint32 // the prompt as the engine tokenized it (its first chunk), when it said
+	engine    Engine   // the engine serving it now, for Abort
 }
 
 func (r *openRequest) setEngine(e Engine) {
@@ -52,6 +53,14 @@ func (r *openRequest) deliver(ids []uint32) {
 	r.mu.Unlock()
 }
 
+// setPromptIDs keeps the prompt's token ids an engine reported: a resume then
+// sends them instead of the text or messages (the next engine need not tokenize).
+func (r *openRequest) setPromptIDs(ids []uint32) {
+	r.mu.Lock()
+	r.promptIDs = append(r.promptIDs[:0], ids...)
+	r.mu.Unlock()
+}
+
 func (r *openRequest) deliveredCount() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -70,6 +79,10 @@ func (r *openRequest) resumeRequest() (*frmpsv1.ResumeRequest, bool) {
 		RequestId:         r.requestID,
 		Params:            cloneParams(r.gen.GetParams()),
 		DeliveredTokenIds: append([]uint32(nil), r.delivered...),
+	}
+	if len(r.promptIDs) > 0 {
+		rr.PromptTokenIds = append([]uint32(nil), r.promptIDs...)
+		return rr, true
 	}
 	switch in := r.gen.GetInput().(type) {
 	case *frmpsv1.GenerateRequest_Prompt:
@@ -253,6 +266,9 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 
 		if pt := int(resp.GetUsage().GetPromptTokens()); pt > promptTokens {
 			promptTokens = pt
+		}
+		if p := resp.GetPromptTokenIds(); len(p) > 0 {
+			or.setPromptIDs(p)
 		}
 		if !started {
 			if e := s.checkContext(j, promptTokens); e != nil {

@@ -99,6 +99,8 @@ def check_indices(chunks, start=0):
 def test_generate_streams_tokens_text_and_usage(env):
     chunks, toks, text = collect(env.stub.Generate(gen(1, "hello", 12)))
     assert not chunks[0].token_ids and chunks[0].usage.prompt_tokens == 5 and chunks[0].usage.completion_tokens == 0
+    # The prompt's ids, in the first chunk only: the front door resumes with them.
+    assert list(chunks[0].prompt_token_ids) == TOK.encode("hello") and not any(c.prompt_token_ids for c in chunks[1:])
     assert toks == reference(TOK.encode("hello"), 12)
     assert text == TOK.decode(toks)
     check_indices(chunks)
@@ -116,7 +118,7 @@ def test_generate_token_ids_and_chat(env):
     chunks, toks, _ = collect(env.stub.Generate(g.GenerateRequest(
         key=3, messages=g.ChatMessages(messages=msgs), params=control_pb2.SamplingParams(max_tokens=4))))
     templ = TOK.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    assert chunks[0].usage.prompt_tokens == len(templ)
+    assert chunks[0].usage.prompt_tokens == len(templ) and list(chunks[0].prompt_token_ids) == list(templ)
     assert toks == reference(templ, 4)
 
 
@@ -332,6 +334,7 @@ def test_stream_carries_many_requests_exactly(slow_env):
     for k in keys:
         chs = sc.by_key[k]
         assert chs[0].response.usage.prompt_tokens == len(TOK.encode(f"q{k}")) and not chs[0].response.token_ids
+        assert list(chs[0].response.prompt_token_ids) == TOK.encode(f"q{k}")
         check_indices([c.response for c in chs])
         assert sc.tokens(k) == reference(TOK.encode(f"q{k}"), 12)
         assert "".join(c.response.text for c in chs) == TOK.decode(sc.tokens(k))

@@ -577,9 +577,15 @@ type GenerateResponse struct {
 	// through the tokenizer (in a takeover's first step, where that replay costs
 	// most). Absent where offsets do not suffice (a request with stop strings
 	// holds text back: it is replayed).
-	Detok         *DetokState `protobuf:"bytes,7,opt,name=detok,proto3" json:"detok,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Detok *DetokState `protobuf:"bytes,7,opt,name=detok,proto3" json:"detok,omitempty"`
+	// The prompt as the engine tokenized it (chat template applied), in the first
+	// chunk only. The front door resumes the request with these ids instead of
+	// its text or messages, so that a takeover does not tokenize the prompt again
+	// (it checks them against the ring's snapshot). Optional for an engine: a
+	// front door that has none resumes with the request's own input.
+	PromptTokenIds []uint32 `protobuf:"varint,8,rep,packed,name=prompt_token_ids,json=promptTokenIds,proto3" json:"prompt_token_ids,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *GenerateResponse) Reset() {
@@ -657,6 +663,13 @@ func (x *GenerateResponse) GetStopReason() string {
 func (x *GenerateResponse) GetDetok() *DetokState {
 	if x != nil {
 		return x.Detok
+	}
+	return nil
+}
+
+func (x *GenerateResponse) GetPromptTokenIds() []uint32 {
+	if x != nil {
+		return x.PromptTokenIds
 	}
 	return nil
 }
@@ -1013,7 +1026,7 @@ const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\bmessages\x18\x01 \x03(\v2\x15.frmps.v1.ChatMessageR\bmessages\"Y\n" +
 	"\x05Usage\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\rR\fpromptTokens\x12+\n" +
-	"\x11completion_tokens\x18\x02 \x01(\rR\x10completionTokens\"\x97\x02\n" +
+	"\x11completion_tokens\x18\x02 \x01(\rR\x10completionTokens\"\xc1\x02\n" +
 	"\x10GenerateResponse\x12\x1b\n" +
 	"\ttoken_ids\x18\x01 \x03(\rR\btokenIds\x12\x12\n" +
 	"\x04text\x18\x02 \x01(\tR\x04text\x12;\n" +
@@ -1022,7 +1035,8 @@ const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\foutput_index\x18\x05 \x01(\rR\voutputIndex\x12\x1f\n" +
 	"\vstop_reason\x18\x06 \x01(\tR\n" +
 	"stopReason\x12*\n" +
-	"\x05detok\x18\a \x01(\v2\x14.frmps.v1.DetokStateR\x05detok\"8\n" +
+	"\x05detok\x18\a \x01(\v2\x14.frmps.v1.DetokStateR\x05detok\x12(\n" +
+	"\x10prompt_token_ids\x18\b \x03(\rR\x0epromptTokenIds\"8\n" +
 	"\n" +
 	"DetokState\x12\x16\n" +
 	"\x06prefix\x18\x01 \x01(\rR\x06prefix\x12\x12\n" +

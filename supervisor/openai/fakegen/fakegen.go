@@ -54,6 +54,10 @@ type Config struct {
 	TextPad int
 	// StampText makes each chunk's text the emit time in Unix nanoseconds (benchmarks).
 	StampText bool
+	// PromptIDs makes Generate's first chunk carry the prompt's token ids, as
+	// the real engines do (one id per word, three per chat message's role); a
+	// request is then identified by those ids, whichever input carries them.
+	PromptIDs bool
 }
 
 // TokenText is the text of one output token in the fake's vocabulary.
@@ -193,11 +197,39 @@ type service struct {
 type plan struct {
 	ident        uint64
 	promptTokens int
+	promptIDs    []uint32 // Config.PromptIDs: what Generate's first chunk reports
 	total        int
 	finish       frmpsv1.FinishReason
 }
 
+// promptIDs is the fake tokenizer of Config.PromptIDs.
+func promptIDs(prompt string, msgs []*frmpsv1.ChatMessage) []uint32 {
+	var ids []uint32
+	word := func(w string) uint32 {
+		h := fnv.New32a()
+		h.Write([]byte(w))
+		return h.Sum32() % 50000
+	}
+	if len(msgs) > 0 {
+		for _, m := range msgs {
+			r := word("<" + m.GetRole() + ">")
+			ids = append(ids, r, r, r)
+			for _, w := range strings.Fields(m.GetContent()) {
+				ids = append(ids, word(w))
+			}
+		}
+		return ids
+	}
+	for _, w := range strings.Fields(prompt) {
+		ids = append(ids, word(w))
+	}
+	return ids
+}
+
 func makePlan(cfg *Config, prompt string, ids []uint32, msgs []*frmpsv1.ChatMessage, p *frmpsv1.SamplingParams) plan {
+	if cfg.PromptIDs && len(ids) == 0 {
+		ids, prompt, msgs = promptIDs(prompt, msgs), "", nil
+	}
 	h := fnv.New64a()
 	n := 0
 	switch {
@@ -220,6 +252,9 @@ func makePlan(cfg *Config, prompt string, ids []uint32, msgs []*frmpsv1.ChatMess
 		ident ^= *p.Seed
 	}
 	pl := plan{ident: ident, promptTokens: n, total: cfg.OutputLen, finish: frmpsv1.FinishReason_FINISH_REASON_STOP}
+	if cfg.PromptIDs {
+		pl.promptIDs = ids
+	}
 	if p.GetMaxTokens() > 0 {
 		pl.total, pl.finish = int(p.GetMaxTokens()), frmpsv1.FinishReason_FINISH_REASON_LENGTH
 	}
@@ -243,6 +278,12 @@ func (s *service) Generate(req *frmpsv1.GenerateRequest, stream grpc.ServerStrea
 	pl := makePlan(&e.cfg, req.GetPrompt(), req.GetPromptTokenIds().GetIds(), req.GetMessages().GetMessages(), req.GetParams())
 	if e.cfg.RejectLongPrompts && e.cfg.MaxModelLen > 0 && pl.promptTokens >= e.cfg.MaxModelLen {
 		return status.Errorf(codes.InvalidArgument, "prompt has %d tokens, the context holds %d", pl.promptTokens, e.cfg.MaxModelLen)
+	}
+	if len(pl.promptIDs) > 0 {
+		if err := stream.Send(&frmpsv1.GenerateResponse{Usage: &frmpsv1.Usage{PromptTokens: uint32(pl.promptTokens)},
+			PromptTokenIds: pl.promptIDs}); err != nil {
+			return err
+		}
 	}
 	return e.emit(stream, req.GetKey(), pl, 0)
 }

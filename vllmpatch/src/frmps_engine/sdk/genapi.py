@@ -65,16 +65,21 @@ def input_to_ids(tok: Tokenizer, *, prompt: str | None = None, prompt_token_ids=
     if messages is not None:
         return chat_to_ids(tok, messages, add_generation_prompt)
     if prompt_token_ids is not None:
-        ids = [int(t) for t in prompt_token_ids]
+        ids = list(map(int, prompt_token_ids))
         vocab = vocab_size(tok)
-        if vocab is not None:
+        if vocab is not None and ids and max(ids) >= vocab:  # (a takeover's path: C loops only)
             bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise InvalidRequest(f"prompt token ids {bad[:5]} outside the vocabulary (size {vocab})")
+            raise InvalidRequest(f"prompt token ids {bad[:5]} outside the vocabulary (size {vocab})")
         return ids
     if prompt is not None:
         return list(tok.encode(prompt))
     raise InvalidRequest("request has no input: set prompt, prompt_token_ids or messages")
+
+
+def first_chunk(ids: list[int]) -> generation_pb2.GenerateResponse:
+    """A request's first chunk: its prompt's length (the caller checks its limits
+    before any output exists) and its ids (the front door resumes with them)."""
+    return generation_pb2.GenerateResponse(usage=generation_pb2.Usage(prompt_tokens=len(ids)), prompt_token_ids=ids)
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -85,14 +90,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     # -- RPCs -----------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext):
         try:
-            stream, prompt_len = self._submit(request)
+            stream, ids = self._submit(request)
         except _Refused as e:
             context.abort(e.code, e.message)
         # First chunk at once: the caller checks limits on prompt_tokens before any output exists.
-        yield generation_pb2.GenerateResponse(usage=generation_pb2.Usage(prompt_tokens=prompt_len))
+        yield first_chunk(ids)
         yield from self._follow(stream, 0, context)
 
-    def _submit(self, request: generation_pb2.GenerateRequest) -> tuple[RequestStream, int]:
+    def _submit(self, request: generation_pb2.GenerateRequest) -> tuple[RequestStream, list[int]]:
         """Check and start a request; _Refused says why not."""
         if not self._b.serving():
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "engine is not serving (standby or shutting down)")
@@ -117,7 +122,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except InvalidRequest as e:
             raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
-            return self._b.submit(request.key, ids, params), len(ids)
+            return self._b.submit(request.key, ids, params), ids
         except DuplicateRequest as e:
             raise _Refused(grpc.StatusCode.ALREADY_EXISTS, str(e)) from None
 
@@ -304,13 +309,12 @@ class _Mux:
 
     def _generate(self, g: generation_pb2.GenerateRequest) -> None:
         try:
-            stream, prompt_len = self._svc._submit(g)
+            stream, ids = self._svc._submit(g)
         except _Refused as e:
             self._error(g.key, e.code, e.message)
             return
         with self._cond:
-            self._pending.append(generation_pb2.StreamChunk(
-                key=g.key, response=generation_pb2.GenerateResponse(usage=generation_pb2.Usage(prompt_tokens=prompt_len))))
+            self._pending.append(generation_pb2.StreamChunk(key=g.key, response=first_chunk(ids)))
         self._follow(g.key, stream, 0)
 
     def _follow(self, key: int, stream: RequestStream | None, start: int,

@@ -217,7 +217,8 @@ class VllmCore:
             block_size=self.scheduler.block_size,
             num_blocks=self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
         )
-        params = self._params(key, params, seed)
+        # adopt() copies the params and sets the plan's seed on its copy (the one
+        # _params would set): no copy here as well.
         result = self.scheduler.frmps_adopt(plan, params, block_hasher=self.core.request_block_hasher)
         self._tracks[key] = _Track(len(plan.output_token_ids), list(params.stop or []))
         return result
