@@ -242,3 +242,6 @@ def test_plan_uses_only_kv_the_client_agrees_with():
     # Nothing generated yet and the whole prompt computed: one token is left to compute.
     p = plan_adoption(token_ids=toks[:4], num_computed=4, block_ids=[5], delivered_token_ids=[], **base)
     assert (p.num_computed, p.block_ids) == (3, [5])
+    # The client's second token differs from the snapshot's: KV is reused up to the first disagreement only.
+    p = plan_adoption(token_ids=toks, num_computed=7, block_ids=[5, 6], delivered_token_ids=[10, 99, 12], **base)
+    assert (p.num_computed, p.block_ids, p.output_token_ids) == (5, [5, 6], [10, 99, 12])

@@ -70,12 +70,13 @@ class AdoptResult:
     num_folded: int  # output tokens folded into the prompt (V1 model runner)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C: a takeover's path
+        return n
+    for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
-            break
-        n += 1
+            return i
     return n
 
 
@@ -106,9 +107,9 @@ def plan_adoption(
         raise AdoptionError(f"request {key}: num_prompt {num_prompt} outside 1..{len(token_ids)}")
     if num_computed < 0 or num_computed > len(token_ids):
         raise AdoptionError(f"request {key}: num_computed {num_computed} outside 0..{len(token_ids)}")
-    prompt = [int(t) for t in token_ids[:num_prompt]]
-    synced_out = [int(t) for t in token_ids[num_prompt:]]
-    delivered = synced_out if delivered_token_ids is None else [int(t) for t in delivered_token_ids]
+    prompt = list(map(int, token_ids[:num_prompt]))
+    synced_out = list(map(int, token_ids[num_prompt:]))
+    delivered = synced_out if delivered_token_ids is None else list(map(int, delivered_token_ids))
     agree = num_prompt + _common_prefix(synced_out, delivered)
     covered = min(num_computed, agree, num_prompt + len(delivered) - 1)
     covered = max(covered, 0)
@@ -117,11 +118,11 @@ def plan_adoption(
         raise AdoptionError(
             f"request {key}: {covered} computed tokens need {need} blocks of {block_size}, snapshot has {len(block_ids)}"
         )
-    blocks = [int(b) for b in block_ids[:need]]
-    for b in blocks:
-        # Block 0 is vLLM's null block (block_pool.py:187-190); it is never handed out.
-        if not 0 < b < num_blocks:
-            raise AdoptionError(f"request {key}: block id {b} outside 1..{num_blocks - 1}")
+    blocks = list(map(int, block_ids[:need]))
+    # Block 0 is vLLM's null block (block_pool.py:187-190); it is never handed out.
+    if blocks and not (min(blocks) > 0 and max(blocks) < num_blocks):
+        b = next(b for b in blocks if not 0 < b < num_blocks)
+        raise AdoptionError(f"request {key}: block id {b} outside 1..{num_blocks - 1}")
     if len(set(blocks)) != len(blocks):
         raise AdoptionError(f"request {key}: block list repeats a block: {blocks}")
     return AdoptPlan(
