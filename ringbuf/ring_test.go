@@ -555,3 +555,39 @@ func TestLagRangeClone(t *testing.T) {
 		t.Fatalf("RESET did not replace the state: %+v", g2)
 	}
 }
+
+// TestTombstone: a RESET+ABORTED entry with no data drops the request whether
+// the reader knew it or not (the Python tracker's way of leaving a request
+// out of the snapshot when the ring cannot take its state).
+func TestTombstone(t *testing.T) {
+	p := newRing(t, 1<<16)
+	r := openReader(t, p)
+	w := openWriter(t, p)
+	s := NewSnapshot()
+	mustPublish(t, w, 0, []Entry{
+		{Key: 1, Seed: 11, NumComputed: 2, NumPrompt: 2, Flags: FlagReset, Blocks: []uint32{3}, Tokens: []uint32{7, 8}},
+		{Key: 2, Seed: 12, NumComputed: 2, NumPrompt: 2, Flags: FlagReset, Blocks: []uint32{4}, Tokens: []uint32{9, 10}},
+	}, true)
+	tomb := func(key uint64) Entry { return Entry{Key: key, Flags: FlagReset | FlagAborted} }
+	mustPublish(t, w, 1, []Entry{tomb(1), tomb(99)}, false) // 1 known, 99 never published
+	if _, err := r.Poll(s); err != nil {
+		t.Fatal(err)
+	}
+	if s.Stale() || s.Len() != 1 {
+		t.Fatalf("stale %v, %d requests; want request 2 only", s.Stale(), s.Len())
+	}
+	if _, ok := s.Get(1); ok {
+		t.Fatal("request 1 survived its tombstone")
+	}
+	if st, ok := s.Get(2); !ok || len(st.TokenIDs) != 2 {
+		t.Fatalf("request 2: %+v, %v", st, ok)
+	}
+	// Published again whole later, the request is back.
+	mustPublish(t, w, 2, []Entry{{Key: 1, Seed: 11, NumComputed: 3, NumPrompt: 2, Flags: FlagReset, Blocks: []uint32{3}, Tokens: []uint32{7, 8, 5}}}, false)
+	if _, err := r.Poll(s); err != nil {
+		t.Fatal(err)
+	}
+	if st, ok := s.Get(1); !ok || st.NumComputed != 3 || s.Len() != 2 {
+		t.Fatalf("request 1 after its new RESET: %+v, %v (%d requests)", st, ok, s.Len())
+	}
+}
