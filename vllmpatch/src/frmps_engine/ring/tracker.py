@@ -18,9 +18,8 @@ write cursor more than capacity/2 ahead of a reader that had read everything,
 which the reader must take for an overrun: ringbuf/FORMAT.md). When a record
 would be larger (a FULL record of many long requests, e.g. after a takeover at a
 large batch), the requests that do not fit are left out of the reader's snapshot
-instead: absent
-from a FULL record, and as a RESET+ABORTED tombstone in a DELTA record (the
-reader drops the request, whether it knew it or not). The reader then holds
+instead: absent from a FULL record, and as a RESET+ABORTED tombstone in a DELTA
+record (the reader drops the request, whether it knew it or not). The reader then holds
 nothing for them, so a takeover re-prefills them from the prompt and the
 delivered tokens, which is exact, only slower; the tracker tries them again (as
 RESET) at every later record. Engine and reader stay in agreement, and the
@@ -168,8 +167,9 @@ class DeltaTracker:
         # pub was updated in place: if publishing fails, the next record must
         # be FULL to put reader and tracker back in agreement.
         self._need_full = True
-        if align_up(RECORD_HEADER_SIZE + payload_len(len(k), b.size, tk.size)) > self._w.max_record // 2:
-            k, c, b, tk, left = self._fit(k, c, b, tk, full)
+        need = align_up(RECORD_HEADER_SIZE + payload_len(len(k), b.size, tk.size))
+        if need > self._w.max_record // 2:
+            k, c, b, tk, left = self._fit(k, c, b, tk, full, need)
             for key in left:
                 pub.pop(key, None)
             done = [key for key in done if key not in left]
@@ -183,11 +183,11 @@ class DeltaTracker:
             pub.pop(key, None)
         return seq
 
-    def _fit(self, k, c, b, tk, full: bool):
-        """The record's entries cut to what the ring takes: entries in order while
-        they fit, each entry that does not fit left out (FULL) or replaced by a
-        RESET+ABORTED tombstone (DELTA). Returns the columns and the set of keys
-        left out of the reader's snapshot."""
+    def _fit(self, k, c, b, tk, full: bool, need: int):
+        """The record's entries (``need`` bytes as a whole record) cut to what the
+        ring takes: entries in order while they fit, each entry that does not fit
+        left out (FULL) or replaced by a RESET+ABORTED tombstone (DELTA). Returns
+        the columns and the set of keys left out of the reader's snapshot."""
         n = len(k)
         nb, nt = c[:, 3].astype(np.int64), c[:, 4].astype(np.int64)
         size = PAYLOAD_PER_ENTRY + 4 * (nb + nt)
@@ -207,7 +207,6 @@ class DeltaTracker:
             raise RingError(f"publish: {n} requests do not fit in a ring record of {self._w.max_record} bytes "
                             f"even without their tokens; raise the ring's capacity")
         left = {int(key) for key in k[~keep, 0]}
-        need = align_up(RECORD_HEADER_SIZE + payload_len(n, int(nb.sum()), int(nt.sum())))
         if not self._warned:
             self._warned = True
             log.warning("ring: a record of %d requests needs %d bytes and the ring takes %d (capacity/4): "
