@@ -149,6 +149,44 @@ def test_vocab_size_bounds_prompt_token_ids_only_when_declared():
     assert input_to_ids(ByteTok(), prompt_token_ids=[1, 10**6]) == [1, 10**6]
 
 
+def test_vocab_size_reads_the_attribute():
+    """vocab_size() is an attribute read (a runtime protocol check cost ~10 us, twice
+    per adopted request); it agrees with VocabSize where the attribute is plain."""
+
+    class Sized(ByteTok):
+        vocab_size = 300
+
+    assert vocab_size(Sized()) == 300 and isinstance(Sized(), VocabSize)
+    assert vocab_size(ByteTok()) is None and not isinstance(ByteTok(), VocabSize)
+
+
+def test_prompt_token_ids_from_a_message_field_are_taken_as_ints(monkeypatch):
+    """A message's repeated field holds ints: input_to_ids copies it without an int()
+    per token (a takeover's path; the resume set carries every prompt as ids), and
+    still checks the ids against the vocabulary. Any other sequence is converted."""
+    import numpy as np
+
+    from frmps_engine.sdk import genapi
+
+    ref_tok = ref_core().tokenizer
+    field = control_pb2.ResumeRequest(prompt_token_ids=[5, 6, 7, 8]).prompt_token_ids
+    assert genapi.pb_ints(field) == [5, 6, 7, 8] and type(genapi.pb_ints(field)) is list
+    converted = []
+
+    def counting_int(x):
+        converted.append(x)
+        return int(x)
+
+    monkeypatch.setattr(genapi, "int", counting_int, raising=False)
+    ids = input_to_ids(ref_tok, prompt_token_ids=field)
+    assert ids == [5, 6, 7, 8] and type(ids) is list and not converted
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        input_to_ids(ref_tok, prompt_token_ids=control_pb2.ResumeRequest(prompt_token_ids=[1, ref_tok.vocab_size])
+                     .prompt_token_ids)
+    ids = input_to_ids(ref_tok, prompt_token_ids=np.array([5, 6], dtype=np.int64))
+    assert ids == [5, 6] and all(type(t) is int for t in ids) and len(converted) == 2
+
+
 def test_ring_modules():
     import frmps_engine.ring as real
     import frmps_engine.sdk.testing.fake_ring as fake

@@ -222,8 +222,15 @@ def has_launch_hook(core: object) -> bool:
 
 
 def vocab_size(tok: object) -> int | None:
-    """The tokenizer's vocabulary size, or None when it does not say (VocabSize)."""
-    return int(tok.vocab_size) if isinstance(tok, VocabSize) else None
+    """The tokenizer's vocabulary size, or None when it does not say (VocabSize).
+    An attribute lookup, not ``isinstance(tok, VocabSize)``: a runtime protocol
+    check costs ~10 us on Python 3.11, paid per request and twice per request a
+    takeover adopts."""
+    try:
+        n = tok.vocab_size  # type: ignore[attr-defined]
+    except AttributeError:
+        return None
+    return int(n)
 
 
 @runtime_checkable
