@@ -166,9 +166,9 @@ class VllmCore:
     def _params(self, key: int, params: Any, seed: int | None = None) -> Any:
         """A copy of ``params`` with the request's seed: the wire ``seed`` when
         given (adoption), else what the params carry (None: derived)."""
-        import copy
+        from .adoption import copy_params
 
-        params = copy.deepcopy(params)
+        params = copy_params(params)
         if seed is None:
             seed = None if params.seed is None else to_uint64(params.seed)
         params.seed = self._vllm_seed(key, seed)
@@ -594,7 +594,9 @@ class VllmAdapter:
         """control_pb2.SamplingParams (validated by the SDK; ``seed`` resolved) -> vllm SamplingParams,
         with the model's end-of-sequence tokens as vLLM's own input processor sets them
         (v1/engine/input_processor.py: update_from_generation_config)."""
-        from vllm import SamplingParams
+        # From its module: ``from vllm import`` goes through vllm's lazy __getattr__ and
+        # import_module on every call (~4 us, per request and per adopted request).
+        from vllm.sampling_params import SamplingParams
 
         sp = SamplingParams(
             # vLLM requires max_tokens (vllm/v1/request.py:114); 0 on the wire means "up to the context".
