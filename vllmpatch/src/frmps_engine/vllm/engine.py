@@ -150,6 +150,11 @@ class VllmCore:
         self.tokenizer = tokenizer
         self._tracks: dict[int, _Track] = {}
         self._step_fn = core.step_fn
+        # Called on the engine loop's thread with each step's outputs as vLLM's
+        # scheduler made them ({client index: EngineCoreOutputs}), before they are
+        # turned into the SDK's Outputs: the engine-core protocol server
+        # (frontend/engine_server.py) forwards them to vLLM's frontend as they are.
+        self.engine_outputs: Callable[[Any], None] | None = None
 
     @property
     def counters(self) -> dict[str, int]:
@@ -191,6 +196,24 @@ class VllmCore:
         )
         self.core.add_request(req)
         self._tracks[key] = _Track(0, list(params.stop or []))
+
+    def add_vllm_request(self, key: int, request: Any) -> None:
+        """Add a vLLM ``Request`` built by the caller (``Request.from_engine_core_request``:
+        the engine-core protocol server), named ``frmps-<key>``. Its sampling params
+        are taken as they are (the frontend fixed the seed); a structured-output
+        request has its grammar compiled first, as vLLM's EngineCore does when it
+        receives a request (``preprocess_add_request``, v1/engine/core.py:1126-1148;
+        0.26: :954-976)."""
+        if key in self._tracks:
+            raise ValueError(f"request {key} already exists")
+        if request.request_id != request_id_for_key(key):
+            raise ValueError(f"request {request.request_id} is not named {request_id_for_key(key)}")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {key}: empty prompt")
+        if request.use_structured_output:
+            self.scheduler.structured_output_manager.grammar_init(request)
+        self.core.add_request(request)
+        self._tracks[key] = _Track(0, list(request.sampling_params.stop or []))
 
     def adopt_request(
         self,
@@ -338,6 +361,8 @@ class VllmCore:
         result: list[Output] = []
         if not outputs_by_client:  # the batch queue only took a new batch
             return result
+        if self.engine_outputs is not None:
+            self.engine_outputs(outputs_by_client)
         stopped: list[int] = []
         for eco in outputs_by_client.values():
             for out in eco.outputs:

@@ -17,6 +17,9 @@ A version module provides:
 - ``PATCHES``: the version's patch registry (patches.Patch);
 - ``kv_cache_planner()``: vLLM's ``get_kv_cache_configs`` (tests compare the
   pool size with vLLM's own plan).
+- ``ready_response(vllm_config, engine_index)`` and ``error_output(request_id,
+  message)``: the engine-core protocol's ready message and a request-scoped
+  error output (frontend/engine_server.py).
 
 Importing this package never imports vLLM.
 """

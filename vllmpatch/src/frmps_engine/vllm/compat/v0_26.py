@@ -115,3 +115,39 @@ PATCHES: tuple[Patch, ...] = (
         make=kv_allocation,
     ),
 )
+
+
+# -- the engine-core protocol (frontend/engine_server.py) -----------------------
+
+def ready_response(vllm_config: Any, engine_index: int) -> bytes:
+    """The ready message an engine sends on its DEALER when it connects: an
+    ``EngineCoreReadyResponse`` (v1/engine/__init__.py:68-86, 10 fields) encoded
+    with msgspec, as EngineCoreProc.process_input_sockets builds it
+    (v1/engine/core.py:1624-1645). The client syncs ``max_model_len`` and adds
+    ``num_gpu_blocks`` to its config (core_client.py:714-740)."""
+    import msgspec
+    from vllm.v1.engine import EngineCoreReadyResponse
+    from vllm.version import __version__
+
+    cc, pc = vllm_config.cache_config, vllm_config.parallel_config
+    return msgspec.msgpack.encode(EngineCoreReadyResponse(
+        max_model_len=vllm_config.model_config.max_model_len,
+        num_gpu_blocks=cc.num_gpu_blocks or 0,
+        block_size=cc.block_size,
+        dp_stats_address=None,
+        dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+        vllm_version=__version__,
+        world_size=pc.world_size,
+        data_parallel_size=pc.data_parallel_size,
+        kv_cache_size_tokens=getattr(cc, "kv_cache_size_tokens", None),
+        kv_cache_max_concurrency=getattr(cc, "kv_cache_max_concurrency", None),
+    ))
+
+
+def error_output(request_id: str, message: str) -> Any:
+    """An output that ends ``request_id`` with ``FinishReason.ERROR``, as
+    EngineCoreProc._send_error_outputs_to_client does (v1/engine/core.py:1813-1831).
+    0.26's EngineCoreOutput has no ``error`` field: the message is only logged."""
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR)

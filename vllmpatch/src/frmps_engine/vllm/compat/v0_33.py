@@ -85,3 +85,55 @@ PATCHES: tuple[Patch, ...] = (
         make=loader_weights_pool,
     ),
 )
+
+
+# -- the engine-core protocol (frontend/engine_server.py) -----------------------
+
+def ready_response(vllm_config: Any, engine_index: int) -> bytes:
+    """The ready message an engine sends on its DEALER when it connects: an
+    ``EngineCoreReadyResponse`` (v1/engine/__init__.py:74-111, 28 fields, 17 of
+    them required) encoded with msgspec, as EngineCoreProc._make_ready_response
+    fills it (v1/engine/core.py:1883-1931, sent at :1943-1951). The client syncs
+    ``max_model_len`` and block sizes and adds ``num_gpu_blocks`` to its config
+    (core_client.py:851-900). No KV events, weight transfer or coordinator."""
+    import msgspec
+    from vllm.v1.engine import EngineCoreReadyResponse
+    from vllm.version import __version__
+
+    cc, pc, sc = vllm_config.cache_config, vllm_config.parallel_config, vllm_config.scheduler_config
+    lora = vllm_config.lora_config
+    return msgspec.msgpack.encode(EngineCoreReadyResponse(
+        max_model_len=vllm_config.model_config.max_model_len,
+        num_gpu_blocks=cc.num_gpu_blocks or 0,
+        block_size=cc.block_size,
+        mamba_block_size=cc.mamba_block_size,
+        effective_attention_block_size=cc.effective_attention_block_size,
+        dp_stats_address=None,
+        dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+        vllm_version=__version__,
+        world_size=pc.world_size,
+        data_parallel_size=pc.data_parallel_size,
+        kv_cache_size_tokens=cc.kv_cache_size_tokens,
+        kv_cache_max_concurrency=cc.kv_cache_max_concurrency,
+        tensor_parallel_size=pc.tensor_parallel_size,
+        pipeline_parallel_size=pc.pipeline_parallel_size,
+        decode_context_parallel_size=pc.decode_context_parallel_size,
+        data_parallel_rank=int(engine_index),
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        instance_id=vllm_config.instance_id,
+        supports_lora=lora is not None,
+        max_loras=lora.max_loras if lora is not None else 0,
+        enable_sleep_mode=vllm_config.model_config.enable_sleep_mode,
+    ))
+
+
+def error_output(request_id: str, message: str) -> Any:
+    """An output that ends ``request_id`` with ``FinishReason.ERROR`` and a
+    ``RequestError`` carrying ``message`` (v1/engine/__init__.py:247; vllm/outputs.py:23-35),
+    as EngineCoreProc._send_finish_outputs_to_client does (v1/engine/core.py:2246-2268)."""
+    from vllm.outputs import RequestError
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR,
+                            error=RequestError(code="frmps_refused", message=message))
