@@ -93,7 +93,7 @@ def ready_response(vllm_config: Any, engine_index: int) -> bytes:
     """The ready message an engine sends on its DEALER when it connects: an
     ``EngineCoreReadyResponse`` (v1/engine/__init__.py:74-111, 28 fields, 17 of
     them required) encoded with msgspec, as EngineCoreProc._make_ready_response
-    fills it (v1/engine/core.py:1883-1931, sent at :1943-1951). The client syncs
+    fills it (v1/engine/core.py:1883-1931, sent at :1973-1979). The client syncs
     ``max_model_len`` and block sizes and adds ``num_gpu_blocks`` to its config
     (core_client.py:851-900). No KV events, weight transfer or coordinator."""
     import msgspec

@@ -6,7 +6,7 @@ for inputs and a PULL for outputs; an engine connects a DEALER with identity
 ``engine_index.to_bytes(2, "little")`` and a PUSH, sends its ready message on
 the DEALER, then receives ``(type, *msgpack frames)`` messages and pushes
 msgpack-encoded ``EngineCoreOutputs`` (v1/engine/core.py:1933-2108; 0.26:
-:1583-1760; ``OPENAI.md`` has the client's lines). ``EngineCoreServer`` speaks
+:1583-1753; ``OPENAI.md`` has the client's lines). ``EngineCoreServer`` speaks
 that protocol around frmps's ``VllmCore`` (``engine.py``):
 
 - the engine loop is the SDK's ``EngineLoop`` (``sdk/loop.py``), the one the
