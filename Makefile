@@ -61,7 +61,7 @@ c-build: ## the CUDA interceptor (no CUDA toolkit needed)
 	$(MAKE) -C interceptor CFLAGS_STRICT='$(CFLAGS_STRICT)'
 
 # ---------------------------------------------------------------- protobuf
-PROTOS := proto/frmps/v1/control.proto proto/frmps/v1/generation.proto proto/frmps/v1/admin.proto
+PROTOS := proto/frmps/v1/control.proto proto/frmps/v1/generation.proto proto/frmps/v1/admin.proto proto/frmps/v1/frontend.proto
 PY_PROTO_OUT := vllmpatch/src/frmps_engine/_proto
 
 .PHONY: proto

@@ -1301,7 +1301,15 @@ type ResumeRequest struct {
 	// Token ids the client has already received (the engine continues after them).
 	DeliveredTokenIds []uint32 `protobuf:"varint,7,rep,packed,name=delivered_token_ids,json=deliveredTokenIds,proto3" json:"delivered_token_ids,omitempty"`
 	// From the ring snapshot; absent when the request never reached a sync.
-	Snapshot      *RequestSnapshot `protobuf:"bytes,8,opt,name=snapshot,proto3,oneof" json:"snapshot,omitempty"`
+	Snapshot *RequestSnapshot `protobuf:"bytes,8,opt,name=snapshot,proto3,oneof" json:"snapshot,omitempty"`
+	// With vLLM's API server as the frontend (vllmpatch/OPENAI.md, design (a)):
+	// the request as that frontend sent it to the dead engine, vLLM's
+	// EngineCoreRequest in vLLM's own msgpack encoding (the frontend's resume
+	// ledger entry; opaque to the supervisor). When set, the engine adopts it
+	// with its own sampling parameters; prompt, prompt_token_ids, messages and
+	// params are then unset. delivered_token_ids are the tokens that frontend
+	// received.
+	EngineRequest []byte `protobuf:"bytes,9,opt,name=engine_request,json=engineRequest,proto3" json:"engine_request,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1388,6 +1396,13 @@ func (x *ResumeRequest) GetDeliveredTokenIds() []uint32 {
 func (x *ResumeRequest) GetSnapshot() *RequestSnapshot {
 	if x != nil {
 		return x.Snapshot
+	}
+	return nil
+}
+
+func (x *ResumeRequest) GetEngineRequest() []byte {
+	if x != nil {
+		return x.EngineRequest
 	}
 	return nil
 }
@@ -1776,7 +1791,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\n" +
 	"ignore_eos\x18\b \x01(\bR\tignoreEos\x12:\n" +
 	"\x1ainclude_stop_str_in_output\x18\t \x01(\bR\x16includeStopStrInOutputB\a\n" +
-	"\x05_seed\"\xe0\x02\n" +
+	"\x05_seed\"\x87\x03\n" +
 	"\rResumeRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\x04R\x03key\x12\x1d\n" +
 	"\n" +
@@ -1786,7 +1801,8 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\bmessages\x18\x05 \x03(\v2\x15.frmps.v1.ChatMessageR\bmessages\x120\n" +
 	"\x06params\x18\x06 \x01(\v2\x18.frmps.v1.SamplingParamsR\x06params\x12.\n" +
 	"\x13delivered_token_ids\x18\a \x03(\rR\x11deliveredTokenIds\x12:\n" +
-	"\bsnapshot\x18\b \x01(\v2\x19.frmps.v1.RequestSnapshotH\x00R\bsnapshot\x88\x01\x01B\v\n" +
+	"\bsnapshot\x18\b \x01(\v2\x19.frmps.v1.RequestSnapshotH\x00R\bsnapshot\x88\x01\x01\x12%\n" +
+	"\x0eengine_request\x18\t \x01(\fR\rengineRequestB\v\n" +
 	"\t_snapshot\"\xcf\x01\n" +
 	"\x0fRequestSnapshot\x12\x1b\n" +
 	"\tblock_ids\x18\x01 \x03(\rR\bblockIds\x12\x1b\n" +

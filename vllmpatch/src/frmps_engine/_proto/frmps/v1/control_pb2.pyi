@@ -210,7 +210,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("key", "request_id", "prompt", "prompt_token_ids", "messages", "params", "delivered_token_ids", "snapshot")
+    __slots__ = ("key", "request_id", "prompt", "prompt_token_ids", "messages", "params", "delivered_token_ids", "snapshot", "engine_request")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class ResumeRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     DELIVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     key: int
     request_id: str
     prompt: str
@@ -227,7 +228,8 @@ class ResumeRequest(_message.Message):
     params: SamplingParams
     delivered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     snapshot: RequestSnapshot
-    def __init__(self, key: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., delivered_token_ids: _Optional[_Iterable[int]] = ..., snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ...) -> None: ...
+    engine_request: bytes
+    def __init__(self, key: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., delivered_token_ids: _Optional[_Iterable[int]] = ..., snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ..., engine_request: _Optional[bytes] = ...) -> None: ...
 
 class RequestSnapshot(_message.Message):
     __slots__ = ("block_ids", "token_ids", "num_prompt_tokens", "num_computed_tokens", "seed", "step")
