@@ -26,6 +26,7 @@ import (
 	"github.com/frmps/frmps/supervisor/engine"
 	"github.com/frmps/frmps/supervisor/failover"
 	"github.com/frmps/frmps/supervisor/leftover"
+	"github.com/frmps/frmps/supervisor/openai"
 	"github.com/frmps/frmps/supervisor/sdnotify"
 )
 
@@ -63,6 +64,8 @@ type serveOptions struct {
 	MaxModelLen        int           `json:"max_model_len"`
 	TensorParallelSize int           `json:"tensor_parallel_size"`
 	EngineArgs         []string      `json:"engine_args"`
+	Frontend           string        `json:"frontend"`
+	FrontendArgs       []string      `json:"frontend_args"`
 	MaxConcurrent      int           `json:"max_concurrent"`
 	MaxQueue           int           `json:"max_queue"`
 	MaxBodyBytes       int64         `json:"max_body_bytes"`
@@ -93,7 +96,7 @@ func defaultServeOptions() serveOptions {
 		Device: "cpu", Memory: "host-shm", TensorParallelSize: 1, MaxRestarts: failover.DefaultBreaker.MaxRestarts,
 		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
 		HeartbeatTimeout: time.Second, StepTimeoutFactor: 8, StepTimeoutMin: time.Second, StepTimeoutDefault: time.Minute,
-		Spare: "auto",
+		Spare: "auto", Frontend: "frmps",
 	}
 }
 
@@ -176,6 +179,8 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.IntVar(&opts.MaxModelLen, "max-model-len", opts.MaxModelLen, "maximum sequence length (0: the engine's default)")
 	f.IntVar(&opts.TensorParallelSize, "tensor-parallel-size", opts.TensorParallelSize, "shard the model over this many GPUs per engine (reference engine): each engine is a group of this many processes, rank r on GPU r of the visible devices; the group fails over as a unit. On the CPU (tests) the ranks share the host")
 	f.StringArrayVar(&opts.EngineArgs, "engine-arg", opts.EngineArgs, "extra argument for the engine's command line, repeatable (e.g. --engine-arg=--max-num-seqs=64)")
+	f.StringVar(&opts.Frontend, "frontend", opts.Frontend, "the OpenAI endpoint: frmps (frmps's front door, both engines) or vllm (EXPERIMENTAL, not yet run on a GPU: vLLM's own API server, every route of `vllm serve`, with --engine vllm; the engine is the unit of failover, vllmpatch/OPENAI.md)")
+	f.StringArrayVar(&opts.FrontendArgs, "frontend-arg", opts.FrontendArgs, "with --frontend vllm: extra argument for vLLM's API server as `vllm serve` spells it, repeatable (e.g. --frontend-arg=--enable-auto-tool-choice)")
 	f.IntVar(&opts.MaxConcurrent, "max-concurrent", opts.MaxConcurrent, "most requests running against the engine at once (0: 512)")
 	f.IntVar(&opts.MaxQueue, "max-queue", opts.MaxQueue, "most requests waiting for a slot before 429 (0: 1024; negative: no queue)")
 	f.Int64Var(&opts.MaxBodyBytes, "max-body-bytes", opts.MaxBodyBytes, "largest request body accepted before 413 (0: 4 MiB)")
@@ -283,6 +288,21 @@ func (o serveOptions) validate() error {
 	if o.TensorParallelSize > 1 && o.Engine == "vllm" {
 		return errors.New("--tensor-parallel-size > 1 is implemented by the reference engine (--engine ref) only; vLLM engines run on one GPU each for now")
 	}
+	switch o.Frontend {
+	case "frmps":
+		if len(o.FrontendArgs) > 0 {
+			return errors.New("--frontend-arg is for vLLM's API server: give --frontend vllm")
+		}
+	case "vllm":
+		if o.Engine != "vllm" {
+			return fmt.Errorf("--frontend vllm serves through vLLM's API server and needs --engine vllm (got %q)", o.Engine)
+		}
+		if o.TensorParallelSize > 1 {
+			return errors.New("--frontend vllm: one GPU per engine for now (--tensor-parallel-size 1)")
+		}
+	default:
+		return fmt.Errorf("--frontend %q: want frmps or vllm", o.Frontend)
+	}
 	if o.StepTimeoutFactor < 1 || o.StepTimeoutMin <= 0 || o.StepTimeoutDefault <= 0 {
 		return fmt.Errorf("--step-timeout-factor %g / --step-timeout-min %s / --step-timeout-default %s: want a factor of at least 1 and positive durations",
 			o.StepTimeoutFactor, o.StepTimeoutMin, o.StepTimeoutDefault)
@@ -337,16 +357,33 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	sup, err := supervisor.New(o.supervisorConfig(py), log.Named("supervisor"), reg)
+	var vfd *vllmFrontDoor
+	cfg := o.supervisorConfig(py)
+	if o.Frontend == "vllm" {
+		key, err := openai.LoadAPIKey(o.APIKeyFile, "FRMPS_API_KEY")
+		if err != nil {
+			return err
+		}
+		if vfd, err = newVllmFrontDoor(o, py, key, log.Named("vllm-frontend")); err != nil {
+			return err
+		}
+		// Removes its directory on every return (a second Shutdown after the
+		// one below only closes what is closed).
+		defer func() { _ = vfd.Shutdown(context.Background()) }()
+		cfg.EngineArgs = append(append([]string(nil), cfg.EngineArgs...), vfd.EngineArgs()...)
+	}
+	sup, err := supervisor.New(cfg, log.Named("supervisor"), reg)
 	if err != nil {
 		return err
 	}
 	if every := notify.WatchdogInterval(); every > 0 {
 		sup.SetWatchdog(notify, every)
 	}
-	fd, err := newFrontDoor(o, sup, log.Named("openai"), reg)
-	if err != nil {
-		return err
+	var fd frontDoor = vfd
+	if vfd == nil {
+		if fd, err = newFrontDoor(o, sup, log.Named("openai"), reg); err != nil {
+			return err
+		}
 	}
 	adm, err := admin.New(admin.Config{Addr: o.AdminAddr, AllowNonLoopback: o.AdminAllowRemote, Gatherer: reg}, sup, log.Named("admin"))
 	if err != nil {
@@ -356,10 +393,12 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	apiL, err := net.Listen("tcp", net.JoinHostPort(o.Host, strconv.Itoa(o.Port)))
-	if err != nil {
-		admL.Close()
-		return fmt.Errorf("OpenAI endpoint listen: %w", err)
+	var apiL net.Listener // --frontend vllm: vLLM binds the port itself
+	if vfd == nil {
+		if apiL, err = net.Listen("tcp", net.JoinHostPort(o.Host, strconv.Itoa(o.Port))); err != nil {
+			admL.Close()
+			return fmt.Errorf("OpenAI endpoint listen: %w", err)
+		}
 	}
 	sup.SetFrontDoor(fd)
 

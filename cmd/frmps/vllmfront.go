@@ -1,0 +1,257 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/mps"
+)
+
+// vllmFrontDoor is `--frontend vllm`: vLLM's own OpenAI API server (the code of
+// `vllm serve`, every route and parameter of the pinned vLLM) runs as the front
+// door, in a Python process outside MPS that holds no CUDA context, and the
+// engines speak vLLM's engine-core protocol to it instead of frmps's
+// generation API (vllmpatch/OPENAI.md, design (a)). Its resume ledger is the
+// source of a failover's resume set: OpenRequests asks it (EngineLost: it
+// holds new work, consumes what the dead engine had pushed, and returns each
+// open request as vLLM's EngineCoreRequest with the tokens it received), and
+// a goroutine then waits for the promoted engine to connect (EngineBack),
+// after which the frontend sends what it held.
+type vllmFrontDoor struct {
+	log  hclog.Logger
+	dir  string // private (0700): the engine-core sockets and the control socket
+	argv []string
+	env  []string
+
+	// Addresses the engines connect to (passed to them as --core-input/--core-output).
+	inputAddr, outputAddr, controlPath string
+
+	conn *grpc.ClientConn
+	ctl  frmpsv1.FrontendClient
+
+	lostTimeout time.Duration // EngineLost, drain included
+	drainMs     uint32
+	backTimeout time.Duration // EngineBack: a promoted engine's adoption and connect
+
+	mu       sync.Mutex
+	cmd      *exec.Cmd
+	exited   chan struct{} // closed when the process is reaped
+	exitErr  error
+	stopping bool
+	backing  bool // an EngineBack call is in flight
+	backWG   sync.WaitGroup
+}
+
+// vllmFrontendArgs are the `vllm serve` arguments the frontend process gets
+// from frmps's own options; --frontend-arg adds more (vLLM's flags as
+// `vllm serve` spells them).
+func vllmFrontendArgs(o serveOptions) []string {
+	args := []string{o.Model, "--host", o.Host, "--port", strconv.Itoa(o.Port), "--served-model-name", o.ServedModelName}
+	if o.Host == "" {
+		args = append(args[:1], args[3:]...) // vLLM binds every interface without --host
+	}
+	if o.MaxModelLen > 0 {
+		args = append(args, "--max-model-len", strconv.Itoa(o.MaxModelLen))
+	}
+	return append(args, o.FrontendArgs...)
+}
+
+// newVllmFrontDoor prepares (does not start) the frontend process. apiKey
+// (may be empty) reaches vLLM as VLLM_API_KEY, not on its command line.
+func newVllmFrontDoor(o serveOptions, py pythonEnv, apiKey string, log hclog.Logger) (*vllmFrontDoor, error) {
+	dir, err := os.MkdirTemp("", "frmps-frontend-")
+	if err != nil {
+		return nil, fmt.Errorf("vLLM frontend: %w", err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("vLLM frontend: %w", err)
+	}
+	// Outside MPS like the standby: were the frontend ever to make a CUDA
+	// context, it must not be an MPS client that a co-tenant's fault kills.
+	outside, err := mps.OutsideEnv(dir)
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("vLLM frontend: %w", err)
+	}
+	d := &vllmFrontDoor{
+		log: log, dir: dir,
+		inputAddr: "ipc://" + filepath.Join(dir, "core-input.sock"), outputAddr: "ipc://" + filepath.Join(dir, "core-output.sock"),
+		controlPath: filepath.Join(dir, "frontend.sock"),
+		lostTimeout: 5 * time.Second, drainMs: 2000, backTimeout: 10 * time.Minute,
+		exited: make(chan struct{}),
+	}
+	d.argv = append([]string{py.Python, "-m", "frmps_engine.cli", "frontend",
+		"--engine-input", d.inputAddr, "--engine-output", d.outputAddr, "--control-socket", d.controlPath, "--"},
+		vllmFrontendArgs(o)...)
+	d.env = frontendEnv(py.Env, outside, apiKey)
+	conn, err := grpc.NewClient("unix://"+d.controlPath, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("vLLM frontend control client: %w", err)
+	}
+	d.conn, d.ctl = conn, frmpsv1.NewFrontendClient(conn)
+	return d, nil
+}
+
+// frontendEnv is the frontend's environment: the engines' base environment
+// with the outside-MPS pipe directories, the API key as VLLM_API_KEY, and
+// without VLLM_SERVER_DEV_MODE (it would expose /sleep, /wake_up and
+// /collective_rpc to clients) or an API key of the caller's own.
+func frontendEnv(base, outside []string, apiKey string) []string {
+	drop := map[string]bool{"VLLM_SERVER_DEV_MODE": true, "VLLM_API_KEY": true, "CUDA_MPS_PIPE_DIRECTORY": true, "CUDA_MPS_LOG_DIRECTORY": true}
+	env := make([]string, 0, len(base)+len(outside)+1)
+	for _, kv := range base {
+		if k, _, _ := strings.Cut(kv, "="); !drop[k] {
+			env = append(env, kv)
+		}
+	}
+	env = append(env, outside...)
+	if apiKey != "" {
+		env = append(env, "VLLM_API_KEY="+apiKey)
+	}
+	return env
+}
+
+// EngineArgs are the arguments every engine needs to serve this frontend.
+func (d *vllmFrontDoor) EngineArgs() []string {
+	return []string{"--core-input=" + d.inputAddr, "--core-output=" + d.outputAddr}
+}
+
+// Serve starts the frontend process and returns when it exits: nil after
+// Shutdown, an error otherwise (serve then stops: every client connection
+// was in that process). The listener is unused (nil): vLLM binds its port.
+func (d *vllmFrontDoor) Serve(net.Listener) error {
+	cmd := exec.Command(d.argv[0], d.argv[1:]...)
+	cmd.Env = d.env
+	cmd.Stdout, cmd.Stderr = d.log.StandardWriter(&hclog.StandardLoggerOptions{InferLevels: true}), d.log.StandardWriter(&hclog.StandardLoggerOptions{InferLevels: true})
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
+	d.mu.Lock()
+	if d.stopping {
+		d.mu.Unlock()
+		close(d.exited)
+		return nil
+	}
+	if err := cmd.Start(); err != nil {
+		d.mu.Unlock()
+		close(d.exited)
+		return fmt.Errorf("vLLM frontend: start %s: %w", d.argv[0], err)
+	}
+	d.cmd = cmd
+	d.mu.Unlock()
+	d.log.Info("vLLM frontend started", "pid", cmd.Process.Pid, "control", d.controlPath)
+	err := cmd.Wait()
+	// Nothing of the frontend outlives it (vLLM's helper processes included).
+	_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+	d.mu.Lock()
+	stopping := d.stopping
+	d.exitErr = err
+	d.mu.Unlock()
+	close(d.exited)
+	if stopping {
+		return nil
+	}
+	if err == nil {
+		err = errors.New("exited")
+	}
+	return fmt.Errorf("vLLM frontend (pid %d): %w", cmd.Process.Pid, err)
+}
+
+// Shutdown stops the frontend: SIGTERM to its process group (uvicorn then
+// finishes its responses), SIGKILL when ctx ends; then the control client,
+// every EngineBack call and the private directory.
+func (d *vllmFrontDoor) Shutdown(ctx context.Context) error {
+	d.mu.Lock()
+	d.stopping = true
+	cmd := d.cmd
+	d.mu.Unlock()
+	var err error
+	if cmd != nil {
+		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM)
+		select {
+		case <-d.exited:
+		case <-ctx.Done():
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+			<-d.exited
+			err = fmt.Errorf("vLLM frontend did not stop in time: killed")
+		}
+	}
+	d.conn.Close() // fails EngineBack calls in flight
+	d.backWG.Wait()
+	if rerr := os.RemoveAll(d.dir); rerr != nil && err == nil {
+		err = rerr
+	}
+	return err
+}
+
+// OpenRequests is the resume set of a failover or a handover: what the
+// frontend has sent to the engine that is gone and not seen finish, each as
+// vLLM's EngineCoreRequest (opaque here) with the tokens the frontend
+// received. The supervisor adds the ring snapshots by key. On an error the
+// set is empty: the promoted engine then has nothing to adopt, and the
+// frontend's open requests get no more tokens (logged as an error).
+func (d *vllmFrontDoor) OpenRequests() []*frmpsv1.ResumeRequest {
+	ctx, cancel := context.WithTimeout(context.Background(), d.lostTimeout)
+	defer cancel()
+	set, err := d.ctl.EngineLost(ctx, &frmpsv1.EngineLostRequest{DrainTimeoutMs: d.drainMs})
+	if err != nil {
+		d.log.Error("vLLM frontend: no resume set; its open requests cannot be resumed", "error", err)
+		d.awaitEngine()
+		return nil
+	}
+	reqs := make([]*frmpsv1.ResumeRequest, 0, len(set.GetEntries()))
+	for _, e := range set.GetEntries() {
+		reqs = append(reqs, &frmpsv1.ResumeRequest{
+			Key: e.GetKey(), EngineRequest: e.GetEngineRequest(), DeliveredTokenIds: e.GetDeliveredTokenIds(),
+		})
+	}
+	d.log.Debug("vLLM frontend resume set", "requests", len(reqs), "held", set.GetHeldRequests())
+	d.awaitEngine()
+	return reqs
+}
+
+// awaitEngine waits, off the caller's goroutine, for the next engine to
+// connect to the frontend (one call at a time: a later failover during the
+// wait is covered by the same call, which ends when any engine connects).
+func (d *vllmFrontDoor) awaitEngine() {
+	d.mu.Lock()
+	if d.backing || d.stopping {
+		d.mu.Unlock()
+		return
+	}
+	d.backing = true
+	d.backWG.Add(1)
+	d.mu.Unlock()
+	go func() {
+		defer d.backWG.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), d.backTimeout)
+		defer cancel()
+		start := time.Now()
+		resp, err := d.ctl.EngineBack(ctx, &frmpsv1.EngineBackRequest{TimeoutMs: uint32(d.backTimeout / time.Millisecond)})
+		d.mu.Lock()
+		d.backing = false
+		stopping := d.stopping
+		d.mu.Unlock()
+		switch {
+		case err != nil && !stopping:
+			d.log.Error("vLLM frontend: no engine came back", "error", err, "after", time.Since(start))
+		case err == nil:
+			d.log.Info("vLLM frontend: engine back", "after", time.Since(start), "held_sent", resp.GetSentHeld())
+		}
+	}()
+}
