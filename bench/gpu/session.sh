@@ -26,6 +26,12 @@
 #                                      session, both engines side by side; a re-run resumes), --budget <budget> s
 #                                      (default 540); the stage is killed 60 s after its budget; <flags>: more of
 #                                      the experiment's flags, '+' for a space (e.g. --trials+1+--cold-cache+dropped)
+#   vllm-frontend-failback:<model>:<n>:<budget>[:<timeout>]  vllm-failback through vLLM's own API server as the
+#                                      front door (frmps serve --frontend vllm): the same streams, faults, checks
+#   openai-matrix:<model>[:<timeout>]  bench/openai_matrix.py against `vllm serve` and against `frmps serve --engine vllm
+#                                      --frontend vllm` on the same model directory (default 900 s); the table in
+#                                      $OUT/openai-matrix.md. Both need the API server's packages: .gpu/wheels-server
+#                                      (installed into VLSITE by prep)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
@@ -89,6 +95,12 @@ stage_prep() {
             log "prep: no crc32c package and no wheel in .gpu/wheels: ring checksums in numpy (slower)"
         fi
     fi
+    # vLLM's API server packages (uvicorn, aiohttp, ...), left out of the offline
+    # bundle: wheels carried in .gpu/wheels-server, installed beside vLLM.
+    if [ -n "$VLSITE" ] && compgen -G ".gpu/wheels-server/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$VLSITE" \
+            .gpu/wheels-server/*.whl >> "$S" 2>&1 && log "prep: API server packages installed into VLSITE"
+    fi
     if make -C interceptor all > "$WORK/build.log" 2>&1 && make -C bench/faults >> "$WORK/build.log" 2>&1; then
         log "prep: build OK"
     else
@@ -107,8 +119,11 @@ model_dir() {  # writes the preset's directory once, prints it
     PYTHONPATH=$PWD/vllmpatch/src python3 -m frmps_engine.cli model-dir "$1" --out "$WORK/models/$1"
 }
 
-stage_failback() {  # engine model n budget [timeout [soak]]
+stage_failback() {  # engine model n budget [timeout [soak|frontend]]
     local engine=$1 model=$2 n=$3 budget=$4 limit=${5:-$(($4 + 330))} m=$2 extra=() soak=()
+    if [ "${6:-}" = frontend ]; then
+        soak=(--serve-arg=--frontend=vllm)
+    fi
     if [ "${6:-}" = soak ]; then
         # Faults as fast as the placement is restored (and a spare is ready): the crash-loop
         # breaker is widened so that it does not stop re-arming; resources sampled every cycle.
@@ -128,6 +143,60 @@ stage_failback() {  # engine model n budget [timeout [soak]]
         "${extra[@]}" "${soak[@]}" > "$WORK/$engine-$model.out" 2>&1
     log "$engine-failback $model: rc=$?"
     tail -n 25 "$WORK/$engine-$model.out" >> "$S"
+}
+
+wait_http() {  # port seconds: until GET /v1/models answers
+    local t=0
+    until python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$1/v1/models', timeout=2)" 2>/dev/null; do
+        t=$((t + 2)); [ "$t" -ge "$2" ] && return 1; sleep 2
+    done
+}
+
+stop_group() {  # pid: SIGTERM its process group, SIGKILL after 60 s
+    kill -TERM -- "-$1" 2>/dev/null
+    for _ in $(seq 60); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$1" 2>/dev/null; wait "$1" 2>/dev/null
+}
+
+stage_matrix() {  # model [timeout]
+    vllm_env
+    local model=$1 limit=${2:-900} m pid
+    m=$(model_dir "$model") || { log "openai-matrix $model: model-dir failed"; return; }
+    local so='{"backend": "xgrammar", "disable_any_whitespace": true}'
+    local vflags=(--enable-auto-tool-choice --tool-call-parser hermes --max-model-len 4096)
+    log "openai-matrix $model: vllm serve"
+    set -m
+    python3 -m vllm.entrypoints.cli.main serve "$m" --port 8100 --served-model-name "$model" "${vflags[@]}" \
+        --structured-outputs-config "$so" --gpu-memory-utilization 0.45 > "$WORK/matrix-vllm-serve.log" 2>&1 &
+    pid=$!
+    set +m
+    if wait_http 8100 "$limit"; then
+        timeout "$limit" python3 bench/openai_matrix.py --base-url http://127.0.0.1:8100 --model "$model" --label "vllm serve" \
+            --out "$OUT/matrix-vllm-serve.json" > "$WORK/matrix-vllm-serve.out" 2>&1
+        log "openai-matrix vllm serve: rc=$?"
+    else
+        log "openai-matrix: vllm serve did not answer"; tail -n 20 "$WORK/matrix-vllm-serve.log" >> "$S"
+    fi
+    stop_group "$pid"
+    log "openai-matrix $model: frmps serve --engine vllm --frontend vllm"
+    set -m
+    bin/frmps serve --engine vllm --frontend vllm --model "$m" --served-model-name "$model" --device cuda --memory cuda-vmm \
+        --port 8000 --num-blocks "$(nblocks "$model")" --max-model-len 4096 --python python3 \
+        --frontend-arg=--enable-auto-tool-choice --frontend-arg=--tool-call-parser=hermes \
+        --frontend-arg=--structured-outputs-config="$so" --engine-arg=--structured-outputs-config="$so" \
+        --engine-log-dir "$WORK/matrix-frmps-logs" > "$WORK/matrix-frmps.log" 2>&1 &
+    pid=$!
+    set +m
+    if wait_http 8000 "$limit"; then
+        timeout "$limit" python3 bench/openai_matrix.py --base-url http://127.0.0.1:8000 --model "$model" --label "frmps --frontend vllm" \
+            --out "$OUT/matrix-frmps-vllm.json" > "$WORK/matrix-frmps.out" 2>&1
+        log "openai-matrix frmps: rc=$?"
+    else
+        log "openai-matrix: frmps --frontend vllm did not answer"; tail -n 30 "$WORK/matrix-frmps.log" >> "$S"
+    fi
+    stop_group "$pid"
+    python3 bench/openai_matrix.py --table "$OUT"/matrix-*.json > "$OUT/openai-matrix.md" 2>&1
+    tail -n 45 "$OUT/openai-matrix.md" >> "$S"
 }
 
 stage_ref_tp() {  # model n budget [timeout]
@@ -184,6 +253,8 @@ for st in "$@"; do
         vllm-failback) stage_failback vllm "$a" "$b" "$c" "$d" ;;
         ref-soak) stage_failback ref "$a" "$b" "$c" "$d" soak ;;
         vllm-soak) stage_failback vllm "$a" "$b" "$c" "$d" soak ;;
+        vllm-frontend-failback) stage_failback vllm "$a" "$b" "$c" "$d" frontend ;;
+        openai-matrix) stage_matrix "$a" "$b" ;;
         ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;
         bench) stage_bench "$a" "$b" "$c" "$d" "$e" ;;
