@@ -158,6 +158,16 @@ stop_group() {  # pid: SIGTERM its process group, SIGKILL after 60 s
     kill -KILL -- "-$1" 2>/dev/null; wait "$1" 2>/dev/null
 }
 
+run_matrix() {  # port model label name limit: the matrix against the server on port, once it answers
+    if wait_http "$1" "$5"; then
+        timeout "$5" python3 bench/openai_matrix.py --base-url "http://127.0.0.1:$1" --model "$2" --label "$3" \
+            --out "$OUT/matrix-$4.json" > "$WORK/matrix-$4.out" 2>&1
+        log "openai-matrix $3: rc=$?"
+    else
+        log "openai-matrix: $3 did not answer"; tail -n 30 "$WORK/matrix-$4.log" >> "$S"
+    fi
+}
+
 stage_matrix() {  # model [timeout]
     vllm_env
     local model=$1 limit=${2:-900} m pid
@@ -170,13 +180,7 @@ stage_matrix() {  # model [timeout]
         --structured-outputs-config "$so" --gpu-memory-utilization 0.45 > "$WORK/matrix-vllm-serve.log" 2>&1 &
     pid=$!
     set +m
-    if wait_http 8100 "$limit"; then
-        timeout "$limit" python3 bench/openai_matrix.py --base-url http://127.0.0.1:8100 --model "$model" --label "vllm serve" \
-            --out "$OUT/matrix-vllm-serve.json" > "$WORK/matrix-vllm-serve.out" 2>&1
-        log "openai-matrix vllm serve: rc=$?"
-    else
-        log "openai-matrix: vllm serve did not answer"; tail -n 20 "$WORK/matrix-vllm-serve.log" >> "$S"
-    fi
+    run_matrix 8100 "$model" "vllm serve" vllm-serve "$limit"
     stop_group "$pid"
     log "openai-matrix $model: frmps serve --engine vllm --frontend vllm"
     set -m
@@ -184,16 +188,10 @@ stage_matrix() {  # model [timeout]
         --port 8000 --num-blocks "$(nblocks "$model")" --max-model-len 4096 --python python3 \
         --frontend-arg=--enable-auto-tool-choice --frontend-arg=--tool-call-parser=hermes \
         --frontend-arg=--structured-outputs-config="$so" --engine-arg=--structured-outputs-config="$so" \
-        --engine-log-dir "$WORK/matrix-frmps-logs" > "$WORK/matrix-frmps.log" 2>&1 &
+        --engine-log-dir "$WORK/matrix-frmps-logs" > "$WORK/matrix-frmps-vllm.log" 2>&1 &
     pid=$!
     set +m
-    if wait_http 8000 "$limit"; then
-        timeout "$limit" python3 bench/openai_matrix.py --base-url http://127.0.0.1:8000 --model "$model" --label "frmps --frontend vllm" \
-            --out "$OUT/matrix-frmps-vllm.json" > "$WORK/matrix-frmps.out" 2>&1
-        log "openai-matrix frmps: rc=$?"
-    else
-        log "openai-matrix: frmps --frontend vllm did not answer"; tail -n 30 "$WORK/matrix-frmps.log" >> "$S"
-    fi
+    run_matrix 8000 "$model" "frmps --frontend vllm" frmps-vllm "$limit"
     stop_group "$pid"
     python3 bench/openai_matrix.py --table "$OUT"/matrix-*.json > "$OUT/openai-matrix.md" 2>&1
     tail -n 45 "$OUT/openai-matrix.md" >> "$S"
