@@ -225,8 +225,7 @@ def install_client_hook(service: FrontendService) -> None:
                 raise StartupRefused("a frmps frontend serves one engine (no data parallelism)")
             client = FrmpsAsyncMPClient(vllm_config, *args, **kwargs)
             service.attach(client, asyncio.get_running_loop())
-            log.info("frmps engine-core client connected to the engine (%s, %s)",
-                     client.input_address, client.output_address)
+            log.info("frmps engine-core client: the engine is connected")
             return client
 
     async_llm.EngineCoreClient = FrmpsEngineCoreClient
