@@ -22,8 +22,8 @@ ipc://… --control-socket PATH [vllm serve arguments: MODEL --host --port
   parallelism. Nothing else of vLLM is replaced.
 - The engine's sizes (``num_gpu_blocks``, an auto-fitted ``max_model_len``)
   come from its ready message, which vLLM's client applies
-  (``_apply_ready_response``, core_client.py:851; 0.26 takes the ready message
-  in ``MPClient.__init__`` as well): the frontend's own VllmConfig is built
+  (``_apply_ready_response``, v1/engine/core_client.py:775, 851; 0.26: :633,
+  714): the frontend's own VllmConfig is built
   from the serve arguments before an engine has connected, as ``vllm serve``
   does, and the client waits for the engine's ready message in its
   constructor (``VLLM_ENGINE_READY_TIMEOUT_S``).
