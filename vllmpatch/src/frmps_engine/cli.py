@@ -1,4 +1,7 @@
-"""Engine process entry point: ``python -m frmps_engine.cli serve ...``.
+"""Engine process entry point: ``python -m frmps_engine.cli serve ...``; and
+``python -m frmps_engine.cli frontend --engine-input ipc://… --engine-output
+ipc://… --control-socket PATH [vllm serve arguments]``: vLLM's own API server as
+the frontend of ``--engine vllm`` (frmps_engine/vllm/frontend/server.py).
 
 The supervisor launches this for both roles; see sdk/runner.py for the lifecycle.
 Exit codes: 0 shutdown, 1 engine error / supervisor gone, 2 refused at start, 3 device error.
@@ -55,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     c = sub.add_parser("check-engine", help="check that an --engine name loads; print its factory")
     c.add_argument("engine", help="ref, vllm, or package.module:Factory")
+    sub.add_parser("frontend", add_help=False,
+                   help="vLLM's OpenAI API server as the frontend of --engine vllm: --engine-input ipc://... "
+                        "--engine-output ipc://... --control-socket PATH, then vllm serve's arguments "
+                        "(frmps_engine/vllm/frontend/server.py)")
     m = sub.add_parser("model-dir", help="write (or find) a preset's Hugging Face model directory for dummy-weight runs")
     m.add_argument("preset", help="qwen2.5-0.5b, -1.5b, -3b, -7b or -14b")
     m.add_argument("--out", help="directory to write (default: the model cache, see frmps_engine.modeldir.default_dir)")
@@ -146,7 +153,24 @@ def spare(args: argparse.Namespace) -> int:
     return serve(served)
 
 
+def frontend(argv: list[str]) -> int:
+    """vLLM's API server with frmps's engine-core client (its own arguments, then vllm serve's)."""
+    from frmps_engine.vllm.frontend import server
+
+    return server.main(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["frontend"]:
+        # vllm serve's arguments are parsed by vLLM's own parser (server.py).
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        code = frontend(argv[1:])
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(), stream=sys.stderr,

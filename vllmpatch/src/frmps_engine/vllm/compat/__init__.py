@@ -20,6 +20,9 @@ A version module provides:
 - ``ready_response(vllm_config, engine_index)`` and ``error_output(request_id,
   message)``: the engine-core protocol's ready message and a request-scoped
   error output (frontend/engine_server.py).
+- ``api_server()``: the pieces of ``vllm serve`` the frontend process runs
+  (argument parser, validation, CLI set-up, ``setup_server``,
+  ``run_server_worker``; frontend/server.py).
 
 Importing this package never imports vLLM.
 """

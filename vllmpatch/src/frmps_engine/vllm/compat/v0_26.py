@@ -151,3 +151,25 @@ def error_output(request_id: str, message: str) -> Any:
     from vllm.v1.engine import EngineCoreOutput, FinishReason
 
     return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR)
+
+
+def api_server() -> Any:
+    """The pieces of ``vllm serve`` that frmps's frontend process runs
+    (frontend/server.py): the serve argument parser and its validation
+    (entrypoints/openai/cli_args.py:339, 386), the CLI's environment set-up
+    (entrypoints/serve/utils/api_utils.py:149), the listening socket
+    (entrypoints/openai/api_server.py:616) and one API-server worker with
+    externally managed engines (``run_server_worker(listen_address, sock, args,
+    client_config)``, entrypoints/openai/api_server.py:762-781: builds the
+    AsyncLLM with ``client_addresses=client_config``, :175-184, then vLLM's
+    FastAPI app, ``build_app`` + ``init_app_state``, under uvicorn through
+    ``serve_http``, :653-698)."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.api_server import run_server_worker, setup_server
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    return SimpleNamespace(make_arg_parser=make_arg_parser, validate_parsed_serve_args=validate_parsed_serve_args,
+                           cli_env_setup=cli_env_setup, setup_server=setup_server,
+                           run_server_worker=run_server_worker)

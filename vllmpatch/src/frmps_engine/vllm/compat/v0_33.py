@@ -137,3 +137,26 @@ def error_output(request_id: str, message: str) -> Any:
 
     return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR,
                             error=RequestError(code="frmps_refused", message=message))
+
+
+def api_server() -> Any:
+    """The pieces of ``vllm serve`` that frmps's frontend process runs
+    (frontend/server.py): the serve argument parser and its validation
+    (entrypoints/common/cli_args.py:431, 531), the CLI's environment set-up
+    (entrypoints/common/startup.py:131), the listening socket
+    (entrypoints/launchers/launcher.py:365) and one API-server worker with
+    externally managed engines (``run_server_worker(listen_address, sock, args,
+    client_config)``, entrypoints/launchers/api_server/entry.py:179-201: builds
+    the AsyncLLM with ``client_addresses=client_config``, :94-103, then vLLM's
+    FastAPI app, ``build_app`` + ``init_app_state``, under uvicorn through
+    ``serve_http``, :115-161)."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.common.startup import cli_env_setup
+    from vllm.entrypoints.launchers.api_server.entry import run_server_worker
+    from vllm.entrypoints.launchers.launcher import setup_server
+
+    return SimpleNamespace(make_arg_parser=make_arg_parser, validate_parsed_serve_args=validate_parsed_serve_args,
+                           cli_env_setup=cli_env_setup, setup_server=setup_server,
+                           run_server_worker=run_server_worker)

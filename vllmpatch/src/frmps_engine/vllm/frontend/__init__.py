@@ -11,7 +11,12 @@ the ledger on its input and output paths and a failover hold.
 VllmCore behind vLLM's engine-core sockets, and ``adopt_entries``, a promoted
 engine's adoption of the ledger's resume entries.
 
-Not built yet (``OPENAI.md``, "Status"): the launcher that runs vLLM's API server
-with this client, the engine process that runs the server (``frmps serve``), the
-supervisor's side. Importing this package never imports vLLM.
+``server`` (vLLM-facing, frontend process): ``python -m frmps_engine.cli
+frontend``, vLLM's own API server (``vllm serve``'s code and flags) with this
+client, and the ``Frontend`` gRPC service (engine lost / back, with the drain of
+the dead engine's outputs before the resume set is read).
+
+Not built yet (``OPENAI.md``, "Status"): the engine process that runs the
+engine server (``frmps serve``), the supervisor's side. Importing this package
+never imports vLLM.
 """

@@ -49,6 +49,8 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         # Messages held while no engine is connected: (args to _send_input_message, ledger entry or None).
         self._held: list[tuple[tuple, Entry | None]] | None = None
         self._admitting: Entry | None = None
+        # EngineCoreOutputs with request outputs the ledger has recorded (drain_outputs).
+        self.outputs_seen = 0
 
     # ------------------------------------------------------------ requests out
 
@@ -80,6 +82,7 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         # queued for the output processor (core_client.py, process_outputs_socket).
         if outputs.outputs:
             self.ledger.record(outputs.outputs)
+            self.outputs_seen += 1
 
     # ------------------------------------------------------------ failover
 
@@ -92,6 +95,38 @@ class FrmpsAsyncMPClient(AsyncMPClient):
             if not fut.done():
                 fut.set_exception(EngineReplaced(f"engine died during utility call {call_id}"))
             self.utility_results.pop(call_id, None)
+
+    async def drain_outputs(self, timeout: float, settle: float = 0.02) -> bool:
+        """Consume what the dead engine had already pushed before the resume
+        set is read (an output still queued on the PULL socket would otherwise
+        be adopted as undelivered and emitted twice). Returns True once the
+        output socket has nothing pending (pyzmq's ``get(EVENTS)``, which
+        also re-arms the socket's asyncio reader) and vLLM's output task has
+        recorded nothing new for ``settle`` seconds; False if outputs kept
+        coming for ``timeout`` seconds (the engine is not silent). Runs on
+        the client's event loop."""
+        self._ensure_output_queue_task()
+        sock = self.resources.output_socket
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        seen, quiet_since = self.outputs_seen, loop.time()
+        while True:
+            await asyncio.sleep(0.002)  # the output task runs in between
+            now = loop.time()
+            if sock.get(zmq.EVENTS) & zmq.POLLIN or self.outputs_seen != seen:
+                seen, quiet_since = self.outputs_seen, now
+            elif now - quiet_since >= settle:
+                return True
+            if now >= deadline:
+                return False
+
+    def held_requests(self) -> int:
+        """Requests admitted while no engine was connected (sent afresh later)."""
+        return sum(1 for e in self.ledger.open_entries() if e.held)
+
+    @property
+    def engine_connected(self) -> bool:
+        return self._held is None
 
     def resume_entries(self) -> list[Entry]:
         """What the promoted engine must adopt: every request sent to an engine
