@@ -97,7 +97,7 @@ func newVllmFrontDoor(o serveOptions, py pythonEnv, apiKey string, log hclog.Log
 		exited: make(chan struct{}),
 	}
 	d.argv = append([]string{py.Python, "-m", "frmps_engine.cli", "frontend",
-		"--engine-input", d.inputAddr, "--engine-output", d.outputAddr, "--control-socket", d.controlPath, "--"},
+		"--engine-input", d.inputAddr, "--engine-output", d.outputAddr, "--control-socket", d.controlPath},
 		vllmFrontendArgs(o)...)
 	d.env = frontendEnv(py.Env, outside, apiKey)
 	conn, err := grpc.NewClient("unix://"+d.controlPath, grpc.WithTransportCredentials(insecure.NewCredentials()))

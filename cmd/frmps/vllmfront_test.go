@@ -180,7 +180,7 @@ func TestVllmFrontDoorCommandAndEnv(t *testing.T) {
 	defer d.Shutdown(context.Background())
 	argv := strings.Join(d.argv, " ")
 	for _, want := range []string{"-m frmps_engine.cli frontend", "--engine-input " + d.inputAddr, "--control-socket " + d.controlPath,
-		"-- /models/q --port 8000 --served-model-name q"} {
+		"--control-socket " + d.controlPath + " /models/q --port 8000 --served-model-name q"} {
 		if !strings.Contains(argv, want) {
 			t.Errorf("frontend argv %q lacks %q", argv, want)
 		}
