@@ -16,7 +16,9 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/mps"
@@ -46,7 +48,7 @@ type vllmFrontDoor struct {
 
 	lostTimeout time.Duration // EngineLost, drain included
 	drainMs     uint32
-	backTimeout time.Duration // EngineBack: a promoted engine's adoption and connect
+	backTimeout time.Duration // one EngineBack round (repeated while no engine connects)
 
 	mu       sync.Mutex
 	cmd      *exec.Cmd
@@ -93,7 +95,7 @@ func newVllmFrontDoor(o serveOptions, py pythonEnv, apiKey string, log hclog.Log
 		log: log, dir: dir,
 		inputAddr: "ipc://" + filepath.Join(dir, "core-input.sock"), outputAddr: "ipc://" + filepath.Join(dir, "core-output.sock"),
 		controlPath: filepath.Join(dir, "frontend.sock"),
-		lostTimeout: 5 * time.Second, drainMs: 2000, backTimeout: 10 * time.Minute,
+		lostTimeout: 5 * time.Second, drainMs: 2000, backTimeout: time.Minute,
 		exited: make(chan struct{}),
 	}
 	d.argv = append([]string{py.Python, "-m", "frmps_engine.cli", "frontend",
@@ -226,8 +228,10 @@ func (d *vllmFrontDoor) OpenRequests() []*frmpsv1.ResumeRequest {
 }
 
 // awaitEngine waits, off the caller's goroutine, for the next engine to
-// connect to the frontend (one call at a time: a later failover during the
-// wait is covered by the same call, which ends when any engine connects).
+// connect to the frontend (one wait at a time: a later failover during the
+// wait is covered by the same one, which ends when any engine connects). The
+// frontend holds new requests until then, so the wait goes on, in rounds of
+// backTimeout, until an engine connects or frmps stops.
 func (d *vllmFrontDoor) awaitEngine() {
 	d.mu.Lock()
 	if d.backing || d.stopping {
@@ -239,19 +243,31 @@ func (d *vllmFrontDoor) awaitEngine() {
 	d.mu.Unlock()
 	go func() {
 		defer d.backWG.Done()
-		ctx, cancel := context.WithTimeout(context.Background(), d.backTimeout)
-		defer cancel()
 		start := time.Now()
-		resp, err := d.ctl.EngineBack(ctx, &frmpsv1.EngineBackRequest{TimeoutMs: uint32(d.backTimeout / time.Millisecond)})
-		d.mu.Lock()
-		d.backing = false
-		stopping := d.stopping
-		d.mu.Unlock()
-		switch {
-		case err != nil && !stopping:
-			d.log.Error("vLLM frontend: no engine came back", "error", err, "after", time.Since(start))
-		case err == nil:
-			d.log.Info("vLLM frontend: engine back", "after", time.Since(start), "held_sent", resp.GetSentHeld())
+		for {
+			ctx, cancel := context.WithTimeout(context.Background(), d.backTimeout+5*time.Second)
+			resp, err := d.ctl.EngineBack(ctx, &frmpsv1.EngineBackRequest{TimeoutMs: uint32(d.backTimeout / time.Millisecond)})
+			cancel()
+			d.mu.Lock()
+			stopping := d.stopping
+			if err == nil || stopping || status.Code(err) != codes.DeadlineExceeded {
+				d.backing = false
+			}
+			d.mu.Unlock()
+			switch {
+			case err == nil:
+				d.log.Info("vLLM frontend: engine back", "after", time.Since(start), "held_sent", resp.GetSentHeld())
+				return
+			case stopping:
+				return
+			case status.Code(err) == codes.DeadlineExceeded:
+				d.log.Warn("vLLM frontend: still no engine connected; its requests wait", "after", time.Since(start))
+			case status.Code(err) == codes.FailedPrecondition:
+				return // an engine is connected already
+			default:
+				d.log.Error("vLLM frontend: waiting for the engine failed", "error", err, "after", time.Since(start))
+				return
+			}
 		}
 	}()
 }

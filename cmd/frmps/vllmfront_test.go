@@ -14,6 +14,8 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 )
@@ -28,6 +30,7 @@ type fakeFrontend struct {
 	back     atomic.Int32
 	release  chan struct{} // EngineBack returns when closed
 	gotDrain atomic.Uint32
+	timeouts int32 // the first this many EngineBack calls answer DEADLINE_EXCEEDED
 }
 
 func (f *fakeFrontend) EngineLost(_ context.Context, r *frmpsv1.EngineLostRequest) (*frmpsv1.ResumeSet, error) {
@@ -40,7 +43,9 @@ func (f *fakeFrontend) EngineLost(_ context.Context, r *frmpsv1.EngineLostReques
 }
 
 func (f *fakeFrontend) EngineBack(ctx context.Context, _ *frmpsv1.EngineBackRequest) (*frmpsv1.EngineBackResponse, error) {
-	f.back.Add(1)
+	if f.back.Add(1) <= f.timeouts {
+		return nil, status.Error(codes.DeadlineExceeded, "no engine connected yet")
+	}
 	select {
 	case <-f.release:
 		return &frmpsv1.EngineBackResponse{SentHeld: 1}, nil
@@ -118,6 +123,22 @@ func TestVllmFrontDoorResumeSet(t *testing.T) {
 	}
 	if _, err := os.Stat(d.dir); !os.IsNotExist(err) {
 		t.Fatalf("frontend dir left behind: %v", err)
+	}
+}
+
+func TestVllmFrontDoorWaitsUntilEngineBack(t *testing.T) {
+	d := newTestVllmFrontDoor(t, nil)
+	f := &fakeFrontend{release: make(chan struct{}), timeouts: 2}
+	close(f.release)
+	serveFake(t, d, f)
+	d.OpenRequests()
+	// Two rounds time out (no engine yet), the third sees it connect.
+	waitFor(t, func() bool { d.mu.Lock(); defer d.mu.Unlock(); return !d.backing })
+	if n := f.back.Load(); n != 3 {
+		t.Fatalf("EngineBack called %d times, want 3 (two rounds timed out)", n)
+	}
+	if err := d.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -351,3 +351,56 @@ def test_engine_lost_drains_what_the_dead_engine_pushed(model_dir, tmp_path):
             a.close()
 
     asyncio.run(main())
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """Stands in for grpc's servicer context: abort raises, as grpc's does."""
+
+    def abort(self, code, details):
+        raise _Aborted(code, details)
+
+
+def test_engine_lost_does_not_wait_behind_engine_back(model_dir, tmp_path):
+    """A second failover while the frontend still waits for the first promoted
+    engine to connect (it died first): EngineLost answers at once instead of
+    waiting behind the EngineBack in flight, and EngineBack still ends with
+    DEADLINE_EXCEEDED when no engine comes."""
+    from vllm.sampling_params import SamplingParams
+
+    from frmps_engine._proto.frmps.v1 import frontend_pb2 as pb
+    from frmps_engine.vllm.frontend.server import FrontendService
+
+    addrs = (f"ipc://{tmp_path / 'in.sock'}", f"ipc://{tmp_path / 'out.sock'}")
+
+    async def main():
+        a = make_server(model_dir, addrs, device_s=STEP_S)
+        a.start()
+        client = make_client(model_dir, addrs)
+        svc = FrontendService(call_timeout_slack=1.0)
+        svc.attach(client, asyncio.get_running_loop())
+        ctx = _Context()
+        try:
+            await client.add_request_async(make_request("cmpl-l", SamplingParams(max_tokens=MAX_TOKENS, seed=3)))
+            col = Collector(client)
+            await col.drain(lambda: len(col.got.get("cmpl-l", [])) >= 2)
+            a.halt(close_sockets=True)
+            first = await asyncio.to_thread(svc.EngineLost, pb.EngineLostRequest(drain_timeout_ms=1000), ctx)
+            back = asyncio.ensure_future(asyncio.to_thread(svc.EngineBack, pb.EngineBackRequest(timeout_ms=3000), ctx))
+            await asyncio.sleep(0.3)
+            assert not back.done()
+            t0 = time.monotonic()
+            second = await asyncio.to_thread(svc.EngineLost, pb.EngineLostRequest(drain_timeout_ms=1000), ctx)
+            assert time.monotonic() - t0 < 2.0, "EngineLost waited behind EngineBack"
+            assert [e.key for e in second.entries] == [e.key for e in first.entries] and len(first.entries) == 1
+            with pytest.raises(_Aborted) as e:
+                await back
+            assert e.value.args[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            client.shutdown()
+            a.close()
+
+    asyncio.run(main())

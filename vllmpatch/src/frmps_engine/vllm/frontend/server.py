@@ -114,7 +114,12 @@ class FrontendService(pb_grpc.FrontendServicer):
         self.loop: asyncio.AbstractEventLoop | None = None
         self._slack = call_timeout_slack
         self._encoder: Any = None
-        self._lock = threading.Lock()  # one failover call at a time
+        # One EngineLost at a time, and one EngineBack at a time; not one lock for
+        # both: EngineBack waits (up to its timeout) for an engine to connect, and
+        # a second failover's EngineLost (the promoted engine died before it
+        # connected) must not wait behind it.
+        self._lost_lock = threading.Lock()
+        self._back_lock = threading.Lock()
 
     def attach(self, client: Any, loop: asyncio.AbstractEventLoop) -> None:
         from vllm.v1.serial_utils import MsgpackEncoder
@@ -135,7 +140,7 @@ class FrontendService(pb_grpc.FrontendServicer):
     # -- EngineLost
     def EngineLost(self, request: pb.EngineLostRequest, context: grpc.ServicerContext) -> pb.ResumeSet:
         drain_s = (request.drain_timeout_ms or DEFAULT_DRAIN_MS) / 1000.0
-        with self._lock:
+        with self._lost_lock:
             result = self._run(context, lambda: self._engine_lost(drain_s), drain_s)
         if isinstance(result, str):
             context.abort(grpc.StatusCode.ABORTED, result)
@@ -160,7 +165,7 @@ class FrontendService(pb_grpc.FrontendServicer):
     # -- EngineBack
     def EngineBack(self, request: pb.EngineBackRequest, context: grpc.ServicerContext) -> pb.EngineBackResponse:
         timeout = (request.timeout_ms or DEFAULT_BACK_MS) / 1000.0
-        with self._lock:
+        with self._back_lock:
             result = self._run(context, lambda: self._engine_back(timeout), timeout)
         if isinstance(result, tuple):
             context.abort(*result)
