@@ -232,7 +232,8 @@ class Runner:
         t_pools = time.perf_counter_ns()
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
         _log_start_phases(t, t_ring, t_pools)
-        self._warm_request_path()
+        if not self.cfg.core_mode:  # core mode: requests arrive tokenized, with the engine's own params
+            self._warm_request_path()
         self._prepare_debug_fault()
         _freeze_heap()
         self.client.export_pools(self._pb_pools(), [p.fd for p in pools])

@@ -65,6 +65,8 @@ from .ledger import EXTRA_ARGS_KEY
 
 log = logging.getLogger(__name__)
 
+_DRAINED = object()  # queued last by hand_over: the output thread has sent everything before it
+
 
 class RefusedRequest(ValueError):
     """A request this engine cannot serve (and a standby could not resume)."""
@@ -252,7 +254,6 @@ class EngineCoreServer:
         self._silent = threading.Event()  # nothing more is sent (halted or dead)
         self._stop_io = threading.Event()
         self._stop_in = threading.Event()  # no more inputs taken (handover, shutdown)
-        self._drain = threading.Event()  # the output thread sends what is queued, then leaves
         self._ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []
         self._threads: list[threading.Thread] = []
@@ -346,7 +347,7 @@ class EngineCoreServer:
         n = self.loop.call(count, timeout)
         self.loop.hand_over(timeout)
         self.core.engine_outputs = None
-        self._drain.set()
+        self._out.put(_DRAINED)
         for t in self._threads:
             t.join(timeout)
         if any(t.is_alive() for t in self._threads):
@@ -419,12 +420,12 @@ class EngineCoreServer:
             try:
                 outs = self._out.get(timeout=0.05)
             except queue.Empty:
-                if self._drain.is_set():  # a handover: all sent; deliver what zmq still queues
-                    push.setsockopt(zmq.LINGER, 5000)
-                    self._sockets.remove(push)
-                    push.close()
-                    return
                 continue
+            if outs is _DRAINED:  # a handover: all sent; deliver what zmq still queues
+                push.setsockopt(zmq.LINGER, 5000)
+                self._sockets.remove(push)
+                push.close()
+                return
             if self._silent.is_set():
                 break
             outs.engine_index = self.engine_index
@@ -444,7 +445,7 @@ class EngineCoreServer:
         dealer.send(self.compat.ready_response(self.vllm_config, self.engine_index))
         ready.set()
         while not (self._stop_io.is_set() or self._stop_in.is_set()):
-            if not dealer.poll(50):
+            if not dealer.poll(10):  # stop_input waits for this thread to leave
                 continue
             frames = dealer.recv_multipart(copy=False)
             if self._silent.is_set() or self._stop_in.is_set():
