@@ -79,7 +79,7 @@ class Supervisor:
         self.pools: list[c.Pool] = []
         self.fds: list[int] = []
 
-    def spawn(self, name, role, *, core_mode=True, adapter=None) -> Engine:
+    def spawn(self, name, role, *, core_mode=True, adapter=None, mode="sync") -> Engine:
         from frmps_engine.sdk.control import ControlConn
         from frmps_engine.sdk.memory import get_backend
         from frmps_engine.sdk.runner import Runner, RunnerConfig
@@ -95,7 +95,8 @@ class Supervisor:
         runner = Runner(
             RunnerConfig(role=role, control_socket=ctl, generation_socket="" if core_mode else os.path.join(self.d, f"{name}.gen"),
                          heartbeat_s=30, **core),
-            adapter or cpu_adapter(self.model_dir, model_factory=SeededFakeModel, device_s=STEP_S),
+            adapter or cpu_adapter(self.model_dir, model_factory=SeededFakeModel, device_s=STEP_S,
+                                   async_scheduling=mode == "async"),
             get_backend("host-shm"), exit_fn=exits.append,
         )
         e = Engine(runner, None, None, exits)
@@ -169,7 +170,8 @@ def resume_set(entries, snapshots) -> list[c.ResumeRequest]:
     return out
 
 
-def test_core_mode_serves_hands_over_and_takes_over_exactly_once(sup, model_dir, addrs):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_core_mode_serves_hands_over_and_takes_over_exactly_once(sup, model_dir, addrs, mode):
     """(a) Runner A, an active in core mode, serves four requests from vLLM's
     client. (c) After KILL_AFTER tokens a Handoff moves them to standby B (a
     planned handover): A publishes every request, disconnects without ending
@@ -181,14 +183,15 @@ def test_core_mode_serves_hands_over_and_takes_over_exactly_once(sup, model_dir,
     standby since its handover, adopts B's requests from B's ring records and
     the tokens the frontend received, and every stream ends with each token
     exactly once, equal to the no-fault run. An abort and a new request issued
-    during the first gap are honoured."""
+    during the first gap are honoured. ``mode``: vLLM's synchronous step, or async
+    scheduling (a batch in flight: the handover finishes it first)."""
     from vllm.v1.engine import FinishReason
 
     from frmps_engine.ring.reader import RingReader
 
     async def main():
-        a = sup.spawn("a", "active")
-        b = sup.spawn("b", "standby")
+        a = sup.spawn("a", "active", mode=mode)
+        b = sup.spawn("b", "standby", mode=mode)
         sup.sleep(b)
         client = make_client(model_dir, addrs)
         reader = RingReader(sup.ring)
