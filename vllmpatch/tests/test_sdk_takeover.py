@@ -158,6 +158,52 @@ def test_takeover_paths(h):
     assert not r.ok
 
 
+def test_a_resume_set_of_vllms_api_server_is_refused_by_the_generation_api_engine(h):
+    """A Resume whose requests carry engine_request (vLLM's EngineCoreRequest, from
+    vLLM's API server as frontend) is refused whole by an engine serving frmps's
+    generation API, naming the mismatch; nothing is adopted and the engine is still
+    a sleeping standby that takes a proper Resume afterwards."""
+    assert h.sleep().ok
+    P = c.SamplingParams
+    reqs = [c.ResumeRequest(key=1, prompt="hi", params=P(max_tokens=3)),
+            c.ResumeRequest(key=2, engine_request=b"\x9f", delivered_token_ids=[5])]
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=reqs, ring_path=h.ring)))
+    assert not r.ok and not r.resumed
+    assert "1 of 2 requests carry engine_request (keys 2)" in r.error and "not core mode" in r.error, r.error
+    assert "Nothing adopted" in r.error
+    assert not h.runner.core.has_work() and h.runner.loop is None
+    r = h.cmd(c.Envelope(id=3, resume=c.Resume(requests=reqs[:1], ring_path=h.ring)))
+    assert r.ok and r.resumed[0].ok
+    assert resume_stream(h, 1, []) == reference(TOK.encode("hi"), 3)
+
+
+def test_core_mode_needs_an_engine_that_speaks_vllms_engine_core_protocol(sockdir, caplog):
+    """--core-input/--core-output with an engine without engine_api.EngineCoreProtocol
+    (the fake engine, the reference engine) is refused at start, by name."""
+    from frmps_engine import cli
+    from frmps_engine.sdk.runner import EXIT_REFUSED, StartupError
+
+    def runner(**kw):
+        cfg = dict(role="active", control_socket=os.path.join(sockdir, "ctl"), generation_socket="")
+        return Runner(RunnerConfig(**{**cfg, **kw}), FakeAdapter(EngineOptions("fake-tiny")), get_backend("host-shm"))
+
+    with pytest.raises(StartupError, match="engine fake does not speak vLLM's engine-core protocol"):
+        runner(core_input="ipc:///x/in", core_output="ipc:///x/out")
+    with pytest.raises(StartupError, match="needs both engine-core sockets"):
+        runner(core_input="ipc:///x/in")
+    with pytest.raises(StartupError, match="not both"):
+        runner(core_input="ipc:///x/in", core_output="ipc:///x/out", generation_socket=os.path.join(sockdir, "gen"))
+    with pytest.raises(StartupError, match="no generation socket"):
+        runner()
+    base = ["serve", "--role", "active", "--model", "tiny", "--control-socket", os.path.join(sockdir, "ctl")]
+    assert cli.serve(cli.build_parser().parse_args(
+        base + ["--engine", "ref", "--core-input", "ipc:///x/in", "--core-output", "ipc:///x/out"])) == EXIT_REFUSED
+    assert "which the reference engine does not speak (use --engine vllm" in caplog.text
+    caplog.clear()
+    assert cli.serve(cli.build_parser().parse_args(base)) == EXIT_REFUSED
+    assert "give --generation-socket, or --core-input and --core-output" in caplog.text
+
+
 def test_corrupted_shared_kv_is_detected(h):
     """The standby really reads the active's KV: corrupt it and adoption fails for that request."""
     assert h.sleep().ok

@@ -32,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--role", required=True, choices=["active", "standby"])
     s.add_argument("--model", required=True, help="model preset name or model directory")
     s.add_argument("--control-socket", required=True)
-    s.add_argument("--generation-socket", required=True)
+    s.add_argument("--generation-socket", help="serve frmps's generation API here (the Go front door's engine API)")
+    s.add_argument("--core-input", metavar="ADDR",
+                   help="core mode (--engine vllm; vllmpatch/OPENAI.md, design (a)): serve vLLM's engine-core "
+                        "protocol to vLLM's API server instead of the generation API; its input socket (a ROUTER "
+                        "the frontend binds, e.g. ipc://RUN_DIR/core-in.sock). Needs --core-output")
+    s.add_argument("--core-output", metavar="ADDR", help="core mode: the frontend's output socket (a PULL it binds)")
     s.add_argument("--memory", default="host-shm", choices=["host-shm", "cuda-vmm"])
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument("--num-blocks", type=_positive)
@@ -101,6 +106,14 @@ def serve(args: argparse.Namespace) -> int:
     from frmps_engine.sdk.loop import is_device_error
 
     log = logging.getLogger("frmps_engine")
+    core_mode = bool(args.core_input or args.core_output)
+    if core_mode and args.engine == "ref":
+        log.error("engine cannot start: --core-input/--core-output serve vLLM's engine-core protocol, which the "
+                  "reference engine does not speak (use --engine vllm, or --generation-socket)")
+        return runner.EXIT_REFUSED
+    if not core_mode and not args.generation_socket:
+        log.error("engine cannot start: give --generation-socket, or --core-input and --core-output (core mode)")
+        return runner.EXIT_REFUSED
     if args.memory == "host-shm" and args.device != "cpu":
         log.error("engine cannot start: host-shm pools live in host memory; use --device cpu, or --memory cuda-vmm on a GPU")
         return runner.EXIT_REFUSED
@@ -117,7 +130,8 @@ def serve(args: argparse.Namespace) -> int:
         mem = memory.get_backend(args.memory, args.device)
         r = runner.Runner(
             runner.RunnerConfig(role=args.role, control_socket=args.control_socket,
-                                generation_socket=args.generation_socket),
+                                generation_socket=args.generation_socket or "",
+                                core_input=args.core_input or "", core_output=args.core_output or ""),
             adapter, mem,
         )
     except (adapters.AdapterError, memory.MemoryError_, runner.StartupError) as e:

@@ -217,6 +217,27 @@ class ProcessGroup(Protocol):
     def on_peer_death(self, fn: Callable[[str], None]) -> None: ...
 
 
+@runtime_checkable
+class EngineCoreProtocol(Protocol):
+    """An adapter whose engine can serve vLLM's engine-core protocol to vLLM's own
+    API server (vllmpatch/OPENAI.md, design (a)) instead of frmps's generation API:
+    the runner's core mode (``--core-input``/``--core-output``). Without it the
+    runner refuses that mode at start.
+
+    ``serve_engine_core()`` is called once, before any core is built: cores built
+    afterwards leave stop strings and detokenization to the frontend.
+    ``engine_core_server(core, input_address, output_address, *, engine_index,
+    sync_every, on_fatal, step_delay_s)`` returns a server over ``core`` with its
+    own EngineLoop (``.loop``), not connected yet: ``adopt_resume(requests)``
+    (control ResumeRequests carrying ``engine_request``) before ``start()``
+    (connect, ready message, loop start); ``hand_over()`` (planned handover:
+    publish, forget, disconnect without ending the frontend's requests);
+    ``stop_input()``, ``close()``."""
+
+    def serve_engine_core(self) -> None: ...
+    def engine_core_server(self, core: Any, input_address: str, output_address: str, **kw: Any) -> Any: ...
+
+
 def has_launch_hook(core: object) -> bool:
     return isinstance(core, LaunchHook) and bool(core.launch_hook)
 

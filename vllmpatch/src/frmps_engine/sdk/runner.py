@@ -11,6 +11,15 @@ Active:  [Handoff] (a planned handover, failback) stop after the step in flight,
          engine, forget the requests, pools read-only: a standby again, asleep,
          and a later Resume is answered like any standby's.
 Shutdown -> exit 0. A device error -> Fault (best effort) and exit 3 at once.
+
+Core mode (``--core-input``/``--core-output``; vllmpatch/OPENAI.md, design (a)):
+the engine serves vLLM's engine-core protocol to vLLM's own API server instead
+of frmps's generation API (an adapter with engine_api.EngineCoreProtocol:
+``--engine vllm``). The serving engine connects to the frontend's sockets and
+sends its ready message: an active at its start, a standby once it has adopted
+a Resume, whose requests then carry ``engine_request`` (the EngineCoreRequest
+as the frontend sent it) instead of a prompt and params. Handoff disconnects
+without ending the frontend's requests. Everything else is the same.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from typing import Any, Callable
 from frmps_engine._proto.frmps.v1 import control_pb2
 
 from . import control, debug_hang, spare
-from .engine_api import EngineAdapter, ProcessGroup, Resettable, TakeoverWarmup, vocab_size
+from .engine_api import EngineAdapter, EngineCoreProtocol, ProcessGroup, Resettable, TakeoverWarmup, vocab_size
 from .genapi import GenerationServer, input_to_ids, pb_ints
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
 from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
@@ -94,11 +103,20 @@ def _test_step_delay() -> float:
 class RunnerConfig:
     role: str  # "active" | "standby"
     control_socket: str
-    generation_socket: str
+    generation_socket: str  # "" in core mode
     ring_module: str = "frmps_engine.ring"
     # Heartbeat period when the supervisor's Welcome names none.
     heartbeat_s: float = 0.125
     default_grace_s: float = 5.0
+    # Core mode: the frontend's engine-core sockets (vLLM's API server binds them;
+    # ipc:// in the run directory), and this engine's index (its DEALER identity).
+    core_input: str = ""
+    core_output: str = ""
+    core_engine_index: int = 0
+
+    @property
+    def core_mode(self) -> bool:
+        return bool(self.core_input or self.core_output)
 
 
 class StartupError(Exception):
@@ -115,6 +133,19 @@ class Runner:
     ):
         if cfg.role not in ("active", "standby"):
             raise StartupError(f"role must be active or standby, got {cfg.role!r}")
+        if cfg.core_mode:
+            if not (cfg.core_input and cfg.core_output):
+                raise StartupError("core mode needs both engine-core sockets (--core-input and --core-output)")
+            if cfg.generation_socket:
+                raise StartupError("core mode serves vLLM's engine-core protocol, not the generation API: "
+                                   "give --core-input/--core-output or --generation-socket, not both")
+            if not isinstance(adapter, EngineCoreProtocol):
+                raise StartupError(f"engine {adapter.name} does not speak vLLM's engine-core protocol "
+                                   "(--core-input/--core-output need --engine vllm)")
+            adapter.serve_engine_core()
+        elif not cfg.generation_socket:
+            raise StartupError("no generation socket (--generation-socket), and no engine-core sockets "
+                               "(--core-input/--core-output)")
         self.cfg = cfg
         self.adapter = adapter
         # A tensor-parallel engine: the pools of every rank go through this process.
@@ -128,6 +159,7 @@ class Runner:
         self.loop: EngineLoop | None = None
         self.backend = EngineBackend(adapter)
         self.gen: GenerationServer | None = None
+        self.server = None  # core mode: the engine-core server while serving (EngineCoreProtocol)
         self._slept = False
         self._resumed = False
         self._done = threading.Event()
@@ -166,14 +198,16 @@ class Runner:
     def _start(self) -> None:
         if isinstance(self.adapter, ProcessGroup):
             self.adapter.on_peer_death(self._peer_died)
-        self.gen = GenerationServer(self.backend, self.cfg.generation_socket)
-        self.gen.start()
+        if not self.cfg.core_mode:
+            self.gen = GenerationServer(self.backend, self.cfg.generation_socket)
+            self.gen.start()
         self.client = control.ControlClient.connect(self.cfg.control_socket)
         self.welcome = self.client.handshake(
             control.HelloInfo(
                 role=self.role, model=self.adapter.model, engine=self.adapter.name,
                 engine_version=self.adapter.version, pools=self._pb_pools(),
-                generation_endpoint=self.gen.endpoint, device=self.adapter.device,
+                # Core mode: no generation API (the frontend is vLLM's API server).
+                generation_endpoint=self.gen.endpoint if self.gen is not None else "", device=self.adapter.device,
                 block_size=self.adapter.block_size, num_blocks=self.adapter.num_blocks,
             )
         )
@@ -198,21 +232,29 @@ class Runner:
         t_pools = time.perf_counter_ns()
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
         _log_start_phases(t, t_ring, t_pools)
-        self._warm_request_path()
+        if not self.cfg.core_mode:  # core mode: requests arrive tokenized, with the engine's own params
+            self._warm_request_path()
         self._prepare_debug_fault()
         _freeze_heap()
         self.client.export_pools(self._pb_pools(), [p.fd for p in pools])
-        self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal,
-                               step_delay_s=_test_step_delay())
+        if self.cfg.core_mode:
+            self.server = self._engine_core_server(self.welcome.sync_every or 1)
+            self.loop = self.server.loop
+        else:
+            self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal,
+                                   step_delay_s=_test_step_delay())
         if self.welcome.ring_path:
             self.loop.attach_ring(RingPublisher(self.welcome.ring_path, self.cfg.ring_module))
-        self.loop.start()
+        if self.server is not None:
+            self.server.start()  # connects, sends the ready message, starts the loop
+        else:
+            self.loop.start()
         self.backend.loop = self.loop
         self.backend.is_serving = True
         self.client.start(self)
         self._log_checksums("at ready")
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
-        log.info("active engine serving on %s (init %.0f ms)", self.gen.endpoint, (time.perf_counter_ns() - self._t0) / 1e6)
+        log.info("active engine serving on %s (init %.0f ms)", self._serving_on(), (time.perf_counter_ns() - self._t0) / 1e6)
         _startup_stacks(False)
         _write_modules()
 
@@ -225,7 +267,8 @@ class Runner:
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
         _log_start_phases(t, t_ring, t_pools)
         t_warm = time.perf_counter_ns()
-        self._warm_request_path()
+        if not self.cfg.core_mode:  # core mode: requests arrive tokenized, with the engine's own params
+            self._warm_request_path()
         throwaway = isinstance(self.core, TakeoverWarmup)
         if throwaway:
             # On the reserved (private) memory, before Sleep maps the brokered pools.
@@ -238,6 +281,18 @@ class Runner:
         log.info("standby built (init %.0f ms), waiting for Sleep%s", (time.perf_counter_ns() - self._t0) / 1e6,
                  _device_memory_note(self.adapter.device))
         _startup_stacks(False)
+
+    def _engine_core_server(self, sync_every: int):
+        """Core mode: the engine-core server over the core, with its own engine loop
+        (the runner's: fatal errors end the process), not connected yet."""
+        return self.adapter.engine_core_server(
+            self.core, self.cfg.core_input, self.cfg.core_output, engine_index=self.cfg.core_engine_index,
+            sync_every=sync_every, on_fatal=self._fatal, step_delay_s=_test_step_delay())
+
+    def _serving_on(self) -> str:
+        if self.gen is not None:
+            return self.gen.endpoint
+        return f"vLLM engine-core sockets {self.cfg.core_input} (in), {self.cfg.core_output} (out)"
 
     def _warm_request_path(self) -> None:
         """Run once what turning a request into the engine's input costs the first
@@ -299,13 +354,105 @@ class Runner:
         t0 = time.perf_counter_ns()
         if self.role != control_pb2.ROLE_STANDBY or not self._slept or self._resumed:
             return control_pb2.Reply(ok=False, error="Resume is for a sleeping standby (send Sleep first)")
+        mismatch = self._resume_mismatch(msg)
+        if mismatch:  # refused whole, nothing adopted: still a sleeping standby
+            log.error("%s", mismatch)
+            return control_pb2.Reply(ok=False, error=mismatch)
         self._resumed = True
         # No collector pass in the middle of a takeover (it is re-enabled below).
         gc.disable()
         try:
+            if self.cfg.core_mode:
+                return self._take_over_core(env_id, msg, t0)
             return self._take_over(env_id, msg, t0)
         finally:
             gc.enable()
+
+    def _resume_mismatch(self, msg: control_pb2.Resume) -> str:
+        """Why this Resume's requests are of the other frontend's kind ("" when
+        they fit): requests with ``engine_request`` come from vLLM's API server as
+        the frontend and are adopted only in core mode; requests without it come
+        from the Go front door and are adopted only in the normal mode."""
+        if self.cfg.core_mode:
+            bad = [r.key for r in msg.requests if not r.engine_request]
+            if bad:
+                return (f"Resume refused: this engine serves vLLM's engine-core protocol (core mode), and "
+                        f"{len(bad)} of {len(msg.requests)} requests carry no engine_request (keys "
+                        f"{_keys(bad)}): a resume set of the generation API's front door? Nothing adopted")
+            return ""
+        bad = [r.key for r in msg.requests if r.engine_request]
+        if bad:
+            return (f"Resume refused: {len(bad)} of {len(msg.requests)} requests carry engine_request (keys "
+                    f"{_keys(bad)}), a resume set of vLLM's API server as frontend, but this engine serves "
+                    f"frmps's generation API (not core mode). Nothing adopted")
+        return ""
+
+    def _take_over_core(self, env_id: int, msg: control_pb2.Resume, t0: int):
+        """Core mode's takeover: adopt the frontend's requests (their EngineCoreRequests
+        with the tokens it received and the ring's snapshots) beside the KV flip,
+        attach the ring, reply, then connect to the frontend under the engine's
+        identity (the ready message): its held messages follow, and the adopted
+        requests' outputs continue each stream where the frontend stopped."""
+        flip = _KvFlip(self.memory)
+        try:
+            self.server = self._engine_core_server(msg.sync_every or self.welcome.sync_every or 1)
+            self.loop = self.server.loop
+            t_adopt = time.perf_counter_ns()
+            c_adopt = time.thread_time_ns()
+            try:
+                adopted = self.server.adopt_resume(msg.requests)
+            except Exception as e:  # one request's failure is its outcome; this is the engine's
+                if is_device_error(e):
+                    self._fatal(e)
+                raise
+            c_adopt = time.thread_time_ns() - c_adopt
+            t_adopt = time.perf_counter_ns() - t_adopt
+        finally:
+            t_wake = flip.join()  # raises the flip's error (a device error: the engine is lost)
+        outcomes = [control_pb2.ResumeOutcome(key=o.key, ok=o.ok, error=o.error, reused_tokens=o.reused_tokens,
+                                              prefilled_tokens=o.prefill_tokens) for o in adopted]
+        t_ring = time.perf_counter_ns()
+        ring_error = self._attach_resume_ring(msg)
+        t_ring = time.perf_counter_ns() - t_ring
+        self.backend.loop = self.loop
+        self.role = control_pb2.ROLE_ACTIVE
+        self.backend.is_serving = True
+        took = time.perf_counter_ns() - t0
+        self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
+        self.loop.trace_steps = 3
+        t_connect = time.perf_counter_ns()
+        try:
+            self.server.start()  # connect + ready message + loop start
+        except Exception as e:  # not connected: the frontend waits for an engine that never comes
+            self._fatal(e)
+            raise  # not reached: _fatal exits
+        t_connect = time.perf_counter_ns() - t_connect
+        log.info(
+            "took over %d requests in %.2f ms (%d reused tokens, %d to prefill; KV writable in %.3f ms; "
+            "adoption %.2f ms, ring attach %.2f ms; adoption CPU %.2f ms, the KV flip beside it); "
+            "connected to the frontend in %.2f ms after the reply (%s)",
+            len(outcomes), took / 1e6, sum(o.reused_tokens for o in outcomes), sum(o.prefilled_tokens for o in outcomes),
+            t_wake / 1e6, t_adopt / 1e6, t_ring / 1e6, c_adopt / 1e6, t_connect / 1e6, self._serving_on(),
+        )
+        self.log_counters("after takeover")
+        return None
+
+    def _attach_resume_ring(self, msg: control_pb2.Resume) -> str:
+        """Attach the ring a Resume names; "" or why the engine serves without it."""
+        ring_path = msg.ring_path or self.welcome.ring_path
+        if not ring_path:
+            return ""
+        try:
+            self.loop.attach_ring(RingPublisher(ring_path, self.cfg.ring_module))
+        except Exception as e:
+            if is_device_error(e):
+                raise
+            # Serving without a ring beats not serving: only the next failover loses
+            # its snapshot. The Reply says so; the supervisor decides what to do.
+            msg_ = f"serving without the ring: attach {ring_path}: {e}"
+            log.error("%s", msg_)
+            return msg_
+        return ""
 
     def _take_over(self, env_id: int, msg: control_pb2.Resume, t0: int):
         # The KV flip and the adoption overlap: after a fault the flip's driver call
@@ -369,7 +516,9 @@ class Runner:
         t0 = time.perf_counter_ns()
         self.backend.is_serving = False  # new requests: UNAVAILABLE, the front door waits for the next engine
         try:
-            moved = loop.hand_over()
+            # Core mode: the server stops reading the frontend's sockets, sends what the
+            # last step made and disconnects; the frontend keeps the requests open.
+            moved = loop.hand_over() if self.server is None else self.server.hand_over()
             t_loop = time.perf_counter_ns() - t0
             self.memory.make_readonly("kv_cache")
             self.memory.make_readonly("weights")
@@ -377,6 +526,7 @@ class Runner:
             self._fatal(e)
             raise  # not reached: _fatal exits
         self.loop = None
+        self.server = None
         self.role = control_pb2.ROLE_STANDBY
         self._slept, self._resumed = True, False
         took = time.perf_counter_ns() - t0
@@ -512,11 +662,16 @@ class Runner:
         if not self._shutting_down.acquire(blocking=False):
             return
         self.backend.is_serving = False
+        server = self.server
+        if server is not None:
+            server.stop_input()  # core mode: no new requests from the frontend
         deadline = time.monotonic() + grace_s
         while self.loop is not None and self.loop.load()[0] and time.monotonic() < deadline:
             time.sleep(0.02)
         if self.gen is not None:
             self.gen.stop(max(0.0, deadline - time.monotonic()))
+        if server is not None:
+            server.close()  # stops the loop; sends nothing more (never ENGINE_CORE_DEAD)
         if self.loop is not None:
             self.loop.stop()
         self.log_counters("at shutdown")
@@ -584,6 +739,11 @@ class Runner:
 
     def log_counters(self, when: str) -> None:
         log.info("engine counters %s: %s", when, json.dumps(self.counters(), sort_keys=True))
+
+
+def _keys(keys: list[int], most: int = 8) -> str:
+    shown = ", ".join(str(k) for k in keys[:most])
+    return shown + (f", … ({len(keys) - most} more)" if len(keys) > most else "")
 
 
 def _device_memory_note(device: str) -> str:

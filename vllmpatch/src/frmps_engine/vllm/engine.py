@@ -535,6 +535,21 @@ class VllmAdapter:
         self.block_size, self.num_blocks, self.max_model_len = cfg.block_size, cfg.num_blocks, cfg.max_model_len
         self._tokenizer = None
         self._gen_config: dict | None = None
+        self._engine_core = False  # serve_engine_core(): cores without a detokenizer
+
+    def serve_engine_core(self) -> None:
+        """engine_api.EngineCoreProtocol: the runner's core mode. Cores built from
+        now on have no tokenizer of their own: vLLM's API server detokenizes and
+        matches stop strings (a core that matched them would end requests behind
+        the frontend's back), and requests arrive as token ids. vLLM's EngineCore
+        keeps its tokenizer for structured outputs (the grammar compiler)."""
+        self._engine_core = True
+
+    def engine_core_server(self, core: VllmCore, input_address: str, output_address: str, **kw: Any) -> Any:
+        """engine_api.EngineCoreProtocol: ``frontend.engine_server.EngineCoreServer`` over ``core``."""
+        from .frontend.engine_server import EngineCoreServer
+
+        return EngineCoreServer(core, input_address, output_address, **kw)
 
     def pool_layout(self):
         h = self.hf
@@ -613,7 +628,7 @@ class VllmAdapter:
         self.compat.finish_config(vllm_config, SLEEP_BACKEND_NAME)
         vllm_config.scheduler_config.scheduler_cls = scheduler_cls_for(vllm_config)
         core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
-        return VllmCore(core, self.tokenizer())
+        return VllmCore(core, None if self._engine_core else self.tokenizer())
 
     def sampling_params(self, params: Any, seed: int) -> Any:
         """control_pb2.SamplingParams (validated by the SDK; ``seed`` resolved) -> vllm SamplingParams,

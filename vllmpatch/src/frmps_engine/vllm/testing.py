@@ -253,3 +253,33 @@ def cpu_engine_core(model_dir: str, *, num_blocks: int, max_num_seqs: int, max_m
                            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len, 256),
                            scheduler_cls=SCHEDULER_CLS)
     return VllmCore(SchedulerCore(make_scheduler(cfg)), tokenizer)
+
+
+def cpu_adapter(model_dir: str, *, num_blocks: int = 64, max_num_seqs: int = 8, max_model_len: int = 512,
+                model_factory: Any = FakeModel, device_s: float = 0.0, async_scheduling: bool = False):
+    """TEST DOUBLE of the vLLM adapter, for driving the SDK's Runner in process on
+    the CPU: ``VllmAdapter`` (name, version, layout checks, the runner's core mode:
+    ``serve_engine_core`` / ``engine_core_server`` unchanged) whose ``create_core``
+    builds the VllmCore over ``SchedulerCore`` (the real FrmpsScheduler, the
+    stand-in model ``model_factory()``, ``device_s`` per step) instead of vLLM's
+    EngineCore on the GPU, and whose pools are two small host-memory pools that
+    nothing reads or writes (the stand-in model keeps no KV). ``async_scheduling``:
+    FrmpsAsyncScheduler behind SchedulerCore's batch queue (one step in flight)."""
+    from ..sdk.memory.base import PoolSpec
+    from . import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS
+    from .engine import VllmAdapter, VllmCore, VllmEngineConfig
+
+    class CpuVllmAdapter(VllmAdapter):
+        def pool_layout(self):
+            return [PoolSpec("weights", 0, 1 << 16), PoolSpec("kv_cache", 0, 1 << 16)]
+
+        def create_core(self, pools: dict, load_weights: bool) -> VllmCore:
+            cfg = make_vllm_config(self.cfg.model, num_blocks=self.num_blocks, max_num_seqs=max_num_seqs,
+                                   max_model_len=self.max_model_len, async_scheduling=async_scheduling,
+                                   scheduler_cls=ASYNC_SCHEDULER_CLS if async_scheduling else SCHEDULER_CLS)
+            core = SchedulerCore(make_scheduler(cfg), model=model_factory(), device_s=device_s,
+                                 batch_queue_size=2 if async_scheduling else 1)
+            return VllmCore(core, None if self._engine_core else self.tokenizer())
+
+    return CpuVllmAdapter(VllmEngineConfig(model=model_dir, device="cpu", num_blocks=num_blocks,
+                                           max_model_len=max_model_len, dtype="float32"))

@@ -40,7 +40,12 @@ A promoted standby adopts the frontend's resume entries before it connects
 received (``EngineCoreOutput`` carries no index, so the engine emits only new
 tokens, which vLLM's scheduler does for an adopted request).
 
-Not wired into ``frmps serve`` yet (``OPENAI.md``, "Status").
+The runner's core mode (``sdk/runner.py``, ``cli serve --core-input/--core-output``)
+runs one of these in the engine process in place of the generation API: an
+active from its start, a promoted standby after it adopted a control Resume
+(``adopt_resume``: the ``ResumeRequest.engine_request`` bytes), and a planned
+handover leaves through ``hand_over``. Not launched by ``frmps serve`` yet
+(``OPENAI.md``, "Status").
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ from ..state import key_for_request_id, request_id_for_key
 from .ledger import EXTRA_ARGS_KEY
 
 log = logging.getLogger(__name__)
+
+_DRAINED = object()  # queued last by hand_over: the output thread has sent everything before it
 
 
 class RefusedRequest(ValueError):
@@ -91,6 +98,38 @@ def check_request(request: Any) -> int:
     if getattr(request, "resumable", False):
         raise RefusedRequest(f"request {rid}: not yet: streaming-input (resumable) requests")
     return key
+
+
+@dataclass
+class ResumeItem:
+    """One request to adopt: the EngineCoreRequest as the frontend sent it and
+    the output tokens it received (what ``adopt_entries`` reads of a
+    ``ledger.Entry``)."""
+
+    key: int
+    request: Any
+    delivered: list[int]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(self.request.prompt_token_ids or ())
+
+
+@dataclass
+class RingState:
+    """A ring snapshot of one request as ``adopt_entries`` reads it, from a
+    control ``RequestSnapshot``."""
+
+    tokens: list[int]
+    num_prompt: int
+    num_computed: int
+    blocks: list[int]
+    seed: int
+
+    @classmethod
+    def from_pb(cls, snap: Any) -> "RingState":
+        return cls(list(snap.token_ids), int(snap.num_prompt_tokens), int(snap.num_computed_tokens),
+                   list(snap.block_ids), int(snap.seed))
 
 
 @dataclass
@@ -190,7 +229,7 @@ class EngineCoreServer:
 
     def __init__(self, core: Any, input_address: str, output_address: str, *, engine_index: int = 0,
                  sync_every: int = 1, ring_path: str | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+                 on_fatal: Callable[[BaseException], None] | None = None, step_delay_s: float = 0.0):
         from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityOutput
         from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
 
@@ -208,12 +247,13 @@ class EngineCoreServer:
         self._dec_req, self._dec_any = MsgpackDecoder(EngineCoreRequest), MsgpackDecoder()
         self._enc = MsgpackEncoder()
         self._user_fatal = on_fatal
-        self.loop = EngineLoop(core, sync_every=sync_every, on_fatal=self._fatal)
+        self.loop = EngineLoop(core, sync_every=sync_every, on_fatal=self._fatal, step_delay_s=step_delay_s)
         self._ring_path = ring_path
         core.engine_outputs = self._emit
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._silent = threading.Event()  # nothing more is sent (halted or dead)
         self._stop_io = threading.Event()
+        self._stop_in = threading.Event()  # no more inputs taken (handover, shutdown)
         self._ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []
         self._threads: list[threading.Thread] = []
@@ -233,6 +273,37 @@ class EngineCoreServer:
                 self._refuse(o.request_id, o.error)
         return outcomes
 
+    def adopt_resume(self, requests: Iterable[Any]) -> list[EntryOutcome]:
+        """Adopt a control Resume's requests (``control_pb2.ResumeRequest`` with
+        ``engine_request``: the EngineCoreRequest in vLLM's msgpack, as the
+        frontend sent it; ``delivered_token_ids``; the ring's ``snapshot`` when
+        the request reached a sync). Outcomes in the requests' order; one that
+        does not decode fails alone, with an error output (under the engine id
+        its key names) once the server is connected."""
+        items: list[tuple[int, ResumeItem | None, str]] = []
+        snapshots: dict[int, RingState] = {}
+        for r in requests:
+            key = int(r.key)
+            try:
+                req = self._dec_req.decode(r.engine_request)
+            except Exception as e:
+                items.append((key, None, f"request {request_id_for_key(key)}: engine_request does not decode as "
+                                         f"this vLLM's EngineCoreRequest: {e}"))
+                continue
+            items.append((key, ResumeItem(key, req, list(r.delivered_token_ids)), ""))
+            if r.HasField("snapshot"):
+                snapshots[key] = RingState.from_pb(r.snapshot)
+        adopted = iter(self.adopt([it for _, it, _ in items if it is not None], snapshots))
+        out: list[EntryOutcome] = []
+        for key, it, why in items:
+            if it is None:
+                rid = request_id_for_key(key)
+                self._refuse(rid, why)
+                out.append(EntryOutcome(key, rid, False, error=why))
+            else:
+                out.append(next(adopted))
+        return out
+
     # -- lifecycle --------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> None:
         if self._started:
@@ -251,6 +322,38 @@ class EngineCoreServer:
             if not ev.wait(timeout):
                 raise TimeoutError("engine-core sockets did not connect")
         self.loop.start()
+
+    def stop_input(self, timeout: float = 5.0) -> None:
+        """Take no more messages from the frontend (what it sends from now on stays
+        unread and is dropped with the socket: its resume ledger still holds every
+        request it sent). Requests already taken go on."""
+        self._stop_in.set()
+        for t in self._threads:
+            if t.name == "frmps-ec-in":
+                t.join(timeout)
+
+    def hand_over(self, timeout: float = 30.0) -> int:
+        """A planned handover: take no more inputs, let the loop finish the step in
+        flight, publish every request to the ring (a FULL record) and forget them
+        (``EngineLoop.hand_over``), send every output made until then, and
+        disconnect. Nothing ends the frontend's requests (no ENGINE_CORE_DEAD, no
+        abort output): the next engine adopts them. Returns how many requests the
+        engine held."""
+        self.stop_input()
+
+        def count() -> int:
+            return int(self.core.num_running()) + int(self.core.num_waiting())
+
+        n = self.loop.call(count, timeout)
+        self.loop.hand_over(timeout)
+        self.core.engine_outputs = None
+        self._out.put(_DRAINED)
+        for t in self._threads:
+            t.join(timeout)
+        if any(t.is_alive() for t in self._threads):
+            raise TimeoutError(f"engine-core sockets did not drain within {timeout:.0f}s")
+        self.close()
+        return n
 
     def halt(self, close_sockets: bool = True) -> None:
         """Stop abruptly, sending nothing more: what the frontend sees of a process
@@ -273,7 +376,8 @@ class EngineCoreServer:
         for s in self._sockets:
             s.close(linger=0)
         self._sockets = []
-        self._ctx.term()
+        if not self._ctx.closed:
+            self._ctx.term()
 
     @property
     def running(self) -> bool:
@@ -317,6 +421,11 @@ class EngineCoreServer:
                 outs = self._out.get(timeout=0.05)
             except queue.Empty:
                 continue
+            if outs is _DRAINED:  # a handover: all sent; deliver what zmq still queues
+                push.setsockopt(zmq.LINGER, 5000)
+                self._sockets.remove(push)
+                push.close()
+                return
             if self._silent.is_set():
                 break
             outs.engine_index = self.engine_index
@@ -335,11 +444,11 @@ class EngineCoreServer:
         # after it has heard from it.
         dealer.send(self.compat.ready_response(self.vllm_config, self.engine_index))
         ready.set()
-        while not self._stop_io.is_set():
-            if not dealer.poll(50):
+        while not (self._stop_io.is_set() or self._stop_in.is_set()):
+            if not dealer.poll(10):  # stop_input waits for this thread to leave
                 continue
             frames = dealer.recv_multipart(copy=False)
-            if self._silent.is_set():
+            if self._silent.is_set() or self._stop_in.is_set():
                 break
             try:
                 self._on_message(frames)
