@@ -58,7 +58,11 @@ type Config struct {
 	// EngineArgs are appended to every engine's command line (engine-specific
 	// options the supervisor does not interpret).
 	EngineArgs []string
-	Breaker    failover.BreakerConfig
+	// EngineCoreInput/EngineCoreOutput: every engine serves vLLM's
+	// engine-core protocol to vLLM's API server at these addresses (serve
+	// --frontend vllm) instead of frmps's generation API.
+	EngineCoreInput, EngineCoreOutput string
+	Breaker                           failover.BreakerConfig
 	// PollInterval between ring polls; 0 means 500µs.
 	PollInterval time.Duration
 	// HandshakeTimeout bounds launch → Ready; 0 means 10 minutes (weights load).

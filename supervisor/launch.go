@@ -205,6 +205,8 @@ func (s *Supervisor) invocation(role failover.Role, id int) engine.Invocation {
 		MaxModelLen:        s.cfg.MaxModelLen,
 		TensorParallelSize: s.cfg.TensorParallelSize,
 		ExtraArgs:          s.cfg.EngineArgs,
+		CoreInput:          s.cfg.EngineCoreInput,
+		CoreOutput:         s.cfg.EngineCoreOutput,
 	}
 }
 

@@ -77,7 +77,9 @@ func (sl *slot) generationEndpoint() string {
 // moment anything is served. Best effort: on failure the limit is asked
 // again when the engine is published.
 func (s *Supervisor) learnModelLimit(ctx context.Context, sl *slot) {
-	if s.cfg.MaxModelLen > 0 || s.learnedMaxLen.Load() != 0 || sl.roleNow() != failover.Active {
+	// An engine serving vLLM's API server (EngineCoreInput) has no generation API;
+	// that server reads the engine's limit from its ready message.
+	if s.cfg.MaxModelLen > 0 || s.cfg.EngineCoreInput != "" || s.learnedMaxLen.Load() != 0 || sl.roleNow() != failover.Active {
 		return
 	}
 	c, closer, err := s.deps.DialGeneration(sl.generationEndpoint())

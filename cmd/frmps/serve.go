@@ -370,7 +370,7 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		// Removes its directory on every return (a second Shutdown after the
 		// one below only closes what is closed).
 		defer func() { _ = vfd.Shutdown(context.Background()) }()
-		cfg.EngineArgs = append(append([]string(nil), cfg.EngineArgs...), vfd.EngineArgs()...)
+		cfg.EngineCoreInput, cfg.EngineCoreOutput = vfd.inputAddr, vfd.outputAddr
 	}
 	sup, err := supervisor.New(cfg, log.Named("supervisor"), reg)
 	if err != nil {

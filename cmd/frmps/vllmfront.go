@@ -40,7 +40,7 @@ type vllmFrontDoor struct {
 	argv []string
 	env  []string
 
-	// Addresses the engines connect to (passed to them as --core-input/--core-output).
+	// Addresses the engines connect to (Config.EngineCoreInput/Output: --core-input/--core-output).
 	inputAddr, outputAddr, controlPath string
 
 	conn *grpc.ClientConn
@@ -128,11 +128,6 @@ func frontendEnv(base, outside []string, apiKey string) []string {
 		env = append(env, "VLLM_API_KEY="+apiKey)
 	}
 	return env
-}
-
-// EngineArgs are the arguments every engine needs to serve this frontend.
-func (d *vllmFrontDoor) EngineArgs() []string {
-	return []string{"--core-input=" + d.inputAddr, "--core-output=" + d.outputAddr}
 }
 
 // Serve starts the frontend process and returns when it exits: nil after

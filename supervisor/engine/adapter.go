@@ -22,10 +22,14 @@ type Invocation struct {
 	Model            string
 	ControlSocket    string
 	GenerationSocket string
-	Memory           string // host-shm | cuda-vmm
-	Device           string // cpu | cuda (empty: the engine's default)
-	NumBlocks        int    // 0: the engine's default
-	MaxModelLen      int    // 0: the engine's default
+	// CoreInput/CoreOutput (both or neither): the engine serves vLLM's
+	// engine-core protocol to vLLM's API server at these addresses instead of
+	// the generation API at GenerationSocket (`frmps serve --frontend vllm`).
+	CoreInput, CoreOutput string
+	Memory                string // host-shm | cuda-vmm
+	Device                string // cpu | cuda (empty: the engine's default)
+	NumBlocks             int    // 0: the engine's default
+	MaxModelLen           int    // 0: the engine's default
 	// TensorParallelSize > 1: the engine process is rank 0 of a group of this
 	// many ranks (0 or 1: one process).
 	TensorParallelSize int
@@ -76,7 +80,14 @@ func (a PythonCLI) Command(inv Invocation) (string, []string, error) {
 		"--role", string(inv.Role),
 		"--model", inv.Model,
 		"--control-socket", inv.ControlSocket,
-		"--generation-socket", inv.GenerationSocket,
+	}
+	switch {
+	case inv.CoreInput != "" && inv.CoreOutput != "":
+		args = append(args, "--core-input", inv.CoreInput, "--core-output", inv.CoreOutput)
+	case inv.CoreInput != "" || inv.CoreOutput != "":
+		return "", nil, fmt.Errorf("engine invocation needs both engine-core addresses or neither")
+	default:
+		args = append(args, "--generation-socket", inv.GenerationSocket)
 	}
 	if inv.Memory != "" {
 		args = append(args, "--memory", inv.Memory)

@@ -376,6 +376,16 @@ func TestPythonCLI(t *testing.T) {
 	if _, args, _ = c.Command(Invocation{Role: RoleActive, Model: "m", ControlSocket: "c", GenerationSocket: "g"}); args[3] != "--engine" || args[4] != "mypkg.engines:Factory" {
 		t.Fatalf("custom engine: %v", args)
 	}
+	// vLLM's API server as the frontend: the engine-core addresses replace the generation socket.
+	_, args, err = v.Command(Invocation{Role: RoleStandby, Model: "m", ControlSocket: "c", GenerationSocket: "g",
+		CoreInput: "ipc:///d/in.sock", CoreOutput: "ipc:///d/out.sock"})
+	if got := strings.Join(args, " "); err != nil || !strings.Contains(got, "--core-input ipc:///d/in.sock --core-output ipc:///d/out.sock") ||
+		strings.Contains(got, "--generation-socket") {
+		t.Fatalf("core mode: %v %s", err, got)
+	}
+	if _, _, err := v.Command(Invocation{Role: RoleActive, Model: "m", ControlSocket: "c", GenerationSocket: "g", CoreInput: "ipc:///d/in.sock"}); err == nil {
+		t.Error("one engine-core address of two accepted")
+	}
 	if _, err := NewAdapter("", ""); err == nil {
 		t.Error("empty engine name accepted")
 	}
