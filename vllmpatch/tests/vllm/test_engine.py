@@ -687,6 +687,25 @@ def test_async_scheduling_switch_from_the_environment(model_dir, monkeypatch):
     assert ea.async_scheduling is False
 
 
+def test_structured_outputs_config_from_the_environment(model_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    from frmps_engine.sdk.adapters import AdapterError
+    from frmps_engine.vllm.engine import STRUCTURED_OUTPUTS_ENV, make_adapter
+
+    args = SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32")
+    monkeypatch.delenv(STRUCTURED_OUTPUTS_ENV, raising=False)
+    default = make_adapter(args).engine_args(True, 0.5).structured_outputs_config
+    monkeypatch.setenv(STRUCTURED_OUTPUTS_ENV, '{"backend": "xgrammar", "disable_any_whitespace": true}')
+    so = make_adapter(args).engine_args(True, 0.5).structured_outputs_config
+    assert so.backend == "xgrammar" and so.disable_any_whitespace is True
+    assert getattr(default, "disable_any_whitespace", False) is False
+    for bad, msg in (("{", "not JSON"), ("[1]", "want a JSON object"), ('{"no_such_field": 1}', "vLLM refuses")):
+        monkeypatch.setenv(STRUCTURED_OUTPUTS_ENV, bad)
+        with pytest.raises(AdapterError, match=msg):
+            make_adapter(args)
+
+
 def test_a_spares_preload_imports_vllm_and_hands_its_tokenizer_to_the_adapter(tmp_path):
     """sdk/spare.py runs the factory's preload hook with the model: vLLM's modules are
     imported without initialising CUDA, the tokenizer is read once, and the adapter

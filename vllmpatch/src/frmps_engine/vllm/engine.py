@@ -503,6 +503,9 @@ class VllmEngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int | None = None  # None: vLLM's default
     max_num_batched_tokens: int | None = None
+    # vLLM's StructuredOutputsConfig fields (None: vLLM's defaults); from
+    # FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG.
+    structured_outputs: dict | None = None
 
 
 def scheduler_cls_for(vllm_config: Any) -> str:
@@ -596,7 +599,15 @@ class VllmAdapter:
             seed=0,
             **{k: v for k, v in (("max_num_seqs", self.cfg.max_num_seqs),
                                  ("max_num_batched_tokens", self.cfg.max_num_batched_tokens)) if v},
+            **self._structured_outputs_arg(),
         )
+
+    def _structured_outputs_arg(self) -> dict:
+        if not self.cfg.structured_outputs:
+            return {}
+        from vllm.config import StructuredOutputsConfig
+
+        return {"structured_outputs_config": StructuredOutputsConfig(**self.cfg.structured_outputs)}
 
     def create_core(self, pools: dict, load_weights: bool) -> VllmCore:
         """Build vLLM in this process on the given pools (GPU path; see VLLM.md).
@@ -698,6 +709,35 @@ def async_scheduling_from_env(env: Mapping[str, str]) -> bool | None:
     raise ValueError(f"FRMPS_VLLM_ASYNC_SCHEDULING={v!r}: use 0 (the default), 1, or auto (vLLM decides)")
 
 
+STRUCTURED_OUTPUTS_ENV = "FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG"
+
+
+def structured_outputs_from_env(env: Mapping[str, str]) -> dict | None:
+    """FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG: vLLM's ``--structured-outputs-config``
+    as JSON (e.g. ``{"backend": "xgrammar", "disable_any_whitespace": true}``) for
+    every engine (both read the same environment). The grammar runs in the engine,
+    so with ``--frontend vllm`` give the API server the same through
+    ``--frontend-arg=--structured-outputs-config=...``. Unset: vLLM's defaults."""
+    import json
+
+    from vllm.config import StructuredOutputsConfig
+
+    v = env.get(STRUCTURED_OUTPUTS_ENV, "").strip()
+    if not v:
+        return None
+    try:
+        cfg = json.loads(v)
+    except ValueError as exc:
+        raise ValueError(f"{STRUCTURED_OUTPUTS_ENV}: not JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{STRUCTURED_OUTPUTS_ENV}: want a JSON object, got {type(cfg).__name__}")
+    try:
+        StructuredOutputsConfig(**cfg)  # vLLM's own checks of names and values
+    except Exception as exc:  # noqa: BLE001 - vLLM raises TypeError, ValueError or pydantic's errors
+        raise ValueError(f"{STRUCTURED_OUTPUTS_ENV}: vLLM refuses {cfg}: {exc}") from None
+    return cfg
+
+
 def make_adapter(args: Any) -> VllmAdapter:
     """Build the adapter from the CLI's parsed arguments (``serve --engine vllm``)."""
     from frmps_engine.sdk.adapters import AdapterError
@@ -711,6 +751,7 @@ def make_adapter(args: Any) -> VllmAdapter:
         raise AdapterError("--tensor-parallel-size > 1 is implemented by the reference engine only (not yet for vLLM)")
     try:
         async_scheduling = async_scheduling_from_env(os.environ)
+        structured_outputs = structured_outputs_from_env(os.environ)
     except ValueError as exc:
         raise AdapterError(str(exc)) from exc
     return VllmAdapter(
@@ -726,6 +767,7 @@ def make_adapter(args: Any) -> VllmAdapter:
             async_scheduling=async_scheduling,
             max_num_seqs=getattr(args, "max_num_seqs", None),
             max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+            structured_outputs=structured_outputs,
         )
     )
 
