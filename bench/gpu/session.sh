@@ -31,7 +31,7 @@
 #   openai-matrix:<model>[:<timeout>]  bench/openai_matrix.py against `vllm serve` and against `frmps serve --engine vllm
 #                                      --frontend vllm` on the same model directory (default 900 s); the table in
 #                                      $OUT/openai-matrix.md. Both need the API server's packages: .gpu/wheels-server
-#                                      (installed into VLSITE by prep)
+#                                      (bench/gpu/server-wheels.sh downloads them; installed into VLSITE by prep)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
