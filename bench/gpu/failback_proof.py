@@ -82,6 +82,22 @@ def stream(base: str, model: str, body: dict, timeout: float = 900, live: list |
     return out
 
 
+def wait_endpoint(base: str, timeout: float) -> None:
+    """Until the OpenAI endpoint answers GET /v1/models (frmps's front door does at
+    once; vLLM's API server as the front door only once its engine has connected)."""
+    deadline = now() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if now() > deadline:
+            raise TimeoutError(f"{base}/v1/models did not answer in {timeout:.0f} s")
+        time.sleep(0.5)
+
+
 def bodies(n: int, max_tokens: int) -> list[dict]:
     out = []
     for i in range(n):
@@ -327,6 +343,7 @@ def main() -> int:
         t0 = now()
         dep.start()
         st, t_ready = dep.wait(lambda s: started(dep, s), 900, "active serving + standby ready")
+        wait_endpoint(dep.base, 300)  # --frontend vllm: vLLM's API server listens once the engine is up
         e = engines(st)
         report["startup_s"] = round(t_ready - t0, 2)
         act_log, sb_log = get(e["active"], "log_path"), get(e["standby"], "log_path")
