@@ -472,18 +472,7 @@ class Runner:
         finally:
             t_wake = flip.join()  # raises the flip's error (a device error: the engine is lost)
         t_ring = time.perf_counter_ns()
-        ring_path = msg.ring_path or self.welcome.ring_path
-        ring_error = ""
-        if ring_path:
-            try:
-                self.loop.attach_ring(RingPublisher(ring_path, self.cfg.ring_module))
-            except Exception as e:
-                if is_device_error(e):
-                    raise
-                # Serving without a ring beats not serving: only the next failover loses
-                # its snapshot. The Reply says so; the supervisor decides what to do.
-                ring_error = f"serving without the ring: attach {ring_path}: {e}"
-                log.error("%s", ring_error)
+        ring_error = self._attach_resume_ring(msg)
         t_ring = time.perf_counter_ns() - t_ring
         self.backend.loop = self.loop
         self.role = control_pb2.ROLE_ACTIVE
