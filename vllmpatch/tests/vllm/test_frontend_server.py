@@ -269,6 +269,17 @@ def test_failover_mid_stream_through_the_frontend_service(frontend, model_dir):
     assert b.core.counters["requests_adopted"] == 3 and b.refused == [] and a.refused == []
     h = control.FrontendHealth(pb.FrontendHealthRequest(), timeout=5)
     assert h.engine_connected and h.open_requests == 0
+    # The failover on vLLM's own /metrics, beside vLLM's metrics.
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{frontend.port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+         if line.startswith("frmps_frontend_") and " " in line}
+    assert m["frmps_frontend_engine_lost_total"] == 1 and m["frmps_frontend_resumed_requests_total"] == 3
+    assert m["frmps_frontend_engine_back_total"] == 1 and m["frmps_frontend_engine_connected"] == 1
+    assert m["frmps_frontend_engine_wait_seconds_count"] == 1 and 0 < m["frmps_frontend_engine_wait_seconds_sum"] < 30
+    assert any(line.startswith("vllm:") for line in text.splitlines()), "vLLM's own metrics on the same page"
 
 
 def test_control_socket_is_private_and_bad_calls_get_clear_errors(frontend):

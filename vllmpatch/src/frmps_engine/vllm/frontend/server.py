@@ -44,6 +44,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -101,6 +102,37 @@ def check_engine_address(addr: str, what: str) -> None:
                              "(a peer that connects can submit requests and send outputs)")
 
 
+# ---------------------------------------------------------------- metrics
+
+_METRICS: dict[str, Any] = {}
+_METRICS_LOCK = threading.Lock()
+
+
+def metrics() -> dict[str, Any]:
+    """frmps's metrics of the frontend, in prometheus_client's default registry:
+    the one vLLM's API server serves on its /metrics (vllm/v1/metrics/prometheus.py,
+    ``get_prometheus_registry``; with PROMETHEUS_MULTIPROC_DIR set, through its
+    multiprocess collector). Created once per process."""
+    with _METRICS_LOCK:
+        if not _METRICS:
+            from prometheus_client import Counter, Gauge, Histogram
+
+            _METRICS.update(
+                lost=Counter("frmps_frontend_engine_lost", "Engine losses reported to the frontend (failovers and "
+                             "planned handovers: EngineLost calls that returned a resume set)"),
+                resumed=Counter("frmps_frontend_resumed_requests", "Requests handed to a promoted engine to resume "
+                                "(entries of the resume sets)"),
+                back=Counter("frmps_frontend_engine_back", "Engines that connected in a lost engine's place"),
+                wait=Histogram("frmps_frontend_engine_wait_seconds", "From the engine's loss reported to the next "
+                               "engine connected: the pause the frontend's open streams saw",
+                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)),
+                connected=Gauge("frmps_frontend_engine_connected", "1 while an engine is connected to the frontend",
+                                multiprocess_mode="livemax"),
+            )
+            _METRICS["connected"].set(0)
+    return _METRICS
+
+
 # ---------------------------------------------------------------- the gRPC service
 
 
@@ -120,12 +152,15 @@ class FrontendService(pb_grpc.FrontendServicer):
         # connected) must not wait behind it.
         self._lost_lock = threading.Lock()
         self._back_lock = threading.Lock()
+        self._metrics = metrics()
+        self._lost_at: float | None = None  # monotonic time of the first EngineLost of this loss
 
     def attach(self, client: Any, loop: asyncio.AbstractEventLoop) -> None:
         from vllm.v1.serial_utils import MsgpackEncoder
 
         self._encoder = MsgpackEncoder()
         self.client, self.loop = client, loop
+        self._metrics["connected"].set(1)
 
     def _run(self, context: grpc.ServicerContext, coro_fn, timeout: float):
         if self.client is None or self.loop is None:
@@ -160,6 +195,12 @@ class FrontendService(pb_grpc.FrontendServicer):
             entries.append(pb.ResumeEntry(key=e.key, engine_request=bytes(frames[0]),
                                           delivered_token_ids=e.delivered, seed=e.seed))
         log.info("engine lost: resume set of %d requests (%d held)", len(entries), c.held_requests())
+        m = self._metrics
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
+            m["lost"].inc()
+        m["resumed"].inc(len(entries))
+        m["connected"].set(0)
         return pb.ResumeSet(entries=entries, held_requests=c.held_requests())
 
     # -- EngineBack
@@ -182,6 +223,12 @@ class FrontendService(pb_grpc.FrontendServicer):
             return (grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"no engine connected within {int(timeout * 1000)} ms; still holding {held} messages")
         log.info("engine back: %d held messages sent", held)
+        m = self._metrics
+        m["back"].inc()
+        m["connected"].set(1)
+        if self._lost_at is not None:
+            m["wait"].observe(time.monotonic() - self._lost_at)
+            self._lost_at = None
         return pb.EngineBackResponse(sent_held=held)
 
     # -- FrontendHealth
