@@ -124,8 +124,8 @@ py-test: $(VENV)/.stamp go-build py-test-vllm026 ## Python tests (engine SDK, re
 	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY) -m pytest -q vllmpatch/tests
 
 .PHONY: py-test-vllm026
-py-test-vllm026: $(VENV026)/.stamp ## the vLLM adapter's tests against vLLM 0.26.0
-	FRMPS_EXPECT_VLLM=0.26.0 PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY026) -m pytest -q -p no:cacheprovider vllmpatch/tests/vllm
+py-test-vllm026: $(VENV026)/.stamp go-build ## the vLLM adapter's tests against vLLM 0.26.0
+	FRMPS_EXPECT_VLLM=0.26.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY026) -m pytest -q -p no:cacheprovider vllmpatch/tests/vllm
 
 .PHONY: test-notorch
 test-notorch: ## Go tests and the torch-free Python tests, without installing torch

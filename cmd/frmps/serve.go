@@ -294,8 +294,9 @@ func (o serveOptions) validate() error {
 			return errors.New("--frontend-arg is for vLLM's API server: give --frontend vllm")
 		}
 	case "vllm":
-		if o.Engine != "vllm" {
-			return fmt.Errorf("--frontend vllm serves through vLLM's API server and needs --engine vllm (got %q)", o.Engine)
+		if o.Engine == "ref" {
+			return errors.New("--frontend vllm serves through vLLM's API server, whose engines speak vLLM's engine-core protocol: " +
+				"use --engine vllm (the reference engine serves through frmps's front door)")
 		}
 		if o.TensorParallelSize > 1 {
 			return errors.New("--frontend vllm: one GPU per engine for now (--tensor-parallel-size 1)")

@@ -3,7 +3,7 @@ behind vLLM's engine-core protocol, driven by vLLM's own FrmpsAsyncMPClient over
 real ZMQ ipc sockets, with vLLM's real scheduler (FrmpsScheduler) and the ring.
 
 TEST DOUBLES: ``SchedulerCore`` stands in for vLLM's EngineCore and
-``SeededFakeModel`` (below) for the model runner: it samples token
+``SeededFakeModel`` (frmps_engine.vllm.testing) for the model runner: it samples token
 ``seeded_token(seed, position)`` from the request's own seed, the stateless
 (seed, position) sampling a standby relies on, so a standby that lost or changed
 a seed, repeated a token or skipped one gives a different stream.
@@ -21,31 +21,13 @@ import msgspec
 import pytest
 import zmq
 
-from vhelpers import FakeModel, SchedulerCore, make_scheduler, make_vllm_config, write_tiny_model
+from frmps_engine.vllm.testing import SeededFakeModel, seeded_token
+from vhelpers import SchedulerCore, make_scheduler, make_vllm_config, write_tiny_model
 
 PROMPT = list(range(10, 30))  # 20 tokens: one full block of 16 and a partial one
 MAX_TOKENS = 40
 KILL_AFTER = 5  # tokens every request has reached when the first engine is stopped
 STEP_S = 0.02  # the stand-in device's time per step: the first engine is stopped mid-stream
-
-
-def seeded_token(seed: int, position: int) -> int:
-    return 3 + (int(seed) * 1000003 + position * 7919) % 500  # never EOS (2)
-
-
-class SeededFakeModel(FakeModel):
-    """TEST DOUBLE of the model runner: FakeModel's scheduling bookkeeping, with
-    each sampled token a function of the request's seed and position."""
-
-    def run(self, scheduler, so):
-        out = super().run(scheduler, so)
-        for i, rid in enumerate(out.req_ids):
-            if out.sampled_token_ids[i]:
-                req = scheduler.requests[rid]
-                tok = seeded_token(req.sampling_params.seed, req.num_computed_tokens)
-                out.sampled_token_ids[i] = [tok]
-                self.sampled[rid][-1] = tok
-        return out
 
 
 class BrokenModel(SeededFakeModel):

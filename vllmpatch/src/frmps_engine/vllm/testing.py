@@ -167,6 +167,27 @@ class FakeModel:
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled)
 
 
+def seeded_token(seed: int, position: int) -> int:
+    """The token the seeded stand-in model samples at ``position`` for ``seed``."""
+    return 3 + (int(seed) * 1000003 + position * 7919) % 500  # never EOS (2)
+
+
+class SeededFakeModel(FakeModel):
+    """TEST DOUBLE of the model runner: FakeModel's scheduling bookkeeping, with
+    each sampled token ``seeded_token(seed, position)`` of the request's own seed:
+    the stateless (seed, position) sampling a standby relies on, so an engine that
+    lost or changed a seed, repeated a token or skipped one gives another stream."""
+
+    def run(self, scheduler, so):
+        out = super().run(scheduler, so)
+        for i, rid in enumerate(out.req_ids):
+            if out.sampled_token_ids[i]:
+                req = scheduler.requests[rid]
+                tok = seeded_token(req.sampling_params.seed, req.num_computed_tokens)
+                out.sampled_token_ids[i] = [tok]
+                self.sampled[rid][-1] = tok
+        return out
+
 
 @dataclass
 class SchedulerCore:
@@ -283,3 +304,14 @@ def cpu_adapter(model_dir: str, *, num_blocks: int = 64, max_num_seqs: int = 8, 
 
     return CpuVllmAdapter(VllmEngineConfig(model=model_dir, device="cpu", num_blocks=num_blocks,
                                            max_model_len=max_model_len, dtype="float32"))
+
+
+def cpu_engine(opts: Any):
+    """TEST DOUBLE of ``--engine vllm`` for end-to-end runs of ``frmps serve`` on the
+    CPU (``--engine frmps_engine.vllm.testing:cpu_engine --device cpu --memory
+    host-shm``): ``cpu_adapter`` (vLLM's real scheduler and the adapter's code,
+    the runner's core mode included) over ``SeededFakeModel``, 10 ms of stand-in
+    device time per step so that a test can kill an engine mid-stream. Never an
+    engine that serves a model."""
+    return cpu_adapter(opts.model, num_blocks=opts.num_blocks or 256, max_num_seqs=opts.max_num_seqs or 8,
+                       max_model_len=opts.max_model_len or 512, model_factory=SeededFakeModel, device_s=0.01)

@@ -320,9 +320,28 @@ async def serve(args: argparse.Namespace, opts: argparse.Namespace, api: Any) ->
         control.stop(1.0)
 
 
+CPU_PLATFORM_TEST_ENV = "FRMPS_TEST_VLLM_CPU_PLATFORM"
+
+
+def _test_cpu_platform() -> None:
+    """TEST HOOK (FRMPS_TEST_VLLM_CPU_PLATFORM=1): vLLM's pinned wheels are CUDA
+    builds, which on a machine without a GPU find no platform, so vLLM cannot build
+    the serve config there. The end-to-end tests of ``frmps serve --frontend vllm``
+    on the CPU (with a stand-in engine) set this to give vLLM its CPU platform.
+    Never set in a deployment."""
+    if os.environ.get(CPU_PLATFORM_TEST_ENV) != "1":
+        return
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    log.warning("%s=1: vLLM's platform forced to CPU (a test hook; not for serving)", CPU_PLATFORM_TEST_ENV)
+    platforms._current_platform = CpuPlatform()
+
+
 def main(argv: list[str]) -> int:
     try:
         check_environment()
+        _test_cpu_platform()
         opts, rest = build_parser().parse_known_args(argv)
         check_engine_address(opts.engine_input, "--engine-input")
         check_engine_address(opts.engine_output, "--engine-output")
