@@ -411,15 +411,7 @@ class Runner:
             t_wake = flip.join()  # raises the flip's error (a device error: the engine is lost)
         outcomes = [control_pb2.ResumeOutcome(key=o.key, ok=o.ok, error=o.error, reused_tokens=o.reused_tokens,
                                               prefilled_tokens=o.prefill_tokens) for o in adopted]
-        t_ring = time.perf_counter_ns()
-        ring_error = self._attach_resume_ring(msg)
-        t_ring = time.perf_counter_ns() - t_ring
-        self.backend.loop = self.loop
-        self.role = control_pb2.ROLE_ACTIVE
-        self.backend.is_serving = True
-        took = time.perf_counter_ns() - t0
-        self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
-        self.loop.trace_steps = 3
+        t_ring, took = self._serve_adopted(env_id, msg, outcomes, t0)
         t_connect = time.perf_counter_ns()
         try:
             self.server.start()  # connect + ready message + loop start
@@ -436,6 +428,22 @@ class Runner:
         )
         self.log_counters("after takeover")
         return None
+
+    def _serve_adopted(self, env_id: int, msg: control_pb2.Resume, outcomes: list, t0: int) -> tuple[int, int]:
+        """After a takeover's adoption: attach the ring, become the serving active,
+        and reply — before the loop starts (its first step, the prefill, would
+        otherwise compete with this thread for the GIL and delay the Reply).
+        Returns (ring attach ns, takeover ns)."""
+        t_ring = time.perf_counter_ns()
+        ring_error = self._attach_resume_ring(msg)
+        t_ring = time.perf_counter_ns() - t_ring
+        self.backend.loop = self.loop
+        self.role = control_pb2.ROLE_ACTIVE
+        self.backend.is_serving = True
+        took = time.perf_counter_ns() - t0
+        self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
+        self.loop.trace_steps = 3
+        return t_ring, took
 
     def _attach_resume_ring(self, msg: control_pb2.Resume) -> str:
         """Attach the ring a Resume names; "" or why the engine serves without it."""
@@ -471,17 +479,7 @@ class Runner:
             t_adopt = time.perf_counter_ns() - t_adopt
         finally:
             t_wake = flip.join()  # raises the flip's error (a device error: the engine is lost)
-        t_ring = time.perf_counter_ns()
-        ring_error = self._attach_resume_ring(msg)
-        t_ring = time.perf_counter_ns() - t_ring
-        self.backend.loop = self.loop
-        self.role = control_pb2.ROLE_ACTIVE
-        self.backend.is_serving = True
-        took = time.perf_counter_ns() - t0
-        # Reply before the loop thread starts: its first step (the prefill) would
-        # otherwise compete with this thread for the GIL and delay the Reply.
-        self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
-        self.loop.trace_steps = 3
+        t_ring, took = self._serve_adopted(env_id, msg, outcomes, t0)
         self.loop.start()
         log.info(
             "took over %d requests in %.2f ms (%d reused tokens, %d to prefill; KV writable in %.3f ms; "
