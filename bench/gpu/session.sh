@@ -32,6 +32,10 @@
 #                                      --frontend vllm` on the same model directory (default 900 s); the table in
 #                                      $OUT/openai-matrix.md. Both need the API server's packages: .gpu/wheels-server
 #                                      (bench/gpu/server-wheels.sh downloads them; installed into VLSITE by prep)
+#   openai-faults:<model>:<n>[:<timeout>]  bench/gpu/openai_fault_proof.py: the matrix's features (n, logprobs, echo,
+#                                      penalties, stop, min_tokens, JSON schema, regex, tool calls, Responses) in flight
+#                                      through `frmps serve --frontend vllm` while n real MPS faults hit the active;
+#                                      each compared with its no-fault result (default timeout 900 s)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
@@ -197,6 +201,19 @@ stage_matrix() {  # model [timeout]
     tail -n 45 "$OUT/openai-matrix.md" >> "$S"
 }
 
+stage_openai_faults() {  # model n [timeout]
+    vllm_env
+    local model=$1 n=$2 limit=${3:-900} m
+    m=$(model_dir "$model") || { log "openai-faults $model: model-dir failed"; return; }
+    rm -rf "$WORK/openai-faults-$model"
+    log "openai-faults $model: $n faults"
+    bounded "$limit" python3 bench/gpu/openai_fault_proof.py --frmps bin/frmps --python python3 --model "$m" \
+        --served-model-name "$model" --faults "$n" --num-blocks "$(nblocks "$model")" --max-model-len 4096 \
+        --workdir "$WORK/openai-faults-$model" --out "$OUT/openai-faults-$model.json" > "$WORK/openai-faults-$model.out" 2>&1
+    log "openai-faults $model: rc=$?"
+    tail -n 30 "$WORK/openai-faults-$model.out" >> "$S"
+}
+
 stage_ref_tp() {  # model n budget [timeout]
     local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330))}
     local gpus
@@ -253,6 +270,7 @@ for st in "$@"; do
         vllm-soak) stage_failback vllm "$a" "$b" "$c" "$d" soak ;;
         vllm-frontend-failback) stage_failback vllm "$a" "$b" "$c" "$d" frontend ;;
         openai-matrix) stage_matrix "$a" "$b" ;;
+        openai-faults) stage_openai_faults "$a" "$b" "$c" ;;
         ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;
         bench) stage_bench "$a" "$b" "$c" "$d" "$e" ;;

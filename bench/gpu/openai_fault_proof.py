@@ -1,0 +1,441 @@
+#!/usr/bin/env python3
+"""The OpenAI surface of `frmps serve --engine vllm --frontend vllm` across real faults.
+
+The feature matrix (bench/openai_matrix.py) shows which features work; this
+shows that they keep working when the active engine dies mid-request. One
+deployment (active in MPS, standby outside, vLLM's own API server as the front
+door). A set of requests that covers the matrix's features (completions and
+chat, streamed and not, n > 1, batched prompts, logprobs/top_logprobs, echo,
+penalties, logit_bias, stop strings, min_tokens, a JSON-schema response_format,
+a structured-output regex, named/required/auto tool calls through the hermes
+tool parser, the Responses API), each long enough to be in flight for seconds,
+runs once without a fault (the reference) and then once per fault, all at the
+same time: when every streamed request has received a few chunks, a co-located
+MPS client faults (bench/faults triggers, rotating), the active dies, the
+standby takes over, and every request must finish with no client error and the
+same result as the reference: the same text and token ids per choice, the same
+finish reasons, the same sampled tokens in logprobs (their values compared with
+a tolerance and reported), the same tool calls and usage. For structured output
+and tool calls the parsed result is reported as well. Between faults the proof
+waits for the placement to be restored (failback), so every fault hits an
+active inside MPS.
+
+    python3 bench/gpu/openai_fault_proof.py --frmps bin/frmps --model <dir> --faults 3 --out fault-matrix.json
+
+--cpu: the same sequence on the CPU with the labelled test doubles of the
+--frontend vllm tests (engines `frmps_engine.vllm.testing:cpu_engine`, vLLM's CPU
+platform in the frontend, the MPS control daemon's double, SIGKILL as the
+fault): a check of this script, not of GPU faults. Needs the `openai` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from failback_proof import FAKE_MPS, FAULTS, engines, restored, spare_state, started, wait_endpoint  # noqa: E402
+from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
+
+LOGPROB_TOL = 0.05  # |Δ logprob| reported above this (the tokens themselves must be equal)
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"type": "string", "enum": ["c", "f"]},
+                   # long enough to be in flight when the fault comes
+                   "readings": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                                "minItems": 120, "maxItems": 120}},
+    "required": ["city", "unit", "readings"],
+    "additionalProperties": False,
+}
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Weather readings of a city.", "parameters": WEATHER}}]
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c", "readings": [1, 2]}}\n</tool_call>'
+
+
+def msgs(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def cases(n_tokens: int) -> list[dict]:
+    """The requests: id, API, whether streamed, the body (the model is added later);
+    real_model: needs a real model's logits (logprobs, grammar-constrained
+    sampling), which the CPU check's stand-in model does not produce."""
+    L, ie = n_tokens, {"ignore_eos": True}
+    ids = {"return_token_ids": True}
+    return [
+        {"id": "cmpl-greedy-stream", "api": "cmpl", "stream": True,
+         "body": dict(prompt="The quick brown fox", max_tokens=L, temperature=0, extra_body={**ie, **ids})},
+        {"id": "cmpl-seeded-stream", "api": "cmpl", "stream": True,
+         "body": dict(prompt="Once upon a time", max_tokens=L, temperature=1.0, seed=1234, extra_body={**ie, **ids})},
+        {"id": "cmpl-n2-logprobs", "real_model": True, "api": "cmpl", "stream": False,
+         "body": dict(prompt="Hello", max_tokens=L, temperature=0.9, seed=7, n=2, logprobs=2, extra_body={**ie, **ids})},
+        {"id": "cmpl-n2-stream-unseeded", "api": "cmpl", "stream": True, "unseeded": True,
+         "body": dict(prompt="Hello there", max_tokens=L, temperature=0.9, n=2, extra_body={**ie, **ids})},
+        {"id": "cmpl-batch-greedy", "api": "cmpl", "stream": False,
+         "body": dict(prompt=["Tell me a story.", "Count to ten."], max_tokens=L, temperature=0, extra_body={**ie, **ids})},
+        {"id": "cmpl-echo-penalties-bias", "api": "cmpl", "stream": True,
+         "body": dict(prompt="Repeat after me", max_tokens=L, temperature=0.7, seed=99, echo=True,
+                      presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"100": 5},
+                      extra_body={**ie, **ids, "repetition_penalty": 1.1, "min_tokens": 8})},
+        {"id": "cmpl-stop-min-tokens", "api": "cmpl", "stream": True,
+         "body": dict(prompt="A list:", max_tokens=L, temperature=0.8, seed=5, stop=["\n\n\n\n"],
+                      extra_body={**ids, "min_tokens": L // 2})},
+        {"id": "cmpl-regex", "real_model": True, "api": "cmpl", "stream": True,
+         "body": dict(prompt="Code:", max_tokens=L, temperature=0,
+                      extra_body={**ids, "structured_outputs": {"regex": "([a-c]{3}-[0-9]{2} ){%d}" % max(1, L // 8)}})},
+        {"id": "chat-greedy-stream-usage", "api": "chat", "stream": True,
+         "body": dict(messages=msgs("Say something."), max_completion_tokens=L, temperature=0,
+                      stream_options={"include_usage": True}, extra_body=ie)},
+        {"id": "chat-n2-seeded-logprobs-stream", "real_model": True, "api": "chat", "stream": True,
+         "body": dict(messages=msgs("Tell me more."), max_tokens=L, temperature=1.0, seed=42, n=2, logprobs=True,
+                      top_logprobs=3, extra_body=ie)},
+        {"id": "chat-json-schema", "real_model": True, "api": "chat", "stream": True, "parse": "content",
+         "body": dict(messages=msgs("Weather as JSON."), max_tokens=L, temperature=0,
+                      response_format={"type": "json_schema",
+                                       "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}})},
+        {"id": "chat-tools-named", "real_model": True, "api": "chat", "stream": False, "parse": "tools",
+         "body": dict(messages=msgs("Weather in Paris?"), tools=TOOLS, max_tokens=L, temperature=0,
+                      tool_choice={"type": "function", "function": {"name": "get_weather"}})},
+        {"id": "chat-tools-required-stream", "real_model": True, "api": "chat", "stream": True, "parse": "tools",
+         "body": dict(messages=msgs("Weather in Paris?"), tools=TOOLS, max_tokens=L, temperature=0,
+                      tool_choice="required")},
+        {"id": "chat-tools-auto-parser-stream", "real_model": True, "api": "chat", "stream": True, "parse": "tools",
+         "body": dict(messages=msgs("Weather in Paris?"), tools=TOOLS, tool_choice="auto", max_tokens=L,
+                      temperature=0, extra_body={"structured_outputs": {
+                          "regex": "[a-z]{%d}\\n" % max(1, L // 2) + _re_escape(HERMES_CALL)}})},
+        {"id": "responses", "api": "responses", "stream": False,
+         "body": dict(input="Say something.", max_output_tokens=L, temperature=0)},
+        {"id": "responses-stream", "api": "responses", "stream": True,
+         "body": dict(input="Say something else.", max_output_tokens=L, temperature=0)},
+    ]
+
+
+def _re_escape(s: str) -> str:
+    import re
+    return re.escape(s)
+
+
+class Call(threading.Thread):
+    """One request through the official openai client (no retries: a retry would
+    hide a failure), its result normalised: per choice index the text, token ids,
+    finish reason, logprobs' tokens and values, tool calls; usage; chunk times."""
+
+    def __init__(self, base: str, api_key: str, model: str, case: dict):
+        super().__init__(daemon=True)
+        self.base, self.api_key, self.model, self.case = base, api_key, model, case
+        self.choices: dict[int, dict] = {}
+        self.usage: dict | None = None
+        self.times: list[float] = []
+        self.t_start = self.t_end = 0.0
+        self.error: str | None = None
+
+    def ch(self, i: int) -> dict:
+        return self.choices.setdefault(int(i or 0), {"text": "", "token_ids": [], "finish": None, "lp_tokens": [],
+                                                     "lp_values": [], "top": [], "tools": {}})
+
+    def run(self) -> None:
+        import openai
+        c = self.case
+        client = openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.api_key, max_retries=0, timeout=600)
+        body = dict(c["body"], model=self.model)
+        self.t_start = time.time()
+        try:
+            if c["api"] == "cmpl":
+                r = client.completions.create(stream=c["stream"], **body)
+            elif c["api"] == "chat":
+                r = client.chat.completions.create(stream=c["stream"], **body)
+            else:
+                r = client.responses.create(stream=c["stream"], **body)
+            if c["stream"]:
+                for ev in r:
+                    self.times.append(time.time())
+                    self.take(ev.model_dump())
+            else:
+                self.take(r.model_dump())
+        except Exception as e:  # reported per case
+            self.error = f"{type(e).__name__}: {e}"[:400]
+        self.t_end = time.time()
+
+    def take(self, d: dict) -> None:
+        api = self.case["api"]
+        if api == "responses":
+            t = d.get("type")
+            if t == "response.output_text.delta":
+                self.ch(0)["text"] += d.get("delta") or ""
+            resp = d.get("response") if t else d
+            if resp and (not t or t in ("response.completed", "response.incomplete")):
+                self.ch(0)["final_text"] = "".join(
+                    part.get("text") or "" for item in resp.get("output") or [] if item.get("type") == "message"
+                    for part in item.get("content") or [])
+                self.ch(0)["finish"] = resp.get("status")
+                self.usage = {k: (resp.get("usage") or {}).get(k) for k in ("input_tokens", "output_tokens")}
+                if not t:
+                    self.ch(0)["text"] = self.ch(0)["final_text"]
+            return
+        if d.get("usage"):
+            self.usage = {k: d["usage"].get(k) for k in ("prompt_tokens", "completion_tokens")}
+        for c in d.get("choices") or []:
+            o = self.ch(c.get("index"))
+            if c.get("finish_reason"):
+                o["finish"] = c["finish_reason"]
+            o["token_ids"] += c.get("token_ids") or []
+            if api == "cmpl":
+                o["text"] += c.get("text") or ""
+                lp = c.get("logprobs") or {}
+                o["lp_tokens"] += lp.get("tokens") or []
+                o["lp_values"] += [v for v in lp.get("token_logprobs") or []]
+                o["top"] += [sorted((t or {}).keys()) for t in lp.get("top_logprobs") or []]
+                continue
+            m = c.get("delta") or c.get("message") or {}
+            o["text"] += m.get("content") or ""
+            for k, tc in enumerate(m.get("tool_calls") or []):
+                t = o["tools"].setdefault(int(tc.get("index", k) if tc.get("index") is not None else k),
+                                          {"name": "", "arguments": ""})
+                f = tc.get("function") or {}
+                t["name"] += f.get("name") or ""
+                t["arguments"] += f.get("arguments") or ""
+            for e in (c.get("logprobs") or {}).get("content") or []:
+                o["lp_tokens"].append(e.get("token"))
+                o["lp_values"].append(e.get("logprob"))
+                o["top"].append([t.get("token") for t in e.get("top_logprobs") or []])
+
+    def result(self) -> dict:
+        return {"choices": {str(k): v for k, v in sorted(self.choices.items())}, "usage": self.usage,
+                "error": self.error, "chunks": len(self.times)}
+
+
+def parsed(case: dict, res: dict) -> Any:
+    """The parsed structured output / tool calls of choice 0 (None where it does not parse)."""
+    o = res["choices"].get("0") or {}
+    try:
+        if case.get("parse") == "content":
+            return json.loads(o.get("text") or "", strict=False)
+        if case.get("parse") == "tools":
+            return [{"name": t["name"], "arguments": json.loads(t["arguments"], strict=False)}
+                    for _, t in sorted(o.get("tools", {}).items())]
+    except (json.JSONDecodeError, TypeError):
+        return None
+    return None
+
+
+def compare(case: dict, ref: dict, got: dict) -> dict:
+    """Equal what must be equal; the largest logprob difference reported."""
+    diffs, max_lp = [], 0.0
+    if got["error"]:
+        return {"exact": False, "diffs": [f"error: {got['error']}"], "max_logprob_diff": None}
+    if case.get("unseeded"):  # no reference to compare with: each run samples its own seed
+        ok = all(o["finish"] for o in got["choices"].values()) and len(got["choices"]) == len(ref["choices"])
+        return {"exact": ok, "diffs": [] if ok else ["unfinished choice"], "max_logprob_diff": None,
+                "note": "unseeded: checked complete, not compared"}
+    if set(ref["choices"]) != set(got["choices"]):
+        diffs.append(f"choices {sorted(got['choices'])} != {sorted(ref['choices'])}")
+    for k, r in ref["choices"].items():
+        g = got["choices"].get(k)
+        if g is None:
+            continue
+        for f in ("text", "token_ids", "finish", "lp_tokens", "top", "tools", "final_text"):
+            if r.get(f) != g.get(f):
+                a, b = r.get(f), g.get(f)
+                if isinstance(a, (str, list)) and isinstance(b, (str, list)):
+                    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    diffs.append(f"choice {k} {f}: first difference at {n} (len {len(b)} vs {len(a)})")
+                else:
+                    diffs.append(f"choice {k} {f}: {str(b)[:120]} != {str(a)[:120]}")
+        for x, y in zip(r["lp_values"], g["lp_values"]):
+            if x is not None and y is not None:
+                max_lp = max(max_lp, abs(float(x) - float(y)))
+    if ref["usage"] != got["usage"]:
+        diffs.append(f"usage {got['usage']} != {ref['usage']}")
+    out = {"exact": not diffs, "diffs": diffs[:6], "max_logprob_diff": round(max_lp, 5)}
+    if case.get("parse"):
+        p = parsed(case, got)
+        out["parsed"] = p is not None
+        out["parsed_equal"] = p is not None and p == parsed(case, ref)
+    return out
+
+
+def run_all(dep: Deployment, model: str, api_key: str, cs: list[dict], fire=None, min_chunks: int = 3) -> tuple[dict, dict]:
+    """Every case at once; fire() (if given) when each streamed one has min_chunks
+    chunks (or after 60 s). Returns results by case id and what fire() returned.
+    The streamed Responses case does not gate the fault: vLLM's Responses stream
+    sends its lifecycle events first and may hold the text deltas back."""
+    calls = [Call(dep.base, api_key, model, c) for c in cs]
+    for c in calls:
+        c.start()
+    info: dict = {}
+    if fire is not None:
+        deadline = time.time() + 60
+        while time.time() < deadline and not all(
+                len(c.times) >= min_chunks or not c.is_alive() for c in calls if c.case["stream"] and c.case["api"] != "responses"):
+            time.sleep(0.002)
+        info = fire()
+    for c in calls:
+        c.join(900)
+    t_fault = info.get("t_fault")
+    out = {}
+    for c in calls:
+        r = c.result()
+        r["seconds"], r["t_start"] = round(c.t_end - c.t_start, 3), c.t_start
+        r["chunk_s"] = [round(t - c.t_start, 3) for t in c.times[:min_chunks]]
+        if t_fault:
+            first = c.times[0] if c.times else c.t_start
+            r["in_flight_at_fault"] = bool(c.t_start < t_fault < c.t_end and first < t_fault)
+        out[c.case["id"]] = r
+    return out, info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--frmps", default="bin/frmps")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--model", required=True, help="a model directory (frmps model-dir writes one)")
+    ap.add_argument("--served-model-name", default="")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--memory", default="cuda-vmm")
+    ap.add_argument("--sync-every", type=int, default=1, help="frmps serve's default")
+    ap.add_argument("--num-blocks", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-tokens", type=int, default=600, help="tokens per request (long enough to span the fault)")
+    ap.add_argument("--faults", type=int, default=3)
+    ap.add_argument("--fault-kinds", default=",".join(FAULTS))
+    ap.add_argument("--faults-dir", default="bench/build/faults")
+    ap.add_argument("--structured-outputs-config", default='{"backend": "xgrammar", "disable_any_whitespace": true}')
+    ap.add_argument("--tool-call-parser", default="hermes")
+    ap.add_argument("--api-key", default="", help="serve with --api-key and send it")
+    ap.add_argument("--workdir", default="/tmp/frmps-openai-faults")
+    ap.add_argument("--out", default="openai_fault_proof.json")
+    ap.add_argument("--engine-arg", action="append", default=[],
+                    help="more engine flags (default --max-num-seqs=32: the cases run 18 sequences at once)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="more frmps serve flags")
+    ap.add_argument("--cases", default="", help="comma list of case ids (default: all)")
+    ap.add_argument("--cpu", action="store_true", help="CPU check of this script (labelled test doubles, SIGKILL faults); "
+                    "leaves out the cases that need a real model's logits (logprobs, grammars)")
+    args = ap.parse_args()
+    args.engine, args.port, args.mps_control, args.env = "vllm", 0, "", {}
+    if not any(a.startswith("--max-num-seqs") for a in args.engine_arg):
+        args.engine_arg.append("--max-num-seqs=32")
+    so = args.structured_outputs_config
+    args.env["FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG"] = so
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    args.serve_arg = [*args.serve_arg, "--frontend=vllm", f"--served-model-name={name}",
+                      "--frontend-arg=--enable-auto-tool-choice", f"--frontend-arg=--tool-call-parser={args.tool_call_parser}",
+                      f"--frontend-arg=--structured-outputs-config={so}"]
+    if args.api_key:
+        args.serve_arg.append(f"--api-key={args.api_key}")
+    cs = [c for c in cases(args.max_tokens) if not (args.cpu and c.get("real_model"))]
+    if args.cases:
+        cs = [c for c in cs if c["id"] in set(args.cases.split(","))]
+    if args.cpu:
+        args.engine, args.device, args.memory, args.mps_control = "frmps_engine.vllm.testing:cpu_engine", "cpu", "host-shm", FAKE_MPS
+        args.serve_arg += ["--mps-control", FAKE_MPS, "--spare=on", "--max-restarts=1000"]
+        args.env["FRMPS_TEST_VLLM_CPU_PLATFORM"] = "1"
+        # The stand-in model samples seeded_token(seed, position) whatever the temperature:
+        # a request without a seed gets a random one, so every compared case gets a seed.
+        for i, c in enumerate(cs):
+            if c["api"] == "responses":  # the SDK has no seed argument; vLLM's request takes one
+                c["body"].setdefault("extra_body", {})["seed"] = 1000 + i
+            elif not c.get("unseeded"):
+                c["body"].setdefault("seed", 1000 + i)
+    os.makedirs(args.workdir, exist_ok=True)
+    t_begin = time.time()
+    report: dict = {"model": args.model, "served_model_name": name, "device": args.device, "max_tokens": args.max_tokens,
+                    "cpu_check": args.cpu, "cases": [], "faults": []}
+    report["cases"] = [{"id": c["id"], "api": c["api"], "stream": c["stream"],
+                        "body": {k: v for k, v in c["body"].items() if k not in ("messages", "tools")}} for c in cs]
+
+    def save() -> None:
+        report["elapsed_s"] = round(time.time() - t_begin, 1)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+
+    dep = Deployment(args, "openai-faults", args.workdir)
+    key = args.api_key or "EMPTY"
+    try:
+        dep.start()
+        st, _ = dep.wait(lambda s: started(dep, s), 900, "active serving + standby ready")
+        wait_endpoint(dep.base, 300)
+        ref, _ = run_all(dep, name, key, cs)
+        report["reference"] = ref
+        save()
+        bad = {k: r["error"] for k, r in ref.items() if r["error"]}
+        if bad:
+            raise RuntimeError(f"the no-fault run failed: {bad}")
+        kinds = [k for k in args.fault_kinds.split(",") if k]
+        for n in range(1, args.faults + 1):
+            spec = kinds[(n - 1) % len(kinds)]
+            rec: dict = {"n": n, "fault": spec}
+            report["faults"].append(rec)
+            st, _ = dep.wait(lambda s: restored(s, n - 1), 300, f"placement restored before fault {n}")
+            if spare_state(st) not in ("", "ready") and not spare_state(st).startswith("off"):
+                st, _ = dep.wait(lambda s: spare_state(s) == "ready" or spare_state(s).startswith("off"), 180,
+                                 f"a ready spare before fault {n}")
+            act = engines(st)["active"]
+            rec["active_in_mps_before"] = bool(get(act, "in_mps"))
+            n_fo = failover_seq(st)
+            prepare, inject = mps_trigger(args, spec)(dep, act)
+            prepare()
+            got, inj = run_all(dep, name, key, cs, fire=inject)
+            rec["inject"] = {k: v for k, v in inj.items() if k != "t_fault"}
+            rec["inject"]["s_after_start"] = round(inj["t_fault"] - min(r["t_start"] for r in got.values()), 3)
+            st, _ = dep.wait(lambda s: failover_after(s, n_fo), 120, "the failover record")
+            fo = (get(st, "failovers") or [])[0]
+            rec["failover"] = {k: get(fo, k) for k in ("cause", "ok", "duration_seconds", "resumed_requests")}
+            rec["cases"] = {}
+            for c in cs:
+                r = got[c["id"]]
+                rec["cases"][c["id"]] = {**compare(c, ref[c["id"]], r), "in_flight_at_fault": r.get("in_flight_at_fault"),
+                                         "seconds": r["seconds"], "chunks": r["chunks"],
+                                         "first_chunks_s": r["chunk_s"]}
+            ex = sum(1 for v in rec["cases"].values() if v["exact"])
+            fl = sum(1 for v in rec["cases"].values() if v["in_flight_at_fault"])
+            print(f"fault {n} {spec}: in_mps={rec['active_in_mps_before']} failover={rec['failover']} "
+                  f"exact {ex}/{len(cs)}, in flight at the fault {fl}/{len(cs)}", flush=True)
+            for cid, v in rec["cases"].items():
+                if not v["exact"] or not v["in_flight_at_fault"]:
+                    print(f"  {cid}: exact={v['exact']} in_flight={v['in_flight_at_fault']} {v['diffs']}", flush=True)
+            save()
+    except Exception as ex:  # keep what was measured
+        report["error"] = f"{type(ex).__name__}: {ex}"
+        print("error:", report["error"], flush=True)
+    finally:
+        dep.stop()
+        save()
+    print(table(report))
+    ok = not report.get("error") and report["faults"] and all(
+        v["exact"] for f in report["faults"] for v in f.get("cases", {}).values())
+    return 0 if ok else 1
+
+
+def table(report: dict) -> str:
+    """Markdown: one row per case, one column per fault (exact / in flight)."""
+    fs = report.get("faults") or []
+    head = "| case | " + " | ".join(f"fault {f['n']} ({f['fault']})" for f in fs) + " |"
+    lines = [head, "|" + "---|" * (len(fs) + 1)]
+    for c in report.get("cases") or []:
+        cells = []
+        for f in fs:
+            v = (f.get("cases") or {}).get(c["id"])
+            if v is None:
+                cells.append("–")
+                continue
+            s = "exact" if v["exact"] else "**differs**"
+            if v.get("parse") is not None or "parsed_equal" in v:
+                s += ", parsed equal" if v.get("parsed_equal") else (", not parsed" if not v.get("parsed") else ", parsed differs")
+            if not v["in_flight_at_fault"]:
+                s += " (not in flight)"
+            if v.get("max_logprob_diff"):
+                s += f", max Δlogprob {v['max_logprob_diff']}"
+            cells.append(s)
+        lines.append(f"| {c['id']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
