@@ -15,6 +15,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 \
     yarl==1.25.1 attrs==26.1.0 python-multipart==0.0.34 prometheus_client==0.26.0 \
     prometheus-fastapi-instrumentator==8.1.0 annotated-doc==0.0.7 model-hosting-container-standards==0.1.16 \
-    jmespath==1.1.0 orjson==3.13.0
+    jmespath==1.1.0 orjson==3.13.0 watchfiles==1.3.0 anyio==4.16.0
 ls "$dest" | wc -l | xargs echo "wheels in $dest:"
 du -sh "$dest"

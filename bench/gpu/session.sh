@@ -104,6 +104,12 @@ stage_prep() {
     if [ -n "$VLSITE" ] && compgen -G ".gpu/wheels-server/*.whl" > /dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$VLSITE" \
             .gpu/wheels-server/*.whl >> "$S" 2>&1 && log "prep: API server packages installed into VLSITE"
+        # vLLM's API server imports (a missing package shows here, not as a server that never answers)
+        if PYTHONPATH=$VLSITE:$PWD/vllmpatch/src python3 -c "import vllm.entrypoints.openai.api_server, vllm.entrypoints.cli.serve, frmps_engine.vllm.frontend.server" > "$WORK/import.log" 2>&1; then
+            log "prep: vLLM's API server imports"
+        else
+            log "prep: vLLM's API server does NOT import"; tail -n 3 "$WORK/import.log" >> "$S"
+        fi
     fi
     if make -C interceptor all > "$WORK/build.log" 2>&1 && make -C bench/faults >> "$WORK/build.log" 2>&1; then
         log "prep: build OK"
@@ -149,9 +155,10 @@ stage_failback() {  # engine model n budget [timeout [soak|frontend]]
     tail -n 25 "$WORK/$engine-$model.out" >> "$S"
 }
 
-wait_http() {  # port seconds: until GET /v1/models answers
+wait_http() {  # port seconds pid: until GET /v1/models answers; fails at once when pid has exited
     local t=0
     until python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$1/v1/models', timeout=2)" 2>/dev/null; do
+        kill -0 "$3" 2>/dev/null || return 1
         t=$((t + 2)); [ "$t" -ge "$2" ] && return 1; sleep 2
     done
 }
@@ -162,8 +169,8 @@ stop_group() {  # pid: SIGTERM its process group, SIGKILL after 60 s
     kill -KILL -- "-$1" 2>/dev/null; wait "$1" 2>/dev/null
 }
 
-run_matrix() {  # port model label name limit: the matrix against the server on port, once it answers
-    if wait_http "$1" "$5"; then
+run_matrix() {  # port model label name limit pid: the matrix against the server on port, once it answers
+    if wait_http "$1" "$5" "$6"; then
         timeout "$5" python3 bench/openai_matrix.py --base-url "http://127.0.0.1:$1" --model "$2" --label "$3" \
             --out "$OUT/matrix-$4.json" > "$WORK/matrix-$4.out" 2>&1
         log "openai-matrix $3: rc=$?"
@@ -184,7 +191,7 @@ stage_matrix() {  # model [timeout]
         --structured-outputs-config "$so" --gpu-memory-utilization 0.45 > "$WORK/matrix-vllm-serve.log" 2>&1 &
     pid=$!
     set +m
-    run_matrix 8100 "$model" "vllm serve" vllm-serve "$limit"
+    run_matrix 8100 "$model" "vllm serve" vllm-serve "$limit" "$pid"
     stop_group "$pid"
     log "openai-matrix $model: frmps serve --engine vllm --frontend vllm"
     set -m
@@ -195,7 +202,7 @@ stage_matrix() {  # model [timeout]
         --engine-log-dir "$WORK/matrix-frmps-logs" > "$WORK/matrix-frmps-vllm.log" 2>&1 &
     pid=$!
     set +m
-    run_matrix 8000 "$model" "frmps --frontend vllm" frmps-vllm "$limit"
+    run_matrix 8000 "$model" "frmps --frontend vllm" frmps-vllm "$limit" "$pid"
     stop_group "$pid"
     python3 bench/openai_matrix.py --table "$OUT"/matrix-*.json > "$OUT/openai-matrix.md" 2>&1
     tail -n 45 "$OUT/openai-matrix.md" >> "$S"
