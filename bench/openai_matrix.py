@@ -176,6 +176,42 @@ def brace_id(ctx: Ctx) -> int:
     return toks[0]
 
 
+def single_token_ids(tokenize: Callable[[str], list], texts: list[str]) -> list[int]:
+    """The ids of those texts that are one token each (tokenize: text -> ids)."""
+    out = []
+    for t in texts:
+        ids = tokenize(t)
+        if isinstance(ids, list) and len(ids) == 1 and ids[0] not in out:
+            out.append(ids[0])
+    return out
+
+
+# JSON's whitespace as single tokens: every string of one or two of its four
+# characters, and runs of spaces or newlines (a vocabulary's long ones).
+JSON_WS = ([a for a in " \t\n\r"] + [a + b for a in " \t\n\r" for b in " \t\n\r"]
+           + [" " * k for k in range(3, 33)] + ["\n" * k for k in range(3, 33)])
+
+
+def tokenize_via(http: httpx.Client, model: str) -> Callable[[str], list]:
+    def tok(text: str) -> list:
+        r = http.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+        return r.json().get("tokens") if r.status_code == 200 else []
+    return tok
+
+
+def no_ws_bias(ctx: Ctx) -> dict[str, int]:
+    """logit_bias that keeps JSON whitespace out. A grammar admits whitespace
+    between JSON tokens; a random model's greedy choice there is often a
+    whitespace token, and then again at the next step, so the call never ends
+    (seen with vLLM's tool-call grammars, which do not take the server's
+    disable_any_whitespace). The same bias goes to every server compared."""
+    if "ws" not in ctx.cache:
+        ids = single_token_ids(tokenize_via(ctx.http, ctx.model), JSON_WS)
+        check(bool(ids), "no /tokenize to find whitespace token ids")
+        ctx.cache["ws"] = {str(i): -100 for i in ids}
+    return ctx.cache["ws"]
+
+
 def regex_escape(s: str) -> str:
     import re
     return re.escape(s)
@@ -528,15 +564,18 @@ def _chat_json_schema(ctx: Ctx) -> str:
 
 
 @row("chat-json-object", "structured outputs",
-     "response_format json_object, '}' pushed by logit_bias +100: the content is a JSON object (without the grammar: '}}}…')")
+     "response_format json_object, '}' and '{}' pushed by logit_bias +100: the content is a JSON object (without the grammar: '}}}…')")
 def _chat_json_object(ctx: Ctx) -> str:
     # A random model inside a free JSON string rarely closes it; a '}' bias
     # ends the object at once where the grammar allows it, and shows the
-    # grammar is applied (unconstrained, every token would be '}').
-    brace = brace_id(ctx)
+    # grammar is applied (unconstrained, every token would be '}'). '{}' too,
+    # where it is one token: else the first token may be '{"', which opens a
+    # string where '}' is just text.
+    bias = {str(brace_id(ctx)): 100}
+    bias.update({str(i): 100 for i in single_token_ids(tokenize_via(ctx.http, ctx.model), ["{}"])})
     r = ctx.client.chat.completions.create(
         model=ctx.model, messages=chat_msgs("JSON please."), max_tokens=ctx.tool_max_tokens, temperature=0,
-        response_format={"type": "json_object"}, logit_bias={str(brace): 100})
+        response_format={"type": "json_object"}, logit_bias=bias)
     content = r.choices[0].message.content or ""
     obj, note = parse_json(content, r.choices[0].finish_reason)
     check(isinstance(obj, dict), f"a {type(obj).__name__}, not an object")
@@ -553,21 +592,22 @@ def _cmpl_regex(ctx: Ctx) -> str:
     return r.choices[0].text
 
 
-@row("chat-tools-named", "tools", "tools + tool_choice {function get_weather}: one tool call whose arguments validate")
+@row("chat-tools-named", "tools",
+     "tools + tool_choice {function get_weather}, JSON whitespace biased out: one tool call whose arguments validate")
 def _tools_named(ctx: Ctx) -> str:
     r = ctx.client.chat.completions.create(
         model=ctx.model, messages=chat_msgs("Weather in Paris?"), tools=TOOLS, max_tokens=ctx.tool_max_tokens,
-        temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}}, logit_bias=no_ws_bias(ctx))
     tcs = r.choices[0].message.tool_calls or []
     check(len(tcs) == 1, f"{len(tcs)} tool calls (finish {r.choices[0].finish_reason})")
     return json.dumps(tool_call_args(tcs[0]))
 
 
-@row("chat-tools-required", "tools", "tools + tool_choice required: ≥ 1 tool call, arguments validate")
+@row("chat-tools-required", "tools", "tools + tool_choice required, JSON whitespace biased out: ≥ 1 tool call, arguments validate")
 def _tools_required(ctx: Ctx) -> str:
     r = ctx.client.chat.completions.create(
         model=ctx.model, messages=chat_msgs("Weather in Paris?"), tools=TOOLS, max_tokens=ctx.tool_max_tokens,
-        temperature=0, tool_choice="required")
+        temperature=0, tool_choice="required", logit_bias=no_ws_bias(ctx))
     tcs = r.choices[0].message.tool_calls or []
     check(len(tcs) >= 1, f"no tool call (finish {r.choices[0].finish_reason})")
     for tc in tcs:

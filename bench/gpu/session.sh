@@ -184,7 +184,7 @@ stage_matrix() {  # model [timeout]
     local model=$1 limit=${2:-900} m pid
     m=$(model_dir "$model") || { log "openai-matrix $model: model-dir failed"; return; }
     local so='{"backend": "xgrammar", "disable_any_whitespace": true}'
-    local vflags=(--enable-auto-tool-choice --tool-call-parser hermes --max-model-len 4096)
+    local vflags=(--enable-auto-tool-choice --tool-call-parser hermes --max-model-len 4096 --load-format dummy)
     log "openai-matrix $model: vllm serve"
     set -m
     python3 -m vllm.entrypoints.cli.main serve "$m" --port 8100 --served-model-name "$model" "${vflags[@]}" \

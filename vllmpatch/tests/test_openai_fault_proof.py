@@ -1,0 +1,123 @@
+"""bench/gpu/openai_fault_proof.py's judgement: how a result is normalised from
+the server's chunks, what counts as the same result, what is not judged."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "bench", "gpu"))
+_spec = importlib.util.spec_from_file_location("openai_fault_proof", os.path.join(REPO, "bench", "gpu", "openai_fault_proof.py"))
+proof = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(proof)
+
+
+def chat_case(**kw):
+    return {"id": "c", "api": "chat", "stream": True, "body": {}, **kw}
+
+
+def feed(case, chunks):
+    c = proof.Call("http://x", "k", "m", case)
+    for ch in chunks:
+        c.take(ch)
+    return c.result()
+
+
+def chat_chunk(i, content=None, tool=None, lp=None, finish=None):
+    delta = {"content": content}
+    if tool:
+        delta["tool_calls"] = [tool]
+    return {"choices": [{"index": i, "delta": delta, "finish_reason": finish,
+                         "logprobs": {"content": lp} if lp else None}]}
+
+
+def test_streamed_chat_chunks_assemble_per_choice_with_tool_call_deltas_and_logprobs():
+    tc1 = {"index": 0, "function": {"name": "get_weather", "arguments": '{"city": '}}
+    tc2 = {"index": 0, "function": {"arguments": '"Paris"}'}}
+    lp = [{"token": "a", "logprob": -1.0, "top_logprobs": [{"token": "a"}, {"token": "b"}]}]
+    r = feed(chat_case(parse="tools"), [chat_chunk(0, tool=tc1), chat_chunk(1, "x", lp=lp), chat_chunk(0, tool=tc2, finish="tool_calls"),
+                                         chat_chunk(1, "y", finish="length"), {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}])
+    assert r["choices"]["0"]["tools"] == {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert r["choices"]["0"]["finish"] == "tool_calls"
+    assert r["choices"]["1"]["text"] == "xy" and r["choices"]["1"]["lp_tokens"] == ["a"]
+    assert r["choices"]["1"]["top"] == [["a", "b"]]
+    assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 4}
+    assert proof.parsed(chat_case(parse="tools"), r) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+
+
+def test_no_tool_call_is_not_a_parsed_result():
+    r = feed(chat_case(parse="tools"), [chat_chunk(0, "<tool_call>{ \n", finish="length")])
+    assert proof.parsed(chat_case(parse="tools"), r) is None
+    v = proof.compare(chat_case(parse="tools"), r, r)
+    assert v["exact"] and v["parsed"] is False and v["parsed_equal"] is False
+
+
+def test_completion_chunks_keep_text_token_ids_and_logprobs():
+    case = {"id": "p", "api": "cmpl", "stream": True, "body": {}}
+    ch = lambda i, t, ids, fin=None: {"choices": [{"index": i, "text": t, "token_ids": ids, "finish_reason": fin,  # noqa: E731
+                                                    "logprobs": {"tokens": [t], "token_logprobs": [-0.5],
+                                                                 "top_logprobs": [{t: -0.5, "z": -2}]}}]}
+    r = feed(case, [ch(0, "a", [1]), ch(1, "b", [2]), ch(0, "c", [3], "length")])
+    assert r["choices"]["0"]["text"] == "ac" and r["choices"]["0"]["token_ids"] == [1, 3]
+    assert r["choices"]["0"]["top"] == [["a", "z"], ["c", "z"]]
+    assert r["choices"]["1"]["finish"] is None
+
+
+def test_compare_finds_the_first_difference_and_reports_logprob_drift():
+    case = {"id": "p", "api": "cmpl", "stream": True, "body": {}}
+    base = {"text": "abc", "token_ids": [1, 2, 3], "finish": "length", "lp_tokens": [], "lp_values": [-1.0], "top": [],
+            "tools": {}}
+    ref = {"choices": {"0": dict(base)}, "usage": None, "error": None}
+    same = {"choices": {"0": dict(base, lp_values=[-1.01])}, "usage": None, "error": None}
+    v = proof.compare(case, ref, same)
+    assert v["exact"] and v["max_logprob_diff"] == 0.01
+    other = {"choices": {"0": dict(base, token_ids=[1, 9, 3])}, "usage": None, "error": None}
+    v = proof.compare(case, ref, other)
+    assert not v["exact"] and "token_ids: first difference at 1" in v["diffs"][0]
+    missing = {"choices": {}, "usage": None, "error": None}
+    assert not proof.compare(case, ref, missing)["exact"]
+    err = {"choices": {}, "usage": None, "error": "APIError: boom"}
+    assert proof.compare(case, ref, err)["diffs"] == ["error: APIError: boom"]
+
+
+def test_fields_that_differ_without_a_fault_are_reported_not_judged():
+    case = chat_case()
+    a = {"choices": {"0": {"text": "xy", "lp_tokens": ["x", "", "y"], "finish": "length"}}, "usage": None, "error": None}
+    b = {"choices": {"0": {"text": "xy", "lp_tokens": ["x", "y"], "finish": "length"}}, "usage": None, "error": None}
+    skip = proof.unstable_fields(a, b)
+    assert skip == ["lp_tokens"]
+    v = proof.compare(case, a, b, skip)
+    assert v["exact"] and v["not_judged"] == ["lp_tokens"]
+    c = {"choices": {"0": {"text": "xz", "lp_tokens": ["x", "y"], "finish": "length"}}, "usage": None, "error": None}
+    assert not proof.compare(case, a, c, skip)["exact"]  # the text is still judged
+
+
+def test_unseeded_cases_are_checked_complete_not_compared():
+    case = {"id": "u", "api": "cmpl", "stream": True, "unseeded": True, "body": {}}
+    ref = {"choices": {"0": {"finish": "length"}, "1": {"finish": "length"}}, "usage": None, "error": None}
+    assert proof.compare(case, ref, {"choices": {"0": {"finish": "length"}, "1": {"finish": "length", "text": "other"}},
+                                     "usage": None, "error": None})["exact"]
+    assert not proof.compare(case, ref, {"choices": {"0": {"finish": "length"}, "1": {"finish": None}},
+                                         "usage": None, "error": None})["exact"]
+
+
+def test_every_case_is_long_and_the_cpu_check_leaves_out_what_needs_real_logits():
+    cs = proof.cases(600)
+    assert len({c["id"] for c in cs}) == len(cs)
+    for c in cs:
+        b = c["body"]
+        assert b.get("max_tokens", b.get("max_completion_tokens", b.get("max_output_tokens"))) == 600, c["id"]
+    real = {c["id"] for c in cs if c.get("real_model")}
+    assert {"chat-json-schema", "chat-tools-named", "cmpl-n2-logprobs"} <= real
+    assert "cmpl-greedy-stream" not in real
+
+
+def test_table_marks_differences_and_cases_not_in_flight():
+    rep = {"cases": [{"id": "a"}, {"id": "b"}],
+           "faults": [{"n": 1, "fault": "misaligned:load", "cases": {
+               "a": {"exact": True, "in_flight_at_fault": True, "max_logprob_diff": 0.0},
+               "b": {"exact": False, "in_flight_at_fault": False, "not_judged": ["top"]}}}]}
+    t = proof.table(rep)
+    assert "| a | exact |" in t and "**differs** (not in flight)" in t and "not judged: top" in t

@@ -1,0 +1,44 @@
+"""bench/gpu/openai_fault_proof.py --cpu: the script that proves the OpenAI
+surface of `frmps serve --frontend vllm` across real MPS faults on a GPU, run
+here end to end with the labelled test doubles of test_serve_frontend_vllm
+(engines `frmps_engine.vllm.testing:cpu_engine`, vLLM's CPU platform in the
+frontend, the MPS control daemon's double, SIGKILL of the active as the fault).
+It checks the script (every case in flight at the fault, every one judged equal
+to its no-fault result), not GPU faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllmpatch/tests: e2e helpers
+
+from e2e import frmps_bin  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+pytest.importorskip("openai")
+
+
+def test_openai_fault_proof_cpu_check(tmp_path):
+    from frmps_engine import modeldir
+
+    model = modeldir.write("qwen2.5-0.5b", str(tmp_path / "m"))
+    out = tmp_path / "proof.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "vllmpatch" / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "openai_fault_proof.py"), "--cpu", "--frmps", frmps_bin(),
+                        "--python", sys.executable, "--model", model, "--served-model-name", "tiny", "--max-tokens", "250",
+                        "--max-model-len", "1024", "--num-blocks", "512", "--faults", "1", "--workdir", str(tmp_path / "w"),
+                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=str(REPO))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert not rep.get("error") and len(rep["faults"]) == 1, rep.get("error")
+    f = rep["faults"][0]
+    assert f["active_in_mps_before"] and f["failover"]["ok"], f
+    assert len(f["cases"]) == 9  # the cases that do not need a real model's logits
+    for cid, v in f["cases"].items():
+        assert v["exact"] and v["in_flight_at_fault"], (cid, v)
