@@ -140,9 +140,15 @@ WEATHER_SCHEMA = {
     "required": ["city", "unit"],
     "additionalProperties": False,
 }
+# The tools' city is letters only: a structured-output grammar admits raw control
+# characters inside a JSON string, a random model samples them, and vLLM's tool
+# parsers read the call with strict json.loads, which refuses them (seen with the
+# hermes parser on the GPU: "Invalid control character").
+TOOL_SCHEMA = {**WEATHER_SCHEMA, "properties": {**WEATHER_SCHEMA["properties"],
+                                                "city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"}}}
 TOOLS = [{
     "type": "function",
-    "function": {"name": "get_weather", "description": "Current weather in a city.", "parameters": WEATHER_SCHEMA},
+    "function": {"name": "get_weather", "description": "Current weather in a city.", "parameters": TOOL_SCHEMA},
 }]
 # A hermes-format tool call (Qwen2.5's) that the model is made to write by a
 # structured-output regex, so the server's tool parser, not a grammar, finds it.
@@ -225,7 +231,7 @@ def tool_call_args(tc: Any) -> dict:
     except json.JSONDecodeError as e:
         raise Fail(f"arguments are not JSON: {tc.function.arguments[:80]!r} ({e})") from None
     try:
-        jsonschema.validate(args, WEATHER_SCHEMA)
+        jsonschema.validate(args, TOOL_SCHEMA)
     except jsonschema.ValidationError as e:
         raise Fail(f"arguments do not validate: {e.message}") from None
     return args

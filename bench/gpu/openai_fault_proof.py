@@ -47,7 +47,9 @@ LOGPROB_TOL = 0.05  # |Δ logprob| reported above this (the tokens themselves mu
 
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"type": "string", "enum": ["c", "f"]},
+    # city: letters only (a tool parser's strict json.loads refuses the raw control characters a
+    # random model writes into a free string; see openai_matrix.TOOL_SCHEMA)
+    "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"}, "unit": {"type": "string", "enum": ["c", "f"]},
                    # long enough to be in flight when the fault comes
                    "readings": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
                                 "minItems": 120, "maxItems": 120}},
