@@ -94,6 +94,12 @@ type FrontDoor interface {
 	OpenRequests() []*frmpsv1.ResumeRequest
 }
 
+// FrontendStatuser is a front door that runs as a process of its own
+// (--frontend vllm): Status reports its state. FrontendStatus must not block.
+type FrontendStatuser interface {
+	FrontendStatus() *frmpsv1.FrontendStatus
+}
+
 // Deps binds the supervisor to its collaborators.
 type Deps struct {
 	Launcher      Launcher

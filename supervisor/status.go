@@ -48,6 +48,9 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	if n := s.liveRequests(); n >= 0 {
 		st.LiveRequests = uint32(n)
 	}
+	if fs, ok := s.frontDoor.(FrontendStatuser); ok {
+		st.Frontend = fs.FrontendStatus()
+	}
 	return st
 }
 

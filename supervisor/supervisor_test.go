@@ -983,3 +983,29 @@ func TestReadyInAnotherRoleRefused(t *testing.T) {
 		h.stop()
 	})
 }
+
+// statusFrontDoor is a TEST DOUBLE of a front door that is a process of its
+// own (--frontend vllm): it reports a fixed state.
+type statusFrontDoor struct{ fakeFrontDoor }
+
+func (*statusFrontDoor) FrontendStatus() *frmpsv1.FrontendStatus {
+	return &frmpsv1.FrontendStatus{Kind: "vllm", Pid: 7, State: "serving", EngineLost: 2}
+}
+
+// Status carries the front door's own state where it has one, and nothing
+// for frmps's built-in front door.
+func TestStatusShowsTheFrontendProcess(t *testing.T) {
+	w := newWorld()
+	s, err := NewWithDeps(testConfig(t), w.deps(), hclog.NewNullLogger(), prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.SetFrontDoor(w.front)
+	if fe := s.Status().GetFrontend(); fe != nil {
+		t.Fatalf("built-in front door reported as a frontend process: %v", fe)
+	}
+	s.SetFrontDoor(&statusFrontDoor{})
+	if fe := s.Status().GetFrontend(); fe.GetKind() != "vllm" || fe.GetPid() != 7 || fe.GetState() != "serving" || fe.GetEngineLost() != 2 {
+		t.Fatalf("frontend status %v", fe)
+	}
+}

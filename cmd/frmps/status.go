@@ -110,6 +110,17 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 		}
 		fmt.Fprintf(tw, "spare:\t%s\n", line)
 	}
+	if fe := st.GetFrontend(); fe != nil {
+		line := strings.TrimSpace(fe.GetKind()+" "+fe.GetVllmVersion()) + fmt.Sprintf(" (pid %d): %s", fe.GetPid(), fe.GetState())
+		if fe.GetEngineConnected() {
+			line += fmt.Sprintf(", engine connected, %d open requests", fe.GetOpenRequests())
+		}
+		line += fmt.Sprintf(", %d engines lost, %d back", fe.GetEngineLost(), fe.GetEngineBack())
+		if fe.GetLastError() != "" {
+			line += "; last error: " + fe.GetLastError()
+		}
+		fmt.Fprintf(tw, "frontend:\t%s\n", line)
+	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}

@@ -57,6 +57,17 @@ type vllmFrontDoor struct {
 	stopping bool
 	backing  bool // an EngineBack call is in flight
 	backWG   sync.WaitGroup
+
+	// For Status (FrontendStatus), under mu: counts, the last error, and the
+	// latest FrontendHealth answer, refreshed in the background when older
+	// than healthTTL (Status never waits on the frontend).
+	lost, back uint64
+	lastErr    string
+	health     *frmpsv1.FrontendHealthResponse
+	healthAt   time.Time
+	healthBusy bool
+	healthTTL  time.Duration
+	healthWG   sync.WaitGroup
 }
 
 // vllmFrontendArgs are the `vllm serve` arguments the frontend process gets
@@ -95,7 +106,7 @@ func newVllmFrontDoor(o serveOptions, py pythonEnv, apiKey string, log hclog.Log
 		log: log, dir: dir,
 		inputAddr: "ipc://" + filepath.Join(dir, "core-input.sock"), outputAddr: "ipc://" + filepath.Join(dir, "core-output.sock"),
 		controlPath: filepath.Join(dir, "frontend.sock"),
-		lostTimeout: 5 * time.Second, drainMs: 2000, backTimeout: time.Minute,
+		lostTimeout: 5 * time.Second, drainMs: 2000, backTimeout: time.Minute, healthTTL: time.Second,
 		exited: make(chan struct{}),
 	}
 	d.argv = append([]string{py.Python, "-m", "frmps_engine.cli", "frontend",
@@ -188,8 +199,9 @@ func (d *vllmFrontDoor) Shutdown(ctx context.Context) error {
 			err = fmt.Errorf("vLLM frontend did not stop in time: killed")
 		}
 	}
-	d.conn.Close() // fails EngineBack calls in flight
+	d.conn.Close() // fails EngineBack and FrontendHealth calls in flight
 	d.backWG.Wait()
+	d.healthWG.Wait()
 	if rerr := os.RemoveAll(d.dir); rerr != nil && err == nil {
 		err = rerr
 	}
@@ -206,6 +218,13 @@ func (d *vllmFrontDoor) OpenRequests() []*frmpsv1.ResumeRequest {
 	ctx, cancel := context.WithTimeout(context.Background(), d.lostTimeout)
 	defer cancel()
 	set, err := d.ctl.EngineLost(ctx, &frmpsv1.EngineLostRequest{DrainTimeoutMs: d.drainMs})
+	d.mu.Lock()
+	if err != nil {
+		d.lastErr = "EngineLost: " + err.Error()
+	} else {
+		d.lost++
+	}
+	d.mu.Unlock()
 	if err != nil {
 		d.log.Error("vLLM frontend: no resume set; its open requests cannot be resumed", "error", err)
 		d.awaitEngine()
@@ -248,6 +267,12 @@ func (d *vllmFrontDoor) awaitEngine() {
 			if err == nil || stopping || status.Code(err) != codes.DeadlineExceeded {
 				d.backing = false
 			}
+			switch {
+			case err == nil:
+				d.back++
+			case !stopping && status.Code(err) != codes.DeadlineExceeded && status.Code(err) != codes.FailedPrecondition:
+				d.lastErr = "EngineBack: " + err.Error()
+			}
 			d.mu.Unlock()
 			switch {
 			case err == nil:
@@ -265,4 +290,56 @@ func (d *vllmFrontDoor) awaitEngine() {
 			}
 		}
 	}()
+}
+
+// FrontendStatus is the frontend's state for Status (supervisor.FrontendStatuser):
+// what frmps knows itself (process, losses, waits) and the frontend's latest
+// FrontendHealth answer, at most healthTTL old plus one call. It never blocks:
+// a stale answer starts a refresh in the background.
+func (d *vllmFrontDoor) FrontendStatus() *frmpsv1.FrontendStatus {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	fs := &frmpsv1.FrontendStatus{Kind: "vllm", EngineLost: d.lost, EngineBack: d.back, LastError: d.lastErr}
+	if d.cmd != nil {
+		fs.Pid = int32(d.cmd.Process.Pid)
+	}
+	exited := false
+	select {
+	case <-d.exited:
+		exited = true
+	default:
+	}
+	if h := d.health; h != nil {
+		fs.EngineConnected, fs.OpenRequests, fs.VllmVersion = h.GetEngineConnected(), h.GetOpenRequests(), h.GetVllmVersion()
+	}
+	switch {
+	case exited:
+		fs.State, fs.EngineConnected = "exited", false
+	case d.backing:
+		fs.State = "waiting_engine"
+	case fs.EngineConnected:
+		fs.State = "serving"
+	default:
+		fs.State = "starting"
+	}
+	if !exited && !d.stopping && !d.healthBusy && time.Since(d.healthAt) >= d.healthTTL {
+		d.healthBusy = true
+		d.healthWG.Add(1)
+		go d.refreshHealth()
+	}
+	return fs
+}
+
+func (d *vllmFrontDoor) refreshHealth() {
+	defer d.healthWG.Done()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	h, err := d.ctl.FrontendHealth(ctx, &frmpsv1.FrontendHealthRequest{})
+	cancel()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.healthBusy, d.healthAt = false, time.Now()
+	d.health = h // nil on an error (not yet listening, or gone): nothing known
+	if err != nil && !d.stopping && status.Code(err) != codes.Unavailable {
+		d.lastErr = "FrontendHealth: " + err.Error()
+	}
 }

@@ -54,6 +54,10 @@ func (f *fakeFrontend) EngineBack(ctx context.Context, _ *frmpsv1.EngineBackRequ
 	}
 }
 
+func (f *fakeFrontend) FrontendHealth(context.Context, *frmpsv1.FrontendHealthRequest) (*frmpsv1.FrontendHealthResponse, error) {
+	return &frmpsv1.FrontendHealthResponse{EngineConnected: true, OpenRequests: 2, VllmVersion: "0.26.0"}, nil
+}
+
 func newTestVllmFrontDoor(t *testing.T, argv []string) *vllmFrontDoor {
 	t.Helper()
 	o := defaultServeOptions()
@@ -92,7 +96,20 @@ func TestVllmFrontDoorResumeSet(t *testing.T) {
 		t.Fatalf("frontend dir %v mode %v, want 0700", err, fi.Mode())
 	}
 
+	// Status: the frontend's health is fetched in the background, never waited for.
+	d.healthTTL = 0
+	if fs := d.FrontendStatus(); fs.GetKind() != "vllm" || fs.GetEngineLost() != 0 {
+		t.Fatalf("frontend status before anything %v", fs)
+	}
+	waitFor(t, func() bool { return d.FrontendStatus().GetState() == "serving" })
+	if fs := d.FrontendStatus(); !fs.GetEngineConnected() || fs.GetOpenRequests() != 2 || fs.GetVllmVersion() != "0.26.0" {
+		t.Fatalf("frontend status %v", fs)
+	}
+
 	reqs := d.OpenRequests()
+	if fs := d.FrontendStatus(); fs.GetState() != "waiting_engine" || fs.GetEngineLost() != 1 {
+		t.Fatalf("frontend status after a loss %v, want waiting_engine, 1 loss", fs)
+	}
 	if len(reqs) != 2 || reqs[0].GetKey() != 7 || string(reqs[0].GetEngineRequest()) != "\x93\x01\x02" ||
 		!slices.Equal(reqs[0].GetDeliveredTokenIds(), []uint32{5, 6}) || reqs[1].GetKey() != 9 {
 		t.Fatalf("resume set %v", reqs)
@@ -115,6 +132,9 @@ func TestVllmFrontDoorResumeSet(t *testing.T) {
 	}
 	close(f.release)
 	waitFor(t, func() bool { d.mu.Lock(); defer d.mu.Unlock(); return !d.backing })
+	if fs := d.FrontendStatus(); fs.GetState() != "serving" || fs.GetEngineLost() != 2 || fs.GetEngineBack() != 1 || fs.GetLastError() != "" {
+		t.Fatalf("frontend status after the engine came back %v", fs)
+	}
 	// After the engine came back, the next loss waits for the next engine.
 	d.OpenRequests()
 	waitFor(t, func() bool { return f.back.Load() == 2 })
@@ -148,6 +168,9 @@ func TestVllmFrontDoorLostFails(t *testing.T) {
 	serveFake(t, d, f)
 	if reqs := d.OpenRequests(); reqs != nil {
 		t.Fatalf("resume set %v on error, want none", reqs)
+	}
+	if fs := d.FrontendStatus(); fs.GetEngineLost() != 0 || !strings.Contains(fs.GetLastError(), "drain failed") {
+		t.Fatalf("frontend status after a failed EngineLost %v", fs)
 	}
 	// Still waits for the next engine (the frontend holds new requests until one connects).
 	waitFor(t, func() bool { return f.back.Load() == 1 })
@@ -190,6 +213,9 @@ func TestVllmFrontDoorProcess(t *testing.T) {
 	err := d2.Serve(nil)
 	if err == nil || !strings.Contains(err.Error(), "exit status 3") {
 		t.Fatalf("Serve of a frontend that exits: %v", err)
+	}
+	if fs := d2.FrontendStatus(); fs.GetState() != "exited" || fs.GetPid() <= 0 || fs.GetEngineConnected() {
+		t.Fatalf("status of a frontend that exited: %v", fs)
 	}
 	if err := d2.Shutdown(context.Background()); err != nil {
 		t.Fatal(err)

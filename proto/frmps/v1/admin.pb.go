@@ -384,8 +384,11 @@ type Status struct {
 	// rank 0 is the engine process listed in engines).
 	TensorParallelSize uint32 `protobuf:"varint,16,opt,name=tensor_parallel_size,json=tensorParallelSize,proto3" json:"tensor_parallel_size,omitempty"`
 	Spare              *Spare `protobuf:"bytes,17,opt,name=spare,proto3" json:"spare,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// The OpenAI front door when it is a process of its own (--frontend vllm);
+	// absent with frmps's built-in front door.
+	Frontend      *FrontendStatus `protobuf:"bytes,18,opt,name=frontend,proto3" json:"frontend,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Status) Reset() {
@@ -537,6 +540,126 @@ func (x *Status) GetSpare() *Spare {
 	return nil
 }
 
+func (x *Status) GetFrontend() *FrontendStatus {
+	if x != nil {
+		return x.Frontend
+	}
+	return nil
+}
+
+// FrontendStatus: vLLM's own API server as the front door (--frontend vllm), a
+// process outside MPS that the engines connect to.
+type FrontendStatus struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Kind  string                 `protobuf:"bytes,1,opt,name=kind,proto3" json:"kind,omitempty"` // "vllm"
+	Pid   int32                  `protobuf:"varint,2,opt,name=pid,proto3" json:"pid,omitempty"`
+	// "starting" (not yet answering), "serving" (an engine connected),
+	// "waiting_engine" (the engine was lost: new requests are held until the next
+	// one connects), "exited".
+	State           string `protobuf:"bytes,3,opt,name=state,proto3" json:"state,omitempty"`
+	EngineConnected bool   `protobuf:"varint,4,opt,name=engine_connected,json=engineConnected,proto3" json:"engine_connected,omitempty"`
+	OpenRequests    uint32 `protobuf:"varint,5,opt,name=open_requests,json=openRequests,proto3" json:"open_requests,omitempty"` // requests it has sent to an engine and not seen finish
+	VllmVersion     string `protobuf:"bytes,6,opt,name=vllm_version,json=vllmVersion,proto3" json:"vllm_version,omitempty"`
+	EngineLost      uint64 `protobuf:"varint,7,opt,name=engine_lost,json=engineLost,proto3" json:"engine_lost,omitempty"` // resume sets taken from it (failovers and handovers)
+	EngineBack      uint64 `protobuf:"varint,8,opt,name=engine_back,json=engineBack,proto3" json:"engine_back,omitempty"` // engines connected after a loss
+	LastError       string `protobuf:"bytes,9,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`     // the last failed call to it, if any
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *FrontendStatus) Reset() {
+	*x = FrontendStatus{}
+	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FrontendStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FrontendStatus) ProtoMessage() {}
+
+func (x *FrontendStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FrontendStatus.ProtoReflect.Descriptor instead.
+func (*FrontendStatus) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *FrontendStatus) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *FrontendStatus) GetPid() int32 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *FrontendStatus) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *FrontendStatus) GetEngineConnected() bool {
+	if x != nil {
+		return x.EngineConnected
+	}
+	return false
+}
+
+func (x *FrontendStatus) GetOpenRequests() uint32 {
+	if x != nil {
+		return x.OpenRequests
+	}
+	return 0
+}
+
+func (x *FrontendStatus) GetVllmVersion() string {
+	if x != nil {
+		return x.VllmVersion
+	}
+	return ""
+}
+
+func (x *FrontendStatus) GetEngineLost() uint64 {
+	if x != nil {
+		return x.EngineLost
+	}
+	return 0
+}
+
+func (x *FrontendStatus) GetEngineBack() uint64 {
+	if x != nil {
+		return x.EngineBack
+	}
+	return 0
+}
+
+func (x *FrontendStatus) GetLastError() string {
+	if x != nil {
+		return x.LastError
+	}
+	return ""
+}
+
 // Spare: one engine process started ahead of need (the interpreter up, the
 // engine's imports done, the GPU untouched), so that the engine launched
 // after a fault skips Python's start-up. It is placed inside or outside MPS
@@ -557,7 +680,7 @@ type Spare struct {
 
 func (x *Spare) Reset() {
 	*x = Spare{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	mi := &file_frmps_v1_admin_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -569,7 +692,7 @@ func (x *Spare) String() string {
 func (*Spare) ProtoMessage() {}
 
 func (x *Spare) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	mi := &file_frmps_v1_admin_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -582,7 +705,7 @@ func (x *Spare) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Spare.ProtoReflect.Descriptor instead.
 func (*Spare) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{4}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Spare) GetEnabled() bool {
@@ -651,7 +774,7 @@ type Failback struct {
 
 func (x *Failback) Reset() {
 	*x = Failback{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[5]
+	mi := &file_frmps_v1_admin_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -663,7 +786,7 @@ func (x *Failback) String() string {
 func (*Failback) ProtoMessage() {}
 
 func (x *Failback) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[5]
+	mi := &file_frmps_v1_admin_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -676,7 +799,7 @@ func (x *Failback) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Failback.ProtoReflect.Descriptor instead.
 func (*Failback) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{5}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Failback) GetEnabled() bool {
@@ -765,7 +888,7 @@ type TriggerFailoverRequest struct {
 
 func (x *TriggerFailoverRequest) Reset() {
 	*x = TriggerFailoverRequest{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[6]
+	mi := &file_frmps_v1_admin_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -777,7 +900,7 @@ func (x *TriggerFailoverRequest) String() string {
 func (*TriggerFailoverRequest) ProtoMessage() {}
 
 func (x *TriggerFailoverRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[6]
+	mi := &file_frmps_v1_admin_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -790,7 +913,7 @@ func (x *TriggerFailoverRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TriggerFailoverRequest.ProtoReflect.Descriptor instead.
 func (*TriggerFailoverRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{6}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *TriggerFailoverRequest) GetReason() string {
@@ -810,7 +933,7 @@ type TriggerFailoverResponse struct {
 
 func (x *TriggerFailoverResponse) Reset() {
 	*x = TriggerFailoverResponse{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[7]
+	mi := &file_frmps_v1_admin_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -822,7 +945,7 @@ func (x *TriggerFailoverResponse) String() string {
 func (*TriggerFailoverResponse) ProtoMessage() {}
 
 func (x *TriggerFailoverResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[7]
+	mi := &file_frmps_v1_admin_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -835,7 +958,7 @@ func (x *TriggerFailoverResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TriggerFailoverResponse.ProtoReflect.Descriptor instead.
 func (*TriggerFailoverResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{7}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *TriggerFailoverResponse) GetAccepted() bool {
@@ -893,7 +1016,7 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\rreused_tokens\x18\t \x01(\x04R\freusedTokens\x12)\n" +
 	"\x10prefilled_tokens\x18\n" +
 	" \x01(\x04R\x0fprefilledTokens\x12.\n" +
-	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\xe2\x04\n" +
+	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\x98\x05\n" +
 	"\x06Status\x12\x14\n" +
 	"\x05state\x18\x01 \x01(\tR\x05state\x12\x1f\n" +
 	"\vstate_cause\x18\x02 \x01(\tR\n" +
@@ -914,7 +1037,21 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\x0fcrash_loop_open\x18\x0e \x01(\bR\rcrashLoopOpen\x12.\n" +
 	"\bfailback\x18\x0f \x01(\v2\x12.frmps.v1.FailbackR\bfailback\x120\n" +
 	"\x14tensor_parallel_size\x18\x10 \x01(\rR\x12tensorParallelSize\x12%\n" +
-	"\x05spare\x18\x11 \x01(\v2\x0f.frmps.v1.SpareR\x05spare\"\xba\x01\n" +
+	"\x05spare\x18\x11 \x01(\v2\x0f.frmps.v1.SpareR\x05spare\x124\n" +
+	"\bfrontend\x18\x12 \x01(\v2\x18.frmps.v1.FrontendStatusR\bfrontend\"\xa0\x02\n" +
+	"\x0eFrontendStatus\x12\x12\n" +
+	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x10\n" +
+	"\x03pid\x18\x02 \x01(\x05R\x03pid\x12\x14\n" +
+	"\x05state\x18\x03 \x01(\tR\x05state\x12)\n" +
+	"\x10engine_connected\x18\x04 \x01(\bR\x0fengineConnected\x12#\n" +
+	"\ropen_requests\x18\x05 \x01(\rR\fopenRequests\x12!\n" +
+	"\fvllm_version\x18\x06 \x01(\tR\vvllmVersion\x12\x1f\n" +
+	"\vengine_lost\x18\a \x01(\x04R\n" +
+	"engineLost\x12\x1f\n" +
+	"\vengine_back\x18\b \x01(\x04R\n" +
+	"engineBack\x12\x1d\n" +
+	"\n" +
+	"last_error\x18\t \x01(\tR\tlastError\"\xba\x01\n" +
 	"\x05Spare\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x10\n" +
@@ -958,31 +1095,33 @@ func file_frmps_v1_admin_proto_rawDescGZIP() []byte {
 	return file_frmps_v1_admin_proto_rawDescData
 }
 
-var file_frmps_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_frmps_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_frmps_v1_admin_proto_goTypes = []any{
 	(*GetStatusRequest)(nil),        // 0: frmps.v1.GetStatusRequest
 	(*EngineStatus)(nil),            // 1: frmps.v1.EngineStatus
 	(*FailoverRecord)(nil),          // 2: frmps.v1.FailoverRecord
 	(*Status)(nil),                  // 3: frmps.v1.Status
-	(*Spare)(nil),                   // 4: frmps.v1.Spare
-	(*Failback)(nil),                // 5: frmps.v1.Failback
-	(*TriggerFailoverRequest)(nil),  // 6: frmps.v1.TriggerFailoverRequest
-	(*TriggerFailoverResponse)(nil), // 7: frmps.v1.TriggerFailoverResponse
+	(*FrontendStatus)(nil),          // 4: frmps.v1.FrontendStatus
+	(*Spare)(nil),                   // 5: frmps.v1.Spare
+	(*Failback)(nil),                // 6: frmps.v1.Failback
+	(*TriggerFailoverRequest)(nil),  // 7: frmps.v1.TriggerFailoverRequest
+	(*TriggerFailoverResponse)(nil), // 8: frmps.v1.TriggerFailoverResponse
 }
 var file_frmps_v1_admin_proto_depIdxs = []int32{
 	1, // 0: frmps.v1.Status.engines:type_name -> frmps.v1.EngineStatus
 	2, // 1: frmps.v1.Status.failovers:type_name -> frmps.v1.FailoverRecord
-	5, // 2: frmps.v1.Status.failback:type_name -> frmps.v1.Failback
-	4, // 3: frmps.v1.Status.spare:type_name -> frmps.v1.Spare
-	0, // 4: frmps.v1.Admin.GetStatus:input_type -> frmps.v1.GetStatusRequest
-	6, // 5: frmps.v1.Admin.TriggerFailover:input_type -> frmps.v1.TriggerFailoverRequest
-	3, // 6: frmps.v1.Admin.GetStatus:output_type -> frmps.v1.Status
-	7, // 7: frmps.v1.Admin.TriggerFailover:output_type -> frmps.v1.TriggerFailoverResponse
-	6, // [6:8] is the sub-list for method output_type
-	4, // [4:6] is the sub-list for method input_type
-	4, // [4:4] is the sub-list for extension type_name
-	4, // [4:4] is the sub-list for extension extendee
-	0, // [0:4] is the sub-list for field type_name
+	6, // 2: frmps.v1.Status.failback:type_name -> frmps.v1.Failback
+	5, // 3: frmps.v1.Status.spare:type_name -> frmps.v1.Spare
+	4, // 4: frmps.v1.Status.frontend:type_name -> frmps.v1.FrontendStatus
+	0, // 5: frmps.v1.Admin.GetStatus:input_type -> frmps.v1.GetStatusRequest
+	7, // 6: frmps.v1.Admin.TriggerFailover:input_type -> frmps.v1.TriggerFailoverRequest
+	3, // 7: frmps.v1.Admin.GetStatus:output_type -> frmps.v1.Status
+	8, // 8: frmps.v1.Admin.TriggerFailover:output_type -> frmps.v1.TriggerFailoverResponse
+	7, // [7:9] is the sub-list for method output_type
+	5, // [5:7] is the sub-list for method input_type
+	5, // [5:5] is the sub-list for extension type_name
+	5, // [5:5] is the sub-list for extension extendee
+	0, // [0:5] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_admin_proto_init() }
@@ -996,7 +1135,7 @@ func file_frmps_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_admin_proto_rawDesc), len(file_frmps_v1_admin_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   8,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -57,3 +57,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.torch)  # vLLM needs PyTorch
             if skip is not None:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def addrs(sockdir):
+    """The engine-core protocol's two ipc:// addresses (input, output) in a
+    private socket directory."""
+    return f"ipc://{os.path.join(sockdir, 'in.sock')}", f"ipc://{os.path.join(sockdir, 'out.sock')}"

@@ -13,7 +13,6 @@ Each fault test first runs the same requests without a fault and compares."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 
@@ -47,11 +46,6 @@ class BrokenModel(SeededFakeModel):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
-
-
-@pytest.fixture
-def addrs(sockdir):
-    return f"ipc://{os.path.join(sockdir, 'in.sock')}", f"ipc://{os.path.join(sockdir, 'out.sock')}"
 
 
 def make_core(model_dir, model=None, device_s=STEP_S):

@@ -13,7 +13,6 @@ frontend received, as the real engine must."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 
@@ -118,11 +117,6 @@ def make_request(rid: str, sp):
     from vllm.v1.engine import EngineCoreRequest
 
     return EngineCoreRequest(rid, [1, 2, 3], None, sp, None, time.time(), None, None, None)
-
-
-@pytest.fixture
-def addrs(sockdir):
-    return f"ipc://{os.path.join(sockdir, 'in.sock')}", f"ipc://{os.path.join(sockdir, 'out.sock')}"
 
 
 @pytest.mark.parametrize("first_fate", ["dies", "wedged"])

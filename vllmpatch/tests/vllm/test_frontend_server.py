@@ -202,6 +202,15 @@ def test_streamed_completion_through_vllms_api_server(frontend, model_dir):
         bad.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
     h = stub(frontend.control).FrontendHealth(pb.FrontendHealthRequest(), timeout=10)
     assert h.engine_connected and h.open_requests == 0
+    # frmps's probes on vLLM's app (its --middleware), without the API key; vLLM's routes unchanged.
+    import httpx
+
+    base = f"http://127.0.0.1:{frontend.port}"
+    assert httpx.get(f"{base}/livez").status_code == 200
+    r = httpx.get(f"{base}/readyz")
+    assert r.status_code == 200 and r.json()["status"] == "ready", r.text
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert httpx.get(f"{base}/v1/models").status_code == 401  # the key still guards the API
     assert h.vllm_version.split("+")[0] == os.environ.get("FRMPS_EXPECT_VLLM", h.vllm_version.split("+")[0])
 
 
@@ -415,3 +424,22 @@ def test_engine_lost_does_not_wait_behind_engine_back(model_dir, tmp_path):
             a.close()
 
     asyncio.run(main())
+
+
+def test_readiness_follows_the_engine_and_a_failover_window():
+    from types import SimpleNamespace
+
+    from frmps_engine.vllm.frontend import server
+
+    assert server.readiness(None) == (False, "no engine has connected yet")
+    svc = SimpleNamespace(client=None, _lost_at=None)
+    assert not server.readiness(svc)[0]
+    svc.client = SimpleNamespace(engine_connected=True)
+    assert server.readiness(svc)[0]
+    svc.client.engine_connected, svc._lost_at = False, 100.0
+    ok, why = server.readiness(svc, now=100.0 + server.READY_GRACE_S - 1)
+    assert ok and "failover" in why
+    ok, why = server.readiness(svc, now=100.0 + server.READY_GRACE_S + 1)
+    assert not ok and "no engine connected for" in why
+    svc._lost_at = None
+    assert not server.readiness(svc)[0]

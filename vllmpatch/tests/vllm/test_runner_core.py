@@ -33,11 +33,6 @@ def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
-@pytest.fixture
-def addrs(sockdir):
-    return f"ipc://{os.path.join(sockdir, 'in.sock')}", f"ipc://{os.path.join(sockdir, 'out.sock')}"
-
-
 class Engine:
     """One Runner in this process, and the supervisor's end of its control socket."""
 

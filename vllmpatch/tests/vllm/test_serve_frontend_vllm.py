@@ -131,6 +131,16 @@ def test_failover_through_vllms_api_server(model_dir):
         log = Path(dep.log_path).read_text(errors="replace")
         assert "failover done" in log and "resumed=3" in log, dep.log_tail()
         assert "vLLM frontend: engine back" in log, dep.log_tail()
+        # Status shows the frontend process: serving again, one loss, one engine back.
+        deadline = time.monotonic() + 10
+        while True:
+            fe = dep.status().get("frontend") or {}
+            if fe.get("state") == "serving" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert fe.get("kind") == "vllm" and fe.get("state") == "serving" and fe.get("engine_connected"), fe
+        assert int(fe.get("engine_lost", 0)) == 1 and int(fe.get("engine_back", 0)) == 1, fe
+        assert fe.get("vllm_version") and int(fe.get("pid", 0)) > 0, fe
 
 
 def test_failback_hands_open_streams_over_through_vllms_api_server(model_dir):

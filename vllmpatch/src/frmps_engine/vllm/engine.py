@@ -182,20 +182,20 @@ class VllmCore:
     def add_request(self, key: int, prompt_token_ids: list[int], params: Any) -> None:
         from vllm.v1.request import Request
 
+        self._check_new(key, prompt_token_ids)
+        self.add_vllm_request(key, Request(
+            request_id=request_id_for_key(key),
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=self._params(key, params),
+            pooling_params=None,
+            block_hasher=self.core.request_block_hasher,
+        ))
+
+    def _check_new(self, key: int, prompt_token_ids: list[int] | None) -> None:
         if key in self._tracks:
             raise ValueError(f"request {key} already exists")
         if not prompt_token_ids:
             raise ValueError(f"request {key}: empty prompt")
-        params = self._params(key, params)
-        req = Request(
-            request_id=request_id_for_key(key),
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=params,
-            pooling_params=None,
-            block_hasher=self.core.request_block_hasher,
-        )
-        self.core.add_request(req)
-        self._tracks[key] = _Track(0, list(params.stop or []))
 
     def add_vllm_request(self, key: int, request: Any) -> None:
         """Add a vLLM ``Request`` built by the caller (``Request.from_engine_core_request``:
@@ -204,12 +204,9 @@ class VllmCore:
         request has its grammar compiled first, as vLLM's EngineCore does when it
         receives a request (``preprocess_add_request``, v1/engine/core.py:1126-1148;
         0.26: :954-976)."""
-        if key in self._tracks:
-            raise ValueError(f"request {key} already exists")
+        self._check_new(key, request.prompt_token_ids)
         if request.request_id != request_id_for_key(key):
             raise ValueError(f"request {request.request_id} is not named {request_id_for_key(key)}")
-        if not request.prompt_token_ids:
-            raise ValueError(f"request {key}: empty prompt")
         if request.use_structured_output:
             self.scheduler.structured_output_manager.grammar_init(request)
         self.core.add_request(request)

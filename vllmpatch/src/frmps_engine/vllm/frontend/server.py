@@ -34,6 +34,9 @@ ipc://… --control-socket PATH [vllm serve arguments: MODEL --host --port
   socket's directory must be 0700 and owned by this user; the socket is 0600.
 - This process initialises no CUDA context (vLLM's API server does not; the
   engines do, in their own processes).
+- frmps's probes, ``GET /livez`` and ``GET /readyz`` (deploy/README.md), are
+  added through vLLM's own ``--middleware`` option (``probes`` below), beside
+  vLLM's ``/health``.
 """
 
 from __future__ import annotations
@@ -259,6 +262,50 @@ def start_control_server(path: str, service: FrontendService) -> grpc.Server:
     return server
 
 
+# ---------------------------------------------------------------- probes
+
+# A loss shorter than this keeps /readyz ready: the failover's promoted engine
+# connects within milliseconds and the requests sent meanwhile are held, not
+# refused. Longer (both engines gone: a cold start, or a crash loop), it is not.
+READY_GRACE_S = 30.0
+_probe_service: FrontendService | None = None
+
+
+def readiness(service: FrontendService | None, now: float | None = None) -> tuple[bool, str]:
+    """(ready, why) for /readyz: an engine is connected, or it was lost less
+    than READY_GRACE_S ago (a failover under way)."""
+    c = service.client if service is not None else None
+    if c is None:
+        return False, "no engine has connected yet"
+    if c.engine_connected:
+        return True, "an engine is connected"
+    lost = service._lost_at
+    if lost is None:
+        return False, "no engine connected"
+    since = (time.monotonic() if now is None else now) - lost
+    if since < READY_GRACE_S:
+        return True, f"engine lost {since:.1f} s ago: a failover is under way, requests are held"
+    return False, f"no engine connected for {since:.0f} s"
+
+
+async def probes(request: Any, call_next: Any) -> Any:
+    """vLLM ``--middleware``: answers GET/HEAD ``/livez`` (200 while this
+    process's event loop answers) and ``/readyz`` (200 or 503 with Retry-After,
+    ``readiness``) before vLLM's own middleware (API key included: probes carry
+    none); everything else goes to vLLM's app."""
+    path = request.url.path
+    if path not in ("/livez", "/readyz") or request.method not in ("GET", "HEAD"):
+        return await call_next(request)
+    from fastapi.responses import JSONResponse
+
+    if path == "/livez":
+        return JSONResponse({"status": "alive"})
+    ok, why = readiness(_probe_service)
+    if ok:
+        return JSONResponse({"status": "ready", "detail": why})
+    return JSONResponse({"status": "not ready", "detail": why}, status_code=503, headers={"Retry-After": "5"})
+
+
 # ---------------------------------------------------------------- vLLM's API server
 
 
@@ -308,7 +355,10 @@ def parse_serve_args(api: Any, rest: list[str]) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace, opts: argparse.Namespace, api: Any) -> None:
+    global _probe_service
     service = FrontendService()
+    _probe_service = service
+    args.middleware = [*(getattr(args, "middleware", None) or []), f"{__name__}.probes"]
     control = start_control_server(opts.control_socket, service)
     try:
         install_client_hook(service)

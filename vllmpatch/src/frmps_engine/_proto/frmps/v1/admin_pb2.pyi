@@ -75,7 +75,7 @@ class FailoverRecord(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., unix_nanos: _Optional[int] = ..., cause: _Optional[str] = ..., detail: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., resumed_requests: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., first_token_seconds: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open", "failback", "tensor_parallel_size", "spare")
+    __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open", "failback", "tensor_parallel_size", "spare", "frontend")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STATE_CAUSE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class Status(_message.Message):
     FAILBACK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_FIELD_NUMBER: _ClassVar[int]
     state: str
     state_cause: str
     model: str
@@ -110,7 +111,30 @@ class Status(_message.Message):
     failback: Failback
     tensor_parallel_size: int
     spare: Spare
-    def __init__(self, state: _Optional[str] = ..., state_cause: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., sync_every: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., failovers: _Optional[_Iterable[_Union[FailoverRecord, _Mapping]]] = ..., mps: _Optional[bool] = ..., mps_state: _Optional[str] = ..., ring_lag_records: _Optional[int] = ..., ring_resyncs: _Optional[int] = ..., live_requests: _Optional[int] = ..., version: _Optional[str] = ..., crash_loop_open: _Optional[bool] = ..., failback: _Optional[_Union[Failback, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., spare: _Optional[_Union[Spare, _Mapping]] = ...) -> None: ...
+    frontend: FrontendStatus
+    def __init__(self, state: _Optional[str] = ..., state_cause: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., sync_every: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., failovers: _Optional[_Iterable[_Union[FailoverRecord, _Mapping]]] = ..., mps: _Optional[bool] = ..., mps_state: _Optional[str] = ..., ring_lag_records: _Optional[int] = ..., ring_resyncs: _Optional[int] = ..., live_requests: _Optional[int] = ..., version: _Optional[str] = ..., crash_loop_open: _Optional[bool] = ..., failback: _Optional[_Union[Failback, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., spare: _Optional[_Union[Spare, _Mapping]] = ..., frontend: _Optional[_Union[FrontendStatus, _Mapping]] = ...) -> None: ...
+
+class FrontendStatus(_message.Message):
+    __slots__ = ("kind", "pid", "state", "engine_connected", "open_requests", "vllm_version", "engine_lost", "engine_back", "last_error")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LOST_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BACK_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    pid: int
+    state: str
+    engine_connected: bool
+    open_requests: int
+    vllm_version: str
+    engine_lost: int
+    engine_back: int
+    last_error: str
+    def __init__(self, kind: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., engine_connected: _Optional[bool] = ..., open_requests: _Optional[int] = ..., vllm_version: _Optional[str] = ..., engine_lost: _Optional[int] = ..., engine_back: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class Spare(_message.Message):
     __slots__ = ("enabled", "state", "pid", "activations", "cold_starts", "last_ready_seconds")
