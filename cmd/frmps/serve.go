@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"syscall"
 	"time"
@@ -64,6 +65,7 @@ type serveOptions struct {
 	MaxModelLen        int           `json:"max_model_len"`
 	TensorParallelSize int           `json:"tensor_parallel_size"`
 	EngineArgs         []string      `json:"engine_args"`
+	VllmArgs           []string      `json:"vllm_args"`
 	Frontend           string        `json:"frontend"`
 	FrontendArgs       []string      `json:"frontend_args"`
 	MaxConcurrent      int           `json:"max_concurrent"`
@@ -179,7 +181,8 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.IntVar(&opts.MaxModelLen, "max-model-len", opts.MaxModelLen, "maximum sequence length (0: the engine's default)")
 	f.IntVar(&opts.TensorParallelSize, "tensor-parallel-size", opts.TensorParallelSize, "shard the model over this many GPUs per engine (reference engine): each engine is a group of this many processes, rank r on GPU r of the visible devices; the group fails over as a unit. On the CPU (tests) the ranks share the host")
 	f.StringArrayVar(&opts.EngineArgs, "engine-arg", opts.EngineArgs, "extra argument for the engine's command line, repeatable (e.g. --engine-arg=--max-num-seqs=64)")
-	f.StringVar(&opts.Frontend, "frontend", opts.Frontend, "the OpenAI endpoint: frmps (frmps's front door, both engines) or vllm (EXPERIMENTAL, not yet run on a GPU: vLLM's own API server, every route of `vllm serve`, with --engine vllm; the engine is the unit of failover, vllmpatch/OPENAI.md)")
+	f.StringArrayVar(&opts.VllmArgs, "vllm-arg", opts.VllmArgs, "with --engine vllm: one of vLLM's own flags as `vllm serve` spells it, for the engines and, with --frontend vllm, vLLM's API server alike, repeatable (e.g. --vllm-arg=--max-logprobs=50); the engines refuse the flags frmps sets itself (model, sizes, dtype, seed)")
+	f.StringVar(&opts.Frontend, "frontend", opts.Frontend, "the OpenAI endpoint: frmps (frmps's front door, both engines) or vllm (EXPERIMENTAL: vLLM's own API server, every route of `vllm serve`, with --engine vllm; the engine is the unit of failover, vllmpatch/OPENAI.md)")
 	f.StringArrayVar(&opts.FrontendArgs, "frontend-arg", opts.FrontendArgs, "with --frontend vllm: extra argument for vLLM's API server as `vllm serve` spells it, repeatable (e.g. --frontend-arg=--enable-auto-tool-choice)")
 	f.IntVar(&opts.MaxConcurrent, "max-concurrent", opts.MaxConcurrent, "most requests running against the engine at once (0: 512)")
 	f.IntVar(&opts.MaxQueue, "max-queue", opts.MaxQueue, "most requests waiting for a slot before 429 (0: 1024; negative: no queue)")
@@ -263,12 +266,22 @@ func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 		Model: o.Model, ServedModelName: o.ServedModelName, Engine: o.Engine, Python: py.Python, BaseEnv: sdnotify.StripEnv(py.Env), SyncEvery: o.SyncEvery,
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity, StateDir: o.StateDir,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, MPSPipeDir: o.MPSPipeDir, MPSLogDir: o.MPSLogDir, Device: o.Device, Memory: o.Memory,
-		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, TensorParallelSize: o.TensorParallelSize, EngineArgs: o.EngineArgs, Breaker: b, ShutdownGrace: o.ShutdownGrace,
+		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, TensorParallelSize: o.TensorParallelSize, EngineArgs: o.engineArgs(), Breaker: b, ShutdownGrace: o.ShutdownGrace,
 		HeartbeatTimeout: o.HeartbeatTimeout, StepTimeoutFactor: o.StepTimeoutFactor, StepTimeoutMin: o.StepTimeoutMin,
 		StepTimeoutDefault: o.StepTimeoutDefault,
 		NoFailback:         o.NoFailback, NoMPSFaultWatch: o.NoMPSFaultWatch, FailbackDelay: o.FailbackDelay, HandoffTimeout: o.HandoffTimeout,
 		Spare: o.Spare,
 	}
+}
+
+// engineArgs is the engines' extra command line: --engine-arg as given, then
+// each --vllm-arg as the engine's own --vllm-arg.
+func (o serveOptions) engineArgs() []string {
+	out := slices.Clone(o.EngineArgs)
+	for _, a := range o.VllmArgs {
+		out = append(out, "--vllm-arg="+a)
+	}
+	return out
 }
 
 // validate checks what can be checked before anything starts.
@@ -287,6 +300,9 @@ func (o serveOptions) validate() error {
 	}
 	if o.TensorParallelSize > 1 && o.Engine == "vllm" {
 		return errors.New("--tensor-parallel-size > 1 is implemented by the reference engine (--engine ref) only; vLLM engines run on one GPU each for now")
+	}
+	if len(o.VllmArgs) > 0 && o.Engine != "vllm" {
+		return errors.New("--vllm-arg is one of vLLM's flags: give --engine vllm")
 	}
 	switch o.Frontend {
 	case "frmps":

@@ -71,8 +71,8 @@ type vllmFrontDoor struct {
 }
 
 // vllmFrontendArgs are the `vllm serve` arguments the frontend process gets
-// from frmps's own options; --frontend-arg adds more (vLLM's flags as
-// `vllm serve` spells them).
+// from frmps's own options, then --vllm-arg (vLLM's flags the engines get too)
+// and --frontend-arg (the API server's only), as `vllm serve` spells them.
 func vllmFrontendArgs(o serveOptions) []string {
 	args := []string{o.Model, "--host", o.Host, "--port", strconv.Itoa(o.Port), "--served-model-name", o.ServedModelName}
 	if o.Host == "" {
@@ -81,6 +81,7 @@ func vllmFrontendArgs(o serveOptions) []string {
 	if o.MaxModelLen > 0 {
 		args = append(args, "--max-model-len", strconv.Itoa(o.MaxModelLen))
 	}
+	args = append(args, o.VllmArgs...)
 	return append(args, o.FrontendArgs...)
 }
 

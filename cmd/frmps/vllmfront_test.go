@@ -253,6 +253,7 @@ func TestServeFrontendValidation(t *testing.T) {
 		{func(o *serveOptions) { o.Frontend = "nginx" }, "want frmps or vllm"},
 		{func(o *serveOptions) { o.FrontendArgs = []string{"--x"} }, "give --frontend vllm"},
 		{func(o *serveOptions) { o.Frontend, o.Engine, o.TensorParallelSize = "vllm", "vllm", 2 }, "tensor-parallel"},
+		{func(o *serveOptions) { o.VllmArgs = []string{"--max-logprobs=5"} }, "give --engine vllm"},
 	} {
 		o := defaultServeOptions()
 		c.mod(&o)
@@ -283,5 +284,25 @@ func waitFor(t *testing.T, cond func() bool) {
 			t.Fatal("condition not reached in 5 s")
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// --vllm-arg reaches the engines (as their --vllm-arg) and vLLM's API server
+// (before --frontend-arg, which is the API server's only).
+func TestVllmArgsReachEnginesAndFrontend(t *testing.T) {
+	o := defaultServeOptions()
+	o.Engine, o.Frontend, o.Model, o.ServedModelName = "vllm", "vllm", "/models/q", "q"
+	o.EngineArgs = []string{"--max-num-seqs=8"}
+	o.VllmArgs = []string{"--max-logprobs=50", "--enable-prefix-caching"}
+	o.FrontendArgs = []string{"--enable-auto-tool-choice"}
+	if err := o.validate(); err != nil {
+		t.Fatal(err)
+	}
+	if got := o.supervisorConfig(pythonEnv{Python: "python3"}).EngineArgs; !slices.Equal(got,
+		[]string{"--max-num-seqs=8", "--vllm-arg=--max-logprobs=50", "--vllm-arg=--enable-prefix-caching"}) {
+		t.Fatalf("engine args %q", got)
+	}
+	if got := strings.Join(vllmFrontendArgs(o), " "); !strings.HasSuffix(got, "--max-logprobs=50 --enable-prefix-caching --enable-auto-tool-choice") {
+		t.Fatalf("frontend args %q", got)
 	}
 }

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=_positive, help="most requests in one batch")
     s.add_argument("--max-num-batched-tokens", type=_positive,
                    help="token budget of one step (prefill chunk size)")
+    s.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="with --engine vllm: one of vLLM's engine flags as `vllm serve` spells it (repeatable), "
+                        "e.g. --vllm-arg=--max-logprobs=50; the flags frmps sets itself are refused")
     s.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="exact mode: a resumed request reproduces the no-fault output token for token "
                         "(fixed decode batch, aligned per-request prefill; default on for GPUs)")

@@ -822,3 +822,41 @@ def test_warm_takeover_leaves_nothing_behind(model_dir, mode):
     for k, p in PROMPTS.items():
         eng.add_request(k, p, params(MAX[k]))
     assert by_key(drain(eng)) == reference
+
+
+def test_vllm_args_reach_engine_args_and_frmps_owned_ones_are_refused(model_dir, monkeypatch):
+    """--vllm-arg: vLLM's own engine flags, parsed by vLLM's parser, applied over
+    frmps's choices; the ones frmps sets itself (pool sizes and layout, role,
+    seed rule) refused by name; what vLLM's parser refuses, refused."""
+    from types import SimpleNamespace
+
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    # vLLM's parser computes its defaults from its configs, one of which asks the
+    # platform for a device type: the CUDA wheels find none on a machine without a
+    # GPU (the frontend's CPU tests force the CPU platform the same way).
+    monkeypatch.setattr(platforms, "_current_platform", CpuPlatform())
+
+    from frmps_engine.sdk.adapters import AdapterError
+    from frmps_engine.vllm.engine import make_adapter, vllm_overrides
+
+    assert vllm_overrides([]) == {}
+    got = vllm_overrides(["--max-logprobs=50", "--enable-prefix-caching", "--max-num-seqs", "12",
+                          "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'])
+    assert got["max_logprobs"] == 50 and got["enable_prefix_caching"] is True and got["max_num_seqs"] == 12
+    so = got["structured_outputs_config"]
+    assert so.backend == "xgrammar" and so.disable_any_whitespace is True
+    for flag, want in (("--dtype=float16", "dtype"), ("--num-gpu-blocks-override=9", "use --num-blocks"),
+                       ("--seed=3", "seed rule"), ("--kv-cache-dtype=fp8", "KV pool layout")):
+        with pytest.raises(ValueError, match=want):
+            vllm_overrides([flag])
+    with pytest.raises(ValueError, match="refuse"):
+        vllm_overrides(["--no-such-vllm-flag"])
+    ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=64, dtype="float32", max_num_seqs=4,
+                                      vllm_arg=["--max-logprobs=7", "--max-num-seqs=9"]))
+    ea = ad.engine_args(False, 0.5)
+    assert ea.max_logprobs == 7 and ea.max_num_seqs == 9  # over frmps's own --max-num-seqs
+    assert ea.num_gpu_blocks_override == 64 and ea.seed == 0  # frmps's still
+    with pytest.raises(AdapterError, match="frmps sets max-model-len"):
+        make_adapter(SimpleNamespace(model=model_dir, num_blocks=64, vllm_arg=["--max-model-len=99"]))

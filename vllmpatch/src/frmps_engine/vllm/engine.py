@@ -503,6 +503,9 @@ class VllmEngineConfig:
     # vLLM's StructuredOutputsConfig fields (None: vLLM's defaults); from
     # FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG.
     structured_outputs: dict | None = None
+    # EngineArgs fields from --vllm-arg (vllm_overrides): vLLM's own flags,
+    # applied over frmps's choices except those frmps owns.
+    overrides: dict = field(default_factory=dict)
 
 
 def scheduler_cls_for(vllm_config: Any) -> str:
@@ -594,9 +597,9 @@ class VllmAdapter:
             kv_cache_memory_bytes=self.pool_layout()[1].size,
             gpu_memory_utilization=gpu_memory_utilization or self.cfg.gpu_memory_utilization,
             seed=0,
-            **{k: v for k, v in (("max_num_seqs", self.cfg.max_num_seqs),
-                                 ("max_num_batched_tokens", self.cfg.max_num_batched_tokens)) if v},
-            **self._structured_outputs_arg(),
+            **{**{k: v for k, v in (("max_num_seqs", self.cfg.max_num_seqs),
+                                    ("max_num_batched_tokens", self.cfg.max_num_batched_tokens)) if v},
+               **self._structured_outputs_arg(), **self.cfg.overrides},
         )
 
     def _structured_outputs_arg(self) -> dict:
@@ -735,6 +738,51 @@ def structured_outputs_from_env(env: Mapping[str, str]) -> dict | None:
     return cfg
 
 
+# EngineArgs fields that frmps sets itself: the shared pools are sized and
+# placed from them (both engines must agree), or the engine's role depends on
+# them. --vllm-arg refuses them, naming frmps's flag where there is one.
+FRMPS_OWNED_ENGINE_ARGS = {
+    "model": "--model", "max_model_len": "--max-model-len", "dtype": "frmps's dtype (bfloat16)",
+    "block_size": "frmps's KV block size (16)", "num_gpu_blocks_override": "--num-blocks",
+    "kv_cache_memory_bytes": "--num-blocks", "gpu_memory_utilization": "frmps's start-up memory fraction",
+    "kv_cache_dtype": "frmps's KV pool layout", "quantization": "frmps's weights pool layout",
+    "load_format": "frmps's weights (dummy, or loaded by the active)", "enable_sleep_mode": "frmps's standby",
+    "scheduler_cls": "frmps's scheduler", "async_scheduling": "FRMPS_VLLM_ASYNC_SCHEDULING",
+    "additional_config": "frmps's engine configuration", "tensor_parallel_size": "--tensor-parallel-size",
+    "pipeline_parallel_size": "one engine process", "data_parallel_size": "one engine process",
+    "distributed_executor_backend": "one engine process", "seed": "frmps's seed rule",
+    "sleep_mode_backend": "frmps's sleep backend", "worker_cls": "frmps's worker", "worker_extension_cls": "frmps's worker",
+}
+
+
+def vllm_overrides(argv: list[str]) -> dict:
+    """The EngineArgs fields that ``--vllm-arg`` flags set, as vLLM parses them
+    (its own ``EngineArgs.add_cli_args`` parser: the flags as ``vllm serve``
+    spells them, e.g. ``--max-logprobs=50``, ``--enable-prefix-caching``,
+    ``--structured-outputs-config '{"backend": "xgrammar"}'``). Only the flags
+    given; frmps's own (FRMPS_OWNED_ENGINE_ARGS) are refused with ValueError,
+    as is anything vLLM's parser refuses."""
+    import argparse
+
+    if not argv:
+        return {}
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="--vllm-arg", add_help=False))
+    for action in parser._actions:  # only what is given ends up in the namespace
+        action.default, action.required = argparse.SUPPRESS, False
+    try:
+        given = vars(parser.parse_args(list(argv)))
+    except SystemExit:  # argparse printed why (to the engine's log)
+        raise ValueError(f"--vllm-arg: vLLM's engine arguments refuse {' '.join(argv)!r} (the reason is above)") from None
+    owned = sorted(k for k in given if k in FRMPS_OWNED_ENGINE_ARGS)
+    if owned:
+        raise ValueError("--vllm-arg: frmps sets " + ", ".join(
+            f"{k.replace('_', '-')} (use {FRMPS_OWNED_ENGINE_ARGS[k]})" for k in owned))
+    return given
+
+
 def make_adapter(args: Any) -> VllmAdapter:
     """Build the adapter from the CLI's parsed arguments (``serve --engine vllm``)."""
     from frmps_engine.sdk.adapters import AdapterError
@@ -749,6 +797,7 @@ def make_adapter(args: Any) -> VllmAdapter:
     try:
         async_scheduling = async_scheduling_from_env(os.environ)
         structured_outputs = structured_outputs_from_env(os.environ)
+        overrides = vllm_overrides(list(getattr(args, "vllm_arg", None) or []))
     except ValueError as exc:
         raise AdapterError(str(exc)) from exc
     return VllmAdapter(
@@ -765,6 +814,7 @@ def make_adapter(args: Any) -> VllmAdapter:
             max_num_seqs=getattr(args, "max_num_seqs", None),
             max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
             structured_outputs=structured_outputs,
+            overrides=overrides,
         )
     )
 
