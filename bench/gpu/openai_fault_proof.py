@@ -353,12 +353,11 @@ def main() -> int:
     args.engine, args.port, args.mps_control, args.env = "vllm", 0, "", {}
     if not any(a.startswith("--max-num-seqs") for a in args.engine_arg):
         args.engine_arg.append("--max-num-seqs=32")
-    so = args.structured_outputs_config
-    args.env["FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG"] = so
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    # The structured-outputs config as a user gives it: --vllm-arg reaches the API server and the engines.
     args.serve_arg = [*args.serve_arg, "--frontend=vllm", f"--served-model-name={name}",
                       "--frontend-arg=--enable-auto-tool-choice", f"--frontend-arg=--tool-call-parser={args.tool_call_parser}",
-                      f"--frontend-arg=--structured-outputs-config={so}"]
+                      f"--vllm-arg=--structured-outputs-config={args.structured_outputs_config}"]
     if args.api_key:
         args.serve_arg.append(f"--api-key={args.api_key}")
     cs = [c for c in cases(args.max_tokens) if not (args.cpu and c.get("real_model"))]

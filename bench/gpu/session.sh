@@ -195,10 +195,10 @@ stage_matrix() {  # model [timeout]
     stop_group "$pid"
     log "openai-matrix $model: frmps serve --engine vllm --frontend vllm"
     set -m
-    FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG="$so" bin/frmps serve --engine vllm --frontend vllm --model "$m" --served-model-name "$model" --device cuda --memory cuda-vmm \
+    bin/frmps serve --engine vllm --frontend vllm --model "$m" --served-model-name "$model" --device cuda --memory cuda-vmm \
         --port 8000 --num-blocks "$(nblocks "$model")" --max-model-len 4096 --python python3 \
         --frontend-arg=--enable-auto-tool-choice --frontend-arg=--tool-call-parser=hermes \
-        --frontend-arg=--structured-outputs-config="$so" \
+        --vllm-arg=--structured-outputs-config="$so" \
         --engine-log-dir "$WORK/matrix-frmps-logs" > "$WORK/matrix-frmps-vllm.log" 2>&1 &
     pid=$!
     set +m

@@ -301,7 +301,7 @@ func (o serveOptions) validate() error {
 	if o.TensorParallelSize > 1 && o.Engine == "vllm" {
 		return errors.New("--tensor-parallel-size > 1 is implemented by the reference engine (--engine ref) only; vLLM engines run on one GPU each for now")
 	}
-	if len(o.VllmArgs) > 0 && o.Engine != "vllm" {
+	if len(o.VllmArgs) > 0 && o.Engine == "ref" {
 		return errors.New("--vllm-arg is one of vLLM's flags: give --engine vllm")
 	}
 	switch o.Frontend {

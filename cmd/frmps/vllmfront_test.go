@@ -253,7 +253,7 @@ func TestServeFrontendValidation(t *testing.T) {
 		{func(o *serveOptions) { o.Frontend = "nginx" }, "want frmps or vllm"},
 		{func(o *serveOptions) { o.FrontendArgs = []string{"--x"} }, "give --frontend vllm"},
 		{func(o *serveOptions) { o.Frontend, o.Engine, o.TensorParallelSize = "vllm", "vllm", 2 }, "tensor-parallel"},
-		{func(o *serveOptions) { o.VllmArgs = []string{"--max-logprobs=5"} }, "give --engine vllm"},
+		{func(o *serveOptions) { o.Engine, o.VllmArgs = "ref", []string{"--max-logprobs=5"} }, "give --engine vllm"},
 	} {
 		o := defaultServeOptions()
 		c.mod(&o)

@@ -847,6 +847,9 @@ def test_vllm_args_reach_engine_args_and_frmps_owned_ones_are_refused(model_dir,
     assert got["max_logprobs"] == 50 and got["enable_prefix_caching"] is True and got["max_num_seqs"] == 12
     so = got["structured_outputs_config"]
     assert so.backend == "xgrammar" and so.disable_any_whitespace is True
+    # One token, as the supervisor passes it (--vllm-arg=--structured-outputs-config={...}).
+    one = vllm_overrides(['--structured-outputs-config={"backend": "guidance"}'])
+    assert one["structured_outputs_config"].backend == "guidance"
     for flag, want in (("--dtype=float16", "dtype"), ("--num-gpu-blocks-override=9", "use --num-blocks"),
                        ("--seed=3", "seed rule"), ("--kv-cache-dtype=fp8", "KV pool layout")):
         with pytest.raises(ValueError, match=want):
