@@ -225,6 +225,10 @@ def test_failover_adopts_ledger_entries_and_streams_continue_exactly_once(model_
         b = None
         try:
             reqs = requests()
+            # What vLLM's Request keeps of the request as sent travels with the adoption:
+            # the cache salt (the prefix cache's tenant isolation), priority, arrival, trace.
+            reqs[0].cache_salt, reqs[0].priority, reqs[0].trace_headers = "tenant-a", 2, {"traceparent": "00-ab-cd-01"}
+            arrival = reqs[0].arrival_time
             for r in reqs:
                 await client.add_request_async(r)
             assert {r.request_id: r.sampling_params.seed for r in reqs} == {
@@ -255,6 +259,10 @@ def test_failover_adopts_ledger_entries_and_streams_continue_exactly_once(model_
             assert all(o.reused_tokens >= 16 for o in outcomes), "the prompt's full block is reused from the ring"
             for e in entries:  # adopted with the request's own seed
                 assert b.core.scheduler.requests[e.engine_id].sampling_params.seed == want_seeds[e.engine_id]
+            first = b.core.scheduler.requests[entries[0].engine_id]
+            assert (first.cache_salt, first.priority, first.trace_headers, first.arrival_time) == (
+                "tenant-a", 2, {"traceparent": "00-ab-cd-01"}, arrival)
+            assert b.core.scheduler.requests[entries[1].engine_id].cache_salt is None
             b.start()
             await client.wait_engine_back(timeout=10)
             await col.drain(lambda: {"cmpl-a", "0_cmpl-b", "1_cmpl-b", "cmpl-late"} <= set(col.finish))

@@ -188,6 +188,7 @@ def adopt(
     block_hasher: Callable[[Any], list] | None = None,
     fold_outputs: bool | None = None,
     grammar_timeout: float = 30.0,
+    request_kwargs: dict | None = None,
 ) -> tuple[Any, AdoptResult]:
     """Adopt ``plan`` into a vLLM 0.33.0 ``Scheduler``; returns (vllm Request, result).
 
@@ -199,6 +200,8 @@ def adopt(
     token ids (scheduler.py:1642-1652) and keeps them as outputs. Default: fold
     unless the scheduler uses the V2 runner.
     ``grammar_timeout``: how long to wait for a structured-output grammar to compile.
+    ``request_kwargs``: more of vLLM's ``Request`` fields, as the request was sent
+    (``request_fields``: priority, arrival time, cache salt, trace headers, …).
     """
     from vllm.v1.request import Request
 
@@ -253,6 +256,7 @@ def adopt(
         sampling_params=params,
         pooling_params=None,
         block_hasher=block_hasher,
+        **(request_kwargs or {}),
     )
     if not fold_outputs and outs:
         request.append_output_token_ids(outs)
@@ -321,3 +325,23 @@ def _advance_grammar(scheduler: Any, request: Any, plan: AdoptPlan, timeout: flo
         raise AdoptionError(
             f"request {plan.key}: the {len(outs)} tokens the client received do not fit the request's grammar")
     request.status = RequestStatus.WAITING
+
+
+# Fields of vLLM's EngineCoreRequest that a Request keeps and adoption carries
+# over as sent (Request.from_engine_core_request passes them, v1/request.py:218-242;
+# 0.33: :244-270): the cache salt above all (the prefix cache's tenant isolation:
+# without it an adopted request's blocks would hash as unsalted ones), and the
+# priority, arrival time, trace headers, client index, reasoning state.
+REQUEST_FIELDS = ("client_index", "arrival_time", "cache_salt", "priority", "trace_headers", "reasoning_ended",
+                  "reasoning_parser_kwargs")
+
+
+def request_fields(engine_core_request: Any) -> dict:
+    """The REQUEST_FIELDS of ``engine_core_request`` that this vLLM's Request takes."""
+    import inspect
+
+    from vllm.v1.request import Request
+
+    takes = inspect.signature(Request.__init__).parameters
+    return {f: getattr(engine_core_request, f) for f in REQUEST_FIELDS
+            if f in takes and hasattr(engine_core_request, f)}

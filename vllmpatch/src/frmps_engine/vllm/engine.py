@@ -222,6 +222,7 @@ class VllmCore:
         block_ids: list[int],
         seed: int,
         delivered_token_ids: list[int],
+        request_kwargs: dict | None = None,
     ) -> AdoptResult:
         if key in self._tracks:
             raise ValueError(f"request {key} already exists")
@@ -239,7 +240,8 @@ class VllmCore:
         )
         # adopt() copies the params and sets the plan's seed on its copy (the one
         # _params would set): no copy here as well.
-        result = self.scheduler.frmps_adopt(plan, params, block_hasher=self.core.request_block_hasher)
+        result = self.scheduler.frmps_adopt(plan, params, block_hasher=self.core.request_block_hasher,
+                                            request_kwargs=request_kwargs)
         self._tracks[key] = _Track(len(plan.output_token_ids), list(params.stop or []))
         return result
 

@@ -61,6 +61,7 @@ import zmq
 from ...sdk.loop import EngineLoop, RingPublisher, is_device_error
 from ...sdk.seeds import to_uint64
 from ..state import key_for_request_id, request_id_for_key
+from ..adoption import request_fields
 from .ledger import EXTRA_ARGS_KEY
 
 log = logging.getLogger(__name__)
@@ -181,11 +182,11 @@ def adopt_entries(core: Any, entries: Iterable[Any], snapshots: Mapping[int, Any
                 if int(snap.seed) != seed:
                     raise RefusedRequest(f"request {rid}: the ring's seed {snap.seed} differs from the request's {seed}")
                 res = core.adopt_request(key, sp, tokens, len(prompt), int(snap.num_computed), list(snap.blocks),
-                                         seed, delivered)
+                                         seed, delivered, request_fields(e.request))
                 in_core = True
                 reused, prefill = int(res.reused_tokens), int(res.prefill_tokens)
             elif delivered:
-                res = core.adopt_request(key, sp, prompt, len(prompt), 0, [], seed, delivered)
+                res = core.adopt_request(key, sp, prompt, len(prompt), 0, [], seed, delivered, request_fields(e.request))
                 in_core = True
                 reused, prefill = int(res.reused_tokens), int(res.prefill_tokens)
             else:
