@@ -432,14 +432,20 @@ def test_readiness_follows_the_engine_and_a_failover_window():
     from frmps_engine.vllm.frontend import server
 
     assert server.readiness(None) == (False, "no engine has connected yet")
-    svc = SimpleNamespace(client=None, _lost_at=None)
+    svc = SimpleNamespace(client=None, _lost_at=None, _down_seen=None)
     assert not server.readiness(svc)[0]
     svc.client = SimpleNamespace(engine_connected=True)
     assert server.readiness(svc)[0]
+    # The engine is gone: ready through the failover window, counted from EngineLost...
     svc.client.engine_connected, svc._lost_at = False, 100.0
     ok, why = server.readiness(svc, now=100.0 + server.READY_GRACE_S - 1)
     assert ok and "failover" in why
     ok, why = server.readiness(svc, now=100.0 + server.READY_GRACE_S + 1)
     assert not ok and "no engine connected for" in why
-    svc._lost_at = None
-    assert not server.readiness(svc)[0]
+    # ...or, before the supervisor's EngineLost, from the first probe that saw it gone.
+    svc.client.engine_connected = True
+    assert server.readiness(svc, now=300.0)[0] and svc._down_seen is None
+    svc.client.engine_connected, svc._lost_at = False, None
+    assert server.readiness(svc, now=400.0)[0] and svc._down_seen == 400.0
+    assert server.readiness(svc, now=400.0 + server.READY_GRACE_S - 1)[0]
+    assert not server.readiness(svc, now=400.0 + server.READY_GRACE_S + 1)[0]

@@ -114,6 +114,12 @@ def test_failover_through_vllms_api_server(model_dir):
             time.sleep(0.005)
         pid = dep.active_pid()
         os.kill(pid, 9)
+        # frmps's probes on vLLM's app: alive and ready through the failover (its requests are held, not refused).
+        for _ in range(10):
+            for probe in ("livez", "readyz"):
+                with urllib.request.urlopen(f"{dep.base}/{probe}", timeout=5) as r:
+                    assert r.status == 200, probe
+            time.sleep(0.01)
         for s in streams:
             s.join(120)
             assert not s.is_alive() and s.error is None, f"{s.error!r}\n{dep.log_tail()}"

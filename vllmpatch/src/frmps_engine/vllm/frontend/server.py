@@ -157,6 +157,7 @@ class FrontendService(pb_grpc.FrontendServicer):
         self._back_lock = threading.Lock()
         self._metrics = metrics()
         self._lost_at: float | None = None  # monotonic time of the first EngineLost of this loss
+        self._down_seen: float | None = None  # readiness: when a probe first saw no engine connected
 
     def attach(self, client: Any, loop: asyncio.AbstractEventLoop) -> None:
         from vllm.v1.serial_utils import MsgpackEncoder
@@ -272,19 +273,22 @@ _probe_service: FrontendService | None = None
 
 
 def readiness(service: FrontendService | None, now: float | None = None) -> tuple[bool, str]:
-    """(ready, why) for /readyz: an engine is connected, or it was lost less
-    than READY_GRACE_S ago (a failover under way)."""
+    """(ready, why) for /readyz: an engine is connected, or it has been gone less
+    than READY_GRACE_S (a failover under way), counted from the supervisor's
+    EngineLost or, before that comes, from the first probe that saw it gone."""
     c = service.client if service is not None else None
     if c is None:
         return False, "no engine has connected yet"
+    now = time.monotonic() if now is None else now
     if c.engine_connected:
+        service._down_seen = None
         return True, "an engine is connected"
-    lost = service._lost_at
-    if lost is None:
-        return False, "no engine connected"
-    since = (time.monotonic() if now is None else now) - lost
+    if service._down_seen is None:
+        service._down_seen = now
+    gone = service._lost_at if service._lost_at is not None else service._down_seen
+    since = now - gone
     if since < READY_GRACE_S:
-        return True, f"engine lost {since:.1f} s ago: a failover is under way, requests are held"
+        return True, f"engine gone {since:.1f} s: a failover is under way, requests are held"
     return False, f"no engine connected for {since:.0f} s"
 
 
