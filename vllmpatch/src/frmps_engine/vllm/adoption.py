@@ -35,6 +35,8 @@ objects (``adopt``); ``adopt`` imports vLLM lazily.
 
 from __future__ import annotations
 
+import functools
+
 import copy
 from dataclasses import dataclass
 from enum import Enum
@@ -336,12 +338,18 @@ REQUEST_FIELDS = ("client_index", "arrival_time", "cache_salt", "priority", "tra
                   "reasoning_parser_kwargs")
 
 
-def request_fields(engine_core_request: Any) -> dict:
-    """The REQUEST_FIELDS of ``engine_core_request`` that this vLLM's Request takes."""
+@functools.cache
+def _request_takes() -> tuple[str, ...]:
+    """The REQUEST_FIELDS this vLLM's Request takes (read once: adoption is on
+    the takeover's critical path)."""
     import inspect
 
     from vllm.v1.request import Request
 
-    takes = inspect.signature(Request.__init__).parameters
-    return {f: getattr(engine_core_request, f) for f in REQUEST_FIELDS
-            if f in takes and hasattr(engine_core_request, f)}
+    params = inspect.signature(Request.__init__).parameters
+    return tuple(f for f in REQUEST_FIELDS if f in params)
+
+
+def request_fields(engine_core_request: Any) -> dict:
+    """The REQUEST_FIELDS of ``engine_core_request`` that this vLLM's Request takes."""
+    return {f: getattr(engine_core_request, f) for f in _request_takes() if hasattr(engine_core_request, f)}
