@@ -104,6 +104,19 @@ def check_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_options(args: argparse.Namespace):
+    """The adapter's options from serve's arguments: every engine flag, --vllm-arg too."""
+    from frmps_engine.sdk import adapters
+
+    return adapters.EngineOptions(model=args.model, device=args.device, num_blocks=args.num_blocks,
+                                  max_model_len=args.max_model_len, seed=args.seed,
+                                  max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  exact=args.exact, kv_reuse=args.kv_reuse,
+                                  tensor_parallel_size=args.tensor_parallel_size,
+                                  vllm_args=tuple(args.vllm_arg))
+
+
 def serve(args: argparse.Namespace) -> int:
     from frmps_engine.sdk import adapters, memory, runner
     from frmps_engine.sdk.loop import is_device_error
@@ -121,15 +134,7 @@ def serve(args: argparse.Namespace) -> int:
         log.error("engine cannot start: host-shm pools live in host memory; use --device cpu, or --memory cuda-vmm on a GPU")
         return runner.EXIT_REFUSED
     try:
-        adapter = adapters.load_adapter(
-            args.engine,
-            adapters.EngineOptions(model=args.model, device=args.device, num_blocks=args.num_blocks,
-                                   max_model_len=args.max_model_len, seed=args.seed,
-                                   max_num_seqs=args.max_num_seqs,
-                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                   exact=args.exact, kv_reuse=args.kv_reuse,
-                                   tensor_parallel_size=args.tensor_parallel_size),
-        )
+        adapter = adapters.load_adapter(args.engine, engine_options(args))
         mem = memory.get_backend(args.memory, args.device)
         r = runner.Runner(
             runner.RunnerConfig(role=args.role, control_socket=args.control_socket,

@@ -828,8 +828,6 @@ def test_vllm_args_reach_engine_args_and_frmps_owned_ones_are_refused(model_dir,
     """--vllm-arg: vLLM's own engine flags, parsed by vLLM's parser, applied over
     frmps's choices; the ones frmps sets itself (pool sizes and layout, role,
     seed rule) refused by name; what vLLM's parser refuses, refused."""
-    from types import SimpleNamespace
-
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
 
@@ -839,7 +837,7 @@ def test_vllm_args_reach_engine_args_and_frmps_owned_ones_are_refused(model_dir,
     monkeypatch.setattr(platforms, "_current_platform", CpuPlatform())
 
     from frmps_engine.sdk.adapters import AdapterError
-    from frmps_engine.vllm.engine import make_adapter, vllm_overrides
+    from frmps_engine.vllm.engine import vllm_overrides
 
     assert vllm_overrides([]) == {}
     got = vllm_overrides(["--max-logprobs=50", "--enable-prefix-caching", "--max-num-seqs", "12",
@@ -856,10 +854,25 @@ def test_vllm_args_reach_engine_args_and_frmps_owned_ones_are_refused(model_dir,
             vllm_overrides([flag])
     with pytest.raises(ValueError, match="refuse"):
         vllm_overrides(["--no-such-vllm-flag"])
-    ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=64, dtype="float32", max_num_seqs=4,
-                                      vllm_arg=["--max-logprobs=7", "--max-num-seqs=9"]))
+    # Through the engine CLI's own parser, as the supervisor launches an engine
+    # (a GPU run found the flag parsed by the CLI and then dropped before the adapter).
+    from frmps_engine import cli
+    from frmps_engine.sdk.adapters import load_adapter
+
+    def launched(*vllm_args):
+        args = cli.build_parser().parse_args(
+            ["serve", "--engine", "vllm", "--role", "active", "--model", model_dir, "--control-socket", "c.sock",
+             "--core-input", "ipc:///x", "--core-output", "ipc:///y", "--device", "cuda", "--memory", "cuda-vmm",
+             "--num-blocks", "64", "--max-num-seqs", "4", *(f"--vllm-arg={a}" for a in vllm_args)])
+        return cli.engine_options(args)
+
+    so = '--structured-outputs-config={"backend": "xgrammar", "disable_any_whitespace": true}'
+    ad = load_adapter("vllm", launched("--max-logprobs=7", "--max-num-seqs=9", so))
     ea = ad.engine_args(False, 0.5)
     assert ea.max_logprobs == 7 and ea.max_num_seqs == 9  # over frmps's own --max-num-seqs
+    assert ea.structured_outputs_config.disable_any_whitespace is True
     assert ea.num_gpu_blocks_override == 64 and ea.seed == 0  # frmps's still
     with pytest.raises(AdapterError, match="frmps sets max-model-len"):
-        make_adapter(SimpleNamespace(model=model_dir, num_blocks=64, vllm_arg=["--max-model-len=99"]))
+        load_adapter("vllm", launched("--max-model-len=99"))
+    with pytest.raises(AdapterError, match="need --engine vllm"):
+        load_adapter("ref", launched("--max-logprobs=7"))

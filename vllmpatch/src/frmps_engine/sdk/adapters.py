@@ -38,6 +38,7 @@ class EngineOptions:
     exact: bool | None = None  # None: the engine's default (the reference engine: on for GPUs)
     kv_reuse: bool = True  # False: a standby recomputes adopted KV (ablation)
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one process and device each)
+    vllm_args: tuple[str, ...] = ()  # --vllm-arg: vLLM's own engine flags (the vLLM adapter only)
 
 
 KNOWN = {
@@ -94,6 +95,8 @@ class RefAdapter:
         import_modules(("torch", "frmps_engine.refengine"))
 
     def __init__(self, opts: EngineOptions):
+        if opts.vllm_args:
+            raise AdapterError(f"--vllm-arg {' '.join(opts.vllm_args)!r}: vLLM's flags need --engine vllm")
         try:
             from frmps_engine import refengine
         except ImportError as e:

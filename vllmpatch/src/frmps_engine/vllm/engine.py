@@ -799,7 +799,7 @@ def make_adapter(args: Any) -> VllmAdapter:
     try:
         async_scheduling = async_scheduling_from_env(os.environ)
         structured_outputs = structured_outputs_from_env(os.environ)
-        overrides = vllm_overrides(list(getattr(args, "vllm_arg", None) or []))
+        overrides = vllm_overrides(list(getattr(args, "vllm_args", None) or ()))
     except ValueError as exc:
         raise AdapterError(str(exc)) from exc
     return VllmAdapter(
