@@ -88,6 +88,10 @@ def cases(n_tokens: int) -> list[dict]:
         {"id": "cmpl-stop-min-tokens", "api": "cmpl", "stream": True,
          "body": dict(prompt="A list:", max_tokens=L, temperature=0.8, seed=5, stop=["\n\n\n\n"],
                       extra_body={**ids, "min_tokens": L // 2})},
+        # The prompt as token ids (filled in by prepare_cases from /tokenize); stop_token_ids: an id
+        # the no-fault answer first produces past its middle (found by a request before the runs).
+        {"id": "cmpl-token-ids-prompt-stop-ids", "api": "cmpl", "stream": True, "prompt_ids": "In the beginning",
+         "stop_from": "ids", "body": dict(max_tokens=L, temperature=0, extra_body={**ids})},
         {"id": "cmpl-regex", "real_model": True, "api": "cmpl", "stream": True,
          "body": dict(prompt="Code:", max_tokens=L, temperature=0,
                       extra_body={**ids, "structured_outputs": {"regex": "([a-c]{3}-[0-9]{2} ){%d}" % max(1, L // 8)}})},
@@ -97,6 +101,12 @@ def cases(n_tokens: int) -> list[dict]:
         {"id": "chat-n2-seeded-logprobs-stream", "real_model": True, "api": "chat", "stream": True,
          "body": dict(messages=msgs("Tell me more."), max_tokens=L, temperature=1.0, seed=42, n=2, logprobs=True,
                       top_logprobs=3, extra_body=ie)},
+        # stop: a string of the no-fault answer first seen past its middle (prepare_cases).
+        {"id": "chat-stop-seeded-stream", "api": "chat", "stream": True, "stop_from": "text",
+         "body": dict(messages=msgs("Write a long poem."), max_tokens=L, temperature=1.0, seed=2024)},
+        {"id": "chat-json-object", "real_model": True, "api": "chat", "stream": False, "parse": "content",
+         "body": dict(messages=msgs("Any JSON object."), max_tokens=L, temperature=0,
+                      response_format={"type": "json_object"})},
         {"id": "chat-json-schema", "real_model": True, "api": "chat", "stream": True, "parse": "content",
          "body": dict(messages=msgs("Weather as JSON."), max_tokens=L, temperature=0,
                       response_format={"type": "json_schema",
@@ -130,6 +140,53 @@ def add_ws_bias(base: str, api_key: str, model: str, cs: list[dict]) -> None:
     for c in cs:
         if c.get("parse") == "tools" and "regex" not in json.dumps(c["body"].get("extra_body", {})):
             c["body"]["logit_bias"] = {str(i): -100 for i in ids}
+
+
+def prepare_cases(base: str, api_key: str, model: str, cs: list[dict]) -> dict:
+    """Fill in what a case takes from the server before the runs: prompt_ids (the
+    prompt as /tokenize's ids) and stop_from ("ids": stop_token_ids = an id of a
+    no-fault answer whose first occurrence is past the answer's middle; "text":
+    stop = 4 characters first seen there), so the stop comes after the fault.
+    Returns what was chosen, per case (None where the answer had no such id or text)."""
+    import httpx
+    import openai
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import openai_matrix as om
+    chosen: dict = {}
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=600)
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {api_key}"}, timeout=60) as http:
+        tok = om.tokenize_via(http, model)
+        for c in cs:
+            if c.get("prompt_ids"):
+                c["body"]["prompt"] = tok(c.pop("prompt_ids"))
+            how = c.get("stop_from")
+            if not how:
+                continue
+            body = dict(c["body"], model=model)
+            if c["api"] == "cmpl":
+                r = client.completions.create(**body).model_dump()
+                got = r["choices"][0].get("token_ids") or []
+            else:
+                got = client.chat.completions.create(**body).choices[0].message.content or ""
+            pick = stop_after_middle(got, 1 if how == "ids" else 4)
+            chosen[c["id"]] = pick
+            if pick is not None and how == "ids":
+                c["body"].setdefault("extra_body", {})["stop_token_ids"] = [pick]
+            elif pick is not None:
+                c["body"]["stop"] = [pick]
+    return chosen
+
+
+def stop_after_middle(seq, width: int):
+    """The first piece of seq (width items, a token id when width is 1) that starts
+    past the middle and does not occur earlier; None when there is none."""
+    for i in range(len(seq) // 2, len(seq) - width + 1):
+        piece = seq[i] if width == 1 else seq[i:i + width]
+        if width == 1 and piece not in seq[:i]:
+            return piece
+        if width > 1 and piece.strip() and piece not in seq[:i + width - 1]:
+            return piece
+    return None
 
 
 def _re_escape(s: str) -> str:
@@ -378,8 +435,11 @@ def main() -> int:
     t_begin = time.time()
     report: dict = {"model": args.model, "served_model_name": name, "device": args.device, "max_tokens": args.max_tokens,
                     "cpu_check": args.cpu, "cases": [], "faults": []}
-    report["cases"] = [{"id": c["id"], "api": c["api"], "stream": c["stream"],
-                        "body": {k: v for k, v in c["body"].items() if k not in ("messages", "tools")}} for c in cs]
+    def record_cases() -> None:
+        report["cases"] = [{"id": c["id"], "api": c["api"], "stream": c["stream"],
+                            "body": {k: v for k, v in c["body"].items() if k not in ("messages", "tools")}} for c in cs]
+
+    record_cases()
 
     def save() -> None:
         report["elapsed_s"] = round(time.time() - t_begin, 1)
@@ -393,6 +453,8 @@ def main() -> int:
         st, _ = dep.wait(lambda s: started(dep, s), 900, "active serving + standby ready")
         wait_endpoint(dep.base, 300)
         add_ws_bias(dep.base, key, name, cs)
+        report["prepared"] = prepare_cases(dep.base, key, name, cs)
+        record_cases()
         ref, _ = run_all(dep, name, key, cs)
         report["reference"] = ref
         save()

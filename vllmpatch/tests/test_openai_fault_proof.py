@@ -121,3 +121,15 @@ def test_table_marks_differences_and_cases_not_in_flight():
                "b": {"exact": False, "in_flight_at_fault": False, "not_judged": ["top"]}}}]}
     t = proof.table(rep)
     assert "| a | exact |" in t and "**differs** (not in flight)" in t and "not judged: top" in t
+
+
+def test_stop_is_taken_past_the_middle_at_its_first_occurrence():
+    # ids: 7 occurs before the middle, so the first new id past it is 9.
+    assert proof.stop_after_middle([1, 7, 2, 3, 7, 9, 9, 4], 1) == 9
+    assert proof.stop_after_middle([1, 1, 1, 1], 1) is None  # nothing new past the middle
+    assert proof.stop_after_middle([], 1) is None
+    # text: 4 characters first seen past the middle, not blank.
+    text = "abcdabcd    wxyz"
+    got = proof.stop_after_middle(text, 4)
+    assert got == "   w" and text.index(got) >= len(text) // 2
+    assert proof.stop_after_middle("abababab", 4) is None

@@ -39,6 +39,12 @@ def test_openai_fault_proof_cpu_check(tmp_path):
     assert not rep.get("error") and len(rep["faults"]) == 1, rep.get("error")
     f = rep["faults"][0]
     assert f["active_in_mps_before"] and f["failover"]["ok"], f
-    assert len(f["cases"]) == 9  # the cases that do not need a real model's logits
+    assert len(f["cases"]) == 11  # the cases that do not need a real model's logits
     for cid, v in f["cases"].items():
         assert v["exact"] and v["in_flight_at_fault"], (cid, v)
+    # The stops chosen from a no-fault answer, past its middle: the runs end there.
+    for cid in ("cmpl-token-ids-prompt-stop-ids", "chat-stop-seeded-stream"):
+        assert rep["prepared"][cid] is not None, rep["prepared"]
+        assert all(ch["finish"] == "stop" for ch in rep["reference"][cid]["choices"].values()), rep["reference"][cid]
+    body = next(c["body"] for c in rep["cases"] if c["id"] == "cmpl-token-ids-prompt-stop-ids")
+    assert isinstance(body["prompt"], list) and body["extra_body"]["stop_token_ids"] == [rep["prepared"]["cmpl-token-ids-prompt-stop-ids"]]
