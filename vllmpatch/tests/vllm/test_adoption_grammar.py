@@ -88,3 +88,73 @@ def test_reasoning_parser_is_not_yet_supported(model_dir, tok):
     sched = scheduler(model_dir, backend="xgrammar", reasoning_parser="deepseek_r1")
     with pytest.raises(AdoptionError, match="not yet"):
         adopt(sched, plan(7, ids(tok, RECEIVED)), params(), fold_outputs=False)
+
+
+def _standby_core(model_dir, **so_config):
+    from vllm.config import StructuredOutputsConfig
+
+    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
+    from vhelpers import SchedulerCore
+
+    vc = make_vllm_config(model_dir, tokenizer=True, structured_outputs_config=StructuredOutputsConfig(**so_config))
+    vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
+    return VllmCore(SchedulerCore(make_scheduler(vc)), None)
+
+
+@pytest.mark.parametrize("configured", ["auto", "xgrammar"])
+def test_warm_takeover_builds_the_structured_output_backend(model_dir, tok, configured):
+    """A standby's warm-up builds vLLM's structured-output backend with a throwaway
+    grammar request (a first takeover with grammars in flight otherwise pays for the
+    backend: 609 ms of adoption CPU on the H100), leaves nothing behind, and the
+    adopted request then compiles on that backend and continues as without it."""
+    eng = _standby_core(model_dir, backend=configured)
+    manager = eng.scheduler.structured_output_manager
+    assert manager.backend is None
+    before = eng.counters
+    eng.warm_takeover()
+    warmed = manager.backend
+    assert type(warmed).__name__ == "XgrammarBackend"  # "auto": vLLM's first choice
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    assert not eng.has_work() and list(eng.request_views()) == []
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 and eng.counters == before
+    request, _ = adopt(eng.scheduler, plan(5, ids(tok, RECEIVED)), params(), fold_outputs=False)
+    assert manager.backend is warmed  # the request resolved to xgrammar too: kept
+    assert request.structured_output_request.grammar.accept_tokens(request.request_id, ids(tok, REST) + [modeldir_eos()])
+
+
+def test_the_first_real_request_still_decides_the_backend():
+    """After the warm-up built a backend, the first real structured-output request
+    that resolved to another one gets its own (vLLM builds the backend the first
+    request asks for); a request without structured outputs changes nothing, and
+    the check runs once. A labelled stand-in for vLLM's StructuredOutputManager."""
+    from types import SimpleNamespace
+
+    from frmps_engine.vllm.engine import _first_request_decides
+
+    class Manager:  # test double: grammar_init builds the backend the request asks for when there is none
+        backend, backend_name = "xgrammar-backend", "xgrammar"
+
+        def grammar_init(self, request):
+            if request.structured_output_request is None:
+                return
+            if self.backend is None:
+                self.backend_name = request.sampling_params.structured_outputs._backend
+                self.backend = self.backend_name + "-backend"
+
+    def req(backend):
+        so = None if backend is None else SimpleNamespace(_backend=backend)
+        return SimpleNamespace(structured_output_request=None if so is None else object(),
+                               sampling_params=SimpleNamespace(structured_outputs=so))
+
+    m = Manager()
+    _first_request_decides(m, "xgrammar")
+    m.grammar_init(req(None))
+    assert m.backend == "xgrammar-backend" and "grammar_init" in vars(m)  # still armed
+    m.grammar_init(req("guidance"))
+    assert (m.backend, m.backend_name) == ("guidance-backend", "guidance") and "grammar_init" not in vars(m)
+    m.grammar_init(req("xgrammar"))  # once only: vLLM's own rule from here on
+    assert m.backend == "guidance-backend"
+    same = Manager()
+    _first_request_decides(same, "xgrammar")
+    same.grammar_init(req("xgrammar"))
+    assert same.backend == "xgrammar-backend" and "grammar_init" not in vars(same)

@@ -274,7 +274,7 @@ class Runner:
             # On the reserved (private) memory, before Sleep maps the brokered pools.
             self.core.warm_takeover()
         log.info("takeover path warmed in %.1f ms (request conversions%s)", (time.perf_counter_ns() - t_warm) / 1e6,
-                 "; two throwaway requests adopted, stepped, reset" if throwaway else "")
+                 "; throwaway requests adopted, stepped, reset" if throwaway else "")
         self._prepare_debug_fault()
         _freeze_heap()
         self.client.start(self)
