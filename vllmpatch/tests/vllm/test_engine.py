@@ -720,7 +720,7 @@ def test_a_spares_preload_imports_vllm_and_hands_its_tokenizer_to_the_adapter(tm
     d = modeldir.write("qwen2.5-0.5b", str(tmp_path / "q05"))
     engine._PRELOADED_TOKENIZERS.clear()
     summary = spare.preload("vllm", None, model=d)
-    assert "modules loaded" in summary and "vllm.v1.engine.core" in sys.modules
+    assert "modules loaded" in summary and "vllm.v1.engine.core" in sys.modules and "xgrammar" in sys.modules
     assert not spare.driver_initialised()
     preloaded = engine._PRELOADED_TOKENIZERS[d]
     assert make_adapter.preload is engine.preload

@@ -885,6 +885,9 @@ _PRELOAD = (
     "vllm", "vllm.engine.arg_utils", "vllm.v1.engine.core", "vllm.v1.executor.abstract", "vllm.v1.request",
     "vllm.tokenizers.registry", "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner",
     "frmps_engine.vllm.scheduler", "frmps_engine.vllm.sleep_backend", "frmps_engine.vllm.plugin",
+    # The structured-output backend a standby builds in its warm-up (VllmCore.warm_takeover):
+    # importing its grammar library takes most of that.
+    "vllm.v1.structured_output.backend_xgrammar", "xgrammar",
 )
 
 
