@@ -33,7 +33,7 @@ class FakeEngine(threading.Thread):
     """TEST DOUBLE of an engine process on vLLM's engine-core sockets."""
 
     def __init__(self, input_addr: str, output_addr: str, *, adopt=(), stop_after: int | None = None,
-                 hang: bool = False, expect: int = 0):
+                 hang: bool = False, expect: int = 0, fence: bool = False):
         super().__init__(daemon=True)
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
         from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -47,6 +47,7 @@ class FakeEngine(threading.Thread):
         # requests arrive some batches apart).
         self.stop_after, self.expect = stop_after, expect
         self.hang = hang  # after stop_after: stop working but keep the sockets open (a wedged engine)
+        self.fence = fence  # after stop_after: a planned handover's fence after the last outputs, then close
         self.stopped_working = threading.Event()
         # engine id -> [seed, next index, max_tokens]
         self.running: dict[str, list[int]] = {}
@@ -96,6 +97,12 @@ class FakeEngine(threading.Thread):
                         self.stopped_working.set()
                         if self.hang:
                             self.stop.wait()
+                        if self.fence:
+                            from vllm.v1.engine import UtilityOutput, UtilityResult
+
+                            from frmps_engine.vllm.frontend import HANDOVER_FENCE_CALL_ID
+                            fence = UtilityOutput(HANDOVER_FENCE_CALL_ID, result=UtilityResult(None))
+                            push.send_multipart(self.enc.encode(self.Outs(engine_index=0, utility_output=fence)))
                         # dies: no goodbye; the outputs already sent are delivered first
                         # (a close with linger 0 could drop the last batch still queued in
                         # the socket, and the test counts on the tokens it sent).
@@ -218,5 +225,47 @@ def test_wait_engine_back_times_out_and_needs_engine_lost(tmp_path, addrs):
             client.shutdown()
             eng.stop.set()
             eng.join(5)
+
+    asyncio.run(main())
+
+
+def test_a_handovers_fence_ends_the_drain_at_once_and_is_rearmed(tmp_path, addrs):
+    """A planned handover: the engine sends its fence after its last outputs. The
+    drain before the resume set ends when the fence has come through vLLM's output
+    task (every output before it recorded), not after a quiet period (60 s here,
+    so a drain that waited for it would not finish); the fence is not among the
+    utility calls engine_lost() fails, and the promoted engine gets a fresh one."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.executor import Executor
+
+    from frmps_engine.vllm.frontend import HANDOVER_FENCE_CALL_ID
+    from frmps_engine.vllm.frontend.client import FrmpsAsyncMPClient
+
+    cfg = make_vllm_config(write_tiny_model(tmp_path / "m"))
+    in_addr, out_addr = addrs
+
+    async def main():
+        first = FakeEngine(in_addr, out_addr, stop_after=KILL_AFTER, expect=1, fence=True)
+        first.start()
+        client = FrmpsAsyncMPClient(cfg, Executor, False, client_addresses={
+            "input_address": in_addr, "output_address": out_addr})
+        try:
+            await client.add_request_async(make_request("cmpl-h", SamplingParams(max_tokens=MAX_TOKENS, seed=5)))
+            assert first.stopped_working.wait(10)
+            first.join(5)
+            sent = first.running["frmps-1"][1]  # tokens the engine sent before its fence
+            client.engine_lost()
+            assert HANDOVER_FENCE_CALL_ID in client.utility_results or client._fence.done()
+            assert await asyncio.wait_for(client.drain_outputs(timeout=60, settle=60), 20)
+            (entry,) = client.resume_entries()
+            assert entry.delivered == [token(5, i) for i in range(sent)]  # every output before the fence
+            second = FakeEngine(in_addr, out_addr, adopt=[entry])
+            second.start()
+            await client.wait_engine_back(timeout=10)
+            assert client.utility_results.get(HANDOVER_FENCE_CALL_ID) is client._fence and not client._fence.done()
+            second.stop.set()
+            second.join(5)
+        finally:
+            client.shutdown()
 
     asyncio.run(main())

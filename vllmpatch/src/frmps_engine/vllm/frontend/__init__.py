@@ -16,7 +16,15 @@ frontend``, vLLM's own API server (``vllm serve``'s code and flags) with this
 client, and the ``Frontend`` gRPC service (engine lost / back, with the drain of
 the dead engine's outputs before the resume set is read).
 
+``HANDOVER_FENCE_CALL_ID``: an engine that hands over (a planned handover, not a
+death) sends, after its last outputs, a utility output with this call id; the
+client keeps a future registered under it, so that the drain before the resume
+set ends when the fence arrives instead of after a quiet period. vLLM's own
+reserved ids are -1 and -2.
+
 Not built yet (``OPENAI.md``, "Status"): the engine process that runs the
 engine server (``frmps serve``), the supervisor's side. Importing this package
 never imports vLLM.
 """
+
+HANDOVER_FENCE_CALL_ID = -0x66726D7073  # "frmps"

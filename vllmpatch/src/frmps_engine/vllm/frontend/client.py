@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 from vllm.v1.engine.core_client import AsyncMPClient
 
+from . import HANDOVER_FENCE_CALL_ID
 from .ledger import Entry, ResumeLedger
 
 
@@ -51,10 +52,26 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         self._admitting: Entry | None = None
         # EngineCoreOutputs with request outputs the ledger has recorded (drain_outputs).
         self.outputs_seen = 0
+        # Done when the connected engine's handover fence arrived (HANDOVER_FENCE_CALL_ID):
+        # registered among vLLM's utility results, which must know every call id that
+        # comes back (an unknown one is fatal to the client), re-armed for each engine.
+        self._fence: asyncio.Future | None = None
+        self._arm_fence()
+
+    def _arm_fence(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # built outside a loop: armed by the first request
+            return
+        if self._fence is None or self._fence.done():
+            self._fence = loop.create_future()
+            self.utility_results[HANDOVER_FENCE_CALL_ID] = self._fence
 
     # ------------------------------------------------------------ requests out
 
     async def add_request_async(self, request: Any) -> None:
+        if self._fence is None:
+            self._arm_fence()
         entry = self.ledger.admit(request)
         entry.held = self._held is not None
         self._admitting = entry
@@ -92,6 +109,8 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         if self._held is None:
             self._held = []
         for call_id, fut in list(self.utility_results.items()):
+            if call_id == HANDOVER_FENCE_CALL_ID:
+                continue  # kept: a handover's fence may still be on its way
             if not fut.done():
                 fut.set_exception(EngineReplaced(f"engine died during utility call {call_id}"))
             self.utility_results.pop(call_id, None)
@@ -110,8 +129,16 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         seen, quiet_since = self.outputs_seen, loop.time()
+        fence = self._fence
         while True:
-            await asyncio.sleep(0.002)  # the output task runs in between
+            if fence is not None and fence.done() and not fence.cancelled() and fence.exception() is None:
+                # The engine handed over: its fence came after everything it sent,
+                # in order on the one connection, through the same output task.
+                return True
+            if fence is not None:
+                await asyncio.wait((fence,), timeout=0.002)  # the output task runs in between
+            else:
+                await asyncio.sleep(0.002)
             now = loop.time()
             if sock.get(zmq.EVENTS) & zmq.POLLIN or self.outputs_seen != seen:
                 seen, quiet_since = self.outputs_seen, now
@@ -147,6 +174,7 @@ class FrmpsAsyncMPClient(AsyncMPClient):
                     return
 
         await asyncio.wait_for(ready(), timeout)
+        self._arm_fence()  # for this engine's own handover, later
         held, self._held = self._held, None
         for args, entry in held:
             await super()._send_input_message(*args)

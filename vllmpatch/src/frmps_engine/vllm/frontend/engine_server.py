@@ -62,6 +62,7 @@ from ...sdk.loop import EngineLoop, RingPublisher, is_device_error
 from ...sdk.seeds import to_uint64
 from ..state import key_for_request_id, request_id_for_key
 from ..adoption import request_fields
+from . import HANDOVER_FENCE_CALL_ID
 from .ledger import EXTRA_ARGS_KEY
 
 log = logging.getLogger(__name__)
@@ -348,6 +349,8 @@ class EngineCoreServer:
         n = self.loop.call(count, timeout)
         self.loop.hand_over(timeout)
         self.core.engine_outputs = None
+        # After the last outputs: the frontend's drain ends here, not after a quiet period.
+        self._out.put(self._Outs(utility_output=self._UOut(HANDOVER_FENCE_CALL_ID, result=self._UResult(None))))
         self._out.put(_DRAINED)
         for t in self._threads:
             t.join(timeout)
