@@ -55,23 +55,30 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         # Done when the connected engine's handover fence arrived (HANDOVER_FENCE_CALL_ID):
         # registered among vLLM's utility results, which must know every call id that
         # comes back (an unknown one is fatal to the client), re-armed for each engine.
-        self._fence: asyncio.Future | None = None
+        # (vLLM's __init__ may have armed it already: it starts the output task.)
+        self._fence: asyncio.Future | None = getattr(self, "_fence", None)
         self._arm_fence()
 
     def _arm_fence(self) -> None:
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # built outside a loop: armed by the first request
+        except RuntimeError:  # built outside a loop: armed when the output task starts
             return
-        if self._fence is None or self._fence.done():
+        fence = getattr(self, "_fence", None)
+        if fence is None or fence.done():
             self._fence = loop.create_future()
             self.utility_results[HANDOVER_FENCE_CALL_ID] = self._fence
 
     # ------------------------------------------------------------ requests out
 
-    async def add_request_async(self, request: Any) -> None:
-        if self._fence is None:
+    def _ensure_output_queue_task(self) -> None:
+        # Before vLLM's output task can see any output (a fence included): armed here
+        # when the client was built outside an event loop.
+        if getattr(self, "_fence", None) is None:
             self._arm_fence()
+        super()._ensure_output_queue_task()
+
+    async def add_request_async(self, request: Any) -> None:
         entry = self.ledger.admit(request)
         entry.held = self._held is not None
         self._admitting = entry
