@@ -80,6 +80,26 @@ func (c *Client) open(ctx context.Context, key uint64, op *frmpsv1.StreamRequest
 	}
 	if err := cn.send(op); err != nil {
 		cn.remove(v)
+		if errors.Is(err, io.EOF) {
+			// The engine ended the stream: Send says only io.EOF, the reader's
+			// Recv gets the stream's status. Unimplemented (an engine without
+			// Stream) means the per-request RPCs, as when Recv sees it first.
+			select {
+			case <-cn.done:
+			case <-ctx.Done():
+				return nil, status.FromContextError(ctx.Err()).Err()
+			}
+			cn.mu.Lock()
+			serr := cn.err
+			cn.mu.Unlock()
+			if status.Code(serr) == codes.Unimplemented {
+				c.perRequest.Store(true)
+				return fallback()
+			}
+			if serr != nil {
+				err = serr
+			}
+		}
 		return nil, status.Error(codes.Unavailable, "generation stream: "+err.Error())
 	}
 	return v, nil
