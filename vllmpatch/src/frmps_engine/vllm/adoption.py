@@ -35,9 +35,8 @@ objects (``adopt``); ``adopt`` imports vLLM lazily.
 
 from __future__ import annotations
 
-import functools
-
 import copy
+import functools
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Sequence

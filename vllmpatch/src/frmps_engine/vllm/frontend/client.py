@@ -39,6 +39,12 @@ class EngineReplaced(RuntimeError):
 
 
 class FrmpsAsyncMPClient(AsyncMPClient):
+    # Done when the connected engine's handover fence arrived (HANDOVER_FENCE_CALL_ID):
+    # registered among vLLM's utility results, which must know every call id that
+    # comes back (an unknown one is fatal to the client), re-armed for each engine.
+    # A class default: vLLM's __init__ starts the output task, which arms it.
+    _fence: asyncio.Future | None = None
+
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if self.resources.engine_manager is not None:
@@ -52,11 +58,6 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         self._admitting: Entry | None = None
         # EngineCoreOutputs with request outputs the ledger has recorded (drain_outputs).
         self.outputs_seen = 0
-        # Done when the connected engine's handover fence arrived (HANDOVER_FENCE_CALL_ID):
-        # registered among vLLM's utility results, which must know every call id that
-        # comes back (an unknown one is fatal to the client), re-armed for each engine.
-        # (vLLM's __init__ may have armed it already: it starts the output task.)
-        self._fence: asyncio.Future | None = getattr(self, "_fence", None)
         self._arm_fence()
 
     def _arm_fence(self) -> None:
@@ -64,8 +65,7 @@ class FrmpsAsyncMPClient(AsyncMPClient):
             loop = asyncio.get_running_loop()
         except RuntimeError:  # built outside a loop: armed when the output task starts
             return
-        fence = getattr(self, "_fence", None)
-        if fence is None or fence.done():
+        if self._fence is None or self._fence.done():
             self._fence = loop.create_future()
             self.utility_results[HANDOVER_FENCE_CALL_ID] = self._fence
 
@@ -74,7 +74,7 @@ class FrmpsAsyncMPClient(AsyncMPClient):
     def _ensure_output_queue_task(self) -> None:
         # Before vLLM's output task can see any output (a fence included): armed here
         # when the client was built outside an event loop.
-        if getattr(self, "_fence", None) is None:
+        if self._fence is None:
             self._arm_fence()
         super()._ensure_output_queue_task()
 
@@ -129,23 +129,21 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         output socket has nothing pending (pyzmq's ``get(EVENTS)``, which
         also re-arms the socket's asyncio reader) and vLLM's output task has
         recorded nothing new for ``settle`` seconds; False if outputs kept
-        coming for ``timeout`` seconds (the engine is not silent). Runs on
-        the client's event loop."""
+        coming for ``timeout`` seconds (the engine is not silent). An engine that
+        handed over sent its fence last: True as soon as the fence came through.
+        Runs on the client's event loop."""
         self._ensure_output_queue_task()
         sock = self.resources.output_socket
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         seen, quiet_since = self.outputs_seen, loop.time()
-        fence = self._fence
+        fence = self._fence  # armed: _ensure_output_queue_task above, on this loop
         while True:
-            if fence is not None and fence.done() and not fence.cancelled() and fence.exception() is None:
+            if fence.done() and not fence.cancelled() and fence.exception() is None:
                 # The engine handed over: its fence came after everything it sent,
                 # in order on the one connection, through the same output task.
                 return True
-            if fence is not None:
-                await asyncio.wait((fence,), timeout=0.002)  # the output task runs in between
-            else:
-                await asyncio.sleep(0.002)
+            await asyncio.wait((fence,), timeout=0.002)  # the output task runs in between
             now = loop.time()
             if sock.get(zmq.EVENTS) & zmq.POLLIN or self.outputs_seen != seen:
                 seen, quiet_since = self.outputs_seen, now
