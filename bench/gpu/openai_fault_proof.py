@@ -130,26 +130,15 @@ def cases(n_tokens: int) -> list[dict]:
     ]
 
 
-def add_ws_bias(base: str, api_key: str, model: str, cs: list[dict]) -> None:
-    """The tool-call cases get the matrix's logit_bias against JSON whitespace
-    (see openai_matrix.no_ws_bias): with random weights a tool-call grammar's
-    whitespace otherwise goes on to max_tokens."""
-    import httpx
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import openai_matrix as om
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {api_key}"}, timeout=60) as http:
-        ids = om.single_token_ids(om.tokenize_via(http, model), om.JSON_WS)
-    for c in cs:
-        if c.get("parse") == "tools" and "regex" not in json.dumps(c["body"].get("extra_body", {})):
-            c["body"]["logit_bias"] = {str(i): -100 for i in ids}
-
-
 def prepare_cases(base: str, api_key: str, model: str, cs: list[dict]) -> dict:
-    """Fill in what a case takes from the server before the runs: prompt_ids (the
-    prompt as /tokenize's ids) and stop_from ("ids": stop_token_ids = an id of a
-    no-fault answer whose first occurrence is past the answer's middle; "text":
-    stop = 4 characters first seen there), so the stop comes after the fault.
-    Returns what was chosen, per case (None where the answer had no such id or text)."""
+    """Fill in what a case takes from the server before the runs. The tool-call
+    cases get the matrix's logit_bias against JSON whitespace (see
+    openai_matrix.no_ws_bias): with random weights a tool-call grammar's
+    whitespace otherwise goes on to max_tokens. prompt_ids: the prompt as
+    /tokenize's ids. stop_from ("ids": stop_token_ids = an id of a no-fault
+    answer whose first occurrence is past the answer's middle; "text": stop = 4
+    characters first seen there), so the stop comes after the fault. Returns
+    the stops chosen, per case (None where the answer had no such id or text)."""
     import httpx
     import openai
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -158,7 +147,10 @@ def prepare_cases(base: str, api_key: str, model: str, cs: list[dict]) -> dict:
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=600)
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {api_key}"}, timeout=60) as http:
         tok = om.tokenize_via(http, model)
+        ws = om.single_token_ids(tok, om.JSON_WS)
         for c in cs:
+            if c.get("parse") == "tools" and "regex" not in json.dumps(c["body"].get("extra_body", {})):
+                c["body"]["logit_bias"] = {str(i): -100 for i in ws}
             if c.get("prompt_ids"):
                 c["body"]["prompt"] = tok(c.pop("prompt_ids"))
             how = c.get("stop_from")
@@ -457,7 +449,6 @@ def main() -> int:
         dep.start()
         st, _ = dep.wait(lambda s: started(dep, s), 900, "active serving + standby ready")
         wait_endpoint(dep.base, 300)
-        add_ws_bias(dep.base, key, name, cs)
         report["prepared"] = prepare_cases(dep.base, key, name, cs)
         record_cases()
         ref, _ = run_all(dep, name, key, cs)
