@@ -118,6 +118,10 @@ type Config struct {
 	// "off", or "auto" / "" = on for GPU devices, where an engine's Python
 	// start-up is most of the time it takes to restore the pair after a fault.
 	Spare string
+	// Spares is how many spare processes to keep when spares are on (0 = 1).
+	// More than one keeps the restore fast when faults come faster than a
+	// spare's imports; each costs the host memory of an imported engine.
+	Spares int
 	// BaseEnv is the environment every engine starts from; nil means os.Environ().
 	BaseEnv []string
 }
@@ -132,6 +136,12 @@ func (c *Config) sparesOn() bool {
 	}
 	return strings.HasPrefix(c.Device, "cuda")
 }
+
+// maxSpares bounds Config.Spares: each spare holds an imported engine's host memory.
+const maxSpares = 8
+
+// spareCount: how many spares to keep when they are on (Config.Spares).
+func (c *Config) spareCount() int { return max(c.Spares, 1) }
 
 func (c *Config) setDefaults() {
 	if c.SyncEvery == 0 {
@@ -205,6 +215,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("device %q: want cpu or cuda", c.Device)
 	case c.Spare != "" && c.Spare != "auto" && c.Spare != "on" && c.Spare != "off":
 		return fmt.Errorf("spare %q: want auto, on or off", c.Spare)
+	case c.Spares < 0 || c.Spares > maxSpares:
+		return fmt.Errorf("spares %d: want 1 to %d", c.Spares, maxSpares)
 	case c.TensorParallelSize < 1:
 		return fmt.Errorf("tensor parallel size %d: want at least 1", c.TensorParallelSize)
 	case c.TensorParallelSize > 1 && c.Engine == "vllm":

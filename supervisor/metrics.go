@@ -68,7 +68,7 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 		launchesFrom: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "frmps_engine_launches_total",
 			Help: "Engine launches, by how: from a spare (an engine process started ahead of need) or cold.", ConstLabels: cl}, []string{"from"}),
 		spareReadyG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_spare_ready",
-			Help: "1 when a spare engine process is ready (its imports done) to become the next engine.", ConstLabels: cl}),
+			Help: "Spare engine processes ready (their imports done) to become the next engine (at most --spares).", ConstLabels: cl}),
 		spareOnG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_spare_enabled",
 			Help: "1 when spares are configured (--spare; auto: on for GPU devices), whether or not one is ready.", ConstLabels: cl}),
 	}
@@ -112,9 +112,9 @@ func (m *metrics) firstToken(d time.Duration)       { m.firstTokenIn.Observe(d.S
 func (m *metrics) up(r failover.Role, up bool)      { m.engineUp.WithLabelValues(r.String()).Set(b2f(up)) }
 func (m *metrics) crashLoop(open bool)              { m.crashLoopG.Set(b2f(open)) }
 func (m *metrics) placement(ok bool)                { m.placementG.Set(b2f(ok)) }
-func (m *metrics) spare(enabled, ready bool) {
+func (m *metrics) spare(enabled bool, ready int) {
 	m.spareOnG.Set(b2f(enabled))
-	m.spareReadyG.Set(b2f(ready))
+	m.spareReadyG.Set(float64(ready))
 }
 
 func (m *metrics) launched(fromSpare bool) {

@@ -12,18 +12,23 @@ import (
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
-// Spares: one engine process started ahead of need (Config.Spare). After a
+// Spares: engine processes started ahead of need (Config.Spare, one by
+// default, Config.Spares of them). After a
 // fault the supervisor launches an engine (the fresh standby, which failback
 // then makes the active inside MPS); with vLLM most of that start-up is
 // Python importing torch and vLLM, none of which depends on the role or on
 // MPS. A spare has done it already and waits for its command line, so the
 // engine launched after a fault starts at vLLM's own initialisation.
 //
-// The first spare starts once the pair is ready (so it does not slow the
+// The first spares start once the pair is ready (so they do not slow the
 // first start-up); a consumed spare is replaced at once; one that dies
 // unused is restarted with a backoff, and after spareMaxFails deaths in a
 // row (or a preload that initialised the CUDA driver) spares are turned off
 // and engines start cold, as without them. Everything here runs on the loop.
+//
+// More than one spare is for faults that come faster than a spare's imports
+// (20-30 s with vLLM on an H100 host): each restore consumes one, and the
+// next restore would otherwise wait for its replacement's imports.
 
 const (
 	spareMaxFails    = 3
@@ -33,12 +38,9 @@ const (
 	spareStopGrace = 2 * time.Second
 )
 
-// spareState is the loop's view of the spare (loop-owned).
+// spareState is the loop's view of the spares (loop-owned).
 type spareState struct {
-	cur       Spare
-	unwatch   chan struct{} // closed when cur is taken or sent away: its watcher returns
-	started   time.Time
-	ready     bool
+	pool      []*spareEntry // oldest first
 	fails     int
 	off       string // why spares are off ("" = on)
 	timer     *time.Timer
@@ -49,13 +51,60 @@ type spareState struct {
 	lastReady time.Duration
 }
 
-// take forgets the current spare (used or sent away) and ends its watcher.
-func (sp *spareState) take() {
-	if sp.unwatch != nil {
-		close(sp.unwatch)
-		sp.unwatch = nil
+// spareEntry is one spare process.
+type spareEntry struct {
+	p       Spare
+	unwatch chan struct{} // closed when the spare is taken or sent away: its watcher returns
+	started time.Time
+	ready   bool
+}
+
+// find returns the pool's entry of p, or nil (taken already).
+func (sp *spareState) find(p Spare) *spareEntry {
+	for _, e := range sp.pool {
+		if e.p == p {
+			return e
+		}
 	}
-	sp.cur, sp.ready = nil, false
+	return nil
+}
+
+// take removes e from the pool (used or sent away) and ends its watcher.
+func (sp *spareState) take(e *spareEntry) {
+	close(e.unwatch)
+	sp.pool = slices.DeleteFunc(sp.pool, func(x *spareEntry) bool { return x == e })
+}
+
+// readyCount: spares whose imports are done.
+func (sp *spareState) readyCount() int {
+	n := 0
+	for _, e := range sp.pool {
+		if e.ready {
+			n++
+		}
+	}
+	return n
+}
+
+// next: the spare the next launch takes: the oldest ready one, else the
+// oldest still importing (the nearest to ready), skipping any that died
+// (their death event is on the way); nil if none.
+func (sp *spareState) next() *spareEntry {
+	var importing *spareEntry
+	for _, e := range sp.pool {
+		select {
+		case <-e.p.Done():
+			continue
+		default:
+		}
+		if e.ready {
+			return e
+		}
+		if importing == nil {
+			importing = e
+		}
+	}
+	return importing
 }
 
 // engineEnv is the environment every engine and every spare starts from.
@@ -69,7 +118,7 @@ func (s *Supervisor) modulesFile() string { return filepath.Join(s.runDir, "engi
 
 func (s *Supervisor) sparesEnabled() bool { return s.deps.Spares != nil && s.cfg.sparesOn() }
 
-// maybeStartSpare starts a spare when one is due. Called after every event.
+// maybeStartSpare starts spares until the pool is full. Called after every event.
 func (s *Supervisor) maybeStartSpare() {
 	if !s.sparesEnabled() {
 		return
@@ -79,9 +128,15 @@ func (s *Supervisor) maybeStartSpare() {
 	if st == failover.ServingReady {
 		sp.pairOnce = true
 	}
-	if st == failover.Stopped || st == failover.CrashLoop || !sp.pairOnce || sp.off != "" || sp.cur != nil || sp.timer != nil {
-		return
+	for st != failover.Stopped && st != failover.CrashLoop && sp.pairOnce && sp.off == "" && sp.timer == nil &&
+		len(sp.pool) < s.cfg.spareCount() {
+		s.startSpare()
 	}
+}
+
+// startSpare starts one spare process and its watcher.
+func (s *Supervisor) startSpare() {
+	sp := &s.spares
 	s.nextID++
 	logPath := filepath.Join(s.logDir, fmt.Sprintf("spare-%d.log", s.nextID))
 	cur, err := s.deps.Spares.StartSpare(s.engineEnv(), logPath, engine.SpareOptions{ModulesFile: s.modulesFile(), Model: s.cfg.Model})
@@ -90,7 +145,7 @@ func (s *Supervisor) maybeStartSpare() {
 		return
 	}
 	unwatch := make(chan struct{})
-	sp.cur, sp.unwatch, sp.started, sp.ready = cur, unwatch, time.Now(), false
+	sp.pool = append(sp.pool, &spareEntry{p: cur, unwatch: unwatch, started: time.Now()})
 	s.log.Info("spare engine process started", "pid", cur.PID(), "log", logPath)
 	s.wg.Add(1)
 	go func() { // until the spare is used, sent away or dead
@@ -117,11 +172,12 @@ func (s *Supervisor) maybeStartSpare() {
 // spareReady notes that the spare's imports are done.
 func (s *Supervisor) spareReady(ev event) {
 	sp := &s.spares
-	if ev.spare != sp.cur {
+	e := sp.find(ev.spare)
+	if e == nil {
 		return
 	}
-	sp.ready, sp.fails = true, 0
-	sp.lastReady = ev.at.Sub(sp.started)
+	e.ready, sp.fails = true, 0
+	sp.lastReady = ev.at.Sub(e.started)
 	s.log.Info("spare engine process ready", "pid", ev.spare.PID(), "after", sp.lastReady.Round(time.Millisecond), "said", ev.spare.ReadyLine())
 	s.syncSpare()
 }
@@ -129,10 +185,11 @@ func (s *Supervisor) spareReady(ev event) {
 // spareDied handles a spare that exited before it was activated.
 func (s *Supervisor) spareDied(ev event) {
 	sp := &s.spares
-	if ev.spare != sp.cur {
+	e := sp.find(ev.spare)
+	if e == nil {
 		return // activated: its death is an engine's
 	}
-	sp.take()
+	sp.take(e)
 	if ws := ev.spare.WaitStatus(); ws.Exited() && ws.ExitStatus() == engine.SpareExitDriverInitialised {
 		sp.off = "the engine's imports initialise the CUDA driver, so a spare could not be placed in or out of MPS"
 		s.log.Error("spares turned off: engines start cold", "why", sp.off)
@@ -169,24 +226,20 @@ func (s *Supervisor) spareDue(ev event) {
 	s.spares.timer = nil
 }
 
-// launchFromSpare makes the spare the engine of role, if there is one that
-// can take env. ok false: launch cold.
+// launchFromSpare makes a spare the engine of role (spareState.next), if
+// there is one that can take env. ok false: launch cold.
 func (s *Supervisor) launchFromSpare(role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, bool) {
 	sp := &s.spares
-	cur := sp.cur
-	if cur == nil {
+	e := sp.next()
+	if e == nil {
 		if sp.pairOnce && s.sparesEnabled() {
 			sp.cold++
 			s.syncSpare()
 		}
 		return nil, false
 	}
-	select {
-	case <-cur.Done():
-		return nil, false // its death event is on the way
-	default:
-	}
-	sp.take()
+	cur, started := e.p, e.started
+	sp.take(e)
 	wasReady := false
 	select {
 	case <-cur.Ready():
@@ -203,25 +256,29 @@ func (s *Supervisor) launchFromSpare(role failover.Role, inv engine.Invocation, 
 	}
 	sp.activated++
 	s.log.Info("engine launched from the spare", "role", role, "pid", p.PID(), "spare_ready", wasReady,
-		"spare_age", time.Since(sp.started).Round(time.Millisecond))
+		"spare_age", time.Since(started).Round(time.Millisecond), "spares_left", len(sp.pool))
 	s.syncSpare()
 	return p, true
 }
 
-// stopSpare sends the spare away at shutdown and waits for it.
+// stopSpare sends every spare away at shutdown and waits for them.
 func (s *Supervisor) stopSpare() {
 	sp := &s.spares
 	if sp.timer != nil {
 		sp.timer.Stop()
 		sp.timer = nil
 	}
-	if cur := sp.cur; cur != nil {
-		sp.take()
-		cur.Close(spareStopGrace)
+	pool := slices.Clone(sp.pool)
+	for _, e := range pool {
+		sp.take(e)
+		e.p.Close(spareStopGrace)
+	}
+	deadline := time.After(10 * time.Second)
+	for _, e := range pool {
 		select {
-		case <-cur.Done():
-		case <-time.After(10 * time.Second):
-			s.log.Error("spare survived SIGKILL", "pid", cur.PID())
+		case <-e.p.Done():
+		case <-deadline:
+			s.log.Error("spare survived SIGKILL", "pid", e.p.PID())
 		}
 	}
 	s.syncSpare()
@@ -231,22 +288,26 @@ func (s *Supervisor) stopSpare() {
 func (s *Supervisor) syncSpare() {
 	sp := &s.spares
 	v := &frmpsv1.Spare{Enabled: s.sparesEnabled(), Activations: sp.activated, ColdStarts: sp.cold,
-		LastReadySeconds: sp.lastReady.Seconds()}
+		LastReadySeconds: sp.lastReady.Seconds(), Size: uint32(s.cfg.spareCount()), ReadyCount: uint32(sp.readyCount())}
+	if !v.Enabled {
+		v.Size = 0
+	}
+	next := sp.next()
 	switch {
 	case !v.Enabled:
 		v.State = "off"
 	case sp.off != "":
 		v.State = "off: " + sp.off
-	case sp.cur != nil && sp.ready:
-		v.State, v.Pid = "ready", int32(sp.cur.PID())
-	case sp.cur != nil:
-		v.State, v.Pid = "importing", int32(sp.cur.PID())
+	case next != nil && next.ready:
+		v.State, v.Pid = "ready", int32(next.p.PID())
+	case next != nil:
+		v.State, v.Pid = "importing", int32(next.p.PID())
 	case sp.timer != nil:
 		v.State = "backoff"
 	default:
 		v.State = "none"
 	}
-	s.metrics.spare(v.Enabled, v.State == "ready")
+	s.metrics.spare(v.Enabled, int(v.ReadyCount))
 	s.mu.Lock()
 	s.spareStatus = v
 	s.mu.Unlock()

@@ -25,6 +25,9 @@ type fakeSpares struct {
 	started  []*fakeSpare
 	exitWith int  // >0: every spare exits with this code before it is ready
 	notReady bool // spares never finish their imports
+	// holdReady(i): the i-th spare started (from 0) stays importing until the
+	// test calls its finishImports.
+	holdReady func(i int) bool
 }
 
 type fakeSpare struct {
@@ -57,6 +60,8 @@ func (f *fakeSpare) Close(time.Duration) {
 	f.exit(0)
 }
 
+func (f *fakeSpare) finishImports() { close(f.ready) }
+
 func (f *fakeSpare) exit(ws syscall.WaitStatus) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -76,11 +81,12 @@ func (fs *fakeSpares) StartSpare(env []string, logPath string, opts engine.Spare
 	fs.mu.Lock()
 	fs.started = append(fs.started, sp)
 	exitWith, notReady := fs.exitWith, fs.notReady
+	hold := fs.holdReady != nil && fs.holdReady(len(fs.started)-1)
 	fs.mu.Unlock()
 	switch {
 	case exitWith > 0:
 		go sp.exit(exitCode(exitWith))
-	case !notReady:
+	case !notReady && !hold:
 		close(sp.ready)
 	}
 	return sp, nil
@@ -257,4 +263,87 @@ func TestSparesFollowTheDevice(t *testing.T) {
 	if _, err := NewWithDeps(cfg, newWorld().deps(), nil, nil); err == nil || !strings.Contains(err.Error(), "spare") {
 		t.Fatalf("bad --spare accepted: %v", err)
 	}
+}
+
+func TestSeveralSparesTheReadyOneFirst(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		// The first spare stays importing: the second, ready, must be the one taken.
+		w.spares = &fakeSpares{w: w, holdReady: func(i int) bool { return i == 0 }}
+		h := start(t, w, func(c *Config) { c.Spare, c.Spares = "on", 2 })
+		h.wantState(failover.ServingReady)
+		spares := w.spares.list()
+		if len(spares) != 2 {
+			t.Fatalf("%d spares once the pair is ready, want 2", len(spares))
+		}
+		st := h.s.Status().GetSpare()
+		if st.GetState() != "ready" || int(st.GetPid()) != spares[1].pid || st.GetSize() != 2 || st.GetReadyCount() != 1 {
+			t.Fatalf("spare status %v, want the second (pid %d) ready, 1 of 2", st, spares[1].pid)
+		}
+		if v := testutil.ToFloat64(h.s.metrics.spareReadyG); v != 1 {
+			t.Fatalf("spare_ready = %v, want 1", v)
+		}
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if a := activePID(h); a != spares[1].pid {
+			t.Fatalf("active pid %d, want the ready spare %d", a, spares[1].pid)
+		}
+		// The consumed one was replaced at once; the one still importing stays.
+		spares = w.spares.list()
+		if len(spares) != 3 || spares[0].closed {
+			t.Fatalf("%d spares started (want 3), the first closed: %v", len(spares), spares[0].closed)
+		}
+		spares[0].finishImports()
+		synctest.Wait()
+		if st := h.s.Status().GetSpare(); st.GetReadyCount() != 2 || int(st.GetPid()) != spares[0].pid {
+			t.Fatalf("spare status %v, want 2 ready, the oldest (pid %d) next", st, spares[0].pid)
+		}
+		// A second fault at once: restored from a ready spare again, without
+		// waiting for a replacement's imports.
+		for _, p := range w.live() {
+			if p.pid == spares[1].pid {
+				p.Kill()
+			}
+		}
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if a := activePID(h); a != spares[0].pid {
+			t.Fatalf("active pid %d, want the oldest ready spare %d", a, spares[0].pid)
+		}
+		st = h.s.Status().GetSpare()
+		if st.GetActivations() != 2 || st.GetColdStarts() != 0 || st.GetReadyCount() != 2 {
+			t.Fatalf("spare status %v", st)
+		}
+		h.stop()
+		spares = w.spares.list()
+		if len(spares) != 4 {
+			t.Fatalf("%d spares started, want 4", len(spares))
+		}
+		for _, sp := range spares[2:] {
+			if !sp.closed {
+				t.Fatalf("spare %d not sent away at shutdown", sp.pid)
+			}
+		}
+		if v := testutil.ToFloat64(h.s.metrics.spareReadyG); v != 0 {
+			t.Fatalf("spare_ready = %v after shutdown", v)
+		}
+	})
+	cfg := testConfig(t)
+	for _, n := range []int{-1, maxSpares + 1} {
+		cfg.Spares = n
+		if _, err := NewWithDeps(cfg, newWorld().deps(), nil, nil); err == nil || !strings.Contains(err.Error(), "spares") {
+			t.Fatalf("spares %d accepted: %v", n, err)
+		}
+	}
+}
+
+// activePID: the pid of the engine Status calls active (0: none).
+func activePID(h *harness) int {
+	for _, e := range h.s.Status().GetEngines() {
+		if e.GetRole() == "active" {
+			return int(e.GetPid())
+		}
+	}
+	return 0
 }

@@ -384,8 +384,9 @@ def main() -> int:
             if args.wait_spare > 0 and spare_state(st) not in ("off", "") and not spare_state(st).startswith("off"):
                 st, _ = dep.wait(lambda s: spare_state(s) == "ready" or spare_state(s).startswith("off"),
                                  args.wait_spare, f"a ready spare before fault {n}")
-            rec["spare_before"] = {"state": spare_state(st),
-                                   "import_s": get(get(st, "spare") or {}, "last_ready_seconds")}
+            spare = get(st, "spare") or {}
+            rec["spare_before"] = {"state": spare_state(st), "import_s": get(spare, "last_ready_seconds"),
+                                   "ready": get(spare, "ready_count", default=0), "size": get(spare, "size", default=0)}
             e = engines(st)
             act = e["active"]
             rec["active_in_mps_before"] = bool(get(act, "in_mps"))

@@ -13,8 +13,8 @@
 #                                      timeout seconds (default budget + 330)
 #   vllm-failback:<model>:<n>:<budget>[:<timeout>] the same with --engine vllm on a `frmps model init` directory
 #   ref-soak:…, vllm-soak:…            the same as a soak: no minimum spacing between faults, the crash-loop
-#                                      breaker widened, resources (fds, threads, children, /dev/shm, GPU memory)
-#                                      sampled after every cycle
+#                                      breaker widened, two spares (--spares 2), resources (fds, threads,
+#                                      children, /dev/shm, GPU memory) sampled after every cycle
 #   ref-tp:<model>:<n>:<budget>[:<timeout>]  bench/gpu/tp_proof.py: the reference engine with --tensor-parallel-size 2
 #                                      on GPUs 0 and 1 (one MPS daemon for both), n faults by MPS clients pinned to
 #                                      GPU 0 and GPU 1 alternately; timeout as for ref-failback
@@ -137,7 +137,9 @@ stage_failback() {  # engine model n budget [timeout [soak|frontend]]
     if [ "${6:-}" = soak ]; then
         # Faults as fast as the placement is restored (and a spare is ready): the crash-loop
         # breaker is widened so that it does not stop re-arming; resources sampled every cycle.
-        soak=(--min-fault-interval 0 --serve-arg=--max-restarts=100000)
+        # Two spares: a vLLM spare imports for 23-34 s, longer than a restore (10-17 s), so with
+        # one the faults would come at the spare's pace, not the restore's.
+        soak=(--min-fault-interval 0 --serve-arg=--max-restarts=100000 --serve-arg=--spares=2)
     fi
     if [ "$engine" = vllm ]; then
         vllm_env

@@ -103,6 +103,9 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 			line += fmt.Sprintf(" (pid %d)", sp.GetPid())
 		}
 		if sp.GetEnabled() {
+			if sp.GetSize() > 1 {
+				line += fmt.Sprintf(", %d of %d ready", sp.GetReadyCount(), sp.GetSize())
+			}
 			line += fmt.Sprintf(", %d engines launched from spares, %d cold", sp.GetActivations(), sp.GetColdStarts())
 			if sp.GetLastReadySeconds() > 0 {
 				line += fmt.Sprintf(", imports took %.1fs", sp.GetLastReadySeconds())

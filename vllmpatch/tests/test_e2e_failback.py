@@ -103,6 +103,29 @@ def test_every_fault_is_followed_by_failback_and_streams_stay_exact():
         assert float(st["failback"]["last_duration_seconds"]) > 0
 
 
+def test_two_spares_restore_back_to_back_faults_from_ready_spares():
+    """--spares 2: a fault right after a restore (before the consumed spare's
+    replacement could finish its imports) is restored from the other spare,
+    ready since the start, not from a cold or half-imported process."""
+    with deployment(sync_every=1, env=ENGINE_ENV, extra_args=ARGS + ["--spares=2"], fake_mps=True) as dep:
+        deadline = time.monotonic() + 120
+        while int((dep.status().get("spare") or {}).get("ready_count", 0)) < 2:
+            assert time.monotonic() < deadline, f"two spares not ready: {dep.status().get('spare')}\n{dep.log_tail()}"
+            time.sleep(0.05)
+        assert int(dep.status()["spare"]["size"]) == 2
+        taken = []
+        for fault in (1, 2):
+            sp = dep.status()["spare"]
+            assert sp["state"] == "ready" and int(sp.get("ready_count", 0)) >= 1, sp
+            taken.append(int(sp["pid"]))
+            os.kill(dep.active_pid(), signal.SIGKILL)
+            st = wait_placement_restored(dep, fault)
+            e = engines(st)
+            assert int(e["active"]["pid"]) == taken[-1] and e["active"].get("from_spare"), (taken, e)
+        assert taken[0] != taken[1]
+        assert int(st["spare"]["activations"]) == 2 and int(st["spare"].get("cold_starts", 0)) == 0, st["spare"]
+
+
 def test_spare_dies_with_a_killed_supervisor(tmp_path):
     """SIGKILL of the supervisor (the OOM killer): the engines and the spare die with it
     (parent-death signal), leaving no process behind."""

@@ -668,12 +668,16 @@ type Spare struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Enabled bool                   `protobuf:"varint,1,opt,name=enabled,proto3" json:"enabled,omitempty"` // --spare (auto: on for GPU devices)
 	// "none" (not started yet: the first one starts once the pair is ready),
-	// "importing", "ready", "backoff" (the last one died unused), "off: <why>".
+	// "importing", "ready", "backoff" (the last one died unused), "off: <why>";
+	// with several spares, the state of the one the next engine launch takes
+	// (a ready one if any): pid is that one's.
 	State            string  `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
 	Pid              int32   `protobuf:"varint,3,opt,name=pid,proto3" json:"pid,omitempty"`
 	Activations      uint64  `protobuf:"varint,4,opt,name=activations,proto3" json:"activations,omitempty"`                                      // engines launched from a spare
 	ColdStarts       uint64  `protobuf:"varint,5,opt,name=cold_starts,json=coldStarts,proto3" json:"cold_starts,omitempty"`                      // engines launched without one, after the first pair
 	LastReadySeconds float64 `protobuf:"fixed64,6,opt,name=last_ready_seconds,json=lastReadySeconds,proto3" json:"last_ready_seconds,omitempty"` // the latest spare's start -> imports done
+	Size             uint32  `protobuf:"varint,7,opt,name=size,proto3" json:"size,omitempty"`                                                    // spare processes kept (--spares; 0 when off)
+	ReadyCount       uint32  `protobuf:"varint,8,opt,name=ready_count,json=readyCount,proto3" json:"ready_count,omitempty"`                      // how many of them are ready
 	unknownFields    protoimpl.UnknownFields
 	sizeCache        protoimpl.SizeCache
 }
@@ -746,6 +750,20 @@ func (x *Spare) GetColdStarts() uint64 {
 func (x *Spare) GetLastReadySeconds() float64 {
 	if x != nil {
 		return x.LastReadySeconds
+	}
+	return 0
+}
+
+func (x *Spare) GetSize() uint32 {
+	if x != nil {
+		return x.Size
+	}
+	return 0
+}
+
+func (x *Spare) GetReadyCount() uint32 {
+	if x != nil {
+		return x.ReadyCount
 	}
 	return 0
 }
@@ -1051,7 +1069,7 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\vengine_back\x18\b \x01(\x04R\n" +
 	"engineBack\x12\x1d\n" +
 	"\n" +
-	"last_error\x18\t \x01(\tR\tlastError\"\xba\x01\n" +
+	"last_error\x18\t \x01(\tR\tlastError\"\xef\x01\n" +
 	"\x05Spare\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x10\n" +
@@ -1059,7 +1077,10 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\vactivations\x18\x04 \x01(\x04R\vactivations\x12\x1f\n" +
 	"\vcold_starts\x18\x05 \x01(\x04R\n" +
 	"coldStarts\x12,\n" +
-	"\x12last_ready_seconds\x18\x06 \x01(\x01R\x10lastReadySeconds\"\xb1\x03\n" +
+	"\x12last_ready_seconds\x18\x06 \x01(\x01R\x10lastReadySeconds\x12\x12\n" +
+	"\x04size\x18\a \x01(\rR\x04size\x12\x1f\n" +
+	"\vready_count\x18\b \x01(\rR\n" +
+	"readyCount\"\xb1\x03\n" +
 	"\bFailback\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12!\n" +
