@@ -244,6 +244,15 @@ def first_resumed(path: str | None, after: float) -> float | None:
     return loglines.first_time_after(path, LOG_FIRST, after - 1)
 
 
+def breakdown(tk: dict | None) -> str:
+    """A takeover's breakdown for the summary line ("" when its log lines were not found)."""
+    if not tk:
+        return ""
+    fs = tk.get("first_step") or {}
+    return (f" resume={tk.get('resume_ms')}ms flip={tk.get('kv_writable_ms')}ms adopt={tk.get('adoption_ms')}ms"
+            f" step1={fs.get('step_ms')}ms cpu1={fs.get('loop_cpu_ms')}ms")
+
+
 def grep_all(path: str | None, needle: str) -> list[str]:
     if not path or not os.path.exists(path):
         return []
@@ -407,6 +416,9 @@ def main() -> int:
             st, t_restored = dep.wait(lambda s: restored(s, n), 300, f"failback after fault {n}")
             fr = first_resumed(get(e["standby"], "log_path"), detect)  # the engine the failover promoted
             rec["detect_to_first_resumed_token_s"] = round(fr - detect, 4) if fr else None
+            # Where that time went in the promoted engine: the Resume (KV flip beside the adoption)
+            # and the first step after it.
+            rec["takeover"] = loglines.takeover_breakdown(get(e["standby"], "log_path"))
             fb = get(st, "failback") or {}
             done = int(get(fb, "last_unix_nanos", default=0)) / 1e9
             dur = float(get(fb, "last_duration_seconds", default=0) or 0)
@@ -415,7 +427,8 @@ def main() -> int:
                                "handover_first_token_s": get(fb, "last_first_token_seconds"),
                                "active_in_mps_after": True,
                                "new_engine_from_spare": bool(get(new_act, "from_spare")),
-                               "new_engine_init_s": get(new_act, "init_seconds")}
+                               "new_engine_init_s": get(new_act, "init_seconds"),
+                               "takeover": loglines.takeover_breakdown(get(new_act, "log_path"))}
             time.sleep(0.5)  # let the streams run past the handover
             times = load.chunk_times()
             rec["client_gap_from_fault_s"] = gaps_after(times, t_fault)
@@ -429,7 +442,8 @@ def main() -> int:
                   f"fault->detect={rec['fault_to_detect_s']} detect->tok={rec['detect_to_first_resumed_token_s']} "
                   f"client_gap={rec['client_gap_from_fault_s']} max_gap={rec['client_max_gap_s']} restored={rec['failback']['restored_s_after_detect']}s "
                   f"(from_spare={rec['failback']['new_engine_from_spare']} spare={rec['spare_before']['state']}) "
-                  f"handover={rec['failback']['handover_s']}s gap={rec['handover_max_gap_s']} step={step:.4f}", flush=True)
+                  f"handover={rec['failback']['handover_s']}s gap={rec['handover_max_gap_s']} step={step:.4f}"
+                  f"{breakdown(rec['takeover'])}", flush=True)
             save()
     except Exception as ex:  # keep what was measured
         report["error"] = f"{type(ex).__name__}: {ex}"

@@ -258,6 +258,7 @@ def test_the_kv_flip_runs_beside_the_adoption_and_before_any_step(h, monkeypatch
     first, see no adoption and time out, and the test fails. And the loop must not
     step before the flip is over: the first step checks the pool is writable."""
     caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
+    caplog.set_level("INFO", logger="frmps_engine.sdk.loop")
     assert h.sleep().ok
     out, snaps = run_active(h.active, 1, TOK.encode("hello"), 4, FakeParams(20, 0.0, 11))
     core, mem = h.runner.core, h.runner.memory
@@ -292,6 +293,9 @@ def test_the_kv_flip_runs_beside_the_adoption_and_before_any_step(h, monkeypatch
     line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
     got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
     assert got["requests"] == 1 and got["adoption_cpu_ms"] >= 0 and got["kv_writable_ms"] >= 0, got
+    step = next(r.getMessage() for r in caplog.records if "step 1 after start" in r.getMessage())
+    first = loglines.first_step_fields(list(loglines.FIRST_STEP.search(step).groups()))
+    assert first["step_ms"] > 0 and first["loop_cpu_ms"] > 0, first
 
 
 def test_a_failed_kv_flip_fails_the_resume(h, monkeypatch):

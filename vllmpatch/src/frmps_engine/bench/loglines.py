@@ -13,6 +13,10 @@ TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused t
                       r"KV writable in ([\d.]+) ms(?:; adoption ([\d.]+) ms, ring attach ([\d.]+) ms)?"
                       r"(?:; adoption CPU ([\d.]+) ms[^)]*)?\)")
 FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
+# loop._trace: the loop's first step after a start or a takeover (a takeover's first step
+# also does the engine's work for requests new to it)
+FIRST_STEP = re.compile(r"step 1 after start: began [\d.]+ ms after the loop started, step ([\d.]+) ms, "
+                        r"dispatch ([\d.]+) ms \(loop thread CPU ([\d.]+) ms")
 SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after start\)")
 INIT = re.compile(r"standby built \(init (\d+) ms\)")
 ALLOC = re.compile(r"torch allocator: ([\d.]+) MiB reserved, ([\d.]+) MiB allocated")
@@ -64,3 +68,18 @@ def takeover_fields(groups: list[str]) -> dict:
     if groups[7] is not None:
         out.update(adoption_cpu_ms=float(groups[7]))
     return out
+
+
+def first_step_fields(groups: list[str]) -> dict:
+    """FIRST_STEP's groups as a record."""
+    return {"step_ms": float(groups[0]), "dispatch_ms": float(groups[1]), "loop_cpu_ms": float(groups[2])}
+
+
+def takeover_breakdown(path: str | None) -> dict | None:
+    """The latest takeover in an engine's log and the first step after it (an engine
+    that took over, yielded and took over again logs each time): None if none."""
+    tk, fs = grep_last(path, TAKEOVER), grep_last(path, FIRST_STEP)
+    out = takeover_fields(tk) if tk else {}
+    if tk and fs:
+        out["first_step"] = first_step_fields(fs)
+    return out or None
