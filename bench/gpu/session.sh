@@ -99,6 +99,10 @@ stage_prep() {
             log "prep: no crc32c package and no wheel in .gpu/wheels: ring checksums in numpy (slower)"
         fi
     fi
+    # py-spy (a sampling profiler, for the throughput stage's engine profile): a wheel in .gpu/wheels.
+    if ! command -v py-spy > /dev/null && compgen -G ".gpu/wheels/py_spy-*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps .gpu/wheels/py_spy-*.whl >> "$S" 2>&1 && log "prep: py-spy installed"
+    fi
     # vLLM's API server packages (uvicorn, aiohttp, ...), left out of the offline
     # bundle: wheels carried in .gpu/wheels-server, installed beside vLLM.
     if [ -n "$VLSITE" ] && compgen -G ".gpu/wheels-server/*.whl" > /dev/null; then
@@ -263,8 +267,11 @@ stage_tp() {  # model batches [timeout] [modes]
     local m
     m=$(model_dir "$1") || { log "vllm-tp $1: model-dir failed"; return; }
     log "vllm-tp $1 batches $2"
+    local spy=()  # py-spy (a wheel in .gpu/wheels, installed by prep): the engine's threads at the largest batch
+    command -v py-spy > /dev/null && spy=(--py-spy "$(command -v py-spy)")
     bounded "${3:-300}" python3 bench/gpu/vllm_throughput.py --frmps bin/frmps --model "$m" --batches "$2" \
-        --num-blocks 4096 --frmps-modes "${4:-default}" --workdir "$WORK/tp-$1" --out "$OUT/vllm-tp-$1.json" > "$WORK/tp-$1.out" 2>&1
+        --num-blocks 4096 --frmps-modes "${4:-default}" --workdir "$WORK/tp-$1" --out "$OUT/vllm-tp-$1.json" \
+        "${spy[@]}" > "$WORK/tp-$1.out" 2>&1
     log "vllm-tp $1: rc=$?"
     tail -n 8 "$WORK/tp-$1.out" >> "$S"
 }

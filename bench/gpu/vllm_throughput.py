@@ -105,6 +105,42 @@ def frmps_times(dep: Deployment, model: str, ps: list[list[int]], tokens: int, p
     return dt
 
 
+def py_spy_profile(py_spy: str, pid: int, seconds: float, out_path: str, run) -> dict:
+    """Samples every thread of the engine process `pid` with py-spy (raw collapsed
+    stacks into out_path, the process not paused) while run() generates; returns
+    the samples per thread and the hottest frames (own samples) of each."""
+    p = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "250", "--duration", str(int(seconds) + 1),
+                          "--format", "raw", "--output", out_path, "--threads", "--nonblocking"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # attached before the clients start
+        run()
+    finally:
+        _, err = p.communicate(timeout=seconds + 60)
+    if not os.path.exists(out_path):
+        return {"error": (err or "")[-500:]}
+    return summarize_stacks(out_path)
+
+
+def summarize_stacks(path: str, top: int = 15) -> dict:
+    """py-spy's raw format ("thread;frame;...;frame count" per line, root first):
+    per thread, its samples and its hottest leaf frames."""
+    threads: dict[str, dict] = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            stack, _, n = line.rstrip().rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            frames = stack.split(";")
+            t = threads.setdefault(frames[0], {"samples": 0, "leaf": {}})
+            t["samples"] += int(n)
+            leaf = frames[-1]
+            t["leaf"][leaf] = t["leaf"].get(leaf, 0) + int(n)
+    return {name: {"samples": t["samples"],
+                   "top": sorted(t["leaf"].items(), key=lambda kv: -kv[1])[:top]}
+            for name, t in sorted(threads.items(), key=lambda kv: -kv[1]["samples"])}
+
+
 VLLM_ALONE = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
@@ -148,6 +184,8 @@ def main() -> int:
     ap.add_argument("--client-procs", type=int, default=8,
                     help="client processes for frmps's streams (streams split between them, a thread per stream)")
     ap.add_argument("--skip", default="", help="frmps or vllm: skip that side")
+    ap.add_argument("--py-spy", default="", help="py-spy executable: profile the active engine's threads during one "
+                                                  "more run at the largest batch (raw stacks beside --out)")
     ap.add_argument("--frmps-modes", default="default",
                     help="comma list of frmps runs: default (the engines' environment as given), sync, async "
                          "(FRMPS_VLLM_ASYNC_SCHEDULING=0 / 1), each a deployment of its own, in this order")
@@ -189,6 +227,12 @@ def main() -> int:
                 tt = [frmps_times(dep, args.model, ps, args.tokens, n, server) for _ in range(args.reps)]
                 t1 = [frmps_times(dep, args.model, ps, 1, n) for _ in range(args.reps)]
                 fr[str(b)] = {"t_tokens_s": tt, "t_one_s": t1, "client_procs": min(n, b), "server": server}
+                if args.py_spy and b == max(batches):
+                    active = dep.engines(dep.status()).get("active") or {}
+                    raw = f"{os.path.splitext(args.out)[0]}-{key}-b{b}.stacks"
+                    fr[str(b)]["py_spy"] = py_spy_profile(
+                        args.py_spy, int(active.get("pid", 0)), max(tt) + 2, raw,
+                        lambda: frmps_times(dep, args.model, ps, args.tokens, n))
                 save()
         except Exception as e:
             fr["error"] = f"{type(e).__name__}: {e}"
