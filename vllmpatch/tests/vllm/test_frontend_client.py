@@ -269,3 +269,60 @@ def test_a_handovers_fence_ends_the_drain_at_once_and_is_rearmed(tmp_path, addrs
             client.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("fate", ["dies", "wedged"])
+def test_a_dead_engines_closed_connection_ends_the_drain(tmp_path, addrs, fate):
+    """After a failover no fence comes. ``dies``: the engine's connection closes
+    after its last outputs; the output socket's monitor sees it, so the drain
+    ends once the socket is empty (not after the quiet period, 60 s here) with
+    every token the engine sent recorded. ``wedged``: the connection stays open,
+    so the drain waits for the quiet period (0.3 s)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.executor import Executor
+
+    from frmps_engine.vllm.frontend.client import FrmpsAsyncMPClient
+
+    cfg = make_vllm_config(write_tiny_model(tmp_path / "m"))
+    in_addr, out_addr = addrs
+
+    async def main():
+        first = FakeEngine(in_addr, out_addr, stop_after=KILL_AFTER, expect=1, hang=fate == "wedged")
+        first.start()
+        client = FrmpsAsyncMPClient(cfg, Executor, False, client_addresses={
+            "input_address": in_addr, "output_address": out_addr})
+        try:
+            assert client._monitor is not None
+            await client.add_request_async(make_request("cmpl-x", SamplingParams(max_tokens=MAX_TOKENS, seed=9)))
+            assert first.stopped_working.wait(10)
+            if fate == "dies":
+                first.join(5)
+            sent = first.running["frmps-1"][1]
+            client.engine_lost()
+            t0 = time.monotonic()
+            settle = 60 if fate == "dies" else 0.3
+            assert await asyncio.wait_for(client.drain_outputs(timeout=90, settle=settle), 20)
+            took = time.monotonic() - t0
+            if fate == "wedged":
+                assert took >= 0.3, took
+            (entry,) = client.resume_entries()
+            assert entry.delivered == [token(9, i) for i in range(sent)]  # every output it sent
+            # The promoted engine connects; when it dies too, the drain ends on its closed connection again.
+            second = FakeEngine(in_addr, out_addr, adopt=[entry], stop_after=sent + 2, expect=0)
+            second.start()
+            await client.wait_engine_back(timeout=10)
+            if fate == "dies":
+                assert second.stopped_working.wait(10)
+                second.join(5)
+                client.engine_lost()
+                assert await asyncio.wait_for(client.drain_outputs(timeout=90, settle=60), 20)
+                (entry,) = client.resume_entries()
+                assert entry.delivered == [token(9, i) for i in range(second.running["frmps-1"][1])]
+            first.stop.set()
+            second.stop.set()
+            first.join(5)
+            second.join(5)
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())

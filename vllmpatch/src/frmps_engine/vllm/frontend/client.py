@@ -59,6 +59,61 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         # EngineCoreOutputs with request outputs the ledger has recorded (drain_outputs).
         self.outputs_seen = 0
         self._arm_fence()
+        self._peers = 0  # engines connected to the output socket, from its monitor's events
+        self._closed_since_connect = False  # one of them closed its connection, and none is open
+        self._monitor = self._monitor_outputs()
+
+    def _monitor_outputs(self) -> zmq.Socket | None:
+        """A monitor of the output socket's connections: a dead engine's connection
+        is seen closed once the socket's I/O thread has read everything it sent, so
+        the drain after a failover can end then instead of after a quiet period.
+        The PAIR end is a socket of vLLM's own context (vLLM's context is destroyed
+        with its sockets; one of another context left open would hang its term).
+        None (the quiet period only) where the socket cannot be monitored."""
+        sock = self.resources.output_socket
+        try:
+            addr = f"inproc://frmps-output-monitor-{id(self):x}"
+            sock.monitor(addr, zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            mon = self.resources.ctx.socket(zmq.PAIR)
+            mon.setsockopt(zmq.LINGER, 0)
+            mon.connect(addr)
+            return mon
+        except (zmq.ZMQError, AttributeError):
+            return None
+
+    def _read_monitor(self) -> bool:
+        """Counts the connections opened and closed since the last call; True once
+        an engine connected before has closed its connection and none is open."""
+        if self._monitor is None:
+            return False
+        from zmq.utils.monitor import parse_monitor_message
+
+        closed = False
+        while True:
+            try:
+                ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                break
+            if ev in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+                self._peers += 1
+            elif ev == zmq.EVENT_DISCONNECTED:
+                self._peers -= 1
+                closed = True
+        self._peers = max(self._peers, 0)
+        self._closed_since_connect = (self._closed_since_connect or closed) and self._peers == 0
+        return self._closed_since_connect
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> None:
+        mon, self._monitor = getattr(self, "_monitor", None), None
+        if mon is not None:
+            sock = self.resources.output_socket
+            if sock is not None and not sock.closed:
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+            mon.close(0)
+        super().shutdown(*args, **kwargs)
 
     def _arm_fence(self) -> None:
         try:
@@ -131,12 +186,16 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         recorded nothing new for ``settle`` seconds; False if outputs kept
         coming for ``timeout`` seconds (the engine is not silent). An engine that
         handed over sent its fence last: True as soon as the fence came through.
+        A dead engine's connection seen closed by the socket's monitor (its I/O
+        thread has read all the engine sent) ends the wait as soon as the socket
+        is empty and the output task has recorded what it took, instead of after
+        ``settle`` (a wedged engine keeps its connection: the quiet period then).
         Runs on the client's event loop."""
         self._ensure_output_queue_task()
         sock = self.resources.output_socket
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        seen, quiet_since = self.outputs_seen, loop.time()
+        seen, quiet_since, quiet_polls = self.outputs_seen, loop.time(), 0
         fence = self._fence  # armed: _ensure_output_queue_task above, on this loop
         while True:
             if fence.done() and not fence.cancelled() and fence.exception() is None:
@@ -145,10 +204,16 @@ class FrmpsAsyncMPClient(AsyncMPClient):
                 return True
             await asyncio.wait((fence,), timeout=0.002)  # the output task runs in between
             now = loop.time()
+            gone = self._read_monitor()  # before the socket's state: what it read came first
             if sock.get(zmq.EVENTS) & zmq.POLLIN or self.outputs_seen != seen:
-                seen, quiet_since = self.outputs_seen, now
-            elif now - quiet_since >= settle:
-                return True
+                seen, quiet_since, quiet_polls = self.outputs_seen, now, 0
+            else:
+                quiet_polls += 1
+                # The dead engine's connection is closed (all it sent was read), the
+                # socket holds nothing, and the output task, which has run since the
+                # last message left the socket, recorded nothing new: nothing can come.
+                if (gone and quiet_polls >= 2) or now - quiet_since >= settle:
+                    return True
             if now >= deadline:
                 return False
 
@@ -179,6 +244,8 @@ class FrmpsAsyncMPClient(AsyncMPClient):
                     return
 
         await asyncio.wait_for(ready(), timeout)
+        self._read_monitor()  # the events so far (the monitor's queue stays short)
+        self._closed_since_connect = False
         self._arm_fence()  # for this engine's own handover, later
         held, self._held = self._held, None
         for args, entry in held:

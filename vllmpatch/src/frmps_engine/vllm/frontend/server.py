@@ -188,6 +188,7 @@ class FrontendService(pb_grpc.FrontendServicer):
     async def _engine_lost(self, drain_s: float):  # on vLLM's loop
         c = self.client
         c.engine_lost()
+        t0 = time.perf_counter()
         if not await c.drain_outputs(drain_s):
             return (f"outputs kept arriving for {int(drain_s * 1000)} ms after the engine was reported lost: "
                     "it is not silent (fence it first); no resume set")
@@ -198,7 +199,8 @@ class FrontendService(pb_grpc.FrontendServicer):
                 return f"request {e.frontend_id}: its EngineCoreRequest does not encode as one msgpack frame"
             entries.append(pb.ResumeEntry(key=e.key, engine_request=bytes(frames[0]),
                                           delivered_token_ids=e.delivered, seed=e.seed))
-        log.info("engine lost: resume set of %d requests (%d held)", len(entries), c.held_requests())
+        log.info("engine lost: resume set of %d requests (%d held) after a %.1f ms drain", len(entries),
+                 c.held_requests(), (time.perf_counter() - t0) * 1e3)
         m = self._metrics
         if self._lost_at is None:
             self._lost_at = time.monotonic()
