@@ -277,7 +277,8 @@ def test_a_dead_engines_closed_connection_ends_the_drain(tmp_path, addrs, fate):
     after its last outputs; the output socket's monitor sees it, so the drain
     ends once the socket is empty (not after the quiet period, 60 s here) with
     every token the engine sent recorded. ``wedged``: the connection stays open,
-    so the drain waits for the quiet period (0.3 s)."""
+    so the drain waits for the quiet period (0.3 s); its connection closing after
+    the promoted engine's opened does not end the promoted engine's drain early."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.executor import Executor
 
@@ -307,21 +308,26 @@ def test_a_dead_engines_closed_connection_ends_the_drain(tmp_path, addrs, fate):
                 assert took >= 0.3, took
             (entry,) = client.resume_entries()
             assert entry.delivered == [token(9, i) for i in range(sent)]  # every output it sent
-            # The promoted engine connects; when it dies too, the drain ends on its closed connection again.
-            second = FakeEngine(in_addr, out_addr, adopt=[entry], stop_after=sent + 2, expect=0)
+            # The promoted engine connects (it stops after two tokens and closes when told).
+            second = FakeEngine(in_addr, out_addr, adopt=[entry], stop_after=sent + 2, expect=0, hang=True)
             second.start()
             await client.wait_engine_back(timeout=10)
-            if fate == "dies":
-                assert second.stopped_working.wait(10)
-                second.join(5)
-                client.engine_lost()
-                assert await asyncio.wait_for(client.drain_outputs(timeout=90, settle=60), 20)
-                (entry,) = client.resume_entries()
-                assert entry.delivered == [token(9, i) for i in range(second.running["frmps-1"][1])]
-            first.stop.set()
+            if fate == "wedged":
+                # The wedged engine's connection closes only now, after the promoted one's
+                # opened: that must not count as the connection of the engine now serving.
+                first.stop.set()
+                first.join(5)
+                await asyncio.sleep(0.3)
+                assert not client._read_monitor()
+            assert second.stopped_working.wait(10)
             second.stop.set()
+            second.join(5)  # dies: its connection closes
+            client.engine_lost()
+            assert await asyncio.wait_for(client.drain_outputs(timeout=90, settle=60), 20)
+            (entry,) = client.resume_entries()
+            assert entry.delivered == [token(9, i) for i in range(second.running["frmps-1"][1])]
+            first.stop.set()
             first.join(5)
-            second.join(5)
         finally:
             client.shutdown()
 

@@ -59,8 +59,11 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         # EngineCoreOutputs with request outputs the ledger has recorded (drain_outputs).
         self.outputs_seen = 0
         self._arm_fence()
-        self._peers = 0  # engines connected to the output socket, from its monitor's events
-        self._closed_since_connect = False  # one of them closed its connection, and none is open
+        # The output socket's open connections (their fds, from its monitor's events; one
+        # accepted before the monitor started is only seen closing) and whether one
+        # closed since the last engine connected with none left open.
+        self._open: set[int] = set()
+        self._closed_since_connect = False
         self._monitor = self._monitor_outputs()
 
     def _monitor_outputs(self) -> zmq.Socket | None:
@@ -82,8 +85,10 @@ class FrmpsAsyncMPClient(AsyncMPClient):
             return None
 
     def _read_monitor(self) -> bool:
-        """Counts the connections opened and closed since the last call; True once
-        an engine connected before has closed its connection and none is open."""
+        """Applies the connections opened and closed since the last call; True once
+        a connection closed since the last engine connected and none is open. By fd,
+        not by count: a connection that closes late (the engine that handed over)
+        leaves the new engine's open, whether or not its opening was seen."""
         if self._monitor is None:
             return False
         from zmq.utils.monitor import parse_monitor_message
@@ -91,16 +96,15 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         closed = False
         while True:
             try:
-                ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+                m = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            if ev in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
-                self._peers += 1
-            elif ev == zmq.EVENT_DISCONNECTED:
-                self._peers -= 1
+            if m["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+                self._open.add(m["value"])
+            elif m["event"] == zmq.EVENT_DISCONNECTED:
+                self._open.discard(m["value"])
                 closed = True
-        self._peers = max(self._peers, 0)
-        self._closed_since_connect = (self._closed_since_connect or closed) and self._peers == 0
+        self._closed_since_connect = (self._closed_since_connect or closed) and not self._open
         return self._closed_since_connect
 
     def shutdown(self, *args: Any, **kwargs: Any) -> None:
