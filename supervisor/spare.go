@@ -308,8 +308,12 @@ func (s *Supervisor) syncSpare() {
 		v.State = "none"
 	}
 	s.metrics.spare(v.Enabled, int(v.ReadyCount))
+	pids := make([]int, 0, len(sp.pool))
+	for _, e := range sp.pool {
+		pids = append(pids, e.p.PID())
+	}
 	s.mu.Lock()
-	s.spareStatus = v
+	s.spareStatus, s.sparePIDs = v, pids
 	s.mu.Unlock()
 }
 

@@ -1,6 +1,7 @@
 package supervisor
 
 import (
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -346,4 +347,20 @@ func activePID(h *harness) int {
 		}
 	}
 	return 0
+}
+
+func TestResidentBytesOfLiveAndGoneProcesses(t *testing.T) {
+	if _, err := os.Stat("/proc/self/statm"); err != nil {
+		t.Skip("no /proc")
+	}
+	if got := residentBytes([]int{os.Getpid()}); got < 1<<20 {
+		t.Fatalf("this process's resident memory %d bytes", got)
+	}
+	one := residentBytes([]int{os.Getpid()})
+	if got := residentBytes([]int{os.Getpid(), -1, 1 << 30}); got < one/2 || got > 2*one {
+		t.Fatalf("with pids that do not exist: %d, alone %d", got, one)
+	}
+	if got := residentBytes(nil); got != 0 {
+		t.Fatalf("no pids: %d", got)
+	}
 }

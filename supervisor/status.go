@@ -1,6 +1,9 @@
 package supervisor
 
 import (
+	"fmt"
+	"os"
+	"strconv"
 	"strings"
 
 	"google.golang.org/protobuf/proto"
@@ -30,7 +33,11 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	if s.spareStatus != nil {
 		st.Spare = proto.Clone(s.spareStatus).(*frmpsv1.Spare)
 	}
+	sparePIDs := s.sparePIDs
 	s.mu.Unlock()
+	if st.Spare != nil {
+		st.Spare.RssBytes = residentBytes(sparePIDs)
+	}
 	st.CrashLoopOpen = st.CrashLoopOpen || s.crashLoopOpen.Load()
 	for _, sl := range s.statusSlots() {
 		sl.mu.Lock()
@@ -89,4 +96,26 @@ func (s *Supervisor) syncShown() {
 	if s.shown[1] == s.shown[0] {
 		s.shown[1] = nil
 	}
+}
+
+// residentBytes sums the resident memory of the processes (Linux: /proc/PID/statm,
+// resident pages × page size); a process that is gone, or no /proc, counts 0.
+func residentBytes(pids []int) uint64 {
+	var total uint64
+	for _, pid := range pids {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/statm", pid))
+		if err != nil {
+			continue
+		}
+		f := strings.Fields(string(b))
+		if len(f) < 2 {
+			continue
+		}
+		pages, err := strconv.ParseUint(f[1], 10, 64)
+		if err != nil {
+			continue
+		}
+		total += pages * uint64(os.Getpagesize())
+	}
+	return total
 }

@@ -98,6 +98,7 @@ type Supervisor struct {
 	awaitingFirstToken map[uint64]pendingFirstToken
 	failbackStatus     *frmpsv1.Failback
 	spareStatus        *frmpsv1.Spare
+	sparePIDs          []int // the spare processes' pids, for Status's host memory
 	// failbackFirstTokenSeconds: the last handover's Handoff sent -> first resumed token.
 	failbackFirstTokenSeconds float64
 	recordSeq                 uint64

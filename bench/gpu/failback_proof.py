@@ -395,7 +395,8 @@ def main() -> int:
                                  args.wait_spare, f"a ready spare before fault {n}")
             spare = get(st, "spare") or {}
             rec["spare_before"] = {"state": spare_state(st), "import_s": get(spare, "last_ready_seconds"),
-                                   "ready": get(spare, "ready_count", default=0), "size": get(spare, "size", default=0)}
+                                   "ready": get(spare, "ready_count", default=0), "size": get(spare, "size", default=0),
+                                   "rss_mib": int(get(spare, "rss_bytes", default=0) or 0) >> 20}
             e = engines(st)
             act = e["active"]
             rec["active_in_mps_before"] = bool(get(act, "in_mps"))

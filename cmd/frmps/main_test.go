@@ -208,7 +208,7 @@ func TestPrintStatus(t *testing.T) {
 			{Role: "standby", Pid: 13, State: "ready", Engine: "vllm 0.26.0", Device: "cuda:0", InitSeconds: 9.3, FromSpare: true}},
 		Failovers: []*frmpsv1.FailoverRecord{{Seq: 3, Cause: "misaligned_address", DurationSeconds: 0.0042, ResumedRequests: 5, Ok: true, Detail: "x"}},
 		Spare: &frmpsv1.Spare{Enabled: true, State: "ready", Pid: 14, Activations: 2, ColdStarts: 1, LastReadySeconds: 19.6,
-			Size: 2, ReadyCount: 1},
+			Size: 2, ReadyCount: 1, RssBytes: 3 << 30},
 		Frontend: &frmpsv1.FrontendStatus{Kind: "vllm", Pid: 15, State: "serving", EngineConnected: true, OpenRequests: 4,
 			VllmVersion: "0.26.0", EngineLost: 3, EngineBack: 3},
 	}
@@ -218,7 +218,7 @@ func TestPrintStatus(t *testing.T) {
 	}
 	out := b.String()
 	for _, want := range []string{"serving_ready", "(standby ready)", "OPEN", "active", "serving", "1m0s", "#3", "misaligned_address", "4.2ms", "running", "vllm 0.26.0 cuda:0 (up in 61.2s)", "3 running, 1 waiting", "tensor parallel 2",
-		"(up in 9.3s from a spare)", "spare:", "ready (pid 14), 1 of 2 ready, 2 engines launched from spares, 1 cold, imports took 19.6s",
+		"(up in 9.3s from a spare)", "spare:", "ready (pid 14), 1 of 2 ready, 3072 MiB host memory, 2 engines launched from spares, 1 cold, imports took 19.6s",
 		"frontend:", "vllm 0.26.0 (pid 15): serving, engine connected, 4 open requests, 3 engines lost, 3 back"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("status output lacks %q:\n%s", want, out)

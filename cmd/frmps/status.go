@@ -106,6 +106,9 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 			if sp.GetSize() > 1 {
 				line += fmt.Sprintf(", %d of %d ready", sp.GetReadyCount(), sp.GetSize())
 			}
+			if sp.GetRssBytes() > 0 {
+				line += fmt.Sprintf(", %d MiB host memory", sp.GetRssBytes()>>20)
+			}
 			line += fmt.Sprintf(", %d engines launched from spares, %d cold", sp.GetActivations(), sp.GetColdStarts())
 			if sp.GetLastReadySeconds() > 0 {
 				line += fmt.Sprintf(", imports took %.1fs", sp.GetLastReadySeconds())

@@ -113,6 +113,7 @@ def test_two_spares_restore_back_to_back_faults_from_ready_spares():
             assert time.monotonic() < deadline, f"two spares not ready: {dep.status().get('spare')}\n{dep.log_tail()}"
             time.sleep(0.05)
         assert int(dep.status()["spare"]["size"]) == 2
+        assert int(dep.status()["spare"].get("rss_bytes", 0)) > 2 * (20 << 20)  # two imported interpreters
         taken = []
         for fault in (1, 2):
             sp = dep.status()["spare"]

@@ -678,6 +678,7 @@ type Spare struct {
 	LastReadySeconds float64 `protobuf:"fixed64,6,opt,name=last_ready_seconds,json=lastReadySeconds,proto3" json:"last_ready_seconds,omitempty"` // the latest spare's start -> imports done
 	Size             uint32  `protobuf:"varint,7,opt,name=size,proto3" json:"size,omitempty"`                                                    // spare processes kept (--spares; 0 when off)
 	ReadyCount       uint32  `protobuf:"varint,8,opt,name=ready_count,json=readyCount,proto3" json:"ready_count,omitempty"`                      // how many of them are ready
+	RssBytes         uint64  `protobuf:"varint,9,opt,name=rss_bytes,json=rssBytes,proto3" json:"rss_bytes,omitempty"`                            // their resident host memory, summed (/proc; 0 where unknown)
 	unknownFields    protoimpl.UnknownFields
 	sizeCache        protoimpl.SizeCache
 }
@@ -764,6 +765,13 @@ func (x *Spare) GetSize() uint32 {
 func (x *Spare) GetReadyCount() uint32 {
 	if x != nil {
 		return x.ReadyCount
+	}
+	return 0
+}
+
+func (x *Spare) GetRssBytes() uint64 {
+	if x != nil {
+		return x.RssBytes
 	}
 	return 0
 }
@@ -1069,7 +1077,7 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\vengine_back\x18\b \x01(\x04R\n" +
 	"engineBack\x12\x1d\n" +
 	"\n" +
-	"last_error\x18\t \x01(\tR\tlastError\"\xef\x01\n" +
+	"last_error\x18\t \x01(\tR\tlastError\"\x8c\x02\n" +
 	"\x05Spare\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12\x10\n" +
@@ -1080,7 +1088,8 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\x12last_ready_seconds\x18\x06 \x01(\x01R\x10lastReadySeconds\x12\x12\n" +
 	"\x04size\x18\a \x01(\rR\x04size\x12\x1f\n" +
 	"\vready_count\x18\b \x01(\rR\n" +
-	"readyCount\"\xb1\x03\n" +
+	"readyCount\x12\x1b\n" +
+	"\trss_bytes\x18\t \x01(\x04R\brssBytes\"\xb1\x03\n" +
 	"\bFailback\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x14\n" +
 	"\x05state\x18\x02 \x01(\tR\x05state\x12!\n" +

@@ -137,7 +137,7 @@ class FrontendStatus(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., engine_connected: _Optional[bool] = ..., open_requests: _Optional[int] = ..., vllm_version: _Optional[str] = ..., engine_lost: _Optional[int] = ..., engine_back: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class Spare(_message.Message):
-    __slots__ = ("enabled", "state", "pid", "activations", "cold_starts", "last_ready_seconds", "size", "ready_count")
+    __slots__ = ("enabled", "state", "pid", "activations", "cold_starts", "last_ready_seconds", "size", "ready_count", "rss_bytes")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class Spare(_message.Message):
     LAST_READY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     READY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     state: str
     pid: int
@@ -154,7 +155,8 @@ class Spare(_message.Message):
     last_ready_seconds: float
     size: int
     ready_count: int
-    def __init__(self, enabled: _Optional[bool] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., activations: _Optional[int] = ..., cold_starts: _Optional[int] = ..., last_ready_seconds: _Optional[float] = ..., size: _Optional[int] = ..., ready_count: _Optional[int] = ...) -> None: ...
+    rss_bytes: int
+    def __init__(self, enabled: _Optional[bool] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., activations: _Optional[int] = ..., cold_starts: _Optional[int] = ..., last_ready_seconds: _Optional[float] = ..., size: _Optional[int] = ..., ready_count: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
 
 class Failback(_message.Message):
     __slots__ = ("enabled", "state", "placement_ok", "succeeded", "failed", "consecutive_failures", "next_attempt_unix_nanos", "last_error", "last_duration_seconds", "last_first_token_seconds", "last_unix_nanos")
