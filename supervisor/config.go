@@ -137,8 +137,9 @@ func (c *Config) sparesOn() bool {
 	return strings.HasPrefix(c.Device, "cuda")
 }
 
-// maxSpares bounds Config.Spares: each spare holds an imported engine's host memory.
-const maxSpares = 8
+// MaxSpares bounds Config.Spares (and serve's --spares): each spare holds an
+// imported engine's host memory.
+const MaxSpares = 8
 
 // spareCount: how many spares to keep when they are on (Config.Spares).
 func (c *Config) spareCount() int { return max(c.Spares, 1) }
@@ -215,8 +216,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("device %q: want cpu or cuda", c.Device)
 	case c.Spare != "" && c.Spare != "auto" && c.Spare != "on" && c.Spare != "off":
 		return fmt.Errorf("spare %q: want auto, on or off", c.Spare)
-	case c.Spares < 0 || c.Spares > maxSpares:
-		return fmt.Errorf("spares %d: want 1 to %d", c.Spares, maxSpares)
+	case c.Spares < 0 || c.Spares > MaxSpares:
+		return fmt.Errorf("spares %d: want 1 to %d", c.Spares, MaxSpares)
 	case c.TensorParallelSize < 1:
 		return fmt.Errorf("tensor parallel size %d: want at least 1", c.TensorParallelSize)
 	case c.TensorParallelSize > 1 && c.Engine == "vllm":

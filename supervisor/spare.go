@@ -288,9 +288,9 @@ func (s *Supervisor) stopSpare() {
 func (s *Supervisor) syncSpare() {
 	sp := &s.spares
 	v := &frmpsv1.Spare{Enabled: s.sparesEnabled(), Activations: sp.activated, ColdStarts: sp.cold,
-		LastReadySeconds: sp.lastReady.Seconds(), Size: uint32(s.cfg.spareCount()), ReadyCount: uint32(sp.readyCount())}
-	if !v.Enabled {
-		v.Size = 0
+		LastReadySeconds: sp.lastReady.Seconds(), ReadyCount: uint32(sp.readyCount())}
+	if v.Enabled {
+		v.Size = uint32(s.cfg.spareCount())
 	}
 	next := sp.next()
 	switch {

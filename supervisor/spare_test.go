@@ -287,8 +287,8 @@ func TestSeveralSparesTheReadyOneFirst(t *testing.T) {
 		w.liveRole(failover.Active).Kill()
 		synctest.Wait()
 		h.wantState(failover.ServingReady)
-		if a := activePID(h); a != spares[1].pid {
-			t.Fatalf("active pid %d, want the ready spare %d", a, spares[1].pid)
+		if a, _ := h.wantPlacementRestored(); a.pid != spares[1].pid {
+			t.Fatalf("active pid %d, want the ready spare %d", a.pid, spares[1].pid)
 		}
 		// The consumed one was replaced at once; the one still importing stays.
 		spares = w.spares.list()
@@ -302,15 +302,12 @@ func TestSeveralSparesTheReadyOneFirst(t *testing.T) {
 		}
 		// A second fault at once: restored from a ready spare again, without
 		// waiting for a replacement's imports.
-		for _, p := range w.live() {
-			if p.pid == spares[1].pid {
-				p.Kill()
-			}
-		}
+		a, _ := h.roles()
+		a.Kill()
 		synctest.Wait()
 		h.wantState(failover.ServingReady)
-		if a := activePID(h); a != spares[0].pid {
-			t.Fatalf("active pid %d, want the oldest ready spare %d", a, spares[0].pid)
+		if a, _ := h.wantPlacementRestored(); a.pid != spares[0].pid {
+			t.Fatalf("active pid %d, want the oldest ready spare %d", a.pid, spares[0].pid)
 		}
 		st = h.s.Status().GetSpare()
 		if st.GetActivations() != 2 || st.GetColdStarts() != 0 || st.GetReadyCount() != 2 {
@@ -331,22 +328,12 @@ func TestSeveralSparesTheReadyOneFirst(t *testing.T) {
 		}
 	})
 	cfg := testConfig(t)
-	for _, n := range []int{-1, maxSpares + 1} {
+	for _, n := range []int{-1, MaxSpares + 1} {
 		cfg.Spares = n
 		if _, err := NewWithDeps(cfg, newWorld().deps(), nil, nil); err == nil || !strings.Contains(err.Error(), "spares") {
 			t.Fatalf("spares %d accepted: %v", n, err)
 		}
 	}
-}
-
-// activePID: the pid of the engine Status calls active (0: none).
-func activePID(h *harness) int {
-	for _, e := range h.s.Status().GetEngines() {
-		if e.GetRole() == "active" {
-			return int(e.GetPid())
-		}
-	}
-	return 0
 }
 
 func TestResidentBytesOfLiveAndGoneProcesses(t *testing.T) {

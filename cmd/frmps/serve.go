@@ -160,7 +160,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.Uint32Var(&opts.SyncEvery, "sync-every", opts.SyncEvery, "engine steps between forward-state syncs to the ring (1: every step; the publish overlaps the device, and a takeover replays at most one token)")
 	f.BoolVar(&opts.NoMPSFaultWatch, "no-mps-fault-watch", opts.NoMPSFaultWatch, "do not follow the MPS server's log: fail over when the active dies of a fault, not as soon as the server says it tears the active's context down")
 	f.StringVar(&opts.Spare, "spare", opts.Spare, "keep one engine process started ahead of need (interpreter up, engine imports done, GPU untouched), so the engine launched after a fault skips Python's start-up: auto (on for --device cuda), on or off")
-	f.IntVar(&opts.Spares, "spares", opts.Spares, "how many spare engine processes to keep when --spare is on (1 to 8): more than one keeps the restore after a fault fast when faults come faster than a spare's imports (20-30 s with vLLM), at the host memory of one imported engine each")
+	f.IntVar(&opts.Spares, "spares", opts.Spares, fmt.Sprintf("how many spare engine processes to keep when --spare is on (1 to %d): more than one keeps the restore after a fault fast when faults come faster than a spare's imports (20-30 s with vLLM), at the host memory of one imported engine each", supervisor.MaxSpares))
 	f.BoolVar(&opts.NoFailback, "no-failback", opts.NoFailback, "after a failover, leave the promoted active outside MPS (by default a standby starts inside MPS and the pair swaps back in a planned handover)")
 	f.DurationVar(&opts.FailbackDelay, "failback-delay", opts.FailbackDelay, "wait this long after the standby in MPS is ready before handing over to it")
 	f.DurationVar(&opts.HandoffTimeout, "handoff-timeout", opts.HandoffTimeout, "an active that does not yield within this long during a handover is fenced and the standby takes over")
@@ -297,8 +297,8 @@ func (o serveOptions) validate() error {
 	if o.SyncEvery == 0 {
 		return errors.New("--sync-every must be at least 1")
 	}
-	if o.Spares < 1 || o.Spares > 8 {
-		return fmt.Errorf("--spares %d: want 1 to 8", o.Spares)
+	if o.Spares < 1 || o.Spares > supervisor.MaxSpares {
+		return fmt.Errorf("--spares %d: want 1 to %d", o.Spares, supervisor.MaxSpares)
 	}
 	if o.TensorParallelSize < 1 {
 		return fmt.Errorf("--tensor-parallel-size %d: want at least 1", o.TensorParallelSize)

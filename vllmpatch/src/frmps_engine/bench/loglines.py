@@ -38,14 +38,20 @@ def grep_last(path: str | None, rx: re.Pattern) -> list[str] | None:
     """The groups of rx's last match in the file at path (None: no file or no match):
     an engine that took over, went back to sleep (failback) and took over again
     logs one takeover per time."""
+    return grep_last_each(path, rx)[0]
+
+
+def grep_last_each(path: str | None, *rxs: re.Pattern) -> list[list[str] | None]:
+    """grep_last of each pattern, in one read of the file."""
+    last: list[list[str] | None] = [None] * len(rxs)
     if not path or not os.path.exists(path):
-        return None
-    last = None
+        return last
     with open(path, errors="replace") as f:
         for line in f:
-            m = rx.search(line)
-            if m:
-                last = list(m.groups())
+            for i, rx in enumerate(rxs):
+                m = rx.search(line)
+                if m:
+                    last[i] = list(m.groups())
     return last
 
 
@@ -78,7 +84,7 @@ def first_step_fields(groups: list[str]) -> dict:
 def takeover_breakdown(path: str | None) -> dict | None:
     """The latest takeover in an engine's log and the first step after it (an engine
     that took over, yielded and took over again logs each time): None if none."""
-    tk, fs = grep_last(path, TAKEOVER), grep_last(path, FIRST_STEP)
+    tk, fs = grep_last_each(path, TAKEOVER, FIRST_STEP)
     out = takeover_fields(tk) if tk else {}
     if tk and fs:
         out["first_step"] = first_step_fields(fs)

@@ -22,8 +22,9 @@ client keeps a future registered under it, so that the drain before the resume
 set ends when the fence arrives instead of after a quiet period. vLLM's own
 reserved ids are -1 and -2.
 
-Not built yet (``OPENAI.md``, "Status"): the engine process that runs the
-engine server (``frmps serve``), the supervisor's side. Importing this package
+The engine process that runs the engine server is ``frmps serve --engine vllm``
+in core mode (``sdk/runner.py``), and the supervisor's side is
+``cmd/frmps/vllmfront.go`` (``OPENAI.md``, "Status"). Importing this package
 never imports vLLM.
 """
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 from vllm.v1.engine.core_client import AsyncMPClient
+from zmq.utils.monitor import parse_monitor_message
 
 from . import HANDOVER_FENCE_CALL_ID
 from .ledger import Entry, ResumeLedger
@@ -91,8 +92,6 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         leaves the new engine's open, whether or not its opening was seen."""
         if self._monitor is None:
             return False
-        from zmq.utils.monitor import parse_monitor_message
-
         closed = False
         while True:
             try:
