@@ -183,6 +183,19 @@ def restored(st: dict, n_failbacks: int) -> bool:
             and int(get(fb, "succeeded", default=0) or 0) >= n_failbacks)
 
 
+RING_NAME = re.compile(r"frmps-[0-9a-zA-Z_-]+\.ring")
+
+
+def own_rings(pid: int) -> set[str]:
+    """The ring files in /dev/shm that the supervisor pid has mapped."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {os.path.basename(line.split(None, 5)[5].strip()) for line in f
+                    if len(line.split(None, 5)) == 6 and "/dev/shm/frmps" in line}
+    except OSError:
+        return set()
+
+
 def resources(dep, cpu: bool) -> dict:
     """What must stay flat fault after fault (a soak): the supervisor's open fds and
     threads, its live child processes, frmps's files in /dev/shm, the GPU's memory."""
@@ -199,8 +212,10 @@ def resources(dep, cpu: bool) -> dict:
         out["supervisor_children"] = len(kids)
     except (OSError, StopIteration, ValueError) as e:
         out["error"] = str(e)
-    try:
-        out["shm_files"] = sum(1 for n in os.listdir("/dev/shm") if "frmps" in n)
+    try:  # another frmps on this host (a run on another GPU) has a ring of its own: not counted
+        mine = own_rings(pid)
+        out["shm_files"] = sum(1 for n in os.listdir("/dev/shm")
+                               if "frmps" in n and (n in mine or not RING_NAME.fullmatch(n)))
     except OSError:
         pass
     if not cpu:

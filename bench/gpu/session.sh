@@ -41,10 +41,14 @@
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
 # (put ahead of PYTHONPATH).
 # Needs bin/frmps (built elsewhere with CGO_ENABLED=0: the GPU machine has no Go).
+# Several sessions can run at once on a machine with several GPUs, one GPU each: run `prep` once,
+# then per GPU CUDA_VISIBLE_DEVICES=<its UUID> (MPS remaps indices: a UUID names the same GPU to the
+# MPS daemon, its clients and the standby outside it), its own OUT and WORK (default
+# /tmp/frmps-session) and, for vLLM stages, its own VLLM_CACHE_ROOT.
 set -u
 OUT=${OUT:-bench/build/session}
 VLSITE=${VLSITE:-}
-WORK=/tmp/frmps-session
+WORK=${WORK:-/tmp/frmps-session}
 RESULTS=${RESULTS:-$OUT/bench-results}
 mkdir -p "$OUT" "$WORK"
 S=$OUT/summary.txt
