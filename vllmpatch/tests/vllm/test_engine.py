@@ -552,9 +552,9 @@ def test_an_abort_while_its_batch_is_in_flight_is_processed(model_dir):
 
 
 def test_the_scheduler_class_follows_vllms_async_decision(model_dir, monkeypatch):
-    """--engine vllm steps synchronously unless asked (FRMPS_VLLM_ASYNC_SCHEDULING);
-    with "auto" it leaves async scheduling to vLLM (as vLLM alone does); either way
-    the frmps scheduler of the matching kind goes into the built config."""
+    """--engine vllm leaves async scheduling to vLLM (as vLLM alone does) unless
+    FRMPS_VLLM_ASYNC_SCHEDULING says 0 or 1; either way the frmps scheduler of the
+    matching kind goes into the built config."""
     from types import SimpleNamespace
 
     from frmps_engine.vllm import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS
@@ -562,10 +562,10 @@ def test_the_scheduler_class_follows_vllms_async_decision(model_dir, monkeypatch
 
     monkeypatch.delenv("FRMPS_VLLM_ASYNC_SCHEDULING", raising=False)
     ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32"))
-    assert ad.engine_args(True, 0.5).async_scheduling is False
-    monkeypatch.setenv("FRMPS_VLLM_ASYNC_SCHEDULING", "auto")
-    ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32"))
     assert ad.engine_args(True, 0.5).async_scheduling is None
+    monkeypatch.setenv("FRMPS_VLLM_ASYNC_SCHEDULING", "0")
+    ad = make_adapter(SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32"))
+    assert ad.engine_args(True, 0.5).async_scheduling is False
     for on, cls in ((True, ASYNC_SCHEDULER_CLS), (False, SCHEDULER_CLS)):
         vc = make_vllm_config(model_dir, async_scheduling=on)
         assert scheduler_cls_for(vc) == cls
@@ -670,12 +670,12 @@ def test_async_scheduling_switch_from_the_environment(model_dir, monkeypatch):
 
     from frmps_engine.vllm.engine import async_scheduling_from_env, make_adapter
 
-    # Off unless asked for (not yet proven on a GPU); "auto" lets vLLM decide.
+    # vLLM decides unless told (unset, empty, auto); 0 and 1 force it.
     assert [async_scheduling_from_env(e) for e in ({}, {"FRMPS_VLLM_ASYNC_SCHEDULING": ""},
                                                    {"FRMPS_VLLM_ASYNC_SCHEDULING": "0"},
                                                    {"FRMPS_VLLM_ASYNC_SCHEDULING": "1"},
-                                                   {"FRMPS_VLLM_ASYNC_SCHEDULING": "auto"})] == [False, False, False, True, None]
-    with pytest.raises(ValueError, match=r"use 0 \(the default\), 1, or auto"):
+                                                   {"FRMPS_VLLM_ASYNC_SCHEDULING": "auto"})] == [None, None, False, True, None]
+    with pytest.raises(ValueError, match=r"use auto \(the default: vLLM decides\), 1 \(on\) or 0 \(off\)"):
         async_scheduling_from_env({"FRMPS_VLLM_ASYNC_SCHEDULING": "yes"})
     from frmps_engine.sdk.adapters import AdapterError
 

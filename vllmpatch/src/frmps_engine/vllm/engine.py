@@ -728,22 +728,25 @@ class VllmAdapter:
 
 def async_scheduling_from_env(env: Mapping[str, str]) -> bool | None:
     """FRMPS_VLLM_ASYNC_SCHEDULING (both engines read the same environment): unset,
-    empty or 0: off; 1: on; auto: vLLM decides, as for vLLM alone.
+    empty or auto: vLLM decides, as for vLLM alone (on unless the model, the
+    speculative decoding or the executor rules it out); 1: on; 0: off (the
+    synchronous step).
 
-    Off by default. Takeovers with it are token-exact on the H100 (7B:
-    bench/results/2026-11-23-h100-vllm-7b, 0.5B: 2026-11-26-h100-vllm-bench/
-    async-scheduling), but through the OpenAI endpoint it lost throughput at 64
-    streams (2026-11-23-h100-vllm-takeover), and at 0.5B with 256 sequences the
-    host's work per step outlasts the device's, so it does not hide the ring
-    publish either (the same 2026-11-26 folder)."""
+    vLLM's default since frmps 03baebc's measurement on the H100
+    (bench/results/2026-11-27-h100x4-vllm-03baebc): with every request of an engine
+    on one generation stream, the pipelined step took frmps + vLLM's decode
+    throughput at 0.5B to 1.9 / 0.7 / 48 % below vLLM alone at 1 / 8 / 64 streams,
+    against 20 / 23 / 52 % for the synchronous step; takeovers with it are
+    token-exact on the H100 (7B: 2026-11-23-h100-vllm-7b; 0.5B:
+    2026-11-26-h100-vllm-bench/async-scheduling)."""
     v = env.get("FRMPS_VLLM_ASYNC_SCHEDULING", "").strip()
-    if v in ("", "0"):
-        return False
+    if v in ("", "auto"):
+        return None
     if v == "1":
         return True
-    if v == "auto":
-        return None
-    raise ValueError(f"FRMPS_VLLM_ASYNC_SCHEDULING={v!r}: use 0 (the default), 1, or auto (vLLM decides)")
+    if v == "0":
+        return False
+    raise ValueError(f"FRMPS_VLLM_ASYNC_SCHEDULING={v!r}: use auto (the default: vLLM decides), 1 (on) or 0 (off)")
 
 
 STRUCTURED_OUTPUTS_ENV = "FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG"
