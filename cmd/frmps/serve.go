@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -27,6 +28,7 @@ import (
 	"github.com/frmps/frmps/supervisor/engine"
 	"github.com/frmps/frmps/supervisor/failover"
 	"github.com/frmps/frmps/supervisor/leftover"
+	"github.com/frmps/frmps/supervisor/mps"
 	"github.com/frmps/frmps/supervisor/openai"
 	"github.com/frmps/frmps/supervisor/sdnotify"
 )
@@ -356,6 +358,11 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	}
 	lvl := hclog.LevelFromString(o.LogLevel)
 	log := hclog.New(&hclog.LoggerOptions{Name: "frmps", Level: lvl, JSONFormat: o.LogJSON, Output: stderr})
+	if o.Device == "cuda" {
+		// Before anything reads the environment: the engines, the MPS daemon and the
+		// vLLM front end all start from it.
+		pinVisibleGPUs(ctx, log, "", os.LookupEnv, os.Setenv)
+	}
 
 	py := findPython(o.Python, selfPath(), os.Environ())
 	pkg, err := engine.PythonCLI{Engine: o.Engine, Python: py.Python}.Preflight(ctx, py.Env)
@@ -499,4 +506,28 @@ type frontDoor interface {
 	supervisor.FrontDoor
 	Serve(l net.Listener) error // returns nil after Shutdown
 	Shutdown(ctx context.Context) error
+}
+
+// pinVisibleGPUs names the GPUs of CUDA_VISIBLE_DEVICES by UUID where it names
+// them by index (mps.VisibleByUUID: MPS remaps indices for its clients, so the
+// active inside MPS and the standby outside it would not read an index alike). Left as it is, with a warning, when nvidia-smi cannot say.
+func pinVisibleGPUs(ctx context.Context, log hclog.Logger, smi string, lookup func(string) (string, bool), set func(string, string) error) {
+	v, ok := lookup("CUDA_VISIBLE_DEVICES")
+	if !ok || strings.TrimSpace(v) == "" {
+		return
+	}
+	u, err := mps.VisibleByUUID(ctx, smi, v)
+	if err != nil {
+		log.Warn("CUDA_VISIBLE_DEVICES left as it is; MPS renumbers GPUs for its clients, so an index may not name the same GPU to the active inside MPS as to the standby: name GPUs by UUID",
+			"CUDA_VISIBLE_DEVICES", v, "error", err)
+		return
+	}
+	if u == v {
+		return
+	}
+	if err := set("CUDA_VISIBLE_DEVICES", u); err != nil {
+		log.Warn("cannot set CUDA_VISIBLE_DEVICES", "error", err)
+		return
+	}
+	log.Info("GPUs named by UUID for MPS (it remaps indices for its clients)", "CUDA_VISIBLE_DEVICES", u, "was", v)
 }

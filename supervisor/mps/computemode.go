@@ -118,3 +118,48 @@ func selectVisible(gpus []GPU, visible string) []GPU {
 	}
 	return out
 }
+
+// VisibleByUUID rewrites the GPU indices of CUDA_VISIBLE_DEVICES (visible) as
+// the GPUs' UUIDs, in the same order. Under MPS an index is ambiguous: a
+// daemon started with CUDA_VISIBLE_DEVICES=2 remaps that GPU to index 0 for
+// its clients, so an active inside MPS given "2" finds no GPU (NVIDIA's MPS
+// guide: keeping the daemon's indices in a client's CUDA_VISIBLE_DEVICES
+// "would lead to an error"), while the standby outside MPS needs "2". A UUID names the same GPU to the daemon, its
+// clients and the standby (NVIDIA's MPS guide recommends UUIDs for this).
+// Entries that are already UUIDs (GPU-…, MIG-…) stay as they are; visible
+// comes back unchanged, with no nvidia-smi query, when it names no index.
+// An index nvidia-smi does not list is an error (CUDA would stop enumerating
+// there); so is a failed query (ErrComputeModeUnknown).
+func VisibleByUUID(ctx context.Context, smi, visible string) (string, error) {
+	entries := strings.Split(visible, ",")
+	hasIndex := false
+	for i, e := range entries {
+		entries[i] = strings.TrimSpace(e)
+		if _, err := strconv.Atoi(entries[i]); err == nil {
+			hasIndex = true
+		}
+	}
+	if !hasIndex {
+		return visible, nil
+	}
+	gpus, err := QueryComputeModes(ctx, smi)
+	if err != nil {
+		return visible, err
+	}
+	byIndex := make(map[int]string, len(gpus))
+	for _, g := range gpus {
+		byIndex[g.Index] = g.UUID
+	}
+	for i, e := range entries {
+		idx, err := strconv.Atoi(e)
+		if err != nil {
+			continue
+		}
+		uuid, ok := byIndex[idx]
+		if !ok || uuid == "" {
+			return visible, fmt.Errorf("CUDA_VISIBLE_DEVICES=%s names GPU %d, which nvidia-smi does not list (%d GPUs)", visible, idx, len(gpus))
+		}
+		entries[i] = uuid
+	}
+	return strings.Join(entries, ","), nil
+}

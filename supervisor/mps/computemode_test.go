@@ -59,3 +59,31 @@ func TestCheckComputeModeWithoutNvidiaSMI(t *testing.T) {
 		t.Fatalf("got %v, want ErrComputeModeUnknown", err)
 	}
 }
+
+func TestVisibleByUUID(t *testing.T) {
+	const two = "0, GPU-aaaa-1111, Default;1, GPU-bbbb-2222, Default"
+	for _, tc := range []struct {
+		name, mode, visible, want, errHas string
+	}{
+		{name: "an index", mode: "ok", visible: "1", want: "GPU-bbbb-2222"},
+		{name: "indices keep their order", mode: "ok", visible: "1,0", want: "GPU-bbbb-2222,GPU-aaaa-1111"},
+		{name: "UUIDs and MIG instances stay", mode: "ok", visible: "GPU-aaaa,MIG-9", want: "GPU-aaaa,MIG-9"},
+		{name: "no query without an index", mode: "fail", visible: "GPU-bbbb-2222", want: "GPU-bbbb-2222"},
+		{name: "mixed", mode: "ok", visible: " 0 ,GPU-bbbb-2222", want: "GPU-aaaa-1111,GPU-bbbb-2222"},
+		{name: "an index nvidia-smi does not list", mode: "ok", visible: "0,7", want: "0,7", errHas: "names GPU 7"},
+		{name: "nvidia-smi fails", mode: "fail", visible: "0", want: "0", errHas: "couldn't communicate"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := VisibleByUUID(context.Background(), fakeSMI(t, tc.mode, two), tc.visible)
+			if got != tc.want {
+				t.Errorf("got %q, want %q", got, tc.want)
+			}
+			switch {
+			case tc.errHas == "" && err != nil:
+				t.Errorf("error: %v", err)
+			case tc.errHas != "" && (err == nil || !strings.Contains(err.Error(), tc.errHas)):
+				t.Errorf("error %v, want one saying %q", err, tc.errHas)
+			}
+		})
+	}
+}
