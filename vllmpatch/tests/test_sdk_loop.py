@@ -153,3 +153,35 @@ def test_is_device_error_follows_explicit_causes():
     # A configuration message that names the cuda-vmm backend is not one.
     assert not is_device_error(ValueError("cuda-vmm backend needs a GPU device (cuda or cuda:N), got --device cpu"))
     assert not is_device_error(None)
+
+
+def test_a_step_wakes_a_stream_following_its_requests_once(core):
+    """A generation Stream follows many requests through one waker: a step's
+    outputs wake it once, after every output of the step is in place (it then
+    sends them in one message), while a reader waiting on one request's own
+    condition is still woken at its append."""
+    from types import SimpleNamespace
+
+    from frmps_engine.sdk.loop import RequestStream
+
+    loop = EngineLoop(core())
+    streams = [RequestStream(k, 2, control_pb2.SamplingParams(max_tokens=10)) for k in (1, 2, 3)]
+    seen = []
+
+    def wake():  # what it sees when woken: every output of the step
+        seen.append([list(s.output) for s in streams])
+
+    other = []
+    for s in streams:
+        loop._streams[s.key] = s
+        s.wakers.append(wake)
+    streams[2].wakers.append(lambda: other.append(len(streams[2].output)))
+    out = [SimpleNamespace(key=k, output_index=0, new_token_ids=[10 + k], finished=False, finish_reason=None,
+                           stop_reason=None) for k in (1, 2, 3)]
+    loop._dispatch(out)
+    assert seen == [[[11], [12], [13]]], "one wake, after the whole step"
+    assert other == [1]
+    out = [SimpleNamespace(key=2, output_index=1, new_token_ids=[22], finished=True, finish_reason="length",
+                           stop_reason=None)]
+    loop._dispatch(out)
+    assert len(seen) == 2 and seen[1][1] == [12, 22] and streams[1].finished

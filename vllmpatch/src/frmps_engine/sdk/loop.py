@@ -51,17 +51,25 @@ class RequestStream:
         self.finished_at = 0.0
         self.debug_prompt: list[int] | None = None  # FRMPS_DEBUG_TOKEN_LOG only
         self.cond = threading.Condition()
-        # Called (under cond) at every change, besides cond's own waiters: a
+        # Called at every change, besides cond's own waiters (under cond, or for
+        # the engine's outputs once per step after all of them: _dispatch): a
         # stream that follows many requests (genapi's Stream) waits on one
         # condition of its own.
         self.wakers: list[Callable[[], None]] = []
 
-    def _changed(self) -> None:
+    def _changed(self, defer: set[Callable[[], None]] | None = None) -> None:
+        """Wake the readers; with defer, the wakers are added to it instead of called,
+        for the caller to call once each after a whole step's outputs (one stream
+        following many requests then wakes once per step, not once per request)."""
         self.cond.notify_all()
+        if defer is not None:
+            defer.update(self.wakers)
+            return
         for wake in self.wakers:
             wake()
 
-    def _append(self, index: int, ids, finished: bool, reason: str | None, stop_reason: Any) -> None:
+    def _append(self, index: int, ids, finished: bool, reason: str | None, stop_reason: Any,
+                defer: set[Callable[[], None]] | None = None) -> None:
         with self.cond:
             if self.finished:
                 return
@@ -79,7 +87,7 @@ class RequestStream:
                     self.stop_reason = "" if stop_reason is None else str(stop_reason)
             if self.finished:
                 self.finished_at = time.monotonic()
-            self._changed()
+            self._changed(defer)
 
     def fail(self, msg: str, invalid: bool = False) -> None:
         with self.cond:
@@ -567,11 +575,12 @@ class EngineLoop:
 
     def _dispatch(self, outs) -> None:
         n = 0
+        wake: set[Callable[[], None]] = set()
         for o in outs:
             s = self._streams.get(o.key)
             if s is None:
                 continue
-            s._append(o.output_index, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason)
+            s._append(o.output_index, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason, wake)
             n += len(o.new_token_ids)
             if s.await_first_resumed and o.new_token_ids:
                 # Once per adopted request: the takeover's client-visible latency ends here.
@@ -579,6 +588,10 @@ class EngineLoop:
                 log.info("first resumed token: key=%d index=%d at %.6f", o.key, o.output_index, time.time())
             if o.finished and _TOKEN_LOG:
                 _log_tokens(s)
+        # After the whole step: a Stream following many of these requests wakes once
+        # (its flag is set after every output is in place, so none is missed).
+        for w in wake:
+            w()
         self.counters["tokens_streamed"] += n
 
     def _prune(self, now: float) -> None:
