@@ -105,12 +105,20 @@ def frmps_times(dep: Deployment, model: str, ps: list[list[int]], tokens: int, p
     return dt
 
 
-def py_spy_profile(py_spy: str, pid: int, seconds: float, out_path: str, run) -> dict:
+# py-spy's views of the engine's threads: on the CPU (the default: threads
+# waiting in a system call, the GIL's wait included, are left out), holding the
+# GIL (--gil: where the one interpreter lock goes, the loop thread against the
+# generation threads), and everything, waits included (--idle).
+PY_SPY_VIEWS = {"cpu": [], "gil": ["--gil"], "idle": ["--idle"]}
+
+
+def py_spy_profile(py_spy: str, pid: int, seconds: float, out_path: str, run, view: str = "cpu") -> dict:
     """Samples every thread of the engine process `pid` with py-spy (raw collapsed
     stacks into out_path, the process not paused) while run() generates; returns
-    the samples per thread and the hottest frames (own samples) of each."""
-    p = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "250", "--duration", str(int(seconds) + 1),
-                          "--format", "raw", "--output", out_path, "--threads", "--nonblocking"],
+    the samples per thread and the hottest frames (own samples) of each. view:
+    a key of PY_SPY_VIEWS."""
+    p = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "500", "--duration", str(int(seconds) + 1),
+                          "--format", "raw", "--output", out_path, "--threads", "--nonblocking", *PY_SPY_VIEWS[view]],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(1.0)  # attached before the clients start
@@ -184,8 +192,9 @@ def main() -> int:
     ap.add_argument("--client-procs", type=int, default=8,
                     help="client processes for frmps's streams (streams split between them, a thread per stream)")
     ap.add_argument("--skip", default="", help="frmps or vllm: skip that side")
-    ap.add_argument("--py-spy", default="", help="py-spy executable: profile the active engine's threads during one "
-                                                  "more run at the largest batch (raw stacks beside --out)")
+    ap.add_argument("--py-spy", default="", help="py-spy executable: profile the active engine's threads during three "
+                                                  "more runs at the largest batch, on the CPU, holding the GIL and with "
+                                                  "waits (raw stacks beside --out)")
     ap.add_argument("--frmps-modes", default="default",
                     help="comma list of frmps runs: default (the engines' environment as given), sync, async "
                          "(FRMPS_VLLM_ASYNC_SCHEDULING=0 / 1), each a deployment of its own, in this order")
@@ -229,10 +238,12 @@ def main() -> int:
                 fr[str(b)] = {"t_tokens_s": tt, "t_one_s": t1, "client_procs": min(n, b), "server": server}
                 if args.py_spy and b == max(batches):
                     active = dep.engines(dep.status()).get("active") or {}
-                    raw = f"{os.path.splitext(args.out)[0]}-{key}-b{b}.stacks"
-                    fr[str(b)]["py_spy"] = py_spy_profile(
-                        args.py_spy, int(active.get("pid", 0)), max(tt) + 2, raw,
-                        lambda: frmps_times(dep, args.model, ps, args.tokens, n))
+                    for view in PY_SPY_VIEWS:  # one more run each
+                        suffix = "" if view == "cpu" else f"-{view}"
+                        raw = f"{os.path.splitext(args.out)[0]}-{key}-b{b}{suffix}.stacks"
+                        fr[str(b)]["py_spy" + suffix.replace("-", "_")] = py_spy_profile(
+                            args.py_spy, int(active.get("pid", 0)), max(tt) + 2, raw,
+                            lambda: frmps_times(dep, args.model, ps, args.tokens, n), view)
                 save()
         except Exception as e:
             fr["error"] = f"{type(e).__name__}: {e}"
