@@ -3,27 +3,16 @@ package main
 import (
 	"bytes"
 	"context"
-	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/hashicorp/go-hclog"
+
+	"github.com/frmps/frmps/internal/testenv"
 )
 
-// The fake nvidia-smi of the mps package's tests (a TEST DOUBLE shell script).
-func fakeNvidiaSMI(t *testing.T, gpus string) string {
-	t.Helper()
-	t.Setenv("FAKE_SMI_MODE", "ok")
-	t.Setenv("FAKE_SMI_GPUS", gpus)
-	bin, err := filepath.Abs("../../supervisor/mps/testdata/nvidia-smi")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return bin
-}
-
 func TestPinVisibleGPUs(t *testing.T) {
-	smi := fakeNvidiaSMI(t, "0, GPU-aaaa-1111, Default;1, GPU-bbbb-2222, Default;2, GPU-cccc-3333, Default")
+	smi := testenv.FakeNvidiaSMI(t, "ok", "0, GPU-aaaa-1111, Default;1, GPU-bbbb-2222, Default;2, GPU-cccc-3333, Default")
 	for _, tc := range []struct {
 		name, visible, want, logHas string
 		unset                       bool

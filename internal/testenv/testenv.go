@@ -7,6 +7,8 @@ package testenv
 import (
 	"fmt"
 	"os"
+	"path/filepath"
+	"runtime"
 	"strconv"
 	"testing"
 )
@@ -27,4 +29,19 @@ func Missing(t testing.TB, format string, args ...any) {
 		return
 	}
 	t.Skip(msg)
+}
+
+// FakeNvidiaSMI is the path of the fake nvidia-smi (a TEST DOUBLE shell script,
+// supervisor/mps/testdata/nvidia-smi) answering frmps's one query with gpus
+// ("0, GPU-<uuid>, Default" lines, ';'-separated); mode picks its behaviour
+// (ok, fail, garbage: the script's header). Set for the test's duration.
+func FakeNvidiaSMI(t testing.TB, mode, gpus string) string {
+	t.Helper()
+	t.Setenv("FAKE_SMI_MODE", mode)
+	t.Setenv("FAKE_SMI_GPUS", gpus)
+	_, file, _, ok := runtime.Caller(0)
+	if !ok {
+		t.Fatal("testenv: cannot locate the source tree")
+	}
+	return filepath.Join(filepath.Dir(file), "..", "..", "supervisor", "mps", "testdata", "nvidia-smi")
 }

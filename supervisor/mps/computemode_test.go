@@ -6,19 +6,12 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/frmps/frmps/internal/testenv"
 )
 
 // fakeSMI is the test double in testdata (a shell script standing in for nvidia-smi).
-func fakeSMI(t *testing.T, mode, gpus string) string {
-	t.Helper()
-	t.Setenv("FAKE_SMI_MODE", mode)
-	t.Setenv("FAKE_SMI_GPUS", gpus)
-	bin, err := filepath.Abs("testdata/nvidia-smi")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return bin
-}
+func fakeSMI(t *testing.T, mode, gpus string) string { return testenv.FakeNvidiaSMI(t, mode, gpus) }
 
 func TestCheckComputeMode(t *testing.T) {
 	const two = "0, GPU-aaaa-1111, Default;1, GPU-bbbb-2222, Exclusive_Process"
