@@ -312,3 +312,33 @@ def test_standby_write_to_readonly_pool_faults(lib_path):
     assert "mapped" in r.stdout, r.stderr
     assert "wrote" not in r.stdout
     assert r.returncode == -11  # SIGSEGV
+
+
+def test_scratch_chunk_grows_with_the_pool():
+    from frmps_engine.sdk.memory.cuda_vmm import MAX_SCRATCH_CHUNK, MIN_SCRATCH_CHUNK, scratch_chunk_for
+
+    assert scratch_chunk_for(1) == MIN_SCRATCH_CHUNK == 2 * MiB
+    assert scratch_chunk_for(512 * MiB) == 2 * MiB  # 256 mappings of the granularity
+    assert scratch_chunk_for(1024 * MiB) == 4 * MiB
+    assert scratch_chunk_for(1024 * MiB + 1) == 6 * MiB  # whole granules, at most 256 mappings
+    assert scratch_chunk_for(4831838208) == 18 * MiB  # a 14B model's KV pool here: 4.5 GiB
+    assert scratch_chunk_for(29600983040) == MAX_SCRATCH_CHUNK == 64 * MiB  # its weights: 28 GiB
+
+
+def test_a_large_standby_pool_takes_few_scratch_mappings(built, lib_path):
+    """The standby of a large pool maps its scratch a few hundred times, not once
+    per 2 MiB (each mapping is ~125 us on the H100: 14,000 of them for a 14B
+    model's weights took ~1.9 s of every standby's start); an explicit chunk
+    still wins."""
+    fake = ctypes.CDLL(built["fake"])
+    fake.fake_cuda_calls.restype = ctypes.c_long
+    fake.fake_cuda_calls.argtypes = [ctypes.c_char_p]
+    for size, chunk, want in ((1024 * MiB, None, 256), (32768 * MiB, None, 512), (1024 * MiB, 2 * MiB, 512)):
+        before = fake.fake_cuda_calls(b"cuMemMap")
+        b = CudaVmmBackend("cuda:0", library=lib_path, tensor_factory=host_view, scratch_chunk=chunk)
+        try:
+            (r,) = b.reserve([PoolSpec("weights", 0, size)])
+            assert fake.fake_cuda_calls(b"cuMemMap") - before == want
+            ctypes.memset(r.address + size - 4096, 0xEE, 4096)  # the whole range is backed
+        finally:
+            b.close()

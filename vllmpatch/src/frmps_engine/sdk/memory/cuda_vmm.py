@@ -35,7 +35,24 @@ from .base import MemoryBackend, MemoryError_, Pool, PoolSpec, as_spec, checked_
 
 BACKEND_NAME = "cuda-vmm"
 LIBRARY_ENV = "FRMPS_VMM_LIBRARY"
-DEFAULT_SCRATCH_CHUNK = 2 << 20
+# A standby's pool is backed by one scratch chunk mapped over and over: each
+# mapping costs ~125 us on the H100 (2048 mappings of 2 MiB: 256 ms), so 2 MiB
+# chunks over a 14B model's 30 GB of weights take ~1.9 s of every standby's and
+# every restored engine's start (2026-11-27 logs), and more again to unmap at
+# sleep. The chunk grows with the pool, up to about SCRATCH_MAPPINGS mappings,
+# at most MAX_SCRATCH_CHUNK of GPU memory per pool, held only until the sleep.
+MIN_SCRATCH_CHUNK = 2 << 20
+MAX_SCRATCH_CHUNK = 64 << 20
+SCRATCH_MAPPINGS = 256
+
+
+def scratch_chunk_for(size: int) -> int:
+    """The scratch chunk for a pool of size bytes: size / SCRATCH_MAPPINGS rounded
+    up to 2 MiB (the driver's granularity on the GPUs frmps knows; the library
+    rounds to the device's own), between MIN_ and MAX_SCRATCH_CHUNK."""
+    per = -(-max(size, 1) // SCRATCH_MAPPINGS)
+    per = -(-per // MIN_SCRATCH_CHUNK) * MIN_SCRATCH_CHUNK
+    return max(MIN_SCRATCH_CHUNK, min(MAX_SCRATCH_CHUNK, per))
 
 # frmps_status values (interceptor/include/frmps_vmm.h).
 FRMPS_OK = 0
@@ -225,7 +242,7 @@ class CudaVmmBackend(MemoryBackend):
         self,
         device: str | int = "cuda",
         library: str | None = None,
-        scratch_chunk: int = DEFAULT_SCRATCH_CHUNK,
+        scratch_chunk: int | None = None,
         tensor_factory: TensorFactory | None = None,
     ):
         self._device = parse_device(device)
@@ -289,7 +306,8 @@ class CudaVmmBackend(MemoryBackend):
             self._check_spec(s)
             if s.key in self._pools or s.key in self._reserved:
                 raise MemoryError_(f"reserve: pool {s.tag}[{s.index}] already exists")
-            handle = self._lib.pool_reserve_scratch(s.tag, s.index, s.size, self._device, self._scratch_chunk)
+            chunk = self._scratch_chunk if self._scratch_chunk is not None else scratch_chunk_for(s.size)
+            handle = self._lib.pool_reserve_scratch(s.tag, s.index, s.size, self._device, chunk)
             try:
                 pool = self._pool(s, handle, -1, readonly=False)
             except BaseException:
