@@ -79,21 +79,14 @@ def http_json(url: str, body: dict | None = None, timeout: float = 10.0):
         return json.loads(r.read())
 
 
-def smi_gpu() -> list[str]:
-    """nvidia-smi's -i for the GPU this run uses: the first of CUDA_VISIBLE_DEVICES (an
-    index or a UUID, as nvidia-smi takes them), else none (nvidia-smi's first GPU)."""
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-    return ["-i", first] if first else []
-
-
 def nvidia_smi() -> dict:
     out: dict = {}
     try:
-        q = subprocess.run(["nvidia-smi", *smi_gpu(), "--query-gpu=memory.used,memory.total",
+        q = subprocess.run(["nvidia-smi", *smi_select(), "--query-gpu=memory.used,memory.total",
                             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
         used, total = q.stdout.strip().splitlines()[0].split(",")
         out["gpu_used_mib"], out["gpu_total_mib"] = int(used), int(total)
-        q = subprocess.run(["nvidia-smi", *smi_gpu(), "--query-compute-apps=pid,process_name,used_memory",
+        q = subprocess.run(["nvidia-smi", *smi_select(), "--query-compute-apps=pid,process_name,used_memory",
                             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
         apps = {}
         for line in q.stdout.strip().splitlines():
@@ -346,6 +339,7 @@ def _exit_on_term(signum, _frame):
 
 signal.signal(signal.SIGTERM, _exit_on_term)
 from frmps_engine.bench import loglines  # noqa: E402  (standard library only)
+from frmps_engine.bench.envinfo import smi_select  # noqa: E402  (standard library only)
 from frmps_engine.bench.deploy import ServeOpts  # noqa: E402  (standard library only)
 
 LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP, LOG_INIT, LOG_ALLOC = (loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP,

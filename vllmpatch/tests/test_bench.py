@@ -539,3 +539,13 @@ def test_checkpoint_is_a_model_directory_both_engines_load(tmp_path):
                                 do_sample=False)[0, len(pr):].tolist() for k, pr in prompts.items()}
     assert ours == theirs
     assert len({tuple(v) for v in ours.values()}) > 1  # the prompts lead to different outputs
+
+
+def test_nvidia_smi_is_asked_about_the_engines_gpu():
+    """On a host with several GPUs the bench (and the GPU proofs) report the GPU the
+    engines run on: CUDA_VISIBLE_DEVICES's first entry, an index or a UUID."""
+    from frmps_engine.bench.envinfo import smi_select
+
+    assert smi_select({"CUDA_VISIBLE_DEVICES": "GPU-96daeac9, GPU-f03ab92b"}) == ["-i", "GPU-96daeac9"]
+    assert smi_select({"CUDA_VISIBLE_DEVICES": " 2"}) == ["-i", "2"]
+    assert smi_select({"CUDA_VISIBLE_DEVICES": ""}) == [] == smi_select({})

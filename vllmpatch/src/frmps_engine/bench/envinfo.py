@@ -31,10 +31,17 @@ def nvidia_smi_apps() -> dict[int, dict]:
     return apps
 
 
+def smi_select(env: dict[str, str] | None = None) -> list[str]:
+    """nvidia-smi's -i for the GPU the engines use: the first of CUDA_VISIBLE_DEVICES
+    (an index or a UUID, as nvidia-smi takes both), else none (its first GPU)."""
+    first = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return ["-i", first] if first else []
+
+
 def nvidia_smi_gpu() -> dict:
     if shutil.which("nvidia-smi") is None:
         return {}
-    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.used,memory.total,pci.bus_id",
+    q = subprocess.run(["nvidia-smi", *smi_select(), "--query-gpu=name,driver_version,memory.used,memory.total,pci.bus_id",
                         "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
     line = (q.stdout.strip().splitlines() or [""])[0]
     parts = [p.strip() for p in line.split(",")]
