@@ -1,11 +1,9 @@
 package supervisor
 
 import (
-	"fmt"
-	"os"
-	"strconv"
 	"strings"
 
+	"github.com/prometheus/procfs"
 	"google.golang.org/protobuf/proto"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
@@ -98,24 +96,21 @@ func (s *Supervisor) syncShown() {
 	}
 }
 
-// residentBytes sums the resident memory of the processes (Linux: /proc/PID/statm,
-// resident pages × page size); a process that is gone, or no /proc, counts 0.
+// residentBytes sums the resident memory of the processes (procfs, as the
+// Prometheus process collector reads it); a process that is gone, or no /proc,
+// counts 0.
 func residentBytes(pids []int) uint64 {
 	var total uint64
 	for _, pid := range pids {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/statm", pid))
+		p, err := procfs.NewProc(pid)
 		if err != nil {
 			continue
 		}
-		f := strings.Fields(string(b))
-		if len(f) < 2 {
-			continue
-		}
-		pages, err := strconv.ParseUint(f[1], 10, 64)
+		st, err := p.Stat()
 		if err != nil {
 			continue
 		}
-		total += pages * uint64(os.Getpagesize())
+		total += uint64(max(st.ResidentMemory(), 0))
 	}
 	return total
 }
