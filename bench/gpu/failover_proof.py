@@ -86,14 +86,7 @@ def nvidia_smi() -> dict:
                             "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
         used, total = q.stdout.strip().splitlines()[0].split(",")
         out["gpu_used_mib"], out["gpu_total_mib"] = int(used), int(total)
-        q = subprocess.run(["nvidia-smi", *smi_select(), "--query-compute-apps=pid,process_name,used_memory",
-                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
-        apps = {}
-        for line in q.stdout.strip().splitlines():
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 3 and parts[0].isdigit():
-                apps[int(parts[0])] = {"name": parts[1], "used_mib": int(parts[2]) if parts[2].isdigit() else parts[2]}
-        out["apps"] = apps
+        out["apps"] = nvidia_smi_apps()
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
         out["error"] = str(e)
     return out
@@ -339,7 +332,7 @@ def _exit_on_term(signum, _frame):
 
 signal.signal(signal.SIGTERM, _exit_on_term)
 from frmps_engine.bench import loglines  # noqa: E402  (standard library only)
-from frmps_engine.bench.envinfo import smi_select  # noqa: E402  (standard library only)
+from frmps_engine.bench.envinfo import nvidia_smi_apps, smi_select  # noqa: E402  (standard library only)
 from frmps_engine.bench.deploy import ServeOpts  # noqa: E402  (standard library only)
 
 LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP, LOG_INIT, LOG_ALLOC = (loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP,

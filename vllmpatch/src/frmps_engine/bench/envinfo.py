@@ -18,11 +18,12 @@ from typing import Any
 
 
 def nvidia_smi_apps() -> dict[int, dict]:
-    """pid -> {"name", "used_mib"} from nvidia-smi --query-compute-apps; {} without nvidia-smi."""
+    """pid -> {"name", "used_mib"} from nvidia-smi --query-compute-apps on the engines'
+    GPU (smi_select); {} without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
         return {}
-    q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"],
-                       capture_output=True, text=True, timeout=30)
+    q = subprocess.run(["nvidia-smi", *smi_select(), "--query-compute-apps=pid,process_name,used_memory",
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
     apps: dict[int, dict] = {}
     for line in q.stdout.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
