@@ -190,8 +190,8 @@ def own_rings(pid: int) -> set[str]:
     """The ring files in /dev/shm that the supervisor pid has mapped."""
     try:
         with open(f"/proc/{pid}/maps") as f:
-            return {os.path.basename(line.split(None, 5)[5].strip()) for line in f
-                    if len(line.split(None, 5)) == 6 and "/dev/shm/frmps" in line}
+            # "address perms offset dev inode path": the path is the line's last field.
+            return {os.path.basename(line.rsplit(None, 1)[-1]) for line in f if "/dev/shm/frmps" in line}
     except OSError:
         return set()
 
