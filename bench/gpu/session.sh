@@ -37,6 +37,10 @@
 #                                      through `frmps serve --frontend vllm` while n real MPS faults hit the active;
 #                                      each compared with its no-fault result (default timeout 900 s)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
+#   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1)
+#   start-profile                      the engines started after it run py-spy on their own start
+#                                      (FRMPS_DEBUG_STARTUP_PROFILE=$OUT/start-profile); pack sums them per function
+#                                      (bench/gpu/start_profile.py: $OUT/start-profile.txt, .json)
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
 # (put ahead of PYTHONPATH).
@@ -298,7 +302,18 @@ for st in "$@"; do
             f=bench/gpu/${name/-/_}_check.sh
             if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name bounded "${a:-300}" "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"
             else log "$name: $f not present"; fi ;;
-        pack) tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude='./models' . 2>/dev/null; log "pack: $(du -h "$OUT/logs.tar.gz" | cut -f1)" ;;
+        env) export "${st#env:}"; log "env: ${st#env:} for the stages after this one" ;;
+        start-profile)
+            if command -v py-spy > /dev/null; then
+                export FRMPS_DEBUG_STARTUP_PROFILE=$OUT/start-profile FRMPS_PY_SPY=$(command -v py-spy)
+                log "start-profile: the engines' starts sampled by py-spy into $FRMPS_DEBUG_STARTUP_PROFILE"
+            else log "start-profile: no py-spy (a wheel in .gpu/wheels, installed by prep)"; fi ;;
+        pack)
+            if compgen -G "$OUT/start-profile/*.stacks" > /dev/null; then
+                python3 bench/gpu/start_profile.py --top 60 --json "$OUT/start-profile.json" "$OUT"/start-profile/*.stacks \
+                    > "$OUT/start-profile.txt" 2>&1
+            fi
+            tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude='./models' . 2>/dev/null; log "pack: $(du -h "$OUT/logs.tar.gz" | cut -f1)" ;;
         *) log "unknown stage $st" ;;
     esac
 done

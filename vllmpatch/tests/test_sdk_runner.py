@@ -581,3 +581,49 @@ def test_request_path_is_warmed_before_any_request():
 
     runner.adapter = Broken(EngineOptions("fake-tiny"))
     runner._warm_request_path()  # logged, not raised
+
+
+# TEST DOUBLE of py-spy: records its arguments, then waits for SIGINT (py-spy's
+# "stop and write") and writes one raw stack line to --output.
+FAKE_PY_SPY = r"""#!PYTHON
+import json, signal, sys, time
+args = sys.argv[1:]
+open(sys.argv[0] + ".args", "w").write(json.dumps(args))
+def stop(*_):
+    out = args[args.index("--output") + 1]
+    open(out, "w").write("MainThread;run (frmps_engine/sdk/runner.py:1) 1\n")
+    sys.exit(0)
+signal.signal(signal.SIGINT, stop)
+time.sleep(60)
+"""
+
+
+def test_start_profile_samples_the_start_and_stops_at_ready(sup, tmp_path):
+    """FRMPS_DEBUG_STARTUP_PROFILE: the engine runs py-spy on itself from its start
+    and interrupts it once it is up (the standby: built and waiting for Sleep), so
+    the stacks cover exactly the start."""
+    fake = tmp_path / "py-spy"
+    fake.write_text(FAKE_PY_SPY.replace("PYTHON", sys.executable))
+    fake.chmod(0o755)
+    out = tmp_path / "profiles"
+    s = sup.spawn("standby", "s", env={"FRMPS_DEBUG_STARTUP_PROFILE": str(out), "FRMPS_PY_SPY": str(fake)})
+    sup.accept(s)
+    sup.welcome(s)
+    want = out / f"start-standby-{s.proc.pid}.stacks"
+    deadline = time.monotonic() + 30
+    while not want.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert want.read_text().startswith("MainThread;run")
+    args = json.loads((tmp_path / "py-spy.args").read_text())
+    assert args[:3] == ["record", "--pid", str(s.proc.pid)] and "--nonblocking" in args
+    assert "waiting for Sleep" in s.log() and "start profile: py-spy" in s.log()
+
+
+def test_start_profile_without_py_spy_is_a_warning(sup, tmp_path):
+    a, _, _ = start_active(sup, env={"FRMPS_DEBUG_STARTUP_PROFILE": str(tmp_path), "FRMPS_PY_SPY": "",
+                                     "PATH": "/nonexistent"})
+    deadline = time.monotonic() + 30
+    while "serving on" not in a.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "no py-spy" in a.log() and "serving on" in a.log()
+    assert list(tmp_path.iterdir()) == []

@@ -29,6 +29,9 @@ import gc
 import json
 import logging
 import os
+import shutil
+import signal
+import subprocess
 import threading
 import time
 import traceback
@@ -174,6 +177,7 @@ class Runner:
     def run(self) -> int:
         """Run until shutdown; returns the exit code (the caller exits with it)."""
         _startup_stacks(True)
+        _startup_profile(True, self.role)
         try:
             self._start()
         except control.WelcomeRefused as e:
@@ -192,6 +196,8 @@ class Runner:
                 return EXIT_DEVICE
             log.exception("engine cannot start")
             return EXIT_ERROR
+        finally:
+            _startup_profile(False)  # a start that failed: its profile up to the failure
         self._done.wait()
         return self._exit_code
 
@@ -256,6 +262,7 @@ class Runner:
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
         log.info("active engine serving on %s (init %.0f ms)", self._serving_on(), (time.perf_counter_ns() - self._t0) / 1e6)
         _startup_stacks(False)
+        _startup_profile(False)
         _write_modules()
 
     def _start_standby(self) -> None:
@@ -281,6 +288,7 @@ class Runner:
         log.info("standby built (init %.0f ms), waiting for Sleep%s", (time.perf_counter_ns() - self._t0) / 1e6,
                  _device_memory_note(self.adapter.device))
         _startup_stacks(False)
+        _startup_profile(False)
 
     def _engine_core_server(self, sync_every: int):
         """Core mode: the engine-core server over the core, with its own engine loop
@@ -784,3 +792,50 @@ def _startup_stacks(on: bool) -> None:
         faulthandler.dump_traceback_later(float(every), repeat=True)
     else:
         faulthandler.cancel_dump_traceback_later()
+
+
+_profiler: subprocess.Popen | None = None
+
+
+def _startup_profile(on: bool, role: int = 0) -> None:
+    """Diagnostics (FRMPS_DEBUG_STARTUP_PROFILE=<dir>): py-spy (FRMPS_PY_SPY, else
+    py-spy on PATH) samples every thread of this process from the start until the
+    engine is up, without pausing it (--nonblocking), into
+    <dir>/start-<role>-<pid>.stacks (py-spy's raw collapsed stacks;
+    bench/gpu/start_profile.py sums them per frame). py-spy must be allowed to
+    trace this process (root, or CAP_SYS_PTRACE). It stays in the engine's process
+    group, so the supervisor's fence stops it with the engine."""
+    global _profiler
+    out_dir = os.environ.get("FRMPS_DEBUG_STARTUP_PROFILE", "")
+    if not out_dir:
+        return
+    if not on:
+        p, _profiler = _profiler, None
+        if p is not None:
+            p.send_signal(signal.SIGINT)  # py-spy writes its output when interrupted
+            threading.Thread(target=_reap_profiler, args=(p,), name="frmps-start-profile", daemon=True).start()
+        return
+    exe = os.environ.get("FRMPS_PY_SPY", "") or shutil.which("py-spy")
+    if not exe:
+        log.warning("FRMPS_DEBUG_STARTUP_PROFILE is set but there is no py-spy (FRMPS_PY_SPY or PATH): no start profile")
+        return
+    role_name = control_pb2.Role.Name(role).removeprefix("ROLE_").lower() if role else "engine"
+    path = os.path.join(out_dir, f"start-{role_name}-{os.getpid()}.stacks")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        _profiler = subprocess.Popen(
+            [exe, "record", "--pid", str(os.getpid()), "--rate", "200", "--nonblocking", "--threads",
+             "--format", "raw", "--duration", "900", "--output", path],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError as e:
+        log.warning("start profile: cannot run %s: %s", exe, e)
+        return
+    log.info("start profile: py-spy (pid %d) samples this engine's start into %s", _profiler.pid, path)
+
+
+def _reap_profiler(p: subprocess.Popen) -> None:
+    try:
+        p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
