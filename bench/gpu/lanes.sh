@@ -46,7 +46,8 @@ start)
     mkdir -p "$OUT"
     if running; then echo "lanes.sh: lanes of $OUT are still running" >&2; exit 2; fi
     rm -rf "$OUT/repo" && mkdir -p "$OUT/repo"
-    tar --exclude=./.gpu --exclude=./.git -cf - . | tar -xf - -C "$OUT/repo" || exit 1
+    # .gpu/vb (the vLLM bundle) stays behind; .gpu/wheels (crc32c, py-spy) goes: prep installs from it
+    tar --exclude=./.gpu/vb --exclude=./.git -cf - . | tar -xf - -C "$OUT/repo" || exit 1
     cd "$OUT/repo" || exit 1
     OUT=$OUT/prep WORK=/tmp/frmps-lane-prep bash bench/gpu/session.sh prep > "$OUT/prep.log" 2>&1
     cat "$OUT/prep/summary.txt"

@@ -37,7 +37,8 @@ struct frmps_pool {
     enum pool_kind kind;
     CUmemGenericAllocationHandle handle; /* OWNED / IMPORTED */
     CUmemGenericAllocationHandle scratch; /* SCRATCH */
-    size_t chunk;
+    CUmemGenericAllocationHandle scratch_tail; /* SCRATCH, when size is not a multiple of chunk */
+    size_t chunk, tail;
     int readonly;
     struct extvec free_list; /* sorted by offset, coalesced */
     struct extvec live;      /* carve-outs in use */
@@ -235,6 +236,16 @@ static int pool_begin(const char *tag, unsigned index, size_t size, int device, 
     return FRMPS_OK;
 }
 
+/* Releases a scratch-backed pool's one or two private handles (unmapped first). */
+static CUresult scratch_release(const struct frmps_driver *d, frmps_pool *p)
+{
+    CUresult rc = d->cuMemRelease(p->scratch), rc2 = CUDA_SUCCESS;
+    if (p->tail)
+        rc2 = d->cuMemRelease(p->scratch_tail);
+    p->tail = 0;
+    return rc != CUDA_SUCCESS ? rc : rc2;
+}
+
 /* Frees whatever the pool holds; the driver errors of cleanup are not the
  * caller's first error, so they only surface when nothing else failed. */
 static int pool_release(const struct frmps_driver *d, frmps_pool *p)
@@ -246,7 +257,7 @@ static int pool_release(const struct frmps_driver *d, frmps_pool *p)
     if ((p->kind == POOL_OWNED || p->kind == POOL_IMPORTED) &&
         (rc = d->cuMemRelease(p->handle)) != CUDA_SUCCESS && !st)
         st = frmps_driver_error("cuMemRelease", rc);
-    if (p->kind == POOL_SCRATCH && (rc = d->cuMemRelease(p->scratch)) != CUDA_SUCCESS && !st)
+    if (p->kind == POOL_SCRATCH && (rc = scratch_release(d, p)) != CUDA_SUCCESS && !st)
         st = frmps_driver_error("cuMemRelease(scratch)", rc);
     if (p->va && (rc = d->cuMemAddressFree(p->va, p->size)) != CUDA_SUCCESS && !st)
         st = frmps_driver_error("cuMemAddressFree", rc);
@@ -397,6 +408,10 @@ FRMPS_API int frmps_pool_reserve_scratch(const char *tag, unsigned index, size_t
     }
     if (chunk > p->size)
         chunk = p->size;
+    /* The driver maps a handle only whole (offset 0, its full size: a shorter
+     * mapping is CUDA_ERROR_NOT_SUPPORTED on the H100/H200), so a pool that is not
+     * a multiple of the chunk gets a second, smaller handle for its tail. */
+    size_t tail = p->size % chunk, whole = p->size - tail;
     CUmemAllocationProp prop;
     pool_prop(&prop, device);
     prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE; /* private to this process */
@@ -406,17 +421,26 @@ FRMPS_API int frmps_pool_reserve_scratch(const char *tag, unsigned index, size_t
         pool_release(d, p);
         return st;
     }
+    if (tail && (rc = d->cuMemCreate(&p->scratch_tail, tail, &prop, 0)) != CUDA_SUCCESS) {
+        st = frmps_driver_error("cuMemCreate(scratch tail)", rc);
+        d->cuMemRelease(p->scratch);
+        pool_release(d, p);
+        return st;
+    }
+    p->tail = tail;
     size_t off = 0;
-    for (; off < p->size; off += chunk) {
-        size_t len = p->size - off < chunk ? p->size - off : chunk;
-        if ((rc = d->cuMemMap(p->va + off, len, 0, p->scratch, 0)) != CUDA_SUCCESS)
+    for (; off < whole; off += chunk)
+        if ((rc = d->cuMemMap(p->va + off, chunk, 0, p->scratch, 0)) != CUDA_SUCCESS)
             break;
+    if (rc == CUDA_SUCCESS && tail) {
+        if ((rc = d->cuMemMap(p->va + whole, tail, 0, p->scratch_tail, 0)) == CUDA_SUCCESS)
+            off += tail;
     }
     if (rc != CUDA_SUCCESS) {
         st = frmps_driver_error("cuMemMap(scratch)", rc);
         if (off)
             d->cuMemUnmap(p->va, off);
-        d->cuMemRelease(p->scratch);
+        scratch_release(d, p);
         pool_release(d, p);
         return st;
     }
@@ -444,7 +468,7 @@ FRMPS_API int frmps_pool_swap_to_import(frmps_pool *p, int fd, int readonly)
         CUresult rc = d->cuMemUnmap(p->va, p->size);
         if (rc != CUDA_SUCCESS)
             return frmps_driver_error("cuMemUnmap(scratch)", rc);
-        d->cuMemRelease(p->scratch);
+        scratch_release(d, p);
         set_kind(p, POOL_EMPTY);
     }
     return map_import(d, p, fd, readonly);

@@ -400,6 +400,10 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     if (!a || flags != 0 || size == 0 || !granular(size) || !granular(offset) ||
         offset + size > a->size)
         return CUDA_ERROR_INVALID_VALUE;
+    /* The real driver (580, H100/H200) maps a handle only whole: offset 0 and
+     * the handle's full size; anything shorter is CUDA_ERROR_NOT_SUPPORTED. */
+    if (offset != 0 || size != a->size)
+        return CUDA_ERROR_NOT_SUPPORTED;
     pthread_mutex_lock(&mu);
     CUresult rc = CUDA_SUCCESS;
     if (!inside_reservation_locked(ptr, size))

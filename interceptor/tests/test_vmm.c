@@ -273,6 +273,35 @@ static int test_scratch_then_swap_keeps_va(void)
     return 0;
 }
 
+/* A chunk that does not divide the pool: the driver maps a handle only whole,
+ * so the tail gets its own smaller scratch handle (10 MiB = 2 x 4 MiB + 2 MiB). */
+static int test_scratch_tail_has_its_own_handle(void)
+{
+    frmps_pool *active, *standby;
+    int fd;
+    CHECK(frmps_pool_create("weights", 0, 10 * MiB, 0, &active) == FRMPS_OK);
+    fill(ptr_of(active), 10 * MiB, 7);
+    CHECK(frmps_pool_export_fd(active, &fd) == FRMPS_OK);
+    long creates = fake_calls("cuMemCreate"), maps_before = fake_live("mappings");
+    CHECK(frmps_pool_reserve_scratch("weights", 0, 10 * MiB, 0, 4 * MiB, &standby) == FRMPS_OK);
+    CHECK(fake_calls("cuMemCreate") == creates + 2);
+    CHECK(fake_live("mappings") == maps_before + 3);
+    volatile unsigned char *va = ptr_of(standby);
+    va[10 * MiB - 1] = 0x22; /* the tail is writable scratch too */
+    CHECK(va[10 * MiB - 1] == 0x22 && same(ptr_of(active), 10 * MiB, 7));
+    CHECK(frmps_pool_swap_to_import(standby, fd, 1) == FRMPS_OK);
+    CHECK(fake_live("mappings") == maps_before + 1);
+    CHECK(same((void *)va, 10 * MiB, 7));
+    close(fd);
+    CHECK(frmps_pool_destroy(standby) == FRMPS_OK);
+    /* Released on destroy without a swap too. */
+    CHECK(frmps_pool_reserve_scratch("weights", 0, 10 * MiB, 0, 4 * MiB, &standby) == FRMPS_OK);
+    CHECK(frmps_pool_destroy(standby) == FRMPS_OK);
+    CHECK(frmps_pool_destroy(active) == FRMPS_OK);
+    CHECK(fake_live("allocs") == 0 && fake_live("reservations") == 0);
+    return 0;
+}
+
 static int test_swap_size_mismatch_is_clear(void)
 {
     frmps_pool *small, *big, *standby;
@@ -596,6 +625,7 @@ int main(void)
     RUN(test_import_after_exporter_exits);
     RUN(test_readonly_enforced);
     RUN(test_scratch_then_swap_keeps_va);
+    RUN(test_scratch_tail_has_its_own_handle);
     RUN(test_swap_size_mismatch_is_clear);
     RUN(test_allocator_carve_and_free);
     RUN(test_region_and_argument_errors);
