@@ -687,6 +687,35 @@ def test_async_scheduling_switch_from_the_environment(model_dir, monkeypatch):
     assert ea.async_scheduling is False
 
 
+def test_mega_aot_artifact_is_on_by_default_where_vllm_can_use_it(monkeypatch):
+    """frmps's engines load vLLM's compiled model whole (VLLM_USE_MEGA_AOT_ARTIFACT=1)
+    unless the user said otherwise, AOT compile is off, or torch has no AOT compile;
+    the variable is the one vLLM reads."""
+    from frmps_engine.vllm.engine import MEGA_AOT_ENV, mega_aot_default
+
+    env: dict = {}
+    assert mega_aot_default(env, "2.11.0+cu130") and env == {MEGA_AOT_ENV: "1"}
+    for given, on in (({MEGA_AOT_ENV: "0"}, False), ({MEGA_AOT_ENV: "1"}, True),
+                      ({"VLLM_USE_AOT_COMPILE": "0"}, False), ({"VLLM_DISABLE_COMPILE_CACHE": "1"}, False)):
+        env = dict(given)
+        assert mega_aot_default(env, "2.11.0") is on and env == given
+    env = {}
+    assert not mega_aot_default(env, "2.9.1") and env == {}
+    assert not mega_aot_default(env, "weird") and env == {}
+
+    import os
+
+    import vllm.envs
+
+    monkeypatch.setenv(MEGA_AOT_ENV, "0")  # recorded, so that teardown removes what the default sets
+    monkeypatch.delenv(MEGA_AOT_ENV)
+    import torch
+
+    vllm.envs.disable_envs_cache()  # an EngineCore built earlier in this process froze the variables
+    assert mega_aot_default(os.environ, torch.__version__)
+    assert vllm.envs.VLLM_USE_MEGA_AOT_ARTIFACT is True
+
+
 def test_structured_outputs_config_from_the_environment(model_dir, monkeypatch):
     from types import SimpleNamespace
 

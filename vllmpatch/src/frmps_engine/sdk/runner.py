@@ -800,7 +800,8 @@ _profiler: subprocess.Popen | None = None
 def _startup_profile(on: bool, role: int = 0) -> None:
     """Diagnostics (FRMPS_DEBUG_STARTUP_PROFILE=<dir>): py-spy (FRMPS_PY_SPY, else
     py-spy on PATH) samples every thread of this process from the start until the
-    engine is up, without pausing it (--nonblocking), into
+    engine is up, without pausing it (--nonblocking), waits included (--idle: the
+    wall clock of the start, the GPU's share too), into
     <dir>/start-<role>-<pid>.stacks (py-spy's raw collapsed stacks;
     bench/gpu/start_profile.py sums them per frame). py-spy must be allowed to
     trace this process (root, or CAP_SYS_PTRACE). It stays in the engine's process
@@ -824,7 +825,7 @@ def _startup_profile(on: bool, role: int = 0) -> None:
     try:
         os.makedirs(out_dir, exist_ok=True)
         _profiler = subprocess.Popen(
-            [exe, "record", "--pid", str(os.getpid()), "--rate", "200", "--nonblocking", "--threads",
+            [exe, "record", "--pid", str(os.getpid()), "--rate", "200", "--nonblocking", "--threads", "--idle",
              "--format", "raw", "--duration", "900", "--output", path],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError as e:
