@@ -608,6 +608,38 @@ def test_finish_in_flight_completes_the_pipeline_without_scheduling(model_dir):
     assert got == reference
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["delivered-first", "pipelined"])
+def test_a_takeovers_first_step_is_delivered_before_the_second_is_launched(model_dir, first):
+    """EngineLoop.deliver_first_step (set for a takeover) over vLLM's async core: the
+    first step's tokens reach the streams before the second step is scheduled,
+    where the pipeline would hold them until then; the outputs are the same."""
+    import time
+
+    from frmps_engine._proto.frmps.v1 import control_pb2
+    from frmps_engine.sdk.loop import EngineLoop
+
+    eng = engine(model_dir, mode="async")
+    loop = EngineLoop(eng, sync_every=1000)
+    loop.deliver_first_step = first
+    seen: list[int] = []  # tokens the streams held when each step began
+    streams: dict = {}
+
+    def recording(on_launch=None, _fn=eng.step):
+        seen.append(sum(len(s.output) for s in streams.values()))
+        return _fn(on_launch)
+
+    eng.step = recording
+    for k, p in PROMPTS.items():  # queued before the loop starts, as an adoption's requests are
+        streams[k] = loop.submit(k, p, control_pb2.SamplingParams(max_tokens=MAX[k]), params(MAX[k]))
+    loop.start()
+    deadline = time.monotonic() + 10
+    while any(len(s.output) < MAX[k] for k, s in streams.items()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stop(10)
+    assert seen[1] == (len(PROMPTS) if first else 0)
+    assert {k: s.output for k, s in streams.items()} == by_key(_run_all(model_dir))
+
+
 @pytest.mark.parametrize("mode_", ["sync", "async"])
 def test_hand_over_publishes_every_delivered_token_with_nothing_in_flight(model_dir, tmp_path, mode_):
     """The engine loop's planned handover over the vLLM core: the step in flight

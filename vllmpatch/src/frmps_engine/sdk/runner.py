@@ -451,6 +451,9 @@ class Runner:
         took = time.perf_counter_ns() - t0
         self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
         self.loop.trace_steps = 3
+        # Diagnostics: FRMPS_DEBUG_PIPELINED_FIRST_STEP=1 leaves the first step's
+        # outputs in the pipeline (the behaviour before, for A/B runs on a GPU).
+        self.loop.deliver_first_step = os.environ.get("FRMPS_DEBUG_PIPELINED_FIRST_STEP", "") != "1"
         return t_ring, took
 
     def _attach_resume_ring(self, msg: control_pb2.Resume) -> str:
