@@ -767,11 +767,12 @@ def mega_aot_default(env: MutableMapping[str, str], torch_version: str) -> bool:
     whole from vLLM's cache instead of unpickling its FX graph, splitting it again
     and loading each piece (vLLM 0.26, vllm/compilation/caching.py). vLLM turns it
     on by itself from torch 2.12; on torch 2.11 (vLLM 0.26's pin) it is opt-in.
-    What it changed on the H200 (bench/results/2026-11-27-h200x4-vllm-restore/):
+    What it changed on the H200 (bench/results/2026-11-27-h200-vllm-restore/):
     the placement restored after a failover in 12.4 s instead of 20.4 s at 14B and
-    10.7 s instead of 13.9 s at 7B (median of 12 faults each, every stream
-    token-identical to the no-fault run); the AOT load went from 3.5 s to 0.07 s
-    of CPU at 14B and the first (profile) run from 4.4 s to 1.4 s."""
+    10.7 s instead of 13.9 s at 7B (median of 12 faults each, lanes of one machine),
+    11.3 s instead of 17.1 s at 14B on another, every stream token-identical to the
+    no-fault run; loading the compiled model went from 3.5-4.6 s to 0.1-0.2 s per
+    engine at 14B and vLLM's first (profile) run from 4.4-5.6 s to 1.4-1.8 s."""
     if MEGA_AOT_ENV in env:
         return env[MEGA_AOT_ENV].strip() == "1"
     if env.get("VLLM_USE_AOT_COMPILE", "").strip() == "0" or env.get("VLLM_DISABLE_COMPILE_CACHE", "").strip() not in ("", "0"):
