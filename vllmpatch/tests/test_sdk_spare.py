@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -151,6 +152,10 @@ def test_spare_process_exits_when_sent_away(tmp_path):
     out, err = p.communicate(b"", timeout=120)
     assert p.returncode == 0, err.decode()
     assert out.decode().startswith(spare.READY_MARK), out
+    # The preloaded heap is frozen before the spare says it is ready (its engine's
+    # collections then walk only what the engine builds).
+    frozen = int(re.search(r"; (\d+) objects frozen", out.decode()).group(1))
+    assert frozen > 1000, out
 
 
 def test_spare_process_refuses_a_bad_activation(tmp_path):

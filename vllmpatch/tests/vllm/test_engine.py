@@ -789,6 +789,18 @@ def test_a_spares_preload_imports_vllm_and_hands_its_tokenizer_to_the_adapter(tm
     assert ad.tokenizer()._tok is preloaded and d not in engine._PRELOADED_TOKENIZERS  # taken, once
     other = VllmAdapter(VllmEngineConfig(model=d, num_blocks=512, max_model_len=4096))
     assert other.tokenizer()._tok is not preloaded  # a second engine in this process reads its own
+    # vLLM's own tokenizer cache (its structured-output manager's) was filled for the model
+    # config the adapter's engine arguments give: the engine core's read is a hit.
+    from vllm.tokenizers.registry import cached_get_tokenizer, cached_tokenizer_from_config
+
+    from vllm.config import ModelConfig
+
+    ea = ad.engine_args(False, 0.5)  # its tokenizer fields (the whole config needs a GPU: sleep mode)
+    mc = ModelConfig(model=ea.model, tokenizer=ea.tokenizer, tokenizer_mode=ea.tokenizer_mode, runner=ea.runner,
+                     tokenizer_revision=ea.tokenizer_revision, trust_remote_code=ea.trust_remote_code)
+    hits = cached_get_tokenizer.cache_info().hits
+    vllm_tok = cached_tokenizer_from_config(mc)
+    assert cached_get_tokenizer.cache_info().hits == hits + 1 and vllm_tok is not preloaded
     # A model the spare could not read is only a lost head start.
     spare.preload("vllm", None, model=str(tmp_path / "missing"))
     assert str(tmp_path / "missing") not in engine._PRELOADED_TOKENIZERS
