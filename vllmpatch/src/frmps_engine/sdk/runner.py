@@ -806,7 +806,7 @@ def _startup_profile(on: bool, role: int = 0) -> None:
     engine is up, without pausing it (--nonblocking), waits included (--idle: the
     wall clock of the start, the GPU's share too), into
     <dir>/start-<role>-<pid>.stacks (py-spy's raw collapsed stacks;
-    bench/gpu/start_profile.py sums them per frame). py-spy must be allowed to
+    bench/gpu/start_profile.py sums them per function). py-spy must be allowed to
     trace this process (root, or CAP_SYS_PTRACE). It stays in the engine's process
     group, so the supervisor's fence stops it with the engine."""
     global _profiler
