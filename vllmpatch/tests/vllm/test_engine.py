@@ -801,6 +801,19 @@ def test_a_spares_preload_imports_vllm_and_hands_its_tokenizer_to_the_adapter(tm
     hits = cached_get_tokenizer.cache_info().hits
     vllm_tok = cached_tokenizer_from_config(mc)
     assert cached_get_tokenizer.cache_info().hits == hits + 1 and vllm_tok is not preloaded
+    # ... and the vocabulary index of vLLM's xgrammar backend was built ahead: vLLM's own
+    # backend takes it, once.
+    import xgrammar as xgr
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+    from frmps_engine.vllm.testing import make_vllm_config
+
+    vocab = mc.get_vocab_size()
+    engine._XGRAMMAR_HANDED_OVER.clear()
+    XgrammarBackend(make_vllm_config(d, tokenizer=True), tokenizer=vllm_tok, vocab_size=vocab)
+    assert engine._XGRAMMAR_HANDED_OVER == [d]
+    again = xgr.TokenizerInfo.from_huggingface(vllm_tok, vocab_size=vocab)  # built anew: handed over once
+    assert engine._XGRAMMAR_HANDED_OVER == [d] and again.vocab_size == vocab
     # A model the spare could not read is only a lost head start.
     spare.preload("vllm", None, model=str(tmp_path / "missing"))
     assert str(tmp_path / "missing") not in engine._PRELOADED_TOKENIZERS

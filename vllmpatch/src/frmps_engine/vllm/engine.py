@@ -952,10 +952,12 @@ def preload(model: str | None = None) -> None:
         except Exception as e:  # only a head start: the engine loads it itself, and says why not
             logging.getLogger(__name__).warning("spare: could not preload the tokenizer of %s: %s", model, e)
             return
-        _seed_vllm_tokenizer_cache(model)
+        tok = _seed_vllm_tokenizer_cache(model)
+        if tok is not None:
+            _seed_xgrammar_tokenizer_info(model, tok)
 
 
-def _seed_vllm_tokenizer_cache(model: str) -> None:
+def _seed_vllm_tokenizer_cache(model: str) -> Any:
     """vLLM's engine core reads the tokenizer once more for its structured-output
     manager, through ``cached_tokenizer_from_config`` (an lru_cache over
     ``get_tokenizer``, keyed by the model config's tokenizer fields): 0.6 s of a 14B
@@ -970,11 +972,43 @@ def _seed_vllm_tokenizer_cache(model: str) -> None:
     try:
         from vllm.tokenizers.registry import cached_tokenizer_from_config
 
-        cached_tokenizer_from_config(SimpleNamespace(
+        return cached_tokenizer_from_config(SimpleNamespace(
             skip_tokenizer_init=False, hf_config=None, model=model, tokenizer=model, code_revision=None,
             runner_type="generate", tokenizer_mode="auto", tokenizer_revision=None, trust_remote_code=False))
     except Exception as e:  # a head start only
         logging.getLogger(__name__).warning("spare: could not fill vLLM's tokenizer cache for %s: %s", model, e)
+        return None
+
+
+_XGRAMMAR_HANDED_OVER: list[str] = []  # the models whose prebuilt vocabulary index vLLM took (tests read it)
+
+
+def _seed_xgrammar_tokenizer_info(model: str, tok: Any) -> None:
+    """vLLM's xgrammar backend indexes the tokenizer's vocabulary when it is built
+    (``xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=<the model's>)``,
+    vllm/v1/structured_output/backend_xgrammar.py), which a standby does in its
+    takeover warm-up (``VllmCore._warm_structured_outputs``): 0.45 s of a 14B restore
+    on the H200 (2026-11-27-h200-vllm-restore, B0's start profiles). A spare builds
+    it ahead for vLLM's cached tokenizer (``_seed_vllm_tokenizer_cache``) and the
+    model's vocabulary size, and hands it over once: the first call with that very
+    tokenizer object and those arguments gets it, every other call builds its own.
+    The index is a pure function of the tokenizer and the size."""
+    try:
+        import xgrammar as xgr
+
+        vocab = int(_hf_config(model)["vocab_size"])
+        built = [xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)]
+        build = xgr.TokenizerInfo.from_huggingface
+
+        def from_huggingface(tokenizer: Any, **kw: Any) -> Any:
+            if built and tokenizer is tok and kw == {"vocab_size": vocab}:
+                _XGRAMMAR_HANDED_OVER.append(model)
+                return built.pop()
+            return build(tokenizer, **kw)
+
+        xgr.TokenizerInfo.from_huggingface = staticmethod(from_huggingface)
+    except Exception as e:  # a head start only
+        logging.getLogger(__name__).warning("spare: could not index the vocabulary for grammars ahead (%s): %s", model, e)
 
 
 make_adapter.preload = preload  # type: ignore[attr-defined]
