@@ -8,12 +8,16 @@
 // Arguments: [variant] [delay_ms]. delay_ms (default 0) sleeps after CUDA is
 // initialised and before the fault, so a harness can start it early and
 // fault while requests stream; a negative delay_ms prints "pid N ready" on
-// stderr and faults when a byte (or EOF) arrives on stdin.
+// stderr and faults when a byte (or EOF) arrives on stdin. Right before the
+// faulting launch it prints "pid N triggering <fault> (<variant>) at <unix time>"
+// on stderr, the time from its own clock (CLOCK_REALTIME, as the supervisor's
+// records): a harness that reads the line later still knows when the fault came.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define CHECK_SETUP(call)                                                                   \
@@ -45,7 +49,10 @@ static inline void fault_prepare(const char *fault, const char *variant, int arg
         if (read(0, &b, 1) < 0)
             perror("read gate");
     }
-    fprintf(stderr, "pid %d triggering %s (%s)\n", (int)getpid(), fault, variant);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    fprintf(stderr, "pid %d triggering %s (%s) at %lld.%09ld\n", (int)getpid(), fault, variant, (long long)ts.tv_sec,
+            (long)ts.tv_nsec);
     fflush(stderr);
 }
 

@@ -457,7 +457,7 @@ def mps_trigger(args, spec: str, gpu: int | None = None):
             for line in p.stderr:
                 st["err"].append(line.strip())
                 if "triggering" in line:
-                    t_fault = now()
+                    t_fault = loglines.trigger_time(line) or now()  # the trigger's own time, else when read
                     break
             out, rest = p.communicate(timeout=60)
             st["err"] += rest.strip().splitlines()

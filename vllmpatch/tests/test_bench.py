@@ -549,3 +549,14 @@ def test_nvidia_smi_is_asked_about_the_engines_gpu():
     assert smi_select({"CUDA_VISIBLE_DEVICES": "GPU-96daeac9, GPU-f03ab92b"}) == ["-i", "GPU-96daeac9"]
     assert smi_select({"CUDA_VISIBLE_DEVICES": " 2"}) == ["-i", "2"]
     assert smi_select({"CUDA_VISIBLE_DEVICES": ""}) == [] == smi_select({})
+
+
+def test_the_fault_time_is_the_triggers_own():
+    """A trigger prints when it faults, by its own clock (bench/faults/fault_common.h and
+    the test double): the harness takes that time, not the time it read the line, which
+    on the CPU double came after the supervisor's detection (fault -> detection < 0)."""
+    from frmps_engine.bench import loglines
+
+    assert loglines.trigger_time("pid 7 triggering misaligned (load) at 1795779325.451397610") == 1795779325.45139761
+    assert loglines.trigger_time("pid 7 triggering misaligned (load)") is None  # older triggers: the read time
+    assert loglines.trigger_time("pid 7 ready") is None

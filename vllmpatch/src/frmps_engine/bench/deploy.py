@@ -345,8 +345,11 @@ class MpsTrigger(Trigger):
         deadline = time.monotonic() + 10
         t_fault = None
         while time.monotonic() < deadline:
-            if any("triggering" in e for e in self.err):
-                t_fault = now()
+            line = next((e for e in self.err if "triggering" in e), None)
+            if line is not None:
+                # The trigger's own time: reading the line comes later than the fault (on the
+                # CPU double, later than the supervisor's detection).
+                t_fault = loglines.trigger_time(line) or now()
                 break
             time.sleep(0.0005)
         return {"how": self.how, "t_gate": t_gate, "t_fault": t_fault or t_gate, "join_s": self.join_s}

@@ -21,6 +21,17 @@ SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after st
 INIT = re.compile(r"standby built \(init (\d+) ms\)")
 ALLOC = re.compile(r"torch allocator: ([\d.]+) MiB reserved, ([\d.]+) MiB allocated")
 
+# bench/faults/fault_common.h: "pid N triggering <fault> (<variant>) at <unix time>" on the
+# trigger's stderr, right before its faulting launch, the time from its own clock.
+TRIGGERING = re.compile(r"triggering .* at (\d+\.\d+)\s*$")
+
+
+def trigger_time(line: str) -> float | None:
+    """When a trigger's "triggering" line says its fault came (None: a line without
+    the time, as the triggers printed before 2026-11-27)."""
+    m = TRIGGERING.search(line)
+    return float(m.group(1)) if m else None
+
 
 def grep_first(path: str | None, rx: re.Pattern) -> list[str] | None:
     """The groups of rx's first match in the file at path (None: no file or no match)."""
