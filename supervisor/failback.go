@@ -40,6 +40,9 @@ type failbackPolicy struct {
 	lastErr   string
 	lastAt    time.Time
 	lastDur   time.Duration
+	// lostAt: when an active inside MPS died, until a failback puts an active back
+	// inside MPS (frmps_placement_restore_seconds); zero while the placement holds.
+	lostAt time.Time
 }
 
 // placementInverted: the active runs outside MPS and a ready standby inside.
@@ -199,7 +202,14 @@ func (s *Supervisor) endHandover(tr failover.Transition) {
 		p.failures, p.lastErr = 0, ""
 		p.succeeded++
 		s.metrics.failback(true, p.lastDur)
-		s.log.Info("failback done: the active runs in MPS again", "duration", p.lastDur, "active_pid", s.active.proc.PID())
+		restored := time.Duration(0)
+		if !p.lostAt.IsZero() {
+			restored = now.Sub(p.lostAt)
+			p.lostAt = time.Time{}
+			s.metrics.placementRestored(restored)
+		}
+		s.log.Info("failback done: the active runs in MPS again", "duration", p.lastDur, "active_pid", s.active.proc.PID(),
+			"placement_restored_after", restored)
 		s.noteHandoverForFirstToken(ho.started)
 	} else {
 		p.failures++

@@ -79,6 +79,11 @@ func TestFailbackRestoresPlacementFaultAfterFault(t *testing.T) {
 		if v := testutil.ToFloat64(h.s.metrics.failbacks.WithLabelValues("ok")); v != 3 {
 			t.Fatalf("failbacks_total{ok} = %v", v)
 		}
+		// One restore per fault, each from the active's death to its failback (no time passes
+		// on this test's clock while fake engines start).
+		if r := h.histogram("frmps_placement_restore_seconds"); r.GetSampleCount() != 3 {
+			t.Fatalf("frmps_placement_restore_seconds: %v", r)
+		}
 		if n := len(h.s.Status().GetFailovers()); n != 3 {
 			t.Fatalf("%d failover records, want 3 (handovers are not failovers)", n)
 		}
@@ -126,6 +131,11 @@ func TestFailbackStandbyDiesDuringResumeRestoresTheYieldedEngine(t *testing.T) {
 		}
 		if v := testutil.ToFloat64(h.s.metrics.failbacks.WithLabelValues("failed")); v != 1 {
 			t.Fatalf("failbacks_total{failed} = %v", v)
+		}
+		// One restore, from the death to the retry that succeeded: the failed handover, the new
+		// standby's start (the breaker's 100 ms) and the failback backoff (2 s) inside it.
+		if r := h.histogram("frmps_placement_restore_seconds"); r.GetSampleCount() != 1 || r.GetSampleSum() < 2 || r.GetSampleSum() > 2.2 {
+			t.Fatalf("frmps_placement_restore_seconds: %v", r)
 		}
 		h.stop()
 	})

@@ -10,7 +10,6 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
@@ -174,16 +173,7 @@ func TestFirstResumedTokenMetric(t *testing.T) {
 		time.Sleep(30 * time.Millisecond)
 		h.s.NoteResumedToken(gen, time.Now())
 		h.s.NoteResumedToken(gen, time.Now()) // the first token only
-		var hist *dto.Histogram
-		mfs, err := h.reg.Gather()
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, mf := range mfs {
-			if mf.GetName() == "frmps_failover_first_token_seconds" {
-				hist = mf.GetMetric()[0].GetHistogram()
-			}
-		}
+		hist := h.histogram("frmps_failover_first_token_seconds")
 		if hist.GetSampleCount() != 1 || hist.GetSampleSum() < 0.03 || hist.GetSampleSum() > 0.031 {
 			t.Fatalf("frmps_failover_first_token_seconds: %v", hist)
 		}

@@ -267,6 +267,9 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 		kind = failover.ActiveDied
 		if sl.inMPS {
 			s.lastMPSDeath = at
+			if s.failback.lostAt.IsZero() {
+				s.failback.lostAt = at
+			}
 		}
 	case !wasReady && !refused && s.notAdmitted(sl, at):
 		kind = failover.StandbyNotAdmitted

@@ -14,21 +14,22 @@ import (
 // metrics of one deployment, on an injected registry, all labelled with
 // model_name so they sit beside vLLM's.
 type metrics struct {
-	reg          prometheus.Registerer
-	model        string
-	failovers    *prometheus.CounterVec
-	duration     prometheus.Histogram
-	resumeSentIn prometheus.Histogram
-	engineUp     *prometheus.GaugeVec
-	restarts     *prometheus.CounterVec
-	crashLoopG   prometheus.Gauge
-	failbacks    *prometheus.CounterVec
-	failbackDur  prometheus.Histogram
-	placementG   prometheus.Gauge
-	firstTokenIn prometheus.Histogram
-	launchesFrom *prometheus.CounterVec
-	spareReadyG  prometheus.Gauge
-	spareOnG     prometheus.Gauge
+	reg              prometheus.Registerer
+	model            string
+	failovers        *prometheus.CounterVec
+	duration         prometheus.Histogram
+	resumeSentIn     prometheus.Histogram
+	engineUp         *prometheus.GaugeVec
+	restarts         *prometheus.CounterVec
+	crashLoopG       prometheus.Gauge
+	failbacks        *prometheus.CounterVec
+	failbackDur      prometheus.Histogram
+	placementRestore prometheus.Histogram
+	placementG       prometheus.Gauge
+	firstTokenIn     prometheus.Histogram
+	launchesFrom     *prometheus.CounterVec
+	spareReadyG      prometheus.Gauge
+	spareOnG         prometheus.Gauge
 
 	mu       sync.Mutex
 	launches [2]uint32
@@ -60,6 +61,10 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 		failbackDur: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "frmps_failback_duration_seconds",
 			Help: "Time from Handoff sent to the standby's Resume acknowledged, per planned handover.", ConstLabels: cl,
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}),
+		placementRestore: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "frmps_placement_restore_seconds",
+			Help: "Time from the death of an active inside MPS to the failback that put an active back inside MPS " +
+				"(the placement restored; failed handovers in between included).", ConstLabels: cl,
+			Buckets: prometheus.ExponentialBuckets(0.25, 2, 10)}),
 		placementG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_placement_ok",
 			Help: "1 when the active runs in MPS and the standby outside it (or MPS is off).", ConstLabels: cl}),
 		firstTokenIn: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "frmps_failover_first_token_seconds",
@@ -77,7 +82,7 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 		ConstLabels: prometheus.Labels{"model_name": model, "version": bi.Version, "commit": bi.Commit, "goversion": bi.GoVersion}})
 	build.Set(1)
 	for _, c := range []prometheus.Collector{m.failovers, m.duration, m.resumeSentIn, m.engineUp, m.restarts, m.crashLoopG,
-		m.failbacks, m.failbackDur, m.placementG, m.firstTokenIn, m.launchesFrom, m.spareReadyG, m.spareOnG, build} {
+		m.failbacks, m.failbackDur, m.placementRestore, m.placementG, m.firstTokenIn, m.launchesFrom, m.spareReadyG, m.spareOnG, build} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
@@ -124,6 +129,8 @@ func (m *metrics) launched(fromSpare bool) {
 	}
 	m.launchesFrom.WithLabelValues("cold").Inc()
 }
+
+func (m *metrics) placementRestored(d time.Duration) { m.placementRestore.Observe(d.Seconds()) }
 
 func (m *metrics) failback(ok bool, d time.Duration) {
 	if ok {

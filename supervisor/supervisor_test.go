@@ -18,6 +18,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
@@ -152,6 +153,21 @@ func (h *harness) current(minGen uint64) (*fakeGen, uint64) {
 		h.t.Fatalf("Current(%d): %v", minGen, err)
 	}
 	return c.(*fakeGen), gen
+}
+
+// histogram is the deployment's histogram of that name as gathered (nil when absent).
+func (h *harness) histogram(name string) *dto.Histogram {
+	h.t.Helper()
+	mfs, err := h.reg.Gather()
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			return mf.GetMetric()[0].GetHistogram()
+		}
+	}
+	return nil
 }
 
 func TestStartupHandshakeAndServe(t *testing.T) {
