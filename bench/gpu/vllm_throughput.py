@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failover_proof import Deployment  # noqa: E402
 
 from failback_proof import started, stream  # noqa: E402
+from start_profile import read_stacks  # noqa: E402  (py-spy's raw format, one parser)
 
 from frmps_engine.bench.procs import collect  # noqa: E402  (standard library only)
 
@@ -134,16 +135,11 @@ def summarize_stacks(path: str, top: int = 15) -> dict:
     """py-spy's raw format ("thread;frame;...;frame count" per line, root first):
     per thread, its samples and its hottest leaf frames."""
     threads: dict[str, dict] = {}
-    with open(path, errors="replace") as f:
-        for line in f:
-            stack, _, n = line.rstrip().rpartition(" ")
-            if not stack or not n.isdigit():
-                continue
-            frames = stack.split(";")
-            t = threads.setdefault(frames[0], {"samples": 0, "leaf": {}})
-            t["samples"] += int(n)
-            leaf = frames[-1]
-            t["leaf"][leaf] = t["leaf"].get(leaf, 0) + int(n)
+    for frames, n in read_stacks(path):
+        t = threads.setdefault(frames[0], {"samples": 0, "leaf": {}})
+        t["samples"] += n
+        leaf = frames[-1]
+        t["leaf"][leaf] = t["leaf"].get(leaf, 0) + n
     return {name: {"samples": t["samples"],
                    "top": sorted(t["leaf"].items(), key=lambda kv: -kv[1])[:top]}
             for name, t in sorted(threads.items(), key=lambda kv: -kv[1]["samples"])}

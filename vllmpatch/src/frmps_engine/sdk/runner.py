@@ -772,10 +772,10 @@ def _write_modules() -> None:
 
 def _freeze_heap() -> None:
     """Move everything built so far (torch, the model, gRPC: ~200k objects) out of the
-    collector's reach. A full collection over that heap takes tens to hundreds of ms,
-    and would otherwise land at random in a decode step or in the middle of a takeover."""
-    gc.collect()
-    gc.freeze()
+    collector's reach (spare.freeze_heap, which a spare also runs after its preload).
+    A full collection over that heap takes tens to hundreds of ms, and would otherwise
+    land at random in a decode step or in the middle of a takeover."""
+    spare.freeze_heap()
 
 
 def _log_start_phases(t: int, t_ring: int, t_pools: int) -> None:
