@@ -748,6 +748,20 @@ def test_mega_aot_artifact_is_on_by_default_where_vllm_can_use_it(monkeypatch):
     assert vllm.envs.VLLM_USE_MEGA_AOT_ARTIFACT is True
 
 
+def test_triton_cache_is_pinned_unless_the_user_set_it(tmp_path):
+    """With the compiled model loaded whole vLLM leaves TRITON_CACHE_DIR alone, so
+    frmps names one directory under vLLM's cache root; a user's choice stands."""
+    from frmps_engine.vllm.engine import TRITON_CACHE_ENV, triton_cache_default
+
+    env: dict = {}
+    assert triton_cache_default(env, str(tmp_path)) == str(tmp_path / "triton_cache")
+    assert env == {TRITON_CACHE_ENV: str(tmp_path / "triton_cache")}
+    env = {TRITON_CACHE_ENV: "/elsewhere"}
+    assert triton_cache_default(env, str(tmp_path)) == "/elsewhere" and env == {TRITON_CACHE_ENV: "/elsewhere"}
+    env = {TRITON_CACHE_ENV: " "}  # a blank value names no directory
+    assert triton_cache_default(env, str(tmp_path)) == str(tmp_path / "triton_cache")
+
+
 def test_structured_outputs_config_from_the_environment(model_dir, monkeypatch):
     from types import SimpleNamespace
 

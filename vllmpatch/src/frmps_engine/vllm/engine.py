@@ -668,9 +668,12 @@ class VllmAdapter:
         import torch
 
         if mega_aot_default(os.environ, torch.__version__):
+            import vllm.envs
+
+            triton_dir = triton_cache_default(os.environ, vllm.envs.VLLM_CACHE_ROOT)
             logging.getLogger(__name__).info(
-                "torch.compile artifacts loaded whole (%s=1, frmps's default on torch %s; 0 turns it off)",
-                MEGA_AOT_ENV, torch.__version__.split("+")[0])
+                "torch.compile artifacts loaded whole (%s=1, frmps's default on torch %s; 0 turns it off); "
+                "Triton's kernel cache: %s", MEGA_AOT_ENV, torch.__version__.split("+")[0], triton_dir)
         controller = PoolController.external(pools, "active" if load_weights else "standby")
         contexts = cuda_contexts(controller)
         install_controller(controller)
@@ -785,6 +788,33 @@ def mega_aot_default(env: MutableMapping[str, str], torch_version: str) -> bool:
         return False
     env[MEGA_AOT_ENV] = "1"
     return True
+
+
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+
+
+def triton_cache_default(env: MutableMapping[str, str], vllm_cache_root: str) -> str:
+    """Points TRITON_CACHE_DIR at ``<vLLM's cache root>/triton_cache`` in ``env`` (the
+    engine's own environment) unless it is set; returns the directory in use.
+
+    Where an engine loads vLLM's compiled model whole (mega_aot_default), vLLM
+    initialises its compiler's cache with ``disable_cache=True`` and so never sets
+    TRITON_CACHE_DIR (vllm/compilation/compiler_interface.py, initialize_cache).
+    The kernels vLLM's warm-up compiles outside torch.compile (the top-k/top-p
+    sampler's Triton kernel) then land in whichever directory the variable names
+    at that moment: unset (Triton's own ~/.triton/cache) until inductor loads one
+    of its kernels, which sets it to ``<inductor cache>/triton/<device>``
+    (torch/_inductor/runtime/triton_heuristics.py). An engine whose warm-up ran
+    before that looked in a directory its predecessors had not filled: on the H200
+    one restored 14B engine in 12 per lane compiled the sampler kernel for 8.5-11.8 s
+    (bench/results/2026-11-27-h200-vllm-restore/). One fixed directory per cache
+    root makes every engine after the first find it. Triton keys its cache by the
+    kernel's source, options and target, so models and engines can share it."""
+    if env.get(TRITON_CACHE_ENV, "").strip():
+        return env[TRITON_CACHE_ENV]
+    path = os.path.join(vllm_cache_root, "triton_cache")
+    env[TRITON_CACHE_ENV] = path
+    return path
 
 
 STRUCTURED_OUTPUTS_ENV = "FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG"
