@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, S
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME
 from .adoption import AdoptResult, plan_adoption
 from .pools import kv_cache_bytes, pool_layout
+from .triton_watch import watch_from_env
 from ..sdk.engine_api import throwaway_takeover
 from ..sdk.seeds import derive_seed, resolve_seed, to_int64, to_uint64
 from .state import CommittedView, key_for_request_id, request_id_for_key
@@ -683,7 +684,10 @@ class VllmAdapter:
         vllm_config = self.engine_args(load_weights, fraction).create_engine_config()
         self.compat.finish_config(vllm_config, SLEEP_BACKEND_NAME)
         vllm_config.scheduler_config.scheduler_cls = scheduler_cls_for(vllm_config)
+        watch = watch_from_env()  # what Triton compiled during this build, and why (triton_watch.py)
         core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
+        if watch is not None:
+            logging.getLogger(__name__).info("%s", watch.start_summary())
         return VllmCore(core, None if self._engine_core else self.tokenizer())
 
     def sampling_params(self, params: Any, seed: int) -> Any:
