@@ -633,7 +633,9 @@ def _log_profile(prof, step: int) -> None:
     import pstats
 
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)  # where the time is spent, not only through
     log.info("step %d after start, profile:\n%s", step, out.getvalue())
 
 

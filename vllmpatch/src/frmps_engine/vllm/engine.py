@@ -804,16 +804,18 @@ def triton_cache_default(env: MutableMapping[str, str], vllm_cache_root: str) ->
     Where an engine loads vLLM's compiled model whole (mega_aot_default), vLLM
     initialises its compiler's cache with ``disable_cache=True`` and so never sets
     TRITON_CACHE_DIR (vllm/compilation/compiler_interface.py, initialize_cache).
-    The kernels vLLM's warm-up compiles outside torch.compile (the top-k/top-p
-    sampler's Triton kernel) then land in whichever directory the variable names
-    at that moment: unset (Triton's own ~/.triton/cache) until inductor loads one
-    of its kernels, which sets it to ``<inductor cache>/triton/<device>``
-    (torch/_inductor/runtime/triton_heuristics.py). An engine whose warm-up ran
-    before that looked in a directory its predecessors had not filled: on the H200
-    one restored 14B engine in 12 per lane compiled the sampler kernel for 8.5-11.8 s
-    (bench/results/2026-11-27-h200-vllm-restore/). One fixed directory per cache
-    root makes every engine after the first find it. Triton keys its cache by the
-    kernel's source, options and target, so models and engines can share it."""
+    The kernels vLLM's warm-up compiles outside torch.compile (its V2 runner's and
+    sampler's) then land in whichever directory the variable names at that moment:
+    unset (Triton's own ~/.triton/cache) until inductor loads one of its kernels,
+    which sets it to ``<inductor cache>/triton/<device>``
+    (torch/_inductor/runtime/triton_heuristics.py). One directory per cache root
+    keeps every engine's kernels in one place the operator manages with vLLM's
+    cache. It did not stop the rare restore that compiles every kernel again: on
+    the H100 one restored 14B engine of 21 did so under this very directory, after
+    nine had read all their kernels from it (bench/results/2026-11-27-h100-vllm-
+    restore/; triton_watch.py logs such a miss with its cache key's parts). Triton
+    keys its cache by the kernel's source, options and target, so models and
+    engines can share the directory."""
     if env.get(TRITON_CACHE_ENV, "").strip():
         return env[TRITON_CACHE_ENV]
     path = os.path.join(vllm_cache_root, "triton_cache")
