@@ -38,7 +38,8 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failover_proof import (  # noqa: E402  (same folder, standard library only)
-    LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, loglines, mps_trigger, nvidia_smi)
+    LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, http_json, loglines, mps_trigger,
+    nvidia_smi)
 
 FAULTS = ["misaligned:load", "illegal_instruction:jump-far", "shared_oob:shared", "shared_oob:local",
           "invalid_address_space:ld-global-shared", "stack_overflow:recursion", "oob_write:write"]
@@ -315,6 +316,97 @@ def takeover_traces(log_dir: str) -> dict[str, list[str]]:
     return out
 
 
+def drill_trigger(dep):
+    """A cycle's trigger that is no GPU fault: the admin API's failover drill
+    (TriggerFailover: the supervisor SIGKILLs the active). What it answers: is the
+    KV flip's wait for the dead context's teardown the same without a fault, and
+    for the deployment's first active (the engine that created the pools) as for
+    a later one (which imported them)?"""
+    def make(_dep, _act):
+        def prepare() -> None:
+            pass
+
+        def inject() -> dict:
+            t = now()
+            r = http_json(f"http://{dep.admin}/v1/admin/failover", {"reason": "failback_proof drill"}, timeout=10)
+            if not get(r, "accepted"):
+                raise RuntimeError(f"drill refused: {r}")
+            return {"t_fault": t, "accepted": True}
+        return prepare, inject
+    return make
+
+
+def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigger) -> None:
+    """One failover and the failback after it, measured into ``rec``: wait until the
+    placement is restored (``n_fb`` failbacks so far) and a spare is ready, check
+    the active is in MPS, trigger (``trigger(dep, active)`` -> prepare, inject), then
+    wait for the failover record and the failback. ``last[0]``: the previous
+    trigger's time (--min-fault-interval)."""
+    st, _ = dep.wait(lambda s: restored(s, n_fb), 300, f"placement restored before cycle {n_fb + 1}")
+    if last[0]:
+        time.sleep(max(0.0, last[0] + args.min_fault_interval - now()))
+    if args.wait_spare > 0 and spare_state(st) not in ("off", "") and not spare_state(st).startswith("off"):
+        st, _ = dep.wait(lambda s: spare_state(s) == "ready" or spare_state(s).startswith("off"),
+                         args.wait_spare, f"a ready spare before cycle {n_fb + 1}")
+    spare = get(st, "spare") or {}
+    rec["spare_before"] = {"state": spare_state(st), "import_s": get(spare, "last_ready_seconds"),
+                           "ready": get(spare, "ready_count", default=0), "size": get(spare, "size", default=0),
+                           "rss_mib": int(get(spare, "rss_bytes", default=0) or 0) >> 20}
+    e = engines(st)
+    act = e["active"]
+    rec["active_in_mps_before"] = bool(get(act, "in_mps"))
+    rec["active_pid"] = int(get(act, "pid", default=0) or 0)
+    n_fo = failover_seq(st)
+    prepare, inject = trigger(dep, act)
+    prepare()
+    load.wait_all_streaming(5)  # the fault lands mid-stream for every stream
+    inj = inject()
+    t_fault = inj.get("t_fault") or now()
+    last[0] = t_fault
+    rec["inject"] = {k: v for k, v in inj.items() if k != "t_fault"}
+    st, _ = dep.wait(lambda s: failover_after(s, n_fo), 120, "the failover record")
+    fo = (get(st, "failovers") or [])[0]
+    detect = int(get(fo, "unix_nanos", default=0)) / 1e9
+    rec["failover"] = {k: get(fo, k) for k in ("cause", "ok", "duration_seconds", "resumed_requests",
+                                               "reused_tokens", "prefilled_tokens", "first_token_seconds")}
+    rec["fault_to_detect_s"] = round(detect - t_fault, 4)
+    st, t_restored = dep.wait(lambda s: restored(s, n_fb + 1), 300, f"failback after cycle {n_fb + 1}")
+    fr = first_resumed(get(e["standby"], "log_path"), detect)  # the engine the failover promoted
+    rec["detect_to_first_resumed_token_s"] = round(fr - detect, 4) if fr else None
+    # Where that time went in the promoted engine: the Resume (KV flip beside the adoption)
+    # and the first step after it.
+    rec["takeover"] = loglines.takeover_breakdown(get(e["standby"], "log_path"))
+    fb = get(st, "failback") or {}
+    done = int(get(fb, "last_unix_nanos", default=0)) / 1e9
+    dur = float(get(fb, "last_duration_seconds", default=0) or 0)
+    new_act = engines(st)["active"]  # the engine launched after the fault, now the active in MPS
+    rec["failback"] = {"restored_s_after_detect": round(done - detect, 3), "handover_s": round(dur, 4),
+                       "handover_first_token_s": get(fb, "last_first_token_seconds"),
+                       "active_in_mps_after": True,
+                       "new_engine_from_spare": bool(get(new_act, "from_spare")),
+                       "new_engine_init_s": get(new_act, "init_seconds"),
+                       "takeover": loglines.takeover_breakdown(get(new_act, "log_path"))}
+    time.sleep(0.5)  # let the streams run past the handover
+    times = load.chunk_times()
+    rec["client_gap_from_fault_s"] = gaps_after(times, t_fault)
+    # The longest silence a client saw around the failover (the chunk that may still come from
+    # the dying active right after the fault does not end it).
+    rec["client_max_gap_s"] = max_gap_in(times, t_fault, t_fault + 1.0)
+    rec["handover_max_gap_s"] = max_gap_in(times, done - dur - 0.05, done + 0.2)
+    rec["decode_step_s"] = step
+    rec["resources"] = resources(dep, args.cpu)
+
+
+def summary_line(rec: dict, step: float) -> str:
+    return (f"in_mps={rec['active_in_mps_before']} cause={rec['failover']['cause']} "
+            f"fault->detect={rec['fault_to_detect_s']} detect->tok={rec['detect_to_first_resumed_token_s']} "
+            f"client_gap={rec['client_gap_from_fault_s']} max_gap={rec['client_max_gap_s']} "
+            f"restored={rec['failback']['restored_s_after_detect']}s "
+            f"(from_spare={rec['failback']['new_engine_from_spare']} spare={rec['spare_before']['state']}) "
+            f"handover={rec['failback']['handover_s']}s gap={rec['handover_max_gap_s']} step={step:.4f}"
+            f"{breakdown(rec['takeover'])}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frmps", default="bin/frmps")
@@ -327,6 +419,9 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--faults", type=int, default=20)
+    ap.add_argument("--drills", type=int, default=0,
+                    help="before the faults, this many admin failover drills (SIGKILL of the active, no GPU fault), "
+                         "each followed by the failback, measured as the faults are (report: drills)")
     ap.add_argument("--fault-kinds", default=",".join(FAULTS))
     ap.add_argument("--faults-dir", default="bench/build/faults")
     ap.add_argument("--min-fault-interval", type=float, default=13.0,
@@ -394,72 +489,26 @@ def main() -> int:
         load = Load(dep, args.model, reqs, ref)
         load.start()
         kinds = [k for k in args.fault_kinds.split(",") if k]
-        t_faults, last_fault = now(), 0.0
+        n_fb = 0  # failbacks so far: each cycle waits for the placement its predecessor restored
+        last = [0.0]
+        for d in range(1, args.drills + 1):
+            rec = {"n": d, "drill": "admin failover (SIGKILL of the active, no GPU fault)"}
+            report.setdefault("drills", []).append(rec)
+            cycle(dep, args, load, step, rec, n_fb, last, drill_trigger(dep))
+            n_fb += 1
+            print(f"drill {d}: {summary_line(rec, step)}", flush=True)
+            save()
+        t_faults = now()
         for n in range(1, args.faults + 1):
             if args.time_budget and now() - t_faults > args.time_budget:
                 report["stopped"] = f"time budget after {n - 1} faults"
                 break
             spec = kinds[(n - 1) % len(kinds)]
-            rec: dict = {"n": n, "fault": spec}
+            rec = {"n": n, "fault": spec}
             report["faults"].append(rec)
-            st, _ = dep.wait(lambda s: restored(s, n - 1), 300, f"placement restored before fault {n}")
-            if last_fault:
-                time.sleep(max(0.0, last_fault + args.min_fault_interval - now()))
-            if args.wait_spare > 0 and spare_state(st) not in ("off", "") and not spare_state(st).startswith("off"):
-                st, _ = dep.wait(lambda s: spare_state(s) == "ready" or spare_state(s).startswith("off"),
-                                 args.wait_spare, f"a ready spare before fault {n}")
-            spare = get(st, "spare") or {}
-            rec["spare_before"] = {"state": spare_state(st), "import_s": get(spare, "last_ready_seconds"),
-                                   "ready": get(spare, "ready_count", default=0), "size": get(spare, "size", default=0),
-                                   "rss_mib": int(get(spare, "rss_bytes", default=0) or 0) >> 20}
-            e = engines(st)
-            act = e["active"]
-            rec["active_in_mps_before"] = bool(get(act, "in_mps"))
-            n_fo = failover_seq(st)
-            prepare, inject = mps_trigger(args, spec)(dep, act)
-            prepare()
-            load.wait_all_streaming(5)  # the fault lands mid-stream for every stream
-            inj = inject()
-            t_fault = inj.get("t_fault") or now()
-            last_fault = t_fault
-            rec["inject"] = {k: v for k, v in inj.items() if k != "t_fault"}
-            st, _ = dep.wait(lambda s: failover_after(s, n_fo), 120, "the failover record")
-            fo = (get(st, "failovers") or [])[0]
-            detect = int(get(fo, "unix_nanos", default=0)) / 1e9
-            rec["failover"] = {k: get(fo, k) for k in ("cause", "ok", "duration_seconds", "resumed_requests",
-                                                       "reused_tokens", "prefilled_tokens", "first_token_seconds")}
-            rec["fault_to_detect_s"] = round(detect - t_fault, 4)
-            st, t_restored = dep.wait(lambda s: restored(s, n), 300, f"failback after fault {n}")
-            fr = first_resumed(get(e["standby"], "log_path"), detect)  # the engine the failover promoted
-            rec["detect_to_first_resumed_token_s"] = round(fr - detect, 4) if fr else None
-            # Where that time went in the promoted engine: the Resume (KV flip beside the adoption)
-            # and the first step after it.
-            rec["takeover"] = loglines.takeover_breakdown(get(e["standby"], "log_path"))
-            fb = get(st, "failback") or {}
-            done = int(get(fb, "last_unix_nanos", default=0)) / 1e9
-            dur = float(get(fb, "last_duration_seconds", default=0) or 0)
-            new_act = engines(st)["active"]  # the engine launched after the fault, now the active in MPS
-            rec["failback"] = {"restored_s_after_detect": round(done - detect, 3), "handover_s": round(dur, 4),
-                               "handover_first_token_s": get(fb, "last_first_token_seconds"),
-                               "active_in_mps_after": True,
-                               "new_engine_from_spare": bool(get(new_act, "from_spare")),
-                               "new_engine_init_s": get(new_act, "init_seconds"),
-                               "takeover": loglines.takeover_breakdown(get(new_act, "log_path"))}
-            time.sleep(0.5)  # let the streams run past the handover
-            times = load.chunk_times()
-            rec["client_gap_from_fault_s"] = gaps_after(times, t_fault)
-            # The longest silence a client saw around the failover (the chunk that may still come from
-            # the dying active right after the fault does not end it).
-            rec["client_max_gap_s"] = max_gap_in(times, t_fault, t_fault + 1.0)
-            rec["handover_max_gap_s"] = max_gap_in(times, done - dur - 0.05, done + 0.2)
-            rec["decode_step_s"] = step
-            rec["resources"] = resources(dep, args.cpu)
-            print(f"fault {n} {spec}: in_mps={rec['active_in_mps_before']} cause={rec['failover']['cause']} "
-                  f"fault->detect={rec['fault_to_detect_s']} detect->tok={rec['detect_to_first_resumed_token_s']} "
-                  f"client_gap={rec['client_gap_from_fault_s']} max_gap={rec['client_max_gap_s']} restored={rec['failback']['restored_s_after_detect']}s "
-                  f"(from_spare={rec['failback']['new_engine_from_spare']} spare={rec['spare_before']['state']}) "
-                  f"handover={rec['failback']['handover_s']}s gap={rec['handover_max_gap_s']} step={step:.4f}"
-                  f"{breakdown(rec['takeover'])}", flush=True)
+            cycle(dep, args, load, step, rec, n_fb, last, lambda dep, act: mps_trigger(args, spec)(dep, act))
+            n_fb += 1
+            print(f"fault {n} {spec}: {summary_line(rec, step)}", flush=True)
             save()
     except Exception as ex:  # keep what was measured
         report["error"] = f"{type(ex).__name__}: {ex}"

@@ -37,7 +37,9 @@
 #                                      through `frmps serve --frontend vllm` while n real MPS faults hit the active;
 #                                      each compared with its no-fault result (default timeout 900 s)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
-#   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1)
+#   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1;
+#                                      env:FAILBACK_DRILLS=2: the failback/soak stages first run that many admin
+#                                      failover drills, no GPU fault, each with its failback: failback_proof --drills)
 #   start-profile                      the engines started after it run py-spy on their own start
 #                                      (FRMPS_DEBUG_STARTUP_PROFILE=$OUT/start-profile); pack sums them per function
 #                                      (bench/gpu/start_profile.py: $OUT/start-profile.txt, .json)
@@ -163,8 +165,8 @@ stage_failback() {  # engine model n budget [timeout [soak|frontend]]
     rm -rf "$WORK/$engine-$model"  # a fresh log dir: the proof reads the engines' logs by name
     log "$engine-failback $model: $n faults, budget ${budget}s"
     bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine "$engine" --model "$m" \
-        --faults "$n" --time-budget "$budget" --workdir "$WORK/$engine-$model" --out "$OUT/$engine-$model.json" \
-        "${extra[@]}" "${soak[@]}" > "$WORK/$engine-$model.out" 2>&1
+        --faults "$n" --drills "${FAILBACK_DRILLS:-0}" --time-budget "$budget" --workdir "$WORK/$engine-$model" \
+        --out "$OUT/$engine-$model.json" "${extra[@]}" "${soak[@]}" > "$WORK/$engine-$model.out" 2>&1
     log "$engine-failback $model: rc=$?"
     tail -n 25 "$WORK/$engine-$model.out" >> "$S"
 }
