@@ -471,7 +471,8 @@ def main() -> int:
         report["resources_at_start"] = resources(dep, args.cpu)
         report["standby"] = {"map_ms": float(sl[0]) if sl else None, "ready_ms_after_start": int(sl[1]) if sl else None,
                              "used_mib": (smi.get("apps", {}).get(int(get(e["standby"], "pid", default=0))) or {}).get("used_mib"),
-                             "gpu_used_mib": smi.get("gpu_used_mib")}
+                             "gpu_used_mib": smi.get("gpu_used_mib"),
+                             "torch_pools_mib": loglines.standby_pools(sb_log)}
         report["placement_digests"] = {"active": grep_all(act_log, "placement digest"), "standby": grep_all(sb_log, "placement digest")}
         # The standby started and slept while the active stayed idle: its pools' sums must not change.
         os.kill(int(get(e["active"], "pid")), signal.SIGRTMIN + 1)

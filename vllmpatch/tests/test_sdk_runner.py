@@ -627,3 +627,41 @@ def test_start_profile_without_py_spy_is_a_warning(sup, tmp_path):
         time.sleep(0.05)
     assert "no py-spy" in a.log() and "serving on" in a.log()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_torch_pools_breakdown_sums_segments_by_kind_of_pool():
+    """The standby's after-Sleep note: torch's segments (as torch.cuda.memory_snapshot
+    lists them; made up here) summed per kind of pool — the default pool, CUDA-graph
+    pools (ids (n, 0)) and MemPools (ids (0, n), the frmps pools' contexts)."""
+    from frmps_engine.sdk.runner import torch_pools_breakdown
+
+    mib = 2**20
+    segs = [
+        {"segment_pool_id": (0, 0), "total_size": 20 * mib, "allocated_size": 4 * mib},
+        {"segment_pool_id": (0, 0), "total_size": 2 * mib, "allocated_size": 2 * mib},
+        {"segment_pool_id": (3, 0), "total_size": 100 * mib, "allocated_size": 60 * mib},
+        {"segment_pool_id": (5, 0), "total_size": 60 * mib, "allocated_size": 0},
+        {"segment_pool_id": (0, 1), "total_size": 1000 * mib, "allocated_size": 990 * mib},
+    ]
+    b = torch_pools_breakdown(segs)
+    assert b == {"default": {"reserved": 22.0, "allocated": 6.0, "pools": 1},
+                 "graphs": {"reserved": 160.0, "allocated": 60.0, "pools": 2},
+                 "mempools": {"reserved": 1000.0, "allocated": 990.0, "pools": 1}}
+    assert torch_pools_breakdown([]) == {}
+
+
+def test_the_standby_memory_note_reads_back(tmp_path):
+    """What the standby logs after Sleep is what the harnesses parse."""
+    from frmps_engine.bench import loglines
+    from frmps_engine.sdk.runner import pools_note, torch_pools_breakdown
+
+    mib = 2**20
+    b = torch_pools_breakdown([{"segment_pool_id": (0, 0), "total_size": 24 * mib, "allocated_size": 8 * mib},
+                               {"segment_pool_id": (2, 0), "total_size": 164 * mib, "allocated_size": 150 * mib}])
+    log = tmp_path / "standby.log"
+    log.write_text("x INFO frmps_engine.sdk.runner: standby asleep with 2 brokered pools mapped read-only "
+                   f"(map 11.20 ms, ready 21281 ms after start){pools_note(b)}\n")
+    assert loglines.standby_pools(str(log)) == {"default": {"reserved": 24.0, "allocated": 8.0},
+                                                "graphs": {"reserved": 164.0, "allocated": 150.0}}
+    assert loglines.grep_first(str(log), loglines.SLEEP) == ["11.20", "21281"]
+    assert loglines.standby_pools(str(tmp_path / "none.log")) is None

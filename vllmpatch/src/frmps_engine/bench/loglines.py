@@ -20,6 +20,20 @@ FIRST_STEP = re.compile(r"step 1 after start: began [\d.]+ ms after the loop sta
 SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after start\)")
 INIT = re.compile(r"standby built \(init (\d+) ms\)")
 ALLOC = re.compile(r"torch allocator: ([\d.]+) MiB reserved, ([\d.]+) MiB allocated")
+# runner._standby_memory_note, after Sleep: "<kind> R MiB reserved (A allocated[, N pools])" per kind of pool
+POOL_KIND = re.compile(r"(default|graphs|mempools) ([\d.]+) MiB reserved \(([\d.]+) allocated")
+
+
+def standby_pools(path: str | None) -> dict[str, dict[str, float]] | None:
+    """The standby's torch memory by kind of pool after Sleep, from its "standby asleep"
+    line: {"default": {"reserved": MiB, "allocated": MiB}, "graphs": …, "mempools": …}."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, errors="replace") as f:
+        for line in f:
+            if "standby asleep" in line and "torch allocator by pool:" in line:
+                return {k: {"reserved": float(r), "allocated": float(a)} for k, r, a in POOL_KIND.findall(line)}
+    return None
 
 # bench/faults/fault_common.h: "pid N triggering <fault> (<variant>) at <unix time>" on the
 # trigger's stderr, right before its faulting launch, the time from its own clock.

@@ -344,8 +344,9 @@ class Runner:
         t_map = time.perf_counter_ns() - t_map
         self._slept = True
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
-        log.info("standby asleep with %d brokered pools mapped read-only (map %.2f ms, ready %.0f ms after start)",
-                 len(fds), t_map / 1e6, (time.perf_counter_ns() - self._t0) / 1e6)
+        log.info("standby asleep with %d brokered pools mapped read-only (map %.2f ms, ready %.0f ms after start)%s",
+                 len(fds), t_map / 1e6, (time.perf_counter_ns() - self._t0) / 1e6,
+                 _standby_memory_note(self.adapter.device))
         return control_pb2.Reply(ok=True)
 
     def _refuse(self, env_id: int, why: str):
@@ -756,6 +757,49 @@ def _device_memory_note(device: str) -> str:
                 f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB allocated")
     except Exception as e:  # a note in a log line is not worth failing a start for
         return f"; torch allocator: unknown ({e})"
+
+
+def torch_pools_breakdown(segments: list[dict]) -> dict[str, dict[str, float]]:
+    """torch's CUDA segments (``torch.cuda.memory_snapshot()``) summed by the kind of
+    pool that owns them, in MiB: ``default`` (pool id (0, 0): the process's own
+    allocations), ``graphs`` (ids (n, 0): CUDA-graph private pools, which a
+    captured graph's intermediate tensors live in) and ``mempools`` (ids (0, n):
+    MemPools such as the frmps pools' contexts — on a standby after Sleep, backed by
+    the brokered pools, not by memory of its own). Each: reserved, allocated, pools."""
+    out: dict[str, dict[str, float]] = {}
+    pools: dict[str, set] = {}
+    for seg in segments:
+        pid = tuple(seg.get("segment_pool_id") or (0, 0))
+        kind = "default" if pid == (0, 0) else "graphs" if pid[1] == 0 else "mempools"
+        d = out.setdefault(kind, {"reserved": 0.0, "allocated": 0.0, "pools": 0})
+        d["reserved"] += seg.get("total_size", 0) / 2**20
+        d["allocated"] += seg.get("allocated_size", 0) / 2**20
+        pools.setdefault(kind, set()).add(pid)
+    for kind, d in out.items():
+        d["pools"] = len(pools[kind])
+    return out
+
+
+def _standby_memory_note(device: str) -> str:
+    """After Sleep, on a GPU: what the standby keeps of its own in torch's allocator,
+    by kind of pool (torch_pools_breakdown), '' elsewhere."""
+    if not device.startswith("cuda"):
+        return ""
+    try:
+        import torch
+
+        b = torch_pools_breakdown(torch.cuda.memory_snapshot())
+    except Exception as e:  # a note in a log line is not worth failing a start for
+        return f"; torch allocator by pool: unknown ({e})"
+    return pools_note(b)
+
+
+def pools_note(b: dict[str, dict[str, float]]) -> str:
+    """torch_pools_breakdown as the standby's log line says it (bench/loglines.py reads it)."""
+    parts = [f"{k} {b[k]['reserved']:.1f} MiB reserved ({b[k]['allocated']:.1f} allocated"
+             + (f", {b[k]['pools']:.0f} pools)" if k != "default" else ")")
+             for k in ("default", "graphs", "mempools") if k in b]
+    return "; torch allocator by pool: " + ", ".join(parts) if parts else "; torch allocator: empty"
 
 
 def _write_modules() -> None:
