@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -169,9 +170,11 @@ def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: d
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
     dep = Deployment(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", run_dir, log_path)
+    passed = False
     try:
         dep.wait_state("serving_ready")
         yield dep
+        passed = True
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -187,6 +190,8 @@ def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: d
         records = os.path.join(run_dir, "state")
         assert not os.path.exists(records) or not os.listdir(records), \
             f"launch record left after a clean stop: {os.listdir(records)}"
+        if passed:  # a failed test keeps its deployment's logs for a look
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 class Killer:
