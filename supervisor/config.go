@@ -11,6 +11,11 @@ import (
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
+// VLLMTPExperimentalEnv in frmps's environment allows --tensor-parallel-size > 1
+// with --engine vllm, which is built but not yet proven on GPUs
+// (vllmpatch/src/frmps_engine/vllm/tp.py); the engines inherit it.
+const VLLMTPExperimentalEnv = "FRMPS_VLLM_TP_EXPERIMENTAL"
+
 // Config and its defaults. Read-only once NewWithDeps has returned.
 
 // Config of one deployment.
@@ -220,8 +225,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("spares %d: want 1 to %d", c.Spares, MaxSpares)
 	case c.TensorParallelSize < 1:
 		return fmt.Errorf("tensor parallel size %d: want at least 1", c.TensorParallelSize)
-	case c.TensorParallelSize > 1 && c.Engine == "vllm":
-		return fmt.Errorf("tensor parallel size %d: the vllm engine runs one GPU per engine for now (the reference engine has tensor parallelism)", c.TensorParallelSize)
+	case c.TensorParallelSize > 1 && c.Engine == "vllm" && os.Getenv(VLLMTPExperimentalEnv) != "1":
+		return fmt.Errorf("tensor parallel size %d: with the vllm engine this is experimental and has not run on GPUs yet (%s=1 turns it on; the reference engine has tensor parallelism)", c.TensorParallelSize, VLLMTPExperimentalEnv)
 	case c.RingCapacity < 4096:
 		return fmt.Errorf("ring capacity %d is below 4096 bytes", c.RingCapacity)
 	case c.FailbackDelay < 0 || c.FailbackBaseBackoff < 0 || c.FailbackMaxBackoff < c.FailbackBaseBackoff:

@@ -18,6 +18,8 @@
 #   ref-tp:<model>:<n>:<budget>[:<timeout>]  bench/gpu/tp_proof.py: the reference engine with --tensor-parallel-size 2
 #                                      on GPUs 0 and 1 (one MPS daemon for both), n faults by MPS clients pinned to
 #                                      GPU 0 and GPU 1 alternately; timeout as for ref-failback
+#   vllm-tp-failback:<model>:<n>:<budget>[:<timeout>]  the same as ref-tp with --engine vllm (experimental:
+#                                      FRMPS_VLLM_TP_EXPERIMENTAL=1; default timeout budget + 600)
 #   vllm-tp:<model>:<batches>[:<timeout>[:<modes>]] bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone;
 #                                      default 300 s; modes: --frmps-modes, e.g. sync,async)
 #   bench:<engine>:<experiment>:<models>[:<budget>[:<flags>]]  `frmps bench <experiment> --engine <engine>` (ref, vllm; for
@@ -251,6 +253,23 @@ stage_ref_tp() {  # model n budget [timeout]
     tail -n 25 "$WORK/ref-tp-$model.out" >> "$S"
 }
 
+stage_vllm_tp() {  # model n budget [timeout]: vLLM with --tensor-parallel-size 2 (experimental)
+    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 600))} m
+    local gpus
+    gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+    if [ "$gpus" -lt 2 ]; then log "vllm-tp-failback $model: needs 2 GPUs, this machine has $gpus"; return; fi
+    vllm_env
+    m=$(model_dir "$model") || { log "vllm-tp-failback $model: model-dir failed"; return; }
+    rm -rf "$WORK/vllm-tp2-$model"
+    log "vllm-tp-failback $model: TP=2, $n faults, budget ${budget}s"
+    bounded "$limit" python3 bench/gpu/tp_proof.py --engine vllm --frmps bin/frmps --model "$m" --tensor-parallel-size 2 \
+        --faults "$n" --time-budget "$budget" --workdir "$WORK/vllm-tp2-$model" --out "$OUT/vllm-tp2-$model.json" \
+        --engine-arg=--max-num-seqs=16 --num-blocks "$(nblocks "$model")" --max-model-len 4096 \
+        > "$WORK/vllm-tp2-$model.out" 2>&1
+    log "vllm-tp-failback $model: rc=$?"
+    tail -n 25 "$WORK/vllm-tp2-$model.out" >> "$S"
+}
+
 stage_bench() {  # engine experiment models [budget [flags]]
     local engine=$1 exp=$2 models=$3 budget=${4:-540} sel=() eng=() more=()
     [ -n "${5:-}" ] && read -r -a more <<< "${5//+/ }"
@@ -298,6 +317,7 @@ for st in "$@"; do
         openai-matrix) stage_matrix "$a" "$b" ;;
         openai-faults) stage_openai_faults "$a" "$b" "$c" ;;
         ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
+        vllm-tp-failback) stage_vllm_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;
         bench) stage_bench "$a" "$b" "$c" "$d" "$e" ;;
         hang|shared-mps)

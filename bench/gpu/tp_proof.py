@@ -80,6 +80,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frmps", default="bin/frmps")
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--engine", default="ref", choices=["ref", "vllm"],
+                    help="vllm: experimental (FRMPS_VLLM_TP_EXPERIMENTAL=1 is set for it); --model is then a "
+                         "`frmps model init` directory and --num-blocks is required")
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--tensor-parallel-size", type=int, default=2)
     ap.add_argument("--device", default="cuda")
@@ -103,9 +106,11 @@ def main() -> int:
                     help="environment of frmps and its engines (e.g. NCCL_DEBUG=INFO)")
     ap.add_argument("--cpu", action="store_true", help="CPU check of this script: MPS test double, SIGKILL of a rank")
     args = ap.parse_args()
-    args.engine, args.port, args.mps_control = "ref", 0, ""
+    args.port, args.mps_control = 0, ""
     args.serve_arg = [*args.serve_arg, f"--tensor-parallel-size={args.tensor_parallel_size}"]
     args.env = dict(kv.split("=", 1) for kv in args.env)
+    if args.engine == "vllm":
+        args.env.setdefault("FRMPS_VLLM_TP_EXPERIMENTAL", "1")
     if args.cpu:
         args.device, args.memory, args.mps_control = "cpu", "host-shm", FAKE_MPS
         args.serve_arg = [*args.serve_arg, "--mps-control", FAKE_MPS]
@@ -113,7 +118,7 @@ def main() -> int:
     n_ranks = args.tensor_parallel_size
     t_begin = now()
     os.makedirs(args.workdir, exist_ok=True)
-    report: dict = {"engine": "ref", "model": args.model, "device": args.device, "tensor_parallel_size": n_ranks,
+    report: dict = {"engine": args.engine, "model": args.model, "device": args.device, "tensor_parallel_size": n_ranks,
                     "sync_every": args.sync_every, "streams": args.streams, "max_tokens": args.max_tokens,
                     "faults": [], "standby_memory": []}
 

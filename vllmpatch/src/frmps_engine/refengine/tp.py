@@ -30,13 +30,11 @@ import argparse
 import ctypes
 import dataclasses
 import datetime
-import json
 import logging
 import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -44,6 +42,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from ..sdk.fdchannel import recv_msg, send_msg
 from .config import EngineConfig, ModelShape, PoolSpec, rank_pools
 
 log = logging.getLogger(__name__)
@@ -52,8 +51,6 @@ log = logging.getLogger(__name__)
 WORKER_EXIT_ERROR = 1
 # How long ranks wait for each other to join the communicator.
 JOIN_TIMEOUT = datetime.timedelta(seconds=300)
-_HEADER = struct.Struct("<I")
-_MAX_FDS = 16
 _PR_SET_PDEATHSIG = 1
 
 
@@ -87,37 +84,6 @@ def config_from_json(d: dict) -> EngineConfig:
 
 
 # ---- the private channel ----------------------------------------------------------
-
-
-def send_msg(sock: socket.socket, obj: dict, fds: Sequence[int] = ()) -> None:
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    buf = _HEADER.pack(len(data)) + data
-    # The fds ride on the first bytes; a stream socket may take the rest in parts.
-    sent = socket.send_fds(sock, [buf], list(fds)) if fds else sock.send(buf)
-    if sent < len(buf):
-        sock.sendall(buf[sent:])
-
-
-def recv_msg(sock: socket.socket) -> tuple[dict, list[int]]:
-    """One message and the fds that came with it; EOFError when the peer is gone."""
-    head, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
-    if not head:
-        for fd in fds:
-            os.close(fd)
-        raise EOFError("tensor-parallel peer closed the channel")
-    head += _recv_exact(sock, _HEADER.size - len(head))
-    (n,) = _HEADER.unpack(head)
-    return json.loads(_recv_exact(sock, n)), fds
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise EOFError("tensor-parallel peer closed the channel")
-        buf += chunk
-    return bytes(buf)
 
 
 # ---- the communicator -------------------------------------------------------------

@@ -753,6 +753,8 @@ def _device_memory_note(device: str) -> str:
     try:
         import torch
 
+        if not torch.cuda.is_initialized():  # e.g. rank 0 of a group whose ranks are other processes
+            return ""
         return (f"; torch allocator: {torch.cuda.memory_reserved() / 2**20:.1f} MiB reserved, "
                 f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB allocated")
     except Exception as e:  # a note in a log line is not worth failing a start for
@@ -788,6 +790,8 @@ def _standby_memory_note(device: str) -> str:
     try:
         import torch
 
+        if not torch.cuda.is_initialized():  # e.g. rank 0 of a group whose ranks are other processes
+            return ""
         b = torch_pools_breakdown(torch.cuda.memory_snapshot())
     except Exception as e:  # a note in a log line is not worth failing a start for
         return f"; torch allocator by pool: unknown ({e})"

@@ -441,7 +441,7 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DECODERS = {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
 
 
-def _weight_tensors(cfg: dict, dtype: str, allocated: bool = False) -> list[int]:
+def _weight_tensors(cfg: dict, dtype: str, allocated: bool = False, tp: int = 1) -> list[int]:
     """Bytes of each parameter tensor of a Llama-family decoder (Qwen2/Qwen3/
     Llama/Mistral), in vLLM's construction order (vllm/model_executor/models/
     qwen2.py: embed_tokens; per layer qkv_proj, o_proj, mlp, two norms; norm;
@@ -449,7 +449,11 @@ def _weight_tensors(cfg: dict, dtype: str, allocated: bool = False) -> list[int]
     VocabParallelEmbedding does. ``allocated``: every tensor vLLM allocates,
     including a tied lm_head's own weight, which ParallelLMHead creates before
     tie_weights replaces it (qwen2.py:480-487) and whose memory then stays
-    cached in the pool's MemPool."""
+    cached in the pool's MemPool. ``tp``: one rank's shard of a tensor-parallel
+    group, as vLLM's parallel layers split it (vocabulary rows and attention heads
+    and MLP columns divided by ``tp``, KV heads too or one replicated per rank when
+    there are fewer than ranks, norms whole: layers/vocab_parallel_embedding.py,
+    layers/linear.py QKVParallelLinear)."""
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in _DECODERS:
         raise ValueError(f"architecture {arch} has no frmps weights-pool formula yet (known: {sorted(_DECODERS)})")
@@ -459,6 +463,10 @@ def _weight_tensors(cfg: dict, dtype: str, allocated: bool = False) -> list[int]
     heads = cfg["num_attention_heads"]
     kvh = cfg.get("num_key_value_heads", heads)
     hd = cfg.get("head_dim") or h // heads
+    if tp < 1 or heads % tp or i % tp or v % tp or (kvh >= tp and kvh % tp) or (kvh < tp and tp % kvh):
+        raise ValueError(f"tensor parallel size {tp} does not divide the model ({heads} heads, {kvh} KV heads, "
+                         f"intermediate {i}, vocabulary {v})")
+    heads, kvh, i, v = heads // tp, max(1, kvh // tp), i // tp, v // tp
     per_layer = [h * (heads + 2 * kvh) * hd]  # fused qkv (vLLM's QKVParallelLinear)
     if arch == "Qwen2ForCausalLM":
         per_layer.append((heads + 2 * kvh) * hd)  # Qwen2 has q/k/v biases
@@ -478,7 +486,7 @@ def weight_bytes(cfg: dict, dtype: str) -> int:
     return sum(-(-n // 512) * 512 for n in _weight_tensors(cfg, dtype))
 
 
-def weights_pool_bytes(cfg: dict, dtype: str) -> int:
+def weights_pool_bytes(cfg: dict, dtype: str, tp: int = 1) -> int:
     """The weights pool: what vLLM's model loader allocates inside it
     (patches.py, loader-weights-pool), in the segments torch asks for.
 
@@ -505,7 +513,7 @@ def weights_pool_bytes(cfg: dict, dtype: str) -> int:
     hd = cfg.get("head_dim") or h // heads
     positions = int(cfg.get("max_position_embeddings", 0) or 0)
     rope = positions * hd * _DTYPE_BYTES[dtype] + positions * hd * 4 * 5 // 2  # cache + cat, freqs, cos, sin (fp32)
-    allocated = _weight_tensors(cfg, dtype, allocated=True)
+    allocated = _weight_tensors(cfg, dtype, allocated=True, tp=tp)
     est = torch_segments_bytes(allocated) + rope + TORCH_SMALL_SEGMENT + TORCH_LARGE_SEGMENT
     return est + max(64 << 20, est // 50)
 
@@ -545,6 +553,8 @@ class VllmEngineConfig:
     # EngineArgs fields from --vllm-arg (vllm_overrides): vLLM's own flags,
     # applied over frmps's choices except those frmps owns.
     overrides: dict = field(default_factory=dict)
+    # Ranks of a tensor-parallel group (experimental: tp.py); 1: the in-process executor.
+    tensor_parallel_size: int = 1
 
 
 def scheduler_cls_for(vllm_config: Any) -> str:
@@ -578,6 +588,26 @@ class VllmAdapter:
         self._tokenizer = None
         self._gen_config: dict | None = None
         self._engine_core = False  # serve_engine_core(): cores without a detokenizer
+        self._peer_death: Callable[[str], None] | None = None
+        self._group_memory: Any = None  # tp.VllmGroupMemory of a tensor-parallel engine
+
+    # engine_api.ProcessGroup: a tensor-parallel engine's ranks are vLLM's worker processes (tp.py).
+    def group_memory(self, local: Any) -> Any:
+        if self.cfg.tensor_parallel_size == 1:
+            return local
+        from .tp import VllmGroupMemory
+
+        local.close()  # rank 0 holds no pool memory: every rank allocates its own in its worker
+        self._group_memory = VllmGroupMemory(local.name, self.cfg.tensor_parallel_size)
+        return self._group_memory
+
+    def on_peer_death(self, fn: Callable[[str], None]) -> None:
+        self._peer_death = fn
+
+    def _worker_died(self) -> None:
+        """vLLM's executor saw a worker process exit (its failure callback)."""
+        if self._peer_death is not None:
+            self._peer_death("a tensor-parallel worker of vLLM's executor died")
 
     def serve_engine_core(self) -> None:
         """engine_api.EngineCoreProtocol: the runner's core mode. Cores built from
@@ -601,7 +631,8 @@ class VllmAdapter:
             num_layers=layers,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            num_kv_heads=h.get("num_key_value_heads", heads),
+            # one rank's KV heads: vLLM divides them, or replicates one per rank when fewer
+            num_kv_heads=max(1, h.get("num_key_value_heads", heads) // self.cfg.tensor_parallel_size),
             head_size=h.get("head_dim") or h["hidden_size"] // heads,
             dtype_bytes=_DTYPE_BYTES[self.cfg.dtype],
         )
@@ -609,7 +640,14 @@ class VllmAdapter:
         # Diagnostic knob: room beyond the estimate (both engines read the same
         # environment, so their layouts still agree).
         slack = int(os.environ.get("FRMPS_VLLM_WEIGHTS_SLACK_MIB", "0") or 0) << 20
-        return pool_layout(weights_pool_bytes(h, self.cfg.dtype) + slack, allocations)
+        tp = self.cfg.tensor_parallel_size
+        one = pool_layout(weights_pool_bytes(h, self.cfg.dtype, tp) + slack, allocations)
+        if tp == 1:
+            return one
+        # Every rank the same sizes, a pool's index its rank: weights then kv_cache of rank 0, then of rank 1, ...
+        from .pools import PoolSpec as _Spec
+
+        return [_Spec(s.tag, rank, s.size) for rank in range(tp) for s in one]
 
     def engine_args(self, load_weights: bool, gpu_memory_utilization: float | None = None) -> Any:
         from vllm.engine.arg_utils import EngineArgs
@@ -629,10 +667,13 @@ class VllmAdapter:
             scheduler_cls=ASYNC_SCHEDULER_CLS if self.cfg.async_scheduling else SCHEDULER_CLS,
             async_scheduling=self.cfg.async_scheduling,
             additional_config={"frmps": {"sync_every": self.cfg.sync_every}},
-            tensor_parallel_size=1,
-            distributed_executor_backend="uni",
+            tensor_parallel_size=self.cfg.tensor_parallel_size,
+            # One rank: the worker in this process. Several: vLLM's worker processes (tp.py); its custom
+            # all-reduce (CUDA IPC buffers between the ranks) is off until it is checked inside MPS.
+            distributed_executor_backend="uni" if self.cfg.tensor_parallel_size == 1 else "mp",
+            **({} if self.cfg.tensor_parallel_size == 1 else {"disable_custom_all_reduce": True}),
             # The KV cache is the kv_cache pool, allocated before vLLM starts:
-            # vLLM must not size it from free memory.
+            # vLLM must not size it from free memory (per rank with tensor parallelism).
             kv_cache_memory_bytes=self.pool_layout()[1].size,
             gpu_memory_utilization=gpu_memory_utilization or self.cfg.gpu_memory_utilization,
             seed=0,
@@ -675,20 +716,47 @@ class VllmAdapter:
             logging.getLogger(__name__).info(
                 "torch.compile artifacts loaded whole (%s=1, frmps's default on torch %s; 0 turns it off); "
                 "Triton's kernel cache: %s", MEGA_AOT_ENV, torch.__version__.split("+")[0], triton_dir)
-        controller = PoolController.external(pools, "active" if load_weights else "standby")
-        contexts = cuda_contexts(controller)
-        install_controller(controller)
-        set_context_factory(contexts)
-        free, total = torch.cuda.mem_get_info(controller.pool_device("kv_cache"))
-        fraction = startup_memory_fraction(free, total, self.cfg.gpu_memory_utilization)
+        tp = self.cfg.tensor_parallel_size
+        if tp == 1:
+            controller = PoolController.external(pools, "active" if load_weights else "standby")
+            contexts = cuda_contexts(controller)
+            install_controller(controller)
+            set_context_factory(contexts)
+            free, total = torch.cuda.mem_get_info(controller.pool_device("kv_cache"))
+            fraction = startup_memory_fraction(free, total, self.cfg.gpu_memory_utilization)
+        else:
+            fraction = self._tp_prepare(load_weights)
         vllm_config = self.engine_args(load_weights, fraction).create_engine_config()
         self.compat.finish_config(vllm_config, SLEEP_BACKEND_NAME)
         vllm_config.scheduler_config.scheduler_cls = scheduler_cls_for(vllm_config)
         watch = watch_from_env()  # what Triton compiled during this build, and why (triton_watch.py)
-        core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
+        core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False,
+                          executor_fail_callback=self._worker_died if tp > 1 else None)
         if watch is not None:
             logging.getLogger(__name__).info("%s", watch.start_summary())
+        if tp > 1:
+            self._group_memory.attach(core.model_executor)
+            if load_weights:
+                self._group_memory.collect()  # every rank's fds, which the runner exports
         return VllmCore(core, None if self._engine_core else self.tokenizer())
+
+    def _tp_prepare(self, load_weights: bool) -> float:
+        """Before a tensor-parallel EngineCore (experimental, tp.py): tell vLLM's
+        workers (through their inherited environment) this engine's role and every
+        rank's pools; each builds its own after its device is up. Returns the
+        startup-memory fraction: a rank's check (free >= fraction x total) runs
+        before it allocates its pools, and frmps sized those itself, so only a
+        nominal fraction is asked (vLLM does not size the KV cache from it:
+        kv_cache_memory_bytes)."""
+        from .tp import POOLS_ENV, pools_env
+
+        gm = self._group_memory
+        if gm is None:
+            raise ValueError("a tensor-parallel vLLM engine needs its group memory (the runner's ProcessGroup path)")
+        if gm.name != "cuda-vmm":
+            raise ValueError(f"--engine vllm needs --memory cuda-vmm (got {gm.name})")
+        os.environ[POOLS_ENV] = pools_env(self.pool_layout(), "active" if load_weights else "standby", gm.name)
+        return min(self.cfg.gpu_memory_utilization, 0.01)
 
     def sampling_params(self, params: Any, seed: int) -> Any:
         """control_pb2.SamplingParams (validated by the SDK; ``seed`` resolved) -> vllm SamplingParams,
@@ -927,8 +995,13 @@ def make_adapter(args: Any) -> VllmAdapter:
                            "in the engines' environment (vLLM's batch-invariant kernels) instead")
     if getattr(args, "kv_reuse", True) is False:
         raise AdapterError("--no-kv-reuse (the recompute ablation) is implemented by the reference engine only")
-    if int(getattr(args, "tensor_parallel_size", 1) or 1) != 1:
-        raise AdapterError("--tensor-parallel-size > 1 is implemented by the reference engine only (not yet for vLLM)")
+    tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
+    if tp != 1:
+        from .tp import EXPERIMENTAL_ENV, experimental_on
+
+        if not experimental_on(os.environ):
+            raise AdapterError(f"--tensor-parallel-size > 1 with vLLM is experimental and has not run on GPUs yet "
+                               f"(frmps_engine/vllm/tp.py); {EXPERIMENTAL_ENV}=1 turns it on")
     try:
         async_scheduling = async_scheduling_from_env(os.environ)
         structured_outputs = structured_outputs_from_env(os.environ)
@@ -950,6 +1023,7 @@ def make_adapter(args: Any) -> VllmAdapter:
             max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
             structured_outputs=structured_outputs,
             overrides=overrides,
+            tensor_parallel_size=tp,
         )
     )
 

@@ -144,6 +144,35 @@ def loader_weights_pool(original: Callable) -> Callable:
     return load_model
 
 
+def tp_worker_pools(original: Callable) -> Callable:
+    """Builder of the ``tp-worker-pools`` patch (experimental tensor parallelism, tp.py):
+    after vLLM's ``Worker.init_device``, a worker of a frmps tensor-parallel engine
+    builds its rank's pools; in every other process ``worker_setup`` does nothing."""
+
+    def init_device(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        from .tp import worker_setup
+
+        worker_setup(self)
+        return out
+
+    init_device.__doc__ = original.__doc__
+    return init_device
+
+
+TP_WORKER_POOLS_WHY = (
+    "With tensor parallelism vLLM's MultiprocExecutor builds each rank in a worker process of its own, which "
+    "loads the rank's shard in WorkerProc.__init__ right after init_device (v1/executor/multiproc_executor.py), "
+    "before frmps's rank 0 can reach it: the rank's frmps pools must exist in that process by then."
+)
+TP_WORKER_POOLS_HOW = (
+    "Call the original, then tp.worker_setup(worker): only where FRMPS_VLLM_TP_POOLS is set (a worker of a frmps "
+    "tensor-parallel engine), allocate (active) or reserve (standby) the rank's pools on its GPU and install its "
+    "PoolController and allocation contexts, so that the other patches place the rank's shard and KV cache."
+)
+TP_WORKER_POOLS_REMOVABLE = "vLLM lets a plugin provide a worker's memory pools before its model load."
+
+
 def patches() -> tuple[Patch, ...]:
     """The installed vLLM version's patch registry."""
     from .compat import current

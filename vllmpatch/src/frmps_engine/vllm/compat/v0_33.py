@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..patches import Patch, loader_weights_pool, worker_pool_context
+from ..patches import (TP_WORKER_POOLS_HOW, TP_WORKER_POOLS_REMOVABLE, TP_WORKER_POOLS_WHY, Patch,
+                       loader_weights_pool, tp_worker_pools, worker_pool_context)
 
 VERSION = "0.33.0"
 
@@ -83,6 +84,14 @@ PATCHES: tuple[Patch, ...] = (
             "tag), so that the worker-level context places exactly the model."
         ),
         make=loader_weights_pool,
+    ),
+    Patch(
+        name="tp-worker-pools",
+        target="vllm.v1.worker.gpu_worker:Worker.init_device",
+        why=TP_WORKER_POOLS_WHY,
+        how=TP_WORKER_POOLS_HOW,
+        removable_when=TP_WORKER_POOLS_REMOVABLE,
+        make=tp_worker_pools,
     ),
 )
 

@@ -1,0 +1,228 @@
+"""vLLM tensor parallelism (experimental; frmps_engine/vllm/tp.py) in its CPU-testable
+parts: the per-rank pool layout and weights estimate, the role/pools hand-off to the
+workers, the fd exchange between rank 0 and the ranks, and rank 0's group memory
+driving ranks through ``ExecutorDouble`` — a labelled test double for vLLM's
+MultiprocExecutor.collective_rpc that runs the callable for every rank on threads
+of this process, each with the rank's own PoolController double. vLLM's workers,
+GPUs and the interceptor are not involved: the path as a whole needs two GPUs."""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from frmps_engine.sdk.memory.base import MemoryError_, PoolSpec, SizeMismatch
+from frmps_engine.vllm import tp
+from frmps_engine.vllm.testing import TINY_QWEN2, write_tiny_model
+
+
+def memfd(content: bytes) -> int:
+    fd = os.memfd_create("frmps-tp-test")
+    os.write(fd, content)
+    return fd
+
+
+def read_fd(fd: int) -> bytes:
+    return os.pread(fd, 64, 0)
+
+
+SPECS = [PoolSpec("weights", 0, 4096), PoolSpec("kv_cache", 0, 2048),
+         PoolSpec("weights", 1, 4096), PoolSpec("kv_cache", 1, 2048)]
+
+
+def test_pools_reach_the_workers_through_their_environment():
+    raw = tp.pools_env(SPECS, "standby", "cuda-vmm")
+    role, memory, specs = tp.parse_pools_env(raw)
+    assert (role, memory, specs) == ("standby", "cuda-vmm", SPECS)
+    assert tp.rank_specs(specs, 1) == SPECS[2:]
+    for bad in ("", "{}", '{"role": "boss", "memory": "m", "pools": [["weights", 0, 1]]}',
+                '{"role": "active", "memory": "m", "pools": []}'):
+        with pytest.raises(ValueError):
+            tp.parse_pools_env(bad)
+    with pytest.raises(ValueError):
+        tp.pools_env(SPECS, "spare", "cuda-vmm")
+
+
+class RankController:
+    """Test double of one rank's PoolController (its specs, fds, brokered mapping, flips)."""
+
+    def __init__(self, rank: int, specs):
+        self.specs = [s for s in specs if s.index == rank]
+        self.exported = [memfd(f"rank{rank}-{s.tag}".encode()) for s in self.specs]
+        self.brokered: list[bytes] = []
+        self.suspended = False
+        self.backend = SimpleNamespace(flips=[])
+        self.backend.make_writable = lambda tag: self.backend.flips.append((tag, "rw"))
+        self.backend.make_readonly = lambda tag: self.backend.flips.append((tag, "ro"))
+
+    def fds(self):
+        return list(self.exported)
+
+    def provide_brokered(self, fds):
+        self.brokered = [read_fd(fd) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+
+    def suspend(self):
+        self.suspended = True
+
+
+class ExecutorDouble:
+    """Labelled double of vLLM's MultiprocExecutor.collective_rpc: the callable runs for
+    every rank at once (threads), with ``get_controller()`` answering each rank's own."""
+
+    def __init__(self, ranks: int, monkeypatch, fail_rank: int | None = None):
+        from frmps_engine.vllm import pools
+
+        self.local = threading.local()
+        self.controllers = [RankController(r, SPECS) for r in range(ranks)]
+        self.fail_rank = fail_rank
+        monkeypatch.setattr(pools, "get_controller", lambda: self.local.controller)
+
+    def collective_rpc(self, fn, args=()):
+        results, errors = [None] * len(self.controllers), []
+
+        def one(rank):
+            self.local.controller = self.controllers[rank]
+            try:
+                if rank == self.fail_rank:
+                    raise RuntimeError(f"rank {rank} failed before connecting")
+                results[rank] = fn(SimpleNamespace(rank=rank), *args)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(len(self.controllers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        if errors:
+            raise errors[0]
+        return results
+
+
+def test_group_memory_collects_every_ranks_fds_for_the_runner(monkeypatch):
+    ex = ExecutorDouble(2, monkeypatch)
+    gm = tp.VllmGroupMemory("cuda-vmm", 2)
+    pools = gm.allocate(SPECS)
+    assert [p.spec for p in pools] == SPECS and all(p.fd == -1 for p in pools)
+    gm.attach(ex)
+    gm.collect()
+    assert [read_fd(p.fd) for p in pools] == [b"rank0-weights", b"rank0-kv_cache", b"rank1-weights", b"rank1-kv_cache"]
+    gm.close()
+    assert all(p.fd == -1 for p in pools)
+
+
+def test_group_memory_hands_each_rank_its_brokered_fds_and_flips_every_rank(monkeypatch):
+    ex = ExecutorDouble(2, monkeypatch)
+    gm = tp.VllmGroupMemory("cuda-vmm", 2)
+    gm.reserve(SPECS)
+    gm.attach(ex)
+    fds = [memfd(f"brokered-{s.tag}-{s.index}".encode()) for s in SPECS]
+    pools = gm.map(SPECS, fds, readonly=True)
+    assert all(p.readonly for p in pools)
+    for fd in fds:  # rank 0's copies are closed: the ranks hold their own
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert ex.controllers[1].brokered == [b"brokered-weights-1", b"brokered-kv_cache-1"]
+    assert all(c.suspended for c in ex.controllers)
+    gm.make_writable("kv_cache")
+    gm.make_readonly("kv_cache")
+    assert [c.backend.flips for c in ex.controllers] == [[("kv_cache", "rw"), ("kv_cache", "ro")]] * 2
+
+
+def test_group_memory_refuses_what_is_not_its_layout(monkeypatch):
+    gm = tp.VllmGroupMemory("cuda-vmm", 2)
+    with pytest.raises(MemoryError_, match="ranks \\[0\\]"):
+        gm.allocate(SPECS[:2])
+    gm.reserve(SPECS)
+    with pytest.raises(MemoryError_, match="not up yet"):
+        gm.make_writable("kv_cache")
+    gm.attach(ExecutorDouble(2, monkeypatch))
+    fds = [memfd(b"x") for _ in SPECS[:2]]
+    with pytest.raises(SizeMismatch):
+        gm.map(SPECS[:2], fds, readonly=True)
+    for fd in fds:  # closed even when refused
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_a_rank_that_fails_ends_the_exchange_at_once(monkeypatch):
+    """A rank that raises before connecting: the error comes back now, not after the
+    exchange's timeout, and the other ranks' fds are not kept."""
+    import time
+
+    ex = ExecutorDouble(2, monkeypatch, fail_rank=1)
+    gm = tp.VllmGroupMemory("cuda-vmm", 2)
+    pools = gm.allocate(SPECS)
+    gm.attach(ex)
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        gm.collect()
+    assert time.monotonic() - t < 10
+    assert all(p.fd == -1 for p in pools)
+
+
+def test_the_exchange_refuses_a_peer_without_the_token():
+    with tp.FdExchange() as x:
+        assert os.stat(x.dir).st_mode & 0o777 == 0o700 and os.stat(x.path).st_mode & 0o777 == 0o600
+
+        def rpc():
+            with pytest.raises(Exception):
+                tp._call_rank_zero(x.path, "not-the-token", 0, {"op": "pools"})
+
+        with pytest.raises(MemoryError_, match="unexpected peer"):
+            x.run(1, lambda *a: None, rpc, timeout=10)
+    assert not os.path.exists(x.dir)
+
+
+def test_per_rank_weights_and_kv_pools(tmp_path, monkeypatch):
+    from frmps_engine.vllm.engine import _weight_tensors, make_adapter
+
+    cfg = {**TINY_QWEN2, "tie_word_embeddings": False}
+    one, two = _weight_tensors(cfg, "float32"), _weight_tensors(cfg, "float32", tp=2)
+    h = cfg["hidden_size"]
+    norms = (2 * cfg["num_hidden_layers"] + 1) * h * 4  # replicated on every rank
+    assert sum(two) - norms == (sum(one) - norms) // 2
+    with pytest.raises(ValueError, match="does not divide"):
+        _weight_tensors({**cfg, "num_attention_heads": 6, "num_key_value_heads": 3}, "float32", tp=4)
+
+    model = write_tiny_model(tmp_path / "m")
+    args = SimpleNamespace(model=model, num_blocks=4096, dtype="float32", device="cuda", tensor_parallel_size=2)
+    monkeypatch.delenv(tp.EXPERIMENTAL_ENV, raising=False)
+    from frmps_engine.sdk.adapters import AdapterError
+
+    with pytest.raises(AdapterError, match=tp.EXPERIMENTAL_ENV):
+        make_adapter(args)
+    monkeypatch.setenv(tp.EXPERIMENTAL_ENV, "1")
+    layout2 = make_adapter(args).pool_layout()
+    layout1 = make_adapter(SimpleNamespace(**{**vars(args), "tensor_parallel_size": 1})).pool_layout()
+    assert [(s.tag, s.index) for s in layout2] == [("weights", 0), ("kv_cache", 0), ("weights", 1), ("kv_cache", 1)]
+    assert layout2[0].size == layout2[2].size and layout2[1].size == layout2[3].size
+    assert layout2[1].size < layout1[1].size  # 2 KV heads: one per rank
+    ad = make_adapter(args)
+    assert ad.engine_args(True, 0.5).tensor_parallel_size == 2
+
+
+def test_worker_setup_builds_only_a_tp_workers_own_pools(monkeypatch):
+    from frmps_engine.vllm import allocation, pools
+
+    installed = []
+    monkeypatch.setattr(pools, "install_controller", installed.append)
+    monkeypatch.setattr(pools, "set_context_factory", lambda f: None)
+    monkeypatch.setattr(allocation, "cuda_contexts", lambda c: None)
+    worker = SimpleNamespace(rank=1, device="cpu")
+    assert tp.worker_setup(worker, env={}) is False and not installed
+    env = {tp.POOLS_ENV: tp.pools_env(SPECS, "active", "host-shm")}
+    assert tp.worker_setup(worker, env=env) is True
+    (c,) = installed
+    try:
+        assert [s.index for s in c.specs] == [1, 1] and c.role == "active" and c.state == "READY"
+        assert len(c.fds()) == 2
+    finally:
+        c.backend.close()
+    with pytest.raises(MemoryError_, match="no pools"):
+        tp.worker_setup(SimpleNamespace(rank=5, device="cpu"), env=env)
