@@ -160,17 +160,28 @@ def tp_worker_pools(original: Callable) -> Callable:
     return init_device
 
 
-TP_WORKER_POOLS_WHY = (
+_TP_WORKER_POOLS_WHY = (
     "With tensor parallelism vLLM's MultiprocExecutor builds each rank in a worker process of its own, which "
     "loads the rank's shard in WorkerProc.__init__ right after init_device (v1/executor/multiproc_executor.py), "
     "before frmps's rank 0 can reach it: the rank's frmps pools must exist in that process by then."
 )
-TP_WORKER_POOLS_HOW = (
+_TP_WORKER_POOLS_HOW = (
     "Call the original, then tp.worker_setup(worker): only where FRMPS_VLLM_TP_POOLS is set (a worker of a frmps "
     "tensor-parallel engine), allocate (active) or reserve (standby) the rank's pools on its GPU and install its "
     "PoolController and allocation contexts, so that the other patches place the rank's shard and KV cache."
 )
-TP_WORKER_POOLS_REMOVABLE = "vLLM lets a plugin provide a worker's memory pools before its model load."
+_TP_WORKER_POOLS_REMOVABLE = "vLLM lets a plugin provide a worker's memory pools before its model load."
+
+
+# The same in every supported version (Worker.init_device, then WorkerProc's load_model).
+TP_WORKER_POOLS = Patch(
+    name="tp-worker-pools",
+    target="vllm.v1.worker.gpu_worker:Worker.init_device",
+    why=_TP_WORKER_POOLS_WHY,
+    how=_TP_WORKER_POOLS_HOW,
+    removable_when=_TP_WORKER_POOLS_REMOVABLE,
+    make=tp_worker_pools,
+)
 
 
 def patches() -> tuple[Patch, ...]:

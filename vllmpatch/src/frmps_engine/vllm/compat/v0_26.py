@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..patches import (TP_WORKER_POOLS_HOW, TP_WORKER_POOLS_REMOVABLE, TP_WORKER_POOLS_WHY, Patch, kv_allocation,
-                       loader_weights_pool, tp_worker_pools, worker_pool_context)
+from ..patches import TP_WORKER_POOLS, Patch, kv_allocation, loader_weights_pool, worker_pool_context
 
 VERSION = "0.26.0"
 
@@ -115,14 +114,7 @@ PATCHES: tuple[Patch, ...] = (
         removable_when=_KV_REMOVABLE,
         make=kv_allocation,
     ),
-    Patch(
-        name="tp-worker-pools",
-        target="vllm.v1.worker.gpu_worker:Worker.init_device",
-        why=TP_WORKER_POOLS_WHY,
-        how=TP_WORKER_POOLS_HOW,
-        removable_when=TP_WORKER_POOLS_REMOVABLE,
-        make=tp_worker_pools,
-    ),
+    TP_WORKER_POOLS,
 )
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..patches import (TP_WORKER_POOLS_HOW, TP_WORKER_POOLS_REMOVABLE, TP_WORKER_POOLS_WHY, Patch,
-                       loader_weights_pool, tp_worker_pools, worker_pool_context)
+from ..patches import TP_WORKER_POOLS, Patch, loader_weights_pool, worker_pool_context
 
 VERSION = "0.33.0"
 
@@ -85,14 +84,7 @@ PATCHES: tuple[Patch, ...] = (
         ),
         make=loader_weights_pool,
     ),
-    Patch(
-        name="tp-worker-pools",
-        target="vllm.v1.worker.gpu_worker:Worker.init_device",
-        why=TP_WORKER_POOLS_WHY,
-        how=TP_WORKER_POOLS_HOW,
-        removable_when=TP_WORKER_POOLS_REMOVABLE,
-        make=tp_worker_pools,
-    ),
+    TP_WORKER_POOLS,
 )
 
 
