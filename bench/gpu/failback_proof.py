@@ -371,6 +371,12 @@ def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigge
                                                "reused_tokens", "prefilled_tokens", "first_token_seconds")}
     rec["fault_to_detect_s"] = round(detect - t_fault, 4)
     st, t_restored = dep.wait(lambda s: restored(s, n_fb + 1), 300, f"failback after cycle {n_fb + 1}")
+    # The MPS server's side: from "to be torn down" (a fault) to the dead active's exit, which the
+    # standby's KV flip waits for; after a drill only the exit (kill_to_exit_ms: from the drill's request).
+    td = loglines.mps_client_teardown(os.path.join(dep.mps_dirs()[1], "server.log"), rec["active_pid"], t_fault - 2)
+    if td is not None:
+        td["kill_to_exit_ms"] = round((td["exited_at"] - t_fault) * 1000, 1)
+    rec["mps_teardown"] = td
     fr = first_resumed(get(e["standby"], "log_path"), detect)  # the engine the failover promoted
     rec["detect_to_first_resumed_token_s"] = round(fr - detect, 4) if fr else None
     # Where that time went in the promoted engine: the Resume (KV flip beside the adoption)
@@ -404,7 +410,13 @@ def summary_line(rec: dict, step: float) -> str:
             f"restored={rec['failback']['restored_s_after_detect']}s "
             f"(from_spare={rec['failback']['new_engine_from_spare']} spare={rec['spare_before']['state']}) "
             f"handover={rec['failback']['handover_s']}s gap={rec['handover_max_gap_s']} step={step:.4f}"
-            f"{breakdown(rec['takeover'])}")
+            f"{breakdown(rec['takeover'])}{teardown(rec.get('mps_teardown'))}")
+
+
+def teardown(td: dict | None) -> str:
+    if not td:
+        return ""
+    return f" mps_teardown={td.get('teardown_ms')}ms kill->exit={td.get('kill_to_exit_ms')}ms"
 
 
 def main() -> int:

@@ -560,3 +560,32 @@ def test_the_fault_time_is_the_triggers_own():
     assert loglines.trigger_time("pid 7 triggering misaligned (load) at 1795779325.451397610") == 1795779325.45139761
     assert loglines.trigger_time("pid 7 triggering misaligned (load)") is None  # older triggers: the read time
     assert loglines.trigger_time("pid 7 ready") is None
+
+
+def test_the_mps_servers_teardown_of_a_client(tmp_path):
+    """The MPS server's log, as the H100 run of 2026-11-27 wrote it (first fault of a
+    deployment: 287 ms from "to be torn down" to the active's exit)."""
+    import datetime
+
+    from frmps_engine.bench import loglines
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "[2026-11-27 13:09:16.123 Server  1137] Server has started\n"
+        "[2026-11-27 13:11:17.402 Server  1137] Server is handling a fatal GPU error.\n"
+        "[2026-11-27 13:11:17.402 Server  1137] Client {PID: 1070, Context ID: 1} on device 0 to be torn down\n"
+        "[2026-11-27 13:11:17.402 Server  1137] Client {PID: 1976, Context ID: 1} on device 0 to be torn down\n"
+        "[2026-11-27 13:11:17.689 Server  1137] Server failed to recevie command with status 806, assuming client "
+        "{PID: 1070, Context ID: 1} exit\n"
+        "[2026-11-27 13:11:17.690 Server  1137] Client {PID: 1070, Context ID: 1} exiting. Number of active client "
+        "contexts is 1.\n"
+        "[2026-11-27 13:11:43.341 Server  2173] Client {PID: 2391, Context ID: 1} exiting. Number of active client "
+        "contexts is 1.\n")
+    td = loglines.mps_client_teardown(str(log), 1070)
+    assert td["teardown_ms"] == 288.0
+    assert td["exited_at"] == datetime.datetime(2026, 11, 27, 13, 11, 17, 690000).timestamp()
+    killed = loglines.mps_client_teardown(str(log), 2391)  # an exit without a fault (a drill's SIGKILL)
+    assert killed["torn_down_at"] is None and killed["teardown_ms"] is None
+    assert loglines.mps_client_teardown(str(log), 1070, after=killed["exited_at"]) is None
+    assert loglines.mps_client_teardown(str(log), 4242) is None
+    assert loglines.mps_client_teardown(str(tmp_path / "missing.log"), 1070) is None

@@ -40,6 +40,44 @@ def standby_pools(path: str | None) -> dict[str, dict[str, float]] | None:
 TRIGGERING = re.compile(r"triggering .* at (\d+\.\d+)\s*$")
 
 
+# The MPS server's log (nvidia-cuda-mps-server, server.log): "[<local date time.ms> Server <pid>] <text>".
+MPS_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+) Server\s+\d+\] (.*)$")
+
+
+def mps_client_teardown(path: str | None, pid: int, after: float = 0.0) -> dict | None:
+    """When the MPS server began tearing client ``pid``'s context down after a fatal
+    error ("… to be torn down"; absent when the client was killed without a fault)
+    and when it saw the client exit ("Client {PID: pid, Context ID: n} exiting"), as
+    unix times read from the log's local clock, from ``after`` (unix time) on; with
+    ``teardown_ms`` between the two. A standby's KV flip waits for that exit
+    (bench/results/2026-11-27-h100-vllm-restore/). None: no log or no exit line."""
+    import datetime
+
+    if not path or not os.path.exists(path):
+        return None
+    tag = f"Client {{PID: {pid}, Context ID: "
+    torn = exited = None
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = MPS_LINE.match(line.strip())
+            if not m or tag not in m.group(2):
+                continue
+            t = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp()
+            if t < after:
+                continue
+            text = m.group(2)
+            if torn is None and "to be torn down" in text:
+                torn = t
+            elif "exiting" in text:
+                exited = t
+                break
+    if exited is None:
+        return None
+    out = {"torn_down_at": torn, "exited_at": exited}
+    out["teardown_ms"] = round((exited - torn) * 1000, 1) if torn is not None else None
+    return out
+
+
 def trigger_time(line: str) -> float | None:
     """When a trigger's "triggering" line says its fault came (None: a line without
     the time, as the triggers printed before 2026-11-27)."""
