@@ -592,7 +592,9 @@ class Runner:
     def _prepare_debug_fault(self) -> None:
         from . import debug_fault
 
-        if os.environ.get(debug_fault.ENV) == "1":
+        # Not in a process without pool memory of its own (rank 0 of a group whose ranks are
+        # other processes): it would only open a CUDA context there for the test hook.
+        if os.environ.get(debug_fault.ENV) == "1" and self.memory.pools():
             debug_fault.prepare(self.adapter.device)
 
     def _log_checksums(self, when: str) -> None:
