@@ -135,7 +135,10 @@ def serve(args: argparse.Namespace) -> int:
         return runner.EXIT_REFUSED
     try:
         adapter = adapters.load_adapter(args.engine, engine_options(args))
-        mem = memory.get_backend(args.memory, args.device)
+        if getattr(adapter, "workers_own_pools", False):  # the ranks are other processes (ProcessGroup)
+            mem = memory.BackendName(args.memory)
+        else:
+            mem = memory.get_backend(args.memory, args.device)
         r = runner.Runner(
             runner.RunnerConfig(role=args.role, control_socket=args.control_socket,
                                 generation_socket=args.generation_socket or "",

@@ -205,6 +205,15 @@ def test_per_rank_weights_and_kv_pools(tmp_path, monkeypatch):
     assert layout2[1].size < layout1[1].size  # 2 KV heads: one per rank
     ad = make_adapter(args)
     assert ad.engine_args(True, 0.5).tensor_parallel_size == 2
+    # Rank 0 opens no device: its memory backend is a name, and the group memory replaces it.
+    from frmps_engine.sdk import memory
+
+    one = make_adapter(SimpleNamespace(**{**vars(args), "tensor_parallel_size": 1}))
+    assert ad.workers_own_pools and not one.workers_own_pools
+    gm = ad.group_memory(memory.BackendName("cuda-vmm"))
+    assert isinstance(gm, tp.VllmGroupMemory) and gm.name == "cuda-vmm" and gm.ranks == 2
+    with pytest.raises(memory.MemoryError_):
+        memory.BackendName("disk")
 
 
 def test_worker_setup_builds_only_a_tp_workers_own_pools(monkeypatch):

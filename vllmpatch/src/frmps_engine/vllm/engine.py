@@ -592,12 +592,18 @@ class VllmAdapter:
         self._group_memory: Any = None  # tp.VllmGroupMemory of a tensor-parallel engine
 
     # engine_api.ProcessGroup: a tensor-parallel engine's ranks are vLLM's worker processes (tp.py).
+    @property
+    def workers_own_pools(self) -> bool:
+        """Every rank builds its own pools in its worker: this process needs no memory
+        backend of its own (cli.py passes memory.BackendName), and opens no device."""
+        return self.cfg.tensor_parallel_size > 1
+
     def group_memory(self, local: Any) -> Any:
         if self.cfg.tensor_parallel_size == 1:
             return local
         from .tp import VllmGroupMemory
 
-        local.close()  # rank 0 holds no pool memory: every rank allocates its own in its worker
+        local.close()  # rank 0 holds no pool memory (cli.py gives it a BackendName): the workers do
         self._group_memory = VllmGroupMemory(local.name, self.cfg.tensor_parallel_size)
         return self._group_memory
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from .base import MemoryBackend, MemoryError_, Pool, PoolSpec, SizeMismatch, check_specs_match
 
-__all__ = ["MemoryBackend", "MemoryError_", "Pool", "PoolSpec", "SizeMismatch", "check_specs_match", "get_backend"]
+__all__ = ["MemoryBackend", "MemoryError_", "Pool", "PoolSpec", "SizeMismatch", "check_specs_match", "get_backend",
+           "BackendName"]
 
 
 def get_backend(name: str, device: str = "cpu") -> MemoryBackend:
@@ -23,3 +24,18 @@ def get_backend(name: str, device: str = "cpu") -> MemoryBackend:
 
         return CudaVmmBackend(device=device)
     raise MemoryError_(f"unknown memory backend {name!r} (known: host-shm, cuda-vmm)")
+
+
+class BackendName:
+    """The backend's name without the backend: what an engine process passes on when
+    its pools live in other processes (the ranks of a tensor-parallel vLLM engine
+    build their own, ``ProcessGroup.group_memory``), so that it opens no device of
+    its own — the cuda-vmm backend would create a CUDA context here."""
+
+    def __init__(self, name: str):
+        if name not in ("host-shm", "cuda-vmm"):
+            raise MemoryError_(f"unknown memory backend {name!r} (known: host-shm, cuda-vmm)")
+        self.name = name
+
+    def close(self) -> None:
+        pass
