@@ -18,8 +18,8 @@ import time
 import pytest
 
 from e2e import frmps_bin
-from frmps_engine.bench.chaos import (Clients, Serve, check, double_fault, goroutine_dump, hang_active, kill_active,
-                                      kill_supervisor, reference_outputs, sample, settle, summarize, workload)
+from frmps_engine.bench.chaos import (Clients, Serve, baseline, check, double_fault, goroutine_dump, hang_active,
+                                      kill_active, kill_supervisor, reference_outputs, settle, summarize, workload)
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
 
@@ -37,7 +37,7 @@ def test_chaos(tmp_path, spare):
         serve.start()
         reference = reference_outputs(serve, requests)
         serve.wait_spare()
-        base = sample(serve)
+        base = baseline(serve)
         t.append(time.monotonic())
         assert base.children == 2 + spare and base.shm_files == 1 and base.sockets == 4 and base.zombies == 0, base
 

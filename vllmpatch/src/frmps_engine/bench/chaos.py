@@ -361,6 +361,23 @@ def goroutine_dump(serve: Serve, timeout: float = 10.0) -> str:
     return "\n\n".join(blocks)
 
 
+def baseline(serve: Serve, quiet: float = 1.0, timeout: float = 10.0) -> Sample:
+    """The supervisor's resting state to compare against: sampled until its
+    descriptors and goroutines have not changed for ``quiet`` seconds (or timeout).
+    One sample can catch a connection of the run before it (a client's request,
+    the admin query) still open, and the check afterwards would then read one
+    descriptor fewer as a difference (test_chaos once saw "fds 27 -> 26")."""
+    s = sample(serve)
+    since, deadline = time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() - since < quiet and time.monotonic() < deadline:
+        time.sleep(0.2)
+        n = sample(serve)
+        if (n.fds, n.goroutines) != (s.fds, s.goroutines):
+            since = time.monotonic()
+        s = n
+    return s
+
+
 def settle(serve: Serve, base: Sample, timeout: float = 15.0) -> tuple[Sample, list[str]]:
     """Samples until descriptors and goroutines are back at the baseline (closing
     connections and ending goroutines are asynchronous), or timeout; returns the
@@ -620,7 +637,7 @@ def soak(args: argparse.Namespace) -> int:
         # Warm-up kills: the runtime's own pools and the first engine generations settle.
         for _ in range(args.warmup):
             kill_active(serve)
-        base, _ = settle(serve, sample(serve), timeout=2)
+        base = baseline(serve)
         samples.append(base)
         print(f"baseline: {base}", flush=True)
         with Clients(lambda: serve.base, requests, args.streams) as clients:
