@@ -316,24 +316,22 @@ def takeover_traces(log_dir: str) -> dict[str, list[str]]:
     return out
 
 
-def drill_trigger(dep):
-    """A cycle's trigger that is no GPU fault: the admin API's failover drill
-    (TriggerFailover: the supervisor SIGKILLs the active). What it answers: is the
-    KV flip's wait for the dead context's teardown the same without a fault, and
-    for the deployment's first active (the engine that created the pools) as for
-    a later one (which imported them)?"""
-    def make(_dep, _act):
-        def prepare() -> None:
-            pass
+def drill(dep, _active):
+    """A cycle's trigger that is no GPU fault (mps_trigger's shape: prepare, inject):
+    the admin API's failover drill (TriggerFailover: the supervisor SIGKILLs the
+    active). What it answers: is the KV flip's wait for the dead context's teardown
+    the same without a fault, and for the deployment's first active (the engine
+    that created the pools) as for a later one (which imported them)?"""
+    def prepare() -> None:
+        pass
 
-        def inject() -> dict:
-            t = now()
-            r = http_json(f"http://{dep.admin}/v1/admin/failover", {"reason": "failback_proof drill"}, timeout=10)
-            if not get(r, "accepted"):
-                raise RuntimeError(f"drill refused: {r}")
-            return {"t_fault": t, "accepted": True}
-        return prepare, inject
-    return make
+    def inject() -> dict:
+        t = now()
+        r = http_json(f"http://{dep.admin}/v1/admin/failover", {"reason": "failback_proof drill"}, timeout=10)
+        if not get(r, "accepted"):
+            raise RuntimeError(f"drill refused: {r}")
+        return {"t_fault": t, "accepted": True}
+    return prepare, inject
 
 
 def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigger) -> None:
@@ -370,7 +368,7 @@ def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigge
     rec["failover"] = {k: get(fo, k) for k in ("cause", "ok", "duration_seconds", "resumed_requests",
                                                "reused_tokens", "prefilled_tokens", "first_token_seconds")}
     rec["fault_to_detect_s"] = round(detect - t_fault, 4)
-    st, t_restored = dep.wait(lambda s: restored(s, n_fb + 1), 300, f"failback after cycle {n_fb + 1}")
+    st, _ = dep.wait(lambda s: restored(s, n_fb + 1), 300, f"failback after cycle {n_fb + 1}")
     # The MPS server's side: from "to be torn down" (a fault) to the dead active's exit, which the
     # standby's KV flip waits for; after a drill only the exit (kill_to_exit_ms: from the drill's request).
     td = loglines.mps_client_teardown(os.path.join(dep.mps_dirs()[1], "server.log"), rec["active_pid"], t_fault - 2)
@@ -507,7 +505,7 @@ def main() -> int:
         for d in range(1, args.drills + 1):
             rec = {"n": d, "drill": "admin failover (SIGKILL of the active, no GPU fault)"}
             report.setdefault("drills", []).append(rec)
-            cycle(dep, args, load, step, rec, n_fb, last, drill_trigger(dep))
+            cycle(dep, args, load, step, rec, n_fb, last, drill)
             n_fb += 1
             print(f"drill {d}: {summary_line(rec, step)}", flush=True)
             save()
@@ -519,7 +517,7 @@ def main() -> int:
             spec = kinds[(n - 1) % len(kinds)]
             rec = {"n": n, "fault": spec}
             report["faults"].append(rec)
-            cycle(dep, args, load, step, rec, n_fb, last, lambda dep, act: mps_trigger(args, spec)(dep, act))
+            cycle(dep, args, load, step, rec, n_fb, last, mps_trigger(args, spec))
             n_fb += 1
             print(f"fault {n} {spec}: {summary_line(rec, step)}", flush=True)
             save()

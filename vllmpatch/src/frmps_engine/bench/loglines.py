@@ -35,10 +35,6 @@ def standby_pools(path: str | None) -> dict[str, dict[str, float]] | None:
                 return {k: {"reserved": float(r), "allocated": float(a)} for k, r, a in POOL_KIND.findall(line)}
     return None
 
-# bench/faults/fault_common.h: "pid N triggering <fault> (<variant>) at <unix time>" on the
-# trigger's stderr, right before its faulting launch, the time from its own clock.
-TRIGGERING = re.compile(r"triggering .* at (\d+\.\d+)\s*$")
-
 
 # The MPS server's log (nvidia-cuda-mps-server, server.log): "[<local date time.ms> Server <pid>] <text>".
 MPS_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+) Server\s+\d+\] (.*)$")
@@ -76,6 +72,11 @@ def mps_client_teardown(path: str | None, pid: int, after: float = 0.0) -> dict 
     out = {"torn_down_at": torn, "exited_at": exited}
     out["teardown_ms"] = round((exited - torn) * 1000, 1) if torn is not None else None
     return out
+
+
+# bench/faults/fault_common.h: "pid N triggering <fault> (<variant>) at <unix time>" on the
+# trigger's stderr, right before its faulting launch, the time from its own clock.
+TRIGGERING = re.compile(r"triggering .* at (\d+\.\d+)\s*$")
 
 
 def trigger_time(line: str) -> float | None:

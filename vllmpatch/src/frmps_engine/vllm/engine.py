@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, S
 
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME
 from .adoption import AdoptResult, plan_adoption
-from .pools import kv_cache_bytes, pool_layout
+from .pools import PoolSpec, kv_cache_bytes, pool_layout
 from .triton_watch import watch_from_env
 from ..sdk.engine_api import throwaway_takeover
 from ..sdk.seeds import derive_seed, resolve_seed, to_int64, to_uint64
@@ -651,9 +651,7 @@ class VllmAdapter:
         if tp == 1:
             return one
         # Every rank the same sizes, a pool's index its rank: weights then kv_cache of rank 0, then of rank 1, ...
-        from .pools import PoolSpec as _Spec
-
-        return [_Spec(s.tag, rank, s.size) for rank in range(tp) for s in one]
+        return [PoolSpec(s.tag, rank, s.size) for rank in range(tp) for s in one]
 
     def engine_args(self, load_weights: bool, gpu_memory_utilization: float | None = None) -> Any:
         from vllm.engine.arg_utils import EngineArgs

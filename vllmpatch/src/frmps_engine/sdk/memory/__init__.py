@@ -13,6 +13,13 @@ __all__ = ["MemoryBackend", "MemoryError_", "Pool", "PoolSpec", "SizeMismatch", 
            "BackendName"]
 
 
+KNOWN_BACKENDS = ("host-shm", "cuda-vmm")
+
+
+def _unknown(name: str) -> MemoryError_:
+    return MemoryError_(f"unknown memory backend {name!r} (known: {', '.join(KNOWN_BACKENDS)})")
+
+
 def get_backend(name: str, device: str = "cpu") -> MemoryBackend:
     """Build the backend named on the command line ("host-shm" or "cuda-vmm")."""
     if name == "host-shm":
@@ -23,7 +30,7 @@ def get_backend(name: str, device: str = "cpu") -> MemoryBackend:
         from .cuda_vmm import CudaVmmBackend
 
         return CudaVmmBackend(device=device)
-    raise MemoryError_(f"unknown memory backend {name!r} (known: host-shm, cuda-vmm)")
+    raise _unknown(name)
 
 
 class BackendName:
@@ -33,8 +40,8 @@ class BackendName:
     its own — the cuda-vmm backend would create a CUDA context here."""
 
     def __init__(self, name: str):
-        if name not in ("host-shm", "cuda-vmm"):
-            raise MemoryError_(f"unknown memory backend {name!r} (known: host-shm, cuda-vmm)")
+        if name not in KNOWN_BACKENDS:
+            raise _unknown(name)
         self.name = name
 
     def close(self) -> None:
