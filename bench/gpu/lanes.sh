@@ -10,7 +10,8 @@
 # GPU N with CUDA_VISIBLE_DEVICES=<GPU N's UUID> (MPS renumbers the GPUs it serves for its
 # clients: a UUID names the same GPU to the MPS daemon, its clients and the standby outside MPS),
 # OUT=$OUT/gpuN, WORK=/tmp/frmps-lane-N and VLLM_CACHE_ROOT=~/.cache/vllm-lane-N; each session
-# ends with `pack`. A lane given "" is left idle.
+# ends with `pack`. A lane given "" is left idle. A lane whose stages start with "@all" is the
+# only one and gets every GPU (CUDA_VISIBLE_DEVICES unset: tensor-parallel stages).
 # wait: waits up to <seconds> while a session runs, then prints each lane's last summary lines and
 # packs what the lanes wrote so far (JSON, summaries, py-spy stacks, the finished lanes' log
 # packs) into $OUT/lanes.tar.gz.
@@ -54,12 +55,20 @@ start)
     i=0
     for stages in "$@"; do
         if [ -n "$stages" ]; then
-            echo "GPU $i (${uuids[$i]}): $stages"
             read -r -a st <<< "$stages"
-            CUDA_VISIBLE_DEVICES=${uuids[$i]} VLLM_CACHE_ROOT=$HOME/.cache/vllm-lane-$i OUT=$OUT/gpu$i \
-                WORK=/tmp/frmps-lane-$i setsid nohup bash bench/gpu/session.sh "${st[@]}" pack \
-                > "$OUT/gpu$i.log" 2>&1 < /dev/null &
-            echo $! > "$OUT/gpu$i.pid"
+            if [ "${st[0]}" = "@all" ]; then  # every GPU of the machine (tensor parallelism)
+                [ "$#" -eq 1 ] || { echo "lanes.sh: an @all lane must be the only one" >&2; exit 2; }
+                echo "all GPUs: ${st[*]:1}"
+                (unset CUDA_VISIBLE_DEVICES; VLLM_CACHE_ROOT=$HOME/.cache/vllm-lane-$i OUT=$OUT/gpu$i \
+                    WORK=/tmp/frmps-lane-$i setsid nohup bash bench/gpu/session.sh "${st[@]:1}" pack \
+                    > "$OUT/gpu$i.log" 2>&1 < /dev/null & echo $! > "$OUT/gpu$i.pid")
+            else
+                echo "GPU $i (${uuids[$i]}): $stages"
+                CUDA_VISIBLE_DEVICES=${uuids[$i]} VLLM_CACHE_ROOT=$HOME/.cache/vllm-lane-$i OUT=$OUT/gpu$i \
+                    WORK=/tmp/frmps-lane-$i setsid nohup bash bench/gpu/session.sh "${st[@]}" pack \
+                    > "$OUT/gpu$i.log" 2>&1 < /dev/null &
+                echo $! > "$OUT/gpu$i.pid"
+            fi
         fi
         i=$((i + 1))
     done

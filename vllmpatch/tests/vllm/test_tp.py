@@ -204,7 +204,9 @@ def test_per_rank_weights_and_kv_pools(tmp_path, monkeypatch):
     assert layout2[0].size == layout2[2].size and layout2[1].size == layout2[3].size
     assert layout2[1].size < layout1[1].size  # 2 KV heads: one per rank
     ad = make_adapter(args)
-    assert ad.engine_args(True, 0.5).tensor_parallel_size == 2
+    ea = ad.engine_args(True, 0.5)
+    assert ea.tensor_parallel_size == 2 and ea.distributed_executor_backend == "mp" and ea.disable_custom_all_reduce
+    assert ea.worker_extension_cls == tp.WORKER_EXTENSION
     # Rank 0 opens no device: its memory backend is a name, and the group memory replaces it.
     from frmps_engine.sdk import memory
 
@@ -235,3 +237,49 @@ def test_worker_setup_builds_only_a_tp_workers_own_pools(monkeypatch):
         c.backend.close()
     with pytest.raises(MemoryError_, match="no pools"):
         tp.worker_setup(SimpleNamespace(rank=5, device="cpu"), env=env)
+
+
+def test_a_spawned_worker_registers_the_plugin_through_the_worker_extension(tmp_path):
+    """What vLLM's worker does in a fresh (spawned) process: resolve the engine's
+    worker_extension_cls. With frmps_engine only on PYTHONPATH (no entry point to
+    find), that import alone must put the tp-worker-pools patch on Worker.init_device."""
+    import subprocess
+    import sys
+
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(tp.__file__))))
+    probe = (
+        "from vllm.utils.import_utils import resolve_obj_by_qualname\n"
+        "from frmps_engine.vllm.patches import TP_WORKER_POOLS\n"
+        "assert not TP_WORKER_POOLS.is_applied()\n"
+        f"ext = resolve_obj_by_qualname({tp.WORKER_EXTENSION!r})\n"
+        "from frmps_engine.vllm import plugin\n"
+        "assert plugin.is_registered()\n"
+        "assert TP_WORKER_POOLS.is_applied()\n"
+        "assert not [a for a in vars(ext) if not a.startswith('__')], 'the extension adds attributes'\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # The test environments install frmps_engine with its entry point: VLLM_PLUGINS keeps vLLM from
+    # loading it, as in a worker of an engine run from a source tree.
+    env.update(PYTHONPATH=src, VLLM_PLUGINS="none")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1] == "ok"
+
+
+def test_rank_zero_starts_its_workers_with_spawn(tmp_path, monkeypatch):
+    """A forked worker would hold rank 0's connection to the supervisor open after rank 0 died."""
+    model = write_tiny_model(tmp_path / "m")
+    monkeypatch.setenv(tp.EXPERIMENTAL_ENV, "1")
+    monkeypatch.setenv(tp.MULTIPROC_METHOD_ENV, "fork")
+    monkeypatch.setenv(tp.POOLS_ENV, "")  # restored (removed) after the test
+    from frmps_engine.sdk import memory
+    from frmps_engine.vllm.engine import make_adapter
+
+    ad = make_adapter(SimpleNamespace(model=model, num_blocks=4096, dtype="float32", device="cuda",
+                                      tensor_parallel_size=2))
+    ad.group_memory(memory.BackendName("cuda-vmm"))
+    ad._tp_prepare(load_weights=False)
+    assert os.environ[tp.MULTIPROC_METHOD_ENV] == "spawn"
+    assert tp.parse_pools_env(os.environ[tp.POOLS_ENV])[0] == "standby"

@@ -441,6 +441,12 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DECODERS = {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
 
 
+def _tp_worker_extension() -> str:
+    from .tp import WORKER_EXTENSION
+
+    return WORKER_EXTENSION
+
+
 def _weight_tensors(cfg: dict, dtype: str, allocated: bool = False, tp: int = 1) -> list[int]:
     """Bytes of each parameter tensor of a Llama-family decoder (Qwen2/Qwen3/
     Llama/Mistral), in vLLM's construction order (vllm/model_executor/models/
@@ -675,7 +681,10 @@ class VllmAdapter:
             # One rank: the worker in this process. Several: vLLM's worker processes (tp.py); its custom
             # all-reduce (CUDA IPC buffers between the ranks) is off until it is checked inside MPS.
             distributed_executor_backend="uni" if self.cfg.tensor_parallel_size == 1 else "mp",
-            **({} if self.cfg.tensor_parallel_size == 1 else {"disable_custom_all_reduce": True}),
+            # Its workers register frmps's plugin through a worker extension (tp_worker.py).
+            **({} if self.cfg.tensor_parallel_size == 1 else {
+                "disable_custom_all_reduce": True,
+                "worker_extension_cls": _tp_worker_extension()}),
             # The KV cache is the kv_cache pool, allocated before vLLM starts:
             # vLLM must not size it from free memory (per rank with tensor parallelism).
             kv_cache_memory_bytes=self.pool_layout()[1].size,
@@ -752,7 +761,7 @@ class VllmAdapter:
         before it allocates its pools, and frmps sized those itself, so only a
         nominal fraction is asked (vLLM does not size the KV cache from it:
         kv_cache_memory_bytes)."""
-        from .tp import POOLS_ENV, pools_env
+        from .tp import MULTIPROC_METHOD_ENV, POOLS_ENV, pools_env
 
         gm = self._group_memory
         if gm is None:
@@ -760,6 +769,10 @@ class VllmAdapter:
         if gm.name != "cuda-vmm":
             raise ValueError(f"--engine vllm needs --memory cuda-vmm (got {gm.name})")
         os.environ[POOLS_ENV] = pools_env(self.pool_layout(), "active" if load_weights else "standby", gm.name)
+        # spawn, not vLLM's default fork: a forked worker would inherit every descriptor of this
+        # process — its connection to the supervisor among them, which would then not close when
+        # this process dies, and the supervisor would not see the death — and its gRPC threads' state.
+        os.environ[MULTIPROC_METHOD_ENV] = "spawn"
         return min(self.cfg.gpu_memory_utilization, 0.01)
 
     def sampling_params(self, params: Any, seed: int) -> Any:

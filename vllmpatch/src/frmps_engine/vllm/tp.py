@@ -39,6 +39,8 @@ from ..sdk.memory.base import MemoryError_, Pool, PoolSpec, SizeMismatch, as_spe
 log = logging.getLogger(__name__)
 
 EXPERIMENTAL_ENV = "FRMPS_VLLM_TP_EXPERIMENTAL"
+WORKER_EXTENSION = "frmps_engine.vllm.tp_worker.FrmpsTpWorker"  # vLLM's worker_extension_cls (tp_worker.py)
+MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"  # rank 0 sets spawn (engine._tp_prepare)
 POOLS_ENV = "FRMPS_VLLM_TP_POOLS"  # set by rank 0 for its workers: role, memory backend, every rank's pools
 _TIMEOUT_S = 120.0
 

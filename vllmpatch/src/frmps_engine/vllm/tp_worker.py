@@ -1,0 +1,25 @@
+"""vLLM's worker extension for frmps's tensor-parallel engines (experimental, tp.py).
+
+A tensor-parallel engine's ranks run in worker processes that vLLM's
+MultiprocExecutor starts with ``spawn`` (tp.py says why not ``fork``). vLLM loads
+its general plugins there through Python's entry points, which exist only where
+frmps_engine is installed as a package — not where it runs from a source tree on
+PYTHONPATH. The engine therefore names this class as vLLM's
+``worker_extension_cls``: vLLM imports it in every worker before it builds the
+worker (``WorkerWrapperBase.init_worker``), and the import registers frmps's
+plugin, so the ``tp-worker-pools`` patch and the placement patches are in place
+before ``Worker.init_device`` and the model load.
+"""
+
+from __future__ import annotations
+
+from .plugin import register
+
+register()
+
+
+class FrmpsTpWorker:
+    """Mixed into vLLM's Worker; it adds no attribute (vLLM refuses an extension
+    whose names clash with the worker's). The rank's work runs through
+    ``collective_rpc`` callables (tp.py)."""
+
