@@ -135,7 +135,7 @@ def main() -> int:
             rec.update(gpu_memory(pids))
         report["standby_memory"].append(rec)
 
-    dep = Deployment(args, f"ref-tp{n_ranks}-{os.path.basename(os.path.normpath(args.model))}", args.workdir)
+    dep = Deployment(args, f"{args.engine}-tp{n_ranks}-{os.path.basename(os.path.normpath(args.model))}", args.workdir)
     load = None
     try:
         t0 = now()

@@ -12,6 +12,7 @@ import (
 	"github.com/spf13/pflag"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor"
 	"github.com/frmps/frmps/supervisor/engine"
 )
 
@@ -84,6 +85,17 @@ func TestTensorParallelFlag(t *testing.T) {
 		if tc.want && !strings.Contains(joined, "--tensor-parallel-size 2") {
 			t.Errorf("size %d: command line %q", tc.n, joined)
 		}
+	}
+	// vLLM with TP > 1: refused unless its experimental switch is on (frmps serve once refused it
+	// even then, so the switch the supervisor reads could not be reached).
+	opts.Engine, opts.TensorParallelSize = "vllm", 2
+	t.Setenv(supervisor.VLLMTPExperimentalEnv, "")
+	if err := opts.validate(); err == nil || !strings.Contains(err.Error(), supervisor.VLLMTPExperimentalEnv) {
+		t.Errorf("vllm TP=2 without %s: %v", supervisor.VLLMTPExperimentalEnv, err)
+	}
+	t.Setenv(supervisor.VLLMTPExperimentalEnv, "1")
+	if err := opts.validate(); err != nil {
+		t.Errorf("vllm TP=2 with %s=1: %v", supervisor.VLLMTPExperimentalEnv, err)
 	}
 }
 
