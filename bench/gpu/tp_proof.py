@@ -37,7 +37,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failback_proof import (  # noqa: E402  (same folder, standard library only)
-    FAKE_MPS, FAULTS, Load, bodies, engines, first_resumed, gaps_after, no_fault_run, restored, started)
+    FAKE_MPS, FAULTS, Load, bodies, engines, first_resumed, gaps_after, max_gap_in, no_fault_run, restored,
+    started)
 from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
 
 from frmps_engine.bench.procs import alive, live_children  # noqa: E402  (standard library only)
@@ -48,9 +49,27 @@ def now() -> float:
 
 
 def group_pids(engine: dict) -> list[int]:
-    """Rank 0 (the engine the supervisor launched), then its workers."""
+    """Every process of an engine group: the engine the supervisor launched, then its
+    children (vLLM's: one worker per rank and multiprocessing's resource tracker)."""
     pid = int(get(engine, "pid", default=0) or 0)
     return [pid] + sorted(live_children(pid)) if pid else []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def gpu_ranks(engine: dict, kind: str) -> list[int]:
+    """The processes that hold a rank's GPU: the reference engine's rank 0 and its
+    workers; vLLM's workers (its rank 0 opens no device; the resource tracker none)."""
+    pids = group_pids(engine)
+    if kind == "vllm":
+        return [p for p in pids[1:] if "resource_tracker" not in _cmdline(p)]
+    return pids
 
 
 def gpu_memory(pids: list[int]) -> dict:
@@ -145,8 +164,9 @@ def main() -> int:
         if int(get(st, "tensor_parallel_size", default=1) or 1) != n_ranks:
             raise RuntimeError(f"status says tensor_parallel_size {get(st, 'tensor_parallel_size')}, want {n_ranks}")
         for role, e in engines(st).items():
-            if len(group_pids(e)) != n_ranks:
-                raise RuntimeError(f"{role} group has ranks {group_pids(e)}, want {n_ranks}")
+            if len(gpu_ranks(e, args.engine)) != n_ranks:
+                raise RuntimeError(f"{role} group has ranks {gpu_ranks(e, args.engine)} of {group_pids(e)}, "
+                                   f"want {n_ranks}")
         standby_memory(st, "start")
         save()
 
@@ -197,16 +217,22 @@ def main() -> int:
                                                        "reused_tokens", "prefilled_tokens", "first_token_seconds")}
             rec["fault_to_detect_s"] = round(detect - t_fault, 4)
             rec["old_ranks_left"] = [p for p in rec["active_ranks"] if alive(p)]
-            st, _ = dep.wait(lambda s: restored(s, n), 300, f"failback after fault {n}")
+            st, t_restored = dep.wait(lambda s: restored(s, n), 300, f"failback after fault {n}")
+            rec["restored_s_after_detect"] = round(t_restored - detect, 3)
             fr = first_resumed(get(sb, "log_path"), detect)  # the group the failover promoted
             rec["detect_to_first_resumed_token_s"] = round(fr - detect, 4) if fr else None
             rec["old_ranks_left_after_restore"] = [p for p in rec["active_ranks"] if alive(p)]
             standby_memory(st, f"after fault {n}")
             time.sleep(0.5)
-            rec["client_gap_from_fault_s"] = gaps_after(load.chunk_times(), t_fault)
+            times = load.chunk_times()
+            rec["client_gap_from_fault_s"] = gaps_after(times, t_fault)
+            # The longest silence a client saw around the failover (a chunk that still comes from the
+            # dying group right after the fault does not end it): failback_proof.py's measure.
+            rec["client_max_gap_s"] = max_gap_in(times, t_fault, t_fault + 1.0)
             print(f"fault {n} {spec} on GPU {gpu}: cause={rec['failover']['cause']} ok={rec['failover']['ok']} "
                   f"detail={rec['failover']['detail']!r} fault->detect={rec['fault_to_detect_s']} "
                   f"detect->tok={rec['detect_to_first_resumed_token_s']} client_gap={rec['client_gap_from_fault_s']} "
+                  f"max_gap={rec['client_max_gap_s']} restored={rec['restored_s_after_detect']}s "
                   f"standby MiB/GPU={report['standby_memory'][-1].get('per_gpu_mib')}", flush=True)
             save()
     except Exception as ex:  # keep what was measured
