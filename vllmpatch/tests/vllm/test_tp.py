@@ -256,6 +256,8 @@ def test_a_spawned_worker_registers_the_plugin_through_the_worker_extension(tmp_
         "assert plugin.is_registered()\n"
         "assert TP_WORKER_POOLS.is_applied()\n"
         "assert not [a for a in vars(ext) if not a.startswith('__')], 'the extension adds attributes'\n"
+        "import logging\n"
+        "logging.getLogger('frmps_engine.vllm.tp').info('a rank line')\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -266,6 +268,7 @@ def test_a_spawned_worker_registers_the_plugin_through_the_worker_extension(tmp_
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines()[-1] == "ok"
+    assert "INFO frmps_engine.vllm.tp: a rank line" in out.stderr  # a worker's frmps lines reach its log
 
 
 def test_rank_zero_starts_its_workers_with_spawn(tmp_path, monkeypatch):

@@ -13,8 +13,30 @@ before ``Worker.init_device`` and the model load.
 
 from __future__ import annotations
 
+import logging
+import sys
+
 from .plugin import register
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # rank 0's (cli.py)
+
+
+def worker_logging() -> None:
+    """frmps's lines of this rank (its pools, its placement digests) to stderr, which
+    vLLM prefixes with the worker's name and the supervisor files in the engine's
+    log: a spawned worker starts with logging unconfigured, and vLLM configures its
+    own logger only. Only frmps's logger: vLLM's lines keep their own handler."""
+    log = logging.getLogger("frmps_engine")
+    if log.handlers:
+        return
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter(LOG_FORMAT))
+    log.addHandler(h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+worker_logging()
 register()
 
 
