@@ -762,6 +762,25 @@ def test_triton_cache_is_pinned_unless_the_user_set_it(tmp_path):
     assert triton_cache_default(env, str(tmp_path)) == str(tmp_path / "triton_cache")
 
 
+def test_triton_ptxas_is_torchs_from_the_start(tmp_path):
+    """Inductor points Triton at torch's ptxas on its first compile; frmps does so
+    before any, so that every engine keys Triton's cache with the same ptxas."""
+    from frmps_engine.vllm.engine import TRITON_PTXAS_ENV, triton_ptxas_default
+
+    env: dict = {}
+    assert triton_ptxas_default(env, str(tmp_path)) == "" and env == {}  # torch ships no ptxas
+    (tmp_path / "bin").mkdir()
+    ptxas = tmp_path / "bin" / "ptxas"
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(0o644)
+    assert triton_ptxas_default(env, str(tmp_path)) == "" and env == {}  # not executable: Triton's own
+    ptxas.chmod(0o755)
+    assert triton_ptxas_default(env, str(tmp_path)) == str(ptxas) and env == {TRITON_PTXAS_ENV: str(ptxas)}
+    env = {TRITON_PTXAS_ENV: "/opt/cuda/bin/ptxas"}  # the user's choice stands
+    assert triton_ptxas_default(env, str(tmp_path)) == "/opt/cuda/bin/ptxas"
+    assert env == {TRITON_PTXAS_ENV: "/opt/cuda/bin/ptxas"}
+
+
 def test_structured_outputs_config_from_the_environment(model_dir, monkeypatch):
     from types import SimpleNamespace
 

@@ -722,6 +722,10 @@ class VllmAdapter:
         register()
         import torch
 
+        ptxas = triton_ptxas_default(os.environ, os.path.dirname(torch.__file__))
+        if ptxas:
+            logging.getLogger(__name__).info("Triton's ptxas: %s (torch's, as inductor would set it; %s)",
+                                             ptxas, TRITON_PTXAS_ENV)
         if mega_aot_default(os.environ, torch.__version__):
             import vllm.envs
 
@@ -906,6 +910,35 @@ def triton_cache_default(env: MutableMapping[str, str], vllm_cache_root: str) ->
     path = os.path.join(vllm_cache_root, "triton_cache")
     env[TRITON_CACHE_ENV] = path
     return path
+
+
+TRITON_PTXAS_ENV = "TRITON_PTXAS_PATH"
+
+
+def triton_ptxas_default(env: MutableMapping[str, str], torch_dir: str) -> str:
+    """Points TRITON_PTXAS_PATH at torch's own ptxas (``<torch>/bin/ptxas``) in
+    ``env`` before anything compiles, unless it is set or torch ships none; returns
+    the path in use ("" where Triton keeps its bundled ptxas).
+
+    Triton keys its disk cache with its backend's hash, ``ptxas --version`` and the
+    GPU's arch, and reads the version once per process (lru_cache,
+    triton/backends/nvidia/compiler.py). Inductor sets TRITON_PTXAS_PATH to torch's
+    ptxas the first time it compiles a Triton kernel
+    (torch/_inductor/runtime/compile_tasks.py, _set_triton_ptxas_path), so an engine
+    that read the version before that keys its cache with Triton's bundled ptxas
+    and one that read it after with torch's — which order, each engine's first
+    compiles decide. That reading of the code fits what the GPU showed, not yet
+    proven by a run with the pin: two backend hashes in one deployment; on 2 × H200 (bench/results/2026-11-27-h200x2-vllm-tp-drills/) 3 of 14 engines of a
+    14B deployment had the other hash and one of them compiled all 29 of its kernels
+    again (12 s of its restore), a first 7B standby its 26 (11 s). Setting it first,
+    as inductor would, gives every engine one hash."""
+    if env.get(TRITON_PTXAS_ENV, "").strip():
+        return env[TRITON_PTXAS_ENV]
+    ptxas = os.path.join(torch_dir, "bin", "ptxas")
+    if not (os.path.isfile(ptxas) and os.access(ptxas, os.X_OK)):
+        return ""
+    env[TRITON_PTXAS_ENV] = ptxas
+    return ptxas
 
 
 STRUCTURED_OUTPUTS_ENV = "FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG"

@@ -85,6 +85,8 @@ def key_parts(src: Any, metadata: dict) -> dict:
     except Exception:  # noqa: BLE001
         pass
     parts = {k: (_short(v) if v is not None else "?") for k, v in full.items()}
+    # What the backend hash is made of (Triton's CUDA backend: `ptxas --version` and the arch), one line.
+    parts["backend_text"] = " ".join(full["backend"].split())[-160:] if full["backend"] else "?"
     stored = str(metadata.get("hash", ""))
     parts["key"] = stored[:12] or "?"
     if stored and None not in full.values():
@@ -122,6 +124,7 @@ class TritonCompileWatch:
         self.started = False  # after start_summary, each miss is logged
         self._prev = None
         self._lock = threading.Lock()
+        self._backends: set[str] = set()  # backend hashes whose text this watch has logged
 
     def install(self) -> bool:
         try:
@@ -164,6 +167,11 @@ class TritonCompileWatch:
             started = self.started
         if self.detail or (started and not cache_hit):
             parts = key_parts(src, metadata)
+            with self._lock:
+                new_backend = parts["backend"] not in self._backends
+                self._backends.add(parts["backend"])
+            if new_backend:
+                log.info("triton backend %s: %s", parts["backend"], parts["backend_text"])
             log.info("triton %s: %s in %.3f s; key %s (triton %s, src %s, backend %s, options %s, env %s; "
                      "parts give the key: %s) in %s", "cache hit" if cache_hit else "compiled (cache miss)", name,
                      seconds, parts["key"], parts["triton"], parts["src"], parts["backend"], parts["options"],
