@@ -9,6 +9,8 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/hashicorp/go-hclog"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
@@ -354,5 +356,45 @@ func TestStandbyNotAdmittedByRecoveringMPSIsRelaunched(t *testing.T) {
 				h.stop()
 			})
 		})
+	}
+}
+
+// PoolsOutsideMPS: the cold-started active (the engine that allocates the
+// pools) runs outside MPS, its standby inside, and the failback's planned
+// handover puts the pair in place at start — the allocating engine ends as the
+// standby outside MPS, so no engine inside MPS ever allocated the pools. Faults
+// after that fail over and back as usual.
+func TestPoolsOutsideMPSStartsWithAFailback(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		h := start(t, w, func(c *Config) { c.PoolsOutsideMPS = true })
+		first := w.procs[0]
+		if first.inMPS() || first.role != failover.Active {
+			t.Fatalf("first engine: role %s, in MPS %v; want the active outside MPS", first.role, first.inMPS())
+		}
+		act, sb := h.wantPlacementRestored()
+		if sb != first || first.handoffs != 1 || len(w.procs) != 2 {
+			t.Fatalf("standby pid %d (want the allocating engine %d, yielded once: %d), %d engines launched",
+				sb.pid, first.pid, first.handoffs, len(w.procs))
+		}
+		if fb := h.s.Status().GetFailback(); fb.GetSucceeded() != 1 {
+			t.Fatalf("failback %v", fb)
+		}
+		act.Kill() // a fault of the active inside MPS: fail over to the allocating engine, then back
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if _, sb2 := h.wantPlacementRestored(); sb2 != first || first.handoffs != 2 {
+			t.Fatalf("after a fault: standby pid %d, want %d (handoffs %d)", sb2.pid, first.pid, first.handoffs)
+		}
+		h.stop()
+	})
+}
+
+func TestPoolsOutsideMPSNeedsFailback(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.PoolsOutsideMPS, cfg.NoFailback = true, true
+	if _, err := NewWithDeps(cfg, newWorld().deps(), hclog.NewNullLogger(), prometheus.NewRegistry()); err == nil ||
+		!strings.Contains(err.Error(), "needs failback") {
+		t.Fatalf("want a refusal, got %v", err)
 	}
 }

@@ -269,3 +269,30 @@ func TestServedModelName(t *testing.T) {
 		t.Fatal("a model that does not resolve must fail the start")
 	}
 }
+
+// --pools-outside-mps (and its file key) reaches the supervisor's config.
+func TestPoolsOutsideMPSFlag(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "frmps.json")
+	if err := os.WriteFile(path, []byte(`{"pools_outside_mps":true}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts := defaultServeOptions()
+	var cfgFile string
+	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if opts.supervisorConfig(pythonEnv{}).PoolsOutsideMPS {
+		t.Fatal("pools outside MPS by default")
+	}
+	if err := f.Parse([]string{"--pools-outside-mps"}); err != nil || !opts.supervisorConfig(pythonEnv{}).PoolsOutsideMPS {
+		t.Fatalf("flag: %v", err)
+	}
+	opts = defaultServeOptions()
+	f = pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--config", path}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyConfigFile(f, &opts, path); err != nil || !opts.PoolsOutsideMPS {
+		t.Fatalf("file: %v, %v", err, opts.PoolsOutsideMPS)
+	}
+}
