@@ -926,9 +926,9 @@ def triton_ptxas_default(env: MutableMapping[str, str], torch_dir: str) -> str:
     ptxas the first time it compiles a Triton kernel
     (torch/_inductor/runtime/compile_tasks.py, _set_triton_ptxas_path), so an engine
     that read the version before that keys its cache with Triton's bundled ptxas
-    and one that read it after with torch's — which order, each engine's first
-    compiles decide. That reading of the code fits what the GPU showed, not yet
-    proven by a run with the pin: two backend hashes in one deployment; on 2 × H200 (bench/results/2026-11-27-h200x2-vllm-tp-drills/) 3 of 14 engines of a
+    (CUDA 12.8 in Triton 3.6.0) and one that read it after with torch's (13.0 in
+    torch 2.11+cu130) — which order, each engine's first compiles decide. The two
+    backend hashes seen in one deployment are exactly those two; on 2 × H200 (bench/results/2026-11-27-h200x2-vllm-tp-drills/) 3 of 14 engines of a
     14B deployment had the other hash and one of them compiled all 29 of its kernels
     again (12 s of its restore), a first 7B standby its 26 (11 s). Setting it first,
     as inductor would, gives every engine one hash."""
