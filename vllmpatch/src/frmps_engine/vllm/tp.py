@@ -1,10 +1,11 @@
-"""Tensor parallelism for the vLLM engine — **experimental, not yet run on GPUs**.
+"""Tensor parallelism for the vLLM engine — **experimental**: first GPU runs at 0.5B
+(2 × H200, 3 MPS faults, bench/results/2026-11-27-h200x2-vllm-tp-drills/).
 
 ``frmps serve --engine vllm --tensor-parallel-size N`` is refused unless
 FRMPS_VLLM_TP_EXPERIMENTAL=1 is in frmps's environment: the code below follows
 the plan in vllmpatch/VLLM.md ("Tensor parallelism with vLLM") and is tested on
 the CPU in its parts (the per-rank layout, the fd exchange, the group memory over
-a labelled executor double); the whole path needs two GPUs and has not run there.
+a labelled executor double); the whole path needs two GPUs (run there at 0.5B only).
 
 The engine process the supervisor launched is rank 0 as far as frmps's contract
 goes; vLLM's MultiprocExecutor starts one worker process per rank. Each worker
