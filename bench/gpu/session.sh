@@ -41,7 +41,9 @@
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1;
 #                                      env:FAILBACK_DRILLS=2: the failback/soak stages first run that many admin
-#                                      failover drills, no GPU fault, each with its failback: failback_proof --drills)
+#                                      failover drills, no GPU fault, each with its failback: failback_proof --drills;
+#                                      env:FAILBACK_SERVE_FLAGS=--pools-outside-mps: more `frmps serve` flags for them,
+#                                      space-separated)
 #   start-profile                      the engines started after it run py-spy on their own start
 #                                      (FRMPS_DEBUG_STARTUP_PROFILE=$OUT/start-profile); pack sums them per function
 #                                      (bench/gpu/start_profile.py: $OUT/start-profile.txt, .json)
@@ -164,6 +166,8 @@ stage_failback() {  # engine model n budget [timeout [soak|frontend]]
     else
         extra=(--engine-arg=--max-num-seqs=8)
     fi
+    local f
+    for f in ${FAILBACK_SERVE_FLAGS:-}; do extra+=("--serve-arg=$f"); done
     rm -rf "$WORK/$engine-$model"  # a fresh log dir: the proof reads the engines' logs by name
     log "$engine-failback $model: $n faults, budget ${budget}s"
     bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine "$engine" --model "$m" \
