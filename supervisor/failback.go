@@ -208,8 +208,12 @@ func (s *Supervisor) endHandover(tr failover.Transition) {
 			p.lostAt = time.Time{}
 			s.metrics.placementRestored(restored)
 		}
-		s.log.Info("failback done: the active runs in MPS again", "duration", p.lastDur, "active_pid", s.active.proc.PID(),
-			"placement_restored_after", restored)
+		if restored > 0 {
+			s.log.Info("failback done: the active runs in MPS again", "duration", p.lastDur, "active_pid", s.active.proc.PID(),
+				"placement_restored_after", restored)
+		} else { // the handover at start of --pools-outside-mps: no placement was lost
+			s.log.Info("failback done: the active runs in MPS", "duration", p.lastDur, "active_pid", s.active.proc.PID())
+		}
 		s.noteHandoverForFirstToken(ho.started)
 	} else {
 		p.failures++

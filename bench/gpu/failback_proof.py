@@ -485,11 +485,16 @@ def main() -> int:
                              "torch_pools_mib": loglines.standby_pools(sb_log)}
         report["placement_digests"] = {"active": grep_all(act_log, "placement digest"), "standby": grep_all(sb_log, "placement digest")}
         # The standby started and slept while the active stayed idle: its pools' sums must not change.
-        os.kill(int(get(e["active"], "pid")), signal.SIGRTMIN + 1)
+        # The engine that allocated the pools sums them at ready; with --pools-outside-mps that engine
+        # is the standby by now (the failback at start), and the engine started after it the active.
+        owner, owner_log = "active", act_log
+        if not grep_all(act_log, "pool checksums at ready") and grep_all(sb_log, "pool checksums at ready"):
+            owner, owner_log = "standby", sb_log
+        os.kill(int(get(e[owner], "pid")), signal.SIGRTMIN + 1)
         time.sleep(2.0)
-        at_ready = [line.split(": ", 2)[-1] for line in grep_all(act_log, "pool checksums at ready")][-1:]
-        later = [line.split(": ", 2)[-1] for line in grep_all(act_log, "pool checksums on request")][-1:]
-        report["pool_checksums"] = {"at_ready": at_ready, "after_standby_slept": later,
+        at_ready = [line.split(": ", 2)[-1] for line in grep_all(owner_log, "pool checksums at ready")][-1:]
+        later = [line.split(": ", 2)[-1] for line in grep_all(owner_log, "pool checksums on request")][-1:]
+        report["pool_checksums"] = {"summed_by": owner, "at_ready": at_ready, "after_standby_slept": later,
                                     "unchanged_by_standby": bool(at_ready and later and at_ready == later)}
         save()
 
