@@ -309,7 +309,7 @@ func (o serveOptions) validate() error {
 		return fmt.Errorf("--tensor-parallel-size %d: want at least 1", o.TensorParallelSize)
 	}
 	if o.TensorParallelSize > 1 && o.Engine == "vllm" && os.Getenv(supervisor.VLLMTPExperimentalEnv) != "1" {
-		return fmt.Errorf("--tensor-parallel-size %d with --engine vllm is experimental and has not run on GPUs yet (%s=1 turns it on; the reference engine has tensor parallelism)",
+		return fmt.Errorf("--tensor-parallel-size %d with --engine vllm is experimental, run on GPUs at 0.5B only (%s=1 turns it on; the reference engine has tensor parallelism)",
 			o.TensorParallelSize, supervisor.VLLMTPExperimentalEnv)
 	}
 	if len(o.VllmArgs) > 0 && o.Engine == "ref" {

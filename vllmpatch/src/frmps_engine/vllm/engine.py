@@ -1050,7 +1050,7 @@ def make_adapter(args: Any) -> VllmAdapter:
         from .tp import EXPERIMENTAL_ENV, experimental_on
 
         if not experimental_on(os.environ):
-            raise AdapterError(f"--tensor-parallel-size > 1 with vLLM is experimental and has not run on GPUs yet "
+            raise AdapterError(f"--tensor-parallel-size > 1 with vLLM is experimental, run on GPUs at 0.5B only "
                                f"(frmps_engine/vllm/tp.py); {EXPERIMENTAL_ENV}=1 turns it on")
     try:
         async_scheduling = async_scheduling_from_env(os.environ)
