@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,8 +38,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failback_proof import (  # noqa: E402  (same folder, standard library only)
-    FAKE_MPS, FAULTS, Load, bodies, engines, first_resumed, gaps_after, max_gap_in, no_fault_run, restored,
-    started)
+    FAKE_MPS, FAULTS, Load, bodies, engines, first_resumed, gaps_after, grep_all, max_gap_in, no_fault_run,
+    restored, started)
 from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
 
 from frmps_engine.bench.procs import alive, live_children  # noqa: E402  (standard library only)
@@ -70,6 +71,21 @@ def gpu_ranks(engine: dict, kind: str) -> list[int]:
     if kind == "vllm":
         return [p for p in pids[1:] if "resource_tracker" not in _cmdline(p)]
     return pids
+
+
+RANK_DIGEST = re.compile(r"Worker_TP(\d+).*frmps (\w+) placement digest ([0-9a-f]+)")
+
+
+def rank_digests(log_path: str | None) -> dict:
+    """A vLLM group's placement digests per rank ("rank1 weights": digest), from its
+    workers' lines in the engine log: the same digests in the active and the standby
+    group mean each rank's shard and KV cache sit at the same places in the same pools."""
+    out = {}
+    for line in grep_all(log_path, "placement digest"):
+        m = RANK_DIGEST.search(line)
+        if m:
+            out[f"rank{m[1]} {m[2]}"] = m[3]
+    return out
 
 
 def gpu_memory(pids: list[int]) -> dict:
@@ -168,6 +184,11 @@ def main() -> int:
                 raise RuntimeError(f"{role} group has ranks {gpu_ranks(e, args.engine)} of {group_pids(e)}, "
                                    f"want {n_ranks}")
         standby_memory(st, "start")
+        if args.engine == "vllm":
+            e0 = engines(st)
+            a, b = rank_digests(get(e0["active"], "log_path")), rank_digests(get(e0["standby"], "log_path"))
+            report["placement_digests"] = {"active": a, "standby": b, "equal": bool(a) and a == b}
+            print(f"placement digests per rank: {a} (active), equal in the standby: {bool(a) and a == b}", flush=True)
         save()
 
         reqs = bodies(args.streams, args.max_tokens)
