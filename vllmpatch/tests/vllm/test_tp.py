@@ -116,6 +116,24 @@ def test_group_memory_collects_every_ranks_fds_for_the_runner(monkeypatch):
     assert all(p.fd == -1 for p in pools)
 
 
+def test_rank_zero_gathers_each_ranks_triton_start_line(monkeypatch):
+    """Each worker's own compile watch (tp_worker installs it); rank 0 logs the ranks' lines."""
+    from frmps_engine.vllm import triton_watch
+
+    ex = ExecutorDouble(2, monkeypatch)
+    gm = tp.VllmGroupMemory("cuda-vmm", 2)
+    gm.allocate(SPECS)
+    gm.attach(ex)
+    monkeypatch.setattr(triton_watch, "PROCESS_WATCH", None)
+    assert gm.rank_triton_summaries() == ["no Triton compile watch in this rank"] * 2
+    w = triton_watch.TritonCompileWatch()
+    w.hits = 3
+    monkeypatch.setattr(triton_watch, "PROCESS_WATCH", w)
+    lines = gm.rank_triton_summaries()
+    assert len(lines) == 2 and all(x.startswith("Triton during the start: 3 kernels from the cache, 0 compiled")
+                                   for x in lines)
+
+
 def test_group_memory_hands_each_rank_its_brokered_fds_and_flips_every_rank(monkeypatch):
     ex = ExecutorDouble(2, monkeypatch)
     gm = tp.VllmGroupMemory("cuda-vmm", 2)
@@ -249,12 +267,17 @@ def test_a_spawned_worker_registers_the_plugin_through_the_worker_extension(tmp_
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(tp.__file__))))
     probe = (
         "from vllm.utils.import_utils import resolve_obj_by_qualname\n"
+        "from frmps_engine.vllm import triton_watch\n"
         "from frmps_engine.vllm.patches import TP_WORKER_POOLS\n"
+        "assert triton_watch.PROCESS_WATCH is None\n"
         "assert not TP_WORKER_POOLS.is_applied()\n"
         f"ext = resolve_obj_by_qualname({tp.WORKER_EXTENSION!r})\n"
         "from frmps_engine.vllm import plugin\n"
         "assert plugin.is_registered()\n"
         "assert TP_WORKER_POOLS.is_applied()\n"
+        "import importlib.util\n"
+        "if importlib.util.find_spec('triton'):\n"
+        "    assert triton_watch.PROCESS_WATCH is not None, 'no compile watch in the worker'\n"
         "assert not [a for a in vars(ext) if not a.startswith('__')], 'the extension adds attributes'\n"
         "import logging\n"
         "logging.getLogger('frmps_engine.vllm.tp').info('a rank line')\n"

@@ -749,10 +749,15 @@ class VllmAdapter:
         watch = watch_from_env()  # what Triton compiled during this build, and why (triton_watch.py)
         core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False,
                           executor_fail_callback=self._worker_died if tp > 1 else None)
-        if watch is not None:
+        if watch is not None and tp == 1:  # a tensor-parallel rank 0 compiles nothing: its ranks do (below)
             logging.getLogger(__name__).info("%s", watch.start_summary())
         if tp > 1:
             self._group_memory.attach(core.model_executor)
+            try:
+                for rank, line in enumerate(self._group_memory.rank_triton_summaries()):
+                    logging.getLogger(__name__).info("rank %d: %s", rank, line)
+            except Exception as e:  # noqa: BLE001 - diagnostics must not fail the build
+                logging.getLogger(__name__).warning("the ranks' Triton summaries: %s", e)
             if load_weights:
                 self._group_memory.collect()  # every rank's fds, which the runner exports
         return VllmCore(core, None if self._engine_core else self.tokenizer())

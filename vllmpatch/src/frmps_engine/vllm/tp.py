@@ -225,6 +225,14 @@ def rank_set_access(worker: Any, tag: str, readonly: bool) -> str:
     return tag
 
 
+def rank_triton_summary(worker: Any) -> str:
+    """This rank's Triton compile watch's start line (tp_worker installs the watch)."""
+    from . import triton_watch
+
+    w = triton_watch.PROCESS_WATCH
+    return w.start_summary() if w is not None else "no Triton compile watch in this rank"
+
+
 # ---- rank 0's memory backend --------------------------------------------------------------
 
 
@@ -305,6 +313,10 @@ class VllmGroupMemory:
         for p in self._pools:
             p.readonly = True
         return list(self._pools)
+
+    def rank_triton_summaries(self) -> list[str]:
+        """Each rank's "Triton during the start" line, in rank order."""
+        return list(self._rpc(rank_triton_summary))
 
     def pools(self) -> list[Pool]:
         return []  # no pool memory in this process (the checksum diagnostics have nothing to read here)

@@ -17,6 +17,7 @@ import logging
 import sys
 
 from .plugin import register
+from .triton_watch import install_process_watch
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # rank 0's (cli.py)
 
@@ -38,6 +39,7 @@ def worker_logging() -> None:
 
 worker_logging()
 register()
+install_process_watch()  # this rank's Triton compiles (rank 0 logs its start line: tp.rank_triton_summary)
 
 
 class FrmpsTpWorker:

@@ -189,6 +189,18 @@ class TritonCompileWatch:
         return line
 
 
+# The watch of a process with no engine build of its own to sum up: a tensor-parallel
+# worker (tp_worker.py installs it; rank 0 asks for its line, tp.rank_triton_summary).
+PROCESS_WATCH: TritonCompileWatch | None = None
+
+
+def install_process_watch() -> TritonCompileWatch | None:
+    global PROCESS_WATCH
+    if PROCESS_WATCH is None:
+        PROCESS_WATCH = watch_from_env()
+    return PROCESS_WATCH
+
+
 def watch_from_env(env: dict | os._Environ = os.environ) -> TritonCompileWatch | None:
     """A watch installed as Triton's compilation listener, or None without Triton."""
     w = TritonCompileWatch(detail=env.get(DEBUG_ENV, "") not in ("", "0"))
