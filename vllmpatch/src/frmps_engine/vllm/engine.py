@@ -724,8 +724,7 @@ class VllmAdapter:
 
         ptxas = triton_ptxas_default(os.environ, os.path.dirname(torch.__file__))
         if ptxas:
-            logging.getLogger(__name__).info("Triton's ptxas: %s (torch's, as inductor would set it; %s)",
-                                             ptxas, TRITON_PTXAS_ENV)
+            logging.getLogger(__name__).info("Triton's ptxas: %s (%s)", ptxas, TRITON_PTXAS_ENV)
         if mega_aot_default(os.environ, torch.__version__):
             import vllm.envs
 
