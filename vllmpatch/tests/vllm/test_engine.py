@@ -402,8 +402,48 @@ def test_reference_engine_only_flags_are_refused():
 
     with pytest.raises(AdapterError, match="VLLM_BATCH_INVARIANT"):
         make_adapter(EngineOptions(model="m", device="cuda", exact=True))
-    with pytest.raises(AdapterError, match="reference engine only"):
-        make_adapter(EngineOptions(model="m", device="cuda", kv_reuse=False))
+
+
+def test_no_kv_reuse_reaches_the_vllm_adapter(model_dir):
+    """--no-kv-reuse (frmps bench's no-KV ablation) is the vLLM adapter's too."""
+    from frmps_engine.sdk.adapters import EngineOptions
+    from frmps_engine.vllm.engine import make_adapter
+
+    assert make_adapter(EngineOptions(model=model_dir, num_blocks=64, kv_reuse=False)).cfg.kv_reuse is False
+    assert make_adapter(EngineOptions(model=model_dir, num_blocks=64)).cfg.kv_reuse is True
+
+
+def test_no_kv_reuse_adopts_with_nothing_computed_and_prefills_it_all(model_dir):
+    """The ablation: the standby takes the requests over without the snapshot's KV —
+    nothing reused, no snapshot block held, the first step a prefill of each request's
+    prompt and delivered tokens — and finishes them (the stand-in model keeps no KV,
+    so its outputs equal the reference's either way)."""
+    from frmps_engine.vllm.engine import VllmCore
+
+    reference = by_key(_run_all(model_dir))
+    eng = engine(model_dir)
+    for k, p in PROMPTS.items():
+        eng.add_request(k, p, params(MAX[k]))
+    delivered: dict[int, list[int]] = {k: [] for k in PROMPTS}
+    for _ in range(4):
+        for o in eng.step():
+            delivered[o.key].extend(o.new_token_ids)
+    views = {v.key: v for v in eng.request_views()}
+    standby = engine(model_dir)
+    standby = VllmCore(standby.core, kv_reuse=False)
+    for k, v in views.items():
+        assert v.num_computed > 0 and v.block_ids  # the snapshot has KV to reuse: the ablation ignores it
+        r = standby.adopt_request(k, params(MAX[k]), v.token_ids, v.num_prompt, v.num_computed, v.block_ids,
+                                  v.seed, delivered[k])
+        assert r.reused_tokens == 0 and r.prefill_tokens == len(PROMPTS[k]) + len(delivered[k])
+        req = standby.scheduler.requests[f"frmps-{k}"]
+        assert req.num_computed_tokens == 0
+    pool = standby.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # no snapshot block taken
+    for o in drain(standby):
+        assert o.output_index == len(delivered[o.key])
+        delivered[o.key].extend(o.new_token_ids)
+    assert delivered == reference
 
 
 def test_unseeded_and_negative_seeds_from_the_sdk_reach_vllm_and_the_ring(model_dir):

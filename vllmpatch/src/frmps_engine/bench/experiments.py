@@ -266,16 +266,12 @@ def drop_arrivals(r: dict) -> dict:
 
 
 def no_kv_args(ctx: Ctx) -> list[str] | None:
-    """Engine flag for the ablation (the standby ignores the snapshot's KV), or None if the engine lacks it
-    (the vLLM adapter refuses it: the ablation is the reference engine's)."""
-    if ctx.args.engine != "ref":
-        return None
+    """Engine flag for the ablation (the standby ignores the snapshot's KV and prefills the
+    prompt and the delivered tokens again), or None if the engine lacks it."""
     return ["--no-kv-reuse"] if engine_supports(ctx.args.python, "--no-kv-reuse") else None
 
 
 def no_kv_why(ctx: Ctx) -> str:
-    if ctx.args.engine != "ref":
-        return f"--engine {ctx.args.engine}: the no-KV ablation (--no-kv-reuse) is the reference engine's"
     return "the engine has no --no-kv-reuse flag (KV sharing cannot be switched off)"
 
 

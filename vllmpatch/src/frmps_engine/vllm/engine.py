@@ -144,8 +144,11 @@ class VllmCore:
     only (FrmpsAsyncScheduler: ``num_computed_tokens - num_in_flight_tokens``).
     """
 
-    def __init__(self, core: Any, tokenizer: Any = None):
+    def __init__(self, core: Any, tokenizer: Any = None, kv_reuse: bool = True):
         self.core = core
+        # False: the no-KV ablation (--no-kv-reuse): an adopted request's KV is computed again, a prefill
+        # of its prompt and delivered tokens into fresh blocks, instead of read from the snapshot's blocks.
+        self.kv_reuse = kv_reuse
         self.scheduler = core.scheduler
         if not isinstance(self.scheduler, FrmpsSchedulerAPI):
             raise TypeError(f"vLLM scheduler is {type(self.scheduler).__name__}; set scheduler_cls={SCHEDULER_CLS}")
@@ -229,6 +232,8 @@ class VllmCore:
         if key in self._tracks:
             raise ValueError(f"request {key} already exists")
         seed = to_uint64(self._vllm_seed(key, seed))
+        if not self.kv_reuse:
+            num_computed, block_ids = 0, []
         plan = plan_adoption(
             key=key,
             token_ids=token_ids,
@@ -561,6 +566,8 @@ class VllmEngineConfig:
     overrides: dict = field(default_factory=dict)
     # Ranks of a tensor-parallel group (experimental: tp.py); 1: the in-process executor.
     tensor_parallel_size: int = 1
+    # False: the no-KV ablation (--no-kv-reuse, frmps bench's baseline): a standby recomputes adopted KV.
+    kv_reuse: bool = True
 
 
 def scheduler_cls_for(vllm_config: Any) -> str:
@@ -759,7 +766,7 @@ class VllmAdapter:
                 logging.getLogger(__name__).warning("the ranks' Triton summaries: %s", e)
             if load_weights:
                 self._group_memory.collect()  # every rank's fds, which the runner exports
-        return VllmCore(core, None if self._engine_core else self.tokenizer())
+        return VllmCore(core, None if self._engine_core else self.tokenizer(), kv_reuse=self.cfg.kv_reuse)
 
     def _tp_prepare(self, load_weights: bool) -> float:
         """Before a tensor-parallel EngineCore (experimental, tp.py): tell vLLM's
@@ -1047,8 +1054,6 @@ def make_adapter(args: Any) -> VllmAdapter:
     if getattr(args, "exact", None):
         raise AdapterError("--exact is the reference engine's scheduler mode; for vLLM set VLLM_BATCH_INVARIANT=1 "
                            "in the engines' environment (vLLM's batch-invariant kernels) instead")
-    if getattr(args, "kv_reuse", True) is False:
-        raise AdapterError("--no-kv-reuse (the recompute ablation) is implemented by the reference engine only")
     tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
     if tp != 1:
         from .tp import EXPERIMENTAL_ENV, experimental_on
@@ -1078,6 +1083,7 @@ def make_adapter(args: Any) -> VllmAdapter:
             structured_outputs=structured_outputs,
             overrides=overrides,
             tensor_parallel_size=tp,
+            kv_reuse=getattr(args, "kv_reuse", True) is not False,
         )
     )
 

@@ -300,7 +300,7 @@ def cpu_adapter(model_dir: str, *, num_blocks: int = 64, max_num_seqs: int = 8, 
                                    scheduler_cls=ASYNC_SCHEDULER_CLS if async_scheduling else SCHEDULER_CLS)
             core = SchedulerCore(make_scheduler(cfg), model=model_factory(), device_s=device_s,
                                  batch_queue_size=2 if async_scheduling else 1)
-            return VllmCore(core, None if self._engine_core else self.tokenizer())
+            return VllmCore(core, None if self._engine_core else self.tokenizer(), kv_reuse=self.cfg.kv_reuse)
 
     return CpuVllmAdapter(VllmEngineConfig(model=model_dir, device="cpu", num_blocks=num_blocks,
                                            max_model_len=max_model_len, dtype="float32"))
