@@ -245,6 +245,18 @@ def _run_all(model_dir):
     return drain(eng)
 
 
+def _four_steps(model_dir, mode="sync"):
+    """An engine four steps into PROMPTS: (engine, tokens delivered per key, its ring views by key)."""
+    eng = engine(model_dir, mode=mode)
+    for k, p in PROMPTS.items():
+        eng.add_request(k, p, params(MAX[k]))
+    delivered: dict[int, list[int]] = {k: [] for k in PROMPTS}
+    for _ in range(4):
+        for o in eng.step():
+            delivered[o.key].extend(o.new_token_ids)
+    return eng, delivered, {v.key: v for v in eng.request_views()}
+
+
 def test_stop_string_finishes_and_aborts_in_vllm(model_dir):
     eng = engine(model_dir, CharTokenizer())
     p = PROMPTS[41]
@@ -421,14 +433,7 @@ def test_no_kv_reuse_adopts_with_nothing_computed_and_prefills_it_all(model_dir)
     from frmps_engine.vllm.engine import VllmCore
 
     reference = by_key(_run_all(model_dir))
-    eng = engine(model_dir)
-    for k, p in PROMPTS.items():
-        eng.add_request(k, p, params(MAX[k]))
-    delivered: dict[int, list[int]] = {k: [] for k in PROMPTS}
-    for _ in range(4):
-        for o in eng.step():
-            delivered[o.key].extend(o.new_token_ids)
-    views = {v.key: v for v in eng.request_views()}
+    _, delivered, views = _four_steps(model_dir)
     standby = engine(model_dir)
     standby = VllmCore(standby.core, kv_reuse=False)
     for k, v in views.items():
@@ -534,14 +539,7 @@ def test_reset_hands_the_requests_over_and_the_engine_can_adopt_them_back(model_
     finishes them exactly: the ids freed at the abort reach the model runner
     in the same step as the re-adopted requests, freed first."""
     reference = by_key(_run_all(model_dir))
-    eng = engine(model_dir, mode=mode)
-    for k, p in PROMPTS.items():
-        eng.add_request(k, p, params(MAX[k]))
-    delivered: dict[int, list[int]] = {k: [] for k in PROMPTS}
-    for _ in range(4):
-        for o in eng.step():
-            delivered[o.key].extend(o.new_token_ids)
-    views = {v.key: v for v in eng.request_views()}
+    eng, delivered, views = _four_steps(model_dir, mode)
     pool = eng.scheduler.kv_cache_manager.block_pool
     eng.reset()
     assert not eng.has_work() and list(eng.request_views()) == []
