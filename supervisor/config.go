@@ -16,6 +16,16 @@ import (
 // (vllmpatch/src/frmps_engine/vllm/tp.py); the engines inherit it.
 const VLLMTPExperimentalEnv = "FRMPS_VLLM_TP_EXPERIMENTAL"
 
+// CheckTensorParallel refuses tensor parallelism that this build does not
+// offer: vLLM with more than one rank unless VLLMTPExperimentalEnv=1 is set.
+// frmps serve asks before its preflight, and the supervisor's config again.
+func CheckTensorParallel(engine string, size int) error {
+	if size > 1 && engine == "vllm" && os.Getenv(VLLMTPExperimentalEnv) != "1" {
+		return fmt.Errorf("tensor parallel size %d: with the vllm engine this is experimental, run on GPUs at 0.5B only (%s=1 turns it on; the reference engine has tensor parallelism)", size, VLLMTPExperimentalEnv)
+	}
+	return nil
+}
+
 // Config and its defaults. Read-only once NewWithDeps has returned.
 
 // Config of one deployment.
@@ -237,8 +247,6 @@ func (c *Config) validate() error {
 		return fmt.Errorf("spares %d: want 1 to %d", c.Spares, MaxSpares)
 	case c.TensorParallelSize < 1:
 		return fmt.Errorf("tensor parallel size %d: want at least 1", c.TensorParallelSize)
-	case c.TensorParallelSize > 1 && c.Engine == "vllm" && os.Getenv(VLLMTPExperimentalEnv) != "1":
-		return fmt.Errorf("tensor parallel size %d: with the vllm engine this is experimental, run on GPUs at 0.5B only (%s=1 turns it on; the reference engine has tensor parallelism)", c.TensorParallelSize, VLLMTPExperimentalEnv)
 	case c.RingCapacity < 4096:
 		return fmt.Errorf("ring capacity %d is below 4096 bytes", c.RingCapacity)
 	case c.PoolsOutsideMPS && c.NoFailback:
@@ -255,6 +263,9 @@ func (c *Config) validate() error {
 		return fmt.Errorf("step timeout factor %g: want at least 1 (a step may take what the engine expects)", c.StepTimeoutFactor)
 	case c.StepTimeoutMin < 0 || c.StepTimeoutDefault < 0:
 		return fmt.Errorf("step timeouts %s / %s: want positive durations", c.StepTimeoutMin, c.StepTimeoutDefault)
+	}
+	if err := CheckTensorParallel(c.Engine, c.TensorParallelSize); err != nil {
+		return err
 	}
 	if err := c.Breaker.Validate(); err != nil {
 		return err

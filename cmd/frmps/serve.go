@@ -308,9 +308,8 @@ func (o serveOptions) validate() error {
 	if o.TensorParallelSize < 1 {
 		return fmt.Errorf("--tensor-parallel-size %d: want at least 1", o.TensorParallelSize)
 	}
-	if o.TensorParallelSize > 1 && o.Engine == "vllm" && os.Getenv(supervisor.VLLMTPExperimentalEnv) != "1" {
-		return fmt.Errorf("--tensor-parallel-size %d with --engine vllm is experimental, run on GPUs at 0.5B only (%s=1 turns it on; the reference engine has tensor parallelism)",
-			o.TensorParallelSize, supervisor.VLLMTPExperimentalEnv)
+	if err := supervisor.CheckTensorParallel(o.Engine, o.TensorParallelSize); err != nil {
+		return fmt.Errorf("--tensor-parallel-size: %w", err)
 	}
 	if len(o.VllmArgs) > 0 && o.Engine == "ref" {
 		return errors.New("--vllm-arg is one of vLLM's flags: give --engine vllm")
