@@ -747,20 +747,28 @@ def _keys(keys: list[int], most: int = 8) -> str:
     return shown + (f", … ({len(keys) - most} more)" if len(keys) > most else "")
 
 
-def _device_memory_note(device: str) -> str:
-    """'; torch allocator: N MiB reserved' on a GPU (what the standby keeps besides the
-    CUDA context, its loaded kernels and library workspaces), '' elsewhere."""
+def _torch_cuda_note(device: str, what: str, note: Callable[[Any], str]) -> str:
+    """``note(torch.cuda)`` on a GPU whose CUDA this process has initialised, '' elsewhere
+    (e.g. rank 0 of a group whose ranks are other processes); '; <what>: unknown (…)' if
+    it fails: a note in a log line is not worth failing a start for."""
     if not device.startswith("cuda"):
         return ""
     try:
         import torch
 
-        if not torch.cuda.is_initialized():  # e.g. rank 0 of a group whose ranks are other processes
+        if not torch.cuda.is_initialized():
             return ""
-        return (f"; torch allocator: {torch.cuda.memory_reserved() / 2**20:.1f} MiB reserved, "
-                f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB allocated")
-    except Exception as e:  # a note in a log line is not worth failing a start for
-        return f"; torch allocator: unknown ({e})"
+        return note(torch.cuda)
+    except Exception as e:
+        return f"; {what}: unknown ({e})"
+
+
+def _device_memory_note(device: str) -> str:
+    """'; torch allocator: N MiB reserved' on a GPU (what the standby keeps besides the
+    CUDA context, its loaded kernels and library workspaces), '' elsewhere."""
+    return _torch_cuda_note(device, "torch allocator", lambda cuda: (
+        f"; torch allocator: {cuda.memory_reserved() / 2**20:.1f} MiB reserved, "
+        f"{cuda.memory_allocated() / 2**20:.1f} MiB allocated"))
 
 
 def torch_pools_breakdown(segments: list[dict]) -> dict[str, dict[str, float]]:
@@ -787,17 +795,8 @@ def torch_pools_breakdown(segments: list[dict]) -> dict[str, dict[str, float]]:
 def _standby_memory_note(device: str) -> str:
     """After Sleep, on a GPU: what the standby keeps of its own in torch's allocator,
     by kind of pool (torch_pools_breakdown), '' elsewhere."""
-    if not device.startswith("cuda"):
-        return ""
-    try:
-        import torch
-
-        if not torch.cuda.is_initialized():  # e.g. rank 0 of a group whose ranks are other processes
-            return ""
-        b = torch_pools_breakdown(torch.cuda.memory_snapshot())
-    except Exception as e:  # a note in a log line is not worth failing a start for
-        return f"; torch allocator by pool: unknown ({e})"
-    return pools_note(b)
+    return _torch_cuda_note(device, "torch allocator by pool",
+                            lambda cuda: pools_note(torch_pools_breakdown(cuda.memory_snapshot())))
 
 
 def pools_note(b: dict[str, dict[str, float]]) -> str:

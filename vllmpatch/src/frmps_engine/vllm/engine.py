@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, S
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME
 from .adoption import AdoptResult, plan_adoption
 from .pools import PoolSpec, kv_cache_bytes, pool_layout
+from .tp import WORKER_EXTENSION as TP_WORKER_EXTENSION
 from .triton_watch import watch_from_env
 from ..sdk.engine_api import throwaway_takeover
 from ..sdk.seeds import derive_seed, resolve_seed, to_int64, to_uint64
@@ -446,12 +447,6 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DECODERS = {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
 
 
-def _tp_worker_extension() -> str:
-    from .tp import WORKER_EXTENSION
-
-    return WORKER_EXTENSION
-
-
 def _weight_tensors(cfg: dict, dtype: str, allocated: bool = False, tp: int = 1) -> list[int]:
     """Bytes of each parameter tensor of a Llama-family decoder (Qwen2/Qwen3/
     Llama/Mistral), in vLLM's construction order (vllm/model_executor/models/
@@ -691,7 +686,7 @@ class VllmAdapter:
             # Its workers register frmps's plugin through a worker extension (tp_worker.py).
             **({} if self.cfg.tensor_parallel_size == 1 else {
                 "disable_custom_all_reduce": True,
-                "worker_extension_cls": _tp_worker_extension()}),
+                "worker_extension_cls": TP_WORKER_EXTENSION}),
             # The KV cache is the kv_cache pool, allocated before vLLM starts:
             # vLLM must not size it from free memory (per rank with tensor parallelism).
             kv_cache_memory_bytes=self.pool_layout()[1].size,
