@@ -243,11 +243,17 @@ stage_openai_faults() {  # model n [timeout]
     tail -n 30 "$WORK/openai-faults-$model.out" >> "$S"
 }
 
-stage_ref_tp() {  # model n budget [timeout]
-    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330))}
+two_gpus() {  # what: fails (and logs why) on a machine with fewer than two GPUs
     local gpus
     gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
-    if [ "$gpus" -lt 2 ]; then log "ref-tp $model: needs 2 GPUs, this machine has $gpus"; return; fi
+    [ "$gpus" -ge 2 ] && return 0
+    log "$1: needs 2 GPUs, this machine has $gpus"
+    return 1
+}
+
+stage_ref_tp() {  # model n budget [timeout]
+    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330))}
+    two_gpus "ref-tp $model" || return
     rm -rf "$WORK/ref-tp-$model"
     log "ref-tp $model: TP=2, $n faults, budget ${budget}s"
     bounded "$limit" python3 bench/gpu/tp_proof.py --frmps bin/frmps --model "$model" --tensor-parallel-size 2 \
@@ -259,9 +265,7 @@ stage_ref_tp() {  # model n budget [timeout]
 
 stage_vllm_tp() {  # model n budget [timeout]: vLLM with --tensor-parallel-size 2 (experimental)
     local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 600))} m
-    local gpus
-    gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
-    if [ "$gpus" -lt 2 ]; then log "vllm-tp-failback $model: needs 2 GPUs, this machine has $gpus"; return; fi
+    two_gpus "vllm-tp-failback $model" || return
     vllm_env
     m=$(model_dir "$model") || { log "vllm-tp-failback $model: model-dir failed"; return; }
     rm -rf "$WORK/vllm-tp2-$model"
