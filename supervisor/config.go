@@ -105,18 +105,17 @@ type Config struct {
 	// MPS). By default, after a failover the fresh standby starts inside MPS
 	// and the pair swaps in a planned handover once it is ready.
 	NoFailback bool
-	// PoolsOutsideMPS (experimental) starts a cold-started active — the engine
-	// that allocates the pools — outside MPS; its standby starts inside, and
-	// the failback's planned handover then puts the pair in place: the active
-	// inside MPS on the brokered pools, the engine that allocated them outside
-	// as the standby. So no MPS server's context ever allocates the pools.
-	// Why: at a deployment's first fault the MPS server took ~290 ms to tear
-	// down its faulted client (10-160 ms at later faults), and the standby's
-	// KV flip waits for it; after admin failover drills (clients killed, the
-	// server kept) the first fault still took as long, so the server whose
-	// context created the pools is the suspect (bench/results/2026-11-27-
-	// h200x2-vllm-tp-drills). Needs failback on; costs one handover at start.
-	PoolsOutsideMPS bool
+	// PrimeFaultPath runs one deliberate fault per GPU of the deployment in
+	// frmps's own MPS daemon before the first active starts
+	// (`python -m frmps_engine.cli prime-fault`, a throwaway client alone in
+	// its MPS server). The first fatal fault of an MPS client on a GPU since
+	// the machine started takes the MPS server ~330 ms to tear down, every
+	// later one ~50-90 ms, in any daemon; the standby's takeover waits for that
+	// teardown (bench/results/2026-11-27-h200x2-fault-path). Priming pays that
+	// once while nothing serves. It leaves an Xid 13 and 43 in the kernel log
+	// per GPU and costs ~3 s at start; refused with the operator's daemon (a
+	// fault there would kill its other clients) and without MPS.
+	PrimeFaultPath bool
 	// FailbackDelay is the wait between the standby in MPS being ready and the
 	// handover (0: at once).
 	FailbackDelay time.Duration
@@ -249,8 +248,8 @@ func (c *Config) validate() error {
 		return fmt.Errorf("tensor parallel size %d: want at least 1", c.TensorParallelSize)
 	case c.RingCapacity < 4096:
 		return fmt.Errorf("ring capacity %d is below 4096 bytes", c.RingCapacity)
-	case c.PoolsOutsideMPS && c.NoFailback:
-		return errors.New("pools outside MPS needs failback: the active that allocates them starts outside MPS and only a failback puts an active inside")
+	case c.PrimeFaultPath && (c.NoMPS || c.MPSPipeDir != ""):
+		return errors.New("priming the fault path needs frmps's own MPS daemon: with the operator's daemon the deliberate fault would kill its other clients, and without MPS there is nothing to prime")
 	case c.FailbackDelay < 0 || c.FailbackBaseBackoff < 0 || c.FailbackMaxBackoff < c.FailbackBaseBackoff:
 		return fmt.Errorf("failback timing: want 0 <= delay (%s), 0 <= base backoff (%s) <= max backoff (%s)", c.FailbackDelay, c.FailbackBaseBackoff, c.FailbackMaxBackoff)
 	case c.MPSPipeDir != "" && c.NoMPS:

@@ -125,6 +125,10 @@ type Deps struct {
 	Classify func(ws syscall.WaitStatus, lastStderr []string, reported *frmpsv1.Fault) (class, detail string)
 	// DialGeneration connects to an engine's generation API (lazily).
 	DialGeneration func(endpoint string) (frmpsv1.GenerationClient, io.Closer, error)
+	// PrimeFault faults once on device (an index the env's CUDA_VISIBLE_DEVICES
+	// sees) in a throwaway process with env (an MPS client's); its output and
+	// nil when the fault happened (Config.PrimeFaultPath). nil: not available.
+	PrimeFault func(ctx context.Context, env []string, device int) (string, error)
 	// Spares starts engines ahead of need (spare.go); nil: engines always
 	// start cold.
 	Spares SpareLauncher

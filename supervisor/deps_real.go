@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"strconv"
 	"strings"
 	"syscall"
@@ -82,7 +83,10 @@ func defaultDeps(cfg Config, log hclog.Logger) (Deps, error) {
 			return c.Class, c.Detail
 		},
 		DialGeneration: DialGenerationUnix,
-		RunWait:        runWait,
+		PrimeFault: func(ctx context.Context, env []string, device int) (string, error) {
+			return primeFault(ctx, cfg.Python, env, device)
+		},
+		RunWait: runWait,
 	}, nil
 }
 
@@ -166,4 +170,25 @@ func (rr *ringReader) Snapshot(key uint64) (*frmpsv1.RequestSnapshot, bool) {
 		BlockIds: st.BlockIDs, TokenIds: st.TokenIDs, NumPromptTokens: st.NumPrompt,
 		NumComputedTokens: st.NumComputed, Seed: st.Seed, Step: st.Step,
 	}, true
+}
+
+// primeTimeout bounds one prime-fault run (the driver's PTX JIT, joining MPS,
+// the fault and the server's teardown take about a second).
+const primeTimeout = 60 * time.Second
+
+// primeFault runs `python -m frmps_engine.cli prime-fault --device N` with env
+// (vllmpatch/src/frmps_engine/sdk/primefault.py): exit 0 means the fault
+// happened. The process is killed at the timeout and always reaped.
+func primeFault(ctx context.Context, python string, env []string, device int) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, primeTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, python, "-m", "frmps_engine.cli", "prime-fault", "--device", strconv.Itoa(device))
+	cmd.Env = env
+	cmd.WaitDelay = 5 * time.Second
+	out, err := cmd.CombinedOutput()
+	text := strings.TrimSpace(string(out))
+	if err != nil {
+		return text, fmt.Errorf("prime-fault on device %d: %w", device, err)
+	}
+	return text, nil
 }

@@ -211,7 +211,7 @@ func (s *Supervisor) endHandover(tr failover.Transition) {
 		if restored > 0 {
 			s.log.Info("failback done: the active runs in MPS again", "duration", p.lastDur, "active_pid", s.active.proc.PID(),
 				"placement_restored_after", restored)
-		} else { // the handover at start of --pools-outside-mps: no placement was lost
+		} else { // no failover lost the placement before this handover
 			s.log.Info("failback done: the active runs in MPS", "duration", p.lastDur, "active_pid", s.active.proc.PID())
 		}
 		s.noteHandoverForFirstToken(ho.started)

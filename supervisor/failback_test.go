@@ -2,8 +2,10 @@ package supervisor
 
 import (
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"testing/synctest"
@@ -359,42 +361,60 @@ func TestStandbyNotAdmittedByRecoveringMPSIsRelaunched(t *testing.T) {
 	}
 }
 
-// PoolsOutsideMPS: the cold-started active (the engine that allocates the
-// pools) runs outside MPS, its standby inside, and the failback's planned
-// handover puts the pair in place at start — the allocating engine ends as the
-// standby outside MPS, so no engine inside MPS ever allocated the pools. Faults
-// after that fail over and back as usual.
-func TestPoolsOutsideMPSStartsWithAFailback(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		w := newWorld()
-		h := start(t, w, func(c *Config) { c.PoolsOutsideMPS = true })
-		first := w.procs[0]
-		if first.inMPS() || first.role != failover.Active {
-			t.Fatalf("first engine: role %s, in MPS %v; want the active outside MPS", first.role, first.inMPS())
-		}
-		act, sb := h.wantPlacementRestored()
-		if sb != first || first.handoffs != 1 || len(w.procs) != 2 {
-			t.Fatalf("standby pid %d (want the allocating engine %d, yielded once: %d), %d engines launched",
-				sb.pid, first.pid, first.handoffs, len(w.procs))
-		}
-		if fb := h.s.Status().GetFailback(); fb.GetSucceeded() != 1 {
-			t.Fatalf("failback %v", fb)
-		}
-		act.Kill() // a fault of the active inside MPS: fail over to the allocating engine, then back
-		synctest.Wait()
-		h.wantState(failover.ServingReady)
-		if _, sb2 := h.wantPlacementRestored(); sb2 != first || first.handoffs != 2 {
-			t.Fatalf("after a fault: standby pid %d, want %d (handoffs %d)", sb2.pid, first.pid, first.handoffs)
-		}
-		h.stop()
-	})
+// PrimeFaultPath: one deliberate fault per GPU inside frmps's own MPS daemon,
+// before any engine is launched, with an MPS client's environment; a GPU that
+// could not be primed is logged and the deployment serves as usual.
+func TestPrimeFaultPathBeforeTheFirstEngine(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		tp      int
+		err     error
+		devices []int
+		state   string
+	}{
+		{"one GPU", 1, nil, []int{0}, "running (fault path primed on 1 GPU(s))"},
+		{"two ranks", 2, nil, []int{0, 1}, "running (fault path primed on 2 GPU(s))"},
+		{"priming fails", 1, errors.New("exit status 2"), []int{0}, "running"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				w := newWorld()
+				w.primeErr = tc.err
+				h := start(t, w, func(c *Config) { c.PrimeFaultPath, c.TensorParallelSize = true, tc.tp })
+				time.Sleep(primeSettle) // after priming, the first engine waits for the faulted MPS server to go
+				synctest.Wait()
+				h.wantState(failover.ServingReady)
+				w.mu.Lock()
+				primes := slices.Clone(w.primes)
+				w.mu.Unlock()
+				if len(primes) != len(tc.devices) {
+					t.Fatalf("%d prime runs, want %d", len(primes), len(tc.devices))
+				}
+				for i, p := range primes {
+					if p.device != tc.devices[i] || p.launched != 0 || !slices.Contains(p.env, "CUDA_MPS_PIPE_DIRECTORY=/fake/mps/pipe") {
+						t.Fatalf("prime %d: device %d, after %d launches, env %v", i, p.device, p.launched, p.env)
+					}
+				}
+				if got := h.s.Status().GetMpsState(); got != tc.state {
+					t.Fatalf("MPS state %q, want %q", got, tc.state)
+				}
+				h.stop()
+			})
+		})
+	}
 }
 
-func TestPoolsOutsideMPSNeedsFailback(t *testing.T) {
-	cfg := testConfig(t)
-	cfg.PoolsOutsideMPS, cfg.NoFailback = true, true
-	if _, err := NewWithDeps(cfg, newWorld().deps(), hclog.NewNullLogger(), prometheus.NewRegistry()); err == nil ||
-		!strings.Contains(err.Error(), "needs failback") {
-		t.Fatalf("want a refusal, got %v", err)
+func TestPrimeFaultPathNeedsOwnDaemon(t *testing.T) {
+	for _, mod := range []func(*Config){
+		func(c *Config) { c.NoMPS = true },
+		func(c *Config) { c.MPSPipeDir = "/run/operator-mps" },
+	} {
+		cfg := testConfig(t)
+		cfg.PrimeFaultPath = true
+		mod(&cfg)
+		if _, err := NewWithDeps(cfg, newWorld().deps(), hclog.NewNullLogger(), prometheus.NewRegistry()); err == nil ||
+			!strings.Contains(err.Error(), "frmps's own MPS daemon") {
+			t.Fatalf("want a refusal, got %v", err)
+		}
 	}
 }

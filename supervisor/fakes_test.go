@@ -219,12 +219,21 @@ type fakeWorld struct {
 	computeModeErr    error
 	// runWait answers RunWait (nil: unknown).
 	runWait func(pid int) map[int]time.Duration
+	// PrimeFault: each call (device, env, engines launched before it) and its answer.
+	primes   []primeCall
+	primeErr error
 
 	ring   *fakeRing
 	broker []*fakeBroker
 	mps    *fakeMPS
 	front  *fakeFrontDoor
 	spares *fakeSpares // nil: no SpareLauncher (spare_test.go)
+}
+
+type primeCall struct {
+	device   int
+	env      []string
+	launched int
 }
 
 func newWorld() *fakeWorld {
@@ -309,6 +318,15 @@ func (w *fakeWorld) baseDeps() Deps {
 			defer w.mu.Unlock()
 			w.computeModeChecks = append(w.computeModeChecks, visible)
 			return w.computeModeErr
+		},
+		PrimeFault: func(ctx context.Context, env []string, device int) (string, error) {
+			w.mu.Lock()
+			defer w.mu.Unlock()
+			w.primes = append(w.primes, primeCall{device: device, env: env, launched: len(w.procs)})
+			if w.primeErr != nil {
+				return "prime-fault: no CUDA driver library", w.primeErr
+			}
+			return "prime-fault: device 0: CUDA_ERROR_MISALIGNED_ADDRESS (716): the fault path is primed", nil
 		},
 		OutsideEnv: func(runDir string) ([]string, error) {
 			return []string{"CUDA_MPS_PIPE_DIRECTORY=" + runDir + "/no-mps"}, nil

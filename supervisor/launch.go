@@ -133,9 +133,6 @@ func (s *Supervisor) placeInMPS(role failover.Role) bool {
 	if s.mps == nil {
 		return false
 	}
-	if role == failover.Active && s.cfg.PoolsOutsideMPS {
-		return false // an active is launched only cold: it allocates the pools (Config.PoolsOutsideMPS)
-	}
 	other := s.slotOf(failover.Standby)
 	if role == failover.Standby {
 		other = s.slotOf(failover.Active)

@@ -83,12 +83,49 @@ func (s *Supervisor) setup(ctx context.Context) error {
 		s.mps = mps
 		if mps.Owned() {
 			s.setMPSState("running")
+			if s.cfg.PrimeFaultPath {
+				s.primeFaultPath(ctx)
+			}
 		} else {
 			s.setMPSState("joined the operator's daemon at " + s.cfg.MPSPipeDir)
 		}
 	}
 	return nil
 }
+
+// primeFaultPath faults once on each GPU of the deployment inside frmps's own
+// MPS daemon, before any engine joins it (Config.PrimeFaultPath). A GPU that
+// could not be primed is logged and serves as usual: its first fault is slow.
+func (s *Supervisor) primeFaultPath(ctx context.Context) {
+	if s.deps.PrimeFault == nil {
+		s.log.Warn("fault-path priming is not available here; the first fault on each GPU will be slow")
+		return
+	}
+	env := append(s.engineEnv(), s.mps.ClientEnv()...)
+	primed := 0
+	for dev := 0; dev < max(1, s.cfg.TensorParallelSize); dev++ {
+		t0 := time.Now()
+		out, err := s.deps.PrimeFault(ctx, env, dev)
+		if err != nil {
+			s.log.Warn("fault path not primed: the first fault on this GPU will be slow", "device", dev, "error", err, "output", out)
+			continue
+		}
+		primed++
+		s.log.Info("fault path primed", "device", dev, "took", time.Since(t0).Round(time.Millisecond), "output", out)
+	}
+	if primed > 0 {
+		s.setMPSState(fmt.Sprintf("running (fault path primed on %d GPU(s))", primed))
+		// The daemon starts a new MPS server for the next client; leave the
+		// faulted one time to go (a client joining 2 s after a fault was admitted).
+		select {
+		case <-time.After(primeSettle):
+		case <-ctx.Done():
+		}
+	}
+}
+
+// primeSettle: the pause after priming before the first engine joins the daemon.
+const primeSettle = 2 * time.Second
 
 // envValue is key's value in env (the last one wins, as for exec); "" if unset.
 func envValue(env []string, key string) string {

@@ -485,8 +485,8 @@ def main() -> int:
                              "torch_pools_mib": loglines.standby_pools(sb_log)}
         report["placement_digests"] = {"active": grep_all(act_log, "placement digest"), "standby": grep_all(sb_log, "placement digest")}
         # The standby started and slept while the active stayed idle: its pools' sums must not change.
-        # The engine that allocated the pools sums them at ready; with --pools-outside-mps that engine
-        # is the standby by now (the failback at start), and the engine started after it the active.
+        # The engine that allocated the pools sums them at ready: the active, unless a handover at
+        # start swapped the pair (then that engine is the standby by now).
         owner, owner_log = "active", act_log
         if not grep_all(act_log, "pool checksums at ready") and grep_all(sb_log, "pool checksums at ready"):
             owner, owner_log = "standby", sb_log

@@ -113,8 +113,8 @@ def one_round(n: int, a, mps_env: dict, trigger: str, server_log: str) -> dict:
         t_fault = None
         for line in trig.stderr:
             t_fault = loglines.trigger_time(line) or t_fault
-        out, _ = trig.communicate(timeout=30)
-        rec["trigger_out"], rec["trigger_rc"] = out.strip(), trig.returncode
+        out = trig.stdout.read()
+        rec["trigger_out"], rec["trigger_rc"] = out.strip(), trig.wait(timeout=30)
         rec["fault_at"] = t_fault
         err = read_line(victim, "error", 30)
         t_err = float(err.split()[1])
@@ -145,6 +145,9 @@ def main() -> int:
     p.add_argument("--settle", type=float, default=1.0, help="seconds of victim work before the fault")
     p.add_argument("--gap-ms", type=float, default=3.0, help="observer gaps longer than this are recorded")
     p.add_argument("--pause", type=float, default=2.0, help="seconds between rounds")
+    p.add_argument("--prime", action="store_true",
+                   help="first run `frmps_engine.cli prime-fault` alone as a client of the daemon (what "
+                        "frmps serve --prime-fault-path does), then the rounds")
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -171,6 +174,14 @@ def main() -> int:
     rc = 0
     try:
         read_line(observer, "ready", 120)
+        if a.prime:
+            t0 = time.time()
+            r = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "prime-fault"], capture_output=True, text=True,
+                               timeout=120, env={**mps_env, "PYTHONPATH": os.path.join(HERE, "..", "..", "vllmpatch", "src")})
+            result["prime"] = {"rc": r.returncode, "out": (r.stdout + r.stderr).strip()[-400:],
+                               "seconds": round(time.time() - t0, 3)}
+            print(f"prime: rc {r.returncode} in {result['prime']['seconds']} s: {result['prime']['out']}", flush=True)
+            time.sleep(a.pause)
         triggers = a.triggers.split(",")
         for n in range(1, a.rounds + 1):
             try:

@@ -42,7 +42,7 @@
 #   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1;
 #                                      env:FAILBACK_DRILLS=2: the failback/soak stages first run that many admin
 #                                      failover drills, no GPU fault, each with its failback: failback_proof --drills;
-#                                      env:FAILBACK_SERVE_FLAGS=--pools-outside-mps: more `frmps serve` flags for them,
+#                                      env:FAILBACK_SERVE_FLAGS=--prime-fault-path: more `frmps serve` flags for them,
 #                                      space-separated)
 #   start-profile                      the engines started after it run py-spy on their own start
 #                                      (FRMPS_DEBUG_STARTUP_PROFILE=$OUT/start-profile); pack sums them per function

@@ -270,20 +270,20 @@ func TestServedModelName(t *testing.T) {
 	}
 }
 
-// --pools-outside-mps (and its file key) reaches the supervisor's config.
-func TestPoolsOutsideMPSFlag(t *testing.T) {
+// --prime-fault-path (and its file key) reaches the supervisor's config.
+func TestPrimeFaultPathFlag(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "frmps.json")
-	if err := os.WriteFile(path, []byte(`{"pools_outside_mps":true}`), 0o600); err != nil {
+	if err := os.WriteFile(path, []byte(`{"prime_fault_path":true}`), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	opts := defaultServeOptions()
 	var cfgFile string
 	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
 	bindServeFlags(f, &opts, &cfgFile)
-	if opts.supervisorConfig(pythonEnv{}).PoolsOutsideMPS {
-		t.Fatal("pools outside MPS by default")
+	if opts.supervisorConfig(pythonEnv{}).PrimeFaultPath {
+		t.Fatal("fault path primed by default")
 	}
-	if err := f.Parse([]string{"--pools-outside-mps"}); err != nil || !opts.supervisorConfig(pythonEnv{}).PoolsOutsideMPS {
+	if err := f.Parse([]string{"--prime-fault-path"}); err != nil || !opts.supervisorConfig(pythonEnv{}).PrimeFaultPath {
 		t.Fatalf("flag: %v", err)
 	}
 	opts = defaultServeOptions()
@@ -292,7 +292,7 @@ func TestPoolsOutsideMPSFlag(t *testing.T) {
 	if err := f.Parse([]string{"--config", path}); err != nil {
 		t.Fatal(err)
 	}
-	if err := applyConfigFile(f, &opts, path); err != nil || !opts.PoolsOutsideMPS {
-		t.Fatalf("file: %v, %v", err, opts.PoolsOutsideMPS)
+	if err := applyConfigFile(f, &opts, path); err != nil || !opts.PrimeFaultPath {
+		t.Fatalf("file: %v, %v", err, opts.PrimeFaultPath)
 	}
 }

@@ -42,7 +42,7 @@ type serveOptions struct {
 	Python             string        `json:"python"`
 	SyncEvery          uint32        `json:"sync_every"`
 	NoFailback         bool          `json:"no_failback"`
-	PoolsOutsideMPS    bool          `json:"pools_outside_mps"`
+	PrimeFaultPath     bool          `json:"prime_fault_path"`
 	NoMPSFaultWatch    bool          `json:"no_mps_fault_watch"`
 	Spare              string        `json:"spare"`
 	Spares             int           `json:"spares"`
@@ -165,7 +165,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.Spare, "spare", opts.Spare, "keep one engine process started ahead of need (interpreter up, engine imports done, GPU untouched), so the engine launched after a fault skips Python's start-up: auto (on for --device cuda), on or off")
 	f.IntVar(&opts.Spares, "spares", opts.Spares, fmt.Sprintf("how many spare engine processes to keep when --spare is on (1 to %d): more than one keeps the restore after a fault fast when faults come faster than a spare's imports (20-30 s with vLLM), at the host memory of one imported engine each", supervisor.MaxSpares))
 	f.BoolVar(&opts.NoFailback, "no-failback", opts.NoFailback, "after a failover, leave the promoted active outside MPS (by default a standby starts inside MPS and the pair swaps back in a planned handover)")
-	f.BoolVar(&opts.PoolsOutsideMPS, "pools-outside-mps", opts.PoolsOutsideMPS, "experimental: start the engine that allocates the pools outside MPS and hand over to an engine inside MPS once it is ready (one failback at start), so that no MPS server allocates them — a test of whether that is why a deployment's first fault stalls the takeover ~290 ms")
+	f.BoolVar(&opts.PrimeFaultPath, "prime-fault-path", opts.PrimeFaultPath, "before the first engine starts, fault once per GPU in a throwaway client of frmps's own MPS daemon: a GPU's first fault since the machine started keeps the MPS server ~330 ms tearing its clients down (later ones ~50-90 ms), and the standby's takeover waits for it; this pays that cost at start (~3 s). Leaves an Xid 13 and 43 per GPU in the kernel log; not with --mps-pipe-dir or --no-mps")
 	f.DurationVar(&opts.FailbackDelay, "failback-delay", opts.FailbackDelay, "wait this long after the standby in MPS is ready before handing over to it")
 	f.DurationVar(&opts.HandoffTimeout, "handoff-timeout", opts.HandoffTimeout, "an active that does not yield within this long during a handover is fenced and the standby takes over")
 	f.StringVar(&opts.Host, "host", opts.Host, "address the OpenAI endpoint binds (empty: all interfaces)")
@@ -276,8 +276,8 @@ func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 		HeartbeatTimeout: o.HeartbeatTimeout, StepTimeoutFactor: o.StepTimeoutFactor, StepTimeoutMin: o.StepTimeoutMin,
 		StepTimeoutDefault: o.StepTimeoutDefault,
 		NoFailback:         o.NoFailback, NoMPSFaultWatch: o.NoMPSFaultWatch, FailbackDelay: o.FailbackDelay, HandoffTimeout: o.HandoffTimeout,
-		PoolsOutsideMPS: o.PoolsOutsideMPS,
-		Spare:           o.Spare, Spares: o.Spares,
+		PrimeFaultPath: o.PrimeFaultPath,
+		Spare:          o.Spare, Spares: o.Spares,
 	}
 }
 

@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -25,7 +26,8 @@
     X(cuGetErrorName) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemAddressReserve)              \
     X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap)          \
     X(cuMemSetAccess) X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)   \
-    X(cuMemGetAllocationGranularity) X(cuGetProcAddress) X(cuGetProcAddress_v2)
+    X(cuMemGetAllocationGranularity) X(cuGetProcAddress) X(cuGetProcAddress_v2)            \
+    X(cuModuleLoadData) X(cuModuleGetFunction) X(cuLaunchKernel) X(cuCtxSynchronize)
 
 enum {
 #define FAKE_ENUM(n) F_##n,
@@ -214,6 +216,8 @@ CUresult cuGetErrorName(CUresult error, const char **pstr)
         NAME(CUDA_ERROR_NOT_PERMITTED)
         NAME(CUDA_ERROR_NOT_SUPPORTED)
         NAME(CUDA_ERROR_UNKNOWN)
+        NAME(CUDA_ERROR_ILLEGAL_ADDRESS)
+        NAME(CUDA_ERROR_MISALIGNED_ADDRESS)
 #undef NAME
     default:
         *pstr = NULL;
@@ -527,6 +531,88 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, vo
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     return CUDA_SUCCESS;
+}
+
+/* Modules and launches, for sdk/primefault.py's tests. A module is its image's
+ * text; a function is found by its ".entry <name>(" line. One kernel "runs":
+ * frmps_prime_fault, whose 8-byte access at its pointer argument + 4 makes the
+ * context's sticky error CUDA_ERROR_MISALIGNED_ADDRESS when that address is not
+ * 8-aligned (and the pointer is one of cuMemAlloc's); cuCtxSynchronize returns
+ * the sticky error. Any other kernel does nothing. */
+typedef struct fake_module {
+    char *image;
+} *CUmodule;
+typedef struct fake_function {
+    char name[64];
+} *CUfunction;
+typedef void *CUstream;
+static CUresult sticky;
+
+CUresult cuModuleLoadData(CUmodule *module, const void *image)
+{
+    ENTER(cuModuleLoadData);
+    NEED_INIT();
+    if (!current)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!module || !image)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUmodule m = calloc(1, sizeof *m);
+    if (!m || !(m->image = strdup(image)))
+        abort(); /* test double */
+    *module = m;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleGetFunction(CUfunction *fn, CUmodule mod, const char *name)
+{
+    ENTER(cuModuleGetFunction);
+    NEED_INIT();
+    if (!fn || !mod || !name || strlen(name) >= sizeof((*fn)->name))
+        return CUDA_ERROR_INVALID_VALUE;
+    char entry[96];
+    snprintf(entry, sizeof entry, ".entry %s(", name);
+    if (!strstr(mod->image, entry))
+        return CUDA_ERROR_NOT_FOUND;
+    CUfunction f = calloc(1, sizeof *f);
+    if (!f)
+        abort();
+    strcpy(f->name, name);
+    *fn = f;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                        unsigned bz, unsigned shared, CUstream stream, void **params, void **extra)
+{
+    ENTER(cuLaunchKernel);
+    NEED_INIT();
+    (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shared, (void)stream, (void)extra;
+    if (!current)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!f)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (strcmp(f->name, "frmps_prime_fault") != 0)
+        return CUDA_SUCCESS;
+    if (!params || !params[0])
+        return CUDA_ERROR_INVALID_VALUE;
+    uintptr_t p = (uintptr_t) * (uint64_t *)params[0];
+    bool known = false;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < plain_allocs.n; i++)
+        known |= p >= plain_allocs.v[i].va && p + 12 <= plain_allocs.v[i].va + plain_allocs.v[i].size;
+    pthread_mutex_unlock(&mu);
+    if (!known)
+        sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+    else if ((p + 4) % 8 != 0)
+        sticky = CUDA_ERROR_MISALIGNED_ADDRESS;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSynchronize(void)
+{
+    ENTER(cuCtxSynchronize);
+    NEED_INIT();
+    return current ? sticky : CUDA_ERROR_INVALID_CONTEXT;
 }
 
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);

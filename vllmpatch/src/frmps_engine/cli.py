@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's OpenAI API server as the frontend of --engine vllm: --engine-input ipc://... "
                         "--engine-output ipc://... --control-socket PATH, then vllm serve's arguments "
                         "(frmps_engine/vllm/frontend/server.py)")
+    pf = sub.add_parser("prime-fault", help="fault once in a throwaway CUDA context (run inside frmps's private MPS "
+                        "daemon before the active starts: a GPU's first fault is the slow one; sdk/primefault.py)")
+    pf.add_argument("--device", type=int, default=0, help="device index as this process sees the GPUs")
     m = sub.add_parser("model-dir", help="write (or find) a preset's Hugging Face model directory for dummy-weight runs")
     m.add_argument("preset", help="qwen2.5-0.5b, -1.5b, -3b, -7b or -14b")
     m.add_argument("--out", help="directory to write (default: the model cache, see frmps_engine.modeldir.default_dir)")
@@ -178,6 +181,12 @@ def spare(args: argparse.Namespace) -> int:
     return serve(served)
 
 
+def prime_fault(args) -> int:
+    from frmps_engine.sdk import primefault
+
+    return primefault.main(args.device)
+
+
 def frontend(argv: list[str]) -> int:
     """vLLM's API server with frmps's engine-core client (its own arguments, then vllm serve's)."""
     from frmps_engine.vllm.frontend import server
@@ -201,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         level=getattr(args, "log_level", "info").upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    code = {"serve": serve, "spare": spare, "check-engine": check_engine, "model-dir": model_dir}[args.cmd](args)
+    code = {"serve": serve, "spare": spare, "check-engine": check_engine, "model-dir": model_dir,
+            "prime-fault": prime_fault}[args.cmd](args)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
