@@ -11,21 +11,6 @@ import (
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
-// VLLMTPExperimentalEnv in frmps's environment allows --tensor-parallel-size > 1
-// with --engine vllm, which has run on GPUs at 0.5B only (3 faults)
-// (vllmpatch/src/frmps_engine/vllm/tp.py); the engines inherit it.
-const VLLMTPExperimentalEnv = "FRMPS_VLLM_TP_EXPERIMENTAL"
-
-// CheckTensorParallel refuses tensor parallelism that this build does not
-// offer: vLLM with more than one rank unless VLLMTPExperimentalEnv=1 is set.
-// frmps serve asks before its preflight, and the supervisor's config again.
-func CheckTensorParallel(engine string, size int) error {
-	if size > 1 && engine == "vllm" && os.Getenv(VLLMTPExperimentalEnv) != "1" {
-		return fmt.Errorf("tensor parallel size %d: with the vllm engine this is experimental, run on GPUs at 0.5B only (%s=1 turns it on; the reference engine has tensor parallelism)", size, VLLMTPExperimentalEnv)
-	}
-	return nil
-}
-
 // Config and its defaults. Read-only once NewWithDeps has returned.
 
 // Config of one deployment.
@@ -262,9 +247,6 @@ func (c *Config) validate() error {
 		return fmt.Errorf("step timeout factor %g: want at least 1 (a step may take what the engine expects)", c.StepTimeoutFactor)
 	case c.StepTimeoutMin < 0 || c.StepTimeoutDefault < 0:
 		return fmt.Errorf("step timeouts %s / %s: want positive durations", c.StepTimeoutMin, c.StepTimeoutDefault)
-	}
-	if err := CheckTensorParallel(c.Engine, c.TensorParallelSize); err != nil {
-		return err
 	}
 	if err := c.Breaker.Validate(); err != nil {
 		return err

@@ -854,12 +854,11 @@ func TestBadConfig(t *testing.T) {
 	if _, err := NewWithDeps(testConfig(t), Deps{}, nil, nil); err == nil {
 		t.Error("empty deps accepted")
 	}
-	// vLLM with tensor parallelism is experimental: refused unless asked for by name.
-	t.Setenv(VLLMTPExperimentalEnv, "1")
+	// Both engines take tensor parallelism.
 	tp := testConfig(t)
 	tp.Engine, tp.TensorParallelSize = "vllm", 2
 	if _, err := NewWithDeps(tp, w.deps(), nil, nil); err != nil {
-		t.Errorf("vllm TP=2 with %s=1: %v", VLLMTPExperimentalEnv, err)
+		t.Errorf("vllm TP=2: %v", err)
 	}
 	cfg := testConfig(t)
 	if err := os.MkdirAll(cfg.RunDir, 0o700); err != nil {

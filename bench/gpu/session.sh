@@ -18,8 +18,8 @@
 #   ref-tp:<model>:<n>:<budget>[:<timeout>]  bench/gpu/tp_proof.py: the reference engine with --tensor-parallel-size 2
 #                                      on GPUs 0 and 1 (one MPS daemon for both), n faults by MPS clients pinned to
 #                                      GPU 0 and GPU 1 alternately; timeout as for ref-failback
-#   vllm-tp-failback:<model>:<n>:<budget>[:<timeout>]  the same as ref-tp with --engine vllm (experimental:
-#                                      FRMPS_VLLM_TP_EXPERIMENTAL=1; default timeout budget + 600)
+#   vllm-tp-failback:<model>:<n>:<budget>[:<timeout>]  the same as ref-tp with --engine vllm (default
+#                                      timeout budget + 600)
 #   vllm-tp:<model>:<batches>[:<timeout>[:<modes>]] bench/gpu/vllm_throughput.py (frmps + vLLM against vLLM alone;
 #                                      default 300 s; modes: --frmps-modes, e.g. sync,async)
 #   bench:<engine>:<experiment>:<models>[:<budget>[:<flags>]]  `frmps bench <experiment> --engine <engine>` (ref, vllm; for
@@ -263,7 +263,7 @@ stage_ref_tp() {  # model n budget [timeout]
     tail -n 25 "$WORK/ref-tp-$model.out" >> "$S"
 }
 
-stage_vllm_tp() {  # model n budget [timeout]: vLLM with --tensor-parallel-size 2 (experimental)
+stage_vllm_tp() {  # model n budget [timeout]: vLLM with --tensor-parallel-size 2
     local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 600))} m
     two_gpus "vllm-tp-failback $model" || return
     vllm_env

@@ -116,7 +116,7 @@ def main() -> int:
     ap.add_argument("--frmps", default="bin/frmps")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--engine", default="ref", choices=["ref", "vllm"],
-                    help="vllm: experimental (FRMPS_VLLM_TP_EXPERIMENTAL=1 is set for it); --model is then a "
+                    help="vllm: --model is then a "
                          "`frmps model init` directory and --num-blocks is required")
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--tensor-parallel-size", type=int, default=2)
@@ -144,8 +144,6 @@ def main() -> int:
     args.port, args.mps_control = 0, ""
     args.serve_arg = [*args.serve_arg, f"--tensor-parallel-size={args.tensor_parallel_size}"]
     args.env = dict(kv.split("=", 1) for kv in args.env)
-    if args.engine == "vllm":
-        args.env.setdefault("FRMPS_VLLM_TP_EXPERIMENTAL", "1")
     if args.cpu:
         args.device, args.memory, args.mps_control = "cpu", "host-shm", FAKE_MPS
         args.serve_arg = [*args.serve_arg, "--mps-control", FAKE_MPS]

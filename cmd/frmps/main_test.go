@@ -12,7 +12,6 @@ import (
 	"github.com/spf13/pflag"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
-	"github.com/frmps/frmps/supervisor"
 	"github.com/frmps/frmps/supervisor/engine"
 )
 
@@ -86,16 +85,10 @@ func TestTensorParallelFlag(t *testing.T) {
 			t.Errorf("size %d: command line %q", tc.n, joined)
 		}
 	}
-	// vLLM with TP > 1: refused unless its experimental switch is on (frmps serve once refused it
-	// even then, so the switch the supervisor reads could not be reached).
+	// vLLM takes TP > 1 too (frmps serve once refused it before the supervisor could see it).
 	opts.Engine, opts.TensorParallelSize = "vllm", 2
-	t.Setenv(supervisor.VLLMTPExperimentalEnv, "")
-	if err := opts.validate(); err == nil || !strings.Contains(err.Error(), supervisor.VLLMTPExperimentalEnv) {
-		t.Errorf("vllm TP=2 without %s: %v", supervisor.VLLMTPExperimentalEnv, err)
-	}
-	t.Setenv(supervisor.VLLMTPExperimentalEnv, "1")
 	if err := opts.validate(); err != nil {
-		t.Errorf("vllm TP=2 with %s=1: %v", supervisor.VLLMTPExperimentalEnv, err)
+		t.Errorf("vllm TP=2: %v", err)
 	}
 }
 
@@ -195,7 +188,6 @@ func TestServeRejectsBadOptions(t *testing.T) {
 		func(o *serveOptions) { o.TensorParallelSize = 0 },
 		func(o *serveOptions) { o.Spares = 0 },
 		func(o *serveOptions) { o.Spares = 9 },
-		func(o *serveOptions) { o.TensorParallelSize, o.Engine = 2, "vllm" },
 	} {
 		o := defaultServeOptions()
 		mod(&o)

@@ -1,4 +1,4 @@
-"""vLLM tensor parallelism (experimental; frmps_engine/vllm/tp.py) in its CPU-testable
+"""vLLM tensor parallelism (frmps_engine/vllm/tp.py) in its CPU-testable
 parts: the per-rank pool layout and weights estimate, the role/pools hand-off to the
 workers, the fd exchange between rank 0 and the ranks, and rank 0's group memory
 driving ranks through ``ExecutorDouble`` — a labelled test double for vLLM's
@@ -210,12 +210,6 @@ def test_per_rank_weights_and_kv_pools(tmp_path, monkeypatch):
 
     model = write_tiny_model(tmp_path / "m")
     args = SimpleNamespace(model=model, num_blocks=4096, dtype="float32", device="cuda", tensor_parallel_size=2)
-    monkeypatch.delenv(tp.EXPERIMENTAL_ENV, raising=False)
-    from frmps_engine.sdk.adapters import AdapterError
-
-    with pytest.raises(AdapterError, match=tp.EXPERIMENTAL_ENV):
-        make_adapter(args)
-    monkeypatch.setenv(tp.EXPERIMENTAL_ENV, "1")
     layout2 = make_adapter(args).pool_layout()
     layout1 = make_adapter(SimpleNamespace(**{**vars(args), "tensor_parallel_size": 1})).pool_layout()
     assert [(s.tag, s.index) for s in layout2] == [("weights", 0), ("kv_cache", 0), ("weights", 1), ("kv_cache", 1)]
@@ -297,7 +291,6 @@ def test_a_spawned_worker_registers_the_plugin_through_the_worker_extension(tmp_
 def test_rank_zero_starts_its_workers_with_spawn(tmp_path, monkeypatch):
     """A forked worker would hold rank 0's connection to the supervisor open after rank 0 died."""
     model = write_tiny_model(tmp_path / "m")
-    monkeypatch.setenv(tp.EXPERIMENTAL_ENV, "1")
     monkeypatch.setenv(tp.MULTIPROC_METHOD_ENV, "fork")
     monkeypatch.setenv(tp.POOLS_ENV, "")  # restored (removed) after the test
     from frmps_engine.sdk import memory

@@ -1050,12 +1050,6 @@ def make_adapter(args: Any) -> VllmAdapter:
         raise AdapterError("--exact is the reference engine's scheduler mode; for vLLM set VLLM_BATCH_INVARIANT=1 "
                            "in the engines' environment (vLLM's batch-invariant kernels) instead")
     tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
-    if tp != 1:
-        from .tp import EXPERIMENTAL_ENV, experimental_on
-
-        if not experimental_on(os.environ):
-            raise AdapterError(f"--tensor-parallel-size > 1 with vLLM is experimental, run on GPUs at 0.5B only "
-                               f"(frmps_engine/vllm/tp.py); {EXPERIMENTAL_ENV}=1 turns it on")
     try:
         async_scheduling = async_scheduling_from_env(os.environ)
         structured_outputs = structured_outputs_from_env(os.environ)

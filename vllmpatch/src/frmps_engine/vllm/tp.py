@@ -1,11 +1,8 @@
-"""Tensor parallelism for the vLLM engine — **experimental**: first GPU runs at 0.5B
-(2 × H200, 3 MPS faults, bench/results/2026-11-27-h200x2-vllm-tp-drills/).
-
-``frmps serve --engine vllm --tensor-parallel-size N`` is refused unless
-FRMPS_VLLM_TP_EXPERIMENTAL=1 is in frmps's environment: the code below follows
-the plan in vllmpatch/VLLM.md ("Tensor parallelism with vLLM") and is tested on
-the CPU in its parts (the per-rank layout, the fd exchange, the group memory over
-a labelled executor double); the whole path needs two GPUs (run there at 0.5B only).
+"""Tensor parallelism for the vLLM engine (``frmps serve --engine vllm
+--tensor-parallel-size N``). Run on 2 x H200 at 0.5B and 7B with real MPS faults on
+either GPU (bench/results/2026-11-27-h200x2-fault-path/, ...-vllm-tp-drills/); on the
+CPU tested in its parts (the per-rank layout, the fd exchange, the group memory over
+a labelled executor double). The plan: vllmpatch/VLLM.md ("Tensor parallelism with vLLM").
 
 The engine process the supervisor launched is rank 0 as far as frmps's contract
 goes; vLLM's MultiprocExecutor starts one worker process per rank. Each worker
@@ -39,15 +36,10 @@ from ..sdk.memory.base import MemoryError_, Pool, PoolSpec, SizeMismatch, as_spe
 
 log = logging.getLogger(__name__)
 
-EXPERIMENTAL_ENV = "FRMPS_VLLM_TP_EXPERIMENTAL"
 WORKER_EXTENSION = "frmps_engine.vllm.tp_worker.FrmpsTpWorker"  # vLLM's worker_extension_cls (tp_worker.py)
 MULTIPROC_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"  # rank 0 sets spawn (engine._tp_prepare)
 POOLS_ENV = "FRMPS_VLLM_TP_POOLS"  # set by rank 0 for its workers: role, memory backend, every rank's pools
 _TIMEOUT_S = 120.0
-
-
-def experimental_on(env: Mapping[str, str] = os.environ) -> bool:
-    return env.get(EXPERIMENTAL_ENV, "").strip() == "1"
 
 
 def rank_specs(specs: Sequence[Any], rank: int) -> list[PoolSpec]:
