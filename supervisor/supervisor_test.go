@@ -843,7 +843,6 @@ func TestBadConfig(t *testing.T) {
 		func(c *Config) { c.RingCapacity = 10 },
 		func(c *Config) { c.Breaker.MaxRestarts = -1 },
 		func(c *Config) { c.TensorParallelSize = -1 },
-		func(c *Config) { c.Engine, c.TensorParallelSize = "vllm", 2 },
 	} {
 		cfg := testConfig(t)
 		mod(&cfg)
