@@ -8,6 +8,9 @@ server's) own behaviour, with no engine involved:
 - a private MPS control daemon (0700 folders, quit at the end);
 - an *observer* outside MPS: a tiny kernel and a synchronize in a loop, recording every gap
   above --gap-ms (what a sleeping standby would feel);
+- with --nvml, a thread of this process waiting for NVML's Xid events on every GPU (the
+  earlier signal issue 15 asks about: what it gains over the server's log and the victim's
+  own error);
 - per round: a *victim* MPS client (torch, --victim-gib allocated, matmuls in a loop), then a
   fault trigger of bench/faults as a second MPS client of the same server; the victim's error
   and exit, the server's "to be torn down" -> "exiting" lines and the observer's longest gap
@@ -21,6 +24,7 @@ whether the first fault is the slow one. Needs torch (CUDA) and nvidia-cuda-mps-
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -28,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -71,6 +76,60 @@ except Exception as e:
     print("error %.6f %s" % (time.time(), str(e).splitlines()[0][:160]), flush=True)
     os._exit(1)
 """
+
+
+class XidWatch:
+    """NVML's Xid events (nvmlDeviceRegisterEvents, XidCriticalError) on every GPU, through
+    ctypes, on a thread: [unix time, device index, Xid] per event. NVML sees every GPU
+    whatever CUDA_VISIBLE_DEVICES says; its events carry no pid."""
+
+    XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
+    TIMEOUT = 10  # NVML_ERROR_TIMEOUT
+
+    class _Data(ctypes.Structure):
+        _fields_ = [("device", ctypes.c_void_p), ("eventType", ctypes.c_ulonglong), ("eventData", ctypes.c_ulonglong),
+                    ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
+
+    def __init__(self, library: str = "libnvidia-ml.so.1"):
+        self.events: list[list] = []
+        self.error = ""
+        self._stop = threading.Event()
+        nv = self.nv = ctypes.CDLL(library)
+        self._check("nvmlInit_v2", nv.nvmlInit_v2())
+        n = ctypes.c_uint()
+        self._check("nvmlDeviceGetCount_v2", nv.nvmlDeviceGetCount_v2(ctypes.byref(n)))
+        self.set = ctypes.c_void_p()
+        self._check("nvmlEventSetCreate", nv.nvmlEventSetCreate(ctypes.byref(self.set)))
+        for i in range(n.value):
+            h = ctypes.c_void_p()
+            self._check("nvmlDeviceGetHandleByIndex_v2", nv.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)))
+            self._check("nvmlDeviceRegisterEvents", nv.nvmlDeviceRegisterEvents(h, ctypes.c_ulonglong(self.XID_CRITICAL), self.set))
+        self.thread = threading.Thread(target=self._run, name="xid-watch", daemon=True)
+        self.thread.start()
+
+    def _check(self, what: str, rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what}: NVML error {rc}")
+
+    def _run(self) -> None:
+        data = self._Data()
+        while not self._stop.is_set():
+            rc = self.nv.nvmlEventSetWait_v2(self.set, ctypes.byref(data), 100)
+            t = time.time()
+            if rc == self.TIMEOUT:
+                continue
+            if rc != 0:
+                self.error = f"nvmlEventSetWait_v2: NVML error {rc}"
+                return
+            idx = ctypes.c_uint()
+            self.nv.nvmlDeviceGetIndex(ctypes.c_void_p(data.device), ctypes.byref(idx))
+            self.events.append([round(t, 4), idx.value, int(data.eventData)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=2)
+        self.nv.nvmlEventSetFree(self.set)
+        self.nv.nvmlShutdown()
 
 
 def ctl(env: dict, cmd: str) -> str:
@@ -145,6 +204,7 @@ def main() -> int:
     p.add_argument("--settle", type=float, default=1.0, help="seconds of victim work before the fault")
     p.add_argument("--gap-ms", type=float, default=3.0, help="observer gaps longer than this are recorded")
     p.add_argument("--pause", type=float, default=2.0, help="seconds between rounds")
+    p.add_argument("--nvml", action="store_true", help="also record NVML's Xid events (time after the fault, Xid)")
     p.add_argument("--prime", action="store_true",
                    help="first run `frmps_engine.cli prime-fault` alone as a client of the daemon (what "
                         "frmps serve --prime-fault-path does), then the rounds")
@@ -169,6 +229,13 @@ def main() -> int:
     if r.returncode != 0:
         print(f"MPS daemon did not start: {r.stdout}{r.stderr}", file=sys.stderr)
         return 2
+    xids = None
+    if a.nvml:
+        try:
+            xids = XidWatch()
+        except (OSError, RuntimeError) as e:
+            result["nvml_error"] = str(e)
+            print(f"NVML Xid events not watched: {e}", file=sys.stderr)
     observer = subprocess.Popen([sys.executable, "-c", OBSERVER, str(a.gap_ms / 1000)], env=out_env,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     rc = 0
@@ -198,6 +265,14 @@ def main() -> int:
             gaps = []
             result["observer_error"] = str(e)
         print(ctl(mps_env, "quit"))
+        if xids is not None:
+            xids.close()
+            result["xid_events"], result["nvml_error"] = xids.events, xids.error
+            for rec in result["rounds"]:
+                t = rec.get("fault_at")
+                if t:
+                    rec["xids_after_fault"] = [[round((e[0] - t) * 1000, 1), e[1], e[2]] for e in xids.events
+                                               if t - 0.05 <= e[0] <= t + 2.0]
         for rec in result["rounds"]:
             t = rec.get("fault_at")
             if t:
@@ -217,7 +292,8 @@ def main() -> int:
         print(f"round {rec['round']} {rec.get('trigger')}: fault->victim error {rec.get('fault_to_victim_error_ms')} ms, "
               f"fault->torn down {rec.get('fault_to_torn_down_ms')} ms, teardown {td.get('teardown_ms')} ms, "
               f"victim reaped {rec.get('fault_to_victim_reaped_ms')} ms, observer longest gap "
-              f"{rec.get('observer_longest_gap_ms')} ms {rec.get('error', '')}")
+              f"{rec.get('observer_longest_gap_ms')} ms; Xid events [ms after the fault, GPU, Xid] "
+              f"{rec.get('xids_after_fault', '(not watched)')} {rec.get('error', '')}")
     return rc
 
 
