@@ -374,14 +374,14 @@ func TestPrimeFaultPathBeforeTheFirstEngine(t *testing.T) {
 	}{
 		{"one GPU", 1, nil, []int{0}, "running (fault path primed on 1 GPU(s))"},
 		{"two ranks", 2, nil, []int{0, 1}, "running (fault path primed on 2 GPU(s))"},
-		{"priming fails", 1, errors.New("exit status 2"), []int{0}, "running"},
+		{"priming fails, tried twice", 1, errors.New("exit status 2"), []int{0, 0}, "running"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				w := newWorld()
 				w.primeErr = tc.err
 				h := start(t, w, func(c *Config) { c.PrimeFaultPath, c.TensorParallelSize = true, tc.tp })
-				time.Sleep(primeSettle) // after priming, the first engine waits for the faulted MPS server to go
+				time.Sleep(5 * primeSettle) // each run and the first engine wait for the faulted MPS server to go
 				synctest.Wait()
 				h.wantState(failover.ServingReady)
 				w.mu.Lock()
@@ -393,6 +393,9 @@ func TestPrimeFaultPathBeforeTheFirstEngine(t *testing.T) {
 				for i, p := range primes {
 					if p.device != tc.devices[i] || p.launched != 0 || !slices.Contains(p.env, "CUDA_MPS_PIPE_DIRECTORY=/fake/mps/pipe") {
 						t.Fatalf("prime %d: device %d, after %d launches, env %v", i, p.device, p.launched, p.env)
+					}
+					if i > 0 && p.at.Sub(primes[i-1].at) < primeSettle {
+						t.Fatalf("prime %d ran %s after the one before it, want >= %s", i, p.at.Sub(primes[i-1].at), primeSettle)
 					}
 				}
 				if got := h.s.Status().GetMpsState(); got != tc.state {

@@ -234,6 +234,7 @@ type primeCall struct {
 	device   int
 	env      []string
 	launched int
+	at       time.Time
 }
 
 func newWorld() *fakeWorld {
@@ -322,7 +323,7 @@ func (w *fakeWorld) baseDeps() Deps {
 		PrimeFault: func(ctx context.Context, env []string, device int) (string, error) {
 			w.mu.Lock()
 			defer w.mu.Unlock()
-			w.primes = append(w.primes, primeCall{device: device, env: env, launched: len(w.procs)})
+			w.primes = append(w.primes, primeCall{device: device, env: env, launched: len(w.procs), at: time.Now()})
 			if w.primeErr != nil {
 				return "prime-fault: no CUDA driver library", w.primeErr
 			}

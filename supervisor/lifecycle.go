@@ -94,37 +94,53 @@ func (s *Supervisor) setup(ctx context.Context) error {
 }
 
 // primeFaultPath faults once on each GPU of the deployment inside frmps's own
-// MPS daemon, before any engine joins it (Config.PrimeFaultPath). A GPU that
-// could not be primed is logged and serves as usual: its first fault is slow.
+// MPS daemon, before any engine joins it (Config.PrimeFaultPath). A fault ends
+// the MPS server, which serves every GPU of the daemon; the daemon starts a new
+// one for the next client, which a client joining at once may find not ready,
+// so each run waits primeSettle after the one before it and a failed run is
+// tried once more. A GPU that could not be primed is logged and serves as
+// usual: its first fault is slow.
 func (s *Supervisor) primeFaultPath(ctx context.Context) {
 	if s.deps.PrimeFault == nil {
 		s.log.Warn("fault-path priming is not available here; the first fault on each GPU will be slow")
 		return
 	}
-	env := append(s.engineEnv(), s.mps.ClientEnv()...)
-	primed := 0
-	for dev := 0; dev < max(1, s.cfg.TensorParallelSize); dev++ {
-		t0 := time.Now()
-		out, err := s.deps.PrimeFault(ctx, env, dev)
-		if err != nil {
-			s.log.Warn("fault path not primed: the first fault on this GPU will be slow", "device", dev, "error", err, "output", out)
-			continue
+	settle := func() bool {
+		select {
+		case <-time.After(primeSettle):
+			return true
+		case <-ctx.Done():
+			return false
 		}
-		primed++
-		s.log.Info("fault path primed", "device", dev, "took", time.Since(t0).Round(time.Millisecond), "output", out)
+	}
+	env := append(s.engineEnv(), s.mps.ClientEnv()...)
+	primed, ran := 0, false
+	for dev := 0; dev < max(1, s.cfg.TensorParallelSize); dev++ {
+		for try := 1; try <= 2; try++ {
+			if ran && !settle() {
+				return
+			}
+			ran = true
+			t0 := time.Now()
+			out, err := s.deps.PrimeFault(ctx, env, dev)
+			if err == nil {
+				primed++
+				s.log.Info("fault path primed", "device", dev, "took", time.Since(t0).Round(time.Millisecond), "output", out)
+				break
+			}
+			if try == 2 {
+				s.log.Warn("fault path not primed: the first fault on this GPU will be slow", "device", dev, "error", err, "output", out)
+			}
+		}
 	}
 	if primed > 0 {
 		s.setMPSState(fmt.Sprintf("running (fault path primed on %d GPU(s))", primed))
-		// The daemon starts a new MPS server for the next client; leave the
-		// faulted one time to go (a client joining 2 s after a fault was admitted).
-		select {
-		case <-time.After(primeSettle):
-		case <-ctx.Done():
-		}
 	}
+	settle() // the first engine joins a daemon whose faulted server has gone
 }
 
-// primeSettle: the pause after priming before the first engine joins the daemon.
+// primeSettle: the pause after a prime-fault run before the next client joins
+// the daemon (a client joining 2 s after a fault was admitted on the H200s).
 const primeSettle = 2 * time.Second
 
 // envValue is key's value in env (the last one wins, as for exec); "" if unset.
