@@ -98,7 +98,7 @@ type Config struct {
 	// later one ~50-90 ms, in any daemon; the standby's takeover waits for that
 	// teardown (bench/results/2026-11-27-h200x2-fault-path). Priming pays that
 	// once while nothing serves. It leaves an Xid 13 and 43 in the kernel log
-	// per GPU and costs ~3 s at start; refused with the operator's daemon (a
+	// per GPU and costs ~3 s per GPU at start; refused with the operator's daemon (a
 	// fault there would kill its other clients) and without MPS.
 	PrimeFaultPath bool
 	// FailbackDelay is the wait between the standby in MPS being ready and the
