@@ -401,6 +401,13 @@ func TestPrimeFaultPathBeforeTheFirstEngine(t *testing.T) {
 				if got := h.s.Status().GetMpsState(); got != tc.state {
 					t.Fatalf("MPS state %q, want %q", got, tc.state)
 				}
+				want := float64(tc.tp)
+				if tc.err != nil {
+					want = 0
+				}
+				if got := testutil.ToFloat64(h.s.metrics.primedG); got != want {
+					t.Fatalf("frmps_fault_path_primed_gpus %v, want %v", got, want)
+				}
 				h.stop()
 			})
 		})

@@ -133,6 +133,7 @@ func (s *Supervisor) primeFaultPath(ctx context.Context) {
 			}
 		}
 	}
+	s.metrics.primed(primed)
 	if primed > 0 {
 		s.setMPSState(fmt.Sprintf("running (fault path primed on %d GPU(s))", primed))
 	}

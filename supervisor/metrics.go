@@ -30,6 +30,7 @@ type metrics struct {
 	launchesFrom     *prometheus.CounterVec
 	spareReadyG      prometheus.Gauge
 	spareOnG         prometheus.Gauge
+	primedG          prometheus.Gauge
 
 	mu       sync.Mutex
 	launches [2]uint32
@@ -76,13 +77,15 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 			Help: "Spare engine processes ready (their imports done) to become the next engine (at most --spares).", ConstLabels: cl}),
 		spareOnG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_spare_enabled",
 			Help: "1 when spares are configured (--spare; auto: on for GPU devices), whether or not one is ready.", ConstLabels: cl}),
+		primedG: prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_fault_path_primed_gpus",
+			Help: "GPUs whose first fault frmps paid at start (--prime-fault-path), so that the first real one is not the slow one.", ConstLabels: cl}),
 	}
 	bi := buildinfo.Get()
 	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "frmps_build_info", Help: "Build of this frmps.",
 		ConstLabels: prometheus.Labels{"model_name": model, "version": bi.Version, "commit": bi.Commit, "goversion": bi.GoVersion}})
 	build.Set(1)
 	for _, c := range []prometheus.Collector{m.failovers, m.duration, m.resumeSentIn, m.engineUp, m.restarts, m.crashLoopG,
-		m.failbacks, m.failbackDur, m.placementRestore, m.placementG, m.firstTokenIn, m.launchesFrom, m.spareReadyG, m.spareOnG, build} {
+		m.failbacks, m.failbackDur, m.placementRestore, m.placementG, m.firstTokenIn, m.launchesFrom, m.spareReadyG, m.spareOnG, m.primedG, build} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
@@ -117,6 +120,7 @@ func (m *metrics) firstToken(d time.Duration)       { m.firstTokenIn.Observe(d.S
 func (m *metrics) up(r failover.Role, up bool)      { m.engineUp.WithLabelValues(r.String()).Set(b2f(up)) }
 func (m *metrics) crashLoop(open bool)              { m.crashLoopG.Set(b2f(open)) }
 func (m *metrics) placement(ok bool)                { m.placementG.Set(b2f(ok)) }
+func (m *metrics) primed(gpus int)                  { m.primedG.Set(float64(gpus)) }
 func (m *metrics) spare(enabled bool, ready int) {
 	m.spareOnG.Set(b2f(enabled))
 	m.spareReadyG.Set(float64(ready))
