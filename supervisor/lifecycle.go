@@ -114,13 +114,12 @@ func (s *Supervisor) primeFaultPath(ctx context.Context) {
 		}
 	}
 	env := append(s.engineEnv(), s.mps.ClientEnv()...)
-	primed, ran := 0, false
+	primed := 0
 	for dev := 0; dev < max(1, s.cfg.TensorParallelSize); dev++ {
 		for try := 1; try <= 2; try++ {
-			if ran && !settle() {
+			if (dev > 0 || try > 1) && !settle() {
 				return
 			}
-			ran = true
 			t0 := time.Now()
 			out, err := s.deps.PrimeFault(ctx, env, dev)
 			if err == nil {

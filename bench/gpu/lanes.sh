@@ -58,17 +58,17 @@ start)
             read -r -a st <<< "$stages"
             if [ "${st[0]}" = "@all" ]; then  # every GPU of the machine (tensor parallelism)
                 [ "$#" -eq 1 ] || { echo "lanes.sh: an @all lane must be the only one" >&2; exit 2; }
-                echo "all GPUs: ${st[*]:1}"
-                (unset CUDA_VISIBLE_DEVICES; VLLM_CACHE_ROOT=$HOME/.cache/vllm-lane-$i OUT=$OUT/gpu$i \
-                    WORK=/tmp/frmps-lane-$i setsid nohup bash bench/gpu/session.sh "${st[@]:1}" pack \
-                    > "$OUT/gpu$i.log" 2>&1 < /dev/null & echo $! > "$OUT/gpu$i.pid")
+                st=("${st[@]:1}")
+                gpus=(-u CUDA_VISIBLE_DEVICES)
+                echo "all GPUs: ${st[*]}"
             else
+                gpus=("CUDA_VISIBLE_DEVICES=${uuids[$i]}")
                 echo "GPU $i (${uuids[$i]}): $stages"
-                CUDA_VISIBLE_DEVICES=${uuids[$i]} VLLM_CACHE_ROOT=$HOME/.cache/vllm-lane-$i OUT=$OUT/gpu$i \
-                    WORK=/tmp/frmps-lane-$i setsid nohup bash bench/gpu/session.sh "${st[@]}" pack \
-                    > "$OUT/gpu$i.log" 2>&1 < /dev/null &
-                echo $! > "$OUT/gpu$i.pid"
             fi
+            env "${gpus[@]}" VLLM_CACHE_ROOT="$HOME/.cache/vllm-lane-$i" OUT="$OUT/gpu$i" \
+                WORK="/tmp/frmps-lane-$i" setsid nohup bash bench/gpu/session.sh "${st[@]}" pack \
+                > "$OUT/gpu$i.log" 2>&1 < /dev/null &
+            echo $! > "$OUT/gpu$i.pid"
         fi
         i=$((i + 1))
     done

@@ -29,9 +29,10 @@ import time
 
 LIBCUDA_ENV = "FRMPS_LIBCUDA"
 CUDA_ERROR_MISALIGNED_ADDRESS = 716
-# Errors that show the kernel faulted in a way the MPS server treats as fatal.
-FATAL = {CUDA_ERROR_MISALIGNED_ADDRESS: "misaligned address", 700: "illegal address",
-         715: "illegal instruction", 719: "launch failure"}
+# Errors that show the kernel faulted in a way the MPS server treats as fatal: misaligned
+# address, illegal address, illegal instruction, launch failure (their names come from the
+# driver, cuGetErrorName).
+FATAL = frozenset({CUDA_ERROR_MISALIGNED_ADDRESS, 700, 715, 719})
 
 KERNEL = b"frmps_prime_fault"
 PTX = b"""
