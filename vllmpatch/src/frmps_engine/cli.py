@@ -16,6 +16,11 @@ import signal
 import sys
 
 
+# The engine's log lines (the supervisor files them in the engine's log); a vLLM
+# tensor-parallel worker uses the same (vllm/tp_worker.py).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def _positive(v: str) -> int:
     n = int(v)
     if n <= 0:
@@ -199,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["frontend"]:
         # vllm serve's arguments are parsed by vLLM's own parser (server.py).
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                            format=LOG_FORMAT)
         code = frontend(argv[1:])
         logging.shutdown()
         sys.stdout.flush()
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
     )
     code = {"serve": serve, "spare": spare, "check-engine": check_engine, "model-dir": model_dir,
             "prime-fault": prime_fault}[args.cmd](args)

@@ -1,4 +1,4 @@
-"""vLLM's worker extension for frmps's tensor-parallel engines (experimental, tp.py).
+"""vLLM's worker extension for frmps's tensor-parallel engines (tp.py).
 
 A tensor-parallel engine's ranks run in worker processes that vLLM's
 MultiprocExecutor starts with ``spawn`` (tp.py says why not ``fork``). vLLM loads
@@ -16,10 +16,9 @@ from __future__ import annotations
 import logging
 import sys
 
+from ..cli import LOG_FORMAT
 from .plugin import register
 from .triton_watch import install_process_watch
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # rank 0's (cli.py)
 
 
 def worker_logging() -> None:
