@@ -559,7 +559,7 @@ class VllmEngineConfig:
     # EngineArgs fields from --vllm-arg (vllm_overrides): vLLM's own flags,
     # applied over frmps's choices except those frmps owns.
     overrides: dict = field(default_factory=dict)
-    # Ranks of a tensor-parallel group (experimental: tp.py); 1: the in-process executor.
+    # Ranks of a tensor-parallel group (tp.py); 1: the in-process executor.
     tensor_parallel_size: int = 1
     # False: the no-KV ablation (--no-kv-reuse, frmps bench's baseline): a standby recomputes adopted KV.
     kv_reuse: bool = True
@@ -764,7 +764,7 @@ class VllmAdapter:
         return VllmCore(core, None if self._engine_core else self.tokenizer(), kv_reuse=self.cfg.kv_reuse)
 
     def _tp_prepare(self, load_weights: bool) -> float:
-        """Before a tensor-parallel EngineCore (experimental, tp.py): tell vLLM's
+        """Before a tensor-parallel EngineCore (tp.py): tell vLLM's
         workers (through their inherited environment) this engine's role and every
         rank's pools; each builds its own after its device is up. Returns the
         startup-memory fraction: a rank's check (free >= fraction x total) runs

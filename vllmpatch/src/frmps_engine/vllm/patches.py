@@ -145,7 +145,7 @@ def loader_weights_pool(original: Callable) -> Callable:
 
 
 def tp_worker_pools(original: Callable) -> Callable:
-    """Builder of the ``tp-worker-pools`` patch (experimental tensor parallelism, tp.py):
+    """Builder of the ``tp-worker-pools`` patch (tensor parallelism, tp.py):
     after vLLM's ``Worker.init_device``, a worker of a frmps tensor-parallel engine
     builds its rank's pools; in every other process ``worker_setup`` does nothing."""
 
