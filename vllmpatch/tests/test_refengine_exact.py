@@ -11,8 +11,6 @@ The GPU proof (bench/gpu) checks the token equality on an H100-class GPU.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 
 torch = pytest.importorskip("torch")

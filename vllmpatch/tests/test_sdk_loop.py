@@ -109,6 +109,62 @@ def test_device_error_without_on_fatal_fails_streams(core):
     assert s.finished and "misaligned address" in s.error
 
 
+def _failing_at_step(c, n: int, exc: BaseException):
+    """The fake core, but its n-th step raises exc (an error that is not a device error)."""
+    step = c.step
+
+    def failing(on_launch=None):
+        if c.counters["steps"] + 1 >= n:
+            raise exc
+        return step(on_launch=on_launch)
+
+    c.step = failing
+    return c
+
+
+def _wait_dead(loop, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while loop.dead is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.dead is not None, "the loop did not die"
+
+
+def test_step_error_runs_on_error_before_streams_fail(core):
+    # on_error may end the process instead (a tensor-parallel peer died): it must run
+    # while the requests are still open, then (if it returns) they fail with the error.
+    seen, fatal = [], threading.Event()
+    loop = EngineLoop(_failing_at_step(core(), 3, RuntimeError("gloo: connection closed by peer")),
+                      on_error=lambda e: seen.append((e, s.finished, s.error)), on_fatal=lambda e: fatal.set())
+    loop.start()
+    s = loop.submit(1, [104], control_pb2.SamplingParams(max_tokens=10), FakeParams(10, 0.0, 1))
+    assert fatal.wait(30)
+    assert len(seen) == 1 and str(seen[0][0]) == "gloo: connection closed by peer"
+    assert seen[0][1:] == (False, None), "on_error ran after the streams had failed"
+    assert s.finished and s.error == "engine failed: gloo: connection closed by peer"
+
+
+def test_device_error_does_not_run_on_error(core):
+    seen, fatal = [], threading.Event()
+    loop = EngineLoop(core(FRMPS_FAKE_FAULT_AT_STEP="2"), on_error=seen.append, on_fatal=lambda e: fatal.set())
+    loop.start()
+    s = loop.submit(1, [104], control_pb2.SamplingParams(max_tokens=10), FakeParams(10, 0.0, 1))
+    assert fatal.wait(30)
+    assert seen == [] and not s.finished
+
+
+def test_on_error_that_raises_still_fails_the_streams(core):
+    def broken(e):
+        raise ValueError("on_error bug")
+
+    loop = EngineLoop(_failing_at_step(core(), 2, RuntimeError("boom")), on_error=broken)
+    loop.start()
+    s = loop.submit(1, [104], control_pb2.SamplingParams(max_tokens=10), FakeParams(10, 0.0, 1))
+    _wait_dead(loop)
+    with s.cond:
+        assert s.cond.wait_for(lambda: s.finished, 10)
+    assert s.error == "engine failed: boom"
+
+
 def test_commands_and_abort(core):
     loop = EngineLoop(core())
     assert loop.call(lambda: 41 + 1) == 42  # inline before start

@@ -26,7 +26,8 @@ from frmps_engine.sdk.seeds import derive_seed
 
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
-from frmps_engine.sdk.testing.fake_engine import FakeTokenizer  # noqa: E402
+from frmps_engine.sdk.adapters import EngineOptions  # noqa: E402
+from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeTokenizer  # noqa: E402
 from frmps_engine.ring import create_ring  # noqa: E402
 from frmps_engine.ring.layout import TYPE_FULL, TYPE_PAD  # noqa: E402
 from frmps_engine.ring.reader import RingReader  # noqa: E402
@@ -665,3 +666,73 @@ def test_the_standby_memory_note_reads_back(tmp_path):
                                                 "graphs": {"reserved": 164.0, "allocated": 150.0}}
     assert loglines.grep_first(str(log), loglines.SLEEP) == ["11.20", "21281"]
     assert loglines.standby_pools(str(tmp_path / "none.log")) is None
+
+
+class _GroupAdapter(FakeAdapter):
+    """TEST DOUBLE of a tensor-parallel adapter (engine_api.ProcessGroup) over the fake
+    engine: ``dead`` is the cause dead_peer reports (None: every rank alive)."""
+
+    def __init__(self, dead):
+        super().__init__(EngineOptions("fake-tiny"))
+        self.dead, self.asked = dead, []
+
+    def group_memory(self, local):
+        return local
+
+    def on_peer_death(self, fn):
+        pass
+
+    def dead_peer(self, wait_s):
+        self.asked.append(wait_s)
+        return self.dead
+
+
+def _group_runner(tmp_path, dead, exit_fn):
+    from frmps_engine.sdk.memory import get_backend
+    from frmps_engine.sdk.runner import Runner, RunnerConfig
+
+    cfg = RunnerConfig(role="active", control_socket=str(tmp_path / "c"), generation_socket=str(tmp_path / "g"))
+    return Runner(cfg, _GroupAdapter(dead), get_backend("host-shm"), exit_fn=exit_fn)
+
+
+def test_a_step_failing_on_a_dead_peer_reports_the_peer(tmp_path):
+    from frmps_engine.sdk.runner import EXIT_PEER_DIED, PEER_DEATH_WAIT_S
+
+    codes = []
+    r = _group_runner(tmp_path, "tensor-parallel rank 1 (pid 7) died: killed by signal 9", codes.append)
+    r._step_failed(RuntimeError("gloo: connection closed by peer"))
+    assert codes == [EXIT_PEER_DIED]
+    assert r.adapter.asked == [PEER_DEATH_WAIT_S]
+    # Every rank alive: the error is the engine's own; nothing exits here (the loop fails
+    # the requests, then on_fatal exits with EXIT_ERROR).
+    codes.clear()
+    r = _group_runner(tmp_path, None, codes.append)
+    r._step_failed(RuntimeError("a bug"))
+    assert codes == []
+
+
+def test_a_peer_death_is_reported_once_and_the_second_reporter_waits(tmp_path):
+    """The group's watcher and the failed step may both report the death: one exits,
+    the other must not go on (a loop that went on would fail its requests)."""
+    from frmps_engine.sdk.runner import EXIT_PEER_DIED
+
+    codes, release = [], threading.Event()
+
+    def exit_fn(code):  # TEST DOUBLE of os._exit: returns only when released
+        codes.append(code)
+        release.wait(30)
+
+    r = _group_runner(tmp_path, "x", exit_fn)
+    first = threading.Thread(target=r._peer_died, args=("tensor-parallel rank 1 died",))
+    second = threading.Thread(target=r._peer_died, args=("tensor-parallel rank 1 died",))
+    first.start()
+    deadline = time.monotonic() + 10
+    while not codes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "the second report went on while the first was ending the process"
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert codes == [EXIT_PEER_DIED]

@@ -302,3 +302,30 @@ def test_rank_zero_starts_its_workers_with_spawn(tmp_path, monkeypatch):
     ad._tp_prepare(load_weights=False)
     assert os.environ[tp.MULTIPROC_METHOD_ENV] == "spawn"
     assert tp.parse_pools_env(os.environ[tp.POOLS_ENV])[0] == "standby"
+
+
+def test_a_failed_step_finds_the_dead_worker(tmp_path, monkeypatch):
+    """vLLM's executor raises "Executor failed" once its monitor saw a worker die, before
+    its failure callback runs: dead_peer must name the dead worker for the runner (the
+    requests then stay open for the standby), and the callback must report the same.
+    The executor is a labelled double: its workers' ``proc.exitcode`` is all that is read."""
+    model = write_tiny_model(tmp_path / "m")
+    monkeypatch.setenv(tp.MULTIPROC_METHOD_ENV, "spawn")
+    from frmps_engine.sdk import memory
+    from frmps_engine.vllm.engine import make_adapter
+
+    ad = make_adapter(SimpleNamespace(model=model, num_blocks=4096, dtype="float32", device="cuda",
+                                      tensor_parallel_size=2))
+    ad.group_memory(memory.BackendName("cuda-vmm"))
+    assert ad.dead_peer(0.05) is None, "no workers yet: nobody died"
+    workers = [SimpleNamespace(rank=r, proc=SimpleNamespace(pid=100 + r, exitcode=None)) for r in range(2)]
+    ad._group_memory.attach(SimpleNamespace(workers=workers))
+    assert ad.dead_peer(0.05) is None
+    threading.Timer(0.2, lambda: setattr(workers[1].proc, "exitcode", -9)).start()
+    assert ad.dead_peer(10) == "tensor-parallel rank 1 (vLLM worker pid 101) died: killed by signal 9"
+    reported = []
+    ad.on_peer_death(reported.append)
+    ad._worker_died()
+    assert reported == ["tensor-parallel rank 1 (vLLM worker pid 101) died: killed by signal 9"]
+    one = make_adapter(SimpleNamespace(model=model, num_blocks=4096, dtype="float32", device="cuda"))
+    assert one.dead_peer(10) is None

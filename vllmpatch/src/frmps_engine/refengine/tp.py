@@ -39,7 +39,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from typing import Any, Callable, Sequence
 
 from ..sdk.fdchannel import recv_msg, send_msg
@@ -97,9 +96,6 @@ class Comm:
         import torch.distributed as dist
 
         self._dist = dist
-        # Runs when a collective fails, before the error propagates (Group: a dead
-        # peer is reported as such, not as the communicator's error).
-        self.on_error: Callable[[], None] | None = None
         dev = torch.device(device)
         if dev.type == "cuda":
             if dev.index is None:  # "cuda": the current device, named (NCCL's device_id needs an index)
@@ -122,12 +118,7 @@ class Comm:
             raise GroupError(f"communicator warm-up: all-reduce gave {probe.item()}, want {size}")
 
     def all_reduce(self, t) -> None:
-        try:
-            self._dist.all_reduce(t)
-        except Exception:
-            if self.on_error is not None:
-                self.on_error()
-            raise
+        self._dist.all_reduce(t)
 
     def close(self) -> None:
         """Leave the group (torch.distributed has one default group per process)."""
@@ -163,6 +154,8 @@ class Group:
             raise GroupError(f"a tensor-parallel group needs at least 2 ranks, got {self.size}")
         self.on_death: Callable[[str], None] = self._default_on_death
         self._reported = threading.Lock()  # held by the one report of a death
+        self._died = threading.Event()  # a worker exited while the group was open
+        self._death_cause = ""
         self._closing = False
         self._lock = threading.Lock()  # one command at a time on the channels
         self.workers: list[_Worker] = []
@@ -175,7 +168,6 @@ class Group:
             for w in self.workers:
                 threading.Thread(target=self._watch, args=(w,), name=f"frmps-tp-watch-{w.rank}", daemon=True).start()
             self.comm = Comm(store, 0, self.size, cfg.device)
-            self.comm.on_error = self._collective_failed
             for w in self.workers:
                 self._expect_ok(w, "join the communicator")
         except BaseException:
@@ -207,27 +199,22 @@ class Group:
         os._exit(Group.EXIT_PEER_DIED)
 
     def _watch(self, w: _Worker) -> None:
-        self._report(w, w.proc.wait())
-
-    def _report(self, w: _Worker, code: int) -> None:
-        """Report a worker's death once (on_death ends the process; a second report
-        waits for that)."""
-        if self._closing or not self._reported.acquire(blocking=False):
+        code = w.proc.wait()
+        if self._closing:
             return
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        self.on_death(f"tensor-parallel rank {w.rank} (pid {w.proc.pid}) died: {how}")
+        cause = f"tensor-parallel rank {w.rank} (pid {w.proc.pid}) died: {how}"
+        # Report the first death once (on_death ends the process).
+        if self._reported.acquire(blocking=False):
+            self._death_cause = cause
+            self._died.set()
+            self.on_death(cause)
 
-    def _collective_failed(self) -> None:
-        """A collective failed on rank 0 (gloo raises when a peer's connection
-        drops): when a worker is dying, report that death rather than the symptom."""
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            for w in self.workers:
-                code = w.proc.poll()
-                if code is not None:
-                    self._report(w, code)
-                    return
-            time.sleep(0.01)
+    def dead_peer(self, wait_s: float) -> str | None:
+        """The first worker's death, if one died while the group was open or dies
+        within wait_s seconds (engine_api.ProcessGroup.dead_peer): a collective on
+        a dead peer raises (gloo) before the watcher has reaped it."""
+        return self._death_cause if self._died.wait(wait_s) else None
 
     def _call(self, w: _Worker, msg: dict, fds: Sequence[int] = (), reply: bool = True) -> tuple[dict, list[int]]:
         send_msg(w.sock, msg, fds)

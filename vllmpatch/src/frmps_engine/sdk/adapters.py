@@ -156,6 +156,9 @@ class RefAdapter:
         if self.group is not None:
             self.group.on_death = fn
 
+    def dead_peer(self, wait_s: float) -> str | None:
+        return self.group.dead_peer(wait_s) if self.group is not None else None
+
     def create_core(self, pools, load_weights: bool):
         if self.group is None:
             core = self._re.RefCore(self.cfg, pools, load_weights=load_weights)

@@ -211,10 +211,16 @@ class ProcessGroup(Protocol):
     returns the backend unchanged) and calls ``on_peer_death(fn)`` before the
     handshake: ``fn(cause)`` runs when another rank dies, reports the death and
     ends this process, whose exit the supervisor treats as the engine's death.
-    Without it: one process."""
+    ``dead_peer(wait_s)`` is asked when a step fails with an error that is not a
+    device error (a collective on a dead peer raises before the death is seen):
+    the cause if another rank has died or dies within ``wait_s`` seconds, else
+    None; the runner then reports the death, not the symptom, and the requests
+    stay open for the standby to resume instead of failing. Without it: one
+    process."""
 
     def group_memory(self, local: Any) -> Any: ...
     def on_peer_death(self, fn: Callable[[str], None]) -> None: ...
+    def dead_peer(self, wait_s: float) -> str | None: ...
 
 
 @runtime_checkable
@@ -227,7 +233,7 @@ class EngineCoreProtocol(Protocol):
     ``serve_engine_core()`` is called once, before any core is built: cores built
     afterwards leave stop strings and detokenization to the frontend.
     ``engine_core_server(core, input_address, output_address, *, engine_index,
-    sync_every, on_fatal, step_delay_s)`` returns a server over ``core`` with its
+    sync_every, on_fatal, on_error, step_delay_s)`` returns a server over ``core`` with its
     own EngineLoop (``.loop``), not connected yet: ``adopt_resume(requests)``
     (control ResumeRequests carrying ``engine_request``) before ``start()``
     (connect, ready message, loop start); ``hand_over()`` (planned handover:

@@ -201,6 +201,7 @@ class EngineLoop:
         *,
         sync_every: int = 1,
         on_fatal: Callable[[BaseException], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
         retain_finished_s: float = 120.0,
         step_delay_s: float = 0.0,
     ):
@@ -208,6 +209,10 @@ class EngineLoop:
         self.sync_every = max(1, int(sync_every))
         self._publisher: RingPublisher | None = None
         self._on_fatal = on_fatal
+        # Runs on the loop thread when the loop dies of an error that is not a device
+        # error, before its requests fail: it may end the process instead, leaving
+        # them open (the runner: a tensor-parallel peer died, the standby resumes them).
+        self._on_error = on_error
         self._retain = retain_finished_s
         self._cmds: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -551,6 +556,11 @@ class EngineLoop:
                 self._wake.clear()
         except BaseException as e:
             self.dead = e
+            if self._on_error is not None and not self._is_fatal(e):
+                try:
+                    self._on_error(e)
+                except Exception:
+                    log.exception("engine loop: on_error failed")
             if not (self._is_fatal(e) and self._on_fatal is not None):
                 for s in list(self._streams.values()):
                     s.fail(f"engine failed: {e}")

@@ -56,6 +56,10 @@ EXIT_REFUSED = 2  # refused at start: Welcome refused, bad configuration, pool m
 EXIT_DEVICE = 3  # sticky device error (e.g. a CUDA fault)
 EXIT_PEER_DIED = 4  # another rank of this engine's tensor-parallel group died
 
+# How long a step's failure in a tensor-parallel engine waits for a dying rank to be
+# seen (its exit reaped) before the failure counts as the engine's own error.
+PEER_DEATH_WAIT_S = 2.0
+
 
 @dataclass
 class _WarmMessage:
@@ -154,6 +158,8 @@ class Runner:
         # A tensor-parallel engine: the pools of every rank go through this process.
         self.memory = adapter.group_memory(memory) if isinstance(adapter, ProcessGroup) else memory
         self._exit = exit_fn
+        self._peer_report = threading.Lock()  # held by the one report of a peer's death
+        self._peer_reported = threading.Event()  # that report returned (only a test's exit_fn returns)
         self.role = control_pb2.ROLE_ACTIVE if cfg.role == "active" else control_pb2.ROLE_STANDBY
         self.specs = [as_spec(s) for s in adapter.pool_layout()]
         self.client: control.ControlClient | None = None
@@ -248,7 +254,7 @@ class Runner:
             self.loop = self.server.loop
         else:
             self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal,
-                                   step_delay_s=_test_step_delay())
+                                   on_error=self._step_failed, step_delay_s=_test_step_delay())
         if self.welcome.ring_path:
             self.loop.attach_ring(RingPublisher(self.welcome.ring_path, self.cfg.ring_module))
         if self.server is not None:
@@ -295,7 +301,7 @@ class Runner:
         (the runner's: fatal errors end the process), not connected yet."""
         return self.adapter.engine_core_server(
             self.core, self.cfg.core_input, self.cfg.core_output, engine_index=self.cfg.core_engine_index,
-            sync_every=sync_every, on_fatal=self._fatal, step_delay_s=_test_step_delay())
+            sync_every=sync_every, on_fatal=self._fatal, on_error=self._step_failed, step_delay_s=_test_step_delay())
 
     def _serving_on(self) -> str:
         if self.gen is not None:
@@ -483,7 +489,7 @@ class Runner:
         flip = _KvFlip(self.memory)
         try:
             self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
-                                   on_fatal=self._fatal, step_delay_s=_test_step_delay())
+                                   on_fatal=self._fatal, on_error=self._step_failed, step_delay_s=_test_step_delay())
             t_adopt = time.perf_counter_ns()
             c_adopt = time.thread_time_ns()
             outcomes = [self._adopt(r) for r in msg.requests]
@@ -702,7 +708,15 @@ class Runner:
     def _peer_died(self, cause: str) -> None:
         """Another rank of the group died: this engine is dead as a whole. Say so and
         exit at once, without waiting on the loop (a collective may be stuck on the
-        dead peer) or on anything else. Never returns."""
+        dead peer) or on anything else. Never returns.
+
+        Two threads may report the same death (the group's watcher, and the loop
+        whose step failed on the dead peer): one reports, the other waits for the
+        process to end rather than going on (a loop that went on would fail its
+        requests)."""
+        if not self._peer_report.acquire(blocking=False):
+            self._peer_reported.wait()
+            return
         try:
             log.critical("fatal: %s", cause)
             if self.client is not None:
@@ -710,7 +724,23 @@ class Runner:
         except Exception:
             pass
         finally:
-            self._exit(EXIT_PEER_DIED)
+            try:
+                self._exit(EXIT_PEER_DIED)
+            finally:
+                self._peer_reported.set()
+
+    def _step_failed(self, e: BaseException) -> None:
+        """The engine loop's on_error: a step failed with an error that is not a
+        device error. In a tensor-parallel engine that may be a collective or an
+        RPC on a rank that is dying: if one is (or is seen dead within
+        PEER_DEATH_WAIT_S), report its death (never returns), so the requests stay
+        open for the standby instead of failing with the symptom."""
+        if not isinstance(self.adapter, ProcessGroup):
+            return
+        cause = self.adapter.dead_peer(PEER_DEATH_WAIT_S)
+        if cause:
+            log.error("step failed with %s: %s: a tensor-parallel rank died", type(e).__name__, e)
+            self._peer_died(cause)
 
     def _heartbeats(self) -> None:
         """The liveness signal: its own thread, which never waits on the device, on the

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, Sequence, runtime_checkable
 
@@ -621,7 +622,31 @@ class VllmAdapter:
     def _worker_died(self) -> None:
         """vLLM's executor saw a worker process exit (its failure callback)."""
         if self._peer_death is not None:
-            self._peer_death("a tensor-parallel worker of vLLM's executor died")
+            self._peer_death(self._dead_worker() or "a tensor-parallel worker of vLLM's executor died")
+
+    def _dead_worker(self) -> str | None:
+        """Which of vLLM's worker processes has exited, if one has."""
+        executor = self._group_memory.executor if self._group_memory is not None else None
+        for i, handle in enumerate(getattr(executor, "workers", None) or []):
+            proc = getattr(handle, "proc", None)
+            code = proc.exitcode if proc is not None else None
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                return f"tensor-parallel rank {getattr(handle, 'rank', i)} (vLLM worker pid {proc.pid}) died: {how}"
+        return None
+
+    def dead_peer(self, wait_s: float) -> str | None:
+        """engine_api.ProcessGroup: a step failed (vLLM's executor raises "Executor
+        failed" once its monitor saw a worker die, before the failure callback runs):
+        the dead worker, if one exits within wait_s seconds."""
+        if self.cfg.tensor_parallel_size == 1:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            cause = self._dead_worker()
+            if cause or time.monotonic() >= deadline:
+                return cause
+            time.sleep(0.01)
 
     def serve_engine_core(self) -> None:
         """engine_api.EngineCoreProtocol: the runner's core mode. Cores built from

@@ -259,6 +259,11 @@ class VllmGroupMemory:
     def attach(self, executor: Any) -> None:
         self._executor = executor
 
+    @property
+    def executor(self) -> Any:
+        """vLLM's executor of the group's workers (None before ``attach``)."""
+        return self._executor
+
     def _rpc(self, fn: Callable, *args: Any) -> Any:
         if self._executor is None:
             raise MemoryError_("tensor-parallel pools: the engine's workers are not up yet")

@@ -223,7 +223,9 @@ class EngineCoreServer:
     ``ring_path``: publish the committed state to this ring (created by the
     supervisor) as the runner does. ``on_fatal(exc)``: called once, on the loop
     thread, when the engine loop dies (a device error or a bug); the server has
-    gone silent by then, and the caller ends the process.
+    gone silent by then, and the caller ends the process. ``on_error(exc)``: the
+    loop's hook for a death that is not a device error, before ``on_fatal``
+    (``EngineLoop``).
 
     ``adopt`` (a promoted standby) before ``start``; ``start`` connects and sends
     the ready message. ``halt`` stops abruptly (tests: an engine that dies or
@@ -231,7 +233,8 @@ class EngineCoreServer:
 
     def __init__(self, core: Any, input_address: str, output_address: str, *, engine_index: int = 0,
                  sync_every: int = 1, ring_path: str | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None, step_delay_s: float = 0.0):
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None, step_delay_s: float = 0.0):
         from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType, UtilityOutput
         from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
 
@@ -249,7 +252,8 @@ class EngineCoreServer:
         self._dec_req, self._dec_any = MsgpackDecoder(EngineCoreRequest), MsgpackDecoder()
         self._enc = MsgpackEncoder()
         self._user_fatal = on_fatal
-        self.loop = EngineLoop(core, sync_every=sync_every, on_fatal=self._fatal, step_delay_s=step_delay_s)
+        self.loop = EngineLoop(core, sync_every=sync_every, on_fatal=self._fatal, on_error=on_error,
+                               step_delay_s=step_delay_s)
         self._ring_path = ring_path
         core.engine_outputs = self._emit
         self._out: queue.SimpleQueue = queue.SimpleQueue()
