@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, Sequence, runtime_checkable
@@ -625,15 +626,21 @@ class VllmAdapter:
             self._peer_death(self._dead_worker() or "a tensor-parallel worker of vLLM's executor died")
 
     def _dead_worker(self) -> str | None:
-        """Which of vLLM's worker processes has exited, if one has."""
+        """Which of vLLM's worker processes has exited, if one has. vLLM's executor
+        shuts the others down once it saw one die (they exit 0 or by SIGTERM): a
+        worker that died otherwise is the one to name."""
         executor = self._group_memory.executor if self._group_memory is not None else None
+        dead = []
         for i, handle in enumerate(getattr(executor, "workers", None) or []):
             proc = getattr(handle, "proc", None)
             code = proc.exitcode if proc is not None else None
             if code is not None:
-                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                return f"tensor-parallel rank {getattr(handle, 'rank', i)} (vLLM worker pid {proc.pid}) died: {how}"
-        return None
+                dead.append((code in (0, -signal.SIGTERM), getattr(handle, "rank", i), proc.pid, code))
+        if not dead:
+            return None
+        _, rank, pid, code = min(dead)  # a worker that died otherwise first, then by rank
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return f"tensor-parallel rank {rank} (vLLM worker pid {pid}) died: {how}"
 
     def dead_peer(self, wait_s: float) -> str | None:
         """engine_api.ProcessGroup: a step failed (vLLM's executor raises "Executor
