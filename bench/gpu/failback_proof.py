@@ -389,7 +389,9 @@ def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigge
                        "active_in_mps_after": True,
                        "new_engine_from_spare": bool(get(new_act, "from_spare")),
                        "new_engine_init_s": get(new_act, "init_seconds"),
-                       "takeover": loglines.takeover_breakdown(get(new_act, "log_path"))}
+                       "takeover": loglines.takeover_breakdown(get(new_act, "log_path")),
+                       # the engine the failover promoted yielded: where its part of the handover went
+                       "yield": loglines.handoff_breakdown(get(e["standby"], "log_path"))}
     time.sleep(0.5)  # let the streams run past the handover
     times = load.chunk_times()
     rec["client_gap_from_fault_s"] = gaps_after(times, t_fault)

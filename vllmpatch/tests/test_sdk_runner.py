@@ -21,6 +21,7 @@ import grpc
 import pytest
 
 from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
+from frmps_engine.bench import loglines
 from frmps_engine.sdk.control import ConnectionClosed, ControlConn, ControlError
 from frmps_engine.sdk.seeds import derive_seed
 
@@ -429,7 +430,9 @@ def test_planned_handover_both_ways_is_exact(sup):
         with pytest.raises(grpc.RpcError) as ei:  # asleep now
             list(stub.Generate(g.GenerateRequest(key=99, prompt="x")))
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "handed over 3 requests" in src.log()
+        ho = loglines.handoff_breakdown(src.log_path)  # the breakdown the GPU proofs record
+        assert ho is not None and ho["requests"] == 3, src.log()
+        assert all(v >= 0 for v in ho.values()) and ho["handoff_ms"] >= ho["in_flight_ms"] + ho["reset_ms"]
         snap = read_snapshot(sup.ring)
         dst.conn.send(c.Envelope(id=20 + hop, resume=c.Resume(requests=_resume_set(reqs, delivered, snap),
                                                               ring_path=sup.ring, sync_every=4)))

@@ -723,6 +723,11 @@ def test_hand_over_publishes_every_delivered_token_with_nothing_in_flight(model_
     threading.Timer(0.2, gate.set).start()
     moved = loop.hand_over(timeout=10)
     assert moved == 2 and not loop.running
+    ht = loop.last_handover
+    assert (ht.requests, ht.moved) == (2, 2)
+    # The gate held the loop's step ~0.2 s: the call waited for it, the rest was quick.
+    assert ht.wait_ms > 50 and min(ht.in_flight_ms, ht.publish_ms, ht.move_ms, ht.reset_ms, ht.stop_ms) >= 0
+    assert ht.line().startswith(f"waited {ht.wait_ms:.2f} ms for the loop, in-flight step ")
     assert not eng.core.batch_queue and not eng.has_work()
     assert at_full[-1] == computing(), "no computing step after the FULL record"
     full = [r for r in (json.loads(x) for x in open(ring)) if r.get("full")][-1]

@@ -17,6 +17,13 @@ FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
 # also does the engine's work for requests new to it)
 FIRST_STEP = re.compile(r"step 1 after start: began [\d.]+ ms after the loop started, step ([\d.]+) ms, "
                         r"dispatch ([\d.]+) ms \(loop thread CPU ([\d.]+) ms")
+# runner.on_handoff, with loop.HandoverTimes.line(): where a planned handover's time went on the
+# engine that yielded (the client-visible pause starts after its in-flight step)
+HANDOFF = re.compile(r"handed over (\d+) requests in ([\d.]+) ms \(loop stopped, state published and requests moved in "
+                     r"[\d.]+ ms; waited ([\d.]+) ms for the loop, in-flight step ([\d.]+) ms, publish ([\d.]+) ms, "
+                     r"move ([\d.]+) ms, reset ([\d.]+) ms, loop stop ([\d.]+) ms; pools read-only ([\d.]+) ms\)")
+HANDOFF_FIELDS = ("requests", "handoff_ms", "wait_ms", "in_flight_ms", "publish_ms", "move_ms", "reset_ms", "stop_ms",
+                  "read_only_ms")
 SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after start\)")
 INIT = re.compile(r"standby built \(init (\d+) ms\)")
 ALLOC = re.compile(r"torch allocator: ([\d.]+) MiB reserved, ([\d.]+) MiB allocated")
@@ -153,3 +160,13 @@ def takeover_breakdown(path: str | None) -> dict | None:
     if tk and fs:
         out["first_step"] = first_step_fields(fs)
     return out or None
+
+
+def handoff_breakdown(path: str | None) -> dict | None:
+    """The latest planned handover an engine's log records, from the side that yielded:
+    {"requests", "handoff_ms", "wait_ms", "in_flight_ms", "publish_ms", "move_ms",
+    "reset_ms", "stop_ms", "read_only_ms"}; None if none (or logged before the breakdown)."""
+    g = grep_last(path, HANDOFF)
+    if g is None:
+        return None
+    return {k: (int(v) if k == "requests" else float(v)) for k, v in zip(HANDOFF_FIELDS, g)}

@@ -7,6 +7,7 @@ Other threads never touch the core; they post commands (``call`` / ``post``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib
 import logging
 import os
@@ -194,6 +195,28 @@ class RingPublisher:
         self._writer.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class HandoverTimes:
+    """Where a planned handover's time went on the yielding engine's loop
+    (``EngineLoop.hand_over``), in ms. The client-visible pause starts once the
+    step in flight has delivered its tokens: what comes after it (publish, move,
+    reset, stop) is on that pause's path, the wait and the step are not."""
+
+    requests: int  # requests the core held (unfinished entries of the FULL record)
+    moved: int  # streams moved to the next engine
+    wait_ms: float  # the call waiting for the loop (the step it was running)
+    in_flight_ms: float  # finishing the step in flight (pipelined cores) and dispatching its tokens
+    publish_ms: float  # the FULL record
+    move_ms: float  # moving the streams
+    reset_ms: float  # the core forgetting every request
+    stop_ms: float  # the loop thread ending
+
+    def line(self) -> str:
+        return (f"waited {self.wait_ms:.2f} ms for the loop, in-flight step {self.in_flight_ms:.2f} ms, "
+                f"publish {self.publish_ms:.2f} ms, move {self.move_ms:.2f} ms, reset {self.reset_ms:.2f} ms, "
+                f"loop stop {self.stop_ms:.2f} ms")
+
+
 class EngineLoop:
     def __init__(
         self,
@@ -237,6 +260,8 @@ class EngineLoop:
         # the second step's host work); the device idles for that host work once.
         self.deliver_first_step = False
         self._sync_pending = False
+        self.last_handover: HandoverTimes | None = None  # hand_over()'s breakdown
+        self._held = 0
         self.counters = collections.Counter()
         self.dead: BaseException | None = None
         # Test knob only (FRMPS_TEST_STEP_DELAY_MS): slows every step so that
@@ -422,28 +447,39 @@ class EngineLoop:
         the next engine starts them afresh."""
         if self.dead is not None:
             raise RuntimeError(f"engine loop died: {self.dead}")
+        t = [time.perf_counter_ns()]  # the call, then the end of each phase (HandoverTimes)
 
         def yield_requests() -> int:
+            t.append(time.perf_counter_ns())
             if self._pipelined:
                 # The step in flight finishes here: its tokens reach the streams and
                 # the FULL record, and the device is idle before the pools go.
                 self._dispatch(self.core.finish_in_flight())
+            t.append(time.perf_counter_ns())
+            views = list(self.core.request_views())
             if self._publisher is not None:
-                self._publisher.publish_full(self.step_count, self.core.request_views())
+                self._publisher.publish_full(self.step_count, views)
                 self.counters["ring_syncs"] += 1
                 self._publisher.close()
                 self._publisher = None
+            t.append(time.perf_counter_ns())
             with self._streams_lock:
                 streams = list(self._streams.values())
             moved = sum(1 for s in streams if s.move())
+            t.append(time.perf_counter_ns())
             self.core.reset()
+            t.append(time.perf_counter_ns())
             self._stop.set()
+            self._held = sum(1 for v in views if not v.finished)
             return moved
 
+        self._held = 0
         moved = self.call(yield_requests, timeout)
         self.stop(timeout)
         if self.running:
             raise TimeoutError(f"engine loop did not stop within {timeout:.0f}s")
+        t.append(time.perf_counter_ns())
+        self.last_handover = HandoverTimes(self._held, moved, *((b - a) / 1e6 for a, b in zip(t, t[1:])))
         return moved
 
     # -- the loop ---------------------------------------------------------------

@@ -524,7 +524,7 @@ class Runner:
             # Core mode: the server stops reading the frontend's sockets, sends what the
             # last step made and disconnects; the frontend keeps the requests open.
             moved = loop.hand_over() if self.server is None else self.server.hand_over()
-            t_loop = time.perf_counter_ns() - t0
+            t_loop = time.perf_counter_ns()
             self.memory.make_readonly("kv_cache")
             self.memory.make_readonly("weights")
         except Exception as e:  # the engine is half way to sleep: it must not serve on
@@ -534,9 +534,12 @@ class Runner:
         self.server = None
         self.role = control_pb2.ROLE_STANDBY
         self._slept, self._resumed = True, False
-        took = time.perf_counter_ns() - t0
-        log.info("handed over %d requests in %.2f ms (loop stopped, state published and requests moved in %.2f ms); "
-                 "asleep as the standby", moved, took / 1e6, t_loop / 1e6)
+        t_end = time.perf_counter_ns()
+        took, t_flip = t_end - t0, t_end - t_loop
+        times = loop.last_handover
+        log.info("handed over %d requests in %.2f ms (loop stopped, state published and requests moved in %.2f ms; "
+                 "%s; pools read-only %.2f ms); asleep as the standby", moved, took / 1e6, (t_loop - t0) / 1e6,
+                 times.line() if times is not None else "no breakdown", t_flip / 1e6)
         self.log_counters("after handover")
         return control_pb2.Reply(ok=True, took_ns=took)
 

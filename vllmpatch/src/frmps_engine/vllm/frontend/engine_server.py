@@ -346,12 +346,8 @@ class EngineCoreServer:
         abort output): the next engine adopts them. Returns how many requests the
         engine held."""
         self.stop_input()
-
-        def count() -> int:
-            return int(self.core.num_running()) + int(self.core.num_waiting())
-
-        n = self.loop.call(count, timeout)
         self.loop.hand_over(timeout)
+        n = self.loop.last_handover.requests
         self.core.engine_outputs = None
         # After the last outputs: the frontend's drain ends here, not after a quiet period.
         self._out.put(self._Outs(utility_output=self._UOut(HANDOVER_FENCE_CALL_ID, result=self._UResult(None))))
