@@ -133,8 +133,13 @@ def test_step_error_runs_on_error_before_streams_fail(core):
     # on_error may end the process instead (a tensor-parallel peer died): it must run
     # while the requests are still open, then (if it returns) they fail with the error.
     seen, fatal = [], threading.Event()
+
+    def on_error(e):
+        st = loop.get(1)
+        seen.append((e, st.finished, st.error))
+
     loop = EngineLoop(_failing_at_step(core(), 3, RuntimeError("gloo: connection closed by peer")),
-                      on_error=lambda e: seen.append((e, s.finished, s.error)), on_fatal=lambda e: fatal.set())
+                      on_error=on_error, on_fatal=lambda e: fatal.set())
     loop.start()
     s = loop.submit(1, [104], control_pb2.SamplingParams(max_tokens=10), FakeParams(10, 0.0, 1))
     assert fatal.wait(30)
