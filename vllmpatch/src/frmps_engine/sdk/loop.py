@@ -261,7 +261,6 @@ class EngineLoop:
         self.deliver_first_step = False
         self._sync_pending = False
         self.last_handover: HandoverTimes | None = None  # hand_over()'s breakdown
-        self._held = 0
         self.counters = collections.Counter()
         self.dead: BaseException | None = None
         # Test knob only (FRMPS_TEST_STEP_DELAY_MS): slows every step so that
@@ -449,7 +448,7 @@ class EngineLoop:
             raise RuntimeError(f"engine loop died: {self.dead}")
         t = [time.perf_counter_ns()]  # the call, then the end of each phase (HandoverTimes)
 
-        def yield_requests() -> int:
+        def yield_requests() -> tuple[int, int]:
             t.append(time.perf_counter_ns())
             if self._pipelined:
                 # The step in flight finishes here: its tokens reach the streams and
@@ -470,16 +469,14 @@ class EngineLoop:
             self.core.reset()
             t.append(time.perf_counter_ns())
             self._stop.set()
-            self._held = sum(1 for v in views if not v.finished)
-            return moved
+            return moved, sum(1 for v in views if not v.finished)
 
-        self._held = 0
-        moved = self.call(yield_requests, timeout)
+        moved, held = self.call(yield_requests, timeout)
         self.stop(timeout)
         if self.running:
             raise TimeoutError(f"engine loop did not stop within {timeout:.0f}s")
         t.append(time.perf_counter_ns())
-        self.last_handover = HandoverTimes(self._held, moved, *((b - a) / 1e6 for a, b in zip(t, t[1:])))
+        self.last_handover = HandoverTimes(held, moved, *((b - a) / 1e6 for a, b in zip(t, t[1:])))
         return moved
 
     # -- the loop ---------------------------------------------------------------

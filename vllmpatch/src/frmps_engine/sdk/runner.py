@@ -536,10 +536,9 @@ class Runner:
         self._slept, self._resumed = True, False
         t_end = time.perf_counter_ns()
         took, t_flip = t_end - t0, t_end - t_loop
-        times = loop.last_handover
         log.info("handed over %d requests in %.2f ms (loop stopped, state published and requests moved in %.2f ms; "
                  "%s; pools read-only %.2f ms); asleep as the standby", moved, took / 1e6, (t_loop - t0) / 1e6,
-                 times.line() if times is not None else "no breakdown", t_flip / 1e6)
+                 loop.last_handover.line(), t_flip / 1e6)
         self.log_counters("after handover")
         return control_pb2.Reply(ok=True, took_ns=took)
 
