@@ -189,37 +189,6 @@ def test_commands_and_abort(core):
     assert not loop.running
 
 
-def test_hand_over_can_leave_the_reset_for_after_the_reply(core, tmp_path):
-    """hand_over(reset=False): the requests are published and moved and the loop
-    stops, but the core still holds them until reset_core(), which the runner
-    calls after its reply to the supervisor; reset_core() times the reset into
-    the breakdown and refuses while the loop runs."""
-    ring = str(tmp_path / "ring")
-    open(ring, "w").close()
-    c = core(FRMPS_FAKE_STEP_DELAY_MS="5")
-    loop = EngineLoop(c, sync_every=1)
-    loop.attach_ring(RingPublisher(ring, "frmps_engine.sdk.testing.fake_ring"))
-    with pytest.raises(RuntimeError, match="still running"):
-        loop.start()
-        loop.reset_core()
-    streams = [loop.submit(k, [104, 105], control_pb2.SamplingParams(max_tokens=1000), FakeParams(1000, 0.0, 1))
-               for k in (1, 2)]
-    deadline = time.monotonic() + 10
-    while min(len(s.output) for s in streams) < 3 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert loop.hand_over(timeout=10, reset=False) == 2 and not loop.running
-    assert all(s.moved for s in streams)
-    assert c.has_work(), "the requests stay in the core until reset_core()"
-    before = loop.last_handover
-    assert before.reset_ms == 0 and before.requests == 2
-    snap = read_snapshot(ring)
-    assert set(snap) == {1, 2}
-    loop.reset_core()
-    assert not c.has_work()
-    after = loop.last_handover
-    assert after.reset_ms > 0 and after.publish_ms == before.publish_ms and after.moved == 2
-
-
 def test_is_device_error():
     assert is_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert device_error_cause(RuntimeError("CUDA error: an illegal memory access was encountered\nmore")) == \

@@ -208,7 +208,7 @@ class HandoverTimes:
     in_flight_ms: float  # finishing the step in flight (pipelined cores) and dispatching its tokens
     publish_ms: float  # the FULL record
     move_ms: float  # moving the streams
-    reset_ms: float  # the core forgetting every request (the runner: after its reply, off the pause)
+    reset_ms: float  # the core forgetting every request
     stop_ms: float  # the loop thread ending
 
     def line(self) -> str:
@@ -435,16 +435,11 @@ class EngineLoop:
         self._overlap = bool(on) and has_launch_hook(self.core)
 
     # -- planned handover ---------------------------------------------------------
-    def hand_over(self, timeout: float = 30.0, reset: bool = True) -> int:
+    def hand_over(self, timeout: float = 30.0) -> int:
         """On the loop thread, between steps: publish every request's state (a FULL
         record) and detach from the ring, move every open stream to the next engine
         and forget the requests (the core's reset); then stop the loop. Returns how
         many streams were moved. The core is empty afterwards.
-
-        ``reset=False`` leaves the core's reset to ``reset_core()``, for a caller
-        that has something more urgent first: the runner replies to the supervisor
-        before it (the next engine's resume need not wait for this one's host-side
-        bookkeeping; nothing of it touches the device or the pools).
 
         The caller has stopped new submissions first (EngineBackend.is_serving).
         Submissions already queued reach the core first and are moved like the rest:
@@ -471,8 +466,7 @@ class EngineLoop:
                 streams = list(self._streams.values())
             moved = sum(1 for s in streams if s.move())
             t.append(time.perf_counter_ns())
-            if reset:
-                self.core.reset()
+            self.core.reset()
             t.append(time.perf_counter_ns())
             self._stop.set()
             return moved, sum(1 for v in views if not v.finished)
@@ -482,19 +476,8 @@ class EngineLoop:
         if self.running:
             raise TimeoutError(f"engine loop did not stop within {timeout:.0f}s")
         t.append(time.perf_counter_ns())
-        ht = HandoverTimes(held, moved, *((b - a) / 1e6 for a, b in zip(t, t[1:])))
-        self.last_handover = ht if reset else dataclasses.replace(ht, reset_ms=0.0)  # reset_core() sets it
+        self.last_handover = HandoverTimes(held, moved, *((b - a) / 1e6 for a, b in zip(t, t[1:])))
         return moved
-
-    def reset_core(self) -> None:
-        """The core's reset after ``hand_over(reset=False)`` (the loop has stopped:
-        it runs here), timed into ``last_handover``."""
-        if self.running:
-            raise RuntimeError("reset_core: the loop is still running (hand_over first)")
-        t0 = time.perf_counter_ns()
-        self.core.reset()
-        if self.last_handover is not None:
-            self.last_handover = dataclasses.replace(self.last_handover, reset_ms=(time.perf_counter_ns() - t0) / 1e6)
 
     # -- the loop ---------------------------------------------------------------
     @staticmethod

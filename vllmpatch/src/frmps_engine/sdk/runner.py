@@ -520,13 +520,10 @@ class Runner:
             return control_pb2.Reply(ok=False, error=f"engine {self.adapter.name} cannot hand over: its core has no reset()")
         t0 = time.perf_counter_ns()
         self.backend.is_serving = False  # new requests: UNAVAILABLE, the front door waits for the next engine
-        core_mode = self.server is not None
         try:
             # Core mode: the server stops reading the frontend's sockets, sends what the
             # last step made and disconnects; the frontend keeps the requests open.
-            # Otherwise the core's reset waits until after the reply: the streams' pause
-            # lasts until the next engine's first step, which starts after this reply.
-            moved = self.server.hand_over() if core_mode else loop.hand_over(reset=False)
+            moved = loop.hand_over() if self.server is None else self.server.hand_over()
             t_loop = time.perf_counter_ns()
             self.memory.make_readonly("kv_cache")
             self.memory.make_readonly("weights")
@@ -539,18 +536,11 @@ class Runner:
         self._slept, self._resumed = True, False
         t_end = time.perf_counter_ns()
         took, t_flip = t_end - t0, t_end - t_loop
-        self.client.reply(env_id, control_pb2.Reply(ok=True, took_ns=took))
-        if not core_mode:
-            try:
-                loop.reset_core()  # host-side bookkeeping only; a failure: a standby that is not empty
-            except Exception as e:
-                self._fatal(e)
-                raise  # not reached: _fatal exits
         log.info("handed over %d requests in %.2f ms (loop stopped, state published and requests moved in %.2f ms; "
                  "%s; pools read-only %.2f ms); asleep as the standby", moved, took / 1e6, (t_loop - t0) / 1e6,
                  loop.last_handover.line(), t_flip / 1e6)
         self.log_counters("after handover")
-        return None
+        return control_pb2.Reply(ok=True, took_ns=took)
 
     def _adopt(self, r: control_pb2.ResumeRequest) -> control_pb2.ResumeOutcome:
         in_core = False  # the core took the request: a later failure must abort it there
