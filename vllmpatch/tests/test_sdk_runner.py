@@ -28,7 +28,7 @@ from frmps_engine.sdk.seeds import derive_seed
 pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 from frmps_engine.sdk.adapters import EngineOptions  # noqa: E402
-from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeTokenizer  # noqa: E402
+from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeParams, FakeTokenizer  # noqa: E402
 from frmps_engine.ring import create_ring  # noqa: E402
 from frmps_engine.ring.layout import TYPE_FULL, TYPE_PAD  # noqa: E402
 from frmps_engine.ring.reader import RingReader  # noqa: E402
@@ -739,3 +739,45 @@ def test_a_peer_death_is_reported_once_and_the_second_reporter_waits(tmp_path):
     first.join(10)
     second.join(10)
     assert codes == [EXIT_PEER_DIED]
+
+
+def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path):
+    """A core's reset may run device work (vLLM's runs a step that hands the model
+    runner the finished request ids): it must come before the read-only flips and
+    the reply, never after. Measured on the GPU with the reset moved after the reply:
+    the yielded vLLM engine's reset step hit an illegal address on its read-only pools."""
+    from frmps_engine._proto.frmps.v1 import control_pb2 as cpb
+    from frmps_engine.sdk.loop import EngineLoop
+    from frmps_engine.sdk.memory import get_backend
+    from frmps_engine.sdk.runner import Runner, RunnerConfig
+
+    events = []
+    adapter = FakeAdapter(EngineOptions("fake-tiny"))
+    mem = get_backend("host-shm")
+    pools = mem.allocate(adapter.pool_layout())
+    try:
+        core = adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
+        reset = core.reset
+        core.reset = lambda: (events.append("reset"), reset())[1]
+
+        class Recording:  # TEST DOUBLE of the memory backend's flips
+            def make_readonly(self, tag):
+                events.append(f"read-only {tag}")
+
+        cfg = RunnerConfig(role="active", control_socket=str(tmp_path / "c"), generation_socket=str(tmp_path / "g"))
+        r = Runner(cfg, adapter, mem, exit_fn=lambda code: events.append(f"exit {code}"))
+        r.memory, r.core = Recording(), core
+        r.loop = EngineLoop(core)
+        r.loop.start()
+        r.backend.is_serving = True
+        s = r.loop.submit(1, [104, 105], cpb.SamplingParams(max_tokens=1000), FakeParams(1000, 0.0, 1))
+        deadline = time.monotonic() + 10
+        while len(s.output) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        rep = r.on_handoff(1, cpb.Handoff())
+        events.append("reply")
+        assert rep is not None and rep.ok, rep
+        assert events == ["reset", "read-only kv_cache", "read-only weights", "reply"]
+        assert s.moved and not core.has_work() and r.role == cpb.ROLE_STANDBY
+    finally:
+        mem.close()
