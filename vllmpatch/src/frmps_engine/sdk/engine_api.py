@@ -195,9 +195,13 @@ def throwaway_takeover(core: Any, params: Sequence[Any], block_size: int, counte
 @runtime_checkable
 class Resettable(Protocol):
     """reset() forgets every request and frees every KV block without writing the
-    device: a planned handover gave them to another engine, which owns the KV
-    cache's contents now. Without it: the engine refuses Handoff and keeps
-    serving (no failback to it)."""
+    KV cache: a planned handover gave them to another engine, which owns the KV
+    cache's contents now. It may launch device work of its own (vLLM's runs a step
+    that computes no token, to hand the model runner the finished request ids), so
+    the runner calls it while the pools are still writable and the next engine
+    still waits: before the read-only flips and the reply (measured: run after
+    them, vLLM's reset step hit an illegal address). Without it: the engine
+    refuses Handoff and keeps serving (no failback to it)."""
 
     def reset(self) -> None: ...
 
