@@ -963,6 +963,45 @@ def test_a_handover_forgets_the_prefix_cache(model_dir, mode):
     drain(eng)
 
 
+def test_adopting_with_nothing_computed_may_hit_the_prefix_cache(model_dir, mode):
+    """A request adopted with no KV to reuse (it never reached a sync, or the
+    no-KV-reuse ablation) is a fresh prefill: vLLM's prefix cache may serve its
+    prompt's full blocks like any new request's. Found on the GPU: the standby of
+    a `--no-kv-reuse` deployment died in its takeover warm-up (two requests with
+    one prompt) on vLLM's assertion that a request holding blocks gets no cache
+    hit, because the adoption had registered the request with no blocks."""
+    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
+
+    vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async", enable_prefix_caching=True)
+    vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
+    from vhelpers import block_hasher
+
+    def fresh(kv_reuse=True):
+        sc = SchedulerCore(make_scheduler(vc), batch_queue_size=2 if mode == "async" else 1)
+        sc.request_block_hasher = block_hasher()
+        return VllmCore(sc, None, kv_reuse=kv_reuse)
+
+    prompt = list(range(10, 10 + 40))  # two full blocks of 16 and a partial one
+    ref = fresh()
+    ref.add_request(2, prompt, params(6))
+    want = by_key(drain(ref))[2]
+    for kv_reuse in (True, False):
+        eng = fresh(kv_reuse)
+        eng.add_request(1, prompt, params(6))
+        drain(eng)  # its full blocks are in the prefix cache now
+        # Never synced: nothing computed, no blocks (and with kv_reuse=False the
+        # adapter drops what it is given), one token delivered before the death.
+        eng.adopt_request(2, params(6), prompt + want[:1], len(prompt), 0 if kv_reuse else 32,
+                          [] if kv_reuse else [5, 6], 7, want[:1])
+        outs = eng.step()
+        assert eng.scheduled_tokens == 41 - 32, "the adopted prefill hits the two cached blocks"
+        got = want[:1]
+        for o in [o for o in outs + drain(eng) if o.key == 2]:
+            assert o.output_index == len(got), "the outputs go on after the delivered token, each once"
+            got = got + list(o.new_token_ids)
+        assert got == want
+
+
 def test_warm_takeover_leaves_nothing_behind(model_dir, mode):
     """A standby runs a takeover's host path once before it sleeps (two throwaway
     requests adopted, stepped, reset): afterwards vLLM holds no request, every
@@ -984,6 +1023,24 @@ def test_warm_takeover_leaves_nothing_behind(model_dir, mode):
     for k, p in PROMPTS.items():
         eng.add_request(k, p, params(MAX[k]))
     assert by_key(drain(eng)) == reference
+
+
+def test_warm_takeover_without_kv_reuse_and_with_the_prefix_cache(model_dir, mode):
+    """The no-KV-reuse ablation's standby (prefix caching on, vLLM's default): its
+    warm-up adopts two requests with one prompt and nothing computed; the second
+    hits the first's cached block. It died there on the GPU before the adoption
+    stopped registering such requests with the KV manager."""
+    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
+    from vhelpers import block_hasher
+
+    vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async", enable_prefix_caching=True)
+    vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
+    sc = SchedulerCore(make_scheduler(vc), batch_queue_size=2 if mode == "async" else 1)
+    sc.request_block_hasher = block_hasher()
+    eng = VllmCore(sc, None, kv_reuse=False)
+    eng.warm_takeover()
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    assert not eng.has_work() and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
 def test_vllm_args_reach_engine_args_and_frmps_owned_ones_are_refused(model_dir, monkeypatch):

@@ -264,21 +264,26 @@ def adopt(
     if request.use_structured_output:
         _advance_grammar(scheduler, request, plan, grammar_timeout)
 
-    # A free block may still carry a prefix-cache hash from this engine's own past
-    # (a stale eviction candidate); its contents are now the adopted request's.
-    stale = {blk.block_id for blk in blocks if blk.ref_cnt == 0 and blk.block_hash is not None}
-    if stale:
-        pool.evict_blocks(stale)
-    pool.touch(blocks)
-    manager.req_to_blocks[request_id] = list(blocks)
-    # Leading blocks already hashed (a prefix shared with an adopted sibling) are
-    # cached; the rest are hashed by cache_blocks once the request runs.
-    hashed = 0
-    for blk in blocks:
-        if blk.block_hash is None:
-            break
-        hashed += 1
-    manager.num_cached_block[request_id] = hashed
+    if blocks:
+        # A free block may still carry a prefix-cache hash from this engine's own past
+        # (a stale eviction candidate); its contents are now the adopted request's.
+        stale = {blk.block_id for blk in blocks if blk.ref_cnt == 0 and blk.block_hash is not None}
+        if stale:
+            pool.evict_blocks(stale)
+        pool.touch(blocks)
+        manager.req_to_blocks[request_id] = list(blocks)
+        # Leading blocks already hashed (a prefix shared with an adopted sibling) are
+        # cached; the rest are hashed by cache_blocks once the request runs.
+        hashed = 0
+        for blk in blocks:
+            if blk.block_hash is None:
+                break
+            hashed += 1
+        manager.num_cached_block[request_id] = hashed
+    # else: no KV to reuse (never synced, or the no-KV-reuse ablation): the request
+    # goes in as a new one, with nothing registered in the KV manager, so vLLM
+    # looks its prompt up in the prefix cache like any new request's (a request
+    # registered there counts as running, and vLLM asserts it gets no cache hit).
     request.num_computed_tokens = plan.num_computed
     (enqueue or scheduler.add_request)(request)
     if pool.enable_caching and plan.num_computed:
