@@ -39,14 +39,15 @@ type slot struct {
 	hello      *frmpsv1.Hello
 	fault      *frmpsv1.Fault
 	state      string
-	deathCause string
+	deathCause string // why it died; once reaped, with the classified exit
 	refused    string // why the handshake refused this engine
 	beats      beats  // what its Heartbeats said (hang.go)
 	waiting    uint32 // queued requests, at the latest Heartbeat
 	initTook   time.Duration
 
 	// loop-owned
-	dead  bool
+	dead       bool
+	deathClass string // the class died() was given (a drill, a stall): no exit to classify
 	probe cpuProbe // CPU waits during a hang suspicion (hang.go)
 	gen   frmpsv1.GenerationClient
 	genC  io.Closer

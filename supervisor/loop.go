@@ -255,6 +255,10 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 	sl.state = "dead"
 	sl.deathCause = cause
 	sl.mu.Unlock()
+	sl.deathClass = class
+	s.mu.Lock()
+	s.lastDead[sl.role] = sl
+	s.mu.Unlock()
 	s.metrics.up(sl.role, false)
 	if refused {
 		s.log.Error("engine refused", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
@@ -345,6 +349,7 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			s.standby = nil
 			s.fence(sb)
 			s.retire(sb)
+			s.classifyStandbyDeath(sb)
 			if fo := s.inflight; fo != nil && fo.target == sb {
 				s.abortFailover(fo, ev)
 			}
@@ -433,6 +438,27 @@ func (s *Supervisor) retire(sl *slot) {
 		_ = sl.genC.Close()
 		sl.genC = nil
 	}
+}
+
+// classifyStandbyDeath names a dead standby's death from its exit once it is
+// reaped (a failover does the same for the active): the control socket only
+// says that it closed, or that the handshake broke, where the exit and the
+// engine's last stderr line say why (a start that fails every time, say).
+func (s *Supervisor) classifyStandbyDeath(sb *slot) {
+	if sb == nil || !sb.dead || sb.deathClass != "" {
+		return
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		class, detail := s.classify(sb)
+		sb.mu.Lock()
+		cause := sb.deathCause
+		sb.deathCause = class + ": " + detail
+		sb.mu.Unlock()
+		s.log.Warn("standby death", "pid", sb.proc.PID(), "class", class, "detail", detail, "seen_as", cause,
+			"log", sb.proc.LogPath())
+	}()
 }
 
 // classify waits (bounded) for the fenced process to be reaped.

@@ -38,9 +38,13 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	}
 	st.CrashLoopOpen = st.CrashLoopOpen || s.crashLoopOpen.Load()
 	for _, sl := range s.statusSlots() {
+		died := s.lastDeathCause(sl)
 		sl.mu.Lock()
+		if sl.deathCause != "" {
+			died = sl.deathCause
+		}
 		es := &frmpsv1.EngineStatus{Role: sl.role.String(), Pid: int32(sl.proc.PID()), State: sl.state, InMps: sl.inMPS,
-			Restarts: sl.restartNo, StartedUnixNanos: sl.started.UnixNano(), LastDeathCause: sl.deathCause, LogPath: sl.proc.LogPath(),
+			Restarts: sl.restartNo, StartedUnixNanos: sl.started.UnixNano(), LastDeathCause: died, LogPath: sl.proc.LogPath(),
 			InitSeconds: sl.initTook.Seconds(), Steps: sl.beats.step, Running: sl.beats.running, Waiting: sl.waiting,
 			FromSpare: sl.fromSpare}
 		if h := sl.hello; h != nil {
@@ -66,6 +70,23 @@ func (s *Supervisor) liveRequests() int {
 		return -1
 	}
 	return s.ring.Len()
+}
+
+// lastDeathCause: the cause of the last death of an engine in sl's role, if
+// that was another engine (the one sl replaced, or an earlier one); "" if none.
+func (s *Supervisor) lastDeathCause(sl *slot) string {
+	s.mu.Lock()
+	var d *slot
+	if r := sl.roleNow(); int(r) < len(s.lastDead) {
+		d = s.lastDead[r]
+	}
+	s.mu.Unlock()
+	if d == nil || d == sl {
+		return ""
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.deathCause
 }
 
 func (s *Supervisor) statusSlots() []*slot {

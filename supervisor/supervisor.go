@@ -57,6 +57,9 @@ type Supervisor struct {
 	// lastMPSDeath: when an active inside MPS last died (the MPS server may
 	// still be recovering; see Config.MPSRecoveryWindow).
 	lastMPSDeath time.Time
+	// lastDead: the last engine of each role that died (guarded by mu): Status
+	// shows its cause beside the engine that replaced it.
+	lastDead [2]*slot
 	// mpsFaulted: the MPS server said it tore the active's context down after
 	// a fatal GPU error (mps_fault); the next MPS check restarts frmps's own
 	// daemon, whose server broke new clients for seconds after such a fault.

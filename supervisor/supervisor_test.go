@@ -429,6 +429,34 @@ func TestStandbyCrashLoopDegrades(t *testing.T) {
 	})
 }
 
+func TestStandbyDeathIsClassifiedAndShownBesideItsReplacement(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, n int) behavior {
+			return behavior{exitOnStart: r == failover.Standby && n == 0, startExit: 7}
+		}
+		h := start(t, w, nil)
+		time.Sleep(2 * time.Second) // the restart's backoff, and the classification waits for the reap
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		var sb *frmpsv1.EngineStatus
+		for _, e := range h.s.Status().GetEngines() {
+			if e.GetRole() == failover.Standby.String() {
+				sb = e
+			}
+		}
+		if sb == nil || sb.GetState() != "ready" || sb.GetRestarts() != 1 {
+			t.Fatalf("standby %v", sb)
+		}
+		// The replacement shows why the engine before it died: the classified exit,
+		// not only what the control socket saw.
+		if got := sb.GetLastDeathCause(); got != "exit_code: exit code 7" {
+			t.Fatalf("last death cause %q", got)
+		}
+		h.stop()
+	})
+}
+
 func TestVersionMismatchRefusedToCrashLoop(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()

@@ -128,7 +128,25 @@ func Classify(ws syscall.WaitStatus, lastStderr []string, reported *frmpsv1.Faul
 		}
 		return Cause{Class: FaultReported, Detail: truncate(detail)}
 	}
-	return fromStatus(ws)
+	c := fromStatus(ws)
+	if c.Class == ExitCode && ws.ExitStatus() != 0 {
+		// A plain error exit: the newest stderr line is usually the error itself
+		// (a Python traceback ends with the exception).
+		if line := lastLine(lastStderr); line != "" {
+			c.Detail = truncate(c.Detail + "; last stderr line: " + line)
+		}
+	}
+	return c
+}
+
+// lastLine is the newest non-blank line of lines, trimmed.
+func lastLine(lines []string) string {
+	for i := len(lines) - 1; i >= 0; i-- {
+		if l := strings.TrimSpace(lines[i]); l != "" {
+			return l
+		}
+	}
+	return ""
 }
 
 func fromStatus(ws syscall.WaitStatus) Cause {

@@ -84,7 +84,9 @@ func TestClassify(t *testing.T) {
 		{"sigabrt", signaled(syscall.SIGABRT), []string{"terminate called after throwing an instance of 'std::runtime_error'"},
 			nil, Signal, "killed by signal 6 (SIGABRT)"},
 		{"exit code", exited(3), []string{"ValueError: bad config"}, nil, ExitCode, "exit code 3"},
-		{"clean exit", exited(0), nil, nil, ExitCode, "exit code 0"},
+		{"exit code names the last stderr line", exited(1), withTB("AssertionError", "  "), nil, ExitCode,
+			"exit code 1; last stderr line: AssertionError"},
+		{"clean exit", exited(0), []string{"INFO bye"}, nil, ExitCode, "exit code 0"},
 		{"stopped is unknown", syscall.WaitStatus(0x137f), nil, nil, Unknown, "wait status"},
 
 		// Rule order: the specific CUDA error wins over what it drags along.
@@ -114,6 +116,9 @@ func TestClassify(t *testing.T) {
 			}
 			if !strings.Contains(got.Detail, tc.inDetail) {
 				t.Fatalf("detail %q does not contain %q", got.Detail, tc.inDetail)
+			}
+			if got.Class == ExitCode && tc.ws.ExitStatus() == 0 && strings.Contains(got.Detail, "stderr") {
+				t.Fatalf("a clean exit names no error line: %q", got.Detail)
 			}
 		})
 	}
