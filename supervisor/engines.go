@@ -47,10 +47,10 @@ type slot struct {
 
 	// loop-owned
 	dead       bool
-	deathClass string // the class died() was given (a drill, a stall): no exit to classify
-	probe cpuProbe // CPU waits during a hang suspicion (hang.go)
-	gen   frmpsv1.GenerationClient
-	genC  io.Closer
+	deathClass string   // the class died() was given (a drill, a stall): no exit to classify
+	probe      cpuProbe // CPU waits during a hang suspicion (hang.go)
+	gen        frmpsv1.GenerationClient
+	genC       io.Closer
 }
 
 func (sl *slot) setState(st string) {
