@@ -339,9 +339,13 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 	for _, a := range acts {
 		switch a.Kind {
 		case failover.FenceActive:
-			s.fence(s.active)
-			if fo := s.inflight; fo != nil && fo.target == s.active {
+			a := s.active
+			s.fence(a)
+			if fo := s.inflight; fo != nil && fo.target == a {
 				s.abortFailover(fo, ev)
+			}
+			if fo := s.inflight; fo == nil || fo.old != a { // a failover's record classifies its own
+				s.classifyDeath(a)
 			}
 		case failover.FenceStandby:
 			s.cancelStart(failover.Standby) // a backoff pending for the dead standby
@@ -349,7 +353,7 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			s.standby = nil
 			s.fence(sb)
 			s.retire(sb)
-			s.classifyStandbyDeath(sb)
+			s.classifyDeath(sb)
 			if fo := s.inflight; fo != nil && fo.target == sb {
 				s.abortFailover(fo, ev)
 			}
@@ -440,24 +444,26 @@ func (s *Supervisor) retire(sl *slot) {
 	}
 }
 
-// classifyStandbyDeath names a dead standby's death from its exit once it is
-// reaped (a failover does the same for the active): the control socket only
-// says that it closed, or that the handshake broke, where the exit and the
-// engine's last stderr line say why (a start that fails every time, say).
-func (s *Supervisor) classifyStandbyDeath(sb *slot) {
-	if sb == nil || !sb.dead || sb.deathClass != "" {
+// classifyDeath names a dead engine's death from its exit once it is reaped,
+// for a death no failover record classifies (a standby's; an active's while
+// starting or with no standby): the control socket only says that it closed,
+// or that the handshake broke, where the exit and the engine's last stderr
+// line say why (a start that fails every time, say).
+func (s *Supervisor) classifyDeath(sl *slot) {
+	if sl == nil || !sl.dead || sl.deathClass != "" {
 		return
 	}
+	role := sl.role
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		class, detail := s.classify(sb)
-		sb.mu.Lock()
-		cause := sb.deathCause
-		sb.deathCause = class + ": " + detail
-		sb.mu.Unlock()
-		s.log.Warn("standby death", "pid", sb.proc.PID(), "class", class, "detail", detail, "seen_as", cause,
-			"log", sb.proc.LogPath())
+		class, detail := s.classify(sl)
+		sl.mu.Lock()
+		cause := sl.deathCause
+		sl.deathCause = class + ": " + detail
+		sl.mu.Unlock()
+		s.log.Warn("engine death", "role", role, "pid", sl.proc.PID(), "class", class, "detail", detail, "seen_as", cause,
+			"log", sl.proc.LogPath())
 	}()
 }
 

@@ -429,29 +429,30 @@ func TestStandbyCrashLoopDegrades(t *testing.T) {
 	})
 }
 
-func TestStandbyDeathIsClassifiedAndShownBesideItsReplacement(t *testing.T) {
+func TestStartDeathsAreClassifiedAndShownBesideTheReplacements(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
 		w.behave = func(r failover.Role, n int) behavior {
-			return behavior{exitOnStart: r == failover.Standby && n == 0, startExit: 7}
+			if r == failover.Active {
+				return behavior{exitOnStart: n == 0, startExit: 5}
+			}
+			return behavior{exitOnStart: n == 0, startExit: 7}
 		}
 		h := start(t, w, nil)
 		time.Sleep(2 * time.Second) // the restart's backoff, and the classification waits for the reap
 		synctest.Wait()
 		h.wantState(failover.ServingReady)
-		var sb *frmpsv1.EngineStatus
+		got := map[string]*frmpsv1.EngineStatus{}
 		for _, e := range h.s.Status().GetEngines() {
-			if e.GetRole() == failover.Standby.String() {
-				sb = e
-			}
+			got[e.GetRole()] = e
 		}
-		if sb == nil || sb.GetState() != "ready" || sb.GetRestarts() != 1 {
-			t.Fatalf("standby %v", sb)
-		}
-		// The replacement shows why the engine before it died: the classified exit,
+		// Each replacement shows why the engine before it died: the classified exit,
 		// not only what the control socket saw.
-		if got := sb.GetLastDeathCause(); got != "exit_code: exit code 7" {
-			t.Fatalf("last death cause %q", got)
+		for role, want := range map[failover.Role]string{failover.Active: "exit_code: exit code 5", failover.Standby: "exit_code: exit code 7"} {
+			e := got[role.String()]
+			if e == nil || e.GetRestarts() != 1 || e.GetLastDeathCause() != want {
+				t.Fatalf("%s: %v, want last death cause %q", role, e, want)
+			}
 		}
 		h.stop()
 	})
