@@ -741,7 +741,7 @@ def test_a_peer_death_is_reported_once_and_the_second_reporter_waits(tmp_path):
     assert codes == [EXIT_PEER_DIED]
 
 
-def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path):
+def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path, monkeypatch):
     """A core's reset may run device work (vLLM's runs a step that hands the model
     runner the finished request ids): it must come before the read-only flips and
     the reply, never after. Measured on the GPU with the reset moved after the reply:
@@ -752,6 +752,7 @@ def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path):
     from frmps_engine.sdk.runner import Runner, RunnerConfig
 
     events = []
+    monkeypatch.setenv("FRMPS_FAKE_STEP_DELAY_MS", "5")  # the request is still running at the handover
     adapter = FakeAdapter(EngineOptions("fake-tiny"))
     mem = get_backend("host-shm")
     pools = mem.allocate(adapter.pool_layout())
