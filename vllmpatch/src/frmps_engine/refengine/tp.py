@@ -41,6 +41,7 @@ import tempfile
 import threading
 from typing import Any, Callable, Sequence
 
+from ..sdk.engine_api import rank_death
 from ..sdk.fdchannel import recv_msg, send_msg
 from .config import EngineConfig, ModelShape, PoolSpec, rank_pools
 
@@ -202,8 +203,7 @@ class Group:
         code = w.proc.wait()
         if self._closing:
             return
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        cause = f"tensor-parallel rank {w.rank} (pid {w.proc.pid}) died: {how}"
+        cause = rank_death(w.rank, f"pid {w.proc.pid}", code)
         # Report the first death once (on_death ends the process).
         if self._reported.acquire(blocking=False):
             self._death_cause = cause

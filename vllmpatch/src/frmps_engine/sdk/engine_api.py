@@ -206,6 +206,14 @@ class Resettable(Protocol):
     def reset(self) -> None: ...
 
 
+def rank_death(rank: int, who: str, code: int) -> str:
+    """How a ProcessGroup names the death of one of its ranks (``on_peer_death``'s
+    and ``dead_peer``'s cause): ``code`` is the process's exit code, negative for
+    a signal (subprocess and multiprocessing alike); ``who`` names the process."""
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    return f"tensor-parallel rank {rank} ({who}) died: {how}"
+
+
 @runtime_checkable
 class ProcessGroup(Protocol):
     """An engine that may run as several processes (tensor parallelism): the

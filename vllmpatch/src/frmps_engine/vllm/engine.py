@@ -36,7 +36,7 @@ from .adoption import AdoptResult, plan_adoption
 from .pools import PoolSpec, kv_cache_bytes, pool_layout
 from .tp import WORKER_EXTENSION as TP_WORKER_EXTENSION
 from .triton_watch import watch_from_env
-from ..sdk.engine_api import throwaway_takeover
+from ..sdk.engine_api import rank_death, throwaway_takeover
 from ..sdk.seeds import derive_seed, resolve_seed, to_int64, to_uint64
 from .state import CommittedView, key_for_request_id, request_id_for_key
 
@@ -639,8 +639,7 @@ class VllmAdapter:
         if not dead:
             return None
         _, rank, pid, code = min(dead)  # a worker that died otherwise first, then by rank
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        return f"tensor-parallel rank {rank} (vLLM worker pid {pid}) died: {how}"
+        return rank_death(rank, f"vLLM worker pid {pid}", code)
 
     def dead_peer(self, wait_s: float) -> str | None:
         """engine_api.ProcessGroup: a step failed (vLLM's executor raises "Executor
