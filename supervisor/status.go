@@ -75,11 +75,9 @@ func (s *Supervisor) liveRequests() int {
 // lastDeathCause: the cause of the last death of an engine in sl's role, if
 // that was another engine (the one sl replaced, or an earlier one); "" if none.
 func (s *Supervisor) lastDeathCause(sl *slot) string {
+	r := sl.roleNow()
 	s.mu.Lock()
-	var d *slot
-	if r := sl.roleNow(); int(r) < len(s.lastDead) {
-		d = s.lastDead[r]
-	}
+	d := s.lastDead[r]
 	s.mu.Unlock()
 	if d == nil || d == sl {
 		return ""
