@@ -31,12 +31,18 @@ def mode(request):
     return request.param
 
 
-def engine(model_dir, tokenizer=None, mode="sync"):
+def engine(model_dir, tokenizer=None, mode="sync", prefix_caching=False, kv_reuse=True):
     from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
 
-    vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async")
+    vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async",
+                          enable_prefix_caching=prefix_caching)
     vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
-    return VllmCore(SchedulerCore(make_scheduler(vc), batch_queue_size=2 if mode == "async" else 1), tokenizer)
+    sc = SchedulerCore(make_scheduler(vc), batch_queue_size=2 if mode == "async" else 1)
+    if prefix_caching:
+        from vhelpers import block_hasher
+
+        sc.request_block_hasher = block_hasher()  # as EngineCore sets it with prefix caching on
+    return VllmCore(sc, tokenizer, kv_reuse=kv_reuse)
 
 
 def params(max_tokens, stop=None):
@@ -941,15 +947,7 @@ def test_a_handover_forgets_the_prefix_cache(model_dir, mode):
     freed blocks would point at foreign contents when it serves again (it takes
     over after the next fault): reset() drops them. Without that, a new request
     with a prompt this engine had served would skip its prefill over stale KV."""
-    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
-
-    vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async", enable_prefix_caching=True)
-    vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
-    from vhelpers import block_hasher
-
-    sc = SchedulerCore(make_scheduler(vc), batch_queue_size=2 if mode == "async" else 1)
-    sc.request_block_hasher = block_hasher()  # as EngineCore sets it with prefix caching on
-    eng = VllmCore(sc, None)
+    eng = engine(model_dir, mode=mode, prefix_caching=True)
     prompt = list(range(10, 10 + 40))  # two full blocks of 16 and a partial one
     eng.add_request(1, prompt, params(4))
     drain(eng)
@@ -970,16 +968,8 @@ def test_adopting_with_nothing_computed_may_hit_the_prefix_cache(model_dir, mode
     a `--no-kv-reuse` deployment died in its takeover warm-up (two requests with
     one prompt) on vLLM's assertion that a request holding blocks gets no cache
     hit, because the adoption had registered the request with no blocks."""
-    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
-
-    vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async", enable_prefix_caching=True)
-    vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
-    from vhelpers import block_hasher
-
     def fresh(kv_reuse=True):
-        sc = SchedulerCore(make_scheduler(vc), batch_queue_size=2 if mode == "async" else 1)
-        sc.request_block_hasher = block_hasher()
-        return VllmCore(sc, None, kv_reuse=kv_reuse)
+        return engine(model_dir, mode=mode, prefix_caching=True, kv_reuse=kv_reuse)
 
     prompt = list(range(10, 10 + 40))  # two full blocks of 16 and a partial one
     ref = fresh()
@@ -1030,14 +1020,7 @@ def test_warm_takeover_without_kv_reuse_and_with_the_prefix_cache(model_dir, mod
     warm-up adopts two requests with one prompt and nothing computed; the second
     hits the first's cached block. It died there on the GPU before the adoption
     stopped registering such requests with the KV manager."""
-    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
-    from vhelpers import block_hasher
-
-    vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async", enable_prefix_caching=True)
-    vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
-    sc = SchedulerCore(make_scheduler(vc), batch_queue_size=2 if mode == "async" else 1)
-    sc.request_block_hasher = block_hasher()
-    eng = VllmCore(sc, None, kv_reuse=False)
+    eng = engine(model_dir, mode=mode, prefix_caching=True, kv_reuse=False)
     eng.warm_takeover()
     pool = eng.scheduler.kv_cache_manager.block_pool
     assert not eng.has_work() and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
