@@ -14,6 +14,7 @@ from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams  # noqa
 from frmps_engine.sdk.engine_api import (  # noqa: E402
     Core,
     DeviceCheck,
+    DeviceGate,
     LaunchHook,
     LoadReport,
     Pipelined,
@@ -28,7 +29,7 @@ from frmps_engine.sdk.genapi import input_to_ids  # noqa: E402
 from frmps_engine.sdk.loop import CreatesRings, EngineLoop, RingModule, RingPublisher  # noqa: E402
 from frmps_engine.sdk.params import InvalidRequest  # noqa: E402
 
-OPTIONAL = (LaunchHook, StepSize, LoadReport, DeviceCheck, Resettable, TakeoverWarmup)
+OPTIONAL = (LaunchHook, StepSize, LoadReport, DeviceCheck, Resettable, TakeoverWarmup, DeviceGate)
 
 
 class ByteTok:
@@ -212,3 +213,21 @@ def test_view_parts():
     assert isinstance(v, ViewParts)
     live.append(6)  # the engine appends after the view was taken: the view keeps its length
     assert v.token_ids == [4, 5] and v.parts() == ([3], 1, live, 2)
+
+
+def test_the_reference_engines_device_gate_waits_after_the_plan_and_before_the_pass():
+    """engine_api.DeviceGate: the next pass calls the gate's wait once its host work
+    (the schedule and the plan) is done and before any tensor reaches the device;
+    once only, and the outputs are those of an ungated engine."""
+    core, plain = ref_core(), ref_core()
+    events = []
+    real_plan, real_run = core._plan, core._run_plan
+    core._plan = lambda batch: events.append("plan") or real_plan(batch)
+    core._run_plan = lambda plan: events.append("pass") or real_run(plan)
+    for c in (core, plain):
+        c.add_request(7, [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0))
+    assert core.gate_device(lambda: events.append("gate")) is True
+    got = [o.new_token_ids for _ in range(3) for o in core.step()]
+    want = [o.new_token_ids for _ in range(3) for o in plain.step()]
+    assert got == want
+    assert events == ["plan", "gate", "pass", "plan", "pass", "plan", "pass"], events

@@ -310,3 +310,113 @@ def test_a_failed_kv_flip_fails_the_resume(h, monkeypatch):
                                                ring_path=h.ring)))
     assert not r.ok and "cuMemSetAccess" in r.error
     assert h.runner.loop is None or not h.runner.loop.running
+
+
+def gate_on(core, monkeypatch):
+    """TEST DOUBLE of engine_api.DeviceGate on the fake core: its step calls the
+    gate's wait (once) before stepping, and records whether the KV flip was over
+    by then in ``seen``. Returns (at_gate, seen): at_gate is set when the first
+    step reaches the gate."""
+    waits, seen, at_gate = [], {}, threading.Event()
+    real_step = core.step
+
+    def gate_device(wait):
+        waits.append(wait)
+        return True
+
+    def step(*a, **kw):
+        if waits:
+            wait = waits.pop()
+            seen["host_work_before_gate"] = True  # a core's scheduling and input buffers go here
+            at_gate.set()
+            wait()
+            seen["passes_after_gate"] = 0
+        seen["passes_after_gate"] = seen.get("passes_after_gate", -1) + 1
+        return real_step(*a, **kw)
+
+    monkeypatch.setattr(core, "gate_device", gate_device, raising=False)
+    monkeypatch.setattr(core, "step", step)
+    return at_gate, seen
+
+
+def test_with_a_device_gate_the_first_steps_host_work_runs_beside_the_kv_flip(h, monkeypatch, caplog):
+    """engine_api.DeviceGate: the loop starts as soon as the requests are adopted
+    and the ring attached, the first step's host work runs while the KV flip waits
+    for the MPS server, and its device work waits at the gate. The flip here ends
+    only once the first step has reached the gate: with the loop started after
+    the flip (as without a gate) the flip would wait its 10 s out, and the test
+    fails. The first pass itself must come after the flip."""
+    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
+    assert h.sleep().ok
+    out, snaps = run_active(h.active, 1, TOK.encode("hello"), 4, FakeParams(20, 0.0, 11))
+    core, mem = h.runner.core, h.runner.memory
+    at_gate, seen = gate_on(core, monkeypatch)
+    flipped = threading.Event()
+    real_flip = mem.make_writable
+
+    def flip(tag):  # TEST DOUBLE of a slow flip (the dying MPS server)
+        seen["gate_reached_during_flip"] = at_gate.wait(10)
+        real_flip(tag)
+        flipped.set()
+
+    monkeypatch.setattr(mem, "make_writable", flip)
+    real_pass = core.step
+
+    def step(*a, **kw):  # the pass proper, behind the gate
+        res = real_pass(*a, **kw)
+        seen.setdefault("first_pass_after_flip", flipped.is_set())
+        return res
+
+    monkeypatch.setattr(core, "step", step)
+    req = c.ResumeRequest(key=1, prompt="hello", params=c.SamplingParams(max_tokens=20), delivered_token_ids=out,
+                          snapshot=snaps[-1])
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[req], ring_path=h.ring, sync_every=2)))
+    assert r.ok and r.resumed[0].ok, r
+    assert resume_stream(h, 1, out) == reference(TOK.encode("hello"), 20, 0.0, 11)
+    assert seen["gate_reached_during_flip"], "the first step did not start before the KV flip ended"
+    assert seen["host_work_before_gate"] and seen["first_pass_after_flip"], seen
+    assert seen["passes_after_gate"] > 1, "the gate is once: later steps must not wait again"
+    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
+    assert got["device_gate"] and got["gate_wait_ms"] >= 0 and got["gate_at_ms"] > 0, (got, line)
+
+
+def test_without_a_device_gate_the_log_says_the_loop_started_after_the_flip(h, caplog, monkeypatch):
+    """FRMPS_DEBUG_NO_DEVICE_GATE=1 (A/B runs): the loop starts after the flip even
+    for a core with a gate, and the takeover's log line says so."""
+    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
+    monkeypatch.setenv("FRMPS_DEBUG_NO_DEVICE_GATE", "1")
+    assert h.sleep().ok
+    _, seen = gate_on(h.runner.core, monkeypatch)
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[c.ResumeRequest(key=3, prompt="new",
+                                                                         params=c.SamplingParams(max_tokens=6))],
+                                               ring_path=h.ring)))
+    assert r.ok and r.resumed[0].ok, r
+    assert len(resume_stream(h, 3, [])) == 6
+    assert "host_work_before_gate" not in seen
+    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
+    assert got["device_gate"] is False and "gate_wait_ms" not in got, (got, line)
+
+
+def test_a_failed_kv_flip_behind_a_device_gate_fails_the_resume_and_runs_no_pass(h, monkeypatch):
+    """The gate raises the flip's error on the loop's thread: the first pass never
+    runs (the KV cache may still be read-only, or a dead client's kernels may still
+    be writing it), the engine reports the device error and exits, and the Resume
+    fails with the error."""
+    assert h.sleep().ok
+    at_gate, seen = gate_on(h.runner.core, monkeypatch)
+
+    def flip(tag):  # TEST DOUBLE of the driver refusing the access change
+        at_gate.wait(10)
+        raise RuntimeError("cuMemSetAccess: CUDA_ERROR_INVALID_VALUE")
+
+    monkeypatch.setattr(h.runner.memory, "make_writable", flip)
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[c.ResumeRequest(key=3, prompt="new",
+                                                                         params=c.SamplingParams(max_tokens=6))],
+                                               ring_path=h.ring)))
+    assert not r.ok and "cuMemSetAccess" in r.error
+    h.runner.loop._thread.join(10)
+    assert not h.runner.loop.running
+    assert "passes_after_gate" not in seen, "a pass ran after the flip failed"
+    assert h.exits == [3], h.exits  # EXIT_DEVICE, through the loop's fatal path

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from vhelpers import SchedulerCore, fake_token, make_scheduler, make_vllm_config, write_tiny_model
+from vhelpers import BLOCK_SIZE, SchedulerCore, fake_token, make_scheduler, make_vllm_config, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_capabilities_of_the_vllm_core(model_dir):
     eng = engine(model_dir, CharTokenizer())
     assert isinstance(eng, engine_api.Core)
     for cap in (engine_api.StepSize, engine_api.LoadReport, engine_api.Resettable, engine_api.Pipelined,
-                engine_api.TakeoverWarmup, engine_api.LaunchHook):
+                engine_api.TakeoverWarmup, engine_api.LaunchHook, engine_api.DeviceGate):
         assert isinstance(eng, cap), cap.__name__
     assert not isinstance(eng, engine_api.DeviceCheck)
     assert engine_api.has_launch_hook(eng)
@@ -682,6 +682,62 @@ def test_a_takeovers_first_step_is_delivered_before_the_second_is_launched(model
     loop.stop(10)
     assert seen[1] == (len(PROMPTS) if first else 0)
     assert {k: s.output for k, s in streams.items()} == by_key(_run_all(model_dir))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_device_gate_waits_after_the_runners_host_work_and_before_the_forward(model_dir, mode):
+    """engine_api.DeviceGate over the model runner's ``kv_connector.pre_forward``
+    (vLLM's V2 runner calls it right before the forward pass; the stand-in model
+    calls it where V2 does): the first step's scheduling and the runner's block
+    tables come before the gate's wait, the computing after it; once only (the
+    connector's own pre_forward is back afterwards), and the outputs are those of
+    an ungated engine. Adopted requests, as a takeover's."""
+    from frmps_engine.vllm.engine import _pre_forward_owner
+
+    eng = engine(model_dir, mode=mode)
+    model = eng.core.model
+    kvc = _pre_forward_owner(eng.core)
+    assert kvc is model.kv_connector
+    adopt_prompts(eng)
+    at_gate = []
+
+    def wait():
+        at_gate.append((dict(model.blocks), {r: list(v) for r, v in model.computed.items()}))
+
+    assert eng.gate_device(wait) is True
+    got = drain(eng)
+    assert len(at_gate) == 1, "the gate is once"
+    blocks, computed = at_gate[0]
+    assert set(blocks) == {f"frmps-{k}" for k in PROMPTS}, "the runner's host work had not run at the gate"
+    assert computed == {}, "something was computed before the gate"
+    assert "pre_forward" not in vars(kvc), "the connector's own pre_forward is not back"
+
+    plain = engine(model_dir, mode=mode)
+    adopt_prompts(plain)
+    assert tokens_of(got) == tokens_of(drain(plain))
+
+
+def tokens_of(outs):
+    return sorted((o.key, o.output_index, list(o.new_token_ids)) for o in outs)
+
+
+def adopt_prompts(eng):
+    """Adopt PROMPTS as a takeover would: each prompt computed on blocks of its own,
+    one token (7) delivered."""
+    first = 1
+    for k, p in PROMPTS.items():
+        n = -(-len(p) // BLOCK_SIZE)
+        eng.adopt_request(k, params(MAX[k]), p + [7], len(p), len(p), list(range(first, first + n)), 0, [7])
+        first += n
+
+
+def test_no_device_gate_without_a_runner_in_this_process(model_dir):
+    """A core whose model runner is not reachable here (vLLM's V1 runner has no
+    pre_forward; tensor-parallel ranks run in other processes): gate_device says
+    False, and the runner starts its loop after the flip."""
+    eng = engine(model_dir)
+    del eng.core.model.kv_connector  # as vLLM's V1 runner: no kv_connector
+    assert eng.gate_device(lambda: None) is False
 
 
 @pytest.mark.parametrize("mode_", ["sync", "async"])

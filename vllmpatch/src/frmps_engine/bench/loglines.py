@@ -11,7 +11,10 @@ import re
 # in older result folders lack them).
 TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused tokens, (\d+) to prefill; "
                       r"KV writable in ([\d.]+) ms(?:; adoption ([\d.]+) ms, ring attach ([\d.]+) ms)?"
-                      r"(?:; adoption CPU ([\d.]+) ms[^)]*)?\)")
+                      r"(?:; adoption CPU ([\d.]+) ms[^)]*)?\)"
+                      # runner._gate_note: the first step's host work beside the KV flip (engine_api.DeviceGate)
+                      r"(?:; loop started (beside|after) the KV flip(?:.*?reached the device gate ([\d.]+) ms "
+                      r"into the takeover and waited ([\d.]+) ms)?)?")
 FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
 # loop._trace: the loop's first step after a start or a takeover (a takeover's first step
 # also does the engine's work for requests new to it)
@@ -144,6 +147,10 @@ def takeover_fields(groups: list[str]) -> dict:
         out.update(adoption_ms=float(groups[5]), ring_attach_ms=float(groups[6]))
     if groups[7] is not None:
         out.update(adoption_cpu_ms=float(groups[7]))
+    if groups[8] is not None:
+        out["device_gate"] = groups[8] == "beside"
+    if groups[9] is not None:
+        out.update(gate_at_ms=float(groups[9]), gate_wait_ms=float(groups[10]))
     return out
 
 

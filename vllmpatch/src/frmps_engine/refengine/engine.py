@@ -78,6 +78,7 @@ class RefCore:
         self._stream = torch.cuda.Stream(self.model.device) if self._launch_async else None
         # Tokens the step in progress computes (engine_api: read by the heartbeat thread).
         self.scheduled_tokens = 0
+        self._gate: Callable[[], None] | None = None  # engine_api.DeviceGate
 
     # ---- setup -----------------------------------------------------------
     @staticmethod
@@ -219,6 +220,13 @@ class RefCore:
                                   SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, seed=1,
                                                  ignore_eos=True)), bs, self.counters)
 
+    def gate_device(self, wait: Callable[[], None]) -> bool:
+        """engine_api.DeviceGate: the next pass calls wait() once its plan (the
+        scheduling and the pass as lists, host work only) is made, before any
+        tensor reaches the device or the other ranks."""
+        self._gate = wait
+        return True
+
     def check_device(self) -> None:
         """Raise the device's sticky error, if any (a cheap synchronise; the engine loop
         calls it while idle). No-op on the CPU."""
@@ -283,6 +291,9 @@ class RefCore:
                 self.counters["prefill_tokens_computed"] += n
         self.counters["forward_passes"] += 1
         plan = self._plan(batch)
+        if self._gate is not None:  # the pass's host work is done; its device work waits for the KV flip
+            gate, self._gate = self._gate, None
+            gate()
         if self._workers is not None:
             self._workers.run_plan(plan)  # the other ranks run the same pass on their shards
         logits = self._run_plan(plan)  # step() put us on the engine's stream already

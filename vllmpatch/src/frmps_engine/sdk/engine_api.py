@@ -164,6 +164,23 @@ class TakeoverWarmup(Protocol):
     def warm_takeover(self) -> None: ...
 
 
+@runtime_checkable
+class DeviceGate(Protocol):
+    """gate_device(wait): make the next step call ``wait()`` (once) right before
+    its first device work that touches the KV cache, after the step's host
+    work (scheduling, the requests' states, the input buffers: work on the
+    engine's own memory); True when the core installed the gate. A takeover starts
+    the loop with the gate in place as soon as the requests are adopted, so the
+    first resumed step's host work runs while the KV flip waits for the MPS
+    server to tear the dead client down, and only its device work waits for the
+    flip; ``wait()`` raises the flip's error (a device error: the engine is lost).
+    Before ``wait()`` returns the step must not touch the KV cache (a dead
+    client's last kernels may still be writing it) nor write any pool. False, or
+    without it: the loop starts after the flip."""
+
+    def gate_device(self, wait: Callable[[], None]) -> bool: ...
+
+
 # Request keys of throwaway_takeover()'s requests (never a client's: keys count up from 1).
 WARM_KEY = (1 << 63) - 1
 

@@ -275,11 +275,11 @@ class EngineLoop:
         # Steps to log with their timings once the loop starts (set for a takeover:
         # where the time between the Resume and the first resumed token goes).
         self.trace_steps = 0
-        self._t_started = 0
+        self.started_ns = 0
 
     # -- threading ------------------------------------------------------------
     def start(self) -> None:
-        self._t_started = time.perf_counter_ns()
+        self.started_ns = time.perf_counter_ns()
         self._thread = threading.Thread(target=self._run, name="frmps-engine-loop", daemon=True)
         self._thread.start()
 
@@ -613,7 +613,7 @@ class EngineLoop:
         self.trace_steps -= 1
         log.info("step %d after start: began %.2f ms after the loop started, step %.2f ms, dispatch %.2f ms "
                  "(loop thread CPU %.2f ms of the %.2f), %d outputs, %s tokens scheduled", self.step_count,
-                 (t_step - self._t_started) / 1e6, (t_disp - t_step) / 1e6, (t_end - t_disp) / 1e6,
+                 (t_step - self.started_ns) / 1e6, (t_disp - t_step) / 1e6, (t_end - t_disp) / 1e6,
                  (c_end - c_step) / 1e6, (t_end - t_step) / 1e6, len(outs), self.scheduled_tokens())
 
     def _probe_device(self) -> None:

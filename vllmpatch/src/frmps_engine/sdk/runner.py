@@ -41,7 +41,8 @@ from typing import Any, Callable
 from frmps_engine._proto.frmps.v1 import control_pb2
 
 from . import control, debug_hang, spare
-from .engine_api import EngineAdapter, EngineCoreProtocol, ProcessGroup, Resettable, TakeoverWarmup, vocab_size
+from .engine_api import (DeviceGate, EngineAdapter, EngineCoreProtocol, ProcessGroup, Resettable, TakeoverWarmup,
+                         vocab_size)
 from .genapi import GenerationServer, input_to_ids, pb_ints
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
 from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
@@ -76,6 +77,9 @@ class _KvFlip:
         self._memory = memory
         self._took = 0
         self._error: BaseException | None = None
+        self._done = threading.Event()
+        self.done_ns = 0  # perf_counter_ns when the flip ended
+        self.gate_entered_ns = 0  # when the device gate's wait began (the engine loop's thread)
         self._thread = threading.Thread(target=self._run, name="frmps-kv-flip", daemon=True)
         self._thread.start()
 
@@ -85,13 +89,42 @@ class _KvFlip:
             self._memory.make_writable("kv_cache")
         except BaseException as e:  # re-raised by join() on the takeover's thread
             self._error = e
-        self._took = time.perf_counter_ns() - t
+        self.done_ns = time.perf_counter_ns()
+        self._took = self.done_ns - t
+        self._done.set()
 
     def join(self) -> int:
         self._thread.join()
         if self._error is not None:
             raise self._error
         return self._took
+
+    def wait(self) -> None:
+        """The device gate (engine_api.DeviceGate): returns once the KV cache is
+        writable; raises the flip's error."""
+        self.gate_entered_ns = time.perf_counter_ns()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+def _device_gate_enabled() -> bool:
+    """FRMPS_DEBUG_NO_DEVICE_GATE=1 (diagnostics, for A/B runs on a GPU): start the
+    loop after the KV flip, as before engine_api.DeviceGate."""
+    return os.environ.get("FRMPS_DEBUG_NO_DEVICE_GATE", "") in ("", "0")
+
+
+def _gate_note(gated: bool, flip: _KvFlip, t_loop: int, t0: int) -> str:
+    """The takeover log's account of the first step's start (the device gate)."""
+    if not gated:
+        return f"loop started after the KV flip, {t_loop / 1e6:.2f} ms into the takeover"
+    entered = flip.gate_entered_ns
+    if not entered or entered > flip.done_ns:
+        return (f"loop started beside the KV flip, {t_loop / 1e6:.2f} ms into the takeover; its first step's host "
+                "work had not reached the device gate when the flip ended")
+    return (f"loop started beside the KV flip, {t_loop / 1e6:.2f} ms into the takeover; its first step's host "
+            f"work reached the device gate {(entered - t0) / 1e6:.2f} ms into the takeover and waited "
+            f"{(flip.done_ns - entered) / 1e6:.2f} ms there for the flip")
 
 
 def _test_step_delay() -> float:
@@ -445,23 +478,30 @@ class Runner:
         return None
 
     def _serve_adopted(self, env_id: int, msg: control_pb2.Resume, outcomes: list, t0: int) -> tuple[int, int]:
-        """After a takeover's adoption: attach the ring, become the serving active,
-        and reply — before the loop starts (its first step, the prefill, would
+        """After a takeover's adoption (core mode): attach the ring, become the
+        serving active, and reply — before the loop starts (its first step would
         otherwise compete with this thread for the GIL and delay the Reply).
         Returns (ring attach ns, takeover ns)."""
         t_ring = time.perf_counter_ns()
         ring_error = self._attach_resume_ring(msg)
         t_ring = time.perf_counter_ns() - t_ring
+        self._prepare_first_steps()
+        return t_ring, self._reply_serving(env_id, outcomes, ring_error, t0)
+
+    def _prepare_first_steps(self) -> None:
+        self.loop.trace_steps = 3
+        # Diagnostics: FRMPS_DEBUG_PIPELINED_FIRST_STEP=1 leaves the first step's
+        # outputs in the pipeline (the behaviour before, for A/B runs on a GPU).
+        self.loop.deliver_first_step = os.environ.get("FRMPS_DEBUG_PIPELINED_FIRST_STEP", "") != "1"
+
+    def _reply_serving(self, env_id: int, outcomes: list, ring_error: str, t0: int) -> int:
+        """Become the serving active and send the Resume's Reply; returns the takeover's ns."""
         self.backend.loop = self.loop
         self.role = control_pb2.ROLE_ACTIVE
         self.backend.is_serving = True
         took = time.perf_counter_ns() - t0
         self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
-        self.loop.trace_steps = 3
-        # Diagnostics: FRMPS_DEBUG_PIPELINED_FIRST_STEP=1 leaves the first step's
-        # outputs in the pipeline (the behaviour before, for A/B runs on a GPU).
-        self.loop.deliver_first_step = os.environ.get("FRMPS_DEBUG_PIPELINED_FIRST_STEP", "") != "1"
-        return t_ring, took
+        return took
 
     def _attach_resume_ring(self, msg: control_pb2.Resume) -> str:
         """Attach the ring a Resume names; "" or why the engine serves without it."""
@@ -481,12 +521,16 @@ class Runner:
         return ""
 
     def _take_over(self, env_id: int, msg: control_pb2.Resume, t0: int):
-        # The KV flip and the adoption overlap: after a fault the flip's driver call
-        # waits on the MPS server tearing the dead context down (up to ~30 ms on the
-        # H100; ctypes releases the GIL meanwhile), and adoption is host work on the
-        # scheduler only (nothing reaches the device before the first step). Nothing
-        # steps before the flip has finished: the join below comes before the loop.
+        # The KV flip overlaps the adoption and, behind a device gate, the first
+        # step's host work: after a fault the flip's driver call waits on the MPS
+        # server tearing the dead context down (4-33 ms measured; ctypes releases the
+        # GIL meanwhile), and adoption is host work on the scheduler only. The loop
+        # starts once the requests are adopted and the ring attached; a core with
+        # engine_api.DeviceGate then schedules and prepares its first step, and
+        # waits at the gate for the flip before its first device work that touches
+        # the KV cache. A core without one starts its loop after the flip.
         flip = _KvFlip(self.memory)
+        gated = False
         try:
             self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
                                    on_fatal=self._fatal, on_error=self._step_failed, step_delay_s=_test_step_delay())
@@ -495,15 +539,24 @@ class Runner:
             outcomes = [self._adopt(r) for r in msg.requests]
             c_adopt = time.thread_time_ns() - c_adopt
             t_adopt = time.perf_counter_ns() - t_adopt
+            t_ring = time.perf_counter_ns()
+            ring_error = self._attach_resume_ring(msg)  # inline: the loop has not started
+            t_ring = time.perf_counter_ns() - t_ring
+            self._prepare_first_steps()
+            if _device_gate_enabled() and isinstance(self.core, DeviceGate) and self.core.gate_device(flip.wait):
+                gated = True
+                self.loop.start()
         finally:
             t_wake = flip.join()  # raises the flip's error (a device error: the engine is lost)
-        t_ring, took = self._serve_adopted(env_id, msg, outcomes, t0)
-        self.loop.start()
+        took = self._reply_serving(env_id, outcomes, ring_error, t0)
+        if not gated:
+            self.loop.start()
+        t_loop = self.loop.started_ns - t0
         log.info(
             "took over %d requests in %.2f ms (%d reused tokens, %d to prefill; KV writable in %.3f ms; "
-            "adoption %.2f ms, ring attach %.2f ms; adoption CPU %.2f ms, the KV flip beside it)",
+            "adoption %.2f ms, ring attach %.2f ms; adoption CPU %.2f ms, the KV flip beside it); %s",
             len(outcomes), took / 1e6, sum(o.reused_tokens for o in outcomes), sum(o.prefilled_tokens for o in outcomes),
-            t_wake / 1e6, t_adopt / 1e6, t_ring / 1e6, c_adopt / 1e6,
+            t_wake / 1e6, t_adopt / 1e6, t_ring / 1e6, c_adopt / 1e6, _gate_note(gated, flip, t_loop, t0),
         )
         self.log_counters("after takeover")
         return None

@@ -129,6 +129,19 @@ class FrmpsSchedulerAPI(Protocol):
     def frmps_reset(self) -> None: ...
 
 
+def _pre_forward_owner(core: Any) -> Any:
+    """The object whose ``pre_forward`` vLLM's V2 model runner calls right before
+    its forward pass (its KV connector, a no-op one by default), when the runner
+    runs in this process (UniProcExecutor); the test double's stand-in
+    (SchedulerCore.model_runner); None otherwise."""
+    try:
+        runner = core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        runner = getattr(core, "model_runner", None)
+    kvc = getattr(runner, "kv_connector", None)
+    return kvc if callable(getattr(kvc, "pre_forward", None)) else None
+
+
 class VllmCore:
     """The SDK's Core over a vLLM ``EngineCore`` whose scheduler is a FrmpsScheduler.
 
@@ -285,6 +298,32 @@ class VllmCore:
             raise RuntimeError("vLLM refused to reset its prefix cache after the handover's reset")
         self._tracks.clear()
         self.scheduler.frmps_reset()
+
+    def gate_device(self, wait: Callable[[], None]) -> bool:
+        """engine_api.DeviceGate, with vLLM's V2 model runner in this process (its
+        default for Qwen2 and Llama on the GPU): its ``execute_model`` updates the
+        request states, stages the block tables and prepares the inputs and the
+        attention metadata in its own buffers, then calls ``kv_connector.pre_forward``
+        right before the forward pass (the first work that touches the KV cache;
+        gpu/model_runner.py, 0.26 and 0.33): the gate wraps that call once.
+        False (the loop starts after the flip) with the V1 runner, which has no such
+        call, and where the runner is in other processes (tensor parallelism)."""
+        kvc = _pre_forward_owner(self.core)
+        if kvc is None:
+            return False
+        own = vars(kvc).get("pre_forward")  # an instance's own, else the class's is called
+        inner = kvc.pre_forward
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            if own is None:
+                vars(kvc).pop("pre_forward", None)
+            else:
+                kvc.pre_forward = own
+            wait()
+            return inner(*args, **kwargs)
+
+        kvc.pre_forward = gated
+        return True
 
     def warm_takeover(self) -> None:
         """engine_api.TakeoverWarmup: two throwaway requests (greedy, and seeded with

@@ -120,16 +120,28 @@ def fake_token(request_id: str, position: int) -> int:
     return 3 + h % 500
 
 
+class StandInKVConnector:
+    """TEST DOUBLE of vLLM's V2 model runner's KV connector (a no-op one by
+    default): FakeModel.run calls ``pre_forward`` where V2's execute_model does,
+    after the host work on its own buffers and before the forward pass."""
+
+    def pre_forward(self, scheduler_output: Any, *args: Any) -> None:
+        pass
+
+
 @dataclass
 class FakeModel:
     """Test double for the model runner: records every token it is asked to compute
     (per request, by position) and returns one sampled token per request whose
-    scheduled chunk reaches the end of its known tokens."""
+    scheduled chunk reaches the end of its known tokens. Its block tables are its
+    host work; computing (the forward pass, which would write the KV cache) comes
+    after ``kv_connector.pre_forward``, as in vLLM's V2 model runner."""
 
     computed: dict[str, list[int]] = field(default_factory=dict)  # positions computed per request
     blocks: dict[str, list[int]] = field(default_factory=dict)  # block table per request, as a worker keeps it
     sampled: dict[str, list[int]] = field(default_factory=dict)  # tokens sampled per request
     steps: list[Any] = field(default_factory=list)
+    kv_connector: StandInKVConnector = field(default_factory=StandInKVConnector)
 
     def _apply_block_updates(self, so) -> None:
         for new in so.scheduled_new_reqs:
@@ -151,6 +163,8 @@ class FakeModel:
         self.steps.append(so)
         self._apply_block_updates(so)
         req_ids = list(so.num_scheduled_tokens)
+        if req_ids:
+            self.kv_connector.pre_forward(so)
         sampled: list[list[int]] = []
         for rid in req_ids:
             req = scheduler.requests[rid]
@@ -210,6 +224,11 @@ class SchedulerCore:
     request_block_hasher: object = None
     batch_queue_size: int = 1
     device_s: float = 0.0
+
+    @property
+    def model_runner(self) -> FakeModel:
+        """Where VllmCore.gate_device finds the runner (vLLM: the executor's worker's)."""
+        return self.model
 
     def __post_init__(self):
         self._device_free_at = 0.0
