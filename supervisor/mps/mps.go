@@ -252,15 +252,69 @@ func (d *Daemon) stop(ctx context.Context) error {
 	if pid <= 0 {
 		return fmt.Errorf("%w: no pid file to kill it by (quit: %v)", ErrStopFailed, quitErr)
 	}
-	d.log.Warn("mps daemon ignored quit, killing it", "pid", pid, "quit_error", quitErr)
+	// Its MPS servers are its children: read them before the kill, which
+	// re-parents them. Left running, a server keeps its GPU memory and the
+	// GPU's MPS state after the daemon is gone.
+	servers := childrenOf(pid)
+	d.log.Warn("mps daemon ignored quit, killing it and its servers", "pid", pid, "servers", servers, "quit_error", quitErr)
 	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
 		return fmt.Errorf("%w: kill pid %d: %w", ErrStopFailed, pid, err)
 	}
 	if !d.waitGone(ctx, pid, d.timeout/2) {
 		return fmt.Errorf("%w: pid %d still alive after SIGKILL", ErrStopFailed, pid)
 	}
+	if left := killAll(servers, d.timeout/2); len(left) > 0 {
+		return fmt.Errorf("%w: mps server pids %v still alive after SIGKILL", ErrStopFailed, left)
+	}
 	d.running = false
 	return nil
+}
+
+// childrenOf lists the live processes whose parent is pid (from /proc): a
+// control daemon's MPS servers.
+func childrenOf(pid int) []int {
+	var kids []int
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		n, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		stat, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		// "pid (comm) state ppid ...": comm may itself contain ") ".
+		i := bytes.LastIndexByte(stat, ')')
+		if i < 0 {
+			continue
+		}
+		f := strings.Fields(string(stat[i+1:]))
+		if len(f) >= 2 && f[0] != "Z" && f[0] != "X" && f[1] == strconv.Itoa(pid) {
+			kids = append(kids, n)
+		}
+	}
+	return kids
+}
+
+// killAll SIGKILLs pids and waits up to limit for them to go; returns those still alive.
+func killAll(pids []int, limit time.Duration) []int {
+	for _, p := range pids {
+		_ = syscall.Kill(p, syscall.SIGKILL)
+	}
+	deadline := time.Now().Add(limit)
+	for {
+		var left []int
+		for _, p := range pids {
+			if alive(p) {
+				left = append(left, p)
+			}
+		}
+		if len(left) == 0 || time.Now().After(deadline) {
+			return left
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // waitGone waits up to limit for the daemon to go away: its pid gone when
@@ -336,18 +390,16 @@ func (d *Daemon) daemonPID() int {
 	return pid
 }
 
-// killFromPIDFile kills the daemon and waits (briefly) until it is gone, so
-// a failed Start leaves no process behind.
+// killFromPIDFile kills the daemon and its servers and waits (briefly) until
+// they are gone, so a failed Start leaves no process behind.
 func (d *Daemon) killFromPIDFile() {
 	pid := d.daemonPID()
 	if pid <= 0 {
 		return
 	}
-	_ = syscall.Kill(pid, syscall.SIGKILL)
-	deadline := time.Now().Add(2 * time.Second)
-	for alive(pid) && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
+	servers := childrenOf(pid)
+	killAll([]int{pid}, 2*time.Second)
+	killAll(servers, 2*time.Second)
 }
 
 // ClientEnv is the environment that puts a CUDA process under this daemon.

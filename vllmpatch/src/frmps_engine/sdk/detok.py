@@ -35,7 +35,7 @@ def window_decoder(tok: Tokenizer) -> Callable[[list[int], int, int], str]:
     decode = tok.decode
 
     def window(ids: list[int], a: int, b: int) -> str:
-        if b - a == 1:
+        if b - a == 1 and 0 <= a < len(ids):
             t = ids[a]
             s = one.get(t)
             if s is None:
