@@ -77,4 +77,4 @@ if [ -n "${OUT:-}" ]; then
         [ -f "$f" ] && { echo "=== $f"; grep -v '^\s*$' "$f" | tail -n 30; }
     done > "$OUT/logs_tail.txt" 2>&1
 fi
-echo "== done in $(( $(date +%s) - T0 ))s; results in $RESULTS; MPS processes left: $(ps -eo args | grep -c '[n]vidia-cuda-mps')"
+echo "== done in $(( $(date +%s) - T0 ))s; results in $RESULTS; MPS processes left: $(ps -eo comm | grep -c '^nvidia-cuda-mps')"

@@ -50,4 +50,4 @@ bin/frmps bench --python "$PY" sync-overhead --models "$MODELS" --out "$RESULTS"
 tail -4 "$OUT/sync_overhead.log"
 bin/frmps bench --python "$PY" report --out "$RESULTS" > /dev/null 2>&1
 sed -n '/## 4\./,/sync-overhead.png/p' "$RESULTS/README.md"
-stamp "done; MPS processes left: $(ps -eo args | grep -c '[n]vidia-cuda-mps')"
+stamp "done; MPS processes left: $(ps -eo comm | grep -c '^nvidia-cuda-mps')"

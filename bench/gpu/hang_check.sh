@@ -23,5 +23,5 @@ timeout 1800 python3 bench/gpu/hang_check.py --frmps bin/frmps --model "${MODEL:
 rc=${PIPESTATUS[0]}
 for f in /tmp/frmps-hang/logs-*/*.log; do echo "=== $f"; grep -v '^\s*$' "$f" | tail -n 30; done > "$OUT/logs_tail.txt" 2>&1
 sleep 2
-echo "after: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader); MPS processes left: $(ps -eo pid,args | grep -c "[n]vidia-cuda-mps")" | tee -a "$S"
+echo "after: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader); MPS processes left: $(ps -eo comm | grep -c '^nvidia-cuda-mps')" | tee -a "$S"
 exit "$rc"

@@ -36,5 +36,5 @@ for spec in "$@"; do
 done
 for f in /tmp/fp/logs-*/*.log; do echo "=== $f"; grep -v '^\s*$' "$f" | tail -n 25; done > "$OUT/logs_tail.txt" 2>&1
 sleep 2
-echo "after: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader); MPS processes left: $(ps -eo pid,args | grep -c "[n]vidia-cuda-mps")" | tee -a "$S"
+echo "after: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader); MPS processes left: $(ps -eo comm | grep -c '^nvidia-cuda-mps')" | tee -a "$S"
 ps -eo pid,ppid,etimes,args | grep "[n]vidia-cuda-mps" | tee -a "$S"

@@ -347,6 +347,9 @@ for st in "$@"; do
         *) log "unknown stage $st" ;;
     esac
 done
-for _ in $(seq 20); do ps -eo args | grep -q '[n]vidia-cuda-mps' || break; sleep 0.5; done
-echo "MPS processes left: $(ps -eo pid,args | grep -c '[n]vidia-cuda-mps')" | tee -a "$S"
-ps -eo pid,ppid,etimes,args | grep '[n]vidia-cuda-mps' | tee -a "$S"
+# By the program's name (comm: "nvidia-cuda-mps", 15 characters, for the control daemon and the
+# server alike), not its arguments: a shell whose command line names them is not one.
+mps_procs() { ps -eo pid,ppid,etimes,comm,args | awk '$4 ~ /^nvidia-cuda-mps/'; }
+for _ in $(seq 20); do [ -z "$(mps_procs)" ] && break; sleep 0.5; done
+echo "MPS processes left: $(mps_procs | grep -c .)" | tee -a "$S"
+mps_procs | tee -a "$S"

@@ -88,6 +88,6 @@ for f in /tmp/frmps-shared/logs-*/*.log; do echo "=== $f"; grep -v '^\s*$' "$f" 
 ctl quit > /dev/null
 for _ in $(seq 50); do kill -0 "$PID0" 2>/dev/null || break; sleep 0.2; done
 kill -0 "$PID0" 2>/dev/null && fail "the operator's daemon did not quit"
-echo "daemon quit; MPS processes left: $(ps -eo pid,args | grep -c "[n]vidia-cuda-mps")" | tee -a "$S"
+echo "daemon quit; MPS processes left: $(ps -eo comm | grep -c '^nvidia-cuda-mps')" | tee -a "$S"
 echo "== shared MPS check: $verdict" | tee -a "$S"
 [ "$verdict" = PASS ]
