@@ -108,6 +108,29 @@ class _KvFlip:
             raise self._error
 
 
+@dataclass
+class _Takeover:
+    """A takeover's times up to its reply (Runner._beside_the_flip)."""
+
+    flip: _KvFlip
+    gated: bool = False
+    started: Any = None  # what the start function returned (core mode: the connection's ns)
+    ring_error: str = ""
+    adopt_ns: int = 0
+    adopt_cpu_ns: int = 0
+    ring_ns: int = 0
+    wake_ns: int = 0
+
+    def line(self, outcomes: list, took: int, loop: EngineLoop, t0: int) -> str:
+        """The takeover's log line (bench/loglines.py TAKEOVER reads it)."""
+        return (f"took over {len(outcomes)} requests in {took / 1e6:.2f} ms "
+                f"({sum(o.reused_tokens for o in outcomes)} reused tokens, "
+                f"{sum(o.prefilled_tokens for o in outcomes)} to prefill; KV writable in {self.wake_ns / 1e6:.3f} ms; "
+                f"adoption {self.adopt_ns / 1e6:.2f} ms, ring attach {self.ring_ns / 1e6:.2f} ms; "
+                f"adoption CPU {self.adopt_cpu_ns / 1e6:.2f} ms, the KV flip beside it); "
+                + _gate_note(self.gated, self.flip, loop.started_ns - t0, t0))
+
+
 def _device_gate_enabled() -> bool:
     """FRMPS_DEBUG_NO_DEVICE_GATE=1 (diagnostics, for A/B runs on a GPU): start the
     loop after the KV flip, as before engine_api.DeviceGate."""
@@ -438,55 +461,43 @@ class Runner:
     def _take_over_core(self, env_id: int, msg: control_pb2.Resume, t0: int):
         """Core mode's takeover: adopt the frontend's requests (their EngineCoreRequests
         with the tokens it received and the ring's snapshots) beside the KV flip,
-        attach the ring, reply, then connect to the frontend under the engine's
-        identity (the ready message): its held messages follow, and the adopted
-        requests' outputs continue each stream where the frontend stopped."""
-        flip = _KvFlip(self.memory)
-        try:
-            self.server = self._engine_core_server(msg.sync_every or self.welcome.sync_every or 1)
-            self.loop = self.server.loop
-            t_adopt = time.perf_counter_ns()
-            c_adopt = time.thread_time_ns()
+        attach the ring, connect to the frontend under the engine's identity (the
+        ready message: its held messages follow, and the adopted requests' outputs
+        continue each stream where the frontend stopped) and reply. With a device
+        gate the connection and the first step's host work come before the flip's
+        end (``_beside_the_flip``); without one, after the reply."""
+        self.server = self._engine_core_server(msg.sync_every or self.welcome.sync_every or 1)
+        self.loop = self.server.loop
+
+        def adopt() -> list:
             try:
                 adopted = self.server.adopt_resume(msg.requests)
             except Exception as e:  # one request's failure is its outcome; this is the engine's
                 if is_device_error(e):
                     self._fatal(e)
                 raise
-            c_adopt = time.thread_time_ns() - c_adopt
-            t_adopt = time.perf_counter_ns() - t_adopt
-        finally:
-            t_wake = flip.join()  # raises the flip's error (a device error: the engine is lost)
-        outcomes = [control_pb2.ResumeOutcome(key=o.key, ok=o.ok, error=o.error, reused_tokens=o.reused_tokens,
+            return [control_pb2.ResumeOutcome(key=o.key, ok=o.ok, error=o.error, reused_tokens=o.reused_tokens,
                                               prefilled_tokens=o.prefill_tokens) for o in adopted]
-        t_ring, took = self._serve_adopted(env_id, msg, outcomes, t0)
-        t_connect = time.perf_counter_ns()
-        try:
-            self.server.start()  # connect + ready message + loop start
-        except Exception as e:  # not connected: the frontend waits for an engine that never comes
-            self._fatal(e)
-            raise  # not reached: _fatal exits
-        t_connect = time.perf_counter_ns() - t_connect
-        log.info(
-            "took over %d requests in %.2f ms (%d reused tokens, %d to prefill; KV writable in %.3f ms; "
-            "adoption %.2f ms, ring attach %.2f ms; adoption CPU %.2f ms, the KV flip beside it); "
-            "connected to the frontend in %.2f ms after the reply (%s)",
-            len(outcomes), took / 1e6, sum(o.reused_tokens for o in outcomes), sum(o.prefilled_tokens for o in outcomes),
-            t_wake / 1e6, t_adopt / 1e6, t_ring / 1e6, c_adopt / 1e6, t_connect / 1e6, self._serving_on(),
-        )
+
+        outcomes, tk = self._beside_the_flip(msg, adopt, self._start_core_server)
+        took = self._reply_serving(env_id, outcomes, tk.ring_error, t0)
+        t_connect = tk.started if tk.gated else self._start_core_server()
+        log.info("%s; connected to the frontend in %.2f ms, %s the reply (%s)", tk.line(outcomes, took, self.loop, t0),
+                 t_connect / 1e6, "before" if tk.gated else "after", self._serving_on())
         self.log_counters("after takeover")
         return None
 
-    def _serve_adopted(self, env_id: int, msg: control_pb2.Resume, outcomes: list, t0: int) -> tuple[int, int]:
-        """After a takeover's adoption (core mode): attach the ring, become the
-        serving active, and reply — before the loop starts (its first step would
-        otherwise compete with this thread for the GIL and delay the Reply).
-        Returns (ring attach ns, takeover ns)."""
-        t_ring = time.perf_counter_ns()
-        ring_error = self._attach_resume_ring(msg)
-        t_ring = time.perf_counter_ns() - t_ring
-        self._prepare_first_steps()
-        return t_ring, self._reply_serving(env_id, outcomes, ring_error, t0)
+    def _start_core_server(self) -> int:
+        """Connect to the frontend, send the ready message, start the loop; returns
+        how long that took (ns). Not connected, the engine is of no use: the
+        frontend would wait for it forever."""
+        t = time.perf_counter_ns()
+        try:
+            self.server.start()
+        except Exception as e:
+            self._fatal(e)
+            raise  # not reached: _fatal exits
+        return time.perf_counter_ns() - t
 
     def _prepare_first_steps(self) -> None:
         self.loop.trace_steps = 3
@@ -521,45 +532,43 @@ class Runner:
         return ""
 
     def _take_over(self, env_id: int, msg: control_pb2.Resume, t0: int):
-        # The KV flip overlaps the adoption and, behind a device gate, the first
-        # step's host work: after a fault the flip's driver call waits on the MPS
-        # server tearing the dead context down (4-33 ms measured; ctypes releases the
-        # GIL meanwhile), and adoption is host work on the scheduler only. The loop
-        # starts once the requests are adopted and the ring attached; a core with
-        # engine_api.DeviceGate then schedules and prepares its first step, and
-        # waits at the gate for the flip before its first device work that touches
-        # the KV cache. A core without one starts its loop after the flip.
-        flip = _KvFlip(self.memory)
-        gated = False
-        try:
-            self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
-                                   on_fatal=self._fatal, on_error=self._step_failed, step_delay_s=_test_step_delay())
-            t_adopt = time.perf_counter_ns()
-            c_adopt = time.thread_time_ns()
-            outcomes = [self._adopt(r) for r in msg.requests]
-            c_adopt = time.thread_time_ns() - c_adopt
-            t_adopt = time.perf_counter_ns() - t_adopt
-            t_ring = time.perf_counter_ns()
-            ring_error = self._attach_resume_ring(msg)  # inline: the loop has not started
-            t_ring = time.perf_counter_ns() - t_ring
-            self._prepare_first_steps()
-            if _device_gate_enabled() and isinstance(self.core, DeviceGate) and self.core.gate_device(flip.wait):
-                gated = True
-                self.loop.start()
-        finally:
-            t_wake = flip.join()  # raises the flip's error (a device error: the engine is lost)
-        took = self._reply_serving(env_id, outcomes, ring_error, t0)
-        if not gated:
+        self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
+                               on_fatal=self._fatal, on_error=self._step_failed, step_delay_s=_test_step_delay())
+        outcomes, tk = self._beside_the_flip(msg, lambda: [self._adopt(r) for r in msg.requests], self.loop.start)
+        took = self._reply_serving(env_id, outcomes, tk.ring_error, t0)
+        if not tk.gated:
             self.loop.start()
-        t_loop = self.loop.started_ns - t0
-        log.info(
-            "took over %d requests in %.2f ms (%d reused tokens, %d to prefill; KV writable in %.3f ms; "
-            "adoption %.2f ms, ring attach %.2f ms; adoption CPU %.2f ms, the KV flip beside it); %s",
-            len(outcomes), took / 1e6, sum(o.reused_tokens for o in outcomes), sum(o.prefilled_tokens for o in outcomes),
-            t_wake / 1e6, t_adopt / 1e6, t_ring / 1e6, c_adopt / 1e6, _gate_note(gated, flip, t_loop, t0),
-        )
+        log.info("%s", tk.line(outcomes, took, self.loop, t0))
         self.log_counters("after takeover")
         return None
+
+    def _beside_the_flip(self, msg: control_pb2.Resume, adopt: Callable[[], list],
+                         start: Callable[[], Any]) -> tuple[list, "_Takeover"]:
+        """A takeover up to its reply, both modes. The KV flip overlaps the adoption
+        and, behind a device gate, the first step's host work: after a fault the
+        flip's driver call waits on the MPS server tearing the dead context down
+        (ctypes releases the GIL meanwhile), and adoption is host work on the
+        scheduler only. Once the requests are adopted and the ring attached, a core
+        with engine_api.DeviceGate gets the gate and ``start`` runs (the loop
+        starts: it schedules and prepares its first step and waits at the gate for
+        the flip before its first device work that touches the KV cache); without
+        one the caller starts the loop after the flip. Returns the adoption's
+        outcomes and the takeover's times."""
+        tk = _Takeover(_KvFlip(self.memory))
+        try:
+            t, c = time.perf_counter_ns(), time.thread_time_ns()
+            outcomes = adopt()
+            tk.adopt_cpu_ns, tk.adopt_ns = time.thread_time_ns() - c, time.perf_counter_ns() - t
+            t = time.perf_counter_ns()
+            tk.ring_error = self._attach_resume_ring(msg)  # inline: the loop has not started
+            tk.ring_ns = time.perf_counter_ns() - t
+            self._prepare_first_steps()
+            if _device_gate_enabled() and isinstance(self.core, DeviceGate) and self.core.gate_device(tk.flip.wait):
+                tk.gated = True
+                tk.started = start()
+        finally:
+            tk.wake_ns = tk.flip.join()  # raises the flip's error (a device error: the engine is lost)
+        return outcomes, tk
 
     def on_handoff(self, env_id: int, msg: control_pb2.Handoff):
         """A planned handover (failback): hand every request to the standby the
