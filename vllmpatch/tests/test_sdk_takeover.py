@@ -105,6 +105,13 @@ def run_active(core, key, prompt, steps, params):
     return out, snaps
 
 
+def resume_one_new(h):
+    """Resume with one request the active never saw (key 3, 6 tokens); the Reply."""
+    return h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[c.ResumeRequest(key=3, prompt="new",
+                                                                            params=c.SamplingParams(max_tokens=6))],
+                                                  ring_path=h.ring)))
+
+
 def resume_stream(h, key, delivered):
     chunks = list(h.stub.Resume(g.ResumeStreamRequest(key=key, delivered=len(delivered))))
     return delivered + [t for ch in chunks for t in ch.token_ids]
@@ -305,9 +312,7 @@ def test_a_failed_kv_flip_fails_the_resume(h, monkeypatch):
         raise RuntimeError("cuMemSetAccess: CUDA_ERROR_INVALID_VALUE")
 
     monkeypatch.setattr(h.runner.memory, "make_writable", flip)
-    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[c.ResumeRequest(key=3, prompt="new",
-                                                                         params=c.SamplingParams(max_tokens=6))],
-                                               ring_path=h.ring)))
+    r = resume_one_new(h)
     assert not r.ok and "cuMemSetAccess" in r.error
     assert h.runner.loop is None or not h.runner.loop.running
 
@@ -388,9 +393,7 @@ def test_without_a_device_gate_the_log_says_the_loop_started_after_the_flip(h, c
     monkeypatch.setenv("FRMPS_DEBUG_NO_DEVICE_GATE", "1")
     assert h.sleep().ok
     _, seen = gate_on(h.runner.core, monkeypatch)
-    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[c.ResumeRequest(key=3, prompt="new",
-                                                                         params=c.SamplingParams(max_tokens=6))],
-                                               ring_path=h.ring)))
+    r = resume_one_new(h)
     assert r.ok and r.resumed[0].ok, r
     assert len(resume_stream(h, 3, [])) == 6
     assert "host_work_before_gate" not in seen
@@ -412,9 +415,7 @@ def test_a_failed_kv_flip_behind_a_device_gate_fails_the_resume_and_runs_no_pass
         raise RuntimeError("cuMemSetAccess: CUDA_ERROR_INVALID_VALUE")
 
     monkeypatch.setattr(h.runner.memory, "make_writable", flip)
-    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[c.ResumeRequest(key=3, prompt="new",
-                                                                         params=c.SamplingParams(max_tokens=6))],
-                                               ring_path=h.ring)))
+    r = resume_one_new(h)
     assert not r.ok and "cuMemSetAccess" in r.error
     h.runner.loop._thread.join(10)
     assert not h.runner.loop.running
