@@ -165,8 +165,20 @@ def resume_set(entries, snapshots) -> list[c.ResumeRequest]:
     return out
 
 
+async def logged(caplog, text, timeout=10.0):
+    """The first captured log message containing text, waiting up to timeout for it."""
+    import asyncio
+
+    for _ in range(int(timeout / 0.01)):
+        line = next((x.getMessage() for x in caplog.records if text in x.getMessage()), None)
+        if line is not None:
+            return line
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no log message with {text!r} within {timeout} s")
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_core_mode_serves_hands_over_and_takes_over_exactly_once(sup, model_dir, addrs, mode):
+def test_core_mode_serves_hands_over_and_takes_over_exactly_once(sup, model_dir, addrs, mode, caplog):
     """(a) Runner A, an active in core mode, serves four requests from vLLM's
     client. (c) After KILL_AFTER tokens a Handoff moves them to standby B (a
     planned handover): A publishes every request, disconnects without ending
@@ -182,7 +194,10 @@ def test_core_mode_serves_hands_over_and_takes_over_exactly_once(sup, model_dir,
     scheduling (a batch in flight: the handover finishes it first)."""
     from vllm.v1.engine import FinishReason
 
+    from frmps_engine.bench import loglines
     from frmps_engine.ring.reader import RingReader
+
+    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
 
     async def main():
         a = sup.spawn("a", "active", mode=mode)
@@ -235,6 +250,12 @@ def test_core_mode_serves_hands_over_and_takes_over_exactly_once(sup, model_dir,
             assert r.ok, r.error
             assert [(o.key, o.ok) for o in r.resumed] == [(e.key, True) for e in entries], r.resumed
             assert all(o.reused_tokens >= 16 for o in r.resumed), "the prompt's full block is reused from the ring"
+            # The device gate (the stand-in's runner has V2's pre_forward): the connection to the frontend and
+            # the first step's host work came before the reply; the harnesses read it from the log line.
+            line = await logged(caplog, "took over")  # logged after the reply
+            got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
+            assert got["device_gate"] and got["requests"] == len(entries), (got, line)
+            assert "connected to the frontend in" in line and "before the reply" in line, line
             for e in entries:  # adopted with the request's own seed
                 assert b.runner.core.scheduler.requests[e.engine_id].sampling_params.seed == seeds[e.engine_id]
             await client.wait_engine_back(timeout=10)
