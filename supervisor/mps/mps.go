@@ -274,28 +274,36 @@ func (d *Daemon) stop(ctx context.Context) error {
 // control daemon's MPS servers.
 func childrenOf(pid int) []int {
 	var kids []int
+	parent := strconv.Itoa(pid)
 	ents, _ := os.ReadDir("/proc")
 	for _, e := range ents {
 		n, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
 		}
-		stat, err := os.ReadFile("/proc/" + e.Name() + "/stat")
-		if err != nil {
-			continue
-		}
-		// "pid (comm) state ppid ...": comm may itself contain ") ".
-		i := bytes.LastIndexByte(stat, ')')
-		if i < 0 {
-			continue
-		}
-		f := strings.Fields(string(stat[i+1:]))
-		if len(f) >= 2 && f[0] != "Z" && f[0] != "X" && f[1] == strconv.Itoa(pid) {
+		if f, ok := procStat(e.Name()); ok && len(f) >= 2 && !gone(f[0]) && f[1] == parent {
 			kids = append(kids, n)
 		}
 	}
 	return kids
 }
+
+// procStat is /proc/<pid>/stat's fields after the command name ("pid (comm)
+// state ppid ...": the name may itself contain ") "), from the state on.
+func procStat(pid string) ([]string, bool) {
+	stat, err := os.ReadFile("/proc/" + pid + "/stat")
+	if err != nil {
+		return nil, false
+	}
+	i := bytes.LastIndexByte(stat, ')')
+	if i < 0 {
+		return nil, false
+	}
+	return strings.Fields(string(stat[i+1:])), true
+}
+
+// gone: a process state of one that has exited (zombie or dead).
+func gone(state string) bool { return state == "Z" || state == "X" }
 
 // killAll SIGKILLs pids and waits up to limit for them to go; returns those still alive.
 func killAll(pids []int, limit time.Duration) []int {
@@ -474,17 +482,12 @@ func withoutMPSEnv(env []string) []string {
 // alive reports whether pid is a live process. A zombie counts as gone: the
 // daemon is not our child, and whoever inherited it may reap it late.
 func alive(pid int) bool {
-	stat, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
+	f, ok := procStat(strconv.Itoa(pid))
+	if !ok {
 		err := syscall.Kill(pid, 0)
 		return err == nil || errors.Is(err, syscall.EPERM)
 	}
-	// The state follows the parenthesised command name, which may itself
-	// contain ") ".
-	if i := bytes.LastIndexByte(stat, ')'); i >= 0 && i+2 < len(stat) {
-		return stat[i+2] != 'Z' && stat[i+2] != 'X'
-	}
-	return true
+	return len(f) == 0 || !gone(f[0])
 }
 
 // lastLines keeps the end of a command's output for an error message.
