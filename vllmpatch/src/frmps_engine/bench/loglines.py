@@ -12,7 +12,7 @@ import re
 TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused tokens, (\d+) to prefill; "
                       r"KV writable in ([\d.]+) ms(?:; adoption ([\d.]+) ms, ring attach ([\d.]+) ms)?"
                       r"(?:; adoption CPU ([\d.]+) ms[^)]*)?\)"
-                      # runner._gate_note: the first step's host work beside the KV flip (engine_api.DeviceGate)
+                      # runner._Takeover._gate_note: the first step's host work beside the KV flip (engine_api.DeviceGate)
                       r"(?:; loop started (beside|after) the KV flip(?:.*?reached the device gate ([\d.]+) ms "
                       r"into the takeover and waited ([\d.]+) ms)?)?")
 FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")

@@ -128,26 +128,25 @@ class _Takeover:
                 f"{sum(o.prefilled_tokens for o in outcomes)} to prefill; KV writable in {self.wake_ns / 1e6:.3f} ms; "
                 f"adoption {self.adopt_ns / 1e6:.2f} ms, ring attach {self.ring_ns / 1e6:.2f} ms; "
                 f"adoption CPU {self.adopt_cpu_ns / 1e6:.2f} ms, the KV flip beside it); "
-                + _gate_note(self.gated, self.flip, loop.started_ns - t0, t0))
+                + self._gate_note(loop.started_ns - t0, t0))
+
+    def _gate_note(self, t_loop: int, t0: int) -> str:
+        """The line's account of the first step's start (the device gate)."""
+        where = "beside" if self.gated else "after"
+        started = f"loop started {where} the KV flip, {t_loop / 1e6:.2f} ms into the takeover"
+        if not self.gated:
+            return started
+        entered, done = self.flip.gate_entered_ns, self.flip.done_ns
+        if not entered or entered > done:
+            return f"{started}; its first step's host work had not reached the device gate when the flip ended"
+        return (f"{started}; its first step's host work reached the device gate {(entered - t0) / 1e6:.2f} ms "
+                f"into the takeover and waited {(done - entered) / 1e6:.2f} ms there for the flip")
 
 
 def _device_gate_enabled() -> bool:
     """FRMPS_DEBUG_NO_DEVICE_GATE=1 (diagnostics, for A/B runs on a GPU): start the
     loop after the KV flip, as before engine_api.DeviceGate."""
     return os.environ.get("FRMPS_DEBUG_NO_DEVICE_GATE", "") in ("", "0")
-
-
-def _gate_note(gated: bool, flip: _KvFlip, t_loop: int, t0: int) -> str:
-    """The takeover log's account of the first step's start (the device gate)."""
-    if not gated:
-        return f"loop started after the KV flip, {t_loop / 1e6:.2f} ms into the takeover"
-    entered = flip.gate_entered_ns
-    if not entered or entered > flip.done_ns:
-        return (f"loop started beside the KV flip, {t_loop / 1e6:.2f} ms into the takeover; its first step's host "
-                "work had not reached the device gate when the flip ended")
-    return (f"loop started beside the KV flip, {t_loop / 1e6:.2f} ms into the takeover; its first step's host "
-            f"work reached the device gate {(entered - t0) / 1e6:.2f} ms into the takeover and waited "
-            f"{(flip.done_ns - entered) / 1e6:.2f} ms there for the flip")
 
 
 def _test_step_delay() -> float:
