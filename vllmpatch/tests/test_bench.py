@@ -28,7 +28,7 @@ SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(report.__f
 # and of the fault triggers.
 CPU_RUNS = {
     "recovery": ["--cold-cache", "warm", "--tail-tokens", "8", "--cpu-with-mps-doubles", "--faults-dir",
-                 os.path.join(HERE, "bench_doubles"), "--trials", "2"],
+                 os.path.join(HERE, "bench_doubles"), "--trials", "2", "--fault", "misaligned:load,misaligned:store"],
     "prompt-length": ["--lengths", "48"],  # frmps and the no-KV ablation
     "since-sync": ["--ks", "4", "--systems", "frmps-n1"],
     "sync-overhead": [],
@@ -104,9 +104,11 @@ def test_cpu_recovery_measures_every_system(cpu_results):
     assert f["record"]["ok"] and f["record"]["resumed_requests"] == 1
     assert f["tokens_before_fault"] >= 1 and len(f["token_ids"]) == 1 + 8
     assert f["fault_to_detect_s"] is not None and f["fault_to_detect_s"] >= 0
-    # The fault came from the (double of the) co-located MPS client, not from a signal of ours.
+    # The fault came from the (double of the) co-located MPS client, not from a signal of ours,
+    # with the trigger the trial's turn gave it (recorded as "fault").
     for d in by.values():
-        assert d["inject"]["how"] == "MPS client misaligned:load", d["inject"]
+        assert d["fault"] in ("misaligned:load", "misaligned:store")
+        assert d["inject"]["how"] == "MPS client " + d["fault"], d["inject"]
         assert d["trigger_rc"] == 0 and "observed misaligned" in d["trigger_out"]
     # The baselines recovered the request the victim was serving: prompt + delivered re-prefilled.
     for name in ("sleep-only", "cold"):
@@ -117,6 +119,11 @@ def test_cpu_recovery_measures_every_system(cpu_results):
     assert by["cold"]["cold"]["load_weights_s"] > 0 and by["cold"]["page_cache_fraction_before"] is not None
     s = json.load(open(os.path.join(out, "recovery.json")))["summary"]["models"]["tiny"]
     assert s["speedup_vs_sleep_only"] and s["speedup_vs_cold"]
+    # Two --fault kinds, two trials: each kind once per system, and the report's table per kind.
+    assert set(s["by_fault"]) == {"misaligned:load", "misaligned:store"}
+    for v in s["by_fault"].values():
+        assert v["frmps"]["n"] == 1 and v["sleep-only"]["n"] == 1 and v["frmps"]["recovery_s"] > 0
+    assert "| tiny | `misaligned:store` |" in open(os.path.join(out, "README.md")).read()
 
 
 @pytest.mark.torch
@@ -129,7 +136,8 @@ def test_cpu_recovery_reuses_the_pair_the_failback_restored(cpu_results):
                 key=lambda d: d["deployment_prior_faults"])
     assert [d["deployment_prior_faults"] for d in fr] == [0, 1]
     assert fr[0]["standby_pid"] == fr[1]["standby_pid"] and fr[0]["deployment_startup_s"] == fr[1]["deployment_startup_s"]
-    assert all(d["inject"]["how"] == "MPS client misaligned:load" and d["record"]["ok"] for d in fr)
+    assert [d["inject"]["how"] for d in fr] == ["MPS client misaligned:load", "MPS client misaligned:store"]
+    assert all(d["record"]["ok"] for d in fr)
 
 
 @pytest.mark.torch
@@ -589,3 +597,58 @@ def test_the_mps_servers_teardown_of_a_client(tmp_path):
     assert loglines.mps_client_teardown(str(log), 1070, after=killed["exited_at"]) is None
     assert loglines.mps_client_teardown(str(log), 4242) is None
     assert loglines.mps_client_teardown(str(tmp_path / "missing.log"), 1070) is None
+
+
+def test_fault_kinds_in_turn(tmp_path):
+    """--fault takes one trigger, several or 'all'; trial t of every experiment gets the
+    (t mod n)-th, and a point records the trigger it was faulted with."""
+    from types import SimpleNamespace
+
+    from frmps_engine.bench.__main__ import _fault_arg
+    from frmps_engine.bench.runctx import FAULT_KINDS, Budget, Ctx, fault_kinds
+
+    assert fault_kinds("misaligned:load") == ["misaligned:load"]
+    assert fault_kinds(" a:x, b:y ,") == ["a:x", "b:y"]
+    # a program alone is its default variant, named as 'all' names it (no ':' in session stages)
+    assert fault_kinds("misaligned,shared_oob,oob_write:read") == ["misaligned:load", "shared_oob:shared",
+                                                                  "oob_write:read"]
+    assert fault_kinds("all") == FAULT_KINDS and len(FAULT_KINDS) == 7
+    for bad in ("", ",", "all,misaligned:load"):
+        with pytest.raises(ValueError):
+            fault_kinds(bad)
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError):
+        _fault_arg("all,x:y")
+    assert _fault_arg("all").split(",") == FAULT_KINDS
+
+    ctx = Ctx(args=SimpleNamespace(fault="a:x,b:y,c:z", mps=True), out_dir=str(tmp_path), run_id="r",
+              budget=Budget(0), results=ResultFile(str(tmp_path), "recovery", "r"))
+    assert [ctx.fault_for({"trial": t}) for t in range(5)] == ["a:x", "b:y", "c:z", "a:x", "b:y"]
+    assert ctx.fault_for({"cache": "warm"}) == "a:x"  # a point without trials takes the first
+    rec = ctx.run_point({"model": "m", "system": "frmps", "trial": 1}, lambda: {"inject": {"t_fault": 1.0}})
+    assert rec["data"]["fault"] == "b:y" and ctx.fault == "b:y"
+    rec = ctx.run_point({"model": "m", "system": "frmps", "trial": 2}, lambda: {"recovery_s": 0.1})
+    assert "fault" not in rec["data"]  # nothing was fired: no trigger to record
+
+
+def test_report_per_fault_kind():
+    """Trials of several fault kinds: the summary and README give each kind's medians beside
+    the overall ones; one kind gives no per-kind table."""
+    recs = []
+    for t, (kind, f, so) in enumerate([("misaligned:load", 0.060, 0.50), ("shared_oob:shared", 0.020, 0.45),
+                                       ("misaligned:load", 0.070, 0.55)]):
+        # frmps: fault -> its detection; a baseline: fault -> the victim's waitpid
+        recs.append(_rec("recovery", {"model": "qwen2.5-14b", "system": "frmps", "trial": t},
+                         {"fault": kind, "fault_to_detect_s": 0.008, "recovery_s": f}))
+        recs.append(_rec("recovery", {"model": "qwen2.5-14b", "system": "sleep-only", "trial": t},
+                         {"fault": kind, "fault_to_death_s": 0.07, "recovery_s": so}))
+    s = report.summarize_recovery(recs)["models"]["qwen2.5-14b"]
+    bf = s["by_fault"]
+    assert bf["misaligned:load"]["frmps"] == {"n": 2, "recovery_s": pytest.approx(0.065),
+                                              "fault_to_death_s": pytest.approx(0.008),
+                                              "from_fault_s": pytest.approx(0.073)}
+    assert bf["shared_oob:shared"]["sleep-only"]["from_fault_s"] == pytest.approx(0.52)
+    md = report.md_recovery(report.summarize_recovery(recs))
+    assert "| qwen2.5-14b | `shared_oob:shared` | 1, 20.0 ms, 28.0 ms | 1, 450.0 ms, 520.0 ms | 19× |" in md
+    one = [r for r in recs if r["data"]["fault"] == "misaligned:load"]
+    assert "by_fault" not in report.summarize_recovery(one)["models"]["qwen2.5-14b"]

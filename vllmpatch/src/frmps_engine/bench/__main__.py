@@ -34,7 +34,7 @@ from . import report
 from .envinfo import capture_env, default_out_dir, new_run_id, repo_root
 from .procs import Cleanup
 from .results import ResultFile
-from .runctx import Budget, BudgetExhausted, Ctx, Progress
+from .runctx import Budget, BudgetExhausted, Ctx, Progress, fault_kinds
 from .experiments import EXPERIMENTS, by_name_or_number
 
 
@@ -57,6 +57,13 @@ def portable_path(v):
     return v
 
 
+def _fault_arg(spec: str) -> str:
+    try:
+        return ",".join(fault_kinds(spec))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def common_args(p: argparse.ArgumentParser) -> None:
     root = repo_root()
     g = p.add_argument_group("common options")
@@ -72,7 +79,11 @@ def common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory", default="", help="frmps serve --memory (default cuda-vmm on the GPU, host-shm on the CPU)")
     g.add_argument("--quick", action="store_true", help="fewer points and trials")
     g.add_argument("--budget", type=float, default=0, help="stop before work that would end later than this many seconds")
-    g.add_argument("--fault", default="misaligned:load", help="bench/faults trigger <program>:<variant> run as an MPS client")
+    g.add_argument("--fault", default="misaligned:load", type=_fault_arg,
+                   help="bench/faults trigger <program>:<variant> run as an MPS client; several, comma-separated, or "
+                        "'all' (the seven kinds of the soaks): the faulted trials take them in turn (trial t the "
+                        "(t mod n)-th), and the report gives each kind's figures (the MPS server's teardown, which "
+                        "every recovery waits for, depends on the kind)")
     g.add_argument("--faults-dir", default=os.path.join(root, "bench", "build", "faults"))
     g.add_argument("--workdir", default=os.path.join("/tmp", "frmps-bench"), help="logs of engines and deployments")
     g.add_argument("--cache-dir", default=os.path.join(root, "bench", "build", "checkpoints"),
@@ -144,10 +155,10 @@ def preflight(args, faults: bool, experiment: str = "") -> list[str]:
     if args.mps and shutil.which("nvidia-cuda-mps-control") is None:
         probs.append("nvidia-cuda-mps-control not in PATH (or run with --no-mps)")
     if args.mps and faults:
-        prog = args.fault.partition(":")[0]
-        if not os.access(os.path.join(args.faults_dir, prog), os.X_OK):
-            probs.append(f"fault trigger {os.path.join(args.faults_dir, prog)} not built (make -C bench/faults), "
-                         "or run with --no-mps")
+        for prog in dict.fromkeys(k.partition(":")[0] for k in fault_kinds(args.fault)):
+            if not os.access(os.path.join(args.faults_dir, prog), os.X_OK):
+                probs.append(f"fault trigger {os.path.join(args.faults_dir, prog)} not built (make -C bench/faults), "
+                             "or run with --no-mps")
     return probs
 
 

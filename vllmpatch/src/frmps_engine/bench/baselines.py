@@ -264,10 +264,12 @@ class BaselineRig:
 
     def trial(self, system: str, model: str, requests: list[dict], kill_after: int, *, standby: EngineProc | None = None,
               checkpoint: str | None = None, cold_warmup: bool = True, then_steps: int = 0,
-              victim_args: list[str] | None = None, kill_at_s: float | None = None, timeout: float = 600) -> dict:
+              victim_args: list[str] | None = None, kill_at_s: float | None = None, timeout: float = 600,
+              fault: str = "") -> dict:
         """Start a victim (inside a private MPS server on the GPU), send it `requests`,
         fault it once request 0 has `kill_after` tokens (or `kill_at_s` after the
-        first token), and recover with `system` ("sleep-only" or "cold")."""
+        first token) with the trigger `fault` (default: the rig's), and recover with
+        `system` ("sleep-only" or "cold")."""
         res: dict = {"system": system, "kill_after": kill_after}
         daemon = None
         if self.mps:
@@ -313,7 +315,8 @@ class BaselineRig:
                                 venv, self.logfile(f"victim-{model}"), self.cleanup, on_exit=on_death)
             ready = victim.wait_event(lambda e: e.get("ev") == "ready", 600, "the victim to be ready")
             res["victim_init_s"] = ready.get("init_s")
-            trig = MpsTrigger(self.faults_dir, self.fault, daemon.env, self.cleanup) if daemon else SigkillTrigger(victim.pid)
+            trig = (MpsTrigger(self.faults_dir, fault or self.fault, daemon.env, self.cleanup) if daemon
+                    else SigkillTrigger(victim.pid))
             trig.prepare()
             n_ev = len(sleep_events(standby))
             victim.send({"cmd": "generate", "requests": requests})

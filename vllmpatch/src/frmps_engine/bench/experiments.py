@@ -30,7 +30,7 @@ from .lengths import RequestLengths, UniformLengths, sharegpt
 from .lengths import describe as describe_lengths
 from .mps import outside_mps_env
 from .procs import field, now
-from .runctx import Ctx, TrialError, fmt_s
+from .runctx import Ctx, TrialError, fault_kinds, fmt_s
 
 GPU_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b"]
 # Weight bytes (GB, bf16) per preset: only for time estimates (the budget), never for results.
@@ -193,7 +193,7 @@ class Deployments:
 
 def make_trigger(ctx: Ctx, dep: Deployment):
     if ctx.args.mps:
-        return MpsTrigger(ctx.args.faults_dir, ctx.args.fault, dep.mps_client_env(), ctx.cleanup)
+        return MpsTrigger(ctx.args.faults_dir, ctx.fault, dep.mps_client_env(), ctx.cleanup)
     pid = int(field(dep.engines(dep.status())["active"], "pid"))
     return SigkillTrigger(pid)
 
@@ -238,8 +238,8 @@ def rig_for(ctx: Ctx, model: str, engine_args: list[str]) -> BaselineRig:
         eargs += ["--max-num-seqs", str(a.max_num_seqs)]
     if a.baseline_exact:
         eargs += ["--exact", "1"]
-    rig = BaselineRig(a.frmps, a.python, a.device, a.mps, a.faults_dir, a.fault, a.workdir, eargs, ctx.cleanup, ctx.log,
-                      engine=a.engine)
+    rig = BaselineRig(a.frmps, a.python, a.device, a.mps, a.faults_dir, fault_kinds(a.fault)[0], a.workdir, eargs,
+                      ctx.cleanup, ctx.log, engine=a.engine)
     if ctx.cpu:  # the victim decodes at the pace of the CPU check's frmps engines
         rig.victim_env["FRMPS_TEST_STEP_DELAY_MS"] = str(a.cpu_step_delay_ms)
     return rig
@@ -387,7 +387,8 @@ class Recovery(Experiment):
             return
         try:
             for key in keys:
-                ctx.run_point(key, lambda: {**drop_arrivals(rig.trial("sleep-only", model, reqs, 1, standby=sb)),
+                ctx.run_point(key, lambda: {**drop_arrivals(rig.trial("sleep-only", model, reqs, 1, standby=sb,
+                                                                      fault=ctx.fault)),
                                             "standby_init_s": ready.get("init_s")},
                               10 + 0.2 * gb(model) + engine_start(ctx.args), describe_recovery)
         finally:
@@ -410,7 +411,8 @@ class Recovery(Experiment):
                 if key["cache"] == "dropped":
                     drop_page_cache(files)
                 frac = page_cache_fraction(files)
-                r = drop_arrivals(rig.trial("cold", model, reqs, 1, checkpoint=path, cold_warmup=not a.no_cold_warmup))
+                r = drop_arrivals(rig.trial("cold", model, reqs, 1, checkpoint=path, cold_warmup=not a.no_cold_warmup,
+                                            fault=ctx.fault))
                 r["page_cache_fraction_before"] = frac
                 r["checkpoint"] = {k: meta.get(k) for k in ("bytes", "files", "write_s", "cached", "evicted")}
                 r["checkpoint"]["files"] = len(meta.get("files") or [])
@@ -808,7 +810,8 @@ class Outage(Experiment):
                         p = prompt_ids(plen, pseed)
                         reqs.append({"key": i + 1, "prompt": p, "max_tokens": mml - len(p) - 1, "temperature": 0.0})
                     r = rig.trial("sleep-only", model, reqs, 1, standby=sb, kill_at_s=kill_at,
-                                  then_steps=int(max(1.0, a.duration - a.fault_at) * 20), victim_args=["--warmup", "1"])
+                                  then_steps=int(max(1.0, a.duration - a.fault_at) * 20), victim_args=["--warmup", "1"],
+                                  fault=ctx.fault)
                     arrivals = r.pop("arrivals")
                     t0 = min(t for t, _ in arrivals)
                     r.update(outage_metrics(arrivals, r["inject"]["t_fault"], t0, a.bin_ms / 1000))

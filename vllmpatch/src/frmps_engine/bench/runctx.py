@@ -15,6 +15,27 @@ from .procs import Cleanup
 from .results import ResultFile, key_id
 
 
+# The fault kinds of the GPU soaks (bench/gpu/failback_proof.py): every bench/faults trigger
+# whose fault reaches the other clients of an MPS server. `--fault all` takes them in turn.
+FAULT_KINDS = ["misaligned:load", "illegal_instruction:jump-far", "shared_oob:shared", "shared_oob:local",
+               "invalid_address_space:ld-global-shared", "stack_overflow:recursion", "oob_write:write"]
+
+
+def fault_kinds(spec: str) -> list[str]:
+    """--fault's triggers, in order: a comma-separated list of <program>:<variant>, or 'all'. A
+    program without a variant is its default one, named as in FAULT_KINDS ("shared_oob" ->
+    "shared_oob:shared"), so that trials of one kind group together however it was given."""
+    kinds = [k.strip() for k in spec.split(",") if k.strip()]
+    if kinds == ["all"]:
+        return list(FAULT_KINDS)
+    if not kinds or "all" in kinds:
+        raise ValueError(f"--fault {spec!r}: give <program>:<variant>[,...] or 'all'")
+    default = {}
+    for k in FAULT_KINDS:
+        default.setdefault(k.partition(":")[0], k)
+    return [default.get(k, k) if ":" not in k else k for k in kinds]
+
+
 def fmt_dur(s: float) -> str:
     s = max(0, int(round(s)))
     return f"{s // 60}:{s % 60:02d}"
@@ -92,6 +113,12 @@ class Ctx:
     results: ResultFile
     progress: Progress | None = None
     cleanup: Cleanup | None = None
+    fault: str = ""  # the trigger of the point being measured (run_point sets it from --fault and the trial)
+
+    def fault_for(self, key: dict) -> str:
+        """The trigger of a point: with several --fault kinds, trial t takes the (t mod n)-th."""
+        kinds = fault_kinds(self.args.fault)
+        return kinds[int(key.get("trial", 0) or 0) % len(kinds)]
 
     @property
     def cpu(self) -> bool:
@@ -109,6 +136,7 @@ class Ctx:
         if self.results.status(key) not in ("pending", "unsupported"):
             return None
         self.budget.check(estimate_s, f"point {key_id(key)}")
+        self.fault = self.fault_for(key)
         t0 = time.monotonic()
         data, err = None, None
         try:
@@ -118,6 +146,8 @@ class Ctx:
         except Exception as e:  # one failed point must not stop the sweep
             err = f"{type(e).__name__}: {e}"
             data = getattr(e, "partial", None)
+        if isinstance(data, dict) and data.get("inject"):
+            data.setdefault("fault", self.fault if self.args.mps else "SIGKILL")
         el = time.monotonic() - t0
         rec = self.results.add(key, data, err, el)
         if self.progress is not None:
