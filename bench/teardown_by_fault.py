@@ -11,6 +11,7 @@ the server ~330 ms whatever the kind (bench/results/2026-11-27-h200x2-fault-path
 
     python3 bench/teardown_by_fault.py                       # every soak under bench/results
     python3 bench/teardown_by_fault.py --dirs '*h100*' --json out.json
+    python3 bench/teardown_by_fault.py soak.json [...]       # these soak files only
 
 Standard library only.
 """
@@ -48,15 +49,16 @@ def soak_faults(path: str) -> list[dict]:
 BASE = "shared_oob"  # the paired comparison's reference kind: the fastest teardown, in every soak that has it
 
 
-def collect(results: str, dirs: list[str]) -> tuple[dict[str, dict[str, list[float]]], int, list[str]]:
+def collect(results: str, dirs: list[str], paths: list[str] | None = None
+            ) -> tuple[dict[str, dict[str, list[float]]], int, list[str]]:
     """{kind: {"flip_ms": [...], "teardown_ms": [...], "first_token_ms": [...], "paired_ms": [...]}},
     first faults left out, and the files read. "paired_ms": per soak, the kind's median detection
     -> first resumed token minus the same soak's median for shared_oob faults (same model, engine,
     code and machine), one value per soak that has both."""
     by: dict[str, dict[str, list[float]]] = {}
     firsts, files = 0, []
-    for path in sorted(glob.glob(os.path.join(results, "*", "*.json"))):
-        d = os.path.basename(os.path.dirname(path))
+    for path in paths or sorted(glob.glob(os.path.join(results, "*", "*.json"))):
+        d = os.path.basename(os.path.dirname(os.path.abspath(path)))
         if dirs and not any(fnmatch.fnmatch(d, pat) for pat in dirs):
             continue
         faults = soak_faults(path)
@@ -118,8 +120,9 @@ def main() -> int:
     p.add_argument("--results", default=os.path.join(HERE, "results"))
     p.add_argument("--dirs", action="append", default=[], help="only result folders matching this glob (repeatable)")
     p.add_argument("--json", default="", help="also write the summary here")
+    p.add_argument("files", nargs="*", help="soak JSON files (default: every one under --results)")
     a = p.parse_args()
-    by, firsts, files = collect(a.results, a.dirs)
+    by, firsts, files = collect(a.results, a.dirs, a.files)
     if not by:
         print("no soak with per-fault records found", file=sys.stderr)
         return 1

@@ -652,3 +652,38 @@ def test_report_per_fault_kind():
     assert "| qwen2.5-14b | `shared_oob:shared` | 1, 20.0 ms, 28.0 ms | 1, 450.0 ms, 520.0 ms | 19× |" in md
     one = [r for r in recs if r["data"]["fault"] == "misaligned:load"]
     assert "by_fault" not in report.summarize_recovery(one)["models"]["qwen2.5-14b"]
+
+
+def test_teardown_by_fault_groups_soaks_by_kind(tmp_path):
+    """bench/teardown_by_fault.py: per kind of fault, a soak's first fault left out, and the
+    paired column compares a kind with the same soak's shared_oob faults."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("teardown_by_fault", os.path.join(REPO, "bench", "teardown_by_fault.py"))
+    tbf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tbf)
+
+    def fault(n, kind, flip, first_ms, td=None):
+        c = {"n": n, "fault": kind, "takeover": {"kv_writable_ms": flip},
+             "detect_to_first_resumed_token_s": first_ms / 1000}
+        if td is not None:
+            c["mps_teardown"] = {"teardown_ms": td}
+        return c
+
+    for name, base in (("2026-01-01-h100-a", 20.0), ("2026-01-02-h200-b", 40.0)):
+        os.makedirs(tmp_path / name)
+        soak = {"faults": [fault(1, "misaligned:load", 300.0, 330.0),  # a GPU's first fault: left out
+                           fault(2, "misaligned:load", 30.0, base + 25), fault(3, "shared_oob:shared", 4.0, base),
+                           fault(4, "shared_oob:local", 6.0, base + 2, td=9.0)]}
+        (tmp_path / name / "soak.json").write_text(json.dumps(soak))
+    (tmp_path / "2026-01-02-h200-b" / "other.json").write_text(json.dumps({"summary": {}}))  # not a soak
+    by, firsts, files = tbf.collect(str(tmp_path), [])
+    assert firsts == 2 and sorted(files) == ["2026-01-01-h100-a/soak.json", "2026-01-02-h200-b/soak.json"]
+    s = tbf.summarize(by)
+    assert list(s) == ["misaligned", "shared_oob"]  # the longest flips first
+    assert s["misaligned"]["flip_ms"]["median"] == 30.0 and s["misaligned"]["first_token_ms"]["n"] == 2
+    assert s["misaligned"]["paired_ms"] == {"n": 2, "median": 24.0, "p10": 24.0, "p90": 24.0, "over_20ms": 1.0}
+    assert s["shared_oob"]["teardown_ms"]["n"] == 2 and "paired_ms" not in s["shared_oob"]
+    assert "| `misaligned` | 30.0 (30.0–30.0), n 2 |" in tbf.table(s)
+    only, _, _ = tbf.collect(str(tmp_path), ["*-h100-*"])
+    assert tbf.summarize(only)["misaligned"]["first_token_ms"]["median"] == 45.0
