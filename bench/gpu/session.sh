@@ -27,7 +27,9 @@
 #                                      results appended to $RESULTS (default $OUT/bench-results: one folder for the
 #                                      session, both engines side by side; a re-run resumes), --budget <budget> s
 #                                      (default 540); the stage is killed 60 s after its budget; <flags>: more of
-#                                      the experiment's flags, '+' for a space (e.g. --trials+1+--cold-cache+dropped)
+#                                      the experiment's flags, '+' for a space (e.g. --trials+1+--cold-cache+dropped;
+#                                      faults by program alone, as ':' ends the field: --fault+all,
+#                                      --fault+misaligned,shared_oob)
 #   vllm-frontend-failback:<model>:<n>:<budget>[:<timeout>]  vllm-failback through vLLM's own API server as the
 #                                      front door (frmps serve --frontend vllm): the same streams, faults, checks
 #   openai-matrix:<model>[:<timeout>]  bench/openai_matrix.py against `vllm serve` and against `frmps serve --engine vllm
