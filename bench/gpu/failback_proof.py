@@ -41,8 +41,8 @@ from failover_proof import (  # noqa: E402  (same folder, standard library only)
     LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, http_json, loglines, mps_trigger,
     nvidia_smi)
 
-FAULTS = ["misaligned:load", "illegal_instruction:jump-far", "shared_oob:shared", "shared_oob:local",
-          "invalid_address_space:ld-global-shared", "stack_overflow:recursion", "oob_write:write"]
+from frmps_engine.bench.runctx import FAULT_KINDS as FAULTS  # noqa: E402  (the seven kinds, in the soaks' order)
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FAKE_MPS = os.path.join(REPO, "supervisor", "mps", "testdata", "nvidia-cuda-mps-control")
 
