@@ -85,6 +85,45 @@ def test_ring_cadence_and_final_state(core, tmp_path, overlap):
     assert pub.at == {1: 1 + lag, 3: 3 + lag, 6: 6 + lag, 9: 9 + lag, 10: 10}
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "between-steps"])
+def test_takeover_ring_full_record_goes_out_with_the_first_step(core, tmp_path, overlap):
+    """A takeover attaches the ring before the loop starts with full_now=False: where the
+    publish overlaps the device, its FULL record (the state the core was resumed with)
+    goes out inside the first step once the pass is enqueued, not before the first step;
+    without a launch hook, at once as before."""
+    ring = str(tmp_path / "ring")
+    open(ring, "w").close()
+    c = core()
+    c.launch_hook = overlap
+    loop = EngineLoop(c, sync_every=1)
+    # In the core before the attach, as an adopted request is (the takeover's path).
+    c.add_request(1, [104, 105], FakeParams(4, 0.0, 1))
+    s = loop.register_adopted(1, 2, control_pb2.SamplingParams(max_tokens=4), [])
+    pub = _CountingPublisher(ring, c)
+    loop.attach_ring(pub, full_now=False)
+    recs = [json.loads(x) for x in open(ring)]
+    assert recs[0] == {"attach": 1}
+    if overlap:
+        assert len(recs) == 1 and pub.at == {}  # nothing yet: the reader keeps the Resume's snapshot
+    else:
+        assert recs[1]["full"] and recs[1]["step"] == 0  # at the attach, before any step
+    loop.start()
+    with s.cond:
+        assert s.cond.wait_for(lambda: s.finished, 30)
+    for _ in range(200):
+        recs = [json.loads(x) for x in open(ring)]
+        if recs[-1].get("step") == 4:
+            break
+        threading.Event().wait(0.01)
+    loop.stop()
+    full = recs[1]
+    assert full["full"] and full["step"] == 0
+    assert [(e["key"], len(e["tokens"]), e["num_computed"]) for e in full["entries"]] == [(1, 2, 0)]
+    if overlap:  # published inside the first step (the fake core counts a step on entry)
+        assert pub.at[0] == 1
+    assert not any(r.get("full") for r in recs[2:]) and recs[-1]["entries"][0]["finished"]
+
+
 def test_device_error_reaches_on_fatal_and_leaves_streams_open(core):
     # The process exits in on_fatal; its streams must end by the connection dropping
     # (the front door then resumes them on the standby), not with an error.

@@ -407,16 +407,26 @@ class EngineLoop:
         return running, len(self._cmds)
 
     # -- ring -------------------------------------------------------------------
-    def attach_ring(self, publisher: RingPublisher | None) -> None:
-        """Publish to a ring from now on (FULL record first). Runs on the loop thread."""
+    def attach_ring(self, publisher: RingPublisher | None, full_now: bool = True) -> None:
+        """Publish to a ring from now on (FULL record first). Runs on the loop thread.
+
+        ``full_now=False`` (a takeover, before the loop starts: the core holds exactly the
+        state the Resume's snapshot gave it, which the reader already has): where the
+        publish overlaps the device (LaunchHook), the FULL record goes out inside the first
+        step once its pass is enqueued instead of on the path to the first token (the
+        tracker's first record after attach is FULL). Until then the reader keeps that
+        snapshot, so a failover in between resumes from the same state."""
 
         def attach():
             old, self._publisher = self._publisher, publisher
             if old is not None:
                 old.close()
             if publisher is not None:
-                publisher.publish_full(self.step_count, self.core.request_views())
                 self._since_sync = 0
+                if not full_now and self._overlap:
+                    self._sync_pending = True
+                    return
+                publisher.publish_full(self.step_count, self.core.request_views())
                 self._sync_pending = False
 
         self.call(attach)

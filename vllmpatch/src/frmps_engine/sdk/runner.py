@@ -514,12 +514,14 @@ class Runner:
         return took
 
     def _attach_resume_ring(self, msg: control_pb2.Resume) -> str:
-        """Attach the ring a Resume names; "" or why the engine serves without it."""
+        """Attach the ring a Resume names; "" or why the engine serves without it. Its
+        FULL record goes out with the first step (EngineLoop.attach_ring), off the path
+        to the first resumed token."""
         ring_path = msg.ring_path or self.welcome.ring_path
         if not ring_path:
             return ""
         try:
-            self.loop.attach_ring(RingPublisher(ring_path, self.cfg.ring_module))
+            self.loop.attach_ring(RingPublisher(ring_path, self.cfg.ring_module), full_now=False)
         except Exception as e:
             if is_device_error(e):
                 raise
