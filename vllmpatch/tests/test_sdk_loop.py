@@ -47,6 +47,20 @@ class _CountingPublisher(RingPublisher):
         super().sync(step, views)
 
 
+def _finish(loop: EngineLoop, s, ring: str, last_step: int) -> list[dict]:
+    """Waits for stream s to finish and the ring's record of last_step, stops the loop,
+    and returns the ring's records (the fake ring: one JSON line each)."""
+    with s.cond:
+        assert s.cond.wait_for(lambda: s.finished, 30)
+    for _ in range(200):
+        recs = [json.loads(x) for x in open(ring)]
+        if recs[-1].get("step") == last_step:
+            break
+        threading.Event().wait(0.01)
+    loop.stop()
+    return recs
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "between-steps"])
 def test_ring_cadence_and_final_state(core, tmp_path, overlap):
     ring = str(tmp_path / "ring")
@@ -58,15 +72,8 @@ def test_ring_cadence_and_final_state(core, tmp_path, overlap):
     loop.attach_ring(pub)
     loop.start()
     s = loop.submit(1, [104, 105], control_pb2.SamplingParams(max_tokens=10), FakeParams(10, 0.0, 1))
-    with s.cond:
-        assert s.cond.wait_for(lambda: s.finished, 30)
     # The idle sync after the last step publishes the finish.
-    for _ in range(200):
-        recs = [json.loads(x) for x in open(ring)]
-        if recs[-1].get("step") == 10:
-            break
-        threading.Event().wait(0.01)
-    loop.stop()
+    recs = _finish(loop, s, ring, 10)
     assert recs[0] == {"attach": 1}
     assert recs[1]["full"] and recs[1]["entries"] == []
     # A sync right after the prefill (the first token), and every 3 steps.
@@ -108,14 +115,7 @@ def test_takeover_ring_full_record_goes_out_with_the_first_step(core, tmp_path, 
     else:
         assert recs[1]["full"] and recs[1]["step"] == 0  # at the attach, before any step
     loop.start()
-    with s.cond:
-        assert s.cond.wait_for(lambda: s.finished, 30)
-    for _ in range(200):
-        recs = [json.loads(x) for x in open(ring)]
-        if recs[-1].get("step") == 4:
-            break
-        threading.Event().wait(0.01)
-    loop.stop()
+    recs = _finish(loop, s, ring, 4)
     full = recs[1]
     assert full["full"] and full["step"] == 0
     assert [(e["key"], len(e["tokens"]), e["num_computed"]) for e in full["entries"]] == [(1, 2, 0)]
