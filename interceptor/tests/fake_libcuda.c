@@ -27,7 +27,9 @@
     X(cuMemAddressFree) X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap)          \
     X(cuMemSetAccess) X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)   \
     X(cuMemGetAllocationGranularity) X(cuGetProcAddress) X(cuGetProcAddress_v2)            \
-    X(cuModuleLoadData) X(cuModuleGetFunction) X(cuLaunchKernel) X(cuCtxSynchronize)
+    X(cuModuleLoadData) X(cuModuleGetFunction) X(cuLaunchKernel) X(cuCtxSynchronize)     \
+    X(cuDeviceGetAttribute) X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2)                   \
+    X(cuDevicePrimaryCtxRelease_v2) X(cuCtxGetLimit) X(cuCtxSetLimit)
 
 enum {
 #define FAKE_ENUM(n) F_##n,
@@ -49,8 +51,13 @@ static CUresult fail_err[F_COUNT];
 static bool inited;
 static struct CUctx_st {
     int dev;
-} primary_ctx;
+    size_t stack; /* CU_LIMIT_STACK_SIZE: per-thread bytes */
+} primary_ctx = {0, FAKE_STACK_DEFAULT};
+static int primary_refs;
 static _Thread_local CUcontext current;
+/* cuCtxPushCurrent's stack, per thread (a few levels are all a test needs). */
+static _Thread_local CUcontext pushed[8];
+static _Thread_local int npushed;
 
 struct alloc {
     int fd;
@@ -193,8 +200,105 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     NEED_INIT();
     if (dev != 0)
         return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    primary_refs++;
+    pthread_mutex_unlock(&mu);
     *pctx = &primary_ctx;
     return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    ENTER(cuDevicePrimaryCtxRelease_v2);
+    NEED_INIT();
+    if (dev != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    primary_refs--;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+/* An H100 SXM's figures: 132 SMs of 2048 threads. */
+CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev)
+{
+    ENTER(cuDeviceGetAttribute);
+    NEED_INIT();
+    if (dev != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (!pi)
+        return CUDA_ERROR_INVALID_VALUE;
+    switch (attrib) {
+    case 16: /* CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT */
+        *pi = 132;
+        return CUDA_SUCCESS;
+    case 39: /* CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR */
+        *pi = 2048;
+        return CUDA_SUCCESS;
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    ENTER(cuCtxPushCurrent_v2);
+    NEED_INIT();
+    if (!ctx)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (npushed == (int)(sizeof pushed / sizeof pushed[0]))
+        return CUDA_ERROR_INVALID_VALUE;
+    pushed[npushed++] = current;
+    current = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
+{
+    ENTER(cuCtxPopCurrent_v2);
+    NEED_INIT();
+    if (!current)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (pctx)
+        *pctx = current;
+    current = npushed ? pushed[--npushed] : NULL;
+    return CUDA_SUCCESS;
+}
+
+/* CU_LIMIT_STACK_SIZE (0) only. Setting rounds up to 16 bytes, as the driver may. */
+CUresult cuCtxGetLimit(size_t *pvalue, int limit)
+{
+    ENTER(cuCtxGetLimit);
+    NEED_INIT();
+    if (!current)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (!pvalue || limit != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    *pvalue = current->stack;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSetLimit(int limit, size_t value)
+{
+    ENTER(cuCtxSetLimit);
+    NEED_INIT();
+    if (!current)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (limit != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    current->stack = (value + 15) / 16 * 16;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+long fake_cuda_primary_refs(void)
+{
+    pthread_mutex_lock(&mu);
+    long n = primary_refs;
+    pthread_mutex_unlock(&mu);
+    return n;
 }
 
 CUresult cuGetErrorName(CUresult error, const char **pstr)
@@ -538,7 +642,8 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, vo
  * frmps_prime_fault, whose 8-byte access at its pointer argument + 4 makes the
  * context's sticky error CUDA_ERROR_MISALIGNED_ADDRESS when that address is not
  * 8-aligned (and the pointer is one of cuMemAlloc's); cuCtxSynchronize returns
- * the sticky error. Any other kernel does nothing. */
+ * the sticky error. FAKE_DEEP_STACK_KERNEL grows the context's per-thread stack to
+ * FAKE_DEEP_STACK. Any other kernel does nothing. */
 typedef struct fake_module {
     char *image;
 } *CUmodule;
@@ -591,6 +696,14 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
         return CUDA_ERROR_INVALID_CONTEXT;
     if (!f)
         return CUDA_ERROR_INVALID_HANDLE;
+    if (strcmp(f->name, FAKE_DEEP_STACK_KERNEL) == 0) {
+        /* The driver grows the context's stack for a launch that needs more, and keeps it. */
+        pthread_mutex_lock(&mu);
+        if (current->stack < FAKE_DEEP_STACK)
+            current->stack = FAKE_DEEP_STACK;
+        pthread_mutex_unlock(&mu);
+        return CUDA_SUCCESS;
+    }
     if (strcmp(f->name, "frmps_prime_fault") != 0)
         return CUDA_SUCCESS;
     if (!params || !params[0])

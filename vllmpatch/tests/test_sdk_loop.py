@@ -92,16 +92,20 @@ def test_ring_cadence_and_final_state(core, tmp_path, overlap):
     assert pub.at == {1: 1 + lag, 3: 3 + lag, 6: 6 + lag, 9: 9 + lag, 10: 10}
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "between-steps"])
-def test_takeover_ring_full_record_goes_out_with_the_first_step(core, tmp_path, overlap):
+@pytest.mark.parametrize("mode", ["overlapped", "pipelined", "between-steps"])
+def test_takeover_ring_full_record_goes_out_with_the_first_step(core, tmp_path, mode):
     """A takeover attaches the ring before the loop starts with full_now=False: where the
     publish overlaps the device, its FULL record (the state the core was resumed with)
-    goes out inside the first step once the pass is enqueued, not before the first step;
-    without a launch hook, at once as before."""
+    goes out with the first step once the pass is enqueued (inside it with a launch hook,
+    right after it for a pipelined core, whose step returns with the pass in flight), not
+    before the first step; otherwise at once as before."""
     ring = str(tmp_path / "ring")
     open(ring, "w").close()
     c = core()
-    c.launch_hook = overlap
+    c.launch_hook = mode == "overlapped"
+    if mode == "pipelined":
+        c.finish_in_flight = lambda: []  # engine_api.Pipelined; nothing is ever in flight here
+    overlap = mode != "between-steps"
     loop = EngineLoop(c, sync_every=1)
     # In the core before the attach, as an adopted request is (the takeover's path).
     c.add_request(1, [104, 105], FakeParams(4, 0.0, 1))
@@ -119,7 +123,7 @@ def test_takeover_ring_full_record_goes_out_with_the_first_step(core, tmp_path, 
     full = recs[1]
     assert full["full"] and full["step"] == 0
     assert [(e["key"], len(e["tokens"]), e["num_computed"]) for e in full["entries"]] == [(1, 2, 0)]
-    if overlap:  # published inside the first step (the fake core counts a step on entry)
+    if overlap:  # published with the first step (the fake core counts a step on entry)
         assert pub.at[0] == 1
     assert not any(r.get("full") for r in recs[2:]) and recs[-1]["entries"][0]["finished"]
 

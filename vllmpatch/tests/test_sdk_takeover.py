@@ -3,8 +3,10 @@ socket, with the "active" played by a fake core in this process writing the shar
 pools (TEST DOUBLES: fake engine, fake ring, the supervisor side of this test)."""
 
 import os
+import re
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -384,6 +386,42 @@ def test_with_a_device_gate_the_first_steps_host_work_runs_beside_the_kv_flip(h,
     line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
     got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
     assert got["device_gate"] and got["gate_wait_ms"] >= 0 and got["gate_at_ms"] > 0, (got, line)
+
+
+def test_a_first_step_that_reaches_the_gate_after_the_flip_says_when_in_its_own_line(h, monkeypatch, caplog):
+    """A fast flip (e.g. after an out-of-range shared access) ends before the first
+    step's host work reaches the gate. The takeover's line, written at the reply,
+    cannot say when the gate was reached; the first step's line, written after that
+    step, does (how long the host work held the first token back)."""
+    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
+    caplog.set_level("INFO", logger="frmps_engine.sdk.loop")
+    assert h.sleep().ok
+    core, mem = h.runner.core, h.runner.memory
+    at_gate, seen = gate_on(core, monkeypatch)
+    flipped = threading.Event()
+    real_flip, gated_step = mem.make_writable, core.step
+
+    def flip(tag):
+        real_flip(tag)
+        flipped.set()
+
+    def step(*a, **kw):  # TEST DOUBLE of host work that outlasts the flip
+        flipped.wait(10)
+        time.sleep(0.005)
+        return gated_step(*a, **kw)
+
+    monkeypatch.setattr(mem, "make_writable", flip)
+    monkeypatch.setattr(core, "step", step)
+    r = resume_one_new(h)
+    assert r.ok and r.resumed[0].ok, r
+    assert len(resume_stream(h, 3, [])) == 6
+    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    assert "had not reached the device gate when the flip ended (" in line, line
+    step1 = next(r.getMessage() for r in caplog.records if "step 1 after start" in r.getMessage())
+    m = re.search(r"reached the device gate ([\d.]+) ms into the takeover, \+([\d.]+) ms from the flip's end", step1)
+    assert m and float(m.group(2)) >= 4.0 and float(m.group(1)) > float(m.group(2)), step1
+    first = loglines.first_step_fields(list(loglines.FIRST_STEP.search(step1).groups()))
+    assert first["step_ms"] > 0, first
 
 
 def test_without_a_device_gate_the_log_says_the_loop_started_after_the_flip(h, caplog, monkeypatch):

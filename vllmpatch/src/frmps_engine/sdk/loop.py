@@ -275,6 +275,9 @@ class EngineLoop:
         # Steps to log with their timings once the loop starts (set for a takeover:
         # where the time between the Resume and the first resumed token goes).
         self.trace_steps = 0
+        # Called once, for the end of the first traced step's line (the runner's note on
+        # where a takeover's first step waited).
+        self.first_step_note: Callable[[], str] | None = None
         self.started_ns = 0
 
     # -- threading ------------------------------------------------------------
@@ -412,10 +415,12 @@ class EngineLoop:
 
         ``full_now=False`` (a takeover, before the loop starts: the core holds exactly the
         state the Resume's snapshot gave it, which the reader already has): where the
-        publish overlaps the device (LaunchHook), the FULL record goes out inside the first
-        step once its pass is enqueued instead of on the path to the first token (the
-        tracker's first record after attach is FULL). Until then the reader keeps that
-        snapshot, so a failover in between resumes from the same state."""
+        publish overlaps the device, the FULL record goes out with the first step once its
+        pass is enqueued instead of on the path to the first token (the tracker's first
+        record after attach is FULL): inside it with a LaunchHook, right after it for a
+        Pipelined core (vLLM's async scheduling: step() returns with the pass in flight).
+        Until then the reader keeps that snapshot, so a failover in between resumes from
+        the same state."""
 
         def attach():
             old, self._publisher = self._publisher, publisher
@@ -423,7 +428,7 @@ class EngineLoop:
                 old.close()
             if publisher is not None:
                 self._since_sync = 0
-                if not full_now and self._overlap:
+                if not full_now and (self._overlap or self._pipelined):
                     self._sync_pending = True
                     return
                 publisher.publish_full(self.step_count, self.core.request_views())
@@ -621,10 +626,16 @@ class EngineLoop:
         # its CPU time waited (on the device, or for the GIL held by another thread).
         c_end, t_end = time.thread_time_ns(), time.perf_counter_ns()
         self.trace_steps -= 1
+        note, self.first_step_note = self.first_step_note, None
+        try:
+            extra = note() if note is not None else ""
+        except Exception as e:  # noqa: BLE001 - a log note
+            extra = f"note failed: {e}"
         log.info("step %d after start: began %.2f ms after the loop started, step %.2f ms, dispatch %.2f ms "
-                 "(loop thread CPU %.2f ms of the %.2f), %d outputs, %s tokens scheduled", self.step_count,
+                 "(loop thread CPU %.2f ms of the %.2f), %d outputs, %s tokens scheduled%s", self.step_count,
                  (t_step - self.started_ns) / 1e6, (t_disp - t_step) / 1e6, (t_end - t_disp) / 1e6,
-                 (c_end - c_step) / 1e6, (t_end - t_step) / 1e6, len(outs), self.scheduled_tokens())
+                 (c_end - c_step) / 1e6, (t_end - t_step) / 1e6, len(outs), self.scheduled_tokens(),
+                 f"; {extra}" if extra else "")
 
     def _probe_device(self) -> None:
         """Idle: ask the device for a sticky error. Under MPS another client's fault

@@ -48,6 +48,7 @@ from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, 
 from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
 from .memory.base import as_spec
 from .params import InvalidRequest, normalize
+from .stack import StandbyStack
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,20 @@ class _Takeover:
                 f"adoption CPU {self.adopt_cpu_ns / 1e6:.2f} ms, the KV flip beside it); "
                 + self._gate_note(loop.started_ns - t0, t0))
 
+    def first_step_note(self, t0: int, stack: "StandbyStack") -> str:
+        """For the loop's first-step line, written once that step is done: when its
+        host work reached the device gate (the takeover's line is written before, and
+        at a fast flip cannot say), and what the stack's regrowth did."""
+        parts = []
+        entered, done = self.flip.gate_entered_ns, self.flip.done_ns
+        if self.gated and entered:
+            parts.append(f"reached the device gate {(entered - t0) / 1e6:.2f} ms into the takeover, "
+                         f"{(entered - done) / 1e6:+.2f} ms from the flip's end")
+        note = stack.note()
+        if note:
+            parts.append(note)
+        return "; ".join(parts)
+
     def _gate_note(self, t_loop: int, t0: int) -> str:
         """The line's account of the first step's start (the device gate)."""
         where = "beside" if self.gated else "after"
@@ -138,7 +153,8 @@ class _Takeover:
             return started
         entered, done = self.flip.gate_entered_ns, self.flip.done_ns
         if not entered or entered > done:
-            return f"{started}; its first step's host work had not reached the device gate when the flip ended"
+            return (f"{started}; its first step's host work had not reached the device gate when the flip ended"
+                    + (f" ({(done - t0) / 1e6:.2f} ms into the takeover)" if done else ""))
         return (f"{started}; its first step's host work reached the device gate {(entered - t0) / 1e6:.2f} ms "
                 f"into the takeover and waited {(done - entered) / 1e6:.2f} ms there for the flip")
 
@@ -226,6 +242,7 @@ class Runner:
         self.server = None  # core mode: the engine-core server while serving (EngineCoreProtocol)
         self._slept = False
         self._resumed = False
+        self._stack: StandbyStack | None = None
         self._done = threading.Event()
         self._exit_code = EXIT_OK
         self._shutting_down = threading.Lock()
@@ -404,11 +421,19 @@ class Runner:
             return self._refuse(env_id, str(e))
         t_map = time.perf_counter_ns() - t_map
         self._slept = True
+        stack = self._standby_stack().shrink()
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
-        log.info("standby asleep with %d brokered pools mapped read-only (map %.2f ms, ready %.0f ms after start)%s",
+        log.info("standby asleep with %d brokered pools mapped read-only (map %.2f ms, ready %.0f ms after start)%s%s",
                  len(fds), t_map / 1e6, (time.perf_counter_ns() - self._t0) / 1e6,
-                 _standby_memory_note(self.adapter.device))
+                 _standby_memory_note(self.adapter.device), stack)
         return control_pb2.Reply(ok=True)
+
+    def _standby_stack(self) -> StandbyStack:
+        """The per-thread stack policy of this engine's device (sdk/stack.py), made on
+        first use (CUDA is initialised by then)."""
+        if self._stack is None:
+            self._stack = StandbyStack.for_device(self.adapter.device)
+        return self._stack
 
     def _refuse(self, env_id: int, why: str):
         """The brokered pools do not fit this engine: say why and refuse to start."""
@@ -478,7 +503,7 @@ class Runner:
             return [control_pb2.ResumeOutcome(key=o.key, ok=o.ok, error=o.error, reused_tokens=o.reused_tokens,
                                               prefilled_tokens=o.prefill_tokens) for o in adopted]
 
-        outcomes, tk = self._beside_the_flip(msg, adopt, self._start_core_server)
+        outcomes, tk = self._beside_the_flip(msg, adopt, self._start_core_server, t0)
         took = self._reply_serving(env_id, outcomes, tk.ring_error, t0)
         t_connect = tk.started if tk.gated else self._start_core_server()
         log.info("%s; connected to the frontend in %.2f ms, %s the reply (%s)", tk.line(outcomes, took, self.loop, t0),
@@ -535,7 +560,7 @@ class Runner:
     def _take_over(self, env_id: int, msg: control_pb2.Resume, t0: int):
         self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
                                on_fatal=self._fatal, on_error=self._step_failed, step_delay_s=_test_step_delay())
-        outcomes, tk = self._beside_the_flip(msg, lambda: [self._adopt(r) for r in msg.requests], self.loop.start)
+        outcomes, tk = self._beside_the_flip(msg, lambda: [self._adopt(r) for r in msg.requests], self.loop.start, t0)
         took = self._reply_serving(env_id, outcomes, tk.ring_error, t0)
         if not tk.gated:
             self.loop.start()
@@ -544,7 +569,7 @@ class Runner:
         return None
 
     def _beside_the_flip(self, msg: control_pb2.Resume, adopt: Callable[[], list],
-                         start: Callable[[], Any]) -> tuple[list, "_Takeover"]:
+                         start: Callable[[], Any], t0: int) -> tuple[list, "_Takeover"]:
         """A takeover up to its reply, both modes. The KV flip overlaps the adoption
         and, behind a device gate, the first step's host work: after a fault the
         flip's driver call waits on the MPS server tearing the dead context down
@@ -554,8 +579,9 @@ class Runner:
         starts: it schedules and prepares its first step and waits at the gate for
         the flip before its first device work that touches the KV cache); without
         one the caller starts the loop after the flip. Returns the adoption's
-        outcomes and the takeover's times."""
+        outcomes and the takeover's times (``t0``: when the Resume arrived)."""
         tk = _Takeover(_KvFlip(self.memory))
+        self._standby_stack().regrow()  # beside the flip and the adoption (sdk/stack.py)
         try:
             t, c = time.perf_counter_ns(), time.thread_time_ns()
             outcomes = adopt()
@@ -564,6 +590,7 @@ class Runner:
             tk.ring_error = self._attach_resume_ring(msg)  # inline: the loop has not started
             tk.ring_ns = time.perf_counter_ns() - t
             self._prepare_first_steps()
+            self.loop.first_step_note = lambda: tk.first_step_note(t0, self._standby_stack())
             if _device_gate_enabled() and isinstance(self.core, DeviceGate) and self.core.gate_device(tk.flip.wait):
                 tk.gated = True
                 tk.started = start()
@@ -602,6 +629,8 @@ class Runner:
         log.info("handed over %d requests in %.2f ms (loop stopped, state published and requests moved in %.2f ms; "
                  "%s; pools read-only %.2f ms); asleep as the standby", moved, took / 1e6, (t_loop - t0) / 1e6,
                  loop.last_handover.line(), t_flip / 1e6)
+        # Off the Reply's path: the supervisor resumes the next engine on it.
+        self._standby_stack().shrink_later(lambda note: note and log.info("standby asleep again%s", note))
         self.log_counters("after handover")
         return control_pb2.Reply(ok=True, took_ns=took)
 
