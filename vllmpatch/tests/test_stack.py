@@ -123,6 +123,29 @@ def test_standby_gives_the_grown_stack_back_asleep_and_regrows_it_at_a_takeover(
     assert "shrink2 ; per-thread stack 4096 B reset to 1024 B" in out and "asleep2 1024" in out
 
 
+def test_a_late_shrink_leaves_an_engine_that_serves_again_alone(fake):
+    """A planned handover's old engine gives its stack back on a thread; if a takeover
+    has made it the active by then, the stack stays (asleep() says so, under the lock)."""
+    out = run("""
+        deep_launch()
+        s = st.ContextStack(0)
+        sb = st.StandbyStack(s)
+        notes = []
+        sb.shrink_later(notes.append, lambda: False)
+        for t in threading.enumerate():
+            if t.name == "frmps-stack":
+                t.join(10)
+        print("notes", notes, s.get(), sb.grown)
+        sb.shrink_later(notes.append, lambda: True)
+        for t in threading.enumerate():
+            if t.name == "frmps-stack":
+                t.join(10)
+        print("later", notes[-1], s.get())
+    """, fake)
+    assert "notes [''] 4096 0" in out
+    assert "later ; per-thread stack 4096 B reset to 1024 B" in out and out.strip().endswith("1024")
+
+
 def test_standby_stack_that_never_grew_is_kept_and_not_regrown(fake):
     out = run("""
         s = st.ContextStack(0)

@@ -92,6 +92,11 @@ def common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=0,
                    help="engines' batch size; exact mode (the GPU default) decodes at exactly this many rows "
                         "(0: 8, the outage experiment: its concurrency, sync-overhead: the saturating batch)")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for frmps's engines (`frmps serve --engine-arg`), repeatable, written "
+                        "with '=' (it starts with '-'), e.g. --engine-arg=--vllm-arg=--enforce-eager; points are "
+                        "keyed without it: give such a run "
+                        "its own --out")
     g.add_argument("--baseline-exact", action="store_true",
                    help="run the baselines' engines in exact mode too (default: their one-pass re-prefill)")
     g.add_argument("--max-model-len", type=int, default=0)

@@ -101,7 +101,7 @@ def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str]
         # CPU check: slow each engine step so a kill lands at the chosen token (FRMPS_TEST_STEP_DELAY_MS
         # is the engine's test knob; never set on the GPU).
         env["FRMPS_TEST_STEP_DELAY_MS"] = str(a.cpu_step_delay_ms)
-    eargs = list(engine_args or [])
+    eargs = list(engine_args or []) + list(getattr(a, "engine_arg", None) or [])
     if a.max_num_seqs:
         eargs.append(f"--max-num-seqs={a.max_num_seqs}")
     nb, mml = engine_shape(ctx, model, num_blocks, max_model_len)

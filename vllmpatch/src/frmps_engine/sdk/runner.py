@@ -630,7 +630,8 @@ class Runner:
                  "%s; pools read-only %.2f ms); asleep as the standby", moved, took / 1e6, (t_loop - t0) / 1e6,
                  loop.last_handover.line(), t_flip / 1e6)
         # Off the Reply's path: the supervisor resumes the next engine on it.
-        self._standby_stack().shrink_later(lambda note: note and log.info("standby asleep again%s", note))
+        self._standby_stack().shrink_later(lambda note: note and log.info("standby asleep again%s", note),
+                                           lambda: self.role == control_pb2.ROLE_STANDBY and not self._resumed)
         self.log_counters("after handover")
         return control_pb2.Reply(ok=True, took_ns=took)
 

@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +159,15 @@ class StandbyStack:
             log.warning("the standby's per-thread stack is left as it is: %s", e)
             return cls(None)
 
-    def shrink(self) -> str:
+    def shrink(self, asleep: Callable[[], bool] = lambda: True) -> str:
         """Give the stack back; a note for the "asleep" log lines ('' where there is
-        no stack to manage)."""
+        no stack to manage, or where ``asleep()``, asked under the lock, says the
+        engine is serving again)."""
         if self._stack is None:
             return ""
         with self._lock:
+            if not asleep():
+                return ""
             self.grown = 0
             try:
                 size = self._stack.get()
@@ -179,16 +182,19 @@ class StandbyStack:
             except Exception as e:  # noqa: BLE001
                 return f"; per-thread stack: unknown ({e})"
 
-    def shrink_later(self, say) -> None:
-        """shrink() on a thread of its own, its note passed to ``say`` (a planned
-        handover's old engine: its Reply does not wait for the driver)."""
+    def shrink_later(self, say: Callable[[str], Any], asleep: Callable[[], bool]) -> None:
+        """shrink(asleep) on a thread of its own, its note passed to ``say`` (a planned
+        handover's old engine: its Reply does not wait for the driver; a takeover
+        right after it finds the stack as the engine left it, or given back)."""
         if self._stack is not None:
-            threading.Thread(target=lambda: say(self.shrink()), name="frmps-stack", daemon=True).start()
+            threading.Thread(target=lambda: say(self.shrink(asleep)), name="frmps-stack", daemon=True).start()
 
     def regrow(self) -> None:
-        """Ask for the engine's stack again, on a thread of its own."""
+        """Ask for the engine's stack again, on a thread of its own (none when there
+        is nothing to regrow: the common case, a takeover's path)."""
         self._result = ""
-        if self._stack is None:
+        self._thread = None
+        if self._stack is None or not self.grown:
             return
 
         def run() -> None:
