@@ -283,7 +283,9 @@ def synthetic(out: str) -> None:
                            "syncs": 64 if n == 1 else 4 * (n == 16)})
     write("sync-overhead", [_rec("sync-overhead", {"model": "qwen2.5-14b"}, {"batch": 128, "trials": trials})])
     write("standby-memory", [_rec("standby-memory", {"model": "qwen2.5-14b"},
-                                  {"standby_mib": 600, "context_mib": 520, "overhead_mib": 80, "unit": "GPU MiB"})])
+                                  {"standby_mib": 600, "context_mib": 520, "overhead_mib": 80, "unit": "GPU MiB",
+                                   "standby_torch_pools_mib": {"default": {"reserved": 42.0, "allocated": 40.0}},
+                                   "standby_stack_bytes": 1024})])
     write("outage", [_rec("outage", {"model": "qwen2.5-14b", "system": "frmps", "trial": 0},
                           {"outage_s": 0.05, "stream_errors": 0, "requests": 40, "bin_s": 0.05,
                            "tokens_per_s": [100, 100, 0, 100], "fault_rel_t0_s": 0.1}),
@@ -324,6 +326,8 @@ def test_report_targets_and_tables(tmp_path):
     assert t["outage ≤ 60 ms (qwen2.5-14b)"]["met"] is True
     assert t["outputs after recovery = no-fault outputs, K = 1…1024"]["reached"] == "3/4"
     readme = open(os.path.join(out, "README.md")).read()
+    # The standby's own account of its memory beside the figure: torch's pool and its stack.
+    assert "| 80 MiB | 42 MiB | 1024 B |" in readme
     assert "NVIDIA H100 80GB HBM3" in readme and "| qwen2.5-14b | 20.0 ms | 1,000.0 ms |" in readme
     assert "TrialError: x" in readme and "Not measured (1 points): unsupported: no flag" in readme
     assert "| N=1 | N=16 | N=1 between steps |" in readme and "+9.09% (+9.1…+9.1) / " in readme

@@ -658,17 +658,34 @@ def test_the_standby_memory_note_reads_back(tmp_path):
     """What the standby logs after Sleep is what the harnesses parse."""
     from frmps_engine.bench import loglines
     from frmps_engine.sdk.runner import pools_note, torch_pools_breakdown
+    from frmps_engine.sdk.stack import StandbyStack
 
     mib = 2**20
     b = torch_pools_breakdown([{"segment_pool_id": (0, 0), "total_size": 24 * mib, "allocated_size": 8 * mib},
                                {"segment_pool_id": (2, 0), "total_size": 164 * mib, "allocated_size": 150 * mib}])
+    class Stack:  # TEST DOUBLE of sdk.stack.ContextStack: a stack the driver grew to 2 KiB
+        size = 2048
+
+        def get(self):
+            return self.size
+
+        def set(self, n):
+            self.size = n
+            return n
+
+        def mib(self, n):
+            return n * 270336 / 2**20
+
+    stack = StandbyStack(Stack()).shrink()
     log = tmp_path / "standby.log"
     log.write_text("x INFO frmps_engine.sdk.runner: standby asleep with 2 brokered pools mapped read-only "
-                   f"(map 11.20 ms, ready 21281 ms after start){pools_note(b)}\n")
+                   f"(map 11.20 ms, ready 21281 ms after start){pools_note(b)}{stack}\n")
     assert loglines.standby_pools(str(log)) == {"default": {"reserved": 24.0, "allocated": 8.0},
                                                 "graphs": {"reserved": 164.0, "allocated": 150.0}}
     assert loglines.grep_first(str(log), loglines.SLEEP) == ["11.20", "21281"]
+    assert loglines.standby_stack_bytes(str(log)) == 2048  # what it had, before giving 1 KiB back
     assert loglines.standby_pools(str(tmp_path / "none.log")) is None
+    assert loglines.standby_stack_bytes(str(tmp_path / "none.log")) is None
 
 
 class _GroupAdapter(FakeAdapter):

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable
 
+from . import loglines
 from .baselines import (BaselineRig, EngineProc, checkpoint_files, drop_page_cache, engine_supports, ensure_checkpoint,
                         page_cache_fraction)
 from .deploy import (Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, Trigger, completion_body,
@@ -862,6 +863,10 @@ class StandbyMemory(Experiment):
                     eng = dep.engines(st)
                     sb, act = int(field(eng["standby"], "pid")), int(field(eng["active"], "pid"))
                     res["standby_mib"], res["active_mib"] = self._mem(ctx, sb), self._mem(ctx, act)
+                    # Its own account of the memory: torch's pools and the per-thread stack, at sleep.
+                    sb_log = field(eng["standby"], "log_path", default=None)
+                    res["standby_torch_pools_mib"] = loglines.standby_pools(sb_log)
+                    res["standby_stack_bytes"] = loglines.standby_stack_bytes(sb_log)
                     if not ctx.cpu:
                         res["apps"] = {str(k): v for k, v in nvidia_smi_apps().items()}
                 finally:

@@ -46,6 +46,24 @@ def standby_pools(path: str | None) -> dict[str, dict[str, float]] | None:
     return None
 
 
+# sdk/stack.py's note on the standby's "asleep" line: the per-thread stack it had at sleep
+STACK = re.compile(r"per-thread stack (\d+) B")
+
+
+def standby_stack_bytes(path: str | None) -> int | None:
+    """The standby's per-thread stack when it went to sleep (the CUDA driver's limit, before
+    any give-back), from its "standby asleep" line; None without one."""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, errors="replace") as f:
+        for line in f:
+            if "standby asleep" in line:
+                m = STACK.search(line)
+                if m:
+                    return int(m.group(1))
+    return None
+
+
 # The MPS server's log (nvidia-cuda-mps-server, server.log): "[<local date time.ms> Server <pid>] <text>".
 MPS_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+) Server\s+\d+\] (.*)$")
 

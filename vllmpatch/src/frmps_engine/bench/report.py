@@ -402,16 +402,20 @@ def summarize_memory(records: list[dict]) -> dict:
         models[engine_label(r["key"]["model"], engine_of(r))] = {
             "model": r["key"]["model"], "engine": engine_of(r),
             **{f: d.get(f) for f in ("standby_mib", "context_mib", "overhead_mib", "active_mib", "sleep_only_standby_mib",
-                                     "unit")}}
+                                     "unit", "standby_stack_bytes")},
+            "standby_torch_mib": ((d.get("standby_torch_pools_mib") or {}).get("default") or {}).get("reserved")}
     return {"models": models, "errors": len(bad), "failed": failed_list(bad)}
 
 
 def md_memory(s: dict) -> str:
     unit = next((m.get("unit") for m in s["models"].values()), "")
-    out = [f"Unit: {unit}.", "", "| model | frmps standby | bare CUDA context | standby − context | sleep-only standby (asleep) | active |",
-           "|---|---|---|---|---|---|"]
+    out = [f"Unit: {unit}.", "", "| model | frmps standby | bare CUDA context | standby − context | of which torch's own pool "
+           "(reserved) | standby's per-thread stack | sleep-only standby (asleep) | active |",
+           "|---|---|---|---|---|---|---|---|"]
     for m, r in s["models"].items():
+        stack = r.get("standby_stack_bytes")
         out.append(f"| {m} | {mib(r['standby_mib'])} | {mib(r['context_mib'])} | {mib(r['overhead_mib'])} | "
+                   f"{mib(r.get('standby_torch_mib'))} | {'–' if stack is None else f'{stack} B'} | "
                    f"{mib(r['sleep_only_standby_mib'])} | {mib(r['active_mib'])} |")
     return "\n".join(out) + errors_md_list(s)
 
