@@ -1,5 +1,7 @@
 import os
+import pathlib
 import shutil
+import subprocess
 import tempfile
 
 import pytest
@@ -41,3 +43,16 @@ def no_fd_leak():
     # listdir itself opens one fd transiently; only fds that still resolve count.
     leaked = {fd for fd in leaked if os.path.exists(f"/proc/self/fd/{fd}")}
     assert not leaked, f"leaked fds: {sorted((fd, os.readlink(f'/proc/self/fd/{fd}')) for fd in leaked)}"
+
+
+@pytest.fixture(scope="session")
+def fake_libcuda():
+    """The interceptor's fake libcuda (a TEST DOUBLE of the driver, built here): its path."""
+    from e2e import missing
+
+    interceptor = pathlib.Path(__file__).resolve().parents[2] / "interceptor"
+    if not shutil.which(os.environ.get("CC", "cc")) or not shutil.which("make"):
+        missing("needs a C compiler and make to build the fake driver")
+    r = subprocess.run(["make", "-s", "-C", str(interceptor), "build/libcuda_fake.so"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return str(interceptor / "build" / "libcuda_fake.so")

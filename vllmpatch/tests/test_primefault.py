@@ -8,27 +8,20 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from e2e import missing
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-INTERCEPTOR = REPO / "interceptor"
 SRC = REPO / "vllmpatch" / "src"
 
 
 @pytest.fixture(scope="module")
-def fake(tmp_path_factory):
-    if not shutil.which(os.environ.get("CC", "cc")) or not shutil.which("make"):
-        missing("needs a C compiler and make to build the fake driver")
-    r = subprocess.run(["make", "-s", "-C", str(INTERCEPTOR), "build/libcuda_fake.so"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return str(INTERCEPTOR / "build" / "libcuda_fake.so")
+def fake(fake_libcuda):
+    return fake_libcuda
 
 
 def run(code: str, libcuda: str) -> subprocess.CompletedProcess:

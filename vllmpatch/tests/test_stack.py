@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from e2e import missing
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-INTERCEPTOR = REPO / "interceptor"
 SRC = REPO / "vllmpatch" / "src"
 
 # Grows the fake context's stack the way a real engine's warm-up does: a launch.
@@ -43,12 +40,8 @@ cu.fake_cuda_primary_refs.restype = ctypes.c_long
 
 
 @pytest.fixture(scope="module")
-def fake(tmp_path_factory):
-    if not shutil.which(os.environ.get("CC", "cc")) or not shutil.which("make"):
-        missing("needs a C compiler and make to build the fake driver")
-    r = subprocess.run(["make", "-s", "-C", str(INTERCEPTOR), "build/libcuda_fake.so"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return str(INTERCEPTOR / "build" / "libcuda_fake.so")
+def fake(fake_libcuda):
+    return fake_libcuda
 
 
 def run(code: str, libcuda: str, **env: str) -> str:
