@@ -307,6 +307,23 @@ def test_the_kv_flip_runs_beside_the_adoption_and_before_any_step(h, monkeypatch
     assert first["step_ms"] > 0 and first["loop_cpu_ms"] > 0, first
 
 
+def test_memory_phase_lines_when_asked(h, monkeypatch, caplog):
+    """FRMPS_DEBUG_MEMORY_PHASES=1: the standby logs its memory at the phases of its
+    start, the last when it goes to sleep (here, without a GPU or NVML, saying so),
+    and carries on."""
+    caplog.set_level("INFO", logger="frmps_engine.sdk.memphase")
+    monkeypatch.setenv("FRMPS_DEBUG_MEMORY_PHASES", "1")
+    monkeypatch.setenv("FRMPS_LIBNVML", "/nonexistent/libnvidia-ml.so.1")
+    monkeypatch.setattr("frmps_engine.sdk.memphase._reader", None)
+    monkeypatch.setattr("frmps_engine.sdk.memphase._reader_error", "")
+    assert h.sleep().ok
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory at ")]
+    phases = [x.split(":", 1)[0] for x in lines]
+    assert phases[-1] == "memory at asleep (brokered pools mapped)", phases
+    assert all("NVML: unavailable (" in x for x in lines), lines
+    assert resume_one_new(h).ok
+
+
 def test_a_failed_kv_flip_fails_the_resume(h, monkeypatch):
     assert h.sleep().ok
 

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from frmps_engine._proto.frmps.v1 import control_pb2
 
-from . import control, debug_hang, spare
+from . import control, debug_hang, memphase, spare
 from .engine_api import (DeviceGate, EngineAdapter, EngineCoreProtocol, ProcessGroup, Resettable, TakeoverWarmup,
                          vocab_size)
 from .genapi import GenerationServer, input_to_ids, pb_ints
@@ -314,7 +314,9 @@ class Runner:
         t_ring = time.perf_counter_ns()
         pools = self.memory.allocate(self.specs)
         t_pools = time.perf_counter_ns()
+        memphase.note("engine start (pools allocated)")
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
+        memphase.note("engine built")
         _log_start_phases(t, t_ring, t_pools)
         if not self.cfg.core_mode:  # core mode: requests arrive tokenized, with the engine's own params
             self._warm_request_path()
@@ -349,7 +351,9 @@ class Runner:
         t_ring = time.perf_counter_ns()
         reserved = self.memory.reserve(self.specs)
         t_pools = time.perf_counter_ns()
+        memphase.note("engine start (pools reserved)")
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
+        memphase.note("engine built")
         _log_start_phases(t, t_ring, t_pools)
         t_warm = time.perf_counter_ns()
         if not self.cfg.core_mode:  # core mode: requests arrive tokenized, with the engine's own params
@@ -358,6 +362,7 @@ class Runner:
         if throwaway:
             # On the reserved (private) memory, before Sleep maps the brokered pools.
             self.core.warm_takeover()
+        memphase.note("takeover warmed")
         log.info("takeover path warmed in %.1f ms (request conversions%s)", (time.perf_counter_ns() - t_warm) / 1e6,
                  "; throwaway requests adopted, stepped, reset" if throwaway else "")
         self._prepare_debug_fault()
@@ -422,6 +427,7 @@ class Runner:
         t_map = time.perf_counter_ns() - t_map
         self._slept = True
         stack = self._standby_stack().shrink()
+        memphase.note("asleep (brokered pools mapped)")
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
         log.info("standby asleep with %d brokered pools mapped read-only (map %.2f ms, ready %.0f ms after start)%s%s",
                  len(fds), t_map / 1e6, (time.perf_counter_ns() - self._t0) / 1e6,

@@ -23,6 +23,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+from ..sdk import memphase
+
 from . import SLEEP_BACKEND_NAME
 
 _MARK = "__frmps_patch__"
@@ -116,6 +118,7 @@ def kv_allocation(original: Callable) -> Callable:
             tensors = original(*args, **kwargs)
         digest = controller.check_placement("kv_cache", sorted(tensors.items()))
         log.info("frmps kv_cache placement digest %s (%d layers)", digest, len(tensors))
+        memphase.note("KV cache placed")
         return tensors
 
     allocate.__doc__ = original.__doc__
@@ -138,6 +141,7 @@ def loader_weights_pool(original: Callable) -> Callable:
         # Equal in the active and the standby when the standby's tensors are
         # views of the active's weights (same model, same allocation order).
         log.info("frmps weights placement digest %s (%s)", digest, type(model).__name__)
+        memphase.note("weights placed")
         return model
 
     load_model.__doc__ = original.__doc__
