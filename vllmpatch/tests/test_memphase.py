@@ -84,3 +84,22 @@ def test_without_a_driver_the_line_says_so(monkeypatch):
 def test_process_info_layout_matches_nvml():
     # nvmlProcessInfo_t (v2/v3): uint pid, (pad), ulonglong usedGpuMemory, uint, uint: 24 bytes
     assert ctypes.sizeof(memphase._ProcessInfo) == 24
+
+
+def test_phase_lines_read_back(tmp_path, monkeypatch):
+    """What the engine logs is what the bench's standby-memory experiment records."""
+    from frmps_engine.bench import loglines
+
+    monkeypatch.setenv(memphase.ENV, "1")
+    log = tmp_path / "standby.log"
+    lines = ["2026-11-28 06:00:00,000 INFO frmps_engine.sdk.memphase: memory at engine start (pools reserved): "
+             + memphase.measure(7, memphase.ProcessMemory(FakeNvml([[(7, 612 * 2**20)]]))),
+             "x INFO frmps_engine.sdk.memphase: memory at asleep (brokered pools mapped): NVML: no GPU memory for this "
+             "process; torch 90.0 MiB reserved, 75.8 MiB allocated"]
+    log.write_text("\n".join(lines) + "\n")
+    got = loglines.memory_phases(str(log))
+    assert [g["phase"] for g in got] == ["engine start (pools reserved)", "asleep (brokered pools mapped)"]
+    assert got[0]["nvml_mib"] == 612.0
+    assert got[1] == {"phase": "asleep (brokered pools mapped)", "nvml_mib": None, "torch_reserved_mib": 90.0,
+                      "torch_allocated_mib": 75.8}
+    assert loglines.memory_phases(str(tmp_path / "none.log")) == []

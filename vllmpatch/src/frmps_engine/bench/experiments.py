@@ -867,6 +867,9 @@ class StandbyMemory(Experiment):
                     sb_log = field(eng["standby"], "log_path", default=None)
                     res["standby_torch_pools_mib"] = loglines.standby_pools(sb_log)
                     res["standby_stack_bytes"] = loglines.standby_stack_bytes(sb_log)
+                    phases = loglines.memory_phases(sb_log)  # with FRMPS_DEBUG_MEMORY_PHASES=1
+                    if phases:
+                        res["standby_memory_phases"] = phases
                     if not ctx.cpu:
                         res["apps"] = {str(k): v for k, v in nvidia_smi_apps().items()}
                 finally:

@@ -64,6 +64,27 @@ def standby_stack_bytes(path: str | None) -> int | None:
     return None
 
 
+# sdk/memphase.py (FRMPS_DEBUG_MEMORY_PHASES=1): "memory at <phase>: NVML <n> MiB for this process; torch …"
+MEMORY_PHASE = re.compile(r"memory at (.+?): (?:NVML (\d+) MiB for this process|NVML: [^;]*); "
+                          r"(?:torch ([\d.]+) MiB reserved, ([\d.]+) MiB allocated)?")
+
+
+def memory_phases(path: str | None) -> list[dict]:
+    """The engine's memory-phase lines, in order: {"phase", "nvml_mib", "torch_reserved_mib",
+    "torch_allocated_mib"} (None where the line had no figure); [] without any."""
+    out: list[dict] = []
+    if not path or not os.path.exists(path):
+        return out
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = MEMORY_PHASE.search(line)
+            if m:
+                num = [None if x is None else float(x) for x in m.groups()[1:]]
+                out.append({"phase": m.group(1), "nvml_mib": num[0], "torch_reserved_mib": num[1],
+                            "torch_allocated_mib": num[2]})
+    return out
+
+
 # The MPS server's log (nvidia-cuda-mps-server, server.log): "[<local date time.ms> Server <pid>] <text>".
 MPS_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+) Server\s+\d+\] (.*)$")
 
