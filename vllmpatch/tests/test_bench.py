@@ -710,3 +710,18 @@ def test_teardown_by_fault_groups_soaks_by_kind(tmp_path):
     assert "| `misaligned` | 30.0 (30.0–30.0), n 2 |" in tbf.table(s)
     only, _, _ = tbf.collect(str(tmp_path), ["*-h100-*"])
     assert tbf.summarize(only)["misaligned"]["first_token_ms"]["median"] == 45.0
+
+
+@pytest.mark.torch
+def test_flip_contention_probe_runs_on_the_cpu(tmp_path):
+    """bench/gpu/flip_contention.py's own smoke check (host-shm, CPU tensors): the probe
+    runs end to end and writes its figures; what it measures needs a GPU."""
+    pytest.importorskip("torch")
+    out = tmp_path / "flip.json"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu", "flip_contention.py"), "--device", "cpu",
+                        "--memory", "host-shm", "--gib", "0.01", "--rounds", "2", "--launches", "5", "--out", str(out)],
+                       env={**os.environ, "PYTHONPATH": os.path.join(REPO, "vllmpatch", "src")}, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.load(open(out))["sizes"][0]
+    assert got["flip_alone"]["n"] == 2 and got["5_launches_during_flips"]["n"] == 2 and got["flip_beside_launches"]["n"] >= 1
