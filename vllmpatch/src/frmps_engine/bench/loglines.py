@@ -47,21 +47,14 @@ def standby_pools(path: str | None) -> dict[str, dict[str, float]] | None:
 
 
 # sdk/stack.py's note on the standby's "asleep" line: the per-thread stack it had at sleep
-STACK = re.compile(r"per-thread stack (\d+) B")
+STACK = re.compile(r"standby asleep.*; per-thread stack (\d+) B")
 
 
 def standby_stack_bytes(path: str | None) -> int | None:
     """The standby's per-thread stack when it went to sleep (the CUDA driver's limit, before
     any give-back), from its "standby asleep" line; None without one."""
-    if not path or not os.path.exists(path):
-        return None
-    with open(path, errors="replace") as f:
-        for line in f:
-            if "standby asleep" in line:
-                m = STACK.search(line)
-                if m:
-                    return int(m.group(1))
-    return None
+    g = grep_first(path, STACK)
+    return int(g[0]) if g else None
 
 
 # sdk/memphase.py (FRMPS_DEBUG_MEMORY_PHASES=1): "memory at <phase>: NVML <n> MiB for this process; torch …"
