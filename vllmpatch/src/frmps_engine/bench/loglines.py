@@ -66,15 +66,9 @@ def memory_phases(path: str | None) -> list[dict]:
     """The engine's memory-phase lines, in order: {"phase", "nvml_mib", "torch_reserved_mib",
     "torch_allocated_mib"} (None where the line had no figure); [] without any."""
     out: list[dict] = []
-    if not path or not os.path.exists(path):
-        return out
-    with open(path, errors="replace") as f:
-        for line in f:
-            m = MEMORY_PHASE.search(line)
-            if m:
-                num = [None if x is None else float(x) for x in m.groups()[1:]]
-                out.append({"phase": m.group(1), "nvml_mib": num[0], "torch_reserved_mib": num[1],
-                            "torch_allocated_mib": num[2]})
+    for g in grep_every(path, MEMORY_PHASE):
+        num = [None if x is None else float(x) for x in g[1:]]
+        out.append({"phase": g[0], "nvml_mib": num[0], "torch_reserved_mib": num[1], "torch_allocated_mib": num[2]})
     return out
 
 
@@ -140,6 +134,14 @@ def grep_first(path: str | None, rx: re.Pattern) -> list[str] | None:
     return None
 
 
+def grep_every(path: str | None, rx: re.Pattern) -> list[list[str]]:
+    """The groups of every match of rx in the file at path, in order ([]: no file or no match)."""
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        return [list(m.groups()) for m in map(rx.search, f) if m]
+
+
 def grep_last(path: str | None, rx: re.Pattern) -> list[str] | None:
     """The groups of rx's last match in the file at path (None: no file or no match):
     an engine that took over, went back to sleep (failback) and took over again
@@ -165,9 +167,7 @@ def first_time_after(path: str | None, rx: re.Pattern, after: float) -> float | 
     """The earliest time (rx's first group, unix seconds) at or after `after`."""
     if not path or not os.path.exists(path):
         return None
-    with open(path, errors="replace") as f:
-        ts = [float(m.group(1)) for m in map(rx.search, f) if m]
-    ts = [t for t in ts if t >= after]
+    ts = [t for t in (float(g[0]) for g in grep_every(path, rx)) if t >= after]
     return min(ts) if ts else None
 
 
