@@ -15,7 +15,8 @@ and the flips alone.
     python3 bench/gpu/flip_contention.py --gib 32 --gib 1.4 --rounds 15 [--out FILE]
 
 Prints one JSON object (and writes it to --out): per pool size, the median and the
-max over rounds of one flip's time, and of a burst of --launches launches' host time
+max over rounds of one flip's time, of a burst of --launches launches' host time and
+(on a GPU) of 10 replays of a 50-kernel CUDA graph (how a decode step launches),
 alone and while flips run.
 """
 
@@ -36,6 +37,14 @@ def launches(x, n: int) -> float:
     return (time.perf_counter_ns() - t) / 1e6
 
 
+def replays(graph, n: int) -> float:
+    """Host time (ms) of n CUDA graph launches (a decode step's launch), without waiting."""
+    t = time.perf_counter_ns()
+    for _ in range(n):
+        graph.replay()
+    return (time.perf_counter_ns() - t) / 1e6
+
+
 def measure(backend, gib: float, rounds: int, n: int, device: str = "cuda") -> dict:
     import torch
 
@@ -50,6 +59,18 @@ def measure(backend, gib: float, rounds: int, n: int, device: str = "cuda") -> d
     x = torch.zeros(256, device=device)
     launches(x, n)
     sync()
+    graph = None
+    if device.startswith("cuda"):  # a graph of 50 small kernels, replayed as a decode step is
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            launches(x, 3)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            launches(x, 50)
+        replays(graph, 3)
+        sync()
 
     def flip_once() -> float:
         t = time.perf_counter_ns()
@@ -62,6 +83,11 @@ def measure(backend, gib: float, rounds: int, n: int, device: str = "cuda") -> d
     for _ in range(rounds):
         alone_launch.append(launches(x, n))
         sync()
+    alone_replay, during_replay = [], []
+    if graph is not None:
+        for _ in range(rounds):
+            alone_replay.append(replays(graph, 10))
+            sync()
     during, flips = [], []
     for _ in range(rounds):
         stop = threading.Event()
@@ -74,6 +100,8 @@ def measure(backend, gib: float, rounds: int, n: int, device: str = "cuda") -> d
         th.start()
         time.sleep(0.002)  # the flipper is inside its loop
         during.append(launches(x, n))
+        if graph is not None:
+            during_replay.append(replays(graph, 10))
         stop.set()
         th.join()
         sync()
@@ -82,8 +110,12 @@ def measure(backend, gib: float, rounds: int, n: int, device: str = "cuda") -> d
         return {"median_ms": round(statistics.median(v), 3), "max_ms": round(max(v), 3), "n": len(v)}
 
     backend.close()
-    return {"pool_gib": round(size / 2**30, 2), "flip_alone": stats(alone_flip), "flip_beside_launches": stats(flips),
-            f"{n}_launches_alone": stats(alone_launch), f"{n}_launches_during_flips": stats(during)}
+    out = {"pool_gib": round(size / 2**30, 2), "flip_alone": stats(alone_flip), "flip_beside_launches": stats(flips),
+           f"{n}_launches_alone": stats(alone_launch), f"{n}_launches_during_flips": stats(during)}
+    if graph is not None:
+        out["10_graph_replays_alone"] = stats(alone_replay)
+        out["10_graph_replays_during_flips"] = stats(during_replay)
+    return out
 
 
 def main() -> int:
