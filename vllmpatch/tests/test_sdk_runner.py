@@ -172,9 +172,10 @@ class Stream(threading.Thread):
             self.error = e.code()
 
 
-def test_failover_end_to_end(sup):
+@pytest.mark.parametrize("standby_kv", ["readonly", "writable"])
+def test_failover_end_to_end(sup, standby_kv):
     a, pools, fds = start_active(sup, sync_every=4, env={"FRMPS_FAKE_STEP_DELAY_MS": "30"})
-    s = sup.spawn("standby", "s")
+    s = sup.spawn("standby", "s", env={"FRMPS_STANDBY_KV": standby_kv})
     hello = sup.accept(s)
     assert hello.role == c.ROLE_STANDBY and list(hello.pools) == list(pools)
     sup.welcome(s)
@@ -184,6 +185,8 @@ def test_failover_end_to_end(sup):
     assert got["reply"][0].id == 11 and got["reply"][0].reply.ok
     assert got["ready"][0].ready.role == c.ROLE_STANDBY
     assert digest(fds) == before, "a standby must not write the shared pools"
+    kv_rw = ", the KV cache read-write" if standby_kv == "writable" else ""
+    assert f"brokered pools mapped read-only{kv_rw} (map" in s.log()
 
     s_stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("unix://" + s.gen_path))
     with pytest.raises(grpc.RpcError) as ei:
@@ -328,6 +331,13 @@ def test_bad_configuration_is_a_clear_error(sockdir, args, msg):
                         "--control-socket", f"{sockdir}/c", "--generation-socket", f"{sockdir}/g"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+def test_a_bad_standby_kv_policy_is_a_clear_error(sockdir):
+    r = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", FAKE, "--role", "standby",
+                        "--model", "fake-tiny", "--control-socket", f"{sockdir}/c", "--generation-socket", f"{sockdir}/g"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "FRMPS_STANDBY_KV": "rw"})
+    assert r.returncode == 2 and "FRMPS_STANDBY_KV='rw': expected readonly or writable" in r.stderr, r.stderr
 
 
 def test_no_supervisor_socket_is_a_clear_error(sockdir):
@@ -758,7 +768,8 @@ def test_a_peer_death_is_reported_once_and_the_second_reporter_waits(tmp_path):
     assert codes == [EXIT_PEER_DIED]
 
 
-def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path, monkeypatch):
+@pytest.mark.parametrize("standby_kv", ["readonly", "writable"])
+def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path, monkeypatch, standby_kv):
     """A core's reset may run device work (vLLM's runs a step that hands the model
     runner the finished request ids): it must come before the read-only flips and
     the reply, never after. Measured on the GPU with the reset moved after the reply:
@@ -770,6 +781,7 @@ def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path, monkey
 
     events = []
     monkeypatch.setenv("FRMPS_FAKE_STEP_DELAY_MS", "5")  # the request is still running at the handover
+    monkeypatch.setenv("FRMPS_STANDBY_KV", standby_kv)  # writable: the KV cache stays read-write asleep
     adapter = FakeAdapter(EngineOptions("fake-tiny"))
     mem = get_backend("host-shm")
     pools = mem.allocate(adapter.pool_layout())
@@ -795,7 +807,8 @@ def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path, monkey
         rep = r.on_handoff(1, cpb.Handoff())
         events.append("reply")
         assert rep is not None and rep.ok, rep
-        assert events == ["reset", "read-only kv_cache", "read-only weights", "reply"]
+        kv = ["read-only kv_cache"] if standby_kv == "readonly" else []
+        assert events == ["reset", *kv, "read-only weights", "reply"]
         assert s.moved and not core.has_work() and r.role == cpb.ROLE_STANDBY
     finally:
         mem.close()

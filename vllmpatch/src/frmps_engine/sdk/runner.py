@@ -165,6 +165,24 @@ def _device_gate_enabled() -> bool:
     return os.environ.get("FRMPS_DEBUG_NO_DEVICE_GATE", "") in ("", "0")
 
 
+STANDBY_KV_ENV = "FRMPS_STANDBY_KV"
+
+
+def _standby_kv_writable() -> bool:
+    """FRMPS_STANDBY_KV: how a sleeping standby maps the KV cache.
+
+    ``readonly`` (default): read-only while asleep, flipped to read-write beside
+    the takeover's first step (the KV flip). ``writable``: read-write from the
+    moment it goes to sleep, so a takeover has no flip to wait for; the standby
+    still writes nothing before it is resumed (it runs no device work while
+    asleep), but the driver no longer enforces it. Weights stay read-only either
+    way. Anything else is a configuration error."""
+    raw = os.environ.get(STANDBY_KV_ENV, "") or "readonly"
+    if raw not in ("readonly", "writable"):
+        raise StartupError(f"{STANDBY_KV_ENV}={raw!r}: expected readonly or writable")
+    return raw == "writable"
+
+
 def _test_step_delay() -> float:
     """FRMPS_TEST_STEP_DELAY_MS: a test knob that slows every engine step, so
     end-to-end tests can reach kill points such as "mid-prefill". Never set in
@@ -243,6 +261,7 @@ class Runner:
         self._slept = False
         self._resumed = False
         self._stack: StandbyStack | None = None
+        self._kv_writable = _standby_kv_writable()
         self._done = threading.Event()
         self._exit_code = EXIT_OK
         self._shutting_down = threading.Lock()
@@ -424,13 +443,17 @@ class Runner:
             self.memory.map(self.specs, fds, readonly=True)
         except SizeMismatch as e:
             return self._refuse(env_id, str(e))
+        how = "read-only"
+        if self._kv_writable:  # FRMPS_STANDBY_KV=writable: no flip left for the takeover
+            self.memory.make_writable("kv_cache")
+            how = "read-only, the KV cache read-write"
         t_map = time.perf_counter_ns() - t_map
         self._slept = True
         stack = self._standby_stack().shrink()
         memphase.note("asleep (brokered pools mapped)")
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
-        log.info("standby asleep with %d brokered pools mapped read-only (map %.2f ms, ready %.0f ms after start)%s%s",
-                 len(fds), t_map / 1e6, (time.perf_counter_ns() - self._t0) / 1e6,
+        log.info("standby asleep with %d brokered pools mapped %s (map %.2f ms, ready %.0f ms after start)%s%s",
+                 len(fds), how, t_map / 1e6, (time.perf_counter_ns() - self._t0) / 1e6,
                  _standby_memory_note(self.adapter.device), stack)
         return control_pb2.Reply(ok=True)
 
@@ -621,7 +644,8 @@ class Runner:
             # last step made and disconnects; the frontend keeps the requests open.
             moved = loop.hand_over() if self.server is None else self.server.hand_over()
             t_loop = time.perf_counter_ns()
-            self.memory.make_readonly("kv_cache")
+            if not self._kv_writable:
+                self.memory.make_readonly("kv_cache")
             self.memory.make_readonly("weights")
         except Exception as e:  # the engine is half way to sleep: it must not serve on
             self._fatal(e)
