@@ -476,3 +476,126 @@ def test_a_failed_kv_flip_behind_a_device_gate_fails_the_resume_and_runs_no_pass
     assert not h.runner.loop.running
     assert "passes_after_gate" not in seen, "a pass ran after the flip failed"
     assert h.exits == [3], h.exits  # EXIT_DEVICE, through the loop's fatal path
+
+
+class FakeXidWatch:
+    """TEST DOUBLE of sdk/xidwatch.XidWatch: ``fire`` delivers an Xid from a thread of
+    its own, as NVML's event thread does."""
+
+    def __init__(self, on_xid):
+        self.on_xid, self.uuids, self.closed = on_xid, ["GPU-fake"], threading.Event()
+
+    def fire(self, xid):
+        t = threading.Thread(target=self.on_xid, args=(xid, time.perf_counter_ns()))
+        t.start()
+        t.join(10)
+
+    def close(self):
+        self.closed.set()
+
+
+@pytest.fixture
+def xid(monkeypatch):
+    """The early flip on the host-shm pools, with the watch replaced by FakeXidWatch;
+    yields (the watches made, the access changes the standby's backend made)."""
+    import frmps_engine.sdk.runner as runner_mod
+
+    watches = []
+    monkeypatch.setattr(runner_mod, "_EARLY_FLIP_BACKENDS", ("cuda-vmm", "host-shm"))
+    monkeypatch.setattr(runner_mod, "_xid_watch_factory", lambda on_xid: watches.append(FakeXidWatch(on_xid)) or watches[-1])
+    return watches
+
+
+def logged(caplog, text):
+    """The first log message containing ``text``, waiting for it (the takeover's line
+    is written after its reply)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = [r.getMessage() for r in caplog.records if text in r.getMessage()]
+        if found:
+            return found[0]
+        time.sleep(0.01)
+    raise AssertionError(f"no log line with {text!r}")
+
+
+def record_access(h, monkeypatch):
+    mem, flips = h.runner.memory, []
+    real = mem._set_access
+
+    def set_access(pool, readonly):
+        flips.append((pool.spec.tag, readonly))
+        real(pool, readonly)
+
+    monkeypatch.setattr(mem, "_set_access", set_access)
+    return flips
+
+
+def test_an_xid_makes_the_kv_cache_writable_before_the_resume(h, xid, monkeypatch, caplog):
+    """FRMPS_STANDBY_KV=early (the default): an Xid while the standby sleeps flips its KV
+    mapping to read-write at once; the takeover then has no flip left, says so, and the
+    request continues exactly."""
+    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
+    flips = record_access(h, monkeypatch)
+    assert h.sleep().ok
+    (watch,) = xid
+    asleep = next(r.getMessage() for r in caplog.records if "standby asleep" in r.getMessage())
+    assert "the KV cache turns writable at an Xid on GPU-fake" in asleep, asleep
+    out, snaps = run_active(h.active, 1, TOK.encode("hello"), 4, FakeParams(20, 0.0, 11))
+    assert flips == []
+    watch.fire(43)
+    assert flips == [("kv_cache", False)]
+    assert any("Xid 43 on the GPU: the KV cache is writable" in r.getMessage() for r in caplog.records)
+    watch.fire(43)  # the same fault's next Xid: nothing more to flip
+    assert flips == [("kv_cache", False)]
+    req = c.ResumeRequest(key=1, prompt="hello", params=c.SamplingParams(max_tokens=20), delivered_token_ids=out,
+                          snapshot=snaps[-1])
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[req], ring_path=h.ring, sync_every=2)))
+    assert r.ok and r.resumed[0].ok, r
+    assert resume_stream(h, 1, out) == reference(TOK.encode("hello"), 20, 0.0, 11)
+    assert flips == [("kv_cache", False)], "the takeover flipped again"
+    line = logged(caplog, "took over")
+    assert re.search(r"the KV cache was writable since Xid 43, [\d.]+ ms before this Resume \(early flip [\d.]+ ms\)$",
+                     line), line
+    assert loglines.TAKEOVER.search(line), line  # the harnesses still read the line
+    assert watch.closed.wait(10), "the watch outlived the takeover"
+    watch.fire(43)  # an Xid after the takeover: the engine serves, nothing changes
+    assert flips == [("kv_cache", False)]
+
+
+def test_an_xid_without_a_takeover_is_undone_after_the_hold(h, xid, monkeypatch, caplog):
+    """NVML's events carry no pid: an Xid of another process arms the standby too. With
+    no Resume within the hold, the KV cache is read-only again, and a later takeover
+    flips it as usual."""
+    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
+    flips = record_access(h, monkeypatch)
+    h.runner._xid_hold_s = 0.05
+    assert h.sleep().ok
+    xid[0].fire(31)
+    deadline = time.monotonic() + 10
+    while len(flips) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert flips == [("kv_cache", False), ("kv_cache", True)]
+    assert any("no takeover followed Xid 31 within 50 ms: the KV cache is read-only again" in r.getMessage()
+               for r in caplog.records)
+    assert resume_one_new(h).ok
+    assert flips == [("kv_cache", False), ("kv_cache", True), ("kv_cache", False)]
+    line = logged(caplog, "took over")
+    assert "since Xid" not in line
+
+
+def test_without_nvml_the_standby_flips_at_the_takeover(h, monkeypatch, caplog):
+    import frmps_engine.sdk.runner as runner_mod
+    from frmps_engine.sdk.xidwatch import NvmlError
+
+    def no_nvml(on_xid):
+        raise NvmlError("nvmlInit_v2: NVML return 9")
+
+    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
+    monkeypatch.setattr(runner_mod, "_EARLY_FLIP_BACKENDS", ("cuda-vmm", "host-shm"))
+    monkeypatch.setattr(runner_mod, "_xid_watch_factory", no_nvml)
+    flips = record_access(h, monkeypatch)
+    assert h.sleep().ok
+    asleep = next(r.getMessage() for r in caplog.records if "standby asleep" in r.getMessage())
+    assert asleep.endswith("; no early KV flip (nvmlInit_v2: NVML return 9)"), asleep
+    assert resume_one_new(h).ok
+    assert flips == [("kv_cache", False)]
