@@ -121,7 +121,6 @@ class _Takeover:
     adopt_cpu_ns: int = 0
     ring_ns: int = 0
     wake_ns: int = 0
-    early: str = ""  # how an Xid made the KV cache writable before the Resume (Runner._on_xid)
 
     def line(self, outcomes: list, took: int, loop: EngineLoop, t0: int) -> str:
         """The takeover's log line (bench/loglines.py TAKEOVER reads it)."""
@@ -130,7 +129,7 @@ class _Takeover:
                 f"{sum(o.prefilled_tokens for o in outcomes)} to prefill; KV writable in {self.wake_ns / 1e6:.3f} ms; "
                 f"adoption {self.adopt_ns / 1e6:.2f} ms, ring attach {self.ring_ns / 1e6:.2f} ms; "
                 f"adoption CPU {self.adopt_cpu_ns / 1e6:.2f} ms, the KV flip beside it); "
-                + self._gate_note(loop.started_ns - t0, t0) + self.early)
+                + self._gate_note(loop.started_ns - t0, t0))
 
     def first_step_note(self, t0: int, stack: "StandbyStack") -> str:
         """For the loop's first-step line, written once that step is done: when its
@@ -167,44 +166,21 @@ def _device_gate_enabled() -> bool:
 
 
 STANDBY_KV_ENV = "FRMPS_STANDBY_KV"
-XID_HOLD_ENV = "FRMPS_XID_ARM_HOLD_MS"
 
 
-# Backends whose pools are device memory, where an Xid can announce a takeover.
-_EARLY_FLIP_BACKENDS = ("cuda-vmm",)
-
-
-def _xid_watch_factory(on_xid: Callable[[int, int], None]):
-    """The Xid listener of a sleeping standby (a test replaces it)."""
-    from .xidwatch import XidWatch, visible_gpu_uuids
-
-    return XidWatch(visible_gpu_uuids(), on_xid)
-
-
-def _standby_kv_policy() -> str:
+def _standby_kv_writable() -> bool:
     """FRMPS_STANDBY_KV: how a sleeping standby maps the KV cache.
 
-    ``early`` (default): read-only while asleep; read-write as soon as NVML reports
-    an Xid on its GPU (sdk/xidwatch.py: before the active's death is seen), back to
-    read-only when no Resume follows within FRMPS_XID_ARM_HOLD_MS (default 2000);
-    otherwise flipped beside the takeover's first step (the KV flip). ``readonly``:
-    the flip at the takeover only. ``writable``: read-write from the moment it goes
-    to sleep, so a takeover never waits for a flip; the standby still writes nothing
-    before it is resumed (it runs no device work while asleep), but the driver no
-    longer enforces it. Weights stay read-only in every case. Anything else is a
-    configuration error."""
-    raw = os.environ.get(STANDBY_KV_ENV, "") or "early"
-    if raw not in ("early", "readonly", "writable"):
-        raise StartupError(f"{STANDBY_KV_ENV}={raw!r}: expected early, readonly or writable")
-    return raw
-
-
-def _xid_hold_s() -> float:
-    raw = os.environ.get(XID_HOLD_ENV, "")
-    try:
-        return max(0.0, float(raw) / 1000.0) if raw else 2.0
-    except ValueError:
-        raise StartupError(f"{XID_HOLD_ENV}={raw!r}: expected milliseconds") from None
+    ``readonly`` (default): read-only while asleep, flipped to read-write beside
+    the takeover's first step (the KV flip). ``writable``: read-write from the
+    moment it goes to sleep, so a takeover has no flip to wait for; the standby
+    still writes nothing before it is resumed (it runs no device work while
+    asleep), but the driver no longer enforces it. Weights stay read-only either
+    way. Anything else is a configuration error."""
+    raw = os.environ.get(STANDBY_KV_ENV, "") or "readonly"
+    if raw not in ("readonly", "writable"):
+        raise StartupError(f"{STANDBY_KV_ENV}={raw!r}: expected readonly or writable")
+    return raw == "writable"
 
 
 def _test_step_delay() -> float:
@@ -285,15 +261,7 @@ class Runner:
         self._slept = False
         self._resumed = False
         self._stack: StandbyStack | None = None
-        self._kv_policy = _standby_kv_policy()
-        self._kv_writable = self._kv_policy == "writable"
-        self._xid_hold_s = _xid_hold_s()
-        self._arm_lock = threading.Lock()  # the early flip, its undoing and a Resume, one at a time
-        self._armed: tuple[int, int, int, int] | None = None  # (xid, perf_counter_ns of the event, flip ns, serial)
-        self._arm_serial = 0
-        self._arm_timer: threading.Timer | None = None  # undoes the early flip when no Resume follows
-        self._xid_watch = None  # sdk/xidwatch.XidWatch while a standby sleeps with FRMPS_STANDBY_KV=early
-        self._early_note = ""
+        self._kv_writable = _standby_kv_writable()
         self._done = threading.Event()
         self._exit_code = EXIT_OK
         self._shutting_down = threading.Lock()
@@ -482,87 +450,12 @@ class Runner:
         t_map = time.perf_counter_ns() - t_map
         self._slept = True
         stack = self._standby_stack().shrink()
-        early = self._watch_xids()
         memphase.note("asleep (brokered pools mapped)")
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
-        log.info("standby asleep with %d brokered pools mapped %s (map %.2f ms, ready %.0f ms after start)%s%s%s",
+        log.info("standby asleep with %d brokered pools mapped %s (map %.2f ms, ready %.0f ms after start)%s%s",
                  len(fds), how, t_map / 1e6, (time.perf_counter_ns() - self._t0) / 1e6,
-                 _standby_memory_note(self.adapter.device), stack, early)
+                 _standby_memory_note(self.adapter.device), stack)
         return control_pb2.Reply(ok=True)
-
-    # -- the early flip (FRMPS_STANDBY_KV=early, sdk/xidwatch.py) -------------------
-    def _watch_xids(self) -> str:
-        """Start listening for Xids while this standby sleeps; returns the note for
-        the "asleep" line. Only where the KV cache is device memory (cuda-vmm)."""
-        if self._kv_policy != "early" or self.memory.name not in _EARLY_FLIP_BACKENDS or self._xid_watch is not None:
-            return ""
-        try:
-            w = _xid_watch_factory(self._on_xid)
-        except Exception as e:  # noqa: BLE001 - no early flip; the takeover flips as before
-            return f"; no early KV flip ({e})"
-        with self._arm_lock:
-            self._xid_watch = w
-        return f"; the KV cache turns writable at an Xid on {', '.join(w.uuids)}"
-
-    def _watch_xids_later(self) -> None:
-        """After a handover, off the reply's path: listen again while asleep."""
-        note = self._watch_xids()
-        with self._arm_lock:
-            stale = self._resumed or self.role != control_pb2.ROLE_STANDBY
-        if stale:  # resumed meanwhile: the takeover found no watch to stop
-            self._stop_xid_watch()
-        elif note:
-            log.info("standby asleep again%s", note)
-
-    def _stop_xid_watch(self, wait: bool = True) -> None:
-        with self._arm_lock:
-            w, self._xid_watch = self._xid_watch, None
-            if self._arm_timer is not None:  # no undoing once the watch is gone (takeover, shutdown)
-                self._arm_timer.cancel()
-                self._arm_timer = None
-        if w is not None:
-            if wait:
-                w.close()
-            else:  # off the takeover's path: the watch ends within one poll
-                threading.Thread(target=w.close, name="frmps-xid-watch-close", daemon=True).start()
-
-    def _on_xid(self, xid: int, t_event: int) -> None:
-        """NVML reported an Xid (the watch's thread): a fault may be about to kill the
-        active. Make the KV cache writable now, unless a Resume already came."""
-        with self._arm_lock:
-            if self.role != control_pb2.ROLE_STANDBY or not self._slept or self._resumed:
-                return
-            if self._armed is not None:  # armed already: the hold starts again
-                self._arm_serial += 1
-                self._armed = (self._armed[0], t_event, self._armed[2], self._arm_serial)
-                serial = self._arm_serial
-                flip_ns = -1
-            else:
-                t = time.perf_counter_ns()
-                self.memory.make_writable("kv_cache")
-                flip_ns = time.perf_counter_ns() - t
-                self._arm_serial += 1
-                serial = self._arm_serial
-                self._armed = (xid, t_event, flip_ns, serial)
-            if self._arm_timer is not None:
-                self._arm_timer.cancel()
-            self._arm_timer = threading.Timer(self._xid_hold_s, self._disarm, args=(serial,))
-            self._arm_timer.daemon = True
-            self._arm_timer.start()
-        if flip_ns >= 0:
-            log.info("Xid %d on the GPU: the KV cache is writable (flip %.2f ms), ready for a takeover; read-only "
-                     "again in %.0f ms unless one comes", xid, flip_ns / 1e6, self._xid_hold_s * 1e3)
-
-    def _disarm(self, serial: int) -> None:
-        """No Resume within the hold after the last Xid: read-only again."""
-        with self._arm_lock:
-            armed = self._armed
-            if armed is None or armed[3] != serial or self._resumed or self.role != control_pb2.ROLE_STANDBY:
-                return
-            self.memory.make_readonly("kv_cache")
-            self._armed, self._arm_timer = None, None
-        log.info("no takeover followed Xid %d within %.0f ms: the KV cache is read-only again", armed[0],
-                 self._xid_hold_s * 1e3)
 
     def _standby_stack(self) -> StandbyStack:
         """The per-thread stack policy of this engine's device (sdk/stack.py), made on
@@ -589,13 +482,7 @@ class Runner:
         if mismatch:  # refused whole, nothing adopted: still a sleeping standby
             log.error("%s", mismatch)
             return control_pb2.Reply(ok=False, error=mismatch)
-        with self._arm_lock:  # after an early flip in progress, before its undoing
-            self._resumed = True
-            armed, self._armed = self._armed, None
-        self._early_note = "" if armed is None else (
-            f"; the KV cache was writable since Xid {armed[0]}, {(t0 - armed[1]) / 1e6:.1f} ms before this Resume "
-            f"(early flip {armed[2] / 1e6:.2f} ms)")
-        self._stop_xid_watch(wait=False)
+        self._resumed = True
         # No collector pass in the middle of a takeover (it is re-enabled below).
         gc.disable()
         try:
@@ -722,7 +609,7 @@ class Runner:
         the flip before its first device work that touches the KV cache); without
         one the caller starts the loop after the flip. Returns the adoption's
         outcomes and the takeover's times (``t0``: when the Resume arrived)."""
-        tk = _Takeover(_KvFlip(self.memory), early=self._early_note)
+        tk = _Takeover(_KvFlip(self.memory))
         self._standby_stack().regrow()  # beside the flip and the adoption (sdk/stack.py)
         try:
             t, c = time.perf_counter_ns(), time.thread_time_ns()
@@ -775,8 +662,6 @@ class Runner:
         # Off the Reply's path: the supervisor resumes the next engine on it.
         self._standby_stack().shrink_later(lambda note: note and log.info("standby asleep again%s", note),
                                            lambda: self.role == control_pb2.ROLE_STANDBY and not self._resumed)
-        if self._kv_policy == "early":
-            threading.Thread(target=self._watch_xids_later, name="frmps-xid-watch-start", daemon=True).start()
         self.log_counters("after handover")
         return control_pb2.Reply(ok=True, took_ns=took)
 
@@ -908,7 +793,6 @@ class Runner:
         """Stop taking requests, let running streams finish within grace_s, stop the loop."""
         if not self._shutting_down.acquire(blocking=False):
             return
-        self._stop_xid_watch()
         self.backend.is_serving = False
         server = self.server
         if server is not None:
