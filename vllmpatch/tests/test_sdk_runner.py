@@ -187,6 +187,7 @@ def test_failover_end_to_end(sup, standby_kv):
     assert digest(fds) == before, "a standby must not write the shared pools"
     kv_rw = ", the KV cache read-write" if standby_kv == "writable" else ""
     assert f"brokered pools mapped read-only{kv_rw} (map" in s.log()
+    assert loglines.SLEEP.search(s.log()), "the bench reads the sleep's figures from this line"
 
     s_stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel("unix://" + s.gen_path))
     with pytest.raises(grpc.RpcError) as ei:
@@ -337,7 +338,7 @@ def test_a_bad_standby_kv_policy_is_a_clear_error(sockdir):
     r = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", FAKE, "--role", "standby",
                         "--model", "fake-tiny", "--control-socket", f"{sockdir}/c", "--generation-socket", f"{sockdir}/g"],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "FRMPS_STANDBY_KV": "rw"})
-    assert r.returncode == 2 and "FRMPS_STANDBY_KV='rw': expected readonly or writable" in r.stderr, r.stderr
+    assert r.returncode == 2 and "FRMPS_STANDBY_KV='rw': expected writable (the default) or readonly" in r.stderr, r.stderr
 
 
 def test_no_supervisor_socket_is_a_clear_error(sockdir):
@@ -772,8 +773,10 @@ def test_a_peer_death_is_reported_once_and_the_second_reporter_waits(tmp_path):
 def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path, monkeypatch, standby_kv):
     """A core's reset may run device work (vLLM's runs a step that hands the model
     runner the finished request ids): it must come before the read-only flips and
-    the reply, never after. Measured on the GPU with the reset moved after the reply:
-    the yielded vLLM engine's reset step hit an illegal address on its read-only pools."""
+    the reply, never after, and be finished on the device before the reply (with a
+    writable KV cache no flip would catch a late write). Measured on the GPU with
+    the reset moved after the reply: the yielded vLLM engine's reset step hit an
+    illegal address on its read-only pools."""
     from frmps_engine._proto.frmps.v1 import control_pb2 as cpb
     from frmps_engine.sdk.loop import EngineLoop
     from frmps_engine.sdk.memory import get_backend
@@ -782,6 +785,7 @@ def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path, monkey
     events = []
     monkeypatch.setenv("FRMPS_FAKE_STEP_DELAY_MS", "5")  # the request is still running at the handover
     monkeypatch.setenv("FRMPS_STANDBY_KV", standby_kv)  # writable: the KV cache stays read-write asleep
+    monkeypatch.setattr("frmps_engine.sdk.runner._synchronize", lambda device: events.append("device synchronised"))
     adapter = FakeAdapter(EngineOptions("fake-tiny"))
     mem = get_backend("host-shm")
     pools = mem.allocate(adapter.pool_layout())
@@ -808,7 +812,7 @@ def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path, monkey
         events.append("reply")
         assert rep is not None and rep.ok, rep
         kv = ["read-only kv_cache"] if standby_kv == "readonly" else []
-        assert events == ["reset", *kv, "read-only weights", "reply"]
+        assert events == ["reset", "device synchronised", *kv, "read-only weights", "reply"]
         assert s.moved and not core.has_work() and r.role == cpb.ROLE_STANDBY
     finally:
         mem.close()

@@ -93,6 +93,16 @@ def h(sockdir):
     x.close()
 
 
+@pytest.fixture
+def h_ro(sockdir, monkeypatch):
+    """A standby with FRMPS_STANDBY_KV=readonly: asleep, its KV cache is read-only and
+    the takeover flips it (beside the adoption, behind the device gate)."""
+    monkeypatch.setenv("FRMPS_STANDBY_KV", "readonly")
+    x = Harness(sockdir)
+    yield x
+    x.close()
+
+
 def run_active(core, key, prompt, steps, params):
     """Step the active's fake core; return the request's output tokens and its state after each step."""
     core.add_request(key, prompt, params)
@@ -260,7 +270,8 @@ def test_a_takeover_that_fails_after_the_core_adopted_aborts_it_there(h, monkeyp
     assert not core.has_work(), "the adopted request was left running in the core"
 
 
-def test_the_kv_flip_runs_beside_the_adoption_and_before_any_step(h, monkeypatch, caplog):
+def test_the_kv_flip_runs_beside_the_adoption_and_before_any_step(h_ro, monkeypatch, caplog):
+    h = h_ro  # FRMPS_STANDBY_KV=readonly: the KV cache flips at the takeover
     """After a fault the KV pool's flip to read-write waits on the MPS server, so it
     runs on a thread beside the adoption (host work only). The flip here finishes
     only once adoption has started: done one after the other, the flip would run
@@ -324,7 +335,8 @@ def test_memory_phase_lines_when_asked(h, monkeypatch, caplog):
     assert resume_one_new(h).ok
 
 
-def test_a_failed_kv_flip_fails_the_resume(h, monkeypatch):
+def test_a_failed_kv_flip_fails_the_resume(h_ro, monkeypatch):
+    h = h_ro  # FRMPS_STANDBY_KV=readonly: the KV cache flips at the takeover
     assert h.sleep().ok
 
     def flip(tag):  # TEST DOUBLE of the driver refusing the access change
@@ -363,7 +375,8 @@ def gate_on(core, monkeypatch):
     return at_gate, seen
 
 
-def test_with_a_device_gate_the_first_steps_host_work_runs_beside_the_kv_flip(h, monkeypatch, caplog):
+def test_with_a_device_gate_the_first_steps_host_work_runs_beside_the_kv_flip(h_ro, monkeypatch, caplog):
+    h = h_ro  # FRMPS_STANDBY_KV=readonly: the KV cache flips at the takeover
     """engine_api.DeviceGate: the loop starts as soon as the requests are adopted
     and the ring attached, the first step's host work runs while the KV flip waits
     for the MPS server, and its device work waits at the gate. The flip here ends
@@ -405,7 +418,8 @@ def test_with_a_device_gate_the_first_steps_host_work_runs_beside_the_kv_flip(h,
     assert got["device_gate"] and got["gate_wait_ms"] >= 0 and got["gate_at_ms"] > 0, (got, line)
 
 
-def test_a_first_step_that_reaches_the_gate_after_the_flip_says_when_in_its_own_line(h, monkeypatch, caplog):
+def test_a_first_step_that_reaches_the_gate_after_the_flip_says_when_in_its_own_line(h_ro, monkeypatch, caplog):
+    h = h_ro  # FRMPS_STANDBY_KV=readonly: the KV cache flips at the takeover
     """A fast flip (e.g. after an out-of-range shared access) ends before the first
     step's host work reaches the gate. The takeover's line, written at the reply,
     cannot say when the gate was reached; the first step's line, written after that
@@ -441,7 +455,8 @@ def test_a_first_step_that_reaches_the_gate_after_the_flip_says_when_in_its_own_
     assert first["step_ms"] > 0, first
 
 
-def test_without_a_device_gate_the_log_says_the_loop_started_after_the_flip(h, caplog, monkeypatch):
+def test_without_a_device_gate_the_log_says_the_loop_started_after_the_flip(h_ro, caplog, monkeypatch):
+    h = h_ro  # FRMPS_STANDBY_KV=readonly: the KV cache flips at the takeover
     """FRMPS_DEBUG_NO_DEVICE_GATE=1 (A/B runs): the loop starts after the flip even
     for a core with a gate, and the takeover's log line says so."""
     caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
@@ -457,7 +472,8 @@ def test_without_a_device_gate_the_log_says_the_loop_started_after_the_flip(h, c
     assert got["device_gate"] is False and "gate_wait_ms" not in got, (got, line)
 
 
-def test_a_failed_kv_flip_behind_a_device_gate_fails_the_resume_and_runs_no_pass(h, monkeypatch):
+def test_a_failed_kv_flip_behind_a_device_gate_fails_the_resume_and_runs_no_pass(h_ro, monkeypatch):
+    h = h_ro  # FRMPS_STANDBY_KV=readonly: the KV cache flips at the takeover
     """The gate raises the flip's error on the loop's thread: the first pass never
     runs (the KV cache may still be read-only, or a dead client's kernels may still
     be writing it), the engine reports the device error and exits, and the Resume
@@ -476,3 +492,27 @@ def test_a_failed_kv_flip_behind_a_device_gate_fails_the_resume_and_runs_no_pass
     assert not h.runner.loop.running
     assert "passes_after_gate" not in seen, "a pass ran after the flip failed"
     assert h.exits == [3], h.exits  # EXIT_DEVICE, through the loop's fatal path
+
+
+def test_by_default_the_kv_cache_is_writable_asleep_and_the_takeover_flips_nothing(h, monkeypatch):
+    """FRMPS_STANDBY_KV=writable (the default): the standby maps the KV cache read-write
+    when it goes to sleep (weights read-only), writes nothing while asleep, and its
+    takeover changes no access: nothing is left on the takeover's path."""
+    mem, flips = h.runner.memory, []
+    real = mem._set_access
+
+    def set_access(pool, readonly):
+        flips.append((pool.spec.tag, readonly))
+        real(pool, readonly)
+
+    monkeypatch.setattr(mem, "_set_access", set_access)
+    assert h.sleep().ok
+    assert flips == [("kv_cache", False)]
+    assert [p.readonly for p in mem.pools() if p.spec.tag == "weights"] == [True]
+    out, snaps = run_active(h.active, 1, TOK.encode("hello"), 4, FakeParams(20, 0.0, 11))
+    req = c.ResumeRequest(key=1, prompt="hello", params=c.SamplingParams(max_tokens=20), delivered_token_ids=out,
+                          snapshot=snaps[-1])
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[req], ring_path=h.ring, sync_every=2)))
+    assert r.ok and r.resumed[0].ok, r
+    assert resume_stream(h, 1, out) == reference(TOK.encode("hello"), 20, 0.0, 11)
+    assert flips == [("kv_cache", False)], "the takeover changed an access"

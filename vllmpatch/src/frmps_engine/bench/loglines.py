@@ -27,7 +27,7 @@ HANDOFF = re.compile(r"handed over (\d+) requests in ([\d.]+) ms \(loop stopped,
                      r"move ([\d.]+) ms, reset ([\d.]+) ms, loop stop ([\d.]+) ms; pools read-only ([\d.]+) ms\)")
 HANDOFF_FIELDS = ("requests", "handoff_ms", "wait_ms", "in_flight_ms", "publish_ms", "move_ms", "reset_ms", "stop_ms",
                   "read_only_ms")
-SLEEP = re.compile(r"mapped read-only \(map ([\d.]+) ms, ready (\d+) ms after start\)")
+SLEEP = re.compile(r"mapped read-only(?:, the KV cache read-write)? \(map ([\d.]+) ms, ready (\d+) ms after start\)")
 INIT = re.compile(r"standby built \(init (\d+) ms\)")
 ALLOC = re.compile(r"torch allocator: ([\d.]+) MiB reserved, ([\d.]+) MiB allocated")
 # runner._standby_memory_note, after Sleep: "<kind> R MiB reserved (A allocated[, N pools])" per kind of pool

@@ -171,16 +171,31 @@ STANDBY_KV_ENV = "FRMPS_STANDBY_KV"
 def _standby_kv_writable() -> bool:
     """FRMPS_STANDBY_KV: how a sleeping standby maps the KV cache.
 
-    ``readonly`` (default): read-only while asleep, flipped to read-write beside
-    the takeover's first step (the KV flip). ``writable``: read-write from the
-    moment it goes to sleep, so a takeover has no flip to wait for; the standby
-    still writes nothing before it is resumed (it runs no device work while
-    asleep), but the driver no longer enforces it. Weights stay read-only either
-    way. Anything else is a configuration error."""
-    raw = os.environ.get(STANDBY_KV_ENV, "") or "readonly"
+    ``writable`` (default): read-write from the moment it goes to sleep, so a
+    takeover never waits for an access change. After a fault the flip's driver call
+    waits on the MPS server tearing the dead context down: 2-20 ms at 14B on an H100
+    (bench/results/2026-11-28-h100-vllm-standby-kv/). The standby still writes nothing
+    before it is resumed: it runs no device work while asleep, an active that hands
+    over synchronises its device before it replies, and the supervisor resumes a
+    standby only once the active is dead and fenced. ``readonly``: read-only while
+    asleep, flipped to read-write beside the takeover's first step, so the driver
+    itself faults any write a standby makes while asleep (a hardened mode, and the
+    behaviour before; the flip is then on the takeover's path). Weights stay
+    read-only in both. Anything else is a configuration error."""
+    raw = os.environ.get(STANDBY_KV_ENV, "") or "writable"
     if raw not in ("readonly", "writable"):
-        raise StartupError(f"{STANDBY_KV_ENV}={raw!r}: expected readonly or writable")
+        raise StartupError(f"{STANDBY_KV_ENV}={raw!r}: expected writable (the default) or readonly")
     return raw == "writable"
+
+
+def _synchronize(device: str) -> None:
+    """Wait for this process's queued device work on ``device`` (a CUDA device; nothing
+    on the CPU): an engine that hands over must have finished writing the shared KV
+    cache before the next engine is resumed on it."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def _test_step_delay() -> float:
@@ -643,6 +658,7 @@ class Runner:
             # Core mode: the server stops reading the frontend's sockets, sends what the
             # last step made and disconnects; the frontend keeps the requests open.
             moved = loop.hand_over() if self.server is None else self.server.hand_over()
+            _synchronize(self.adapter.device)  # none of its device work may outlive the reply
             t_loop = time.perf_counter_ns()
             if not self._kv_writable:
                 self.memory.make_readonly("kv_cache")
