@@ -188,6 +188,7 @@ func TestServeRejectsBadOptions(t *testing.T) {
 		func(o *serveOptions) { o.TensorParallelSize = 0 },
 		func(o *serveOptions) { o.Spares = 0 },
 		func(o *serveOptions) { o.Spares = 9 },
+		func(o *serveOptions) { o.StandbyKV = "rw" },
 	} {
 		o := defaultServeOptions()
 		mod(&o)
@@ -259,6 +260,42 @@ func TestServedModelName(t *testing.T) {
 	opts.Engine, opts.Model = "vllm", "nope"
 	if err := opts.resolveModel(func(string) (string, error) { return "", errors.New("no preset nope") }); err == nil {
 		t.Fatal("a model that does not resolve must fail the start")
+	}
+}
+
+// --standby-kv (and its file key) reaches every engine's environment; writable by default.
+func TestStandbyKVFlag(t *testing.T) {
+	env := func(o serveOptions) string {
+		got := ""
+		for _, e := range o.supervisorConfig(pythonEnv{Env: []string{"FRMPS_STANDBY_KV=from-the-shell"}}).BaseEnv {
+			if v, ok := strings.CutPrefix(e, "FRMPS_STANDBY_KV="); ok {
+				got = v // the last one wins, as in the engines' environment
+			}
+		}
+		return got
+	}
+	if got := env(defaultServeOptions()); got != "writable" {
+		t.Fatalf("default: %q", got)
+	}
+	opts := defaultServeOptions()
+	var cfgFile string
+	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--standby-kv", "readonly"}); err != nil || env(opts) != "readonly" || opts.validate() != nil {
+		t.Fatalf("flag: %v, %q", err, env(opts))
+	}
+	path := filepath.Join(t.TempDir(), "frmps.json")
+	if err := os.WriteFile(path, []byte(`{"standby_kv":"readonly"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opts = defaultServeOptions()
+	f = pflag.NewFlagSet("serve", pflag.ContinueOnError)
+	bindServeFlags(f, &opts, &cfgFile)
+	if err := f.Parse([]string{"--config", path}); err != nil {
+		t.Fatal(err)
+	}
+	if err := applyConfigFile(f, &opts, path); err != nil || env(opts) != "readonly" {
+		t.Fatalf("file: %v, %q", err, env(opts))
 	}
 }
 

@@ -43,6 +43,7 @@ type serveOptions struct {
 	SyncEvery          uint32        `json:"sync_every"`
 	NoFailback         bool          `json:"no_failback"`
 	PrimeFaultPath     bool          `json:"prime_fault_path"`
+	StandbyKV          string        `json:"standby_kv"`
 	NoMPSFaultWatch    bool          `json:"no_mps_fault_watch"`
 	Spare              string        `json:"spare"`
 	Spares             int           `json:"spares"`
@@ -102,7 +103,7 @@ func defaultServeOptions() serveOptions {
 		Device: "cpu", Memory: "host-shm", TensorParallelSize: 1, MaxRestarts: failover.DefaultBreaker.MaxRestarts,
 		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
 		HeartbeatTimeout: time.Second, StepTimeoutFactor: 8, StepTimeoutMin: time.Second, StepTimeoutDefault: time.Minute,
-		Spare: "auto", Spares: 1, Frontend: "frmps",
+		Spare: "auto", Spares: 1, Frontend: "frmps", StandbyKV: "writable",
 	}
 }
 
@@ -165,6 +166,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.Spare, "spare", opts.Spare, "keep one engine process started ahead of need (interpreter up, engine imports done, GPU untouched), so the engine launched after a fault skips Python's start-up: auto (on for --device cuda), on or off")
 	f.IntVar(&opts.Spares, "spares", opts.Spares, fmt.Sprintf("how many spare engine processes to keep when --spare is on (1 to %d): more than one keeps the restore after a fault fast when faults come faster than a spare's imports (20-30 s with vLLM), at the host memory of one imported engine each", supervisor.MaxSpares))
 	f.BoolVar(&opts.NoFailback, "no-failback", opts.NoFailback, "after a failover, leave the promoted active outside MPS (by default a standby starts inside MPS and the pair swaps back in a planned handover)")
+	f.StringVar(&opts.StandbyKV, "standby-kv", opts.StandbyKV, "how a sleeping standby maps the shared KV cache (the weights are always read-only): writable, so that a takeover changes no access (after a fault that change waits on the MPS server tearing the dead context down, 2-20 ms at 14B on an H100); or readonly, so that the driver faults any write a sleeping standby makes, and the KV cache is made writable during the takeover")
 	f.BoolVar(&opts.PrimeFaultPath, "prime-fault-path", opts.PrimeFaultPath, "before the first engine starts, fault once per GPU in a throwaway client of frmps's own MPS daemon: a GPU's first fault since the machine started keeps the MPS server ~330 ms tearing its clients down (later ones ~50-90 ms), and the standby's takeover waits for it; this pays that cost at start (~3 s per GPU). Leaves an Xid 13 and 43 per GPU in the kernel log; not with --mps-pipe-dir or --no-mps")
 	f.DurationVar(&opts.FailbackDelay, "failback-delay", opts.FailbackDelay, "wait this long after the standby in MPS is ready before handing over to it")
 	f.DurationVar(&opts.HandoffTimeout, "handoff-timeout", opts.HandoffTimeout, "an active that does not yield within this long during a handover is fenced and the standby takes over")
@@ -269,7 +271,7 @@ func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 	b := failover.DefaultBreaker
 	b.MaxRestarts, b.Window = o.MaxRestarts, o.RestartWindow
 	return supervisor.Config{
-		Model: o.Model, ServedModelName: o.ServedModelName, Engine: o.Engine, Python: py.Python, BaseEnv: sdnotify.StripEnv(py.Env), SyncEvery: o.SyncEvery,
+		Model: o.Model, ServedModelName: o.ServedModelName, Engine: o.Engine, Python: py.Python, BaseEnv: append(sdnotify.StripEnv(py.Env), "FRMPS_STANDBY_KV="+o.StandbyKV), SyncEvery: o.SyncEvery,
 		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity, StateDir: o.StateDir,
 		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, MPSPipeDir: o.MPSPipeDir, MPSLogDir: o.MPSLogDir, Device: o.Device, Memory: o.Memory,
 		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, TensorParallelSize: o.TensorParallelSize, EngineArgs: o.engineArgs(), Breaker: b, ShutdownGrace: o.ShutdownGrace,
@@ -301,6 +303,9 @@ func (o serveOptions) validate() error {
 	}
 	if o.SyncEvery == 0 {
 		return errors.New("--sync-every must be at least 1")
+	}
+	if o.StandbyKV != "writable" && o.StandbyKV != "readonly" {
+		return fmt.Errorf("--standby-kv %q: want writable or readonly", o.StandbyKV)
 	}
 	if o.Spares < 1 || o.Spares > supervisor.MaxSpares {
 		return fmt.Errorf("--spares %d: want 1 to %d", o.Spares, supervisor.MaxSpares)

@@ -381,21 +381,26 @@ def test_every_experiment_plans_points_in_both_modes():
 
 def test_engine_arg_reaches_every_frmps_serve_the_bench_starts():
     """--engine-arg=ARG (repeatable; with "=", as ARG starts with "-") is appended to the engines' own arguments, after the
-    experiment's, as `frmps serve --engine-arg` flags (e.g. a vLLM flag for an A/B run)."""
+    experiment's, as `frmps serve --engine-arg` flags (e.g. a vLLM flag for an A/B run); --serve-arg=ARG is one more
+    `frmps serve` flag."""
     import types
 
     from frmps_engine.bench.__main__ import build_parser, normalise
     from frmps_engine.bench.experiments import serve_opts
 
     args = build_parser().parse_args(["standby-memory", "--device", "cuda", "--engine", "vllm", "--frmps", "/bin/true",
-                                      "--engine-arg=--vllm-arg=--enforce-eager", "--engine-arg=--x=1"])
+                                      "--engine-arg=--vllm-arg=--enforce-eager", "--engine-arg=--x=1",
+                                      "--serve-arg=--standby-kv=readonly"])
     normalise(args)
     opts = serve_opts(types.SimpleNamespace(args=args, cpu=False), "qwen2.5-0.5b", engine_args=["--own"])
     cmd = opts.command(1, "127.0.0.1:2", "/run", "/logs")
-    assert cmd[-3:] == ["--engine-arg=--own", "--engine-arg=--vllm-arg=--enforce-eager", "--engine-arg=--x=1"], cmd
+    assert cmd[-4:] == ["--standby-kv=readonly", "--engine-arg=--own", "--engine-arg=--vllm-arg=--enforce-eager",
+                        "--engine-arg=--x=1"], cmd
     plain = build_parser().parse_args(["standby-memory", "--device", "cuda", "--frmps", "/bin/true"])
     normalise(plain)
-    assert plain.engine_arg == []
+    assert plain.engine_arg == [] and plain.serve_arg == []
+    assert "--standby-kv=readonly" not in serve_opts(types.SimpleNamespace(args=plain, cpu=False),
+                                                     "qwen2.5-0.5b").command(1, "127.0.0.1:2", "/run", "/logs")
 
 
 @pytest.mark.torch

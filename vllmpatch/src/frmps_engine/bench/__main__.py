@@ -97,6 +97,9 @@ def common_args(p: argparse.ArgumentParser) -> None:
                         "with '=' (it starts with '-'), e.g. --engine-arg=--vllm-arg=--enforce-eager; points are "
                         "keyed without it: give such a run "
                         "its own --out")
+    g.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="one more `frmps serve` flag, repeatable, written with '=' (e.g. --serve-arg=--standby-kv=readonly "
+                        "for an A/B run); points are keyed without it: give such a run its own --out")
     g.add_argument("--baseline-exact", action="store_true",
                    help="run the baselines' engines in exact mode too (default: their one-pass re-prefill)")
     g.add_argument("--max-model-len", type=int, default=0)

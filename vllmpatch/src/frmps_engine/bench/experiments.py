@@ -108,7 +108,7 @@ def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str]
     nb, mml = engine_shape(ctx, model, num_blocks, max_model_len)
     return ServeOpts(frmps=a.frmps, python=a.python, model=model, device=a.device, memory=a.memory, mps=a.mps,
                      sync_every=sync_every, num_blocks=nb, max_model_len=mml, engine_args=eargs, env=env,
-                     engine=a.engine)
+                     engine=a.engine, serve_args=list(getattr(a, "serve_arg", None) or []))
 
 
 class Deployments:
