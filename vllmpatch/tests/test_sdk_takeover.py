@@ -506,6 +506,8 @@ def test_by_default_the_kv_cache_is_writable_asleep_and_the_takeover_flips_nothi
         real(pool, readonly)
 
     monkeypatch.setattr(mem, "_set_access", set_access)
+    flip_threads = []
+    monkeypatch.setattr("frmps_engine.sdk.runner._KvFlip._run", lambda self: flip_threads.append(self))
     assert h.sleep().ok
     assert flips == [("kv_cache", False)]
     assert [p.readonly for p in mem.pools() if p.spec.tag == "weights"] == [True]
@@ -516,3 +518,4 @@ def test_by_default_the_kv_cache_is_writable_asleep_and_the_takeover_flips_nothi
     assert r.ok and r.resumed[0].ok, r
     assert resume_stream(h, 1, out) == reference(TOK.encode("hello"), 20, 0.0, 11)
     assert flips == [("kv_cache", False)], "the takeover changed an access"
+    assert flip_threads == [], "a flip thread ran for a KV cache already writable"

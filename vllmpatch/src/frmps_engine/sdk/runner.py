@@ -74,13 +74,18 @@ class _KvFlip:
     construction; ``join()`` waits for it, returns how long it took (ns) and
     raises what it raised."""
 
-    def __init__(self, memory: MemoryBackend):
+    def __init__(self, memory: MemoryBackend, needed: bool = True):
         self._memory = memory
         self._took = 0
         self._error: BaseException | None = None
         self._done = threading.Event()
         self.done_ns = 0  # perf_counter_ns when the flip ended
         self.gate_entered_ns = 0  # when the device gate's wait began (the engine loop's thread)
+        self._thread: threading.Thread | None = None
+        if not needed:  # the KV cache is writable already (FRMPS_STANDBY_KV=writable): no thread
+            self.done_ns = time.perf_counter_ns()
+            self._done.set()
+            return
         self._thread = threading.Thread(target=self._run, name="frmps-kv-flip", daemon=True)
         self._thread.start()
 
@@ -95,7 +100,8 @@ class _KvFlip:
         self._done.set()
 
     def join(self) -> int:
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self._error is not None:
             raise self._error
         return self._took
@@ -624,7 +630,7 @@ class Runner:
         the flip before its first device work that touches the KV cache); without
         one the caller starts the loop after the flip. Returns the adoption's
         outcomes and the takeover's times (``t0``: when the Resume arrived)."""
-        tk = _Takeover(_KvFlip(self.memory))
+        tk = _Takeover(_KvFlip(self.memory, needed=not self._kv_writable))
         self._standby_stack().regrow()  # beside the flip and the adoption (sdk/stack.py)
         try:
             t, c = time.perf_counter_ns(), time.thread_time_ns()
