@@ -3,6 +3,7 @@ backend, against the real vLLM package (each supported version)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from types import SimpleNamespace
 
@@ -183,8 +184,6 @@ def _worker(backend):
 
 
 def test_worker_pool_context_patch(controller):
-    import contextlib
-
     from vllm.v1.worker.gpu_worker import Worker
 
     from frmps_engine.vllm import compat, pools
@@ -290,6 +289,63 @@ def test_loader_weights_pool_patch(tmp_path):
     finally:
         pools.install_controller(None)
         pools.set_context_factory(None)
+
+
+@pytest.mark.parametrize("role,zero", [("standby", True), ("active", False)])
+def test_a_standby_can_zero_fill_its_weights_and_the_load_has_memory_phases(tmp_path, monkeypatch, role, zero):
+    """FRMPS_DEBUG_STANDBY_ZERO_WEIGHTS=1: a standby's load_model zero-fills the weights
+    instead of running the loader's initialisation (an active never does); with
+    FRMPS_DEBUG_MEMORY_PHASES the model's construction and its initialisation each get
+    a memory line. The loader's own load_weights is back afterwards."""
+    import torch
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    from frmps_engine.vllm import patches as patches_mod, pools
+    from frmps_engine.vllm.patches import patches
+    from vcompat import model_factory
+    from vhelpers import make_vllm_config, write_tiny_model
+
+    (patch,) = [p for p in patches() if p.name == "loader-weights-pool"]
+    patch.apply()
+    calls = []
+
+    class TinyLoader(BaseModelLoader):
+        """Test double for a model loader: its initialisation fills 7s."""
+
+        def download_model(self, model_config):
+            pass
+
+        def load_weights(self, model, model_config):
+            calls.append("loader")
+            with torch.no_grad():
+                for t in model.state_dict().values():
+                    t.fill_(7.0)
+
+    notes = []
+    monkeypatch.setattr(patches_mod.memphase, "note", notes.append)
+    monkeypatch.setenv("FRMPS_DEBUG_MEMORY_PHASES", "1")
+    monkeypatch.setenv("FRMPS_DEBUG_STANDBY_ZERO_WEIGHTS", "1")
+    lin = torch.nn.Linear(4, 4)
+    ctl = pools.PoolController.external({("weights", 0): torch.zeros(4096, dtype=torch.uint8),
+                                          ("kv_cache", 0): torch.zeros(4096, dtype=torch.uint8)}, role)
+    pools.install_controller(ctl)
+    pools.set_context_factory(lambda c, tag: contextlib.nullcontext())
+    vc = make_vllm_config(write_tiny_model(tmp_path / "m"))
+    vc.model_config.sleep_mode_backend = "frmps"
+    loader = TinyLoader(LoadConfig())
+    try:
+        with model_factory(TinyLoader, lambda: lin):
+            with pytest.raises(pools.PlacementError):  # the test double's pools are not where torch put it
+                loader.load_model(vllm_config=vc, model_config=vc.model_config)
+    finally:
+        pools.install_controller(None)
+        pools.set_context_factory(None)
+    assert notes == ["model constructed", "weights initialised"]
+    assert calls == ([] if zero else ["loader"])
+    want = 0.0 if zero else 7.0
+    assert all(bool((t == want).all()) for t in lin.state_dict().values()), lin.state_dict()
+    assert "load_weights" not in vars(loader) and loader.load_weights.__func__ is TinyLoader.load_weights
 
 
 # -- sleep backend ---------------------------------------------------------------

@@ -4,8 +4,9 @@
 A standby holds a few hundred MiB beyond a bare CUDA context that neither torch's
 allocator nor vLLM's CUDA graphs nor the driver's per-thread stack account for
 (bench/results/2026-11-28-h200-vllm-standby-stack/). With this set, the engine logs
-one line per phase — engine start, weights placed, KV cache placed (vLLM), engine
-built, takeover warmed (standby), asleep (standby) — with what NVML reports for this
+one line per phase — engine start, model constructed and weights initialised (vLLM),
+weights placed, KV cache placed (vLLM), engine built, takeover warmed (standby),
+asleep (standby) — with what NVML reports for this
 process (every byte the driver holds for it: context, loaded kernels, library
 workspaces, allocations) and torch's reserved and allocated bytes, so the phase that
 adds the unexplained memory shows as a difference between two lines.

@@ -125,6 +125,48 @@ def kv_allocation(original: Callable) -> Callable:
     return allocate
 
 
+# Diagnostics, for an A/B of the standby's memory on a GPU: a standby fills its weights
+# (which live on scratch until it sleeps, then are the active's) with zeros instead of
+# the loader's own initialisation (vLLM's dummy loader: a seeded uniform_ per tensor).
+ZERO_WEIGHTS_ENV = "FRMPS_DEBUG_STANDBY_ZERO_WEIGHTS"
+
+
+def _weights_step(loader, role: str) -> Callable | None:
+    """The loader's ``load_weights`` as this process runs it, or None to leave it be.
+
+    With FRMPS_DEBUG_MEMORY_PHASES the model's construction and its weights'
+    initialisation get a memory line each ("model constructed", "weights
+    initialised": the standby's growth in this phase is not the weights, which live
+    in the pool). With FRMPS_DEBUG_STANDBY_ZERO_WEIGHTS=1 a standby zero-fills its
+    weights instead (a fill kernel instead of the random ones; values it never
+    serves with: at Sleep the active's weights are mapped over them), unless the
+    model has tensors still on the meta device (online quantisation: the loader's
+    own path materialises them)."""
+    import os
+
+    zero = role == "standby" and os.environ.get(ZERO_WEIGHTS_ENV, "") not in ("", "0")
+    if not zero and not memphase.enabled():
+        return None
+    real = loader.load_weights
+
+    def load_weights(model, model_config):
+        memphase.note("model constructed")
+        tensors = list(model.state_dict().values())
+        if zero and not any(t.device.type == "meta" for t in tensors):
+            import torch
+
+            with torch.no_grad():
+                for t in tensors:
+                    if torch.is_floating_point(t):
+                        t.zero_()
+            log.info("frmps standby: weights zero-filled instead of the loader's initialisation (%s)", ZERO_WEIGHTS_ENV)
+        else:
+            real(model, model_config)
+        memphase.note("weights initialised")
+
+    return load_weights
+
+
 def loader_weights_pool(original: Callable) -> Callable:
     def load_model(self, *args, **kwargs):
         vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
@@ -133,8 +175,15 @@ def loader_weights_pool(original: Callable) -> Callable:
         from .pools import get_controller
 
         controller = get_controller()
-        with controller.memory_pool_context("weights"):
-            model = original(self, *args, **kwargs)
+        step = _weights_step(self, controller.role)
+        if step is not None:
+            self.load_weights = step  # this call only: the instance attribute goes below
+        try:
+            with controller.memory_pool_context("weights"):
+                model = original(self, *args, **kwargs)
+        finally:
+            if step is not None:
+                del self.load_weights
         digest = controller.check_placement(
             "weights", list(model.named_parameters()) + list(model.named_buffers())
         )
