@@ -4,7 +4,6 @@ backend, against the real vLLM package (each supported version)."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from types import SimpleNamespace
 
 import pytest

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -142,8 +143,6 @@ def _weights_step(loader, role: str) -> Callable | None:
     serves with: at Sleep the active's weights are mapped over them), unless the
     model has tensors still on the meta device (online quantisation: the loader's
     own path materialises them)."""
-    import os
-
     zero = role == "standby" and os.environ.get(ZERO_WEIGHTS_ENV, "") not in ("", "0")
     if not zero and not memphase.enabled():
         return None
