@@ -15,21 +15,38 @@ import (
 	"github.com/frmps/frmps/supervisor/engine"
 )
 
-func TestConfigFileFlagsWin(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "frmps.json")
-	if err := os.WriteFile(path, []byte(`{"model":"qwen2.5-0.5b","sync_every":8,"port":9000,"restart_window":"2m","stall_timeout":"45s","no_mps":true}`), 0o600); err != nil {
-		t.Fatal(err)
-	}
+// parseServe reads a serve command line as `frmps serve` does: the flags, then
+// the --config file if one is named (a flag given wins over its key).
+func parseServe(t *testing.T, args ...string) serveOptions {
+	t.Helper()
 	opts := defaultServeOptions()
 	var cfgFile string
 	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
 	bindServeFlags(f, &opts, &cfgFile)
-	if err := f.Parse([]string{"--config", path, "--sync-every", "4", "--port", "8000"}); err != nil {
+	if err := f.Parse(args); err != nil {
 		t.Fatal(err)
 	}
-	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+	if cfgFile != "" {
+		if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return opts
+}
+
+// writeConfig writes a --config file with body and returns its path.
+func writeConfig(t *testing.T, body string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "frmps.json")
+	if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	return path
+}
+
+func TestConfigFileFlagsWin(t *testing.T) {
+	path := writeConfig(t, `{"model":"qwen2.5-0.5b","sync_every":8,"port":9000,"restart_window":"2m","stall_timeout":"45s","no_mps":true}`)
+	opts := parseServe(t, "--config", path, "--sync-every", "4", "--port", "8000")
 	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.RestartWindow != 2*time.Minute || opts.HeartbeatTimeout != 45*time.Second {
 		t.Fatalf("file not applied: %+v", opts)
 	}
@@ -95,30 +112,13 @@ func TestTensorParallelFlag(t *testing.T) {
 // The hang thresholds from flags and from the file, and --stall-timeout as
 // the older name of --heartbeat-timeout.
 func TestHangFlags(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "frmps.json")
-	if err := os.WriteFile(path, []byte(`{"heartbeat_timeout":"2s","step_timeout_factor":4,"step_timeout_min":"3s","step_timeout_default":"2m"}`), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	opts := defaultServeOptions()
-	var cfgFile string
-	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
-	bindServeFlags(f, &opts, &cfgFile)
-	if err := f.Parse([]string{"--config", path, "--step-timeout-min", "500ms"}); err != nil {
-		t.Fatal(err)
-	}
-	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
-		t.Fatal(err)
-	}
+	path := writeConfig(t, `{"heartbeat_timeout":"2s","step_timeout_factor":4,"step_timeout_min":"3s","step_timeout_default":"2m"}`)
+	opts := parseServe(t, "--config", path, "--step-timeout-min", "500ms")
 	c := opts.supervisorConfig(pythonEnv{})
 	if c.HeartbeatTimeout != 2*time.Second || c.StepTimeoutFactor != 4 || c.StepTimeoutMin != 500*time.Millisecond || c.StepTimeoutDefault != 2*time.Minute {
 		t.Fatalf("config %+v", c)
 	}
-	opts = defaultServeOptions()
-	f = pflag.NewFlagSet("serve", pflag.ContinueOnError)
-	bindServeFlags(f, &opts, &cfgFile)
-	if err := f.Parse([]string{"--stall-timeout", "7s"}); err != nil {
-		t.Fatal(err)
-	}
+	opts = parseServe(t, "--stall-timeout", "7s")
 	if opts.HeartbeatTimeout != 7*time.Second {
 		t.Fatalf("--stall-timeout set the heartbeat timeout to %s", opts.HeartbeatTimeout)
 	}
@@ -129,20 +129,7 @@ func TestHangFlags(t *testing.T) {
 }
 
 func TestSharedMPSFlags(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "frmps.json")
-	if err := os.WriteFile(path, []byte(`{"mps_pipe_dir":"/op/mps/pipe","mps_log_dir":"/op/mps/log"}`), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	opts := defaultServeOptions()
-	var cfgFile string
-	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
-	bindServeFlags(f, &opts, &cfgFile)
-	if err := f.Parse([]string{"--config", path}); err != nil {
-		t.Fatal(err)
-	}
-	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
-		t.Fatal(err)
-	}
+	opts := parseServe(t, "--config", writeConfig(t, `{"mps_pipe_dir":"/op/mps/pipe","mps_log_dir":"/op/mps/log"}`))
 	if c := opts.supervisorConfig(pythonEnv{}); c.MPSPipeDir != "/op/mps/pipe" || c.MPSLogDir != "/op/mps/log" || c.NoMPS {
 		t.Fatalf("config %+v", c)
 	}
@@ -277,51 +264,23 @@ func TestStandbyKVFlag(t *testing.T) {
 	if got := env(defaultServeOptions()); got != "writable" {
 		t.Fatalf("default: %q", got)
 	}
-	opts := defaultServeOptions()
-	var cfgFile string
-	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
-	bindServeFlags(f, &opts, &cfgFile)
-	if err := f.Parse([]string{"--standby-kv", "readonly"}); err != nil || env(opts) != "readonly" || opts.validate() != nil {
-		t.Fatalf("flag: %v, %q", err, env(opts))
+	if opts := parseServe(t, "--standby-kv", "readonly"); env(opts) != "readonly" || opts.validate() != nil {
+		t.Fatalf("flag: %q, %v", env(opts), opts.validate())
 	}
-	path := filepath.Join(t.TempDir(), "frmps.json")
-	if err := os.WriteFile(path, []byte(`{"standby_kv":"readonly"}`), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	opts = defaultServeOptions()
-	f = pflag.NewFlagSet("serve", pflag.ContinueOnError)
-	bindServeFlags(f, &opts, &cfgFile)
-	if err := f.Parse([]string{"--config", path}); err != nil {
-		t.Fatal(err)
-	}
-	if err := applyConfigFile(f, &opts, path); err != nil || env(opts) != "readonly" {
-		t.Fatalf("file: %v, %q", err, env(opts))
+	if opts := parseServe(t, "--config", writeConfig(t, `{"standby_kv":"readonly"}`)); env(opts) != "readonly" {
+		t.Fatalf("file: %q", env(opts))
 	}
 }
 
 // --prime-fault-path (and its file key) reaches the supervisor's config.
 func TestPrimeFaultPathFlag(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "frmps.json")
-	if err := os.WriteFile(path, []byte(`{"prime_fault_path":true}`), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	opts := defaultServeOptions()
-	var cfgFile string
-	f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
-	bindServeFlags(f, &opts, &cfgFile)
-	if opts.supervisorConfig(pythonEnv{}).PrimeFaultPath {
+	if defaultServeOptions().supervisorConfig(pythonEnv{}).PrimeFaultPath {
 		t.Fatal("fault path primed by default")
 	}
-	if err := f.Parse([]string{"--prime-fault-path"}); err != nil || !opts.supervisorConfig(pythonEnv{}).PrimeFaultPath {
-		t.Fatalf("flag: %v", err)
+	if !parseServe(t, "--prime-fault-path").supervisorConfig(pythonEnv{}).PrimeFaultPath {
+		t.Fatal("flag not applied")
 	}
-	opts = defaultServeOptions()
-	f = pflag.NewFlagSet("serve", pflag.ContinueOnError)
-	bindServeFlags(f, &opts, &cfgFile)
-	if err := f.Parse([]string{"--config", path}); err != nil {
-		t.Fatal(err)
-	}
-	if err := applyConfigFile(f, &opts, path); err != nil || !opts.PrimeFaultPath {
-		t.Fatalf("file: %v, %v", err, opts.PrimeFaultPath)
+	if !parseServe(t, "--config", writeConfig(t, `{"prime_fault_path":true}`)).PrimeFaultPath {
+		t.Fatal("file key not applied")
 	}
 }
