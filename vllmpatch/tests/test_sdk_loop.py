@@ -289,3 +289,30 @@ def test_a_step_wakes_a_stream_following_its_requests_once(core):
                            stop_reason=None)]
     loop._dispatch(out)
     assert len(seen) == 2 and seen[1][1] == [12, 22] and streams[1].finished
+
+
+def test_step_phases_armed_for_traced_and_every_nth_step(core, caplog):
+    """A core's step_phases (vllm/phases.py, FRMPS_DEBUG_STEP_PHASES) is armed for
+    the steps the loop traces after a takeover and for every Nth step; each gets a
+    line with the core's calls; other steps record nothing."""
+    from frmps_engine.vllm.phases import StepPhases, every_from_env
+
+    c = core()
+    c.step_phases = StepPhases({"scheduler": c}, every=3, targets=(("scheduler", "step"),))
+    assert c.step_phases.wrapped == ["step"]
+    loop = EngineLoop(c)
+    loop.trace_steps = 1
+    caplog.set_level("INFO", logger="frmps_engine.sdk.loop")
+    loop.start()
+    s = loop.submit(5, [104], control_pb2.SamplingParams(max_tokens=7), FakeParams(7, 0.0, 1))
+    with s.cond:
+        assert s.cond.wait_for(lambda: s.finished, 30)
+    loop.stop()
+    lines = [r.getMessage() for r in caplog.records if "vLLM calls" in r.getMessage()]
+    assert [ln.split(" vLLM calls")[0] for ln in lines] == ["step 1 after start,", "step 3", "step 6"], lines
+    assert all(": step " in ln for ln in lines), lines
+    assert every_from_env({}) is None and every_from_env({"FRMPS_DEBUG_STEP_PHASES": "0"}) is None
+    assert every_from_env({"FRMPS_DEBUG_STEP_PHASES": "1"}) == 1
+    assert every_from_env({"FRMPS_DEBUG_STEP_PHASES": "200"}) == 200
+    with pytest.raises(ValueError, match="FRMPS_DEBUG_STEP_PHASES='x'"):
+        every_from_env({"FRMPS_DEBUG_STEP_PHASES": "x"})

@@ -717,6 +717,32 @@ def test_the_device_gate_waits_after_the_runners_host_work_and_before_the_forwar
     assert tokens_of(got) == tokens_of(drain(plain))
 
 
+def test_step_phases_time_vllm_calls_of_an_armed_step(model_dir, monkeypatch):
+    """FRMPS_DEBUG_STEP_PHASES=1: the core times the scheduler's calls and the
+    runner's (here the test double's kv_connector.pre_forward, where the V2 runner
+    calls it) of an armed step only, beside the device gate, and changes no output."""
+    monkeypatch.setenv("FRMPS_DEBUG_STEP_PHASES", "1")
+    eng = engine(model_dir, mode="async")
+    tr = eng.step_phases
+    assert tr is not None and {"schedule", "update_from_output", "kv_connector.pre_forward"} <= set(tr.wrapped)
+    adopt_prompts(eng)
+    assert eng.gate_device(lambda: None) is True
+    tr.arm()
+    got = eng.step()
+    line = tr.report()
+    names = [p.split(" ")[0] for p in line.split(", ")]
+    assert names[0] == "schedule" and "kv_connector.pre_forward" in names, line
+    assert tr.report() == "no vLLM call traced"  # disarmed: nothing recorded since
+    got += eng.step()
+    assert tr.report() == "no vLLM call traced"
+    got += drain(eng)
+    monkeypatch.delenv("FRMPS_DEBUG_STEP_PHASES")
+    plain = engine(model_dir, mode="async")
+    assert plain.step_phases is None
+    adopt_prompts(plain)
+    assert tokens_of(got) == tokens_of(drain(plain))
+
+
 def tokens_of(outs):
     return sorted((o.key, o.output_index, list(o.new_token_ids)) for o in outs)
 

@@ -253,6 +253,9 @@ class EngineLoop:
         self._load_report = isinstance(core, LoadReport)
         self._device_check = isinstance(core, DeviceCheck)
         self._pipelined = isinstance(core, Pipelined)
+        # Diagnostics: a core may time its own calls inside a step (the vLLM core with
+        # FRMPS_DEBUG_STEP_PHASES: vllm/phases.py); armed for the traced steps.
+        self._phases = getattr(core, "step_phases", None)
         # Set for a takeover: the first step's outputs go out as soon as its device
         # work is done. A pipelined core would otherwise hand them over only once the
         # second step is scheduled and launched (vLLM 0.26 at 14B on the H200: the
@@ -558,11 +561,15 @@ class EngineLoop:
                     prof = _step_profiler() if self.trace_steps else None
                     t_step = time.perf_counter_ns() if self.trace_steps else 0
                     c_step = time.thread_time_ns() if self.trace_steps else 0
+                    phased = self._phases is not None and (self.trace_steps or self._phases.due(self.step_count + 1))
+                    if phased:
+                        self._phases.arm()
                     outs = self._step() if prof is None else prof.runcall(self._step)
                     if self.deliver_first_step:
                         self.deliver_first_step = False
                         if self._pipelined and not outs:
                             outs = self.core.finish_in_flight()
+                    phases = self._phases.report() if phased else ""
                     if self._step_delay:
                         time.sleep(self._step_delay)
                     self.step_count += 1
@@ -571,9 +578,11 @@ class EngineLoop:
                     t_disp = time.perf_counter_ns() if self.trace_steps else 0
                     self._dispatch(outs)
                     if self.trace_steps:
-                        self._trace(t_step, c_step, t_disp, outs)
-                        if prof is not None:
-                            _log_profile(prof, self.step_count)
+                        self._trace(t_step, c_step, t_disp, outs, phases)
+                    elif phased:
+                        log.info("step %d vLLM calls (ms from the step's start): %s", self.step_count, phases)
+                    if prof is not None:
+                        _log_profile(prof, self.step_count)
                     # Also publish as soon as a request has its first token: its prompt's
                     # KV is the costliest part to recompute, so a fault right after a
                     # prefill should not have to.
@@ -621,7 +630,7 @@ class EngineLoop:
             else:
                 log.exception("engine loop died")
 
-    def _trace(self, t_step: int, c_step: int, t_disp: int, outs) -> None:
+    def _trace(self, t_step: int, c_step: int, t_disp: int, outs, phases: str = "") -> None:
         # The loop thread's own CPU time beside the wall time: a step much longer than
         # its CPU time waited (on the device, or for the GIL held by another thread).
         c_end, t_end = time.thread_time_ns(), time.perf_counter_ns()
@@ -636,6 +645,8 @@ class EngineLoop:
                  (t_step - self.started_ns) / 1e6, (t_disp - t_step) / 1e6, (t_end - t_disp) / 1e6,
                  (c_end - c_step) / 1e6, (t_end - t_step) / 1e6, len(outs), self.scheduled_tokens(),
                  f"; {extra}" if extra else "")
+        if phases:
+            log.info("step %d after start, vLLM calls (ms from the step's start): %s", self.step_count, phases)
 
     def _probe_device(self) -> None:
         """Idle: ask the device for a sticky error. Under MPS another client's fault

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, Sequence, runtime_checkable
 
-from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME
+from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME, phases
 from .adoption import AdoptResult, plan_adoption
 from .pools import PoolSpec, kv_cache_bytes, pool_layout
 from .tp import WORKER_EXTENSION as TP_WORKER_EXTENSION
@@ -129,16 +129,20 @@ class FrmpsSchedulerAPI(Protocol):
     def frmps_reset(self) -> None: ...
 
 
+def _runner_of(core: Any) -> Any:
+    """vLLM's model runner when it runs in this process (UniProcExecutor); the test
+    double's stand-in (SchedulerCore.model_runner); None otherwise."""
+    try:
+        return core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return getattr(core, "model_runner", None)
+
+
 def _pre_forward_owner(core: Any) -> Any:
     """The object whose ``pre_forward`` vLLM's V2 model runner calls right before
     its forward pass (its KV connector, a no-op one by default), when the runner
-    runs in this process (UniProcExecutor); the test double's stand-in
-    (SchedulerCore.model_runner); None otherwise."""
-    try:
-        runner = core.model_executor.driver_worker.worker.model_runner
-    except AttributeError:
-        runner = getattr(core, "model_runner", None)
-    kvc = getattr(runner, "kv_connector", None)
+    runs in this process; None otherwise."""
+    kvc = getattr(_runner_of(core), "kv_connector", None)
     return kvc if callable(getattr(kvc, "pre_forward", None)) else None
 
 
@@ -176,6 +180,8 @@ class VllmCore:
         # turned into the SDK's Outputs: the engine-core protocol server
         # (frontend/engine_server.py) forwards them to vLLM's frontend as they are.
         self.engine_outputs: Callable[[Any], None] | None = None
+        # Diagnostics (FRMPS_DEBUG_STEP_PHASES): vLLM's calls timed in the traced steps.
+        self.step_phases = phases.install(core, _runner_of(core))
 
     @property
     def counters(self) -> dict[str, int]:
