@@ -155,7 +155,8 @@ func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.
 	s.mu.Unlock()
 	if ferr == nil {
 		s.metrics.failoverDuration(dur)
-		s.log.Info("failover done", "cause", fo.cause, "duration", dur, "resumed", resumed, "open_requests", fo.count)
+		s.log.Info("failover done", "cause", fo.cause, "duration", dur, "resume_sent_after", fo.sent.Sub(fo.detected),
+			"resumed", resumed, "open_requests", fo.count)
 	} else {
 		s.log.Error("failover failed", "cause", fo.cause, "error", ferr)
 	}

@@ -519,3 +519,54 @@ def test_by_default_the_kv_cache_is_writable_asleep_and_the_takeover_flips_nothi
     assert resume_stream(h, 1, out) == reference(TOK.encode("hello"), 20, 0.0, 11)
     assert flips == [("kv_cache", False)], "the takeover changed an access"
     assert flip_threads == [], "a flip thread ran for a KV cache already writable"
+
+
+def test_the_reply_waits_for_the_first_steps_host_work(h, monkeypatch, caplog):
+    """With a device gate, the takeover replies once its first step's host work has
+    reached the gate: the reply, the supervisor's promotion and the front door's
+    streams attaching then run beside the step's device work, not beside its host
+    work (where they competed for the GIL). The line says how long the reply waited."""
+    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
+    assert h.sleep().ok
+    core = h.runner.core
+    at_gate, seen = gate_on(core, monkeypatch)
+    gated_step = core.step
+
+    def step(*a, **kw):  # TEST DOUBLE of 5 ms of host work before the gate
+        if not at_gate.is_set():
+            time.sleep(0.005)
+        return gated_step(*a, **kw)
+
+    monkeypatch.setattr(core, "step", step)
+    r = resume_one_new(h)
+    assert at_gate.is_set(), "the reply came before the first step's host work reached the gate"
+    assert r.ok and r.resumed[0].ok and r.took_ns >= 5e6, r
+    assert len(resume_stream(h, 3, [])) == 6
+    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
+    assert got["device_gate"] and got["reply_wait_ms"] >= 3.0, (got, line)
+
+
+def test_the_reply_beside_the_first_step_when_asked(h, monkeypatch, caplog):
+    """FRMPS_DEBUG_REPLY_BESIDE_FIRST_STEP=1 (A/B runs): the reply goes as soon as the
+    requests are adopted, while the first step's host work is still running."""
+    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
+    monkeypatch.setenv("FRMPS_DEBUG_REPLY_BESIDE_FIRST_STEP", "1")
+    assert h.sleep().ok
+    core = h.runner.core
+    at_gate, seen = gate_on(core, monkeypatch)
+    gated_step, replied = core.step, threading.Event()
+
+    def step(*a, **kw):  # TEST DOUBLE of host work that lasts until the reply is in
+        if not at_gate.is_set():
+            replied.wait(10)
+        return gated_step(*a, **kw)
+
+    monkeypatch.setattr(core, "step", step)
+    r = resume_one_new(h)
+    assert not at_gate.is_set()
+    replied.set()
+    assert r.ok and r.resumed[0].ok, r
+    assert len(resume_stream(h, 3, [])) == 6
+    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    assert "the reply waited" not in line, line

@@ -14,7 +14,9 @@ TAKEOVER = re.compile(r"took over (\d+) requests in ([\d.]+) ms \((\d+) reused t
                       r"(?:; adoption CPU ([\d.]+) ms[^)]*)?\)"
                       # runner._Takeover._gate_note: the first step's host work beside the KV flip (engine_api.DeviceGate)
                       r"(?:; loop started (beside|after) the KV flip(?:.*?reached the device gate ([\d.]+) ms "
-                      r"into the takeover and waited ([\d.]+) ms)?)?")
+                      r"into the takeover and waited ([\d.]+) ms)?)?"
+                      # runner._Takeover.line: the reply waited for the first step's host work (since 2026-11-28)
+                      r"(?:.*?; the reply waited ([\d.]+) ms for the first step's host work)?")
 FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
 # loop._trace: the loop's first step after a start or a takeover (a takeover's first step
 # also does the engine's work for requests new to it)
@@ -183,6 +185,8 @@ def takeover_fields(groups: list[str]) -> dict:
         out["device_gate"] = groups[8] == "beside"
     if groups[9] is not None:
         out.update(gate_at_ms=float(groups[9]), gate_wait_ms=float(groups[10]))
+    if groups[11] is not None:
+        out["reply_wait_ms"] = float(groups[11])
     return out
 
 

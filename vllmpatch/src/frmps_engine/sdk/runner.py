@@ -81,6 +81,7 @@ class _KvFlip:
         self._done = threading.Event()
         self.done_ns = 0  # perf_counter_ns when the flip ended
         self.gate_entered_ns = 0  # when the device gate's wait began (the engine loop's thread)
+        self.gate_reached = threading.Event()  # set there: the first step's host work is done
         self._thread: threading.Thread | None = None
         if not needed:  # the KV cache is writable already (FRMPS_STANDBY_KV=writable): no thread
             self.done_ns = time.perf_counter_ns()
@@ -110,6 +111,7 @@ class _KvFlip:
         """The device gate (engine_api.DeviceGate): returns once the KV cache is
         writable; raises the flip's error."""
         self.gate_entered_ns = time.perf_counter_ns()
+        self.gate_reached.set()
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -127,6 +129,7 @@ class _Takeover:
     adopt_cpu_ns: int = 0
     ring_ns: int = 0
     wake_ns: int = 0
+    reply_waited_ns: int = -1  # how long the reply waited for the first step's host work (-1: it did not)
 
     def line(self, outcomes: list, took: int, loop: EngineLoop, t0: int) -> str:
         """The takeover's log line (bench/loglines.py TAKEOVER reads it)."""
@@ -135,7 +138,9 @@ class _Takeover:
                 f"{sum(o.prefilled_tokens for o in outcomes)} to prefill; KV writable in {self.wake_ns / 1e6:.3f} ms; "
                 f"adoption {self.adopt_ns / 1e6:.2f} ms, ring attach {self.ring_ns / 1e6:.2f} ms; "
                 f"adoption CPU {self.adopt_cpu_ns / 1e6:.2f} ms, the KV flip beside it); "
-                + self._gate_note(loop.started_ns - t0, t0))
+                + self._gate_note(loop.started_ns - t0, t0)
+                + (f"; the reply waited {self.reply_waited_ns / 1e6:.2f} ms for the first step's host work"
+                   if self.reply_waited_ns >= 0 else ""))
 
     def first_step_note(self, t0: int, stack: "StandbyStack") -> str:
         """For the loop's first-step line, written once that step is done: when its
@@ -163,6 +168,17 @@ class _Takeover:
                     + (f" ({(done - t0) / 1e6:.2f} ms into the takeover)" if done else ""))
         return (f"{started}; its first step's host work reached the device gate {(entered - t0) / 1e6:.2f} ms "
                 f"into the takeover and waited {(done - entered) / 1e6:.2f} ms there for the flip")
+
+
+# The most a takeover's reply waits for its first step's host work (Runner._beside_the_flip).
+REPLY_AFTER_HOST_WORK_MAX_S = 0.02
+
+
+def _reply_after_host_work() -> bool:
+    """FRMPS_DEBUG_REPLY_BESIDE_FIRST_STEP=1 (diagnostics, for A/B runs on a GPU): a
+    gated takeover replies as soon as its requests are adopted, beside the first
+    step's host work, as before."""
+    return os.environ.get("FRMPS_DEBUG_REPLY_BESIDE_FIRST_STEP", "") in ("", "0")
 
 
 def _device_gate_enabled() -> bool:
@@ -646,6 +662,16 @@ class Runner:
                 tk.started = start()
         finally:
             tk.wake_ns = tk.flip.join()  # raises the flip's error (a device error: the engine is lost)
+        if tk.gated and _reply_after_host_work() and any(o.ok for o in outcomes):
+            # The reply, the supervisor's promotion and the front door's streams
+            # attaching to this engine (its generation server's threads) all want the
+            # GIL; beside the first step's host work they made it ~1 ms longer (H200,
+            # 14B, FRMPS_DEBUG_STEP_PHASES). Once that work is done the device runs the
+            # step for milliseconds: reply then. Bounded, for a first step that never
+            # gets there (a kernel compiled on the spot, a step that fails).
+            tk.reply_waited_ns = time.perf_counter_ns()
+            tk.flip.gate_reached.wait(REPLY_AFTER_HOST_WORK_MAX_S)
+            tk.reply_waited_ns = time.perf_counter_ns() - tk.reply_waited_ns
         return outcomes, tk
 
     def on_handoff(self, env_id: int, msg: control_pb2.Handoff):
