@@ -290,12 +290,11 @@ def test_loader_weights_pool_patch(tmp_path):
         pools.set_context_factory(None)
 
 
-@pytest.mark.parametrize("role,zero", [("standby", True), ("active", False)])
-def test_a_standby_can_zero_fill_its_weights_and_the_load_has_memory_phases(tmp_path, monkeypatch, role, zero):
-    """FRMPS_DEBUG_STANDBY_ZERO_WEIGHTS=1: a standby's load_model zero-fills the weights
-    instead of running the loader's initialisation (an active never does); with
-    FRMPS_DEBUG_MEMORY_PHASES the model's construction and its initialisation each get
-    a memory line. The loader's own load_weights is back afterwards."""
+@pytest.mark.parametrize("role", ["standby", "active"])
+def test_the_load_has_memory_phases(tmp_path, monkeypatch, role):
+    """With FRMPS_DEBUG_MEMORY_PHASES the model's construction and its initialisation
+    (the loader's own) each get a memory line; the loader's own load_weights is back
+    afterwards."""
     import torch
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -324,7 +323,6 @@ def test_a_standby_can_zero_fill_its_weights_and_the_load_has_memory_phases(tmp_
     notes = []
     monkeypatch.setattr(patches_mod.memphase, "note", notes.append)
     monkeypatch.setenv("FRMPS_DEBUG_MEMORY_PHASES", "1")
-    monkeypatch.setenv("FRMPS_DEBUG_STANDBY_ZERO_WEIGHTS", "1")
     lin = torch.nn.Linear(4, 4)
     ctl = pools.PoolController.external({("weights", 0): torch.zeros(4096, dtype=torch.uint8),
                                           ("kv_cache", 0): torch.zeros(4096, dtype=torch.uint8)}, role)
@@ -341,9 +339,8 @@ def test_a_standby_can_zero_fill_its_weights_and_the_load_has_memory_phases(tmp_
         pools.install_controller(None)
         pools.set_context_factory(None)
     assert notes == ["model constructed", "weights initialised"]
-    assert calls == ([] if zero else ["loader"])
-    want = 0.0 if zero else 7.0
-    assert all(bool((t == want).all()) for t in lin.state_dict().values()), lin.state_dict()
+    assert calls == ["loader"]
+    assert all(bool((t == 7.0).all()) for t in lin.state_dict().values()), lin.state_dict()
     assert "load_weights" not in vars(loader) and loader.load_weights.__func__ is TinyLoader.load_weights
 
 

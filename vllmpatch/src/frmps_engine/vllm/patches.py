@@ -126,41 +126,22 @@ def kv_allocation(original: Callable) -> Callable:
     return allocate
 
 
-# Diagnostics, for an A/B of the standby's memory on a GPU: a standby fills its weights
-# (which live on scratch until it sleeps, then are the active's) with zeros instead of
-# the loader's own initialisation (vLLM's dummy loader: a seeded uniform_ per tensor).
-ZERO_WEIGHTS_ENV = "FRMPS_DEBUG_STANDBY_ZERO_WEIGHTS"
-
-
-def _weights_step(loader, role: str) -> Callable | None:
+def _weights_step(loader) -> Callable | None:
     """The loader's ``load_weights`` as this process runs it, or None to leave it be.
 
     With FRMPS_DEBUG_MEMORY_PHASES the model's construction and its weights'
     initialisation get a memory line each ("model constructed", "weights
-    initialised": the standby's growth in this phase is not the weights, which live
-    in the pool). With FRMPS_DEBUG_STANDBY_ZERO_WEIGHTS=1 a standby zero-fills its
-    weights instead (a fill kernel instead of the random ones; values it never
-    serves with: at Sleep the active's weights are mapped over them), unless the
-    model has tensors still on the meta device (online quantisation: the loader's
-    own path materialises them)."""
-    zero = role == "standby" and os.environ.get(ZERO_WEIGHTS_ENV, "") not in ("", "0")
-    if not zero and not memphase.enabled():
+    initialised"). On the H200 (bench/results/2026-11-28-h200-vllm-first-step/)
+    the standby's 164 MiB of growth in this phase all came before "model
+    constructed", none in the initialisation (zero-filling instead of the dummy
+    loader's random fills changed nothing)."""
+    if not memphase.enabled():
         return None
     real = loader.load_weights
 
     def load_weights(model, model_config):
         memphase.note("model constructed")
-        tensors = list(model.state_dict().values())
-        if zero and not any(t.device.type == "meta" for t in tensors):
-            import torch
-
-            with torch.no_grad():
-                for t in tensors:
-                    if torch.is_floating_point(t):
-                        t.zero_()
-            log.info("frmps standby: weights zero-filled instead of the loader's initialisation (%s)", ZERO_WEIGHTS_ENV)
-        else:
-            real(model, model_config)
+        real(model, model_config)
         memphase.note("weights initialised")
 
     return load_weights
@@ -174,7 +155,7 @@ def loader_weights_pool(original: Callable) -> Callable:
         from .pools import get_controller
 
         controller = get_controller()
-        step = _weights_step(self, controller.role)
+        step = _weights_step(self)
         if step is not None:
             self.load_weights = step  # this call only: the instance attribute goes below
         try:
