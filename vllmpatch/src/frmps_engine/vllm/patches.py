@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable
 
