@@ -730,3 +730,32 @@ def test_flip_contention_probe_runs_on_the_cpu(tmp_path):
     assert r.returncode == 0, r.stderr
     got = json.load(open(out))["sizes"][0]
     assert got["flip_alone"]["n"] == 2 and got["5_launches_during_flips"]["n"] == 2 and got["flip_beside_launches"]["n"] >= 1
+
+
+def test_takeover_breakdown_reads_the_first_steps_vllm_calls(tmp_path):
+    """With FRMPS_DEBUG_STEP_PHASES the first step's vLLM calls follow its line: the
+    bench reads when the forward pass was launched and how long add_requests took
+    (lines as a 14B takeover on an H200 wrote them, through the supervisor's log)."""
+    from frmps_engine.bench import loglines
+
+    sup = "2026-11-28T12:02:35.917Z [INFO]  frmps.supervisor.engine.standby: 2026-11-28 12:02:35,917 INFO "
+    log = tmp_path / "standby.log"
+    log.write_text(
+        sup + "frmps_engine.sdk.runner: took over 1 requests in 1.05 ms (6 reused tokens, 1 to prefill; KV writable in "
+        "0.000 ms; adoption 0.29 ms, ring attach 0.15 ms; adoption CPU 0.29 ms, the KV flip beside it); loop started "
+        "beside the KV flip, 0.58 ms into the takeover; its first step's host work had not reached the device gate when "
+        "the flip ended (0.12 ms into the takeover): pid=2932\n"
+        + sup + "frmps_engine.sdk.loop: step 1 after start: began 0.20 ms after the loop started, step 12.01 ms, dispatch "
+        "0.16 ms (loop thread CPU 4.74 ms of the 12.17), 1 outputs, 1 tokens scheduled; reached the device gate 3.77 ms "
+        "into the takeover, +3.65 ms from the flip's end: pid=2932\n"
+        + sup + "frmps_engine.sdk.loop: step 1 after start, vLLM calls (ms from the step's start): schedule 0.02+0.14, "
+        "execute_model 0.24+2.48, >finish_requests 0.25+0.00, >add_requests 0.26+1.36, >>req_states.add_request "
+        "0.27+0.40, >prepare_inputs 1.70+0.60, >kv_connector.pre_forward 3.09+0.00, >cudagraph_manager.run_fullgraph "
+        "3.10+0.06, sample_tokens 3.30+1.20, update_from_output 11.80+0.10: pid=2932\n")
+    got = loglines.takeover_breakdown(str(log))
+    assert got["first_step"] == {"step_ms": 12.01, "dispatch_ms": 0.16, "loop_cpu_ms": 4.74,
+                                 "forward_launch_ms": 3.09, "add_requests_ms": 1.36}, got
+    from frmps_engine.bench.experiments import describe_recovery
+
+    line = describe_recovery({"recovery_s": 0.0148, "takeover_log": got})
+    assert line.endswith("first step's forward launched 3.09 ms in"), line

@@ -279,7 +279,9 @@ def no_kv_why(ctx: Ctx) -> str:
 def describe_recovery(d: dict) -> str:
     return (f"recovery {fmt_s(d.get('recovery_s'))}"
             + (f", fault->death {fmt_s(d.get('fault_to_detect_s', d.get('fault_to_death_s')))}")
-            + (f", reused {d['reused_tokens']} / recomputed {d['prefilled_tokens']} tokens" if 'reused_tokens' in d else ""))
+            + (f", reused {d['reused_tokens']} / recomputed {d['prefilled_tokens']} tokens" if 'reused_tokens' in d else "")
+            + (f", first step's forward launched {launch:.2f} ms in" if (launch := ((d.get("takeover_log") or {}).get(
+                "first_step") or {}).get("forward_launch_ms")) is not None else ""))
 
 
 class Experiment:

@@ -22,6 +22,10 @@ FIRST = re.compile(r"first resumed token: key=\d+ index=\d+ at ([\d.]+)")
 # also does the engine's work for requests new to it)
 FIRST_STEP = re.compile(r"step 1 after start: began [\d.]+ ms after the loop started, step ([\d.]+) ms, "
                         r"dispatch ([\d.]+) ms \(loop thread CPU ([\d.]+) ms")
+# loop._trace with FRMPS_DEBUG_STEP_PHASES (vllm/phases.py): the vLLM calls of that first step,
+# "name start+duration" in ms from the step's start, nested calls prefixed by '>'
+FIRST_STEP_CALLS = re.compile(r"step 1 after start, vLLM calls \(ms from the step's start\): (.*?)(?:: pid=\d+)?$")
+STEP_CALL = re.compile(r"(>*)([\w.]+) ([\d.]+)\+([\d.]+)")
 # runner.on_handoff, with loop.HandoverTimes.line(): where a planned handover's time went on the
 # engine that yielded (the client-visible pause starts after its in-flight step)
 HANDOFF = re.compile(r"handed over (\d+) requests in ([\d.]+) ms \(loop stopped, state published and requests moved in "
@@ -190,6 +194,20 @@ def takeover_fields(groups: list[str]) -> dict:
     return out
 
 
+def step_calls_fields(calls: str) -> dict:
+    """FIRST_STEP_CALLS's list as a record: when the forward pass was launched (the
+    runner's ``kv_connector.pre_forward``, right before it: the step's host work until
+    then) and how long vLLM took to register the step's new requests
+    (``add_requests``), in ms; {} where the list lacks them."""
+    out: dict = {}
+    for _, name, start, dur in STEP_CALL.findall(calls):
+        if name == "kv_connector.pre_forward" and "forward_launch_ms" not in out:
+            out["forward_launch_ms"] = float(start)
+        elif name == "add_requests" and "add_requests_ms" not in out:
+            out["add_requests_ms"] = float(dur)
+    return out
+
+
 def first_step_fields(groups: list[str]) -> dict:
     """FIRST_STEP's groups as a record."""
     return {"step_ms": float(groups[0]), "dispatch_ms": float(groups[1]), "loop_cpu_ms": float(groups[2])}
@@ -198,10 +216,12 @@ def first_step_fields(groups: list[str]) -> dict:
 def takeover_breakdown(path: str | None) -> dict | None:
     """The latest takeover in an engine's log and the first step after it (an engine
     that took over, yielded and took over again logs each time): None if none."""
-    tk, fs = grep_last_each(path, TAKEOVER, FIRST_STEP)
+    tk, fs, calls = grep_last_each(path, TAKEOVER, FIRST_STEP, FIRST_STEP_CALLS)
     out = takeover_fields(tk) if tk else {}
     if tk and fs:
         out["first_step"] = first_step_fields(fs)
+        if calls:
+            out["first_step"].update(step_calls_fields(calls[0]))
     return out or None
 
 
