@@ -665,10 +665,12 @@ class Runner:
         if tk.gated and _reply_after_host_work() and any(o.ok for o in outcomes):
             # The reply, the supervisor's promotion and the front door's streams
             # attaching to this engine (its generation server's threads) all want the
-            # GIL; beside the first step's host work they made it ~1 ms longer (H200,
-            # 14B, FRMPS_DEBUG_STEP_PHASES). Once that work is done the device runs the
-            # step for milliseconds: reply then. Bounded, for a first step that never
-            # gets there (a kernel compiled on the spot, a step that fails).
+            # GIL; beside the first step's host work they made it longer (H200, 14B,
+            # FRMPS_DEBUG_STEP_PHASES: forward launched 2.8 ms into the step, median,
+            # against 2.3 with the reply after it; the first token within noise:
+            # bench/results/2026-11-28-h200-vllm-first-step/ §2). Once that work is done
+            # the device runs the step for milliseconds: reply then. Bounded, for a first
+            # step that never gets there (a kernel compiled on the spot, a step that fails).
             tk.reply_waited_ns = time.perf_counter_ns()
             tk.flip.gate_reached.wait(REPLY_AFTER_HOST_WORK_MAX_S)
             tk.reply_waited_ns = time.perf_counter_ns() - tk.reply_waited_ns
