@@ -61,15 +61,9 @@ TARGETS: tuple[tuple[str, str], ...] = (
 def every_from_env(env: dict[str, str] | None = None) -> int | None:
     """None: off. 1: the traced steps after a takeover. N > 1: also every Nth step."""
     raw = (os.environ if env is None else env).get("FRMPS_DEBUG_STEP_PHASES", "").strip()
-    if raw in ("", "0"):
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"FRMPS_DEBUG_STEP_PHASES={raw!r}: want 0, 1 or a step interval") from None
-    if n < 0:
+    if not raw.isdigit() and raw != "":
         raise ValueError(f"FRMPS_DEBUG_STEP_PHASES={raw!r}: want 0, 1 or a step interval")
-    return n or None
+    return int(raw or 0) or None
 
 
 def _resolve(roots: dict[str, Any], path: str) -> Any:
