@@ -136,6 +136,11 @@ func TestStreamAcrossFailover(t *testing.T) {
 			if n := metricValue(t, h.reg, "frmps_stream_resumes_total", map[string]string{"outcome": "ok"}); n != 1 {
 				t.Errorf("stream_resumes_total{ok} = %v", n)
 			}
+			for _, phase := range []string{"engine", "open", "first_token"} {
+				if n := metricValue(t, h.reg, "frmps_stream_resume_phase_seconds", map[string]string{"phase": phase}); n != 1 {
+					t.Errorf("stream_resume_phase_seconds{phase=%q} has %v samples, want 1", phase, n)
+				}
+			}
 			if n := metricValue(t, h.reg, "frmps_tokens_generated_total", nil); n != 20 {
 				t.Errorf("tokens_generated_total = %v", n)
 			}

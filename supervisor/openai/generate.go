@@ -194,6 +194,9 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 		// (nil where it sent none), handed to the next engine on a resume so that
 		// it need not replay the delivered tokens to continue the text.
 		detok *frmpsv1.DetokState
+		// The current resume's phases: the old stream broke, a newer engine was
+		// published, the resume stream opened (frmps_stream_resume_phase_seconds).
+		brokeAt, engineAt, openedAt time.Time
 	)
 	defer func() { cancelStream() }()
 	open := func(resume bool) {
@@ -241,6 +244,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 					Message: fmt.Sprintf("The request was interrupted by %d engine failovers; giving up.", resumes-1)})
 			}
 			out.gap(true)
+			brokeAt = time.Now()
 			eng, err = s.nextEngine(ctx, eng.Generation)
 			if err != nil {
 				out.gap(false)
@@ -254,7 +258,9 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 				return fail(&apiError{Status: 503, Type: typeUnavailable, Code: "stream_resume_failed", RetryAfter: s.cfg.RetryAfter,
 					Message: "The engine failed and the stream could not be resumed: " + err.Error()})
 			}
+			engineAt = time.Now()
 			open(true)
+			openedAt = time.Now()
 			continue
 		}
 		received := time.Now()
@@ -302,9 +308,13 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 			if delivered == 0 {
 				s.m.ttft.Observe(time.Since(arrived).Seconds())
 			}
-			if resuming && !gotResumedToken && s.cfg.OnResumedToken != nil {
+			if resuming && !gotResumedToken {
 				gotResumedToken = true
-				s.cfg.OnResumedToken(eng.Generation, time.Now())
+				now := time.Now()
+				if s.cfg.OnResumedToken != nil {
+					s.cfg.OnResumedToken(eng.Generation, now)
+				}
+				s.noteResumePhases(or.key, eng.Generation, brokeAt, engineAt, openedAt, now)
 			}
 			or.deliver(ids)
 			delivered += len(ids)
@@ -327,6 +337,26 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 			}
 			return 200
 		}
+	}
+}
+
+// slowResume: a resumed stream whose first token comes this long after its
+// old stream broke is logged with its phases (the takeover itself takes
+// milliseconds; what is left is the front door's wait).
+const slowResume = 50 * time.Millisecond
+
+// noteResumePhases records where a resumed stream's wait went, from its old
+// stream breaking to its first resumed token.
+func (s *Server) noteResumePhases(key, gen uint64, broke, engine, opened, first time.Time) {
+	if broke.IsZero() {
+		return // resumed without a break seen here (not a failover's resume)
+	}
+	s.m.resumePhase.WithLabelValues("engine").Observe(engine.Sub(broke).Seconds())
+	s.m.resumePhase.WithLabelValues("open").Observe(opened.Sub(engine).Seconds())
+	s.m.resumePhase.WithLabelValues("first_token").Observe(first.Sub(opened).Seconds())
+	if total := first.Sub(broke); total >= slowResume {
+		s.log.Warn("slow stream resume", "key", key, "generation", gen, "total", total,
+			"waited_for_engine", engine.Sub(broke), "stream_open", opened.Sub(engine), "first_token_after_open", first.Sub(opened))
 	}
 }
 

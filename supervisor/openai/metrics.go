@@ -14,6 +14,7 @@ type metrics struct {
 	queued         prometheus.Gauge
 	idempotentHits prometheus.Counter
 	chunkOverhead  prometheus.Observer
+	resumePhase    *prometheus.HistogramVec
 }
 
 func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
@@ -44,9 +45,14 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 	overhead := prometheus.NewHistogram(prometheus.HistogramOpts{
 		Name: "frmps_stream_chunk_overhead_seconds", Help: "Front door time per streamed chunk: from receiving it from the engine to handing it to the client's socket.",
 		ConstLabels: labels, Buckets: []float64{1e-6, 2e-6, 3e-6, 5e-6, 7.5e-6, 1e-5, 1.5e-5, 2e-5, 3e-5, 5e-5, 7.5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 2e-2}})
+	resumePhase := prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name: "frmps_stream_resume_phase_seconds",
+		Help: "A stream resumed after a failover, by phase: engine (its engine's stream broke -> a newer engine published), " +
+			"open (-> the resume stream opened on it), first_token (-> its first resumed token received).",
+		ConstLabels: labels, Buckets: latency}, []string{"phase"})
 	m := &metrics{requests: requests, duration: duration, ttft: ttft, resumes: resumes, tokens: tokens,
-		inflight: inflight, queued: queued, idempotentHits: idem, chunkOverhead: overhead}
-	for _, c := range []prometheus.Collector{requests, duration, ttft, resumes, tokens, inflight, queued, idem, overhead} {
+		inflight: inflight, queued: queued, idempotentHits: idem, chunkOverhead: overhead, resumePhase: resumePhase}
+	for _, c := range []prometheus.Collector{requests, duration, ttft, resumes, tokens, inflight, queued, idem, overhead, resumePhase} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
