@@ -44,6 +44,7 @@ type failoverRun struct {
 	kind     resumeKind
 	target   *slot // the engine being resumed
 	detected time.Time
+	handled  time.Time // when the loop took the death up (detected is when it was seen)
 	sent     time.Time
 	cause    string
 	old      *slot
@@ -156,7 +157,7 @@ func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.
 	if ferr == nil {
 		s.metrics.failoverDuration(dur)
 		s.log.Info("failover done", "cause", fo.cause, "duration", dur, "resume_sent_after", fo.sent.Sub(fo.detected),
-			"resumed", resumed, "open_requests", fo.count)
+			"loop_after", fo.handled.Sub(fo.detected), "resumed", resumed, "open_requests", fo.count)
 	} else {
 		s.log.Error("failover failed", "cause", fo.cause, "error", ferr)
 	}

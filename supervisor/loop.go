@@ -242,6 +242,7 @@ func (s *Supervisor) isLive(sl *slot) bool { return sl == s.active || sl == s.st
 // class names the death when it is known without looking at the exit
 // (a drill, a stall): the fence's SIGKILL would otherwise be the cause.
 func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
+	handled := time.Now()
 	if sl == nil || sl.dead || !s.isLive(sl) {
 		return
 	}
@@ -282,7 +283,7 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 	}
 	st, _ := s.machine.State()
 	if kind == failover.ActiveDied && (st == failover.ServingReady || s.machine.Handover() == failover.Yielding) {
-		s.inflight = &failoverRun{kind: resumeFailover, target: s.standby, detected: at, cause: cause, old: sl, class: class}
+		s.inflight = &failoverRun{kind: resumeFailover, target: s.standby, detected: at, handled: handled, cause: cause, old: sl, class: class}
 	}
 	s.step(failover.Event{Kind: kind, At: at, Cause: cause})
 }
