@@ -45,7 +45,9 @@
 #                                      env:FAILBACK_DRILLS=2: the failback/soak stages first run that many admin
 #                                      failover drills, no GPU fault, each with its failback: failback_proof --drills;
 #                                      env:FAILBACK_SERVE_FLAGS=--prime-fault-path: more `frmps serve` flags for them,
-#                                      space-separated)
+#                                      space-separated; env:WORK=<dir>: the stages after it keep their logs there,
+#                                      so that a second run of a stage does not overwrite the first's: the folder
+#                                      is created, and `pack` packs only the last WORK)
 #   start-profile                      the engines started after it run py-spy on their own start
 #                                      (FRMPS_DEBUG_STARTUP_PROFILE=$OUT/start-profile); pack sums them per function
 #                                      (bench/gpu/start_profile.py: $OUT/start-profile.txt, .json)
@@ -334,7 +336,8 @@ for st in "$@"; do
             f=bench/gpu/${name/-/_}_check.sh
             if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name bounded "${a:-300}" "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"
             else log "$name: $f not present"; fi ;;
-        env) export "${st#env:}"; log "env: ${st#env:} for the stages after this one" ;;
+        env) export "${st#env:}"; mkdir -p "$WORK"  # env:WORK=<dir> moves the logs of the stages after it
+            log "env: ${st#env:} for the stages after this one" ;;
         start-profile)
             if command -v py-spy > /dev/null; then
                 export FRMPS_DEBUG_STARTUP_PROFILE=$OUT/start-profile FRMPS_PY_SPY=$(command -v py-spy)
