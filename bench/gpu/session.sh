@@ -48,6 +48,8 @@
 #                                      space-separated; env:WORK=<dir>: the stages after it keep their logs there,
 #                                      so that a second run of a stage does not overwrite the first's: the folder
 #                                      is created, and `pack` packs only the last WORK)
+#   py:<script>[:<timeout>]            python3 bench/gpu/<script> with vLLM's environment (a probe; default
+#                                      120 s), its output into $OUT/<script without .py>.out
 #   start-profile                      the engines started after it run py-spy on their own start
 #                                      (FRMPS_DEBUG_STARTUP_PROFILE=$OUT/start-profile); pack sums them per function
 #                                      (bench/gpu/start_profile.py: $OUT/start-profile.txt, .json)
@@ -332,6 +334,10 @@ for st in "$@"; do
         vllm-tp-failback) stage_vllm_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;
         bench) stage_bench "$a" "$b" "$c" "$d" "$e" ;;
+        py)  # py:<script in bench/gpu>:<timeout>: a probe, its output into $OUT/<script>.out
+            vllm_env; log "py $a"
+            bounded "${b:-120}" python3 "bench/gpu/$a" > "$OUT/${a%.py}.out" 2>&1
+            log "py $a: rc=$?"; tail -n 20 "$OUT/${a%.py}.out" >> "$S" ;;
         hang|shared-mps)
             f=bench/gpu/${name/-/_}_check.sh
             if [ -x "$f" ]; then log "$name"; OUT=$WORK/$name bounded "${a:-300}" "$f" > "$WORK/$name.out" 2>&1; log "$name rc=$?"; tail -n 15 "$WORK/$name.out" >> "$S"
