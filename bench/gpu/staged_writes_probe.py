@@ -62,7 +62,7 @@ def main() -> int:
         t_all = time.perf_counter_ns()
         for r in ids:
             t0 = time.perf_counter_ns()
-            st.add_request(r, prompt_len=32, all_token_ids=list(range(1000, 1000 + tokens)),
+            st.add_request(r, prompt_len=min(32, tokens), all_token_ids=list(range(1000, 1000 + tokens)),
                            num_computed_tokens=tokens - 1, max_tokens=512)
             per.append(_ms(t0))
         t0 = time.perf_counter_ns()

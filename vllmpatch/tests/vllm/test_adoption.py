@@ -83,7 +83,7 @@ def resume_set(views, delivered, prompts=PROMPTS):
     return out
 
 
-def adopt_all(standby, views, delivered, fold=None, hasher=None):
+def adopt_all(standby, views, delivered, fold=None, hasher=None, deferred=None):
     from vllm import SamplingParams
 
     from frmps_engine.vllm.adoption import plan_adoption
@@ -103,7 +103,7 @@ def adopt_all(standby, views, delivered, fold=None, hasher=None):
         )
         params = SamplingParams(max_tokens=MAX_TOKENS[v.key], temperature=0.0, ignore_eos=True)
         plans[v.key] = plan
-        results[v.key] = standby.frmps_adopt(plan, params, fold_outputs=fold, block_hasher=hasher)
+        results[v.key] = standby.frmps_adopt(plan, params, fold_outputs=fold, block_hasher=hasher, deferred=deferred)
     return plans, results
 
 
@@ -165,9 +165,15 @@ def test_standby_adopts_blocks_and_skips_covered_prefill(model_dir, kill_after, 
     assert block_pool_invariants(standby) == {"free": 63, "held": 0}
 
 
-def test_adopted_prefix_shared_blocks_keep_ref_counts(model_dir):
+@pytest.mark.parametrize("defer", [False, True], ids=["hash-now", "deferred"])
+def test_adopted_prefix_shared_blocks_keep_ref_counts(model_dir, defer):
     """With prefix caching, two requests share their first two full blocks; after
-    adoption those blocks have ref_cnt 2, and everything is free at the end."""
+    adoption those blocks have ref_cnt 2, and everything is free at the end. With
+    the prefix-cache work deferred (the default), the second request may share
+    blocks the first holds unhashed, and after DeferredPrefixCache.run both hold
+    the hashes the immediate path gives."""
+    from frmps_engine.vllm.adoption import DeferredPrefixCache
+
     from frmps_engine.vllm import SCHEDULER_CLS
 
     shared = list(range(300, 332))  # two full blocks
@@ -186,11 +192,22 @@ def test_adopted_prefix_shared_blocks_keep_ref_counts(model_dir):
     standby = make_scheduler(
         make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS, enable_prefix_caching=True)
     )
-    adopt_all(standby, views, delivered, hasher=hasher)
+    deferred = DeferredPrefixCache(hasher) if defer else None
+    adopt_all(standby, views, delivered, hasher=hasher, deferred=deferred)
     pool = standby.kv_cache_manager.block_pool
     for b in by_key[21].block_ids[:2]:
         assert pool.blocks[b].ref_cnt == 2
+        assert (pool.blocks[b].block_hash is None) == defer
     block_pool_invariants(standby)
+    if defer:
+        assert deferred.run(standby) == 2 and not deferred
+    for k in prompts:
+        req = standby.requests[f"frmps-{k}"]
+        whole = make_request(k, list(req.all_token_ids), hasher=hasher)  # the same tokens, hashed at once
+        assert req.block_hashes == whole.block_hashes and len(req.block_hashes) == req.num_tokens // BLOCK_SIZE
+        for blk in standby.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[req.request_id]:
+            if blk.block_id in by_key[k].block_ids[: by_key[k].num_computed // BLOCK_SIZE]:
+                assert blk.block_hash is not None, "the adopted full blocks are in the prefix cache"
     smodel = FakeModel()
     run_to_end(standby, smodel)
     summary = block_pool_invariants(standby)

@@ -722,9 +722,10 @@ def test_step_phases_time_vllm_calls_of_an_armed_step(model_dir, monkeypatch):
     runner's (here the test double's kv_connector.pre_forward, where the V2 runner
     calls it) of an armed step only, beside the device gate, and changes no output."""
     monkeypatch.setenv("FRMPS_DEBUG_STEP_PHASES", "1")
-    eng = engine(model_dir, mode="async")
+    eng = engine(model_dir, mode="async", prefix_caching=True)
     tr = eng.step_phases
-    assert tr is not None and {"schedule", "update_from_output", "kv_connector.pre_forward"} <= set(tr.wrapped)
+    assert tr is not None and {"schedule", "update_from_output", "kv_connector.pre_forward",
+                               "deferred_prefix_cache.run"} <= set(tr.wrapped)
     adopt_prompts(eng)
     assert eng.gate_device(lambda: None) is True
     tr.arm()
@@ -732,12 +733,14 @@ def test_step_phases_time_vllm_calls_of_an_armed_step(model_dir, monkeypatch):
     line = tr.report()
     names = [p.split(" ")[0] for p in line.split(", ")]
     assert names[0] == "schedule" and "kv_connector.pre_forward" in names, line
+    # The adopted requests' prefix-cache work ran after the forward's launch.
+    assert names.index("deferred_prefix_cache.run") > names.index("kv_connector.pre_forward"), line
     assert tr.report() == "no vLLM call traced"  # disarmed: nothing recorded since
     got += eng.step()
     assert tr.report() == "no vLLM call traced"
     got += drain(eng)
     monkeypatch.delenv("FRMPS_DEBUG_STEP_PHASES")
-    plain = engine(model_dir, mode="async")
+    plain = engine(model_dir, mode="async", prefix_caching=True)
     assert plain.step_phases is None
     adopt_prompts(plain)
     assert tokens_of(got) == tokens_of(drain(plain))
@@ -1072,6 +1075,63 @@ def test_adopting_with_nothing_computed_may_hit_the_prefix_cache(model_dir, mode
             assert o.output_index == len(got), "the outputs go on after the delivered token, each once"
             got = got + list(o.new_token_ids)
         assert got == want
+
+
+@pytest.mark.parametrize("hash_now", [False, True], ids=["deferred", "hash-now"])
+def test_adopted_blocks_enter_the_prefix_cache_once_the_first_step_is_launched(model_dir, mode, monkeypatch, hash_now):
+    """An adopted request's block hashes and its blocks' entry in vLLM's prefix
+    cache wait for its first step's launch (DeferredPrefixCache), the CPU half of
+    an adoption moved off the first resumed token's path; FRMPS_DEBUG_ADOPT_HASH_NOW=1
+    does them in the adoption. Either way the request's output is the no-fault one,
+    its hashes are those of its tokens, and a new request with its prompt then
+    reuses the adopted full blocks."""
+    if hash_now:
+        monkeypatch.setenv("FRMPS_DEBUG_ADOPT_HASH_NOW", "1")
+    from vhelpers import make_request
+
+    prompt = list(range(10, 10 + 40))  # two full blocks of 16 and a partial one
+    ref = engine(model_dir, mode=mode, prefix_caching=True)
+    ref.add_request(1, prompt, params(12))
+    want = by_key(drain(ref))[1]
+    eng = engine(model_dir, mode=mode, prefix_caching=True)
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    delivered = want[:5]
+    # The KV of the prompt and four delivered tokens is in blocks 3, 4, 5 (the
+    # stand-in model's tokens depend on the position only).
+    eng.adopt_request(1, params(12), prompt + delivered, len(prompt), 44, [3, 4, 5], 7, delivered)
+    req = eng.scheduler.requests["frmps-1"]
+    assert (req.block_hashes == [] and pool.blocks[3].block_hash is None) != hash_now
+    outs = eng.step()
+    assert not eng.deferred_prefix_cache, "done in the first step"
+    hasher = eng.core.request_block_hasher
+    assert req.block_hashes[:2] == make_request(1, prompt + delivered, hasher=hasher).block_hashes[:2]
+    assert pool.blocks[3].block_hash is not None and pool.blocks[4].block_hash is not None
+    eng.add_request(2, prompt, params(4))
+    outs += eng.step()
+    assert eng.scheduled_tokens == 1 + 40 - 32, "request 1's token, and request 2's prompt past the adopted full blocks"
+    got = {1: list(delivered), 2: []}
+    for o in outs + drain(eng):
+        assert o.output_index == len(got[o.key]), "the outputs go on after the delivered tokens, each once"
+        got[o.key] += list(o.new_token_ids)
+    assert got[1] == want and len(got[2]) == 4
+
+
+def test_a_reset_drops_prefix_cache_work_not_yet_done(model_dir, mode):
+    """A handover's reset before the adopted requests' first step forgets their
+    deferred prefix-cache work (the next engine owns the blocks), and an adoption
+    after it defers its own."""
+    prompt = list(range(10, 10 + 40))
+    eng = engine(model_dir, mode=mode, prefix_caching=True)
+    eng.adopt_request(1, params(12), prompt + [7], len(prompt), 40, [3, 4, 5], 7, [7])
+    assert eng.deferred_prefix_cache
+    eng.reset()
+    assert not eng.deferred_prefix_cache
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    assert all(pool.blocks[b].block_hash is None for b in (3, 4, 5))
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+    eng.adopt_request(2, params(12), prompt + [7], len(prompt), 40, [3, 4, 5], 7, [7])
+    drain(eng)
+    assert not eng.deferred_prefix_cache
 
 
 def test_warm_takeover_leaves_nothing_behind(model_dir, mode):

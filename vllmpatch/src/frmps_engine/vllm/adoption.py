@@ -180,6 +180,77 @@ def plan_adoption(
     )
 
 
+# num_cached_block of a request whose prefix-cache work is deferred: vLLM's
+# cache_blocks returns at once while it is larger than the request's full blocks
+# (single_type_kv_cache_manager.py, 0.26 and 0.33), and the key's presence still
+# marks the request as holding blocks (no prefix lookup for it).
+_NOT_YET_CACHED = 1 << 62
+
+
+class DeferredPrefixCache:
+    """The prefix-cache work of adopted requests, done once the takeover's first
+    step has been launched instead of before it.
+
+    With vLLM's prefix caching on (its default), adopting a request hashes every
+    full block of its prompt and output (sha256 over each block's tokens, chained)
+    and enters the blocks in the prefix cache: ~half of an 8-request adoption's
+    CPU time (bench/results/cpu-adoption-2026-11-26.md), all of it before the first
+    resumed token although the first step needs none of it — the step reads the
+    blocks through the request's block table, not through the cache. Deferred, the
+    request is built without its block hasher and held out of vLLM's cache_blocks
+    (``_NOT_YET_CACHED``); ``run`` (the core calls it once the step's forward pass
+    is enqueued, so it overlaps the device's work) gives each request its hasher
+    back, hashes its full blocks and caches them as adoption did. Until then
+    nothing can hit the adopted blocks in the prefix cache (a new request
+    computes its prompt), and a sibling adopted in the same takeover may share
+    their leading full blocks (``full_blocks``: what a hash said before)."""
+
+    def __init__(self, block_hasher: Callable[[Any], list]):
+        self.block_hasher = block_hasher
+        self.pending: list[tuple[Any, int]] = []  # (vLLM Request, tokens whose KV the adoption reused)
+        self.full_blocks: set[int] = set()  # block ids of the pending requests' full blocks
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    def add(self, request: Any, num_computed: int, block_ids: Sequence[int], block_size: int) -> None:
+        self.pending.append((request, num_computed))
+        self.full_blocks.update(block_ids[: num_computed // block_size])
+
+    def clear(self) -> None:
+        self.pending.clear()
+        self.full_blocks.clear()
+
+    def run(self, scheduler: Any) -> int:
+        """Hash and cache the pending requests' blocks, in adoption order (a sibling
+        sharing a prefix finds its leading blocks cached by the first). Requests
+        that finished meanwhile are skipped (their blocks went back uncached); one
+        preempted meanwhile gets its hashes (its prefill again looks the prefix
+        cache up and caches its blocks as any request's) but holds no blocks to
+        cache. Returns how many requests had their blocks cached."""
+        kv = scheduler.kv_cache_manager
+        (manager,) = kv.coordinator.single_type_managers
+        done = 0
+        for request, num_computed in self.pending:
+            rid = request.request_id
+            if scheduler.requests.get(rid) is not request:
+                continue
+            request._block_hasher = self.block_hasher
+            request.update_block_hashes()
+            if manager.num_cached_block.get(rid) != _NOT_YET_CACHED:
+                continue
+            hashed = 0
+            for blk in manager.req_to_blocks.get(rid, ()):
+                if blk.block_hash is None:
+                    break
+                hashed += 1
+            manager.num_cached_block[rid] = hashed
+            kv.cache_blocks(request, num_computed)
+            done += 1
+        self.clear()
+        return done
+
+
 def adopt(
     scheduler: Any,
     plan: AdoptPlan,
@@ -190,6 +261,7 @@ def adopt(
     fold_outputs: bool | None = None,
     grammar_timeout: float = 30.0,
     request_kwargs: dict | None = None,
+    deferred: DeferredPrefixCache | None = None,
 ) -> tuple[Any, AdoptResult]:
     """Adopt ``plan`` into a vLLM 0.33.0 ``Scheduler``; returns (vllm Request, result).
 
@@ -203,6 +275,8 @@ def adopt(
     ``grammar_timeout``: how long to wait for a structured-output grammar to compile.
     ``request_kwargs``: more of vLLM's ``Request`` fields, as the request was sent
     (``request_fields``: priority, arrival time, cache salt, trace headers, …).
+    ``deferred``: with prefix caching, leave the request's block hashes and its
+    blocks' entry in the prefix cache to ``deferred.run`` (DeferredPrefixCache).
     """
     from vllm.v1.request import Request
 
@@ -247,18 +321,25 @@ def adopt(
     for blk in blocks:
         if blk.is_null:
             raise AdoptionError(f"request {plan.key}: block {blk.block_id} is the null block")
-        shared_prefix = pool.enable_caching and blk.block_hash is not None
+        shared_prefix = pool.enable_caching and (
+            blk.block_hash is not None or (deferred is not None and blk.block_id in deferred.full_blocks))
         if blk.ref_cnt > 0 and not shared_prefix:
             raise AdoptionError(f"request {plan.key}: block {blk.block_id} is already in use by another request")
 
+    defer = deferred is not None and block_hasher is not None and pool.enable_caching and bool(blocks)
     request = Request(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling_params=params,
         pooling_params=None,
-        block_hasher=block_hasher,
+        block_hasher=None if defer else block_hasher,
         **(request_kwargs or {}),
     )
+    if defer and not hasattr(request, "_block_hasher"):
+        # A vLLM whose Request keeps its hasher elsewhere: hash now, as before.
+        defer = False
+        request = Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+                          pooling_params=None, block_hasher=block_hasher, **(request_kwargs or {}))
     if not fold_outputs and outs:
         request.append_output_token_ids(outs)
     if request.use_structured_output:
@@ -279,14 +360,17 @@ def adopt(
             if blk.block_hash is None:
                 break
             hashed += 1
-        manager.num_cached_block[request_id] = hashed
+        manager.num_cached_block[request_id] = _NOT_YET_CACHED if defer else hashed
     # else: no KV to reuse (never synced, or the no-KV-reuse ablation): the request
     # goes in as a new one, with nothing registered in the KV manager, so vLLM
     # looks its prompt up in the prefix cache like any new request's (a request
     # registered there counts as running, and vLLM asserts it gets no cache hit).
     request.num_computed_tokens = plan.num_computed
     (enqueue or scheduler.add_request)(request)
-    if pool.enable_caching and plan.num_computed:
+    if defer:
+        assert deferred is not None
+        deferred.add(request, plan.num_computed, plan.block_ids, manager.block_size)
+    elif pool.enable_caching and plan.num_computed:
         # Hash the adopted full blocks now, so a sibling adopted next that shares
         # this prefix finds them cached (and so new requests can hit them).
         kv.cache_blocks(request, plan.num_computed)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, Sequence, runtime_checkable
 
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME, phases
-from .adoption import AdoptResult, plan_adoption
+from .adoption import AdoptResult, DeferredPrefixCache, plan_adoption
 from .pools import PoolSpec, kv_cache_bytes, pool_layout
 from .tp import WORKER_EXTENSION as TP_WORKER_EXTENSION
 from .triton_watch import watch_from_env
@@ -122,7 +122,8 @@ class FrmpsSchedulerAPI(Protocol):
     frmps_scheduled_tokens: int
 
     def frmps_adopt(self, plan: Any, sampling_params: Any, *, block_hasher: Any = None,
-                    fold_outputs: bool | None = None) -> AdoptResult: ...
+                    fold_outputs: bool | None = None, request_kwargs: dict | None = None,
+                    deferred: Any = None) -> AdoptResult: ...
     frmps_hold: bool
 
     def frmps_views(self) -> list[CommittedView]: ...
@@ -180,8 +181,14 @@ class VllmCore:
         # turned into the SDK's Outputs: the engine-core protocol server
         # (frontend/engine_server.py) forwards them to vLLM's frontend as they are.
         self.engine_outputs: Callable[[Any], None] | None = None
+        # An adopted request's prefix-cache work waits for its first step's launch
+        # (adoption.DeferredPrefixCache); FRMPS_DEBUG_ADOPT_HASH_NOW=1 does it in the
+        # adoption, before the first step, as before (an A/B knob).
+        hasher = core.request_block_hasher
+        self.deferred_prefix_cache = (DeferredPrefixCache(hasher) if hasher is not None
+                                      and os.environ.get("FRMPS_DEBUG_ADOPT_HASH_NOW", "") in ("", "0") else None)
         # Diagnostics (FRMPS_DEBUG_STEP_PHASES): vLLM's calls timed in the traced steps.
-        self.step_phases = phases.install(core, _runner_of(core))
+        self.step_phases = phases.install(core, _runner_of(core), frmps=self)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -270,7 +277,7 @@ class VllmCore:
         # adopt() copies the params and sets the plan's seed on its copy (the one
         # _params would set): no copy here as well.
         result = self.scheduler.frmps_adopt(plan, params, block_hasher=self.core.request_block_hasher,
-                                            request_kwargs=request_kwargs)
+                                            request_kwargs=request_kwargs, deferred=self.deferred_prefix_cache)
         self._tracks[key] = _Track(len(plan.output_token_ids), list(params.stop or []))
         return result
 
@@ -303,6 +310,8 @@ class VllmCore:
         if not self.scheduler.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after the handover's reset")
         self._tracks.clear()
+        if self.deferred_prefix_cache is not None:
+            self.deferred_prefix_cache.clear()
         self.scheduler.frmps_reset()
 
     def gate_device(self, wait: Callable[[], None]) -> bool:
@@ -421,12 +430,26 @@ class VllmCore:
         return self.core.batch_queue is None
 
     def step(self, on_launch: Callable[[], None] | None = None) -> list[Output]:
+        deferred = self.deferred_prefix_cache
+        if deferred:
+            # Adopted requests' prefix-cache work, once this step's forward pass is
+            # enqueued: at the launch (synchronous step), or right after vLLM's step
+            # returns with the batch in flight (async scheduling); after the step
+            # where nothing was launched.
+            def launched(then: Callable[[], None] | None = on_launch) -> None:
+                deferred.run(self.scheduler)
+                if then is not None:
+                    then()
+
+            on_launch = launched
         if on_launch is not None and self.launch_hook:
             self.scheduler.frmps_on_launch = on_launch  # taken (and cleared) by the scheduler at the launch
         try:
             outputs_by_client, _ = self._step_fn()
         finally:
             self.scheduler.frmps_on_launch = None  # not launched (nothing to schedule): the loop publishes after
+        if deferred:
+            deferred.run(self.scheduler)  # a no-op once run at the launch
         return self._outputs(outputs_by_client)
 
     def finish_in_flight(self) -> list[Output]:

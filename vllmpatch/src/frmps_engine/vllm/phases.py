@@ -55,6 +55,9 @@ TARGETS: tuple[tuple[str, str], ...] = (
     ("runner.cudagraph_manager", "run_fullgraph"),
     ("runner.cudagraph_manager", "run_pw_graph"),
     ("runner.kv_connector", "pre_forward"),
+    # frmps's own work inside a step: adopted requests' prefix-cache work
+    # (adoption.DeferredPrefixCache, run once the first step is launched).
+    ("frmps.deferred_prefix_cache", "run"),
 )
 
 
@@ -137,10 +140,11 @@ class StepPhases:
         return ", ".join(parts)
 
 
-def install(core: Any, runner: Any, env: dict[str, str] | None = None) -> StepPhases | None:
+def install(core: Any, runner: Any, env: dict[str, str] | None = None, frmps: Any = None) -> StepPhases | None:
     """The tracer for an engine core (and its model runner, None where it runs in
-    other processes), when FRMPS_DEBUG_STEP_PHASES asks for one."""
+    other processes; ``frmps``: the adapter's core, for its own work), when
+    FRMPS_DEBUG_STEP_PHASES asks for one."""
     every = every_from_env(env)
     if every is None:
         return None
-    return StepPhases({"scheduler": getattr(core, "scheduler", None), "runner": runner}, every)
+    return StepPhases({"scheduler": getattr(core, "scheduler", None), "runner": runner, "frmps": frmps}, every)

@@ -205,12 +205,12 @@ class _FrmpsSchedulerMixin:
 
     def frmps_adopt(
         self, plan: AdoptPlan, sampling_params: Any, *, block_hasher: Any = None, fold_outputs: bool | None = None,
-        request_kwargs: dict | None = None,
+        request_kwargs: dict | None = None, deferred: Any = None,
     ) -> AdoptResult:
         base_add = super().add_request  # type: ignore[misc]
         request, result = adopt(
             self, plan, sampling_params, enqueue=base_add, block_hasher=block_hasher, fold_outputs=fold_outputs,
-            request_kwargs=request_kwargs,
+            request_kwargs=request_kwargs, deferred=deferred,
         )
         self._frmps_track(request, result.num_folded)
         self.frmps_counters["adopted_tokens_reused"] += result.reused_tokens
