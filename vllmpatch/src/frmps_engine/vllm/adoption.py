@@ -188,8 +188,8 @@ _NOT_YET_CACHED = 1 << 62
 
 
 class DeferredPrefixCache:
-    """The prefix-cache work of adopted requests, done once the takeover's first
-    step has been launched instead of before it.
+    """The prefix-cache work of adopted requests, done once the step after the
+    takeover's first has been launched instead of before the first.
 
     With vLLM's prefix caching on (its default), adopting a request hashes every
     full block of its prompt and output (sha256 over each block's tokens, chained)
@@ -198,17 +198,22 @@ class DeferredPrefixCache:
     resumed token although the first step needs none of it — the step reads the
     blocks through the request's block table, not through the cache. Deferred, the
     request is built without its block hasher and held out of vLLM's cache_blocks
-    (``_NOT_YET_CACHED``); ``run`` (the core calls it once the step's forward pass
-    is enqueued, so it overlaps the device's work) gives each request its hasher
-    back, hashes its full blocks and caches them as adoption did. Until then
-    nothing can hit the adopted blocks in the prefix cache (a new request
-    computes its prompt), and a sibling adopted in the same takeover may share
-    their leading full blocks (``full_blocks``: what a hash said before)."""
+    (``_NOT_YET_CACHED``); ``run`` gives each request its hasher back, hashes its
+    full blocks and caches them as adoption did. The core runs it once the second
+    step's forward pass is enqueued, beside that step's device work: after the
+    first step's launch it could land on the first token's path (H200, 14B, 32
+    requests whose first step had a prefill to run without a CUDA graph: its
+    device work was done when the launch returned, and the 2.4 ms of hashing came
+    before the first token). Until then nothing can hit the adopted blocks in the
+    prefix cache (a new request computes its prompt), and a sibling adopted in
+    the same takeover may share their leading full blocks (``full_blocks``: what a
+    hash said before)."""
 
     def __init__(self, block_hasher: Callable[[Any], list]):
         self.block_hasher = block_hasher
         self.pending: list[tuple[Any, int]] = []  # (vLLM Request, tokens whose KV the adoption reused)
         self.full_blocks: set[int] = set()  # block ids of the pending requests' full blocks
+        self.steps_to_wait = 0  # steps the core lets pass before run (set by add)
 
     def __bool__(self) -> bool:
         return bool(self.pending)
@@ -216,10 +221,21 @@ class DeferredPrefixCache:
     def add(self, request: Any, num_computed: int, block_ids: Sequence[int], block_size: int) -> None:
         self.pending.append((request, num_computed))
         self.full_blocks.update(block_ids[: num_computed // block_size])
+        self.steps_to_wait = 1  # the adopted requests' first step
+
+    def due(self) -> bool:
+        """Whether the step now starting is the one to run in (each call is a step)."""
+        if not self.pending:
+            return False
+        if self.steps_to_wait:
+            self.steps_to_wait -= 1
+            return False
+        return True
 
     def clear(self) -> None:
         self.pending.clear()
         self.full_blocks.clear()
+        self.steps_to_wait = 0
 
     def run(self, scheduler: Any) -> int:
         """Hash and cache the pending requests' blocks, in adoption order (a sibling

@@ -181,7 +181,7 @@ class VllmCore:
         # turned into the SDK's Outputs: the engine-core protocol server
         # (frontend/engine_server.py) forwards them to vLLM's frontend as they are.
         self.engine_outputs: Callable[[Any], None] | None = None
-        # An adopted request's prefix-cache work waits for its first step's launch
+        # An adopted request's prefix-cache work waits for its second step's launch
         # (adoption.DeferredPrefixCache); FRMPS_DEBUG_ADOPT_HASH_NOW=1 does it in the
         # adoption, before the first step, as before (an A/B knob).
         hasher = core.request_block_hasher
@@ -431,11 +431,13 @@ class VllmCore:
 
     def step(self, on_launch: Callable[[], None] | None = None) -> list[Output]:
         deferred = self.deferred_prefix_cache
+        if deferred is not None and not deferred.due():
+            deferred = None
         if deferred:
-            # Adopted requests' prefix-cache work, once this step's forward pass is
-            # enqueued: at the launch (synchronous step), or right after vLLM's step
-            # returns with the batch in flight (async scheduling); after the step
-            # where nothing was launched.
+            # Adopted requests' prefix-cache work, in the step after their first,
+            # once its forward pass is enqueued: at the launch (synchronous step), or
+            # right after vLLM's step returns with the batch in flight (async
+            # scheduling); after the step where nothing was launched.
             def launched(then: Callable[[], None] | None = on_launch) -> None:
                 deferred.run(self.scheduler)
                 if then is not None:
