@@ -2,6 +2,8 @@ package supervisor
 
 import (
 	"errors"
+	"fmt"
+	"strings"
 	"time"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
@@ -52,6 +54,10 @@ type failoverRun struct {
 	count    int
 	resumeID uint64
 	timer    *time.Timer
+
+	// The way from handled to sent, for the log: the old active fenced, the ring
+	// drained, the resume set built (each zero if that step did not run).
+	fenced, drained, built time.Time
 }
 
 func (s *Supervisor) sendResume() {
@@ -62,6 +68,7 @@ func (s *Supervisor) sendResume() {
 	}
 	sb := fo.target
 	reqs := s.resumeSet()
+	fo.built = time.Now()
 	s.resumeSeq++
 	fo.resumeID = s.resumeSeq
 	fo.count = len(reqs)
@@ -157,7 +164,7 @@ func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.
 	if ferr == nil {
 		s.metrics.failoverDuration(dur)
 		s.log.Info("failover done", "cause", fo.cause, "duration", dur, "resume_sent_after", fo.sent.Sub(fo.detected),
-			"loop_after", fo.handled.Sub(fo.detected), "resumed", resumed, "open_requests", fo.count)
+			"loop_after", fo.handled.Sub(fo.detected), "then", fo.split(), "resumed", resumed, "open_requests", fo.count)
 	} else {
 		s.log.Error("failover failed", "cause", fo.cause, "error", ferr)
 	}
@@ -217,4 +224,26 @@ func (s *Supervisor) noteFirstTokenLocked(gen uint64, at time.Time) {
 type earlyToken struct {
 	gen uint64
 	at  time.Time
+}
+
+// split says where the time from the loop taking the death up to the Resume
+// being sent went: "fenced +a, ring drained +b, resume set +c, sent +d", each
+// from the step before it (a step that did not run is left out).
+func (fo *failoverRun) split() string {
+	var b strings.Builder
+	prev := fo.handled
+	for _, p := range []struct {
+		name string
+		at   time.Time
+	}{{"fenced", fo.fenced}, {"ring drained", fo.drained}, {"resume set", fo.built}, {"sent", fo.sent}} {
+		if p.at.IsZero() || prev.IsZero() {
+			continue
+		}
+		if b.Len() > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%s +%s", p.name, p.at.Sub(prev))
+		prev = p.at
+	}
+	return b.String()
 }

@@ -342,6 +342,9 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 		case failover.FenceActive:
 			a := s.active
 			s.fence(a)
+			if fo := s.inflight; fo != nil && fo.old == a && fo.fenced.IsZero() {
+				fo.fenced = time.Now()
+			}
 			if fo := s.inflight; fo != nil && fo.target == a {
 				s.abortFailover(fo, ev)
 			}
@@ -360,6 +363,9 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			}
 		case failover.DrainRing:
 			s.drainRing()
+			if fo := s.inflight; fo != nil && fo.drained.IsZero() {
+				fo.drained = time.Now()
+			}
 		case failover.SendResume:
 			if s.inflight == nil && s.machine.Handover() == failover.Resuming {
 				s.inflight = &failoverRun{kind: resumeHandover, target: s.standby, detected: time.Now(), cause: "failback handover"}

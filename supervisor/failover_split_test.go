@@ -1,0 +1,80 @@
+package supervisor
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+func TestFailoverSplitNamesEachStepFromTheOneBefore(t *testing.T) {
+	t0 := time.Unix(100, 0)
+	fo := &failoverRun{handled: t0, fenced: t0.Add(10 * time.Microsecond), drained: t0.Add(30 * time.Microsecond),
+		built: t0.Add(330 * time.Microsecond), sent: t0.Add(1330 * time.Microsecond)}
+	want := "fenced +10µs, ring drained +20µs, resume set +300µs, sent +1ms"
+	if got := fo.split(); got != want {
+		t.Fatalf("split = %q, want %q", got, want)
+	}
+	fo.fenced, fo.drained = time.Time{}, time.Time{} // steps that did not run are left out
+	if got := fo.split(); got != "resume set +330µs, sent +1ms" {
+		t.Fatalf("split without fence and drain = %q", got)
+	}
+	if got := (&failoverRun{}).split(); got != "" {
+		t.Fatalf("split of nothing = %q", got)
+	}
+}
+
+type lockedBuf struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuf) Write(p []byte) (int, error) { l.mu.Lock(); defer l.mu.Unlock(); return l.b.Write(p) }
+func (l *lockedBuf) String() string              { l.mu.Lock(); defer l.mu.Unlock(); return l.b.String() }
+
+// A failover's "failover done" line says where the way from the loop taking
+// the death up to the Resume being sent went, step by step.
+func TestFailoverDoneLogsTheWayToTheResume(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		cfg := testConfig(t)
+		cfg.NoFailback = true
+		var out lockedBuf
+		log := hclog.New(&hclog.LoggerOptions{Output: &out, Level: hclog.Info})
+		s, err := NewWithDeps(cfg, w.deps(), log, prometheus.NewRegistry())
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.SetFrontDoor(w.front)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- s.Run(ctx) }()
+		synctest.Wait()
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		cancel()
+		<-done
+		var line string
+		for _, l := range strings.Split(out.String(), "\n") {
+			if strings.Contains(l, "failover done") {
+				line = l
+			}
+		}
+		if line == "" {
+			t.Fatalf("no 'failover done' line in:\n%s", out.String())
+		}
+		for _, want := range []string{"loop_after=", `then="fenced +`, ", ring drained +", ", resume set +", ", sent +"} {
+			if !strings.Contains(line, want) {
+				t.Fatalf("%q not in %s", want, line)
+			}
+		}
+	})
+}
