@@ -1122,6 +1122,40 @@ def test_adopted_blocks_enter_the_prefix_cache_once_the_second_step_is_launched(
     assert got[1] == want and len(got[2]) == 4
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["decodes-first", "one-batch"])
+def test_the_first_step_after_a_takeover_resumes_decodes_before_any_prefill(model_dir, mode, monkeypatch, together):
+    """A takeover's first step computes the next token of every adopted request
+    whose KV was published, and leaves a prefill (a request adopted before its
+    prompt's KV reached the ring, or a new one) to the next step: in one batch the
+    prefill could push the step out of vLLM's CUDA graphs, and every resumed
+    stream would wait for it. FRMPS_DEBUG_PREFILL_IN_FIRST_STEP=1: one batch, as
+    before. Either way every request's output is its no-fault output."""
+    if together:
+        monkeypatch.setenv("FRMPS_DEBUG_PREFILL_IN_FIRST_STEP", "1")
+    want = by_key(_run_all(model_dir))
+    eng = engine(model_dir, mode=mode)
+    p41, p42 = PROMPTS[41], PROMPTS[42]
+    # 41: its prompt and two delivered tokens in blocks 1-3, one token to compute.
+    eng.adopt_request(41, params(MAX[41]), p41 + want[41][:2], len(p41), len(p41) + 1, [1, 2, 3], 0, want[41][:2])
+    # 42: one token delivered, nothing published: its prompt and that token to prefill.
+    eng.adopt_request(42, params(MAX[42]), p42, len(p42), 0, [], 0, want[42][:1])
+    outs = eng.step()
+    assert eng.scheduled_tokens == (1 + len(p42) + 1 if together else 1)
+    outs += eng.step()
+    if not together:
+        assert eng.scheduled_tokens == 1 + len(p42) + 1, "the prefill runs in the second step"
+    got = {41: list(want[41][:2]), 42: list(want[42][:1])}
+    for o in outs + drain(eng):
+        assert o.output_index == len(got[o.key])
+        got[o.key] += list(o.new_token_ids)
+    assert got == want
+    # Only the step after an adoption holds prefills back: a new request later is
+    # scheduled with the running one.
+    eng.adopt_request(43, params(4), p42, len(p42), 0, [], 0, [])
+    eng.step()
+    assert eng.scheduled_tokens == len(p42), "nothing needs only one token: the prefill is not held"
+
+
 def test_a_reset_drops_prefix_cache_work_not_yet_done(model_dir, mode):
     """A handover's reset before the adopted requests' first step forgets their
     deferred prefix-cache work (the next engine owns the blocks), and an adoption

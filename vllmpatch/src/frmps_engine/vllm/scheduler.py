@@ -12,6 +12,8 @@ An engine that only learns its ring later (the standby, at Resume) calls
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Callable, Iterable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -82,6 +84,11 @@ class _FrmpsSchedulerMixin:
         # Tokens of the batch scheduled last (the step in progress): the SDK's hang
         # estimate reads it from its heartbeat thread.
         self.frmps_scheduled_tokens = 0
+        # Set by an adoption: the next schedule runs the requests that need only
+        # their next token before any prefill (_frmps_hold_prefills).
+        # FRMPS_DEBUG_PREFILL_IN_FIRST_STEP=1: one batch for both, as before.
+        self._frmps_decodes_first = False
+        self._frmps_decodes_first_on = os.environ.get("FRMPS_DEBUG_PREFILL_IN_FIRST_STEP", "") in ("", "0")
         # What the engine computed, so tests and the supervisor can prove that a
         # takeover did not recompute tokens the last sync covered.
         self.frmps_counters = {
@@ -213,6 +220,7 @@ class _FrmpsSchedulerMixin:
             request_kwargs=request_kwargs, deferred=deferred,
         )
         self._frmps_track(request, result.num_folded)
+        self._frmps_decodes_first = self._frmps_decodes_first_on
         self.frmps_counters["adopted_tokens_reused"] += result.reused_tokens
         self.frmps_counters["requests_adopted"] += 1
         return result
@@ -235,9 +243,38 @@ class _FrmpsSchedulerMixin:
         return False if self.frmps_hold else super().has_requests()  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        held = self._frmps_hold_prefills() if self._frmps_decodes_first else ()
+        self._frmps_decodes_first = False
+        try:
+            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            for queue, reqs in held:  # back where they were, ahead of what came since
+                for r in reversed(reqs):
+                    queue.prepend_request(r)
         self.frmps_scheduled_tokens = int(out.total_num_scheduled_tokens)
         return out
+
+    def _frmps_hold_prefills(self) -> list[tuple[Any, list[Any]]]:
+        """The first step after a takeover resumes the streams that need only their
+        next token; a waiting request with a prefill to compute (adopted before its
+        prompt's KV was published, or new) waits one step. In one batch with the
+        decodes such a prefill can make the step too large for vLLM's CUDA graphs
+        and every resumed stream waits for it (H200, 14B, 32 streams: 549 prefill
+        tokens beside 31 decodes, an 83.5 ms first step against a 9 ms decode
+        step; bench/results/2026-11-28-h200-vllm-deferred-hashing/ §4). Held only
+        when some waiting request needs just one token; the held ones are taken
+        out of vLLM's waiting queues for this schedule and put back after it."""
+        queues = [q for q in (getattr(self, n, None) for n in ("waiting", "skipped_waiting", "kv_holding_waiting"))
+                  if q is not None]
+        if not any(r.num_tokens - r.num_computed_tokens <= 1 for q in queues for r in q):
+            return []
+        held = []
+        for q in queues:
+            big = [r for r in q if r.num_tokens - r.num_computed_tokens > 1]
+            if big:
+                q.remove_requests(big)
+                held.append((q, big))
+        return held
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         if scheduler_output.total_num_scheduled_tokens > 0:
