@@ -1124,8 +1124,8 @@ def test_adopted_blocks_enter_the_prefix_cache_once_the_second_step_is_launched(
 
 @pytest.mark.parametrize("together", [False, True], ids=["decodes-first", "one-batch"])
 def test_the_first_step_after_a_takeover_resumes_decodes_before_any_prefill(model_dir, mode, monkeypatch, together):
-    """A takeover's first step computes the next token of every adopted request
-    whose KV was published, and leaves a prefill (a request adopted before its
+    """A takeover's first step resumes every adopted request whose KV was
+    published, and leaves a whole-prompt prefill (a request adopted before its
     prompt's KV reached the ring, or a new one) to the next step: in one batch the
     prefill could push the step out of vLLM's CUDA graphs, and every resumed
     stream would wait for it. FRMPS_DEBUG_PREFILL_IN_FIRST_STEP=1: one batch, as
@@ -1154,6 +1154,26 @@ def test_the_first_step_after_a_takeover_resumes_decodes_before_any_prefill(mode
     eng.adopt_request(43, params(4), p42, len(p42), 0, [], 0, [])
     eng.step()
     assert eng.scheduled_tokens == len(p42), "nothing needs only one token: the prefill is not held"
+
+
+def test_a_replay_after_the_last_sync_stays_in_the_first_step(model_dir, mode):
+    """With --sync-every > 1 a resumed stream recomputes the tokens past its last
+    sync: that replay holds KV and runs in the takeover's first step with the
+    streams that need one token (only whole-prompt prefills wait)."""
+    want = by_key(_run_all(model_dir))
+    eng = engine(model_dir, mode=mode)
+    p41, p42 = PROMPTS[41], PROMPTS[42]
+    # 41: four tokens delivered, its KV synced up to the prompt: five tokens to replay.
+    eng.adopt_request(41, params(MAX[41]), p41 + want[41][:4], len(p41), len(p41), [1, 2, 3], 0, want[41][:4])
+    # 42: one token delivered, its KV synced: one token to compute.
+    eng.adopt_request(42, params(MAX[42]), p42 + want[42][:1], len(p42), len(p42), [4], 0, want[42][:1])
+    outs = eng.step()
+    assert eng.scheduled_tokens == 4 + 1
+    got = {41: list(want[41][:4]), 42: list(want[42][:1])}
+    for o in outs + drain(eng):
+        assert o.output_index == len(got[o.key])
+        got[o.key] += list(o.new_token_ids)
+    assert got == want
 
 
 def test_a_reset_drops_prefix_cache_work_not_yet_done(model_dir, mode):

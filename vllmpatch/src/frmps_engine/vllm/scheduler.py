@@ -84,8 +84,8 @@ class _FrmpsSchedulerMixin:
         # Tokens of the batch scheduled last (the step in progress): the SDK's hang
         # estimate reads it from its heartbeat thread.
         self.frmps_scheduled_tokens = 0
-        # Set by an adoption: the next schedule runs the requests that need only
-        # their next token before any prefill (_frmps_hold_prefills).
+        # Set by an adoption: the next schedule runs the requests whose KV the ring
+        # had before any whole-prompt prefill (_frmps_hold_prefills).
         # FRMPS_DEBUG_PREFILL_IN_FIRST_STEP=1: one batch for both, as before.
         self._frmps_decodes_first = False
         self._frmps_decodes_first_on = os.environ.get("FRMPS_DEBUG_PREFILL_IN_FIRST_STEP", "") in ("", "0")
@@ -255,22 +255,24 @@ class _FrmpsSchedulerMixin:
         return out
 
     def _frmps_hold_prefills(self) -> list[tuple[Any, list[Any]]]:
-        """The first step after a takeover resumes the streams that need only their
-        next token; a waiting request with a prefill to compute (adopted before its
+        """The first step after a takeover resumes the streams whose KV the ring
+        had; a waiting request with its whole prompt to compute (adopted before its
         prompt's KV was published, or new) waits one step. In one batch with the
-        decodes such a prefill can make the step too large for vLLM's CUDA graphs
-        and every resumed stream waits for it (H200, 14B, 32 streams: 549 prefill
-        tokens beside 31 decodes, an 83.5 ms first step against a 9 ms decode
-        step; bench/results/2026-11-28-h200-vllm-deferred-hashing/ §4). Held only
-        when some waiting request needs just one token; the held ones are taken
-        out of vLLM's waiting queues for this schedule and put back after it."""
+        resumed streams such a prefill can make the step too large for vLLM's CUDA
+        graphs and every resumed stream waits for it (H200, 14B, 32 streams: 549
+        prefill tokens beside 31 decodes, an 83.5 ms first step against a 9 ms
+        decode step; bench/results/2026-11-28-h200-vllm-deferred-hashing/ §4).
+        A resumed stream's replay (the tokens past its last sync, --sync-every > 1)
+        stays in the first step. Held only when some waiting request holds KV; the
+        held ones are taken out of vLLM's waiting queues for this schedule and put
+        back after it."""
         queues = [q for q in (getattr(self, n, None) for n in ("waiting", "skipped_waiting", "kv_holding_waiting"))
                   if q is not None]
-        if not any(r.num_tokens - r.num_computed_tokens <= 1 for q in queues for r in q):
+        if not any(r.num_computed_tokens > 0 for q in queues for r in q):
             return []
         held = []
         for q in queues:
-            big = [r for r in q if r.num_tokens - r.num_computed_tokens > 1]
+            big = [r for r in q if r.num_computed_tokens == 0]
             if big:
                 q.remove_requests(big)
                 held.append((q, big))
