@@ -343,19 +343,13 @@ def adopt(
             raise AdoptionError(f"request {plan.key}: block {blk.block_id} is already in use by another request")
 
     defer = deferred is not None and block_hasher is not None and pool.enable_caching and bool(blocks)
-    request = Request(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        sampling_params=params,
-        pooling_params=None,
-        block_hasher=None if defer else block_hasher,
-        **(request_kwargs or {}),
-    )
+    build = functools.partial(Request, request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+                              pooling_params=None, **(request_kwargs or {}))
+    request = build(block_hasher=None if defer else block_hasher)
     if defer and not hasattr(request, "_block_hasher"):
         # A vLLM whose Request keeps its hasher elsewhere: hash now, as before.
         defer = False
-        request = Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                          pooling_params=None, block_hasher=block_hasher, **(request_kwargs or {}))
+        request = build(block_hasher=block_hasher)
     if not fold_outputs and outs:
         request.append_output_token_ids(outs)
     if request.use_structured_output:

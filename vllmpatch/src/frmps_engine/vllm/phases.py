@@ -56,7 +56,7 @@ TARGETS: tuple[tuple[str, str], ...] = (
     ("runner.cudagraph_manager", "run_pw_graph"),
     ("runner.kv_connector", "pre_forward"),
     # frmps's own work inside a step: adopted requests' prefix-cache work
-    # (adoption.DeferredPrefixCache, run once the first step is launched).
+    # (adoption.DeferredPrefixCache, run once the second step is launched).
     ("frmps.deferred_prefix_cache", "run"),
 )
 
