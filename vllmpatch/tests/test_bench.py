@@ -241,8 +241,17 @@ def test_outage_metrics():
     assert abs(m["last_token_before_fault_rel_s"] + 0.01) < 1e-6
     assert abs(m["first_token_after_fault_rel_s"] - 0.25) < 1e-6
     assert m["throughput_back_rel_fault_s"] == 0.0  # the bin of the fault already holds the first tokens back
+    assert m["steady_gap_s"] == pytest.approx(0.01)  # no stall before the fault
     m = outage_metrics(arr, tf, t0, 0.05)
     assert m["throughput_back_rel_fault_s"] == pytest.approx(0.25)
+    # A stall of the engine's own before the fault (a prefill batch): reported beside the outage, not in it.
+    stalled = [(t, n) for t, n in arr if not 103.0 < t < 103.08] + [(103.5, 1)]
+    m = outage_metrics(stalled, tf, t0, 0.05)
+    assert m["steady_gap_s"] == pytest.approx(0.08) and m["outage_s"] == pytest.approx(0.26)
+    assert m["steady_window_s"] == [-2.5, -0.05]
+    # A stall before the window's start (the load's first half: its ramp-up) is not counted.
+    m = outage_metrics([(t, n) for t, n in arr if not 101.0 < t < 101.5], tf, t0, 0.05)
+    assert m["steady_gap_s"] == pytest.approx(0.01)
 
 
 def _rec(exp, key, data, ok=True, err=None, **kw):

@@ -649,7 +649,14 @@ def outage_metrics(arrivals: list[tuple[float, int]], t_fault: float, t0: float,
         ref = pre[len(pre) // 2]
         start = int((at + gap - t0) // bin_s)
         back = next((i for i in range(start, nb) if tput[i] >= 0.9 * ref), None)
+    # The same measure without a fault: the longest gap in the second half of the load
+    # before the fault (the engine's own stalls, e.g. a step carrying a batch of prefills).
+    pre_lo = t0 + (t_fault - t0) / 2
+    pre = [t for t in ts if pre_lo <= t < t_fault - 0.05]
+    steady = max((b - a for a, b in zip(pre, pre[1:])), default=None)
     return {"outage_s": round(gap, 4), "outage_start_rel_fault_s": round(at - t_fault, 4) if at is not None else None,
+            "steady_gap_s": round(steady, 4) if steady is not None else None,
+            "steady_window_s": [round(pre_lo - t_fault, 3), -0.05],
             "last_token_before_fault_rel_s": round(before[-1] - t_fault, 4) if before else None,
             "first_token_after_fault_rel_s": round(after[0] - t_fault, 4) if after else None,
             "throughput_back_rel_fault_s": round(back * bin_s - (t_fault - t0), 3) if back is not None else None,
