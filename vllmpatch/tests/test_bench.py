@@ -768,3 +768,14 @@ def test_takeover_breakdown_reads_the_first_steps_vllm_calls(tmp_path):
 
     line = describe_recovery({"recovery_s": 0.0148, "takeover_log": got})
     assert line.endswith("first step's forward launched 3.09 ms in"), line
+
+
+def test_outage_leaves_vllm_batch_size_to_vllm():
+    """The outage load with vLLM runs at vLLM's own max_num_seqs (a user's default; the
+    load's concurrency would cap vLLM's CUDA-graph sizes at 64 tokens); the reference
+    engine decodes exactly the load's concurrency."""
+    import argparse
+
+    exp = EXPERIMENTS["outage"]
+    assert exp.default_max_num_seqs(argparse.Namespace(engine="vllm", concurrency=32)) == 0
+    assert exp.default_max_num_seqs(argparse.Namespace(engine="ref", concurrency=32)) == 32

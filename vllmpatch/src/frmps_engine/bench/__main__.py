@@ -91,7 +91,8 @@ def common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=int, default=0, help="KV blocks (0: the engine's default)")
     g.add_argument("--max-num-seqs", type=int, default=0,
                    help="engines' batch size; exact mode (the GPU default) decodes at exactly this many rows "
-                        "(0: 8, the outage experiment: its concurrency, sync-overhead: the saturating batch)")
+                        "(0: 8, the outage experiment: its concurrency with the reference engine, vLLM's own "
+                        "default with vLLM; sync-overhead: the saturating batch)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for frmps's engines (`frmps serve --engine-arg`), repeatable, written "
                         "with '=' (it starts with '-'), e.g. --engine-arg=--vllm-arg=--enforce-eager; points are "

@@ -686,7 +686,12 @@ class Outage(Experiment):
         p.add_argument("--bin-ms", type=float, default=50)
 
     def default_max_num_seqs(self, a) -> int:
-        return a.concurrency
+        # vLLM: its own default, what a user of `frmps serve` gets. Setting it to the load's
+        # concurrency (32) also caps the CUDA-graph sizes vLLM captures (2 x max_num_seqs,
+        # 64 tokens), and every step carrying more prefill than that runs without a graph
+        # (~50-85 ms of host work at 14B on an H200: bench/results/2026-11-28-h200x2-vllm-outage/).
+        # The reference engine decodes exactly this many rows (exact mode).
+        return 0 if a.engine == "vllm" else a.concurrency
 
     def defaults(self, a):
         cpu = a.device == "cpu"
