@@ -249,6 +249,14 @@ def test_outage_metrics():
     m = outage_metrics(stalled, tf, t0, 0.05)
     assert m["steady_gap_s"] == pytest.approx(0.08) and m["outage_s"] == pytest.approx(0.26)
     assert m["steady_window_s"] == [-2.5, -0.05]
+    assert "failover_gap_s" not in m  # no detection given
+    # The failover's own gap spans the detection; a longer stall of the engine's later is the window's outage.
+    t_det = tf + 0.03
+    later = [(t, n) for t, n in arr if not 107.0 < t < 107.4]
+    m = outage_metrics(later, tf, t0, 0.05, t_detect=t_det)
+    assert m["outage_s"] == pytest.approx(0.4, abs=0.011) and m["failover_gap_s"] == pytest.approx(0.26)
+    assert m["failover_gap_start_rel_fault_s"] == pytest.approx(-0.01)
+    assert m["fault_to_resumed_token_s"] == pytest.approx(0.25)
     # A stall before the window's start (the load's first half: its ramp-up) is not counted.
     m = outage_metrics([(t, n) for t, n in arr if not 101.0 < t < 101.5], tf, t0, 0.05)
     assert m["steady_gap_s"] == pytest.approx(0.01)

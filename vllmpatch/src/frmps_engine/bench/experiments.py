@@ -622,11 +622,26 @@ class LoadGen:
 
 
 def outage_metrics(arrivals: list[tuple[float, int]], t_fault: float, t0: float, bin_s: float,
-                   window: tuple[float, float] = (-1.0, 30.0)) -> dict:
+                   window: tuple[float, float] = (-1.0, 30.0), t_detect: float | None = None) -> dict:
     """Client-visible outage: the longest gap between consecutive token arrivals
     (over all streams) within [t_fault + window[0], t_fault + window[1]]; and the
-    token throughput in bins of bin_s, relative to t0."""
+    token throughput in bins of bin_s, relative to t0.
+
+    That window also holds the engine's own stalls after the failover (a step
+    carrying a batch of prefills), which can be longer than the failover's pause.
+    With t_detect (when the supervisor saw the active die) the failover's own gap
+    is given too: the gap between consecutive arrivals that spans t_detect (the
+    dead active delivers nothing after it; the next token is a resumed one), and
+    the time from the fault to that next token."""
     ts = sorted(t for t, _ in arrivals)
+    failover: dict = {}
+    if t_detect is not None:
+        before = [t for t in ts if t <= t_detect]
+        after = [t for t in ts if t > t_detect]
+        if before and after:
+            failover = {"failover_gap_s": round(after[0] - before[-1], 4),
+                        "failover_gap_start_rel_fault_s": round(before[-1] - t_fault, 4),
+                        "fault_to_resumed_token_s": round(after[0] - t_fault, 4)}
     lo, hi = t_fault + window[0], t_fault + window[1]
     w = [t for t in ts if lo <= t <= hi]
     gap, at = 0.0, None
@@ -656,7 +671,7 @@ def outage_metrics(arrivals: list[tuple[float, int]], t_fault: float, t0: float,
     steady = max((b - a for a, b in zip(pre, pre[1:])), default=None)
     return {"outage_s": round(gap, 4), "outage_start_rel_fault_s": round(at - t_fault, 4) if at is not None else None,
             "steady_gap_s": round(steady, 4) if steady is not None else None,
-            "steady_window_s": [round(pre_lo - t_fault, 3), -0.05],
+            "steady_window_s": [round(pre_lo - t_fault, 3), -0.05], **failover,
             "last_token_before_fault_rel_s": round(before[-1] - t_fault, 4) if before else None,
             "first_token_after_fault_rel_s": round(after[0] - t_fault, 4) if after else None,
             "throughput_back_rel_fault_s": round(back * bin_s - (t_fault - t0), 3) if back is not None else None,
@@ -774,7 +789,7 @@ class Outage(Experiment):
             detect = int(field(rec, "unix_nanos", 0) or 0) / 1e9
             res["fault_to_detect_s"] = round(detect - t_fault, 4) if detect else None
             arrivals = [(t, len(ids)) for s in load.streams for t, ids in s.chunks]
-            res.update(outage_metrics(arrivals, t_fault, load.t0, a.bin_ms / 1000))
+            res.update(outage_metrics(arrivals, t_fault, load.t0, a.bin_ms / 1000, t_detect=detect or None))
             res["requests"] = len(load.streams)
             res["stream_errors"] = sum(1 for s in load.streams if s.error)
             res["errors_sample"] = [s.error for s in load.streams if s.error][:3]

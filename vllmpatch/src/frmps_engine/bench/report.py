@@ -371,6 +371,8 @@ def summarize_outage(records: list[dict]) -> dict:
         out[sname] = {"n": len(ds), "outage_s": med(d.get("outage_s") for d in ds),
                       "fault_to_death_s": med(d.get("fault_to_detect_s", d.get("fault_to_death_s")) for d in ds),
                       "steady_gap_s": med(d.get("steady_gap_s") for d in ds),
+                      "failover_gap_s": med(d.get("failover_gap_s") for d in ds),
+                      "fault_to_resumed_token_s": med(d.get("fault_to_resumed_token_s") for d in ds),
                       "max_stream_gap_s": med(d.get("max_stream_gap_s") for d in ds),
                       "throughput_back_s": med(d.get("throughput_back_rel_fault_s") for d in ds),
                       "stream_errors": sum(int(d.get("stream_errors") or 0) for d in ds),
@@ -381,13 +383,17 @@ def summarize_outage(records: list[dict]) -> dict:
 
 
 def md_outage(s: dict) -> str:
-    out = [f"Model: {s.get('model')}. Outage: the longest gap between consecutive tokens over all streams around the fault; "
-           "without a fault: the same measure over the second half of the load before the fault (the engine's own stalls).",
-           "", "| system | outage | without a fault | fault→death | longest gap in one stream | throughput back (after the fault) | "
-           "requests | client errors |", "|---|---|---|---|---|---|---|---|"]
+    out = [f"Model: {s.get('model')}. Outage: the longest gap between consecutive tokens over all streams from 1 s "
+           "before the fault to 30 s after it (the engine's own stalls after the failover included); the failover's gap: "
+           "the gap that spans the active's detected death (its last token to the first resumed one); without a fault: "
+           "the longest gap over the second half of the load before the fault (the engine's own stalls).",
+           "", "| system | outage | the failover's gap | fault → first resumed token | without a fault | fault→death | "
+           "longest gap in one stream | throughput back (after the fault) | requests | client errors |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in s["systems"].items():
         label = name + (" (in-process lower bound, no front door)" if r.get("in_process_lower_bound") else "")
-        out.append(f"| {label} | {ms(r['outage_s'])} | {ms(r.get('steady_gap_s'))} | {ms(r['fault_to_death_s'])} | "
+        out.append(f"| {label} | {ms(r['outage_s'])} | {ms(r.get('failover_gap_s'))} | "
+                   f"{ms(r.get('fault_to_resumed_token_s'))} | {ms(r.get('steady_gap_s'))} | {ms(r['fault_to_death_s'])} | "
                    f"{ms(r['max_stream_gap_s'])} | "
                    f"{ms(r.get('throughput_back_s'))} | {r['requests'] or '–'} | "
                    f"{r['stream_errors'] if not r.get('in_process_lower_bound') else '–'} |")
@@ -555,9 +561,15 @@ def _other_targets(summ: dict[str, dict]) -> list[dict]:
     for engine in ENGINE_ORDER:
         if engine_label("frmps", engine) not in out:
             continue
-        o = (out.get(engine_label("frmps", engine)) or {}).get("outage_s")
+        fr = out.get(engine_label("frmps", engine)) or {}
+        o = fr.get("outage_s")
         o16 = (out.get(engine_label("frmps-n16", engine)) or {}).get("outage_s")
         reached = ms(o) + ("" if o16 is None else f" at the defaults (N = 1), {ms(o16)} at N = 16")
+        if fr.get("failover_gap_s") is not None:
+            # Met or not on the longest gap in the window (the stricter figure); the failover's own
+            # gap and the engine's stalls without a fault beside it say which one set it.
+            reached += (f" (the failover's gap {ms(fr['failover_gap_s'])}, fault → first resumed token "
+                        f"{ms(fr.get('fault_to_resumed_token_s'))}; without a fault {ms(fr.get('steady_gap_s'))})")
         rows.append({"target": ("" if engine == "ref" else f"{engine}: ") +
                      f"outage ≤ 60 ms ({summ['outage'].get('model')})", "reached": reached,
                      "met": None if o is None else o <= 0.060})  # the target is the defaults' figure
