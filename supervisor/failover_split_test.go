@@ -3,6 +3,7 @@ package supervisor
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -79,6 +80,71 @@ func TestFailoverDoneLogsTheWayToTheResume(t *testing.T) {
 			if !strings.Contains(line, want) {
 				t.Fatalf("%q not in %s", want, line)
 			}
+		}
+	})
+}
+
+// orderProbe is a log output that notes, at the first line containing mark,
+// whether the process it watches was still alive.
+type orderProbe struct {
+	lockedBuf
+	mark      string
+	proc      *fakeProc
+	seen      bool
+	aliveThen bool
+}
+
+func (o *orderProbe) Write(p []byte) (int, error) {
+	o.mu.Lock()
+	if !o.seen && o.proc != nil && strings.Contains(string(p), o.mark) {
+		o.seen, o.aliveThen = true, o.proc.alive()
+	}
+	o.mu.Unlock()
+	return o.lockedBuf.Write(p)
+}
+
+// The MPS server's teardown of the active (its process still alive) fences the
+// active before anything is logged about its death and before the machine
+// steps: the SIGKILL is the first thing on the way to the Resume, and the
+// split shows it.
+func TestDeadActiveIsFencedBeforeTheLogsAndTheStep(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.mps.logDir = t.TempDir()
+		cfg := testConfig(t)
+		cfg.NoFailback = true
+		probe := &orderProbe{mark: "engine died"}
+		log := hclog.New(&hclog.LoggerOptions{Output: probe, Level: hclog.Info})
+		s, err := NewWithDeps(cfg, w.deps(), log, prometheus.NewRegistry())
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.SetFrontDoor(w.front)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- s.Run(ctx) }()
+		synctest.Wait()
+		act := w.liveRole(failover.Active)
+		probe.mu.Lock()
+		probe.proc = act
+		probe.mu.Unlock()
+		appendServerLog(t, w.mps.logDir, fmt.Sprintf("[2026-11-28 17:04:22.012 Server  1997] Client {PID: %d, Context ID: 1} on device 0 to be torn down", act.pid))
+		time.Sleep(10 * time.Millisecond)
+		synctest.Wait()
+		cancel()
+		<-done
+		probe.mu.Lock()
+		seen, alive := probe.seen, probe.aliveThen
+		probe.mu.Unlock()
+		if !seen {
+			t.Fatalf("no 'engine died' line in:\n%s", probe.String())
+		}
+		if alive {
+			t.Fatalf("the active was still alive when its death was logged:\n%s", probe.String())
+		}
+		recs := s.Status().Failovers
+		if len(recs) != 1 || recs[0].GetCause() != "mps_fault" || !recs[0].GetOk() {
+			t.Fatalf("records %v", recs)
 		}
 	})
 }
