@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"strings"
 	"sync"
 	"testing"
@@ -33,6 +34,25 @@ func TestFailoverSplitNamesEachStepFromTheOneBefore(t *testing.T) {
 	}
 }
 
+// runLogged runs a supervisor (no failback) over w whose log goes to out, up to
+// its engines' start; stop ends the run.
+func runLogged(t *testing.T, w *fakeWorld, out io.Writer) (s *Supervisor, stop func()) {
+	t.Helper()
+	cfg := testConfig(t)
+	cfg.NoFailback = true
+	log := hclog.New(&hclog.LoggerOptions{Output: out, Level: hclog.Info})
+	s, err := NewWithDeps(cfg, w.deps(), log, prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.SetFrontDoor(w.front)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	synctest.Wait()
+	return s, func() { cancel(); <-done }
+}
+
 type lockedBuf struct {
 	mu sync.Mutex
 	b  bytes.Buffer
@@ -50,23 +70,11 @@ func (l *lockedBuf) String() string { l.mu.Lock(); defer l.mu.Unlock(); return l
 func TestFailoverDoneLogsTheWayToTheResume(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
-		cfg := testConfig(t)
-		cfg.NoFailback = true
 		var out lockedBuf
-		log := hclog.New(&hclog.LoggerOptions{Output: &out, Level: hclog.Info})
-		s, err := NewWithDeps(cfg, w.deps(), log, prometheus.NewRegistry())
-		if err != nil {
-			t.Fatal(err)
-		}
-		s.SetFrontDoor(w.front)
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- s.Run(ctx) }()
-		synctest.Wait()
+		_, stop := runLogged(t, w, &out)
 		w.liveRole(failover.Active).Kill()
 		synctest.Wait()
-		cancel()
-		<-done
+		stop()
 		var line string
 		for _, l := range strings.Split(out.String(), "\n") {
 			if strings.Contains(l, "failover done") {
@@ -111,19 +119,8 @@ func TestDeadActiveIsFencedBeforeTheLogsAndTheStep(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
 		w.mps.logDir = t.TempDir()
-		cfg := testConfig(t)
-		cfg.NoFailback = true
 		probe := &orderProbe{mark: "engine died"}
-		log := hclog.New(&hclog.LoggerOptions{Output: probe, Level: hclog.Info})
-		s, err := NewWithDeps(cfg, w.deps(), log, prometheus.NewRegistry())
-		if err != nil {
-			t.Fatal(err)
-		}
-		s.SetFrontDoor(w.front)
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- s.Run(ctx) }()
-		synctest.Wait()
+		s, stop := runLogged(t, w, probe)
 		act := w.liveRole(failover.Active)
 		probe.mu.Lock()
 		probe.proc = act
@@ -131,8 +128,7 @@ func TestDeadActiveIsFencedBeforeTheLogsAndTheStep(t *testing.T) {
 		appendServerLog(t, w.mps.logDir, fmt.Sprintf("[2026-11-28 17:04:22.012 Server  1997] Client {PID: %d, Context ID: 1} on device 0 to be torn down", act.pid))
 		time.Sleep(10 * time.Millisecond)
 		synctest.Wait()
-		cancel()
-		<-done
+		stop()
 		probe.mu.Lock()
 		seen, alive := probe.seen, probe.aliveThen
 		probe.mu.Unlock()
