@@ -636,12 +636,12 @@ def outage_metrics(arrivals: list[tuple[float, int]], t_fault: float, t0: float,
     ts = sorted(t for t, _ in arrivals)
     failover: dict = {}
     if t_detect is not None:
-        before = [t for t in ts if t <= t_detect]
-        after = [t for t in ts if t > t_detect]
-        if before and after:
-            failover = {"failover_gap_s": round(after[0] - before[-1], 4),
-                        "failover_gap_start_rel_fault_s": round(before[-1] - t_fault, 4),
-                        "fault_to_resumed_token_s": round(after[0] - t_fault, 4)}
+        last = max((t for t in ts if t <= t_detect), default=None)
+        resumed = min((t for t in ts if t > t_detect), default=None)
+        if last is not None and resumed is not None:
+            failover = {"failover_gap_s": round(resumed - last, 4),
+                        "failover_gap_start_rel_fault_s": round(last - t_fault, 4),
+                        "fault_to_resumed_token_s": round(resumed - t_fault, 4)}
     lo, hi = t_fault + window[0], t_fault + window[1]
     w = [t for t in ts if lo <= t <= hi]
     gap, at = 0.0, None
@@ -667,8 +667,8 @@ def outage_metrics(arrivals: list[tuple[float, int]], t_fault: float, t0: float,
     # The same measure without a fault: the longest gap in the second half of the load
     # before the fault (the engine's own stalls, e.g. a step carrying a batch of prefills).
     pre_lo = t0 + (t_fault - t0) / 2
-    pre = [t for t in ts if pre_lo <= t < t_fault - 0.05]
-    steady = max((b - a for a, b in zip(pre, pre[1:])), default=None)
+    calm = [t for t in ts if pre_lo <= t < t_fault - 0.05]
+    steady = max((b - a for a, b in zip(calm, calm[1:])), default=None)
     return {"outage_s": round(gap, 4), "outage_start_rel_fault_s": round(at - t_fault, 4) if at is not None else None,
             "steady_gap_s": round(steady, 4) if steady is not None else None,
             "steady_window_s": [round(pre_lo - t_fault, 3), -0.05], **failover,
