@@ -15,6 +15,7 @@ end, it measures nothing.
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import random
 import threading
@@ -621,6 +622,22 @@ class LoadGen:
         return not any(t.is_alive() for t in self._threads)
 
 
+def _longest_gap(ts: list[float]) -> tuple[float, float | None]:
+    """The longest gap between consecutive times of sorted ``ts`` and where it began
+    (0.0 and None with fewer than two)."""
+    gap, at = 0.0, None
+    for a, b in zip(ts, ts[1:]):
+        if b - a > gap:
+            gap, at = b - a, a
+    return gap, at
+
+
+def _around(ts: list[float], t: float) -> tuple[float | None, float | None]:
+    """The last time of sorted ``ts`` at or before ``t`` and the first after it (None where there is none)."""
+    i = bisect.bisect_right(ts, t)
+    return (ts[i - 1] if i else None), (ts[i] if i < len(ts) else None)
+
+
 def outage_metrics(arrivals: list[tuple[float, int]], t_fault: float, t0: float, bin_s: float,
                    window: tuple[float, float] = (-1.0, 30.0), t_detect: float | None = None) -> dict:
     """Client-visible outage: the longest gap between consecutive token arrivals
@@ -636,26 +653,20 @@ def outage_metrics(arrivals: list[tuple[float, int]], t_fault: float, t0: float,
     ts = sorted(t for t, _ in arrivals)
     failover: dict = {}
     if t_detect is not None:
-        last = max((t for t in ts if t <= t_detect), default=None)
-        resumed = min((t for t in ts if t > t_detect), default=None)
+        last, resumed = _around(ts, t_detect)
         if last is not None and resumed is not None:
             failover = {"failover_gap_s": round(resumed - last, 4),
                         "failover_gap_start_rel_fault_s": round(last - t_fault, 4),
                         "fault_to_resumed_token_s": round(resumed - t_fault, 4)}
     lo, hi = t_fault + window[0], t_fault + window[1]
-    w = [t for t in ts if lo <= t <= hi]
-    gap, at = 0.0, None
-    for a, b in zip(w, w[1:]):
-        if b - a > gap:
-            gap, at = b - a, a
+    gap, at = _longest_gap([t for t in ts if lo <= t <= hi])
     bins: dict[int, int] = {}
     for t, n in arrivals:
         i = int((t - t0) // bin_s)
         bins[i] = bins.get(i, 0) + n
     nb = max(bins) + 1 if bins else 0
     tput = [bins.get(i, 0) / bin_s for i in range(nb)]
-    before = [t for t in ts if t <= t_fault]
-    after = [t for t in ts if t > t_fault]
+    before, after = _around(ts, t_fault)
     # Throughput back: the first bin after the outage with >= 90% of the median rate of the 3 s before the fault.
     fb = int((t_fault - t0) // bin_s)
     pre = sorted(tput[max(0, fb - int(3 / bin_s)):fb])
@@ -668,12 +679,12 @@ def outage_metrics(arrivals: list[tuple[float, int]], t_fault: float, t0: float,
     # before the fault (the engine's own stalls, e.g. a step carrying a batch of prefills).
     pre_lo = t0 + (t_fault - t0) / 2
     calm = [t for t in ts if pre_lo <= t < t_fault - 0.05]
-    steady = max((b - a for a, b in zip(calm, calm[1:])), default=None)
+    steady = _longest_gap(calm)[0] if len(calm) > 1 else None
     return {"outage_s": round(gap, 4), "outage_start_rel_fault_s": round(at - t_fault, 4) if at is not None else None,
             "steady_gap_s": round(steady, 4) if steady is not None else None,
             "steady_window_s": [round(pre_lo - t_fault, 3), -0.05], **failover,
-            "last_token_before_fault_rel_s": round(before[-1] - t_fault, 4) if before else None,
-            "first_token_after_fault_rel_s": round(after[0] - t_fault, 4) if after else None,
+            "last_token_before_fault_rel_s": round(before - t_fault, 4) if before is not None else None,
+            "first_token_after_fault_rel_s": round(after - t_fault, 4) if after is not None else None,
             "throughput_back_rel_fault_s": round(back * bin_s - (t_fault - t0), 3) if back is not None else None,
             "bin_s": bin_s, "tokens_per_s": [round(x, 1) for x in tput],
             "fault_rel_t0_s": round(t_fault - t0, 4), "tokens": sum(n for _, n in arrivals)}
@@ -795,8 +806,7 @@ class Outage(Experiment):
             res["errors_sample"] = [s.error for s in load.streams if s.error][:3]
             res["unfinished"] = sum(1 for s in load.streams if not s.finish)
             res["load_drained"] = done
-            per_stream = [max((b - a_ for a_, b in zip([t for t, _ in s.chunks], [t for t, _ in s.chunks][1:])), default=0)
-                          for s in load.streams if s.chunks]
+            per_stream = [_longest_gap([t for t, _ in s.chunks])[0] for s in load.streams if s.chunks]
             res["max_stream_gap_s"] = round(max(per_stream, default=0.0), 4)
             res["load"] = {"concurrency": a.concurrency, "duration_s": a.duration, "fault_at_s": a.fault_at,
                            **self.load_record(a)}
