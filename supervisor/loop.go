@@ -351,10 +351,9 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 		switch a.Kind {
 		case failover.FenceActive:
 			a := s.active
+			// died() fenced a dead active already (a second Kill is harmless); this also
+			// fences an active given up without a death (a yielded engine not resumed).
 			s.fence(a)
-			if fo := s.inflight; fo != nil && fo.old == a && fo.fenced.IsZero() {
-				fo.fenced = time.Now()
-			}
 			if fo := s.inflight; fo != nil && fo.target == a {
 				s.abortFailover(fo, ev)
 			}
