@@ -29,6 +29,11 @@ type Process interface {
 	LastStderr() []string
 	// Kill fences the whole process group; idempotent, does not wait.
 	Kill() error
+	// KillLeader fences the leader only (SIGKILL to its pid): at one rank the
+	// only process that writes the pools, the ring and the streams. The rest of
+	// the group dies with it (Done waits for that) or by Kill; idempotent, does
+	// not wait.
+	KillLeader() error
 	LogPath() string
 }
 

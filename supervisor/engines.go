@@ -46,11 +46,14 @@ type slot struct {
 	initTook   time.Duration
 
 	// loop-owned
-	dead       bool
-	deathClass string   // the class died() was given (a drill, a stall): no exit to classify
-	probe      cpuProbe // CPU waits during a hang suspicion (hang.go)
-	gen        frmpsv1.GenerationClient
-	genC       io.Closer
+	dead bool
+	// groupPending: died() fenced this engine's leader only (one rank); its
+	// group is fenced once the step that took the death up has sent the Resume.
+	groupPending bool
+	deathClass   string   // the class died() was given (a drill, a stall): no exit to classify
+	probe        cpuProbe // CPU waits during a hang suspicion (hang.go)
+	gen          frmpsv1.GenerationClient
+	genC         io.Closer
 }
 
 func (sl *slot) setState(st string) {

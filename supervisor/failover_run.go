@@ -58,6 +58,9 @@ type failoverRun struct {
 	// The way from handled to sent, for the log: the old active fenced, the ring
 	// drained, the resume set built (each zero if that step did not run).
 	fenced, drained, built time.Time
+	// groupFenced: the old active's group, after the Resume (one rank: fenced
+	// is its leader's SIGKILL then).
+	groupFenced time.Time
 }
 
 func (s *Supervisor) sendResume() {
@@ -228,14 +231,15 @@ type earlyToken struct {
 
 // split says where the time from the loop taking the death up to the Resume
 // being sent went: "fenced +a, ring drained +b, resume set +c, sent +d", each
-// from the step before it (a step that did not run is left out).
+// from the step before it (a step that did not run is left out), then
+// "group fenced +e" where the old active's leader was fenced alone.
 func (fo *failoverRun) split() string {
 	var b strings.Builder
 	prev := fo.handled
 	for _, p := range []struct {
 		name string
 		at   time.Time
-	}{{"fenced", fo.fenced}, {"ring drained", fo.drained}, {"resume set", fo.built}, {"sent", fo.sent}} {
+	}{{"fenced", fo.fenced}, {"ring drained", fo.drained}, {"resume set", fo.built}, {"sent", fo.sent}, {"group fenced", fo.groupFenced}} {
 		if p.at.IsZero() || prev.IsZero() {
 			continue
 		}

@@ -5,6 +5,8 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -36,10 +38,13 @@ func TestFailoverSplitNamesEachStepFromTheOneBefore(t *testing.T) {
 
 // runLogged runs a supervisor (no failback) over w whose log goes to out, up to
 // its engines' start; stop ends the run.
-func runLogged(t *testing.T, w *fakeWorld, out io.Writer) (s *Supervisor, stop func()) {
+func runLogged(t *testing.T, w *fakeWorld, out io.Writer, opts ...func(*Config)) (s *Supervisor, stop func()) {
 	t.Helper()
 	cfg := testConfig(t)
 	cfg.NoFailback = true
+	for _, o := range opts {
+		o(&cfg)
+	}
 	log := hclog.New(&hclog.LoggerOptions{Output: out, Level: hclog.Info})
 	s, err := NewWithDeps(cfg, w.deps(), log, prometheus.NewRegistry())
 	if err != nil {
@@ -116,11 +121,20 @@ func (o *orderProbe) Write(p []byte) (int, error) {
 // steps: the SIGKILL is the first thing on the way to the Resume, and the
 // split shows it.
 func TestDeadActiveIsFencedBeforeTheLogsAndTheStep(t *testing.T) {
+	for _, tp := range []int{1, 2} {
+		t.Run(fmt.Sprintf("tp%d", tp), func(t *testing.T) { testFencedFirst(t, tp) })
+	}
+}
+
+// testFencedFirst: with one rank the leader is fenced first and its group once
+// the Resume is sent (the split says so); with ranks in other processes of the
+// group, the whole group first.
+func testFencedFirst(t *testing.T, tp int) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
 		w.mps.logDir = t.TempDir()
 		probe := &orderProbe{mark: "engine died"}
-		s, stop := runLogged(t, w, probe)
+		s, stop := runLogged(t, w, probe, func(c *Config) { c.TensorParallelSize = tp })
 		act := w.liveRole(failover.Active)
 		probe.mu.Lock()
 		probe.proc = act
@@ -141,6 +155,29 @@ func TestDeadActiveIsFencedBeforeTheLogsAndTheStep(t *testing.T) {
 		recs := s.Status().Failovers
 		if len(recs) != 1 || recs[0].GetCause() != "mps_fault" || !recs[0].GetOk() {
 			t.Fatalf("records %v", recs)
+		}
+		kills := act.killed()
+		line := probe.String()
+		if i := strings.Index(line, "failover done"); i >= 0 {
+			line = line[i:]
+		}
+		if j := strings.IndexByte(line, '\n'); j >= 0 {
+			line = line[:j]
+		}
+		if tp == 1 {
+			if len(kills) < 2 || kills[0] != "leader" || kills[1] != "group" {
+				t.Fatalf("one rank: kills %v, want the leader, then the group", kills)
+			}
+			if !regexp.MustCompile(`then="fenced \+[^"]*, sent \+[^"]*, group fenced \+[^"]*"`).MatchString(line) {
+				t.Fatalf("one rank: the group is not fenced after the Resume is sent: %s", line)
+			}
+		} else {
+			if len(kills) == 0 || kills[0] != "group" || slices.Contains(kills, "leader") {
+				t.Fatalf("tensor parallel: kills %v, want the group first and never the leader alone", kills)
+			}
+			if strings.Contains(line, "group fenced") || !strings.Contains(line, `then="fenced +`) {
+				t.Fatalf("tensor parallel: %s", line)
+			}
 		}
 	})
 }

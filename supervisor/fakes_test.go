@@ -158,6 +158,7 @@ type fakeProc struct {
 	welcome  *frmpsv1.Welcome
 	gotShut  bool
 	handoffs int
+	kills    []string // "leader" (KillLeader), "group" (Kill), in call order
 }
 
 // inMPS: launched with the MPS client environment.
@@ -170,11 +171,27 @@ func (p *fakeProc) inMPS() bool {
 	return false
 }
 
-func (p *fakeProc) PID() int                       { return p.pid }
-func (p *fakeProc) Done() <-chan struct{}          { return p.done }
-func (p *fakeProc) LastStderr() []string           { return []string{"fake engine stderr"} }
-func (p *fakeProc) LogPath() string                { return fmt.Sprintf("/fake/%d.log", p.pid) }
-func (p *fakeProc) Kill() error                    { p.exit(syscall.WaitStatus(syscall.SIGKILL)); return nil }
+func (p *fakeProc) PID() int              { return p.pid }
+func (p *fakeProc) Done() <-chan struct{} { return p.done }
+func (p *fakeProc) LastStderr() []string  { return []string{"fake engine stderr"} }
+func (p *fakeProc) LogPath() string       { return fmt.Sprintf("/fake/%d.log", p.pid) }
+func (p *fakeProc) Kill() error           { return p.kill("group") }
+func (p *fakeProc) KillLeader() error     { return p.kill("leader") }
+
+// kill records the fence and ends the fake (its leader is all there is of it).
+func (p *fakeProc) kill(what string) error {
+	p.mu.Lock()
+	p.kills = append(p.kills, what)
+	p.mu.Unlock()
+	p.exit(syscall.WaitStatus(syscall.SIGKILL))
+	return nil
+}
+
+func (p *fakeProc) killed() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]string(nil), p.kills...)
+}
 func (p *fakeProc) WaitStatus() syscall.WaitStatus { p.mu.Lock(); defer p.mu.Unlock(); return p.ws }
 
 func (p *fakeProc) alive() bool {

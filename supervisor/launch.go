@@ -179,6 +179,7 @@ func (deadProcess) Done() <-chan struct{}          { return closedCh }
 func (deadProcess) WaitStatus() syscall.WaitStatus { return 0 }
 func (deadProcess) LastStderr() []string           { return nil }
 func (deadProcess) Kill() error                    { return nil }
+func (deadProcess) KillLeader() error              { return nil }
 func (deadProcess) LogPath() string                { return "" }
 
 type nopListener struct{}

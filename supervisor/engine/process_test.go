@@ -212,7 +212,21 @@ func TestBadSpec(t *testing.T) {
 
 // Kill takes down the whole group, grandchildren included, and leaves no
 // zombie: the grandchild is reparented and reaped by init, the child by us.
+// KillLeader kills the leader alone; the group follows it before Done.
 func TestKillFencesGroup(t *testing.T) {
+	for _, name := range []string{"Kill", "KillLeader"} {
+		t.Run(name, func(t *testing.T) {
+			testKillFencesGroup(t, func(p *Process) error {
+				if name == "Kill" {
+					return p.Kill()
+				}
+				return p.KillLeader()
+			})
+		})
+	}
+}
+
+func testKillFencesGroup(t *testing.T, kill func(*Process) error) {
 	defer goleak.VerifyNone(t)
 	sink := &capture{}
 	log := hclog.New(&hclog.LoggerOptions{Output: sink})
@@ -238,7 +252,7 @@ func TestKillFencesGroup(t *testing.T) {
 	if pgid, _ := syscall.Getpgid(gc); pgid != p.PID() {
 		t.Fatalf("grandchild pgid %d, want %d", pgid, p.PID())
 	}
-	if err := p.Kill(); err != nil {
+	if err := kill(p); err != nil {
 		t.Fatal(err)
 	}
 	wait(t, p)
@@ -261,6 +275,9 @@ func TestKillFencesGroup(t *testing.T) {
 		t.Fatalf("engine %d still in the process table (state %q): not reaped", p.PID(), state)
 	}
 	if err := p.Kill(); err != nil { // idempotent after exit
+		t.Fatal(err)
+	}
+	if err := p.KillLeader(); err != nil {
 		t.Fatal(err)
 	}
 	if after := countFDs(t); after != fdsBefore {
