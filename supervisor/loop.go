@@ -442,11 +442,14 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 
 // fenceFirst fences a dead active on the way to the standby's Resume. With
 // one rank it kills the leader only, the one process that writes the pools,
-// the ring and the streams: a SIGKILL costs its sender a wake-up of every
-// thread it reaches, and on the GPU host the whole group took 0.5-1.3 ms
-// where that is all before the Resume (died fences the group after the
-// step). The ranks of a tensor-parallel engine are processes of its group
-// that write the KV cache: the whole group then.
+// the ring and the streams, and died fences the group after the step: a
+// SIGKILL costs its sender a wake-up of every thread it reaches (3-4 µs each
+// on the GPU host, bench/gpu/kill_cost_probe.py), so helper processes in the
+// group (compile workers, say) stay off the Resume's path. The leader's own
+// threads do not: a serving vLLM engine had ~219 and its SIGKILL took
+// 0.6-1.6 ms (bench/results/2026-11-28-h200x2-vllm-fence/). The ranks of a
+// tensor-parallel engine are processes of its group that write the KV cache:
+// the whole group then.
 func (s *Supervisor) fenceFirst(sl *slot) {
 	if s.cfg.TensorParallelSize > 1 {
 		s.fence(sl)
