@@ -668,7 +668,7 @@ def test_torch_pools_breakdown_sums_segments_by_kind_of_pool():
 def test_the_standby_memory_note_reads_back(tmp_path):
     """What the standby logs after Sleep is what the harnesses parse."""
     from frmps_engine.bench import loglines
-    from frmps_engine.sdk.runner import pools_note, torch_pools_breakdown
+    from frmps_engine.sdk.runner import pools_note, threads_note, torch_pools_breakdown
     from frmps_engine.sdk.stack import StandbyStack
 
     mib = 2**20
@@ -690,13 +690,38 @@ def test_the_standby_memory_note_reads_back(tmp_path):
     stack = StandbyStack(Stack()).shrink()
     log = tmp_path / "standby.log"
     log.write_text("x INFO frmps_engine.sdk.runner: standby asleep with 2 brokered pools mapped read-only "
-                   f"(map 11.20 ms, ready 21281 ms after start){pools_note(b)}{stack}\n")
+                   f"(map 11.20 ms, ready 21281 ms after start){pools_note(b)}{stack}{threads_note()}\n")
     assert loglines.standby_pools(str(log)) == {"default": {"reserved": 24.0, "allocated": 8.0},
                                                 "graphs": {"reserved": 164.0, "allocated": 150.0}}
     assert loglines.grep_first(str(log), loglines.SLEEP) == ["11.20", "21281"]
     assert loglines.standby_stack_bytes(str(log)) == 2048  # what it had, before giving 1 KiB back
     assert loglines.standby_pools(str(tmp_path / "none.log")) is None
     assert loglines.standby_stack_bytes(str(tmp_path / "none.log")) is None
+
+
+def test_threads_note_counts_this_process_threads_by_name(tmp_path):
+    import threading
+
+    from frmps_engine.sdk.runner import threads_note
+
+    for tid, name in ((1, "python3"), (2, "python3"), (3, "grpc_global_tim"), (4, "cuda-EvtHandlr"), (5, "python3")):
+        (tmp_path / str(tid)).mkdir()
+        (tmp_path / str(tid) / "comm").write_text(name + "\n")
+    (tmp_path / "6").mkdir()  # a thread that ended between the listing and the read
+    assert threads_note(str(tmp_path)) == "; 5 threads (python3 3, cuda-EvtHandlr 1, grpc_global_tim 1)"
+    assert threads_note(str(tmp_path), top=1) == "; 5 threads (python3 3, ...)"
+    assert threads_note(str(tmp_path / "none")) == ""
+
+    # This process, with one more thread than before.
+    stop = threading.Event()
+    before = int(threads_note().split()[1])
+    t = threading.Thread(target=stop.wait, name="frmps-note-probe")
+    t.start()
+    try:
+        assert int(threads_note().split()[1]) == before + 1
+    finally:
+        stop.set()
+        t.join()
 
 
 class _GroupAdapter(FakeAdapter):

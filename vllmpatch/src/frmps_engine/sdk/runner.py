@@ -489,9 +489,9 @@ class Runner:
         stack = self._standby_stack().shrink()
         memphase.note("asleep (brokered pools mapped)")
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
-        log.info("standby asleep with %d brokered pools mapped %s (map %.2f ms, ready %.0f ms after start)%s%s",
+        log.info("standby asleep with %d brokered pools mapped %s (map %.2f ms, ready %.0f ms after start)%s%s%s",
                  len(fds), how, t_map / 1e6, (time.perf_counter_ns() - self._t0) / 1e6,
-                 _standby_memory_note(self.adapter.device), stack)
+                 _standby_memory_note(self.adapter.device), stack, threads_note())
         return control_pb2.Reply(ok=True)
 
     def _standby_stack(self) -> StandbyStack:
@@ -1002,6 +1002,29 @@ def _standby_memory_note(device: str) -> str:
     by kind of pool (torch_pools_breakdown), '' elsewhere."""
     return _torch_cuda_note(device, "torch allocator by pool",
                             lambda cuda: pools_note(torch_pools_breakdown(cuda.memory_snapshot())))
+
+
+def threads_note(task_dir: str = "/proc/self/task", top: int = 6) -> str:
+    """'; N threads (name n, ...)': this process's threads by name, most first. The
+    supervisor fences a dead active with a SIGKILL whose sender wakes every thread of it
+    before the Resume can go (0.6-1.6 ms for ~219 threads on an H200 host:
+    bench/results/2026-11-28-h200x2-vllm-fence/), so the count is on a takeover's path.
+    '' where the kernel does not list them."""
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return ""
+    names: dict[str, int] = {}
+    for tid in tids:
+        try:
+            with open(os.path.join(task_dir, tid, "comm")) as f:
+                name = f.read().strip() or "?"
+        except OSError:  # the thread ended meanwhile
+            continue
+        names[name] = names.get(name, 0) + 1
+    most = sorted(names.items(), key=lambda kv: (-kv[1], kv[0]))
+    shown = ", ".join(f"{n} {c}" for n, c in most[:top]) + (", ..." if len(most) > top else "")
+    return f"; {sum(names.values())} threads ({shown})"
 
 
 def pools_note(b: dict[str, dict[str, float]]) -> str:
