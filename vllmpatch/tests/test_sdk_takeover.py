@@ -150,12 +150,18 @@ def test_takeover_paths(h):
         c.ResumeRequest(key=4, prompt="other", params=P(max_tokens=6), snapshot=snaps1[2]),  # not its snapshot
         c.ResumeRequest(key=5, prompt="x", params=P(max_tokens=6, temperature=-2)),
         c.ResumeRequest(key=3, prompt="new", params=P(max_tokens=6)),  # duplicate key
+        # The prompt left out of the snapshot (output_token_ids), but a prompt length that is not this one's.
+        c.ResumeRequest(key=6, prompt_token_ids=prompt[:2], params=P(max_tokens=6),
+                        snapshot=c.RequestSnapshot(output_token_ids=out1[:2], num_prompt_tokens=len(prompt),
+                                                   num_computed_tokens=len(prompt) + 1)),
     ]
     r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=reqs, ring_path=h.ring, sync_every=2)))
     assert r.ok, r.error
-    assert len(r.resumed) == 6
+    assert len(r.resumed) == 7
     dup = r.resumed[5]
     assert dup.key == 3 and not dup.ok and "appears twice" in dup.error
+    bad = r.resumed[6]
+    assert bad.key == 6 and not bad.ok and "snapshot prompt length differs" in bad.error
     o = {x.key: x for x in r.resumed[:5]}
     assert (o[1].ok, o[1].reused_tokens, o[1].prefilled_tokens) == (True, len(prompt) + 2, 5)
     assert (o[2].ok, o[2].reused_tokens, o[2].prefilled_tokens) == (True, 0, 3 + 5)

@@ -1418,8 +1418,15 @@ type RequestSnapshot struct {
 	NumComputedTokens uint32 `protobuf:"varint,4,opt,name=num_computed_tokens,json=numComputedTokens,proto3" json:"num_computed_tokens,omitempty"`
 	Seed              uint64 `protobuf:"varint,5,opt,name=seed,proto3" json:"seed,omitempty"`
 	Step              uint64 `protobuf:"varint,6,opt,name=step,proto3" json:"step,omitempty"` // engine step of the last sync
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// The sequence after its prompt, when that prompt is the request's own
+	// prompt_token_ids: the supervisor then leaves token_ids empty rather than
+	// send the prompt twice (the standby would convert and compare each prompt
+	// token twice on a takeover's path). An engine that reads only token_ids
+	// finds no prompt there and refuses the request; it never resumes from half
+	// a sequence.
+	OutputTokenIds []uint32 `protobuf:"varint,7,rep,packed,name=output_token_ids,json=outputTokenIds,proto3" json:"output_token_ids,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *RequestSnapshot) Reset() {
@@ -1492,6 +1499,13 @@ func (x *RequestSnapshot) GetStep() uint64 {
 		return x.Step
 	}
 	return 0
+}
+
+func (x *RequestSnapshot) GetOutputTokenIds() []uint32 {
+	if x != nil {
+		return x.OutputTokenIds
+	}
+	return nil
 }
 
 type Resume struct {
@@ -1803,14 +1817,15 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\x13delivered_token_ids\x18\a \x03(\rR\x11deliveredTokenIds\x12:\n" +
 	"\bsnapshot\x18\b \x01(\v2\x19.frmps.v1.RequestSnapshotH\x00R\bsnapshot\x88\x01\x01\x12%\n" +
 	"\x0eengine_request\x18\t \x01(\fR\rengineRequestB\v\n" +
-	"\t_snapshot\"\xcf\x01\n" +
+	"\t_snapshot\"\xf9\x01\n" +
 	"\x0fRequestSnapshot\x12\x1b\n" +
 	"\tblock_ids\x18\x01 \x03(\rR\bblockIds\x12\x1b\n" +
 	"\ttoken_ids\x18\x02 \x03(\rR\btokenIds\x12*\n" +
 	"\x11num_prompt_tokens\x18\x03 \x01(\rR\x0fnumPromptTokens\x12.\n" +
 	"\x13num_computed_tokens\x18\x04 \x01(\rR\x11numComputedTokens\x12\x12\n" +
 	"\x04seed\x18\x05 \x01(\x04R\x04seed\x12\x12\n" +
-	"\x04step\x18\x06 \x01(\x04R\x04step\"y\n" +
+	"\x04step\x18\x06 \x01(\x04R\x04step\x12(\n" +
+	"\x10output_token_ids\x18\a \x03(\rR\x0eoutputTokenIds\"y\n" +
 	"\x06Resume\x123\n" +
 	"\brequests\x18\x01 \x03(\v2\x17.frmps.v1.ResumeRequestR\brequests\x12\x1b\n" +
 	"\tring_path\x18\x02 \x01(\tR\bringPath\x12\x1d\n" +

@@ -426,7 +426,11 @@ func resumeReply(r *frmpsv1.Resume) *frmpsv1.Reply {
 		var reused uint32
 		if s := req.GetSnapshot(); s != nil {
 			reused = s.GetNumComputedTokens()
-			total = max(total, len(s.GetTokenIds()))
+			seq := len(s.GetTokenIds())
+			if seq == 0 { // the prompt left out: it is the request's prompt_token_ids
+				seq = len(req.GetPromptTokenIds()) + len(s.GetOutputTokenIds())
+			}
+			total = max(total, seq)
 		}
 		reply.Resumed = append(reply.Resumed, &frmpsv1.ResumeOutcome{
 			Key: req.GetKey(), Ok: true, ReusedTokens: reused, PrefilledTokens: uint32(max(total-int(reused), 0)),

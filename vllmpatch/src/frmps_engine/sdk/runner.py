@@ -735,9 +735,16 @@ class Runner:
             delivered = pb_ints(r.delivered_token_ids)
             if r.HasField("snapshot"):
                 snap = r.snapshot
-                token_ids = pb_ints(snap.token_ids)
-                if snap.num_prompt_tokens != len(ids) or token_ids[: len(ids)] != ids:
-                    raise InvalidRequest("snapshot prompt tokens differ from the request's prompt")
+                if not snap.token_ids and snap.num_prompt_tokens and r.prompt_token_ids and not r.messages:
+                    # The supervisor left the prompt out (it is this request's prompt_token_ids,
+                    # control.proto): convert and check each prompt token once, not twice.
+                    if snap.num_prompt_tokens != len(ids):
+                        raise InvalidRequest("snapshot prompt length differs from the request's prompt")
+                    token_ids = ids + pb_ints(snap.output_token_ids)
+                else:
+                    token_ids = pb_ints(snap.token_ids)
+                    if snap.num_prompt_tokens != len(ids) or token_ids[: len(ids)] != ids:
+                        raise InvalidRequest("snapshot prompt tokens differ from the request's prompt")
                 seed = snap.seed
                 params.seed = seed
                 res = self.core.adopt_request(

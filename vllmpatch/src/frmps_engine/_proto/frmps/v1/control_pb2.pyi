@@ -232,20 +232,22 @@ class ResumeRequest(_message.Message):
     def __init__(self, key: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., delivered_token_ids: _Optional[_Iterable[int]] = ..., snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ..., engine_request: _Optional[bytes] = ...) -> None: ...
 
 class RequestSnapshot(_message.Message):
-    __slots__ = ("block_ids", "token_ids", "num_prompt_tokens", "num_computed_tokens", "seed", "step")
+    __slots__ = ("block_ids", "token_ids", "num_prompt_tokens", "num_computed_tokens", "seed", "step", "output_token_ids")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
     num_computed_tokens: int
     seed: int
     step: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., step: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("requests", "ring_path", "sync_every")
