@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/control"
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
@@ -245,4 +246,47 @@ func TestResumeLeavesTheRequestsOwnPromptOutOfItsSnapshot(t *testing.T) {
 			}
 		}
 	})
+}
+
+// The Resume a takeover of 32 requests of 400 prompt and 200 output tokens
+// sends, encoded, with each snapshot whole and with the request's own prompt
+// left out of it (elidePrompt): go test -bench ResumeEncode -run '^$' ./supervisor
+func BenchmarkResumeEncode(b *testing.B) {
+	for _, elide := range []bool{false, true} {
+		b.Run(map[bool]string{false: "whole", true: "prompt-left-out"}[elide], func(b *testing.B) {
+			env := resumeOf(32, 400, 200, elide)
+			frame, err := control.Encode(env)
+			if err != nil {
+				b.Fatal(err)
+			}
+			for b.Loop() {
+				if _, err := control.Encode(env); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(len(frame)), "bytes")
+		})
+	}
+}
+
+func resumeOf(n, prompt, output int, elide bool) *frmpsv1.Envelope {
+	rng := uint32(7)
+	next := func() uint32 { rng = rng*1664525 + 1013904223; return rng % 150000 }
+	res := &frmpsv1.Resume{}
+	for k := range n {
+		p, o := make([]uint32, prompt), make([]uint32, output)
+		for i := range p {
+			p[i] = next()
+		}
+		for i := range o {
+			o[i] = next()
+		}
+		snap := &frmpsv1.RequestSnapshot{TokenIds: slices.Concat(p, o), NumPromptTokens: uint32(prompt),
+			NumComputedTokens: uint32(prompt + output - 1), BlockIds: make([]uint32, (prompt+output)/16+1)}
+		if elide {
+			snap = elidePrompt(snap, p)
+		}
+		res.Requests = append(res.Requests, &frmpsv1.ResumeRequest{Key: uint64(k), PromptTokenIds: p, DeliveredTokenIds: o, Snapshot: snap})
+	}
+	return &frmpsv1.Envelope{Id: 1, Msg: &frmpsv1.Envelope_Resume{Resume: res}}
 }
