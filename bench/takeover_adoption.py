@@ -235,7 +235,7 @@ def main() -> None:
         for _ in range(a.fresh):  # a standby takes over once: its first takeover is what the GPU host logs
             r = standby_runner()
             firsts.append(adopt_all(r, reqs))
-        toks = sum(len(r.snapshot.token_ids) for r in reqs)
+        toks = sum(len(r.snapshot.token_ids) or r.snapshot.num_prompt_tokens + len(r.snapshot.output_token_ids) for r in reqs)
         print(f"vLLM {vllm.__version__}, {a.requests} requests x {a.prompt}+{a.output} tokens ({toks} in all), "
               f"prefix caching {'off' if a.no_prefix_caching else 'on'}, {'V1 (folded)' if a.v1 else 'V2'} runner: "
               f"adoption CPU median {statistics.median(times) / 1e6:.3f} ms over {a.reps} takeovers by one standby "
