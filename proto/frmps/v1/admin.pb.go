@@ -82,7 +82,9 @@ type EngineStatus struct {
 	Waiting uint32 `protobuf:"varint,16,opt,name=waiting,proto3" json:"waiting,omitempty"`
 	// Started from a spare (an engine process started ahead of need, its
 	// imports done): init_seconds then counts from the activation.
-	FromSpare     bool `protobuf:"varint,17,opt,name=from_spare,json=fromSpare,proto3" json:"from_spare,omitempty"`
+	FromSpare bool `protobuf:"varint,17,opt,name=from_spare,json=fromSpare,proto3" json:"from_spare,omitempty"`
+	// The engine's KV sizing, from its Hello (control.proto).
+	KvBudget      *KVBudget `protobuf:"bytes,19,opt,name=kv_budget,json=kvBudget,proto3" json:"kv_budget,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -234,6 +236,13 @@ func (x *EngineStatus) GetFromSpare() bool {
 		return x.FromSpare
 	}
 	return false
+}
+
+func (x *EngineStatus) GetKvBudget() *KVBudget {
+	if x != nil {
+		return x.KvBudget
+	}
+	return nil
 }
 
 type FailoverRecord struct {
@@ -1005,8 +1014,8 @@ var File_frmps_v1_admin_proto protoreflect.FileDescriptor
 
 const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\n" +
-	"\x14frmps/v1/admin.proto\x12\bfrmps.v1\"\x12\n" +
-	"\x10GetStatusRequest\"\xea\x03\n" +
+	"\x14frmps/v1/admin.proto\x12\bfrmps.v1\x1a\x16frmps/v1/control.proto\"\x12\n" +
+	"\x10GetStatusRequest\"\x9b\x04\n" +
 	"\fEngineStatus\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x10\n" +
 	"\x03pid\x18\x02 \x01(\x05R\x03pid\x12\x14\n" +
@@ -1028,7 +1037,8 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\arunning\x18\x0f \x01(\rR\arunning\x12\x18\n" +
 	"\awaiting\x18\x10 \x01(\rR\awaiting\x12\x1d\n" +
 	"\n" +
-	"from_spare\x18\x11 \x01(\bR\tfromSpare\"\xeb\x02\n" +
+	"from_spare\x18\x11 \x01(\bR\tfromSpare\x12/\n" +
+	"\tkv_budget\x18\x13 \x01(\v2\x12.frmps.v1.KVBudgetR\bkvBudget\"\xeb\x02\n" +
 	"\x0eFailoverRecord\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1d\n" +
 	"\n" +
@@ -1136,22 +1146,24 @@ var file_frmps_v1_admin_proto_goTypes = []any{
 	(*Failback)(nil),                // 6: frmps.v1.Failback
 	(*TriggerFailoverRequest)(nil),  // 7: frmps.v1.TriggerFailoverRequest
 	(*TriggerFailoverResponse)(nil), // 8: frmps.v1.TriggerFailoverResponse
+	(*KVBudget)(nil),                // 9: frmps.v1.KVBudget
 }
 var file_frmps_v1_admin_proto_depIdxs = []int32{
-	1, // 0: frmps.v1.Status.engines:type_name -> frmps.v1.EngineStatus
-	2, // 1: frmps.v1.Status.failovers:type_name -> frmps.v1.FailoverRecord
-	6, // 2: frmps.v1.Status.failback:type_name -> frmps.v1.Failback
-	5, // 3: frmps.v1.Status.spare:type_name -> frmps.v1.Spare
-	4, // 4: frmps.v1.Status.frontend:type_name -> frmps.v1.FrontendStatus
-	0, // 5: frmps.v1.Admin.GetStatus:input_type -> frmps.v1.GetStatusRequest
-	7, // 6: frmps.v1.Admin.TriggerFailover:input_type -> frmps.v1.TriggerFailoverRequest
-	3, // 7: frmps.v1.Admin.GetStatus:output_type -> frmps.v1.Status
-	8, // 8: frmps.v1.Admin.TriggerFailover:output_type -> frmps.v1.TriggerFailoverResponse
-	7, // [7:9] is the sub-list for method output_type
-	5, // [5:7] is the sub-list for method input_type
-	5, // [5:5] is the sub-list for extension type_name
-	5, // [5:5] is the sub-list for extension extendee
-	0, // [0:5] is the sub-list for field type_name
+	9, // 0: frmps.v1.EngineStatus.kv_budget:type_name -> frmps.v1.KVBudget
+	1, // 1: frmps.v1.Status.engines:type_name -> frmps.v1.EngineStatus
+	2, // 2: frmps.v1.Status.failovers:type_name -> frmps.v1.FailoverRecord
+	6, // 3: frmps.v1.Status.failback:type_name -> frmps.v1.Failback
+	5, // 4: frmps.v1.Status.spare:type_name -> frmps.v1.Spare
+	4, // 5: frmps.v1.Status.frontend:type_name -> frmps.v1.FrontendStatus
+	0, // 6: frmps.v1.Admin.GetStatus:input_type -> frmps.v1.GetStatusRequest
+	7, // 7: frmps.v1.Admin.TriggerFailover:input_type -> frmps.v1.TriggerFailoverRequest
+	3, // 8: frmps.v1.Admin.GetStatus:output_type -> frmps.v1.Status
+	8, // 9: frmps.v1.Admin.TriggerFailover:output_type -> frmps.v1.TriggerFailoverResponse
+	8, // [8:10] is the sub-list for method output_type
+	6, // [6:8] is the sub-list for method input_type
+	6, // [6:6] is the sub-list for extension type_name
+	6, // [6:6] is the sub-list for extension extendee
+	0, // [0:6] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_admin_proto_init() }
@@ -1159,6 +1171,7 @@ func file_frmps_v1_admin_proto_init() {
 	if File_frmps_v1_admin_proto != nil {
 		return
 	}
+	file_frmps_v1_control_proto_init()
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{

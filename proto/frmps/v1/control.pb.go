@@ -475,8 +475,10 @@ type Hello struct {
 	Device             string `protobuf:"bytes,9,opt,name=device,proto3" json:"device,omitempty"`                          // "cpu", "cuda:0", ...
 	BlockSize          uint32 `protobuf:"varint,10,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"` // KV block size in tokens
 	NumBlocks          uint64 `protobuf:"varint,11,opt,name=num_blocks,json=numBlocks,proto3" json:"num_blocks,omitempty"` // KV blocks in the pool
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// How the KV cache was sized (an engine that sizes it; unset otherwise).
+	KvBudget      *KVBudget `protobuf:"bytes,13,opt,name=kv_budget,json=kvBudget,proto3" json:"kv_budget,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Hello) Reset() {
@@ -586,6 +588,135 @@ func (x *Hello) GetNumBlocks() uint64 {
 	return 0
 }
 
+func (x *Hello) GetKvBudget() *KVBudget {
+	if x != nil {
+		return x.KvBudget
+	}
+	return nil
+}
+
+// The KV cache's share of the GPU (the vLLM adapter, vllm/sizing.py): a
+// deployment (both engines, the shared pools, MPS's server) may use
+// utilization x gpu_total_bytes = budget_bytes; the KV cache gets what the
+// weights and the reserve leave, in whole blocks. Per GPU (per rank).
+type KVBudget struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	GpuTotalBytes uint64                 `protobuf:"varint,1,opt,name=gpu_total_bytes,json=gpuTotalBytes,proto3" json:"gpu_total_bytes,omitempty"`
+	Utilization   float64                `protobuf:"fixed64,2,opt,name=utilization,proto3" json:"utilization,omitempty"` // --gpu-memory-utilization
+	BudgetBytes   uint64                 `protobuf:"varint,3,opt,name=budget_bytes,json=budgetBytes,proto3" json:"budget_bytes,omitempty"`
+	WeightsBytes  uint64                 `protobuf:"varint,4,opt,name=weights_bytes,json=weightsBytes,proto3" json:"weights_bytes,omitempty"` // the weights pool (shared)
+	KvBytes       uint64                 `protobuf:"varint,5,opt,name=kv_bytes,json=kvBytes,proto3" json:"kv_bytes,omitempty"`                // the kv_cache pool (shared)
+	NumBlocks     uint64                 `protobuf:"varint,6,opt,name=num_blocks,json=numBlocks,proto3" json:"num_blocks,omitempty"`
+	BlockBytes    uint64                 `protobuf:"varint,7,opt,name=block_bytes,json=blockBytes,proto3" json:"block_bytes,omitempty"`          // one block, every layer
+	ReservedBytes uint64                 `protobuf:"varint,8,opt,name=reserved_bytes,json=reservedBytes,proto3" json:"reserved_bytes,omitempty"` // the sum of reserved
+	// The reserve by item: "contexts", "activations", "graphs" (both engines),
+	// "mps", "kv_rounding".
+	Reserved      map[string]uint64 `protobuf:"bytes,9,rep,name=reserved,proto3" json:"reserved,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	Source        string            `protobuf:"bytes,10,opt,name=source,proto3" json:"source,omitempty"` // "estimated" or "--num-blocks"
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KVBudget) Reset() {
+	*x = KVBudget{}
+	mi := &file_frmps_v1_control_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KVBudget) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KVBudget) ProtoMessage() {}
+
+func (x *KVBudget) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_control_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KVBudget.ProtoReflect.Descriptor instead.
+func (*KVBudget) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *KVBudget) GetGpuTotalBytes() uint64 {
+	if x != nil {
+		return x.GpuTotalBytes
+	}
+	return 0
+}
+
+func (x *KVBudget) GetUtilization() float64 {
+	if x != nil {
+		return x.Utilization
+	}
+	return 0
+}
+
+func (x *KVBudget) GetBudgetBytes() uint64 {
+	if x != nil {
+		return x.BudgetBytes
+	}
+	return 0
+}
+
+func (x *KVBudget) GetWeightsBytes() uint64 {
+	if x != nil {
+		return x.WeightsBytes
+	}
+	return 0
+}
+
+func (x *KVBudget) GetKvBytes() uint64 {
+	if x != nil {
+		return x.KvBytes
+	}
+	return 0
+}
+
+func (x *KVBudget) GetNumBlocks() uint64 {
+	if x != nil {
+		return x.NumBlocks
+	}
+	return 0
+}
+
+func (x *KVBudget) GetBlockBytes() uint64 {
+	if x != nil {
+		return x.BlockBytes
+	}
+	return 0
+}
+
+func (x *KVBudget) GetReservedBytes() uint64 {
+	if x != nil {
+		return x.ReservedBytes
+	}
+	return 0
+}
+
+func (x *KVBudget) GetReserved() map[string]uint64 {
+	if x != nil {
+		return x.Reserved
+	}
+	return nil
+}
+
+func (x *KVBudget) GetSource() string {
+	if x != nil {
+		return x.Source
+	}
+	return ""
+}
+
 type Welcome struct {
 	state           protoimpl.MessageState `protogen:"open.v1"`
 	Accepted        bool                   `protobuf:"varint,1,opt,name=accepted,proto3" json:"accepted,omitempty"`
@@ -604,7 +735,7 @@ type Welcome struct {
 
 func (x *Welcome) Reset() {
 	*x = Welcome{}
-	mi := &file_frmps_v1_control_proto_msgTypes[3]
+	mi := &file_frmps_v1_control_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -616,7 +747,7 @@ func (x *Welcome) String() string {
 func (*Welcome) ProtoMessage() {}
 
 func (x *Welcome) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[3]
+	mi := &file_frmps_v1_control_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -629,7 +760,7 @@ func (x *Welcome) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Welcome.ProtoReflect.Descriptor instead.
 func (*Welcome) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{3}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Welcome) GetAccepted() bool {
@@ -691,7 +822,7 @@ type PoolExport struct {
 
 func (x *PoolExport) Reset() {
 	*x = PoolExport{}
-	mi := &file_frmps_v1_control_proto_msgTypes[4]
+	mi := &file_frmps_v1_control_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -703,7 +834,7 @@ func (x *PoolExport) String() string {
 func (*PoolExport) ProtoMessage() {}
 
 func (x *PoolExport) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[4]
+	mi := &file_frmps_v1_control_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -716,7 +847,7 @@ func (x *PoolExport) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolExport.ProtoReflect.Descriptor instead.
 func (*PoolExport) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{4}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *PoolExport) GetPools() []*Pool {
@@ -738,7 +869,7 @@ type Ready struct {
 
 func (x *Ready) Reset() {
 	*x = Ready{}
-	mi := &file_frmps_v1_control_proto_msgTypes[5]
+	mi := &file_frmps_v1_control_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -750,7 +881,7 @@ func (x *Ready) String() string {
 func (*Ready) ProtoMessage() {}
 
 func (x *Ready) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[5]
+	mi := &file_frmps_v1_control_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -763,7 +894,7 @@ func (x *Ready) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Ready.ProtoReflect.Descriptor instead.
 func (*Ready) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{5}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Ready) GetRole() Role {
@@ -793,7 +924,7 @@ type Reply struct {
 
 func (x *Reply) Reset() {
 	*x = Reply{}
-	mi := &file_frmps_v1_control_proto_msgTypes[6]
+	mi := &file_frmps_v1_control_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -805,7 +936,7 @@ func (x *Reply) String() string {
 func (*Reply) ProtoMessage() {}
 
 func (x *Reply) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[6]
+	mi := &file_frmps_v1_control_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -818,7 +949,7 @@ func (x *Reply) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Reply.ProtoReflect.Descriptor instead.
 func (*Reply) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{6}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Reply) GetOk() bool {
@@ -862,7 +993,7 @@ type ResumeOutcome struct {
 
 func (x *ResumeOutcome) Reset() {
 	*x = ResumeOutcome{}
-	mi := &file_frmps_v1_control_proto_msgTypes[7]
+	mi := &file_frmps_v1_control_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -874,7 +1005,7 @@ func (x *ResumeOutcome) String() string {
 func (*ResumeOutcome) ProtoMessage() {}
 
 func (x *ResumeOutcome) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[7]
+	mi := &file_frmps_v1_control_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -887,7 +1018,7 @@ func (x *ResumeOutcome) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeOutcome.ProtoReflect.Descriptor instead.
 func (*ResumeOutcome) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{7}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ResumeOutcome) GetKey() uint64 {
@@ -938,7 +1069,7 @@ type Fault struct {
 
 func (x *Fault) Reset() {
 	*x = Fault{}
-	mi := &file_frmps_v1_control_proto_msgTypes[8]
+	mi := &file_frmps_v1_control_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -950,7 +1081,7 @@ func (x *Fault) String() string {
 func (*Fault) ProtoMessage() {}
 
 func (x *Fault) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[8]
+	mi := &file_frmps_v1_control_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -963,7 +1094,7 @@ func (x *Fault) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Fault.ProtoReflect.Descriptor instead.
 func (*Fault) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{8}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Fault) GetCause() string {
@@ -1015,7 +1146,7 @@ type Heartbeat struct {
 
 func (x *Heartbeat) Reset() {
 	*x = Heartbeat{}
-	mi := &file_frmps_v1_control_proto_msgTypes[9]
+	mi := &file_frmps_v1_control_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1027,7 +1158,7 @@ func (x *Heartbeat) String() string {
 func (*Heartbeat) ProtoMessage() {}
 
 func (x *Heartbeat) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[9]
+	mi := &file_frmps_v1_control_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1040,7 +1171,7 @@ func (x *Heartbeat) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
 func (*Heartbeat) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{9}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Heartbeat) GetStep() uint64 {
@@ -1103,7 +1234,7 @@ type Ping struct {
 
 func (x *Ping) Reset() {
 	*x = Ping{}
-	mi := &file_frmps_v1_control_proto_msgTypes[10]
+	mi := &file_frmps_v1_control_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1115,7 +1246,7 @@ func (x *Ping) String() string {
 func (*Ping) ProtoMessage() {}
 
 func (x *Ping) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[10]
+	mi := &file_frmps_v1_control_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1128,7 +1259,7 @@ func (x *Ping) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Ping.ProtoReflect.Descriptor instead.
 func (*Ping) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{10}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{11}
 }
 
 // Standby: map the brokered pools (fds follow as SCM_RIGHTS, in order) and
@@ -1142,7 +1273,7 @@ type Sleep struct {
 
 func (x *Sleep) Reset() {
 	*x = Sleep{}
-	mi := &file_frmps_v1_control_proto_msgTypes[11]
+	mi := &file_frmps_v1_control_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1154,7 +1285,7 @@ func (x *Sleep) String() string {
 func (*Sleep) ProtoMessage() {}
 
 func (x *Sleep) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[11]
+	mi := &file_frmps_v1_control_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1167,7 +1298,7 @@ func (x *Sleep) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Sleep.ProtoReflect.Descriptor instead.
 func (*Sleep) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{11}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Sleep) GetPools() []*Pool {
@@ -1196,7 +1327,7 @@ type SamplingParams struct {
 
 func (x *SamplingParams) Reset() {
 	*x = SamplingParams{}
-	mi := &file_frmps_v1_control_proto_msgTypes[12]
+	mi := &file_frmps_v1_control_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1208,7 +1339,7 @@ func (x *SamplingParams) String() string {
 func (*SamplingParams) ProtoMessage() {}
 
 func (x *SamplingParams) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[12]
+	mi := &file_frmps_v1_control_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1221,7 +1352,7 @@ func (x *SamplingParams) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SamplingParams.ProtoReflect.Descriptor instead.
 func (*SamplingParams) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{12}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *SamplingParams) GetMaxTokens() uint32 {
@@ -1316,7 +1447,7 @@ type ResumeRequest struct {
 
 func (x *ResumeRequest) Reset() {
 	*x = ResumeRequest{}
-	mi := &file_frmps_v1_control_proto_msgTypes[13]
+	mi := &file_frmps_v1_control_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1328,7 +1459,7 @@ func (x *ResumeRequest) String() string {
 func (*ResumeRequest) ProtoMessage() {}
 
 func (x *ResumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[13]
+	mi := &file_frmps_v1_control_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1341,7 +1472,7 @@ func (x *ResumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeRequest.ProtoReflect.Descriptor instead.
 func (*ResumeRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{13}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ResumeRequest) GetKey() uint64 {
@@ -1431,7 +1562,7 @@ type RequestSnapshot struct {
 
 func (x *RequestSnapshot) Reset() {
 	*x = RequestSnapshot{}
-	mi := &file_frmps_v1_control_proto_msgTypes[14]
+	mi := &file_frmps_v1_control_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1443,7 +1574,7 @@ func (x *RequestSnapshot) String() string {
 func (*RequestSnapshot) ProtoMessage() {}
 
 func (x *RequestSnapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[14]
+	mi := &file_frmps_v1_control_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1456,7 +1587,7 @@ func (x *RequestSnapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RequestSnapshot.ProtoReflect.Descriptor instead.
 func (*RequestSnapshot) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{14}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *RequestSnapshot) GetBlockIds() []uint32 {
@@ -1519,7 +1650,7 @@ type Resume struct {
 
 func (x *Resume) Reset() {
 	*x = Resume{}
-	mi := &file_frmps_v1_control_proto_msgTypes[15]
+	mi := &file_frmps_v1_control_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1531,7 +1662,7 @@ func (x *Resume) String() string {
 func (*Resume) ProtoMessage() {}
 
 func (x *Resume) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[15]
+	mi := &file_frmps_v1_control_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1544,7 +1675,7 @@ func (x *Resume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Resume.ProtoReflect.Descriptor instead.
 func (*Resume) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{15}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Resume) GetRequests() []*ResumeRequest {
@@ -1577,7 +1708,7 @@ type Shutdown struct {
 
 func (x *Shutdown) Reset() {
 	*x = Shutdown{}
-	mi := &file_frmps_v1_control_proto_msgTypes[16]
+	mi := &file_frmps_v1_control_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1589,7 +1720,7 @@ func (x *Shutdown) String() string {
 func (*Shutdown) ProtoMessage() {}
 
 func (x *Shutdown) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[16]
+	mi := &file_frmps_v1_control_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1602,7 +1733,7 @@ func (x *Shutdown) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Shutdown.ProtoReflect.Descriptor instead.
 func (*Shutdown) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{16}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Shutdown) GetGraceMs() uint32 {
@@ -1627,7 +1758,7 @@ type Handoff struct {
 
 func (x *Handoff) Reset() {
 	*x = Handoff{}
-	mi := &file_frmps_v1_control_proto_msgTypes[17]
+	mi := &file_frmps_v1_control_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1639,7 +1770,7 @@ func (x *Handoff) String() string {
 func (*Handoff) ProtoMessage() {}
 
 func (x *Handoff) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[17]
+	mi := &file_frmps_v1_control_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1652,7 +1783,7 @@ func (x *Handoff) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Handoff.ProtoReflect.Descriptor instead.
 func (*Handoff) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{17}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{18}
 }
 
 type ChatMessage struct {
@@ -1665,7 +1796,7 @@ type ChatMessage struct {
 
 func (x *ChatMessage) Reset() {
 	*x = ChatMessage{}
-	mi := &file_frmps_v1_control_proto_msgTypes[18]
+	mi := &file_frmps_v1_control_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1677,7 +1808,7 @@ func (x *ChatMessage) String() string {
 func (*ChatMessage) ProtoMessage() {}
 
 func (x *ChatMessage) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[18]
+	mi := &file_frmps_v1_control_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1690,7 +1821,7 @@ func (x *ChatMessage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessage.ProtoReflect.Descriptor instead.
 func (*ChatMessage) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{18}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ChatMessage) GetRole() string {
@@ -1733,7 +1864,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\bshutdown\x18\x17 \x01(\v2\x12.frmps.v1.ShutdownH\x00R\bshutdown\x12$\n" +
 	"\x04ping\x18\x18 \x01(\v2\x0e.frmps.v1.PingH\x00R\x04ping\x12-\n" +
 	"\ahandoff\x18\x19 \x01(\v2\x11.frmps.v1.HandoffH\x00R\ahandoffB\x05\n" +
-	"\x03msg\"\x85\x03\n" +
+	"\x03msg\"\xb6\x03\n" +
 	"\x05Hello\x12D\n" +
 	"\x10protocol_version\x18\x01 \x01(\x0e2\x19.frmps.v1.ProtocolVersionR\x0fprotocolVersion\x12\"\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x0e.frmps.v1.RoleR\x04role\x12\x10\n" +
@@ -1748,7 +1879,25 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"block_size\x18\n" +
 	" \x01(\rR\tblockSize\x12\x1d\n" +
 	"\n" +
-	"num_blocks\x18\v \x01(\x04R\tnumBlocks\"\x98\x02\n" +
+	"num_blocks\x18\v \x01(\x04R\tnumBlocks\x12/\n" +
+	"\tkv_budget\x18\r \x01(\v2\x12.frmps.v1.KVBudgetR\bkvBudget\"\xb1\x03\n" +
+	"\bKVBudget\x12&\n" +
+	"\x0fgpu_total_bytes\x18\x01 \x01(\x04R\rgpuTotalBytes\x12 \n" +
+	"\vutilization\x18\x02 \x01(\x01R\vutilization\x12!\n" +
+	"\fbudget_bytes\x18\x03 \x01(\x04R\vbudgetBytes\x12#\n" +
+	"\rweights_bytes\x18\x04 \x01(\x04R\fweightsBytes\x12\x19\n" +
+	"\bkv_bytes\x18\x05 \x01(\x04R\akvBytes\x12\x1d\n" +
+	"\n" +
+	"num_blocks\x18\x06 \x01(\x04R\tnumBlocks\x12\x1f\n" +
+	"\vblock_bytes\x18\a \x01(\x04R\n" +
+	"blockBytes\x12%\n" +
+	"\x0ereserved_bytes\x18\b \x01(\x04R\rreservedBytes\x12<\n" +
+	"\breserved\x18\t \x03(\v2 .frmps.v1.KVBudget.ReservedEntryR\breserved\x12\x16\n" +
+	"\x06source\x18\n" +
+	" \x01(\tR\x06source\x1a;\n" +
+	"\rReservedEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x04R\x05value:\x028\x01\"\x98\x02\n" +
 	"\aWelcome\x12\x1a\n" +
 	"\baccepted\x18\x01 \x01(\bR\baccepted\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\x12D\n" +
@@ -1858,60 +2007,64 @@ func file_frmps_v1_control_proto_rawDescGZIP() []byte {
 }
 
 var file_frmps_v1_control_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_frmps_v1_control_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_frmps_v1_control_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_frmps_v1_control_proto_goTypes = []any{
 	(ProtocolVersion)(0),    // 0: frmps.v1.ProtocolVersion
 	(Role)(0),               // 1: frmps.v1.Role
 	(*Pool)(nil),            // 2: frmps.v1.Pool
 	(*Envelope)(nil),        // 3: frmps.v1.Envelope
 	(*Hello)(nil),           // 4: frmps.v1.Hello
-	(*Welcome)(nil),         // 5: frmps.v1.Welcome
-	(*PoolExport)(nil),      // 6: frmps.v1.PoolExport
-	(*Ready)(nil),           // 7: frmps.v1.Ready
-	(*Reply)(nil),           // 8: frmps.v1.Reply
-	(*ResumeOutcome)(nil),   // 9: frmps.v1.ResumeOutcome
-	(*Fault)(nil),           // 10: frmps.v1.Fault
-	(*Heartbeat)(nil),       // 11: frmps.v1.Heartbeat
-	(*Ping)(nil),            // 12: frmps.v1.Ping
-	(*Sleep)(nil),           // 13: frmps.v1.Sleep
-	(*SamplingParams)(nil),  // 14: frmps.v1.SamplingParams
-	(*ResumeRequest)(nil),   // 15: frmps.v1.ResumeRequest
-	(*RequestSnapshot)(nil), // 16: frmps.v1.RequestSnapshot
-	(*Resume)(nil),          // 17: frmps.v1.Resume
-	(*Shutdown)(nil),        // 18: frmps.v1.Shutdown
-	(*Handoff)(nil),         // 19: frmps.v1.Handoff
-	(*ChatMessage)(nil),     // 20: frmps.v1.ChatMessage
+	(*KVBudget)(nil),        // 5: frmps.v1.KVBudget
+	(*Welcome)(nil),         // 6: frmps.v1.Welcome
+	(*PoolExport)(nil),      // 7: frmps.v1.PoolExport
+	(*Ready)(nil),           // 8: frmps.v1.Ready
+	(*Reply)(nil),           // 9: frmps.v1.Reply
+	(*ResumeOutcome)(nil),   // 10: frmps.v1.ResumeOutcome
+	(*Fault)(nil),           // 11: frmps.v1.Fault
+	(*Heartbeat)(nil),       // 12: frmps.v1.Heartbeat
+	(*Ping)(nil),            // 13: frmps.v1.Ping
+	(*Sleep)(nil),           // 14: frmps.v1.Sleep
+	(*SamplingParams)(nil),  // 15: frmps.v1.SamplingParams
+	(*ResumeRequest)(nil),   // 16: frmps.v1.ResumeRequest
+	(*RequestSnapshot)(nil), // 17: frmps.v1.RequestSnapshot
+	(*Resume)(nil),          // 18: frmps.v1.Resume
+	(*Shutdown)(nil),        // 19: frmps.v1.Shutdown
+	(*Handoff)(nil),         // 20: frmps.v1.Handoff
+	(*ChatMessage)(nil),     // 21: frmps.v1.ChatMessage
+	nil,                     // 22: frmps.v1.KVBudget.ReservedEntry
 }
 var file_frmps_v1_control_proto_depIdxs = []int32{
 	4,  // 0: frmps.v1.Envelope.hello:type_name -> frmps.v1.Hello
-	6,  // 1: frmps.v1.Envelope.pool_export:type_name -> frmps.v1.PoolExport
-	7,  // 2: frmps.v1.Envelope.ready:type_name -> frmps.v1.Ready
-	8,  // 3: frmps.v1.Envelope.reply:type_name -> frmps.v1.Reply
-	10, // 4: frmps.v1.Envelope.fault:type_name -> frmps.v1.Fault
-	11, // 5: frmps.v1.Envelope.heartbeat:type_name -> frmps.v1.Heartbeat
-	5,  // 6: frmps.v1.Envelope.welcome:type_name -> frmps.v1.Welcome
-	13, // 7: frmps.v1.Envelope.sleep:type_name -> frmps.v1.Sleep
-	17, // 8: frmps.v1.Envelope.resume:type_name -> frmps.v1.Resume
-	18, // 9: frmps.v1.Envelope.shutdown:type_name -> frmps.v1.Shutdown
-	12, // 10: frmps.v1.Envelope.ping:type_name -> frmps.v1.Ping
-	19, // 11: frmps.v1.Envelope.handoff:type_name -> frmps.v1.Handoff
+	7,  // 1: frmps.v1.Envelope.pool_export:type_name -> frmps.v1.PoolExport
+	8,  // 2: frmps.v1.Envelope.ready:type_name -> frmps.v1.Ready
+	9,  // 3: frmps.v1.Envelope.reply:type_name -> frmps.v1.Reply
+	11, // 4: frmps.v1.Envelope.fault:type_name -> frmps.v1.Fault
+	12, // 5: frmps.v1.Envelope.heartbeat:type_name -> frmps.v1.Heartbeat
+	6,  // 6: frmps.v1.Envelope.welcome:type_name -> frmps.v1.Welcome
+	14, // 7: frmps.v1.Envelope.sleep:type_name -> frmps.v1.Sleep
+	18, // 8: frmps.v1.Envelope.resume:type_name -> frmps.v1.Resume
+	19, // 9: frmps.v1.Envelope.shutdown:type_name -> frmps.v1.Shutdown
+	13, // 10: frmps.v1.Envelope.ping:type_name -> frmps.v1.Ping
+	20, // 11: frmps.v1.Envelope.handoff:type_name -> frmps.v1.Handoff
 	0,  // 12: frmps.v1.Hello.protocol_version:type_name -> frmps.v1.ProtocolVersion
 	1,  // 13: frmps.v1.Hello.role:type_name -> frmps.v1.Role
 	2,  // 14: frmps.v1.Hello.pools:type_name -> frmps.v1.Pool
-	0,  // 15: frmps.v1.Welcome.protocol_version:type_name -> frmps.v1.ProtocolVersion
-	2,  // 16: frmps.v1.PoolExport.pools:type_name -> frmps.v1.Pool
-	1,  // 17: frmps.v1.Ready.role:type_name -> frmps.v1.Role
-	9,  // 18: frmps.v1.Reply.resumed:type_name -> frmps.v1.ResumeOutcome
-	2,  // 19: frmps.v1.Sleep.pools:type_name -> frmps.v1.Pool
-	20, // 20: frmps.v1.ResumeRequest.messages:type_name -> frmps.v1.ChatMessage
-	14, // 21: frmps.v1.ResumeRequest.params:type_name -> frmps.v1.SamplingParams
-	16, // 22: frmps.v1.ResumeRequest.snapshot:type_name -> frmps.v1.RequestSnapshot
-	15, // 23: frmps.v1.Resume.requests:type_name -> frmps.v1.ResumeRequest
-	24, // [24:24] is the sub-list for method output_type
-	24, // [24:24] is the sub-list for method input_type
-	24, // [24:24] is the sub-list for extension type_name
-	24, // [24:24] is the sub-list for extension extendee
-	0,  // [0:24] is the sub-list for field type_name
+	5,  // 15: frmps.v1.Hello.kv_budget:type_name -> frmps.v1.KVBudget
+	22, // 16: frmps.v1.KVBudget.reserved:type_name -> frmps.v1.KVBudget.ReservedEntry
+	0,  // 17: frmps.v1.Welcome.protocol_version:type_name -> frmps.v1.ProtocolVersion
+	2,  // 18: frmps.v1.PoolExport.pools:type_name -> frmps.v1.Pool
+	1,  // 19: frmps.v1.Ready.role:type_name -> frmps.v1.Role
+	10, // 20: frmps.v1.Reply.resumed:type_name -> frmps.v1.ResumeOutcome
+	2,  // 21: frmps.v1.Sleep.pools:type_name -> frmps.v1.Pool
+	21, // 22: frmps.v1.ResumeRequest.messages:type_name -> frmps.v1.ChatMessage
+	15, // 23: frmps.v1.ResumeRequest.params:type_name -> frmps.v1.SamplingParams
+	17, // 24: frmps.v1.ResumeRequest.snapshot:type_name -> frmps.v1.RequestSnapshot
+	16, // 25: frmps.v1.Resume.requests:type_name -> frmps.v1.ResumeRequest
+	26, // [26:26] is the sub-list for method output_type
+	26, // [26:26] is the sub-list for method input_type
+	26, // [26:26] is the sub-list for extension type_name
+	26, // [26:26] is the sub-list for extension extendee
+	0,  // [0:26] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_control_proto_init() }
@@ -1933,15 +2086,15 @@ func file_frmps_v1_control_proto_init() {
 		(*Envelope_Ping)(nil),
 		(*Envelope_Handoff)(nil),
 	}
-	file_frmps_v1_control_proto_msgTypes[12].OneofWrappers = []any{}
 	file_frmps_v1_control_proto_msgTypes[13].OneofWrappers = []any{}
+	file_frmps_v1_control_proto_msgTypes[14].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_control_proto_rawDesc), len(file_frmps_v1_control_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   19,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

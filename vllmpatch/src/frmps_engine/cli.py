@@ -28,6 +28,13 @@ def _positive(v: str) -> int:
     return n
 
 
+def _fraction(v: str) -> float:
+    x = float(v)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
+    return x
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="frmps-engine", description="frmps engine process")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -47,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument("--num-blocks", type=_positive)
     s.add_argument("--max-model-len", type=_positive)
+    s.add_argument("--gpu-memory-utilization", type=_fraction, metavar="U",
+                   help="--engine vllm without --num-blocks: the fraction of the GPU the whole deployment may use "
+                        "(both engines, the shared pools, MPS's server); the KV cache gets the rest (default 0.9). "
+                        "The reference engine sizes its cache from --max-model-len and ignores it")
     s.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
     s.add_argument("--max-num-seqs", type=_positive, help="most requests in one batch")
     s.add_argument("--max-num-batched-tokens", type=_positive,
@@ -118,6 +129,7 @@ def engine_options(args: argparse.Namespace):
 
     return adapters.EngineOptions(model=args.model, device=args.device, num_blocks=args.num_blocks,
                                   max_model_len=args.max_model_len, seed=args.seed,
+                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                   max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   exact=args.exact, kv_reuse=args.kv_reuse,

@@ -32,6 +32,7 @@ class EngineOptions:
     device: str = "cpu"
     num_blocks: int | None = None
     max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None  # the vLLM adapter's KV sizing (None: 0.9)
     seed: int = 0
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None

@@ -204,6 +204,7 @@ class HelloInfo:
     block_size: int
     num_blocks: int
     pid: int = field(default_factory=os.getpid)
+    kv_budget: control_pb2.KVBudget | None = None  # an engine that sized its KV cache says how
 
 
 class ControlClient:
@@ -244,6 +245,7 @@ class ControlClient:
             device=info.device,
             block_size=info.block_size,
             num_blocks=info.num_blocks,
+            kv_budget=info.kv_budget,
         )
         self.send(control_pb2.Envelope(hello=hello))
         self.conn._sock.settimeout(timeout)

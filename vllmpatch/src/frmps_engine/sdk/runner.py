@@ -349,6 +349,7 @@ class Runner:
                 # Core mode: no generation API (the frontend is vLLM's API server).
                 generation_endpoint=self.gen.endpoint if self.gen is not None else "", device=self.adapter.device,
                 block_size=self.adapter.block_size, num_blocks=self.adapter.num_blocks,
+                kv_budget=kv_budget_pb(getattr(self.adapter, "kv_budget", None)),
             )
         )
         log.info("welcome: deployment %s, sync every %d steps", self.welcome.deployment_id, self.welcome.sync_every)
@@ -386,7 +387,9 @@ class Runner:
             self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal,
                                    on_error=self._step_failed, step_delay_s=_test_step_delay())
         if self.welcome.ring_path:
-            self.loop.attach_ring(RingPublisher(self.welcome.ring_path, self.cfg.ring_module))
+            publisher = RingPublisher(self.welcome.ring_path, self.cfg.ring_module)
+            ring_room_note(getattr(self.adapter, "ring_record_bytes", 0), publisher)
+            self.loop.attach_ring(publisher)
         if self.server is not None:
             self.server.start()  # connects, sends the ready message, starts the loop
         else:
@@ -952,6 +955,35 @@ class Runner:
 
     def log_counters(self, when: str) -> None:
         log.info("engine counters %s: %s", when, json.dumps(self.counters(), sort_keys=True))
+
+
+def ring_room_note(record_bytes: int, publisher: Any) -> str:
+    """Warns (and returns the line) when the ring's records (a quarter of it:
+    ring/tracker.py) are smaller than the largest FULL record the adapter says
+    it can publish; the tracker then leaves requests out of the supervisor's
+    snapshot, and a takeover re-prefills them (exact, slower)."""
+    writer = getattr(publisher, "_writer", None)
+    room = int(getattr(writer, "max_record", 0) or 0) // 2  # max_record: half the ring
+    if not record_bytes or not room or record_bytes <= room:
+        return ""
+    need = 1 << (4 * (record_bytes + 64) - 1).bit_length()
+    line = (f"ring: a FULL record of this engine's largest batch needs up to {record_bytes} bytes and the ring "
+            f"takes {room} (a quarter of it); at that batch some requests stay out of the supervisor's snapshot "
+            f"and a takeover re-prefills them. frmps serve --ring-capacity {need} holds them all")
+    log.warning("%s", line)
+    return line
+
+
+def kv_budget_pb(b: Any) -> control_pb2.KVBudget | None:
+    """An adapter's ``kv_budget`` (vllm/sizing.py KVBudget, or anything with its
+    fields) as the Hello's KVBudget; None without one."""
+    if b is None:
+        return None
+    return control_pb2.KVBudget(
+        gpu_total_bytes=int(b.gpu_total_bytes), utilization=float(b.utilization), budget_bytes=int(b.budget_bytes),
+        weights_bytes=int(b.weights_bytes), kv_bytes=int(b.kv_bytes), num_blocks=int(b.num_blocks),
+        block_bytes=int(b.block_bytes), reserved_bytes=int(b.reserved_bytes),
+        reserved={k: int(v) for k, v in dict(b.reserved).items()}, source=str(b.source))
 
 
 def _keys(keys: list[int], most: int = 8) -> str:

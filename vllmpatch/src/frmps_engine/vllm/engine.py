@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, S
 
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME, phases
 from .adoption import AdoptResult, DeferredPrefixCache, plan_adoption
+from . import sizing
 from .pools import PoolSpec, kv_cache_bytes, pool_layout
 from .tp import WORKER_EXTENSION as TP_WORKER_EXTENSION
 from .triton_watch import watch_from_env
@@ -515,6 +516,17 @@ def _hf_config(model: str) -> dict:
         raise ValueError(f"{path}: not JSON: {exc}") from exc
 
 
+def _tokenizer_config(model: str) -> dict | None:
+    """The model directory's tokenizer_config.json (None without one): vLLM caps
+    the context length with its model_max_length."""
+    try:
+        with open(os.path.join(model, "tokenizer_config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DECODERS = {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
 
@@ -613,9 +625,9 @@ def startup_memory_fraction(free: int, total: int, wanted: float) -> float:
 class VllmEngineConfig:
     model: str
     device: str = "cuda"
-    num_blocks: int = 0
+    num_blocks: int = 0  # 0: sized from --gpu-memory-utilization (sizing.py)
     block_size: int = 16
-    max_model_len: int = 4096
+    max_model_len: int = 0  # 0: the model's own context length, as vLLM derives it
     dtype: str = "bfloat16"
     weights: str = "dummy"  # "dummy" or "load"
     sync_every: int = 1
@@ -623,7 +635,7 @@ class VllmEngineConfig:
     # for vLLM alone); the scheduler class follows its decision (scheduler_cls_for).
     async_scheduling: bool | None = None
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int | None = None  # None: vLLM's default
+    max_num_seqs: int | None = None  # None: vLLM's default for `vllm serve`
     max_num_batched_tokens: int | None = None
     # vLLM's StructuredOutputsConfig fields (None: vLLM's defaults); from
     # FRMPS_VLLM_STRUCTURED_OUTPUTS_CONFIG.
@@ -657,19 +669,126 @@ class VllmAdapter:
 
         self.compat = current()
         self.version = self.compat.VERSION
-        if cfg.num_blocks < 1:
-            raise ValueError("--num-blocks is required with --engine vllm: both engines must have the same KV block count")
         if cfg.dtype not in _DTYPE_BYTES:
             raise ValueError(f"dtype {cfg.dtype!r} not supported (use one of {sorted(_DTYPE_BYTES)})")
+        if not 0 < cfg.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
         self.cfg = cfg
         self.hf = _hf_config(cfg.model)
         self.model, self.device = cfg.model, cfg.device
+        self._gpu_name = ""  # set by _gpu()
+        if cfg.max_model_len < 1:  # vLLM's own derivation, which vLLM checks again when it builds
+            cfg.max_model_len = sizing.model_max_len(self.hf, _tokenizer_config(cfg.model))
         self.block_size, self.num_blocks, self.max_model_len = cfg.block_size, cfg.num_blocks, cfg.max_model_len
+        # sizing.KVBudget: the runner's Hello carries it (control.proto KVBudget).
+        self.kv_budget: sizing.KVBudget | None = None
+        if cfg.num_blocks < 1:
+            self.kv_budget = self._size_kv_cache()
+            self.num_blocks = cfg.num_blocks = self.kv_budget.num_blocks
+        elif cfg.device.startswith("cuda"):
+            self.kv_budget = self._given_budget()
+        # The largest FULL ring record this engine can publish (runner: checked against the ring).
+        self.ring_record_bytes = 0
+        if self.kv_budget is not None:
+            from ..ring.layout import PAYLOAD_PER_ENTRY
+
+            seqs, _ = self.batch_limits(self.kv_budget.gpu_total_bytes, self._gpu_name)
+            self.ring_record_bytes = sizing.ring_record_bytes(
+                max_num_seqs=seqs, max_model_len=self.max_model_len, block_size=self.block_size,
+                kv_tokens=self.num_blocks * self.block_size, entry_bytes=PAYLOAD_PER_ENTRY)
+        logging.getLogger(__name__).info("max_model_len %d, %s", self.max_model_len,
+                                         self.kv_budget.line() if self.kv_budget else f"KV cache: {self.num_blocks} blocks (--num-blocks)")
         self._tokenizer = None
         self._gen_config: dict | None = None
         self._engine_core = False  # serve_engine_core(): cores without a detokenizer
         self._peer_death: Callable[[str], None] | None = None
         self._group_memory: Any = None  # tp.VllmGroupMemory of a tensor-parallel engine
+
+    def _gpu(self) -> tuple[int, str]:
+        """The GPU's memory and name, from NVML as vLLM reads them (no CUDA context)."""
+        from vllm.platforms import current_platform
+
+        dev = self.cfg.device
+        index = int(dev.split(":", 1)[1]) if dev.startswith("cuda:") else 0
+        total, self._gpu_name = int(current_platform.get_device_total_memory(index)), str(current_platform.get_device_name(index))
+        return total, self._gpu_name
+
+    def batch_limits(self, gpu_total: int, gpu_name: str) -> tuple[int, int]:
+        """(max_num_seqs, max_num_batched_tokens) this engine runs with: the flags or
+        --vllm-arg where given, else `vllm serve`'s defaults for this GPU."""
+        seqs, tokens = sizing.serve_batch_defaults(gpu_total, gpu_name)
+        seqs = self.cfg.overrides.get("max_num_seqs") or self.cfg.max_num_seqs or seqs
+        tokens = self.cfg.overrides.get("max_num_batched_tokens") or self.cfg.max_num_batched_tokens or tokens
+        return int(seqs), int(tokens)
+
+    def block_bytes(self) -> int:
+        """One KV block of every layer on one rank."""
+        h, tp = self.hf, self.cfg.tensor_parallel_size
+        heads = h["num_attention_heads"]
+        return kv_cache_bytes(num_layers=h["num_hidden_layers"], num_blocks=1, block_size=self.block_size,
+                              num_kv_heads=max(1, h.get("num_key_value_heads", heads) // tp),
+                              head_size=h.get("head_dim") or h["hidden_size"] // heads,
+                              dtype_bytes=_DTYPE_BYTES[self.cfg.dtype])
+
+    def _size_kv_cache(self, gpu: tuple[int, str] | None = None, env: Mapping[str, str] | None = None) -> "sizing.KVBudget":
+        """The block count from --gpu-memory-utilization (sizing.size_kv), per rank.
+        Both engines compute the same from the same configuration and GPU; the
+        supervisor still launches every later engine with the active's count."""
+        env = os.environ if env is None else env
+        try:
+            total, name = gpu or self._gpu()
+        except Exception as e:  # noqa: BLE001 - NVML's or the platform's errors
+            raise ValueError(f"--engine vllm: cannot read the GPU's memory to size the KV cache ({e}); "
+                             "give --num-blocks") from None
+        self._gpu_name = name
+        seqs, tokens = self.batch_limits(total, name)
+        tp = self.cfg.tensor_parallel_size
+        weights = self._layout(1)[0].size
+        report = sizing.MemoryReport(
+            gpu_total=total, utilization=self.cfg.gpu_memory_utilization, weights=weights,
+            activations=sizing.activation_bytes(self.hf, max_num_batched_tokens=tokens, max_num_seqs=seqs,
+                                                dtype_bytes=_DTYPE_BYTES[self.cfg.dtype], tp=tp),
+            # The MPS server's context, where the engines run under MPS (the supervisor's client environment).
+            mps=sizing.MPS_SERVER_BYTES if env.get("CUDA_MPS_PIPE_DIRECTORY") else 0)
+        try:
+            return sizing.size_kv(report, block_bytes=self.block_bytes(), layers=self.hf["num_hidden_layers"],
+                                  min_blocks=-(-self.max_model_len // self.block_size) + 1,
+                                  kv_pool_bytes=lambda n: self._layout(n)[1].size)
+        except sizing.SizingError as exc:
+            raise ValueError(f"--engine vllm: {exc}") from None
+
+    def _given_budget(self) -> "sizing.KVBudget | None":
+        """What --num-blocks gives, reported with the GPU's figures (None where NVML cannot say)."""
+        try:
+            total, _ = self._gpu()
+        except Exception as e:  # noqa: BLE001 - a report only
+            logging.getLogger(__name__).warning("the GPU's memory (NVML): %s", e)
+            return None
+        layout = self.pool_layout()
+        return sizing.given_blocks(self.num_blocks, block_bytes=self.block_bytes(), weights=layout[0].size,
+                                   kv_bytes=layout[1].size, gpu_total=total,
+                                   utilization=self.cfg.gpu_memory_utilization)
+
+    def _log_measured(self, device: Any) -> None:
+        """The active, once built: the device's memory in use against the budget
+        (MPS or not, cudaMemGetInfo counts every process on the GPU: here the
+        active, its pools and the MPS server; the standby comes later)."""
+        b = self.kv_budget
+        if b is None:
+            return
+        try:
+            import torch
+
+            free, total = torch.cuda.mem_get_info(device)
+        except Exception as e:  # noqa: BLE001 - a report only
+            logging.getLogger(__name__).warning("device memory after the build: %s", e)
+            return
+        used = total - free
+        est = b.weights_bytes + b.kv_bytes + (b.reserved_bytes - b.reserved.get("mps", 0)) // 2 + b.reserved.get("mps", 0)
+        logging.getLogger(__name__).info(
+            "device memory with the active built: %.2f GiB in use of %.2f GiB (the sizing counted %.2f GiB for "
+            "the active, its pools and MPS; with the standby the deployment may use %.2f GiB)",
+            used / sizing.GiB, total / sizing.GiB, est / sizing.GiB, b.budget_bytes / sizing.GiB)
 
     # engine_api.ProcessGroup: a tensor-parallel engine's ranks are vLLM's worker processes (tp.py).
     @property
@@ -739,12 +858,15 @@ class VllmAdapter:
         return EngineCoreServer(core, input_address, output_address, **kw)
 
     def pool_layout(self):
+        return self._layout(self.num_blocks)
+
+    def _layout(self, num_blocks: int):
         h = self.hf
         heads = h["num_attention_heads"]
         layers = h["num_hidden_layers"]
         kv = kv_cache_bytes(
             num_layers=layers,
-            num_blocks=self.num_blocks,
+            num_blocks=num_blocks,
             block_size=self.block_size,
             # one rank's KV heads: vLLM divides them, or replicates one per rank when fewer
             num_kv_heads=max(1, h.get("num_key_value_heads", heads) // self.cfg.tensor_parallel_size),
@@ -845,12 +967,18 @@ class VllmAdapter:
             fraction = startup_memory_fraction(free, total, self.cfg.gpu_memory_utilization)
         else:
             fraction = self._tp_prepare(load_weights)
-        vllm_config = self.engine_args(load_weights, fraction).create_engine_config()
+        from vllm.usage.usage_lib import UsageContext
+
+        # `vllm serve`'s usage context: its batch defaults (EngineArgs.get_batch_defaults) where none is given.
+        vllm_config = self.engine_args(load_weights, fraction).create_engine_config(
+            usage_context=UsageContext.OPENAI_API_SERVER)
         self.compat.finish_config(vllm_config, SLEEP_BACKEND_NAME)
         vllm_config.scheduler_config.scheduler_cls = scheduler_cls_for(vllm_config)
         watch = watch_from_env()  # what Triton compiled during this build, and why (triton_watch.py)
         core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False,
                           executor_fail_callback=self._worker_died if tp > 1 else None)
+        if load_weights and tp == 1:
+            self._log_measured(controller.pool_device("kv_cache"))
         if watch is not None and tp == 1:  # a tensor-parallel rank 0 compiles nothing: its ranks do (below)
             logging.getLogger(__name__).info("%s", watch.start_summary())
         if tp > 1:
@@ -1163,7 +1291,8 @@ def make_adapter(args: Any) -> VllmAdapter:
             device=getattr(args, "device", None) or "cuda",
             num_blocks=int(getattr(args, "num_blocks", 0) or 0),
             block_size=int(getattr(args, "block_size", 16) or 16),
-            max_model_len=int(getattr(args, "max_model_len", 0) or 4096),
+            max_model_len=int(getattr(args, "max_model_len", 0) or 0),
+            gpu_memory_utilization=float(getattr(args, "gpu_memory_utilization", None) or 0.9),
             dtype=getattr(args, "dtype", None) or "bfloat16",
             weights=getattr(args, "weights", None) or "dummy",
             sync_every=int(getattr(args, "sync_every", 1) or 1),
