@@ -49,6 +49,10 @@ type Config struct {
 	Memory      string // host-shm | cuda-vmm
 	NumBlocks   int
 	MaxModelLen int
+	// GPUMemoryUtilization (0: the engine's default): the fraction of the GPU
+	// the deployment may use, passed to every engine (the vLLM adapter sizes
+	// its KV cache from it when NumBlocks is 0).
+	GPUMemoryUtilization float64
 	// TensorParallelSize shards the model over this many GPUs per engine
 	// (0 means 1). Each engine process the supervisor launches is rank 0 of
 	// its group and starts the other ranks itself, in its process group, so

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"sync"
 	"time"
 
@@ -170,6 +171,9 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 	if err := s.deps.ValidateHello(hello, HelloExpect{Role: wantRole, PID: sl.proc.PID(), Model: s.cfg.Model, Pools: pools}); err != nil {
 		return nil, s.refuse(sl, conn, err.Error())
 	}
+	if sl.role == failover.Active {
+		s.pinBlocks(hello.GetNumBlocks())
+	}
 	welcome := &frmpsv1.Welcome{Accepted: true, ProtocolVersion: control.ProtocolVersion,
 		SyncEvery: s.cfg.SyncEvery, DeploymentId: s.deployID,
 		HeartbeatIntervalMs: uint32(s.cfg.hangPolicy().beatInterval().Milliseconds())}
@@ -219,6 +223,31 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 			closeFDs(fds)
 		}
 	}
+}
+
+// pinBlocks records the block count an active chose itself (no --num-blocks):
+// every later engine is launched with it. A count given in the configuration,
+// or one already pinned, stays.
+func (s *Supervisor) pinBlocks(n uint64) {
+	if s.cfg.NumBlocks > 0 || n == 0 || n > math.MaxInt32 {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.numBlocks == 0 {
+		s.numBlocks = int(n)
+		s.log.Info("KV block count chosen by the active; every later engine gets it", "num_blocks", n)
+	}
+}
+
+// launchBlocks is the --num-blocks of an engine launched now (0: none given).
+func (s *Supervisor) launchBlocks() int {
+	if s.cfg.NumBlocks > 0 {
+		return s.cfg.NumBlocks
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.numBlocks
 }
 
 // refuse answers a refused Welcome (best effort) and returns the reason.

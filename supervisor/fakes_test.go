@@ -139,6 +139,11 @@ type behavior struct {
 	dieOnHandoff bool
 	beatEvery    time.Duration
 	readyAs      frmpsv1.Role // the Ready's role; 0: the launched one
+	// sizedBlocks: the KV block count the engine reports in its Hello when
+	// launched without --num-blocks (0: 64), as an engine that sizes its own
+	// cache (the vLLM adapter) does; with --num-blocks it reports that.
+	sizedBlocks uint64
+	kvBudget    *frmpsv1.KVBudget // sent in its Hello
 }
 
 type fakeProc struct {
@@ -468,8 +473,14 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 		}
 		return conn.Send(env, fds) == nil
 	}
+	blocks := uint64(64)
+	if p.inv.NumBlocks > 0 {
+		blocks = uint64(p.inv.NumBlocks)
+	} else if b.sizedBlocks > 0 {
+		blocks = b.sizedBlocks
+	}
 	if !send(&frmpsv1.Hello{ProtocolVersion: ver, Role: role, Pid: int32(p.pid), Model: p.inv.Model, Engine: "fake",
-		EngineVersion: "0.1", Device: "cpu", BlockSize: 16, NumBlocks: 64,
+		EngineVersion: "0.1", Device: "cpu", BlockSize: 16, NumBlocks: blocks, KvBudget: b.kvBudget,
 		Pools: testPools, GenerationEndpoint: "unix://" + p.inv.GenerationSocket}, nil) {
 		p.exit(exitCode(3))
 		return

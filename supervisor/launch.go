@@ -196,18 +196,19 @@ func (s *Supervisor) invocation(role failover.Role, id int) engine.Invocation {
 		r = engine.RoleStandby
 	}
 	return engine.Invocation{
-		Role:               r,
-		Model:              s.cfg.Model,
-		ControlSocket:      filepath.Join(s.runDir, fmt.Sprintf("ctl-%d.sock", id)),
-		GenerationSocket:   filepath.Join(s.runDir, fmt.Sprintf("gen-%d.sock", id)),
-		Memory:             s.cfg.Memory,
-		Device:             s.cfg.Device,
-		NumBlocks:          s.cfg.NumBlocks,
-		MaxModelLen:        s.cfg.MaxModelLen,
-		TensorParallelSize: s.cfg.TensorParallelSize,
-		ExtraArgs:          s.cfg.EngineArgs,
-		CoreInput:          s.cfg.EngineCoreInput,
-		CoreOutput:         s.cfg.EngineCoreOutput,
+		Role:                 r,
+		Model:                s.cfg.Model,
+		ControlSocket:        filepath.Join(s.runDir, fmt.Sprintf("ctl-%d.sock", id)),
+		GenerationSocket:     filepath.Join(s.runDir, fmt.Sprintf("gen-%d.sock", id)),
+		Memory:               s.cfg.Memory,
+		Device:               s.cfg.Device,
+		NumBlocks:            s.launchBlocks(),
+		MaxModelLen:          s.cfg.MaxModelLen,
+		GPUMemoryUtilization: s.cfg.GPUMemoryUtilization,
+		TensorParallelSize:   s.cfg.TensorParallelSize,
+		ExtraArgs:            s.cfg.EngineArgs,
+		CoreInput:            s.cfg.EngineCoreInput,
+		CoreOutput:           s.cfg.EngineCoreOutput,
 	}
 }
 

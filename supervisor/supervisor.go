@@ -87,6 +87,12 @@ type Supervisor struct {
 	ringMu sync.Mutex
 	ring   Ring
 
+	// numBlocks (guarded by mu): the KV block count an engine chose itself
+	// (Config.NumBlocks 0: the vLLM adapter sizes its cache), from the first
+	// active's Hello; every engine launched after it gets it (invocation), so
+	// the standby derives the active's pool layout.
+	numBlocks int
+
 	// Read by Current/Status from other goroutines.
 	mu          sync.Mutex
 	current     *slot

@@ -94,6 +94,9 @@ type serveOptions struct {
 	StepTimeoutDefaultStr string        `json:"step_timeout_default"`
 	LogLevel              string        `json:"log_level"`
 	LogJSON               bool          `json:"log_json"`
+
+	// The fraction of the GPU the deployment may use (--engine vllm without --num-blocks).
+	GPUMemoryUtilization float64 `json:"gpu_memory_utilization"`
 }
 
 func defaultServeOptions() serveOptions {
@@ -104,6 +107,7 @@ func defaultServeOptions() serveOptions {
 		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
 		HeartbeatTimeout: time.Second, StepTimeoutFactor: 8, StepTimeoutMin: time.Second, StepTimeoutDefault: time.Minute,
 		Spare: "auto", Spares: 1, Frontend: "frmps", StandbyKV: "writable",
+		GPUMemoryUtilization: 0.9,
 	}
 }
 
@@ -185,7 +189,8 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.StateDir, "state-dir", opts.StateDir, "private directory (0700) of launch records: at start, the ring, run dir and MPS daemon of an frmps that was killed before it could clean up are removed (default: $XDG_RUNTIME_DIR/frmps, else /run/frmps as root, else <temp dir>/frmps-<uid>; empty: no records)")
 	f.StringVar(&opts.Device, "device", opts.Device, "engine device: cpu or cuda")
 	f.StringVar(&opts.Memory, "memory", opts.Memory, "shared memory backend: host-shm (CPU) or cuda-vmm (GPU)")
-	f.IntVar(&opts.NumBlocks, "num-blocks", opts.NumBlocks, "KV cache blocks (0: the engine's default)")
+	f.IntVar(&opts.NumBlocks, "num-blocks", opts.NumBlocks, "KV cache blocks (0: the engine's default; --engine vllm: sized from --gpu-memory-utilization by the active, and every later engine gets its count)")
+	f.Float64Var(&opts.GPUMemoryUtilization, "gpu-memory-utilization", opts.GPUMemoryUtilization, "with --engine vllm and no --num-blocks: the fraction of the GPU the whole deployment may use (both engines, the shared weights and KV pools, the MPS server), as `vllm serve`'s; the KV cache gets what is left. The reference engine sizes its cache from --max-model-len")
 	f.IntVar(&opts.MaxModelLen, "max-model-len", opts.MaxModelLen, "maximum sequence length (0: the engine's default)")
 	f.IntVar(&opts.TensorParallelSize, "tensor-parallel-size", opts.TensorParallelSize, "shard the model over this many GPUs per engine (both engines): each engine is a group of this many processes, rank r on GPU r of the visible devices; the group fails over as a unit. On the CPU (tests) the ranks share the host")
 	f.StringArrayVar(&opts.EngineArgs, "engine-arg", opts.EngineArgs, "extra argument for the engine's command line, repeatable (e.g. --engine-arg=--max-num-seqs=64)")
@@ -280,6 +285,7 @@ func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 		NoFailback:         o.NoFailback, NoMPSFaultWatch: o.NoMPSFaultWatch, FailbackDelay: o.FailbackDelay, HandoffTimeout: o.HandoffTimeout,
 		PrimeFaultPath: o.PrimeFaultPath,
 		Spare:          o.Spare, Spares: o.Spares,
+		GPUMemoryUtilization: o.GPUMemoryUtilization,
 	}
 }
 
@@ -303,6 +309,9 @@ func (o serveOptions) validate() error {
 	}
 	if o.SyncEvery == 0 {
 		return errors.New("--sync-every must be at least 1")
+	}
+	if !(o.GPUMemoryUtilization > 0 && o.GPUMemoryUtilization <= 1) { // NaN too
+		return fmt.Errorf("--gpu-memory-utilization %v: want a fraction in (0, 1], e.g. 0.9", o.GPUMemoryUtilization)
 	}
 	if o.StandbyKV != "writable" && o.StandbyKV != "readonly" {
 		return fmt.Errorf("--standby-kv %q: want writable or readonly", o.StandbyKV)

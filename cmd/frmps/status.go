@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"sort"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -75,6 +76,9 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 	}
 	fmt.Fprintf(tw, "mps:\t%s\n", mps)
 	fmt.Fprintf(tw, "ring:\tlag %d records, %d resyncs, %d live requests\n", st.GetRingLagRecords(), st.GetRingResyncs(), st.GetLiveRequests())
+	if line := kvBudgetLine(st); line != "" {
+		fmt.Fprintf(tw, "kv cache:\t%s\n", line)
+	}
 	breaker := "closed"
 	if st.GetCrashLoopOpen() {
 		breaker = "OPEN: engines are not restarted"
@@ -169,6 +173,37 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 			f.GetCause(), time.Duration(f.GetDurationSeconds()*float64(time.Second)).Round(time.Microsecond), f.GetResumedRequests(), f.GetOk(), strings.TrimSpace(detail))
 	}
 	return tw.Flush()
+}
+
+// kvBudgetLine describes the KV sizing the active (else any engine) reported
+// in its Hello; "" when none did.
+func kvBudgetLine(st *frmpsv1.Status) string {
+	var b *frmpsv1.KVBudget
+	for _, e := range st.GetEngines() {
+		if kb := e.GetKvBudget(); kb != nil && (b == nil || e.GetRole() == "active") {
+			b = kb
+		}
+	}
+	if b == nil {
+		return ""
+	}
+	gib := func(n uint64) string { return fmt.Sprintf("%.2f GiB", float64(n)/(1<<30)) }
+	line := fmt.Sprintf("%d blocks of %d bytes = %s (%s); budget %s = %g x %s: weights %s, reserved %s",
+		b.GetNumBlocks(), b.GetBlockBytes(), gib(b.GetKvBytes()), b.GetSource(), gib(b.GetBudgetBytes()),
+		b.GetUtilization(), gib(b.GetGpuTotalBytes()), gib(b.GetWeightsBytes()), gib(b.GetReservedBytes()))
+	if r := b.GetReserved(); len(r) > 0 {
+		keys := make([]string, 0, len(r))
+		for k := range r {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		parts := make([]string, len(keys))
+		for i, k := range keys {
+			parts[i] = k + " " + gib(r[k])
+		}
+		line += " (" + strings.Join(parts, ", ") + ")"
+	}
+	return line
 }
 
 func dash(s string) string {

@@ -30,6 +30,8 @@ type Invocation struct {
 	Device                string // cpu | cuda (empty: the engine's default)
 	NumBlocks             int    // 0: the engine's default
 	MaxModelLen           int    // 0: the engine's default
+	// GPUMemoryUtilization (0: not passed): the engine CLI's --gpu-memory-utilization.
+	GPUMemoryUtilization float64
 	// TensorParallelSize > 1: the engine process is rank 0 of a group of this
 	// many ranks (0 or 1: one process).
 	TensorParallelSize int
@@ -100,6 +102,9 @@ func (a PythonCLI) Command(inv Invocation) (string, []string, error) {
 	}
 	if inv.MaxModelLen > 0 {
 		args = append(args, "--max-model-len", strconv.Itoa(inv.MaxModelLen))
+	}
+	if inv.GPUMemoryUtilization > 0 {
+		args = append(args, "--gpu-memory-utilization", strconv.FormatFloat(inv.GPUMemoryUtilization, 'g', -1, 64))
 	}
 	if inv.TensorParallelSize > 1 {
 		args = append(args, "--tensor-parallel-size", strconv.Itoa(inv.TensorParallelSize))

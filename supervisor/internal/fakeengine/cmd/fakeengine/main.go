@@ -55,7 +55,7 @@ func run(args []string) int {
 	heartbeat := fs.Duration("heartbeat", 0, "send a Heartbeat at this interval while serving (0 = never)")
 	// Accepted and ignored: the real engine CLI's options, so a supervisor
 	// can launch this with the command line its engine adapter builds.
-	for _, name := range []string{"engine", "memory", "device", "num-blocks", "max-model-len", "block-size", "sync-every", "dtype", "weights"} {
+	for _, name := range []string{"engine", "memory", "device", "num-blocks", "max-model-len", "gpu-memory-utilization", "block-size", "sync-every", "dtype", "weights"} {
 		fs.String(name, "", "ignored (real engine option)")
 	}
 	if err := fs.Parse(args); err != nil {
