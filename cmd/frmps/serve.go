@@ -470,6 +470,10 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		admDone <- runErr
 	case runErr = <-apiDone:
 		apiDone <- runErr
+	case <-sup.GaveUp():
+		// The breaker opened before any engine served (a configuration error):
+		// there is nothing to keep up. Exit 1 with the engine's reason.
+		runErr = sup.GiveUpErr()
 	}
 	notify.Stopping("draining requests, then stopping the engines")
 	stopReady()
