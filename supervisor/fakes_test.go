@@ -127,8 +127,8 @@ type behavior struct {
 	startExit     int
 	startDelay    time.Duration // exitOnStart: after this long (an engine's imports, say)
 	stderr        []string      // its last stderr lines (nil: one placeholder line)
-	hang          bool // connects, never says hello
-	noConnect     bool // never connects (e.g. still loading)
+	hang          bool          // connects, never says hello
+	noConnect     bool          // never connects (e.g. still loading)
 	resumeReply   func(*frmpsv1.Resume) *frmpsv1.Reply
 	dieOnResume   bool
 	intruderFirst bool // a process with another pid dials the socket first
@@ -184,9 +184,9 @@ func (p *fakeProc) LastStderr() []string {
 	}
 	return []string{"fake engine stderr"}
 }
-func (p *fakeProc) LogPath() string       { return fmt.Sprintf("/fake/%d.log", p.pid) }
-func (p *fakeProc) Kill() error           { return p.kill("group") }
-func (p *fakeProc) KillLeader() error     { return p.kill("leader") }
+func (p *fakeProc) LogPath() string   { return fmt.Sprintf("/fake/%d.log", p.pid) }
+func (p *fakeProc) Kill() error       { return p.kill("group") }
+func (p *fakeProc) KillLeader() error { return p.kill("leader") }
 
 // kill records the fence and ends the fake (its leader is all there is of it).
 func (p *fakeProc) kill(what string) error {

@@ -46,7 +46,7 @@ type Supervisor struct {
 	// (GaveUp); gaveUpErr says why (set once, before the close).
 	gaveUp    chan struct{}
 	gaveUpErr error
-	ran     atomic.Bool
+	ran       atomic.Bool
 
 	// Loop-owned.
 	pending []event
