@@ -203,7 +203,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.Int64Var(&opts.MaxBodyBytes, "max-body-bytes", opts.MaxBodyBytes, "largest request body accepted before 413 (0: 4 MiB)")
 	f.IntVar(&opts.MaxConnections, "max-connections", opts.MaxConnections, "most client connections open at once; more wait to be accepted (0: 4096; negative: no bound)")
 	f.StringVar(&opts.APIKeyFile, "api-key-file", opts.APIKeyFile, "file holding the API key clients must send as a Bearer token (else FRMPS_API_KEY, else none)")
-	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window is not restarted")
+	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window, or more than this many launches in a row never becoming ready (however long each takes), is not restarted; before any engine has served, frmps serve then exits 1 with the engine's reason")
 	f.DurationVar(&opts.RestartWindow, "restart-window", opts.RestartWindow, "crash-loop breaker window")
 	f.DurationVar(&opts.HeartbeatTimeout, "heartbeat-timeout", opts.HeartbeatTimeout, "hang detection, liveness: fail over from an active whose heartbeats stop for this long (a stopped or frozen process: the heartbeat thread never waits on the device); negative disables hang detection")
 	f.Float64Var(&opts.StepTimeoutFactor, "step-timeout-factor", opts.StepTimeoutFactor, "hang detection, progress: fail over from an active whose step runs longer than this many times the engine's own estimate for it (recent step times scaled to the step's tokens), and longer than --step-timeout-min")
