@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
@@ -137,6 +138,9 @@ type Config struct {
 	// More than one keeps the restore fast when faults come faster than a
 	// spare's imports; each costs the host memory of an imported engine.
 	Spares int
+	// Resolved is how the caller chose Device, Memory, Engine and Model (frmps
+	// serve's "auto" defaults, and why), shown in Status; nil: not reported.
+	Resolved *frmpsv1.Resolved
 	// BaseEnv is the environment every engine starts from; nil means os.Environ().
 	BaseEnv []string
 }

@@ -125,8 +125,10 @@ type behavior struct {
 	version       frmpsv1.ProtocolVersion // 0: version 1
 	exitOnStart   bool                    // exits before connecting, with startExit (0: code 1)
 	startExit     int
-	hang          bool // connects, never says hello
-	noConnect     bool // never connects (e.g. still loading)
+	startDelay    time.Duration // exitOnStart: after this long (an engine's imports, say)
+	stderr        []string      // its last stderr lines (nil: one placeholder line)
+	hang          bool          // connects, never says hello
+	noConnect     bool          // never connects (e.g. still loading)
 	resumeReply   func(*frmpsv1.Resume) *frmpsv1.Reply
 	dieOnResume   bool
 	intruderFirst bool // a process with another pid dials the socket first
@@ -164,6 +166,7 @@ type fakeProc struct {
 	gotShut  bool
 	handoffs int
 	kills    []string // "leader" (KillLeader), "group" (Kill), in call order
+	stderr   []string
 }
 
 // inMPS: launched with the MPS client environment.
@@ -178,10 +181,17 @@ func (p *fakeProc) inMPS() bool {
 
 func (p *fakeProc) PID() int              { return p.pid }
 func (p *fakeProc) Done() <-chan struct{} { return p.done }
-func (p *fakeProc) LastStderr() []string  { return []string{"fake engine stderr"} }
-func (p *fakeProc) LogPath() string       { return fmt.Sprintf("/fake/%d.log", p.pid) }
-func (p *fakeProc) Kill() error           { return p.kill("group") }
-func (p *fakeProc) KillLeader() error     { return p.kill("leader") }
+func (p *fakeProc) LastStderr() []string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.stderr != nil {
+		return p.stderr
+	}
+	return []string{"fake engine stderr"}
+}
+func (p *fakeProc) LogPath() string   { return fmt.Sprintf("/fake/%d.log", p.pid) }
+func (p *fakeProc) Kill() error       { return p.kill("group") }
+func (p *fakeProc) KillLeader() error { return p.kill("leader") }
 
 // kill records the fence and ends the fake (its leader is all there is of it).
 func (p *fakeProc) kill(what string) error {
@@ -398,6 +408,9 @@ func (w *fakeWorld) spawn(p *fakeProc) *fakeProc {
 	b := w.behave(p.role, w.launched[p.role])
 	w.launched[p.role]++
 	w.mu.Unlock()
+	p.mu.Lock()
+	p.stderr = b.stderr
+	p.mu.Unlock()
 	go w.runEngine(p, b)
 	return p
 }
@@ -422,6 +435,13 @@ func (w *fakeWorld) dial(path string, pid int) (*fakeConn, error) {
 // speaks it.
 func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 	if b.exitOnStart {
+		if b.startDelay > 0 {
+			select {
+			case <-time.After(b.startDelay):
+			case <-p.done:
+				return
+			}
+		}
 		p.exit(exitCode(cmp.Or(b.startExit, 1)))
 		return
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/deathcause"
 	"github.com/frmps/frmps/supervisor/failover"
 	"github.com/frmps/frmps/supervisor/mps"
 )
@@ -247,6 +248,23 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 		return
 	}
 	sl.dead = true
+	// An active that dies before it was ready while nothing has served yet:
+	// nobody waits on its fence (no standby, no requests), so first let it
+	// exit on its own, for its exit code (the engines' refusal of their
+	// options) and its stderr's reason, which the SIGKILL would hide.
+	sl.mu.Lock()
+	starting := sl.state == "starting"
+	refusedHello := sl.refused != ""
+	sl.mu.Unlock()
+	var refusedStart bool
+	if sl.role == failover.Active && starting && !s.machine.EverServed() {
+		var why string
+		refusedStart, why = s.startFailure(sl)
+		refusedStart = refusedStart || refusedHello
+		if why != "" && !strings.Contains(cause, why) {
+			cause += ": " + why
+		}
+	}
 	// A dead active is fenced in every state the machine takes its death up in
 	// (FenceActive): do it first, before the log lines and the machine's step
 	// below, all on the way to the standby's Resume. (On the GPU host moving
@@ -296,7 +314,7 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 		s.inflight = &failoverRun{kind: resumeFailover, target: s.standby, detected: at, handled: handled, fenced: fenced,
 			cause: cause, old: sl, class: class}
 	}
-	s.step(failover.Event{Kind: kind, At: at, Cause: cause})
+	s.step(failover.Event{Kind: kind, At: at, Cause: cause, Refused: refusedStart})
 	if sl.groupPending { // after the step's Resume, if it sent one
 		sl.groupPending = false
 		s.fence(sl)
@@ -304,6 +322,23 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 			fo.groupFenced = time.Now()
 		}
 	}
+}
+
+// startExitWait bounds how long died waits for an active that died before
+// it was ready to exit on its own (its control socket closes as it exits).
+const startExitWait = time.Second
+
+// startFailure waits (bounded) for an engine that failed to start to exit,
+// and says whether it exited with the engines' refusal code and the line of
+// its stderr that says why.
+func (s *Supervisor) startFailure(sl *slot) (refused bool, why string) {
+	select {
+	case <-sl.proc.Done():
+	case <-time.After(startExitWait):
+		return false, ""
+	}
+	ws := sl.proc.WaitStatus()
+	return ws.Exited() && ws.ExitStatus() == engineExitRefused, deathcause.Reason(sl.proc.LastStderr())
 }
 
 // notAdmitted: a standby launched into MPS within Config.MPSRecoveryWindow of
@@ -350,6 +385,9 @@ func (s *Supervisor) step(ev failover.Event) {
 	}
 	if tr.To == failover.CrashLoop {
 		s.unpublish(fmt.Errorf("%w: crash loop: %s", ErrUnavailable, tr.Cause))
+		if !s.machine.EverServed() {
+			s.giveUp(fmt.Errorf("no engine ever served: %s", tr.Cause))
+		}
 	}
 	s.syncFailback()
 }

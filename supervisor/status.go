@@ -22,6 +22,9 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 		CrashLoopOpen:      s.state == failover.CrashLoop,
 		TensorParallelSize: uint32(s.cfg.TensorParallelSize),
 	}
+	if s.cfg.Resolved != nil {
+		st.Resolved = proto.Clone(s.cfg.Resolved).(*frmpsv1.Resolved)
+	}
 	for _, r := range s.records {
 		st.Failovers = append(st.Failovers, proto.Clone(r).(*frmpsv1.FailoverRecord))
 	}

@@ -42,7 +42,11 @@ type Supervisor struct {
 
 	events  chan event
 	stopped chan struct{} // closed when the loop has exited
-	ran     atomic.Bool
+	// gaveUp is closed when the breaker opened before any engine served
+	// (GaveUp); gaveUpErr says why (set once, before the close).
+	gaveUp    chan struct{}
+	gaveUpErr error
+	ran       atomic.Bool
 
 	// Loop-owned.
 	pending []event
@@ -161,7 +165,7 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 	_, _ = rand.Read(idb)
 	s := &Supervisor{
 		cfg: cfg, deps: deps, log: log, metrics: m, machine: machine,
-		events: make(chan event, 64), stopped: make(chan struct{}),
+		events: make(chan event, 64), stopped: make(chan struct{}), gaveUp: make(chan struct{}),
 		slots: map[*slot]struct{}{}, changed: make(chan struct{}),
 		deployID: hex.EncodeToString(idb), mpsState: "disabled",
 	}
@@ -290,5 +294,36 @@ func (s *Supervisor) TriggerFailover(ctx context.Context, reason string) error {
 		return errors.New("supervisor stopped")
 	case <-ctx.Done():
 		return ctx.Err()
+	}
+}
+
+// GaveUp is closed when the deployment gave up before it ever served: the
+// crash-loop breaker opened while no engine had been ready (a configuration
+// error, an engine that cannot start). Nothing is restarted after that, and
+// with nothing ever served there is no deployment to keep up: the caller
+// should shut down and report GiveUpErr. Once something has served, a crash
+// loop keeps the supervisor up (status and metrics report it), and this
+// channel never closes.
+func (s *Supervisor) GaveUp() <-chan struct{} { return s.gaveUp }
+
+// GiveUpErr is why the deployment gave up (nil until GaveUp is closed): one
+// line with the breaker's cause and the dead engine's reason.
+func (s *Supervisor) GiveUpErr() error {
+	select {
+	case <-s.gaveUp:
+		return s.gaveUpErr
+	default:
+		return nil
+	}
+}
+
+// giveUp closes GaveUp once (loop goroutine).
+func (s *Supervisor) giveUp(err error) {
+	select {
+	case <-s.gaveUp:
+	default:
+		s.gaveUpErr = err
+		close(s.gaveUp)
+		s.log.Error("giving up: the breaker opened before any engine served", "error", err)
 	}
 }

@@ -203,6 +203,7 @@ func TestPrintStatus(t *testing.T) {
 			Size: 2, ReadyCount: 1, RssBytes: 3 << 30},
 		Frontend: &frmpsv1.FrontendStatus{Kind: "vllm", Pid: 15, State: "serving", EngineConnected: true, OpenRequests: 4,
 			VllmVersion: "0.26.0", EngineLost: 3, EngineBack: 3},
+		Resolved: &frmpsv1.Resolved{Device: "cuda", Memory: "cuda-vmm", Engine: "vllm", Model: "qwen2.5-14b", Reason: "GPU visible (nvidia-smi -L lists 1); vLLM 0.26.0 installed"},
 	}
 	var b bytes.Buffer
 	if err := printStatus(&b, st, now); err != nil {
@@ -211,7 +212,8 @@ func TestPrintStatus(t *testing.T) {
 	out := b.String()
 	for _, want := range []string{"serving_ready", "(standby ready)", "OPEN", "active", "serving", "1m0s", "#3", "misaligned_address", "4.2ms", "running", "vllm 0.26.0 cuda:0 (up in 61.2s)", "3 running, 1 waiting", "tensor parallel 2",
 		"(up in 9.3s from a spare)", "spare:", "ready (pid 14), 1 of 2 ready, 3072 MiB host memory, 2 engines launched from spares, 1 cold, imports took 19.6s",
-		"frontend:", "vllm 0.26.0 (pid 15): serving, engine connected, 4 open requests, 3 engines lost, 3 back"} {
+		"frontend:", "vllm 0.26.0 (pid 15): serving, engine connected, 4 open requests, 3 engines lost, 3 back",
+		"device=cuda memory=cuda-vmm engine=vllm model=qwen2.5-14b", "(why: GPU visible (nvidia-smi -L lists 1); vLLM 0.26.0 installed)"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("status output lacks %q:\n%s", want, out)
 		}

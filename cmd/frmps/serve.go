@@ -23,6 +23,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor"
 	"github.com/frmps/frmps/supervisor/admin"
 	"github.com/frmps/frmps/supervisor/engine"
@@ -101,9 +102,9 @@ type serveOptions struct {
 
 func defaultServeOptions() serveOptions {
 	return serveOptions{
-		Model: "tiny", Engine: "ref", SyncEvery: supervisor.DefaultSyncEvery, Port: 8000,
+		Model: "", Engine: auto, SyncEvery: supervisor.DefaultSyncEvery, Port: 8000,
 		AdminAddr: "127.0.0.1:8001", MPSControl: "nvidia-cuda-mps-control", RingCapacity: 8 << 20, StateDir: leftover.DefaultDir(),
-		Device: "cpu", Memory: "host-shm", TensorParallelSize: 1, MaxRestarts: failover.DefaultBreaker.MaxRestarts,
+		Device: auto, Memory: auto, TensorParallelSize: 1, MaxRestarts: failover.DefaultBreaker.MaxRestarts,
 		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
 		HeartbeatTimeout: time.Second, StepTimeoutFactor: 8, StepTimeoutMin: time.Second, StepTimeoutDefault: time.Minute,
 		Spare: "auto", Spares: 1, Frontend: "frmps", StandbyKV: "writable",
@@ -142,9 +143,14 @@ max(--step-timeout-min, --step-timeout-factor × the engine's estimate for it)
 steps, a far larger batch than before), the active is fenced and the standby
 takes over.
 
-The default model "tiny" is the reference engine's small preset: it runs on a
-CPU in seconds, for trying frmps out. Use e.g. --model qwen2.5-7b --device cuda
---memory cuda-vmm on a GPU.`,
+--device, --memory and --engine default to auto: on a host with a visible GPU
+the engines run vLLM on it with cuda-vmm pools (the reference engine, said in
+one line, where vLLM is not installed in the engines' interpreter); without a
+GPU, the reference engine on the CPU with host-shm pools. --model defaults to
+the engine's default model: "tiny", the reference engine's small preset that
+runs on a CPU in seconds, or "qwen2.5-0.5b" for vLLM. What was resolved, and
+why, is logged at start and shown by frmps status; a flag given explicitly is
+taken as given (e.g. --model qwen2.5-14b on a GPU runs vLLM with 14B).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if configFile != "" {
@@ -161,9 +167,9 @@ CPU in seconds, for trying frmps out. Use e.g. --model qwen2.5-7b --device cuda
 
 func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(configFile, "config", "", "JSON config file (flags override it)")
-	f.StringVar(&opts.Model, "model", opts.Model, "model: a preset name (tiny, qwen2.5-0.5b, …, qwen2.5-14b) or a model directory")
+	f.StringVar(&opts.Model, "model", opts.Model, "model: a preset name (tiny, qwen2.5-0.5b, …, qwen2.5-14b) or a model directory (default: the engine's default model, tiny for ref, qwen2.5-0.5b for vllm)")
 	f.StringVar(&opts.ServedModelName, "served-model-name", opts.ServedModelName, "the model name clients send and /v1/models lists (default: --model as given, as vllm serve does)")
-	f.StringVar(&opts.Engine, "engine", opts.Engine, "engine: ref (the reference engine), vllm, or a Python adapter factory as package.module:Factory (proto/frmps/v1/ENGINE.md); checked by the engine side before anything starts")
+	f.StringVar(&opts.Engine, "engine", opts.Engine, "engine: auto (vllm on a GPU where vLLM is installed, else ref), ref (the reference engine), vllm, or a Python adapter factory as package.module:Factory (proto/frmps/v1/ENGINE.md); checked by the engine side before anything starts")
 	f.StringVar(&opts.Python, "python", opts.Python, "Python interpreter that runs the engines, with frmps_engine importable (default: $FRMPS_PYTHON, else the .venv of the source checkout holding this binary, else python3)")
 	f.Uint32Var(&opts.SyncEvery, "sync-every", opts.SyncEvery, "engine steps between forward-state syncs to the ring (1: every step; the publish overlaps the device, and a takeover replays at most one token)")
 	f.BoolVar(&opts.NoMPSFaultWatch, "no-mps-fault-watch", opts.NoMPSFaultWatch, "do not follow the MPS server's log: fail over when the active dies of a fault, not as soon as the server says it tears the active's context down")
@@ -187,8 +193,8 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.RingDir, "ring-dir", opts.RingDir, "directory of the forward-state ring (empty: /dev/shm)")
 	f.Uint64Var(&opts.RingCapacity, "ring-capacity", opts.RingCapacity, "ring size in bytes")
 	f.StringVar(&opts.StateDir, "state-dir", opts.StateDir, "private directory (0700) of launch records: at start, the ring, run dir and MPS daemon of an frmps that was killed before it could clean up are removed (default: $XDG_RUNTIME_DIR/frmps, else /run/frmps as root, else <temp dir>/frmps-<uid>; empty: no records)")
-	f.StringVar(&opts.Device, "device", opts.Device, "engine device: cpu or cuda")
-	f.StringVar(&opts.Memory, "memory", opts.Memory, "shared memory backend: host-shm (CPU) or cuda-vmm (GPU)")
+	f.StringVar(&opts.Device, "device", opts.Device, "engine device: auto (cuda where a GPU is visible: nvidia-smi -L, honouring CUDA_VISIBLE_DEVICES; else cpu), cpu or cuda")
+	f.StringVar(&opts.Memory, "memory", opts.Memory, "shared memory backend: auto (cuda-vmm on cuda, else host-shm), host-shm (CPU) or cuda-vmm (GPU)")
 	f.IntVar(&opts.NumBlocks, "num-blocks", opts.NumBlocks, "KV cache blocks (0: the engine's default; --engine vllm: sized from --gpu-memory-utilization by the active, and every later engine gets its count)")
 	f.Float64Var(&opts.GPUMemoryUtilization, "gpu-memory-utilization", opts.GPUMemoryUtilization, "with --engine vllm and no --num-blocks: the fraction of the GPU the whole deployment may use (both engines, the shared weights and KV pools, the MPS server), as `vllm serve`'s; the KV cache gets what is left. The reference engine sizes its cache from --max-model-len")
 	f.IntVar(&opts.MaxModelLen, "max-model-len", opts.MaxModelLen, "maximum sequence length (0: the engine's default)")
@@ -202,7 +208,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.Int64Var(&opts.MaxBodyBytes, "max-body-bytes", opts.MaxBodyBytes, "largest request body accepted before 413 (0: 4 MiB)")
 	f.IntVar(&opts.MaxConnections, "max-connections", opts.MaxConnections, "most client connections open at once; more wait to be accepted (0: 4096; negative: no bound)")
 	f.StringVar(&opts.APIKeyFile, "api-key-file", opts.APIKeyFile, "file holding the API key clients must send as a Bearer token (else FRMPS_API_KEY, else none)")
-	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window is not restarted")
+	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window, or more than this many launches in a row never becoming ready (however long each takes), is not restarted; before any engine has served, frmps serve then exits 1 with the engine's reason")
 	f.DurationVar(&opts.RestartWindow, "restart-window", opts.RestartWindow, "crash-loop breaker window")
 	f.DurationVar(&opts.HeartbeatTimeout, "heartbeat-timeout", opts.HeartbeatTimeout, "hang detection, liveness: fail over from an active whose heartbeats stop for this long (a stopped or frozen process: the heartbeat thread never waits on the device); negative disables hang detection")
 	f.Float64Var(&opts.StepTimeoutFactor, "step-timeout-factor", opts.StepTimeoutFactor, "hang detection, progress: fail over from an active whose step runs longer than this many times the engine's own estimate for it (recent step times scaled to the step's tokens), and longer than --step-timeout-min")
@@ -363,6 +369,9 @@ func (o serveOptions) validate() error {
 	return admin.CheckAddr(o.AdminAddr, o.AdminAllowRemote)
 }
 
+// serveGPUProbe replaces the host's GPU probe (tests); nil: the host's.
+var serveGPUProbe gpuProbe
+
 func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	if ctx == nil {
 		ctx = context.Background()
@@ -372,14 +381,19 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	}
 	lvl := hclog.LevelFromString(o.LogLevel)
 	log := hclog.New(&hclog.LoggerOptions{Name: "frmps", Level: lvl, JSONFormat: o.LogJSON, Output: stderr})
-	if o.Device == "cuda" {
+	gpu := serveGPUProbe
+	if gpu == nil {
+		gpu = realGPU(ctx)
+	}
+	device, deviceWhy := resolveDevice(o.Device, gpu)
+	if strings.HasPrefix(device, "cuda") {
 		// Before anything reads the environment: the engines, the MPS daemon and the
 		// vLLM front end all start from it.
 		pinVisibleGPUs(ctx, log, "", os.LookupEnv, os.Setenv)
 	}
 
 	py := findPython(o.Python, selfPath(), os.Environ())
-	pkg, err := engine.PythonCLI{Engine: o.Engine, Python: py.Python}.Preflight(ctx, py.Env)
+	pre, err := engine.PythonCLI{Engine: o.Engine, Python: py.Python}.Check(ctx, py.Env)
 	if nameErr := (*engine.EngineNameError)(nil); errors.As(err, &nameErr) {
 		return err
 	}
@@ -387,10 +401,19 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		return fmt.Errorf("%w (interpreter from %s); pass --python with an interpreter that has frmps_engine installed "+
 			"(`make venv` creates .venv in a source checkout), or set FRMPS_PYTHON", err, py.Source)
 	}
+	ch, err := resolveChoices(device, deviceWhy, o.Memory, o.Engine, o.Model, vllmInfo{Version: pre.VLLM, Why: pre.VLLMWhy})
+	if err != nil {
+		return err
+	}
+	o.Device, o.Memory, o.Engine, o.Model = ch.Device, ch.Memory, ch.Engine, ch.Model
+	if err := o.validate(); err != nil { // the checks that depend on the engine, now resolved
+		return err
+	}
+	log.Info("resolved: " + ch.String())
 	if err := o.resolveModel(func(m string) (string, error) { return resolveVLLMModel(ctx, py, m) }); err != nil {
 		return err
 	}
-	log.Info("engine interpreter", "python", py.Python, "from", py.Source, "frmps_engine", pkg)
+	log.Info("engine interpreter", "python", py.Python, "from", py.Source, "frmps_engine", pre.Package)
 
 	notify, err := sdnotify.New(log.Named("systemd"))
 	if err != nil {
@@ -402,6 +425,7 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var vfd *vllmFrontDoor
 	cfg := o.supervisorConfig(py)
+	cfg.Resolved = &frmpsv1.Resolved{Device: ch.Device, Memory: ch.Memory, Engine: ch.Engine, Model: ch.Model, Reason: ch.Why}
 	if o.Frontend == "vllm" {
 		key, err := openai.LoadAPIKey(o.APIKeyFile, "FRMPS_API_KEY")
 		if err != nil {
@@ -479,6 +503,10 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		admDone <- runErr
 	case runErr = <-apiDone:
 		apiDone <- runErr
+	case <-sup.GaveUp():
+		// The breaker opened before any engine served (a configuration error):
+		// there is nothing to keep up. Exit 1 with the engine's reason.
+		runErr = sup.GiveUpErr()
 	}
 	notify.Stopping("draining requests, then stopping the engines")
 	stopReady()

@@ -74,6 +74,9 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 	if st.GetMps() {
 		mps = st.GetMpsState()
 	}
+	if r := st.GetResolved(); r != nil {
+		fmt.Fprintf(tw, "resolved:\tdevice=%s memory=%s engine=%s model=%s\t(why: %s)\n", r.GetDevice(), r.GetMemory(), r.GetEngine(), r.GetModel(), r.GetReason())
+	}
 	fmt.Fprintf(tw, "mps:\t%s\n", mps)
 	fmt.Fprintf(tw, "ring:\tlag %d records, %d resyncs, %d live requests\n", st.GetRingLagRecords(), st.GetRingResyncs(), st.GetLiveRequests())
 	if line := kvBudgetLine(st); line != "" {

@@ -35,7 +35,7 @@ func fakeEnginePython(t *testing.T) (python, envDir string) {
 	python = filepath.Join(dir, "python")
 	script := `#!/bin/sh
 case "$1" in
--c) echo /fake/frmps_engine/__init__.py; exit 0 ;;
+-c) echo /fake/frmps_engine/__init__.py; echo '{"vllm": "", "vllm_why": "not installed"}'; exit 0 ;;
 -m) env > "` + envDir + `/$$"; shift 2; exec "` + bin + `" "$@" ;;
 esac
 echo "unexpected arguments: $*" >&2
@@ -133,6 +133,7 @@ func TestServeSpeaksSystemdNotify(t *testing.T) {
 	t.Setenv("WATCHDOG_USEC", "1000000") // feeds every 500ms
 	t.Setenv("WATCHDOG_PID", strconv.Itoa(os.Getpid()))
 
+	noGPU(t) // the defaults resolve to the CPU path, whatever this host has
 	o := defaultServeOptions()
 	o.NoMPS, o.Python, o.Model = true, python, "fake"
 	o.Port, o.AdminAddr = freePort(t), "127.0.0.1:0"

@@ -249,7 +249,7 @@ func TestServeFrontendValidation(t *testing.T) {
 		mod  func(*serveOptions)
 		want string
 	}{
-		{func(o *serveOptions) { o.Frontend = "vllm" }, "use --engine vllm"},
+		{func(o *serveOptions) { o.Frontend, o.Engine = "vllm", "ref" }, "use --engine vllm"},
 		{func(o *serveOptions) { o.Frontend = "nginx" }, "want frmps or vllm"},
 		{func(o *serveOptions) { o.FrontendArgs = []string{"--x"} }, "give --frontend vllm"},
 		{func(o *serveOptions) { o.Frontend, o.Engine, o.TensorParallelSize = "vllm", "vllm", 2 }, "tensor-parallel"},

@@ -189,3 +189,26 @@ func truncate(s string) string {
 }
 
 func isRuneStart(b byte) bool { return b&0xC0 != 0x80 }
+
+// errorLine matches a line that reports an error: a log record at ERROR or
+// CRITICAL level (the engines' "<time> ERROR <logger>: <message>"), a Python
+// exception line ("ValueError: ..."), argparse's "prog: error: ...".
+var errorLine = regexp.MustCompile(`\b(ERROR|CRITICAL|FATAL)\b|^[A-Za-z_][\w.]*(Error|Exception|Exit): |: error: `)
+
+// Reason is the one line that says why an engine that never started
+// exited: the newest line of its stderr that reports an error, else its
+// newest line; "" when it wrote nothing. A log record's time stamp is dropped.
+func Reason(lastStderr []string) string {
+	for i := len(lastStderr) - 1; i >= 0; i-- {
+		l := strings.TrimSpace(lastStderr[i])
+		if l != "" && errorLine.MatchString(l) {
+			return truncate(stripStamp(l))
+		}
+	}
+	return truncate(stripStamp(lastLine(lastStderr)))
+}
+
+// stamp is the engines' log time stamp ("2026-11-29 01:32:02,155 ").
+var stamp = regexp.MustCompile(`^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)? `)
+
+func stripStamp(l string) string { return stamp.ReplaceAllString(l, "") }

@@ -179,3 +179,29 @@ func TestClassesCoverEveryResult(t *testing.T) {
 		t.Errorf("%d classes, want the 15 of the metric contract", len(known))
 	}
 }
+
+func TestReason(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		lines []string
+		want  string
+	}{
+		{"engine refusal", []string{
+			"2026-11-29 01:32:02,155 INFO frmps_engine: loading tiny",
+			"2026-11-29 01:32:02,201 ERROR frmps_engine: engine cannot start: --num-blocks is required",
+			"2026-11-29 01:32:02,202 INFO frmps_engine: bye",
+		}, "ERROR frmps_engine: engine cannot start: --num-blocks is required"},
+		{"traceback", []string{"Traceback (most recent call last):", `  File "x.py", line 1, in <module>`,
+			"ValueError: --num-blocks is required with --engine vllm"}, "ValueError: --num-blocks is required with --engine vllm"},
+		{"argparse", []string{"usage: frmps-engine [-h] ...", "frmps-engine: error: unrecognized arguments: --bogus"},
+			"frmps-engine: error: unrecognized arguments: --bogus"},
+		{"no error line", []string{"starting", "  the end  ", ""}, "the end"},
+		{"nothing", nil, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := Reason(tc.lines); got != tc.want {
+				t.Fatalf("Reason = %q, want %q", got, tc.want)
+			}
+		})
+	}
+}

@@ -108,3 +108,44 @@ func TestPreflightTimesOut(t *testing.T) {
 		t.Fatalf("took %s", d)
 	}
 }
+
+// Check reports whether vLLM is installed (what --engine auto picks from),
+// without importing it.
+func TestCheckReportsVLLM(t *testing.T) {
+	py := python3(t)
+	pkg := fakePackage(t)
+	env := []string{"PATH=" + os.Getenv("PATH"), "PYTHONPATH=" + pkg}
+	for _, engine := range []string{"auto", "ref"} {
+		r, err := PythonCLI{Engine: engine, Python: py}.Check(context.Background(), env)
+		if err != nil || r.VLLM != "" || !strings.Contains(r.VLLMWhy, "not installed") || r.Package != filepath.Join(pkg, "frmps_engine", "__init__.py") {
+			t.Fatalf("%s, no vLLM: %+v %v", engine, r, err)
+		}
+	}
+	// A TEST DOUBLE vLLM: an installed distribution whose import would fail
+	// (the check must not import it).
+	site := t.TempDir()
+	for f, body := range map[string]string{
+		"vllm/__init__.py":                    "raise SystemExit('vllm was imported')\n",
+		"vllm-0.26.0.dist-info/METADATA":      "Metadata-Version: 2.1\nName: vllm\nVersion: 0.26.0\n",
+		"vllm-0.26.0.dist-info/RECORD":        "",
+		"vllm-0.26.0.dist-info/top_level.txt": "vllm\n",
+	} {
+		p := filepath.Join(site, f)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	env = []string{"PATH=" + os.Getenv("PATH"), "PYTHONPATH=" + pkg + ":" + site}
+	for _, engine := range []string{"auto", "vllm"} {
+		r, err := PythonCLI{Engine: engine, Python: py}.Check(context.Background(), env)
+		if err != nil || r.VLLM != "0.26.0" || r.VLLMWhy != "" {
+			t.Fatalf("%s, vLLM 0.26.0 installed: %+v %v", engine, r, err)
+		}
+	}
+	if _, err := (PythonCLI{Engine: "tgi", Python: py}).Check(context.Background(), env); err == nil {
+		t.Fatal("an unknown engine passed the check")
+	}
+}

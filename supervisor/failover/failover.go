@@ -143,6 +143,10 @@ type Event struct {
 	Role  Role      // BreakerTripped only
 	Cause string    // why, free text (e.g. "socket EOF", "exit code 1", "drill: operator")
 	At    time.Time // when the executor saw it; drives the breaker window
+	// Refused (ActiveDied): the engine exited with the engines' refusal code
+	// before it was ready: it refused its options. Before anything has served
+	// that is a configuration error no restart mends: the breaker opens at once.
+	Refused bool
 }
 
 // ActionKind enumerates what the executor must do. Actions are data so the
@@ -201,8 +205,11 @@ type Transition struct {
 	Ignored  bool
 }
 
-// BreakerConfig bounds restarts: a role that dies MaxRestarts times within
-// Window is not restarted any more. Restarts after a death wait
+// BreakerConfig bounds restarts: a role that dies more than MaxRestarts times
+// within Window is not restarted any more, nor is one whose last
+// MaxRestarts+1 launches in a row all died before they were ready, however
+// long each took to fail (a start that fails after 20 s of imports never
+// fills a 60 s window). Restarts after a death wait
 // BaseBackoff·2^(deaths in window − 1), capped at MaxBackoff.
 type BreakerConfig struct {
 	MaxRestarts int
@@ -236,6 +243,10 @@ type Machine struct {
 	deaths [2][]time.Time // per role, within the window
 	open   [2]bool        // breaker open per role: that role is not restarted
 	openBy [2]string
+	// unready counts per role the launches in a row that died before they
+	// were ready (reset when one is); they trip the breaker whatever their pace.
+	unready [2]int
+	served  bool // an engine has served at some point (a serving state was entered)
 	// The planned handover in progress (state HandingOver).
 	phase       HandoverPhase
 	yieldedDead bool // the yielded active died while the standby was being resumed
@@ -262,14 +273,23 @@ func (m *Machine) Handover() HandoverPhase { return m.phase }
 // BreakerOpen reports whether a role's restarts are blocked, and why.
 func (m *Machine) BreakerOpen(r Role) (bool, string) { return m.open[r], m.openBy[r] }
 
+// EverServed reports whether an engine has served at some point. A breaker
+// that opens before then is a deployment that never started: the executor
+// gives up rather than wait in crash_loop for nothing.
+func (m *Machine) EverServed() bool { return m.served }
+
 // CrashLoopOpen reports whether any role's breaker is open.
 func (m *Machine) CrashLoopOpen() bool { return m.open[Active] || m.open[Standby] }
 
 // recordDeath notes a death of role r at t and returns the backoff before a
-// restart, or ok=false when the breaker is (now) open.
-func (m *Machine) recordDeath(r Role, t time.Time, cause string) (backoff time.Duration, ok bool) {
+// restart, or ok=false when the breaker is (now) open. neverReady: the dead
+// engine had not become ready.
+func (m *Machine) recordDeath(r Role, t time.Time, cause string, neverReady bool) (backoff time.Duration, ok bool) {
 	if m.open[r] {
 		return 0, false
+	}
+	if neverReady {
+		m.unready[r]++
 	}
 	kept := m.deaths[r][:0]
 	for _, d := range m.deaths[r] {
@@ -285,6 +305,11 @@ func (m *Machine) recordDeath(r Role, t time.Time, cause string) (backoff time.D
 		m.openBy[r] = fmt.Sprintf("%s died %d times within %s (last: %s)", r, n, m.cfg.Window, cause)
 		return 0, false
 	}
+	if neverReady && m.unready[r] > m.cfg.MaxRestarts {
+		m.open[r] = true
+		m.openBy[r] = fmt.Sprintf("%s never became ready in %d launches in a row (last: %s)", r, m.unready[r], cause)
+		return 0, false
+	}
 	return m.backoff(r), true
 }
 
@@ -294,6 +319,15 @@ func (m *Machine) Handle(ev Event) Transition {
 	tr.From, tr.Event = m.state, ev
 	if !tr.Ignored {
 		m.state, m.cause = tr.To, tr.Cause
+		if tr.To.Serving() {
+			m.served = true
+		}
+		switch ev.Kind {
+		case ActiveReady:
+			m.unready[Active] = 0
+		case StandbyReady:
+			m.unready[Standby] = 0
+		}
 		if tr.To != HandingOver {
 			m.phase, m.yieldedDead = NoHandover, false
 		}
@@ -365,7 +399,7 @@ func (m *Machine) next(ev Event) Transition {
 		case ResumeAcked:
 			// The active's death counts against the breaker: a request that kills
 			// every engine must not fail over forever.
-			_, ok := m.recordDeath(Active, ev.At, ev.Cause)
+			_, ok := m.recordDeath(Active, ev.At, ev.Cause, false)
 			acts := []Action{{Kind: Promote}, {Kind: CheckMPS}}
 			if !ok {
 				return Transition{To: ServingDegraded, Cause: "failed over; not re-arming: " + m.openBy[Active], Actions: acts}
@@ -404,7 +438,7 @@ func (m *Machine) handover(ev Event) Transition {
 		case StandbyDied, RearmFailed:
 			// The active is yielding: once asleep it is resumed itself.
 			m.phase = Restoring
-			m.recordDeath(Standby, ev.At, ev.Cause)
+			m.recordDeath(Standby, ev.At, ev.Cause, false)
 			return Transition{To: HandingOver, Cause: "failback: standby died during the handover: " + ev.Cause,
 				Actions: []Action{{Kind: FenceStandby}}}
 		}
@@ -421,7 +455,7 @@ func (m *Machine) handover(ev Event) Transition {
 					[]Action{{Kind: FenceStandby}, {Kind: FenceActive}})
 			}
 			m.phase = Restoring
-			m.recordDeath(Standby, ev.At, ev.Cause)
+			m.recordDeath(Standby, ev.At, ev.Cause, false)
 			return Transition{To: HandingOver, Cause: "failback failed, resuming the yielded engine: " + ev.Kind.String() + ": " + ev.Cause,
 				Actions: []Action{{Kind: FenceStandby}, {Kind: DrainRing}, {Kind: ResumeYielded}}}
 		case ActiveDied:
@@ -474,8 +508,9 @@ func (m *Machine) armStandby(cause string, acts []Action) Transition {
 	return Transition{To: Rearming, Cause: cause, Actions: append(acts, Action{Kind: StartStandby})}
 }
 
+// restartStandby: a standby that dies while rearming had not become ready.
 func (m *Machine) restartStandby(ev Event) Transition {
-	backoff, ok := m.recordDeath(Standby, ev.At, ev.Cause)
+	backoff, ok := m.recordDeath(Standby, ev.At, ev.Cause, m.state == Rearming)
 	fence := []Action{{Kind: FenceStandby}}
 	if !ok {
 		return Transition{To: ServingDegraded, Cause: "standby not restarted: " + m.openBy[Standby], Actions: fence}
@@ -485,10 +520,17 @@ func (m *Machine) restartStandby(ev Event) Transition {
 }
 
 // coldStart launches a new active that loads the weights itself: with no
-// standby able to take over, open requests cannot be resumed.
+// standby able to take over, open requests cannot be resumed. An active that
+// dies while starting had not become ready; one that refused its options
+// before anything served is not restarted (a configuration error).
 func (m *Machine) coldStart(ev Event, cause string, pre []Action) Transition {
-	backoff, ok := m.recordDeath(Active, ev.At, ev.Cause)
 	acts := withAction(pre, Unpublish)
+	if m.state == Starting && ev.Kind == ActiveDied && ev.Refused && !m.served && !m.open[Active] {
+		m.open[Active] = true
+		m.openBy[Active] = "the active refused its options before anything served, a configuration error: " + ev.Cause
+		return Transition{To: CrashLoop, Cause: "not restarting: " + m.openBy[Active], Actions: acts}
+	}
+	backoff, ok := m.recordDeath(Active, ev.At, ev.Cause, m.state == Starting)
 	if !ok {
 		return Transition{To: CrashLoop, Cause: "not restarting: " + m.openBy[Active], Actions: acts}
 	}

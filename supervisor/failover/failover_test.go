@@ -166,12 +166,14 @@ func TestStandbyCrashLoopBackoff(t *testing.T) {
 	}
 }
 
-// Deaths spread wider than the window never trip the breaker, and the
-// backoff falls back to the base.
+// Deaths of ready engines spread wider than the window never trip the
+// breaker, and the backoff falls back to the base.
 func TestDeathsOutsideWindowForgotten(t *testing.T) {
 	m := machineIn(t, Rearming)
 	for i := range 20 {
-		tr := m.Handle(Event{Kind: StandbyDied, Cause: "x", At: t0.Add(time.Duration(i) * 11 * time.Second)})
+		at := t0.Add(time.Duration(i) * 11 * time.Second)
+		m.Handle(Event{Kind: StandbyReady, At: at})
+		tr := m.Handle(Event{Kind: StandbyDied, Cause: "x", At: at.Add(time.Second)})
 		if tr.To != Rearming {
 			t.Fatalf("death %d tripped: %s", i, tr.Cause)
 		}
@@ -386,5 +388,107 @@ func TestStandbyNotAdmittedIsRetriedWithoutTheBreaker(t *testing.T) {
 	tr := m.Handle(Event{Kind: StandbyNotAdmitted, Cause: "exit code 3", At: t0.Add(2 * time.Minute)})
 	if tr.To != Rearming || !strings.Contains(tr.Cause, "standby died") {
 		t.Fatalf("in ServingReady: %+v", tr)
+	}
+}
+
+// Launches that die before they are ready trip the breaker after
+// MaxRestarts restarts in a row, however slowly each fails: here every start
+// fails after longer than the window, which never trips the window's count.
+// The breaker counts launches, not time.
+func TestNeverReadyTripsWhateverThePace(t *testing.T) {
+	slow := testBreaker.Window + time.Second
+	t.Run("active", func(t *testing.T) {
+		m := machineIn(t, Starting)
+		launches := 1 // Initial's StartActive
+		var tr Transition
+		for i := 1; ; i++ {
+			tr = m.Handle(Event{Kind: ActiveDied, Cause: "exit code 1: ValueError: bad option", At: t0.Add(time.Duration(i) * slow)})
+			if tr.To != Starting {
+				break
+			}
+			launches++
+			if launches > 100 {
+				t.Fatal("never tripped")
+			}
+		}
+		if launches != testBreaker.MaxRestarts+1 || tr.To != CrashLoop || !strings.Contains(tr.Cause, "never became ready in 4 launches in a row") ||
+			!strings.Contains(tr.Cause, "ValueError: bad option") {
+			t.Fatalf("after %d launches: %s (%s)", launches, tr.To, tr.Cause)
+		}
+		if m.EverServed() {
+			t.Fatal("EverServed with no engine ever ready")
+		}
+	})
+	t.Run("standby", func(t *testing.T) {
+		m := machineIn(t, Rearming)
+		var tr Transition
+		for i := 1; i <= testBreaker.MaxRestarts+1; i++ {
+			tr = m.Handle(Event{Kind: StandbyDied, Cause: "x", At: t0.Add(time.Duration(i) * slow)})
+		}
+		if tr.To != ServingDegraded || !strings.Contains(tr.Cause, "standby never became ready in 4 launches") {
+			t.Fatalf("%s (%s)", tr.To, tr.Cause)
+		}
+		if !m.EverServed() {
+			t.Fatal("the active served: EverServed false")
+		}
+	})
+	t.Run("a ready launch resets the count", func(t *testing.T) {
+		m := machineIn(t, Starting)
+		at := t0
+		for range testBreaker.MaxRestarts {
+			at = at.Add(slow)
+			m.Handle(Event{Kind: ActiveDied, Cause: "x", At: at})
+		}
+		m.Handle(Event{Kind: ActiveReady, At: at})
+		m.Handle(Event{Kind: StandbyReady, At: at})
+		at = at.Add(slow)
+		m.Handle(Event{Kind: ActiveDied, Cause: "fault", At: at}) // failing over
+		tr := m.Handle(Event{Kind: ResumeFailed, Cause: "x", At: at})
+		for i := range testBreaker.MaxRestarts - 1 {
+			if tr.To != Starting {
+				t.Fatalf("death %d after the ready one: %s (%s)", i, tr.To, tr.Cause)
+			}
+			at = at.Add(slow)
+			tr = m.Handle(Event{Kind: ActiveDied, Cause: "x", At: at})
+		}
+		if tr.To != Starting {
+			t.Fatalf("%s (%s)", tr.To, tr.Cause)
+		}
+	})
+	t.Run("not admitted by MPS does not count", func(t *testing.T) {
+		m := machineIn(t, Rearming)
+		for i := range 3 * testBreaker.MaxRestarts {
+			tr := m.Handle(Event{Kind: StandbyNotAdmitted, Cause: "x", At: t0.Add(time.Duration(i) * slow)})
+			if tr.To != Rearming {
+				t.Fatalf("relaunch %d: %s (%s)", i, tr.To, tr.Cause)
+			}
+		}
+		tr := m.Handle(Event{Kind: StandbyDied, Cause: "x", At: t0})
+		if tr.To != Rearming {
+			t.Fatalf("%s (%s)", tr.To, tr.Cause)
+		}
+	})
+}
+
+// An active that refuses its options (the engines' refusal exit) before
+// anything served is a configuration error: no restart. After something has
+// served, a refusal counts as any death.
+func TestRefusedBeforeServingIsNotRestarted(t *testing.T) {
+	m := machineIn(t, Starting)
+	tr := m.Handle(Event{Kind: ActiveDied, Refused: true, Cause: "engine cannot start: unrecognized arguments: --bogus", At: t0})
+	if tr.To != CrashLoop || !slices.Equal(kinds(tr.Actions), []ActionKind{FenceActive, Unpublish}) ||
+		!strings.Contains(tr.Cause, "refused its options") || !strings.Contains(tr.Cause, "--bogus") {
+		t.Fatalf("%s %v (%s)", tr.To, tr.Actions, tr.Cause)
+	}
+	if open, _ := m.BreakerOpen(Active); !open || m.EverServed() {
+		t.Fatalf("breaker open %v, served %v", open, m.EverServed())
+	}
+
+	m = machineIn(t, ServingReady)
+	m.Handle(Event{Kind: ActiveDied, Cause: "fault", At: t0})
+	m.Handle(Event{Kind: ResumeFailed, Cause: "x", At: t0}) // a cold start
+	tr = m.Handle(Event{Kind: ActiveDied, Refused: true, Cause: "refused", At: t0})
+	if tr.To != Starting {
+		t.Fatalf("a refusal after serving: %s (%s)", tr.To, tr.Cause)
 	}
 }

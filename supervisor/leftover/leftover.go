@@ -82,7 +82,13 @@ func BootID() (string, error) {
 // errNoProcess: no process has the pid.
 var errNoProcess = errors.New("no such process")
 
-// startTicks reads a live process's start time; errNoProcess when the pid is free.
+// errZombie: the pid is a zombie, a process that has exited and waits for
+// its parent to reap it. It holds nothing (no memory, no fds, no maps): its
+// ring and run dir are as much left behind as those of a reaped one.
+var errZombie = errors.New("zombie: exited, not yet reaped by its parent")
+
+// startTicks reads a live process's start time; errNoProcess when the pid is
+// free, errZombie when it has exited but not yet been reaped.
 func startTicks(pid int) (uint64, error) {
 	p, err := procfs.NewProc(pid)
 	if err != nil {
@@ -97,6 +103,9 @@ func startTicks(pid int) (uint64, error) {
 			return 0, errNoProcess // exited between the two reads
 		}
 		return 0, err
+	}
+	if st.State == "Z" {
+		return st.Starttime, errZombie
 	}
 	return st.Starttime, nil
 }
@@ -113,6 +122,10 @@ func ownerGone(owner Identity, bootID string, start uint64, startErr error) (gon
 		return true, "written before the last reboot"
 	case errors.Is(startErr, errNoProcess):
 		return true, "process gone"
+	case errors.Is(startErr, errZombie) && start == owner.StartTicks:
+		return true, "process exited (a zombie its parent has not reaped)"
+	case errors.Is(startErr, errZombie):
+		return true, "pid reused by another process"
 	case startErr != nil:
 		return false, "cannot inspect pid " + strconv.Itoa(owner.PID) + ": " + startErr.Error()
 	case start != owner.StartTicks:

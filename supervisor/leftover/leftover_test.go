@@ -7,7 +7,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
+
+	"github.com/prometheus/procfs"
 )
 
 func TestOwnerGone(t *testing.T) {
@@ -22,6 +26,8 @@ func TestOwnerGone(t *testing.T) {
 	}{
 		{"alive", owner, "boot-a", 1000, nil, false},
 		{"exited", owner, "boot-a", 0, errNoProcess, true},
+		{"zombie", owner, "boot-a", 1000, errZombie, true},
+		{"zombie, pid reused", owner, "boot-a", 2000, errZombie, true},
 		{"pid reused", owner, "boot-a", 2000, nil, true},
 		{"earlier boot", owner, "boot-b", 1000, nil, true},
 		{"earlier boot, pid free", owner, "boot-b", 0, errNoProcess, true},
@@ -194,5 +200,74 @@ func TestClean(t *testing.T) {
 		if err := Clean(context.Background(), bad, nil); err == nil {
 			t.Errorf("%+v accepted", bad)
 		}
+	}
+}
+
+// A supervisor SIGKILLed whose parent has not reaped it yet is a zombie: it
+// holds nothing, so its record is stale and what it names is removed.
+func TestStaleZombieOwner(t *testing.T) {
+	d, err := OpenDir(filepath.Join(t.TempDir(), "state"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	boot, err := BootID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	reaped := false
+	defer func() {
+		if !reaped {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		}
+	}()
+	pid := cmd.Process.Pid
+	start, err := startTicks(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Write("child", Record{Owner: Identity{PID: pid, StartTicks: start, BootID: boot}}); err != nil {
+		t.Fatal(err)
+	}
+	if stale, err := d.Stale(); err != nil || len(stale) != 0 {
+		t.Fatalf("a live owner's record is stale: %v %v", stale, err)
+	}
+	if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	// Not reaped: wait until the kernel shows it as a zombie (os/exec never
+	// reaps on its own).
+	for i := 0; ; i++ {
+		p, err := procfs.NewProc(pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, err := p.Stat()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.State == "Z" {
+			break
+		}
+		if i == 5000 {
+			t.Fatalf("child %d never became a zombie (state %s)", pid, st.State)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	stale, err := d.Stale()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(stale) != 1 || stale[0].Name != "child" || !strings.Contains(stale[0].Why, "zombie") {
+		t.Fatalf("a zombie owner's record: stale %+v, want it stale as a zombie", stale)
+	}
+	reaped = true
+	_ = cmd.Wait()
+	if stale, err := d.Stale(); err != nil || len(stale) != 1 || stale[0].Why != "process gone" {
+		t.Fatalf("after reaping: %+v %v", stale, err)
 	}
 }

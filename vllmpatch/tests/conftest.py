@@ -56,3 +56,49 @@ def fake_libcuda():
     r = subprocess.run(["make", "-s", "-C", str(interceptor), "build/libcuda_fake.so"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     return str(interceptor / "build" / "libcuda_fake.so")
+
+
+def _shm_rings() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("frmps-") and n.endswith(".ring")}
+    except OSError:
+        return set()
+
+
+def _mapped_paths() -> set[str]:
+    """Files some process maps (a live supervisor maps its ring); processes this user
+    cannot read are passed over."""
+    out: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    if len(parts) == 6:
+                        out.add(parts[5].strip().removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return out
+
+
+def leaked_rings(before: set[str]) -> list[str]:
+    """frmps rings in /dev/shm that were not there at `before` and that no process maps:
+    left behind by a supervisor (a test's, killed or not) that is gone."""
+    new = _shm_rings() - before
+    if not new:
+        return []
+    mapped = _mapped_paths()
+    return sorted(n for n in new if os.path.join("/dev/shm", n) not in mapped)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_ring_left_in_dev_shm():
+    """The test session leaves no frmps ring in /dev/shm: every test that starts a
+    supervisor gives it a ring directory of its own (a SIGKILLed supervisor cannot
+    remove its 8 MiB ring, and nothing would remove one in /dev/shm)."""
+    before = _shm_rings()
+    yield
+    left = leaked_rings(before)
+    assert not left, f"tests left frmps rings in /dev/shm: {left}"

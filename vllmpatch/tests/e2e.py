@@ -165,7 +165,8 @@ def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: d
     cmd = [bin_path, "serve", "--model", model, "--engine", engine, "--device", "cpu", *mps,
            "--sync-every", str(sync_every), "--port", str(port),
            "--admin-addr", f"127.0.0.1:{admin_port}", "--run-dir", os.path.join(run_dir, "run"),
-           "--state-dir", os.path.join(run_dir, "state"), "--python", sys.executable, *hang, *(extra_args or [])]
+           "--state-dir", os.path.join(run_dir, "state"), "--ring-dir", run_dir, "--python", sys.executable, *hang,
+           *(extra_args or [])]
     child_env = {**os.environ, **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
@@ -187,6 +188,8 @@ def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: d
         leftover = os.path.join(run_dir, "run")
         assert not os.path.exists(leftover) or not os.listdir(leftover), \
             f"run dir not cleaned: {os.listdir(leftover)}"
+        rings = [n for n in os.listdir(run_dir) if n.endswith(".ring")]
+        assert not rings, f"ring left after a clean stop: {rings}"
         records = os.path.join(run_dir, "state")
         assert not os.path.exists(records) or not os.listdir(records), \
             f"launch record left after a clean stop: {os.listdir(records)}"

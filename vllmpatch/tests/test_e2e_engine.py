@@ -6,6 +6,7 @@ only if the weights and KV really crossed to the standby."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -42,3 +43,28 @@ def test_a_bad_engine_name_stops_serve_at_once(engine, why):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert why in r.stderr, r.stderr
+
+
+
+@pytest.mark.parametrize("engine,model,arg,why", [
+    # the reference engine's parser refuses it
+    ("ref", "tiny", "--engine-arg=--bogus", "unrecognized arguments: --bogus"),
+    # the adapter's constructor refuses its options (ValueError, as vLLM's config checks raise)
+    ("refusing_adapter:Refusing", "tiny", "--engine-arg=--max-model-len=64", "max_model_len 64: refused"),
+])
+def test_a_refused_engine_option_stops_serve_at_once(tmp_path, engine, model, arg, why):
+    """An engine that refuses its options before anything served: `frmps serve`
+    exits 1 after that one engine start (no restart, no crash_loop kept up), with
+    the engine's reason on its last stderr line; it leaves no ring behind."""
+    (tmp_path / "refusing_adapter.py").write_text(
+        "def Refusing(opts):\n    raise ValueError(f'max_model_len {opts.max_model_len}: refused')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([frmps_bin(), "serve", "--engine", engine, "--model", model, "--device", "cpu", "--no-mps", arg,
+                        "--state-dir", str(tmp_path / "state"), "--ring-dir", str(tmp_path),
+                        "--port", "0", "--admin-addr", "127.0.0.1:0", "--python", sys.executable],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert r.stderr.count("engine launched") == 1, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("frmps: no engine ever served") and why in last, last
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".ring")]

@@ -133,7 +133,7 @@ def test_spare_dies_with_a_killed_supervisor(tmp_path):
     port, admin = free_port(), free_port()
     cmd = [frmps_bin(), "serve", "--model", "tiny", "--engine", "ref", "--device", "cpu", "--no-mps", "--spare=on",
            "--port", str(port), "--admin-addr", f"127.0.0.1:{admin}", "--run-dir", str(tmp_path / "run"),
-           "--state-dir", str(tmp_path / "state"), "--python", sys.executable]
+           "--state-dir", str(tmp_path / "state"), "--ring-dir", str(tmp_path), "--python", sys.executable]
     with open(tmp_path / "serve.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -847,3 +847,27 @@ def test_handover_resets_the_core_before_the_pools_go_read_only(tmp_path, monkey
         assert s.moved and not core.has_work() and r.role == cpb.ROLE_STANDBY
     finally:
         mem.close()
+
+
+def test_an_adapter_that_refuses_its_options_exits_refused(sockdir, tmp_path):
+    """An engine whose constructor raises ValueError (vLLM's config checks do, e.g.
+    before the KV cache is sized) refused its options: the refusal exit code, whose
+    meaning the supervisor knows (no restart before anything served), not a
+    traceback's 1."""
+    (tmp_path / "refusing_adapter.py").write_text(
+        "def Refusing(opts):\n    raise ValueError('--num-blocks is required with this engine')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", "refusing_adapter:Refusing",
+                        "--role", "active", "--model", "fake-tiny", "--control-socket", f"{sockdir}/c",
+                        "--generation-socket", f"{sockdir}/g"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "engine cannot start: --num-blocks is required with this engine" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_an_unknown_engine_option_exits_refused(sockdir):
+    """A command line the engine's parser refuses (a bad --engine-arg) is a refusal."""
+    r = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", FAKE, "--role", "active",
+                        "--model", "fake-tiny", "--control-socket", f"{sockdir}/c", "--generation-socket",
+                        f"{sockdir}/g", "--bogus"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr, r.stderr

@@ -395,7 +395,10 @@ type Status struct {
 	Spare              *Spare `protobuf:"bytes,17,opt,name=spare,proto3" json:"spare,omitempty"`
 	// The OpenAI front door when it is a process of its own (--frontend vllm);
 	// absent with frmps's built-in front door.
-	Frontend      *FrontendStatus `protobuf:"bytes,18,opt,name=frontend,proto3" json:"frontend,omitempty"`
+	Frontend *FrontendStatus `protobuf:"bytes,18,opt,name=frontend,proto3" json:"frontend,omitempty"`
+	// What `frmps serve` resolved its device, memory, engine and model to (the
+	// "auto" defaults, or the flags given), and why.
+	Resolved      *Resolved `protobuf:"bytes,19,opt,name=resolved,proto3" json:"resolved,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -556,6 +559,92 @@ func (x *Status) GetFrontend() *FrontendStatus {
 	return nil
 }
 
+func (x *Status) GetResolved() *Resolved {
+	if x != nil {
+		return x.Resolved
+	}
+	return nil
+}
+
+// Resolved: the deployment's device, memory backend, engine and model as
+// `frmps serve` chose them. Flags given explicitly are taken as given; "auto"
+// (the default) follows what the host has: a visible GPU, an importable vLLM.
+type Resolved struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Device        string                 `protobuf:"bytes,1,opt,name=device,proto3" json:"device,omitempty"` // cpu | cuda
+	Memory        string                 `protobuf:"bytes,2,opt,name=memory,proto3" json:"memory,omitempty"` // host-shm | cuda-vmm
+	Engine        string                 `protobuf:"bytes,3,opt,name=engine,proto3" json:"engine,omitempty"` // ref | vllm | a Python adapter factory
+	Model         string                 `protobuf:"bytes,4,opt,name=model,proto3" json:"model,omitempty"`   // as given or the engine's default model
+	Reason        string                 `protobuf:"bytes,5,opt,name=reason,proto3" json:"reason,omitempty"` // one line: why these (e.g. "GPU visible (nvidia-smi); vLLM 0.26.0 installed")
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Resolved) Reset() {
+	*x = Resolved{}
+	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Resolved) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Resolved) ProtoMessage() {}
+
+func (x *Resolved) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Resolved.ProtoReflect.Descriptor instead.
+func (*Resolved) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *Resolved) GetDevice() string {
+	if x != nil {
+		return x.Device
+	}
+	return ""
+}
+
+func (x *Resolved) GetMemory() string {
+	if x != nil {
+		return x.Memory
+	}
+	return ""
+}
+
+func (x *Resolved) GetEngine() string {
+	if x != nil {
+		return x.Engine
+	}
+	return ""
+}
+
+func (x *Resolved) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *Resolved) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
 // FrontendStatus: vLLM's own API server as the front door (--frontend vllm), a
 // process outside MPS that the engines connect to.
 type FrontendStatus struct {
@@ -578,7 +667,7 @@ type FrontendStatus struct {
 
 func (x *FrontendStatus) Reset() {
 	*x = FrontendStatus{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	mi := &file_frmps_v1_admin_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -590,7 +679,7 @@ func (x *FrontendStatus) String() string {
 func (*FrontendStatus) ProtoMessage() {}
 
 func (x *FrontendStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[4]
+	mi := &file_frmps_v1_admin_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -603,7 +692,7 @@ func (x *FrontendStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FrontendStatus.ProtoReflect.Descriptor instead.
 func (*FrontendStatus) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{4}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *FrontendStatus) GetKind() string {
@@ -694,7 +783,7 @@ type Spare struct {
 
 func (x *Spare) Reset() {
 	*x = Spare{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[5]
+	mi := &file_frmps_v1_admin_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -706,7 +795,7 @@ func (x *Spare) String() string {
 func (*Spare) ProtoMessage() {}
 
 func (x *Spare) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[5]
+	mi := &file_frmps_v1_admin_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -719,7 +808,7 @@ func (x *Spare) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Spare.ProtoReflect.Descriptor instead.
 func (*Spare) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{5}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Spare) GetEnabled() bool {
@@ -809,7 +898,7 @@ type Failback struct {
 
 func (x *Failback) Reset() {
 	*x = Failback{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[6]
+	mi := &file_frmps_v1_admin_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -821,7 +910,7 @@ func (x *Failback) String() string {
 func (*Failback) ProtoMessage() {}
 
 func (x *Failback) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[6]
+	mi := &file_frmps_v1_admin_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -834,7 +923,7 @@ func (x *Failback) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Failback.ProtoReflect.Descriptor instead.
 func (*Failback) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{6}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Failback) GetEnabled() bool {
@@ -923,7 +1012,7 @@ type TriggerFailoverRequest struct {
 
 func (x *TriggerFailoverRequest) Reset() {
 	*x = TriggerFailoverRequest{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[7]
+	mi := &file_frmps_v1_admin_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -935,7 +1024,7 @@ func (x *TriggerFailoverRequest) String() string {
 func (*TriggerFailoverRequest) ProtoMessage() {}
 
 func (x *TriggerFailoverRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[7]
+	mi := &file_frmps_v1_admin_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -948,7 +1037,7 @@ func (x *TriggerFailoverRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TriggerFailoverRequest.ProtoReflect.Descriptor instead.
 func (*TriggerFailoverRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{7}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *TriggerFailoverRequest) GetReason() string {
@@ -968,7 +1057,7 @@ type TriggerFailoverResponse struct {
 
 func (x *TriggerFailoverResponse) Reset() {
 	*x = TriggerFailoverResponse{}
-	mi := &file_frmps_v1_admin_proto_msgTypes[8]
+	mi := &file_frmps_v1_admin_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -980,7 +1069,7 @@ func (x *TriggerFailoverResponse) String() string {
 func (*TriggerFailoverResponse) ProtoMessage() {}
 
 func (x *TriggerFailoverResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_admin_proto_msgTypes[8]
+	mi := &file_frmps_v1_admin_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -993,7 +1082,7 @@ func (x *TriggerFailoverResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TriggerFailoverResponse.ProtoReflect.Descriptor instead.
 func (*TriggerFailoverResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{8}
+	return file_frmps_v1_admin_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *TriggerFailoverResponse) GetAccepted() bool {
@@ -1052,7 +1141,7 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\rreused_tokens\x18\t \x01(\x04R\freusedTokens\x12)\n" +
 	"\x10prefilled_tokens\x18\n" +
 	" \x01(\x04R\x0fprefilledTokens\x12.\n" +
-	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\x98\x05\n" +
+	"\x13first_token_seconds\x18\v \x01(\x01R\x11firstTokenSeconds\"\xc8\x05\n" +
 	"\x06Status\x12\x14\n" +
 	"\x05state\x18\x01 \x01(\tR\x05state\x12\x1f\n" +
 	"\vstate_cause\x18\x02 \x01(\tR\n" +
@@ -1074,7 +1163,14 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\bfailback\x18\x0f \x01(\v2\x12.frmps.v1.FailbackR\bfailback\x120\n" +
 	"\x14tensor_parallel_size\x18\x10 \x01(\rR\x12tensorParallelSize\x12%\n" +
 	"\x05spare\x18\x11 \x01(\v2\x0f.frmps.v1.SpareR\x05spare\x124\n" +
-	"\bfrontend\x18\x12 \x01(\v2\x18.frmps.v1.FrontendStatusR\bfrontend\"\xa0\x02\n" +
+	"\bfrontend\x18\x12 \x01(\v2\x18.frmps.v1.FrontendStatusR\bfrontend\x12.\n" +
+	"\bresolved\x18\x13 \x01(\v2\x12.frmps.v1.ResolvedR\bresolved\"\x80\x01\n" +
+	"\bResolved\x12\x16\n" +
+	"\x06device\x18\x01 \x01(\tR\x06device\x12\x16\n" +
+	"\x06memory\x18\x02 \x01(\tR\x06memory\x12\x16\n" +
+	"\x06engine\x18\x03 \x01(\tR\x06engine\x12\x14\n" +
+	"\x05model\x18\x04 \x01(\tR\x05model\x12\x16\n" +
+	"\x06reason\x18\x05 \x01(\tR\x06reason\"\xa0\x02\n" +
 	"\x0eFrontendStatus\x12\x12\n" +
 	"\x04kind\x18\x01 \x01(\tR\x04kind\x12\x10\n" +
 	"\x03pid\x18\x02 \x01(\x05R\x03pid\x12\x14\n" +
@@ -1135,35 +1231,37 @@ func file_frmps_v1_admin_proto_rawDescGZIP() []byte {
 	return file_frmps_v1_admin_proto_rawDescData
 }
 
-var file_frmps_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_frmps_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
 var file_frmps_v1_admin_proto_goTypes = []any{
 	(*GetStatusRequest)(nil),        // 0: frmps.v1.GetStatusRequest
 	(*EngineStatus)(nil),            // 1: frmps.v1.EngineStatus
 	(*FailoverRecord)(nil),          // 2: frmps.v1.FailoverRecord
 	(*Status)(nil),                  // 3: frmps.v1.Status
-	(*FrontendStatus)(nil),          // 4: frmps.v1.FrontendStatus
-	(*Spare)(nil),                   // 5: frmps.v1.Spare
-	(*Failback)(nil),                // 6: frmps.v1.Failback
-	(*TriggerFailoverRequest)(nil),  // 7: frmps.v1.TriggerFailoverRequest
-	(*TriggerFailoverResponse)(nil), // 8: frmps.v1.TriggerFailoverResponse
-	(*KVBudget)(nil),                // 9: frmps.v1.KVBudget
+	(*Resolved)(nil),                // 4: frmps.v1.Resolved
+	(*FrontendStatus)(nil),          // 5: frmps.v1.FrontendStatus
+	(*Spare)(nil),                   // 6: frmps.v1.Spare
+	(*Failback)(nil),                // 7: frmps.v1.Failback
+	(*TriggerFailoverRequest)(nil),  // 8: frmps.v1.TriggerFailoverRequest
+	(*TriggerFailoverResponse)(nil), // 9: frmps.v1.TriggerFailoverResponse
+	(*KVBudget)(nil),                // 10: frmps.v1.KVBudget
 }
 var file_frmps_v1_admin_proto_depIdxs = []int32{
-	9, // 0: frmps.v1.EngineStatus.kv_budget:type_name -> frmps.v1.KVBudget
-	1, // 1: frmps.v1.Status.engines:type_name -> frmps.v1.EngineStatus
-	2, // 2: frmps.v1.Status.failovers:type_name -> frmps.v1.FailoverRecord
-	6, // 3: frmps.v1.Status.failback:type_name -> frmps.v1.Failback
-	5, // 4: frmps.v1.Status.spare:type_name -> frmps.v1.Spare
-	4, // 5: frmps.v1.Status.frontend:type_name -> frmps.v1.FrontendStatus
-	0, // 6: frmps.v1.Admin.GetStatus:input_type -> frmps.v1.GetStatusRequest
-	7, // 7: frmps.v1.Admin.TriggerFailover:input_type -> frmps.v1.TriggerFailoverRequest
-	3, // 8: frmps.v1.Admin.GetStatus:output_type -> frmps.v1.Status
-	8, // 9: frmps.v1.Admin.TriggerFailover:output_type -> frmps.v1.TriggerFailoverResponse
-	8, // [8:10] is the sub-list for method output_type
-	6, // [6:8] is the sub-list for method input_type
-	6, // [6:6] is the sub-list for extension type_name
-	6, // [6:6] is the sub-list for extension extendee
-	0, // [0:6] is the sub-list for field type_name
+	10, // 0: frmps.v1.EngineStatus.kv_budget:type_name -> frmps.v1.KVBudget
+	1,  // 1: frmps.v1.Status.engines:type_name -> frmps.v1.EngineStatus
+	2,  // 2: frmps.v1.Status.failovers:type_name -> frmps.v1.FailoverRecord
+	7,  // 3: frmps.v1.Status.failback:type_name -> frmps.v1.Failback
+	6,  // 4: frmps.v1.Status.spare:type_name -> frmps.v1.Spare
+	5,  // 5: frmps.v1.Status.frontend:type_name -> frmps.v1.FrontendStatus
+	4,  // 6: frmps.v1.Status.resolved:type_name -> frmps.v1.Resolved
+	0,  // 7: frmps.v1.Admin.GetStatus:input_type -> frmps.v1.GetStatusRequest
+	8,  // 8: frmps.v1.Admin.TriggerFailover:input_type -> frmps.v1.TriggerFailoverRequest
+	3,  // 9: frmps.v1.Admin.GetStatus:output_type -> frmps.v1.Status
+	9,  // 10: frmps.v1.Admin.TriggerFailover:output_type -> frmps.v1.TriggerFailoverResponse
+	9,  // [9:11] is the sub-list for method output_type
+	7,  // [7:9] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_admin_proto_init() }
@@ -1178,7 +1276,7 @@ func file_frmps_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_admin_proto_rawDesc), len(file_frmps_v1_admin_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   9,
+			NumMessages:   10,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

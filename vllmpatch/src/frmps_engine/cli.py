@@ -165,7 +165,10 @@ def serve(args: argparse.Namespace) -> int:
                                 core_input=args.core_input or "", core_output=args.core_output or ""),
             adapter, mem,
         )
-    except (adapters.AdapterError, memory.MemoryError_, runner.StartupError) as e:
+    except (adapters.AdapterError, memory.MemoryError_, runner.StartupError, ValueError) as e:
+        # An engine's constructor refuses options it cannot work with by raising
+        # ValueError (vLLM's config checks, the reference engine's): a refusal,
+        # whose exit code tells the supervisor not to restart it unchanged.
         if is_device_error(e):  # e.g. a tensor-parallel group whose CUDA init failed
             log.error("engine cannot start: device error: %s", e)
             return runner.EXIT_DEVICE
@@ -222,7 +225,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        # argparse said why on stderr. A command line it refuses is a refusal of
+        # the engine's options (argparse's own code is 2 as well; say so here).
+        if e.code in (0, None):
+            raise
+        from frmps_engine.sdk import runner
+
+        sys.stderr.flush()
+        os._exit(runner.EXIT_REFUSED)
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(), stream=sys.stderr,
         format=LOG_FORMAT,

@@ -78,7 +78,7 @@ class FailoverRecord(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., unix_nanos: _Optional[int] = ..., cause: _Optional[str] = ..., detail: _Optional[str] = ..., duration_seconds: _Optional[float] = ..., resumed_requests: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., first_token_seconds: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open", "failback", "tensor_parallel_size", "spare", "frontend")
+    __slots__ = ("state", "state_cause", "model", "engine", "sync_every", "engines", "failovers", "mps", "mps_state", "ring_lag_records", "ring_resyncs", "live_requests", "version", "crash_loop_open", "failback", "tensor_parallel_size", "spare", "frontend", "resolved")
     STATE_FIELD_NUMBER: _ClassVar[int]
     STATE_CAUSE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class Status(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
+    RESOLVED_FIELD_NUMBER: _ClassVar[int]
     state: str
     state_cause: str
     model: str
@@ -115,7 +116,22 @@ class Status(_message.Message):
     tensor_parallel_size: int
     spare: Spare
     frontend: FrontendStatus
-    def __init__(self, state: _Optional[str] = ..., state_cause: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., sync_every: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., failovers: _Optional[_Iterable[_Union[FailoverRecord, _Mapping]]] = ..., mps: _Optional[bool] = ..., mps_state: _Optional[str] = ..., ring_lag_records: _Optional[int] = ..., ring_resyncs: _Optional[int] = ..., live_requests: _Optional[int] = ..., version: _Optional[str] = ..., crash_loop_open: _Optional[bool] = ..., failback: _Optional[_Union[Failback, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., spare: _Optional[_Union[Spare, _Mapping]] = ..., frontend: _Optional[_Union[FrontendStatus, _Mapping]] = ...) -> None: ...
+    resolved: Resolved
+    def __init__(self, state: _Optional[str] = ..., state_cause: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., sync_every: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., failovers: _Optional[_Iterable[_Union[FailoverRecord, _Mapping]]] = ..., mps: _Optional[bool] = ..., mps_state: _Optional[str] = ..., ring_lag_records: _Optional[int] = ..., ring_resyncs: _Optional[int] = ..., live_requests: _Optional[int] = ..., version: _Optional[str] = ..., crash_loop_open: _Optional[bool] = ..., failback: _Optional[_Union[Failback, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., spare: _Optional[_Union[Spare, _Mapping]] = ..., frontend: _Optional[_Union[FrontendStatus, _Mapping]] = ..., resolved: _Optional[_Union[Resolved, _Mapping]] = ...) -> None: ...
+
+class Resolved(_message.Message):
+    __slots__ = ("device", "memory", "engine", "model", "reason")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    memory: str
+    engine: str
+    model: str
+    reason: str
+    def __init__(self, device: _Optional[str] = ..., memory: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class FrontendStatus(_message.Message):
     __slots__ = ("kind", "pid", "state", "engine_connected", "open_requests", "vllm_version", "engine_lost", "engine_back", "last_error")
