@@ -16,7 +16,8 @@ CPU chaos soak:
   had arrived; otherwise ``mid-prefill`` when its prompt is longer than the
   engine's prefill chunk (max_num_batched_tokens: the prompt needs several
   passes), else ``waiting`` (queued, or a prompt that fits one pass; the client
-  cannot tell those apart). Unknown prompt length: ``waiting/prefill``.
+  cannot tell those apart). Unknown prompt length: ``waiting/prefill``; a
+  request answered in one piece (not streamed): ``unknown``.
 * Its **verdict** against the no-fault reference: ``exact``, ``margin-bounded``,
   ``inexact`` (see :func:`verdict`); a request sampled without a seed has no
   reference and is ``completed`` or ``failed``, never exact.
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-PHASES = ("decoding", "mid-prefill", "waiting", "waiting/prefill")
+PHASES = ("decoding", "mid-prefill", "waiting", "waiting/prefill", "unknown")
 VERDICTS = ("exact", "margin-bounded", "inexact")
 
 # The negative controls: FRMPS_TEST_TAKEOVER_FAULT=<case> (with FRMPS_TEST_MODE=1) makes the
@@ -83,7 +84,7 @@ def phase_at(token_times: Sequence[float], t: float, prompt_tokens: int | None =
 
 def classify(t_start: float, token_times: Sequence[float], t_end: float,
              events: Iterable[tuple[str, float, float]], *, failed: bool = False,
-             prompt_tokens: int | None = None, prefill_chunk: int | None = None) -> dict:
+             prompt_tokens: int | None = None, prefill_chunk: int | None = None, streamed: bool = True) -> dict:
     """Against events (label, lo, hi) in time order: {"in_flight", "event" (the
     first one it was in flight at), "events" (every one), "phase" (at that first
     one)}. Not in flight: {"in_flight": False, "event": None, "events": [], "phase": None}."""
@@ -92,7 +93,7 @@ def classify(t_start: float, token_times: Sequence[float], t_end: float,
         return {"in_flight": False, "event": None, "events": [], "phase": None}
     label, lo, _ = hits[0]
     return {"in_flight": True, "event": label, "events": [h[0] for h in hits],
-            "phase": phase_at(token_times, lo, prompt_tokens, prefill_chunk)}
+            "phase": phase_at(token_times, lo, prompt_tokens, prefill_chunk) if streamed else "unknown"}
 
 
 def _blank() -> dict:
