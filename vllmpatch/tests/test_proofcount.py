@@ -4,6 +4,7 @@ bench/gpu/failover_proof.py's pass/fail: synthetic timelines, no deployment."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 
@@ -163,3 +164,46 @@ def test_failover_proof_fails_when_its_comparison_fails():
     assert not fo.entry_ok({"fault": "x", "first": _phase(), "nofault_exact_ids": {"requests": 4, "ids_equal": 3}})
     assert fo.exit_code({"faults": [{"fault": "x", "skipped": "time budget"}]}) == 1  # no fault ran
     assert fo.exit_code({"faults": [good, {"fault": "y", "skipped": "time budget"}]}) == 0
+
+
+def test_proof_table_shows_the_in_flight_count_and_the_controls(tmp_path, capsys):
+    pt = _load("proof_table")
+    t = pc.tally([{"in_flight": True, "phase": "decoding", "verdict": "exact"},
+                  {"in_flight": True, "phase": "waiting", "verdict": "inexact"},
+                  {"in_flight": False, "verdict": "exact"}])
+    assert pt.in_flight(t) == "1/2, 1 not in flight"
+    fo = {"model": "m", "faults": [{"fault": "misaligned:load", "first": {**_phase(), "stream_count": t}}],
+          "headline": pc.headline(t)}
+    fb = {"model": "m", "faults": [], "headline": "h", "controls_mode": "zero-block,position",
+          "controls": [pc.control_result("zero-block", [{"in_flight": True, "verdict": "inexact"}], True),
+                       pc.control_result("position", [{"in_flight": True, "verdict": "exact"}], True)]}
+    off = {"model": "m", "faults": [], "headline": "h2", "controls_mode": "off", "controls": []}
+    paths = []
+    for name, d in (("fo", fo), ("fb", fb), ("off", off)):
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(d))
+        paths.append(str(p))
+    pt.main(paths)
+    out = capsys.readouterr().out
+    assert "| 1/2, 1 not in flight |" in out
+    assert "zero-block detected (1/1 in flight affected), position **NOT detected** (0/1 in flight affected)" in out
+    assert "h2; controls: **OFF**" in out
+
+
+def test_chaos_soak_counts_only_the_requests_in_flight_at_a_kill():
+    from frmps_engine.bench import chaos
+
+    reqs = chaos.workload(4, streaming="all")
+    ref = {i: chaos.Outcome(i, 0.0, ok=True, token_ids=[1, 2, 3], text="abc", finish="length") for i in range(4)}
+
+    def out(i, t0, t1, ids=(1, 2, 3), ok=True, text="abc"):
+        return chaos.Outcome(i, t0, t1, ok=ok, token_ids=list(ids), text=text, finish="length", token_times=[t0 + 0.1, t1])
+
+    kills = [(10.0, 10.3)]
+    t = chaos.count([out(0, 1.0, 2.0), out(1, 9.0, 12.0), out(2, 9.0, 12.0, ids=(1, 2, 4)), out(3, 11.0, 12.0)],
+                    reqs, ref, kills)
+    assert t["in_flight"]["streams"] == 2 and t["in_flight"]["exact"] == 1 and t["in_flight"]["inexact"] == 1
+    assert t["not_in_flight"] == 2 and t["by_phase"]["decoding"]["streams"] == 2
+    # equal token ids with another text is not exact
+    t = chaos.count([out(1, 9.0, 12.0, text="abd")], reqs, ref, kills)
+    assert t["in_flight"]["inexact"] == 1
