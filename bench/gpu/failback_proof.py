@@ -511,6 +511,9 @@ def run_control(args, case: str, trigger_spec: str) -> dict:
         n = args.control_streams
         reqs = bodies(n, args.control_max_tokens) + burst_bodies(args.control_burst, args.control_max_tokens,
                                                                   args.prefill_chunk)
+        if getattr(args, "seed_every_request", False):  # engines whose greedy sampling is not deterministic
+            for i, body in enumerate(reqs):
+                body.setdefault("seed", 3000 + i)
         ref, fig = no_fault_run(dep, model, reqs)
         if fig["errors"]:
             raise RuntimeError(f"control {case}: the no-fault run failed: {fig['errors'][:3]}")

@@ -449,6 +449,7 @@ def main() -> int:
         args.engine, args.device, args.memory, args.mps_control = "frmps_engine.vllm.testing:cpu_engine", "cpu", "host-shm", FAKE_MPS
         args.serve_arg += ["--mps-control", FAKE_MPS, "--spare=on", "--max-restarts=1000"]
         args.env["FRMPS_TEST_VLLM_CPU_PLATFORM"] = "1"
+        args.seed_every_request = True  # the controls' requests too (see below)
         # The stand-in model samples seeded_token(seed, position) whatever the temperature:
         # a request without a seed gets a random one, so every compared case gets a seed.
         for i, c in enumerate(cs):
