@@ -25,6 +25,7 @@ SIGKILL as the fault): a check of this script, not of GPU faults.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -41,6 +42,7 @@ from failover_proof import (  # noqa: E402  (same folder, standard library only)
     LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, http_json, loglines, mps_trigger,
     nvidia_smi)
 
+from frmps_engine.bench import proofcount  # noqa: E402  (standard library only)
 from frmps_engine.bench.runctx import FAULT_KINDS as FAULTS  # noqa: E402  (the seven kinds, in the soaks' order)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -57,7 +59,7 @@ def stream(base: str, model: str, body: dict, timeout: float = 900, live: list |
     req = urllib.request.Request(base + "/v1/completions", headers={"Content-Type": "application/json"},
                                  data=json.dumps({**body, "model": model, "stream": True, "return_token_ids": True,
                                                   "stream_options": {"include_usage": True}}).encode())
-    out = {"chunks": [], "error": None, "finish": None, "t0": now()}
+    out = {"chunks": [], "error": None, "finish": None, "t0": now(), "prompt_tokens": None}
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for raw in r:
@@ -68,6 +70,8 @@ def stream(base: str, model: str, body: dict, timeout: float = 900, live: list |
                 if "error" in ev:
                     out["error"] = ev["error"]
                     continue
+                if ev.get("usage"):
+                    out["prompt_tokens"] = ev["usage"].get("prompt_tokens")
                 for ch in ev.get("choices") or []:
                     if ch.get("token_ids"):
                         t = now()
@@ -110,40 +114,73 @@ def bodies(n: int, max_tokens: int) -> list[dict]:
     return out
 
 
-class Load:
-    """--streams threads, each repeating its request and checking it against the reference."""
+def burst_bodies(n: int, max_tokens: int, chunk: int) -> list[dict]:
+    """The requests sent right before each fault (so that some are still queued or
+    in their prefill when it lands): every other one with a prompt of 2/3 x chunk
+    words (1.3-3 x chunk tokens: 2-4 tokens a word, so several prefill passes at
+    --prefill-chunk), half seeded."""
+    out = []
+    for i in range(n):
+        words = 2 * chunk // 3 if i % 2 == 0 and chunk else 16 + 3 * i
+        b = {"prompt": f"Burst {i}: " + " ".join(f"w{(i * 11 + j) % 50}" for j in range(words)),
+             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
+        if i % 4 >= 2:
+            b.update(temperature=0.8, seed=2000 + i)
+        out.append(b)
+    return out
 
-    def __init__(self, dep: Deployment, model: str, reqs: list[dict], ref: list[list[int]]):
+
+class Load:
+    """--streams threads, each repeating its request and checking it against the
+    reference; reqs past the first n_loop are the burst requests (burst())."""
+
+    def __init__(self, dep: Deployment, model: str, reqs: list[dict], ref: list[list[int]], n_loop: int | None = None):
         self.dep, self.model, self.reqs, self.ref = dep, model, reqs, ref
+        self.n_loop = len(reqs) if n_loop is None else n_loop
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.done: list[dict] = []  # finished streams: {i, t0, t1, chunks(times), exact, error}
+        self.done: list[dict] = []  # finished streams: {i, t0, t1, times, exact, error, ...}
         self.live: dict[int, list[float]] = {}  # stream index -> chunk times of the running request
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(len(reqs))]
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.n_loop)]
+        self.bursts: list[threading.Thread] = []
 
     def start(self) -> None:
         for t in self.threads:
             t.start()
 
+    def _one(self, i: int, burst: bool = False) -> None:
+        live: list[float] = []
+        key = i if not burst else -1 - i - 1000 * len(self.bursts)
+        with self.lock:
+            self.live[key] = live
+        r = stream(self.dep.base, self.model, self.reqs[i], live=live)
+        times = [t for t, _ in r["chunks"]]
+        rec = {"i": i, "burst": burst, "t0": r["t0"], "t1": r["t1"], "times": times, "error": r["error"],
+               "verdict": proofcount.verdict(self.ref[i], r["ids"], error=r["error"], finished=bool(r["finish"])),
+               "tokens": len(r["ids"]), "finish": r["finish"]}
+        rec["exact"] = rec["verdict"] == "exact"
+        if not rec["exact"] and not r["error"]:
+            n = next((k for k, (a, b) in enumerate(zip(r["ids"], self.ref[i])) if a != b), min(len(r["ids"]), len(self.ref[i])))
+            rec["first_diff"] = n
+        with self.lock:
+            self.done.append(rec)
+            self.live.pop(key, None)
+
     def _run(self, i: int) -> None:
         while not self.stop.is_set():
-            live: list[float] = []
-            with self.lock:
-                self.live[i] = live
-            r = stream(self.dep.base, self.model, self.reqs[i], live=live)
-            times = [t for t, _ in r["chunks"]]
-            rec = {"i": i, "t0": r["t0"], "t1": r["t1"], "times": times, "error": r["error"],
-                   "exact": r["ids"] == self.ref[i], "tokens": len(r["ids"]), "finish": r["finish"]}
-            if not rec["exact"] and not r["error"]:
-                n = next((k for k, (a, b) in enumerate(zip(r["ids"], self.ref[i])) if a != b), min(len(r["ids"]), len(self.ref[i])))
-                rec["first_diff"] = n
-            with self.lock:
-                self.done.append(rec)
-                self.live.pop(i, None)
+            self._one(i)
+
+    def burst(self) -> int:
+        """Sends every burst request once, each on a thread of its own (not waited for)."""
+        for i in range(self.n_loop, len(self.reqs)):
+            t = threading.Thread(target=self._one, args=(i, True), daemon=True)
+            t.start()
+            self.bursts.append(t)
+        return len(self.reqs) - self.n_loop
 
     def finish(self, timeout: float = 600) -> None:
         self.stop.set()
-        for t in self.threads:
+        for t in self.threads + self.bursts:
             t.join(timeout)
 
     def chunk_times(self) -> list[list[float]]:
@@ -155,7 +192,8 @@ class Load:
         deadline = now() + timeout
         while now() < deadline:
             with self.lock:
-                if len(self.live) == len(self.reqs) and all(len(v) >= min_chunks for v in self.live.values()):
+                loop = [v for k, v in self.live.items() if k >= 0]  # the burst's streams are keyed < 0
+                if len(loop) >= self.n_loop and all(len(v) >= min_chunks for v in loop):
                     return
             time.sleep(0.01)
 
@@ -292,6 +330,7 @@ def no_fault_run(dep, model: str, reqs: list[dict]) -> tuple[list[list[int]], di
     ref = [r["ids"] for r in runs]
     steps = [b - a for r in runs for (a, _), (b, _) in zip(r["chunks"], r["chunks"][1:])]
     return ref, {"errors": [r["error"] for r in runs if r["error"]], "tokens": [len(x) for x in ref],
+                 "prompt_tokens": [r.get("prompt_tokens") for r in runs],
                  "decode_step_s_p50": statistics.median(steps) if steps else None,
                  "decode_step_s_p90": statistics.quantiles(steps, n=10)[8] if len(steps) >= 10 else None}
 
@@ -341,11 +380,12 @@ def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigge
     wait for the failover record and the failback. ``last[0]``: the previous
     trigger's time (--min-fault-interval)."""
     st, _ = dep.wait(lambda s: restored(s, n_fb), 300, f"placement restored before cycle {n_fb + 1}")
+    wait_spare = getattr(args, "wait_spare", 180.0)
     if last[0]:
-        time.sleep(max(0.0, last[0] + args.min_fault_interval - now()))
-    if args.wait_spare > 0 and spare_state(st) not in ("off", "") and not spare_state(st).startswith("off"):
+        time.sleep(max(0.0, last[0] + getattr(args, "min_fault_interval", 0.0) - now()))
+    if wait_spare > 0 and spare_state(st) not in ("off", "") and not spare_state(st).startswith("off"):
         st, _ = dep.wait(lambda s: spare_state(s) == "ready" or spare_state(s).startswith("off"),
-                         args.wait_spare, f"a ready spare before cycle {n_fb + 1}")
+                         wait_spare, f"a ready spare before cycle {n_fb + 1}")
     spare = get(st, "spare") or {}
     rec["spare_before"] = {"state": spare_state(st), "import_s": get(spare, "last_ready_seconds"),
                            "ready": get(spare, "ready_count", default=0), "size": get(spare, "size", default=0),
@@ -358,6 +398,8 @@ def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigge
     prepare, inject = trigger(dep, act)
     prepare()
     load.wait_all_streaming(5)  # the fault lands mid-stream for every stream
+    if load.burst():  # and, right before it, requests still queued or in their (chunked) prefill
+        time.sleep(getattr(args, "burst_lead", 0.0))
     inj = inject()
     t_fault = inj.get("t_fault") or now()
     last[0] = t_fault
@@ -368,6 +410,7 @@ def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigge
     rec["failover"] = {k: get(fo, k) for k in ("cause", "ok", "duration_seconds", "resumed_requests",
                                                "reused_tokens", "prefilled_tokens", "first_token_seconds")}
     rec["fault_to_detect_s"] = round(detect - t_fault, 4)
+    rec["t_fault"], rec["t_detect"] = t_fault, detect  # the event windows of the stream count
     st, _ = dep.wait(lambda s: restored(s, n_fb + 1), 300, f"failback after cycle {n_fb + 1}")
     # The MPS server's side: from "to be torn down" (a fault) to the dead active's exit, which the
     # standby's KV flip waits for; after a drill only the exit (kill_to_exit_ms: from the drill's request).
@@ -384,6 +427,7 @@ def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigge
     done = int(get(fb, "last_unix_nanos", default=0)) / 1e9
     dur = float(get(fb, "last_duration_seconds", default=0) or 0)
     new_act = engines(st)["active"]  # the engine launched after the fault, now the active in MPS
+    rec["t_handover"] = [done - dur, done]
     rec["failback"] = {"restored_s_after_detect": round(done - detect, 3), "handover_s": round(dur, 4),
                        "handover_first_token_s": get(fb, "last_first_token_seconds"),
                        "active_in_mps_after": True,
@@ -401,6 +445,154 @@ def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigge
     rec["handover_max_gap_s"] = max_gap_in(times, done - dur - 0.05, done + 0.2)
     rec["decode_step_s"] = step
     rec["resources"] = resources(dep, args.cpu)
+
+
+def events_of(recs: list[dict]) -> list[tuple[str, float, float]]:
+    """The event windows of cycles (see proofcount): per cycle its fault, from the
+    injection to the detected death, and its handover, from start to end."""
+    out = []
+    for r in recs:
+        label = r.get("label") or (f"drill {r['n']}" if r.get("drill") else f"fault {r['n']}")
+        if r.get("t_fault") is not None:
+            a, b = r["t_fault"], r.get("t_detect") or r["t_fault"]
+            out.append((label, min(a, b), max(a, b)))
+        if r.get("t_handover"):
+            out.append((f"{label} handover", *r["t_handover"]))
+    return sorted(out, key=lambda e: e[1])
+
+
+def count_streams(done: list[dict], events: list[tuple[str, float, float]], prompt_tokens: list,
+                  chunk: int | None) -> tuple[list[dict], dict]:
+    """Every finished stream classified (in flight at which event, in which phase)
+    and the tally of their verdicts (proofcount)."""
+    out = []
+    for d in done:
+        pt = prompt_tokens[d["i"]] if d["i"] < len(prompt_tokens) else None
+        c = proofcount.classify(d["t0"], d["times"], d["t1"], events, failed=bool(d["error"]), prompt_tokens=pt,
+                                prefill_chunk=chunk)
+        out.append({**d, **c, "prompt_tokens": pt})
+    return out, proofcount.tally(out)
+
+
+def stream_report(report: dict, done: list[dict], events: list, prompt_tokens: list, chunk: int | None) -> str:
+    """The stream count into report (the headline, its tally, the first streams in
+    flight that are not exact); returns the headline."""
+    streams, t = count_streams(done, events, prompt_tokens, chunk)
+    report["streams_total"] = len(done)
+    report["streams_exact"] = sum(1 for d in done if d["exact"] and not d["error"])
+    report["streams_errors"] = [{k: d.get(k) for k in ("i", "burst", "tokens", "finish", "error", "event", "phase")}
+                                for d in streams if d["error"]][:10]
+    report["streams_inexact"] = [{k: d.get(k) for k in ("i", "burst", "tokens", "first_diff", "finish", "event", "phase")}
+                                 for d in streams if not d["exact"] and not d["error"]][:10]
+    report["stream_count"] = t
+    report["events"] = len(events)
+    report["headline"] = proofcount.headline(t)
+    return report["headline"]
+
+
+def run_control(args, case: str, trigger_spec: str) -> dict:
+    """One negative control: a short deployment whose engines run with
+    FRMPS_TEST_TAKEOVER_FAULT=<case>, a few streams (and the burst) checked against
+    their no-fault outputs across one real fault (the proof's own trigger) and the
+    failback after it. Its record (proofcount.control_result) says whether the
+    comparison noticed."""
+    cargs = copy.copy(args)
+    cargs.env = {**(getattr(args, "env", None) or {}), **proofcount.control_env(case)}
+    cargs.port = 0
+    model = getattr(args, "served_model_name", "") or args.model
+    dep = Deployment(cargs, f"control-{case}", os.path.join(args.workdir, f"control-{case}"))
+    load, rec, fig, faulted, err = None, {"n": 1, "label": f"control {case}"}, {}, False, None
+    streams: list[dict] = []
+    t0 = now()
+    try:
+        dep.start()
+        dep.wait(lambda s: started(dep, s), 900, f"control {case}: active serving + standby ready")
+        wait_endpoint(dep.base, 300)
+        n = args.control_streams
+        reqs = bodies(n, args.control_max_tokens) + burst_bodies(args.control_burst, args.control_max_tokens,
+                                                                  args.prefill_chunk)
+        if getattr(args, "seed_every_request", False):  # engines whose greedy sampling is not deterministic
+            for i, body in enumerate(reqs):
+                body.setdefault("seed", 3000 + i)
+        ref, fig = no_fault_run(dep, model, reqs)
+        if fig["errors"]:
+            raise RuntimeError(f"control {case}: the no-fault run failed: {fig['errors'][:3]}")
+        load = Load(dep, model, reqs, ref, n_loop=n)
+        load.start()
+        faulted = True  # from here on a failure is the control's doing (or noticed by the run)
+        cycle(dep, cargs, load, fig.get("decode_step_s_p50") or 0.0, rec, 0, [0.0], mps_trigger(cargs, trigger_spec))
+    except Exception as ex:
+        err = f"{type(ex).__name__}: {ex}"
+    finally:
+        if load is not None:
+            load.finish(120)
+            streams, _ = count_streams(list(load.done), events_of([rec]), fig.get("prompt_tokens") or [],
+                                       args.prefill_chunk)
+        dep.stop()
+    fo = rec.get("failover") or {}
+    out = proofcount.control_result(case, streams, fo.get("ok") if fo else None, err if faulted else None)
+    if not faulted:
+        out["not_run"] = err
+    out.update(fault=trigger_spec, seconds=round(now() - t0, 1), fault_to_detect_s=rec.get("fault_to_detect_s"))
+    return out
+
+
+def run_controls(args, report: dict, save, trigger_spec: str) -> bool:
+    """--controls: every case before the real run; report["controls"]. False (and
+    report["error"]) when one passed unnoticed or could not run."""
+    cases = args.controls
+    report["controls_mode"] = "off" if not cases else ",".join(cases)
+    report["controls"] = []
+    if not cases:
+        print("controls: OFF (--controls off): the results below are not backed by negative controls", flush=True)
+        return True
+    for case in cases:
+        r = run_control(args, case, trigger_spec)
+        report["controls"].append(r)
+        save()
+        print(f"control {case}: detected={r['detected']} ({r['how'] or 'every stream exact'}) "
+              f"in flight {r['streams_in_flight']}/{r['streams']} affected {r['streams_affected']} "
+              f"failover_ok={r['failover_ok']} {r['seconds']}s", flush=True)
+    not_run = [r for r in report["controls"] if r.get("not_run")]
+    if not_run:
+        report["error"] = "; ".join(f"control {r['case']} did not run: {r['not_run']}" for r in not_run)
+        return False
+    try:
+        proofcount.check_controls(report["controls"])
+    except proofcount.ControlPassedUnnoticed as ex:
+        report["error"] = f"ControlPassedUnnoticed: {ex}"
+        return False
+    return True
+
+
+def add_count_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of the stream count and of the negative controls (shared with
+    tp_proof.py and openai_fault_proof.py)."""
+    ap.add_argument("--controls", type=proofcount.controls_arg, default="on",
+                    help="negative controls before the real run: on (every case: "
+                         f"{', '.join(proofcount.CONTROL_CASES)}), off (debugging only; the results say so), or a "
+                         "comma list of cases. Each case: a short deployment with FRMPS_TEST_MODE=1 "
+                         "FRMPS_TEST_TAKEOVER_FAULT=<case>, one fault; the proof stops if one compares exact")
+    ap.add_argument("--control-streams", type=int, default=4, help="streams of each control")
+    ap.add_argument("--control-max-tokens", type=int, default=128)
+    ap.add_argument("--control-burst", type=int, default=2, help="burst requests of each control")
+    ap.add_argument("--prefill-chunk", type=int, default=512,
+                    help="the engines' prefill chunk (--max-num-batched-tokens, passed to them unless an --engine-arg "
+                         "sets it): a prompt longer than this is mid-prefill until its first token; 0: the engines' "
+                         "default, phase mid-prefill not told apart")
+    ap.add_argument("--burst", type=int, default=4,
+                    help="per fault, this many requests sent right before it (every other one with a prompt of about "
+                         "1.3-3 x --prefill-chunk tokens): streams queued or in their chunked prefill at the fault")
+    ap.add_argument("--burst-lead", type=float, default=0.02, help="seconds between the burst and the fault")
+
+
+def apply_prefill_chunk(args) -> None:
+    """--prefill-chunk to the engines, unless an --engine-arg sets the token budget."""
+    if args.prefill_chunk and not any(a.startswith("--max-num-batched-tokens") for a in args.engine_arg):
+        args.engine_arg.append(f"--max-num-batched-tokens={args.prefill_chunk}")
+    for a in args.engine_arg:  # the chunk the engines run with, whoever set it
+        if a.startswith("--max-num-batched-tokens="):
+            args.prefill_chunk = int(a.split("=", 1)[1])
 
 
 def summary_line(rec: dict, step: float) -> str:
@@ -452,7 +644,9 @@ def main() -> int:
     ap.add_argument("--engine-arg", action="append", default=[])
     ap.add_argument("--serve-arg", action="append", default=[], help="more frmps serve flags")
     ap.add_argument("--cpu", action="store_true", help="CPU check of this script: MPS control test double, SIGKILL faults")
+    add_count_args(ap)
     args = ap.parse_args()
+    apply_prefill_chunk(args)
     args.port, args.mps_control, args.env = 0, "", {}
     if args.cpu:
         args.device, args.memory, args.mps_control = "cpu", "host-shm", FAKE_MPS
@@ -461,13 +655,19 @@ def main() -> int:
     t_begin = now()
     os.makedirs(args.workdir, exist_ok=True)
     report: dict = {"engine": args.engine, "model": args.model, "device": args.device, "sync_every": args.sync_every,
-                    "streams": args.streams, "max_tokens": args.max_tokens, "faults": []}
+                    "streams": args.streams, "max_tokens": args.max_tokens, "burst": args.burst,
+                    "prefill_chunk": args.prefill_chunk, "faults": []}
 
     def save() -> None:
         report["elapsed_s"] = round(now() - t_begin, 1)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
+    kinds = [k for k in args.fault_kinds.split(",") if k]
+    if not run_controls(args, report, save, kinds[0]):
+        save()
+        print(f"error: {report['error']}", flush=True)
+        return 1
     dep = Deployment(args, f"{args.engine}-{os.path.basename(os.path.normpath(args.model))}", args.workdir)
     load = None
     try:
@@ -500,13 +700,14 @@ def main() -> int:
                                     "unchanged_by_standby": bool(at_ready and later and at_ready == later)}
         save()
 
-        reqs = bodies(args.streams, args.max_tokens)
+        reqs = bodies(args.streams, args.max_tokens) + burst_bodies(args.burst, args.max_tokens, args.prefill_chunk)
         ref, report["reference"] = no_fault_run(dep, args.model, reqs)
         step = report["reference"]["decode_step_s_p50"] or 0.0
         save()
-        load = Load(dep, args.model, reqs, ref)
+        if report["reference"]["errors"]:
+            raise RuntimeError(f"the no-fault run failed: {report['reference']['errors'][:3]}")
+        load = Load(dep, args.model, reqs, ref, n_loop=args.streams)
         load.start()
-        kinds = [k for k in args.fault_kinds.split(",") if k]
         n_fb = 0  # failbacks so far: each cycle waits for the placement its predecessor restored
         last = [0.0]
         for d in range(1, args.drills + 1):
@@ -533,17 +734,14 @@ def main() -> int:
     finally:
         if load is not None:  # the streams that completed are checked whatever happened
             load.finish(120)
-            done = list(load.done)
-            report["streams_total"] = len(done)
-            report["streams_exact"] = sum(1 for d in done if d["exact"] and not d["error"])
-            report["streams_errors"] = [d for d in done if d["error"]][:10]
-            report["streams_inexact"] = [{k: d.get(k) for k in ("i", "tokens", "first_diff", "finish")} for d in done
-                                         if not d["exact"] and not d["error"]][:10]
+            h = stream_report(report, list(load.done), events_of(report.get("drills", []) + report["faults"]),
+                              (report.get("reference") or {}).get("prompt_tokens") or [], args.prefill_chunk)
+            print(h + ("" if args.controls else " [controls OFF]"), flush=True)
         dep.stop()
         report["takeover_traces"] = takeover_traces(dep.log_dir)
         save()
-    print(json.dumps({k: report.get(k) for k in ("startup_s", "streams_total", "streams_exact", "error", "elapsed_s",
-                                                   "pool_checksums")}, default=str), flush=True)
+    print(json.dumps({k: report.get(k) for k in ("startup_s", "streams_total", "streams_exact", "headline", "controls_mode",
+                                                   "error", "elapsed_s", "pool_checksums")}, default=str), flush=True)
     return 0 if not report.get("error") else 1
 
 

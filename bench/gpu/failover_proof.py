@@ -102,11 +102,13 @@ class Stream(threading.Thread):
         self.usage: dict | None = None
         self.finish: str | None = None
         self.error: str | None = None
-        self.t_start = 0.0
+        self.t_start = self.t_end = 0.0
+        self.token_ids: list[int] = []
+        self.token_times: list[float] = []
 
     def run(self) -> None:
         body = dict(model=self.model, prompt=self.prompt, stream=True, stream_options={"include_usage": True},
-                    **self.params)
+                    return_token_ids=True, **self.params)
         req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         self.t_start = now()
@@ -128,10 +130,14 @@ class Stream(threading.Thread):
                     for ch in ev.get("choices") or []:
                         if ch.get("text"):
                             self.chunks.append((now(), ch["text"]))
+                        if ch.get("token_ids"):
+                            self.token_ids += ch["token_ids"]
+                            self.token_times.append(now())
                         if ch.get("finish_reason"):
                             self.finish = ch["finish_reason"]
         except (urllib.error.URLError, OSError, ValueError) as e:
             self.error = f"{type(e).__name__}: {e}"
+        self.t_end = now()
 
     @property
     def text(self) -> str:
@@ -139,6 +145,7 @@ class Stream(threading.Thread):
 
     def result(self) -> dict:
         return {"text": self.text, "completion_tokens": (self.usage or {}).get("completion_tokens"),
+                "prompt_tokens": (self.usage or {}).get("prompt_tokens"), "token_ids": list(self.token_ids),
                 "finish_reason": self.finish, "error": self.error, "chunks": len(self.chunks)}
 
 
@@ -334,15 +341,34 @@ signal.signal(signal.SIGTERM, _exit_on_term)
 from frmps_engine.bench import loglines  # noqa: E402  (standard library only)
 from frmps_engine.bench.envinfo import nvidia_smi_apps, smi_select  # noqa: E402  (standard library only)
 from frmps_engine.bench.deploy import ServeOpts  # noqa: E402  (standard library only)
+from frmps_engine.bench import proofcount  # noqa: E402  (standard library only)
 
 LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP, LOG_INIT, LOG_ALLOC = (loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP,
                                                            loglines.INIT, loglines.ALLOC)
 grep_log = loglines.grep_first
 
 
-def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: str, trig, res: dict) -> dict:
+def count_phase(streams: list[Stream], sref: list[dict] | None, t_event: float | None, detect: float | None,
+                label: str) -> tuple[list[dict], dict]:
+    """Each stream of a fault's batch: in flight at the fault (from the injection
+    to the detected death) or not, its phase then, its verdict against this
+    deployment's no-fault run of the same request (token ids); and their tally."""
+    events = [(label, min(t_event, detect), max(t_event, detect))] if t_event and detect else []
+    out = []
+    for i, s in enumerate(streams):
+        r = sref[i] if sref and i < len(sref) else {}
+        c = proofcount.classify(s.t_start, s.token_times, s.t_end, events, failed=bool(s.error),
+                                prompt_tokens=r.get("prompt_tokens"), prefill_chunk=None)
+        out.append({"key": s.key, **c, "verdict": proofcount.verdict(r.get("token_ids") if r else None, s.token_ids,
+                                                                      error=s.error, finished=bool(s.finish))})
+    return out, proofcount.tally(out)
+
+
+def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: str, trig, res: dict,
+                   sref: list[dict] | None = None) -> dict:
     """Stream a batch, fault while it streams, wait for takeover + re-armed standby.
-    Fills res as it goes, so a failure still shows what happened."""
+    Fills res as it goes, so a failure still shows what happened. sref: this
+    deployment's no-fault results of the same requests (the per-stream verdicts)."""
     st0 = dep.status()
     n0 = len(get(st0, "failovers", default=[]) or [])
     e0 = dep.engines(st0)
@@ -364,6 +390,9 @@ def failover_phase(dep: Deployment, args, ref: list[dict], ref_ids: dict, how: s
     detect = int(get(rec, "unix_nanos", default=0)) / 1e9
     res["record"] = {k: get(rec, k) for k in ("cause", "detail", "ok", "error", "duration_seconds", "resumed_requests",
                                               "reused_tokens", "prefilled_tokens", "first_token_seconds")}
+    counted, res["stream_count"] = count_phase(streams, sref, inj.get("t_fault") or inj.get("t_signal"), detect, how)
+    res["streams"] = [{k: c[k] for k in ("key", "in_flight", "phase", "verdict")} for c in counted]
+    res["headline"] = proofcount.headline(res["stream_count"])
     # Re-armed: the replaced engine gone from both roles, a standby ready.
     st, t_rearmed = dep.wait(lambda s: dep.ready_pair(s, fenced_pid=get(old_active, "pid")), 300,
                              "the re-armed standby")
@@ -566,18 +595,18 @@ def main() -> int:
                 report["baseline"] = {"outputs": ref, "repeat_exact": compare(ref, [s.result() for s in s2]),
                                       "repeat_exact_ids": compare_ids(ids1, ids2),
                                       "token_ids": [[list(k[:8]), v[:16]] for k, v in ids1.items()]}
-                dep_ref = ids1
+                dep_ref, sref = ids1, ref
             else:
                 # Same requests on a fresh deployment, no fault: run-to-run determinism.
-                _, _, ids0 = run_batch(dep, args)
+                s0, _, ids0 = run_batch(dep, args)
                 entry["nofault_exact_ids"] = compare_ids(ref_ids, ids0)
-                dep_ref = ids0
+                dep_ref, sref = ids0, [s.result() for s in s0]
             entry["first"] = {}
             # Fault runs are compared with this deployment's own no-fault run of the same requests.
-            failover_phase(dep, args, ref, dep_ref, spec, mps_trigger(args, spec), entry["first"])
+            failover_phase(dep, args, ref, dep_ref, spec, mps_trigger(args, spec), entry["first"], sref)
             if not args.no_second:
                 entry["second"] = {}
-                failover_phase(dep, args, ref, dep_ref, "second", second_fault(args), entry["second"])
+                failover_phase(dep, args, ref, dep_ref, "second", second_fault(args), entry["second"], sref)
         except Exception as ex:  # keep going: one broken fault must not hide the others
             entry["error"] = f"{type(ex).__name__}: {ex}"
         finally:
@@ -587,14 +616,42 @@ def main() -> int:
         if args.stop_on_error and not entry_ok(entry):
             report["stopped"] = f"stopped after {spec} failed (--stop-on-error)"
             break
+    report["stream_count"] = proofcount.tally(
+        [s for e in report["faults"] for p in (e.get("first"), e.get("second")) if p for s in p.get("streams") or []])
+    report["headline"] = proofcount.headline(report["stream_count"])
+    rc = exit_code(report)
+    report["ok"] = rc == 0
     save()
-    return 0
+    print(report["headline"], flush=True)
+    return rc
+
+
+def phase_ok(p: dict | None) -> bool:
+    """A fault's batch passed: its failover succeeded and every request equals the
+    no-fault run: no error, every text, every token-id list (engine token log) and
+    every stream's own token ids."""
+    if p is None:
+        return True
+    ex, xi, t = p.get("exact") or {}, p.get("exact_ids"), p.get("stream_count")
+    return bool((p.get("record") or {}).get("ok") and ex.get("requests") and ex.get("errors", 0) == 0
+                and ex.get("text_equal") == ex["requests"]
+                and (xi is None or (xi.get("ids_equal") == xi.get("requests") and not xi.get("missing")))
+                and (t is None or (t["in_flight"]["inexact"] == 0 and t["not_in_flight_not_exact"] == 0)))
 
 
 def entry_ok(e: dict) -> bool:
-    phases = [e.get("first"), e.get("second")]
-    return not e.get("error") and all(p is None or ((p.get("record") or {}).get("ok") and
-                                                    (p.get("exact") or {}).get("errors", 0) == 0) for p in phases)
+    """A fault passed: its deployment ran it without an error, its first fault (and
+    the second, when run) passed phase_ok, and a later deployment's no-fault run
+    equals the first one's."""
+    nf = e.get("nofault_exact_ids")
+    return (not e.get("error") and e.get("first") is not None and all(phase_ok(e.get(k)) for k in ("first", "second"))
+            and (nf is None or nf.get("ids_equal") == nf.get("requests")))
+
+
+def exit_code(report: dict) -> int:
+    """0 when at least one fault ran and every one that ran passed entry_ok, else 1."""
+    ran = [e for e in report.get("faults") or [] if not e.get("skipped")]
+    return 0 if ran and all(entry_ok(e) for e in ran) else 1
 
 
 def summary_line(e: dict) -> str:

@@ -39,8 +39,11 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from failback_proof import FAKE_MPS, FAULTS, engines, restored, spare_state, started, wait_endpoint  # noqa: E402
+from failback_proof import (FAKE_MPS, FAULTS, add_count_args, apply_prefill_chunk, engines, restored,  # noqa: E402
+                            run_controls, spare_state, started, wait_endpoint)
 from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
+
+from frmps_engine.bench import proofcount  # noqa: E402  (standard library only)
 
 LOGPROB_TOL = 0.05  # |Δ logprob| reported above this (the tokens themselves must be equal)
 
@@ -202,6 +205,8 @@ class Call(threading.Thread):
         self.choices: dict[int, dict] = {}
         self.usage: dict | None = None
         self.times: list[float] = []
+        self.token_times: list[float] = []  # the chunks that carried output (text, token ids, tool calls)
+        self._got = False
         self.t_start = self.t_end = 0.0
         self.error: str | None = None
 
@@ -224,8 +229,12 @@ class Call(threading.Thread):
                 r = client.responses.create(stream=c["stream"], **body)
             if c["stream"]:
                 for ev in r:
-                    self.times.append(time.time())
+                    t = time.time()
+                    self.times.append(t)
+                    self._got = False
                     self.take(ev.model_dump())
+                    if self._got:
+                        self.token_times.append(t)
             else:
                 self.take(r.model_dump())
         except Exception as e:  # reported per case
@@ -238,6 +247,7 @@ class Call(threading.Thread):
             t = d.get("type")
             if t == "response.output_text.delta":
                 self.ch(0)["text"] += d.get("delta") or ""
+                self._got = self._got or bool(d.get("delta"))
             resp = d.get("response") if t else d
             if resp and (not t or t in ("response.completed", "response.incomplete")):
                 self.ch(0)["final_text"] = "".join(
@@ -255,6 +265,8 @@ class Call(threading.Thread):
             if c.get("finish_reason"):
                 o["finish"] = c["finish_reason"]
             o["token_ids"] += c.get("token_ids") or []
+            self._got = self._got or bool(c.get("token_ids") or c.get("text")
+                                          or (c.get("delta") or {}).get("content") or (c.get("delta") or {}).get("tool_calls"))
             if api == "cmpl":
                 o["text"] += c.get("text") or ""
                 lp = c.get("logprobs") or {}
@@ -310,14 +322,19 @@ def unstable_fields(ref: dict, ref2: dict) -> list[str]:
 
 def compare(case: dict, ref: dict, got: dict, skip: list[str] = ()) -> dict:
     """Equal what must be equal (but the fields in skip); the largest logprob
-    difference reported."""
+    difference reported. verdict: "exact" or "inexact" (token ids judged by
+    proofcount.verdict, the proofs' one definition); an unseeded case has no
+    reference (each run samples its own seed): "completed" when every choice
+    finished, else "failed", and never exact."""
     diffs, max_lp = [], 0.0
+    if case.get("unseeded"):
+        ok = not got["error"] and all(o["finish"] for o in got["choices"].values()) and \
+            len(got["choices"]) == len(ref["choices"])
+        why = [f"error: {got['error']}"] if got["error"] else [] if ok else ["unfinished choice"]
+        return {"exact": False, "verdict": "completed" if ok else "failed", "completed": ok, "diffs": why,
+                "max_logprob_diff": None, "note": "unseeded: checked complete, not compared"}
     if got["error"]:
-        return {"exact": False, "diffs": [f"error: {got['error']}"], "max_logprob_diff": None}
-    if case.get("unseeded"):  # no reference to compare with: each run samples its own seed
-        ok = all(o["finish"] for o in got["choices"].values()) and len(got["choices"]) == len(ref["choices"])
-        return {"exact": ok, "diffs": [] if ok else ["unfinished choice"], "max_logprob_diff": None,
-                "note": "unseeded: checked complete, not compared"}
+        return {"exact": False, "verdict": "inexact", "diffs": [f"error: {got['error']}"], "max_logprob_diff": None}
     if set(ref["choices"]) != set(got["choices"]):
         diffs.append(f"choices {sorted(got['choices'])} != {sorted(ref['choices'])}")
     for k, r in ref["choices"].items():
@@ -325,7 +342,9 @@ def compare(case: dict, ref: dict, got: dict, skip: list[str] = ()) -> dict:
         if g is None:
             continue
         for f in FIELDS:
-            if f not in skip and r.get(f) != g.get(f):
+            same = (proofcount.verdict(r.get(f) or [], g.get(f) or []) == "exact" if f == "token_ids"
+                    else r.get(f) == g.get(f))
+            if f not in skip and not same:
                 a, b = r.get(f), g.get(f)
                 if isinstance(a, (str, list)) and isinstance(b, (str, list)):
                     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -337,7 +356,8 @@ def compare(case: dict, ref: dict, got: dict, skip: list[str] = ()) -> dict:
                 max_lp = max(max_lp, abs(float(x) - float(y)))
     if ref["usage"] != got["usage"]:
         diffs.append(f"usage {got['usage']} != {ref['usage']}")
-    out = {"exact": not diffs, "diffs": diffs[:6], "max_logprob_diff": round(max_lp, 5)}
+    out = {"exact": not diffs, "verdict": "exact" if not diffs else "inexact", "diffs": diffs[:6],
+           "max_logprob_diff": round(max_lp, 5)}
     if skip:
         out["not_judged"] = list(skip)
     if case.get("parse"):
@@ -364,17 +384,22 @@ def run_all(dep: Deployment, model: str, api_key: str, cs: list[dict], fire=None
         info = fire()
     for c in calls:
         c.join(900)
-    t_fault = info.get("t_fault")
     out = {}
     for c in calls:
         r = c.result()
-        r["seconds"], r["t_start"] = round(c.t_end - c.t_start, 3), c.t_start
+        r["seconds"], r["t_start"], r["t_end"] = round(c.t_end - c.t_start, 3), c.t_start, c.t_end
+        r["token_times"] = list(c.token_times)
         r["chunk_s"] = [round(t - c.t_start, 3) for t in c.times[:min_chunks]]
-        if t_fault:
-            first = c.times[0] if c.times else c.t_start
-            r["in_flight_at_fault"] = bool(c.t_start < t_fault < c.t_end and first < t_fault)
         out[c.case["id"]] = r
     return out, info
+
+
+def classify_case(case: dict, r: dict, t_fault: float | None, detect: float | None) -> dict:
+    """A case's stream at the fault (proofcount): in flight from the injection to
+    the detected death, its phase (unknown for a request answered in one piece)."""
+    ev = [("fault", min(t_fault, detect), max(t_fault, detect))] if t_fault and detect else []
+    return proofcount.classify(r["t_start"], r.get("token_times") or [], r.get("t_end") or r["t_start"], ev,
+                               failed=bool(r.get("error")), streamed=bool(case["stream"]))
 
 
 def main() -> int:
@@ -403,11 +428,14 @@ def main() -> int:
     ap.add_argument("--cases", default="", help="comma list of case ids (default: all)")
     ap.add_argument("--cpu", action="store_true", help="CPU check of this script (labelled test doubles, SIGKILL faults); "
                     "leaves out the cases that need a real model's logits (logprobs, grammars)")
+    add_count_args(ap)
+    ap.set_defaults(prefill_chunk=0, burst=0)  # the cases keep the engines' own chunk; controls: failback_proof's load
     args = ap.parse_args()
+    apply_prefill_chunk(args)
     args.engine, args.port, args.mps_control, args.env = "vllm", 0, "", {}
     if not any(a.startswith("--max-num-seqs") for a in args.engine_arg):
         args.engine_arg.append("--max-num-seqs=32")
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    name = args.served_model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     # The structured-outputs config as a user gives it: --vllm-arg reaches the API server and the engines.
     args.serve_arg = [*args.serve_arg, "--frontend=vllm", f"--served-model-name={name}",
                       "--frontend-arg=--enable-auto-tool-choice", f"--frontend-arg=--tool-call-parser={args.tool_call_parser}",
@@ -421,6 +449,7 @@ def main() -> int:
         args.engine, args.device, args.memory, args.mps_control = "frmps_engine.vllm.testing:cpu_engine", "cpu", "host-shm", FAKE_MPS
         args.serve_arg += ["--mps-control", FAKE_MPS, "--spare=on", "--max-restarts=1000"]
         args.env["FRMPS_TEST_VLLM_CPU_PLATFORM"] = "1"
+        args.seed_every_request = True  # the controls' requests too (see below)
         # The stand-in model samples seeded_token(seed, position) whatever the temperature:
         # a request without a seed gets a random one, so every compared case gets a seed.
         for i, c in enumerate(cs):
@@ -432,6 +461,7 @@ def main() -> int:
     t_begin = time.time()
     report: dict = {"model": args.model, "served_model_name": name, "device": args.device, "max_tokens": args.max_tokens,
                     "cpu_check": args.cpu, "cases": [], "faults": []}
+    kinds = [k for k in args.fault_kinds.split(",") if k]
     def record_cases() -> None:
         report["cases"] = [{"id": c["id"], "api": c["api"], "stream": c["stream"],
                             "body": {k: v for k, v in c["body"].items() if k not in ("messages", "tools")}} for c in cs]
@@ -443,6 +473,10 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1, default=str)
 
+    if not run_controls(args, report, save, kinds[0]):
+        save()
+        print(f"error: {report['error']}", flush=True)
+        return 1
     dep = Deployment(args, "openai-faults", args.workdir)
     key = args.api_key or "EMPTY"
     try:
@@ -462,7 +496,6 @@ def main() -> int:
         unstable = {c["id"]: unstable_fields(ref[c["id"]], ref2[c["id"]]) for c in cs if not c.get("unseeded")}
         report["unstable_without_fault"] = {k: v for k, v in unstable.items() if v}
         report["reference_again"] = {k: ref2[k] for k, v in unstable.items() if v}
-        kinds = [k for k in args.fault_kinds.split(",") if k]
         for n in range(1, args.faults + 1):
             spec = kinds[(n - 1) % len(kinds)]
             rec: dict = {"n": n, "fault": spec}
@@ -482,32 +515,47 @@ def main() -> int:
             st, _ = dep.wait(lambda s: failover_after(s, n_fo), 120, "the failover record")
             fo = (get(st, "failovers") or [])[0]
             rec["failover"] = {k: get(fo, k) for k in ("cause", "ok", "duration_seconds", "resumed_requests")}
+            detect = int(get(fo, "unix_nanos", default=0) or 0) / 1e9 or None
+            rec["fault_to_detect_s"] = round(detect - inj["t_fault"], 4) if detect else None
             rec["cases"] = {}
             for c in cs:
                 r = got[c["id"]]
-                rec["cases"][c["id"]] = {**compare(c, ref[c["id"]], r, unstable.get(c["id"], [])),
-                                         "in_flight_at_fault": r.get("in_flight_at_fault"),
+                cl = classify_case(c, r, inj.get("t_fault"), detect)
+                v = compare(c, ref[c["id"]], r, unstable.get(c["id"], []))
+                rec["cases"][c["id"]] = {**v, "in_flight_at_fault": cl["in_flight"], "phase": cl["phase"],
+                                         "max_abs_dlogprob": v.get("max_logprob_diff"),
                                          "seconds": r["seconds"], "chunks": r["chunks"],
                                          "first_chunks_s": r["chunk_s"]}
-            rec["inexact_results"] = {k: got[k] for k, v in rec["cases"].items() if not v["exact"]}
-            ex = sum(1 for v in rec["cases"].values() if v["exact"])
-            fl = sum(1 for v in rec["cases"].values() if v["in_flight_at_fault"])
+            rec["inexact_results"] = {k: got[k] for k, v in rec["cases"].items() if v["verdict"] in ("inexact", "failed")}
+            rec["stream_count"] = proofcount.tally(
+                [{"in_flight": v["in_flight_at_fault"], **v} for v in rec["cases"].values()])
+            rec["headline"] = proofcount.headline(rec["stream_count"])
             print(f"fault {n} {spec}: in_mps={rec['active_in_mps_before']} failover={rec['failover']} "
-                  f"exact {ex}/{len(cs)}, in flight at the fault {fl}/{len(cs)}", flush=True)
+                  f"{rec['headline']}", flush=True)
             for cid, v in rec["cases"].items():
-                if not v["exact"] or not v["in_flight_at_fault"]:
-                    print(f"  {cid}: exact={v['exact']} in_flight={v['in_flight_at_fault']} {v['diffs']}", flush=True)
+                if v["verdict"] != "exact" or not v["in_flight_at_fault"]:
+                    print(f"  {cid}: {v['verdict']} in_flight={v['in_flight_at_fault']} phase={v['phase']} {v['diffs']}",
+                          flush=True)
             save()
     except Exception as ex:  # keep what was measured
         report["error"] = f"{type(ex).__name__}: {ex}"
         print("error:", report["error"], flush=True)
     finally:
         dep.stop()
+        report["stream_count"] = proofcount.tally(
+            [{"in_flight": v["in_flight_at_fault"], **v} for f in report["faults"] for v in (f.get("cases") or {}).values()])
+        report["headline"] = proofcount.headline(report["stream_count"])
         save()
     print(table(report))
-    ok = not report.get("error") and report["faults"] and all(
-        v["exact"] for f in report["faults"] for v in f.get("cases", {}).values())
-    return 0 if ok else 1
+    print(report["headline"] + ("" if args.controls else " [controls OFF]"), flush=True)
+    return 0 if passed(report) else 1
+
+
+def passed(report: dict) -> bool:
+    """No error, at least one fault, every compared case exact and every unseeded one completed."""
+    return bool(not report.get("error") and report["faults"] and all(
+        v.get("verdict", "exact" if v["exact"] else "inexact") in ("exact", "completed")
+        for f in report["faults"] for v in f.get("cases", {}).values()))
 
 
 def table(report: dict) -> str:
@@ -522,7 +570,9 @@ def table(report: dict) -> str:
             if v is None:
                 cells.append("–")
                 continue
-            s = "exact" if v["exact"] else "**differs**"
+            verdict = v.get("verdict", "exact" if v["exact"] else "inexact")
+            s = {"exact": "exact", "completed": "completed (unseeded)", "failed": "**failed** (unseeded)"}.get(
+                verdict, "**differs**")
             if v.get("parse") is not None or "parsed_equal" in v:
                 s += ", parsed equal" if v.get("parsed_equal") else (", not parsed" if not v.get("parsed") else ", parsed differs")
             if not v["in_flight_at_fault"]:

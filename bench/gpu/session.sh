@@ -42,6 +42,12 @@
 #                                      each compared with its no-fault result (default timeout 900 s)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1;
+#                                      env:CONTROLS=off|on|<cases>: the proofs' negative controls (failback, soak,
+#                                      tp, openai-faults, bench correctness): before the real run at each model, one
+#                                      short deployment per case with FRMPS_TEST_TAKEOVER_FAULT=<case> and one fault;
+#                                      the proof stops with an error when one compares exact (default on; off is for
+#                                      debugging and the results say so); env:CONTROL_S=<s>: the seconds the stages'
+#                                      default timeouts add for them (default 900);
 #                                      env:FAILBACK_DRILLS=2: the failback/soak stages first run that many admin
 #                                      failover drills, no GPU fault, each with its failback: failback_proof --drills;
 #                                      env:FAILBACK_SERVE_FLAGS=--prime-fault-path: more `frmps serve` flags for them,
@@ -65,6 +71,8 @@ set -u
 OUT=${OUT:-bench/build/session}
 VLSITE=${VLSITE:-}
 WORK=${WORK:-/tmp/frmps-session}
+CONTROLS=${CONTROLS:-on}
+CONTROL_S=${CONTROL_S:-900}
 RESULTS=${RESULTS:-$OUT/bench-results}
 mkdir -p "$OUT" "$WORK"
 S=$OUT/summary.txt
@@ -96,6 +104,8 @@ bounded() {
     wait "$pid"
 }
 export PYTHONUNBUFFERED=1
+
+ctl_s() { [ "$CONTROLS" = off ] && echo 0 || echo "$CONTROL_S"; }  # the controls' share of a stage's default timeout
 
 nblocks() { case "$1" in *0.5b|*1.5b|*3b) echo 2048 ;; *7b) echo 2048 ;; *14b) echo 1536 ;; *) echo 1024 ;; esac; }
 
@@ -154,7 +164,7 @@ model_dir() {  # writes the preset's directory once, prints it
 }
 
 stage_failback() {  # engine model n budget [timeout [soak|frontend]]
-    local engine=$1 model=$2 n=$3 budget=$4 limit=${5:-$(($4 + 330))} m=$2 extra=() soak=()
+    local engine=$1 model=$2 n=$3 budget=$4 limit=${5:-$(($4 + 330 + $(ctl_s)))} m=$2 extra=() soak=()
     if [ "${6:-}" = frontend ]; then
         soak=(--serve-arg=--frontend=vllm)
     fi
@@ -178,9 +188,10 @@ stage_failback() {  # engine model n budget [timeout [soak|frontend]]
     log "$engine-failback $model: $n faults, budget ${budget}s"
     bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine "$engine" --model "$m" \
         --faults "$n" --drills "${FAILBACK_DRILLS:-0}" --time-budget "$budget" --workdir "$WORK/$engine-$model" \
-        --out "$OUT/$engine-$model.json" "${extra[@]}" "${soak[@]}" > "$WORK/$engine-$model.out" 2>&1
+        --controls "$CONTROLS" --out "$OUT/$engine-$model.json" "${extra[@]}" "${soak[@]}" > "$WORK/$engine-$model.out" 2>&1
     log "$engine-failback $model: rc=$?"
     tail -n 25 "$WORK/$engine-$model.out" >> "$S"
+    grep -E "^control |streams in flight at a fault" "$WORK/$engine-$model.out" >> "$S"
 }
 
 wait_http() {  # port seconds pid: until GET /v1/models answers; fails at once when pid has exited
@@ -238,13 +249,14 @@ stage_matrix() {  # model [timeout]
 
 stage_openai_faults() {  # model n [timeout]
     vllm_env
-    local model=$1 n=$2 limit=${3:-900} m
+    local model=$1 n=$2 limit=${3:-$((900 + $(ctl_s)))} m
     m=$(model_dir "$model") || { log "openai-faults $model: model-dir failed"; return; }
     rm -rf "$WORK/openai-faults-$model"
     log "openai-faults $model: $n faults"
     bounded "$limit" python3 bench/gpu/openai_fault_proof.py --frmps bin/frmps --python python3 --model "$m" \
         --served-model-name "$model" --faults "$n" --num-blocks "$(nblocks "$model")" --max-model-len 4096 \
-        --workdir "$WORK/openai-faults-$model" --out "$OUT/openai-faults-$model.json" > "$WORK/openai-faults-$model.out" 2>&1
+        --workdir "$WORK/openai-faults-$model" --controls "$CONTROLS" --out "$OUT/openai-faults-$model.json" \
+        > "$WORK/openai-faults-$model.out" 2>&1
     log "openai-faults $model: rc=$?"
     tail -n 30 "$WORK/openai-faults-$model.out" >> "$S"
 }
@@ -258,26 +270,26 @@ two_gpus() {  # what: fails (and logs why) on a machine with fewer than two GPUs
 }
 
 stage_ref_tp() {  # model n budget [timeout]
-    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330))}
+    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330 + $(ctl_s)))}
     two_gpus "ref-tp $model" || return
     rm -rf "$WORK/ref-tp-$model"
     log "ref-tp $model: TP=2, $n faults, budget ${budget}s"
     bounded "$limit" python3 bench/gpu/tp_proof.py --frmps bin/frmps --model "$model" --tensor-parallel-size 2 \
-        --faults "$n" --time-budget "$budget" --workdir "$WORK/ref-tp-$model" --out "$OUT/ref-tp-$model.json" \
+        --faults "$n" --time-budget "$budget" --workdir "$WORK/ref-tp-$model" --out "$OUT/ref-tp-$model.json" --controls "$CONTROLS" \
         --engine-arg=--max-num-seqs=8 --num-blocks "$(nblocks "$model")" > "$WORK/ref-tp-$model.out" 2>&1
     log "ref-tp $model: rc=$?"
     tail -n 25 "$WORK/ref-tp-$model.out" >> "$S"
 }
 
 stage_vllm_tp() {  # model n budget [timeout]: vLLM with --tensor-parallel-size 2
-    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 600))} m
+    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 600 + $(ctl_s)))} m
     two_gpus "vllm-tp-failback $model" || return
     vllm_env
     m=$(model_dir "$model") || { log "vllm-tp-failback $model: model-dir failed"; return; }
     rm -rf "$WORK/vllm-tp2-$model"
     log "vllm-tp-failback $model: TP=2, $n faults, budget ${budget}s"
     bounded "$limit" python3 bench/gpu/tp_proof.py --engine vllm --frmps bin/frmps --model "$m" --tensor-parallel-size 2 \
-        --faults "$n" --time-budget "$budget" --workdir "$WORK/vllm-tp2-$model" --out "$OUT/vllm-tp2-$model.json" \
+        --faults "$n" --time-budget "$budget" --workdir "$WORK/vllm-tp2-$model" --out "$OUT/vllm-tp2-$model.json" --controls "$CONTROLS" \
         --engine-arg=--max-num-seqs=16 --num-blocks "$(nblocks "$model")" --max-model-len 4096 \
         > "$WORK/vllm-tp2-$model.out" 2>&1
     log "vllm-tp-failback $model: rc=$?"
@@ -292,6 +304,7 @@ stage_bench() {  # engine experiment models [budget [flags]]
         recovery|sync-overhead|standby-memory) sel=(--models "$models") ;;
         *) sel=(--model "$models") ;;
     esac
+    [ "$exp" = correctness ] && more+=(--controls "$CONTROLS")  # the K sweep's negative controls, first
     case "$engine" in
         ref+vllm) eng=(--engines ref,vllm) ;;  # sync-overhead: both engines in one run
         *) eng=(--engine "$engine") ;;

@@ -38,8 +38,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failback_proof import (  # noqa: E402  (same folder, standard library only)
-    FAKE_MPS, FAULTS, Load, bodies, engines, first_resumed, gaps_after, grep_all, max_gap_in, no_fault_run,
-    restored, started)
+    FAKE_MPS, FAULTS, Load, add_count_args, apply_prefill_chunk, bodies, burst_bodies, engines, events_of,
+    first_resumed, gaps_after, grep_all, max_gap_in, no_fault_run, restored, run_controls, started, stream_report)
 from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
 
 from frmps_engine.bench.procs import alive, live_children  # noqa: E402  (standard library only)
@@ -140,7 +140,9 @@ def main() -> int:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="environment of frmps and its engines (e.g. NCCL_DEBUG=INFO)")
     ap.add_argument("--cpu", action="store_true", help="CPU check of this script: MPS test double, SIGKILL of a rank")
+    add_count_args(ap)
     args = ap.parse_args()
+    apply_prefill_chunk(args)
     args.port, args.mps_control = 0, ""
     args.serve_arg = [*args.serve_arg, f"--tensor-parallel-size={args.tensor_parallel_size}"]
     args.env = dict(kv.split("=", 1) for kv in args.env)
@@ -168,6 +170,11 @@ def main() -> int:
             rec.update(gpu_memory(pids))
         report["standby_memory"].append(rec)
 
+    report.update(burst=args.burst, prefill_chunk=args.prefill_chunk)
+    if not run_controls(args, report, save, [k for k in args.fault_kinds.split(",") if k][0]):
+        save()
+        print(f"error: {report['error']}", flush=True)
+        return 1
     dep = Deployment(args, f"{args.engine}-tp{n_ranks}-{os.path.basename(os.path.normpath(args.model))}", args.workdir)
     load = None
     try:
@@ -189,12 +196,12 @@ def main() -> int:
             print(f"placement digests per rank: {a} (active), equal in the standby: {bool(a) and a == b}", flush=True)
         save()
 
-        reqs = bodies(args.streams, args.max_tokens)
+        reqs = bodies(args.streams, args.max_tokens) + burst_bodies(args.burst, args.max_tokens, args.prefill_chunk)
         ref, report["reference"] = no_fault_run(dep, args.model, reqs)
         if report["reference"]["errors"]:
             raise RuntimeError(f"the no-fault run failed: {report['reference']['errors'][:3]}")
         save()
-        load = Load(dep, args.model, reqs, ref)
+        load = Load(dep, args.model, reqs, ref, n_loop=args.streams)
         load.start()
         kinds = [k for k in args.fault_kinds.split(",") if k]
         t_faults, last_fault = now(), 0.0
@@ -220,6 +227,8 @@ def main() -> int:
                 prepare, inject = mps_trigger(args, spec, gpu=gpu)(dep, act)
             prepare()
             load.wait_all_streaming(5)  # the fault lands mid-stream for every stream
+            if load.burst():  # and requests still queued or in their chunked prefill
+                time.sleep(args.burst_lead)
             if args.cpu:
                 t_fault = now()
                 os.kill(victim, signal.SIGKILL)
@@ -235,9 +244,14 @@ def main() -> int:
             rec["failover"] = {k: get(fo, k) for k in ("cause", "detail", "ok", "duration_seconds", "resumed_requests",
                                                        "reused_tokens", "prefilled_tokens", "first_token_seconds")}
             rec["fault_to_detect_s"] = round(detect - t_fault, 4)
+            rec["t_fault"], rec["t_detect"] = t_fault, detect  # the event windows of the stream count
             rec["old_ranks_left"] = [p for p in rec["active_ranks"] if alive(p)]
             st, t_restored = dep.wait(lambda s: restored(s, n), 300, f"failback after fault {n}")
             rec["restored_s_after_detect"] = round(t_restored - detect, 3)
+            fb = get(st, "failback") or {}
+            fb_done = int(get(fb, "last_unix_nanos", default=0) or 0) / 1e9
+            if fb_done:
+                rec["t_handover"] = [fb_done - float(get(fb, "last_duration_seconds", default=0) or 0), fb_done]
             fr = first_resumed(get(sb, "log_path"), detect)  # the group the failover promoted
             rec["detect_to_first_resumed_token_s"] = round(fr - detect, 4) if fr else None
             rec["old_ranks_left_after_restore"] = [p for p in rec["active_ranks"] if alive(p)]
@@ -259,12 +273,9 @@ def main() -> int:
     finally:
         if load is not None:
             load.finish(120)
-            done = list(load.done)
-            report["streams_total"] = len(done)
-            report["streams_exact"] = sum(1 for d in done if d["exact"] and not d["error"])
-            report["streams_errors"] = [d for d in done if d["error"]][:10]
-            report["streams_inexact"] = [{k: d.get(k) for k in ("i", "tokens", "first_diff", "finish")} for d in done
-                                         if not d["exact"] and not d["error"]][:10]
+            h = stream_report(report, list(load.done), events_of(report["faults"]),
+                              (report.get("reference") or {}).get("prompt_tokens") or [], args.prefill_chunk)
+            print(h + ("" if args.controls else " [controls OFF]"), flush=True)
         dep.stop()
         fos = [f["failover"] for f in report["faults"] if "failover" in f]
         report["takeovers_ok"] = sum(1 for f in fos if f.get("ok"))
@@ -272,7 +283,7 @@ def main() -> int:
         report["ranks_left"] = sorted({p for f in report["faults"] for p in f.get("old_ranks_left_after_restore", [])})
         save()
     summary = {k: report.get(k) for k in ("startup_s", "takeovers", "takeovers_ok", "streams_total", "streams_exact",
-                                          "ranks_left", "error", "elapsed_s")}
+                                          "headline", "controls_mode", "ranks_left", "error", "elapsed_s")}
     print(json.dumps(summary, default=str), flush=True)
     ok = (not report.get("error") and report["takeovers"] == report["takeovers_ok"] > 0
           and report.get("streams_exact") == report.get("streams_total") and not report["ranks_left"])

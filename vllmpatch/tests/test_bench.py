@@ -34,7 +34,8 @@ CPU_RUNS = {
     "sync-overhead": [],
     "outage": ["--duration", "2.5", "--fault-at", "1.2", "--systems", "frmps,sleep-only"],
     "standby-memory": ["--settle-s", "0.2"],
-    "correctness": ["--ks", "4", "--tail-tokens", "12"],
+    # --controls off: the negative controls need the engines' FRMPS_TEST_TAKEOVER_FAULT switch
+    "correctness": ["--ks", "4", "--tail-tokens", "12", "--controls", "off"],
 }
 
 

@@ -13,6 +13,8 @@ _spec = importlib.util.spec_from_file_location("openai_fault_proof", os.path.joi
 proof = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(proof)
 
+from frmps_engine.bench import proofcount  # noqa: E402
+
 
 def chat_case(**kw):
     return {"id": "c", "api": "chat", "stream": True, "body": {}, **kw}
@@ -94,13 +96,26 @@ def test_fields_that_differ_without_a_fault_are_reported_not_judged():
     assert not proof.compare(case, a, c, skip)["exact"]  # the text is still judged
 
 
-def test_unseeded_cases_are_checked_complete_not_compared():
+def test_unseeded_cases_are_completed_never_exact():
     case = {"id": "u", "api": "cmpl", "stream": True, "unseeded": True, "body": {}}
     ref = {"choices": {"0": {"finish": "length"}, "1": {"finish": "length"}}, "usage": None, "error": None}
-    assert proof.compare(case, ref, {"choices": {"0": {"finish": "length"}, "1": {"finish": "length", "text": "other"}},
-                                     "usage": None, "error": None})["exact"]
-    assert not proof.compare(case, ref, {"choices": {"0": {"finish": "length"}, "1": {"finish": None}},
-                                         "usage": None, "error": None})["exact"]
+    done = proof.compare(case, ref, {"choices": {"0": {"finish": "length"}, "1": {"finish": "length", "text": "other"}},
+                                     "usage": None, "error": None})
+    assert done["verdict"] == "completed" and not done["exact"]
+    # even a run equal to the reference is only completed: there is nothing to compare an unseeded sample with
+    assert proof.compare(case, ref, ref)["verdict"] == "completed" and not proof.compare(case, ref, ref)["exact"]
+    v = proof.compare(case, ref, {"choices": {"0": {"finish": "length"}, "1": {"finish": None}}, "usage": None, "error": None})
+    assert v["verdict"] == "failed" and not v["exact"]
+    assert proof.compare(case, ref, {"choices": {}, "usage": None, "error": "APIError: x"})["verdict"] == "failed"
+    # counted apart in the headline, and a completed unseeded case does not fail the proof
+    rep = {"faults": [{"cases": {"u": dict(done, in_flight_at_fault=True, phase="decoding"),
+                                 "s": {"exact": True, "verdict": "exact", "in_flight_at_fault": True, "phase": "decoding"}}}]}
+    assert proof.passed(rep)
+    t = proofcount.tally([{"in_flight": v["in_flight_at_fault"], **v} for v in rep["faults"][0]["cases"].values()])
+    assert proofcount.headline(t).startswith("1/1 streams in flight at a fault or handover exact (0 margin-bounded, "
+                                             "0 inexact); 1 completed unseeded; plus 0 not in flight")
+    rep["faults"][0]["cases"]["u"]["verdict"] = "failed"
+    assert not proof.passed(rep)
 
 
 def test_every_case_is_long_and_the_cpu_check_leaves_out_what_needs_real_logits():

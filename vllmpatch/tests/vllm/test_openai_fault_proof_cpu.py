@@ -33,6 +33,8 @@ def test_openai_fault_proof_cpu_check(tmp_path):
     p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "openai_fault_proof.py"), "--cpu", "--frmps", frmps_bin(),
                         "--python", sys.executable, "--model", model, "--served-model-name", "tiny", "--max-tokens", "250",
                         "--max-model-len", "1024", "--num-blocks", "512", "--faults", "1", "--workdir", str(tmp_path / "w"),
+                        # the test engines (frmps_engine.vllm.testing) have no FRMPS_TEST_TAKEOVER_FAULT switch
+                        "--controls", "off",
                         "--out", str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=str(REPO))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads(out.read_text())
@@ -41,7 +43,11 @@ def test_openai_fault_proof_cpu_check(tmp_path):
     assert f["active_in_mps_before"] and f["failover"]["ok"], f
     assert len(f["cases"]) == 11  # the cases that do not need a real model's logits
     for cid, v in f["cases"].items():
-        assert v["exact"] and v["in_flight_at_fault"], (cid, v)
+        assert v["in_flight_at_fault"], (cid, v)
+        # the unseeded case is only checked complete, every other one equals its no-fault result
+        assert v["verdict"] == ("completed" if cid == "cmpl-n2-stream-unseeded" else "exact"), (cid, v)
+    assert rep["controls_mode"] == "off"
+    assert rep["headline"].startswith("10/10 streams in flight at a fault or handover exact"), rep["headline"]
     # The stops chosen from a no-fault answer, past its middle: the runs end there.
     for cid in ("cmpl-token-ids-prompt-stop-ids", "chat-stop-seeded-stream"):
         assert rep["prepared"][cid] is not None, rep["prepared"]

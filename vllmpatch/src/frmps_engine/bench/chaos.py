@@ -37,6 +37,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
+from . import proofcount
 from .envinfo import git_commit, repo_root
 from .procs import children_of, free_port, tail
 
@@ -91,6 +92,7 @@ class Outcome:
     error_code: str | None = None
     error: str | None = None  # refused, in-stream error, or transport error
     transport: bool = False  # the connection failed (no HTTP answer)
+    token_times: list[float] = field(default_factory=list)  # a stream's first and latest token (monotonic)
 
 
 def send(base: str, req: Request, timeout: float = 120.0) -> Outcome:
@@ -148,6 +150,9 @@ def _read_events(resp, o: Outcome) -> None:
         for ch in ev.get("choices") or []:
             o.text += _choice_text(ch)
             o.token_ids += ch.get("token_ids") or []
+            if ch.get("token_ids"):
+                t = time.monotonic()
+                o.token_times = [o.token_times[0] if o.token_times else t, t]
             o.finish = ch.get("finish_reason") or o.finish
         if ev.get("usage"):
             o.completion_tokens = ev["usage"]["completion_tokens"]
@@ -482,12 +487,16 @@ def _newest_seq(st: dict) -> int:
     return int(fos[0]["seq"]) if fos else 0
 
 
-def kill_active(serve: Serve) -> None:
-    """SIGKILL the active with a standby ready; returns once a fresh standby is ready."""
+def kill_active(serve: Serve) -> tuple[float, float]:
+    """SIGKILL the active with a standby ready; returns once a fresh standby is ready.
+    Returns the fault's window (monotonic): the kill, the failover record's first sight."""
     st = serve.wait_state("serving_ready")
     seq, pid = _newest_seq(st), serve.engine_pid("active", st)
+    marks: dict = {}
+    t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    _await_failover(serve, seq, pid, "SIGKILL")
+    _await_failover(serve, seq, pid, "SIGKILL", marks)
+    return t_kill, marks.get("seen", time.monotonic())
 
 
 def hang_active(serve: Serve) -> str:
@@ -505,15 +514,17 @@ def hang_active(serve: Serve) -> str:
     return rec.get("cause", "")
 
 
-def _await_failover(serve: Serve, seq: int, pid: int, what: str) -> dict:
+def _await_failover(serve: Serve, seq: int, pid: int, what: str, marks: dict | None = None) -> dict:
     """Waits for the failover record after seq, then for a fresh standby and the
-    dead engine reaped."""
+    dead engine reaped. marks["seen"]: when the record was first seen (monotonic)."""
     def done():
         # The record appears at detection with the cause "pending"; the cause is
         # classified later (the engine reaped, its stderr read).
         st = serve.status()
         if _newest_seq(st) <= seq:
             return None
+        if marks is not None:
+            marks.setdefault("seen", time.monotonic())
         rec = serve.failovers(st)[0]
         return rec if rec.get("cause") != "pending" else None
 
@@ -609,6 +620,23 @@ def check(outcomes: list[Outcome], requests: list[Request], reference: dict[int,
     return problems
 
 
+def count(outcomes: list[Outcome], requests: list[Request], reference: dict[int, Outcome],
+          kills: list[tuple[float, float]]) -> dict:
+    """The proofs' stream count (proofcount) over the outcomes: in flight at a kill
+    (from the SIGKILL to the failover record's first sight) or not, the phase where
+    the request streamed (else "unknown"), the verdict against its no-fault output."""
+    events = [(f"kill {n}", a, b) for n, (a, b) in enumerate(kills, 1)]
+    streams = []
+    for o in outcomes:
+        c = proofcount.classify(o.t_start, o.token_times, o.t_end, events, failed=not o.ok,
+                                streamed=requests[o.index].stream)
+        v = proofcount.verdict(reference[o.index].token_ids, o.token_ids, error=None if o.ok else (o.error or "failed"))
+        if v == "exact" and (o.text != reference[o.index].text or o.finish != reference[o.index].finish):
+            v = "inexact"
+        streams.append({**c, "verdict": v})
+    return proofcount.tally(streams)
+
+
 def summarize(outcomes: list[Outcome]) -> dict:
     return {"requests": len(outcomes), "completed": sum(o.ok for o in outcomes),
             "streams_completed": sum(o.ok and o.done for o in outcomes),
@@ -640,9 +668,10 @@ def soak(args: argparse.Namespace) -> int:
         base = baseline(serve)
         samples.append(base)
         print(f"baseline: {base}", flush=True)
+        kills: list[tuple[float, float]] = []
         with Clients(lambda: serve.base, requests, args.streams) as clients:
             for k in range(1, args.kills + 1):
-                kill_active(serve)
+                kills.append(kill_active(serve))
                 if k % args.sample_every == 0 or k == args.kills:
                     s = sample(serve, kills=k)
                     s.idle = False
@@ -655,6 +684,7 @@ def soak(args: argparse.Namespace) -> int:
         samples.append(final)
         problems = check(clients.outcomes, requests, reference, [])
         summary = summarize(clients.outcomes)
+        counted = count(clients.outcomes, requests, reference, kills)
         fos = serve.failovers()
         rc = serve.stop()
         leftovers = [p for p in (serve.run_dir,) if os.path.exists(p) and os.listdir(p)]
@@ -662,13 +692,14 @@ def soak(args: argparse.Namespace) -> int:
         leftovers += [f"record {r}" for r in serve.records()]
         result = {"kills": args.kills, "streams": args.streams, "sync_every": args.sync_every,
                   "step_delay_ms": args.step_delay_ms, "wall_seconds": round(time.monotonic() - t_begin, 1),
-                  "outcomes": summary, "problems": problems[:50], "problem_count": len(problems),
+                  "outcomes": summary, "stream_count": counted, "headline": proofcount.headline(counted),
+                  "problems": problems[:50], "problem_count": len(problems),
                   "not_back_to_baseline": diff, "leftovers_after_stop": leftovers, "exit_code": rc,
                   "last_failover": fos[0] if fos else None, "env": _env(args)}
         _write_soak(out, result, samples)
         ok = not problems and not diff and not leftovers and rc == 0 and summary["completed"] == summary["requests"]
-        print(json.dumps({k: result[k] for k in ("wall_seconds", "outcomes", "problem_count", "not_back_to_baseline",
-                                                  "leftovers_after_stop", "exit_code")}, indent=1))
+        print(json.dumps({k: result[k] for k in ("wall_seconds", "outcomes", "headline", "problem_count",
+                                                  "not_back_to_baseline", "leftovers_after_stop", "exit_code")}, indent=1))
         return 0 if ok else 1
     finally:
         if serve.proc is not None:

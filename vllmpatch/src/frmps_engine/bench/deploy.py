@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field as dc_field
 
-from . import loglines
+from . import loglines, proofcount
 from .mps import stop_daemon
 from .procs import Cleanup, die_with_parent, field, free_port, http_json, kill_group, now, stop_group, tail
 from .runctx import TrialError
@@ -453,7 +453,11 @@ def frmps_trial(dep: Deployment, trigger: Trigger, body: dict, kill_after: int, 
         # Decode step as the client sees it (batch of these streams), before and after the takeover.
         res["step_before_s"] = med(gaps(before[1:]))
         res["step_after_s"] = med(gaps(after[1:]))
-        res["streams"] = [{"tokens": s.n_tokens, "finish": s.finish, "error": s.error} for s in streams]
+        # Each stream at the fault (proofcount: in flight from the injection to the detected death, its phase).
+        ev = [("fault", min(t_fault, detect), max(t_fault, detect))] if detect else []
+        res["streams"] = [{"tokens": s.n_tokens, "finish": s.finish, "error": s.error,
+                           **proofcount.classify(s.t_start, [t for t, _ in s.chunks], s.t_end, ev, failed=bool(s.error))}
+                          for s in streams]
         res["token_ids"] = main.token_ids()
         res["extra_token_ids"] = [s.token_ids() for s in streams[1:]]
         log = field(old_standby, "log_path")

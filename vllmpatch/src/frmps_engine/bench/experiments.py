@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import os
 import random
 import threading
 import time
 from typing import Callable
 
-from . import loglines
+from . import loglines, proofcount
 from .baselines import (BaselineRig, EngineProc, checkpoint_files, drop_page_cache, engine_supports, ensure_checkpoint,
                         page_cache_fraction)
 from .deploy import (Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, Trigger, completion_body,
@@ -956,6 +957,12 @@ class Correctness(Experiment):
         p.add_argument("--batch-invariant", action="store_true",
                        help="--engine vllm: run the engines with vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1; "
                             "the reference engine's exact mode is its own)")
+        p.add_argument("--controls", type=proofcount.controls_arg, default="on",
+                       help="negative controls before the sweep: on (every case: "
+                            f"{', '.join(proofcount.CONTROL_CASES)}), off (debugging only; recorded), or a comma list. "
+                            "Each case: a deployment whose engines run with FRMPS_TEST_MODE=1 "
+                            "FRMPS_TEST_TAKEOVER_FAULT=<case>, one trial at the middle K; when one compares equal, "
+                            "every point of the sweep fails with 'control <case> passed unnoticed'")
 
     def defaults(self, a):
         if not a.ks:
@@ -980,12 +987,59 @@ class Correctness(Experiment):
         eargs = ["--exact"] if exact else []
         env = {"VLLM_BATCH_INVARIANT": "1"} if a.batch_invariant else {}
         mml = max(a.max_model_len, -(-(a.prompt_len + max(int_list(a.ks)) + a.tail_tokens + 16) // 256) * 256)
+        err = self._controls(ctx, model, eargs, mml, env, exact)
+        if err:
+            ctx.fail_points(keys, err)
+            return
         with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml, env=env), "correct") as deps:
             for key in keys:
                 ctx.run_point(key, lambda key=key: frmps_point(
                                   ctx, deps, lambda dep, trig: self._measure(ctx, dep, trig, model, key, exact)),
                               10 + deps.estimate_next() + 0.02 * key["k"],
                               lambda d: f"equal {d.get('equal')}/{d.get('requests')} (exact mode: {d.get('exact_mode')})")
+
+    def _controls(self, ctx, model, eargs, mml, env, exact) -> str | None:
+        """--controls: one trial per case on a deployment of its own; their records in
+        <out>/correctness-controls.json. Returns the error that fails the sweep (a case
+        not detected, or one that could not run), else None."""
+        a = ctx.args
+        cases = a.controls
+        out: dict = {"model": model, "controls_mode": ",".join(cases) if cases else "off", "controls": []}
+        path = os.path.join(ctx.out_dir, "correctness-controls.json")
+        if not cases:
+            ctx.log("controls: OFF (--controls off): the sweep is not backed by negative controls")
+        ks = int_list(a.ks)
+        k = sorted(ks)[len(ks) // 2]
+        for case in cases:
+            res, err = None, None
+            try:
+                with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml,
+                                                 env={**env, **proofcount.control_env(case)}), f"control-{case}") as deps:
+                    res = frmps_point(ctx, deps, lambda dep, trig: self._measure(
+                        ctx, dep, trig, model, {"k": k, "trial": 0}, exact))
+            except Exception as e:  # noqa: BLE001  (recorded: the sweep then fails)
+                err = f"{type(e).__name__}: {e}"[:500]
+                res = getattr(e, "partial", None)
+            rec = ((res or {}).get("failover") or {}).get("record") or None  # the failover the fault caused
+            fired = bool(rec or (res or {}).get("inject"))
+            r = proofcount.control_result(case, (res or {}).get("stream_verdicts") or [], rec.get("ok") if rec else None,
+                                          err if fired else None)
+            r.update(k=k, equal=(res or {}).get("equal"))
+            if not fired:
+                r["not_run"] = err or "the fault did not fire"
+            out["controls"].append(r)
+            ctx.log(f"control {case}: detected={r['detected']} ({r['how'] or 'both streams equal'})")
+        os.makedirs(ctx.out_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        not_run = [r for r in out["controls"] if r.get("not_run")]
+        if not_run:
+            return "; ".join(f"control {r['case']} did not run: {r['not_run']}" for r in not_run)
+        try:
+            proofcount.check_controls(out["controls"])
+        except proofcount.ControlPassedUnnoticed as e:
+            return f"ControlPassedUnnoticed: {e}"
+        return None
 
     def _measure(self, ctx, dep, trig, model, key, exact) -> dict:
         a = ctx.args
@@ -1006,8 +1060,14 @@ class Correctness(Experiment):
         ref_ids = [s.token_ids() for s in ref]
         r = frmps_trial(dep, trig, greedy, k, wait_rearm=False, extra_streams=[seeded], timeout=a.trial_timeout)
         got = [r.pop("token_ids"), *r.pop("extra_token_ids")]
+        # Per stream: in flight at the fault (frmps_trial's classification), its verdict (proofcount).
+        sv = [{**c, "verdict": proofcount.verdict(x, y, error=c.get("error"))}
+              for c, x, y in zip(r.get("streams") or [], ref_ids, got)]
+        t = proofcount.tally(sv)
         out = {"k": k, "tokens_at_fire": r.get("tokens_at_fire"), "requests": 2,
-               "equal": sum(1 for x, y in zip(ref_ids, got) if x == y),
+               "stream_verdicts": sv, "stream_count": t, "headline": proofcount.headline(t),
+               "controls_mode": ",".join(a.controls) if a.controls else "off",
+               "equal": sum(1 for v in sv if v["verdict"] == "exact"),
                "greedy_equal": ref_ids[0] == got[0], "seeded_equal": ref_ids[1] == got[1],
                "first_diff": [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
                               if x != y else None for x, y in zip(ref_ids, got)],
