@@ -742,7 +742,20 @@ def main() -> int:
         save()
     print(json.dumps({k: report.get(k) for k in ("startup_s", "streams_total", "streams_exact", "headline", "controls_mode",
                                                    "error", "elapsed_s", "pool_checksums")}, default=str), flush=True)
-    return 0 if not report.get("error") else 1
+    return proof_status(report)
+
+
+def proof_status(report: dict) -> int:
+    """1 when the proof failed: an error, a stream in flight at a fault that is
+    inexact or failed, or a stream not in flight that is not exact (a no-fault
+    stream that differs is a broken comparison or a broken engine)."""
+    if report.get("error"):
+        return 1
+    t = report.get("stream_count") or {}
+    f = t.get("in_flight") or {}
+    if f.get("inexact") or f.get("failed") or t.get("not_in_flight_not_exact"):
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -207,3 +207,18 @@ def test_chaos_soak_counts_only_the_requests_in_flight_at_a_kill():
     # equal token ids with another text is not exact
     t = chaos.count([out(1, 9.0, 12.0, text="abd")], reqs, ref, kills)
     assert t["in_flight"]["inexact"] == 1
+
+
+def test_failback_proof_fails_when_a_stream_in_flight_is_not_exact():
+    fb = _load("failback_proof")
+    ok = {"stream_count": pc.tally([{"in_flight": True, "phase": "decoding", "verdict": "exact"},
+                                    {"in_flight": False, "verdict": "exact"}])}
+    assert fb.proof_status(ok) == 0
+    for bad in ({"in_flight": True, "phase": "decoding", "verdict": "inexact"},
+                {"in_flight": True, "phase": "decoding", "verdict": "failed"},
+                {"in_flight": False, "verdict": "inexact"}):
+        assert fb.proof_status({"stream_count": pc.tally([{"in_flight": True, "verdict": "exact"}, bad])}) == 1
+    assert fb.proof_status({**ok, "error": "boom"}) == 1
+    # margin-bounded streams are reported, not failed (bench/README.md: what exact means)
+    mb = {"stream_count": pc.tally([{"in_flight": True, "phase": "decoding", "verdict": "margin-bounded"}])}
+    assert fb.proof_status(mb) == 0
