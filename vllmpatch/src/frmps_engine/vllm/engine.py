@@ -320,9 +320,9 @@ class VllmCore:
         (not with tensor parallelism: the runner is in other processes, each with a
         shard); sampler-offset needs the V2 model runner's stateless sampler."""
         runner = _runner_of(self.core)
-        if any(c != "sampler-offset" for c in cases) and runner is None:
-            raise ValueError("the KV-content negative controls need vLLM's model runner in this process "
-                             "(one GPU, the in-process executor)")
+        if any(c != "sampler-offset" for c in cases) and not getattr(runner, "kv_caches", None):
+            raise ValueError("the KV-content negative controls need vLLM's model runner and its KV caches in this "
+                             "process (one GPU, the in-process executor; the CPU stand-in keeps no KV)")
         if "sampler-offset" in cases and not (hasattr(getattr(runner, "sampler", None), "sample")
                                               and hasattr(getattr(runner, "req_states", None), "req_id_to_index")):
             raise ValueError("sampler-offset needs vLLM's V2 model runner (its sampler draws from (seed, position)) "
