@@ -167,14 +167,15 @@ def control_env(case: str | None) -> dict[str, str]:
 
 
 def applied_controls(log_text: str) -> list[tuple[str, int]]:
-    """(case, request key) of every control the engines' log says they applied."""
-    return [(m.group(1), int(m.group(2))) for m in _APPLIED.finditer(log_text)]
+    """(case, request key) of every control the engines' log says they applied, once
+    each (a line may be in the supervisor's log and in the engine's own)."""
+    return list(dict.fromkeys((m.group(1), int(m.group(2))) for m in _APPLIED.finditer(log_text)))
 
 
 def applied_prompt_lengths(log_text: str) -> list[tuple[str, int]]:
     """(case, prompt length in tokens) of every control applied: how a client that
     does not know the engine's request keys finds the request a control hit."""
-    return [(m.group(1), int(m.group(3))) for m in _APPLIED.finditer(log_text)]
+    return list(dict.fromkeys((m.group(1), int(m.group(3))) for m in _APPLIED.finditer(log_text)))
 
 
 @dataclass
