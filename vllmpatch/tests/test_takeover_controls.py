@@ -20,7 +20,7 @@ from e2e import Deployment, Killer, deployment
 from frmps_engine.bench import exactness
 from frmps_engine.sdk import takeover_fault
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(900)]  # six deployments, ~2.5 min on 2 cores
 
 ENGINE_ARGS = ["--engine-arg=--max-num-batched-tokens=64", "--max-restarts=1000000"]
 PROMPT = "Once upon a time, in a land of shared GPUs, the standby kept watch. " * 4
