@@ -220,6 +220,31 @@ class RefCore:
                                   SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, top_k=50, seed=1,
                                                  ignore_eos=True)), bs, self.counters)
 
+    # ---- negative controls (engine_api.TakeoverFaultHooks; tests and benches only) ----
+    def check_takeover_faults(self, cases: Sequence[str]) -> None:
+        """Each rank of a tensor-parallel group holds a shard of the KV cache, which
+        fault_kv writes only on rank 0: refused there."""
+        kv = [c for c in cases if c != "sampler-offset"]
+        if kv and self.cfg.tensor_parallel_size > 1:
+            raise EngineError(f"{', '.join(kv)}: the KV-content negative controls support tensor_parallel_size 1 "
+                              f"only (this engine has {self.cfg.tensor_parallel_size} ranks, each with a KV shard)")
+
+    def fault_kv(self, op: str, block: int, other: int, slot: int) -> None:
+        """Zero a block (or one slot of it) or swap two blocks, every layer, K and V."""
+        kv = self.model.kv  # [L, 2, NB, BS, KVH, HD]
+        with self._on_stream():
+            if op == "zero":
+                (kv[:, :, block] if slot < 0 else kv[:, :, block, slot]).zero_()
+            elif op == "swap":
+                tmp = kv[:, :, block].clone()
+                kv[:, :, block].copy_(kv[:, :, other])
+                kv[:, :, other].copy_(tmp)
+            else:
+                raise EngineError(f"fault_kv: unknown op {op!r}")
+
+    def shift_sampler(self, key: int, n: int) -> None:
+        self.scheduler.requests[key].sample_offset += n
+
     def gate_device(self, wait: Callable[[], None]) -> bool:
         """engine_api.DeviceGate: the next pass calls wait() once its plan (the
         scheduling and the pass as lists, host work only) is made, before any
@@ -273,7 +298,7 @@ class RefCore:
             # Each row samples the token at its position: a new one, or (a replay) one
             # the request already has, which the scheduler checks.
             tokens = sample(logits, [r.request.params for r in rows], [r.request.seed for r in rows],
-                            [r.position for r in rows])
+                            [r.position + r.request.sample_offset for r in rows])
         return self.scheduler.update_from_output(batch, tokens)
 
     def _forward(self, batch: SchedulerOutput, on_launch: Callable[[], None] | None = None) -> torch.Tensor:

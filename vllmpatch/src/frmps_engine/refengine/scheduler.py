@@ -124,6 +124,9 @@ class Request:
     num_computed: int = 0  # tokens whose KV is written
     block_ids: list[int] = field(default_factory=list)
     no_chunk: bool = False  # adopted (default policy): compute the uncovered tail in one pass
+    # Added to the position whose noise the sampler draws: 0, except under the
+    # sampler-offset negative control (sdk/takeover_fault.py).
+    sample_offset: int = 0
 
     @property
     def num_output(self) -> int:

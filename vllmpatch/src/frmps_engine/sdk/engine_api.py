@@ -181,6 +181,25 @@ class DeviceGate(Protocol):
     def gate_device(self, wait: Callable[[], None]) -> bool: ...
 
 
+@runtime_checkable
+class TakeoverFaultHooks(Protocol):
+    """Test and bench only: what the negative controls of takeover exactness
+    (``FRMPS_TEST_TAKEOVER_FAULT``, sdk/takeover_fault.py) need from a core.
+    ``check_takeover_faults(cases)`` raises ValueError (the engine refuses to
+    start) when the core cannot apply one of ``cases``.
+    ``fault_kv(op, block, other, slot)`` writes the KV cache, every layer, K and
+    V: op ``zero`` zeroes ``block`` (only its ``slot`` when ``slot >= 0``), op
+    ``swap`` swaps the contents of ``block`` and ``other``; called on the loop's
+    thread at the device gate (or after the KV flip without one), before the
+    first resumed step's device work. ``shift_sampler(key, n)``: request ``key``
+    (adopted) samples from now on with the noise of the position ``n`` further on.
+    Without it: the engine refuses to start with a case that needs it."""
+
+    def check_takeover_faults(self, cases: Sequence[str]) -> None: ...
+    def fault_kv(self, op: str, block: int, other: int, slot: int) -> None: ...
+    def shift_sampler(self, key: int, n: int) -> None: ...
+
+
 # Request keys of throwaway_takeover()'s requests (never a client's: keys count up from 1).
 WARM_KEY = (1 << 63) - 1
 

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from frmps_engine._proto.frmps.v1 import control_pb2
 
-from . import control, debug_hang, memphase, spare
+from . import control, debug_hang, memphase, spare, takeover_fault
 from .engine_api import (DeviceGate, EngineAdapter, EngineCoreProtocol, ProcessGroup, Resettable, TakeoverWarmup,
                          vocab_size)
 from .genapi import GenerationServer, input_to_ids, pb_ints
@@ -279,8 +279,15 @@ class Runner:
         elif not cfg.generation_socket:
             raise StartupError("no generation socket (--generation-socket), and no engine-core sockets "
                                "(--core-input/--core-output)")
+        # Negative controls (tests and benches only): parsed first, so a bad setting
+        # stops the engine before anything is built.
+        try:
+            cases = takeover_fault.parse()
+        except takeover_fault.ControlError as e:
+            raise StartupError(str(e)) from None
         self.cfg = cfg
         self.adapter = adapter
+        self._faults = takeover_fault.TakeoverFaults(cases, int(adapter.block_size)) if cases else None
         # A tensor-parallel engine: the pools of every rank go through this process.
         self.memory = adapter.group_memory(memory) if isinstance(adapter, ProcessGroup) else memory
         self._exit = exit_fn
@@ -359,6 +366,17 @@ class Runner:
             self._start_standby()
         threading.Thread(target=self._heartbeats, name="frmps-heartbeat", daemon=True).start()
 
+    def _check_faults(self) -> None:
+        """FRMPS_TEST_TAKEOVER_FAULT: refuse to start when the core cannot apply a case."""
+        if self._faults is None:
+            return
+        try:
+            self._faults.check_core(self.core)
+        except takeover_fault.ControlError as e:
+            raise StartupError(str(e)) from None
+        log.warning("%s: %s set (test mode): every takeover of this engine breaks one adopted request on purpose",
+                    takeover_fault.APPLIED, takeover_fault.ENV + "=" + ",".join(self._faults.cases))
+
     def _preload_ring(self) -> None:
         try:
             RingPublisher.preload(self.cfg.ring_module)
@@ -374,6 +392,7 @@ class Runner:
         memphase.note("engine start (pools allocated)")
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
         memphase.note("engine built")
+        self._check_faults()
         _log_start_phases(t, t_ring, t_pools)
         if not self.cfg.core_mode:  # core mode: requests arrive tokenized, with the engine's own params
             self._warm_request_path()
@@ -413,6 +432,7 @@ class Runner:
         memphase.note("engine start (pools reserved)")
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
         memphase.note("engine built")
+        self._check_faults()
         _log_start_phases(t, t_ring, t_pools)
         t_warm = time.perf_counter_ns()
         if not self.cfg.core_mode:  # core mode: requests arrive tokenized, with the engine's own params
@@ -651,20 +671,32 @@ class Runner:
         outcomes and the takeover's times (``t0``: when the Resume arrived)."""
         tk = _Takeover(_KvFlip(self.memory, needed=not self._kv_writable))
         self._standby_stack().regrow()  # beside the flip and the adoption (sdk/stack.py)
+        # Negative controls (FRMPS_TEST_TAKEOVER_FAULT, tests and benches only).
+        faults = self._faults.arm(self.core) if self._faults is not None else None
         try:
             t, c = time.perf_counter_ns(), time.thread_time_ns()
-            outcomes = adopt()
+            if faults is not None:
+                faults.install()
+                try:
+                    outcomes = adopt()
+                finally:
+                    faults.remove()
+            else:
+                outcomes = adopt()
             tk.adopt_cpu_ns, tk.adopt_ns = time.thread_time_ns() - c, time.perf_counter_ns() - t
             t = time.perf_counter_ns()
             tk.ring_error = self._attach_resume_ring(msg)  # inline: the loop has not started
             tk.ring_ns = time.perf_counter_ns() - t
             self._prepare_first_steps()
             self.loop.first_step_note = lambda: tk.first_step_note(t0, self._standby_stack())
-            if _device_gate_enabled() and isinstance(self.core, DeviceGate) and self.core.gate_device(tk.flip.wait):
+            wait = tk.flip.wait if faults is None else faults.gate(tk.flip.wait)
+            if _device_gate_enabled() and isinstance(self.core, DeviceGate) and self.core.gate_device(wait):
                 tk.gated = True
                 tk.started = start()
         finally:
             tk.wake_ns = tk.flip.join()  # raises the flip's error (a device error: the engine is lost)
+        if faults is not None and not tk.gated:
+            faults.apply_kv()  # the KV cache is writable and the loop has not started
         if tk.gated and _reply_after_host_work() and any(o.ok for o in outcomes):
             # The reply, the supervisor's promotion and the front door's streams
             # attaching to this engine (its generation server's threads) all want the

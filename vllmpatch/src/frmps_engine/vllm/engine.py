@@ -315,6 +315,81 @@ class VllmCore:
             self.deferred_prefix_cache.clear()
         self.scheduler.frmps_reset()
 
+    # ---- negative controls (engine_api.TakeoverFaultHooks; tests and benches only) ----
+    def check_takeover_faults(self, cases: Sequence[str]) -> None:
+        """The KV-content cases need the model runner's KV caches in this process
+        (not with tensor parallelism: the runner is in other processes, each with a
+        shard); sampler-offset needs the V2 model runner's stateless sampler."""
+        runner = _runner_of(self.core)
+        if any(c != "sampler-offset" for c in cases) and not getattr(runner, "kv_caches", None):
+            raise ValueError("the KV-content negative controls need vLLM's model runner and its KV caches in this "
+                             "process (one GPU, the in-process executor; the CPU stand-in keeps no KV)")
+        if "sampler-offset" in cases and not (hasattr(getattr(runner, "sampler", None), "sample")
+                                              and hasattr(getattr(runner, "req_states", None), "req_id_to_index")):
+            raise ValueError("sampler-offset needs vLLM's V2 model runner (its sampler draws from (seed, position)) "
+                             "in this process")
+
+    def fault_kv(self, op: str, block: int, other: int, slot: int) -> None:
+        """Zero a block (or one slot of it) or swap two blocks in every layer's KV
+        cache. Each of the runner's KV tensors has one dimension of
+        ``num_gpu_blocks`` entries (K and V in one tensor, or per layer, whatever
+        the attention backend's layout): the first such dimension is the block's."""
+        import torch
+
+        runner = _runner_of(self.core)
+        caches = list(getattr(runner, "kv_caches", None) or [])
+        if not caches:
+            raise RuntimeError("fault_kv: vLLM's model runner holds no KV caches")
+        nb = int(self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
+        bs = int(self.scheduler.block_size)
+        with torch.no_grad():
+            for t in caches:
+                dims = [d for d in range(t.dim()) if t.shape[d] == nb]
+                if not dims:
+                    raise RuntimeError(f"fault_kv: a KV cache of shape {tuple(t.shape)} has no dimension of "
+                                       f"{nb} blocks")
+                d = dims[0]
+                a = t.select(d, block)
+                if op == "zero":
+                    if slot >= 0:
+                        sd = [i for i in range(a.dim()) if a.shape[i] == bs]
+                        if not sd:
+                            raise RuntimeError(f"fault_kv: a KV block of shape {tuple(a.shape)} has no dimension "
+                                               f"of {bs} slots")
+                        a = a.select(sd[0], slot)
+                    a.zero_()
+                elif op == "swap":
+                    b = t.select(d, other)
+                    tmp = a.clone()
+                    a.copy_(b)
+                    b.copy_(tmp)
+                else:
+                    raise ValueError(f"fault_kv: unknown op {op!r}")
+
+    def shift_sampler(self, key: int, n: int) -> None:
+        """vLLM's V2 sampler draws a token's noise from (seed, position of the
+        sampled row): wrap the runner's sampler once so that the rows of request
+        ``key`` draw with position + n."""
+        runner = _runner_of(self.core)
+        sampler = runner.sampler
+        shifts = vars(sampler).get("_frmps_shifts")
+        if shifts is None:
+            shifts = {}
+            inner = sampler.sample
+            states = runner.req_states
+
+            def sample(logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, *a, **kw):
+                for rid, k in list(shifts.items()):
+                    idx = states.req_id_to_index.get(rid)
+                    if idx is not None:
+                        pos = pos + (expanded_idx_mapping == idx).to(pos.dtype) * k
+                return inner(logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, *a, **kw)
+
+            sampler.sample = sample
+            sampler._frmps_shifts = shifts
+        rid = request_id_for_key(key)
+        shifts[rid] = shifts.get(rid, 0) + n
+
     def gate_device(self, wait: Callable[[], None]) -> bool:
         """engine_api.DeviceGate, with vLLM's V2 model runner in this process (its
         default for Qwen2 and Llama on the GPU): its ``execute_model`` updates the

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""The margin bound B of "exact" (bench/README.md, "What exact means") for vLLM, measured.
+
+No-fault runs that differ only in batch composition: each of --prompts prompts
+generated alone (greedy, top-2 logprobs), then all of them in one batch with
+--fillers other prompts of other lengths. Where a prompt's two outputs first
+differ, the alone run's top-1/top-2 logprob margin there is a near tie that a
+pass shape flipped; B = the largest such margin x --safety (0 when none differ:
+then nothing is excused). Prints every disagreement, the share of prompts that
+disagree and B, and writes them to --out (JSON). Run it with and without
+--batch-invariant (VLLM_BATCH_INVARIANT=1, set before vLLM is imported): if
+prompts disagree at margins that are not small without it, a vLLM proof needs
+batch-invariant kernels (or a pass-shape discipline) to claim exactness.
+
+    python3 bench/gpu/margin_bound.py --model /models/qwen2.5-7b --out margin-7b.json
+    python3 bench/gpu/margin_bound.py --model /models/qwen2.5-7b --batch-invariant --out margin-7b-bi.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "vllmpatch", "src"))
+
+TEXT = ("The standby engine keeps its weights mapped and waits; when the active dies it adopts the requests, "
+        "their KV blocks and their sampling state, and continues every stream where the client left it. ")
+
+
+def prompt(i: int, filler: bool = False) -> str:
+    n = 40 + (i * 37) % 400 if not filler else 20 + (i * 53) % 900
+    words = (TEXT * 40).split()
+    start = (i * 11) % 50
+    return (f"Filler {i}: " if filler else f"Prompt {i}: ") + " ".join(words[start:start + n])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a Hugging Face model directory")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--fillers", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--safety", type=float, default=2.0)
+    ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--out", default="margin_bound.json")
+    args = ap.parse_args()
+    if args.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    from vllm import LLM, SamplingParams
+
+    from frmps_engine.bench import exactness
+
+    llm = LLM(model=args.model, seed=0, gpu_memory_utilization=args.gpu_memory_utilization)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)
+    prompts = [prompt(i) for i in range(args.prompts)]
+
+    def run(ps):
+        outs = llm.generate(ps, sp, use_tqdm=False)
+        toks = [list(o.outputs[0].token_ids) for o in outs]
+        margins = [[exactness.top2_margin({k: v.logprob for k, v in pos.items()}) for pos in o.outputs[0].logprobs]
+                   for o in outs]
+        return toks, margins
+
+    alone_t, alone_m = [], []
+    for p in prompts:
+        t, m = run([p])
+        alone_t.append(t[0])
+        alone_m.append(m[0])
+    batched_t, _ = run(prompts + [prompt(i, filler=True) for i in range(args.fillers)])
+    bound, seen = exactness.margin_bound_from_runs(alone_t, alone_m, batched_t[:len(prompts)], args.safety)
+    for d in seen:
+        print(f"prompt {d.index}: alone and batched differ first at token {d.position}, "
+              f"alone-run top-2 margin {d.margin:.5f}")
+    smallest = [min(m) for m in alone_m]
+    rec = {
+        "model": args.model, "batch_invariant": args.batch_invariant, "prompts": args.prompts,
+        "fillers": args.fillers, "max_tokens": args.max_tokens, "safety": args.safety,
+        "disagreeing_prompts": len(seen), "bound": bound,
+        "disagreements": [d.__dict__ for d in seen],
+        "smallest_margin_per_prompt": smallest,
+    }
+    print(f"{len(seen)}/{args.prompts} prompts differ between alone and batched; margin bound B = {bound:.5f} "
+          f"(largest disagreeing margin x {args.safety}); batch-invariant {'on' if args.batch_invariant else 'off'}")
+    with open(args.out, "w") as f:
+        json.dump(rec, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Negative controls of takeover exactness (FRMPS_TEST_TAKEOVER_FAULT,
+sdk/takeover_fault.py) on the reference engine, through real failovers: a
+`frmps serve` on the CPU (tiny model) whose engines break one adopted request
+on purpose at every takeover. The comparison with the no-fault output
+(bench/exactness.py) must report the request a control hit as inexact, and
+with no control (test mode only) every request must stay exact. One deployment
+per case: the switch is read when an engine starts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import subprocess
+import sys
+
+import pytest
+
+from e2e import Deployment, Killer, deployment
+from frmps_engine.bench import exactness
+from frmps_engine.sdk import takeover_fault
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(900)]  # six deployments, ~2.5 min on 2 cores
+
+ENGINE_ARGS = ["--engine-arg=--max-num-batched-tokens=64", "--max-restarts=1000000"]
+PROMPT = "Once upon a time, in a land of shared GPUs, the standby kept watch. " * 4
+# Byte-level tokenizer: one token per byte. Three different prompts of 5-7 blocks
+# (block size 16), greedy and seeded; the seeded one is what sampler-offset needs.
+BODIES = [
+    {"model": "tiny", "prompt": PROMPT[0:100], "max_tokens": 64, "ignore_eos": True, "temperature": 0.0},
+    {"model": "tiny", "prompt": PROMPT[7:90], "max_tokens": 64, "ignore_eos": True, "temperature": 0.9,
+     "top_k": 50, "seed": 4242},
+    {"model": "tiny", "prompt": PROMPT[31:140], "max_tokens": 64, "ignore_eos": True, "temperature": 0.0},
+]
+# No periodic sync within a request (the SDK still publishes after each request's
+# first token): at the kill the clients hold ~20 tokens past the snapshot, which
+# "position" needs (an off-by-one at num_computed = tokens - 1 is absorbed by the
+# engine's recomputation of the last token). With a sync every 8 steps a kill
+# right after a sync left no request fitting, now and then.
+SYNC_EVERY = 1000
+KILL_AFTER = 21
+
+
+def run_batch(dep: Deployment, killer: Killer | None = None):
+    with cf.ThreadPoolExecutor(len(BODIES)) as pool:
+        futs = [pool.submit(dep.stream, "/v1/completions", b, killer.on_token if killer and i == 0 else None)
+                for i, b in enumerate(BODIES)]
+        return [f.result() for f in futs]
+
+
+def failover_run(case: str | None) -> exactness.ControlRun:
+    env = {"FRMPS_TEST_STEP_DELAY_MS": "10", **exactness.control_env(case)}
+    with deployment(sync_every=SYNC_EVERY, env=env, extra_args=ENGINE_ARGS) as dep:
+        ref = run_batch(dep)
+        for r in ref:
+            assert r.done and r.error is None and len(r.token_ids) == 64, r
+        killer = Killer(dep, after=KILL_AFTER)
+        got = run_batch(dep, killer)
+        assert killer.fired.is_set()
+        st = dep.wait_state("serving_ready")
+        assert st["failovers"][0]["ok"], st["failovers"][0]
+        with open(dep.log_path, errors="replace") as f:
+            log_text = f.read()
+    return exactness.ControlRun(
+        reference={i: r.token_ids for i, r in enumerate(ref)},
+        observed={i: (g.token_ids if g.error is None and g.done else []) for i, g in enumerate(got)},
+        log_text=log_text)
+
+
+def _verdicts(run: exactness.ControlRun) -> dict[int, exactness.Verdict]:
+    return {i: exactness.compare(run.reference[i], run.observed[i]) for i in run.reference}
+
+
+def test_no_control_is_exact():
+    """The positive case: test mode on, no control: every request resumes exactly."""
+    run = failover_run(None)
+    assert not exactness.applied_controls(run.log_text)
+    verdicts = _verdicts(run)
+    assert all(v.kind == exactness.EXACT for v in verdicts.values()), verdicts
+
+
+@pytest.mark.parametrize("case", takeover_fault.CASES)
+def test_control_is_detected(case: str):
+    """Each control, applied to one adopted request at the failover, makes the
+    comparison with the no-fault output fail for that request (found by its prompt
+    length: the log line names the engine's key, which a client does not see)."""
+    run = failover_run(case)
+    applied = exactness.applied_prompt_lengths(run.log_text)
+    assert [c for c, _ in applied] == [case], f"the control's log line: {applied}\n{run.log_text[-4000:]}"
+    (hit,) = [i for i, b in enumerate(BODIES) if len(b["prompt"]) == applied[0][1]]
+    verdicts = _verdicts(run)
+    assert verdicts[hit].kind == exactness.INEXACT, (
+        f"control {case} applied to request {hit} passed unnoticed: its resumed output equals the no-fault one; "
+        f"all: {verdicts}")
+
+
+def test_switch_refused_without_test_mode(tmp_path):
+    """Without FRMPS_TEST_MODE=1 the engine refuses to start, with one clear line."""
+    env = {k: v for k, v in os.environ.items() if k != "FRMPS_TEST_MODE"}
+    env["FRMPS_TEST_TAKEOVER_FAULT"] = "zero-block"
+    p = subprocess.run([sys.executable, "-m", "frmps_engine.cli", "serve", "--engine", "ref", "--model", "tiny",
+                        "--device", "cpu", "--role", "standby", "--control-socket", str(tmp_path / "c.sock"),
+                        "--generation-socket", str(tmp_path / "g.sock")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "FRMPS_TEST_TAKEOVER_FAULT='zero-block'" in p.stderr and "FRMPS_TEST_MODE=1" in p.stderr, p.stderr[-2000:]
+
+
+def test_parse():
+    assert takeover_fault.parse({}) == ()
+    assert takeover_fault.parse({"FRMPS_TEST_TAKEOVER_FAULT": "position, zero-block", "FRMPS_TEST_MODE": "1"}) == \
+        ("position", "zero-block")
+    with pytest.raises(takeover_fault.ControlError, match="FRMPS_TEST_MODE=1"):
+        takeover_fault.parse({"FRMPS_TEST_TAKEOVER_FAULT": "position"})
+    with pytest.raises(takeover_fault.ControlError, match="unknown case bogus"):
+        takeover_fault.parse({"FRMPS_TEST_TAKEOVER_FAULT": "bogus", "FRMPS_TEST_MODE": "1"})
