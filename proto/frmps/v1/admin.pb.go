@@ -82,7 +82,9 @@ type EngineStatus struct {
 	Waiting uint32 `protobuf:"varint,16,opt,name=waiting,proto3" json:"waiting,omitempty"`
 	// Started from a spare (an engine process started ahead of need, its
 	// imports done): init_seconds then counts from the activation.
-	FromSpare     bool `protobuf:"varint,17,opt,name=from_spare,json=fromSpare,proto3" json:"from_spare,omitempty"`
+	FromSpare bool `protobuf:"varint,17,opt,name=from_spare,json=fromSpare,proto3" json:"from_spare,omitempty"`
+	// From the engine's Hello: "loaded:<model dir>" or "dummy" (empty until its handshake).
+	Weights       string `protobuf:"bytes,18,opt,name=weights,proto3" json:"weights,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -234,6 +236,13 @@ func (x *EngineStatus) GetFromSpare() bool {
 		return x.FromSpare
 	}
 	return false
+}
+
+func (x *EngineStatus) GetWeights() string {
+	if x != nil {
+		return x.Weights
+	}
+	return ""
 }
 
 type FailoverRecord struct {
@@ -1006,7 +1015,7 @@ var File_frmps_v1_admin_proto protoreflect.FileDescriptor
 const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"\x14frmps/v1/admin.proto\x12\bfrmps.v1\"\x12\n" +
-	"\x10GetStatusRequest\"\xea\x03\n" +
+	"\x10GetStatusRequest\"\x84\x04\n" +
 	"\fEngineStatus\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x10\n" +
 	"\x03pid\x18\x02 \x01(\x05R\x03pid\x12\x14\n" +
@@ -1028,7 +1037,8 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\arunning\x18\x0f \x01(\rR\arunning\x12\x18\n" +
 	"\awaiting\x18\x10 \x01(\rR\awaiting\x12\x1d\n" +
 	"\n" +
-	"from_spare\x18\x11 \x01(\bR\tfromSpare\"\xeb\x02\n" +
+	"from_spare\x18\x11 \x01(\bR\tfromSpare\x12\x18\n" +
+	"\aweights\x18\x12 \x01(\tR\aweights\"\xeb\x02\n" +
 	"\x0eFailoverRecord\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1d\n" +
 	"\n" +

@@ -475,8 +475,13 @@ type Hello struct {
 	Device             string `protobuf:"bytes,9,opt,name=device,proto3" json:"device,omitempty"`                          // "cpu", "cuda:0", ...
 	BlockSize          uint32 `protobuf:"varint,10,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"` // KV block size in tokens
 	NumBlocks          uint64 `protobuf:"varint,11,opt,name=num_blocks,json=numBlocks,proto3" json:"num_blocks,omitempty"` // KV blocks in the pool
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// Where the engine's weights come from: "loaded:<model dir>" (the active read
+	// the directory's checkpoint into the weights pool; a standby maps that pool
+	// and reads nothing) or "dummy" (random weights: the directory has none, or
+	// the engine was told to use dummy weights).
+	Weights       string `protobuf:"bytes,12,opt,name=weights,proto3" json:"weights,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Hello) Reset() {
@@ -584,6 +589,13 @@ func (x *Hello) GetNumBlocks() uint64 {
 		return x.NumBlocks
 	}
 	return 0
+}
+
+func (x *Hello) GetWeights() string {
+	if x != nil {
+		return x.Weights
+	}
+	return ""
 }
 
 type Welcome struct {
@@ -1733,7 +1745,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\bshutdown\x18\x17 \x01(\v2\x12.frmps.v1.ShutdownH\x00R\bshutdown\x12$\n" +
 	"\x04ping\x18\x18 \x01(\v2\x0e.frmps.v1.PingH\x00R\x04ping\x12-\n" +
 	"\ahandoff\x18\x19 \x01(\v2\x11.frmps.v1.HandoffH\x00R\ahandoffB\x05\n" +
-	"\x03msg\"\x85\x03\n" +
+	"\x03msg\"\x9f\x03\n" +
 	"\x05Hello\x12D\n" +
 	"\x10protocol_version\x18\x01 \x01(\x0e2\x19.frmps.v1.ProtocolVersionR\x0fprotocolVersion\x12\"\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x0e.frmps.v1.RoleR\x04role\x12\x10\n" +
@@ -1748,7 +1760,8 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"block_size\x18\n" +
 	" \x01(\rR\tblockSize\x12\x1d\n" +
 	"\n" +
-	"num_blocks\x18\v \x01(\x04R\tnumBlocks\"\x98\x02\n" +
+	"num_blocks\x18\v \x01(\x04R\tnumBlocks\x12\x18\n" +
+	"\aweights\x18\f \x01(\tR\aweights\"\x98\x02\n" +
 	"\aWelcome\x12\x1a\n" +
 	"\baccepted\x18\x01 \x01(\bR\baccepted\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\x12D\n" +

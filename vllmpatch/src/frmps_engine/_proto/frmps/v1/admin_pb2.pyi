@@ -11,7 +11,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("role", "pid", "state", "in_mps", "restarts", "started_unix_nanos", "last_death_cause", "log_path", "engine", "device", "block_size", "num_blocks", "init_seconds", "steps", "running", "waiting", "from_spare")
+    __slots__ = ("role", "pid", "state", "in_mps", "restarts", "started_unix_nanos", "last_death_cause", "log_path", "engine", "device", "block_size", "num_blocks", "init_seconds", "steps", "running", "waiting", "from_spare", "weights")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class EngineStatus(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FROM_SPARE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     pid: int
     state: str
@@ -46,7 +47,8 @@ class EngineStatus(_message.Message):
     running: int
     waiting: int
     from_spare: bool
-    def __init__(self, role: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., in_mps: _Optional[bool] = ..., restarts: _Optional[int] = ..., started_unix_nanos: _Optional[int] = ..., last_death_cause: _Optional[str] = ..., log_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., init_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., from_spare: _Optional[bool] = ...) -> None: ...
+    weights: str
+    def __init__(self, role: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., in_mps: _Optional[bool] = ..., restarts: _Optional[int] = ..., started_unix_nanos: _Optional[int] = ..., last_death_cause: _Optional[str] = ..., log_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., init_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., from_spare: _Optional[bool] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class FailoverRecord(_message.Message):
     __slots__ = ("seq", "unix_nanos", "cause", "detail", "duration_seconds", "resumed_requests", "ok", "error", "reused_tokens", "prefilled_tokens", "first_token_seconds")
