@@ -469,7 +469,7 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 		return conn.Send(env, fds) == nil
 	}
 	if !send(&frmpsv1.Hello{ProtocolVersion: ver, Role: role, Pid: int32(p.pid), Model: p.inv.Model, Engine: "fake",
-		EngineVersion: "0.1", Device: "cpu", BlockSize: 16, NumBlocks: 64,
+		EngineVersion: "0.1", Device: "cpu", BlockSize: 16, NumBlocks: 64, Weights: "loaded:/models/fake",
 		Pools: testPools, GenerationEndpoint: "unix://" + p.inv.GenerationSocket}, nil) {
 		p.exit(exitCode(3))
 		return

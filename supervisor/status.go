@@ -50,6 +50,7 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 		if h := sl.hello; h != nil {
 			es.Engine = strings.TrimSpace(h.GetEngine() + " " + h.GetEngineVersion())
 			es.Device, es.BlockSize, es.NumBlocks = h.GetDevice(), h.GetBlockSize(), h.GetNumBlocks()
+			es.Weights = h.GetWeights()
 		}
 		sl.mu.Unlock()
 		st.Engines = append(st.Engines, es)
