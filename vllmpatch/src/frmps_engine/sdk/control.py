@@ -203,6 +203,7 @@ class HelloInfo:
     device: str
     block_size: int
     num_blocks: int
+    weights: str = ""  # "loaded:<model dir>" or "dummy" ("": the adapter does not say)
     pid: int = field(default_factory=os.getpid)
 
 
@@ -244,6 +245,7 @@ class ControlClient:
             device=info.device,
             block_size=info.block_size,
             num_blocks=info.num_blocks,
+            weights=info.weights,
         )
         self.send(control_pb2.Envelope(hello=hello))
         self.conn._sock.settimeout(timeout)

@@ -349,6 +349,7 @@ class Runner:
                 # Core mode: no generation API (the frontend is vLLM's API server).
                 generation_endpoint=self.gen.endpoint if self.gen is not None else "", device=self.adapter.device,
                 block_size=self.adapter.block_size, num_blocks=self.adapter.num_blocks,
+                weights=self._weights(),
             )
         )
         log.info("welcome: deployment %s, sync every %d steps", self.welcome.deployment_id, self.welcome.sync_every)
@@ -357,6 +358,20 @@ class Runner:
         else:
             self._start_standby()
         threading.Thread(target=self._heartbeats, name="frmps-heartbeat", daemon=True).start()
+
+    def _weights(self) -> str:
+        """Hello.weights from the adapter's optional ``weights`` attribute, logged
+        once at start with what this engine does with it."""
+        weights = str(getattr(self.adapter, "weights", "") or "")
+        if weights.startswith("loaded:"):
+            how = ("this engine loads them into the shared weights pool" if self.role == control_pb2.ROLE_ACTIVE
+                   else "this engine loads none: it maps the active's weights pool")
+            log.info("weights: %s (%s)", weights, how)
+        elif weights:
+            log.info("weights: %s (random; the model directory holds no checkpoint, or --weights dummy)", weights)
+        else:
+            log.info("weights: the %s adapter does not say where its weights come from", self.adapter.name)
+        return weights
 
     def _preload_ring(self) -> None:
         try:
