@@ -205,6 +205,7 @@ def test_vllm_default_loader_puts_the_checkpoint_in_the_pool_and_the_standby_map
         assert active.used("weights") <= layout[0].size
         assert active.controller.placed["weights"] <= weights_pool_bytes(ad.hf, "float32")
         want = {n: p.detach().clone() for n, p in params.items()}
+        _check_gpu_script_file_side(ckpt, files, params, tmp_path)
 
         standby = Engine(libs["standby"], "standby", layout)
         made.append(standby)
@@ -231,3 +232,24 @@ def test_vllm_default_loader_puts_the_checkpoint_in_the_pool_and_the_standby_map
         pools.set_context_factory(None)
         for e in reversed(made):
             e.close()
+
+
+def _check_gpu_script_file_side(ckpt, files, params, tmp_path):
+    """bench/gpu/weights_check.py's side of the comparison, against the parameters
+    vLLM's loader built here: its expected checksums from the file equal the
+    model's (debug_fault.tensor_checksum, the engines' hook), and its perturbed copy
+    differs in exactly the parameter holding the changed tensor."""
+    import importlib.util
+
+    from frmps_engine.sdk.debug_fault import tensor_checksum
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench", "gpu", "weights_check.py")
+    spec = importlib.util.spec_from_file_location("weights_check", path)
+    wc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wc)
+    got = {n: tensor_checksum(p) for n, p in params.items()}
+    assert wc.compare(got, wc.expected(files, got, "float32")) == []
+    bad_dir, tensor = wc.perturbed_copy(ckpt, files, str(tmp_path / "perturbed"))
+    assert wc.compare(got, wc.expected(wc.file_tensors(bad_dir), got, "float32")) == [wc.param_of(tensor)]
+    assert ".gate_up_proj." not in tensor and wc.param_of(tensor) == tensor  # down_proj: not fused
+    assert wc.param_of("model.layers.0.self_attn.k_proj.bias") == "model.layers.0.self_attn.qkv_proj.bias"

@@ -805,6 +805,15 @@ class Runner:
 
         if os.environ.get(debug_fault.CHECKSUM_ENV) == "1":
             log.info("pool checksums %s: %s", when, debug_fault.pool_checksums(self.memory.pools()))
+            out_dir = os.environ.get(debug_fault.PARAM_CHECKSUM_ENV, "")
+            params = getattr(self.core, "param_checksums", None)
+            if out_dir and callable(params):
+                role = "active" if self.role == control_pb2.ROLE_ACTIVE else "standby"
+                path = debug_fault.write_param_checksums(out_dir, dict(
+                    role=role, pid=os.getpid(), when=when, weights=str(getattr(self.adapter, "weights", "")),
+                    # A standby's parameters are the active's once it mapped the brokered pools.
+                    mapped=role == "active" or bool(getattr(self, "_slept", False)), params=params()))
+                log.info("parameter checksums %s: %s", when, path)
 
     def checksum_pools(self) -> None:
         """Test hook (debug_fault.CHECKSUM_ENV): log the pools' checksums, on the

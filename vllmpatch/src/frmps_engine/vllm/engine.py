@@ -168,6 +168,17 @@ class VllmCore:
     only (FrmpsAsyncScheduler: ``num_computed_tokens - num_in_flight_tokens``).
     """
 
+    def param_checksums(self) -> dict[str, str]:
+        """Debug hook (sdk/debug_fault.py PARAM_CHECKSUM_ENV): every parameter of the
+        model vLLM built, by name, as debug_fault.tensor_checksum (a one-rank engine:
+        its worker is in this process)."""
+        from ..sdk.debug_fault import tensor_checksum
+
+        def checksums(worker: Any) -> dict[str, str]:
+            return {n: tensor_checksum(p) for n, p in worker.get_model().named_parameters()}
+
+        return self.core.model_executor.collective_rpc(checksums)[0]
+
     def __init__(self, core: Any, tokenizer: Any = None, kv_reuse: bool = True):
         self.core = core
         # False: the no-KV ablation (--no-kv-reuse): an adopted request's KV is computed again, a prefill
