@@ -106,3 +106,28 @@ def test_pytorch_only_checkpoint_is_refused_not_served_as_dummy(tmp_path):
     assert EngineConfig.from_preset(d, num_blocks=16, max_model_len=64, weights="dummy").weights == "dummy"
     (tmp_path / "c" / "pytorch_model.bin").unlink()
     assert EngineConfig.from_preset(d, num_blocks=16, max_model_len=64).weights == "dummy"
+
+
+def test_adapters_say_where_the_weights_come_from(tmp_path):
+    """Hello.weights: loaded:<dir> for a directory with a checkpoint, dummy for a
+    preset, a directory without weights, or --weights dummy."""
+    from frmps_engine.sdk.adapters import AdapterError, EngineOptions, RefAdapter
+
+    d = hfckpt.write_checkpoint(str(tmp_path / "m"), num_hidden_layers=1)
+    assert RefAdapter(EngineOptions(model=d, num_blocks=16, max_model_len=64)).weights == f"loaded:{d}"
+    assert RefAdapter(EngineOptions(model=d, num_blocks=16, max_model_len=64, weights="dummy")).weights == "dummy"
+    assert RefAdapter(EngineOptions(model="tiny", num_blocks=16)).weights == "dummy"
+    bare = _write(tmp_path)
+    assert RefAdapter(EngineOptions(model=bare, num_blocks=16, max_model_len=64)).weights == "dummy"
+    with pytest.raises(AdapterError, match="--weights 'load'"):
+        RefAdapter(EngineOptions(model=d, num_blocks=16, max_model_len=64, weights="load"))
+
+
+def test_engine_cli_weights_flag():
+    from frmps_engine import cli
+
+    base = ["serve", "--role", "active", "--model", "tiny", "--control-socket", "/x", "--generation-socket", "/y"]
+    assert cli.engine_options(cli.build_parser().parse_args(base)).weights == "auto"
+    assert cli.engine_options(cli.build_parser().parse_args(base + ["--weights", "dummy"])).weights == "dummy"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(base + ["--weights", "load"])

@@ -22,10 +22,11 @@ torch = pytest.importorskip("torch")
 import hfckpt  # noqa: E402  (vllmpatch/tests)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    # Saved in bfloat16 with untied embeddings; served in float32 below.
-    return hfckpt.write_checkpoint(str(tmp_path_factory.mktemp("ck") / "m"), tie=False, dtype="bfloat16",
+@pytest.fixture(scope="module", params=[(False, "bfloat16"), (True, "float32")], ids=["untied-bf16", "tied-fp32"])
+def ckpt(tmp_path_factory, request):
+    # Saved in bfloat16 with untied embeddings, or in float32 with tied ones; served in float32 below.
+    tie, dtype = request.param
+    return hfckpt.write_checkpoint(str(tmp_path_factory.mktemp("ck") / "m"), tie=tie, dtype=dtype,
                                    num_hidden_layers=2)
 
 
@@ -198,6 +199,8 @@ def test_vllm_default_loader_puts_the_checkpoint_in_the_pool_and_the_standby_map
         w = active.pools["weights"].tensor
         params = dict(model.named_parameters())
         assert params and all(inside(p, w) for p in params.values())
+        tied = "lm_head.weight" not in files
+        assert ("lm_head.weight" in params) != tied  # a tied head is the embedding (vLLM lists it once)
         for name, p in params.items():  # the file's values, in the engine's dtype (bf16 -> float32 exactly)
             assert p.dtype == torch.float32, name
             assert torch.equal(p.detach(), _expected(files, name).float()), name
