@@ -125,7 +125,7 @@ def perturbed_copy(model_dir: str, files: dict, out: str) -> tuple[str, str]:
             continue
         tensors = {k: files[k].clone() for k in keys}
         flat = tensors[target].view(-1)
-        flat[0] = flat[0] + 1.0
+        flat[0] = -flat[0] if float(flat[0]) != 0.0 else 1.0  # a change whatever the dtype's resolution
         save_file(tensors, os.path.join(out, f), metadata=meta)
     return out, target
 

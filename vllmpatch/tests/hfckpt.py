@@ -41,7 +41,7 @@ def write_checkpoint(out: str, *, style: str = "t5", tie: bool = True, dtype: st
     conf = transformers.Qwen2Config(
         **{**SHAPE, **shape}, tie_word_embeddings=tie,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        bos_token_id=151643 % SHAPE["vocab_size"], eos_token_id=None,
+        bos_token_id=None, eos_token_id=None,
     )
     conf.architectures = ["Qwen2ForCausalLM"]
     torch.manual_seed(seed)
