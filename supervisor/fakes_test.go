@@ -500,7 +500,7 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 		blocks = b.sizedBlocks
 	}
 	if !send(&frmpsv1.Hello{ProtocolVersion: ver, Role: role, Pid: int32(p.pid), Model: p.inv.Model, Engine: "fake",
-		EngineVersion: "0.1", Device: "cpu", BlockSize: 16, NumBlocks: blocks, KvBudget: b.kvBudget,
+		EngineVersion: "0.1", Device: "cpu", BlockSize: 16, NumBlocks: blocks, KvBudget: b.kvBudget, Weights: "loaded:/models/fake",
 		Pools: testPools, GenerationEndpoint: "unix://" + p.inv.GenerationSocket}, nil) {
 		p.exit(exitCode(3))
 		return

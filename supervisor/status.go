@@ -54,6 +54,7 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 			es.Engine = strings.TrimSpace(h.GetEngine() + " " + h.GetEngineVersion())
 			es.Device, es.BlockSize, es.NumBlocks = h.GetDevice(), h.GetBlockSize(), h.GetNumBlocks()
 			es.KvBudget = h.GetKvBudget()
+			es.Weights = h.GetWeights()
 		}
 		sl.mu.Unlock()
 		st.Engines = append(st.Engines, es)

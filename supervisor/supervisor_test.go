@@ -1006,7 +1006,8 @@ func TestStatusShowsWhatEnginesSaid(t *testing.T) {
 			t.Fatalf("engines %v", engines)
 		}
 		for _, e := range engines {
-			if e.GetEngine() != "fake 0.1" || e.GetDevice() != "cpu" || e.GetBlockSize() != 16 || e.GetNumBlocks() != 64 || e.GetInitSeconds() != 2 {
+			if e.GetEngine() != "fake 0.1" || e.GetDevice() != "cpu" || e.GetBlockSize() != 16 || e.GetNumBlocks() != 64 || e.GetInitSeconds() != 2 ||
+				e.GetWeights() != "loaded:/models/fake" {
 				t.Fatalf("%s: %v", e.GetRole(), e)
 			}
 			if e.GetRole() == "active" && (e.GetSteps() != 40 || e.GetRunning() != 3 || e.GetWaiting() != 5) {

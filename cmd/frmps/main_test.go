@@ -196,7 +196,7 @@ func TestPrintStatus(t *testing.T) {
 	st := &frmpsv1.Status{State: "serving_ready", StateCause: "standby ready", Model: "tiny", Engine: "ref", SyncEvery: 16,
 		Mps: true, MpsState: "running", CrashLoopOpen: true, TensorParallelSize: 2,
 		Engines: []*frmpsv1.EngineStatus{{Role: "active", Pid: 12, State: "serving", InMps: true, StartedUnixNanos: time.Unix(940, 0).UnixNano(),
-			Engine: "vllm 0.26.0", Device: "cuda:0", InitSeconds: 61.2, Running: 3, Waiting: 1},
+			Engine: "vllm 0.26.0", Device: "cuda:0", InitSeconds: 61.2, Running: 3, Waiting: 1, Weights: "loaded:/models/q"},
 			{Role: "standby", Pid: 13, State: "ready", Engine: "vllm 0.26.0", Device: "cuda:0", InitSeconds: 9.3, FromSpare: true}},
 		Failovers: []*frmpsv1.FailoverRecord{{Seq: 3, Cause: "misaligned_address", DurationSeconds: 0.0042, ResumedRequests: 5, Ok: true, Detail: "x"}},
 		Spare: &frmpsv1.Spare{Enabled: true, State: "ready", Pid: 14, Activations: 2, ColdStarts: 1, LastReadySeconds: 19.6,
@@ -211,7 +211,7 @@ func TestPrintStatus(t *testing.T) {
 	}
 	out := b.String()
 	for _, want := range []string{"serving_ready", "(standby ready)", "OPEN", "active", "serving", "1m0s", "#3", "misaligned_address", "4.2ms", "running", "vllm 0.26.0 cuda:0 (up in 61.2s)", "3 running, 1 waiting", "tensor parallel 2",
-		"(up in 9.3s from a spare)", "spare:", "ready (pid 14), 1 of 2 ready, 3072 MiB host memory, 2 engines launched from spares, 1 cold, imports took 19.6s",
+		"(up in 9.3s from a spare)", "WEIGHTS", "loaded:/models/q  ", "spare:", "ready (pid 14), 1 of 2 ready, 3072 MiB host memory, 2 engines launched from spares, 1 cold, imports took 19.6s",
 		"frontend:", "vllm 0.26.0 (pid 15): serving, engine connected, 4 open requests, 3 engines lost, 3 back",
 		"device=cuda memory=cuda-vmm engine=vllm model=qwen2.5-14b", "(why: GPU visible (nvidia-smi -L lists 1); vLLM 0.26.0 installed)"} {
 		if !strings.Contains(out, want) {

@@ -139,7 +139,7 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 	}
 	fmt.Fprintln(w)
 	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ROLE\tPID\tSTATE\tIN MPS\tRESTARTS\tUP\tENGINE\tREQUESTS\tLAST DEATH\tLOG")
+	fmt.Fprintln(tw, "ROLE\tPID\tSTATE\tIN MPS\tRESTARTS\tUP\tENGINE\tWEIGHTS\tREQUESTS\tLAST DEATH\tLOG")
 	for _, e := range st.GetEngines() {
 		up := "-"
 		if e.GetStartedUnixNanos() > 0 {
@@ -154,8 +154,8 @@ func printStatus(w io.Writer, st *frmpsv1.Status, now time.Time) error {
 			eng += fmt.Sprintf(" (up in %.1fs%s)", e.GetInitSeconds(), from)
 		}
 		reqs := fmt.Sprintf("%d running, %d waiting", e.GetRunning(), e.GetWaiting())
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%v\t%d\t%s\t%s\t%s\t%s\t%s\n", e.GetRole(), e.GetPid(), e.GetState(), e.GetInMps(), e.GetRestarts(), up,
-			eng, reqs, dash(e.GetLastDeathCause()), dash(e.GetLogPath()))
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%v\t%d\t%s\t%s\t%s\t%s\t%s\t%s\n", e.GetRole(), e.GetPid(), e.GetState(), e.GetInMps(), e.GetRestarts(), up,
+			eng, dash(e.GetWeights()), reqs, dash(e.GetLastDeathCause()), dash(e.GetLogPath()))
 	}
 	if err := tw.Flush(); err != nil {
 		return err

@@ -84,7 +84,9 @@ type EngineStatus struct {
 	// imports done): init_seconds then counts from the activation.
 	FromSpare bool `protobuf:"varint,17,opt,name=from_spare,json=fromSpare,proto3" json:"from_spare,omitempty"`
 	// The engine's KV sizing, from its Hello (control.proto).
-	KvBudget      *KVBudget `protobuf:"bytes,19,opt,name=kv_budget,json=kvBudget,proto3" json:"kv_budget,omitempty"`
+	KvBudget *KVBudget `protobuf:"bytes,19,opt,name=kv_budget,json=kvBudget,proto3" json:"kv_budget,omitempty"`
+	// From the engine's Hello: "loaded:<model dir>" or "dummy" (empty until its handshake).
+	Weights       string `protobuf:"bytes,18,opt,name=weights,proto3" json:"weights,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -243,6 +245,13 @@ func (x *EngineStatus) GetKvBudget() *KVBudget {
 		return x.KvBudget
 	}
 	return nil
+}
+
+func (x *EngineStatus) GetWeights() string {
+	if x != nil {
+		return x.Weights
+	}
+	return ""
 }
 
 type FailoverRecord struct {
@@ -1104,7 +1113,7 @@ var File_frmps_v1_admin_proto protoreflect.FileDescriptor
 const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"\x14frmps/v1/admin.proto\x12\bfrmps.v1\x1a\x16frmps/v1/control.proto\"\x12\n" +
-	"\x10GetStatusRequest\"\x9b\x04\n" +
+	"\x10GetStatusRequest\"\xb5\x04\n" +
 	"\fEngineStatus\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x10\n" +
 	"\x03pid\x18\x02 \x01(\x05R\x03pid\x12\x14\n" +
@@ -1127,7 +1136,8 @@ const file_frmps_v1_admin_proto_rawDesc = "" +
 	"\awaiting\x18\x10 \x01(\rR\awaiting\x12\x1d\n" +
 	"\n" +
 	"from_spare\x18\x11 \x01(\bR\tfromSpare\x12/\n" +
-	"\tkv_budget\x18\x13 \x01(\v2\x12.frmps.v1.KVBudgetR\bkvBudget\"\xeb\x02\n" +
+	"\tkv_budget\x18\x13 \x01(\v2\x12.frmps.v1.KVBudgetR\bkvBudget\x12\x18\n" +
+	"\aweights\x18\x12 \x01(\tR\aweights\"\xeb\x02\n" +
 	"\x0eFailoverRecord\x12\x10\n" +
 	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x1d\n" +
 	"\n" +

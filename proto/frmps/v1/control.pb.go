@@ -475,6 +475,11 @@ type Hello struct {
 	Device             string `protobuf:"bytes,9,opt,name=device,proto3" json:"device,omitempty"`                          // "cpu", "cuda:0", ...
 	BlockSize          uint32 `protobuf:"varint,10,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"` // KV block size in tokens
 	NumBlocks          uint64 `protobuf:"varint,11,opt,name=num_blocks,json=numBlocks,proto3" json:"num_blocks,omitempty"` // KV blocks in the pool
+	// Where the engine's weights come from: "loaded:<model dir>" (the active read
+	// the directory's checkpoint into the weights pool; a standby maps that pool
+	// and reads nothing) or "dummy" (random weights: the directory has none, or
+	// the engine was told to use dummy weights).
+	Weights string `protobuf:"bytes,12,opt,name=weights,proto3" json:"weights,omitempty"`
 	// How the KV cache was sized (an engine that sizes it; unset otherwise).
 	KvBudget      *KVBudget `protobuf:"bytes,13,opt,name=kv_budget,json=kvBudget,proto3" json:"kv_budget,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -586,6 +591,13 @@ func (x *Hello) GetNumBlocks() uint64 {
 		return x.NumBlocks
 	}
 	return 0
+}
+
+func (x *Hello) GetWeights() string {
+	if x != nil {
+		return x.Weights
+	}
+	return ""
 }
 
 func (x *Hello) GetKvBudget() *KVBudget {
@@ -1864,7 +1876,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\bshutdown\x18\x17 \x01(\v2\x12.frmps.v1.ShutdownH\x00R\bshutdown\x12$\n" +
 	"\x04ping\x18\x18 \x01(\v2\x0e.frmps.v1.PingH\x00R\x04ping\x12-\n" +
 	"\ahandoff\x18\x19 \x01(\v2\x11.frmps.v1.HandoffH\x00R\ahandoffB\x05\n" +
-	"\x03msg\"\xb6\x03\n" +
+	"\x03msg\"\xd0\x03\n" +
 	"\x05Hello\x12D\n" +
 	"\x10protocol_version\x18\x01 \x01(\x0e2\x19.frmps.v1.ProtocolVersionR\x0fprotocolVersion\x12\"\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x0e.frmps.v1.RoleR\x04role\x12\x10\n" +
@@ -1879,7 +1891,8 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"block_size\x18\n" +
 	" \x01(\rR\tblockSize\x12\x1d\n" +
 	"\n" +
-	"num_blocks\x18\v \x01(\x04R\tnumBlocks\x12/\n" +
+	"num_blocks\x18\v \x01(\x04R\tnumBlocks\x12\x18\n" +
+	"\aweights\x18\f \x01(\tR\aweights\x12/\n" +
 	"\tkv_budget\x18\r \x01(\v2\x12.frmps.v1.KVBudgetR\bkvBudget\"\xb1\x03\n" +
 	"\bKVBudget\x12&\n" +
 	"\x0fgpu_total_bytes\x18\x01 \x01(\x04R\rgpuTotalBytes\x12 \n" +

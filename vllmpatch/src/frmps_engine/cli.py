@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(both engines, the shared pools, MPS's server); the KV cache gets the rest (default 0.9). "
                         "The reference engine sizes its cache from --max-model-len and ignores it")
     s.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    s.add_argument("--weights", default="auto", choices=["auto", "dummy"],
+                   help="auto: a model directory's *.safetensors checkpoint (the active loads it into the shared "
+                        "weights pool; the standby maps that pool), dummy weights only where the directory has none; "
+                        "dummy: random weights whatever the directory holds")
     s.add_argument("--max-num-seqs", type=_positive, help="most requests in one batch")
     s.add_argument("--max-num-batched-tokens", type=_positive,
                    help="token budget of one step (prefill chunk size)")
@@ -134,7 +138,7 @@ def engine_options(args: argparse.Namespace):
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   exact=args.exact, kv_reuse=args.kv_reuse,
                                   tensor_parallel_size=args.tensor_parallel_size,
-                                  vllm_args=tuple(args.vllm_arg))
+                                  vllm_args=tuple(args.vllm_arg), weights=args.weights)
 
 
 def serve(args: argparse.Namespace) -> int:

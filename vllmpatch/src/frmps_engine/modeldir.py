@@ -245,6 +245,33 @@ def write(preset: str, out: str, *, force: bool = False) -> str:
     return out
 
 
+def has_weights(model_dir: str) -> bool:
+    """Whether a model directory holds a checkpoint the engines load: True with
+    ``*.safetensors`` files, False with no weights files at all (a directory
+    :func:`write` made: dummy weights). A directory holding only PyTorch pickles
+    (``*.bin``, ``*.pt``, ``*.pth``) raises ValueError: the engines load
+    safetensors only, and serving random weights in their place would be the
+    silent kind of wrong."""
+    try:
+        names = os.listdir(model_dir)
+    except OSError as e:
+        raise ValueError(f"model directory {model_dir!r}: {e}") from e
+    if any(n.endswith(".safetensors") for n in names):
+        return True
+    pickles = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
+    if pickles:
+        raise ValueError(
+            f"model directory {model_dir!r} holds PyTorch weights ({', '.join(pickles[:3])}) but no *.safetensors: "
+            "frmps loads safetensors only (convert the checkpoint, e.g. save_pretrained(..., safe_serialization=True)), "
+            "or use dummy weights explicitly (--weights dummy)")
+    return False
+
+
+def weights_source(model_dir: str | None, loaded: bool) -> str:
+    """What Hello.weights says: ``loaded:<model dir>`` or ``dummy``."""
+    return f"loaded:{model_dir}" if loaded and model_dir else "dummy"
+
+
 def default_dir(preset: str) -> str:
     """Where ``frmps`` keeps a preset's directory: $FRMPS_MODEL_CACHE, else
     $XDG_CACHE_HOME/frmps/models, else ~/.cache/frmps/models."""

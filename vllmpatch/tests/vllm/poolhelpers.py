@@ -168,7 +168,11 @@ class HostMemPools:
                 }
 
                 def fresh(t):
-                    if isinstance(t, torch.Tensor) and int(t.untyped_storage().data_ptr()) not in inputs:
+                    # Meta tensors (vLLM 0.33 records each layer's parameters as meta
+                    # tensors while it builds the model) hold no memory: torch's MemPool
+                    # never sees them either.
+                    if (isinstance(t, torch.Tensor) and t.device.type != "meta"
+                            and int(t.untyped_storage().data_ptr()) not in inputs):
                         return pool.place(t)
                     return t
 

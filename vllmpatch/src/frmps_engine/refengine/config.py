@@ -109,8 +109,84 @@ class _Presets:
 presets = _Presets()
 
 
+# RoPE variants the engine implements: the plain rotary embedding only.
+_ROPE_TYPES = ("default",)
+# Checkpoint dtypes the loader converts from (to the engine's dtype).
+_CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _given(raw: dict, name: str, default: Any = None) -> Any:
+    """A config field, with JSON null read as absent (transformers writes null
+    for unset optional fields, e.g. num_key_value_heads, head_dim)."""
+    v = raw.get(name)
+    return default if v is None else v
+
+
+def rope_from_hf_config(raw: dict) -> tuple[float, str]:
+    """(rope_theta, rope_type) as transformers reads them, from either form it has
+    written. transformers 5 writes ``rope_parameters: {"rope_theta": ...,
+    "rope_type": "default"}``; transformers 4 wrote a top-level ``rope_theta`` and
+    ``rope_scaling`` (null, or a dict with ``type`` or ``rope_type``). transformers
+    5 reads the dict from ``rope_scaling`` if set, else ``rope_parameters``; the
+    base from that dict, else the top-level ``rope_theta``, else 10,000; the type
+    from ``rope_type``, else ``type``, else "default"
+    (modeling_rope_utils.RotaryEmbeddingConfigMixin). A dict nested by layer type
+    (``{"full_attention": {...}, ...}``) must name one RoPE for all layers.
+    Raises ConfigError for a RoPE the engine does not implement (scaled RoPE:
+    linear, dynamic, yarn, llama3, longrope, ...; a partial rotary factor)."""
+    rp = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(rp, dict):
+        raise ConfigError(f"rope_parameters/rope_scaling must be an object, got {rp!r}")
+    layer_types = raw.get("layer_types") or ()
+    nested = [k for k in rp if k in layer_types]
+    if nested:
+        ropes = [rp[k] for k in nested if rp[k] is not None]
+        if any(r != ropes[0] for r in ropes):
+            raise ConfigError(f"rope_parameters differ between layer types ({', '.join(nested)}): "
+                              "the engine applies one RoPE to every layer")
+        rp = ropes[0] if ropes else {}
+        if not isinstance(rp, dict):
+            raise ConfigError(f"rope_parameters of a layer type must be an object, got {rp!r}")
+    theta = rp.get("rope_theta")
+    if theta is None:
+        theta = _given(raw, "rope_theta", 10000.0)
+    rope_type = rp.get("rope_type") or rp.get("type") or "default"
+    if rope_type not in _ROPE_TYPES:
+        raise ConfigError(f"RoPE type {rope_type!r} ({rp}) is not implemented by the reference engine "
+                          f"(only {', '.join(_ROPE_TYPES)}): serving it with plain RoPE would give wrong outputs")
+    partial = rp.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise ConfigError(f"partial_rotary_factor {partial} is not implemented by the reference engine (only 1.0)")
+    theta = float(theta)
+    if not theta > 0:
+        raise ConfigError(f"rope_theta must be positive, got {theta}")
+    return theta, str(rope_type)
+
+
+def _sliding_layers(raw: dict, num_layers: int) -> list[int]:
+    """The layers that attend through a sliding window, as transformers' Qwen2
+    reads the config (models/qwen2/configuration_qwen2.py): none unless
+    ``use_sliding_window`` and ``sliding_window`` are set; then the layers
+    ``layer_types`` marks "sliding_attention", or (no layer_types, as transformers
+    4 wrote it) layers from ``max_window_layers`` (default 28) on."""
+    if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+        return []
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        return [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    return list(range(int(_given(raw, "max_window_layers", 28)), num_layers))
+
+
 def shape_from_hf_config(model_dir: str) -> ModelShape:
-    """Read a Hugging Face Qwen2 config.json from a model directory."""
+    """Read a Hugging Face Qwen2 config.json from a model directory, as
+    transformers 5 writes it (``rope_parameters``, ``dtype``, ``layer_types``)
+    and as transformers 4 did (``rope_theta``, ``rope_scaling``, ``torch_dtype``).
+    Fields the engine cannot honour (scaled RoPE, an active sliding window, an
+    activation other than SiLU, a quantized checkpoint) are refused here rather
+    than served wrongly. Absent fields take transformers' Qwen2Config defaults
+    where the engine has them (num_key_value_heads: num_attention_heads;
+    rms_norm_eps 1e-6; max_position_embeddings 32768; tie_word_embeddings false);
+    the sizes themselves must be given."""
     path = os.path.join(model_dir, "config.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -128,18 +204,39 @@ def shape_from_hf_config(model_dir: str) -> ModelShape:
     try:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
+        layers = int(raw["num_hidden_layers"])
+        act = _given(raw, "hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not implemented by the reference engine (only silu)")
+        if raw.get("quantization_config"):
+            raise ConfigError("quantized checkpoints are not supported by the reference engine "
+                              f"(quantization_config {raw['quantization_config']})")
+        # transformers 5 writes "dtype", transformers 4 "torch_dtype": the checkpoint's
+        # dtype, which the loader converts to the engine's own (EngineConfig.dtype).
+        ckpt_dtype = _given(raw, "dtype", _given(raw, "torch_dtype"))
+        if ckpt_dtype is not None and ckpt_dtype not in _CHECKPOINT_DTYPES:
+            raise ConfigError(f"checkpoint dtype {ckpt_dtype!r} is not supported (use one of {', '.join(_CHECKPOINT_DTYPES)})")
+        rope_theta, _ = rope_from_hf_config(raw)
+        positions = int(_given(raw, "max_position_embeddings", 32768))
+        sliding = _sliding_layers(raw, layers)
+        if sliding and int(raw["sliding_window"]) < positions:
+            raise ConfigError(
+                f"sliding-window attention (window {raw['sliding_window']} on layers {sliding[0]}..{sliding[-1]}) "
+                "is not implemented by the reference engine: serving it with full attention would give wrong outputs")
+        # Qwen2 always has q/k/v biases and no o_proj bias (transformers'
+        # Qwen2Attention hard-codes them; an attention_bias field is not read).
         return ModelShape(
             hidden_size=hidden,
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads", heads)),
+            num_kv_heads=int(_given(raw, "num_key_value_heads", heads)),
             intermediate_size=int(raw["intermediate_size"]),
             vocab_size=int(raw["vocab_size"]),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            head_dim=int(raw.get("head_dim") or 0),
+            tie_word_embeddings=bool(_given(raw, "tie_word_embeddings", False)),
+            rope_theta=rope_theta,
+            rms_norm_eps=float(_given(raw, "rms_norm_eps", 1e-6)),
+            max_position_embeddings=positions,
+            head_dim=int(_given(raw, "head_dim", 0)),
         )
     except KeyError as e:
         raise ConfigError(f"model config {path!r}: missing field {e.args[0]!r}") from None
@@ -245,7 +342,12 @@ class EngineConfig:
         if num_blocks < 2:
             raise ConfigError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if weights is None:
-            weights = model_dir if model_dir and _has_safetensors(model_dir) else "dummy"
+            from frmps_engine.modeldir import has_weights
+
+            try:
+                weights = model_dir if model_dir and has_weights(model_dir) else "dummy"
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         if weights != "dummy" and not os.path.isdir(weights):
             raise ConfigError(f"weights must be 'dummy' or a directory with safetensors, got {weights!r}")
         defaults: dict[str, Any] = {}
@@ -321,13 +423,6 @@ class EngineConfig:
         """Bytes of one KV block across all layers (K and V) on one rank."""
         s = self.shape
         return s.num_layers * 2 * self.block_size * self.local_kv_heads * s.head_dim * self.dtype_bytes
-
-
-def _has_safetensors(d: str) -> bool:
-    try:
-        return any(f.endswith(".safetensors") for f in os.listdir(d))
-    except OSError:
-        return False
 
 
 @dataclass(frozen=True)

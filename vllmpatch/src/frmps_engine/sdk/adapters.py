@@ -40,6 +40,8 @@ class EngineOptions:
     kv_reuse: bool = True  # False: a standby recomputes adopted KV (ablation)
     tensor_parallel_size: int = 1  # ranks the model is sharded over (one process and device each)
     vllm_args: tuple[str, ...] = ()  # --vllm-arg: vLLM's own engine flags (the vLLM adapter only)
+    # --weights: "auto" (a model directory's checkpoint, dummy where it has none) or "dummy".
+    weights: str = "auto"
 
 
 KNOWN = {
@@ -117,6 +119,10 @@ class RefAdapter:
                 kw[name] = value
         if not opts.kv_reuse:
             kw["kv_reuse"] = False
+        if opts.weights == "dummy":
+            kw["weights"] = "dummy"
+        elif opts.weights != "auto":
+            raise AdapterError(f"--weights {opts.weights!r}: want auto or dummy")
         if opts.tensor_parallel_size != 1:
             kw["tensor_parallel_size"] = opts.tensor_parallel_size
         try:
@@ -132,6 +138,8 @@ class RefAdapter:
         self.block_size = int(self.cfg.block_size)
         self.num_blocks = int(self.cfg.num_blocks)
         self.max_model_len = int(self.cfg.max_model_len)
+        # Hello.weights: the directory the active loads into the weights pool (and the standby maps), or dummy.
+        self.weights = "dummy" if self.cfg.weights == "dummy" else f"loaded:{self.cfg.weights}"
         self._tok = None
         self.core = None
         self.group = None

@@ -203,6 +203,7 @@ class HelloInfo:
     device: str
     block_size: int
     num_blocks: int
+    weights: str = ""  # "loaded:<model dir>" or "dummy" ("": the adapter does not say)
     pid: int = field(default_factory=os.getpid)
     kv_budget: control_pb2.KVBudget | None = None  # an engine that sized its KV cache says how
 
@@ -246,6 +247,7 @@ class ControlClient:
             block_size=info.block_size,
             num_blocks=info.num_blocks,
             kv_budget=info.kv_budget,
+            weights=info.weights,
         )
         self.send(control_pb2.Envelope(hello=hello))
         self.conn._sock.settimeout(timeout)

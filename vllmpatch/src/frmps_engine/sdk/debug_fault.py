@@ -70,6 +70,47 @@ def checksum_signal() -> int:
     return signal.SIGRTMIN + 1
 
 
+# A directory: with CHECKSUM_ENV, an engine whose core has ``param_checksums()``
+# (the vLLM adapter's) also writes its model's per-parameter checksums there, as
+# JSON, each time it logs the pool checksums (bench/gpu/weights_check.py).
+PARAM_CHECKSUM_ENV = "FRMPS_DEBUG_PARAM_CHECKSUMS"
+_MASK = (1 << 64) - 1
+
+
+def tensor_checksum(t) -> str:
+    """``dtype:shape:hex`` of a tensor's exact contents, equal on any device: its
+    bytes read as int16 words, each times (position mod 65521) + 1, summed in
+    wrapping int64 (in chunks, so a large tensor needs little scratch). One changed
+    element, or two swapped, changes it."""
+    import torch
+
+    flat = t.detach().contiguous().view(-1)
+    words = flat.view(torch.int16) if flat.element_size() % 2 == 0 else flat.view(torch.uint8)
+    total, chunk = 0, 1 << 24
+    for start in range(0, words.numel(), chunk):
+        w = words[start:start + chunk].to(torch.int64)
+        pos = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) % 65521 + 1
+        total = (total + int((w * pos).sum())) & _MASK
+    return f"{str(t.dtype).removeprefix('torch.')}:{'x'.join(map(str, t.shape))}:{total:016x}"
+
+
+def write_param_checksums(directory: str, record: dict) -> str:
+    """Write one engine's record ({role, pid, when, weights, mapped, params}) as
+    ``<role>-<pid>-<n>.json`` in ``directory`` (atomically); returns the path."""
+    import json
+    import os
+    import tempfile
+
+    os.makedirs(directory, exist_ok=True)
+    n = sum(1 for f in os.listdir(directory) if f.startswith(f"{record['role']}-{record['pid']}-"))
+    path = os.path.join(directory, f"{record['role']}-{record['pid']}-{n}.json")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.rename(tmp, path)
+    return path
+
+
 def pool_checksums(pools) -> str:
     """'weights[0]=<hex> kv_cache[0]=<hex>': the wrapping int64 sum of each pool
     (read on its device; a GPU reads tens of GB in milliseconds)."""

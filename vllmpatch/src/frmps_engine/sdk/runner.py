@@ -357,6 +357,7 @@ class Runner:
                 generation_endpoint=self.gen.endpoint if self.gen is not None else "", device=self.adapter.device,
                 block_size=self.adapter.block_size, num_blocks=self.adapter.num_blocks,
                 kv_budget=kv_budget_pb(getattr(self.adapter, "kv_budget", None)),
+                weights=self._weights(),
             )
         )
         log.info("welcome: deployment %s, sync every %d steps", self.welcome.deployment_id, self.welcome.sync_every)
@@ -376,6 +377,20 @@ class Runner:
             raise StartupError(str(e)) from None
         log.warning("%s: %s set (test mode): every takeover of this engine breaks one adopted request on purpose",
                     takeover_fault.APPLIED, takeover_fault.ENV + "=" + ",".join(self._faults.cases))
+
+    def _weights(self) -> str:
+        """Hello.weights from the adapter's optional ``weights`` attribute, logged
+        once at start with what this engine does with it."""
+        weights = str(getattr(self.adapter, "weights", "") or "")
+        if weights.startswith("loaded:"):
+            how = ("this engine loads them into the shared weights pool" if self.role == control_pb2.ROLE_ACTIVE
+                   else "this engine loads none: it maps the active's weights pool")
+            log.info("weights: %s (%s)", weights, how)
+        elif weights:
+            log.info("weights: %s (random; the model directory holds no checkpoint, or --weights dummy)", weights)
+        else:
+            log.info("weights: the %s adapter does not say where its weights come from", self.adapter.name)
+        return weights
 
     def _preload_ring(self) -> None:
         try:
@@ -825,6 +840,15 @@ class Runner:
 
         if os.environ.get(debug_fault.CHECKSUM_ENV) == "1":
             log.info("pool checksums %s: %s", when, debug_fault.pool_checksums(self.memory.pools()))
+            out_dir = os.environ.get(debug_fault.PARAM_CHECKSUM_ENV, "")
+            params = getattr(self.core, "param_checksums", None)
+            if out_dir and callable(params):
+                role = "active" if self.role == control_pb2.ROLE_ACTIVE else "standby"
+                path = debug_fault.write_param_checksums(out_dir, dict(
+                    role=role, pid=os.getpid(), when=when, weights=str(getattr(self.adapter, "weights", "")),
+                    # A standby's parameters are the active's once it mapped the brokered pools.
+                    mapped=role == "active" or bool(getattr(self, "_slept", False)), params=params()))
+                log.info("parameter checksums %s: %s", when, path)
 
     def checksum_pools(self) -> None:
         """Test hook (debug_fault.CHECKSUM_ENV): log the pools' checksums, on the

@@ -10,8 +10,11 @@ The vLLM side is built with official knobs only:
 - ``scheduler_cls`` = FrmpsScheduler (committed views, adoption, counters);
 - ``enable_sleep_mode`` + ``sleep_mode_backend="frmps"`` (pools.PoolController);
 - ``num_gpu_blocks_override`` so both engines have the same block count;
-- ``load_format="dummy"`` for a standby (and for dummy weights), so it never
-  loads weights; whatever it initialises lands in its private placeholder pools;
+- ``load_format="safetensors"`` for the active when the model directory holds
+  ``*.safetensors`` (vLLM's own loader reads them into the weights pool), else
+  ``"dummy"``; ``load_format="dummy"`` always for a standby, so it never loads
+  weights: whatever it initialises lands in its private placeholder pools, and
+  it serves the active's weights pool once it maps it;
 - ``tensor_parallel_size=1`` and the in-process executor (the worker shares this
   process, hence the pool controller).
 - every request carries an explicit seed (the SDK's one rule, sdk/seeds.py;
@@ -165,6 +168,17 @@ class VllmCore:
     flight whenever the engine loop holds the GIL, and its views stay committed
     only (FrmpsAsyncScheduler: ``num_computed_tokens - num_in_flight_tokens``).
     """
+
+    def param_checksums(self) -> dict[str, str]:
+        """Debug hook (sdk/debug_fault.py PARAM_CHECKSUM_ENV): every parameter of the
+        model vLLM built, by name, as debug_fault.tensor_checksum (a one-rank engine:
+        its worker is in this process)."""
+        from ..sdk.debug_fault import tensor_checksum
+
+        def checksums(worker: Any) -> dict[str, str]:
+            return {n: tensor_checksum(p) for n, p in worker.get_model().named_parameters()}
+
+        return self.core.model_executor.collective_rpc(checksums)[0]
 
     def __init__(self, core: Any, tokenizer: Any = None, kv_reuse: bool = True):
         self.core = core
@@ -604,6 +618,20 @@ def _tokenizer_config(model: str) -> dict | None:
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DECODERS = {"Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"}
+# transformers' defaults (its config classes) for fields a config.json may leave
+# out, as vLLM then sees them: every decoder here defaults to untied embeddings;
+# the position count differs by architecture.
+_DEFAULT_POSITIONS = {"Qwen2ForCausalLM": 32768, "Qwen3ForCausalLM": 32768, "LlamaForCausalLM": 2048,
+                      "MistralForCausalLM": 4096 * 32}
+
+
+def _field(cfg: dict, name: str, default: Any = None) -> Any:
+    """A config.json field with JSON null read as absent, as transformers reads it
+    (it writes null for unset optional fields: num_key_value_heads, head_dim).
+    The fields the formulas read are top-level in what transformers 4 and 5
+    write alike; only RoPE moved (rope_parameters), which the formulas do not read."""
+    v = cfg.get(name)
+    return default if v is None else v
 
 
 def _weight_tensors(cfg: dict, dtype: str, allocated: bool = False, tp: int = 1) -> list[int]:
@@ -626,8 +654,8 @@ def _weight_tensors(cfg: dict, dtype: str, allocated: bool = False, tp: int = 1)
     h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     v = -(-cfg["vocab_size"] // 64) * 64
     heads = cfg["num_attention_heads"]
-    kvh = cfg.get("num_key_value_heads", heads)
-    hd = cfg.get("head_dim") or h // heads
+    kvh = _field(cfg, "num_key_value_heads", heads)
+    hd = _field(cfg, "head_dim") or h // heads
     if tp < 1 or heads % tp or i % tp or v % tp or (kvh >= tp and kvh % tp) or (kvh < tp and tp % kvh):
         raise ValueError(f"tensor parallel size {tp} does not divide the model ({heads} heads, {kvh} KV heads, "
                          f"intermediate {i}, vocabulary {v})")
@@ -640,7 +668,7 @@ def _weight_tensors(cfg: dict, dtype: str, allocated: bool = False, tp: int = 1)
         per_layer += [hd, hd]  # q_norm, k_norm
     per_layer += [2 * i * h, i * h, h, h]  # fused gate_up, down, two RMSNorms
     tensors = [v * h] + per_layer * L + [h]
-    if allocated or not cfg.get("tie_word_embeddings", False):
+    if allocated or not _field(cfg, "tie_word_embeddings", False):
         tensors.append(v * h)
     return [n * nb for n in tensors]
 
@@ -675,8 +703,9 @@ def weights_pool_bytes(cfg: dict, dtype: str, tp: int = 1) -> int:
     from .pools import TORCH_LARGE_SEGMENT, TORCH_SMALL_SEGMENT, torch_segments_bytes
 
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    hd = cfg.get("head_dim") or h // heads
-    positions = int(cfg.get("max_position_embeddings", 0) or 0)
+    hd = _field(cfg, "head_dim") or h // heads
+    arch = (cfg.get("architectures") or ["?"])[0]
+    positions = int(_field(cfg, "max_position_embeddings", _DEFAULT_POSITIONS.get(arch, 0)))
     rope = positions * hd * _DTYPE_BYTES[dtype] + positions * hd * 4 * 5 // 2  # cache + cat, freqs, cos, sin (fp32)
     allocated = _weight_tensors(cfg, dtype, allocated=True, tp=tp)
     est = torch_segments_bytes(allocated) + rope + TORCH_SMALL_SEGMENT + TORCH_LARGE_SEGMENT
@@ -704,7 +733,9 @@ class VllmEngineConfig:
     block_size: int = 16
     max_model_len: int = 0  # 0: the model's own context length, as vLLM derives it
     dtype: str = "bfloat16"
-    weights: str = "dummy"  # "dummy" or "load"
+    # "load": the active reads the model directory's *.safetensors into the weights
+    # pool (a standby never loads: it maps that pool); "dummy": random weights.
+    weights: str = "dummy"
     sync_every: int = 1
     # None: vLLM decides (on where its executor and model runner support it, as
     # for vLLM alone); the scheduler class follows its decision (scheduler_cls_for).
@@ -748,12 +779,16 @@ class VllmAdapter:
             raise ValueError(f"dtype {cfg.dtype!r} not supported (use one of {sorted(_DTYPE_BYTES)})")
         if not 0 < cfg.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
+        if cfg.weights not in ("load", "dummy"):
+            raise ValueError(f"weights {cfg.weights!r}: want load or dummy")
         self.cfg = cfg
         self.hf = _hf_config(cfg.model)
         self.model, self.device = cfg.model, cfg.device
         self._gpu_name = ""  # set by _gpu()
         if cfg.max_model_len < 1:  # vLLM's own derivation, which vLLM checks again when it builds
             cfg.max_model_len = sizing.model_max_len(self.hf, _tokenizer_config(cfg.model))
+        # Hello.weights (sdk/runner.py logs it at start).
+        self.weights = f"loaded:{cfg.model}" if cfg.weights == "load" else "dummy"
         self.block_size, self.num_blocks, self.max_model_len = cfg.block_size, cfg.num_blocks, cfg.max_model_len
         # sizing.KVBudget: the runner's Hello carries it (control.proto KVBudget).
         self.kv_budget: sizing.KVBudget | None = None
@@ -944,8 +979,8 @@ class VllmAdapter:
             num_blocks=num_blocks,
             block_size=self.block_size,
             # one rank's KV heads: vLLM divides them, or replicates one per rank when fewer
-            num_kv_heads=max(1, h.get("num_key_value_heads", heads) // self.cfg.tensor_parallel_size),
-            head_size=h.get("head_dim") or h["hidden_size"] // heads,
+            num_kv_heads=max(1, _field(h, "num_key_value_heads", heads) // self.cfg.tensor_parallel_size),
+            head_size=_field(h, "head_dim") or h["hidden_size"] // heads,
             dtype_bytes=_DTYPE_BYTES[self.cfg.dtype],
         )
         allocations = self.compat.kv_cache_allocations(layers, kv // layers)
@@ -970,7 +1005,7 @@ class VllmAdapter:
             max_model_len=self.cfg.max_model_len,
             block_size=self.cfg.block_size,
             num_gpu_blocks_override=self.cfg.num_blocks,
-            load_format="auto" if (load_weights and self.cfg.weights == "load") else "dummy",
+            load_format=self.load_format(load_weights),
             enable_sleep_mode=True,
             **self.compat.engine_args(SLEEP_BACKEND_NAME),
             # Replaced by scheduler_cls_for once vLLM has settled async_scheduling.
@@ -994,6 +1029,15 @@ class VllmAdapter:
                                     ("max_num_batched_tokens", self.cfg.max_num_batched_tokens)) if v},
                **self._structured_outputs_arg(), **self.cfg.overrides},
         )
+
+    def load_format(self, load_weights: bool) -> str:
+        """vLLM's load_format: "safetensors" (its DefaultModelLoader, which reads
+        the directory's *.safetensors into the parameters the loader patch placed
+        in the weights pool, converting them to the engine's dtype) for the active
+        of a model with weights; "dummy" for a standby (it never loads: its
+        placeholder parameters are replaced by the active's pool when it maps it)
+        and for dummy weights."""
+        return "safetensors" if (load_weights and self.cfg.weights == "load") else "dummy"
 
     def _structured_outputs_arg(self) -> dict:
         if not self.cfg.structured_outputs:
@@ -1288,7 +1332,9 @@ FRMPS_OWNED_ENGINE_ARGS = {
     "block_size": "frmps's KV block size (16)", "num_gpu_blocks_override": "--num-blocks",
     "kv_cache_memory_bytes": "--num-blocks", "gpu_memory_utilization": "frmps's start-up memory fraction",
     "kv_cache_dtype": "frmps's KV pool layout", "quantization": "frmps's weights pool layout",
-    "load_format": "frmps's weights (dummy, or loaded by the active)", "enable_sleep_mode": "frmps's standby",
+    "load_format": "--weights (the active loads the model directory's *.safetensors into the shared weights pool, "
+                   "the standby maps it; dummy only where the directory has none)",
+    "enable_sleep_mode": "frmps's standby",
     "scheduler_cls": "frmps's scheduler", "async_scheduling": "FRMPS_VLLM_ASYNC_SCHEDULING",
     "additional_config": "frmps's engine configuration", "tensor_parallel_size": "--tensor-parallel-size",
     "pipeline_parallel_size": "one engine process", "data_parallel_size": "one engine process",
@@ -1354,6 +1400,16 @@ def make_adapter(args: Any) -> VllmAdapter:
         raise AdapterError("--exact is the reference engine's scheduler mode; for vLLM set VLLM_BATCH_INVARIANT=1 "
                            "in the engines' environment (vLLM's batch-invariant kernels) instead")
     tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
+    from ..modeldir import has_weights
+
+    choice = getattr(args, "weights", None) or "auto"
+    if choice not in ("auto", "dummy"):
+        raise AdapterError(f"--weights {choice!r}: want auto or dummy")
+    try:
+        # Not a directory: VllmAdapter says so (no config.json).
+        weights = "load" if choice == "auto" and os.path.isdir(args.model) and has_weights(args.model) else "dummy"
+    except ValueError as exc:
+        raise AdapterError(str(exc)) from exc
     try:
         async_scheduling = async_scheduling_from_env(os.environ)
         structured_outputs = structured_outputs_from_env(os.environ)
@@ -1369,7 +1425,7 @@ def make_adapter(args: Any) -> VllmAdapter:
             max_model_len=int(getattr(args, "max_model_len", 0) or 0),
             gpu_memory_utilization=float(getattr(args, "gpu_memory_utilization", None) or 0.9),
             dtype=getattr(args, "dtype", None) or "bfloat16",
-            weights=getattr(args, "weights", None) or "dummy",
+            weights=weights,
             sync_every=int(getattr(args, "sync_every", 1) or 1),
             async_scheduling=async_scheduling,
             max_num_seqs=getattr(args, "max_num_seqs", None),

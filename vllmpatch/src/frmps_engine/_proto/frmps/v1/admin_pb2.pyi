@@ -12,7 +12,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("role", "pid", "state", "in_mps", "restarts", "started_unix_nanos", "last_death_cause", "log_path", "engine", "device", "block_size", "num_blocks", "init_seconds", "steps", "running", "waiting", "from_spare", "kv_budget")
+    __slots__ = ("role", "pid", "state", "in_mps", "restarts", "started_unix_nanos", "last_death_cause", "log_path", "engine", "device", "block_size", "num_blocks", "init_seconds", "steps", "running", "waiting", "from_spare", "kv_budget", "weights")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class EngineStatus(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FROM_SPARE_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     pid: int
     state: str
@@ -49,7 +50,8 @@ class EngineStatus(_message.Message):
     waiting: int
     from_spare: bool
     kv_budget: _control_pb2.KVBudget
-    def __init__(self, role: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., in_mps: _Optional[bool] = ..., restarts: _Optional[int] = ..., started_unix_nanos: _Optional[int] = ..., last_death_cause: _Optional[str] = ..., log_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., init_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., from_spare: _Optional[bool] = ..., kv_budget: _Optional[_Union[_control_pb2.KVBudget, _Mapping]] = ...) -> None: ...
+    weights: str
+    def __init__(self, role: _Optional[str] = ..., pid: _Optional[int] = ..., state: _Optional[str] = ..., in_mps: _Optional[bool] = ..., restarts: _Optional[int] = ..., started_unix_nanos: _Optional[int] = ..., last_death_cause: _Optional[str] = ..., log_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., init_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., from_spare: _Optional[bool] = ..., kv_budget: _Optional[_Union[_control_pb2.KVBudget, _Mapping]] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class FailoverRecord(_message.Message):
     __slots__ = ("seq", "unix_nanos", "cause", "detail", "duration_seconds", "resumed_requests", "ok", "error", "reused_tokens", "prefilled_tokens", "first_token_seconds")
