@@ -499,6 +499,12 @@ def run_control(args, case: str, trigger_spec: str) -> dict:
     cargs = copy.copy(args)
     cargs.env = {**(getattr(args, "env", None) or {}), **proofcount.control_env(case)}
     cargs.port = 0
+    # A control runs the proof's engines, but syncs every 16 steps: the position case needs
+    # a request with tokens past its last sync, which syncing every step seldom leaves.
+    cargs.sync_every = max(int(args.sync_every or 1), 16)
+    if getattr(args, "quick_start", False):
+        cargs.quick_start = False  # the same choices, spelled out, so that --sync-every can be given
+        cargs.engine_arg, cargs.serve_arg, cargs.num_blocks, cargs.max_model_len = [], [], 0, 0
     model = getattr(args, "served_model_name", "") or args.model
     dep = Deployment(cargs, f"control-{case}", os.path.join(args.workdir, f"control-{case}"))
     load, rec, fig, faulted, err = None, {"n": 1, "label": f"control {case}"}, {}, False, None
@@ -644,9 +650,22 @@ def main() -> int:
     ap.add_argument("--engine-arg", action="append", default=[])
     ap.add_argument("--serve-arg", action="append", default=[], help="more frmps serve flags")
     ap.add_argument("--cpu", action="store_true", help="CPU check of this script: MPS control test double, SIGKILL faults")
+    ap.add_argument("--quick-start", action="store_true",
+                    help="start frmps exactly as the README's GPU quick start does: `frmps serve --model M` with only "
+                         "its port, admin address, run and log directories added (no engine, device, memory, sync, "
+                         "block or batch flag; --engine-arg, --serve-arg, --num-blocks and --max-model-len refused); "
+                         "--prefill-chunk then only names the engines' own chunk for the count (default 8192, "
+                         "vllm serve's on a GPU of >= 70 GiB)")
     add_count_args(ap)
     args = ap.parse_args()
-    apply_prefill_chunk(args)
+    if args.quick_start:
+        if args.engine_arg or args.serve_arg or args.num_blocks or args.max_model_len or args.cpu:
+            ap.error("--quick-start takes no --engine-arg, --serve-arg, --num-blocks, --max-model-len or --cpu")
+        args.engine, args.device, args.memory = "auto", "auto", "auto"
+        if not any(a.startswith("--prefill-chunk") for a in sys.argv[1:]):
+            args.prefill_chunk = 8192
+    else:
+        apply_prefill_chunk(args)
     args.port, args.mps_control, args.env = 0, "", {}
     if args.cpu:
         args.device, args.memory, args.mps_control = "cpu", "host-shm", FAKE_MPS
@@ -654,7 +673,7 @@ def main() -> int:
         args.env = {"FRMPS_TEST_STEP_DELAY_MS": "10"}
     t_begin = now()
     os.makedirs(args.workdir, exist_ok=True)
-    report: dict = {"engine": args.engine, "model": args.model, "device": args.device, "sync_every": args.sync_every,
+    report: dict = {"quick_start": args.quick_start, "engine": args.engine, "model": args.model, "device": args.device, "sync_every": args.sync_every,
                     "streams": args.streams, "max_tokens": args.max_tokens, "burst": args.burst,
                     "prefill_chunk": args.prefill_chunk, "faults": []}
 

@@ -165,12 +165,18 @@ class Deployment:
 
     def start(self) -> None:
         a = self.args
-        cmd = ServeOpts(frmps=a.frmps, python=a.python, model=a.model, device=a.device, memory=a.memory,
-                        mps=not a.cpu or bool(getattr(a, "mps_control", "")),
-                        sync_every=a.sync_every, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
-                        engine_args=list(a.engine_arg), engine=getattr(a, "engine", "ref"),
-                        serve_args=list(getattr(a, "serve_arg", []) or []) + shared_mps_args(a),
-                        ).command(self.port, self.admin, self.run_dir, self.log_dir)
+        if getattr(a, "quick_start", False):
+            # The README's GPU quick start: `frmps serve --model M` and nothing that changes
+            # how it serves; only where it listens and keeps its files.
+            cmd = [a.frmps, "serve", "--model", a.model, "--port", str(self.port), "--admin-addr", self.admin,
+                   "--run-dir", self.run_dir, "--engine-log-dir", self.log_dir]
+        else:
+            cmd = ServeOpts(frmps=a.frmps, python=a.python, model=a.model, device=a.device, memory=a.memory,
+                            mps=not a.cpu or bool(getattr(a, "mps_control", "")),
+                            sync_every=a.sync_every, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
+                            engine_args=list(a.engine_arg), engine=getattr(a, "engine", "ref"),
+                            serve_args=list(getattr(a, "serve_arg", []) or []) + shared_mps_args(a),
+                            ).command(self.port, self.admin, self.run_dir, self.log_dir)
         env = dict(os.environ)
         src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src"))
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
