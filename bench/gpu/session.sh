@@ -59,6 +59,21 @@
 #   start-profile                      the engines started after it run py-spy on their own start
 #                                      (FRMPS_DEBUG_STARTUP_PROFILE=$OUT/start-profile); pack sums them per function
 #                                      (bench/gpu/start_profile.py: $OUT/start-profile.txt, .json)
+#   seeded:<model>                     the KV-sensitive seeded checkpoint (frmps model init <model> --weights seeded)
+#                                      into $WORK/models/<model>-seeded, once; the stages below with a model read it
+#   sensitivity:<model>[:<timeout>]    frmps_engine.bench.sensitivity on that checkpoint with vLLM (and the uniform
+#                                      +-1e-3 baseline): does the output depend on the context? ($OUT/sensitivity-<model>.json)
+#   weights-check:<model>[:<timeout>]  bench/gpu/weights_check.py: the weights pool (active, mapped standby) and a plain
+#                                      vLLM load checksummed against the checkpoint's file, with a perturbed-file control
+#   quick-start:<model>:<n>:<budget>[:<timeout>]  failback_proof.py --quick-start on the seeded checkpoint: `frmps serve
+#                                      --model DIR` as the README's GPU quick start starts it, the negative controls first,
+#                                      n real MPS faults with failback, the streams in flight at each counted
+#   quick-start-preset:<model>[:<timeout>]  `frmps serve --model <preset>` (no other flag): resolved choices, KV budget
+#                                      and one completion, from status and the log; then the same with a bad --vllm-arg,
+#                                      which must exit 1 after one engine start
+#   controls:<engine>:<model>[:<timeout>]  bench/gpu/controls_check.py on the seeded checkpoint: each negative control
+#                                      detected, the positive run exact
+#   margin:<model>[:<timeout>]         bench/gpu/margin_bound.py on the seeded checkpoint (alone vs in a batch)
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
 # (put ahead of PYTHONPATH).
@@ -261,6 +276,96 @@ stage_openai_faults() {  # model n [timeout]
     tail -n 30 "$WORK/openai-faults-$model.out" >> "$S"
 }
 
+seeded_dir() {  # the seeded checkpoint of a preset, written once into $WORK/models; prints it
+    PYTHONPATH=$PWD/vllmpatch/src python3 -m frmps_engine.cli model-dir "$1" --weights seeded --out "$WORK/models/$1-seeded"
+}
+
+stage_seeded() {  # model
+    local t0=$SECONDS m
+    m=$(seeded_dir "$1" 2> "$WORK/seeded-$1.err") || { log "seeded $1: FAILED"; tail -n 5 "$WORK/seeded-$1.err" >> "$S"; return; }
+    log "seeded $1: $m ($(du -sh "$m" | cut -f1), $((SECONDS - t0)) s)"
+    cat "$m/frmps_weights.json" >> "$S" 2>/dev/null; echo >> "$S"
+}
+
+stage_sensitivity() {  # model [timeout]
+    vllm_env
+    local m
+    m=$(seeded_dir "$1" 2>/dev/null) || { log "sensitivity $1: no seeded checkpoint"; return; }
+    log "sensitivity $1 (vLLM, with the uniform baseline)"
+    bounded "${2:-420}" python3 -m frmps_engine.bench.sensitivity --model "$m" --engine vllm --baselines \
+        --baseline-dir "$WORK/models/$1-baselines" --out "$OUT/sensitivity-$1.json" > "$WORK/sensitivity-$1.out" 2>&1
+    log "sensitivity $1: rc=$?"; tail -n 12 "$WORK/sensitivity-$1.out" >> "$S"
+}
+
+stage_weights_check() {  # model [timeout]
+    vllm_env
+    local m
+    m=$(seeded_dir "$1" 2>/dev/null) || { log "weights-check $1: no seeded checkpoint"; return; }
+    log "weights-check $1"
+    bounded "${2:-420}" python3 bench/gpu/weights_check.py --frmps bin/frmps --model "$m" --workdir "$WORK/weights-$1" \
+        --out "$OUT/weights-$1.json" > "$WORK/weights-$1.out" 2>&1
+    log "weights-check $1: rc=$?"; tail -n 8 "$WORK/weights-$1.out" >> "$S"
+}
+
+stage_quick_start() {  # model n budget [timeout]
+    vllm_env
+    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330 + ${CONTROL_S:-900}))} m
+    m=$(seeded_dir "$model" 2>/dev/null) || { log "quick-start $model: no seeded checkpoint"; return; }
+    rm -rf "$WORK/quick-$model"
+    log "quick-start $model: frmps serve --model $m, controls ${CONTROLS:-on}, $n faults, budget ${budget}s"
+    bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --quick-start --model "$m" \
+        --controls "${CONTROLS:-on}" --faults "$n" --time-budget "$budget" --workdir "$WORK/quick-$model" \
+        --out "$OUT/quick-$model.json" > "$WORK/quick-$model.out" 2>&1
+    log "quick-start $model: rc=$?"
+    grep -E "^control |controls:|streams in flight|passed unnoticed|^error" "$WORK/quick-$model.out" | tail -n 12 >> "$S"
+    tail -n 6 "$WORK/quick-$model.out" >> "$S"
+}
+
+stage_quick_start_preset() {  # model [timeout]: the README's command as written, then a bad vLLM flag
+    vllm_env
+    local model=$1 limit=${2:-300} pid rc t0
+    log "quick-start-preset $model: bin/frmps serve --model $model"
+    set -m
+    bin/frmps serve --model "$model" --engine-log-dir "$WORK/preset-$model" > "$WORK/preset-$model.log" 2>&1 &
+    pid=$!
+    set +m
+    if wait_http 8000 "$limit" "$pid"; then
+        for _ in $(seq 60); do bin/frmps status > "$WORK/preset-$model.status" 2>&1 && grep -q standby "$WORK/preset-$model.status" && break; sleep 2; done
+        python3 -c "import json,urllib.request as u; r=u.urlopen(u.Request('http://127.0.0.1:8000/v1/completions', data=json.dumps({'model': '$model', 'prompt': 'Hello', 'max_tokens': 16}).encode(), headers={'Content-Type': 'application/json'}), timeout=120); print('completion:', json.load(r)['choices'][0]['text'][:60].encode())" >> "$S" 2>&1
+        grep -E "resolved:|kv cache|WEIGHTS|active|standby" "$WORK/preset-$model.status" >> "$S"
+    else
+        log "quick-start-preset $model: did not answer"; tail -n 20 "$WORK/preset-$model.log" >> "$S"
+    fi
+    grep -hE "resolved:|KV cache:|device memory with the active built|ring: a FULL" "$WORK/preset-$model.log" "$WORK/preset-$model"/*.log 2>/dev/null | cut -c1-400 | head -8 >> "$S"
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader >> "$S"
+    stop_group "$pid"
+    log "quick-start-preset $model: a bad --vllm-arg"
+    t0=$SECONDS
+    timeout "$limit" bin/frmps serve --model "$model" --vllm-arg=--no-such-flag > "$WORK/preset-bad.log" 2>&1
+    rc=$?
+    log "bad --vllm-arg: rc=$rc after $((SECONDS - t0)) s, engine launches: $(grep -c 'engine launched' "$WORK/preset-bad.log")"
+    tail -n 1 "$WORK/preset-bad.log" | cut -c1-400 >> "$S"
+}
+
+stage_controls() {  # engine model [timeout]
+    vllm_env
+    local m
+    m=$(seeded_dir "$2" 2>/dev/null) || { log "controls $2: no seeded checkpoint"; return; }
+    log "controls $1 $2"
+    bounded "${3:-900}" python3 bench/gpu/controls_check.py --frmps bin/frmps --engine "$1" --model "$m" \
+        --workdir "$WORK/controls-$1-$2" --out "$OUT/controls-$1-$2.json" > "$WORK/controls-$1-$2.out" 2>&1
+    log "controls $1 $2: rc=$?"; tail -n 10 "$WORK/controls-$1-$2.out" >> "$S"
+}
+
+stage_margin() {  # model [timeout]
+    vllm_env
+    local m
+    m=$(seeded_dir "$1" 2>/dev/null) || { log "margin $1: no seeded checkpoint"; return; }
+    log "margin $1"
+    bounded "${2:-420}" python3 bench/gpu/margin_bound.py --model "$m" --out "$OUT/margin-$1.json" > "$WORK/margin-$1.out" 2>&1
+    log "margin $1: rc=$?"; tail -n 8 "$WORK/margin-$1.out" >> "$S"
+}
+
 two_gpus() {  # what: fails (and logs why) on a machine with fewer than two GPUs
     local gpus
     gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
@@ -347,6 +452,13 @@ for st in "$@"; do
         vllm-tp-failback) stage_vllm_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;
         bench) stage_bench "$a" "$b" "$c" "$d" "$e" ;;
+        seeded) stage_seeded "$a" ;;
+        sensitivity) stage_sensitivity "$a" "$b" ;;
+        weights-check) stage_weights_check "$a" "$b" ;;
+        quick-start) stage_quick_start "$a" "$b" "$c" "$d" ;;
+        quick-start-preset) stage_quick_start_preset "$a" "$b" ;;
+        controls) stage_controls "$a" "$b" "$c" ;;
+        margin) stage_margin "$a" "$b" ;;
         py)  # py:<script in bench/gpu>:<timeout>: a probe, its output into $OUT/<script>.out
             vllm_env; log "py $a"
             bounded "${b:-120}" python3 "bench/gpu/$a" > "$OUT/${a%.py}.out" 2>&1
