@@ -12,6 +12,7 @@ set -euo pipefail
 . "$(dirname "$0")/common.sh"
 need podman
 image=${1:-$IMAGE:gpu}
+podman image exists "$image" || die "no image $image: build it first (make image-gpu)"
 
 # shellcheck disable=SC2086 # PODMAN_RUN_OPTS is a list of options
 prun() { podman run --rm $PODMAN_RUN_OPTS --read-only --cap-drop ALL --security-opt no-new-privileges --tmpfs /tmp "$@"; }

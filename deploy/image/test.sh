@@ -21,6 +21,7 @@ set -euo pipefail
 . "$(dirname "$0")/common.sh"
 need podman
 image=${1:-$IMAGE:cpu}
+podman image exists "$image" || die "no image $image: build it first (make image-cpu)"
 py=${HOST_PYTHON:-python3}
 
 # chart:begin -- what the chart renders with ci/cpu-values.yaml
