@@ -142,12 +142,32 @@ deploy-test: $(VENV)/.stamp go-build ## deployment files: Helm chart, systemd un
 	cd deploy && $(GO) vet ./...
 	cd deploy && FRMPS_BIN=$(CURDIR)/$(BIN)/frmps $(GO) test -count=1 -timeout 10m ./...
 
+# Images without a Docker daemon (deploy/image/): a Debian base from
+# mmdebstrap, frmps and the interceptor built here, the Python environment
+# from PyPI, assembled with buildah. Needs root and Debian's mmdebstrap,
+# buildah, podman (and runc where crun cannot run containers).
+.PHONY: image
+image: image-cpu image-gpu ## both container images, daemonless (buildah; deploy/image/)
+
 .PHONY: image-cpu
-image-cpu: ## container image, CPU variant (docker with BuildKit)
-	docker build -f deploy/docker/Dockerfile --target cpu --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t frmps:$(VERSION)-cpu -t frmps:cpu .
+image-cpu: ## container image, CPU variant, daemonless: localhost/frmps:cpu
+	VERSION=$(VERSION) COMMIT=$(COMMIT) deploy/image/build.sh cpu
 
 .PHONY: image-gpu
-image-gpu: ## container image, GPU variant on the CUDA base (docker with BuildKit)
+image-gpu: ## container image, GPU variant (vLLM 0.26.0, CUDA 13 wheels), daemonless: localhost/frmps:gpu
+	VERSION=$(VERSION) COMMIT=$(COMMIT) deploy/image/build.sh gpu
+
+.PHONY: image-test
+image-test: ## not in CI (minutes, podman): the cpu image run as the chart runs it; the gpu image's contents, without a GPU
+	deploy/image/test.sh
+	deploy/image/check-gpu.sh
+
+.PHONY: image-docker-cpu
+image-docker-cpu: ## container image, CPU variant (docker with BuildKit; needs Docker Hub, ghcr.io, download.pytorch.org)
+	docker build -f deploy/docker/Dockerfile --target cpu --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t frmps:$(VERSION)-cpu -t frmps:cpu .
+
+.PHONY: image-docker-gpu
+image-docker-gpu: ## container image, GPU variant on the CUDA base (docker with BuildKit)
 	docker build -f deploy/docker/Dockerfile --target gpu --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t frmps:$(VERSION)-gpu -t frmps:gpu .
 
 # ---------------------------------------------------------------- run

@@ -98,6 +98,9 @@ type frmps struct {
 	api, admin string
 	cmd        *exec.Cmd
 	log        *bytes.Buffer
+	// firstScrape is the first /metrics page that answered, taken while
+	// frmps started: before any request, failover or engine event.
+	firstScrape []byte
 }
 
 func startFrmps(t *testing.T) *frmps {
@@ -141,7 +144,13 @@ func startFrmps(t *testing.T) *frmps {
 			t.Fatalf("frmps exited before serving: %v\n%s", err, f.log.String())
 		default:
 		}
+		if f.firstScrape == nil {
+			f.firstScrape = f.tryScrape()
+		}
 		if st := f.status(); st["state"] == "serving_ready" {
+			if f.firstScrape == nil {
+				t.Fatalf("/metrics did not answer while frmps started\n%s", f.log.String())
+			}
 			return f
 		}
 		if time.Now().After(deadline) {
@@ -236,6 +245,20 @@ func (f *frmps) streamAcrossDrill(t *testing.T, maxTokens int) {
 	if usage.Usage.CompletionTokens != maxTokens {
 		t.Fatalf("%d tokens across the failover, want %d", usage.Usage.CompletionTokens, maxTokens)
 	}
+}
+
+// tryScrape is the /metrics page, or nil while it does not answer.
+func (f *frmps) tryScrape() []byte {
+	resp, err := http.Get(f.api + "/metrics")
+	if err != nil {
+		return nil
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != 200 {
+		return nil
+	}
+	return b
 }
 
 func (f *frmps) scrape(t *testing.T) []byte {

@@ -181,6 +181,12 @@ func check(t *testing.T, vals chartutil.Values, m manifests) {
 		a["--port"] != "8000" || a["--shutdown-grace"] != fmt.Sprintf("%ds", num("shutdownGraceSeconds")) {
 		t.Errorf("args %q", c.Args)
 	}
+	// Numbers from values files are float64 in templates: a large one printed
+	// as is reads 8.388608e+06, which frmps's integer flags refuse.
+	if a["--ring-capacity"] != strconv.FormatInt(num("ringCapacityBytes"), 10) || a["--sync-every"] != strconv.FormatInt(num("syncEvery"), 10) {
+		t.Errorf("integer args: --ring-capacity=%s --sync-every=%s, want %d and %d",
+			a["--ring-capacity"], a["--sync-every"], num("ringCapacityBytes"), num("syncEvery"))
+	}
 	if len(c.Ports) != 1 || c.Ports[0].Name != "http" || c.Ports[0].ContainerPort != 8000 {
 		t.Fatalf("ports %v", c.Ports)
 	}

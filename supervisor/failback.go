@@ -147,7 +147,7 @@ func (s *Supervisor) handoffTimeout(ev event) {
 	if ho == nil || ho.handoffID != ev.id || !ho.yielded.IsZero() {
 		return
 	}
-	s.died(s.active, fmt.Sprintf("stalled: no reply to handoff within %s", s.cfg.HandoffTimeout), ev.at, "stalled")
+	s.died(s.active, fmt.Sprintf("stalled: no reply to handoff within %s", s.cfg.HandoffTimeout), ev.at, classStalled)
 }
 
 // swap makes the resumed standby the active and the yielded active the

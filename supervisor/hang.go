@@ -28,10 +28,14 @@ import (
 // judged by the coarse rule: no heartbeat, or a step count standing still
 // with requests running, for stepDefault → "stalled".
 
-// Death classes of a fenced wedged active (failover records, metrics).
+// Death classes the supervisor gives itself, where no exit is classified
+// (failover records, metrics): a fenced wedged active, a drill, a fault of
+// the MPS server.
 const (
-	classStalled = "stalled"
-	classHung    = "hung"
+	classStalled  = "stalled"
+	classHung     = "hung"
+	classDrill    = "drill"
+	classMPSFault = "mps_fault"
 )
 
 // hangPolicy holds the thresholds (Config's, defaults applied).

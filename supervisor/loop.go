@@ -117,7 +117,7 @@ func (s *Supervisor) handle(ev event) {
 		}
 		ev.resp <- nil
 		s.log.Info("failover drill: killing the active", "pid", s.active.proc.PID(), "reason", ev.cause)
-		s.died(s.active, "drill: "+ev.cause, ev.at, "drill")
+		s.died(s.active, "drill: "+ev.cause, ev.at, classDrill)
 	case evShutdown:
 		s.step(failover.Event{Kind: failover.Shutdown, At: ev.at, Cause: ev.cause})
 	case evStep:
@@ -217,7 +217,7 @@ func (s *Supervisor) mpsTeardown(ev event) {
 		return
 	}
 	s.mpsFaulted = true
-	s.died(sl, "MPS server: "+ev.cause, ev.at, "mps_fault")
+	s.died(sl, "MPS server: "+ev.cause, ev.at, classMPSFault)
 	s.log.Warn("the MPS server tore the active's context down; failing over", "pid", pid, "client", ev.pid, "line", ev.cause)
 }
 

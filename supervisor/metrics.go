@@ -8,6 +8,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/frmps/frmps/supervisor/buildinfo"
+	"github.com/frmps/frmps/supervisor/deathcause"
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
@@ -90,6 +91,12 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 			return nil, fmt.Errorf("register metrics: %w", err)
 		}
 	}
+	// Every label value known in advance starts at zero, so that each series
+	// is on the first scrape (dashboards and alerts read "No data" otherwise,
+	// and increase() misses the first event).
+	for _, c := range failoverClasses() {
+		m.failovers.WithLabelValues(c).Add(0)
+	}
 	for _, r := range []string{"active", "standby"} {
 		m.engineUp.WithLabelValues(r).Set(0)
 		m.restarts.WithLabelValues(r).Add(0)
@@ -101,6 +108,12 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 		m.launchesFrom.WithLabelValues(f).Add(0)
 	}
 	return m, nil
+}
+
+// failoverClasses lists every cause label frmps_failovers_total can carry:
+// the classes of a classified exit and those the supervisor gives itself.
+func failoverClasses() []string {
+	return append(deathcause.Classes(), classDrill, classStalled, classHung, classMPSFault)
 }
 
 func (m *metrics) ringLagFn(f func() float64) {

@@ -362,6 +362,30 @@ func TestUnavailableBeforeHeaders(t *testing.T) {
 	}
 }
 
+// The series the dashboard and the alert rules read are on /metrics before
+// any request, at zero, for every label value known in advance.
+func TestMetricsBeforeAnyRequest(t *testing.T) {
+	h, _ := newHarness(t, openai.Config{}, fakegen.Config{})
+	resp := h.do(context.Background(), http.MethodGet, "/metrics", "")
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{
+		`frmps_requests_total{code="200",endpoint="chat_completions",model_name="test-model"} 0`,
+		`frmps_requests_total{code="200",endpoint="completions",model_name="test-model"} 0`,
+		`frmps_request_duration_seconds_count{endpoint="chat_completions",model_name="test-model"} 0`,
+		`frmps_request_duration_seconds_count{endpoint="completions",model_name="test-model"} 0`,
+		`frmps_stream_resumes_total{model_name="test-model",outcome="ok"} 0`,
+		`frmps_stream_resumes_total{model_name="test-model",outcome="failed"} 0`,
+		`frmps_stream_resume_phase_seconds_count{model_name="test-model",phase="first_token"} 0`,
+		`frmps_time_to_first_token_seconds_count{model_name="test-model"} 0`,
+		`frmps_tokens_generated_total{model_name="test-model"} 0`,
+	} {
+		if !strings.Contains(string(b), want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+}
+
 func TestModelsVersionMetrics(t *testing.T) {
 	h, _ := newHarness(t, openai.Config{Version: "1.2.3"}, fakegen.Config{})
 	m := readJSON(t, h.do(context.Background(), http.MethodGet, "/v1/models", ""))

@@ -57,5 +57,18 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 			return nil, err
 		}
 	}
+	// Every label value known in advance starts at zero, so that each series
+	// is on the first scrape: both endpoints (their success code; other codes
+	// appear with their first request), both resume outcomes, every phase.
+	for _, ep := range []endpoint{endpointChat, endpointCompletions} {
+		requests.WithLabelValues(ep.String(), "200").Add(0)
+		duration.WithLabelValues(ep.String())
+	}
+	for _, o := range []string{"ok", "failed"} {
+		resumes.WithLabelValues(o).Add(0)
+	}
+	for _, p := range []string{"engine", "open", "first_token"} {
+		resumePhase.WithLabelValues(p)
+	}
 	return m, nil
 }
