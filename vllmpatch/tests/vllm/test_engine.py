@@ -887,6 +887,23 @@ def test_mega_aot_artifact_is_on_by_default_where_vllm_can_use_it(monkeypatch):
     assert vllm.envs.VLLM_USE_MEGA_AOT_ARTIFACT is True
 
 
+def test_flashinfer_sampler_off_where_flashinfer_is_missing():
+    from frmps_engine.vllm.engine import FLASHINFER_SAMPLER_ENV as V, flashinfer_sampler_default
+
+    env: dict[str, str] = {}
+    note = flashinfer_sampler_default(env, have_flashinfer=False)
+    assert env[V] == "0" and "flashinfer is not installed" in note
+    for given in ("0", "1"):  # the user's choice stands where flashinfer is there
+        env = {V: given}
+        assert flashinfer_sampler_default(env, have_flashinfer=True) == "" and env == {V: given}
+    env = {}
+    assert flashinfer_sampler_default(env, have_flashinfer=True) == "" and env == {}  # vLLM's default: FlashInfer
+    env = {V: "0"}
+    assert flashinfer_sampler_default(env, have_flashinfer=False) == "" and env == {V: "0"}
+    with pytest.raises(ValueError, match="flashinfer is not installed"):
+        flashinfer_sampler_default({V: "1"}, have_flashinfer=False)
+
+
 def test_triton_cache_is_pinned_unless_the_user_set_it(tmp_path):
     """With the compiled model loaded whole vLLM leaves TRITON_CACHE_DIR alone, so
     frmps names one directory under vLLM's cache root; a user's choice stands."""

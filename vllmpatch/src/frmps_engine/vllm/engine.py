@@ -789,6 +789,8 @@ class VllmAdapter:
             cfg.max_model_len = sizing.model_max_len(self.hf, _tokenizer_config(cfg.model))
         # Hello.weights (sdk/runner.py logs it at start).
         self.weights = f"loaded:{cfg.model}" if cfg.weights == "load" else "dummy"
+        if cfg.device.startswith("cuda"):  # refused here, at the start, not once vLLM builds its sampler
+            flashinfer_sampler_default(dict(os.environ), _importable("flashinfer"))
         self.block_size, self.num_blocks, self.max_model_len = cfg.block_size, cfg.num_blocks, cfg.max_model_len
         # sizing.KVBudget: the runner's Hello carries it (control.proto KVBudget).
         self.kv_budget: sizing.KVBudget | None = None
@@ -1066,6 +1068,9 @@ class VllmAdapter:
         register()
         import torch
 
+        sampler_note = flashinfer_sampler_default(os.environ, _importable("flashinfer"))
+        if sampler_note:
+            logging.getLogger(__name__).info("%s", sampler_note)
         ptxas = triton_ptxas_default(os.environ, os.path.dirname(torch.__file__))
         if ptxas:
             logging.getLogger(__name__).info("Triton's ptxas: %s (%s)", ptxas, TRITON_PTXAS_ENV)
@@ -1235,6 +1240,40 @@ def mega_aot_default(env: MutableMapping[str, str], torch_version: str) -> bool:
         return False
     env[MEGA_AOT_ENV] = "1"
     return True
+
+
+FLASHINFER_SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def flashinfer_sampler_default(env: MutableMapping[str, str], have_flashinfer: bool) -> str:
+    """vLLM samples top-k/top-p with FlashInfer unless VLLM_USE_FLASHINFER_SAMPLER=0
+    (its default is 1), and an engine whose interpreter has no flashinfer package
+    fails while it starts. Where flashinfer is missing and the variable is unset,
+    sets it to 0 in ``env`` (the engine's own environment, before vLLM reads it:
+    vLLM's PyTorch/Triton sampler) and returns the line to log; where it is set to
+    1 without flashinfer, refuses (ValueError: an engine option refused) with what
+    to do. Returns "" where nothing changes."""
+    v = env.get(FLASHINFER_SAMPLER_ENV, "").strip()
+    if have_flashinfer:
+        return ""
+    if v == "":
+        env[FLASHINFER_SAMPLER_ENV] = "0"
+        return (f"flashinfer is not installed: {FLASHINFER_SAMPLER_ENV}=0 (vLLM's PyTorch/Triton top-k/top-p "
+                f"sampler; install flashinfer or set {FLASHINFER_SAMPLER_ENV} yourself to choose)")
+    if v not in ("0", "false", "False"):
+        raise ValueError(f"{FLASHINFER_SAMPLER_ENV}={v} asks vLLM for FlashInfer's sampler, but flashinfer is not "
+                         f"installed in the engines' interpreter: install it, or unset the variable "
+                         f"(frmps then sets it to 0)")
+    return ""
 
 
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
