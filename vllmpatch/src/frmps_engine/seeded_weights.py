@@ -309,6 +309,7 @@ def write_seeded_checkpoint(out_dir: str, preset_or_shape: Any, seed: int = 0, *
             weight_map[name] = fname
             total += numel * 2
         save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        os.chmod(os.path.join(out_dir, fname), 0o644)  # readable like the directory's other files
         del shard
         if log:
             log(f"wrote {fname} ({len(idxs)} tensors) at {time.monotonic() - t0:.1f} s")
