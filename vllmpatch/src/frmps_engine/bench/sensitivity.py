@@ -172,9 +172,11 @@ def _top_stats(logits) -> tuple[list[float], list[float]]:
     return v[:, 0].exp().tolist(), (v[:, 0] - v[:, 1]).tolist()
 
 
-def run_ref(model_dir: str, prompts: list[list[int]], tokens: int, greedy: bool, sample_seed: int,
-            device: str = "cpu") -> Gen:
-    """The reference engine on the directory's weights (its safetensors loader)."""
+def run_ref(model_dir: str, prompts: list[list[int]], tokens: int, sample_seed: int,
+            device: str = "cpu") -> tuple[Gen, Gen]:
+    """The reference engine on the directory's weights (its safetensors loader):
+    every prompt greedily and by seeded sampling, in one batch (rows are
+    independent: the engine's results do not depend on the batch)."""
     import torch
 
     from frmps_engine.refengine import EngineConfig
@@ -183,11 +185,12 @@ def run_ref(model_dir: str, prompts: list[list[int]], tokens: int, greedy: bool,
 
     n = len(prompts)
     mml = max(len(p) for p in prompts) + tokens + 1
-    blocks = n * math.ceil(mml / 16) + 1
-    cfg = EngineConfig.from_preset(model_dir, device=device, max_model_len=mml, num_blocks=blocks, max_num_seqs=n)
+    blocks = 2 * n * math.ceil(mml / 16) + 1
+    cfg = EngineConfig.from_preset(model_dir, device=device, max_model_len=mml, num_blocks=blocks,
+                                   max_num_seqs=2 * n)
     if cfg.weights == "dummy":
         raise SystemExit(f"{model_dir}: no *.safetensors (the reference engine would draw dummy weights)")
-    stats: dict[int, tuple[list[float], list[float]]] = {k: ([], []) for k in range(n)}
+    stats: dict[int, tuple[list[float], list[float]]] = {k: ([], []) for k in range(2 * n)}
 
     class Probe(RefCore):
         def _forward(self, batch, on_launch=None):
@@ -199,61 +202,54 @@ def run_ref(model_dir: str, prompts: list[list[int]], tokens: int, greedy: bool,
             return logits
 
     core = Probe(cfg, RefCore.allocate_pools(cfg), load_weights=True)
+    reqs = [(k, p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)) for k, p in enumerate(prompts)]
+    reqs += [(n + k, p, SamplingParams(max_tokens=tokens, temperature=1.0, seed=sample_seed + k // 2, ignore_eos=True))
+             for k, p in enumerate(prompts)]
     with torch.inference_mode():
-        outs = core.generate(
-            (k, p, SamplingParams(max_tokens=tokens, temperature=0.0 if greedy else 1.0,
-                                  seed=None if greedy else sample_seed + k // 2, ignore_eos=True))
-            for k, p in enumerate(prompts)
-        )
-    conts = [outs[k] for k in range(n)]
-    return Gen(conts, [x for k in range(n) for x in stats[k][0]], [x for k in range(n) for x in stats[k][1]])
+        outs = core.generate(reqs)
+    greedy = Gen([outs[k] for k in range(n)], [x for k in range(n) for x in stats[k][0]],
+                 [x for k in range(n) for x in stats[k][1]])
+    return greedy, Gen([outs[n + k] for k in range(n)], [], [])
 
 
-_HF_CACHE: dict[str, Any] = {}
-
-
-def run_transformers(model_dir: str, prompts: list[list[int]], tokens: int, greedy: bool, sample_seed: int,
-                     device: str = "cpu") -> Gen:
+def run_transformers(model_dir: str, prompts: list[list[int]], tokens: int, sample_seed: int,
+                     device: str = "cpu") -> tuple[Gen, Gen]:
     """transformers' Qwen2ForCausalLM from the same files (float32 on the CPU,
-    bfloat16 on a GPU); one batch, all prompts of one length; seeded rows sample
-    with the reference engine's sampler (same seed per pair)."""
+    bfloat16 on a GPU): every prompt greedily and by seeded sampling, in one
+    batch (all prompts of one length, no padding); the seeded rows sample with
+    the reference engine's sampler (same seed per pair)."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     from frmps_engine.refengine.sampling import SamplingParams, sample
 
-    key = f"{model_dir}@{device}"
-    if key not in _HF_CACHE:
-        _HF_CACHE.clear()
-        dt = torch.float32 if device == "cpu" else torch.bfloat16
-        _HF_CACHE[key] = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=dt).to(device).eval()
-    model = _HF_CACHE[key]
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=dt).to(device).eval()
     if len({len(p) for p in prompts}) != 1:
         raise ValueError("transformers path: every prompt must have the same length")
     n, plen = len(prompts), len(prompts[0])
-    ids = torch.tensor(prompts, dtype=torch.long, device=device)
+    ids = torch.tensor(prompts + prompts, dtype=torch.long, device=device)
     params = [SamplingParams(max_tokens=tokens, temperature=1.0, seed=sample_seed + k // 2) for k in range(n)]
     seeds = [sample_seed + k // 2 for k in range(n)]
-    conts: list[list[int]] = [[] for _ in range(n)]
+    conts: list[list[int]] = [[] for _ in range(2 * n)]
     top1: list[list[float]] = [[] for _ in range(n)]
     margin: list[list[float]] = [[] for _ in range(n)]
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         for i in range(tokens):
             logits = out.logits[:, -1].float()
-            p1, m = _top_stats(logits)
-            if greedy:
-                nxt = logits.argmax(dim=-1).tolist()
-            else:
-                nxt = sample(logits, params, seeds, [plen + i] * n)
-            for k in range(n):
+            p1, m = _top_stats(logits[:n])
+            nxt = logits[:n].argmax(dim=-1).tolist() + sample(logits[n:], params, seeds, [plen + i] * n)
+            for k in range(2 * n):
                 conts[k].append(int(nxt[k]))
+            for k in range(n):
                 top1[k].append(p1[k])
                 margin[k].append(m[k])
             if i + 1 < tokens:
                 out = model(input_ids=torch.tensor(nxt, device=device)[:, None], past_key_values=out.past_key_values,
                             use_cache=True)
-    return Gen(conts, [x for r in top1 for x in r], [x for r in margin for x in r])
+    del model
+    return (Gen(conts[:n], [x for r in top1 for x in r], [x for r in margin for x in r]), Gen(conts[n:], [], []))
 
 
 def run_vllm(model_dir: str, prompts: list[list[int]], tokens: int, sample_seed: int, dummy: bool = False,
@@ -305,11 +301,9 @@ def run_row(engine: str, model_dir: str, pairs, tokens: int, sample_seed: int, d
     if engine == "vllm":
         greedy, seeded = run_vllm(model_dir, prompts, tokens, sample_seed, dummy=dummy)
     elif engine == "ref":
-        greedy = run_ref(model_dir, prompts, tokens, True, sample_seed, device)
-        seeded = run_ref(model_dir, prompts, tokens, False, sample_seed, device)
+        greedy, seeded = run_ref(model_dir, prompts, tokens, sample_seed, device)
     elif engine == "transformers":
-        greedy = run_transformers(model_dir, prompts, tokens, True, sample_seed, device)
-        seeded = run_transformers(model_dir, prompts, tokens, False, sample_seed, device)
+        greedy, seeded = run_transformers(model_dir, prompts, tokens, sample_seed, device)
     else:
         raise SystemExit(f"unknown engine {engine!r} (ref, transformers, vllm)")
     row = measure(greedy, seeded)
@@ -381,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="ref and transformers: cpu or cuda")
     p.add_argument("--baselines", action="store_true",
                    help="also measure vLLM-style uniform +-1e-3 weights and normal(0, 0.02) of the same shapes")
+    p.add_argument("--baseline-engines", help="engines of the baseline rows (default: --engine)")
     p.add_argument("--baseline-dir", help="where to write the baseline checkpoints (default: a temporary directory)")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--row-json", help=argparse.SUPPRESS)  # internal: one vLLM row, in a child process
@@ -400,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    base_engines = [e.strip() for e in (args.baseline_engines or args.engine).split(",") if e.strip()]
     from frmps_engine import seeded_weights
 
     desc = seeded_weights.read_description(model_dir)
@@ -419,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         for wname, d, dummy in sets:
             for e in engines:
                 if dummy and e != "vllm":
+                    continue
+                if wname != name and e not in base_engines:
                     continue
                 if e == "vllm":
                     row = _vllm_row_in_child(d, args, dummy)
