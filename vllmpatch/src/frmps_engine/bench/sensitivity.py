@@ -16,6 +16,9 @@ with the same seed, so the sampler's random numbers are the same), and reports:
 - ``distinct``: distinct tokens / tokens per continuation (mean, min), and
   ``looping``: the fraction of continuations whose second half repeats with a
   period of at most 4 tokens;
+- ``seeded_first_is_greedy``: how often a prompt's first sampled token is its
+  greedy one (near the top-1 probability when the distribution decides the
+  sample, near 0 when the sampler's noise does);
 - ``top1_prob`` and ``margin`` (top-1 minus top-2 logit, nats) over the
   greedy positions: percentiles 10/50/90;
 - with ``--baselines``: the same for weights of the same shapes drawn as vLLM's
@@ -137,6 +140,10 @@ def measure(greedy: Gen, seeded: Gen) -> dict[str, Any]:
         "distinct_min": min(distinct) if distinct else None,
         "distinct_seeded_mean": sum(distinct_s) / len(distinct_s) if distinct_s else None,
         "looping": sum(looping(c) for c in greedy.tokens) / len(greedy.tokens) if greedy.tokens else None,
+        # Seeded first token = greedy first token (same prompt): about the top-1
+        # probability when the distribution decides, about 1/vocab when the noise does.
+        "seeded_first_is_greedy": (sum(a[:1] == b[:1] for a, b in zip(greedy.tokens, seeded.tokens)) / len(greedy.tokens)
+                                   if greedy.tokens else None),
         "top1_prob": percentiles(greedy.top1),
         "margin": percentiles(greedy.margin),
         "positions": len(greedy.top1),
@@ -336,16 +343,21 @@ def _fmt(v, nd=3) -> str:
     return str(v)
 
 
+def _prob(v) -> str:
+    return "-" if v is None else (f"{v:.3f}" if v >= 0.01 else f"{v:.1e}")
+
+
 def table(rows: list[dict]) -> str:
     head = ("weights", "engine", "greedy ident", "1st diff", "seeded ident", "distinct", "loops",
-            "top1 p10/p50/p90", "margin p10/p50/p90", "verdict")
+            "sampled=greedy", "top1 p10/p50/p90", "margin p10/p50/p90", "verdict")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         t, m = r["top1_prob"], r["margin"]
         lines.append("| " + " | ".join([
             r["weights"], r["engine"], _fmt(r["greedy_identical"], 2), _fmt(r["greedy_first_difference_median"], 1),
             _fmt(r["seeded_identical"], 2), _fmt(r["distinct_mean"], 2), _fmt(r["looping"], 2),
-            f"{_fmt(t['p10'])}/{_fmt(t['p50'])}/{_fmt(t['p90'])}",
+            _fmt(r.get("seeded_first_is_greedy"), 2),
+            f"{_prob(t['p10'])}/{_prob(t['p50'])}/{_prob(t['p90'])}",
             f"{_fmt(m['p10'], 2)}/{_fmt(m['p50'], 2)}/{_fmt(m['p90'], 2)}", r["verdict"],
         ]) + " |")
     return "\n".join(lines)
