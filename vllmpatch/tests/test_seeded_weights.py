@@ -182,11 +182,11 @@ def test_reference_engine_loads_it(tiny):
     assert torch.equal(p["norm"], saved["model.norm.weight"].float())
 
 
-def sensitivity_row(model_dir: str) -> dict:
+def sensitivity_row(model_dir: str, differ_at: int | None = None) -> dict:
     """The sensitivity measure at a small size (6 pairs, 20 context tokens, 12 generated)."""
     from frmps_engine.bench.sensitivity import make_pairs, run_row
 
-    pairs = make_pairs(512, 6, 20, seed=0)
+    pairs = make_pairs(512, 6, 20, seed=0, differ_at=differ_at)
     return run_row("ref", model_dir, pairs, 12, 1234, "cpu")
 
 
@@ -200,6 +200,17 @@ def assert_sensitive(row: dict) -> None:
 
 def test_seeded_tiny_is_peaked_and_context_sensitive(tiny):
     assert_sensitive(sensitivity_row(tiny))
+
+
+def test_one_changed_token_far_back_changes_the_output(tiny):
+    """Prompts that differ only in their first token (19 tokens before the shared
+    last one) still continue differently: a wrong KV entry far back shows."""
+    from frmps_engine.bench.sensitivity import make_pairs
+
+    for a, b in make_pairs(512, 6, 20, seed=0, differ_at=0):
+        assert a[0] != b[0] and a[1:] == b[1:]
+    row = sensitivity_row(tiny, differ_at=0)
+    assert row["greedy_identical"] == 0 and row["seeded_identical"] == 0, row["greedy_first_differences"]
 
 
 def test_vllm_style_uniform_weights_fail_the_same_check(uniform_tiny):

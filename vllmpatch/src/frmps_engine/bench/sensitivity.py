@@ -8,7 +8,8 @@ something about the KV cache only if the output depends on it. This tool makes
 ``--pairs`` pairs of prompts of ``--context`` + 1 tokens that differ in every
 context token and share only the last one, generates ``--tokens`` tokens for
 each greedily and by seeded sampling (temperature 1, the two prompts of a pair
-with the same seed, so the sampler's random numbers are the same), and reports:
+with the same seed, so the sampler's random numbers are the same), and reports
+(``--differ-at POS``: the two prompts differ only at that context position):
 
 - ``greedy_identical`` / ``seeded_identical``: the fraction of pairs whose
   continuations are identical (a context-blind model: 1; wanted: ~0), and the
@@ -66,20 +67,25 @@ class Gen:
 # ---- prompts and measures -------------------------------------------------------------------
 
 
-def make_pairs(vocab: int, pairs: int, context: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """``pairs`` pairs of prompts of context + 1 regular tokens: the two differ in
-    every context position and end with the same token."""
+def make_pairs(vocab: int, pairs: int, context: int, seed: int = 0,
+               differ_at: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """``pairs`` pairs of prompts of context + 1 regular tokens that end with the
+    same token: the two differ in every context position, or (``differ_at``) only
+    at that one position (0: the first token, the farthest from the end)."""
     from frmps_engine.modeldir import regular_tokens
 
+    if differ_at is not None and not 0 <= differ_at < context:
+        raise ValueError(f"differ_at {differ_at} is outside the context (0..{context - 1})")
     top = regular_tokens(vocab) if vocab > 300 else vocab
     rng = random.Random(seed)
     out = []
     for _ in range(pairs):
         a = [rng.randrange(top) for _ in range(context)]
-        b = []
-        for t in a:
+        b = list(a)
+        for j, t in enumerate(a):
             u = rng.randrange(top - 1)
-            b.append(u + 1 if u >= t else u)  # any token but a's
+            if differ_at is None or j == differ_at:
+                b[j] = u + 1 if u >= t else u  # any token but a's
         last = rng.randrange(top)
         out.append((a + [last], b + [last]))
     return out
@@ -325,6 +331,8 @@ def _vllm_row_in_child(model_dir: str, args, dummy: bool) -> dict:
     cmd = [sys.executable, "-m", "frmps_engine.bench.sensitivity", "--model", model_dir, "--engine", "vllm",
            "--pairs", str(args.pairs), "--context", str(args.context), "--tokens", str(args.tokens),
            "--prompt-seed", str(args.prompt_seed), "--sample-seed", str(args.sample_seed), "--row-json", path]
+    if args.differ_at is not None:
+        cmd += ["--differ-at", str(args.differ_at)]
     if dummy:
         cmd.append("--vllm-dummy")
     try:
@@ -383,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=60, help="context tokens before the shared last one")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument("--differ-at", type=int, metavar="POS",
+                   help="the prompts of a pair differ only at this context position (default: at every one); "
+                        "0 asks whether the first token, the farthest from the end, still decides the output")
     p.add_argument("--sample-seed", type=int, default=1234, help="seed of the seeded rows (pair i: this + i)")
     p.add_argument("--device", default="cpu", help="ref and transformers: cpu or cuda")
     p.add_argument("--baselines", action="store_true",
@@ -398,7 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = os.path.abspath(args.model)
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         vocab = int(json.load(f)["vocab_size"])
-    pairs = make_pairs(vocab, args.pairs, args.context, args.prompt_seed)
+    try:
+        pairs = make_pairs(vocab, args.pairs, args.context, args.prompt_seed, args.differ_at)
+    except ValueError as e:
+        p.error(str(e))
 
     if args.row_json:
         row = run_row("vllm", model_dir, pairs, args.tokens, args.sample_seed, "cuda", dummy=args.vllm_dummy)
@@ -454,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         from frmps_engine.bench.envinfo import git_commit
 
         doc = {"model": model_dir, "weights": desc, "pairs": args.pairs, "context": args.context,
+               "differ_at": args.differ_at,
                "tokens": args.tokens, "prompt_seed": args.prompt_seed, "sample_seed": args.sample_seed,
                "device": args.device, "commit": git_commit(), "command": " ".join(sys.argv),
                "rows": rows, "agreement": agree}
