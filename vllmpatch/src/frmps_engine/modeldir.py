@@ -224,7 +224,8 @@ def write(preset: str, out: str, *, force: bool = False, weights: str = "none", 
             have = seeded_weights.read_description(out)
             if not have or have.get("version") != seeded_weights.VERSION or have.get("seed") != int(seed) \
                     or have.get("scheme", {}).get("name") != "trained":
-                what = f"seeded weights of seed {have.get('seed')} (version {have.get('version')})" if have else "no seeded weights"
+                what = (f"seeded weights of seed {have.get('seed')} (version {have.get('version')})" if have
+                        else "no seeded weights")
                 raise FileExistsError(f"{out} exists with {what}; use --force to rewrite it with seed {seed}")
         return out
     parent = os.path.dirname(out)

@@ -148,8 +148,9 @@ def measure(greedy: Gen, seeded: Gen) -> dict[str, Any]:
         "looping": sum(looping(c) for c in greedy.tokens) / len(greedy.tokens) if greedy.tokens else None,
         # Seeded first token = greedy first token (same prompt): about the top-1
         # probability when the distribution decides, about 1/vocab when the noise does.
-        "seeded_first_is_greedy": (sum(a[:1] == b[:1] for a, b in zip(greedy.tokens, seeded.tokens)) / len(greedy.tokens)
-                                   if greedy.tokens else None),
+        "seeded_first_is_greedy": (
+            sum(a[:1] == b[:1] for a, b in zip(greedy.tokens, seeded.tokens)) / len(greedy.tokens)
+            if greedy.tokens else None),
         "top1_prob": percentiles(greedy.top1),
         "margin": percentiles(greedy.margin),
         "positions": len(greedy.top1),
@@ -272,8 +273,8 @@ def run_vllm(model_dir: str, prompts: list[list[int]], tokens: int, sample_seed:
     from vllm import LLM, SamplingParams
 
     mml = max(len(p) for p in prompts) + tokens + 16
-    llm = LLM(model=model_dir, dtype="bfloat16", seed=0, max_model_len=mml, gpu_memory_utilization=gpu_memory_utilization,
-              load_format="dummy" if dummy else "auto", max_num_seqs=max(len(prompts), 1))
+    llm = LLM(model=model_dir, dtype="bfloat16", seed=0, max_model_len=mml,
+              gpu_memory_utilization=gpu_memory_utilization, load_format="dummy" if dummy else "auto", max_num_seqs=max(len(prompts), 1))
     inputs = [{"prompt_token_ids": p} for p in prompts]
     g = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=tokens, logprobs=2, ignore_eos=True))
     conts, top1, margin = [], [], []
@@ -385,7 +386,8 @@ def agreement(a: dict, b: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m frmps_engine.bench.sensitivity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="model directory with safetensors (frmps model init --weights seeded)")
+    p.add_argument("--model", required=True,
+                   help="model directory with safetensors (frmps model init --weights seeded)")
     p.add_argument("--engine", default="ref", help="ref, transformers, vllm, or a comma list (ref,transformers)")
     p.add_argument("--pairs", type=int, default=12)
     p.add_argument("--context", type=int, default=60, help="context tokens before the shared last one")
