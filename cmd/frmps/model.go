@@ -38,13 +38,13 @@ func newModelCmd() *cobra.Command {
 	var opts modelDirOptions
 	cmd := &cobra.Command{
 		Use:   "model",
-		Short: "Model directories for dummy-weight runs",
+		Short: "Model directories: dummy-weight runs, or a seeded checkpoint (--weights seeded)",
 	}
 	initCmd := &cobra.Command{
 		Use:   "init PRESET",
 		Short: "Write a Hugging Face model directory for a Qwen2.5 preset (config, tokenizer; seeded weights with --weights seeded)",
 		Long: `Write the model directory of a preset (qwen2.5-0.5b, -1.5b, -3b, -7b, -14b;
-also the test preset tiny): Qwen2.5's config.json of that size and a
+and, with --weights seeded, the test preset tiny): Qwen2.5's config.json of that size and a
 byte-level BPE tokenizer built locally that covers the whole vocabulary.
 vLLM and the reference engine both read it; with no weights in it they
 initialise random ("dummy") weights.

@@ -24,8 +24,9 @@ scaled like a trained model's (frmps_engine/seeded_weights.py): a peaked,
 context-dependent next-token distribution, which the exactness checks need.
 The output is a pure function of the preset (and seed), so two runs write the
 same bytes. A directory a user already has (real weights, real tokenizer) is
-used unchanged. The test presets (tiny, ...) get the same files at their size,
-Qwen's special tokens right after their regular tokens.
+used unchanged. With seeded weights the reference engine's test presets (tiny,
+...) get the same files at their size, Qwen's special tokens right after their
+regular tokens.
 """
 
 from __future__ import annotations
@@ -92,15 +93,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def config_json(preset: str) -> dict[str, Any]:
+def config_json(preset: str, *, test_presets: bool = False) -> dict[str, Any]:
     """Qwen2.5's config.json for a preset (the shapes are the reference engine's
-    presets, which are the released Qwen2.5 models' config.json values). The test
-    presets (tiny, small, ...) get the same fields at their shapes, their special
-    tokens after their regular ones (as tokenizer_json places them)."""
+    presets, which are the released Qwen2.5 models' config.json values). With
+    ``test_presets`` (seeded checkpoints only) the reference engine's test presets
+    (tiny, ...) too: the same fields at their shapes, their special tokens right
+    after their regular ones (as tokenizer_json places them)."""
     from frmps_engine.refengine.config import PRESETS
 
-    if preset not in PRESETS:
-        raise ValueError(f"no model directory preset {preset!r} (known: {', '.join(sorted(PRESETS))})")
+    names = sorted(n for n in PRESETS if test_presets or n.startswith("qwen2.5-"))
+    if preset not in names:
+        raise ValueError(f"no model directory preset {preset!r} (known: {', '.join(names)})")
     q = PRESETS[preset]
     first_special = regular_tokens(q.vocab_size)
     return {
@@ -213,7 +216,9 @@ def write(preset: str, out: str, *, force: bool = False, weights: str = "none", 
     kept only if it holds that checkpoint (same generator version and seed)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    cfg = config_json(preset)
+    # The test presets (tiny, ...) get directories only with seeded weights: without
+    # weights the reference engine's own presets (byte tokenizer) serve them.
+    cfg = config_json(preset, test_presets=weights == "seeded")
     out = os.path.abspath(out)
     if os.path.exists(out) and not force:
         if not os.path.isfile(os.path.join(out, "config.json")):
