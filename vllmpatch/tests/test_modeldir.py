@@ -83,6 +83,10 @@ def test_writes_are_deterministic_and_keep_an_existing_directory(tmp_path, q05):
         modeldir.write("qwen2.5-0.5b", str(tmp_path / "junk"))
     with pytest.raises(ValueError, match="no model directory preset 'tiny'"):
         modeldir.config_json("tiny")
+    # A seeded checkpoint of a test preset has a directory (the reference engine's
+    # tests), Qwen's specials right after its regular tokens.
+    tiny = modeldir.config_json("tiny", test_presets=True)
+    assert (tiny["vocab_size"], tiny["bos_token_id"], tiny["eos_token_id"]) == (512, 490, 492)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".frmps-model-")]  # no temporaries left
 
 

@@ -94,21 +94,35 @@ def build_parser() -> argparse.ArgumentParser:
                         "daemon before the active starts: a GPU's first fault is the slow one; sdk/primefault.py)")
     pf.add_argument("--device", type=int, default=0, help="device index as this process sees the GPUs")
     m = sub.add_parser("model-dir", help="write (or find) a preset's Hugging Face model directory for dummy-weight runs")
-    m.add_argument("preset", help="qwen2.5-0.5b, -1.5b, -3b, -7b or -14b")
+    m.add_argument("preset", help="qwen2.5-0.5b, -1.5b, -3b, -7b or -14b (or a test preset: tiny, ...)")
     m.add_argument("--out", help="directory to write (default: the model cache, see frmps_engine.modeldir.default_dir)")
     m.add_argument("--force", action="store_true", help="rewrite the directory if it exists")
+    m.add_argument("--weights", default="none", choices=["none", "seeded"],
+                   help="seeded: also write a seeded checkpoint scaled like a trained model's "
+                        "(frmps_engine/seeded_weights.py); none: config and tokenizer only")
+    m.add_argument("--seed", type=int, default=0, help="seed of --weights seeded")
     return p
 
 
 def model_dir(args: argparse.Namespace) -> int:
     """Print the preset's model directory, writing it first unless it exists."""
+    import time
+
     from frmps_engine import modeldir
 
+    if args.seed < 0:
+        print(f"frmps model-dir: --seed must be >= 0, got {args.seed}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    log = (lambda msg: print(f"frmps model-dir: {msg}", file=sys.stderr, flush=True)) if args.weights != "none" else None
     try:
-        path = modeldir.write(args.preset, args.out or modeldir.default_dir(args.preset), force=args.force)
+        path = modeldir.write(args.preset, args.out or modeldir.default_dir(args.preset, args.weights, args.seed),
+                              force=args.force, weights=args.weights, seed=args.seed, log=log)
     except (ValueError, OSError) as e:
         print(f"frmps model-dir: {e}", file=sys.stderr)
         return 2
+    if log:
+        log(f"{path} ready in {time.monotonic() - t0:.1f} s")
     print(path)
     return 0
 

@@ -16,10 +16,17 @@ writes what vLLM and the reference engine both read from a model directory:
 - ``tokenizer_config.json`` with a ChatML chat template (Qwen2.5's format,
   tools included) and ``special_tokens_map.json``.
 
-No weights are written: engines initialise them at random (vLLM's
-``load_format="dummy"``, the reference engine's dummy weights). The output is
-a pure function of the preset, so two runs write the same bytes. A directory
-a user already has (real weights, real tokenizer) is used unchanged.
+By default no weights are written: engines initialise them at random (vLLM's
+``load_format="dummy"``, the reference engine's dummy weights). With
+``weights="seeded"`` (``frmps model init PRESET --weights seeded [--seed N]``)
+the directory also holds a seeded safetensors checkpoint whose weights are
+scaled like a trained model's (frmps_engine/seeded_weights.py): a peaked,
+context-dependent next-token distribution, which the exactness checks need.
+The output is a pure function of the preset (and seed), so two runs write the
+same bytes. A directory a user already has (real weights, real tokenizer) is
+used unchanged. With seeded weights the reference engine's test presets (tiny,
+...) get the same files at their size, Qwen's special tokens right after their
+regular tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import itertools
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 # Qwen2.5's added tokens, in id order from 151643 (special: skipped when decoding).
@@ -85,20 +93,24 @@ CHAT_TEMPLATE = (
 )
 
 
-def config_json(preset: str) -> dict[str, Any]:
+def config_json(preset: str, *, test_presets: bool = False) -> dict[str, Any]:
     """Qwen2.5's config.json for a preset (the shapes are the reference engine's
-    presets, which are the released Qwen2.5 models' config.json values)."""
+    presets, which are the released Qwen2.5 models' config.json values). With
+    ``test_presets`` (seeded checkpoints only) the reference engine's test presets
+    (tiny, ...) too: the same fields at their shapes, their special tokens right
+    after their regular ones (as tokenizer_json places them)."""
     from frmps_engine.refengine.config import PRESETS
 
-    names = sorted(n for n in PRESETS if n.startswith("qwen2.5-"))
+    names = sorted(n for n in PRESETS if test_presets or n.startswith("qwen2.5-"))
     if preset not in names:
         raise ValueError(f"no model directory preset {preset!r} (known: {', '.join(names)})")
     q = PRESETS[preset]
+    first_special = regular_tokens(q.vocab_size)
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "attention_dropout": 0.0,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
+        "bos_token_id": first_special,
+        "eos_token_id": first_special + 2,
         "hidden_act": "silu",
         "hidden_size": q.hidden_size,
         "initializer_range": 0.02,
@@ -120,6 +132,12 @@ def config_json(preset: str) -> dict[str, Any]:
         "use_sliding_window": False,
         "vocab_size": q.vocab_size,
     }
+
+
+def regular_tokens(vocab_size: int) -> int:
+    """Regular (non-special) tokens of a vocabulary: Qwen2.5's 151,643, or fewer
+    where the vocabulary is smaller (room left for Qwen's added tokens)."""
+    return min(QWEN_REGULAR_TOKENS, vocab_size - len(QWEN_ADDED_TOKENS))
 
 
 def _byte_alphabet() -> list[str]:
@@ -145,7 +163,7 @@ def tokenizer_json(vocab_size: int, regular: int = QWEN_REGULAR_TOKENS) -> str:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     specials = list(QWEN_ADDED_TOKENS)
-    regular = min(regular, vocab_size - len(specials))
+    regular = min(regular, regular_tokens(vocab_size))
     if regular < 256:
         raise ValueError(f"vocabulary of {vocab_size} is too small for a byte-level tokenizer with Qwen's specials")
     alphabet = _byte_alphabet()
@@ -184,24 +202,61 @@ def tokenizer_json(vocab_size: int, regular: int = QWEN_REGULAR_TOKENS) -> str:
     return json.dumps(data, ensure_ascii=False, sort_keys=True)
 
 
-def write(preset: str, out: str, *, force: bool = False) -> str:
+WEIGHTS = ("none", "seeded")
+
+
+def write(preset: str, out: str, *, force: bool = False, weights: str = "none", seed: int = 0,
+          log: Callable[[str], None] | None = None) -> str:
     """Write the model directory of ``preset`` to ``out`` (atomically: a
     temporary sibling renamed into place). An existing ``out`` is kept unless
-    ``force``; returns ``out``."""
-    cfg = config_json(preset)
+    ``force``; returns ``out``.
+
+    weights="seeded" also writes the seeded checkpoint of that size
+    (frmps_engine.seeded_weights, seed ``seed``). An existing directory is then
+    kept only if it holds that checkpoint (same generator version and seed)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    # The test presets (tiny, ...) get directories only with seeded weights: without
+    # weights the reference engine's own presets (byte tokenizer) serve them.
+    cfg = config_json(preset, test_presets=weights == "seeded")
     out = os.path.abspath(out)
     if os.path.exists(out) and not force:
-        if os.path.isfile(os.path.join(out, "config.json")):
-            return out
-        raise FileExistsError(f"{out} exists and is not a model directory")
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            raise FileExistsError(f"{out} exists and is not a model directory")
+        if weights == "seeded":
+            from frmps_engine import seeded_weights
+
+            have = seeded_weights.read_description(out)
+            if not have or have.get("version") != seeded_weights.VERSION or have.get("seed") != int(seed) \
+                    or have.get("scheme", {}).get("name") != "trained":
+                what = (f"seeded weights of seed {have.get('seed')} (version {have.get('version')})" if have
+                        else "no seeded weights")
+                raise FileExistsError(f"{out} exists with {what}; use --force to rewrite it with seed {seed}")
+        return out
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".frmps-model-", dir=parent)
     try:
+        first_special = regular_tokens(cfg["vocab_size"])
+        note = (
+            f"# {preset} (dummy weights)\n\nWritten by `frmps model init {preset}`: Qwen2.5's configuration of this "
+            "size and a byte-level BPE tokenizer built locally that covers the whole vocabulary. There are no "
+            "weights: engines initialise them at random, so outputs are not meaningful text.\n"
+        )
+        if weights == "seeded":
+            note = (
+                f"# {preset} (seeded weights, seed {seed})\n\nWritten by `frmps model init {preset} --weights seeded "
+                f"--seed {seed}`: Qwen2.5's configuration of this size, a byte-level BPE tokenizer built locally that "
+                "covers the whole vocabulary, and a seeded random checkpoint whose weights are scaled like a trained "
+                "model's (frmps_weights.json: the generator and its scales). Its next-token distribution is peaked and "
+                "depends on the context, so greedy and seeded outputs check that the KV cache is right; the text is "
+                "not meaningful.\n"
+            )
         files = {
             "config.json": json.dumps(cfg, indent=2, sort_keys=True),
             "generation_config.json": json.dumps(
-                {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": False}, indent=2, sort_keys=True
+                {"bos_token_id": first_special, "eos_token_id": [first_special + 2, first_special], "do_sample": False},
+                indent=2, sort_keys=True,
             ),
             "tokenizer.json": tokenizer_json(cfg["vocab_size"]),
             "tokenizer_config.json": json.dumps(
@@ -223,15 +278,15 @@ def write(preset: str, out: str, *, force: bool = False) -> str:
                  "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]},
                 indent=2, sort_keys=True,
             ),
-            "FRMPS_MODEL.md": (
-                f"# {preset} (dummy weights)\n\nWritten by `frmps model init {preset}`: Qwen2.5's configuration of this "
-                "size and a byte-level BPE tokenizer built locally that covers the whole vocabulary. There are no "
-                "weights: engines initialise them at random, so outputs are not meaningful text.\n"
-            ),
+            "FRMPS_MODEL.md": note,
         }
         for name, text in files.items():
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 f.write(text + ("\n" if not text.endswith("\n") else ""))
+        if weights == "seeded":
+            from frmps_engine import seeded_weights
+
+            seeded_weights.write_seeded_checkpoint(tmp, preset, seed, log=log)
         if force and os.path.isdir(out):
             import shutil
 
@@ -272,10 +327,11 @@ def weights_source(model_dir: str | None, loaded: bool) -> str:
     return f"loaded:{model_dir}" if loaded and model_dir else "dummy"
 
 
-def default_dir(preset: str) -> str:
+def default_dir(preset: str, weights: str = "none", seed: int = 0) -> str:
     """Where ``frmps`` keeps a preset's directory: $FRMPS_MODEL_CACHE, else
-    $XDG_CACHE_HOME/frmps/models, else ~/.cache/frmps/models."""
+    $XDG_CACHE_HOME/frmps/models, else ~/.cache/frmps/models; PRESET for the
+    directory without weights, PRESET-seeded-SEED for a seeded checkpoint."""
     base = os.environ.get("FRMPS_MODEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "frmps", "models"
     )
-    return os.path.join(base, preset)
+    return os.path.join(base, preset if weights == "none" else f"{preset}-{weights}-{int(seed)}")
