@@ -129,7 +129,8 @@ def test_controls_stop_when_one_passes_unnoticed():
 
 
 def test_controls_arg_and_env():
-    assert pc.controls_arg("on") == list(pc.CONTROL_CASES) and pc.controls_arg("off") == []
+    assert pc.controls_arg("on") == [pc.POSITIVE, *pc.CONTROL_CASES] and pc.controls_arg("off") == []
+    assert pc.control_env(pc.POSITIVE) == {}
     assert pc.controls_arg("zero-block,position") == ["zero-block", "position"]
     with pytest.raises(ValueError):
         pc.controls_arg("zero-blok")
@@ -222,3 +223,20 @@ def test_failback_proof_fails_when_a_stream_in_flight_is_not_exact():
     # margin-bounded streams are reported, not failed (bench/README.md: what exact means)
     mb = {"stream_count": pc.tally([{"in_flight": True, "phase": "decoding", "verdict": "margin-bounded"}])}
     assert fb.proof_status(mb) == 0
+
+
+def test_controls_are_void_when_the_positive_run_is_not_exact():
+    """What the H200 showed with vLLM on a context-sensitive checkpoint: every control
+    'detected', because the run without a control differed from its reference too."""
+    def rec(case, verdicts_in, verdicts_out=()):
+        streams = ([{"in_flight": True, "phase": "decoding", "verdict": v} for v in verdicts_in]
+                   + [{"in_flight": False, "verdict": v} for v in verdicts_out])
+        return pc.control_result(case, streams, True)
+
+    detected = [rec(c, ["inexact", "exact"]) for c in pc.CONTROL_CASES]
+    pc.check_controls([rec(pc.POSITIVE, ["exact", "exact"], ["exact"]), *detected])  # clean: passes
+    for bad in (rec(pc.POSITIVE, ["inexact", "exact"]), rec(pc.POSITIVE, ["exact"], ["inexact"])):
+        with pytest.raises(pc.ControlPassedUnnoticed, match="positive run"):
+            pc.check_controls([bad, *detected])
+    with pytest.raises(pc.ControlPassedUnnoticed, match="control position passed unnoticed"):
+        pc.check_controls([rec(pc.POSITIVE, ["exact"]), *detected[:3], rec("position", ["exact"]), detected[4]])

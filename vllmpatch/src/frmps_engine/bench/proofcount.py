@@ -38,6 +38,10 @@ VERDICTS = ("exact", "margin-bounded", "inexact")
 # engine that takes over corrupt what it adopts in one way each; a proof that compares its
 # outputs must see every one of them.
 CONTROL_CASES = ("zero-block", "swap-block", "shift-table", "position", "sampler-offset")
+# The control run without a switch: the same short deployment, fault and comparison. It
+# must compare exact, or the comparison cannot tell a broken takeover from a good one
+# (a control "detected" then says nothing).
+POSITIVE = "positive"
 
 
 def _verdict(reference_tokens: Sequence[int], observed_tokens: Sequence[int],
@@ -162,6 +166,8 @@ class ControlPassedUnnoticed(RuntimeError):
 
 def control_env(case: str) -> dict[str, str]:
     """The engines' environment for one negative-control case."""
+    if case == POSITIVE:
+        return {}
     if case not in CONTROL_CASES:
         raise ValueError(f"unknown control case {case!r} (one of {', '.join(CONTROL_CASES)})")
     return {"FRMPS_TEST_MODE": "1", "FRMPS_TEST_TAKEOVER_FAULT": case}
@@ -186,16 +192,29 @@ def control_result(case: str, streams: Sequence[dict], failover_ok: bool | None,
 
 
 def check_controls(results: Sequence[dict]) -> None:
-    """Raises ControlPassedUnnoticed naming every case that was not detected."""
-    missed = [r["case"] for r in results if not r["detected"]]
+    """Raises ControlPassedUnnoticed naming every case that was not detected, and
+    when the positive run (no switch), where there is one, was not exact: any of its
+    streams, in flight at the fault or not, not exact, or its failover failed. Then
+    every "detected" is void: the comparison fails without a broken takeover too."""
+    pos = [r for r in results if r["case"] == POSITIVE]
+    for r in pos:
+        t = r.get("tally") or {}
+        if r["detected"] or t.get("not_in_flight_not_exact"):
+            raise ControlPassedUnnoticed(
+                f"the positive run (no control) is not exact ({r['how'] or ''}"
+                f"{'; ' if r['how'] and t.get('not_in_flight_not_exact') else ''}"
+                f"{str(t.get('not_in_flight_not_exact')) + ' stream(s) not in flight not exact' if t.get('not_in_flight_not_exact') else ''}): "
+                "the comparison fails without a broken takeover, so no control can be told from it")
+    missed = [r["case"] for r in results if r["case"] != POSITIVE and not r["detected"]]
     if missed:
         raise ControlPassedUnnoticed(", ".join(f"control {c} passed unnoticed" for c in missed))
 
 
 def controls_arg(s: str) -> list[str]:
-    """--controls: "on" (every case), "off", or a comma list of cases."""
+    """--controls: "on" (the positive run, then every case), "off", or a comma list
+    of cases (``positive``: the run without a switch)."""
     if s == "on":
-        return list(CONTROL_CASES)
+        return [POSITIVE, *CONTROL_CASES]
     if s == "off":
         return []
     cases = [c for c in s.split(",") if c]
