@@ -1,7 +1,9 @@
 """Negative controls of takeover exactness (FRMPS_TEST_TAKEOVER_FAULT,
 sdk/takeover_fault.py) on the reference engine, through real failovers: a
-`frmps serve` on the CPU (tiny model) whose engines break one adopted request
-on purpose at every takeover. The comparison with the no-fault output
+`frmps serve` on the CPU whose engines break one adopted request on purpose at
+every takeover. The model is the seeded checkpoint of the tiny preset
+(`frmps model init tiny --weights seeded`: a peaked, context-sensitive output,
+bench/README.md "The test model"), loaded from its safetensors. The comparison with the no-fault output
 (bench/exactness.py) must report the request a control hit as inexact, and
 with no control (test mode only) every request must stay exact. One deployment
 per case: the switch is read when an engine starts.
@@ -22,10 +24,10 @@ from frmps_engine.sdk import takeover_fault
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(900)]  # six deployments, ~2.5 min on 2 cores
 
-ENGINE_ARGS = ["--engine-arg=--max-num-batched-tokens=64", "--max-restarts=1000000"]
+ENGINE_ARGS = ["--engine-arg=--max-num-batched-tokens=64", "--max-restarts=1000000", "--served-model-name=tiny"]
 PROMPT = "Once upon a time, in a land of shared GPUs, the standby kept watch. " * 4
-# Byte-level tokenizer: one token per byte. Three different prompts of 5-7 blocks
-# (block size 16), greedy and seeded; the seeded one is what sampler-offset needs.
+# Three different prompts of several blocks (block size 16), greedy and seeded; the
+# seeded one is what sampler-offset needs.
 BODIES = [
     {"model": "tiny", "prompt": PROMPT[0:100], "max_tokens": 64, "ignore_eos": True, "temperature": 0.0},
     {"model": "tiny", "prompt": PROMPT[7:90], "max_tokens": 64, "ignore_eos": True, "temperature": 0.9,
@@ -41,6 +43,24 @@ SYNC_EVERY = 1000
 KILL_AFTER = 21
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from frmps_engine import modeldir
+
+    return modeldir.write("tiny", str(tmp_path_factory.mktemp("m") / "seeded-tiny"), weights="seeded", seed=0)
+
+
+def prompt_tokens(model_dir: str) -> list[int]:
+    """Each body's prompt length in the checkpoint's tokens (the control's log line
+    names the request by it); distinct, so that it names one."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    n = [len(tok.encode(b["prompt"], add_special_tokens=False).ids) for b in BODIES]
+    assert len(set(n)) == len(n) and min(n) > 3 * 16, n
+    return n
+
+
 def run_batch(dep: Deployment, killer: Killer | None = None):
     with cf.ThreadPoolExecutor(len(BODIES)) as pool:
         futs = [pool.submit(dep.stream, "/v1/completions", b, killer.on_token if killer and i == 0 else None)
@@ -48,9 +68,9 @@ def run_batch(dep: Deployment, killer: Killer | None = None):
         return [f.result() for f in futs]
 
 
-def failover_run(case: str | None) -> exactness.ControlRun:
+def failover_run(case: str | None, model_dir: str) -> exactness.ControlRun:
     env = {"FRMPS_TEST_STEP_DELAY_MS": "10", **exactness.control_env(case)}
-    with deployment(sync_every=SYNC_EVERY, env=env, extra_args=ENGINE_ARGS) as dep:
+    with deployment(sync_every=SYNC_EVERY, env=env, extra_args=ENGINE_ARGS, model=model_dir) as dep:
         ref = run_batch(dep)
         for r in ref:
             assert r.done and r.error is None and len(r.token_ids) == 64, r
@@ -71,23 +91,23 @@ def _verdicts(run: exactness.ControlRun) -> dict[int, exactness.Verdict]:
     return {i: exactness.compare(run.reference[i], run.observed[i]) for i in run.reference}
 
 
-def test_no_control_is_exact():
+def test_no_control_is_exact(model_dir):
     """The positive case: test mode on, no control: every request resumes exactly."""
-    run = failover_run(None)
+    run = failover_run(None, model_dir)
     assert not exactness.applied_controls(run.log_text)
     verdicts = _verdicts(run)
     assert all(v.kind == exactness.EXACT for v in verdicts.values()), verdicts
 
 
 @pytest.mark.parametrize("case", takeover_fault.CASES)
-def test_control_is_detected(case: str):
+def test_control_is_detected(case: str, model_dir):
     """Each control, applied to one adopted request at the failover, makes the
     comparison with the no-fault output fail for that request (found by its prompt
     length: the log line names the engine's key, which a client does not see)."""
-    run = failover_run(case)
+    run = failover_run(case, model_dir)
     applied = exactness.applied_prompt_lengths(run.log_text)
     assert [c for c, _ in applied] == [case], f"the control's log line: {applied}\n{run.log_text[-4000:]}"
-    (hit,) = [i for i, b in enumerate(BODIES) if len(b["prompt"]) == applied[0][1]]
+    (hit,) = [i for i, n in enumerate(prompt_tokens(model_dir)) if n == applied[0][1]]
     verdicts = _verdicts(run)
     assert verdicts[hit].kind == exactness.INEXACT, (
         f"control {case} applied to request {hit} passed unnoticed: its resumed output equals the no-fault one; "
