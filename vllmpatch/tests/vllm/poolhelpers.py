@@ -89,6 +89,14 @@ def inside(t, pool_tensor) -> bool:
     return base <= p and p + n <= base + size
 
 
+SMALL_BLOCK = 1 << 20  # torch's CUDA caching allocator: blocks up to 1 MiB ...
+SMALL_SEGMENT = 2 << 20  # ... share segments of 2 MiB
+# Whether the double packs small blocks as torch does (test_weights_load: vLLM 0.26
+# makes scalar tensors per attention layer while it loads weights). Off, every
+# tensor takes a segment of its own, which test_allocation's pool-full checks count on.
+PACK_SMALL = False
+
+
 @dataclass
 class DoublePool:
     """TEST DOUBLE for a torch.cuda.MemPool over a pluggable allocator."""
@@ -98,6 +106,17 @@ class DoublePool:
     buffers: list[object] = field(default_factory=list)
     allocated: int = 0  # bytes handed to tensors (blocks are 512-byte multiples, as in torch)
 
+    _small: list | None = None  # [segment address, bytes used] of the small blocks' segment
+
+    def _segment(self, seg: int) -> int:
+        import torch
+
+        ptr = self.lib.frmps_malloc(seg, 0, None)
+        if not ptr:
+            raise torch.OutOfMemoryError(f"TEST DOUBLE: frmps_malloc returned NULL for a {seg}-byte segment")
+        self.segments.append((int(ptr), seg))
+        return int(ptr)
+
     def place(self, t):
         import torch
 
@@ -106,12 +125,18 @@ class DoublePool:
         nbytes = int(t.untyped_storage().nbytes())
         if nbytes == 0:
             return t
-        seg = torch_segment_bytes(nbytes)
-        ptr = self.lib.frmps_malloc(seg, 0, None)
-        if not ptr:
-            raise torch.OutOfMemoryError(f"TEST DOUBLE: frmps_malloc returned NULL for a {seg}-byte segment")
-        self.segments.append((int(ptr), seg))
-        self.allocated += -(-nbytes // 512) * 512
+        rounded = -(-nbytes // 512) * 512
+        if PACK_SMALL and rounded <= SMALL_BLOCK:
+            # As torch's caching allocator does: blocks of up to 1 MiB share 2 MiB
+            # segments (vLLM 0.26 makes a few scalar tensors per attention layer
+            # while it loads weights; a segment each would overstate the pool).
+            if self._small is None or self._small[1] + rounded > SMALL_SEGMENT:
+                self._small = [self._segment(SMALL_SEGMENT), 0]
+            ptr = self._small[0] + self._small[1]
+            self._small[1] += rounded
+        else:
+            ptr = self._segment(torch_segment_bytes(nbytes))
+        self.allocated += rounded
         buf = (ctypes.c_ubyte * nbytes).from_address(ptr)
         self.buffers.append(buf)
         storage = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()

@@ -166,8 +166,12 @@ def _expected(files: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return files[name]
 
 
-def test_vllm_default_loader_puts_the_checkpoint_in_the_pool_and_the_standby_maps_it(ckpt, cpu_vllm, tmp_path):
+def test_vllm_default_loader_puts_the_checkpoint_in_the_pool_and_the_standby_maps_it(ckpt, cpu_vllm, tmp_path,
+                                                                                     monkeypatch):
+    import poolhelpers
     from poolhelpers import build_interceptor, inside
+
+    monkeypatch.setattr(poolhelpers, "PACK_SMALL", True)  # small tensors share segments, as in torch
 
     libs = build_interceptor(tmp_path, ("active", "standby"))
     if libs is None:
