@@ -2,6 +2,7 @@
 fake core (TEST DOUBLE: frmps_engine.sdk.testing.fake_engine)."""
 
 import os
+import time
 import stat
 import threading
 
@@ -342,6 +343,28 @@ def test_stream_carries_many_requests_exactly(slow_env):
     # One message per engine step carries every request's token: far fewer messages than chunks.
     assert sc.messages < sum(len(v) for v in sc.by_key.values()) / 4
     sc.close()
+
+
+def test_an_idle_stream_does_not_hold_the_server_stop(sockdir):
+    """The supervisor keeps its Stream open between requests: once every request on
+    it has finished, stopping the server (an engine's shutdown) must not wait out the
+    whole grace for it. Without the stop ending idle streams, stop(grace) returns only
+    after grace."""
+    e = Env(os.path.join(sockdir, "gen.sock"))
+    try:
+        sc = StreamClient(e.stub)
+        sc.send(generate=gen(300, "q", 4))
+        sc.wait([300])
+        t0 = time.monotonic()
+        e.server.stop(30)
+        took = time.monotonic() - t0
+        assert took < 15, f"stop waited {took:.1f} s for an idle stream (grace 30 s)"
+        sc.close()
+    finally:
+        e.channel.close()
+        e.loop.stop()
+        del e.core
+        e.mem.close()
 
 
 def test_stream_errors_resume_and_detach(slow_env):

@@ -101,6 +101,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, backend: GenerationBackend, wait_tick_s: float = 1.0):
         self._b = backend
         self._tick = wait_tick_s
+        # Set when the server stops: a Stream with no request left on it ends then,
+        # rather than holding the stop for its whole grace (the supervisor keeps its
+        # Stream open between requests).
+        self.stopping = threading.Event()
 
     # -- RPCs -----------------------------------------------------------------
     def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext):
@@ -167,7 +171,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 chunks = mux.next_chunks(self._tick)
                 if chunks:
                     yield generation_pb2.StreamResponse(chunks=chunks)
-                elif mux.done():
+                elif mux.done() or (self.stopping.is_set() and mux.idle()):
                     return
         finally:
             mux.close()
@@ -396,6 +400,11 @@ class _Mux:
         with self._cond:
             return self._eof and not self._followers and not self._pending
 
+    def idle(self) -> bool:
+        """No request followed and nothing left to send."""
+        with self._cond:
+            return not self._followers and not self._pending
+
     def close(self) -> None:
         with self._cond:
             followers, self._followers = list(self._followers.values()), {}
@@ -416,7 +425,8 @@ class GenerationServer:
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="frmps-gen"),
             options=[("grpc.so_reuseport", 0)],
         )
-        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(backend), self._server)
+        self._svc = GenerationService(backend)
+        generation_pb2_grpc.add_GenerationServicer_to_server(self._svc, self._server)
         self._started = False
 
     def start(self) -> None:
@@ -439,7 +449,10 @@ class GenerationServer:
         self._started = True
 
     def stop(self, grace: float | None = None) -> None:
+        """Stop taking RPCs; those still running get ``grace`` seconds, except an idle
+        Stream, which ends within a wait tick."""
         if self._started:
+            self._svc.stopping.set()
             self._server.stop(grace).wait()
             self._started = False
             try:
