@@ -28,6 +28,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
+from ..sdk import takeover_fault
+from ..sdk.takeover_fault import CASES as CONTROL_CASES
+from ..sdk.takeover_fault import ENV as CONTROL_ENV
+from ..sdk.takeover_fault import TEST_MODE_ENV
+
 EXACT, MARGIN_BOUNDED, INEXACT, COMPLETED = "exact", "margin-bounded", "inexact", "completed"
 # The safety factor over the largest margin at which two no-fault runs were seen to disagree.
 DEFAULT_SAFETY = 2.0
@@ -151,10 +156,7 @@ class Tally:
 
 # ---- negative controls -----------------------------------------------------------
 
-TEST_MODE_ENV = "FRMPS_TEST_MODE"
-CONTROL_ENV = "FRMPS_TEST_TAKEOVER_FAULT"
-CONTROL_CASES = ("zero-block", "swap-block", "shift-table", "position", "sampler-offset")
-_APPLIED = re.compile(r"takeover fault control (\S+) applied to request (\d+) \(prompt of (\d+) tokens\)")
+_APPLIED = re.compile(re.escape(takeover_fault.APPLIED) + r" (\S+) applied to request (\d+) \(prompt of (\d+) tokens\)")
 
 
 def control_env(case: str | None) -> dict[str, str]:

@@ -31,13 +31,15 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from ..sdk.takeover_fault import CASES as CONTROL_CASES
+from . import exactness
+
 PHASES = ("decoding", "mid-prefill", "waiting", "waiting/prefill", "unknown")
 VERDICTS = ("exact", "margin-bounded", "inexact")
 
-# The negative controls: FRMPS_TEST_TAKEOVER_FAULT=<case> (with FRMPS_TEST_MODE=1) makes the
-# engine that takes over corrupt what it adopts in one way each; a proof that compares its
-# outputs must see every one of them.
-CONTROL_CASES = ("zero-block", "swap-block", "shift-table", "position", "sampler-offset")
+# The negative controls (CONTROL_CASES, sdk/takeover_fault.py): FRMPS_TEST_TAKEOVER_FAULT=<case>
+# (with FRMPS_TEST_MODE=1) makes the engine that takes over corrupt what it adopts in one way
+# each; a proof that compares its outputs must see every one of them.
 # The control run without a switch: the same short deployment, fault and comparison. It
 # must compare exact, or the comparison cannot tell a broken takeover from a good one
 # (a control "detected" then says nothing).
@@ -46,12 +48,10 @@ POSITIVE = "positive"
 
 def _verdict(reference_tokens: Sequence[int], observed_tokens: Sequence[int],
              reference_top2_margins: Sequence[float] | None = None) -> str:
-    """The one place that decides exactness. Today: "exact" iff the token ids are
-    identical, else "inexact". frmps_engine.bench.exactness.compare (same
-    arguments, verdicts "exact" / "margin-bounded" / "inexact") replaces this body
-    once it is merged: ``return str(getattr(v, "value", v))`` of its result."""
-    del reference_top2_margins  # used by exactness.compare's margin bound
-    return "exact" if list(reference_tokens) == list(observed_tokens) else "inexact"
+    """exactness.compare's verdict ("exact", "margin-bounded" or "inexact"). No
+    proof sets a margin bound yet, so a difference is "inexact" whatever its
+    margin (bench/README.md, "What exact means")."""
+    return exactness.compare(list(reference_tokens), list(observed_tokens), reference_top2_margins).kind
 
 
 def verdict(reference_tokens: Sequence[int] | None, observed_tokens: Sequence[int] | None, *,
@@ -170,7 +170,7 @@ def control_env(case: str) -> dict[str, str]:
         return {}
     if case not in CONTROL_CASES:
         raise ValueError(f"unknown control case {case!r} (one of {', '.join(CONTROL_CASES)})")
-    return {"FRMPS_TEST_MODE": "1", "FRMPS_TEST_TAKEOVER_FAULT": case}
+    return exactness.control_env(case)
 
 
 def control_result(case: str, streams: Sequence[dict], failover_ok: bool | None, error: str | None = None) -> dict:
