@@ -197,7 +197,7 @@ def test_the_ring_check(tmp_path, monkeypatch):
     does not hold it and the runner says which ring would."""
     from types import SimpleNamespace
 
-    from frmps_engine.ring.layout import PAYLOAD_PER_ENTRY
+    from frmps_engine.ring.layout import PAYLOAD_PER_ENTRY, ring_capacity_needed
     from frmps_engine.sdk.runner import ring_room_note
     from frmps_engine.vllm import sizing
 
@@ -211,7 +211,7 @@ def test_the_ring_check(tmp_path, monkeypatch):
     assert ad.ring_record_bytes > 2 << 20  # more than an 8 MiB ring's records
     pub = SimpleNamespace(_writer=SimpleNamespace(max_record=(8 << 20) // 2))
     line = ring_room_note(ad.ring_record_bytes, pub)
-    need = sizing.ring_capacity_needed(ad.ring_record_bytes)
+    need = ring_capacity_needed(ad.ring_record_bytes)
     assert f"--ring-capacity {need}" in line and need // 4 >= ad.ring_record_bytes
     assert ring_room_note(ad.ring_record_bytes, SimpleNamespace(_writer=SimpleNamespace(max_record=need // 2))) == ""
 

@@ -60,6 +60,13 @@ def payload_len(n: int, sum_blocks: int, sum_tokens: int) -> int:
     return PAYLOAD_FIXED + PAYLOAD_PER_ENTRY * n + 4 * sum_blocks + 4 * sum_tokens
 
 
+def ring_capacity_needed(record_bytes: int, header_bytes: int = 64) -> int:
+    """The smallest power-of-two ring whose quarter (the largest record the
+    tracker writes, ring/tracker.py) holds a payload of ``record_bytes``."""
+    need = 4 * (record_bytes + header_bytes)
+    return 1 << (need - 1).bit_length()
+
+
 def align_up(n: int) -> int:
     return (n + RECORD_ALIGN - 1) & ~(RECORD_ALIGN - 1)
 

@@ -43,6 +43,7 @@ from frmps_engine._proto.frmps.v1 import control_pb2
 from . import control, debug_hang, memphase, spare, takeover_fault
 from .engine_api import (DeviceGate, EngineAdapter, EngineCoreProtocol, ProcessGroup, Resettable, TakeoverWarmup,
                          vocab_size)
+from ..ring.layout import ring_capacity_needed
 from .genapi import GenerationServer, input_to_ids, pb_ints
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
 from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
@@ -1022,7 +1023,7 @@ def ring_room_note(record_bytes: int, publisher: Any) -> str:
     room = int(getattr(writer, "max_record", 0) or 0) // 2  # max_record: half the ring
     if not record_bytes or not room or record_bytes <= room:
         return ""
-    need = 1 << (4 * (record_bytes + 64) - 1).bit_length()
+    need = ring_capacity_needed(record_bytes)
     line = (f"ring: a FULL record of this engine's largest batch needs up to {record_bytes} bytes and the ring "
             f"takes {room} (a quarter of it); at that batch some requests stay out of the supervisor's snapshot "
             f"and a takeover re-prefills them. frmps serve --ring-capacity {need} holds them all")

@@ -72,8 +72,7 @@ def model_max_len(hf: dict, tokenizer_config: dict | None = None) -> int:
     config's length keys (model_max_length wins where set), capped by the
     tokenizer's model_max_length, times a RoPE scaling factor (yarn: from its
     original_max_position_embeddings; su/longrope/llama3: no factor; longrope
-    defaults to original_max_position_embeddings), 2,048 where no key is set.
-    Raises ValueError for a rope_scaling frmps does not model."""
+    defaults to original_max_position_embeddings), 2,048 where no key is set."""
     text = hf.get("text_config") or hf
     derived = math.inf
     for key in _MAX_LEN_KEYS:
@@ -234,9 +233,3 @@ def ring_record_bytes(*, max_num_seqs: int, max_model_len: int, block_size: int,
     tokens = min(max_num_seqs * max_model_len, kv_tokens + max_num_seqs * block_size)
     blocks = min(max_num_seqs * -(-max_model_len // block_size), kv_tokens // block_size + max_num_seqs)
     return max_num_seqs * entry_bytes + 4 * (tokens + blocks)
-
-
-def ring_capacity_needed(record_bytes: int, header_bytes: int = 64) -> int:
-    """The smallest power-of-two ring whose quarter holds ``record_bytes``."""
-    need = 4 * (record_bytes + header_bytes)
-    return 1 << (need - 1).bit_length()
