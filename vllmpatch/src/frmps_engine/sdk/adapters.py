@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from frmps_engine._proto.frmps.v1 import control_pb2
 
+from ..modeldir import weights_source
 from .engine_api import EngineAdapter
 
 
@@ -139,7 +140,7 @@ class RefAdapter:
         self.num_blocks = int(self.cfg.num_blocks)
         self.max_model_len = int(self.cfg.max_model_len)
         # Hello.weights: the directory the active loads into the weights pool (and the standby maps), or dummy.
-        self.weights = "dummy" if self.cfg.weights == "dummy" else f"loaded:{self.cfg.weights}"
+        self.weights = weights_source(self.cfg.weights, self.cfg.weights != "dummy")
         self._tok = None
         self.core = None
         self.group = None

@@ -40,6 +40,7 @@ from . import sizing
 from .pools import PoolSpec, kv_cache_bytes, pool_layout
 from .tp import WORKER_EXTENSION as TP_WORKER_EXTENSION
 from .triton_watch import watch_from_env
+from ..modeldir import weights_source
 from ..sdk.engine_api import rank_death, throwaway_takeover
 from ..sdk.seeds import derive_seed, resolve_seed, to_int64, to_uint64
 from .state import CommittedView, key_for_request_id, request_id_for_key
@@ -788,7 +789,7 @@ class VllmAdapter:
         if cfg.max_model_len < 1:  # vLLM's own derivation, which vLLM checks again when it builds
             cfg.max_model_len = sizing.model_max_len(self.hf, _tokenizer_config(cfg.model))
         # Hello.weights (sdk/runner.py logs it at start).
-        self.weights = f"loaded:{cfg.model}" if cfg.weights == "load" else "dummy"
+        self.weights = weights_source(cfg.model, cfg.weights == "load")
         if cfg.device.startswith("cuda"):  # refused here, at the start, not once vLLM builds its sampler
             flashinfer_sampler_default(dict(os.environ), _importable("flashinfer"))
         self.block_size, self.num_blocks, self.max_model_len = cfg.block_size, cfg.num_blocks, cfg.max_model_len
