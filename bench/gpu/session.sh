@@ -281,6 +281,10 @@ seeded_dir() {  # the seeded checkpoint of a preset, written once into $WORK/mod
     PYTHONPATH=$PWD/vllmpatch/src python3 -m frmps_engine.cli model-dir "$1" --weights seeded --out "$WORK/models/$1-seeded"
 }
 
+seeded_for() {  # stage model: the seeded checkpoint for a stage, or a logged "none" and failure
+    seeded_dir "$2" 2>/dev/null || { log "$1 $2: no seeded checkpoint" >&2; return 1; }
+}
+
 stage_seeded() {  # model
     local t0=$SECONDS m
     m=$(seeded_dir "$1" 2> "$WORK/seeded-$1.err") || { log "seeded $1: FAILED"; tail -n 5 "$WORK/seeded-$1.err" >> "$S"; return; }
@@ -291,7 +295,7 @@ stage_seeded() {  # model
 stage_sensitivity() {  # model [timeout]
     vllm_env
     local m
-    m=$(seeded_dir "$1" 2>/dev/null) || { log "sensitivity $1: no seeded checkpoint"; return; }
+    m=$(seeded_for sensitivity "$1") || return
     local base=()
     [ "${SENS_BASELINES:-0}" = 1 ] && base=(--baselines --baseline-dir "$WORK/models/$1-baselines")
     log "sensitivity $1 (vLLM${base:+, with the uniform and normal(0, 0.02) baselines})"
@@ -303,7 +307,7 @@ stage_sensitivity() {  # model [timeout]
 stage_weights_check() {  # model [timeout]
     vllm_env
     local m
-    m=$(seeded_dir "$1" 2>/dev/null) || { log "weights-check $1: no seeded checkpoint"; return; }
+    m=$(seeded_for weights-check "$1") || return
     log "weights-check $1"
     bounded "${2:-420}" python3 bench/gpu/weights_check.py --frmps bin/frmps --model "$m" --workdir "$WORK/weights-$1" \
         --out "$OUT/weights-$1.json" > "$WORK/weights-$1.out" 2>&1
@@ -313,7 +317,7 @@ stage_weights_check() {  # model [timeout]
 stage_quick_start() {  # model n budget [timeout]
     vllm_env
     local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330 + ${CONTROL_S:-900}))} m
-    m=$(seeded_dir "$model" 2>/dev/null) || { log "quick-start $model: no seeded checkpoint"; return; }
+    m=$(seeded_for quick-start "$model") || return
     rm -rf "$WORK/quick-$model"
     log "quick-start $model: frmps serve --model $m, controls ${CONTROLS:-on}, $n faults, budget ${budget}s"
     bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --quick-start --model "$m" \
@@ -353,7 +357,7 @@ stage_quick_start_preset() {  # model [timeout]: the README's command as written
 stage_controls() {  # engine model [timeout]
     vllm_env
     local m
-    m=$(seeded_dir "$2" 2>/dev/null) || { log "controls $2: no seeded checkpoint"; return; }
+    m=$(seeded_for "controls $1" "$2") || return
     log "controls $1 $2"
     bounded "${3:-900}" python3 bench/gpu/controls_check.py --frmps bin/frmps --engine "$1" --model "$m" \
         --workdir "$WORK/controls-$1-$2" --out "$OUT/controls-$1-$2.json" > "$WORK/controls-$1-$2.out" 2>&1
@@ -363,7 +367,7 @@ stage_controls() {  # engine model [timeout]
 stage_margin() {  # model [timeout]
     vllm_env
     local m
-    m=$(seeded_dir "$1" 2>/dev/null) || { log "margin $1: no seeded checkpoint"; return; }
+    m=$(seeded_for margin "$1") || return
     log "margin $1"
     bounded "${2:-420}" python3 bench/gpu/margin_bound.py --model "$m" --out "$OUT/margin-$1.json" > "$WORK/margin-$1.out" 2>&1
     log "margin $1: rc=$?"; tail -n 8 "$WORK/margin-$1.out" >> "$S"
