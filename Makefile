@@ -102,6 +102,9 @@ vet:
 # FRMPS_PYTHON: the ring's and the control protocol's cross-language tests run
 # a real Python peer (without one they skip, or fail when CI=true).
 GO_TEST_ENV := FRMPS_PYTHON=$(CURDIR)/$(VPY) PYTHONPATH=$(CURDIR)/vllmpatch/src
+# The Python tests and the bench: the engine package's source and the repository
+# root, which holds the bench package (bench/: the evaluation, its harnesses).
+PY_PATH := $(CURDIR)/vllmpatch/src:$(CURDIR)
 
 .PHONY: go-test
 go-test: $(VENV)/.stamp ## Go tests with the race detector, the full writer-crash test, brief fuzzing
@@ -121,11 +124,11 @@ c-test: c-build ## interceptor unit tests against the fake libcuda
 
 .PHONY: py-test
 py-test: $(VENV)/.stamp go-build py-test-vllm026 ## Python tests (engine SDK, reference engine, ring writer, vLLM adapter on 0.33.0 and 0.26.0)
-	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY) -m pytest -q vllmpatch/tests
+	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY) -m pytest -q vllmpatch/tests
 
 .PHONY: py-test-vllm026
 py-test-vllm026: $(VENV026)/.stamp go-build ## the vLLM adapter's tests against vLLM 0.26.0
-	FRMPS_EXPECT_VLLM=0.26.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY026) -m pytest -q -p no:cacheprovider vllmpatch/tests/vllm
+	FRMPS_EXPECT_VLLM=0.26.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY026) -m pytest -q -p no:cacheprovider vllmpatch/tests/vllm
 
 .PHONY: test-notorch
 test-notorch: ## Go tests and the torch-free Python tests, without installing torch
@@ -182,7 +185,7 @@ serve: $(VENV)/.stamp build ## run frmps serve on the CPU (tiny model) until Ctr
 
 .PHONY: soak
 soak: $(VENV)/.stamp go-build ## not in CI: 1,000 SIGKILLs of the active under 16 streams, resources sampled (about an hour on 2 cores): make soak RESULTS=bench/results/<date>-cpu-soak
-	PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY) -m frmps_engine.bench.chaos --frmps $(CURDIR)/$(BIN)/frmps \
+	PYTHONPATH=$(PY_PATH) $(VPY) -m bench.chaos --frmps $(CURDIR)/$(BIN)/frmps \
 	  --kills $(or $(KILLS),1000) --streams $(or $(STREAMS),16) --out $(or $(RESULTS),bench/build/soak)
 
 .PHONY: ring-bench
@@ -200,7 +203,7 @@ engine-speed: $(VENV)/.stamp ## reference engine decode speed (GPU; --device cpu
 .PHONY: bench-cpu
 bench-cpu: $(VENV)/.stamp go-build ## every `frmps bench` experiment on the CPU (tiny model): a check of the harness, not a measurement
 	for e in recovery prompt-length since-sync sync-overhead outage standby-memory correctness; do \
-	  PYTHONPATH=$(CURDIR)/vllmpatch/src $(BIN)/frmps bench --python $(CURDIR)/$(VPY) $$e --cpu --out $(or $(RESULTS),bench/build/bench-cpu) || exit 1; done
+	  PYTHONPATH=$(PY_PATH) $(BIN)/frmps bench --python $(CURDIR)/$(VPY) $$e --cpu --out $(or $(RESULTS),bench/build/bench-cpu) || exit 1; done
 
 .PHONY: bench-gpu
 bench-gpu: ## on the GPU machine: `make bench-gpu SLOTS="s1" RESULTS=bench/results/<date>-h100` (bench/README.md)
@@ -209,7 +212,7 @@ bench-gpu: ## on the GPU machine: `make bench-gpu SLOTS="s1" RESULTS=bench/resul
 .PHONY: bench-plots
 bench-plots: $(VENV)/.stamp ## PNGs and README tables from the JSON results: make bench-plots RESULTS=bench/results/<date>-<gpu>
 	@test -n "$(RESULTS)" || { echo "usage: make bench-plots RESULTS=bench/results/<date>-<gpu>"; exit 2; }
-	PYTHONPATH=$(CURDIR)/vllmpatch/src $(VPY) -m frmps_engine.bench.plots $(RESULTS)
+	PYTHONPATH=$(PY_PATH) $(VPY) -m bench.plots $(RESULTS)
 
 .PHONY: clean
 clean:

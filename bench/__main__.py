@@ -1,4 +1,4 @@
-"""`python -m frmps_engine.bench <experiment> [options]` (what `frmps bench` runs).
+"""`python -m bench <experiment> [options]` (what `frmps bench` runs).
 
 Experiments (name or number):
   1 recovery         recovery time across model sizes: frmps, sleep-only, cold restart

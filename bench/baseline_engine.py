@@ -29,7 +29,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 
-from frmps_engine.bench.engine_io import (decode_more, die_on_device_error, emit, recover,  # noqa: E402
+from bench.engine_io import (decode_more, die_on_device_error, emit, recover,  # noqa: E402
                                           serve_sleep_commands, serve_victim, sync)
 
 def make_cfg(args, **over):
@@ -364,7 +364,7 @@ def run_sync_overhead(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="frmps_engine.bench.baseline_engine", description=__doc__,
+    p = argparse.ArgumentParser(prog="bench.baseline_engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", choices=["victim", "sleep", "cold", "context", "write-checkpoint", "sync-overhead"])
     p.add_argument("--model", default="tiny")

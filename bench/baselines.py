@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable
 
-from .procs import Cleanup, die_with_parent, kill_group, now, tail
+from .procs import Cleanup, die_with_parent, kill_group, now, tail, with_bench_path
 from .runctx import TrialError
 from .deploy import MpsTrigger, SigkillTrigger
 from .mps import MpsDaemon, outside_mps_env
@@ -49,9 +49,10 @@ class EngineProc:
         self.rc: int | None = None
         self._on_exit = on_exit
         self.t_spawn = now()
-        self.p = subprocess.Popen([python, "-m", "frmps_engine.bench.baseline_engine", role, *args],
+        self.p = subprocess.Popen([python, "-m", "bench.baseline_engine", role, *args],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                  env={**os.environ, **env}, start_new_session=True, preexec_fn=die_with_parent())
+                                  env=with_bench_path({**os.environ, **env}), start_new_session=True,
+                                  preexec_fn=die_with_parent())
         if cleanup is not None:
             cleanup.add_proc(self.p)
         self._reader = threading.Thread(target=self._read, daemon=True)

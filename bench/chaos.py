@@ -12,7 +12,7 @@ sampled.
 Used by vllmpatch/tests/test_chaos.py (bounded, in `make test`) and by
 `make soak`:
 
-    python -m frmps_engine.bench.chaos --kills 1000 --streams 16 --out DIR
+    python -m bench.chaos --kills 1000 --streams 16 --out DIR
 
 Standard library only.
 """
@@ -739,7 +739,7 @@ def _write_soak(out: str, result: dict, samples: list[Sample]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m frmps_engine.bench.chaos", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=1000, help="SIGKILLs of the active (each with a standby ready)")
     p.add_argument("--streams", type=int, default=16, help="concurrent streaming clients")
     p.add_argument("--warmup", type=int, default=3, help="kills before the baseline sample")

@@ -85,8 +85,8 @@ def gpu_short_name(name: str) -> str:
 
 
 def repo_root() -> str:
-    # <repo>/vllmpatch/src/frmps_engine/bench/envinfo.py
-    return os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
+    # <repo>/bench/envinfo.py
+    return os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
 def git_commit() -> str | None:

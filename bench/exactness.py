@@ -28,10 +28,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
-from ..sdk import takeover_fault
-from ..sdk.takeover_fault import CASES as CONTROL_CASES
-from ..sdk.takeover_fault import ENV as CONTROL_ENV
-from ..sdk.takeover_fault import TEST_MODE_ENV
+from frmps_engine.sdk import takeover_fault
+from frmps_engine.sdk.takeover_fault import CASES as CONTROL_CASES
+from frmps_engine.sdk.takeover_fault import ENV as CONTROL_ENV
+from frmps_engine.sdk.takeover_fault import TEST_MODE_ENV
 
 EXACT, MARGIN_BOUNDED, INEXACT, COMPLETED = "exact", "margin-bounded", "inexact", "completed"
 # The safety factor over the largest margin at which two no-fault runs were seen to disagree.

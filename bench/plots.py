@@ -1,6 +1,6 @@
 """PNG plots from the result files (matplotlib; `make bench-plots RESULTS=<dir>`).
 
-    python -m frmps_engine.bench.plots <results dir>
+    python -m bench.plots <results dir>
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def draw_all(out_dir: str, summ: dict[str, dict] | None = None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m frmps_engine.bench.plots <results dir>", file=sys.stderr)
+        print("usage: python -m bench.plots <results dir>", file=sys.stderr)
         return 2
     for p in report.write_all(os.path.abspath(argv[0]), plots=True):
         print(p)

@@ -21,6 +21,19 @@ def now() -> float:
     return time.time()
 
 
+# The directory holding the bench package (the repository root).
+BENCH_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def with_bench_path(env: dict[str, str]) -> dict[str, str]:
+    """env with the bench package's directory on PYTHONPATH (appended, unless
+    there), for a child run as `python -m bench.<module>` from any directory."""
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if BENCH_ROOT not in parts:
+        parts.append(BENCH_ROOT)
+    return {**env, "PYTHONPATH": os.pathsep.join(parts)}
+
+
 class Cleanup:
     """Process groups and callbacks to stop when the run ends, however it ends."""
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from ..sdk.takeover_fault import CASES as CONTROL_CASES
+from frmps_engine.sdk.takeover_fault import CASES as CONTROL_CASES
 from . import exactness
 
 PHASES = ("decoding", "mid-prefill", "waiting", "waiting/prefill", "unknown")

@@ -1,5 +1,5 @@
 """Summaries, target checks and README tables from the result files alone
-(standard library; plots are in plots.py). `python -m frmps_engine.bench report
+(standard library; plots are in plots.py). `python -m bench report
 --out DIR` and `make bench-plots RESULTS=DIR` rerun it."""
 
 from __future__ import annotations

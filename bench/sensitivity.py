@@ -1,6 +1,6 @@
 """Is a test model's output decided by its context (its KV cache)?
 
-``python -m frmps_engine.bench.sensitivity --model DIR [--engine ref|transformers|vllm[,...]]
+``python -m bench.sensitivity --model DIR [--engine ref|transformers|vllm[,...]]
 [--pairs 12] [--context 60] [--tokens 32] [--baselines] [--out JSON]``
 
 An exactness check (a resumed request reproduces the no-fault output) proves
@@ -51,6 +51,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from .procs import with_bench_path
 
 WEIGHT_FILES = (".safetensors", ".safetensors.index.json", "frmps_weights.json")
 
@@ -329,7 +331,7 @@ def _vllm_row_in_child(model_dir: str, args, dummy: bool) -> dict:
     """One vLLM row in its own process (a process holds one vLLM engine at a time)."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
-    cmd = [sys.executable, "-m", "frmps_engine.bench.sensitivity", "--model", model_dir, "--engine", "vllm",
+    cmd = [sys.executable, "-m", "bench.sensitivity", "--model", model_dir, "--engine", "vllm",
            "--pairs", str(args.pairs), "--context", str(args.context), "--tokens", str(args.tokens),
            "--prompt-seed", str(args.prompt_seed), "--sample-seed", str(args.sample_seed), "--row-json", path]
     if args.differ_at is not None:
@@ -337,7 +339,7 @@ def _vllm_row_in_child(model_dir: str, args, dummy: bool) -> dict:
     if dummy:
         cmd.append("--vllm-dummy")
     try:
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd, check=True, env=with_bench_path(dict(os.environ)))
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     finally:
@@ -385,7 +387,7 @@ def agreement(a: dict, b: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m frmps_engine.bench.sensitivity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.sensitivity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
                    help="model directory with safetensors (frmps model init --weights seeded)")
     p.add_argument("--engine", default="ref", help="ref, transformers, vllm, or a comma list (ref,transformers)")
@@ -467,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{a['greedy_identical']}/{a['continuations']}, seeded {a['seeded_identical']}/{a['continuations']}, "
               f"tokens before the first difference {a['agreeing_prefix_tokens']}/{a['tokens']}")
     if args.out:
-        from frmps_engine.bench.envinfo import git_commit
+        from .envinfo import git_commit
 
         doc = {"model": model_dir, "weights": desc, "pairs": args.pairs, "context": args.context,
                "differ_at": args.differ_at,

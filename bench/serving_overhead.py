@@ -39,11 +39,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from frmps_engine._proto.frmps.v1 import control_pb2, generation_pb2, generation_pb2_grpc
-from frmps_engine.bench.procs import collect
-from frmps_engine.sdk.genapi import GenerationServer
-from frmps_engine.sdk.loop import EngineBackend, EngineLoop, RingPublisher
-from frmps_engine.sdk.testing.fake_engine import FakeTokenizer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the bench package
+
+from frmps_engine._proto.frmps.v1 import control_pb2, generation_pb2, generation_pb2_grpc  # noqa: E402
+from bench.procs import collect  # noqa: E402
+from frmps_engine.sdk.genapi import GenerationServer  # noqa: E402
+from frmps_engine.sdk.loop import EngineBackend, EngineLoop, RingPublisher  # noqa: E402
+from frmps_engine.sdk.testing.fake_engine import FakeTokenizer  # noqa: E402
 
 
 @dataclass

@@ -21,7 +21,7 @@ runner, frmps_engine.vllm.testing: that figure is the scheduler's and the
 publish's time with no model computation, a check of the path, not a
 measurement of vLLM).
 
-Run by the bench driver as ``python -m frmps_engine.bench.baseline_engine
+Run by the bench driver as ``python -m bench.baseline_engine
 sync-overhead ...``; emits one "result" event.
 """
 

@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 LIMIT=${LIMIT:-540}
 PY=${PYTHON:-python3}
-export PYTHONPATH=$PWD/vllmpatch/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/vllmpatch/src:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the engine package, the bench package
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE '[A-Z]{1,2}[0-9]{2,4}' | head -1 | tr 'A-Z' 'a-z')
 RESULTS=${RESULTS:-bench/results/$(date -u +%F)-${GPU:-gpu}}
 WORK=${WORK:-/tmp/frmps-bench}

@@ -9,7 +9,7 @@ FRMPS_TEST_MODE=1 and the case in their environment; a no-fault batch of
 --requests streaming completions (different prompts of several KV blocks, half
 greedy, half sampled with a seed), then the same batch again with the active
 SIGKILLed once stream 0 has --kill-after tokens; each resumed output compared with
-its no-fault one (frmps_engine.bench.exactness). Exits 1, naming it, if a control
+its no-fault one (bench.exactness). Exits 1, naming it, if a control
 passed unnoticed (applied, and the request it hit still compares exact or
 margin-bounded), was never applied, or the positive run is not exact.
 
@@ -33,10 +33,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "vllmpatch", "src"))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the bench package
 from failback_proof import stream, wait_endpoint  # noqa: E402  (same folder)
 from failover_proof import Deployment, failover_after, failover_seq, get, http_json  # noqa: E402
 
-from frmps_engine.bench import exactness  # noqa: E402
+from bench import exactness  # noqa: E402
 
 PROMPT = "Once upon a time, in a land of shared GPUs, the standby kept watch over the active. " * 8
 

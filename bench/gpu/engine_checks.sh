@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:?OUT must name a folder}
 MODELS=${MODELS:-qwen2.5-0.5b,qwen2.5-14b}
 RESULTS=${RESULTS:?RESULTS must name the bench results folder}
-export PYTHONPATH=$PWD/vllmpatch/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/vllmpatch/src:$PWD${PYTHONPATH:+:$PYTHONPATH}  # the engine package, the bench package
 mkdir -p "$OUT" "$RESULTS"
 T0=$(date +%s)
 stamp() { echo "== $* ($(( $(date +%s) - T0 ))s)"; }

@@ -42,8 +42,8 @@ from failover_proof import (  # noqa: E402  (same folder, standard library only)
     LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, http_json, loglines, mps_trigger,
     nvidia_smi)
 
-from frmps_engine.bench import proofcount  # noqa: E402  (standard library only)
-from frmps_engine.bench.runctx import FAULT_KINDS as FAULTS  # noqa: E402  (the seven kinds, in the soaks' order)
+from bench import proofcount  # noqa: E402  (standard library only)
+from bench.runctx import FAULT_KINDS as FAULTS  # noqa: E402  (the seven kinds, in the soaks' order)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FAKE_MPS = os.path.join(REPO, "supervisor", "mps", "testdata", "nvidia-cuda-mps-control")

@@ -332,7 +332,9 @@ def compare_ids(ref: dict, got: dict) -> dict:
     return out
 
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src")))
+# The engine package and the repository root (the bench package) importable.
+sys.path[:0] = [os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src")),
+                os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))]
 
 
 def _exit_on_term(signum, _frame):
@@ -344,10 +346,10 @@ def _exit_on_term(signum, _frame):
 
 
 signal.signal(signal.SIGTERM, _exit_on_term)
-from frmps_engine.bench import loglines  # noqa: E402  (standard library only)
-from frmps_engine.bench.envinfo import nvidia_smi_apps, smi_select  # noqa: E402  (standard library only)
-from frmps_engine.bench.deploy import ServeOpts  # noqa: E402  (standard library only)
-from frmps_engine.bench import proofcount  # noqa: E402  (standard library only)
+from bench import loglines  # noqa: E402  (standard library only)
+from bench.envinfo import nvidia_smi_apps, smi_select  # noqa: E402  (standard library only)
+from bench.deploy import ServeOpts  # noqa: E402  (standard library only)
+from bench import proofcount  # noqa: E402  (standard library only)
 
 LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP, LOG_INIT, LOG_ALLOC = (loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP,
                                                            loglines.INIT, loglines.ALLOC)

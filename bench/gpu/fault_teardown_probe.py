@@ -37,7 +37,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "vllmpatch", "src"))
-from frmps_engine.bench import loglines  # noqa: E402
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the bench package
+from bench import loglines  # noqa: E402
 
 OBSERVER = r"""
 import json, signal, sys, time, torch

@@ -85,7 +85,7 @@ hooks() { # hooks enabled|disabled
 pytest_gpu() {
   if ! "$PYTHON" -c 'import pytest' 2>/dev/null; then echo "pytest is not installed"; return 77; fi
   if [[ ! -f "$ROOT/vllmpatch/src/frmps_engine/sdk/memory/base.py" ]]; then echo "engine SDK (sdk/memory/base.py) not in this tree"; return 77; fi
-  PYTHONPATH="$ROOT/vllmpatch/src" FRMPS_VMM_LIBRARY="$LIB" "$PYTHON" -m pytest -q -p no:cacheprovider -rs -s \
+  PYTHONPATH="$ROOT/vllmpatch/src:$ROOT" FRMPS_VMM_LIBRARY="$LIB" "$PYTHON" -m pytest -q -p no:cacheprovider -rs -s \
     "$ROOT/vllmpatch/tests/test_cuda_vmm.py" "$ROOT/vllmpatch/tests/test_cuda_vmm_gpu.py" \
     "$ROOT/vllmpatch/tests/test_vllm_alloc_gpu.py"
 }

@@ -25,6 +25,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "vllmpatch", "src"))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the bench package
 
 TEXT = ("The standby engine keeps its weights mapped and waits; when the active dies it adopts the requests, "
         "their KV blocks and their sampling state, and continues every stream where the client left it. ")
@@ -52,7 +53,7 @@ def main() -> int:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from vllm import LLM, SamplingParams
 
-    from frmps_engine.bench import exactness
+    from bench import exactness
 
     llm = LLM(model=args.model, seed=0, gpu_memory_utilization=args.gpu_memory_utilization)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)

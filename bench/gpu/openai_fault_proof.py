@@ -43,7 +43,7 @@ from failback_proof import (FAKE_MPS, FAULTS, add_count_args, apply_prefill_chun
                             run_controls, spare_state, started, wait_endpoint)
 from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
 
-from frmps_engine.bench import proofcount  # noqa: E402  (standard library only)
+from bench import proofcount  # noqa: E402  (standard library only)
 
 LOGPROB_TOL = 0.05  # |Δ logprob| reported above this (the tokens themselves must be equal)
 

@@ -20,7 +20,7 @@ else
     echo "build FAILED" >> "$S"; tail -20 "$OUT/build.log" >> "$S"
 fi
 if [ -z "${SKIP_PYTEST:-}" ]; then
-    PYTHONPATH=vllmpatch/src timeout 150 python3 -m pytest -q vllmpatch/tests/test_refengine_gpu.py > "$OUT/pytest_gpu.log" 2>&1
+    PYTHONPATH=$PWD/vllmpatch/src:$PWD timeout 150 python3 -m pytest -q vllmpatch/tests/test_refengine_gpu.py > "$OUT/pytest_gpu.log" 2>&1
     echo "pytest test_refengine_gpu.py rc=$?: $(tail -1 "$OUT/pytest_gpu.log")" >> "$S"
 fi
 python3 bench/gpu/ctx_mem.py >> "$S" 2>&1

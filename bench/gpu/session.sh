@@ -61,7 +61,7 @@
 #                                      (bench/gpu/start_profile.py: $OUT/start-profile.txt, .json)
 #   seeded:<model>                     the KV-sensitive seeded checkpoint (frmps model init <model> --weights seeded)
 #                                      into $WORK/models/<model>-seeded, once; the stages below with a model read it
-#   sensitivity:<model>[:<timeout>]    frmps_engine.bench.sensitivity on that checkpoint with vLLM (env:SENS_BASELINES=1:
+#   sensitivity:<model>[:<timeout>]    bench.sensitivity on that checkpoint with vLLM (env:SENS_BASELINES=1:
 #                                      also the uniform +-1e-3 and normal(0, 0.02) baselines): does the output depend on the
 #                                      context? ($OUT/sensitivity-<model>.json)
 #   weights-check:<model>[:<timeout>]  bench/gpu/weights_check.py: the weights pool (active, mapped standby) and a plain
@@ -299,7 +299,7 @@ stage_sensitivity() {  # model [timeout]
     local base=()
     [ "${SENS_BASELINES:-0}" = 1 ] && base=(--baselines --baseline-dir "$WORK/models/$1-baselines")
     log "sensitivity $1 (vLLM${base:+, with the uniform and normal(0, 0.02) baselines})"
-    bounded "${2:-420}" python3 -m frmps_engine.bench.sensitivity --model "$m" --engine vllm "${base[@]}" \
+    bounded "${2:-420}" python3 -m bench.sensitivity --model "$m" --engine vllm "${base[@]}" \
         --out "$OUT/sensitivity-$1.json" > "$WORK/sensitivity-$1.out" 2>&1
     log "sensitivity $1: rc=$?"; tail -n 12 "$WORK/sensitivity-$1.out" >> "$S"
 }

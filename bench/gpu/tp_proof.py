@@ -42,7 +42,7 @@ from failback_proof import (  # noqa: E402  (same folder, standard library only)
     first_resumed, gaps_after, grep_all, max_gap_in, no_fault_run, restored, run_controls, started, stream_report)
 from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
 
-from frmps_engine.bench.procs import alive, live_children  # noqa: E402  (standard library only)
+from bench.procs import alive, live_children  # noqa: E402  (standard library only)
 
 
 def now() -> float:

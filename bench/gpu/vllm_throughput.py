@@ -34,7 +34,7 @@ from failover_proof import Deployment  # noqa: E402
 from failback_proof import started, stream  # noqa: E402
 from start_profile import read_stacks  # noqa: E402  (py-spy's raw format, one parser)
 
-from frmps_engine.bench.procs import collect  # noqa: E402  (standard library only)
+from bench.procs import collect  # noqa: E402  (standard library only)
 
 
 def prompts(b: int, n: int = 32) -> list[list[int]]:

@@ -44,9 +44,10 @@ import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "vllmpatch", "src"))
+sys.path.insert(0, REPO)  # the bench package
 
-from frmps_engine.bench.deploy import Deployment, ServeOpts  # noqa: E402
-from frmps_engine.bench.procs import field  # noqa: E402
+from bench.deploy import Deployment, ServeOpts  # noqa: E402
+from bench.procs import field  # noqa: E402
 from frmps_engine.sdk import debug_fault  # noqa: E402
 
 DTYPE = "bfloat16"  # the vLLM engines' dtype (frmps owns it)

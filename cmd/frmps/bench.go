@@ -7,14 +7,16 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"syscall"
 
 	"github.com/spf13/cobra"
 )
 
-// benchModule is the Python driver `frmps bench` runs; the experiments,
-// baselines and reports live there, next to the engine they measure.
-const benchModule = "frmps_engine.bench"
+// benchModule is the Python driver `frmps bench` runs: the bench package at
+// the root of the source checkout (bench/), which holds the experiments,
+// baselines and reports, apart from the engine package they measure.
+const benchModule = "bench"
 
 func newBenchCmd() *cobra.Command {
 	var python string
@@ -32,9 +34,12 @@ binary), the baselines and the fault triggers itself:
   frmps bench recovery --help            # the experiment's own flags
 
 The interpreter is --python, else $FRMPS_PYTHON, else the .venv of the source
-checkout holding this binary (whose vllmpatch/src then goes on PYTHONPATH),
-else python3; frmps_engine must be importable there. Results are appended to
-bench/results/<date>-<gpu>/ as they are measured; re-running a command resumes.`,
+checkout holding this binary, else python3; frmps_engine and the bench package
+must be importable there. A binary inside a checkout puts the checkout's
+vllmpatch/src and its root (the bench package, bench/) on PYTHONPATH; another
+one finds the bench package when run from the checkout's root. Results are
+appended to bench/results/<date>-<gpu>/ as they are measured; re-running a
+command resumes.`,
 		Args:                  cobra.MinimumNArgs(1),
 		DisableFlagsInUseLine: true,
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -42,7 +47,8 @@ bench/results/<date>-<gpu>/ as they are measured; re-running a command resumes.`
 			if err != nil {
 				return fmt.Errorf("find the frmps binary: %w", err)
 			}
-			py := findPython(python, selfPath(), os.Environ())
+			exe := selfPath()
+			py := benchPython(findPython(python, exe, os.Environ()), exe)
 			return runBench(py, benchArgv(self, args), cmd.InOrStdin(), cmd.OutOrStdout(), cmd.ErrOrStderr())
 		},
 	}
@@ -51,6 +57,18 @@ bench/results/<date>-<gpu>/ as they are measured; re-running a command resumes.`
 	cmd.Flags().StringVar(&python, "python", "", "Python interpreter that runs the bench driver and the engines (default: $FRMPS_PYTHON, else the checkout's .venv, else python3)")
 	cmd.AddCommand(newBenchMPSCmd())
 	return cmd
+}
+
+// benchPython adds the root of the source checkout holding this binary
+// (<checkout>/bin/frmps) to PYTHONPATH when the bench package is there, so
+// that `python -m bench` finds it from any working directory. exe is this
+// binary's path with symlinks resolved.
+func benchPython(py pythonEnv, exe string) pythonEnv {
+	root := filepath.Dir(filepath.Dir(exe))
+	if exe != "" && isFile(filepath.Join(root, "bench", "__main__.py")) {
+		py.Env = prependPath(py.Env, "PYTHONPATH", root)
+	}
+	return py
 }
 
 // benchArgv is the driver's command line: the experiment, this binary as

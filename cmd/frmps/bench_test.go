@@ -19,14 +19,43 @@ func TestBenchArgv(t *testing.T) {
 		args []string
 		want []string
 	}{
-		{[]string{"list"}, []string{"-m", "frmps_engine.bench", "list"}},
-		{[]string{"recovery"}, []string{"-m", "frmps_engine.bench", "recovery", "--frmps", "/x/frmps"}},
+		{[]string{"list"}, []string{"-m", "bench", "list"}},
+		{[]string{"recovery"}, []string{"-m", "bench", "recovery", "--frmps", "/x/frmps"}},
 		{[]string{"recovery", "--models", "qwen2.5-14b", "--python", "py2", "--frmps", "mine"},
-			[]string{"-m", "frmps_engine.bench", "recovery", "--frmps", "/x/frmps", "--models", "qwen2.5-14b", "--python", "py2", "--frmps", "mine"}},
+			[]string{"-m", "bench", "recovery", "--frmps", "/x/frmps", "--models", "qwen2.5-14b", "--python", "py2", "--frmps", "mine"}},
 	} {
 		if got := benchArgv("/x/frmps", tc.args); !reflect.DeepEqual(got, tc.want) {
 			t.Errorf("benchArgv(%q) = %q, want %q", tc.args, got, tc.want)
 		}
+	}
+}
+
+func TestBenchPythonPutsTheCheckoutRootOnPythonPath(t *testing.T) {
+	root, exe := checkout(t, true)
+	src := filepath.Join(root, "vllmpatch", "src")
+	py := findPython("", exe, []string{"PYTHONPATH=/x"})
+	// No bench package in the checkout: nothing added.
+	if got := lookupEnv(benchPython(py, exe).Env, "PYTHONPATH"); got != src+":/x" {
+		t.Fatalf("without bench/: PYTHONPATH %q, want %q", got, src+":/x")
+	}
+	main := filepath.Join(root, "bench", "__main__.py")
+	if err := os.MkdirAll(filepath.Dir(main), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(main, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	got := benchPython(py, exe)
+	if pp := lookupEnv(got.Env, "PYTHONPATH"); pp != root+":"+src+":/x" {
+		t.Fatalf("PYTHONPATH %q, want %q", pp, root+":"+src+":/x")
+	}
+	if got.Python != py.Python || got.Source != py.Source {
+		t.Fatalf("interpreter changed: %+v", got)
+	}
+	// Not a checkout: the environment is left as it was.
+	elsewhere := filepath.Join(t.TempDir(), "bin", "frmps")
+	if pp := lookupEnv(benchPython(findPython("", elsewhere, []string{"PYTHONPATH=/x"}), elsewhere).Env, "PYTHONPATH"); pp != "/x" {
+		t.Fatalf("installed binary: PYTHONPATH %q, want /x", pp)
 	}
 }
 
@@ -58,7 +87,7 @@ func TestBenchRunsDriverWithFlagsAfterExperimentUntouched(t *testing.T) {
 	}
 	got := strings.Split(strings.TrimSpace(string(raw)), "\n")
 	self, _ := os.Executable()
-	want := []string{"-m", "frmps_engine.bench", "since-sync", "--frmps", self, "--ks", "1,16", "--cpu", "--help"}
+	want := []string{"-m", "bench", "since-sync", "--frmps", self, "--ks", "1,16", "--cpu", "--help"}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("driver got %q, want %q", got, want)
 	}

@@ -14,14 +14,18 @@ import time
 import pytest
 
 from e2e import frmps_bin
-from frmps_engine.bench import report
-from frmps_engine.bench.results import ResultFile, key_id, latest_ok, load_records
-from frmps_engine.bench.experiments import EXPERIMENTS, outage_metrics
+from bench import report
+from bench.results import ResultFile, key_id, latest_ok, load_records
+from bench.experiments import EXPERIMENTS, outage_metrics
 
 # Reduced CPU plans: every experiment and every system once, a few seconds each.
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(report.__file__))))  # .../src
+SRC = os.path.join(REPO, "vllmpatch", "src")
+# The engine package's source dir and the repository root (the bench package) only: the
+# test's own sys.path may hold directories whose modules would shadow the standard library
+# in the engines.
+BENCH_PATH = SRC + os.pathsep + REPO
 # recovery runs the GPU mode's fault path: MPS on, a co-located "MPS client" faults the
 # victim, the pair reused once its failback has put an active back inside MPS, a private
 # MPS daemon for the baselines' victims; against TEST DOUBLES of nvidia-cuda-mps-control
@@ -45,10 +49,8 @@ def bench(out: str, workdir: str, exp: str, *extra: str, timeout: float = 240) -
     link = os.path.join(fake_bin, "nvidia-cuda-mps-control")
     if not os.path.lexists(link):
         os.symlink(os.path.join(REPO, "supervisor", "mps", "testdata", "nvidia-cuda-mps-control"), link)
-    # Only the package's source dir: the test's own sys.path may hold directories whose
-    # modules would shadow the standard library in the engines.
-    env = {**os.environ, "PYTHONPATH": SRC, "PATH": fake_bin + os.pathsep + os.environ.get("PATH", "")}
-    cmd = [sys.executable, "-m", "frmps_engine.bench", exp, "--cpu", "--out", out, "--workdir", workdir,
+    env = {**os.environ, "PYTHONPATH": BENCH_PATH, "PATH": fake_bin + os.pathsep + os.environ.get("PATH", "")}
+    cmd = [sys.executable, "-m", "bench", exp, "--cpu", "--out", out, "--workdir", workdir,
            "--frmps", os.environ["FRMPS_BIN"], "--cache-dir", os.path.join(workdir, "ckpt"), "--no-plots", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -363,7 +365,7 @@ def test_report_targets_and_tables(tmp_path):
 
 def test_plots_from_json(tmp_path):
     pytest.importorskip("matplotlib")
-    from frmps_engine.bench import plots
+    from bench import plots
 
     out = str(tmp_path)
     synthetic(out)
@@ -377,7 +379,7 @@ def test_plots_from_json(tmp_path):
 
 
 def test_every_experiment_plans_points_in_both_modes():
-    from frmps_engine.bench.__main__ import build_parser, normalise
+    from bench.__main__ import build_parser, normalise
 
     for name, exp in EXPERIMENTS.items():
         for mode in (["--cpu"], ["--device", "cuda", "--quick"], ["--device", "cuda"]):
@@ -403,8 +405,8 @@ def test_engine_arg_reaches_every_frmps_serve_the_bench_starts():
     `frmps serve` flag."""
     import types
 
-    from frmps_engine.bench.__main__ import build_parser, normalise
-    from frmps_engine.bench.experiments import serve_opts
+    from bench.__main__ import build_parser, normalise
+    from bench.experiments import serve_opts
 
     args = build_parser().parse_args(["standby-memory", "--device", "cuda", "--engine", "vllm", "--frmps", "/bin/true",
                                       "--engine-arg=--vllm-arg=--enforce-eager", "--engine-arg=--x=1",
@@ -453,7 +455,7 @@ def test_sync_overhead_against_neighbouring_no_sync_trials():
 
 
 def test_sync_overhead_trial_order():
-    from frmps_engine.bench.sync_overhead import trial_order
+    from bench.sync_overhead import trial_order
 
     assert trial_order([0, 1, 16], 1) == [(0, 0), (0, 1), (0, 0), (0, 16), (0, 0)]
     # Rounds alternate direction and share their boundary no-publish trial.
@@ -497,7 +499,7 @@ def test_sharegpt_like_lengths_are_seeded_and_match_their_documented_moments():
     import random
     import statistics
 
-    from frmps_engine.bench import lengths as L
+    from bench import lengths as L
 
     def run(seed, client, n=200):
         c = L.RequestLengths(L.SHAREGPT_PROMPT, L.SHAREGPT_OUTPUT, seed=seed).client(client)
@@ -566,8 +568,8 @@ def test_checkpoint_is_a_model_directory_both_engines_load(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     out = str(tmp_path / "tiny")
-    env = {**os.environ, "PYTHONPATH": SRC}
-    p = subprocess.run([sys.executable, "-m", "frmps_engine.bench.baseline_engine", "write-checkpoint", "--model", "tiny",
+    env = {**os.environ, "PYTHONPATH": BENCH_PATH}
+    p = subprocess.run([sys.executable, "-m", "bench.baseline_engine", "write-checkpoint", "--model", "tiny",
                         "--device", "cpu", "--out", out, "--shard-bytes", str(100 << 10)],
                        capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -598,7 +600,7 @@ def test_checkpoint_is_a_model_directory_both_engines_load(tmp_path):
 def test_nvidia_smi_is_asked_about_the_engines_gpu():
     """On a host with several GPUs the bench (and the GPU proofs) report the GPU the
     engines run on: CUDA_VISIBLE_DEVICES's first entry, an index or a UUID."""
-    from frmps_engine.bench.envinfo import smi_select
+    from bench.envinfo import smi_select
 
     assert smi_select({"CUDA_VISIBLE_DEVICES": "GPU-96daeac9, GPU-f03ab92b"}) == ["-i", "GPU-96daeac9"]
     assert smi_select({"CUDA_VISIBLE_DEVICES": " 2"}) == ["-i", "2"]
@@ -609,7 +611,7 @@ def test_the_fault_time_is_the_triggers_own():
     """A trigger prints when it faults, by its own clock (bench/faults/fault_common.h and
     the test double): the harness takes that time, not the time it read the line, which
     on the CPU double came after the supervisor's detection (fault -> detection < 0)."""
-    from frmps_engine.bench import loglines
+    from bench import loglines
 
     assert loglines.trigger_time("pid 7 triggering misaligned (load) at 1795779325.451397610") == 1795779325.45139761
     assert loglines.trigger_time("pid 7 triggering misaligned (load)") is None  # older triggers: the read time
@@ -621,7 +623,7 @@ def test_the_mps_servers_teardown_of_a_client(tmp_path):
     deployment: 287 ms from "to be torn down" to the active's exit)."""
     import datetime
 
-    from frmps_engine.bench import loglines
+    from bench import loglines
 
     log = tmp_path / "server.log"
     log.write_text(
@@ -650,8 +652,8 @@ def test_fault_kinds_in_turn(tmp_path):
     (t mod n)-th, and a point records the trigger it was faulted with."""
     from types import SimpleNamespace
 
-    from frmps_engine.bench.__main__ import _fault_arg
-    from frmps_engine.bench.runctx import FAULT_KINDS, Budget, Ctx, fault_kinds
+    from bench.__main__ import _fault_arg
+    from bench.runctx import FAULT_KINDS, Budget, Ctx, fault_kinds
 
     assert fault_kinds("misaligned:load") == ["misaligned:load"]
     assert fault_kinds(" a:x, b:y ,") == ["a:x", "b:y"]
@@ -754,7 +756,7 @@ def test_takeover_breakdown_reads_the_first_steps_vllm_calls(tmp_path):
     """With FRMPS_DEBUG_STEP_PHASES the first step's vLLM calls follow its line: the
     bench reads when the forward pass was launched and how long add_requests took
     (lines as a 14B takeover on an H200 wrote them, through the supervisor's log)."""
-    from frmps_engine.bench import loglines
+    from bench import loglines
 
     sup = "2026-11-28T12:02:35.917Z [INFO]  frmps.supervisor.engine.standby: 2026-11-28 12:02:35,917 INFO "
     log = tmp_path / "standby.log"
@@ -773,7 +775,7 @@ def test_takeover_breakdown_reads_the_first_steps_vllm_calls(tmp_path):
     got = loglines.takeover_breakdown(str(log))
     assert got["first_step"] == {"step_ms": 12.01, "dispatch_ms": 0.16, "loop_cpu_ms": 4.74,
                                  "forward_launch_ms": 3.09, "add_requests_ms": 1.36}, got
-    from frmps_engine.bench.experiments import describe_recovery
+    from bench.experiments import describe_recovery
 
     line = describe_recovery({"recovery_s": 0.0148, "takeover_log": got})
     assert line.endswith("first step's forward launched 3.09 ms in"), line

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frmps_engine.bench import exactness as ex
+from bench import exactness as ex
 
 
 def test_compare_kinds():

@@ -1,4 +1,4 @@
-"""Chaos through the real `frmps serve` on the CPU (frmps_engine.bench.chaos):
+"""Chaos through the real `frmps serve` on the CPU (bench.chaos):
 concurrent streaming and non-streaming OpenAI clients, completions and chat,
 greedy and seeded, while the active is SIGKILLed repeatedly, hung with
 SIGSTOP, killed again right after its standby took over (a double fault), and
@@ -18,7 +18,7 @@ import time
 import pytest
 
 from e2e import frmps_bin
-from frmps_engine.bench.chaos import (Clients, Serve, baseline, check, double_fault, goroutine_dump, hang_active,
+from bench.chaos import (Clients, Serve, baseline, check, double_fault, goroutine_dump, hang_active,
                                       kill_active, kill_supervisor, reference_outputs, settle, summarize, workload)
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]

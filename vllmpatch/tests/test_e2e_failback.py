@@ -23,7 +23,7 @@ import time
 import pytest
 
 from e2e import deployment, free_port, frmps_bin, http_json
-from frmps_engine.bench.procs import alive
+from bench.procs import alive
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
 

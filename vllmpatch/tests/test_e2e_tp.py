@@ -18,7 +18,7 @@ import time
 import pytest
 
 from e2e import Deployment, deployment
-from frmps_engine.bench.procs import live_children, wait_gone
+from bench.procs import live_children, wait_gone
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
 

@@ -88,7 +88,7 @@ def test_process_info_layout_matches_nvml():
 
 def test_phase_lines_read_back(tmp_path, monkeypatch):
     """What the engine logs is what the bench's standby-memory experiment records."""
-    from frmps_engine.bench import loglines
+    from bench import loglines
 
     monkeypatch.setenv(memphase.ENV, "1")
     log = tmp_path / "standby.log"

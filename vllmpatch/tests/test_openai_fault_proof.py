@@ -13,7 +13,7 @@ _spec = importlib.util.spec_from_file_location("openai_fault_proof", os.path.joi
 proof = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(proof)
 
-from frmps_engine.bench import proofcount  # noqa: E402
+from bench import proofcount  # noqa: E402
 
 
 def chat_case(**kw):

@@ -1,4 +1,4 @@
-"""How the fault proofs count streams (frmps_engine.bench.proofcount), and
+"""How the fault proofs count streams (bench.proofcount), and
 bench/gpu/failover_proof.py's pass/fail: synthetic timelines, no deployment."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from frmps_engine.bench import proofcount as pc
+from bench import proofcount as pc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "bench", "gpu"))
@@ -192,7 +192,7 @@ def test_proof_table_shows_the_in_flight_count_and_the_controls(tmp_path, capsys
 
 
 def test_chaos_soak_counts_only_the_requests_in_flight_at_a_kill():
-    from frmps_engine.bench import chaos
+    from bench import chaos
 
     reqs = chaos.workload(4, streaming="all")
     ref = {i: chaos.Outcome(i, 0.0, ok=True, token_ids=[1, 2, 3], text="abc", finish="length") for i in range(4)}

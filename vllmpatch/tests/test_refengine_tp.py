@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from frmps_engine.bench.procs import alive, wait_gone  # noqa: E402
+from bench.procs import alive, wait_gone  # noqa: E402
 from frmps_engine.refengine import ConfigError, EngineConfig, RefCore, SamplingParams, pool_layout  # noqa: E402
 from frmps_engine.refengine import tp  # noqa: E402
 from frmps_engine.refengine.config import param_specs, rank_pools  # noqa: E402

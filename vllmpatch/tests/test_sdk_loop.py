@@ -311,7 +311,7 @@ def test_step_phases_armed_for_traced_and_every_nth_step(core, caplog):
     lines = [r.getMessage() for r in caplog.records if "vLLM calls" in r.getMessage()]
     assert [ln.split(" vLLM calls")[0] for ln in lines] == ["step 1 after start,", "step 3", "step 6"], lines
     assert all(": step " in ln for ln in lines), lines
-    from frmps_engine.bench import loglines  # the bench reads the first step's line
+    from bench import loglines  # the bench reads the first step's line
 
     m = loglines.FIRST_STEP_CALLS.search(lines[0])
     assert m and [c[1] for c in loglines.STEP_CALL.findall(m.group(1))] == ["step"], lines[0]

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
-from frmps_engine.bench import loglines
+from bench import loglines
 from frmps_engine.sdk.control import ConnectionClosed, ControlConn, ControlError
 from frmps_engine.sdk.seeds import derive_seed
 
@@ -673,7 +673,7 @@ def test_torch_pools_breakdown_sums_segments_by_kind_of_pool():
 
 def test_the_standby_memory_note_reads_back(tmp_path):
     """What the standby logs after Sleep is what the harnesses parse."""
-    from frmps_engine.bench import loglines
+    from bench import loglines
     from frmps_engine.sdk.runner import pools_note, threads_note, torch_pools_breakdown
     from frmps_engine.sdk.stack import StandbyStack
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
-from frmps_engine.bench import loglines
+from bench import loglines
 from frmps_engine.sdk.adapters import EngineOptions
 from frmps_engine.sdk.control import ControlConn
 from frmps_engine.sdk.memory import get_backend

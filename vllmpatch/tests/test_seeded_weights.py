@@ -1,6 +1,6 @@
 """`frmps model init PRESET --weights seeded`: the seeded checkpoint
 (frmps_engine/seeded_weights.py) and the sensitivity measure
-(frmps_engine.bench.sensitivity) that shows the model's output depends on its
+(bench.sensitivity) that shows the model's output depends on its
 context. The GPU half (CUDA draws the same bytes): test_seeded_weights_gpu.py."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uniform_tiny(tmp_path_factory, tiny):
-    from frmps_engine.bench.sensitivity import baseline_dir
+    from bench.sensitivity import baseline_dir
 
     return baseline_dir(tiny, "uniform", str(tmp_path_factory.mktemp("baseline")))
 
@@ -184,7 +184,7 @@ def test_reference_engine_loads_it(tiny):
 
 def sensitivity_row(model_dir: str, differ_at: int | None = None) -> dict:
     """The sensitivity measure at a small size (6 pairs, 20 context tokens, 12 generated)."""
-    from frmps_engine.bench.sensitivity import make_pairs, run_row
+    from bench.sensitivity import make_pairs, run_row
 
     pairs = make_pairs(512, 6, 20, seed=0, differ_at=differ_at)
     return run_row("ref", model_dir, pairs, 12, 1234, "cpu")
@@ -205,7 +205,7 @@ def test_seeded_tiny_is_peaked_and_context_sensitive(tiny):
 def test_one_changed_token_far_back_changes_the_output(tiny):
     """Prompts that differ only in their first token (19 tokens before the shared
     last one) still continue differently: a wrong KV entry far back shows."""
-    from frmps_engine.bench.sensitivity import make_pairs
+    from bench.sensitivity import make_pairs
 
     for a, b in make_pairs(512, 6, 20, seed=0, differ_at=0):
         assert a[0] != b[0] and a[1:] == b[1:]

@@ -1,5 +1,5 @@
 """The sleep-only baseline's hand-written CUDA driver declarations
-(frmps_engine.bench.sleep_memory) against the interceptor's
+(bench.sleep_memory) against the interceptor's
 interceptor/src/cuda_decls.h, which bench/gpu/check_decls.c checks against the
 real cuda.h on the GPU machine: every struct's size, every field's offset and
 size (nested fields included) and every constant's value, compiled and printed
@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from frmps_engine.bench import sleep_memory
+from bench import sleep_memory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DECLS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "interceptor", "src")

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from e2e import Deployment, Killer, deployment
-from frmps_engine.bench import exactness
+from bench import exactness
 from frmps_engine.sdk import takeover_fault
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(900)]  # six deployments, ~2.5 min on 2 cores

@@ -1,4 +1,4 @@
-"""The bench's vLLM baselines (frmps_engine.bench.vllm_baseline) on the CPU:
+"""The bench's vLLM baselines (bench.vllm_baseline) on the CPU:
 ``BaselineCore`` over vLLM's real (plain) scheduler, with the model runner and
 vLLM's EngineCore replaced by the labelled test doubles of
 frmps_engine.vllm.testing; and the EngineArgs the GPU path builds, checked
@@ -21,7 +21,7 @@ def model_dir(tmp_path_factory):
 
 
 def core(model_dir):
-    from frmps_engine.bench.vllm_baseline import BaselineCore
+    from bench.vllm_baseline import BaselineCore
 
     # vLLM's own scheduler: the baselines run plain vLLM, none of frmps.
     sched = make_scheduler(make_vllm_config(model_dir, num_blocks=64))
@@ -46,8 +46,8 @@ def run(c, limit=200):
 
 
 def test_serves_and_recovers_by_re_prefill(model_dir):
-    from frmps_engine.bench.engine_io import recover
-    from frmps_engine.bench.vllm_baseline import sampling
+    from bench.engine_io import recover
+    from bench.vllm_baseline import sampling
 
     prompt = list(range(10, 40))
     victim = core(model_dir)
@@ -77,7 +77,7 @@ def test_serves_and_recovers_by_re_prefill(model_dir):
 
 
 def test_abort_all_frees_every_block(model_dir):
-    from frmps_engine.bench.vllm_baseline import sampling
+    from bench.vllm_baseline import sampling
 
     c = core(model_dir)
     free0 = c.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -97,7 +97,7 @@ def test_engine_args_name_this_vllms_fields(model_dir, sleep, fmt, eager):
     """What the GPU path hands vLLM: the deployment's block count and context, its KV
     bytes (nothing sized from free memory), sleep mode for the sleep-only standby,
     the checkpoint's format and eager mode for a cold start without graphs."""
-    from frmps_engine.bench.vllm_baseline import engine_args, kv_bytes
+    from bench.vllm_baseline import engine_args, kv_bytes
 
     ns = argparse.Namespace(num_blocks=64, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=0, seed=0)
     ea = engine_args(ns, model_dir, load_format=fmt, sleep=sleep, eager=eager, gpu_memory_utilization=0.5)

@@ -194,7 +194,7 @@ def test_core_mode_serves_hands_over_and_takes_over_exactly_once(sup, model_dir,
     scheduling (a batch in flight: the handover finishes it first)."""
     from vllm.v1.engine import FinishReason
 
-    from frmps_engine.bench import loglines
+    from bench import loglines
     from frmps_engine.ring.reader import RingReader
 
     caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
