@@ -37,9 +37,10 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
-from . import proofcount
+from . import proofcount, sse
 from .envinfo import git_commit, repo_root
-from .procs import children_of, free_port, tail
+from .procs import children_of, tail
+from .serve import Serve as _Serve, ServeOpts
 
 # ----------------------------------------------------------------------------- workload
 
@@ -98,10 +99,8 @@ class Outcome:
 def send(base: str, req: Request, timeout: float = 120.0) -> Outcome:
     """Runs one request to its end."""
     o = Outcome(req.index, time.monotonic())
-    r = urllib.request.Request(base + req.path, data=json.dumps(req.body).encode(),
-                               headers={"content-type": "application/json"})
     try:
-        with urllib.request.urlopen(r, timeout=timeout) as resp:
+        with urllib.request.urlopen(sse.request(base + req.path, req.body), timeout=timeout) as resp:
             if req.stream:
                 _read_stream(resp, o)
             else:
@@ -134,15 +133,10 @@ def _read_stream(resp, o: Outcome) -> None:
 
 
 def _read_events(resp, o: Outcome) -> None:
-    for raw in resp:
-        line = raw.decode().rstrip("\n")
-        if not line.startswith("data: "):
-            continue
-        payload = line[6:]
-        if payload == "[DONE]":
+    for ev in sse.events(resp):
+        if ev == sse.DONE:
             o.done = True
             return
-        ev = json.loads(payload)
         if "error" in ev:
             o.error, o.error_code = ev["error"].get("message", "stream error"), ev["error"].get("code")
             continue
@@ -168,38 +162,35 @@ def _read_whole(doc: dict, o: Outcome) -> None:
 # ----------------------------------------------------------------------------- the deployment
 
 
-class Serve:
+class ChaosError(AssertionError):
+    pass
+
+
+class Serve(_Serve):
     """`frmps serve --no-mps` on the CPU with fixed ports, run dir, state dir and a
     private ring dir under /dev/shm, so that a restart takes over all of them."""
 
+    error = ChaosError
+
     def __init__(self, frmps: str, python: str, workdir: str, sync_every: int = 4, step_delay_ms: int = 5,
                  extra_args: list[str] | None = None, spare: bool = False):
-        self.frmps, self.python, self.workdir = frmps, python, workdir
+        self.workdir = workdir
         self.spare = spare  # --spare on: one more child, an engine process started ahead of need
-        self.port, self.admin_port = free_port(), free_port()
-        self.base, self.admin = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.admin_port}"
         # Unix socket paths are limited to 108 bytes: a short run dir.
-        self.run_dir = os.path.join(tempfile.mkdtemp(prefix="frmps-chaos-", dir="/tmp"), "run")
+        run_dir = os.path.join(tempfile.mkdtemp(prefix="frmps-chaos-", dir="/tmp"), "run")
         self.state_dir = os.path.join(workdir, "state")
         self.ring_dir = tempfile.mkdtemp(prefix="frmps-chaos-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self.log_path = os.path.join(workdir, "serve.log")
-        self.sync_every, self.extra_args = sync_every, list(extra_args or [])
-        self.env = {**os.environ, "FRMPS_TEST_STEP_DELAY_MS": str(step_delay_ms)}
-        self.proc: subprocess.Popen | None = None
+        opts = ServeOpts(frmps=frmps, python=python, model="tiny", device="cpu", memory=None, mps=False,
+                         sync_every=sync_every, env={"FRMPS_TEST_STEP_DELAY_MS": str(step_delay_ms)},
+                         serve_args=["--state-dir", self.state_dir, "--ring-dir", self.ring_dir,
+                                     "--max-restarts", "1000000", f"--spare={'on' if spare else 'off'}",
+                                     *(extra_args or [])])
+        super().__init__(opts, run_dir, os.path.join(workdir, "serve.log"))
+        self.admin = self.admin_url
         self.starts = 0
 
-    def command(self) -> list[str]:
-        return [self.frmps, "serve", "--model", "tiny", "--engine", "ref", "--device", "cpu", "--no-mps",
-                "--sync-every", str(self.sync_every), "--port", str(self.port),
-                "--admin-addr", f"127.0.0.1:{self.admin_port}", "--run-dir", self.run_dir,
-                "--state-dir", self.state_dir, "--ring-dir", self.ring_dir, "--python", self.python,
-                "--max-restarts", "1000000", f"--spare={'on' if self.spare else 'off'}", *self.extra_args]
-
     def start(self, timeout: float = 180.0) -> None:
-        with open(self.log_path, "a") as log:
-            log.write(f"---- start {self.starts} ----\n")
-            log.flush()
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        super().start(header=f"---- start {self.starts} ----\n")
         self.starts += 1
         self.wait_state("serving_ready", timeout)
 
@@ -207,25 +198,6 @@ class Serve:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
-
-    def status(self) -> dict:
-        with urllib.request.urlopen(f"{self.admin}/v1/admin/status", timeout=10) as r:
-            return json.loads(r.read())
-
-    def wait_state(self, want: str, timeout: float = 180.0) -> dict:
-        deadline = time.monotonic() + timeout
-        st: dict = {}
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise ChaosError(f"frmps exited with {self.proc.returncode}:\n{tail(self.log_path)}")
-            try:
-                st = self.status()
-                if st.get("state") == want:
-                    return st
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.02)
-        raise ChaosError(f"state {want!r} not reached in {timeout:.0f}s; last {st.get('state')!r}:\n{tail(self.log_path)}")
 
     def expected_children(self) -> int:
         """The two engines, and the spare while one runs (status names its pid)."""
@@ -268,29 +240,19 @@ class Serve:
         """SIGTERM and wait: the clean shutdown."""
         if self.proc is None:
             return None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait()
+        rc = self.terminate(60)
+        if rc is None:
             raise ChaosError(f"frmps did not stop on SIGTERM:\n{tail(self.log_path)}")
         self.proc = None
         return rc
 
     def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+        super().kill()
+        self.proc = None
 
     def remove_dirs(self) -> None:
         shutil.rmtree(os.path.dirname(self.run_dir), ignore_errors=True)
         shutil.rmtree(self.ring_dir, ignore_errors=True)
-
-
-class ChaosError(AssertionError):
-    pass
 
 
 # ----------------------------------------------------------------------------- resources

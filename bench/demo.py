@@ -9,47 +9,24 @@ is small and randomly initialised so it runs on a laptop CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the bench package
 
-def http_json(method: str, url: str, body: dict | None = None, timeout: float = 10.0) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read() or b"{}")
+from bench import sse  # noqa: E402
+from bench.serve import Serve, ServeOpts  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class DemoServe(Serve):
+    """The demo's `frmps serve`: a failed start ends the demo with its message."""
 
-
-def wait_ready(base: str, admin: str, proc: subprocess.Popen, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"frmps serve exited early with code {proc.returncode}")
-        try:
-            st = http_json("GET", f"{admin}/v1/admin/status")
-            last = st
-            if st.get("state") == "serving_ready":
-                return st
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"frmps did not become ready in {timeout:.0f}s; last status: {last}")
+    error = SystemExit
 
 
 def active_pid(status: dict) -> int:
@@ -60,21 +37,13 @@ def active_pid(status: dict) -> int:
 
 
 def stream_completion(base: str, prompt: str, max_tokens: int, seed: int, on_chunk=None) -> tuple[str, int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
-            "seed": seed, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
-    req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
+    body = sse.stream_body({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
+                            "seed": seed})
     text, tokens, n = [], 0, 0  # n: tokens received so far
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):]
-            if payload == "[DONE]":
+    with urllib.request.urlopen(sse.request(f"{base}/v1/completions", body), timeout=120) as resp:
+        for ev in sse.events(resp):
+            if ev == sse.DONE:
                 break
-            ev = json.loads(payload)
             if "error" in ev:
                 raise RuntimeError(f"stream ended with an error: {ev['error']}")
             for ch in ev.get("choices", []):
@@ -96,28 +65,25 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--kill-after", type=int, default=40, help="kill the active after this many streamed tokens")
     args = ap.parse_args()
-    args.port = args.port or free_port()
-    args.admin_port = args.admin_port or free_port()
 
-    base = f"http://127.0.0.1:{args.port}"
-    admin = f"http://127.0.0.1:{args.admin_port}"
     run_dir = tempfile.mkdtemp(prefix="frmps-demo-")
-    cmd = [args.frmps, "serve", "--model", "tiny", "--engine", "ref", "--device", "cpu", "--no-mps",
-           "--sync-every", "16", "--port", str(args.port), "--admin-addr", f"127.0.0.1:{args.admin_port}",
-           "--run-dir", os.path.join(run_dir, "run"), "--python", args.python]
-    print("$", " ".join(cmd), flush=True)
-    log = open(os.path.join(run_dir, "serve.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    opts = ServeOpts(frmps=args.frmps, python=args.python, model="tiny", engine="ref", device="cpu", memory=None,
+                     mps=False, sync_every=16)
+    srv = DemoServe(opts, os.path.join(run_dir, "run"), os.path.join(run_dir, "serve.log"), port=args.port,
+                    admin_port=args.admin_port)
+    base = srv.base
+    print("$", " ".join(srv.command()), flush=True)
+    srv.start()
     try:
         t0 = time.monotonic()
-        st = wait_ready(base, admin, proc, timeout=120)
+        st = srv.wait_state("serving_ready", timeout=120, poll=0.2)
         print(f"ready in {time.monotonic() - t0:.1f}s: active pid {active_pid(st)}, standby asleep", flush=True)
 
         prompt = "The quick brown fox"
         ref_text, ref_tokens = stream_completion(base, prompt, args.max_tokens, seed=7)
         print(f"no-fault run: {ref_tokens} tokens", flush=True)
 
-        victim = active_pid(http_json("GET", f"{admin}/v1/admin/status"))
+        victim = active_pid(srv.status())
         killed = threading.Event()
 
         def kill_midway(n: int) -> None:
@@ -127,7 +93,7 @@ def main() -> int:
                 print(f"  ... SIGKILL active pid {victim} after {n} streamed tokens", flush=True)
 
         text, tokens = stream_completion(base, prompt, args.max_tokens, seed=7, on_chunk=kill_midway)
-        st = http_json("GET", f"{admin}/v1/admin/status")
+        st = srv.status()
         fo = (st.get("failovers") or [{}])[0]
         same = text == ref_text and tokens == ref_tokens
         print(f"failover run: {tokens} tokens; identical to the no-fault run: {same}", flush=True)
@@ -138,14 +104,8 @@ def main() -> int:
         print(f"new active pid {active_pid(st)}; state {st.get('state')} (a fresh standby is starting)", flush=True)
         return 0 if same and killed.is_set() else 1
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        print(f"supervisor exited with {proc.returncode}; logs in {run_dir}", flush=True)
+        srv.terminate(30)
+        print(f"supervisor exited with {srv.proc.returncode}; logs in {run_dir}", flush=True)
 
 
 if __name__ == "__main__":

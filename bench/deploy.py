@@ -17,12 +17,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field as dc_field
 
-from . import loglines, proofcount
+from . import loglines, proofcount, sse
 from .mps import stop_daemon
-from .procs import Cleanup, die_with_parent, field, free_port, http_json, kill_group, now, stop_group, tail
+from .procs import Cleanup, field, kill_group, now, stop_group
 from .runctx import TrialError
+from .serve import Serve, ServeOpts
 from .stats import gaps, med
 
 # ----------------------------------------------------------------------------- streaming client
@@ -36,7 +36,7 @@ class Stream(threading.Thread):
     def __init__(self, base: str, body: dict, timeout: float = 600.0, key: int = 0):
         super().__init__(daemon=True)
         self.base, self.timeout, self.key = base, timeout, key
-        self.body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        self.body = sse.stream_body(body)
         self.chunks: list[tuple[float, list[int]]] = []
         self.usage: dict | None = None
         self.finish: str | None = None
@@ -47,20 +47,13 @@ class Stream(threading.Thread):
         self._cond = threading.Condition()
 
     def run(self) -> None:
-        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(self.body).encode(),
-                                     headers={"Content-Type": "application/json"})
         self.t_start = now()
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                for raw in r:
-                    line = raw.decode(errors="replace").strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+            with urllib.request.urlopen(sse.request(self.base + "/v1/completions", self.body), timeout=self.timeout) as r:
+                for ev in sse.events(r):
+                    if ev == sse.DONE:
                         break
                     t = now()
-                    ev = json.loads(data)
                     if "error" in ev:
                         self.error = json.dumps(ev["error"])[:500]
                         continue
@@ -121,69 +114,30 @@ def completion_body(model: str, prompt_ids: list[int], max_tokens: int, temperat
 # ----------------------------------------------------------------------------- deployment
 
 
-@dataclass
-class ServeOpts:
-    frmps: str
-    python: str
-    model: str
-    device: str = "cuda"
-    memory: str = "cuda-vmm"
-    mps: bool = True
-    sync_every: int = 1  # frmps serve's default
-    num_blocks: int = 0
-    max_model_len: int = 0
-    engine_args: list[str] = dc_field(default_factory=list)
-    env: dict[str, str] = dc_field(default_factory=dict)
-    engine: str = "ref"
-    serve_args: list[str] = dc_field(default_factory=list)  # more `frmps serve` flags
-
-    def command(self, port: int, admin: str, run_dir: str, log_dir: str) -> list[str]:
-        """The `frmps serve` command line (also used by bench/gpu/failover_proof.py)."""
-        cmd = [self.frmps, "serve", "--engine", self.engine, "--model", self.model, "--device", self.device,
-               "--memory", self.memory, "--sync-every", str(self.sync_every), "--port", str(port),
-               "--admin-addr", admin, "--run-dir", run_dir, "--engine-log-dir", log_dir, "--python", self.python]
-        if self.num_blocks:
-            cmd += ["--num-blocks", str(self.num_blocks)]
-        if self.max_model_len:
-            cmd += ["--max-model-len", str(self.max_model_len)]
-        if not self.mps:
-            cmd += ["--no-mps"]
-        return cmd + list(self.serve_args) + [f"--engine-arg={a}" for a in self.engine_args]
-
-
 LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP = loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP
 grep_first = loglines.grep_first
 
 
-class Deployment:
+class Deployment(Serve):
     """One `frmps serve` (supervisor + active + standby) in a private run dir."""
 
+    error = TrialError
+    status_timeout = 5.0
+
     def __init__(self, opts: ServeOpts, workdir: str, name: str, cleanup: Cleanup | None = None):
-        self.opts = opts
+        # Unix socket paths must stay short (108 bytes): a short private run dir under /tmp.
+        run_dir = tempfile.mkdtemp(prefix="frmps-b-", dir="/tmp")
+        os.rmdir(run_dir)  # frmps creates it 0700 and removes it at exit
+        log_dir = os.path.join(workdir, f"logs-{name}")
+        os.makedirs(log_dir, exist_ok=True)
+        super().__init__(opts, run_dir, os.path.join(log_dir, "frmps.log"), log_dir)
         self.name = name
         self.cleanup = cleanup
-        self.port = free_port()
-        self.admin = f"127.0.0.1:{free_port()}"
-        self.base = f"http://127.0.0.1:{self.port}"
-        # Unix socket paths must stay short (108 bytes): a short private run dir under /tmp.
-        self.run_dir = tempfile.mkdtemp(prefix="frmps-b-", dir="/tmp")
-        os.rmdir(self.run_dir)  # frmps creates it 0700 and removes it at exit
-        self.log_dir = os.path.join(workdir, f"logs-{name}")
-        os.makedirs(self.log_dir, exist_ok=True)
-        self.log_path = os.path.join(self.log_dir, "frmps.log")
-        self.proc: subprocess.Popen | None = None
-        self._log = None
-        self.t_start = 0.0
-
-    def command(self) -> list[str]:
-        return self.opts.command(self.port, self.admin, self.run_dir, self.log_dir)
+        self.admin = self.admin_addr  # the admin API's host:port
 
     def start(self) -> None:
-        env = {**os.environ, **self.opts.env}
-        self._log = open(self.log_path, "ab")
-        self.t_start = now()
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True, preexec_fn=die_with_parent())
+        # A session of its own (the stop ends its group), and gone with the driver.
+        super().start(own_session=True, parent_death=True)
         if self.cleanup is not None:
             self.cleanup.add(self.stop)
 
@@ -198,18 +152,12 @@ class Deployment:
             except TrialError as e:  # best effort, like the rest of a stop
                 print(f"deployment {self.name}: {e}", file=sys.stderr)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
         if self.cleanup is not None:
             self.cleanup.remove(self.stop)
         self.proc = None
         return rc
 
     # -- admin API --------------------------------------------------------------
-    def status(self) -> dict:
-        return http_json(f"http://{self.admin}/v1/admin/status", timeout=5)
-
     @staticmethod
     def engines(st: dict) -> dict[str, dict]:
         return {str(field(e, "role", "")).lower(): e for e in field(st, "engines", []) or []}
@@ -219,22 +167,7 @@ class Deployment:
         return list(field(st, "failovers", []) or [])
 
     def wait(self, pred, timeout: float, what: str, poll: float = 0.02) -> dict:
-        deadline = time.monotonic() + timeout
-        last: dict | None = None
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                raise TrialError(f"frmps exited ({self.proc.returncode if self.proc else '-'}) while waiting for "
-                                 f"{what}; log tail:\n{tail(self.log_path, 25)}")
-            try:
-                st = self.status()
-                last = st
-                if pred(st):
-                    return st
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(poll)
-        raise TrialError(f"timed out after {timeout:.0f} s waiting for {what}; last status: {json.dumps(last)[:1500]}; "
-                         f"log tail:\n{tail(self.log_path, 25)}")
+        return self.poll_status(pred, timeout, what, poll)[0]
 
     def ready_pair(self, st: dict, fenced_pid: int | None = None, placed: bool = False) -> bool:
         """An active serving and a standby ready, neither of them fenced_pid (the

@@ -26,14 +26,14 @@ from typing import Callable
 from . import loglines, proofcount
 from .baselines import (BaselineRig, EngineProc, checkpoint_files, drop_page_cache, engine_supports, ensure_checkpoint,
                         page_cache_fraction)
-from .deploy import (Deployment, MpsTrigger, ServeOpts, SigkillTrigger, Stream, Trigger, completion_body,
-                     frmps_trial)
+from .deploy import Deployment, MpsTrigger, SigkillTrigger, Stream, Trigger, completion_body, frmps_trial
 from .envinfo import nvidia_smi_apps, private_mib
 from .lengths import RequestLengths, UniformLengths, sharegpt
 from .lengths import describe as describe_lengths
 from .mps import outside_mps_env
 from .procs import field, now
 from .runctx import Ctx, TrialError, fault_kinds, fmt_s
+from .serve import ServeOpts
 
 GPU_MODELS = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b"]
 # Weight bytes (GB, bf16) per preset: only for time estimates (the budget), never for results.

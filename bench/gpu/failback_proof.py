@@ -42,7 +42,7 @@ from failover_proof import (  # noqa: E402  (same folder, standard library only)
     LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, http_json, loglines, mps_trigger,
     nvidia_smi)
 
-from bench import proofcount  # noqa: E402  (standard library only)
+from bench import proofcount, sse  # noqa: E402  (standard library only)
 from bench.runctx import FAULT_KINDS as FAULTS  # noqa: E402  (the seven kinds, in the soaks' order)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -56,17 +56,13 @@ def now() -> float:
 def stream(base: str, model: str, body: dict, timeout: float = 900, live: list | None = None) -> dict:
     """One streaming completion: chunk arrival times with their token ids (each
     arrival time is also appended to ``live`` as it comes)."""
-    req = urllib.request.Request(base + "/v1/completions", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({**body, "model": model, "stream": True, "return_token_ids": True,
-                                                  "stream_options": {"include_usage": True}}).encode())
+    req = sse.request(base + "/v1/completions", sse.stream_body({**body, "model": model}))
     out = {"chunks": [], "error": None, "finish": None, "t0": now(), "prompt_tokens": None}
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                    continue
-                ev = json.loads(line[5:])
+            for ev in sse.events(r):
+                if ev == sse.DONE:
+                    break
                 if "error" in ev:
                     out["error"] = ev["error"]
                     continue

@@ -31,6 +31,16 @@ import time
 import urllib.error
 import urllib.request
 
+# The engine package and the repository root (the bench package) importable.
+sys.path[:0] = [os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src")),
+                os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))]
+
+from bench import loglines  # noqa: E402  (standard library only)
+from bench.envinfo import nvidia_smi_apps, smi_select  # noqa: E402  (standard library only)
+from bench.serve import Serve, ServeOpts  # noqa: E402  (standard library only)
+from bench import proofcount  # noqa: E402  (standard library only)
+from bench import sse  # noqa: E402  (standard library only)
+
 DEFAULT_FAULTS = [
     "misaligned:load", "illegal_instruction:jump-far", "shared_oob:shared", "shared_oob:local",
     "invalid_address_space:ld-global-shared", "stack_overflow:recursion", "oob_write:write",
@@ -107,21 +117,13 @@ class Stream(threading.Thread):
         self.token_times: list[float] = []
 
     def run(self) -> None:
-        body = dict(model=self.model, prompt=self.prompt, stream=True, stream_options={"include_usage": True},
-                    return_token_ids=True, **self.params)
-        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        body = sse.stream_body(dict(model=self.model, prompt=self.prompt, **self.params))
         self.t_start = now()
         try:
-            with urllib.request.urlopen(req, timeout=600) as r:
-                for raw in r:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+            with urllib.request.urlopen(sse.request(self.base + "/v1/completions", body), timeout=600) as r:
+                for ev in sse.events(r):
+                    if ev == sse.DONE:
                         break
-                    ev = json.loads(data)
                     if "error" in ev:
                         self.error = json.dumps(ev["error"])
                         continue
@@ -149,46 +151,47 @@ class Stream(threading.Thread):
                 "finish_reason": self.finish, "error": self.error, "chunks": len(self.chunks)}
 
 
-class Deployment:
+def serve_opts(a) -> ServeOpts:
+    """What the proof's `frmps serve` runs, from its arguments."""
+    if getattr(a, "quick_start", False):
+        # The README's GPU quick start: `frmps serve --model M` and nothing that changes
+        # how it serves; only where it listens and keeps its files.
+        return ServeOpts(frmps=a.frmps, python=None, model=a.model, device=None, memory=None, sync_every=None,
+                         engine=None)
+    return ServeOpts(frmps=a.frmps, python=a.python, model=a.model, device=a.device, memory=a.memory,
+                     mps=not a.cpu or bool(getattr(a, "mps_control", "")),
+                     sync_every=a.sync_every, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
+                     engine_args=list(a.engine_arg), engine=getattr(a, "engine", "ref"),
+                     serve_args=list(getattr(a, "serve_arg", []) or []) + shared_mps_args(a))
+
+
+class Deployment(Serve):
+    """The proof's `frmps serve`: in a session of its own, with the engines'
+    token logs (FRMPS_DEBUG_TOKEN_LOG) and debug fault hooks on."""
+
+    timeout_error = TimeoutError
+    status_timeout = 5.0
+
     def __init__(self, args, name: str, workdir: str):
+        log_dir = os.path.join(workdir, f"logs-{name}")
+        os.makedirs(log_dir, exist_ok=True)
+        super().__init__(serve_opts(args), os.path.join(workdir, f"run-{name}"), os.path.join(log_dir, "frmps.log"),
+                         log_dir, port=args.port)
         self.args, self.name = args, name
-        self.port = args.port or free_port()
-        self.admin = f"127.0.0.1:{free_port()}"
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.run_dir = os.path.join(workdir, f"run-{name}")
-        self.log_dir = os.path.join(workdir, f"logs-{name}")
-        os.makedirs(self.log_dir, exist_ok=True)
-        self.proc: subprocess.Popen | None = None
-        self.log_path = os.path.join(self.log_dir, "frmps.log")
+        self.admin = self.admin_addr  # the admin API's host:port
         self.token_dir = os.path.join(workdir, f"tokens-{name}")
         os.makedirs(self.token_dir, exist_ok=True)
 
     def start(self) -> None:
         a = self.args
-        if getattr(a, "quick_start", False):
-            # The README's GPU quick start: `frmps serve --model M` and nothing that changes
-            # how it serves; only where it listens and keeps its files.
-            cmd = [a.frmps, "serve", "--model", a.model, "--port", str(self.port), "--admin-addr", self.admin,
-                   "--run-dir", self.run_dir, "--engine-log-dir", self.log_dir]
-        else:
-            cmd = ServeOpts(frmps=a.frmps, python=a.python, model=a.model, device=a.device, memory=a.memory,
-                            mps=not a.cpu or bool(getattr(a, "mps_control", "")),
-                            sync_every=a.sync_every, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
-                            engine_args=list(a.engine_arg), engine=getattr(a, "engine", "ref"),
-                            serve_args=list(getattr(a, "serve_arg", []) or []) + shared_mps_args(a),
-                            ).command(self.port, self.admin, self.run_dir, self.log_dir)
-        env = dict(os.environ)
+        env = {}
         src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src"))
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = src + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
         env["FRMPS_DEBUG_FAULT_SIGNAL"] = "1"
         env["FRMPS_DEBUG_TOKEN_LOG"] = self.token_dir
         env["FRMPS_DEBUG_POOL_CHECKSUM"] = "1"
         env.update(getattr(a, "env", None) or {})
-        self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def status(self) -> dict:
-        return http_json(f"http://{self.admin}/v1/admin/status", timeout=5)
+        super().start(env, own_session=True)
 
     def engines(self, st: dict) -> dict:
         out = {}
@@ -196,22 +199,9 @@ class Deployment:
             out[str(get(e, "role", default="")).lower()] = e
         return out
 
-    def wait(self, pred, timeout: float, what: str, poll: float = 0.02):
-        deadline = now() + timeout
-        last = None
-        while now() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"frmps exited ({self.proc.returncode}) while waiting for {what}")
-            try:
-                st = self.status()
-                last = st
-                r = pred(st)
-                if r:
-                    return st, now()
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(poll)
-        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; last status: {json.dumps(last)[:2000]}")
+    def wait(self, pred, timeout: float, what: str, poll: float = 0.02) -> tuple[dict, float]:
+        """Until pred(status): that status and when it was seen."""
+        return self.poll_status(pred, timeout, what, poll)
 
     def ready_pair(self, st: dict, fenced_pid: int | None = None) -> bool:
         """An active serving and a standby ready, neither of them fenced_pid (the
@@ -257,13 +247,7 @@ class Deployment:
         self.save_mps_logs()
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self.log.close()
+        self.terminate(60)
 
 
 def requests_for(args) -> list[tuple[str, str, dict]]:
@@ -332,11 +316,6 @@ def compare_ids(ref: dict, got: dict) -> dict:
     return out
 
 
-# The engine package and the repository root (the bench package) importable.
-sys.path[:0] = [os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "vllmpatch", "src")),
-                os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))]
-
-
 def _exit_on_term(signum, _frame):
     # A bounded stage ends a check with SIGTERM: unwind, so that every
     # Deployment.stop() in a finally block stops its frmps (which runs in a
@@ -346,10 +325,6 @@ def _exit_on_term(signum, _frame):
 
 
 signal.signal(signal.SIGTERM, _exit_on_term)
-from bench import loglines  # noqa: E402  (standard library only)
-from bench.envinfo import nvidia_smi_apps, smi_select  # noqa: E402  (standard library only)
-from bench.deploy import ServeOpts  # noqa: E402  (standard library only)
-from bench import proofcount  # noqa: E402  (standard library only)
 
 LOG_TAKEOVER, LOG_FIRST, LOG_SLEEP, LOG_INIT, LOG_ALLOC = (loglines.TAKEOVER, loglines.FIRST, loglines.SLEEP,
                                                            loglines.INIT, loglines.ALLOC)

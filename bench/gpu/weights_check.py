@@ -46,7 +46,8 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "vllmpatch", "src"))
 sys.path.insert(0, REPO)  # the bench package
 
-from bench.deploy import Deployment, ServeOpts  # noqa: E402
+from bench.deploy import Deployment  # noqa: E402
+from bench.serve import ServeOpts  # noqa: E402
 from bench.procs import field  # noqa: E402
 from frmps_engine.sdk import debug_fault  # noqa: E402
 

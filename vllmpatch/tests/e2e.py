@@ -1,5 +1,7 @@
 """Helpers for end-to-end tests: a real `frmps serve` (Go supervisor, real
-engine processes, real shared memory and ring) on the CPU with the tiny model."""
+engine processes, real shared memory and ring) on the CPU with the tiny model,
+started and streamed from through the bench's harness (bench/serve.py,
+bench/sse.py)."""
 
 from __future__ import annotations
 
@@ -9,16 +11,17 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
 import pytest
+
+from bench import sse
+from bench.serve import Serve, ServeOpts
 
 
 def missing(reason: str) -> None:
@@ -70,18 +73,16 @@ class StreamResult:
     done: bool = False
 
 
-@dataclass
-class Deployment:
-    proc: subprocess.Popen
-    base: str
-    admin: str
-    run_dir: str
-    log_path: str
+class Deployment(Serve):
+    """A test's `frmps serve`; admin is the admin API's URL."""
 
-    def status(self) -> dict:
-        code, _, st = http_json("GET", f"{self.admin}/v1/admin/status")
-        assert code == 200, st
-        return st
+    error = AssertionError
+    status_timeout = 30.0
+
+    def __init__(self, opts: ServeOpts, work_dir: str):
+        super().__init__(opts, os.path.join(work_dir, "run"), os.path.join(work_dir, "serve.log"))
+        self.work_dir = work_dir  # the run dir, the state dir, the rings and the log
+        self.admin = self.admin_url
 
     def active_pid(self) -> int:
         for e in self.status().get("engines", []):
@@ -89,40 +90,18 @@ class Deployment:
                 return int(e["pid"])
         raise AssertionError(f"no active engine: {self.status()}")
 
-    def wait_state(self, want: str, timeout: float = 120.0) -> dict:
-        deadline = time.monotonic() + timeout
-        st: dict = {}
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"frmps exited with {self.proc.returncode}; log:\n{self.log_tail()}")
-            with contextlib.suppress(OSError, AssertionError):
-                st = self.status()
-                if st.get("state") == want:
-                    return st
-            time.sleep(0.1)
-        raise AssertionError(f"state {want!r} not reached in {timeout}s; last: {st}\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 60) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
+    def wait_state(self, want: str, timeout: float = 120.0, poll: float = 0.1) -> dict:
+        return super().wait_state(want, timeout, poll)
 
     def stream(self, path: str, body: dict, on_token=None, timeout: float = 300.0) -> StreamResult:
         """Streams a request; on_token(count_so_far) is called after every chunk with tokens."""
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-        req = urllib.request.Request(f"{self.base}{path}", data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"})
         out = StreamResult()
         pieces = []
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            for raw in resp:
-                line = raw.decode().rstrip("\n")
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                if payload == "[DONE]":
+        with urllib.request.urlopen(sse.request(f"{self.base}{path}", sse.stream_body(body)), timeout=timeout) as resp:
+            for ev in sse.events(resp):
+                if ev == sse.DONE:
                     out.done = True
                     break
-                ev = json.loads(payload)
                 if "error" in ev:
                     out.error = ev["error"]
                     continue
@@ -158,31 +137,22 @@ def deployment(sync_every: int = 16, extra_args: list[str] | None = None, env: d
     detection at its defaults is test_e2e_hang.py's."""
     bin_path = frmps_bin()
     hang = [] if hang_defaults else ["--heartbeat-timeout=10s", "--step-timeout-min=10s"]
-    port, admin_port = free_port(), free_port()
     run_dir = tempfile.mkdtemp(prefix="frmps-e2e-")
-    log_path = os.path.join(run_dir, "serve.log")
-    mps = ["--mps-control", FAKE_MPS_CONTROL] if fake_mps else ["--no-mps"]
-    cmd = [bin_path, "serve", "--model", model, "--engine", engine, "--device", "cpu", *mps,
-           "--sync-every", str(sync_every), "--port", str(port),
-           "--admin-addr", f"127.0.0.1:{admin_port}", "--run-dir", os.path.join(run_dir, "run"),
-           "--state-dir", os.path.join(run_dir, "state"), "--ring-dir", run_dir, "--python", sys.executable, *hang,
-           *(extra_args or [])]
-    child_env = {**os.environ, **(env or {})}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
-    dep = Deployment(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", run_dir, log_path)
+    mps = ["--mps-control", FAKE_MPS_CONTROL] if fake_mps else []
+    opts = ServeOpts(frmps=bin_path, python=sys.executable, model=model, engine=engine, device="cpu", memory=None,
+                     mps=fake_mps, sync_every=sync_every, env=dict(env or {}),
+                     serve_args=[*mps, "--state-dir", os.path.join(run_dir, "state"), "--ring-dir", run_dir, *hang,
+                                 *(extra_args or [])])
+    dep = Deployment(opts, run_dir)
+    dep.start()
     passed = False
     try:
         dep.wait_state("serving_ready")
         yield dep
         passed = True
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        rc = dep.terminate(60)
+        if rc is None:
             raise AssertionError(f"frmps did not stop on SIGTERM; log:\n{dep.log_tail()}")
         assert rc == 0, f"frmps exited with {rc}; log:\n{dep.log_tail()}"
         leftover = os.path.join(run_dir, "run")

@@ -16,14 +16,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from e2e import deployment, free_port, frmps_bin, http_json
+from e2e import deployment, frmps_bin, http_json
 from bench.procs import alive
+from bench.serve import Serve, ServeOpts
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
 
@@ -130,18 +130,17 @@ def test_two_spares_restore_back_to_back_faults_from_ready_spares():
 def test_spare_dies_with_a_killed_supervisor(tmp_path):
     """SIGKILL of the supervisor (the OOM killer): the engines and the spare die with it
     (parent-death signal), leaving no process behind."""
-    port, admin = free_port(), free_port()
-    cmd = [frmps_bin(), "serve", "--model", "tiny", "--engine", "ref", "--device", "cpu", "--no-mps", "--spare=on",
-           "--port", str(port), "--admin-addr", f"127.0.0.1:{admin}", "--run-dir", str(tmp_path / "run"),
-           "--state-dir", str(tmp_path / "state"), "--ring-dir", str(tmp_path), "--python", sys.executable]
-    with open(tmp_path / "serve.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    opts = ServeOpts(frmps=frmps_bin(), python=sys.executable, model="tiny", engine="ref", device="cpu", memory=None,
+                     mps=False, sync_every=None,
+                     serve_args=["--spare=on", "--state-dir", str(tmp_path / "state"), "--ring-dir", str(tmp_path)])
+    srv = Serve(opts, str(tmp_path / "run"), str(tmp_path / "serve.log"))
+    proc = srv.start()
     try:
         deadline, st = time.monotonic() + 120, {}
         while time.monotonic() < deadline and (st.get("spare") or {}).get("state") != "ready":
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             try:
-                code, _, got = http_json("GET", f"http://127.0.0.1:{admin}/v1/admin/status", timeout=5)
+                code, _, got = http_json("GET", f"{srv.admin_url}/v1/admin/status", timeout=5)
                 st = got if code == 200 else {}
             except OSError:  # not listening yet
                 st = {}
