@@ -283,12 +283,11 @@ class Runner:
         # Negative controls (tests and benches only): parsed first, so a bad setting
         # stops the engine before anything is built.
         try:
-            cases = takeover_fault.parse()
+            self._faults = takeover_fault.from_env(int(adapter.block_size))
         except takeover_fault.ControlError as e:
             raise StartupError(str(e)) from None
         self.cfg = cfg
         self.adapter = adapter
-        self._faults = takeover_fault.TakeoverFaults(cases, int(adapter.block_size)) if cases else None
         # A tensor-parallel engine: the pools of every rank go through this process.
         self.memory = adapter.group_memory(memory) if isinstance(adapter, ProcessGroup) else memory
         self._exit = exit_fn
@@ -377,7 +376,7 @@ class Runner:
         except takeover_fault.ControlError as e:
             raise StartupError(str(e)) from None
         log.warning("%s: %s set (test mode): every takeover of this engine breaks one adopted request on purpose",
-                    takeover_fault.APPLIED, takeover_fault.ENV + "=" + ",".join(self._faults.cases))
+                    takeover_fault.APPLIED, self._faults.describe())
 
     def _weights(self) -> str:
         """Hello.weights from the adapter's optional ``weights`` attribute, logged
