@@ -496,9 +496,15 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
     sdk/takeover_fault.py): per case, the file names it, a few streams (and the
     burst) run against their no-fault outputs across one real fault (the proof's own
     trigger) and the failback after it, and its record (proofcount.control_result)
-    says whether the comparison noticed. The no-fault outputs are taken once, before
-    any takeover. A case whose cycle failed ends the deployment: the cases after it
-    get "not_run"."""
+    says whether the comparison noticed. Each case sends its own prompts (the
+    proof's, behind a tag naming the case) and takes their no-fault outputs right
+    before its fault: a block a case broke stays in the engines' prefix cache (and
+    is adopted with it at the next takeover), and a later request with the same
+    prompt would read it, so a case's prompts must not come back. The run without a
+    control sends the proof's prompts untagged, and when it runs again after the
+    cases it compares with the outputs taken before any takeover: whatever a case
+    broke must not reach them. A case whose cycle failed ends the deployment: the
+    cases after it get "not_run"."""
     cargs = copy.copy(args)
     switch = os.path.join(args.workdir, "controls", "cases")
     os.makedirs(os.path.dirname(switch), exist_ok=True)
@@ -526,14 +532,21 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
         if getattr(args, "seed_every_request", False):  # engines whose greedy sampling is not deterministic
             for i, body in enumerate(reqs):
                 body.setdefault("seed", 3000 + i)
-        ref, fig = no_fault_run(dep, model, reqs)
+        ref0, fig = no_fault_run(dep, model, reqs)
         if fig["errors"]:
             raise RuntimeError(f"controls: the no-fault run failed: {fig['errors'][:3]}")
         last = [0.0]
         for k, case in enumerate(cases):
+            creqs, ref, ptoks = reqs, ref0, fig.get("prompt_tokens") or []
+            if case != proofcount.POSITIVE:
+                creqs = [{**b, "prompt": f"[{case}] {b['prompt']}"} for b in reqs]
+                ref, cfig = no_fault_run(dep, model, creqs)
+                if cfig["errors"]:
+                    raise RuntimeError(f"controls: the no-fault run of {case} failed: {cfig['errors'][:3]}")
+                ptoks = cfig.get("prompt_tokens") or []
             with open(switch, "w") as f:
                 f.write("" if case == proofcount.POSITIVE else case)
-            load = Load(dep, model, reqs, ref, n_loop=n)
+            load = Load(dep, model, creqs, ref, n_loop=n)
             rec: dict = {"n": k + 1, "label": f"control {case}"}
             t0, err = now(), None
             load.start()
@@ -544,8 +557,7 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
                 err = f"{type(ex).__name__}: {ex}"
             finally:
                 load.finish(120)
-            streams, _ = count_streams(list(load.done), events_of([rec]), fig.get("prompt_tokens") or [],
-                                       args.prefill_chunk)
+            streams, _ = count_streams(list(load.done), events_of([rec]), ptoks, args.prefill_chunk)
             fo = rec.get("failover") or {}
             r = proofcount.control_result(case, streams, fo.get("ok") if fo else None, err)
             r.update(fault=trigger_spec, seconds=round(now() - t0, 1), fault_to_detect_s=rec.get("fault_to_detect_s"))
