@@ -32,6 +32,7 @@ import (
 	"github.com/frmps/frmps/supervisor/mps"
 	"github.com/frmps/frmps/supervisor/openai"
 	"github.com/frmps/frmps/supervisor/sdnotify"
+	"github.com/frmps/frmps/supervisor/vllmfront"
 )
 
 // serveOptions are `frmps serve`'s settings. The JSON names are the keys of
@@ -369,6 +370,15 @@ func (o serveOptions) validate() error {
 	return admin.CheckAddr(o.AdminAddr, o.AdminAllowRemote)
 }
 
+// vllmFrontConfig is --frontend vllm's process: vLLM's API server for the
+// model, on serve's address, with the API key (may be empty).
+func (o serveOptions) vllmFrontConfig(py pythonEnv, apiKey string) vllmfront.Config {
+	return vllmfront.Config{
+		Python: py.Python, Env: py.Env, Model: o.Model, ServedModelName: o.ServedModelName,
+		Host: o.Host, Port: o.Port, MaxModelLen: o.MaxModelLen, VLLMArgs: o.VllmArgs, FrontendArgs: o.FrontendArgs, APIKey: apiKey,
+	}
+}
+
 // serveGPUProbe replaces the host's GPU probe (tests); nil: the host's.
 var serveGPUProbe gpuProbe
 
@@ -423,7 +433,7 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	var vfd *vllmFrontDoor
+	var vfd *vllmfront.FrontDoor
 	cfg := o.supervisorConfig(py)
 	cfg.Resolved = &frmpsv1.Resolved{Device: ch.Device, Memory: ch.Memory, Engine: ch.Engine, Model: ch.Model, Reason: ch.Why}
 	if o.Frontend == "vllm" {
@@ -431,13 +441,13 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
-		if vfd, err = newVllmFrontDoor(o, py, key, log.Named("vllm-frontend")); err != nil {
+		if vfd, err = vllmfront.New(o.vllmFrontConfig(py, key), log.Named("vllm-frontend")); err != nil {
 			return err
 		}
 		// Removes its directory on every return (a second Shutdown after the
 		// one below only closes what is closed).
 		defer func() { _ = vfd.Shutdown(context.Background()) }()
-		cfg.EngineCoreInput, cfg.EngineCoreOutput = vfd.inputAddr, vfd.outputAddr
+		cfg.EngineCoreInput, cfg.EngineCoreOutput = vfd.EngineCoreAddrs()
 	}
 	sup, err := supervisor.New(cfg, log.Named("supervisor"), reg)
 	if err != nil {
