@@ -27,7 +27,7 @@ func parseServe(t *testing.T, args ...string) serveOptions {
 		t.Fatal(err)
 	}
 	if cfgFile != "" {
-		if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+		if err := applyConfigFile(f, cfgFile); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -47,7 +47,7 @@ func writeConfig(t *testing.T, body string) string {
 func TestConfigFileFlagsWin(t *testing.T) {
 	path := writeConfig(t, `{"model":"qwen2.5-0.5b","sync_every":8,"port":9000,"restart_window":"2m","stall_timeout":"45s","no_mps":true}`)
 	opts := parseServe(t, "--config", path, "--sync-every", "4", "--port", "8000")
-	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.RestartWindow != 2*time.Minute || opts.HeartbeatTimeout != 45*time.Second {
+	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.Breaker.Window != 2*time.Minute || opts.HeartbeatTimeout != 45*time.Second {
 		t.Fatalf("file not applied: %+v", opts)
 	}
 	if opts.SyncEvery != 4 || opts.Port != 8000 {
@@ -72,7 +72,7 @@ func TestTensorParallelFlag(t *testing.T) {
 	if err := f.Parse([]string{"--config", path}); err != nil {
 		t.Fatal(err)
 	}
-	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+	if err := applyConfigFile(f, cfgFile); err != nil {
 		t.Fatal(err)
 	}
 	if opts.TensorParallelSize != 2 || opts.validate() != nil {
@@ -147,13 +147,11 @@ func TestConfigFileErrors(t *testing.T) {
 	} {
 		p := filepath.Join(dir, name)
 		os.WriteFile(p, []byte(body), 0o600)
-		opts := defaultServeOptions()
-		if err := applyConfigFile(newServeCmd().Flags(), &opts, p); err == nil {
+		if err := applyConfigFile(newServeCmd().Flags(), p); err == nil {
 			t.Errorf("%s accepted", name)
 		}
 	}
-	opts := defaultServeOptions()
-	if err := applyConfigFile(newServeCmd().Flags(), &opts, filepath.Join(dir, "missing.json")); err == nil {
+	if err := applyConfigFile(newServeCmd().Flags(), filepath.Join(dir, "missing.json")); err == nil {
 		t.Error("missing file accepted")
 	}
 }
@@ -164,7 +162,10 @@ func TestServeRejectsBadOptions(t *testing.T) {
 		func(o *serveOptions) { o.LogLevel = "loud" },
 		func(o *serveOptions) { o.AdminAddr = "0.0.0.0:8001" },
 		func(o *serveOptions) { o.SyncEvery = 0 },
-		func(o *serveOptions) { o.MaxRestarts = 0 },
+		func(o *serveOptions) { o.Breaker.MaxRestarts = 0 },
+		func(o *serveOptions) { o.Breaker.Window = 0 },
+		func(o *serveOptions) { o.RingCapacity = 5000000 },
+		func(o *serveOptions) { o.Device = "cuda:0" },
 		func(o *serveOptions) { o.StepTimeoutFactor = 0.5 },
 		func(o *serveOptions) { o.StepTimeoutMin = 0 },
 		func(o *serveOptions) { o.StepTimeoutDefault = -time.Second },
