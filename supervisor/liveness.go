@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"time"
 
-	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
@@ -79,7 +78,7 @@ func (sl *slot) generationEndpoint() string {
 func (s *Supervisor) learnModelLimit(ctx context.Context, sl *slot) {
 	// An engine serving vLLM's API server (EngineCoreInput) has no generation API;
 	// that server reads the engine's limit from its ready message.
-	if s.cfg.MaxModelLen > 0 || s.cfg.EngineCoreInput != "" || s.learnedMaxLen.Load() != 0 || sl.roleNow() != failover.Active {
+	if s.limit.known() || s.cfg.EngineCoreInput != "" || sl.roleNow() != failover.Active {
 		return
 	}
 	c, closer, err := s.deps.DialGeneration(sl.generationEndpoint())
@@ -88,12 +87,5 @@ func (s *Supervisor) learnModelLimit(ctx context.Context, sl *slot) {
 		return
 	}
 	defer closer.Close()
-	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	h, err := c.Health(hctx, &frmpsv1.HealthRequest{})
-	if err != nil {
-		s.log.Warn("engine did not report its context limit", "error", err)
-		return
-	}
-	s.learnedMaxLen.Store(h.GetMaxModelLen())
+	s.limit.learn(ctx, c, s.log)
 }

@@ -120,8 +120,8 @@ type Supervisor struct {
 	// detectToResume: death detected → Resume sent, for benchmarks (bounded).
 	detectToResume []time.Duration
 	crashLoopOpen  atomic.Bool
+	limit          modelLimit // the served model's context limit (modellimit.go)
 	ringLag        atomic.Uint64
-	learnedMaxLen  atomic.Uint32
 	ringResyncs    atomic.Uint64
 
 	// earlyFirstToken (under mu): a first resumed token that came before its
@@ -169,6 +169,7 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 		slots: map[*slot]struct{}{}, changed: make(chan struct{}),
 		deployID: hex.EncodeToString(idb), mpsState: "disabled",
 	}
+	s.limit.configured = cfg.MaxModelLen
 	s.state, s.stateCause = machine.State()
 	m.ringLagFn(func() float64 { return float64(s.ringLag.Load()) })
 	m.ringResyncsFn(func() float64 { return float64(s.ringResyncs.Load()) })
@@ -187,10 +188,7 @@ func (s *Supervisor) Model() (name string, maxModelLen int) {
 	if name == "" {
 		name = s.cfg.Model
 	}
-	if s.cfg.MaxModelLen > 0 {
-		return name, s.cfg.MaxModelLen
-	}
-	return name, int(s.learnedMaxLen.Load())
+	return name, s.limit.get()
 }
 
 // Current blocks until an engine with generation >= minGeneration serves,
@@ -238,9 +236,9 @@ func (s *Supervisor) setUnavailable(err error) {
 
 // publish makes sl the engine Current returns, with a new generation.
 func (s *Supervisor) publish(sl *slot) {
-	if s.cfg.MaxModelLen == 0 && s.learnedMaxLen.Load() == 0 && sl.gen != nil {
+	if !s.limit.known() && sl.gen != nil {
 		s.wg.Add(1)
-		go func() { defer s.wg.Done(); s.learnMaxModelLen(sl.gen) }()
+		go func() { defer s.wg.Done(); s.limit.learn(context.Background(), sl.gen, s.log) }()
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -258,18 +256,6 @@ func (s *Supervisor) unpublish(err error) {
 	s.unavailable = err
 	close(s.changed)
 	s.changed = make(chan struct{})
-}
-
-// learnMaxModelLen asks a serving engine for its context limit (best effort).
-func (s *Supervisor) learnMaxModelLen(c frmpsv1.GenerationClient) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	h, err := c.Health(ctx, &frmpsv1.HealthRequest{})
-	if err != nil {
-		s.log.Debug("engine health", "error", err)
-		return
-	}
-	s.learnedMaxLen.Store(h.GetMaxModelLen())
 }
 
 // TriggerFailover kills the active on purpose (a drill). It fails when no
