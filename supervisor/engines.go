@@ -178,7 +178,7 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 		SyncEvery: s.cfg.SyncEvery, DeploymentId: s.deployID,
 		HeartbeatIntervalMs: uint32(s.cfg.hangPolicy().beatInterval().Milliseconds())}
 	if sl.role == failover.Active {
-		welcome.RingPath = s.ringPath
+		welcome.RingPath = s.ring.path
 	}
 	if err := conn.Send(&frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Welcome{Welcome: welcome}}, nil); err != nil {
 		return nil, fmt.Errorf("send welcome: %w", err)

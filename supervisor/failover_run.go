@@ -20,16 +20,7 @@ func (s *Supervisor) resumeSet() []*frmpsv1.ResumeRequest {
 		return nil
 	}
 	reqs := s.frontDoor.OpenRequests()
-	s.ringMu.Lock()
-	defer s.ringMu.Unlock()
-	for _, r := range reqs {
-		if r == nil || s.ring == nil {
-			continue
-		}
-		if snap, ok := s.ring.Snapshot(r.GetKey()); ok {
-			r.Snapshot = elidePrompt(snap, r.GetPromptTokenIds())
-		}
-	}
+	s.ring.snapshots(reqs)
 	return reqs
 }
 
@@ -94,7 +85,7 @@ func (s *Supervisor) sendResume() {
 	fo.resumeID = s.resumeSeq
 	fo.count = len(reqs)
 	env := &frmpsv1.Envelope{Id: fo.resumeID, Msg: &frmpsv1.Envelope_Resume{Resume: &frmpsv1.Resume{
-		Requests: reqs, RingPath: s.ringPath, SyncEvery: s.cfg.SyncEvery,
+		Requests: reqs, RingPath: s.ring.path, SyncEvery: s.cfg.SyncEvery,
 	}}}
 	id := fo.resumeID
 	fo.timer = time.AfterFunc(s.cfg.ResumeTimeout, func() { s.post(event{kind: evResumeTimeout, id: id, at: time.Now()}) })

@@ -2,7 +2,6 @@ package supervisor
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -58,20 +57,17 @@ func (s *Supervisor) setup(ctx context.Context) error {
 			ringDir = "/dev/shm"
 		}
 	}
-	s.ringPath = filepath.Join(ringDir, "frmps-"+s.deployID+".ring")
+	s.ring.path = filepath.Join(ringDir, "frmps-"+s.deployID+".ring")
 	if err := s.writeLaunchRecord(); err != nil {
-		s.ringPath = "" // not created
+		s.ring.path = "" // not created
 		return err
 	}
-	ring, err := s.deps.OpenRing(s.ringPath, s.cfg.RingCapacity)
+	ring, err := s.deps.OpenRing(s.ring.path, s.cfg.RingCapacity)
 	if err != nil {
-		s.ringPath = "" // not ours to remove
+		s.ring.path = "" // not ours to remove
 		return fmt.Errorf("open ring: %w", err)
 	}
-	// Status may already be reading these from another goroutine.
-	s.ringMu.Lock()
-	s.ring = ring
-	s.ringMu.Unlock()
+	s.ring.open(ring)
 	s.mu.Lock()
 	s.broker = s.deps.NewBroker()
 	s.mu.Unlock()
@@ -165,21 +161,7 @@ func (s *Supervisor) cleanup() {
 		s.mps = nil
 		s.setMPSState("stopped")
 	}
-	s.ringMu.Lock()
-	if s.ring != nil {
-		if err := s.ring.Close(); err != nil {
-			s.log.Warn("close ring", "error", err)
-		}
-		s.ring = nil
-	}
-	s.ringMu.Unlock()
-	cleaned := true // the launch record goes only once what it names is gone
-	if s.ringPath != "" {
-		if err := os.Remove(s.ringPath); err != nil && !errors.Is(err, os.ErrNotExist) {
-			s.log.Warn("remove ring", "error", err)
-			cleaned = false
-		}
-	}
+	cleaned := s.ring.close() // the launch record goes only once what it names is gone
 	s.mu.Lock()
 	b := s.broker
 	s.broker = nil
@@ -237,7 +219,7 @@ func (s *Supervisor) writeLaunchRecord() error {
 	if err != nil {
 		return fmt.Errorf("launch record: %w", err)
 	}
-	r := leftover.Record{Owner: self, Written: time.Now(), Ring: s.ringPath, RunDir: s.runDir}
+	r := leftover.Record{Owner: self, Written: time.Now(), Ring: s.ring.path, RunDir: s.runDir}
 	if !s.cfg.NoMPS && s.cfg.MPSPipeDir == "" { // an operator's daemon is never ours to stop
 		r.PrivateMPS, r.MPSControl = true, s.cfg.MPSControlBinary
 	}

@@ -420,7 +420,7 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 				s.abortFailover(fo, ev)
 			}
 		case failover.DrainRing:
-			s.drainRing()
+			s.ring.drain()
 			if fo := s.inflight; fo != nil && fo.drained.IsZero() {
 				fo.drained = time.Now()
 			}
@@ -691,7 +691,7 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	}
 	pollCtx, stopPoll := context.WithCancel(context.Background())
 	pollDone := make(chan struct{})
-	go func() { defer close(pollDone); s.pollRing(pollCtx) }()
+	go func() { defer close(pollDone); s.ring.poll(pollCtx) }()
 	watchDone := s.watchMPSLog(pollCtx)
 	defer func() {
 		stopPoll()
@@ -700,7 +700,7 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 		s.cleanup()
 	}()
 
-	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ringPath, "mps", !s.cfg.NoMPS)
+	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ring.path, "mps", !s.cfg.NoMPS)
 	s.syncSpare()
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()

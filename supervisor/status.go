@@ -17,7 +17,7 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	st := &frmpsv1.Status{
 		State: s.state.String(), StateCause: s.stateCause, Model: s.cfg.Model, Engine: s.cfg.Engine,
 		SyncEvery: s.cfg.SyncEvery, Mps: !s.cfg.NoMPS, MpsState: s.mpsState,
-		RingLagRecords: s.ringLag.Load(), RingResyncs: s.ringResyncs.Load(),
+		RingLagRecords: s.ring.lag.Load(), RingResyncs: s.ring.resyncs.Load(),
 		Version:            buildinfo.Get().Version,
 		CrashLoopOpen:      s.state == failover.CrashLoop,
 		TensorParallelSize: uint32(s.cfg.TensorParallelSize),
@@ -59,22 +59,13 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 		sl.mu.Unlock()
 		st.Engines = append(st.Engines, es)
 	}
-	if n := s.liveRequests(); n >= 0 {
+	if n := s.ring.size(); n >= 0 {
 		st.LiveRequests = uint32(n)
 	}
 	if fs, ok := s.frontDoor.(FrontendStatuser); ok {
 		st.Frontend = fs.FrontendStatus()
 	}
 	return st
-}
-
-func (s *Supervisor) liveRequests() int {
-	s.ringMu.Lock()
-	defer s.ringMu.Unlock()
-	if s.ring == nil {
-		return -1
-	}
-	return s.ring.Len()
 }
 
 // lastDeathCause: the cause of the last death of an engine in sl's role, if

@@ -79,7 +79,6 @@ type Supervisor struct {
 	frontDoor  FrontDoor
 	deployID   string
 	stateDir   *leftover.Dir // nil: no launch record
-	ringPath   string
 	runDir     string
 	logDir     string
 	wg         sync.WaitGroup // engine goroutines
@@ -88,8 +87,7 @@ type Supervisor struct {
 	watchdog      Watchdog
 	watchdogEvery time.Duration
 
-	ringMu sync.Mutex
-	ring   Ring
+	ring ringConsumer // the forward-state ring's consumer (ring.go)
 
 	// numBlocks (guarded by mu): the KV block count an engine chose itself
 	// (Config.NumBlocks 0: the vLLM adapter sizes its cache), from the first
@@ -121,8 +119,6 @@ type Supervisor struct {
 	detectToResume []time.Duration
 	crashLoopOpen  atomic.Bool
 	limit          modelLimit // the served model's context limit (modellimit.go)
-	ringLag        atomic.Uint64
-	ringResyncs    atomic.Uint64
 
 	// earlyFirstToken (under mu): a first resumed token that came before its
 	// failover record was written.
@@ -170,9 +166,10 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 		deployID: hex.EncodeToString(idb), mpsState: "disabled",
 	}
 	s.limit.configured = cfg.MaxModelLen
+	s.ring.log, s.ring.every = log, cfg.PollInterval
 	s.state, s.stateCause = machine.State()
-	m.ringLagFn(func() float64 { return float64(s.ringLag.Load()) })
-	m.ringResyncsFn(func() float64 { return float64(s.ringResyncs.Load()) })
+	m.ringLagFn(func() float64 { return float64(s.ring.lag.Load()) })
+	m.ringResyncsFn(func() float64 { return float64(s.ring.resyncs.Load()) })
 	return s, nil
 }
 

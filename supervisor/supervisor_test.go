@@ -275,36 +275,6 @@ func TestFailoverOnActiveKill(t *testing.T) {
 
 // The ring is polled in the background, and drained completely at a
 // failover before the resume set is built.
-func TestRingPolledAndDrainedAtFailover(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		w := newWorld()
-		h := start(t, w, nil)
-		w.ring.mu.Lock()
-		before := w.ring.polls
-		w.ring.mu.Unlock()
-		time.Sleep(100 * time.Millisecond)
-		synctest.Wait()
-		w.ring.mu.Lock()
-		polled := w.ring.polls - before
-		w.ring.pending = 1000 // more than the poller can take in one go
-		w.ring.mu.Unlock()
-		if polled == 0 || polled > 200 {
-			t.Fatalf("%d polls in 100ms of idle ring (want adaptive, > 0)", polled)
-		}
-		act, _ := h.roles()
-		act.Kill()
-		synctest.Wait()
-		h.wantState(failover.ServingReady)
-		w.ring.mu.Lock()
-		left := w.ring.pending
-		w.ring.mu.Unlock()
-		if left > 1000-64*10 { // the failover's drain took up to 64 polls
-			t.Fatalf("%d records left after the failover's drain", left)
-		}
-		h.stop()
-	})
-}
-
 func TestResumeRefusedColdStarts(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
