@@ -51,8 +51,7 @@ type slot struct {
 	// groupPending: died() fenced this engine's leader only (one rank); its
 	// group is fenced once the step that took the death up has sent the Resume.
 	groupPending bool
-	deathClass   string   // the class died() was given (a drill, a stall): no exit to classify
-	probe        cpuProbe // CPU waits during a hang suspicion (hang.go)
+	deathClass   string // the class died() was given (a drill, a stall): no exit to classify
 	gen          frmpsv1.GenerationClient
 	genC         io.Closer
 }
@@ -176,7 +175,7 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 	}
 	welcome := &frmpsv1.Welcome{Accepted: true, ProtocolVersion: control.ProtocolVersion,
 		SyncEvery: s.cfg.SyncEvery, DeploymentId: s.deployID,
-		HeartbeatIntervalMs: uint32(s.cfg.hangPolicy().beatInterval().Milliseconds())}
+		HeartbeatIntervalMs: uint32(s.hang.policy.beatInterval().Milliseconds())}
 	if sl.role == failover.Active {
 		welcome.RingPath = s.ring.path
 	}

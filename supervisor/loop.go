@@ -173,26 +173,7 @@ func (s *Supervisor) checkStall(now time.Time) {
 	if st, _ := s.machine.State(); !st.Serving() {
 		return
 	}
-	sl.mu.Lock()
-	b := sl.beats
-	sl.mu.Unlock()
-	p := s.cfg.hangPolicy()
-	episode := p.suspicion(b, now)
-	if episode != sl.probe.episode {
-		sl.probe = cpuProbe{episode: episode}
-		if episode != "" && s.deps.RunWait != nil {
-			if w, ok := s.deps.RunWait(sl.proc.PID()); ok {
-				sl.probe.at, sl.probe.waits = now, w
-			}
-		}
-	}
-	class, detail := p.verdict(b, now, 0)
-	if class != "" && sl.probe.waits != nil {
-		// Past the threshold: how much of it did the engine spend waiting for a CPU?
-		if w, ok := s.deps.RunWait(sl.proc.PID()); ok {
-			class, detail = p.verdict(b, now, sl.probe.waitedSince(w, now))
-		}
-	}
+	class, detail := s.hang.judge(sl, now)
 	if class == "" {
 		return
 	}
@@ -707,7 +688,7 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	feed, stopFeed := s.watchdogTick()
 	defer stopFeed()
 	var watchdog <-chan time.Time
-	if p := s.cfg.hangPolicy(); p.enabled() {
+	if p := s.hang.policy; p.enabled() {
 		t := time.NewTicker(p.tick())
 		defer t.Stop()
 		watchdog = t.C

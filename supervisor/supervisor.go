@@ -88,6 +88,7 @@ type Supervisor struct {
 	watchdogEvery time.Duration
 
 	ring ringConsumer // the forward-state ring's consumer (ring.go)
+	hang hangWatch    // hang detection of the serving active (hang.go); loop-owned
 
 	// numBlocks (guarded by mu): the KV block count an engine chose itself
 	// (Config.NumBlocks 0: the vLLM adapter sizes its cache), from the first
@@ -167,6 +168,7 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 	}
 	s.limit.configured = cfg.MaxModelLen
 	s.ring.log, s.ring.every = log, cfg.PollInterval
+	s.hang = hangWatch{policy: cfg.hangPolicy(), runWait: deps.RunWait}
 	s.state, s.stateCause = machine.State()
 	m.ringLagFn(func() float64 { return float64(s.ring.lag.Load()) })
 	m.ringResyncsFn(func() float64 { return float64(s.ring.resyncs.Load()) })
