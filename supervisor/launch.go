@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"syscall"
 	"time"
 
@@ -90,7 +91,7 @@ func (s *Supervisor) start(role failover.Role) {
 		return
 	}
 	logPath := filepath.Join(s.logDir, fmt.Sprintf("%s-%d.log", role, id))
-	proc, fromSpare := s.launchFromSpare(role, inv, env, logPath)
+	proc, fromSpare := s.spares.launch(role, inv, env, logPath)
 	if !fromSpare {
 		if proc, err = s.deps.Launcher.Launch(role, inv, env, logPath); err != nil {
 			_ = l.Close()
@@ -123,6 +124,15 @@ func (s *Supervisor) start(role failover.Role) {
 		s.runEngine(ctx, sl)
 	}()
 }
+
+// engineEnv is the environment every engine and every spare starts from.
+func (s *Supervisor) engineEnv() []string {
+	env := slices.Clone(s.cfg.BaseEnv)
+	return append(env, "FRMPS_MODULES_FILE="+s.modulesFile())
+}
+
+// modulesFile: where the first served engine lists its modules for spares.
+func (s *Supervisor) modulesFile() string { return filepath.Join(s.runDir, "engine-modules.txt") }
 
 // placeInMPS decides where a new engine of role runs: inside MPS unless the
 // other engine is there (after a failover the promoted active runs outside,

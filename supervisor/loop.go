@@ -131,16 +131,17 @@ func (s *Supervisor) handle(ev event) {
 	case evMPSTeardown:
 		s.mpsTeardown(ev)
 	case evSpareReady:
-		s.spareReady(ev)
+		s.spares.ready(ev)
 	case evSpareDied:
-		s.spareDied(ev)
+		s.spares.died(ev)
 	case evSpareDue:
-		s.spareDue(ev)
+		s.spares.due(ev)
 	}
 	s.reap()
 	s.syncShown()
 	s.maybeScheduleHandover()
-	s.maybeStartSpare()
+	st, _ := s.machine.State()
+	s.spares.fill(st)
 }
 
 // reap forgets retired slots whose process is gone (a handful at most),
@@ -651,7 +652,7 @@ func (s *Supervisor) stopAll(cause string) {
 		delete(s.slots, sl)
 	}
 	s.active, s.standby = nil, nil
-	s.stopSpare()
+	s.spares.stop()
 	s.wg.Wait()
 	s.metrics.up(failover.Active, false)
 	s.metrics.up(failover.Standby, false)
@@ -682,7 +683,7 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	}()
 
 	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ring.path, "mps", !s.cfg.NoMPS)
-	s.syncSpare()
+	s.spares.sync()
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()
 	feed, stopFeed := s.watchdogTick()

@@ -31,11 +31,9 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	if s.failbackStatus != nil {
 		st.Failback = proto.Clone(s.failbackStatus).(*frmpsv1.Failback)
 	}
-	if s.spareStatus != nil {
-		st.Spare = proto.Clone(s.spareStatus).(*frmpsv1.Spare)
-	}
-	sparePIDs := s.sparePIDs
 	s.mu.Unlock()
+	var sparePIDs []int
+	st.Spare, sparePIDs = s.spares.shown()
 	if st.Spare != nil {
 		st.Spare.RssBytes = residentBytes(sparePIDs)
 	}

@@ -15,6 +15,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -74,7 +75,7 @@ type Supervisor struct {
 	inflight   *failoverRun
 	handover   *handoverRun
 	failback   failbackPolicy
-	spares     spareState
+	spares     spares // the spare processes (spare.go)
 	resumeSeq  uint64
 	frontDoor  FrontDoor
 	deployID   string
@@ -109,8 +110,6 @@ type Supervisor struct {
 	// whose first resumed token has not reached a client yet.
 	awaitingFirstToken map[uint64]pendingFirstToken
 	failbackStatus     *frmpsv1.Failback
-	spareStatus        *frmpsv1.Spare
-	sparePIDs          []int // the spare processes' pids, for Status's host memory
 	// failbackFirstTokenSeconds: the last handover's Handoff sent -> first resumed token.
 	failbackFirstTokenSeconds float64
 	recordSeq                 uint64
@@ -169,6 +168,12 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 	s.limit.configured = cfg.MaxModelLen
 	s.ring.log, s.ring.every = log, cfg.PollInterval
 	s.hang = hangWatch{policy: cfg.hangPolicy(), runWait: deps.RunWait}
+	s.spares = spares{launcher: deps.Spares, model: cfg.Model, log: log, metrics: m,
+		post: s.post, stopped: s.stopped, wg: &s.wg, env: s.engineEnv, modules: s.modulesFile,
+		logPath: func() string { s.nextID++; return filepath.Join(s.logDir, fmt.Sprintf("spare-%d.log", s.nextID)) }}
+	if cfg.sparesOn() {
+		s.spares.size = cfg.spareCount()
+	}
 	s.state, s.stateCause = machine.State()
 	m.ringLagFn(func() float64 { return float64(s.ring.lag.Load()) })
 	m.ringResyncsFn(func() float64 { return float64(s.ring.resyncs.Load()) })
