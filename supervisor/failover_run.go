@@ -81,8 +81,8 @@ func (s *Supervisor) sendResume() {
 	sb := fo.target
 	reqs := s.resumeSet()
 	fo.built = time.Now()
-	s.resumeSeq++
-	fo.resumeID = s.resumeSeq
+	s.cmdSeq++
+	fo.resumeID = s.cmdSeq
 	fo.count = len(reqs)
 	env := &frmpsv1.Envelope{Id: fo.resumeID, Msg: &frmpsv1.Envelope_Resume{Resume: &frmpsv1.Resume{
 		Requests: reqs, RingPath: s.ring.path, SyncEvery: s.cfg.SyncEvery,
@@ -213,6 +213,17 @@ func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.noteFirstTokenLocked(gen, at)
+}
+
+// noteHandoverForFirstToken: the front door's first resumed token on the new
+// generation ends the client-visible pause of this handover.
+func (s *Supervisor) noteHandoverForFirstToken(started time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.awaitingFirstToken == nil {
+		s.awaitingFirstToken = make(map[uint64]pendingFirstToken)
+	}
+	s.awaitingFirstToken[s.generation] = pendingFirstToken{detected: started, set: s.failback.noteFirstToken}
 }
 
 // noteFirstTokenLocked records the first resumed token of generation gen in

@@ -223,3 +223,64 @@ func (s *Supervisor) invocation(role failover.Role, id int) engine.Invocation {
 }
 
 var closedCh = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// placementInverted: the active runs outside MPS and a ready standby inside.
+func (s *Supervisor) placementInverted() bool {
+	a, sb := s.active, s.standby
+	return a != nil && sb != nil && !a.dead && !sb.dead && !a.inMPS && sb.inMPS && sb.state == "ready"
+}
+
+// placementOK: the active runs in MPS and the standby (if any) outside it,
+// or MPS is off.
+func (s *Supervisor) placementOK() bool {
+	if s.mps == nil {
+		return true
+	}
+	a, sb := s.active, s.standby
+	if a == nil || a.dead || !a.inMPS {
+		return false
+	}
+	return sb == nil || sb.dead || !sb.inMPS
+}
+
+// scheduleFailback arms the failback timer when the placement is inverted
+// in serving_ready, and drops it otherwise. Called after every event.
+func (s *Supervisor) scheduleFailback() {
+	st, _ := s.machine.State()
+	armed := s.failback.timer != nil
+	s.failback.schedule(st == failover.ServingReady && s.placementInverted())
+	if !armed && s.failback.timer != nil {
+		s.syncFailback()
+	}
+}
+
+// syncFailback publishes the failback policy's state for Status.
+func (s *Supervisor) syncFailback() {
+	st, _ := s.machine.State()
+	s.failback.sync(st, s.machine.Handover(), s.placementOK())
+}
+
+// swap makes the resumed standby the active and the yielded active the
+// standby (action Swap).
+func (s *Supervisor) swap() {
+	yielded, next := s.active, s.standby
+	s.active, s.standby = next, nil
+	next.mu.Lock()
+	next.role = failover.Active
+	next.beats.stepSince = time.Now() // it slept until now
+	next.mu.Unlock()
+	next.setState("serving")
+	if yielded != nil && !yielded.dead {
+		yielded.mu.Lock()
+		yielded.role = failover.Standby
+		yielded.beats = beats{} // asleep: judged afresh once it serves again
+		yielded.mu.Unlock()
+		s.standby = yielded
+	} else if yielded != nil {
+		s.retire(yielded)
+	}
+	s.metrics.up(failover.Active, true)
+	s.metrics.up(failover.Standby, s.standby != nil)
+	s.failback.swapped()
+	s.publish(s.active)
+}

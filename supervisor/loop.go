@@ -76,7 +76,8 @@ func (s *Supervisor) handle(ev event) {
 	case evDied:
 		s.died(ev.slot, ev.cause, ev.at, "")
 	case evReply:
-		if s.handoffReply(ev) {
+		if fev, ok := s.failback.reply(ev, s.active); ok {
+			s.step(fev)
 			break
 		}
 		fo := s.inflight
@@ -123,9 +124,14 @@ func (s *Supervisor) handle(ev event) {
 	case evStep:
 		s.step(ev.fev)
 	case evHandoverDue:
-		s.handoverDue(ev)
+		if s.failback.fire(ev) && s.placementInverted() {
+			s.step(failover.Event{Kind: failover.HandoverDue, At: ev.at,
+				Cause: fmt.Sprintf("active pid %d outside MPS, standby pid %d inside", s.active.proc.PID(), s.standby.proc.PID())})
+		}
 	case evHandoffTimeout:
-		s.handoffTimeout(ev)
+		if s.failback.timedOut(ev) {
+			s.died(s.active, fmt.Sprintf("stalled: no reply to handoff within %s", s.cfg.HandoffTimeout), ev.at, classStalled)
+		}
 	case evPing:
 		ev.resp <- nil
 	case evMPSTeardown:
@@ -139,7 +145,7 @@ func (s *Supervisor) handle(ev event) {
 	}
 	s.reap()
 	s.syncShown()
-	s.maybeScheduleHandover()
+	s.scheduleFailback()
 	st, _ := s.machine.State()
 	s.spares.fill(st)
 }
@@ -282,9 +288,7 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 		kind = failover.ActiveDied
 		if sl.inMPS {
 			s.lastMPSDeath = at
-			if s.failback.lostAt.IsZero() {
-				s.failback.lostAt = at
-			}
+			s.failback.lost(at)
 		}
 	case !wasReady && !refused && s.notAdmitted(sl, at):
 		kind = failover.StandbyNotAdmitted
@@ -361,9 +365,11 @@ func (s *Supervisor) step(ev failover.Event) {
 		lvl("state", "from", tr.From, "to", tr.To, "event", ev.Kind, "cause", tr.Cause, "actions", fmt.Sprint(tr.Actions))
 	}
 	s.execute(tr.Actions, ev)
-	s.noteHandoverStep(tr)
+	s.failback.noteStep(tr, s.machine.Handover())
 	if tr.From == failover.HandingOver && tr.To != failover.HandingOver {
-		s.endHandover(tr)
+		if started, ok := s.failback.end(tr, s.active); ok {
+			s.noteHandoverForFirstToken(started)
+		}
 	}
 	if tr.To == failover.CrashLoop {
 		s.unpublish(fmt.Errorf("%w: crash loop: %s", ErrUnavailable, tr.Cause))
@@ -415,7 +421,10 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			s.inflight = &failoverRun{kind: resumeRestore, target: s.active, detected: time.Now(), cause: "failback failed: restore the yielded engine"}
 			s.sendResume()
 		case failover.SendHandoff:
-			s.sendHandoff()
+			s.cmdSeq++
+			if why := s.failback.sendHandoff(s.active, s.standby, s.cmdSeq); why != "" {
+				s.raise(failover.Event{Kind: failover.HandoffFailed, At: time.Now(), Cause: why})
+			}
 		case failover.Swap:
 			s.swap()
 		case failover.Promote:
@@ -684,6 +693,7 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 
 	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ring.path, "mps", !s.cfg.NoMPS)
 	s.spares.sync()
+	s.failback.enabled = s.mps != nil && !s.cfg.NoFailback
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()
 	feed, stopFeed := s.watchdogTick()

@@ -28,10 +28,8 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	for _, r := range s.records {
 		st.Failovers = append(st.Failovers, proto.Clone(r).(*frmpsv1.FailoverRecord))
 	}
-	if s.failbackStatus != nil {
-		st.Failback = proto.Clone(s.failbackStatus).(*frmpsv1.Failback)
-	}
 	s.mu.Unlock()
+	st.Failback = s.failback.shown()
 	var sparePIDs []int
 	st.Spare, sparePIDs = s.spares.shown()
 	if st.Spare != nil {

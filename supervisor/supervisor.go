@@ -74,9 +74,9 @@ type Supervisor struct {
 	wantStart  [2]bool // a start is due but waits (MPS check in progress)
 	inflight   *failoverRun
 	handover   *handoverRun
-	failback   failbackPolicy
-	spares     spares // the spare processes (spare.go)
-	resumeSeq  uint64
+	failback   failback // the failback policy and the handover in progress (failback.go)
+	spares     spares   // the spare processes (spare.go)
+	cmdSeq     uint64   // the id of the last command (Resume, Handoff) sent to an engine
 	frontDoor  FrontDoor
 	deployID   string
 	stateDir   *leftover.Dir // nil: no launch record
@@ -109,12 +109,9 @@ type Supervisor struct {
 	// awaitingFirstToken: failover records, by the generation they promoted,
 	// whose first resumed token has not reached a client yet.
 	awaitingFirstToken map[uint64]pendingFirstToken
-	failbackStatus     *frmpsv1.Failback
-	// failbackFirstTokenSeconds: the last handover's Handoff sent -> first resumed token.
-	failbackFirstTokenSeconds float64
-	recordSeq                 uint64
-	mpsState                  string
-	shown                     [2]*slot
+	recordSeq          uint64
+	mpsState           string
+	shown              [2]*slot
 	// detectToResume: death detected → Resume sent, for benchmarks (bounded).
 	detectToResume []time.Duration
 	crashLoopOpen  atomic.Bool
@@ -167,6 +164,8 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 	}
 	s.limit.configured = cfg.MaxModelLen
 	s.ring.log, s.ring.every = log, cfg.PollInterval
+	s.failback = failback{delay: cfg.FailbackDelay, base: cfg.FailbackBaseBackoff, max: cfg.FailbackMaxBackoff,
+		timeout: cfg.HandoffTimeout, log: log, metrics: m, post: s.post}
 	s.hang = hangWatch{policy: cfg.hangPolicy(), runWait: deps.RunWait}
 	s.spares = spares{launcher: deps.Spares, model: cfg.Model, log: log, metrics: m,
 		post: s.post, stopped: s.stopped, wg: &s.wg, env: s.engineEnv, modules: s.modulesFile,
