@@ -80,19 +80,16 @@ func (s *Supervisor) handle(ev event) {
 			s.step(fev)
 			break
 		}
-		fo := s.inflight
-		if fo == nil || ev.slot != fo.target || ev.id != fo.resumeID {
+		fev, acked, ok := s.failovers.answer(ev)
+		if !ok {
 			return // a stale or unsolicited reply
 		}
-		fo.timer.Stop()
-		if !ev.reply.GetOk() {
-			s.step(failover.Event{Kind: failover.ResumeFailed, At: ev.at, Cause: "standby refused resume: " + ev.reply.GetError()})
-			return
+		s.step(fev)
+		if acked != nil {
+			s.failovers.finish(acked, ev.at, ev.reply)
 		}
-		s.step(failover.Event{Kind: failover.ResumeAcked, At: ev.at, Cause: fo.cause})
-		s.finishFailover(fo, ev.at, ev.reply, nil)
 	case evResumeTimeout:
-		if fo := s.inflight; fo != nil && fo.resumeID == ev.id {
+		if s.failovers.timedOut(ev) {
 			s.step(failover.Event{Kind: failover.ResumeFailed, At: ev.at, Cause: fmt.Sprintf("no reply to resume within %s", s.cfg.ResumeTimeout)})
 		}
 	case evStartDue:
@@ -297,16 +294,14 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 	}
 	st, _ := s.machine.State()
 	if kind == failover.ActiveDied && (st == failover.ServingReady || s.machine.Handover() == failover.Yielding) {
-		s.inflight = &failoverRun{kind: resumeFailover, target: s.standby, detected: at, handled: handled, fenced: fenced,
-			cause: cause, old: sl, class: class}
+		s.failovers.begin(&failoverRun{kind: resumeFailover, target: s.standby, detected: at, handled: handled, fenced: fenced,
+			cause: cause, old: sl, class: class})
 	}
 	s.step(failover.Event{Kind: kind, At: at, Cause: cause, Refused: refusedStart})
 	if sl.groupPending { // after the step's Resume, if it sent one
 		sl.groupPending = false
 		s.fence(sl)
-		if fo := s.inflight; fo != nil && fo.old == sl {
-			fo.groupFenced = time.Now()
-		}
+		s.failovers.groupFenced(sl)
 	}
 }
 
@@ -368,7 +363,7 @@ func (s *Supervisor) step(ev failover.Event) {
 	s.failback.noteStep(tr, s.machine.Handover())
 	if tr.From == failover.HandingOver && tr.To != failover.HandingOver {
 		if started, ok := s.failback.end(tr, s.active); ok {
-			s.noteHandoverForFirstToken(started)
+			s.failovers.awaitHandover(started, s.failback.noteFirstToken)
 		}
 	}
 	if tr.To == failover.CrashLoop {
@@ -391,10 +386,10 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			if a == nil || !a.groupPending {
 				s.fence(a)
 			}
-			if fo := s.inflight; fo != nil && fo.target == a {
-				s.abortFailover(fo, ev)
+			if s.failovers.resuming(a) {
+				s.failovers.abort(ev)
 			}
-			if fo := s.inflight; fo == nil || fo.old != a { // a failover's record classifies its own
+			if !s.failovers.replacing(a) { // a failover's record classifies its own
 				s.classifyDeath(a)
 			}
 		case failover.FenceStandby:
@@ -404,21 +399,19 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 			s.fence(sb)
 			s.retire(sb)
 			s.classifyDeath(sb)
-			if fo := s.inflight; fo != nil && fo.target == sb {
-				s.abortFailover(fo, ev)
+			if s.failovers.resuming(sb) {
+				s.failovers.abort(ev)
 			}
 		case failover.DrainRing:
 			s.ring.drain()
-			if fo := s.inflight; fo != nil && fo.drained.IsZero() {
-				fo.drained = time.Now()
-			}
+			s.failovers.drained()
 		case failover.SendResume:
-			if s.inflight == nil && s.machine.Handover() == failover.Resuming {
-				s.inflight = &failoverRun{kind: resumeHandover, target: s.standby, detected: time.Now(), cause: "failback handover"}
+			if s.failovers.run == nil && s.machine.Handover() == failover.Resuming {
+				s.failovers.begin(&failoverRun{kind: resumeHandover, target: s.standby, detected: time.Now(), cause: "failback handover"})
 			}
 			s.sendResume()
 		case failover.ResumeYielded:
-			s.inflight = &failoverRun{kind: resumeRestore, target: s.active, detected: time.Now(), cause: "failback failed: restore the yielded engine"}
+			s.failovers.begin(&failoverRun{kind: resumeRestore, target: s.active, detected: time.Now(), cause: "failback failed: restore the yielded engine"})
 			s.sendResume()
 		case failover.SendHandoff:
 			s.cmdSeq++
@@ -623,9 +616,7 @@ func (s *Supervisor) stopAll(cause string) {
 			t.Stop()
 		}
 	}
-	if fo := s.inflight; fo != nil && fo.timer != nil {
-		fo.timer.Stop()
-	}
+	s.failovers.stop()
 	grace := s.cfg.ShutdownGrace
 	for sl := range s.slots {
 		c := sl.getConn()

@@ -25,10 +25,10 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	if s.cfg.Resolved != nil {
 		st.Resolved = proto.Clone(s.cfg.Resolved).(*frmpsv1.Resolved)
 	}
-	for _, r := range s.records {
-		st.Failovers = append(st.Failovers, proto.Clone(r).(*frmpsv1.FailoverRecord))
-	}
 	s.mu.Unlock()
+	if recs := s.failovers.shownRecords(); len(recs) > 0 {
+		st.Failovers = recs
+	}
 	st.Failback = s.failback.shown()
 	var sparePIDs []int
 	st.Spare, sparePIDs = s.spares.shown()

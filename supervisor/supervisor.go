@@ -71,8 +71,8 @@ type Supervisor struct {
 	mpsFaulted bool
 	startAfter [2]*time.Timer
 	startSeq   [2]uint64
-	wantStart  [2]bool // a start is due but waits (MPS check in progress)
-	inflight   *failoverRun
+	wantStart  [2]bool   // a start is due but waits (MPS check in progress)
+	failovers  failovers // the resume in progress and the failover records (failover_run.go)
 	handover   *handoverRun
 	failback   failback // the failback policy and the handover in progress (failback.go)
 	spares     spares   // the spare processes (spare.go)
@@ -98,28 +98,17 @@ type Supervisor struct {
 	numBlocks int
 
 	// Read by Current/Status from other goroutines.
-	mu          sync.Mutex
-	current     *slot
-	generation  uint64
-	changed     chan struct{}
-	unavailable error
-	state       failover.State
-	stateCause  string
-	records     []*frmpsv1.FailoverRecord
-	// awaitingFirstToken: failover records, by the generation they promoted,
-	// whose first resumed token has not reached a client yet.
-	awaitingFirstToken map[uint64]pendingFirstToken
-	recordSeq          uint64
-	mpsState           string
-	shown              [2]*slot
-	// detectToResume: death detected → Resume sent, for benchmarks (bounded).
-	detectToResume []time.Duration
-	crashLoopOpen  atomic.Bool
-	limit          modelLimit // the served model's context limit (modellimit.go)
-
-	// earlyFirstToken (under mu): a first resumed token that came before its
-	// failover record was written.
-	earlyFirstToken earlyToken
+	mu            sync.Mutex
+	current       *slot
+	generation    uint64
+	changed       chan struct{}
+	unavailable   error
+	state         failover.State
+	stateCause    string
+	mpsState      string
+	shown         [2]*slot
+	crashLoopOpen atomic.Bool
+	limit         modelLimit // the served model's context limit (modellimit.go)
 }
 
 // New checks cfg and prepares a supervisor bound to the real collaborators.
@@ -164,6 +153,8 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 	}
 	s.limit.configured = cfg.MaxModelLen
 	s.ring.log, s.ring.every = log, cfg.PollInterval
+	s.failovers = failovers{timeout: cfg.ResumeTimeout, syncEvery: cfg.SyncEvery, maxRecords: cfg.MaxFailoverRecords,
+		log: log, metrics: m, post: s.post, wg: &s.wg, classify: s.classify}
 	s.failback = failback{delay: cfg.FailbackDelay, base: cfg.FailbackBaseBackoff, max: cfg.FailbackMaxBackoff,
 		timeout: cfg.HandoffTimeout, log: log, metrics: m, post: s.post}
 	s.hang = hangWatch{policy: cfg.hangPolicy(), runWait: deps.RunWait}
@@ -243,6 +234,7 @@ func (s *Supervisor) publish(sl *slot) {
 		s.wg.Add(1)
 		go func() { defer s.wg.Done(); s.limit.learn(context.Background(), sl.gen, s.log) }()
 	}
+	s.failovers.published(s.generation + 1) // the loop is the only writer of generation
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.current = sl
@@ -259,6 +251,34 @@ func (s *Supervisor) unpublish(err error) {
 	s.unavailable = err
 	close(s.changed)
 	s.changed = make(chan struct{})
+}
+
+// NoteResumedToken is called by the front door when the first token of a
+// stream resumed on engine generation gen reaches its client: the failover
+// that promoted gen then records death-to-first-resumed-token. Cheap; safe
+// from any goroutine.
+func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
+	s.failovers.noteResumedToken(gen, at)
+}
+
+// resumeSet is the open requests a Resume carries, each with the ring's
+// snapshot of it.
+func (s *Supervisor) resumeSet() []*frmpsv1.ResumeRequest {
+	if s.frontDoor == nil {
+		return nil
+	}
+	reqs := s.frontDoor.OpenRequests()
+	s.ring.snapshots(reqs)
+	return reqs
+}
+
+// sendResume sends the resume in progress its Resume (actions SendResume,
+// ResumeYielded); a Resume that cannot go is a failed resume.
+func (s *Supervisor) sendResume() {
+	next := func() uint64 { s.cmdSeq++; return s.cmdSeq }
+	if why := s.failovers.sendResume(s.resumeSet, next, s.ring.path); why != "" {
+		s.raise(failover.Event{Kind: failover.ResumeFailed, At: time.Now(), Cause: why})
+	}
 }
 
 // TriggerFailover kills the active on purpose (a drill). It fails when no

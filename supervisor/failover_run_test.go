@@ -290,3 +290,157 @@ func resumeOf(n, prompt, output int, elide bool) *frmpsv1.Envelope {
 	}
 	return &frmpsv1.Envelope{Id: 1, Msg: &frmpsv1.Envelope_Resume{Resume: res}}
 }
+
+// newFailovers is a failovers owner on its own: its timer's events go to the
+// returned channel instead of a loop; every death classifies as "signal".
+func newFailovers(t *testing.T) (*failovers, chan event) {
+	t.Helper()
+	m, err := newMetrics(nil, "m")
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := make(chan event, 8)
+	f := &failovers{timeout: time.Second, syncEvery: 4, maxRecords: 2, log: hclog.NewNullLogger(), metrics: m,
+		post: func(ev event) { events <- ev }, wg: &sync.WaitGroup{},
+		classify: func(*slot) (string, string) { return "signal", "signal 9" }}
+	t.Cleanup(f.wg.Wait)
+	return f, events
+}
+
+// A Resume goes to the engine resumed, with the open requests and the ring;
+// one that cannot go says why; no reply in time is the resume's timeout.
+func TestFailoversSendResume(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f, events := newFailovers(t)
+		next := func() uint64 { return 7 }
+		reqs := func() []*frmpsv1.ResumeRequest { return []*frmpsv1.ResumeRequest{{Key: 1}} }
+		if why := f.sendResume(reqs, next, "/ring"); why != "no engine to resume" {
+			t.Fatalf("with no resume in progress: %q", why)
+		}
+		target := &slot{proc: deadProcess{}}
+		f.begin(&failoverRun{kind: resumeFailover, target: target, detected: time.Now()})
+		if why := f.sendResume(reqs, next, "/ring"); why != "standby has no control connection" {
+			t.Fatalf("to an engine with no connection: %q", why)
+		}
+		server, client := fakePipe(1)
+		target.conn = server
+		time.Sleep(time.Millisecond)
+		if why := f.sendResume(reqs, next, "/ring"); why != "" {
+			t.Fatalf("sendResume: %q", why)
+		}
+		env, _, err := client.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := env.GetResume()
+		if env.GetId() != 7 || r.GetRingPath() != "/ring" || r.GetSyncEvery() != 4 || len(r.GetRequests()) != 1 {
+			t.Fatalf("resume sent: %v", env)
+		}
+		if d := f.detectToResumeSeen(); len(d) != 1 || d[0] != time.Millisecond {
+			t.Fatalf("detect to resume %v, want [1ms]", d)
+		}
+		ev := <-events // the reply never comes
+		if ev.kind != evResumeTimeout || !f.timedOut(ev) || f.timedOut(event{id: 6}) {
+			t.Fatalf("timeout event %v (id %d) not the resume's", ev.kind, ev.id)
+		}
+	})
+}
+
+// A reply to the Resume in progress is the machine's ResumeAcked (and the
+// run to finish) or ResumeFailed; any other reply is stale. Finished or
+// aborted failovers are recorded, newest first, classified off the loop.
+func TestFailoversAnswerAndRecord(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f, _ := newFailovers(t)
+		target, old := &slot{proc: deadProcess{}}, &slot{proc: deadProcess{}}
+		run := &failoverRun{kind: resumeFailover, target: target, old: old, detected: time.Now(), cause: "control socket closed",
+			resumeID: 3, timer: time.NewTimer(time.Hour)}
+		f.begin(run)
+		if !f.resuming(target) || f.resuming(old) || !f.replacing(old) {
+			t.Fatal("resuming/replacing do not name the run's engines")
+		}
+		if _, _, ok := f.answer(event{slot: target, id: 2, reply: &frmpsv1.Reply{Ok: true}}); ok {
+			t.Fatal("a reply to another command answered the resume")
+		}
+		if _, _, ok := f.answer(event{slot: old, id: 3, reply: &frmpsv1.Reply{Ok: true}}); ok {
+			t.Fatal("another engine's reply answered the resume")
+		}
+		fev, acked, ok := f.answer(event{slot: target, id: 3, reply: &frmpsv1.Reply{Error: "no"}})
+		if !ok || acked != nil || fev.Kind != failover.ResumeFailed || fev.Cause != "standby refused resume: no" {
+			t.Fatalf("refusal: %v %v %v", fev, acked, ok)
+		}
+		time.Sleep(2 * time.Millisecond)
+		reply := &frmpsv1.Reply{Ok: true, Resumed: []*frmpsv1.ResumeOutcome{{Ok: true, ReusedTokens: 5}, {Ok: false}}}
+		fev, acked, ok = f.answer(event{slot: target, id: 3, reply: reply, at: time.Now()})
+		if !ok || acked != run || fev.Kind != failover.ResumeAcked || fev.Cause != "control socket closed" {
+			t.Fatalf("ack: %v %v %v", fev, acked, ok)
+		}
+		f.published(2)
+		f.finish(acked, time.Now(), reply)
+		if f.run != nil {
+			t.Fatal("the run is still in progress after finish")
+		}
+		f.wg.Wait()
+		recs := f.shownRecords()
+		if len(recs) != 1 || !recs[0].GetOk() || recs[0].GetResumedRequests() != 1 || recs[0].GetReusedTokens() != 5 ||
+			recs[0].GetCause() != "signal" || recs[0].GetDurationSeconds() != 0.002 {
+			t.Fatalf("records %v", recs)
+		}
+		if old.deathCause != "signal: signal 9" {
+			t.Fatalf("old engine's death cause %q", old.deathCause)
+		}
+		for i := range 2 {
+			f.begin(&failoverRun{kind: resumeFailover, target: target, old: old, class: classDrill, cause: fmt.Sprint("drill ", i)})
+			f.abort(failover.Event{At: time.Now(), Cause: "standby died"})
+		}
+		f.begin(&failoverRun{kind: resumeHandover, target: target})
+		f.abort(failover.Event{Cause: "a handover's outcome is failback's"})
+		f.wg.Wait()
+		recs = f.shownRecords()
+		if len(recs) != 2 || recs[0].GetSeq() != 3 || recs[0].GetOk() || recs[0].GetError() != "standby died" || recs[0].GetCause() != classDrill {
+			t.Fatalf("records after two aborts (at most 2 kept): %v", recs)
+		}
+	})
+}
+
+// The first resumed token of a promoted generation ends its record, also
+// when it comes before the record is written; a handover's ends it too.
+func TestFailoversFirstResumedToken(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		f, _ := newFailovers(t)
+		target, old := &slot{proc: deadProcess{}}, &slot{proc: deadProcess{}}
+		ok := &frmpsv1.Reply{Ok: true, Resumed: []*frmpsv1.ResumeOutcome{{Ok: true}}}
+		t0 := time.Now()
+		f.published(1)
+		f.begin(&failoverRun{kind: resumeFailover, target: target, old: old, detected: t0})
+		time.Sleep(time.Second)
+		f.noteResumedToken(1, time.Now()) // before the record
+		f.noteResumedToken(1, time.Now().Add(time.Hour))
+		f.finish(f.run, time.Now(), ok)
+		if got := f.shownRecords()[0].GetFirstTokenSeconds(); got != 1 {
+			t.Fatalf("first token %vs after the death, want 1 (the token that came first)", got)
+		}
+		f.published(2)
+		f.begin(&failoverRun{kind: resumeFailover, target: target, old: old, detected: time.Now()})
+		f.finish(f.run, time.Now(), ok)
+		f.noteResumedToken(1, time.Now()) // an old generation's
+		time.Sleep(time.Second)
+		f.noteResumedToken(2, time.Now())
+		f.noteResumedToken(2, time.Now().Add(time.Hour))
+		if got := f.shownRecords()[0].GetFirstTokenSeconds(); got != 1 {
+			t.Fatalf("first token %vs, want 1", got)
+		}
+		var handover float64
+		f.published(3)
+		f.awaitHandover(time.Now(), func(v float64) { handover = v })
+		time.Sleep(500 * time.Millisecond)
+		f.noteResumedToken(3, time.Now())
+		f.mu.Lock()
+		got := handover
+		f.mu.Unlock()
+		if got != 0.5 {
+			t.Fatalf("handover first token %vs, want 0.5", got)
+		}
+		f.wg.Wait()
+	})
+}
