@@ -36,12 +36,12 @@ func (s *Supervisor) start(role failover.Role) {
 		return
 	}
 	inMPS := s.placeInMPS(role)
-	if inMPS && s.mpsBusy {
+	if inMPS && s.mps.busy {
 		s.wantStart[role] = true // launch into a daemon known to answer
 		return
 	}
-	if role == failover.Active && s.mpsErr != nil {
-		s.raise(failover.Event{Kind: failover.BreakerTripped, Role: failover.Active, At: time.Now(), Cause: "MPS daemon does not answer: " + s.mpsErr.Error()})
+	if role == failover.Active && s.mps.err != nil {
+		s.raise(failover.Event{Kind: failover.BreakerTripped, Role: failover.Active, At: time.Now(), Cause: "MPS daemon does not answer: " + s.mps.err.Error()})
 		return
 	}
 	if role == failover.Active {
@@ -73,9 +73,9 @@ func (s *Supervisor) start(role failover.Role) {
 		s.enqueue(event{kind: evDied, slot: sl, cause: "launch failed: " + err.Error(), at: time.Now()})
 	}
 	env := s.engineEnv()
-	if s.mps != nil {
+	if s.mps.on() {
 		if inMPS {
-			env = append(env, s.mps.ClientEnv()...)
+			env = append(env, s.mps.clientEnv()...)
 		} else {
 			out, err := s.deps.OutsideEnv(s.runDir)
 			if err != nil {
@@ -140,13 +140,13 @@ func (s *Supervisor) modulesFile() string { return filepath.Join(s.runDir, "engi
 // while the daemon is known broken, or when failback is off; an active waits
 // for the daemon (or trips the breaker) in start.
 func (s *Supervisor) placeInMPS(role failover.Role) bool {
-	if s.mps == nil {
+	if !s.mps.on() {
 		return false
 	}
 	other := s.slotOf(failover.Standby)
 	if role == failover.Standby {
 		other = s.slotOf(failover.Active)
-		if s.mpsErr != nil || s.cfg.NoFailback {
+		if s.mps.err != nil || s.cfg.NoFailback {
 			return false
 		}
 	}
@@ -233,7 +233,7 @@ func (s *Supervisor) placementInverted() bool {
 // placementOK: the active runs in MPS and the standby (if any) outside it,
 // or MPS is off.
 func (s *Supervisor) placementOK() bool {
-	if s.mps == nil {
+	if !s.mps.on() {
 		return true
 	}
 	a, sb := s.active, s.standby

@@ -76,14 +76,14 @@ func (s *Supervisor) setup(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("start MPS (use --no-mps to run without): %w", err)
 		}
-		s.mps = mps
+		s.mps.d = mps
 		if mps.Owned() {
-			s.setMPSState("running")
+			s.mps.setState("running")
 			if s.cfg.PrimeFaultPath {
 				s.primeFaultPath(ctx)
 			}
 		} else {
-			s.setMPSState("joined the operator's daemon at " + s.cfg.MPSPipeDir)
+			s.mps.setState("joined the operator's daemon at " + s.cfg.MPSPipeDir)
 		}
 	}
 	return nil
@@ -109,7 +109,7 @@ func (s *Supervisor) primeFaultPath(ctx context.Context) {
 			return false
 		}
 	}
-	env := append(s.engineEnv(), s.mps.ClientEnv()...)
+	env := append(s.engineEnv(), s.mps.clientEnv()...)
 	primed := 0
 	for dev := 0; dev < max(1, s.cfg.TensorParallelSize); dev++ {
 		for try := 1; try <= 2; try++ {
@@ -130,7 +130,7 @@ func (s *Supervisor) primeFaultPath(ctx context.Context) {
 	}
 	s.metrics.primed(primed)
 	if primed > 0 {
-		s.setMPSState(fmt.Sprintf("running (fault path primed on %d GPU(s))", primed))
+		s.mps.setState(fmt.Sprintf("running (fault path primed on %d GPU(s))", primed))
 	}
 	settle() // the first engine joins a daemon whose faulted server has gone
 }
@@ -152,15 +152,7 @@ func envValue(env []string, key string) string {
 
 // cleanup releases what setup acquired; idempotent.
 func (s *Supervisor) cleanup() {
-	if s.mps != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		if err := s.mps.Stop(ctx); err != nil {
-			s.log.Warn("stop MPS", "error", err)
-		}
-		cancel()
-		s.mps = nil
-		s.setMPSState("stopped")
-	}
+	s.mps.stop()
 	cleaned := s.ring.close() // the launch record goes only once what it names is gone
 	s.mu.Lock()
 	b := s.broker

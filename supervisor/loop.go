@@ -6,13 +6,11 @@ import (
 	"fmt"
 	"os"
 	"strings"
-	"syscall"
 	"time"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/deathcause"
 	"github.com/frmps/frmps/supervisor/failover"
-	"github.com/frmps/frmps/supervisor/mps"
 )
 
 // The event loop. Run's goroutine owns every field of Supervisor marked
@@ -99,8 +97,7 @@ func (s *Supervisor) handle(ev event) {
 		s.startAfter[ev.role] = nil
 		s.start(ev.role)
 	case evMPSChecked:
-		s.mpsBusy = false
-		s.mpsErr = ev.err
+		s.mps.checked(ev.err)
 		for _, r := range []failover.Role{failover.Active, failover.Standby} {
 			if s.wantStart[r] {
 				s.wantStart[r] = false
@@ -132,7 +129,14 @@ func (s *Supervisor) handle(ev event) {
 	case evPing:
 		ev.resp <- nil
 	case evMPSTeardown:
-		s.mpsTeardown(ev)
+		// The server writes these lines while it handles a fatal GPU error, having
+		// stopped its clients' work: the active's context is lost already, and it
+		// would notice only at its next CUDA call's error (tens to hundreds of ms
+		// later). Fenced now, it can no longer write the KV cache the standby takes.
+		if sl := s.active; s.mps.tearsDown(sl, ev) {
+			s.died(sl, "MPS server: "+ev.cause, ev.at, classMPSFault)
+			s.log.Warn("the MPS server tore the active's context down; failing over", "pid", sl.proc.PID(), "client", ev.pid, "line", ev.cause)
+		}
 	case evSpareReady:
 		s.spares.ready(ev)
 	case evSpareDied:
@@ -183,33 +187,6 @@ func (s *Supervisor) checkStall(now time.Time) {
 	}
 	s.log.Error("active engine is wedged; fencing it", "pid", sl.proc.PID(), "class", class, "detail", detail)
 	s.died(sl, detail, now, class)
-}
-
-// mpsTeardown fences the active as soon as the MPS server says it tears the
-// active's context down after a fatal GPU error: the context is lost already,
-// and the active would otherwise notice only at its next CUDA call's error
-// (tens to hundreds of ms later). The engine runs in its own process group,
-// so a CUDA client pid in it (a TP rank) dooms the active too. The server
-// writes these lines while it handles the fault, having stopped its clients'
-// work: the fenced active can no longer write the KV cache the standby takes.
-func (s *Supervisor) mpsTeardown(ev event) {
-	sl := s.active
-	if sl == nil || sl.dead || !sl.inMPS {
-		return
-	}
-	pid := sl.proc.PID()
-	if ev.pid != pid && !inProcessGroup(ev.pid, pid) {
-		return
-	}
-	s.mpsFaulted = true
-	s.died(sl, "MPS server: "+ev.cause, ev.at, classMPSFault)
-	s.log.Warn("the MPS server tore the active's context down; failing over", "pid", pid, "client", ev.pid, "line", ev.cause)
-}
-
-// inProcessGroup: pid is alive in the process group pgid.
-func inProcessGroup(pid, pgid int) bool {
-	g, err := syscall.Getpgid(pid)
-	return err == nil && g == pgid
 }
 
 // raise queues a machine event from inside an action.
@@ -284,13 +261,13 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 	case sl.role == failover.Active:
 		kind = failover.ActiveDied
 		if sl.inMPS {
-			s.lastMPSDeath = at
+			s.mps.activeDied(at)
 			s.failback.lost(at)
 		}
-	case !wasReady && !refused && s.notAdmitted(sl, at):
+	case !wasReady && !refused && s.mps.notAdmitted(sl, at):
 		kind = failover.StandbyNotAdmitted
 		s.log.Warn("standby in MPS died at start-up while the MPS server recovers from the active's death; relaunching it without counting it against the breaker",
-			"pid", sl.proc.PID(), "since_active_death", at.Sub(s.lastMPSDeath).Round(time.Millisecond), "cause", cause)
+			"pid", sl.proc.PID(), "since_active_death", at.Sub(s.mps.lastDeath).Round(time.Millisecond), "cause", cause)
 	}
 	st, _ := s.machine.State()
 	if kind == failover.ActiveDied && (st == failover.ServingReady || s.machine.Handover() == failover.Yielding) {
@@ -320,21 +297,6 @@ func (s *Supervisor) startFailure(sl *slot) (refused bool, why string) {
 	}
 	ws := sl.proc.WaitStatus()
 	return ws.Exited() && ws.ExitStatus() == engineExitRefused, deathcause.Reason(sl.proc.LastStderr())
-}
-
-// notAdmitted: a standby launched into MPS within Config.MPSRecoveryWindow of
-// an MPS active's death, which did not exit with the engines' refusal code.
-func (s *Supervisor) notAdmitted(sl *slot, at time.Time) bool {
-	if !sl.inMPS || s.lastMPSDeath.IsZero() || s.cfg.MPSRecoveryWindow < 0 || at.Sub(s.lastMPSDeath) > s.cfg.MPSRecoveryWindow {
-		return false
-	}
-	select {
-	case <-sl.proc.Done():
-		ws := sl.proc.WaitStatus()
-		return !(ws.Exited() && ws.ExitStatus() == engineExitRefused)
-	default:
-		return true // its exit status is not known yet
-	}
 }
 
 // engineExitRefused is the engines' exit code for "refused at start" (bad
@@ -456,7 +418,7 @@ func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
 				s.start(role)
 			}
 		case failover.CheckMPS:
-			s.checkMPS()
+			s.mps.check()
 		case failover.StopAll:
 			s.stopAll(ev.Cause)
 		}
@@ -553,60 +515,6 @@ func (s *Supervisor) classify(sl *slot) (string, string) {
 	return s.deps.Classify(sl.proc.WaitStatus(), sl.proc.LastStderr(), fault)
 }
 
-func (s *Supervisor) checkMPS() {
-	if s.mps == nil || s.mpsBusy {
-		return
-	}
-	s.mpsBusy = true
-	mps := s.mps
-	// After a fatal GPU error the server that handled it lives on, and clients
-	// that join it in the next seconds can crash at start (H100, driver 580:
-	// segfaults up to 40 s after the fault): restart our own daemon so the
-	// engine launched into MPS next gets a fresh server. No client of it is
-	// left (every client was torn down with the fault). The operator's
-	// daemon is never restarted: there the launch is retried instead.
-	fresh := s.mpsFaulted && mps.Owned()
-	s.mpsFaulted = false
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		var err error
-		if fresh {
-			s.log.Info("restarting the MPS daemon after a fatal GPU error: a fresh server for the next engine")
-			s.setMPSState("restarting")
-			if err = mps.Recover(ctx); err != nil {
-				s.log.Warn("MPS restart after the fault", "error", err)
-			} else {
-				s.setMPSState("running (restarted after a fatal GPU error)")
-			}
-		}
-		if err == nil {
-			err = mps.Check(ctx)
-		}
-		if err != nil {
-			what, recovered := "restart MPS", "running (restarted)"
-			if mps.Owned() {
-				s.log.Warn("MPS daemon does not answer; restarting it", "error", err)
-				s.setMPSState("restarting")
-			} else {
-				what, recovered = "the operator's MPS daemon", "joined (the operator's daemon answers again)"
-				s.log.Warn("the operator's MPS daemon does not answer; waiting for it (frmps never restarts it)", "error", err)
-				s.setMPSState("waiting for the operator's daemon")
-			}
-			if err = mps.Recover(ctx); err != nil {
-				err = fmt.Errorf("%s: %w", what, err)
-				s.log.Error("MPS daemon unusable: no active can start in it", "error", err)
-				s.setMPSState("failed: " + err.Error())
-			} else {
-				s.setMPSState(recovered)
-			}
-		}
-		s.post(event{kind: evMPSChecked, err: err, at: time.Now()})
-	}()
-}
-
 // stopAll shuts the children down: Shutdown with a grace period, then the
 // group kill. The loop exits after this.
 func (s *Supervisor) stopAll(cause string) {
@@ -674,7 +582,7 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	pollCtx, stopPoll := context.WithCancel(context.Background())
 	pollDone := make(chan struct{})
 	go func() { defer close(pollDone); s.ring.poll(pollCtx) }()
-	watchDone := s.watchMPSLog(pollCtx)
+	watchDone := s.mps.watchLog(pollCtx)
 	defer func() {
 		stopPoll()
 		<-pollDone
@@ -684,7 +592,7 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 
 	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ring.path, "mps", !s.cfg.NoMPS)
 	s.spares.sync()
-	s.failback.enabled = s.mps != nil && !s.cfg.NoFailback
+	s.failback.enabled = s.mps.on() && !s.cfg.NoFailback
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()
 	feed, stopFeed := s.watchdogTick()
@@ -718,29 +626,6 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 			s.watchdog.Feed()
 		}
 	}
-}
-
-// watchMPSLog follows the MPS server's log (the early fault signal) until
-// ctx ends; the channel closes when the watcher has returned. Nothing to
-// follow without MPS, with the watch turned off, or with an operator's daemon
-// whose log directory frmps was not given.
-func (s *Supervisor) watchMPSLog(ctx context.Context) <-chan struct{} {
-	done := make(chan struct{})
-	logged, ok := s.mps.(interface{ LogDir() string })
-	if s.cfg.NoMPSFaultWatch || !ok || logged.LogDir() == "" {
-		close(done)
-		return done
-	}
-	path := mps.ServerLogPath(logged.LogDir())
-	s.log.Debug("following the MPS server's log for early fault signals", "path", path)
-	w := mps.OpenServerLog(path) // what the log holds now is history
-	go func() {
-		defer close(done)
-		w.Watch(ctx, 0, func(t mps.Teardown) {
-			s.post(event{kind: evMPSTeardown, pid: t.PID, cause: t.Line, at: t.Seen})
-		})
-	}()
-	return done
 }
 
 // post hands an event to the loop from another goroutine; dropped once the

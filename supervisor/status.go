@@ -16,7 +16,7 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	s.mu.Lock()
 	st := &frmpsv1.Status{
 		State: s.state.String(), StateCause: s.stateCause, Model: s.cfg.Model, Engine: s.cfg.Engine,
-		SyncEvery: s.cfg.SyncEvery, Mps: !s.cfg.NoMPS, MpsState: s.mpsState,
+		SyncEvery: s.cfg.SyncEvery, Mps: !s.cfg.NoMPS, MpsState: s.mps.shownState(),
 		RingLagRecords: s.ring.lag.Load(), RingResyncs: s.ring.resyncs.Load(),
 		Version:            buildinfo.Get().Version,
 		CrashLoopOpen:      s.state == failover.CrashLoop,

@@ -56,19 +56,10 @@ type Supervisor struct {
 	standby *slot
 	slots   map[*slot]struct{} // every slot not yet cleaned up
 	broker  Broker
-	mps     MPS
-	mpsBusy bool
-	mpsErr  error // the last MPS check/restart failed: no active can start in it
-	// lastMPSDeath: when an active inside MPS last died (the MPS server may
-	// still be recovering; see Config.MPSRecoveryWindow).
-	lastMPSDeath time.Time
+	mps     mpsDaemon // the MPS daemon the engines run in (mpsdaemon.go)
 	// lastDead: the last engine of each role that died (guarded by mu): Status
 	// shows its cause beside the engine that replaced it.
-	lastDead [2]*slot
-	// mpsFaulted: the MPS server said it tore the active's context down after
-	// a fatal GPU error (mps_fault); the next MPS check restarts frmps's own
-	// daemon, whose server broke new clients for seconds after such a fault.
-	mpsFaulted bool
+	lastDead   [2]*slot
 	startAfter [2]*time.Timer
 	startSeq   [2]uint64
 	wantStart  [2]bool   // a start is due but waits (MPS check in progress)
@@ -105,7 +96,6 @@ type Supervisor struct {
 	unavailable   error
 	state         failover.State
 	stateCause    string
-	mpsState      string
 	shown         [2]*slot
 	crashLoopOpen atomic.Bool
 	limit         modelLimit // the served model's context limit (modellimit.go)
@@ -149,12 +139,14 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 		cfg: cfg, deps: deps, log: log, metrics: m, machine: machine,
 		events: make(chan event, 64), stopped: make(chan struct{}), gaveUp: make(chan struct{}),
 		slots: map[*slot]struct{}{}, changed: make(chan struct{}),
-		deployID: hex.EncodeToString(idb), mpsState: "disabled",
+		deployID: hex.EncodeToString(idb),
 	}
 	s.limit.configured = cfg.MaxModelLen
 	s.ring.log, s.ring.every = log, cfg.PollInterval
 	s.failovers = failovers{timeout: cfg.ResumeTimeout, syncEvery: cfg.SyncEvery, maxRecords: cfg.MaxFailoverRecords,
 		log: log, metrics: m, post: s.post, wg: &s.wg, classify: s.classify}
+	s.mps = mpsDaemon{log: log, post: s.post, wg: &s.wg, window: cfg.MPSRecoveryWindow, noFaultWatch: cfg.NoMPSFaultWatch,
+		state: "disabled"}
 	s.failback = failback{delay: cfg.FailbackDelay, base: cfg.FailbackBaseBackoff, max: cfg.FailbackMaxBackoff,
 		timeout: cfg.HandoffTimeout, log: log, metrics: m, post: s.post}
 	s.hang = hangWatch{policy: cfg.hangPolicy(), runWait: deps.RunWait}
@@ -212,12 +204,6 @@ func (s *Supervisor) Serving() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.current != nil
-}
-
-func (s *Supervisor) setMPSState(st string) {
-	s.mu.Lock()
-	s.mpsState = st
-	s.mu.Unlock()
 }
 
 func (s *Supervisor) setUnavailable(err error) {
