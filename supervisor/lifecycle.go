@@ -68,9 +68,8 @@ func (s *Supervisor) setup(ctx context.Context) error {
 		return fmt.Errorf("open ring: %w", err)
 	}
 	s.ring.open(ring)
-	s.mu.Lock()
-	s.broker = s.deps.NewBroker()
-	s.mu.Unlock()
+	s.pair.runDir, s.pair.logDir, s.pair.ringPath = s.runDir, s.logDir, s.ring.path
+	s.pair.openBroker(s.deps.NewBroker())
 	if !s.cfg.NoMPS {
 		mps, err := s.deps.StartMPS(ctx, runDir, s.log.Named("mps"))
 		if err != nil {
@@ -154,15 +153,7 @@ func envValue(env []string, key string) string {
 func (s *Supervisor) cleanup() {
 	s.mps.stop()
 	cleaned := s.ring.close() // the launch record goes only once what it names is gone
-	s.mu.Lock()
-	b := s.broker
-	s.broker = nil
-	s.mu.Unlock()
-	if b != nil {
-		if err := b.Close(); err != nil {
-			s.log.Warn("close fd broker", "error", err)
-		}
-	}
+	s.pair.closeBroker()
 	if s.runDir != "" {
 		if err := os.RemoveAll(s.runDir); err != nil {
 			s.log.Warn("remove run dir", "error", err)

@@ -36,8 +36,8 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 		st.Spare.RssBytes = residentBytes(sparePIDs)
 	}
 	st.CrashLoopOpen = st.CrashLoopOpen || s.crashLoopOpen.Load()
-	for _, sl := range s.statusSlots() {
-		died := s.lastDeathCause(sl)
+	for _, sl := range s.pair.shownSlots() {
+		died := s.pair.lastDeathCause(sl)
 		sl.mu.Lock()
 		if sl.deathCause != "" {
 			died = sl.deathCause
@@ -62,49 +62,6 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 		st.Frontend = fs.FrontendStatus()
 	}
 	return st
-}
-
-// lastDeathCause: the cause of the last death of an engine in sl's role, if
-// that was another engine (the one sl replaced, or an earlier one); "" if none.
-func (s *Supervisor) lastDeathCause(sl *slot) string {
-	r := sl.roleNow()
-	s.mu.Lock()
-	d := s.lastDead[r]
-	s.mu.Unlock()
-	if d == nil || d == sl {
-		return ""
-	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.deathCause
-}
-
-func (s *Supervisor) statusSlots() []*slot {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var out []*slot
-	for _, sl := range s.shown {
-		if sl != nil {
-			out = append(out, sl)
-		}
-	}
-	return out
-}
-
-// syncShown publishes the loop's engine slots to Status; a dead engine
-// stays visible (with its cause) until its replacement starts.
-func (s *Supervisor) syncShown() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.active != nil {
-		s.shown[0] = s.active
-	}
-	if s.standby != nil {
-		s.shown[1] = s.standby
-	}
-	if s.shown[1] == s.shown[0] {
-		s.shown[1] = nil
-	}
 }
 
 // residentBytes sums the resident memory of the processes (procfs, as the

@@ -15,7 +15,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -49,44 +48,30 @@ type Supervisor struct {
 	gaveUpErr error
 	ran       atomic.Bool
 
+	// The owners: each keeps its own state (loop-owned unless its type says
+	// otherwise) and the loop dispatches events to them.
+	pair      pair         // the engines: launch and the active/standby pair (pair.go)
+	failovers failovers    // the resume in progress and the failover records (failover_run.go)
+	failback  failback     // the failback policy and the handover in progress (failback.go)
+	spares    spares       // the spare processes (spare.go)
+	ring      ringConsumer // the forward-state ring's consumer (ring.go)
+	hang      hangWatch    // hang detection of the serving active (hang.go)
+	mps       mpsDaemon    // the MPS daemon the engines run in (mpsdaemon.go)
+	limit     modelLimit   // the served model's context limit (modellimit.go)
+
 	// Loop-owned.
 	pending []event
-	nextID  int
-	active  *slot
-	standby *slot
-	slots   map[*slot]struct{} // every slot not yet cleaned up
-	broker  Broker
-	mps     mpsDaemon // the MPS daemon the engines run in (mpsdaemon.go)
-	// lastDead: the last engine of each role that died (guarded by mu): Status
-	// shows its cause beside the engine that replaced it.
-	lastDead   [2]*slot
-	startAfter [2]*time.Timer
-	startSeq   [2]uint64
-	wantStart  [2]bool   // a start is due but waits (MPS check in progress)
-	failovers  failovers // the resume in progress and the failover records (failover_run.go)
-	handover   *handoverRun
-	failback   failback // the failback policy and the handover in progress (failback.go)
-	spares     spares   // the spare processes (spare.go)
-	cmdSeq     uint64   // the id of the last command (Resume, Handoff) sent to an engine
-	frontDoor  FrontDoor
-	deployID   string
-	stateDir   *leftover.Dir // nil: no launch record
-	runDir     string
-	logDir     string
-	wg         sync.WaitGroup // engine goroutines
+	cmdSeq  uint64         // the id of the last command (Resume, Handoff) sent to an engine
+	wg      sync.WaitGroup // the owners' goroutines (engines, spares' watchers, checks), waited for at shutdown
 
-	// Set before Run (SetWatchdog); fed by the loop.
+	// Set before Run (SetFrontDoor, SetWatchdog, setup); read-only after.
+	frontDoor     FrontDoor
 	watchdog      Watchdog
 	watchdogEvery time.Duration
-
-	ring ringConsumer // the forward-state ring's consumer (ring.go)
-	hang hangWatch    // hang detection of the serving active (hang.go); loop-owned
-
-	// numBlocks (guarded by mu): the KV block count an engine chose itself
-	// (Config.NumBlocks 0: the vLLM adapter sizes its cache), from the first
-	// active's Hello; every engine launched after it gets it (invocation), so
-	// the standby derives the active's pool layout.
-	numBlocks int
+	deployID      string
+	stateDir      *leftover.Dir // nil: no launch record
+	runDir        string
+	logDir        string
 
 	// Read by Current/Status from other goroutines.
 	mu            sync.Mutex
@@ -96,9 +81,7 @@ type Supervisor struct {
 	unavailable   error
 	state         failover.State
 	stateCause    string
-	shown         [2]*slot
 	crashLoopOpen atomic.Bool
-	limit         modelLimit // the served model's context limit (modellimit.go)
 }
 
 // New checks cfg and prepares a supervisor bound to the real collaborators.
@@ -138,13 +121,16 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 	s := &Supervisor{
 		cfg: cfg, deps: deps, log: log, metrics: m, machine: machine,
 		events: make(chan event, 64), stopped: make(chan struct{}), gaveUp: make(chan struct{}),
-		slots: map[*slot]struct{}{}, changed: make(chan struct{}),
+		changed:  make(chan struct{}),
 		deployID: hex.EncodeToString(idb),
 	}
 	s.limit.configured = cfg.MaxModelLen
+	s.pair = pair{cfg: &s.cfg, deps: deps, log: log, metrics: m, post: s.post, enqueue: s.enqueue, stopped: s.stopped,
+		wg: &s.wg, spares: &s.spares, limit: &s.limit, deployID: s.deployID, beat: cfg.hangPolicy().beatInterval(),
+		slots: map[*slot]struct{}{}}
 	s.ring.log, s.ring.every = log, cfg.PollInterval
 	s.failovers = failovers{timeout: cfg.ResumeTimeout, syncEvery: cfg.SyncEvery, maxRecords: cfg.MaxFailoverRecords,
-		log: log, metrics: m, post: s.post, wg: &s.wg, classify: s.classify}
+		log: log, metrics: m, post: s.post, wg: &s.wg, classify: s.pair.classify}
 	s.mps = mpsDaemon{log: log, post: s.post, wg: &s.wg, window: cfg.MPSRecoveryWindow, noFaultWatch: cfg.NoMPSFaultWatch,
 		state: "disabled"}
 	s.failback = failback{delay: cfg.FailbackDelay, base: cfg.FailbackBaseBackoff, max: cfg.FailbackMaxBackoff,
@@ -152,7 +138,7 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 	s.hang = hangWatch{policy: cfg.hangPolicy(), runWait: deps.RunWait}
 	s.spares = spares{launcher: deps.Spares, model: cfg.Model, log: log, metrics: m,
 		post: s.post, stopped: s.stopped, wg: &s.wg, env: s.engineEnv, modules: s.modulesFile,
-		logPath: func() string { s.nextID++; return filepath.Join(s.logDir, fmt.Sprintf("spare-%d.log", s.nextID)) }}
+		logPath: s.pair.spareLogPath}
 	if cfg.sparesOn() {
 		s.spares.size = cfg.spareCount()
 	}
@@ -245,26 +231,6 @@ func (s *Supervisor) unpublish(err error) {
 // from any goroutine.
 func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
 	s.failovers.noteResumedToken(gen, at)
-}
-
-// resumeSet is the open requests a Resume carries, each with the ring's
-// snapshot of it.
-func (s *Supervisor) resumeSet() []*frmpsv1.ResumeRequest {
-	if s.frontDoor == nil {
-		return nil
-	}
-	reqs := s.frontDoor.OpenRequests()
-	s.ring.snapshots(reqs)
-	return reqs
-}
-
-// sendResume sends the resume in progress its Resume (actions SendResume,
-// ResumeYielded); a Resume that cannot go is a failed resume.
-func (s *Supervisor) sendResume() {
-	next := func() uint64 { s.cmdSeq++; return s.cmdSeq }
-	if why := s.failovers.sendResume(s.resumeSet, next, s.ring.path); why != "" {
-		s.raise(failover.Event{Kind: failover.ResumeFailed, At: time.Now(), Cause: why})
-	}
 }
 
 // TriggerFailover kills the active on purpose (a drill). It fails when no

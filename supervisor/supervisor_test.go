@@ -792,8 +792,8 @@ func TestSoakSIGKILL(t *testing.T) {
 			}
 			gen = g
 		}
-		if len(h.s.slots) > 2 {
-			t.Fatalf("%d engine slots kept after the soak", len(h.s.slots))
+		if len(h.s.pair.slots) > 2 {
+			t.Fatalf("%d engine slots kept after the soak", len(h.s.pair.slots))
 		}
 		if v := testutil.ToFloat64(h.s.metrics.failovers.WithLabelValues("signal")); int(v) != failovers {
 			t.Fatalf("failovers_total %v, want %d", v, failovers)

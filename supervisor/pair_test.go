@@ -1,0 +1,175 @@
+package supervisor
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/frmps/frmps/supervisor/failover"
+)
+
+// newPair is a pair owner on its own, on the fake world: its events go to the
+// returned channel instead of a loop (so the test plays the loop); stop shuts
+// its engines down and waits for their goroutines.
+func newPair(t *testing.T, w *fakeWorld) (*pair, chan event, func()) {
+	t.Helper()
+	cfg := testConfig(t)
+	cfg.setDefaults()
+	m, err := newMetrics(nil, cfg.Model)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runDir := t.TempDir()
+	events, stopped := make(chan event, 64), make(chan struct{})
+	wg := &sync.WaitGroup{}
+	p := &pair{cfg: &cfg, deps: w.deps(), log: hclog.NewNullLogger(), metrics: m,
+		post: func(ev event) { events <- ev }, enqueue: func(ev event) { events <- ev }, stopped: stopped,
+		wg: wg, spares: &spares{}, limit: &modelLimit{configured: 4096}, deployID: "d", beat: time.Second,
+		runDir: runDir, logDir: filepath.Join(runDir, "logs"), ringPath: "/ring", slots: map[*slot]struct{}{}}
+	p.openBroker(w.deps().NewBroker())
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			p.shutdown(time.Second)
+			close(stopped)
+			wg.Wait()
+			p.closeBroker()
+		})
+	}
+	t.Cleanup(stop)
+	return p, events, stop
+}
+
+// next waits for the pair's next event of kind, skipping others.
+func nextEvent(t *testing.T, events chan event, kind evKind) event {
+	t.Helper()
+	for {
+		synctest.Wait()
+		select {
+		case ev := <-events:
+			if ev.kind == kind {
+				return ev
+			}
+		default:
+			t.Fatalf("no event %v came", kind)
+		}
+	}
+}
+
+// An active launched by the pair shakes hands (its goroutine reports ready),
+// a standby after it gets the active's pools; both are named by their id in
+// the run dir; promote makes the standby the active and retires the old one.
+func TestPairLaunchesAndPromotes(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		p, events, stop := newPair(t, w)
+		noEnv := func() ([]string, error) { return []string{"A=1"}, nil }
+		p.start(failover.Active, true, noEnv)
+		act := p.active
+		if ev := nextEvent(t, events, evReady); ev.slot != act || act.id != 1 || !act.inMPS {
+			t.Fatalf("ready %v, want the active (id 1, in MPS)", ev.slot)
+		}
+		if err := p.dialGeneration(act); err != nil || act.gen == nil {
+			t.Fatalf("dial the active's generation API: %v", err)
+		}
+		p.start(failover.Standby, false, noEnv)
+		sb := p.standby
+		nextEvent(t, events, evReady)
+		fp := w.liveRole(failover.Standby)
+		fp.mu.Lock()
+		pools := fp.sleep.GetPools()
+		fp.mu.Unlock()
+		if len(pools) != len(testPools) {
+			t.Fatalf("standby slept with %d pools, want the active's %d", len(pools), len(testPools))
+		}
+		if want := filepath.Join(p.runDir, "ctl-2.sock"); sb.ctlSocket != want || fp.logPath != filepath.Join(p.logDir, "standby-2.log") {
+			t.Fatalf("standby socket %q log %q", sb.ctlSocket, fp.logPath)
+		}
+		if p.inverted() || !p.placementOK(true) {
+			t.Fatal("active in MPS, standby out: the placement holds")
+		}
+		p.fenceFirst(act)
+		if !act.dead || !act.groupPending {
+			t.Fatal("the dead active's leader was not fenced alone")
+		}
+		p.promote()
+		if p.active != sb || p.standby != nil || sb.roleNow() != failover.Active || sb.state != "serving" {
+			t.Fatalf("after promote: active %v standby %v", p.active, p.standby)
+		}
+		for _, path := range []string{act.ctlSocket, act.genSocket} { // as a real engine leaves them
+			if err := os.WriteFile(path, nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		synctest.Wait()
+		p.reap()
+		if _, ok := p.slots[act]; ok {
+			t.Fatal("the retired, reaped active is still a slot")
+		}
+		if _, err := os.Stat(act.ctlSocket); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("the reaped active's socket: %v", err)
+		}
+		if p.placementOK(true) || !p.placementOK(false) {
+			t.Fatal("the promoted active runs outside MPS: the placement does not hold (with MPS on)")
+		}
+		stop()
+		if len(p.slots) != 0 || p.active != nil {
+			t.Fatalf("%d slots, active %v after shutdown", len(p.slots), p.active)
+		}
+	})
+}
+
+// A launch that fails (the environment, the socket, the launcher) is a dead
+// slot of its role with a death event; a delayed start fires once, unless
+// cancelled; a start that waits for the MPS check is handed back once.
+func TestPairFailedLaunchesAndDelayedStarts(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		p, events, _ := newPair(t, w)
+		p.start(failover.Active, false, func() ([]string, error) { return nil, errors.New("outside-MPS env: no dir") })
+		ev := nextEvent(t, events, evDied)
+		if ev.slot != p.active || ev.cause != "launch failed: outside-MPS env: no dir" || ev.slot.proc.PID() != 0 {
+			t.Fatalf("died %q for %v", ev.cause, ev.slot)
+		}
+		w.mu.Lock()
+		w.launchErr = errors.New("no such binary")
+		w.mu.Unlock()
+		p.start(failover.Standby, false, func() ([]string, error) { return nil, nil })
+		if ev := nextEvent(t, events, evDied); ev.slot != p.standby || !strings.Contains(ev.cause, "no such binary") {
+			t.Fatalf("died %q", ev.cause)
+		}
+		if len(p.slots) != 0 {
+			t.Fatalf("%d slots for launches that failed", len(p.slots))
+		}
+
+		p.startLater(failover.Active, time.Second)
+		p.startLater(failover.Active, time.Second) // the first is stale now
+		time.Sleep(time.Second)
+		// Both fire at the same instant, in either order.
+		a, b := nextEvent(t, events, evStartDue), nextEvent(t, events, evStartDue)
+		if a.id > b.id {
+			a, b = b, a
+		}
+		if p.startDue(a) || !p.startDue(b) || p.startDue(b) {
+			t.Fatal("want only the start armed last to be due, once")
+		}
+		p.startLater(failover.Standby, time.Second)
+		p.cancelStart(failover.Standby)
+		time.Sleep(2 * time.Second)
+		synctest.Wait()
+		if len(events) != 0 {
+			t.Fatal("a cancelled start fired")
+		}
+		p.waitForMPS(failover.Standby)
+		if r := p.waiting(); len(r) != 1 || r[0] != failover.Standby || len(p.waiting()) != 0 {
+			t.Fatalf("waiting %v, want the standby once", r)
+		}
+	})
+}
