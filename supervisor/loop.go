@@ -4,11 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
-	"github.com/frmps/frmps/supervisor/deathcause"
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
@@ -55,20 +53,12 @@ type event struct {
 func (s *Supervisor) handle(ev event) {
 	switch ev.kind {
 	case evReady:
-		if ev.slot.dead || !s.pair.isLive(ev.slot) {
-			return
-		}
-		if err := s.pair.dialGeneration(ev.slot); err != nil {
+		fev, ok, err := s.pair.ready(ev)
+		switch {
+		case err != nil:
 			s.died(ev.slot, err.Error(), ev.at, "")
-			return
-		}
-		ev.slot.setState("ready")
-		if ev.slot.role == failover.Active {
-			s.metrics.up(failover.Active, true)
-			s.step(failover.Event{Kind: failover.ActiveReady, At: ev.at, Cause: "handshake done"})
-		} else {
-			s.metrics.up(failover.Standby, true)
-			s.step(failover.Event{Kind: failover.StandbyReady, At: ev.at, Cause: "asleep with the brokered pools"})
+		case ok:
+			s.step(fev)
 		}
 	case evDied:
 		s.died(ev.slot, ev.cause, ev.at, "")
@@ -177,22 +167,9 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 		return
 	}
 	sl.dead = true
-	// An active that dies before it was ready while nothing has served yet:
-	// nobody waits on its fence (no standby, no requests), so first let it
-	// exit on its own, for its exit code (the engines' refusal of their
-	// options) and its stderr's reason, which the SIGKILL would hide.
-	sl.mu.Lock()
-	starting := sl.state == "starting"
-	refusedHello := sl.refused != ""
-	sl.mu.Unlock()
 	var refusedStart bool
-	if sl.role == failover.Active && starting && !s.machine.EverServed() {
-		var why string
-		refusedStart, why = s.startFailure(sl)
-		refusedStart = refusedStart || refusedHello
-		if why != "" && !strings.Contains(cause, why) {
-			cause += ": " + why
-		}
+	if sl.role == failover.Active && !s.machine.EverServed() {
+		cause, refusedStart = s.pair.startFailure(sl, cause)
 	}
 	// A dead active is fenced in every state the machine takes its death up in
 	// (FenceActive): do it first, before the log lines and the machine's step
@@ -204,23 +181,7 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 		s.pair.fenceFirst(sl)
 		fenced = time.Now()
 	}
-	sl.mu.Lock()
-	wasReady := sl.state == "ready" || sl.state == "serving"
-	refused := sl.refused != ""
-	if refused && !strings.HasPrefix(cause, "hello refused") {
-		cause = sl.refused + " (" + cause + ")"
-	}
-	sl.state = "dead"
-	sl.deathCause = cause
-	sl.mu.Unlock()
-	sl.deathClass = class
-	s.pair.noteDead(sl)
-	s.metrics.up(sl.role, false)
-	if refused {
-		s.log.Error("engine refused", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
-	} else {
-		s.log.Warn("engine died", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
-	}
+	cause, wasReady, refused := s.pair.buried(sl, cause, class)
 	kind := failover.StandbyDied
 	switch {
 	case sl.role == failover.Active:
@@ -246,27 +207,6 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 		s.failovers.groupFenced(sl)
 	}
 }
-
-// startExitWait bounds how long died waits for an active that died before
-// it was ready to exit on its own (its control socket closes as it exits).
-const startExitWait = time.Second
-
-// startFailure waits (bounded) for an engine that failed to start to exit,
-// and says whether it exited with the engines' refusal code and the line of
-// its stderr that says why.
-func (s *Supervisor) startFailure(sl *slot) (refused bool, why string) {
-	select {
-	case <-sl.proc.Done():
-	case <-time.After(startExitWait):
-		return false, ""
-	}
-	ws := sl.proc.WaitStatus()
-	return ws.Exited() && ws.ExitStatus() == engineExitRefused, deathcause.Reason(sl.proc.LastStderr())
-}
-
-// engineExitRefused is the engines' exit code for "refused at start" (bad
-// configuration, pool mismatch): never the MPS server's doing (ENGINE.md).
-const engineExitRefused = 2
 
 // Run starts the deployment and supervises it until ctx ends, then shuts
 // everything down. It returns an error when the deployment cannot start.

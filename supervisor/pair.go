@@ -3,12 +3,14 @@ package supervisor
 import (
 	"errors"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/supervisor/deathcause"
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
@@ -267,11 +269,85 @@ func (p *pair) classify(sl *slot) (string, string) {
 	return p.deps.Classify(sl.proc.WaitStatus(), sl.proc.LastStderr(), fault)
 }
 
-// noteDead remembers sl as the last engine of its role that died.
-func (p *pair) noteDead(sl *slot) {
+// ready takes a live engine's finished handshake (evReady): it prepares the
+// engine's generation client and says which machine event it makes; ok false
+// for an engine dead or replaced meanwhile, an error when the client cannot
+// be made (a death).
+func (p *pair) ready(ev event) (fev failover.Event, ok bool, err error) {
+	sl := ev.slot
+	if sl.dead || !p.isLive(sl) {
+		return fev, false, nil
+	}
+	if err := p.dialGeneration(sl); err != nil {
+		return fev, false, err
+	}
+	sl.setState("ready")
+	p.metrics.up(sl.role, true)
+	if sl.role == failover.Active {
+		return failover.Event{Kind: failover.ActiveReady, At: ev.at, Cause: "handshake done"}, true, nil
+	}
+	return failover.Event{Kind: failover.StandbyReady, At: ev.at, Cause: "asleep with the brokered pools"}, true, nil
+}
+
+// startExitWait bounds how long died waits for an active that died before
+// it was ready to exit on its own (its control socket closes as it exits).
+const startExitWait = time.Second
+
+// engineExitRefused is the engines' exit code for "refused at start" (bad
+// configuration, pool mismatch): never the MPS server's doing (ENGINE.md).
+const engineExitRefused = 2
+
+// startFailure: an active that died before it was ready while nothing has
+// served yet. Nobody waits on its fence (no standby, no requests), so first
+// let it exit on its own (bounded), for its exit code (the engines' refusal
+// of their options) and its stderr's reason, which the SIGKILL would hide:
+// the cause with that reason, and whether the engine refused to start (that
+// exit code, or a refused handshake). An engine past starting is left as it is.
+func (p *pair) startFailure(sl *slot, cause string) (string, bool) {
+	sl.mu.Lock()
+	starting := sl.state == "starting"
+	refusedHello := sl.refused != ""
+	sl.mu.Unlock()
+	if !starting {
+		return cause, false
+	}
+	select {
+	case <-sl.proc.Done():
+	case <-time.After(startExitWait):
+		return cause, refusedHello
+	}
+	ws := sl.proc.WaitStatus()
+	refused := ws.Exited() && ws.ExitStatus() == engineExitRefused
+	if why := deathcause.Reason(sl.proc.LastStderr()); why != "" && !strings.Contains(cause, why) {
+		cause += ": " + why
+	}
+	return cause, refused || refusedHello
+}
+
+// buried marks a dead engine dead for Status, with its cause (a refused
+// handshake's reason first) and class, and logs its death: the cause as
+// recorded, whether it had been ready, whether its handshake was refused.
+func (p *pair) buried(sl *slot, cause, class string) (string, bool, bool) {
+	sl.mu.Lock()
+	wasReady := sl.state == "ready" || sl.state == "serving"
+	refused := sl.refused != ""
+	if refused && !strings.HasPrefix(cause, "hello refused") {
+		cause = sl.refused + " (" + cause + ")"
+	}
+	sl.state = "dead"
+	sl.deathCause = cause
+	sl.mu.Unlock()
+	sl.deathClass = class
 	p.mu.Lock()
 	p.lastDead[sl.role] = sl
 	p.mu.Unlock()
+	p.metrics.up(sl.role, false)
+	if refused {
+		p.log.Error("engine refused", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
+	} else {
+		p.log.Warn("engine died", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
+	}
+	return cause, wasReady, refused
 }
 
 // shutdown stops every engine: Shutdown with the grace period, then the

@@ -173,3 +173,47 @@ func TestPairFailedLaunchesAndDelayedStarts(t *testing.T) {
 		}
 	})
 }
+
+// An active that dies starting is let exit on its own (bounded): its
+// refusal code and its stderr's reason go into the cause; a refused
+// handshake's reason leads the recorded cause.
+func TestPairStartFailureAndBurial(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		p, _, _ := newPair(t, w)
+		proc := &fakeProc{pid: 7, done: make(chan struct{}), stderr: []string{"loading", "ValueError: max_model_len too large"}}
+		sl := &slot{role: failover.Active, proc: proc, state: "starting"}
+		go func() { time.Sleep(100 * time.Millisecond); proc.exit(exitCode(engineExitRefused)) }()
+		cause, refused := p.startFailure(sl, "control socket closed")
+		if !refused || cause != "control socket closed: ValueError: max_model_len too large" {
+			t.Fatalf("cause %q refused %v", cause, refused)
+		}
+
+		hung := &fakeProc{pid: 8, done: make(chan struct{})}
+		t0 := time.Now()
+		sl = &slot{role: failover.Active, proc: hung, state: "starting", refused: "hello refused: wrong model"}
+		if cause, refused := p.startFailure(sl, "x"); cause != "x" || !refused || time.Since(t0) != startExitWait {
+			t.Fatalf("an engine that does not exit: cause %q refused %v after %s", cause, refused, time.Since(t0))
+		}
+		sl.state = "ready"
+		if cause, refused := p.startFailure(sl, "x"); cause != "x" || refused {
+			t.Fatalf("an engine past starting: cause %q refused %v", cause, refused)
+		}
+
+		cause, wasReady, refused := p.buried(sl, "control socket closed", classDrill)
+		if cause != "hello refused: wrong model (control socket closed)" || !wasReady || !refused {
+			t.Fatalf("buried: cause %q ready %v refused %v", cause, wasReady, refused)
+		}
+		if sl.state != "dead" || sl.deathCause != cause || sl.deathClass != classDrill {
+			t.Fatalf("slot after burial: %q %q %q", sl.state, sl.deathCause, sl.deathClass)
+		}
+		next := &slot{role: failover.Active, proc: hung}
+		if got := p.lastDeathCause(next); got != cause {
+			t.Fatalf("the replacement shows its predecessor's death %q, want %q", got, cause)
+		}
+		if got := p.lastDeathCause(sl); got != "" {
+			t.Fatalf("the dead engine shows its own death as its predecessor's: %q", got)
+		}
+		hung.exit(0)
+	})
+}
