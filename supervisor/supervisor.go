@@ -4,9 +4,13 @@
 // ring, detects deaths, and executes the failover state machine's actions.
 //
 // One goroutine (the loop in Run) owns all state that changes; engine
-// connections, process exits, timers and admin requests reach it as events.
-// The front door reads the serving engine through Current, the admin API
-// through Status and TriggerFailover.
+// connections, process exits, timers and admin requests reach it as events,
+// which it dispatches to the owner of each concern: the engines (pair), the
+// failover run (failovers), failback, spares, the ring's consumer, hang
+// detection, the MPS daemon. Each owner keeps its own state; what other
+// goroutines read of it sits under the owner's own lock. The front door
+// reads the serving engine through Current, the admin API through Status
+// and TriggerFailover.
 package supervisor
 
 import (
@@ -64,7 +68,8 @@ type Supervisor struct {
 	cmdSeq  uint64         // the id of the last command (Resume, Handoff) sent to an engine
 	wg      sync.WaitGroup // the owners' goroutines (engines, spares' watchers, checks), waited for at shutdown
 
-	// Set before Run (SetFrontDoor, SetWatchdog, setup); read-only after.
+	// Set before the loop starts (SetFrontDoor, SetWatchdog, setup) and read
+	// while it runs; cleanup clears the dirs after it ends.
 	frontDoor     FrontDoor
 	watchdog      Watchdog
 	watchdogEvery time.Duration
