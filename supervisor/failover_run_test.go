@@ -15,6 +15,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/control"
@@ -442,5 +443,140 @@ func TestFailoversFirstResumedToken(t *testing.T) {
 			t.Fatalf("handover first token %vs, want 0.5", got)
 		}
 		f.wg.Wait()
+	})
+}
+
+func TestFailoverOnActiveKill(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.front.open = []*frmpsv1.ResumeRequest{{Key: 7, Prompt: "a", DeliveredTokenIds: []uint32{1, 2}}, {Key: 8, Prompt: "b"}}
+		// The failover alone (failback_test.go covers what follows it).
+		h := start(t, w, func(c *Config) { c.NoFailback = true })
+		w.ring.snaps[7] = &frmpsv1.RequestSnapshot{BlockIds: []uint32{3}, TokenIds: []uint32{9, 1}, NumComputedTokens: 2, Step: 5}
+		old, sb := w.liveRole(failover.Active), w.liveRole(failover.Standby)
+		old.Kill()
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if len(sb.resumes) != 1 {
+			t.Fatalf("standby got %d resumes", len(sb.resumes))
+		}
+		res := sb.resumes[0]
+		if res.GetRingPath() != w.ring.path || res.GetSyncEvery() != 16 || len(res.GetRequests()) != 2 {
+			t.Fatalf("resume %v", res)
+		}
+		if r := res.GetRequests()[0]; r.GetSnapshot().GetStep() != 5 || !slices.Equal(r.GetDeliveredTokenIds(), []uint32{1, 2}) {
+			t.Fatalf("request 7 resumed as %v", r)
+		}
+		if res.GetRequests()[1].Snapshot != nil {
+			t.Fatal("request 8 has a snapshot it never published")
+		}
+		gen, g := h.current(2)
+		if g != 2 || gen.endpoint != "unix://"+sb.inv.GenerationSocket {
+			t.Fatalf("after failover current %s gen %d", gen.endpoint, g)
+		}
+		fresh := w.liveRole(failover.Standby)
+		if fresh == nil || fresh == sb || !slices.Equal(fresh.sleepFD, testFDs) {
+			t.Fatalf("no fresh standby with the same fds: %v", fresh)
+		}
+		st := h.s.Status()
+		if len(st.Failovers) != 1 {
+			t.Fatalf("records %v", st.Failovers)
+		}
+		rec := st.Failovers[0]
+		if !rec.GetOk() || rec.GetCause() != "signal" || rec.GetResumedRequests() != 2 || rec.GetDurationSeconds() < 0 {
+			t.Fatalf("record %v", rec)
+		}
+		if v := testutil.ToFloat64(h.s.metrics.failovers.WithLabelValues("signal")); v != 1 {
+			t.Fatalf("failovers_total{signal} = %v", v)
+		}
+		if n := testutil.CollectAndCount(h.s.metrics.duration); n != 1 {
+			t.Fatalf("duration histogram has %d series", n)
+		}
+		if w.mps.checks == 0 {
+			t.Fatal("MPS not checked after the failover")
+		}
+		if v := testutil.ToFloat64(h.s.metrics.restarts.WithLabelValues("standby")); v != 1 {
+			t.Fatalf("restarts{standby} = %v", v)
+		}
+		h.stop()
+	})
+}
+
+// The ring is polled in the background, and drained completely at a
+// failover before the resume set is built.
+func TestResumeRefusedColdStarts(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, n int) behavior {
+			if r == failover.Standby && n == 0 {
+				return behavior{resumeReply: func(*frmpsv1.Resume) *frmpsv1.Reply { return &frmpsv1.Reply{Error: "layout mismatch"} }}
+			}
+			return behavior{}
+		}
+		h := start(t, w, nil)
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		time.Sleep(time.Second) // the cold start's backoff
+		synctest.Wait()
+		// A new active loaded the weights (fresh broker), and a new standby is armed.
+		h.wantState(failover.ServingReady)
+		if _, g := h.current(2); g != 2 {
+			t.Fatalf("gen %d", g)
+		}
+		if len(w.broker) != 2 || !w.broker[0].closed {
+			t.Fatalf("cold start did not replace the broker: %d brokers", len(w.broker))
+		}
+		rec := h.s.Status().Failovers[0]
+		if rec.GetOk() || !strings.Contains(rec.GetError(), "layout mismatch") {
+			t.Fatalf("record %v", rec)
+		}
+		h.stop()
+	})
+}
+
+func TestStandbyDiesDuringTakeover(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, n int) behavior {
+			return behavior{dieOnResume: r == failover.Standby && n == 0}
+		}
+		h := start(t, w, nil)
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if w.launched[failover.Active] != 2 {
+			t.Fatalf("actives launched %d, want a cold restart", w.launched[failover.Active])
+		}
+		if rec := h.s.Status().Failovers[0]; rec.GetOk() {
+			t.Fatalf("record %v", rec)
+		}
+		h.stop()
+	})
+}
+
+func TestTimeoutOnResume(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		block := make(chan struct{})
+		w.behave = func(r failover.Role, n int) behavior {
+			if r == failover.Standby && n == 0 {
+				return behavior{resumeReply: func(*frmpsv1.Resume) *frmpsv1.Reply { <-block; return &frmpsv1.Reply{Ok: true} }}
+			}
+			return behavior{}
+		}
+		h := start(t, w, nil)
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		h.wantState(failover.FailingOver)
+		time.Sleep(2 * time.Second) // virtual time: the resume timeout and the cold start's backoff elapse
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if rec := h.s.Status().Failovers[0]; rec.GetOk() || !strings.Contains(rec.GetError(), "no reply to resume") {
+			t.Fatalf("record %v", rec)
+		}
+		close(block)
+		h.stop()
 	})
 }

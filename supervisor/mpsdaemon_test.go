@@ -1,16 +1,20 @@
 package supervisor
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/frmps/frmps/supervisor/failover"
@@ -223,4 +227,116 @@ func TestMPSDaemonAdmissionAndTeardown(t *testing.T) {
 	if m.tearsDown(active, event{pid: 10}) {
 		t.Fatal("a dead active's teardown counted again")
 	}
+}
+
+func TestMPSStartFailure(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.mps.startErr = errors.New("nvidia-cuda-mps-control: not found")
+		cfg := testConfig(t)
+		s, err := NewWithDeps(cfg, w.deps(), hclog.NewNullLogger(), prometheus.NewRegistry())
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = s.Run(context.Background())
+		if err == nil || !strings.Contains(err.Error(), "start MPS") || !strings.Contains(err.Error(), "not found") {
+			t.Fatalf("Run: %v", err)
+		}
+		if _, err := os.Stat(cfg.RunDir); !errors.Is(err, os.ErrNotExist) {
+			t.Fatal("run dir left behind")
+		}
+		if _, _, err := s.Current(context.Background(), 1); !errors.Is(err, ErrUnavailable) {
+			t.Fatalf("Current after failed start: %v", err)
+		}
+	})
+}
+
+func TestMPSRestartFailureStopsColdStart(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		h := start(t, w, nil)
+		w.mps.checkErr = errors.New("daemon gone")
+		w.mps.restartErr = errors.New("cannot start")
+		w.liveRole(failover.Standby).Kill()
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		st := h.s.Status()
+		if !strings.Contains(st.GetStateCause(), "MPS") || !strings.Contains(st.GetMpsState(), "cannot start") {
+			t.Fatalf("status %v", st)
+		}
+		h.stop()
+	})
+}
+
+// The operator's MPS daemon (--mps-pipe-dir): joined, checked after each
+// failover, waited for when it does not answer — never restarted — and
+// reported when it stays away; a cold start then trips the breaker.
+func TestSharedMPS(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.mps.shared = true
+		h := start(t, w, func(c *Config) { c.MPSPipeDir = "/op/mps/pipe" })
+		h.wantState(failover.ServingReady)
+		if st := h.s.Status().GetMpsState(); st != "joined the operator's daemon at /op/mps/pipe" {
+			t.Fatalf("mps state %q", st)
+		}
+		if act := w.liveRole(failover.Active); !slices.Contains(act.env, "CUDA_MPS_PIPE_DIRECTORY=/fake/mps/pipe") {
+			t.Fatalf("active env %v", act.env)
+		}
+		w.mps.mu.Lock()
+		w.mps.checkErr = errors.New("server gone")
+		w.mps.mu.Unlock()
+		w.liveRole(failover.Active).Kill()
+		synctest.Wait()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if st := h.s.Status().GetMpsState(); st != "joined (the operator's daemon answers again)" {
+			t.Fatalf("mps state after a recovered check %q", st)
+		}
+		w.mps.mu.Lock()
+		w.mps.restartErr = errors.New("did not answer within 30s; frmps does not restart it")
+		w.mps.mu.Unlock()
+		for _, p := range w.live() { // the promoted engine and the fresh standby
+			p.Kill()
+		}
+		synctest.Wait()
+		time.Sleep(time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		st := h.s.Status()
+		if !strings.Contains(st.GetMpsState(), "failed: the operator's MPS daemon: did not answer") || !strings.Contains(st.GetStateCause(), "MPS") {
+			t.Fatalf("status %v", st)
+		}
+		w.mps.mu.Lock()
+		if w.mps.restarts != 2 {
+			t.Fatalf("%d recoveries, want 2", w.mps.restarts)
+		}
+		w.mps.mu.Unlock()
+		h.stop()
+	})
+}
+
+func TestNoMPS(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		logDir := t.TempDir()
+		h := start(t, w, func(c *Config) { c.NoMPS = true; c.LogDir = logDir })
+		h.wantState(failover.ServingReady)
+		act := w.liveRole(failover.Active)
+		if act.logPath != filepath.Join(logDir, "active-1.log") {
+			t.Fatalf("engine log %s, want it in %s", act.logPath, logDir)
+		}
+		// The base environment, and where the first served engine lists its modules for spares.
+		if !slices.Equal(act.env, []string{"PATH=/usr/bin", "FRMPS_MODULES_FILE=" + filepath.Join(h.s.runDir, "engine-modules.txt")}) {
+			t.Fatalf("env %v", act.env)
+		}
+		if h.s.Status().GetMpsState() != "disabled" {
+			t.Fatal("mps state")
+		}
+		h.stop()
+	})
 }

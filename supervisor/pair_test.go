@@ -1,6 +1,7 @@
 package supervisor
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
@@ -215,5 +217,123 @@ func TestPairStartFailureAndBurial(t *testing.T) {
 			t.Fatalf("the dead engine shows its own death as its predecessor's: %q", got)
 		}
 		hung.exit(0)
+	})
+}
+
+func TestStartDeathsAreClassifiedAndShownBesideTheReplacements(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, n int) behavior {
+			if r == failover.Active {
+				return behavior{exitOnStart: n == 0, startExit: 5}
+			}
+			return behavior{exitOnStart: n == 0, startExit: 7}
+		}
+		h := start(t, w, nil)
+		time.Sleep(2 * time.Second) // the restart's backoff, and the classification waits for the reap
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		got := map[string]*frmpsv1.EngineStatus{}
+		for _, e := range h.s.Status().GetEngines() {
+			got[e.GetRole()] = e
+		}
+		// Each replacement shows why the engine before it died: the classified exit,
+		// not only what the control socket saw.
+		for role, want := range map[failover.Role]string{failover.Active: "exit_code: exit code 5", failover.Standby: "exit_code: exit code 7"} {
+			e := got[role.String()]
+			if e == nil || e.GetRestarts() != 1 || e.GetLastDeathCause() != want {
+				t.Fatalf("%s: %v, want last death cause %q", role, e, want)
+			}
+		}
+		h.stop()
+	})
+}
+
+func TestVersionMismatchRefusedToCrashLoop(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(failover.Role, int) behavior { return behavior{version: 2} }
+		h := start(t, w, nil)
+		time.Sleep(10 * time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		_, cause := h.state()
+		if !strings.Contains(cause, "protocol version mismatch: engine speaks 2") {
+			t.Fatalf("cause %q", cause)
+		}
+		p := w.procs[0]
+		if p.welcome.GetAccepted() || !strings.Contains(p.welcome.GetReason(), "protocol version") {
+			t.Fatalf("welcome %v", p.welcome)
+		}
+		_, _, err := h.s.Current(context.Background(), 1)
+		if !errors.Is(err, ErrUnavailable) {
+			t.Fatalf("Current: %v", err)
+		}
+		h.stop()
+	})
+}
+
+func TestWrongPeerRefused(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		// Before the standby connects, another process dials its socket.
+		w.behave = func(r failover.Role, n int) behavior { return behavior{intruderFirst: r == failover.Standby && n == 0} }
+		h := start(t, w, nil)
+		h.wantState(failover.ServingReady)
+		if w.refusedPeers != 1 {
+			t.Fatalf("refused %d peers, want the intruder", w.refusedPeers)
+		}
+		if w.launched[failover.Standby] != 1 {
+			t.Fatal("the intruder disturbed the real standby")
+		}
+		h.stop()
+	})
+}
+
+func TestHandshakeTimeout(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(r failover.Role, n int) behavior { return behavior{hang: r == failover.Standby && n == 0} }
+		h := start(t, w, nil)
+		h.wantState(failover.Rearming)
+		time.Sleep(6 * time.Second)
+		synctest.Wait()
+		h.wantState(failover.ServingReady)
+		if w.launched[failover.Standby] != 2 {
+			t.Fatalf("standby launched %d", w.launched[failover.Standby])
+		}
+		h.stop()
+	})
+}
+
+func TestLaunchFailure(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.launchErr = errors.New("exec: python3: not found")
+		h := start(t, w, nil)
+		time.Sleep(10 * time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		if _, c := h.state(); !strings.Contains(c, "python3: not found") {
+			t.Fatalf("cause %q", c)
+		}
+		h.stop()
+	})
+}
+
+// An engine whose Ready names another role than it was launched as is
+// refused like a wrong Hello.
+func TestReadyInAnotherRoleRefused(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.behave = func(failover.Role, int) behavior { return behavior{readyAs: frmpsv1.Role_ROLE_STANDBY} }
+		h := start(t, w, nil)
+		time.Sleep(10 * time.Second)
+		synctest.Wait()
+		h.wantState(failover.CrashLoop)
+		if _, cause := h.state(); !strings.Contains(cause, "ready as ROLE_STANDBY, launched as ROLE_ACTIVE") {
+			t.Fatalf("cause %q", cause)
+		}
+		h.stop()
 	})
 }
