@@ -13,6 +13,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -21,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	"golang.org/x/sync/errgroup"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/ringbuf"
@@ -450,63 +453,86 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 
 	sigCtx, stopSignals := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 	defer stopSignals()
+	// Every goroutine of serve runs in one group, and serve returns only once
+	// each has returned: the supervisor, the admin API, the OpenAI endpoint,
+	// the watch for a deployment that gave up, and systemd's readiness notice.
+	// The first of the first four to return starts the shutdown (as does a
+	// signal); serve's error is the first error any of them returned.
+	var g errgroup.Group
+	ended := make(chan struct{})
+	var endOnce sync.Once
+	member := func(f func() error) {
+		g.Go(func() error {
+			defer endOnce.Do(func() { close(ended) })
+			return f()
+		})
+	}
 	supCtx, stopSup := context.WithCancel(context.Background())
 	defer stopSup()
-	supDone := make(chan error, 1)
-	go func() { supDone <- sup.Run(supCtx) }()
+	supReturned := make(chan struct{})
+	member(func() error {
+		defer close(supReturned)
+		err := sup.Run(supCtx)
+		if err == nil && supCtx.Err() == nil {
+			err = errors.New("supervisor stopped unexpectedly")
+		}
+		return err
+	})
 	admCtx, stopAdm := context.WithCancel(context.Background())
 	defer stopAdm()
-	admDone := make(chan error, 1)
-	go func() { admDone <- adm.Serve(admCtx, admL) }()
-	apiDone := make(chan error, 1)
-	go func() { apiDone <- fd.Serve(apiL) }()
+	member(func() error { return adm.Serve(admCtx, admL) })
+	var draining atomic.Bool // the front door was asked to shut down
+	apiReturned := make(chan struct{})
+	member(func() error {
+		defer close(apiReturned)
+		if err := fd.Serve(apiL); !draining.Load() {
+			return err
+		}
+		return nil // what it says once shut down is not the deployment's error
+	})
+	stopWatch := make(chan struct{})
+	member(func() error {
+		select {
+		case <-sup.GaveUp():
+			// The breaker opened before any engine served (a configuration error):
+			// there is nothing to keep up. Exit 1 with the engine's reason.
+			return sup.GiveUpErr()
+		case <-stopWatch:
+			return nil
+		}
+	})
 	log.Info("serving", "model", o.Model, "engine", o.Engine, "port", o.Port, "admin", admL.Addr().String())
 	readyCtx, stopReady := context.WithCancel(context.Background())
 	defer stopReady()
-	readyDone := make(chan struct{})
-	go func() {
-		defer close(readyDone)
+	readyReturned := make(chan struct{})
+	g.Go(func() error {
+		defer close(readyReturned)
 		notifyReady(readyCtx, sup, notify, o.Model)
-	}()
+		return nil
+	})
 
-	var runErr error
 	select {
 	case <-sigCtx.Done():
 		log.Info("shutting down")
-	case runErr = <-supDone:
-		supDone <- runErr // consumed again below
-		if runErr == nil {
-			runErr = errors.New("supervisor stopped unexpectedly")
-		}
-	case runErr = <-admDone:
-		admDone <- runErr
-	case runErr = <-apiDone:
-		apiDone <- runErr
-	case <-sup.GaveUp():
-		// The breaker opened before any engine served (a configuration error):
-		// there is nothing to keep up. Exit 1 with the engine's reason.
-		runErr = sup.GiveUpErr()
+	case <-ended:
 	}
 	notify.Stopping("draining requests, then stopping the engines")
 	stopReady()
-	<-readyDone
+	<-readyReturned
 	// Order matters: stop taking requests and drain them, then the engines,
 	// then the admin API (status stays readable during the drain).
+	draining.Store(true)
 	dctx, cancel := context.WithTimeout(context.Background(), o.ShutdownGrace+5*time.Second)
 	if err := fd.Shutdown(dctx); err != nil {
 		log.Warn("front door shutdown", "error", err)
 	}
 	cancel()
-	<-apiDone
+	<-apiReturned
 	stopSup()
-	if err := <-supDone; err != nil && runErr == nil {
-		runErr = err
-	}
+	<-supReturned
 	stopAdm()
-	if err := <-admDone; err != nil && runErr == nil {
-		runErr = err
-	}
-	return runErr
+	close(stopWatch)
+	return g.Wait()
 }
 
 // notifyReady tells systemd READY=1 once an engine serves (the first
