@@ -43,7 +43,9 @@ def rate_key(label: str) -> float:
 def fmt(v, digits: int = 1) -> str:
     if v is None:
         return "–"
-    if isinstance(v, float) and abs(v) >= 1000:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if abs(v) >= 1000:
         return f"{v:,.0f}"
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 

@@ -158,8 +158,9 @@ def client_timeout(plan: P.Plan, rate: float, n: int | None = None) -> float:
 # ----------------------------------------------------------------------------- the sweep
 
 
-def print_plan(plan: P.Plan, out=sys.stdout) -> None:
+def print_plan(plan: P.Plan, out=None) -> None:
     """The exact command lines, ports and directories as placeholders."""
+    out = out or sys.stdout
     print("# serving comparison plan (nothing is started)", file=out)
     print(f"# systems: {', '.join(plan.systems)}; kv: {plan.alike.kv_mode}; trials: {plan.trials}; "
           f"rates: {', '.join(P.rate_label(r) for r in plan.rates)}", file=out)
