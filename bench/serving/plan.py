@@ -258,15 +258,17 @@ class Plan:
         in each, so that a drift of the server over the run touches every rate alike."""
         return [(t, r) for t in range(self.trials) for r in self.rates]
 
-    def estimate_s(self, start_s: dict[str, float] | None = None, drain_s: float = 5.0) -> dict[str, float]:
+    def estimate_s(self, start_s: dict[str, float] | None = None, drain_s: float = 5.0,
+                   client_s: float = 10.0) -> dict[str, float]:
         """A rough duration per system: its start (start_s, else 120 s on a GPU),
-        a warm-up, and each trial's arrivals plus drain_s. An 'inf' trial is
-        counted as trial_s."""
+        a warm-up, and each trial's arrivals plus drain_s, plus client_s per
+        client run (vllm bench serve's imports, tokenizer and dataset before its
+        first request). An 'inf' trial is counted as trial_s."""
         out = {}
         for system in self.systems:
-            t = (start_s or {}).get(system, 120.0 if self.device != "cpu" else 15.0) + drain_s * 2
+            t = (start_s or {}).get(system, 120.0 if self.device != "cpu" else 15.0) + drain_s * 2 + client_s
             for _, rate in self.schedule():
-                t += (self.stream.trial_s if rate == INF else self.num_prompts(rate) / rate) + drain_s
+                t += (self.stream.trial_s if rate == INF else self.num_prompts(rate) / rate) + drain_s + client_s
             out[system] = round(t)
         return out
 

@@ -203,9 +203,11 @@ def markdown(doc: dict) -> str:
         out += [""]
     if doc["fault_runs"]:
         fr = doc["fault_runs"][0]
+        how = ("SIGKILL of frmps's active engine (the CPU check's fault; no MPS on the CPU)" if fr.get("device") == "cpu"
+               else f"rotating the SM-fault kinds ({', '.join(fr.get('kinds') or [])})")
         out += ["## Fault mode", "",
                 f"The same client at {fr.get('rate')} req/s for {fr.get('window_s')} s per system while a co-located "
-                f"MPS client faults every *spacing* seconds, rotating the SM-fault kinds ({', '.join(fr.get('kinds') or [])}). "
+                f"MPS client faults every *spacing* seconds; fault: {how}. "
                 "Baseline: `vllm serve` as a client of an MPS daemon under a supervisor loop that restarts it when it "
                 "exits or its /health fails (every fault is a cold restart). frmps: the trigger joins frmps's own "
                 "MPS daemon, whose client is the active engine. *failed*: requests vLLM's client counts as failed; "

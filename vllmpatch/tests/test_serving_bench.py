@@ -155,8 +155,9 @@ def test_client_command_parses_with_vllm_bench_serve():
 def test_schedule_runs_every_rate_in_each_trial_and_estimates():
     p = mkplan(rates=[2.0, P.INF], trials=2, stream=P.Stream(trial_s=10))
     assert p.schedule() == [(0, 2.0), (0, P.INF), (1, 2.0), (1, P.INF)]
-    est = p.estimate_s(start_s={s: 60.0 for s in P.SYSTEMS}, drain_s=5)
+    est = p.estimate_s(start_s={s: 60.0 for s in P.SYSTEMS}, drain_s=5, client_s=0)
     assert est[P.VLLM] == 60 + 10 + 4 * (10 + 5)
+    assert p.estimate_s(start_s={s: 60.0 for s in P.SYSTEMS}, drain_s=5, client_s=10)[P.VLLM] == est[P.VLLM] + 5 * 10
 
 
 def test_dry_run_prints_every_command_and_starts_nothing(capsys, tmp_path):
