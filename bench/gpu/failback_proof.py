@@ -497,7 +497,7 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
     burst) run against their no-fault outputs across one real fault (the proof's own
     trigger) and the failback after it, and its record (proofcount.control_result)
     says whether the comparison noticed. Each case sends its own prompts (the
-    proof's, behind a tag naming the case) and takes their no-fault outputs right
+    proof's, behind a tag with the case's number) and takes their no-fault outputs right
     before its fault: a block a case broke stays in the engines' prefix cache (and
     is adopted with it at the next takeover), and a later request with the same
     prompt would read it, so a case's prompts must not come back. The run without a
@@ -539,7 +539,7 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
         for k, case in enumerate(cases):
             creqs, ref, ptoks = reqs, ref0, fig.get("prompt_tokens") or []
             if case != proofcount.POSITIVE:
-                creqs = [{**b, "prompt": f"[{case}] {b['prompt']}"} for b in reqs]
+                creqs = [{**b, "prompt": f"({k}) {b['prompt']}"} for b in reqs]  # a short tag: few tokens alike
                 ref, cfig = no_fault_run(dep, model, creqs)
                 if cfig["errors"]:
                     raise RuntimeError(f"controls: the no-fault run of {case} failed: {cfig['errors'][:3]}")

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -285,5 +286,39 @@ func TestPrimeFaultPathFlag(t *testing.T) {
 	}
 	if !parseServe(t, "--config", writeConfig(t, `{"prime_fault_path":true}`)).PrimeFaultPath {
 		t.Fatal("file key not applied")
+	}
+}
+
+// --exact: vLLM's batch-invariant mode in the engines' (and vLLM's API server's)
+// environment with Triton attention unless a backend is given; the reference
+// engine's --exact; nothing without it; refused with --enforce-eager.
+func TestExactFlag(t *testing.T) {
+	has := func(xs []string, x string) bool { return slices.Contains(xs, x) }
+	o := parseServe(t, "--exact", "--engine", "vllm")
+	c := o.supervisorConfig(pythonEnv{Env: []string{"VLLM_BATCH_INVARIANT=0", "PATH=/bin"}})
+	if !has(c.EngineArgs, "--vllm-arg=--attention-backend=TRITON_ATTN") || !has(c.BaseEnv, "VLLM_BATCH_INVARIANT=1") ||
+		has(c.BaseEnv, "VLLM_BATCH_INVARIANT=0") || has(c.EngineArgs, "--exact") || o.validate() != nil {
+		t.Fatalf("vllm --exact: args %q env %q err %v", c.EngineArgs, c.BaseEnv, o.validate())
+	}
+	if f := o.vllmFrontConfig(pythonEnv{}, ""); !has(f.Env, "VLLM_BATCH_INVARIANT=1") || !has(f.VLLMArgs, "--attention-backend=TRITON_ATTN") {
+		t.Fatalf("vllm --exact, the API server: env %q args %q", f.Env, f.VLLMArgs)
+	}
+	o = parseServe(t, "--exact", "--engine", "vllm", "--vllm-arg=--attention-backend=FLEX_ATTENTION")
+	if a := o.engineArgs(); has(a, "--vllm-arg=--attention-backend=TRITON_ATTN") || !has(a, "--vllm-arg=--attention-backend=FLEX_ATTENTION") {
+		t.Fatalf("a given backend is kept: %q", a)
+	}
+	o = parseServe(t, "--exact", "--engine", "ref")
+	if c := o.supervisorConfig(pythonEnv{}); !has(c.EngineArgs, "--exact") || has(c.BaseEnv, "VLLM_BATCH_INVARIANT=1") {
+		t.Fatalf("ref --exact: args %q env %q", c.EngineArgs, c.BaseEnv)
+	}
+	for _, o := range []serveOptions{parseServe(t, "--engine", "vllm"), parseServe(t, "--engine", "ref")} {
+		if c := o.supervisorConfig(pythonEnv{}); has(c.EngineArgs, "--exact") || has(c.BaseEnv, "VLLM_BATCH_INVARIANT=1") ||
+			slices.ContainsFunc(c.EngineArgs, func(a string) bool { return strings.Contains(a, "attention-backend") }) {
+			t.Fatalf("no --exact: args %q env %q", c.EngineArgs, c.BaseEnv)
+		}
+	}
+	if err := parseServe(t, "--exact", "--engine", "vllm", "--vllm-arg=--enforce-eager").validate(); err == nil ||
+		!strings.Contains(err.Error(), "enforce-eager") {
+		t.Fatalf("--exact with --enforce-eager: %v", err)
 	}
 }

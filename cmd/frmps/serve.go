@@ -46,6 +46,7 @@ type serveOptions struct {
 	supervisor.Config
 
 	StandbyKV        string   // FRMPS_STANDBY_KV in the engines' environment
+	Exact            bool     // batch-invariant engines: a resumed stream equals the no-fault one (exactArgs)
 	VllmArgs         []string // vLLM's flags, for the engines and vLLM's API server
 	Frontend         string
 	FrontendArgs     []string
@@ -163,6 +164,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.IntVar(&opts.MaxModelLen, "max-model-len", opts.MaxModelLen, "maximum sequence length (0: the engine's default)")
 	f.IntVar(&opts.TensorParallelSize, "tensor-parallel-size", opts.TensorParallelSize, "shard the model over this many GPUs per engine (both engines): each engine is a group of this many processes, rank r on GPU r of the visible devices; the group fails over as a unit. On the CPU (tests) the ranks share the host")
 	f.StringArrayVar(&opts.EngineArgs, "engine-arg", opts.EngineArgs, "extra argument for the engine's command line, repeatable (e.g. --engine-arg=--max-num-seqs=64)")
+	f.BoolVar(&opts.Exact, "exact", opts.Exact, "engines whose output does not depend on what else is in their batch, so that a stream resumed after a takeover equals, token for token, what it would have been with no fault under any load: with --engine vllm, vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1 in the engines' environment) with its Triton attention backend (--vllm-arg=--attention-backend=TRITON_ATTN unless an attention backend is given), slower than vLLM's default kernels; with the reference engine its exact scheduler mode (--engine-arg=--exact, already its default on a GPU). Without it a vLLM takeover continues every stream from the adopted KV cache, but under a changing batch a near-tied token may come out otherwise, as it may in vLLM itself")
 	f.StringArrayVar(&opts.VllmArgs, "vllm-arg", opts.VllmArgs, "with --engine vllm: one of vLLM's own flags as `vllm serve` spells it, for the engines and, with --frontend vllm, vLLM's API server alike, repeatable (e.g. --vllm-arg=--max-logprobs=50); the engines refuse the flags frmps sets itself (model, sizes, dtype, seed)")
 	f.StringVar(&opts.Frontend, "frontend", opts.Frontend, "the OpenAI endpoint: frmps (frmps's front door, both engines) or vllm (vLLM's own API server, every route of `vllm serve`, with --engine vllm; the engine is the unit of failover, vllmpatch/OPENAI.md)")
 	f.StringArrayVar(&opts.FrontendArgs, "frontend-arg", opts.FrontendArgs, "with --frontend vllm: extra argument for vLLM's API server as `vllm serve` spells it, repeatable (e.g. --frontend-arg=--enable-auto-tool-choice)")
@@ -290,16 +292,46 @@ func (o *serveOptions) resolveModel(resolveDir func(string) (string, error)) err
 func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 	c := o.Config
 	c.Python = py.Python
-	c.BaseEnv = append(sdnotify.StripEnv(py.Env), "FRMPS_STANDBY_KV="+o.StandbyKV)
+	c.BaseEnv = append(o.exactEnv(sdnotify.StripEnv(py.Env)), "FRMPS_STANDBY_KV="+o.StandbyKV)
 	c.EngineArgs = o.engineArgs()
 	return c
 }
 
-// engineArgs is the engines' extra command line: --engine-arg as given, then
-// each --vllm-arg as the engine's own --vllm-arg.
+// exactEnv is env with what --exact asks of vLLM's processes (engines and API
+// server): its batch-invariant kernels, read when vLLM is imported, so set
+// before any engine (a spare preloads vLLM) starts.
+func (o serveOptions) exactEnv(env []string) []string {
+	if !o.Exact || o.Engine != "vllm" {
+		return env
+	}
+	out := slices.DeleteFunc(slices.Clone(env), func(kv string) bool { return strings.HasPrefix(kv, "VLLM_BATCH_INVARIANT=") })
+	return append(out, "VLLM_BATCH_INVARIANT=1")
+}
+
+// vllmArgs is --vllm-arg as given and, with --exact, vLLM's Triton attention
+// backend where no backend is given: its batch-invariant mode holds with it,
+// and not with every backend (FlashAttention 3 on Hopper stays batch-dependent).
+func (o serveOptions) vllmArgs() []string {
+	out := slices.Clone(o.VllmArgs)
+	if o.Exact && o.Engine == "vllm" && !slices.ContainsFunc(out, func(a string) bool {
+		return strings.HasPrefix(a, "--attention-backend") || strings.HasPrefix(a, "--attention-config") || strings.HasPrefix(a, "-ac")
+	}) {
+		out = append(out, "--attention-backend=TRITON_ATTN")
+	}
+	return out
+}
+
+// engineArgs is the engines' extra command line: --engine-arg as given (and
+// --exact for the reference engine), then each of vllmArgs as the engine's
+// own --vllm-arg.
 func (o serveOptions) engineArgs() []string {
 	out := slices.Clone(o.EngineArgs)
-	for _, a := range o.VllmArgs {
+	if o.Exact && o.Engine == "ref" && !slices.ContainsFunc(out, func(a string) bool {
+		return a == "--exact" || a == "--no-exact"
+	}) {
+		out = append(out, "--exact")
+	}
+	for _, a := range o.vllmArgs() {
 		out = append(out, "--vllm-arg="+a)
 	}
 	return out
@@ -322,6 +354,9 @@ func (o serveOptions) validate() error {
 	}
 	if len(o.VllmArgs) > 0 && o.Engine == "ref" {
 		return errors.New("--vllm-arg is one of vLLM's flags: give --engine vllm")
+	}
+	if o.Exact && slices.ContainsFunc(o.VllmArgs, func(a string) bool { return a == "--enforce-eager" || a == "--enforce-eager=true" }) {
+		return errors.New("--exact with --vllm-arg=--enforce-eager: vLLM's eager mode is not batch-invariant even in its batch-invariant mode; drop --enforce-eager")
 	}
 	switch o.Frontend {
 	case "frmps":
@@ -346,8 +381,8 @@ func (o serveOptions) validate() error {
 // model, on serve's address, with the API key (may be empty).
 func (o serveOptions) vllmFrontConfig(py pythonEnv, apiKey string) vllmfront.Config {
 	return vllmfront.Config{
-		Python: py.Python, Env: py.Env, Model: o.Model, ServedModelName: o.ServedModelName,
-		Host: o.Host, Port: o.Port, MaxModelLen: o.MaxModelLen, VLLMArgs: o.VllmArgs, FrontendArgs: o.FrontendArgs, APIKey: apiKey,
+		Python: py.Python, Env: o.exactEnv(py.Env), Model: o.Model, ServedModelName: o.ServedModelName,
+		Host: o.Host, Port: o.Port, MaxModelLen: o.MaxModelLen, VLLMArgs: o.vllmArgs(), FrontendArgs: o.FrontendArgs, APIKey: apiKey,
 	}
 }
 
@@ -392,6 +427,9 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		return err
 	}
 	log.Info("resolved: " + ch.String())
+	if o.Exact {
+		log.Info("exact: batch-invariant engines", "engine_args", strings.Join(o.engineArgs(), " "), "env", strings.Join(o.exactEnv(nil), " "))
+	}
 	if err := o.resolveModel(func(m string) (string, error) { return resolveVLLMModel(ctx, py, m) }); err != nil {
 		return err
 	}

@@ -1437,8 +1437,9 @@ def make_adapter(args: Any) -> VllmAdapter:
     from frmps_engine.sdk.adapters import AdapterError
 
     if getattr(args, "exact", None):
-        raise AdapterError("--exact is the reference engine's scheduler mode; for vLLM set VLLM_BATCH_INVARIANT=1 "
-                           "in the engines' environment (vLLM's batch-invariant kernels) instead")
+        raise AdapterError("--exact is the reference engine's scheduler mode; for vLLM use `frmps serve --exact`: "
+                           "vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1 in every engine's environment, set "
+                           "before vLLM is imported) with its Triton attention backend")
     tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
     from ..modeldir import has_weights
 
