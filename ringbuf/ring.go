@@ -89,6 +89,18 @@ func CheckCapacity(capacity uint64) error {
 	return nil
 }
 
+// CapacityFor is the smallest capacity whose records hold a payload of
+// recordBytes: a writer keeps each record within a quarter of the ring (FORMAT.md;
+// the Python tracker's rule, ring/layout.py ring_capacity_needed), header
+// included. It may exceed MaxCapacity for an impossible record; the caller caps it.
+func CapacityFor(recordBytes uint64) uint64 {
+	need := 4 * (recordBytes + 64)
+	if need <= MinCapacity {
+		return MinCapacity
+	}
+	return 1 << bits.Len64(need-1)
+}
+
 // validateHeader checks a mapped (or copied) file against the format and
 // returns the capacity. size is the file size.
 func validateHeader(mem []byte, size int64) (uint64, error) {

@@ -35,6 +35,11 @@ type Config struct {
 	// RingCapacity is the ring's data region in bytes, a power of two
 	// (ringbuf.CheckCapacity); 0 means 8 MiB.
 	RingCapacity uint64
+	// RingFixed keeps the ring at RingCapacity. Otherwise (the default) it
+	// grows once, before the first active attaches, to hold a snapshot of that
+	// engine's largest batch (Hello.ring_record_bytes), up to RingGrowMax;
+	// frmps serve fixes it when --ring-capacity is given.
+	RingFixed bool
 	// StateDir holds launch records (package leftover): at start the ring,
 	// run dir and MPS daemon of supervisors that died without cleaning up
 	// are removed, and this one's record is kept until it has cleaned up.
@@ -192,6 +197,11 @@ func DefaultModel(engine string) (model string, ok bool) {
 	}
 	return "", false
 }
+
+// RingGrowMax bounds the ring's growth (Config.RingFixed): a ring file lives in /dev/shm, and a snapshot
+// larger than a quarter of this is published in part (requests left out of it
+// are re-prefilled at a takeover).
+const RingGrowMax = 1 << 30
 
 // DefaultMemory is the pools' backend for a device: cuda-vmm on a GPU,
 // host-shm on the CPU.

@@ -172,12 +172,16 @@ func (p *pair) handshake(ctx context.Context, sl *slot) (ControlConn, error) {
 	}
 	if sl.role == failover.Active {
 		p.pinBlocks(hello.GetNumBlocks())
+		if p.sizeRing != nil && !p.ringNamed.Load() {
+			p.sizeRing(hello.GetRingRecordBytes())
+		}
 	}
 	welcome := &frmpsv1.Welcome{Accepted: true, ProtocolVersion: control.ProtocolVersion,
 		SyncEvery: p.cfg.SyncEvery, DeploymentId: p.deployID,
 		HeartbeatIntervalMs: uint32(p.beat.Milliseconds())}
 	if sl.role == failover.Active {
 		welcome.RingPath = p.ringPath
+		p.ringNamed.Store(true)
 	}
 	if err := conn.Send(&frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Welcome{Welcome: welcome}}, nil); err != nil {
 		return nil, fmt.Errorf("send welcome: %w", err)

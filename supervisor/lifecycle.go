@@ -67,8 +67,11 @@ func (s *Supervisor) setup(ctx context.Context) error {
 		s.ring.path = "" // not ours to remove
 		return fmt.Errorf("open ring: %w", err)
 	}
-	s.ring.open(ring)
+	s.ring.open(ring, s.cfg.RingCapacity)
 	s.pair.runDir, s.pair.logDir, s.pair.ringPath = s.runDir, s.logDir, s.ring.path
+	if !s.cfg.RingFixed {
+		s.pair.sizeRing = func(recordBytes uint64) { s.ring.fit(s.deps.OpenRing, recordBytes, RingGrowMax) }
+	}
 	s.pair.openBroker(s.deps.NewBroker())
 	if !s.cfg.NoMPS {
 		mps, err := s.deps.StartMPS(ctx, runDir, s.log.Named("mps"))

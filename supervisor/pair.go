@@ -5,6 +5,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -36,6 +37,10 @@ type pair struct {
 	// Set by setup, before the loop starts: where engines' sockets and logs
 	// go, and the ring the active writes.
 	runDir, logDir, ringPath string
+	// sizeRing sees the first active's Hello.ring_record_bytes before its
+	// Welcome names the ring (ringConsumer.fit); nil: the ring stays as made.
+	sizeRing  func(recordBytes uint64)
+	ringNamed atomic.Bool // a Welcome has named the ring: it is in use
 
 	nextID     int // of the last engine or spare launched (names sockets and logs)
 	active     *slot

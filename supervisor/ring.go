@@ -11,6 +11,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/ringbuf"
 )
 
 // ringConsumer reads the forward-state ring into the request snapshots a
@@ -24,18 +25,53 @@ type ringConsumer struct {
 	// none was created).
 	path string
 
-	mu sync.Mutex
-	r  Ring // nil before setup and after close
+	mu       sync.Mutex
+	r        Ring   // nil before setup and after close
+	capacity uint64 // r's
 
 	lag     atomic.Uint64
 	resyncs atomic.Uint64
 }
 
-// open makes r the ring consumed (Status may already read from another goroutine).
-func (rc *ringConsumer) open(r Ring) {
+// open makes r, of the given capacity, the ring consumed (Status may already
+// read from another goroutine).
+func (rc *ringConsumer) open(r Ring, capacity uint64) {
 	rc.mu.Lock()
-	rc.r = r
+	rc.r, rc.capacity = r, capacity
 	rc.mu.Unlock()
+}
+
+// fit grows the ring, before any engine has attached to it, so that a record
+// of recordBytes fits (ringbuf.CapacityFor), up to limit: a new ring beside the
+// old one (openRing), renamed over it, so that its path (the launch record's,
+// the Welcome's) stays. A smaller need, or a failure, leaves the ring as it is;
+// the engine then says that its largest snapshots are published in part.
+func (rc *ringConsumer) fit(openRing func(path string, capacity uint64) (Ring, error), recordBytes, limit uint64) {
+	need := min(ringbuf.CapacityFor(recordBytes), limit)
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	if rc.r == nil || rc.path == "" || recordBytes == 0 || need <= rc.capacity {
+		return
+	}
+	tmp := rc.path + ".grow"
+	_ = os.Remove(tmp) // a leftover of a supervisor killed right here
+	r, err := openRing(tmp, need)
+	if err == nil {
+		if err = os.Rename(tmp, rc.path); err != nil {
+			_ = r.Close()
+			_ = os.Remove(tmp)
+		}
+	}
+	if err != nil {
+		rc.log.Warn("ring: could not grow it for the active's largest snapshot", "from", rc.capacity, "to", need, "error", err)
+		return
+	}
+	if err := rc.r.Close(); err != nil {
+		rc.log.Warn("close ring", "error", err)
+	}
+	rc.log.Info("ring grown to hold the active's largest snapshot", "record_bytes", recordBytes, "from", rc.capacity,
+		"capacity", need, "capped", need == limit && ringbuf.CapacityFor(recordBytes) > limit)
+	rc.r, rc.capacity = r, need
 }
 
 // close closes the ring and removes its file; false when the file could

@@ -18,7 +18,7 @@ import (
 func newRingConsumer(r Ring) *ringConsumer {
 	rc := &ringConsumer{log: hclog.NewNullLogger(), every: time.Millisecond}
 	if r != nil {
-		rc.open(r)
+		rc.open(r, 1<<16)
 	}
 	return rc
 }

@@ -120,6 +120,7 @@ taken as given (e.g. --model qwen2.5-14b on a GPU runs vLLM with 14B).`,
 					return err
 				}
 			}
+			fixRingIfGiven(cmd.Flags(), &opts)
 			return runServe(cmd.Context(), opts, cmd.ErrOrStderr())
 		},
 	}
@@ -155,7 +156,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.RunDir, "run-dir", opts.RunDir, "private run directory for sockets and logs, created 0700 and removed at exit (empty: a fresh temp dir)")
 	f.StringVar(&opts.LogDir, "engine-log-dir", opts.LogDir, "directory for the engines' log files, kept after exit (empty: inside the run dir, removed at exit)")
 	f.StringVar(&opts.RingDir, "ring-dir", opts.RingDir, "directory of the forward-state ring (empty: /dev/shm)")
-	f.Uint64Var(&opts.RingCapacity, "ring-capacity", opts.RingCapacity, fmt.Sprintf("ring size in bytes: a power of two from %d to %d", uint64(ringbuf.MinCapacity), uint64(ringbuf.MaxCapacity)))
+	f.Uint64Var(&opts.RingCapacity, "ring-capacity", opts.RingCapacity, fmt.Sprintf("ring size in bytes: a power of two from %d to %d. Not given: this size, grown before the first active attaches to hold a snapshot of its largest batch (up to %d; vLLM at `vllm serve`'s batch limits needs tens of MiB); given: exactly this size", uint64(ringbuf.MinCapacity), uint64(ringbuf.MaxCapacity), supervisor.RingGrowMax))
 	f.StringVar(&opts.StateDir, "state-dir", opts.StateDir, "private directory (0700) of launch records: at start, the ring, run dir and MPS daemon of an frmps that was killed before it could clean up are removed (default: $XDG_RUNTIME_DIR/frmps, else /run/frmps as root, else <temp dir>/frmps-<uid>; empty: no records)")
 	f.StringVar(&opts.Device, "device", opts.Device, "engine device: auto (cuda where a GPU is visible: nvidia-smi -L, honouring CUDA_VISIBLE_DEVICES; else cpu), cpu or cuda")
 	f.StringVar(&opts.Memory, "memory", opts.Memory, "shared memory backend: auto (cuda-vmm on cuda, else host-shm), host-shm (CPU) or cuda-vmm (GPU)")
@@ -284,6 +285,15 @@ func (o *serveOptions) resolveModel(resolveDir func(string) (string, error)) err
 	}
 	o.Model = dir
 	return nil
+}
+
+// fixRingIfGiven keeps a --ring-capacity given on the command line or in the
+// --config file (both set the flag) as it is: only frmps's own default grows
+// (Config.RingFixed).
+func fixRingIfGiven(f *pflag.FlagSet, o *serveOptions) {
+	if f.Changed("ring-capacity") {
+		o.RingFixed = true
+	}
 }
 
 // supervisorConfig is the Config the supervisor runs: the options' own, with

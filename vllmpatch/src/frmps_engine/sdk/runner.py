@@ -357,6 +357,7 @@ class Runner:
                 generation_endpoint=self.gen.endpoint if self.gen is not None else "", device=self.adapter.device,
                 block_size=self.adapter.block_size, num_blocks=self.adapter.num_blocks,
                 kv_budget=kv_budget_pb(getattr(self.adapter, "kv_budget", None)),
+                ring_record_bytes=int(getattr(self.adapter, "ring_record_bytes", 0) or 0),
                 weights=self._weights(),
             )
         )
