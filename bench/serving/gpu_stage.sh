@@ -42,28 +42,8 @@ log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$S"; }
 export PYTHONPATH=${VLSITE:+$VLSITE:}$PWD/vllmpatch/src:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
     DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 
-# bounded SECONDS CMD...: CMD in a process group of its own; past SECONDS the group gets
-# SIGTERM (the harness stops its servers and MPS daemons), SIGKILL 90 s later; 124 then.
-bounded() {
-    local limit=$1 pid t=0
-    shift
-    set -m
-    "$@" &
-    pid=$!
-    set +m
-    while kill -0 "$pid" 2>/dev/null; do
-        if [ "$t" -ge "$limit" ]; then
-            kill -TERM -- "-$pid" 2>/dev/null
-            for _ in $(seq 90); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-            kill -KILL -- "-$pid" 2>/dev/null
-            wait "$pid" 2>/dev/null
-            return 124
-        fi
-        sleep 1
-        t=$((t + 1))
-    done
-    wait "$pid"
-}
+# shellcheck source=bench/gpu/bounded.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../gpu/bounded.sh"
 
 model_dir() {
     if [ -n "${MODEL_DIR:-}" ]; then echo "$MODEL_DIR"; return; fi

@@ -32,6 +32,7 @@ func parseServe(t *testing.T, args ...string) serveOptions {
 			t.Fatal(err)
 		}
 	}
+	fixRingIfGiven(f, &opts)
 	return opts
 }
 
@@ -326,22 +327,7 @@ func TestExactFlag(t *testing.T) {
 // The ring grows for the first active's largest snapshot at frmps's default
 // size only: a --ring-capacity given (flag or file) stays.
 func TestRingGrowOnlyAtTheDefault(t *testing.T) {
-	grow := func(args ...string) bool {
-		opts := defaultServeOptions()
-		var cfgFile string
-		f := pflag.NewFlagSet("serve", pflag.ContinueOnError)
-		bindServeFlags(f, &opts, &cfgFile)
-		if err := f.Parse(args); err != nil {
-			t.Fatal(err)
-		}
-		if cfgFile != "" {
-			if err := applyConfigFile(f, cfgFile); err != nil {
-				t.Fatal(err)
-			}
-		}
-		fixRingIfGiven(f, &opts)
-		return !opts.supervisorConfig(pythonEnv{}).RingFixed
-	}
+	grow := func(args ...string) bool { return !parseServe(t, args...).supervisorConfig(pythonEnv{}).RingFixed }
 	if !grow() || grow("--ring-capacity", "8388608") || grow("--config", writeConfig(t, `{"ring_capacity": 65536}`)) {
 		t.Fatalf("default %v, flag %v, file %v", grow(), grow("--ring-capacity", "8388608"),
 			grow("--config", writeConfig(t, `{"ring_capacity": 65536}`)))
