@@ -502,8 +502,6 @@ func TestFailoverOnActiveKill(t *testing.T) {
 	})
 }
 
-// The ring is polled in the background, and drained completely at a
-// failover before the resume set is built.
 func TestResumeRefusedColdStarts(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()

@@ -127,6 +127,8 @@ func TestRingSnapshotsSizeAndClose(t *testing.T) {
 	}
 }
 
+// The ring is polled in the background, and drained completely at a
+// failover before the resume set is built.
 func TestRingPolledAndDrainedAtFailover(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
