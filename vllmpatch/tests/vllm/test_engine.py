@@ -1099,16 +1099,12 @@ def test_adopting_with_nothing_computed_may_hit_the_prefix_cache(model_dir, mode
         assert got == want
 
 
-@pytest.mark.parametrize("hash_now", [False, True], ids=["deferred", "hash-now"])
-def test_adopted_blocks_enter_the_prefix_cache_once_the_second_step_is_launched(model_dir, mode, monkeypatch, hash_now):
+def test_adopted_blocks_enter_the_prefix_cache_once_the_second_step_is_launched(model_dir, mode):
     """An adopted request's block hashes and its blocks' entry in vLLM's prefix
     cache wait for its second step's launch (DeferredPrefixCache), the CPU half of
-    an adoption moved off the first resumed token's path; FRMPS_DEBUG_ADOPT_HASH_NOW=1
-    does them in the adoption. Either way the request's output is the no-fault one,
-    its hashes are those of its tokens, and a new request with its prompt then
-    reuses the adopted full blocks."""
-    if hash_now:
-        monkeypatch.setenv("FRMPS_DEBUG_ADOPT_HASH_NOW", "1")
+    an adoption moved off the first resumed token's path. The request's output is
+    the no-fault one, its hashes are those of its tokens, and a new request with
+    its prompt then reuses the adopted full blocks."""
     from vhelpers import make_request
 
     prompt = list(range(10, 10 + 40))  # two full blocks of 16 and a partial one
@@ -1122,9 +1118,9 @@ def test_adopted_blocks_enter_the_prefix_cache_once_the_second_step_is_launched(
     # stand-in model's tokens depend on the position only).
     eng.adopt_request(1, params(12), prompt + delivered, len(prompt), 44, [3, 4, 5], 7, delivered)
     req = eng.scheduler.requests["frmps-1"]
-    assert (req.block_hashes == [] and pool.blocks[3].block_hash is None) != hash_now
+    assert req.block_hashes == [] and pool.blocks[3].block_hash is None
     outs = eng.step()
-    assert (req.block_hashes == []) != hash_now, "not in the first step: off the first token's path"
+    assert req.block_hashes == [], "not in the first step: off the first token's path"
     outs += eng.step()
     assert not eng.deferred_prefix_cache, "done in the second step"
     hasher = eng.core.request_block_hasher
@@ -1140,16 +1136,12 @@ def test_adopted_blocks_enter_the_prefix_cache_once_the_second_step_is_launched(
     assert got[1] == want and len(got[2]) == 4
 
 
-@pytest.mark.parametrize("together", [False, True], ids=["decodes-first", "one-batch"])
-def test_the_first_step_after_a_takeover_resumes_decodes_before_any_prefill(model_dir, mode, monkeypatch, together):
+def test_the_first_step_after_a_takeover_resumes_decodes_before_any_prefill(model_dir, mode):
     """A takeover's first step resumes every adopted request whose KV was
     published, and leaves a whole-prompt prefill (a request adopted before its
     prompt's KV reached the ring, or a new one) to the next step: in one batch the
     prefill could push the step out of vLLM's CUDA graphs, and every resumed
-    stream would wait for it. FRMPS_DEBUG_PREFILL_IN_FIRST_STEP=1: one batch, as
-    before. Either way every request's output is its no-fault output."""
-    if together:
-        monkeypatch.setenv("FRMPS_DEBUG_PREFILL_IN_FIRST_STEP", "1")
+    stream would wait for it. Every request's output is its no-fault output."""
     want = by_key(_run_all(model_dir))
     eng = engine(model_dir, mode=mode)
     p41, p42 = PROMPTS[41], PROMPTS[42]
@@ -1158,10 +1150,9 @@ def test_the_first_step_after_a_takeover_resumes_decodes_before_any_prefill(mode
     # 42: one token delivered, nothing published: its prompt and that token to prefill.
     eng.adopt_request(42, params(MAX[42]), p42, len(p42), 0, [], 0, want[42][:1])
     outs = eng.step()
-    assert eng.scheduled_tokens == (1 + len(p42) + 1 if together else 1)
+    assert eng.scheduled_tokens == 1
     outs += eng.step()
-    if not together:
-        assert eng.scheduled_tokens == 1 + len(p42) + 1, "the prefill runs in the second step"
+    assert eng.scheduled_tokens == 1 + len(p42) + 1, "the prefill runs in the second step"
     got = {41: list(want[41][:2]), 42: list(want[42][:1])}
     for o in outs + drain(eng):
         assert o.output_index == len(got[o.key])

@@ -175,19 +175,6 @@ class _Takeover:
 REPLY_AFTER_HOST_WORK_MAX_S = 0.02
 
 
-def _reply_after_host_work() -> bool:
-    """FRMPS_DEBUG_REPLY_BESIDE_FIRST_STEP=1 (diagnostics, for A/B runs on a GPU): a
-    gated takeover replies as soon as its requests are adopted, beside the first
-    step's host work, as before."""
-    return os.environ.get("FRMPS_DEBUG_REPLY_BESIDE_FIRST_STEP", "") in ("", "0")
-
-
-def _device_gate_enabled() -> bool:
-    """FRMPS_DEBUG_NO_DEVICE_GATE=1 (diagnostics, for A/B runs on a GPU): start the
-    loop after the KV flip, as before engine_api.DeviceGate."""
-    return os.environ.get("FRMPS_DEBUG_NO_DEVICE_GATE", "") in ("", "0")
-
-
 STANDBY_KV_ENV = "FRMPS_STANDBY_KV"
 
 
@@ -629,9 +616,9 @@ class Runner:
 
     def _prepare_first_steps(self) -> None:
         self.loop.trace_steps = 3
-        # Diagnostics: FRMPS_DEBUG_PIPELINED_FIRST_STEP=1 leaves the first step's
-        # outputs in the pipeline (the behaviour before, for A/B runs on a GPU).
-        self.loop.deliver_first_step = os.environ.get("FRMPS_DEBUG_PIPELINED_FIRST_STEP", "") != "1"
+        # The first step's outputs go out as soon as its device work is done, not once
+        # a pipelined core's next batch is in flight (EngineLoop.deliver_first_step).
+        self.loop.deliver_first_step = True
 
     def _reply_serving(self, env_id: int, outcomes: list, ring_error: str, t0: int) -> int:
         """Become the serving active and send the Resume's Reply; returns the takeover's ns."""
@@ -705,22 +692,20 @@ class Runner:
             self._prepare_first_steps()
             self.loop.first_step_note = lambda: tk.first_step_note(t0, self._standby_stack())
             wait = tk.flip.wait if faults is None else faults.gate(tk.flip.wait)
-            if _device_gate_enabled() and isinstance(self.core, DeviceGate) and self.core.gate_device(wait):
+            if isinstance(self.core, DeviceGate) and self.core.gate_device(wait):
                 tk.gated = True
                 tk.started = start()
         finally:
             tk.wake_ns = tk.flip.join()  # raises the flip's error (a device error: the engine is lost)
         if faults is not None and not tk.gated:
             faults.apply_kv()  # the KV cache is writable and the loop has not started
-        if tk.gated and _reply_after_host_work() and any(o.ok for o in outcomes):
+        if tk.gated and any(o.ok for o in outcomes):
             # The reply, the supervisor's promotion and the front door's streams
             # attaching to this engine (its generation server's threads) all want the
-            # GIL; beside the first step's host work they made it longer (H200, 14B,
-            # FRMPS_DEBUG_STEP_PHASES: forward launched 2.8 ms into the step, median,
-            # against 2.3 with the reply after it; the first token within noise:
-            # bench/results/2026-11-28-h200-vllm-first-step/ §2). Once that work is done
-            # the device runs the step for milliseconds: reply then. Bounded, for a first
-            # step that never gets there (a kernel compiled on the spot, a step that fails).
+            # GIL, and beside the first step's host work they would delay the step's
+            # launch. Once that host work has reached the device gate the device runs
+            # the step for milliseconds: reply then. Bounded, for a first step that
+            # never gets there (a kernel compiled on the spot, a step that fails).
             t = time.perf_counter_ns()
             tk.flip.gate_reached.wait(REPLY_AFTER_HOST_WORK_MAX_S)
             tk.reply_waited_ns = time.perf_counter_ns() - t

@@ -198,11 +198,9 @@ class VllmCore:
         # (frontend/engine_server.py) forwards them to vLLM's frontend as they are.
         self.engine_outputs: Callable[[Any], None] | None = None
         # An adopted request's prefix-cache work waits for its second step's launch
-        # (adoption.DeferredPrefixCache); FRMPS_DEBUG_ADOPT_HASH_NOW=1 does it in the
-        # adoption, before the first step, as before (an A/B knob).
+        # (adoption.DeferredPrefixCache), off the path to the first resumed token.
         hasher = core.request_block_hasher
-        self.deferred_prefix_cache = (DeferredPrefixCache(hasher) if hasher is not None
-                                      and os.environ.get("FRMPS_DEBUG_ADOPT_HASH_NOW", "") in ("", "0") else None)
+        self.deferred_prefix_cache = DeferredPrefixCache(hasher) if hasher is not None else None
         # Diagnostics (FRMPS_DEBUG_STEP_PHASES): vLLM's calls timed in the traced steps.
         self.step_phases = phases.install(core, _runner_of(core), frmps=self)
 

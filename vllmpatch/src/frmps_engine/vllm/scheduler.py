@@ -12,8 +12,6 @@ An engine that only learns its ring later (the standby, at Resume) calls
 
 from __future__ import annotations
 
-import os
-
 from typing import Any, Callable, Iterable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -86,9 +84,7 @@ class _FrmpsSchedulerMixin:
         self.frmps_scheduled_tokens = 0
         # Set by an adoption: the next schedule runs the requests whose KV the ring
         # had before any whole-prompt prefill (_frmps_hold_prefills).
-        # FRMPS_DEBUG_PREFILL_IN_FIRST_STEP=1: one batch for both, as before.
         self._frmps_decodes_first = False
-        self._frmps_decodes_first_on = os.environ.get("FRMPS_DEBUG_PREFILL_IN_FIRST_STEP", "") in ("", "0")
         # What the engine computed, so tests and the supervisor can prove that a
         # takeover did not recompute tokens the last sync covered.
         self.frmps_counters = {
@@ -220,7 +216,7 @@ class _FrmpsSchedulerMixin:
             request_kwargs=request_kwargs, deferred=deferred,
         )
         self._frmps_track(request, result.num_folded)
-        self._frmps_decodes_first = self._frmps_decodes_first_on
+        self._frmps_decodes_first = True
         self.frmps_counters["adopted_tokens_reused"] += result.reused_tokens
         self.frmps_counters["requests_adopted"] += 1
         return result
