@@ -143,7 +143,7 @@ def phase_profile(runners, reqs) -> dict[str, float]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from frmps_engine.sdk import loop as loop_mod
-    from frmps_engine.sdk import runner as runner_mod
+    from frmps_engine.sdk import takeover as takeover_mod
     from frmps_engine.vllm import adoption as adoption_mod
     from frmps_engine.vllm import core as core_mod
 
@@ -151,8 +151,8 @@ def phase_profile(runners, reqs) -> dict[str, float]:
     for runner, done in runners:
         kv = runner.core.scheduler.kv_cache_manager
         ph = Phases()
-        ph.wrap(runner_mod, "input_to_ids", "prompt ids check")
-        ph.wrap(runner_mod, "normalize", "wire params normalised")
+        ph.wrap(takeover_mod, "input_to_ids", "prompt ids check")
+        ph.wrap(takeover_mod, "normalize", "wire params normalised")
         ph.wrap(runner.adapter, "sampling_params", "vLLM SamplingParams built")
         ph.wrap(core_mod, "plan_adoption", "plan_adoption")
         real_copy = adoption_mod.copy

@@ -513,7 +513,7 @@ def test_by_default_the_kv_cache_is_writable_asleep_and_the_takeover_flips_nothi
 
     monkeypatch.setattr(mem, "_set_access", set_access)
     flip_threads = []
-    monkeypatch.setattr("frmps_engine.sdk.runner._KvFlip._run", lambda self: flip_threads.append(self))
+    monkeypatch.setattr("frmps_engine.sdk.takeover.KvFlip._run", lambda self: flip_threads.append(self))
     assert h.sleep().ok
     assert flips == [("kv_cache", False)]
     assert [p.readonly for p in mem.pools() if p.spec.tag == "weights"] == [True]
