@@ -288,7 +288,7 @@ def test_adapter_layout_params_and_refusals(model_dir):
     from frmps_engine.vllm.modelcfg import weight_bytes, weights_pool_bytes
     from frmps_engine.vllm.pools import ALIGN, round_up
 
-    args = SimpleNamespace(model=model_dir, num_blocks=100, block_size=16, max_model_len=256, dtype="float32", sync_every=4)
+    args = SimpleNamespace(model=model_dir, num_blocks=100, block_size=16, max_model_len=256, dtype="float32")
     ad = make_adapter(args)
     from importlib import metadata
 

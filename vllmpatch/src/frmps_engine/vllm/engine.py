@@ -72,7 +72,6 @@ class VllmEngineConfig:
     # "load": the active reads the model directory's *.safetensors into the weights
     # pool (a standby never loads: it maps that pool); "dummy": random weights.
     weights: str = "dummy"
-    sync_every: int = 1
     # None: vLLM decides (on where its executor and model runner support it, as
     # for vLLM alone); the scheduler class follows its decision (scheduler_cls_for).
     async_scheduling: bool | None = None
@@ -349,7 +348,6 @@ class VllmAdapter:
             # Replaced by scheduler_cls_for once vLLM has settled async_scheduling.
             scheduler_cls=ASYNC_SCHEDULER_CLS if self.cfg.async_scheduling else SCHEDULER_CLS,
             async_scheduling=self.cfg.async_scheduling,
-            additional_config={"frmps": {"sync_every": self.cfg.sync_every}},
             tensor_parallel_size=self.cfg.tensor_parallel_size,
             # One rank: the worker in this process. Several: vLLM's worker processes (tp.py); its custom
             # all-reduce (CUDA IPC buffers between the ranks) is off until it is checked inside MPS.
@@ -534,7 +532,7 @@ FRMPS_OWNED_ENGINE_ARGS = {
                    "the standby maps it; dummy only where the directory has none)",
     "enable_sleep_mode": "frmps's standby",
     "scheduler_cls": "frmps's scheduler", "async_scheduling": "FRMPS_VLLM_ASYNC_SCHEDULING",
-    "additional_config": "frmps's engine configuration", "tensor_parallel_size": "--tensor-parallel-size",
+    "tensor_parallel_size": "--tensor-parallel-size",
     "pipeline_parallel_size": "one engine process", "data_parallel_size": "one engine process",
     "distributed_executor_backend": "one engine process", "seed": "frmps's seed rule",
     "sleep_mode_backend": "frmps's sleep backend", "worker_cls": "frmps's worker", "worker_extension_cls": "frmps's worker",
@@ -603,7 +601,6 @@ def make_adapter(args: Any) -> VllmAdapter:
             gpu_memory_utilization=float(getattr(args, "gpu_memory_utilization", None) or 0.9),
             dtype=getattr(args, "dtype", None) or "bfloat16",
             weights=weights,
-            sync_every=int(getattr(args, "sync_every", 1) or 1),
             async_scheduling=async_scheduling,
             max_num_seqs=getattr(args, "max_num_seqs", None),
             max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
