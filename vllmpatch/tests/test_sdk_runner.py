@@ -20,13 +20,14 @@ import time
 import grpc
 import pytest
 
+from e2e import require
 from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
 from frmps_engine.bench import loglines
 from frmps_engine.sdk.control import ConnectionClosed, ControlConn, ControlError
 from frmps_engine.sdk.seeds import derive_seed
 
 pytestmark = pytest.mark.torch
-torch = pytest.importorskip("torch")
+torch = require("torch")
 from frmps_engine.sdk.adapters import EngineOptions  # noqa: E402
 from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeParams, FakeTokenizer  # noqa: E402
 from frmps_engine.ring import create_ring  # noqa: E402

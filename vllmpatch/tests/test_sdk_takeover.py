@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from e2e import require
 from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
 from frmps_engine.bench import loglines
 from frmps_engine.sdk.adapters import EngineOptions
@@ -19,7 +20,7 @@ from frmps_engine.sdk.memory import get_backend
 from frmps_engine.sdk.runner import Runner, RunnerConfig
 
 pytestmark = pytest.mark.torch
-torch = pytest.importorskip("torch")
+torch = require("torch")
 from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeParams, FakeTokenizer  # noqa: E402
 from test_sdk_genapi import reference  # noqa: E402
 

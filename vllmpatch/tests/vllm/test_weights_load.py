@@ -17,7 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from e2e import require
+
+torch = require("torch")
 
 import hfckpt  # noqa: E402  (vllmpatch/tests)
 

@@ -64,15 +64,6 @@ class Patch:
         setattr(owner, attr, replacement)
         return True
 
-    def revert(self) -> bool:
-        """Undo (tests only)."""
-        owner, attr = self._owner_attr()
-        current = getattr(owner, attr)
-        if getattr(current, _MARK, None) != self.name:
-            return False
-        setattr(owner, attr, current.__wrapped__)
-        return True
-
 
 def worker_pool_context(places_kv: bool) -> Callable[[Callable], Callable]:
     """Builder of the ``worker-pool-context`` patch. ``places_kv``: the worker's
