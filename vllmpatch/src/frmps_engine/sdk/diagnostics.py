@@ -76,8 +76,8 @@ def standby_memory_note(device: str) -> str:
 def threads_note(task_dir: str = "/proc/self/task", top: int = 6) -> str:
     """'; N threads (name n, ...)': this process's threads by name, most first. The
     supervisor fences a dead active with a SIGKILL whose sender wakes every thread of it
-    before the Resume can go (0.6-1.6 ms for ~219 threads on an H200 host:
-    bench/results/2026-11-28-h200x2-vllm-fence/), so the count is on a takeover's path.
+    before the Resume can go (the more threads, the longer), so the count is on a
+    takeover's path.
     '' where the kernel does not list them."""
     try:
         tids = os.listdir(task_dir)

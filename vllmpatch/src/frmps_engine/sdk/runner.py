@@ -75,15 +75,14 @@ def _standby_kv_writable() -> bool:
     """FRMPS_STANDBY_KV: how a sleeping standby maps the KV cache.
 
     ``writable`` (default): read-write from the moment it goes to sleep, so a
-    takeover never waits for an access change. After a fault the flip's driver call
-    waits on the MPS server tearing the dead context down: 2-20 ms at 14B on an H100
-    (bench/results/2026-11-28-h100-vllm-standby-kv/). The standby still writes nothing
+    takeover never waits for an access change (after a fault the flip's driver call
+    waits on the MPS server tearing the dead context down). The standby still writes nothing
     before it is resumed: it runs no device work while asleep, an active that hands
     over synchronises its device before it replies, and the supervisor resumes a
     standby only once the active is dead and fenced. ``readonly``: read-only while
     asleep, flipped to read-write beside the takeover's first step, so the driver
-    itself faults any write a standby makes while asleep (a hardened mode, and the
-    behaviour before; the flip is then on the takeover's path). Weights stay
+    itself faults any write a standby makes while asleep (a hardened mode; the flip
+    is then on the takeover's path). Weights stay
     read-only in both. Anything else is a configuration error."""
     raw = os.environ.get(STANDBY_KV_ENV, "") or "writable"
     if raw not in ("readonly", "writable"):
@@ -367,11 +366,9 @@ class Runner(Takeovers):
         """Run once what turning a request into the engine's input costs the first
         time: the chat template (compiled on its first use), prompt encoding, the
         parameter checks, the engine's sampling parameters. A fresh engine's first
-        adoption otherwise pays for it in the takeover (the template alone is ~9 ms
-        with vLLM's tokenizer on the CPU box; on the H100 engines launched from a
-        spare adopted in 12-19 ms at 7B against 7-10 ms for one that had taken over
-        before, not all of it explained by this). Also for the active: its first
-        request's latency. Never fatal."""
+        adoption otherwise pays for it in the takeover (the chat template's
+        compilation most of all). Also for the active: its first request's latency.
+        Never fatal."""
         try:
             tok = self.adapter.tokenizer()
             ids = input_to_ids(tok, messages=[_WarmMessage("user", "warm-up")])
@@ -700,8 +697,8 @@ def _write_modules() -> None:
 
 
 def _freeze_heap() -> None:
-    """Move everything built so far (torch, the model, gRPC: ~200k objects) out of the
-    collector's reach (spare.freeze_heap, which a spare also runs after its preload).
-    A full collection over that heap takes tens to hundreds of ms, and would otherwise
-    land at random in a decode step or in the middle of a takeover."""
+    """Move everything built so far (torch, the model, gRPC) out of the collector's
+    reach (spare.freeze_heap, which a spare also runs after its preload). A full
+    collection walks that whole heap, and would otherwise land at random in a
+    decode step or in the middle of a takeover."""
     spare.freeze_heap()

@@ -318,7 +318,7 @@ class Takeovers:
             if self.loop.get(r.key) is not None:
                 raise InvalidRequest(f"request key {r.key} appears twice in the resume set")
             tok = self.adapter.tokenizer()
-            # Each repeated field is read into a list once (~20 ns per item); the lists
+            # Each repeated field is read into a list once (a cost per item); the lists
             # go on to the core as they are.
             ids = input_to_ids(
                 tok,

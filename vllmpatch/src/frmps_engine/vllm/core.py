@@ -372,9 +372,8 @@ class VllmCore:
         """A third throwaway request, with a grammar any text fits: it builds vLLM's
         structured-output backend (importing its grammar library, indexing the
         vocabulary) and runs the grammar-bitmask path once. Otherwise the first
-        takeover with a structured-output request in flight pays for that: the
-        H100 proof runs measured 609 ms of adoption CPU time at a first takeover
-        of 20 requests (5 with grammars), 6 ms at the later ones. Which backend:
+        takeover with a structured-output request in flight pays for that in its
+        adoption, on the path to the first resumed token. Which backend:
         the configured one; under "auto" xgrammar (vLLM's first choice), and the
         first real structured-output request still decides, as in vLLM: if it
         asks for another, the warmed backend is dropped (_first_request_decides).

@@ -477,7 +477,7 @@ class VllmAdapter:
         with the model's end-of-sequence tokens as vLLM's own input processor sets them
         (v1/engine/input_processor.py: update_from_generation_config)."""
         # From its module: ``from vllm import`` goes through vllm's lazy __getattr__ and
-        # import_module on every call (~4 us, per request and per adopted request).
+        # import_module on every call (per request and per adopted request).
         from vllm.sampling_params import SamplingParams
 
         sp = SamplingParams(

@@ -15,13 +15,10 @@ def async_scheduling_from_env(env: Mapping[str, str]) -> bool | None:
     speculative decoding or the executor rules it out); 1: on; 0: off (the
     synchronous step).
 
-    vLLM's default since frmps 03baebc's measurement on the H100
-    (bench/results/2026-11-27-h100x4-vllm-03baebc): with every request of an engine
-    on one generation stream, the pipelined step took frmps + vLLM's decode
-    throughput at 0.5B to 1.9 / 0.7 / 48 % below vLLM alone at 1 / 8 / 64 streams,
-    against 20 / 23 / 52 % for the synchronous step; takeovers with it are
-    token-exact on the H100 (7B: 2026-11-23-h100-vllm-7b; 0.5B:
-    2026-11-26-h100-vllm-bench/async-scheduling)."""
+    The pipelined step overlaps the host's work on a step (its outputs, the ring
+    publish, the next schedule) with the device's work on the next, which keeps
+    frmps's per-step host work off the device's path; the views the ring gets are
+    committed state only (the step in flight excluded), so takeovers stay exact."""
     v = env.get("FRMPS_VLLM_ASYNC_SCHEDULING", "").strip()
     if v in ("", "auto"):
         return None
@@ -43,14 +40,10 @@ def mega_aot_default(env: MutableMapping[str, str], torch_version: str) -> bool:
 
     With it, an engine whose model vLLM compiled before loads the compiled model
     whole from vLLM's cache instead of unpickling its FX graph, splitting it again
-    and loading each piece (vLLM 0.26, vllm/compilation/caching.py). vLLM turns it
-    on by itself from torch 2.12; on torch 2.11 (vLLM 0.26's pin) it is opt-in.
-    What it changed on the H200 (bench/results/2026-11-27-h200-vllm-restore/):
-    the placement restored after a failover in 12.4 s instead of 20.4 s at 14B and
-    10.7 s instead of 13.9 s at 7B (median of 12 faults each, lanes of one machine),
-    11.3 s instead of 17.1 s at 14B on another, every stream token-identical to the
-    no-fault run; loading the compiled model went from 3.5-4.6 s to 0.1-0.2 s per
-    engine at 14B and vLLM's first (profile) run from 4.4-5.6 s to 1.4-1.8 s."""
+    and loading each piece (vLLM 0.26, vllm/compilation/caching.py): most of the
+    time an engine spends loading its compiled model, and so of a restore after a
+    failover. vLLM turns it on by itself from torch 2.12; on torch 2.11 (vLLM 0.26's
+    pin) it is opt-in. The compiled model is the same either way."""
     if MEGA_AOT_ENV in env:
         return env[MEGA_AOT_ENV].strip() == "1"
     if env.get("VLLM_USE_AOT_COMPILE", "").strip() == "0" or env.get("VLLM_DISABLE_COMPILE_CACHE", "").strip() not in ("", "0"):
@@ -115,11 +108,8 @@ def triton_cache_default(env: MutableMapping[str, str], vllm_cache_root: str) ->
     which sets it to ``<inductor cache>/triton/<device>``
     (torch/_inductor/runtime/triton_heuristics.py). One directory per cache root
     keeps every engine's kernels in one place the operator manages with vLLM's
-    cache. It did not stop the rare restore that compiles every kernel again: on
-    the H100 one restored 14B engine of 21 did so under this very directory, after
-    nine had read all their kernels from it (bench/results/2026-11-27-h100-vllm-
-    restore/; triton_watch.py logs such a miss with its cache key's parts). Triton
-    keys its cache by the kernel's source, options and target, so models and
+    cache (triton_watch.py logs a miss with its cache key's parts). Triton keys its
+    cache by the kernel's source, options and target, so models and
     engines can share the directory."""
     if env.get(TRITON_CACHE_ENV, "").strip():
         return env[TRITON_CACHE_ENV]
@@ -143,10 +133,9 @@ def triton_ptxas_default(env: MutableMapping[str, str], torch_dir: str) -> str:
     (torch/_inductor/runtime/compile_tasks.py, _set_triton_ptxas_path), so an engine
     that read the version before that keys its cache with Triton's bundled ptxas
     (CUDA 12.8 in Triton 3.6.0) and one that read it after with torch's (13.0 in
-    torch 2.11+cu130) — which order, each engine's first compiles decide. The two
-    backend hashes seen in one deployment are exactly those two; on 2 × H200 (bench/results/2026-11-27-h200x2-vllm-tp-drills/) 3 of 14 engines of a
-    14B deployment had the other hash and one of them compiled all 29 of its kernels
-    again (12 s of its restore), a first 7B standby its 26 (11 s). Setting it first,
+    torch 2.11+cu130) — which order, each engine's first compiles decide. Engines of
+    one deployment can so key their caches two ways, and one finds none of the
+    other's kernels: it compiles them all again, in its restore. Setting it first,
     as inductor would, gives every engine one hash."""
     if env.get(TRITON_PTXAS_ENV, "").strip():
         return env[TRITON_PTXAS_ENV]

@@ -113,8 +113,8 @@ def weights_pool_bytes(cfg: dict, dtype: str, tp: int = 1) -> int:
     Plus headroom (2 %, at least 64 MiB) for fragmentation: when an allocation
     misses, torch releases its cached free segments and retries, which leaves
     holes in the pool's first-fit carve-out that a large tensor allocated last
-    (the lm_head) cannot use. Without it, qwen2.5-7b on vLLM 0.26 (H100) missed
-    its 1.02 GiB lm_head with 1.07 GiB free in the pool, in pieces."""
+    (the lm_head) cannot use: without it, a large lm_head can miss with more than
+    its size free in the pool, in pieces."""
     from .pools import TORCH_LARGE_SEGMENT, TORCH_SMALL_SEGMENT, torch_segments_bytes
 
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]

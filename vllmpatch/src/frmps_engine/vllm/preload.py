@@ -57,8 +57,8 @@ def preload(model: str | None = None) -> None:
 def _seed_vllm_tokenizer_cache(model: str) -> Any:
     """vLLM's engine core reads the tokenizer once more for its structured-output
     manager, through ``cached_tokenizer_from_config`` (an lru_cache over
-    ``get_tokenizer``, keyed by the model config's tokenizer fields): 0.6 s of a 14B
-    restore on the H200 (2026-11-27-h200-vllm-restore, B0's start profiles). A spare
+    ``get_tokenizer``, keyed by the model config's tokenizer fields), a second read of
+    the tokenizer on the engine's start. A spare
     fills that cache with the fields of the model config frmps's engine arguments
     give (``engine_args``: the model directory as tokenizer, the defaults
     otherwise), so the engine built after the activation finds it; a config that
@@ -84,8 +84,7 @@ def _seed_xgrammar_tokenizer_info(model: str, tok: Any) -> None:
     """vLLM's xgrammar backend indexes the tokenizer's vocabulary when it is built
     (``xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=<the model's>)``,
     vllm/v1/structured_output/backend_xgrammar.py), which a standby does in its
-    takeover warm-up (``VllmCore._warm_structured_outputs``): 0.45 s of a 14B restore
-    on the H200 (2026-11-27-h200-vllm-restore, B0's start profiles). A spare builds
+    takeover warm-up (``VllmCore._warm_structured_outputs``), on its start. A spare builds
     it ahead for vLLM's cached tokenizer (``_seed_vllm_tokenizer_cache``) and the
     model's vocabulary size, and hands it over once: the first call with that very
     tokenizer object and those arguments gets it, every other call builds its own.

@@ -58,8 +58,8 @@ class _FrmpsSchedulerMixin:
         self._frmps_live: dict[str, Any] = {}
         self._frmps_folded: dict[str, int] = {}
         # Per frmps request, what a publish needs from one step to the next. The block
-        # ids are extended as blocks are appended, not rebuilt every step (a publish of
-        # 256 requests spent a third of its time rebuilding them); a request's finished
+        # ids are extended as blocks are appended, not rebuilt every step (rebuilding
+        # them would be a large part of every publish); a request's finished
         # view uses the last ones after vLLM has freed the blocks.
         self._frmps_pub: dict[str, _Pub] = {}
         # None: no cache of block ids (block lists that change in place).
@@ -222,9 +222,7 @@ class _FrmpsSchedulerMixin:
         had; a waiting request with its whole prompt to compute (adopted before its
         prompt's KV was published, or new) waits one step. In one batch with the
         resumed streams such a prefill can make the step too large for vLLM's CUDA
-        graphs and every resumed stream waits for it (H200, 14B, 32 streams: 549
-        prefill tokens beside 31 decodes, an 83.5 ms first step against a 9 ms
-        decode step; bench/results/2026-11-28-h200-vllm-deferred-hashing/ §4).
+        graphs, and every resumed stream waits for it.
         A resumed stream's replay (the tokens past its last sync, --sync-every > 1)
         stays in the first step. Held only when some waiting request holds KV; the
         held ones are taken out of vLLM's waiting queues for this schedule and put

@@ -9,8 +9,8 @@ def _backend_decoder(tok: Any) -> Callable[..., str] | None:
     """The Rust decode under a Hugging Face fast tokenizer, where it gives the same
     text as tok.decode: transformers' decode of a fast tokenizer is the backend's
     decode followed by an optional clean-up (`clean_up_tokenization_spaces`), and
-    vLLM wraps it in a borrow from its tokenizer pool. Per call that is ~4x the
-    backend's own cost, paid for every token a resumed stream replays (its
+    vLLM wraps it in a borrow from its tokenizer pool. Per call that is several times
+    the backend's own cost, paid for every token a resumed stream replays (its
     delivered output, in the first step after a takeover). Checked on a sample at
     load (every special token and a spread of the vocabulary, alone and in pairs);
     None (use tok.decode) if any differs or the tokenizer has no such backend."""
