@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from frmps_engine.sdk.takeover_fault import CASES as CONTROL_CASES
+from frmps_engine.sdk.takeover_fault import ENV as CONTROL_ENV
 from . import exactness
 
 PHASES = ("decoding", "mid-prefill", "waiting", "waiting/prefill", "unknown")
@@ -171,6 +172,12 @@ def control_env(case: str) -> dict[str, str]:
     if case not in CONTROL_CASES:
         raise ValueError(f"unknown control case {case!r} (one of {', '.join(CONTROL_CASES)})")
     return exactness.control_env(case)
+
+
+def switch_env(path: str) -> dict[str, str]:
+    """The engines' environment for the controls in one deployment: test mode, the
+    cases read from the file at ``path`` at each takeover (empty: none)."""
+    return {**exactness.control_env(None), CONTROL_ENV: "@" + path}
 
 
 def control_result(case: str, streams: Sequence[dict], failover_ok: bool | None, error: str | None = None) -> dict:

@@ -168,7 +168,8 @@ def vllm_core(kind: str, max_batch: int, tokens: int, device_s: float, tok):
     """VllmCore over vLLM's real scheduler and the fake model runner (tiny Qwen2 config)."""
     import pathlib
 
-    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
+    from frmps_engine.vllm.core import VllmCore
+    from frmps_engine.vllm.engine import scheduler_cls_for
     from frmps_engine.vllm.testing import SchedulerCore, make_scheduler, make_vllm_config, write_tiny_model
 
     model_dir = write_tiny_model(pathlib.Path(tempfile.mkdtemp(prefix="frmps-so-model-")))
@@ -184,7 +185,7 @@ def vllm_core(kind: str, max_batch: int, tokens: int, device_s: float, tok):
 def _tokenizer(path: str):
     if not path:
         return FakeTokenizer(), [ord(c) for c in " the quick brown fox jumps over a lazy dog,"]
-    from frmps_engine.vllm.engine import VllmTokenizer  # HF fast tokenizer, as --engine vllm decodes
+    from frmps_engine.vllm.tokenizer import VllmTokenizer  # HF fast tokenizer, as --engine vllm decodes
     from transformers import AutoTokenizer
 
     tok = VllmTokenizer(AutoTokenizer.from_pretrained(path))

@@ -37,7 +37,7 @@ from pathlib import Path
 def build(model_dir: str, tiny_dir: str, *, num_blocks: int, max_model_len: int, max_num_seqs: int,
           prefix_caching: bool, tokenizer):
     from frmps_engine.vllm import SCHEDULER_CLS
-    from frmps_engine.vllm.engine import VllmCore
+    from frmps_engine.vllm.core import VllmCore
     from frmps_engine.vllm.testing import SchedulerCore, make_scheduler, make_vllm_config
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -143,18 +143,18 @@ def phase_profile(runners, reqs) -> dict[str, float]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from frmps_engine.sdk import loop as loop_mod
-    from frmps_engine.sdk import runner as runner_mod
+    from frmps_engine.sdk import takeover as takeover_mod
     from frmps_engine.vllm import adoption as adoption_mod
-    from frmps_engine.vllm import engine as engine_mod
+    from frmps_engine.vllm import core as core_mod
 
     runs, totals = [], []
     for runner, done in runners:
         kv = runner.core.scheduler.kv_cache_manager
         ph = Phases()
-        ph.wrap(runner_mod, "input_to_ids", "prompt ids check")
-        ph.wrap(runner_mod, "normalize", "wire params normalised")
+        ph.wrap(takeover_mod, "input_to_ids", "prompt ids check")
+        ph.wrap(takeover_mod, "normalize", "wire params normalised")
         ph.wrap(runner.adapter, "sampling_params", "vLLM SamplingParams built")
-        ph.wrap(engine_mod, "plan_adoption", "plan_adoption")
+        ph.wrap(core_mod, "plan_adoption", "plan_adoption")
         real_copy = adoption_mod.copy
         if hasattr(adoption_mod, "copy_params"):
             ph.wrap(adoption_mod, "copy_params", "SamplingParams copy")

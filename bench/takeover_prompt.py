@@ -25,7 +25,7 @@ def load_tokenizer(path: str):
     try:
         from vllm.tokenizers.registry import get_tokenizer
 
-        from frmps_engine.vllm.engine import VllmTokenizer
+        from frmps_engine.vllm.tokenizer import VllmTokenizer
 
         return VllmTokenizer(get_tokenizer(path)), "vLLM"
     except ImportError:

@@ -45,7 +45,7 @@ func recordCRC(hdr []byte, payload []byte) uint32 {
 // Create makes a new ring file (O_EXCL, mode 0600) of HeaderSize+capacity bytes
 // with an initialised header.
 func Create(path string, capacity uint64) (retErr error) {
-	if err := checkCapacity(capacity); err != nil {
+	if err := CheckCapacity(capacity); err != nil {
 		return fmt.Errorf("create ring: %w", err)
 	}
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
@@ -78,11 +78,27 @@ func initHeader(hdr []byte, capacity uint64) {
 	binary.LittleEndian.PutUint64(hdr[offCapacity:], capacity)
 }
 
-func checkCapacity(capacity uint64) error {
+// CheckCapacity is the one rule for a ring's capacity (the bytes of the data
+// region): a power of two in [MinCapacity, MaxCapacity] (FORMAT.md). Create
+// and every open of a ring file apply it, and the supervisor checks its
+// configuration against it before anything starts.
+func CheckCapacity(capacity uint64) error {
 	if capacity < MinCapacity || capacity > MaxCapacity || bits.OnesCount64(capacity) != 1 {
 		return fmt.Errorf("%w: %d is not a power of two in [%d, %d]", ErrCapacity, capacity, uint64(MinCapacity), uint64(MaxCapacity))
 	}
 	return nil
+}
+
+// CapacityFor is the smallest capacity whose records hold a payload of
+// recordBytes: a writer keeps each record within a quarter of the ring (FORMAT.md;
+// the Python tracker's rule, ring/layout.py ring_capacity_needed), header
+// included. It may exceed MaxCapacity for an impossible record; the caller caps it.
+func CapacityFor(recordBytes uint64) uint64 {
+	need := 4 * (recordBytes + 64)
+	if need <= MinCapacity {
+		return MinCapacity
+	}
+	return 1 << bits.Len64(need-1)
 }
 
 // validateHeader checks a mapped (or copied) file against the format and
@@ -101,7 +117,7 @@ func validateHeader(mem []byte, size int64) (uint64, error) {
 		return 0, fmt.Errorf("%w: header_size %d (want %d)", ErrVersion, hs, HeaderSize)
 	}
 	capacity := binary.LittleEndian.Uint64(mem[offCapacity:])
-	if err := checkCapacity(capacity); err != nil {
+	if err := CheckCapacity(capacity); err != nil {
 		return 0, err
 	}
 	if uint64(size) != HeaderSize+capacity {

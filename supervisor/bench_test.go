@@ -52,9 +52,7 @@ func BenchmarkDetectToResume(b *testing.B) {
 		acked = append(acked, time.Duration(s.Status().GetFailovers()[0].GetDurationSeconds()*float64(time.Second)))
 	}
 	b.StopTimer()
-	s.mu.Lock()
-	sent := slices.Clone(s.detectToResume)
-	s.mu.Unlock()
+	sent := s.failovers.detectToResumeSeen()
 	cancel()
 	if err := <-done; err != nil {
 		b.Fatal(err)

@@ -9,12 +9,16 @@ import (
 	"time"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/ringbuf"
 	"github.com/frmps/frmps/supervisor/failover"
+	"github.com/frmps/frmps/supervisor/leftover"
+	"github.com/frmps/frmps/supervisor/mps"
 )
 
 // Config and its defaults. Read-only once NewWithDeps has returned.
 
-// Config of one deployment.
+// Config of one deployment. Its defaults are DefaultConfig, its rules
+// Validate: frmps serve binds its flags to a Config and takes both from here.
 type Config struct {
 	Model string // preset name or model directory, passed to the engine
 	// ServedModelName is the name the OpenAI API serves the model under;
@@ -26,13 +30,20 @@ type Config struct {
 	RunDir          string // created 0700, must not exist; empty: a fresh temp dir
 	// LogDir keeps the engines' log files (<role>-<n>.log) after exit; empty:
 	// inside RunDir, removed with it.
-	LogDir       string
-	RingDir      string // where the ring file goes; empty: /dev/shm if present, else RunDir
-	RingCapacity uint64 // bytes
+	LogDir  string
+	RingDir string // where the ring file goes; empty: /dev/shm if present, else RunDir
+	// RingCapacity is the ring's data region in bytes, a power of two
+	// (ringbuf.CheckCapacity); 0 means 8 MiB.
+	RingCapacity uint64
+	// RingFixed keeps the ring at RingCapacity. Otherwise (the default) it
+	// grows once, before the first active attaches, to hold a snapshot of that
+	// engine's largest batch (Hello.ring_record_bytes), up to RingGrowMax;
+	// frmps serve fixes it when --ring-capacity is given.
+	RingFixed bool
 	// StateDir holds launch records (package leftover): at start the ring,
 	// run dir and MPS daemon of supervisors that died without cleaning up
 	// are removed, and this one's record is kept until it has cleaned up.
-	// Empty: no launch record. frmps serve defaults it to
+	// Empty: no launch record. DefaultConfig (frmps serve's default) sets
 	// leftover.DefaultDir().
 	StateDir string
 	NoMPS    bool
@@ -45,14 +56,17 @@ type Config struct {
 	MPSPipeDir string
 	MPSLogDir  string
 	// NvidiaSMI reads the GPU's compute mode at start ("" = nvidia-smi in PATH).
-	NvidiaSMI   string
-	Device      string // cpu | cuda
-	Memory      string // host-shm | cuda-vmm
+	NvidiaSMI string
+	// Device: cpu or cuda; empty: cpu. Memory: host-shm (CPU)
+	// or cuda-vmm (GPU); empty: DefaultMemory(Device). Auto, for both and for
+	// Engine, is frmps serve's, resolved before New (which refuses it).
+	Device      string
+	Memory      string
 	NumBlocks   int
 	MaxModelLen int
-	// GPUMemoryUtilization (0: the engine's default): the fraction of the GPU
-	// the deployment may use, passed to every engine (the vLLM adapter sizes
-	// its KV cache from it when NumBlocks is 0).
+	// GPUMemoryUtilization is the fraction of the GPU the deployment may use,
+	// in (0, 1], passed to every engine (the vLLM adapter sizes its KV cache
+	// from it when NumBlocks is 0); 0 means 0.9.
 	GPUMemoryUtilization float64
 	// TensorParallelSize shards the model over this many GPUs per engine
 	// (0 means 1). Each engine process the supervisor launches is rank 0 of
@@ -163,101 +177,197 @@ const MaxSpares = 8
 // spareCount: how many spares to keep when they are on (Config.Spares).
 func (c *Config) spareCount() int { return max(c.Spares, 1) }
 
+// Auto is the value of Device, Memory and Engine that frmps serve resolves
+// from the host before it builds a supervisor (cmd/frmps/resolve.go): a
+// visible GPU, vLLM installed in the engines' interpreter. Memory follows the
+// device (DefaultMemory), the model the engine (DefaultModel). New takes only
+// resolved values.
+const Auto = "auto"
+
+// DefaultModel is the model an engine serves when none is given: the
+// reference engine's CPU preset, and for vLLM the smallest Qwen2.5 preset,
+// which every GPU frmps runs on holds twice over (weights and KV cache for the
+// pair). ok is false for other engines (adapter factories), which have none.
+func DefaultModel(engine string) (model string, ok bool) {
+	switch engine {
+	case "ref":
+		return "tiny", true
+	case "vllm":
+		return "qwen2.5-0.5b", true
+	}
+	return "", false
+}
+
+// RingGrowMax bounds the ring's growth (Config.RingFixed): a ring file lives in /dev/shm, and a snapshot
+// larger than a quarter of this is published in part (requests left out of it
+// are re-prefilled at a takeover).
+const RingGrowMax = 1 << 30
+
+// DefaultMemory is the pools' backend for a device: cuda-vmm on a GPU,
+// host-shm on the CPU.
+func DefaultMemory(device string) string {
+	if device == "cuda" {
+		return "cuda-vmm"
+	}
+	return "host-shm"
+}
+
+// DefaultConfig is a deployment before anything is chosen: every default,
+// those of frmps serve's flags included. Device, Memory and Engine are Auto
+// and Model is empty (the engine's default model): serve resolves them. New
+// fills a field left at its zero value, where zero means "the default", from
+// here (setDefaults).
+func DefaultConfig() Config {
+	return Config{
+		Engine: Auto, Device: Auto, Memory: Auto,
+		SyncEvery:            DefaultSyncEvery,
+		RingCapacity:         8 << 20,
+		StateDir:             leftover.DefaultDir(),
+		MPSControlBinary:     mps.DefaultControlBinary,
+		GPUMemoryUtilization: 0.9,
+		TensorParallelSize:   1,
+		Breaker:              failover.DefaultBreaker,
+		PollInterval:         500 * time.Microsecond,
+		HandshakeTimeout:     10 * time.Minute,
+		ResumeTimeout:        30 * time.Second,
+		ShutdownGrace:        10 * time.Second,
+		HeartbeatTimeout:     time.Second,
+		StepTimeoutFactor:    8,
+		StepTimeoutMin:       time.Second,
+		StepTimeoutDefault:   time.Minute,
+		MaxFailoverRecords:   32,
+		FailbackBaseBackoff:  time.Second,
+		FailbackMaxBackoff:   5 * time.Minute,
+		HandoffTimeout:       10 * time.Second,
+		MPSRecoveryWindow:    time.Minute,
+		Spare:                Auto,
+		Spares:               1,
+	}
+}
+
+// setDefaults fills the fields whose zero value means "the default" from
+// DefaultConfig, so that a Config built in code names only what it changes.
+// An empty Device is the CPU, an empty Memory the device's (DefaultMemory).
+// Fields whose zero value is a choice of its own stay as they are: StateDir
+// (no launch records), FailbackDelay (at once), NumBlocks and MaxModelLen (the
+// engine's), Model and Engine (required).
 func (c *Config) setDefaults() {
-	if c.SyncEvery == 0 {
-		c.SyncEvery = DefaultSyncEvery
-	}
-	if c.FailbackBaseBackoff == 0 {
-		c.FailbackBaseBackoff = time.Second
-	}
-	if c.FailbackMaxBackoff == 0 {
-		c.FailbackMaxBackoff = 5 * time.Minute
-	}
-	if c.HandoffTimeout == 0 {
-		c.HandoffTimeout = 10 * time.Second
-	}
-	if c.MPSRecoveryWindow == 0 {
-		c.MPSRecoveryWindow = time.Minute
-	}
-	if c.RingCapacity == 0 {
-		c.RingCapacity = 8 << 20
-	}
-	if c.PollInterval == 0 {
-		c.PollInterval = 500 * time.Microsecond
-	}
-	if c.HandshakeTimeout == 0 {
-		c.HandshakeTimeout = 10 * time.Minute
-	}
-	if c.ResumeTimeout == 0 {
-		c.ResumeTimeout = 30 * time.Second
-	}
-	if c.ShutdownGrace == 0 {
-		c.ShutdownGrace = 10 * time.Second
-	}
-	if c.HeartbeatTimeout == 0 {
-		c.HeartbeatTimeout = time.Second
-	}
-	if c.StepTimeoutFactor == 0 {
-		c.StepTimeoutFactor = 8
-	}
-	if c.StepTimeoutMin == 0 {
-		c.StepTimeoutMin = time.Second
-	}
-	if c.StepTimeoutDefault == 0 {
-		c.StepTimeoutDefault = time.Minute
-	}
-	if c.MaxFailoverRecords == 0 {
-		c.MaxFailoverRecords = 32
-	}
-	if c.Breaker == (failover.BreakerConfig{}) {
-		c.Breaker = failover.DefaultBreaker
-	}
-	if c.Memory == "" {
-		c.Memory = "host-shm"
-	}
-	if c.TensorParallelSize == 0 {
-		c.TensorParallelSize = 1
-	}
+	d := DefaultConfig()
+	orDefault(&c.SyncEvery, d.SyncEvery)
+	orDefault(&c.RingCapacity, d.RingCapacity)
+	orDefault(&c.GPUMemoryUtilization, d.GPUMemoryUtilization)
+	orDefault(&c.TensorParallelSize, d.TensorParallelSize)
+	orDefault(&c.Breaker, d.Breaker)
+	orDefault(&c.PollInterval, d.PollInterval)
+	orDefault(&c.HandshakeTimeout, d.HandshakeTimeout)
+	orDefault(&c.ResumeTimeout, d.ResumeTimeout)
+	orDefault(&c.ShutdownGrace, d.ShutdownGrace)
+	orDefault(&c.HeartbeatTimeout, d.HeartbeatTimeout)
+	orDefault(&c.StepTimeoutFactor, d.StepTimeoutFactor)
+	orDefault(&c.StepTimeoutMin, d.StepTimeoutMin)
+	orDefault(&c.StepTimeoutDefault, d.StepTimeoutDefault)
+	orDefault(&c.MaxFailoverRecords, d.MaxFailoverRecords)
+	orDefault(&c.FailbackBaseBackoff, d.FailbackBaseBackoff)
+	orDefault(&c.FailbackMaxBackoff, d.FailbackMaxBackoff)
+	orDefault(&c.HandoffTimeout, d.HandoffTimeout)
+	orDefault(&c.MPSRecoveryWindow, d.MPSRecoveryWindow)
+	orDefault(&c.Spares, d.Spares)
+	orDefault(&c.Device, "cpu")
+	orDefault(&c.Memory, DefaultMemory(c.Device))
 	if c.BaseEnv == nil {
 		c.BaseEnv = os.Environ()
 	}
 }
 
-func (c *Config) validate() error {
+// orDefault sets *v to d when *v is its type's zero value.
+func orDefault[T comparable](v *T, d T) {
+	var zero T
+	if *v == zero {
+		*v = d
+	}
+}
+
+// Validate checks a deployment as given, before anything starts: frmps serve
+// calls it on its options (Auto and an empty Model are accepted: serve
+// resolves them), New on the Config it runs. Zero values are taken as given,
+// not as defaults (New fills those first). The error names each setting as
+// frmps serve's flags do.
+func (c *Config) Validate() error {
 	switch {
-	case c.Model == "":
-		return errors.New("model is required")
 	case c.Engine == "":
-		return errors.New("engine is required")
-	case c.Memory != "host-shm" && c.Memory != "cuda-vmm":
-		return fmt.Errorf("memory %q: want host-shm or cuda-vmm", c.Memory)
-	case c.Device != "" && c.Device != "cpu" && c.Device != "cuda":
-		return fmt.Errorf("device %q: want cpu or cuda", c.Device)
-	case c.Spare != "" && c.Spare != "auto" && c.Spare != "on" && c.Spare != "off":
-		return fmt.Errorf("spare %q: want auto, on or off", c.Spare)
-	case c.Spares < 0 || c.Spares > MaxSpares:
-		return fmt.Errorf("spares %d: want 1 to %d", c.Spares, MaxSpares)
+		return errors.New("--engine is empty: give auto, ref, vllm or an adapter factory")
+	case c.SyncEvery == 0:
+		return errors.New("--sync-every must be at least 1")
+	case !(c.GPUMemoryUtilization > 0 && c.GPUMemoryUtilization <= 1): // NaN too
+		return fmt.Errorf("--gpu-memory-utilization %v: want a fraction in (0, 1], e.g. 0.9", c.GPUMemoryUtilization)
+	case c.Spare != "" && c.Spare != Auto && c.Spare != "on" && c.Spare != "off":
+		return fmt.Errorf("--spare %q: want auto, on or off", c.Spare)
+	case c.Spares < 1 || c.Spares > MaxSpares:
+		return fmt.Errorf("--spares %d: want 1 to %d", c.Spares, MaxSpares)
 	case c.TensorParallelSize < 1:
-		return fmt.Errorf("tensor parallel size %d: want at least 1", c.TensorParallelSize)
-	case c.RingCapacity < 4096:
-		return fmt.Errorf("ring capacity %d is below 4096 bytes", c.RingCapacity)
+		return fmt.Errorf("--tensor-parallel-size %d: want at least 1", c.TensorParallelSize)
 	case c.PrimeFaultPath && (c.NoMPS || c.MPSPipeDir != ""):
-		return errors.New("priming the fault path needs frmps's own MPS daemon: with the operator's daemon the deliberate fault would kill its other clients, and without MPS there is nothing to prime")
+		return errors.New("--prime-fault-path needs frmps's own MPS daemon: with the operator's daemon (--mps-pipe-dir) the deliberate fault would kill its other clients, and without MPS (--no-mps) there is nothing to prime")
 	case c.FailbackDelay < 0 || c.FailbackBaseBackoff < 0 || c.FailbackMaxBackoff < c.FailbackBaseBackoff:
-		return fmt.Errorf("failback timing: want 0 <= delay (%s), 0 <= base backoff (%s) <= max backoff (%s)", c.FailbackDelay, c.FailbackBaseBackoff, c.FailbackMaxBackoff)
+		return fmt.Errorf("failback timing: want 0 <= --failback-delay (%s), 0 <= base backoff (%s) <= max backoff (%s)", c.FailbackDelay, c.FailbackBaseBackoff, c.FailbackMaxBackoff)
 	case c.MPSPipeDir != "" && c.NoMPS:
-		return errors.New("an MPS pipe directory to join and no MPS: choose one")
+		return errors.New("--mps-pipe-dir joins an MPS daemon, --no-mps runs without one: choose one")
 	case c.MPSPipeDir != "" && !filepath.IsAbs(c.MPSPipeDir):
-		return fmt.Errorf("MPS pipe directory %q: want an absolute path", c.MPSPipeDir)
+		return fmt.Errorf("--mps-pipe-dir %q: want an absolute path", c.MPSPipeDir)
 	case c.MPSLogDir != "" && c.MPSPipeDir == "":
-		return errors.New("an MPS log directory is for a joined daemon: give its pipe directory too")
-	case c.StepTimeoutFactor < 1:
-		return fmt.Errorf("step timeout factor %g: want at least 1 (a step may take what the engine expects)", c.StepTimeoutFactor)
-	case c.StepTimeoutMin < 0 || c.StepTimeoutDefault < 0:
-		return fmt.Errorf("step timeouts %s / %s: want positive durations", c.StepTimeoutMin, c.StepTimeoutDefault)
+		return errors.New("--mps-log-dir names the joined daemon's log directory: give --mps-pipe-dir too")
+	case c.HeartbeatTimeout == 0:
+		return errors.New("--heartbeat-timeout 0: give a duration (negative disables hang detection)")
+	case !(c.StepTimeoutFactor >= 1) || c.StepTimeoutMin <= 0 || c.StepTimeoutDefault <= 0: // NaN too
+		return fmt.Errorf("--step-timeout-factor %g / --step-timeout-min %s / --step-timeout-default %s: want a factor of at least 1 and positive durations",
+			c.StepTimeoutFactor, c.StepTimeoutMin, c.StepTimeoutDefault)
+	}
+	if err := ringbuf.CheckCapacity(c.RingCapacity); err != nil {
+		return fmt.Errorf("--ring-capacity: %w", err)
 	}
 	if err := c.Breaker.Validate(); err != nil {
+		return fmt.Errorf("crash-loop breaker (--max-restarts %d, --restart-window %s): %w", c.Breaker.MaxRestarts, c.Breaker.Window, err)
+	}
+	return CheckPlacement(c.Device, c.Memory)
+}
+
+// CheckPlacement is the rule for a device and a memory backend: each one of
+// its values or Auto, and, once both are known, a pairing the engines can
+// run: GPU pools on a GPU, host pools on the CPU.
+func CheckPlacement(device, memory string) error {
+	switch device {
+	case Auto, "cpu", "cuda":
+	default:
+		return fmt.Errorf("--device %q: want auto, cpu or cuda", device)
+	}
+	switch memory {
+	case Auto, "host-shm", "cuda-vmm":
+	default:
+		return fmt.Errorf("--memory %q: want auto, host-shm or cuda-vmm", memory)
+	}
+	switch {
+	case device == Auto || memory == Auto:
+	case memory == "host-shm" && device == "cuda":
+		return errors.New("--memory host-shm keeps the pools in host memory, which a GPU engine cannot use: --memory cuda-vmm (or auto) with --device cuda")
+	case memory == "cuda-vmm" && device != "cuda":
+		return errors.New("--memory cuda-vmm maps the pools in GPU memory: it needs --device cuda (or --memory host-shm on the CPU)")
+	}
+	return nil
+}
+
+// validate is Validate for a Config that is about to run: everything
+// resolved, a model named.
+func (c *Config) validate() error {
+	if err := c.Validate(); err != nil {
 		return err
+	}
+	for _, v := range []struct{ name, value string }{{"--device", c.Device}, {"--memory", c.Memory}, {"--engine", c.Engine}} {
+		if v.value == Auto {
+			return fmt.Errorf("%s auto is resolved from the host by frmps serve: give a value", v.name)
+		}
+	}
+	if c.Model == "" {
+		return errors.New("--model is empty: give a preset name or a model directory")
 	}
 	return nil
 }

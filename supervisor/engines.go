@@ -17,9 +17,9 @@ import (
 )
 
 // One goroutine per engine process (runEngine): the handshake, then the
-// control-socket reader until the socket closes. They own no Supervisor
-// state: they write their slot's mu-guarded fields and report to the loop
-// through post.
+// control-socket reader until the socket closes. They own no loop state:
+// they write their slot's mu-guarded fields, read the pair's broker and
+// block count under its mu, and report to the loop through post.
 
 // slot is one engine process and its control connection.
 type slot struct {
@@ -51,8 +51,7 @@ type slot struct {
 	// groupPending: died() fenced this engine's leader only (one rank); its
 	// group is fenced once the step that took the death up has sent the Resume.
 	groupPending bool
-	deathClass   string   // the class died() was given (a drill, a stall): no exit to classify
-	probe        cpuProbe // CPU waits during a hang suspicion (hang.go)
+	deathClass   string // the class died() was given (a drill, a stall): no exit to classify
 	gen          frmpsv1.GenerationClient
 	genC         io.Closer
 }
@@ -79,18 +78,18 @@ func (sl *slot) getConn() ControlConn {
 
 // runEngine shakes hands with one engine, then reads its messages until the
 // socket closes (= death).
-func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
-	hctx, cancel := context.WithTimeout(ctx, s.cfg.HandshakeTimeout)
-	conn, err := s.handshake(hctx, sl)
+func (p *pair) runEngine(ctx context.Context, sl *slot) {
+	hctx, cancel := context.WithTimeout(ctx, p.cfg.HandshakeTimeout)
+	conn, err := p.handshake(hctx, sl)
 	cancel()
 	if err != nil {
 		if ctx.Err() == nil {
-			s.post(event{kind: evDied, slot: sl, cause: err.Error(), at: time.Now()})
+			p.post(event{kind: evDied, slot: sl, cause: err.Error(), at: time.Now()})
 		}
 		return
 	}
-	s.learnModelLimit(ctx, sl)
-	s.post(event{kind: evReady, slot: sl, at: time.Now()})
+	p.learnModelLimit(ctx, sl)
+	p.post(event{kind: evReady, slot: sl, at: time.Now()})
 	for {
 		env, fds, err := conn.Recv()
 		closeFDs(fds) // no message after the handshake carries fds to us
@@ -100,12 +99,12 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 			if !errors.Is(err, io.EOF) {
 				cause = "control socket: " + err.Error()
 			}
-			s.post(event{kind: evDied, slot: sl, cause: cause, at: now})
+			p.post(event{kind: evDied, slot: sl, cause: cause, at: now})
 			return
 		}
 		switch m := env.GetMsg().(type) {
 		case *frmpsv1.Envelope_Reply:
-			s.post(event{kind: evReply, slot: sl, id: env.GetId(), reply: m.Reply, at: time.Now()})
+			p.post(event{kind: evReply, slot: sl, id: env.GetId(), reply: m.Reply, at: time.Now()})
 		case *frmpsv1.Envelope_Fault:
 			now := time.Now()
 			sl.mu.Lock()
@@ -115,7 +114,7 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 			if t := m.Fault.GetUnixNanos(); t > 0 {
 				args = append(args, "reported_after", now.Sub(time.Unix(0, int64(t))))
 			}
-			s.log.Warn("engine reports a fault", args...)
+			p.log.Warn("engine reports a fault", args...)
 		case *frmpsv1.Envelope_Heartbeat:
 			now, hb := time.Now(), m.Heartbeat
 			sl.mu.Lock()
@@ -132,12 +131,12 @@ func (s *Supervisor) runEngine(ctx context.Context, sl *slot) {
 			sl.waiting = hb.GetWaiting()
 			sl.mu.Unlock()
 		default:
-			s.log.Warn("unexpected control message", "role", sl.roleNow(), "type", fmt.Sprintf("%T", m))
+			p.log.Warn("unexpected control message", "role", sl.roleNow(), "type", fmt.Sprintf("%T", m))
 		}
 	}
 }
 
-func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, error) {
+func (p *pair) handshake(ctx context.Context, sl *slot) (ControlConn, error) {
 	conn, err := sl.listener.Accept(ctx, sl.proc.PID())
 	if err != nil {
 		return nil, fmt.Errorf("accept control connection: %w", err)
@@ -156,7 +155,7 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 	}
 	hello := env.GetHello()
 	if hello == nil {
-		return nil, s.refuse(sl, conn, fmt.Sprintf("first message must be hello, got %T", env.GetMsg()))
+		return nil, p.refuse(sl, conn, fmt.Sprintf("first message must be hello, got %T", env.GetMsg()))
 	}
 	sl.mu.Lock()
 	sl.hello = hello
@@ -165,26 +164,30 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 	var pools []*frmpsv1.Pool
 	if sl.role == failover.Standby {
 		wantRole = frmpsv1.Role_ROLE_STANDBY
-		pools = s.brokerPools()
+		pools = p.brokerPools()
 	}
 	// The protocol version, role, pid, model and pool layout (control.ValidateHello).
-	if err := s.deps.ValidateHello(hello, HelloExpect{Role: wantRole, PID: sl.proc.PID(), Model: s.cfg.Model, Pools: pools}); err != nil {
-		return nil, s.refuse(sl, conn, err.Error())
+	if err := p.deps.ValidateHello(hello, HelloExpect{Role: wantRole, PID: sl.proc.PID(), Model: p.cfg.Model, Pools: pools}); err != nil {
+		return nil, p.refuse(sl, conn, err.Error())
 	}
 	if sl.role == failover.Active {
-		s.pinBlocks(hello.GetNumBlocks())
+		p.pinBlocks(hello.GetNumBlocks())
+		if p.sizeRing != nil && !p.ringNamed.Load() {
+			p.sizeRing(hello.GetRingRecordBytes())
+		}
 	}
 	welcome := &frmpsv1.Welcome{Accepted: true, ProtocolVersion: control.ProtocolVersion,
-		SyncEvery: s.cfg.SyncEvery, DeploymentId: s.deployID,
-		HeartbeatIntervalMs: uint32(s.cfg.hangPolicy().beatInterval().Milliseconds())}
+		SyncEvery: p.cfg.SyncEvery, DeploymentId: p.deployID,
+		HeartbeatIntervalMs: uint32(p.beat.Milliseconds())}
 	if sl.role == failover.Active {
-		welcome.RingPath = s.ringPath
+		welcome.RingPath = p.ringPath
+		p.ringNamed.Store(true)
 	}
 	if err := conn.Send(&frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Welcome{Welcome: welcome}}, nil); err != nil {
 		return nil, fmt.Errorf("send welcome: %w", err)
 	}
 	if sl.role == failover.Standby {
-		brokered, fds := s.brokerPools(), s.brokerFDs()
+		brokered, fds := p.brokerPools(), p.brokerFDs()
 		if err := conn.Send(&frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Sleep{Sleep: &frmpsv1.Sleep{Pools: brokered}}}, fds); err != nil {
 			return nil, fmt.Errorf("send sleep: %w", err)
 		}
@@ -199,18 +202,18 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 		case *frmpsv1.Envelope_PoolExport:
 			if sl.role != failover.Active {
 				closeFDs(fds)
-				return nil, s.refuse(sl, conn, "pool export from a standby")
+				return nil, p.refuse(sl, conn, "pool export from a standby")
 			}
-			if err := s.brokerPut(m.PoolExport.GetPools(), fds); err != nil {
-				return nil, s.refuse(sl, conn, "pool export: "+err.Error())
+			if err := p.brokerPut(m.PoolExport.GetPools(), fds); err != nil {
+				return nil, p.refuse(sl, conn, "pool export: "+err.Error())
 			}
 		case *frmpsv1.Envelope_Ready:
 			closeFDs(fds)
-			if sl.role == failover.Active && len(s.brokerPools()) == 0 {
-				return nil, s.refuse(sl, conn, "ready before exporting any pool")
+			if sl.role == failover.Active && len(p.brokerPools()) == 0 {
+				return nil, p.refuse(sl, conn, "ready before exporting any pool")
 			}
 			if r := m.Ready.GetRole(); r != wantRole {
-				return nil, s.refuse(sl, conn, fmt.Sprintf("ready as %s, launched as %s", r, wantRole))
+				return nil, p.refuse(sl, conn, fmt.Sprintf("ready as %s, launched as %s", r, wantRole))
 			}
 			sl.mu.Lock()
 			sl.initTook = time.Duration(m.Ready.GetInitNs())
@@ -225,33 +228,62 @@ func (s *Supervisor) handshake(ctx context.Context, sl *slot) (ControlConn, erro
 	}
 }
 
+// generationEndpoint is where a handshaken engine serves its generation API.
+func (sl *slot) generationEndpoint() string {
+	sl.mu.Lock()
+	defer sl.mu.Unlock()
+	if ep := sl.hello.GetGenerationEndpoint(); ep != "" {
+		return ep
+	}
+	return "unix://" + sl.genSocket
+}
+
+// learnModelLimit asks a freshly handshaken active for its context limit
+// before it is announced ready, so Model reports the real limit from the
+// moment anything is served. Best effort: on failure the limit is asked
+// again when the engine is published.
+func (p *pair) learnModelLimit(ctx context.Context, sl *slot) {
+	// An engine serving vLLM's API server (EngineCoreInput) has no generation API;
+	// that server reads the engine's limit from its ready message.
+	if p.limit.known() || p.cfg.EngineCoreInput != "" || sl.roleNow() != failover.Active {
+		return
+	}
+	c, closer, err := p.deps.DialGeneration(sl.generationEndpoint())
+	if err != nil {
+		p.log.Debug("generation API for the context limit", "error", err)
+		return
+	}
+	defer closer.Close()
+	p.limit.learn(ctx, c, p.log)
+}
+
 // pinBlocks records the block count an active chose itself (no --num-blocks):
 // every later engine is launched with it. A count given in the configuration,
 // or one already pinned, stays.
-func (s *Supervisor) pinBlocks(n uint64) {
-	if s.cfg.NumBlocks > 0 || n == 0 || n > math.MaxInt32 {
+func (p *pair) pinBlocks(n uint64) {
+	if p.cfg.NumBlocks > 0 || n == 0 || n > math.MaxInt32 {
 		return
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.numBlocks == 0 {
-		s.numBlocks = int(n)
-		s.log.Info("KV block count chosen by the active; every later engine gets it", "num_blocks", n)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.numBlocks == 0 {
+		p.numBlocks = int(n)
+		p.log.Info("KV block count chosen by the active; every later engine gets it", "num_blocks", n)
 	}
 }
 
 // launchBlocks is the --num-blocks of an engine launched now (0: none given).
-func (s *Supervisor) launchBlocks() int {
-	if s.cfg.NumBlocks > 0 {
-		return s.cfg.NumBlocks
+func (p *pair) launchBlocks() int {
+	if p.cfg.NumBlocks > 0 {
+		return p.cfg.NumBlocks
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.numBlocks
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.numBlocks
 }
 
 // refuse answers a refused Welcome (best effort) and returns the reason.
-func (s *Supervisor) refuse(sl *slot, conn ControlConn, reason string) error {
+func (p *pair) refuse(sl *slot, conn ControlConn, reason string) error {
 	// Recorded before the Welcome goes out: the engine may exit, and its exit
 	// be seen, before this goroutine reports the refusal.
 	sl.mu.Lock()
@@ -263,31 +295,67 @@ func (s *Supervisor) refuse(sl *slot, conn ControlConn, reason string) error {
 }
 
 // The broker is swapped only by the loop while no engine is handshaking
-// (cold start); these readers run on engine goroutines.
-func (s *Supervisor) brokerPools() []*frmpsv1.Pool {
-	s.mu.Lock()
-	b := s.broker
-	s.mu.Unlock()
+// (cold start; setup and cleanup, outside the loop); these readers run on
+// engine goroutines.
+
+// openBroker gives the pair its fd broker (setup).
+func (p *pair) openBroker(b Broker) {
+	p.mu.Lock()
+	p.broker = b
+	p.mu.Unlock()
+}
+
+// resetBroker replaces a broker that holds pools with a fresh one: a new
+// active allocates fresh pools, so the old layout and fds go.
+func (p *pair) resetBroker() {
+	old := p.broker
+	if old == nil || len(old.Pools()) == 0 {
+		return
+	}
+	p.mu.Lock()
+	p.broker = p.deps.NewBroker()
+	p.mu.Unlock()
+	if err := old.Close(); err != nil {
+		p.log.Warn("close fd broker", "error", err)
+	}
+}
+
+// closeBroker closes the broker (cleanup); idempotent.
+func (p *pair) closeBroker() {
+	p.mu.Lock()
+	b := p.broker
+	p.broker = nil
+	p.mu.Unlock()
+	if b != nil {
+		if err := b.Close(); err != nil {
+			p.log.Warn("close fd broker", "error", err)
+		}
+	}
+}
+func (p *pair) brokerPools() []*frmpsv1.Pool {
+	p.mu.Lock()
+	b := p.broker
+	p.mu.Unlock()
 	if b == nil {
 		return nil
 	}
 	return b.Pools()
 }
 
-func (s *Supervisor) brokerFDs() []int {
-	s.mu.Lock()
-	b := s.broker
-	s.mu.Unlock()
+func (p *pair) brokerFDs() []int {
+	p.mu.Lock()
+	b := p.broker
+	p.mu.Unlock()
 	if b == nil {
 		return nil
 	}
 	return b.FDs()
 }
 
-func (s *Supervisor) brokerPut(pools []*frmpsv1.Pool, fds []int) error {
-	s.mu.Lock()
-	b := s.broker
-	s.mu.Unlock()
+func (p *pair) brokerPut(pools []*frmpsv1.Pool, fds []int) error {
+	p.mu.Lock()
+	b := p.broker
+	p.mu.Unlock()
 	if b == nil {
 		closeFDs(fds)
 		return errors.New("broker closed")

@@ -2,7 +2,12 @@ package supervisor
 
 import (
 	"fmt"
+	"sync"
 	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"google.golang.org/protobuf/proto"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
@@ -19,7 +24,7 @@ import (
 // is ready; after a failed one the next waits FailbackBaseBackoff doubled per
 // consecutive failure, up to FailbackMaxBackoff.
 
-// handoverRun is the planned handover in progress (loop-owned).
+// handoverRun is the planned handover in progress.
 type handoverRun struct {
 	started   time.Time
 	handoffID uint64
@@ -29,8 +34,21 @@ type handoverRun struct {
 	failure   string    // why it went to restoring, if it did
 }
 
-// failbackPolicy is the loop-owned schedule of handovers.
-type failbackPolicy struct {
+// failback owns the schedule of handovers and the handover in progress
+// (loop-owned), and what Status shows of them (under mu). It decides and
+// records; the loop moves the engines and feeds the machine.
+type failback struct {
+	// enabled: MPS runs and failback is not turned off (set before the loop).
+	enabled bool
+	delay   time.Duration // Config.FailbackDelay
+	base    time.Duration // Config.FailbackBaseBackoff
+	max     time.Duration // Config.FailbackMaxBackoff
+	timeout time.Duration // Config.HandoffTimeout
+	log     hclog.Logger
+	metrics *metrics
+	post    func(event) // to the loop, from the timers
+
+	handover  *handoverRun
 	timer     *time.Timer
 	seq       uint64
 	due       time.Time
@@ -43,248 +61,216 @@ type failbackPolicy struct {
 	// lostAt: when an active inside MPS died, until a failback puts an active back
 	// inside MPS (frmps_placement_restore_seconds); zero while the placement holds.
 	lostAt time.Time
+
+	mu     sync.Mutex
+	status *frmpsv1.Failback
+	// firstToken: the last handover's Handoff sent -> first resumed token.
+	firstToken float64
 }
 
-// placementInverted: the active runs outside MPS and a ready standby inside.
-func (s *Supervisor) placementInverted() bool {
-	a, sb := s.active, s.standby
-	return a != nil && sb != nil && !a.dead && !sb.dead && !a.inMPS && sb.inMPS && sb.state == "ready"
+// lost notes that an active inside MPS died at at (the placement is lost
+// until a handover restores it).
+func (fb *failback) lost(at time.Time) {
+	if fb.lostAt.IsZero() {
+		fb.lostAt = at
+	}
 }
 
-// maybeScheduleHandover arms the failback timer when the placement is
-// inverted in serving_ready, and drops it otherwise. Called after every event.
-func (s *Supervisor) maybeScheduleHandover() {
-	st, _ := s.machine.State()
-	want := s.mps != nil && !s.cfg.NoFailback && st == failover.ServingReady && s.placementInverted()
-	p := &s.failback
+// schedule arms the handover timer when want (the placement is inverted in
+// serving_ready), and drops it otherwise. Called after every event.
+func (fb *failback) schedule(want bool) {
+	want = want && fb.enabled
 	if !want {
-		if p.timer != nil {
-			p.timer.Stop()
-			p.timer = nil
-			p.due = time.Time{}
+		if fb.timer != nil {
+			fb.timer.Stop()
+			fb.timer = nil
+			fb.due = time.Time{}
 		}
 		return
 	}
-	if p.timer != nil {
+	if fb.timer != nil {
 		return
 	}
-	delay := s.cfg.FailbackDelay
-	if p.failures > 0 {
-		delay = s.cfg.FailbackBaseBackoff
-		for i := 1; i < p.failures && delay < s.cfg.FailbackMaxBackoff; i++ {
-			delay *= 2
-		}
-		delay = min(delay, s.cfg.FailbackMaxBackoff)
-	}
-	p.seq++
-	seq := p.seq
-	p.due = time.Now().Add(delay)
-	p.timer = time.AfterFunc(delay, func() { s.post(event{kind: evHandoverDue, id: seq, at: time.Now()}) })
-	s.syncFailback()
+	delay := fb.backoff()
+	fb.seq++
+	seq := fb.seq
+	fb.due = time.Now().Add(delay)
+	fb.timer = time.AfterFunc(delay, func() { fb.post(event{kind: evHandoverDue, id: seq, at: time.Now()}) })
 }
 
-// handoverDue starts the handover if the policy's timer is current and the
-// placement is still inverted.
-func (s *Supervisor) handoverDue(ev event) {
-	p := &s.failback
-	if p.timer == nil || ev.id != p.seq {
-		return
+// backoff is the wait before the next handover: FailbackDelay, or after
+// failed ones the base backoff doubled per consecutive failure, capped.
+func (fb *failback) backoff() time.Duration {
+	if fb.failures == 0 {
+		return fb.delay
 	}
-	p.timer, p.due = nil, time.Time{}
-	if !s.placementInverted() {
-		return
+	delay := fb.base
+	for i := 1; i < fb.failures && delay < fb.max; i++ {
+		delay *= 2
 	}
-	s.step(failover.Event{Kind: failover.HandoverDue, At: ev.at,
-		Cause: fmt.Sprintf("active pid %d outside MPS, standby pid %d inside", s.active.proc.PID(), s.standby.proc.PID())})
+	return min(delay, fb.max)
 }
 
-// sendHandoff asks the active to yield (action SendHandoff).
-func (s *Supervisor) sendHandoff() {
-	a := s.active
-	s.resumeSeq++
-	ho := &handoverRun{started: time.Now(), handoffID: s.resumeSeq}
-	s.handover = ho
+// fire takes the timer's event (evHandoverDue): true when it is the timer
+// armed now, which it then disarms.
+func (fb *failback) fire(ev event) bool {
+	if fb.timer == nil || ev.id != fb.seq {
+		return false
+	}
+	fb.timer, fb.due = nil, time.Time{}
+	return true
+}
+
+// sendHandoff asks the active a to yield (action SendHandoff), as command
+// id; "" when sent, else why the handover failed.
+func (fb *failback) sendHandoff(a, standby *slot, id uint64) (failed string) {
+	ho := &handoverRun{started: time.Now(), handoffID: id}
+	fb.handover = ho
 	var conn ControlConn
 	if a != nil {
 		conn = a.getConn()
 	}
 	if conn == nil {
-		s.raise(failover.Event{Kind: failover.HandoffFailed, At: time.Now(), Cause: "the active has no control connection"})
-		return
+		return "the active has no control connection"
 	}
-	id := ho.handoffID
-	ho.timer = time.AfterFunc(s.cfg.HandoffTimeout, func() { s.post(event{kind: evHandoffTimeout, id: id, at: time.Now()}) })
+	ho.timer = time.AfterFunc(fb.timeout, func() { fb.post(event{kind: evHandoffTimeout, id: id, at: time.Now()}) })
 	if err := conn.Send(&frmpsv1.Envelope{Id: id, Msg: &frmpsv1.Envelope_Handoff{Handoff: &frmpsv1.Handoff{}}}, nil); err != nil {
 		ho.timer.Stop()
-		s.raise(failover.Event{Kind: failover.HandoffFailed, At: time.Now(), Cause: "send handoff: " + err.Error()})
-		return
+		return "send handoff: " + err.Error()
 	}
-	s.log.Info("failback: handing over", "from_pid", a.proc.PID(), "to_pid", s.standby.proc.PID())
+	fb.log.Info("failback: handing over", "from_pid", a.proc.PID(), "to_pid", standby.proc.PID())
+	return ""
 }
 
-// handoffReply handles the active's answer to Handoff; false if ev is not it.
-func (s *Supervisor) handoffReply(ev event) bool {
-	ho := s.handover
-	if ho == nil || ho.handoffID != ev.id || ev.slot != s.active {
-		return false
+// reply takes the active's answer to Handoff (evReply from active): the
+// machine event it makes, or ok false if ev is not that answer.
+func (fb *failback) reply(ev event, active *slot) (fev failover.Event, ok bool) {
+	ho := fb.handover
+	if ho == nil || ho.handoffID != ev.id || ev.slot != active {
+		return fev, false
 	}
 	ho.timer.Stop()
 	if !ev.reply.GetOk() {
-		s.step(failover.Event{Kind: failover.HandoffFailed, At: ev.at, Cause: ev.reply.GetError()})
-		return true
+		return failover.Event{Kind: failover.HandoffFailed, At: ev.at, Cause: ev.reply.GetError()}, true
 	}
 	ho.yielded = ev.at
 	ev.slot.setState("ready") // asleep with the pools mapped, as a standby
-	s.metrics.up(failover.Active, false)
-	s.step(failover.Event{Kind: failover.HandoffDone, At: ev.at, Cause: fmt.Sprintf("yielded in %s", time.Duration(ev.reply.GetTookNs()))})
-	return true
+	fb.metrics.up(failover.Active, false)
+	return failover.Event{Kind: failover.HandoffDone, At: ev.at, Cause: fmt.Sprintf("yielded in %s", time.Duration(ev.reply.GetTookNs()))}, true
 }
 
-// handoffTimeout: an active that does not yield in time is wedged: fence it,
-// which the machine turns into a failover to the standby.
-func (s *Supervisor) handoffTimeout(ev event) {
-	ho := s.handover
-	if ho == nil || ho.handoffID != ev.id || !ho.yielded.IsZero() {
-		return
-	}
-	s.died(s.active, fmt.Sprintf("stalled: no reply to handoff within %s", s.cfg.HandoffTimeout), ev.at, classStalled)
+// timedOut: Handoff got no reply in time (evHandoffTimeout): the active,
+// which has not yielded, is wedged.
+func (fb *failback) timedOut(ev event) bool {
+	ho := fb.handover
+	return ho != nil && ho.handoffID == ev.id && ho.yielded.IsZero()
 }
 
-// swap makes the resumed standby the active and the yielded active the
-// standby (action Swap).
-func (s *Supervisor) swap() {
-	yielded, next := s.active, s.standby
-	s.active, s.standby = next, nil
-	next.mu.Lock()
-	next.role = failover.Active
-	next.beats.stepSince = time.Now() // it slept until now
-	next.mu.Unlock()
-	next.setState("serving")
-	if yielded != nil && !yielded.dead {
-		yielded.mu.Lock()
-		yielded.role = failover.Standby
-		yielded.beats = beats{} // asleep: judged afresh once it serves again
-		yielded.mu.Unlock()
-		s.standby = yielded
-	} else if yielded != nil {
-		s.retire(yielded)
+// swapped notes that the roles were swapped: the handover succeeded.
+func (fb *failback) swapped() {
+	if fb.handover != nil {
+		fb.handover.swapped = true
 	}
-	s.metrics.up(failover.Active, true)
-	s.metrics.up(failover.Standby, s.standby != nil)
-	if s.handover != nil {
-		s.handover.swapped = true
-	}
-	s.publish(s.active)
 }
 
-// noteHandoverStep remembers why a handover turned to restoring the yielded engine.
-func (s *Supervisor) noteHandoverStep(tr failover.Transition) {
-	if ho := s.handover; ho != nil && ho.failure == "" && tr.To == failover.HandingOver && s.machine.Handover() == failover.Restoring {
+// noteStep remembers why a handover turned to restoring the yielded engine.
+func (fb *failback) noteStep(tr failover.Transition, phase failover.HandoverPhase) {
+	if ho := fb.handover; ho != nil && ho.failure == "" && tr.To == failover.HandingOver && phase == failover.Restoring {
 		ho.failure = tr.Cause
 	}
 }
 
-// endHandover records how a handover ended once the machine left
-// HandingOver; ok when the roles were swapped.
-func (s *Supervisor) endHandover(tr failover.Transition) {
-	ho := s.handover
+// end records how a handover ended once the machine left HandingOver; the
+// active is the engine serving after it. ok: the roles were swapped, and
+// started is when the handover began (its first resumed token ends the
+// clients' pause).
+func (fb *failback) end(tr failover.Transition, active *slot) (started time.Time, ok bool) {
+	ho := fb.handover
 	if ho == nil {
-		return
+		return time.Time{}, false
 	}
-	s.handover = nil
+	fb.handover = nil
 	if ho.timer != nil {
 		ho.timer.Stop()
 	}
-	p := &s.failback
 	now := time.Now()
-	p.lastAt, p.lastDur = now, now.Sub(ho.started)
-	if ho.swapped {
-		p.failures, p.lastErr = 0, ""
-		p.succeeded++
-		s.metrics.failback(true, p.lastDur)
-		restored := time.Duration(0)
-		if !p.lostAt.IsZero() {
-			restored = now.Sub(p.lostAt)
-			p.lostAt = time.Time{}
-			s.metrics.placementRestored(restored)
-		}
-		if restored > 0 {
-			s.log.Info("failback done: the active runs in MPS again", "duration", p.lastDur, "active_pid", s.active.proc.PID(),
-				"placement_restored_after", restored)
-		} else { // no failover lost the placement before this handover
-			s.log.Info("failback done: the active runs in MPS", "duration", p.lastDur, "active_pid", s.active.proc.PID())
-		}
-		s.noteHandoverForFirstToken(ho.started)
-	} else {
-		p.failures++
-		p.failed++
-		p.lastErr = tr.Cause
+	fb.lastAt, fb.lastDur = now, now.Sub(ho.started)
+	if !ho.swapped {
+		fb.failures++
+		fb.failed++
+		fb.lastErr = tr.Cause
 		if ho.failure != "" {
-			p.lastErr = ho.failure
+			fb.lastErr = ho.failure
 		}
-		s.metrics.failback(false, p.lastDur)
-		s.log.Warn("failback did not complete", "cause", tr.Cause, "consecutive_failures", p.failures)
+		fb.metrics.failback(false, fb.lastDur)
+		fb.log.Warn("failback did not complete", "cause", tr.Cause, "consecutive_failures", fb.failures)
+		return time.Time{}, false
 	}
-	s.syncFailback()
+	fb.failures, fb.lastErr = 0, ""
+	fb.succeeded++
+	fb.metrics.failback(true, fb.lastDur)
+	restored := time.Duration(0)
+	if !fb.lostAt.IsZero() {
+		restored = now.Sub(fb.lostAt)
+		fb.lostAt = time.Time{}
+		fb.metrics.placementRestored(restored)
+	}
+	if restored > 0 {
+		fb.log.Info("failback done: the active runs in MPS again", "duration", fb.lastDur, "active_pid", active.proc.PID(),
+			"placement_restored_after", restored)
+	} else { // no failover lost the placement before this handover
+		fb.log.Info("failback done: the active runs in MPS", "duration", fb.lastDur, "active_pid", active.proc.PID())
+	}
+	return ho.started, true
 }
 
-// noteHandoverForFirstToken: the front door's first resumed token on the new
-// generation ends the client-visible pause of this handover.
-func (s *Supervisor) noteHandoverForFirstToken(started time.Time) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.awaitingFirstToken == nil {
-		s.awaitingFirstToken = make(map[uint64]pendingFirstToken)
+// noteFirstToken records the last handover's time to its first resumed token.
+func (fb *failback) noteFirstToken(seconds float64) {
+	fb.mu.Lock()
+	defer fb.mu.Unlock()
+	fb.firstToken = seconds
+	if fb.status != nil {
+		fb.status.LastFirstTokenSeconds = seconds
 	}
-	s.awaitingFirstToken[s.generation] = pendingFirstToken{detected: started, set: func(v float64) {
-		s.failbackFirstTokenSeconds = v
-		if s.failbackStatus != nil {
-			s.failbackStatus.LastFirstTokenSeconds = v
-		}
-	}}
 }
 
-// syncFailback publishes the policy's state for Status.
-func (s *Supervisor) syncFailback() {
-	p := &s.failback
-	st, _ := s.machine.State()
+// sync publishes the policy's state for Status, in machine state st and
+// handover phase; placementOK says whether the active runs in MPS.
+func (fb *failback) sync(st failover.State, phase failover.HandoverPhase, placementOK bool) {
 	v := &frmpsv1.Failback{
-		Enabled: s.mps != nil && !s.cfg.NoFailback, Succeeded: p.succeeded, Failed: p.failed,
-		ConsecutiveFailures: uint32(p.failures), LastError: p.lastErr, LastDurationSeconds: p.lastDur.Seconds(),
-		PlacementOk: s.placementOK(),
+		Enabled: fb.enabled, Succeeded: fb.succeeded, Failed: fb.failed,
+		ConsecutiveFailures: uint32(fb.failures), LastError: fb.lastErr, LastDurationSeconds: fb.lastDur.Seconds(),
+		PlacementOk: placementOK,
 	}
-	if !p.lastAt.IsZero() {
-		v.LastUnixNanos = p.lastAt.UnixNano()
+	if !fb.lastAt.IsZero() {
+		v.LastUnixNanos = fb.lastAt.UnixNano()
 	}
 	switch {
 	case !v.Enabled:
 		v.State = "disabled"
 	case st == failover.HandingOver:
-		v.State = "handing_over:" + s.machine.Handover().String()
-	case p.timer != nil:
+		v.State = "handing_over:" + phase.String()
+	case fb.timer != nil:
 		v.State = "scheduled"
-		v.NextAttemptUnixNanos = p.due.UnixNano()
+		v.NextAttemptUnixNanos = fb.due.UnixNano()
 	case v.PlacementOk:
 		v.State = "idle"
 	default:
 		v.State = "waiting" // placement inverted, standby not ready yet (or not serving_ready)
 	}
-	s.mu.Lock()
-	v.LastFirstTokenSeconds = s.failbackFirstTokenSeconds
-	s.failbackStatus = v
-	s.mu.Unlock()
-	s.metrics.placement(v.PlacementOk)
+	fb.mu.Lock()
+	v.LastFirstTokenSeconds = fb.firstToken
+	fb.status = v
+	fb.mu.Unlock()
+	fb.metrics.placement(v.PlacementOk)
 }
 
-// placementOK: the active runs in MPS and the standby (if any) outside it,
-// or MPS is off.
-func (s *Supervisor) placementOK() bool {
-	if s.mps == nil {
-		return true
+// shown is what Status shows of failback (a copy; nil before the first sync).
+func (fb *failback) shown() *frmpsv1.Failback {
+	fb.mu.Lock()
+	defer fb.mu.Unlock()
+	if fb.status == nil {
+		return nil
 	}
-	a, sb := s.active, s.standby
-	if a == nil || a.dead || !a.inMPS {
-		return false
-	}
-	return sb == nil || sb.dead || !sb.inMPS
+	return proto.Clone(fb.status).(*frmpsv1.Failback)
 }

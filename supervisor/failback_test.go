@@ -14,6 +14,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
@@ -427,4 +428,121 @@ func TestPrimeFaultPathNeedsOwnDaemon(t *testing.T) {
 			t.Fatalf("want a refusal, got %v", err)
 		}
 	}
+}
+
+// newFailback is a failback owner on its own: its timers' events go to the
+// returned channel instead of a loop.
+func newFailback(t *testing.T) (*failback, chan event) {
+	t.Helper()
+	m, err := newMetrics(nil, "m")
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := make(chan event, 8)
+	return &failback{enabled: true, delay: 5 * time.Second, base: time.Second, max: 5 * time.Second, timeout: time.Second,
+		log: hclog.NewNullLogger(), metrics: m, post: func(ev event) { events <- ev }}, events
+}
+
+// The first handover waits FailbackDelay; after failed ones the base backoff
+// doubles per consecutive failure up to the cap, and a success resets it.
+// A timer dropped or replaced fires nothing that counts.
+func TestFailbackScheduleBacksOffAndDropsStaleTimers(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		fb, events := newFailback(t)
+		fb.schedule(false)
+		if fb.timer != nil {
+			t.Fatal("armed without an inverted placement")
+		}
+		fb.enabled = false
+		fb.schedule(true)
+		if fb.timer != nil {
+			t.Fatal("armed while failback is off")
+		}
+		fb.enabled = true
+		var waits []time.Duration
+		sl := &slot{proc: deadProcess{}}
+		for range 5 {
+			t0 := time.Now()
+			fb.schedule(true)
+			fb.schedule(true) // armed once
+			ev := <-events
+			waits = append(waits, time.Since(t0))
+			if !fb.fire(ev) || fb.fire(ev) {
+				t.Fatal("the armed timer's event did not fire exactly once")
+			}
+			fb.handover = &handoverRun{started: time.Now()} // one that fails
+			fb.end(failover.Transition{Cause: "refused"}, sl)
+		}
+		want := []time.Duration{5 * time.Second, time.Second, 2 * time.Second, 4 * time.Second, 5 * time.Second}
+		if !slices.Equal(waits, want) {
+			t.Fatalf("waits %v, want %v", waits, want)
+		}
+		fb.handover = &handoverRun{started: time.Now(), swapped: true}
+		if _, ok := fb.end(failover.Transition{}, sl); !ok || fb.failures != 0 || fb.backoff() != 5*time.Second {
+			t.Fatalf("after a success: ok %v, %d failures, next wait %s", ok, fb.failures, fb.backoff())
+		}
+
+		fb.schedule(true)
+		dropped := fb.seq
+		fb.schedule(false) // the placement held after all: dropped
+		fb.schedule(true)
+		// A dropped timer that fired before it was stopped: its event is stale.
+		if fb.fire(event{kind: evHandoverDue, id: dropped}) {
+			t.Fatal("a dropped timer's event fired")
+		}
+		if ev := <-events; !fb.fire(ev) {
+			t.Fatal("the current timer's event did not fire")
+		}
+		synctest.Wait()
+		if len(events) != 0 {
+			t.Fatalf("%d more timer events, want none (the dropped timer was stopped)", len(events))
+		}
+	})
+}
+
+// end counts a handover's outcome, keeps the cause of a failed one (the
+// reason it turned to restoring first), and measures the placement's
+// restore from the active's death in MPS.
+func TestFailbackEndRecordsTheOutcome(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		fb, _ := newFailback(t)
+		sl := &slot{proc: deadProcess{}}
+		fb.handover = &handoverRun{started: time.Now()}
+		fb.noteStep(failover.Transition{To: failover.HandingOver, Cause: "standby refused resume"}, failover.Restoring)
+		fb.noteStep(failover.Transition{To: failover.HandingOver, Cause: "later"}, failover.Restoring)
+		time.Sleep(time.Second)
+		if _, ok := fb.end(failover.Transition{Cause: "restored"}, sl); ok {
+			t.Fatal("a handover never swapped ended ok")
+		}
+		fb.sync(failover.ServingReady, failover.NoHandover, false)
+		v := fb.shown()
+		if v.GetFailed() != 1 || v.GetLastError() != "standby refused resume" || v.GetLastDurationSeconds() != 1 || v.GetState() != "waiting" {
+			t.Fatalf("after a failed handover: %v", v)
+		}
+		fb.lost(time.Now())
+		time.Sleep(time.Minute)
+		fb.lost(time.Now()) // the first loss counts
+		fb.handover = &handoverRun{started: time.Now()}
+		fb.swapped()
+		started, ok := fb.end(failover.Transition{}, sl)
+		if !ok || !started.Equal(fb.lastAt) {
+			t.Fatalf("swapped handover: ok %v, started %v", ok, started)
+		}
+		var d dto.Metric
+		if err := fb.metrics.placementRestore.Write(&d); err != nil {
+			t.Fatal(err)
+		}
+		if h := d.GetHistogram(); h.GetSampleCount() != 1 || h.GetSampleSum() != 60 {
+			t.Fatalf("placement restores: %d observed, %vs in all; want one of 60s (from the first loss)", h.GetSampleCount(), h.GetSampleSum())
+		}
+		fb.noteFirstToken(0.25)
+		fb.sync(failover.ServingReady, failover.NoHandover, true)
+		v = fb.shown()
+		if v.GetSucceeded() != 1 || v.GetConsecutiveFailures() != 0 || v.GetState() != "idle" || v.GetLastFirstTokenSeconds() != 0.25 {
+			t.Fatalf("after a handover that succeeded: %v", v)
+		}
+		if h := testutil.ToFloat64(fb.metrics.placementG); h != 1 {
+			t.Fatalf("placement gauge %v, want 1", h)
+		}
+	})
 }

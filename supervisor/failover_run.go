@@ -5,32 +5,45 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"google.golang.org/protobuf/proto"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
-// The resume in progress (a failover's or a handover's) and its record.
-// Loop-owned, except NoteResumedToken, which the front door calls from its
-// own goroutines under s.mu.
+// failovers owns the resume in progress (a failover's or a handover's;
+// loop-owned) and the failover records, with the first resumed token that
+// ends each (under mu: the front door notes tokens from its own goroutines,
+// Status reads the records).
+type failovers struct {
+	timeout    time.Duration // Config.ResumeTimeout
+	syncEvery  uint32        // Config.SyncEvery, for the resumed engine
+	maxRecords int           // Config.MaxFailoverRecords
+	log        hclog.Logger
+	metrics    *metrics
+	post       func(event)     // to the loop, from the resume's timer
+	wg         *sync.WaitGroup // the record's classifier, waited for at shutdown
+	// classify names a fenced engine's death from its exit (bounded wait).
+	classify func(*slot) (class, detail string)
 
-func (s *Supervisor) resumeSet() []*frmpsv1.ResumeRequest {
-	if s.frontDoor == nil {
-		return nil
-	}
-	reqs := s.frontDoor.OpenRequests()
-	s.ringMu.Lock()
-	defer s.ringMu.Unlock()
-	for _, r := range reqs {
-		if r == nil || s.ring == nil {
-			continue
-		}
-		if snap, ok := s.ring.Snapshot(r.GetKey()); ok {
-			r.Snapshot = elidePrompt(snap, r.GetPromptTokenIds())
-		}
-	}
-	return reqs
+	run *failoverRun // the resume in progress; nil when none
+
+	mu        sync.Mutex
+	gen       uint64 // the engine generation published last
+	records   []*frmpsv1.FailoverRecord
+	recordSeq uint64
+	// awaiting: failover records (and the handover), by the generation they
+	// promoted, whose first resumed token has not reached a client yet.
+	awaiting map[uint64]pendingFirstToken
+	// early: a first resumed token that came before its failover record was
+	// written.
+	early earlyToken
+	// detectToResume: death detected → Resume sent, for benchmarks (bounded).
+	detectToResume []time.Duration
 }
 
 // elidePrompt leaves the prompt out of a snapshot whose sequence starts with
@@ -81,69 +94,121 @@ type failoverRun struct {
 	groupFenced time.Time
 }
 
-func (s *Supervisor) sendResume() {
-	fo := s.inflight
+// begin makes r the resume in progress.
+func (f *failovers) begin(r *failoverRun) { f.run = r }
+
+// resuming: the resume in progress resumes sl.
+func (f *failovers) resuming(sl *slot) bool { return f.run != nil && f.run.target == sl }
+
+// replacing: the resume in progress replaces sl, whose death its record
+// classifies.
+func (f *failovers) replacing(sl *slot) bool { return f.run != nil && f.run.old == sl }
+
+// drained notes the ring drained on the way to the Resume.
+func (f *failovers) drained() {
+	if r := f.run; r != nil && r.drained.IsZero() {
+		r.drained = time.Now()
+	}
+}
+
+// groupFenced notes the old active's group fenced after the Resume.
+func (f *failovers) groupFenced(old *slot) {
+	if f.replacing(old) {
+		f.run.groupFenced = time.Now()
+	}
+}
+
+// sendResume sends the resume in progress its Resume, with the open
+// requests (built by reqs) and the ring to read, as command id (from next);
+// "" when sent, else why the resume failed.
+func (f *failovers) sendResume(reqs func() []*frmpsv1.ResumeRequest, next func() uint64, ringPath string) (failed string) {
+	fo := f.run
 	if fo == nil || fo.target == nil || fo.target.dead {
-		s.raise(failover.Event{Kind: failover.ResumeFailed, At: time.Now(), Cause: "no engine to resume"})
-		return
+		return "no engine to resume"
 	}
 	sb := fo.target
-	reqs := s.resumeSet()
+	open := reqs()
 	fo.built = time.Now()
-	s.resumeSeq++
-	fo.resumeID = s.resumeSeq
-	fo.count = len(reqs)
+	fo.resumeID = next()
+	fo.count = len(open)
 	env := &frmpsv1.Envelope{Id: fo.resumeID, Msg: &frmpsv1.Envelope_Resume{Resume: &frmpsv1.Resume{
-		Requests: reqs, RingPath: s.ringPath, SyncEvery: s.cfg.SyncEvery,
+		Requests: open, RingPath: ringPath, SyncEvery: f.syncEvery,
 	}}}
 	id := fo.resumeID
-	fo.timer = time.AfterFunc(s.cfg.ResumeTimeout, func() { s.post(event{kind: evResumeTimeout, id: id, at: time.Now()}) })
+	fo.timer = time.AfterFunc(f.timeout, func() { f.post(event{kind: evResumeTimeout, id: id, at: time.Now()}) })
 	conn := sb.getConn()
 	if conn == nil {
 		fo.timer.Stop()
-		s.raise(failover.Event{Kind: failover.ResumeFailed, At: time.Now(), Cause: "standby has no control connection"})
-		return
+		return "standby has no control connection"
 	}
 	if err := conn.Send(env, nil); err != nil {
 		fo.timer.Stop()
-		s.raise(failover.Event{Kind: failover.ResumeFailed, At: time.Now(), Cause: "send resume: " + err.Error()})
-		return
+		return "send resume: " + err.Error()
 	}
 	fo.sent = time.Now()
 	if fo.kind != resumeFailover {
-		return
+		return ""
 	}
 	d := fo.sent.Sub(fo.detected)
-	s.metrics.resumeSent(d)
-	s.mu.Lock()
-	if len(s.detectToResume) < 4096 {
-		s.detectToResume = append(s.detectToResume, d)
+	f.metrics.resumeSent(d)
+	f.mu.Lock()
+	if len(f.detectToResume) < 4096 {
+		f.detectToResume = append(f.detectToResume, d)
 	}
-	s.mu.Unlock()
+	f.mu.Unlock()
+	return ""
 }
 
-// abortFailover records a failover that did not complete (a handover's
-// outcome is recorded when the machine leaves handing_over).
-func (s *Supervisor) abortFailover(fo *failoverRun, ev failover.Event) {
+// answer takes a Reply (evReply): the machine event it makes, and the run
+// it completes when the engine acknowledged the Resume (finish it after the
+// machine's step: its record names the generation the step promoted); ok
+// false for a stale or unsolicited reply.
+func (f *failovers) answer(ev event) (fev failover.Event, acked *failoverRun, ok bool) {
+	fo := f.run
+	if fo == nil || ev.slot != fo.target || ev.id != fo.resumeID {
+		return fev, nil, false
+	}
+	fo.timer.Stop()
+	if !ev.reply.GetOk() {
+		return failover.Event{Kind: failover.ResumeFailed, At: ev.at, Cause: "standby refused resume: " + ev.reply.GetError()}, nil, true
+	}
+	return failover.Event{Kind: failover.ResumeAcked, At: ev.at, Cause: fo.cause}, fo, true
+}
+
+// timedOut: the resume in progress got no reply in time (evResumeTimeout).
+func (f *failovers) timedOut(ev event) bool { return f.run != nil && f.run.resumeID == ev.id }
+
+// abort records a failover that did not complete (a handover's outcome is
+// recorded when the machine leaves handing_over).
+func (f *failovers) abort(ev failover.Event) {
+	fo := f.run
 	if fo.timer != nil {
 		fo.timer.Stop()
 	}
-	s.inflight = nil
+	f.run = nil
 	if fo.kind == resumeFailover {
-		s.finishRecord(fo, ev.At, nil, errors.New(ev.Cause))
+		f.record(fo, ev.At, nil, errors.New(ev.Cause))
 	}
 }
 
-func (s *Supervisor) finishFailover(fo *failoverRun, at time.Time, reply *frmpsv1.Reply, err error) {
-	s.inflight = nil
+// finish ends a resume the engine acknowledged.
+func (f *failovers) finish(fo *failoverRun, at time.Time, reply *frmpsv1.Reply) {
+	f.run = nil
 	if fo.kind == resumeFailover {
-		s.finishRecord(fo, at, reply, err)
+		f.record(fo, at, reply, nil)
 	}
 }
 
-// finishRecord records a failover. The dead engine's exit status (and so its
+// stop stops the resume's timer at shutdown.
+func (f *failovers) stop() {
+	if fo := f.run; fo != nil && fo.timer != nil {
+		fo.timer.Stop()
+	}
+}
+
+// record records a failover. The dead engine's exit status (and so its
 // death class) may come a little after the resume ack: classify off the loop.
-func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.Reply, ferr error) {
+func (f *failovers) record(fo *failoverRun, at time.Time, reply *frmpsv1.Reply, ferr error) {
 	dur := at.Sub(fo.detected)
 	resumed := 0
 	var reused, prefilled uint64
@@ -154,91 +219,126 @@ func (s *Supervisor) finishRecord(fo *failoverRun, at time.Time, reply *frmpsv1.
 			prefilled += uint64(o.GetPrefilledTokens())
 		}
 	}
-	s.mu.Lock()
-	s.recordSeq++
-	rec := &frmpsv1.FailoverRecord{Seq: s.recordSeq, UnixNanos: fo.detected.UnixNano(), Cause: "pending", Detail: fo.cause,
+	f.mu.Lock()
+	f.recordSeq++
+	rec := &frmpsv1.FailoverRecord{Seq: f.recordSeq, UnixNanos: fo.detected.UnixNano(), Cause: "pending", Detail: fo.cause,
 		DurationSeconds: dur.Seconds(), ResumedRequests: uint32(resumed), Ok: ferr == nil,
 		ReusedTokens: reused, PrefilledTokens: prefilled}
 	if ferr != nil {
 		rec.Error = ferr.Error()
 	} else if resumed > 0 {
-		// Promote ran before this: s.generation is the resumed engine's.
-		if s.awaitingFirstToken == nil {
-			s.awaitingFirstToken = make(map[uint64]pendingFirstToken)
+		// Promote ran before this: f.gen is the resumed engine's.
+		if f.awaiting == nil {
+			f.awaiting = make(map[uint64]pendingFirstToken)
 		}
-		for g := range s.awaitingFirstToken { // only the newest failovers matter
-			if g+4 < s.generation {
-				delete(s.awaitingFirstToken, g)
+		for g := range f.awaiting { // only the newest failovers matter
+			if g+4 < f.gen {
+				delete(f.awaiting, g)
 			}
 		}
-		s.awaitingFirstToken[s.generation] = pendingFirstToken{detected: fo.detected, failover: true,
+		f.awaiting[f.gen] = pendingFirstToken{detected: fo.detected, failover: true,
 			set: func(v float64) { rec.FirstTokenSeconds = v }}
-		if e := s.earlyFirstToken; e.gen == s.generation {
-			s.noteFirstTokenLocked(e.gen, e.at)
+		if e := f.early; e.gen == f.gen {
+			f.noteFirstTokenLocked(e.gen, e.at)
 		}
 	}
-	s.records = append([]*frmpsv1.FailoverRecord{rec}, s.records...)
-	if len(s.records) > s.cfg.MaxFailoverRecords {
-		s.records = s.records[:s.cfg.MaxFailoverRecords]
+	f.records = append([]*frmpsv1.FailoverRecord{rec}, f.records...)
+	if len(f.records) > f.maxRecords {
+		f.records = f.records[:f.maxRecords]
 	}
-	s.mu.Unlock()
+	f.mu.Unlock()
 	if ferr == nil {
-		s.metrics.failoverDuration(dur)
-		s.log.Info("failover done", "cause", fo.cause, "duration", dur, "resume_sent_after", fo.sent.Sub(fo.detected),
+		f.metrics.failoverDuration(dur)
+		f.log.Info("failover done", "cause", fo.cause, "duration", dur, "resume_sent_after", fo.sent.Sub(fo.detected),
 			"loop_after", fo.handled.Sub(fo.detected), "then", fo.split(), "resumed", resumed, "open_requests", fo.count)
 	} else {
-		s.log.Error("failover failed", "cause", fo.cause, "error", ferr)
+		f.log.Error("failover failed", "cause", fo.cause, "error", ferr)
 	}
 	old, class, detail := fo.old, fo.class, fo.cause
-	s.wg.Add(1)
+	f.wg.Add(1)
 	go func() {
-		defer s.wg.Done()
+		defer f.wg.Done()
 		if class == "" {
-			class, detail = s.classify(old)
+			class, detail = f.classify(old)
 		}
-		s.mu.Lock()
+		f.mu.Lock()
 		rec.Cause, rec.Detail = class, detail
-		s.mu.Unlock()
+		f.mu.Unlock()
 		old.mu.Lock()
 		old.deathCause = class + ": " + detail
 		old.mu.Unlock()
 		if ferr == nil {
-			s.metrics.failover(class)
+			f.metrics.failover(class)
 		}
 	}()
+}
+
+// shownRecords: copies of the failover records, newest first.
+func (f *failovers) shownRecords() []*frmpsv1.FailoverRecord {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := make([]*frmpsv1.FailoverRecord, 0, len(f.records))
+	for _, r := range f.records {
+		out = append(out, proto.Clone(r).(*frmpsv1.FailoverRecord))
+	}
+	return out
+}
+
+// detectToResumeSeen: a copy of the death → Resume times of the failovers.
+func (f *failovers) detectToResumeSeen() []time.Duration {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.detectToResume)
 }
 
 type pendingFirstToken struct {
 	detected time.Time
 	failover bool                  // a failover's (counted in frmps_failover_first_token_seconds), not a handover's
-	set      func(seconds float64) // called with s.mu held
+	set      func(seconds float64) // called with failovers.mu held
 }
 
-// NoteResumedToken is called by the front door when the first token of a
-// stream resumed on engine generation gen reaches its client: the failover
-// that promoted gen then records death-to-first-resumed-token. Cheap; safe
-// from any goroutine.
-func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.noteFirstTokenLocked(gen, at)
+// published notes the engine generation published next (before Current can
+// return it, so a token of it is never taken for a stale one).
+func (f *failovers) published(gen uint64) {
+	f.mu.Lock()
+	f.gen = gen
+	f.mu.Unlock()
+}
+
+// awaitHandover: the front door's first resumed token on the generation
+// published now ends the client-visible pause of a handover started then;
+// set gets its seconds.
+func (f *failovers) awaitHandover(started time.Time, set func(seconds float64)) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.awaiting == nil {
+		f.awaiting = make(map[uint64]pendingFirstToken)
+	}
+	f.awaiting[f.gen] = pendingFirstToken{detected: started, set: set}
+}
+
+// noteResumedToken records the first resumed token of generation gen.
+func (f *failovers) noteResumedToken(gen uint64, at time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.noteFirstTokenLocked(gen, at)
 }
 
 // noteFirstTokenLocked records the first resumed token of generation gen in
 // its failover record. Promote publishes the engine before the loop writes
 // that record, so a token can come first: it is kept until the record is
-// written (finishRecord calls this again).
-func (s *Supervisor) noteFirstTokenLocked(gen uint64, at time.Time) {
-	if p, ok := s.awaitingFirstToken[gen]; ok {
+// written (record calls this again).
+func (f *failovers) noteFirstTokenLocked(gen uint64, at time.Time) {
+	if p, ok := f.awaiting[gen]; ok {
 		p.set(at.Sub(p.detected).Seconds())
-		delete(s.awaitingFirstToken, gen)
+		delete(f.awaiting, gen)
 		if p.failover {
-			s.metrics.firstToken(at.Sub(p.detected))
+			f.metrics.firstToken(at.Sub(p.detected))
 		}
 		return
 	}
-	if gen == s.generation && s.earlyFirstToken.gen != gen {
-		s.earlyFirstToken = earlyToken{gen: gen, at: at}
+	if gen == f.gen && f.early.gen != gen {
+		f.early = earlyToken{gen: gen, at: at}
 	}
 }
 

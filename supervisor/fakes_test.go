@@ -146,6 +146,7 @@ type behavior struct {
 	// cache (the vLLM adapter) does; with --num-blocks it reports that.
 	sizedBlocks uint64
 	kvBudget    *frmpsv1.KVBudget // sent in its Hello
+	ringRecord  uint64            // Hello.ring_record_bytes
 }
 
 type fakeProc struct {
@@ -256,6 +257,7 @@ type fakeWorld struct {
 	primeErr error
 
 	ring   *fakeRing
+	rings  []*fakeRing // every ring created, in order
 	broker []*fakeBroker
 	mps    *fakeMPS
 	front  *fakeFrontDoor
@@ -328,7 +330,8 @@ func (w *fakeWorld) baseDeps() Deps {
 				return nil, err
 			}
 			f.Close()
-			w.ring = &fakeRing{path: path, snaps: map[uint64]*frmpsv1.RequestSnapshot{}}
+			w.ring = &fakeRing{path: path, capacity: capacity, snaps: map[uint64]*frmpsv1.RequestSnapshot{}}
+			w.rings = append(w.rings, w.ring)
 			return w.ring, nil
 		},
 		StartMPS: func(ctx context.Context, runDir string, _ hclog.Logger) (MPS, error) {
@@ -500,7 +503,7 @@ func (w *fakeWorld) runEngine(p *fakeProc, b behavior) {
 		blocks = b.sizedBlocks
 	}
 	if !send(&frmpsv1.Hello{ProtocolVersion: ver, Role: role, Pid: int32(p.pid), Model: p.inv.Model, Engine: "fake",
-		EngineVersion: "0.1", Device: "cpu", BlockSize: 16, NumBlocks: blocks, KvBudget: b.kvBudget, Weights: "loaded:/models/fake",
+		EngineVersion: "0.1", Device: "cpu", BlockSize: 16, NumBlocks: blocks, KvBudget: b.kvBudget, Weights: "loaded:/models/fake", RingRecordBytes: b.ringRecord,
 		Pools: testPools, GenerationEndpoint: "unix://" + p.inv.GenerationSocket}, nil) {
 		p.exit(exitCode(3))
 		return
@@ -631,12 +634,13 @@ func (w *fakeWorld) liveRole(r failover.Role) *fakeProc {
 }
 
 type fakeRing struct {
-	mu      sync.Mutex
-	path    string
-	snaps   map[uint64]*frmpsv1.RequestSnapshot
-	polls   int
-	pending int // records committed, not yet consumed
-	closed  bool
+	mu       sync.Mutex
+	path     string // where it was created
+	capacity uint64
+	snaps    map[uint64]*frmpsv1.RequestSnapshot
+	polls    int
+	pending  int // records committed, not yet consumed
+	closed   bool
 }
 
 // Poll consumes up to 10 of the pending records per call.

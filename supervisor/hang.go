@@ -179,3 +179,45 @@ func (c cpuProbe) waitedSince(now map[int]time.Duration, at time.Time) time.Dura
 	}
 	return min(sum, max(0, at.Sub(c.at)))
 }
+
+// hangWatch judges the serving active at each watchdog tick (loop-owned). It
+// keeps the CPU-wait probe of the engine it judges; a new engine is judged
+// afresh.
+type hangWatch struct {
+	policy hangPolicy
+	// runWait reads an engine's run-queue wait by thread (Deps.RunWait);
+	// nil: CPU waits are not known and nothing is excused.
+	runWait func(pid int) (map[int]time.Duration, bool)
+	judged  *slot    // the engine probe belongs to
+	probe   cpuProbe // its CPU waits during a hang suspicion
+}
+
+// judge says whether sl, serving, is wedged at now: its death class and a
+// detail, or "" when it is fine. Past half a threshold it notes the engine's
+// CPU waits, and past the threshold it excuses the wait added since.
+func (w *hangWatch) judge(sl *slot, now time.Time) (class, detail string) {
+	sl.mu.Lock()
+	b := sl.beats
+	sl.mu.Unlock()
+	if sl != w.judged {
+		w.judged, w.probe = sl, cpuProbe{}
+	}
+	p := w.policy
+	episode := p.suspicion(b, now)
+	if episode != w.probe.episode {
+		w.probe = cpuProbe{episode: episode}
+		if episode != "" && w.runWait != nil {
+			if waits, ok := w.runWait(sl.proc.PID()); ok {
+				w.probe.at, w.probe.waits = now, waits
+			}
+		}
+	}
+	class, detail = p.verdict(b, now, 0)
+	if class != "" && w.probe.waits != nil {
+		// Past the threshold: how much of it did the engine spend waiting for a CPU?
+		if waits, ok := w.runWait(sl.proc.PID()); ok {
+			class, detail = p.verdict(b, now, w.probe.waitedSince(waits, now))
+		}
+	}
+	return class, detail
+}

@@ -192,9 +192,7 @@ func TestRealSIGKILLSoak(t *testing.T) {
 	// A dead engine's socket files go when it is reaped: those of the two
 	// live engines (control and generation each) are all that is left.
 	waitFor(t, s, "the dead engines' sockets removed", func() bool { return len(socketFiles(t, s.runDir)) == 4 })
-	s.mu.Lock()
-	lat := slices.Clone(s.detectToResume)
-	s.mu.Unlock()
+	lat := s.failovers.detectToResumeSeen()
 	slices.Sort(lat)
 	if len(lat) > 0 {
 		t.Logf("detection → resume sent over %d SIGKILL failovers: p50 %s p99 %s max %s",

@@ -12,147 +12,136 @@ import (
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
-// Launching engines: the loop's side (a slot, its listener, its process, a
-// delayed start, where it runs). Runs on the loop goroutine; the engine's own
-// goroutine (engines.go) takes over once the process is started.
+// Launching engines: the pair's side (a slot, its listener, its process, a
+// delayed start). Runs on the loop goroutine; the engine's own goroutine
+// (engines.go) takes over once the process is started.
 
 // cancelStart drops a pending delayed start of role.
-func (s *Supervisor) cancelStart(role failover.Role) {
-	if t := s.startAfter[role]; t != nil {
+func (p *pair) cancelStart(role failover.Role) {
+	if t := p.startAfter[role]; t != nil {
 		t.Stop()
-		s.startAfter[role] = nil
+		p.startAfter[role] = nil
 	}
-	s.wantStart[role] = false
+	p.wantStart[role] = false
 }
 
-// start launches a new engine for role. A failure to launch is a death.
-func (s *Supervisor) start(role failover.Role) {
-	if st, _ := s.machine.State(); st == failover.Stopped || st == failover.CrashLoop {
-		return
-	}
-	if cur := s.slotOf(role); cur != nil && !cur.dead {
-		s.log.Error("not starting a second engine for a role", "role", role, "pid", cur.proc.PID())
-		return
-	}
-	inMPS := s.placeInMPS(role)
-	if inMPS && s.mpsBusy {
-		s.wantStart[role] = true // launch into a daemon known to answer
-		return
-	}
-	if role == failover.Active && s.mpsErr != nil {
-		s.raise(failover.Event{Kind: failover.BreakerTripped, Role: failover.Active, At: time.Now(), Cause: "MPS daemon does not answer: " + s.mpsErr.Error()})
-		return
-	}
-	if role == failover.Active {
-		// A cold start: the new active allocates fresh pools, so the old
-		// layout and fds go.
-		if old := s.broker; old != nil && len(old.Pools()) > 0 {
-			s.mu.Lock()
-			s.broker = s.deps.NewBroker()
-			s.mu.Unlock()
-			if err := old.Close(); err != nil {
-				s.log.Warn("close fd broker", "error", err)
-			}
+// stopStarts stops every delayed start's timer (shutdown).
+func (p *pair) stopStarts() {
+	for r := range p.startAfter {
+		if t := p.startAfter[r]; t != nil {
+			t.Stop()
 		}
 	}
-	s.nextID++
-	id := s.nextID
-	inv := s.invocation(role, id)
+}
+
+// startLater arms a start of role after delay (evStartDue, startDue).
+func (p *pair) startLater(role failover.Role, delay time.Duration) {
+	p.startSeq[role]++
+	seq := p.startSeq[role]
+	p.startAfter[role] = time.AfterFunc(delay, func() { p.post(event{kind: evStartDue, role: role, id: seq, at: time.Now()}) })
+}
+
+// startDue takes a delayed start's event: true when it is the start armed
+// now (not one cancelled after it fired), which it then disarms.
+func (p *pair) startDue(ev event) bool {
+	if t := p.startAfter[ev.role]; t == nil || ev.id != p.startSeq[ev.role] {
+		return false
+	}
+	p.startAfter[ev.role] = nil
+	return true
+}
+
+// waitForMPS defers a start of role until the MPS check in progress ends.
+func (p *pair) waitForMPS(role failover.Role) { p.wantStart[role] = true }
+
+// waiting returns the roles whose start waited for the MPS check, and
+// forgets them.
+func (p *pair) waiting() []failover.Role {
+	var out []failover.Role
+	for _, r := range []failover.Role{failover.Active, failover.Standby} {
+		if p.wantStart[r] {
+			p.wantStart[r] = false
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// start launches a new engine for role, inside MPS or not, with the
+// environment env gives. A failure to launch is a death.
+func (p *pair) start(role failover.Role, inMPS bool, env func() ([]string, error)) {
+	if role == failover.Active {
+		p.resetBroker() // a cold start: the new active allocates fresh pools
+	}
+	p.nextID++
+	id := p.nextID
+	inv := p.invocation(role, id)
 	sl := &slot{id: id, role: role, started: time.Now(), state: "starting", inMPS: inMPS, genSocket: inv.GenerationSocket, ctlSocket: inv.ControlSocket}
-	sl.restartNo = s.metrics.started(role)
+	sl.restartNo = p.metrics.started(role)
 	fail := func(err error) {
 		sl.proc = deadProcess{}
 		sl.listener = nopListener{}
 		sl.cancel = func() {}
-		if role == failover.Active {
-			s.active = sl
-		} else {
-			s.standby = sl
-		}
-		s.enqueue(event{kind: evDied, slot: sl, cause: "launch failed: " + err.Error(), at: time.Now()})
+		p.set(role, sl)
+		p.enqueue(event{kind: evDied, slot: sl, cause: "launch failed: " + err.Error(), at: time.Now()})
 	}
-	env := s.engineEnv()
-	if s.mps != nil {
-		if inMPS {
-			env = append(env, s.mps.ClientEnv()...)
-		} else {
-			out, err := s.deps.OutsideEnv(s.runDir)
-			if err != nil {
-				fail(fmt.Errorf("outside-MPS env: %w", err))
-				return
-			}
-			env = append(env, out...)
-		}
+	envv, err := env()
+	if err != nil {
+		fail(err)
+		return
 	}
-	l, err := s.deps.Listen(inv.ControlSocket)
+	l, err := p.deps.Listen(inv.ControlSocket)
 	if err != nil {
 		fail(fmt.Errorf("listen on control socket: %w", err))
 		return
 	}
-	logPath := filepath.Join(s.logDir, fmt.Sprintf("%s-%d.log", role, id))
-	proc, fromSpare := s.launchFromSpare(role, inv, env, logPath)
+	logPath := filepath.Join(p.logDir, fmt.Sprintf("%s-%d.log", role, id))
+	proc, fromSpare := p.spares.launch(role, inv, envv, logPath)
 	if !fromSpare {
-		if proc, err = s.deps.Launcher.Launch(role, inv, env, logPath); err != nil {
+		if proc, err = p.deps.Launcher.Launch(role, inv, envv, logPath); err != nil {
 			_ = l.Close()
 			fail(err)
 			return
 		}
 	}
-	s.metrics.launched(fromSpare)
+	p.metrics.launched(fromSpare)
 	sl.fromSpare = fromSpare
 	ctx, cancel := context.WithCancel(context.Background())
 	sl.proc, sl.listener, sl.cancel = proc, l, cancel
-	if role == failover.Active {
-		s.active = sl
-	} else {
-		s.standby = sl
-	}
-	s.slots[sl] = struct{}{}
-	s.log.Info("engine launched", "role", role, "pid", proc.PID(), "log", proc.LogPath(), "in_mps", sl.inMPS, "from_spare", fromSpare)
-	s.wg.Add(2)
+	p.set(role, sl)
+	p.slots[sl] = struct{}{}
+	p.log.Info("engine launched", "role", role, "pid", proc.PID(), "log", proc.LogPath(), "in_mps", sl.inMPS, "from_spare", fromSpare)
+	p.wg.Add(2)
 	go func() {
-		defer s.wg.Done()
+		defer p.wg.Done()
 		select {
 		case <-proc.Done():
-			s.post(event{kind: evDied, slot: sl, cause: "process exited: " + describeExit(proc.WaitStatus()), at: time.Now()})
-		case <-s.stopped:
+			p.post(event{kind: evDied, slot: sl, cause: "process exited: " + describeExit(proc.WaitStatus()), at: time.Now()})
+		case <-p.stopped:
 		}
 	}()
 	go func() {
-		defer s.wg.Done()
-		s.runEngine(ctx, sl)
+		defer p.wg.Done()
+		p.runEngine(ctx, sl)
 	}()
 }
 
-// placeInMPS decides where a new engine of role runs: inside MPS unless the
-// other engine is there (after a failover the promoted active runs outside,
-// so its fresh standby goes in, and failback swaps them). A standby stays out
-// while the daemon is known broken, or when failback is off; an active waits
-// for the daemon (or trips the breaker) in start.
-func (s *Supervisor) placeInMPS(role failover.Role) bool {
-	if s.mps == nil {
-		return false
-	}
-	other := s.slotOf(failover.Standby)
-	if role == failover.Standby {
-		other = s.slotOf(failover.Active)
-		if s.mpsErr != nil || s.cfg.NoFailback {
-			return false
-		}
-	}
-	return other == nil || other.dead || !other.inMPS
+// spareLogPath names the next spare's log (spares and engines share the ids).
+func (p *pair) spareLogPath() string {
+	p.nextID++
+	return filepath.Join(p.logDir, fmt.Sprintf("spare-%d.log", p.nextID))
 }
 
 // dialGeneration prepares the client of a ready engine's generation API
 // (lazily connected), so promoting it later costs nothing.
-func (s *Supervisor) dialGeneration(sl *slot) error {
+func (p *pair) dialGeneration(sl *slot) error {
 	sl.mu.Lock()
 	endpoint := sl.hello.GetGenerationEndpoint()
 	sl.mu.Unlock()
 	if endpoint == "" {
 		endpoint = "unix://" + sl.genSocket
 	}
-	c, closer, err := s.deps.DialGeneration(endpoint)
+	c, closer, err := p.deps.DialGeneration(endpoint)
 	if err != nil {
 		return fmt.Errorf("generation API %s: %w", endpoint, err)
 	}
@@ -190,25 +179,26 @@ func (nopListener) Accept(context.Context, int) (ControlConn, error) {
 
 func (nopListener) Close() error { return nil }
 
-func (s *Supervisor) invocation(role failover.Role, id int) engine.Invocation {
+func (p *pair) invocation(role failover.Role, id int) engine.Invocation {
 	r := engine.RoleActive
 	if role == failover.Standby {
 		r = engine.RoleStandby
 	}
+	c := p.cfg
 	return engine.Invocation{
 		Role:                 r,
-		Model:                s.cfg.Model,
-		ControlSocket:        filepath.Join(s.runDir, fmt.Sprintf("ctl-%d.sock", id)),
-		GenerationSocket:     filepath.Join(s.runDir, fmt.Sprintf("gen-%d.sock", id)),
-		Memory:               s.cfg.Memory,
-		Device:               s.cfg.Device,
-		NumBlocks:            s.launchBlocks(),
-		MaxModelLen:          s.cfg.MaxModelLen,
-		GPUMemoryUtilization: s.cfg.GPUMemoryUtilization,
-		TensorParallelSize:   s.cfg.TensorParallelSize,
-		ExtraArgs:            s.cfg.EngineArgs,
-		CoreInput:            s.cfg.EngineCoreInput,
-		CoreOutput:           s.cfg.EngineCoreOutput,
+		Model:                c.Model,
+		ControlSocket:        filepath.Join(p.runDir, fmt.Sprintf("ctl-%d.sock", id)),
+		GenerationSocket:     filepath.Join(p.runDir, fmt.Sprintf("gen-%d.sock", id)),
+		Memory:               c.Memory,
+		Device:               c.Device,
+		NumBlocks:            p.launchBlocks(),
+		MaxModelLen:          c.MaxModelLen,
+		GPUMemoryUtilization: c.GPUMemoryUtilization,
+		TensorParallelSize:   c.TensorParallelSize,
+		ExtraArgs:            c.EngineArgs,
+		CoreInput:            c.EngineCoreInput,
+		CoreOutput:           c.EngineCoreOutput,
 	}
 }
 

@@ -2,7 +2,6 @@ package supervisor
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -58,36 +57,35 @@ func (s *Supervisor) setup(ctx context.Context) error {
 			ringDir = "/dev/shm"
 		}
 	}
-	s.ringPath = filepath.Join(ringDir, "frmps-"+s.deployID+".ring")
+	s.ring.path = filepath.Join(ringDir, "frmps-"+s.deployID+".ring")
 	if err := s.writeLaunchRecord(); err != nil {
-		s.ringPath = "" // not created
+		s.ring.path = "" // not created
 		return err
 	}
-	ring, err := s.deps.OpenRing(s.ringPath, s.cfg.RingCapacity)
+	ring, err := s.deps.OpenRing(s.ring.path, s.cfg.RingCapacity)
 	if err != nil {
-		s.ringPath = "" // not ours to remove
+		s.ring.path = "" // not ours to remove
 		return fmt.Errorf("open ring: %w", err)
 	}
-	// Status may already be reading these from another goroutine.
-	s.ringMu.Lock()
-	s.ring = ring
-	s.ringMu.Unlock()
-	s.mu.Lock()
-	s.broker = s.deps.NewBroker()
-	s.mu.Unlock()
+	s.ring.open(ring, s.cfg.RingCapacity)
+	s.pair.runDir, s.pair.logDir, s.pair.ringPath = s.runDir, s.logDir, s.ring.path
+	if !s.cfg.RingFixed {
+		s.pair.sizeRing = func(recordBytes uint64) { s.ring.fit(s.deps.OpenRing, recordBytes, RingGrowMax) }
+	}
+	s.pair.openBroker(s.deps.NewBroker())
 	if !s.cfg.NoMPS {
 		mps, err := s.deps.StartMPS(ctx, runDir, s.log.Named("mps"))
 		if err != nil {
 			return fmt.Errorf("start MPS (use --no-mps to run without): %w", err)
 		}
-		s.mps = mps
+		s.mps.d = mps
 		if mps.Owned() {
-			s.setMPSState("running")
+			s.mps.setState("running")
 			if s.cfg.PrimeFaultPath {
 				s.primeFaultPath(ctx)
 			}
 		} else {
-			s.setMPSState("joined the operator's daemon at " + s.cfg.MPSPipeDir)
+			s.mps.setState("joined the operator's daemon at " + s.cfg.MPSPipeDir)
 		}
 	}
 	return nil
@@ -113,7 +111,7 @@ func (s *Supervisor) primeFaultPath(ctx context.Context) {
 			return false
 		}
 	}
-	env := append(s.engineEnv(), s.mps.ClientEnv()...)
+	env := append(s.engineEnv(), s.mps.clientEnv()...)
 	primed := 0
 	for dev := 0; dev < max(1, s.cfg.TensorParallelSize); dev++ {
 		for try := 1; try <= 2; try++ {
@@ -134,7 +132,7 @@ func (s *Supervisor) primeFaultPath(ctx context.Context) {
 	}
 	s.metrics.primed(primed)
 	if primed > 0 {
-		s.setMPSState(fmt.Sprintf("running (fault path primed on %d GPU(s))", primed))
+		s.mps.setState(fmt.Sprintf("running (fault path primed on %d GPU(s))", primed))
 	}
 	settle() // the first engine joins a daemon whose faulted server has gone
 }
@@ -156,39 +154,9 @@ func envValue(env []string, key string) string {
 
 // cleanup releases what setup acquired; idempotent.
 func (s *Supervisor) cleanup() {
-	if s.mps != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		if err := s.mps.Stop(ctx); err != nil {
-			s.log.Warn("stop MPS", "error", err)
-		}
-		cancel()
-		s.mps = nil
-		s.setMPSState("stopped")
-	}
-	s.ringMu.Lock()
-	if s.ring != nil {
-		if err := s.ring.Close(); err != nil {
-			s.log.Warn("close ring", "error", err)
-		}
-		s.ring = nil
-	}
-	s.ringMu.Unlock()
-	cleaned := true // the launch record goes only once what it names is gone
-	if s.ringPath != "" {
-		if err := os.Remove(s.ringPath); err != nil && !errors.Is(err, os.ErrNotExist) {
-			s.log.Warn("remove ring", "error", err)
-			cleaned = false
-		}
-	}
-	s.mu.Lock()
-	b := s.broker
-	s.broker = nil
-	s.mu.Unlock()
-	if b != nil {
-		if err := b.Close(); err != nil {
-			s.log.Warn("close fd broker", "error", err)
-		}
-	}
+	s.mps.stop()
+	cleaned := s.ring.close() // the launch record goes only once what it names is gone
+	s.pair.closeBroker()
 	if s.runDir != "" {
 		if err := os.RemoveAll(s.runDir); err != nil {
 			s.log.Warn("remove run dir", "error", err)
@@ -237,7 +205,7 @@ func (s *Supervisor) writeLaunchRecord() error {
 	if err != nil {
 		return fmt.Errorf("launch record: %w", err)
 	}
-	r := leftover.Record{Owner: self, Written: time.Now(), Ring: s.ringPath, RunDir: s.runDir}
+	r := leftover.Record{Owner: self, Written: time.Now(), Ring: s.ring.path, RunDir: s.runDir}
 	if !s.cfg.NoMPS && s.cfg.MPSPipeDir == "" { // an operator's daemon is never ours to stop
 		r.PrivateMPS, r.MPSControl = true, s.cfg.MPSControlBinary
 	}

@@ -5,9 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"time"
-
-	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
-	"github.com/frmps/frmps/supervisor/failover"
 )
 
 // Watchdog is fed by the event loop goroutine itself, between events, so a
@@ -60,40 +57,4 @@ func (s *Supervisor) Alive(ctx context.Context) error {
 	case <-ctx.Done():
 		return fmt.Errorf("event loop did not answer: %w", context.Cause(ctx))
 	}
-}
-
-// generationEndpoint is where a handshaken engine serves its generation API.
-func (sl *slot) generationEndpoint() string {
-	sl.mu.Lock()
-	defer sl.mu.Unlock()
-	if ep := sl.hello.GetGenerationEndpoint(); ep != "" {
-		return ep
-	}
-	return "unix://" + sl.genSocket
-}
-
-// learnModelLimit asks a freshly handshaken active for its context limit
-// before it is announced ready, so Model reports the real limit from the
-// moment anything is served. Best effort: on failure the limit is asked
-// again when the engine is published.
-func (s *Supervisor) learnModelLimit(ctx context.Context, sl *slot) {
-	// An engine serving vLLM's API server (EngineCoreInput) has no generation API;
-	// that server reads the engine's limit from its ready message.
-	if s.cfg.MaxModelLen > 0 || s.cfg.EngineCoreInput != "" || s.learnedMaxLen.Load() != 0 || sl.roleNow() != failover.Active {
-		return
-	}
-	c, closer, err := s.deps.DialGeneration(sl.generationEndpoint())
-	if err != nil {
-		s.log.Debug("generation API for the context limit", "error", err)
-		return
-	}
-	defer closer.Close()
-	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	h, err := c.Health(hctx, &frmpsv1.HealthRequest{})
-	if err != nil {
-		s.log.Warn("engine did not report its context limit", "error", err)
-		return
-	}
-	s.learnedMaxLen.Store(h.GetMaxModelLen())
 }

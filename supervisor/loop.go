@@ -4,15 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"strings"
-	"syscall"
 	"time"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
-	"github.com/frmps/frmps/supervisor/deathcause"
 	"github.com/frmps/frmps/supervisor/failover"
-	"github.com/frmps/frmps/supervisor/mps"
 )
 
 // The event loop. Run's goroutine owns every field of Supervisor marked
@@ -58,141 +53,101 @@ type event struct {
 func (s *Supervisor) handle(ev event) {
 	switch ev.kind {
 	case evReady:
-		if ev.slot.dead || !s.isLive(ev.slot) {
-			return
-		}
-		if err := s.dialGeneration(ev.slot); err != nil {
+		fev, ok, err := s.pair.ready(ev)
+		switch {
+		case err != nil:
 			s.died(ev.slot, err.Error(), ev.at, "")
-			return
-		}
-		ev.slot.setState("ready")
-		if ev.slot.role == failover.Active {
-			s.metrics.up(failover.Active, true)
-			s.step(failover.Event{Kind: failover.ActiveReady, At: ev.at, Cause: "handshake done"})
-		} else {
-			s.metrics.up(failover.Standby, true)
-			s.step(failover.Event{Kind: failover.StandbyReady, At: ev.at, Cause: "asleep with the brokered pools"})
+		case ok:
+			s.step(fev)
 		}
 	case evDied:
 		s.died(ev.slot, ev.cause, ev.at, "")
 	case evReply:
-		if s.handoffReply(ev) {
+		if fev, ok := s.failback.reply(ev, s.pair.active); ok {
+			s.step(fev)
 			break
 		}
-		fo := s.inflight
-		if fo == nil || ev.slot != fo.target || ev.id != fo.resumeID {
+		fev, acked, ok := s.failovers.answer(ev)
+		if !ok {
 			return // a stale or unsolicited reply
 		}
-		fo.timer.Stop()
-		if !ev.reply.GetOk() {
-			s.step(failover.Event{Kind: failover.ResumeFailed, At: ev.at, Cause: "standby refused resume: " + ev.reply.GetError()})
-			return
+		s.step(fev)
+		if acked != nil {
+			s.failovers.finish(acked, ev.at, ev.reply)
 		}
-		s.step(failover.Event{Kind: failover.ResumeAcked, At: ev.at, Cause: fo.cause})
-		s.finishFailover(fo, ev.at, ev.reply, nil)
 	case evResumeTimeout:
-		if fo := s.inflight; fo != nil && fo.resumeID == ev.id {
+		if s.failovers.timedOut(ev) {
 			s.step(failover.Event{Kind: failover.ResumeFailed, At: ev.at, Cause: fmt.Sprintf("no reply to resume within %s", s.cfg.ResumeTimeout)})
 		}
 	case evStartDue:
-		if t := s.startAfter[ev.role]; t == nil || ev.id != s.startSeq[ev.role] {
+		if !s.pair.startDue(ev) {
 			return // cancelled after it fired
 		}
-		s.startAfter[ev.role] = nil
 		s.start(ev.role)
 	case evMPSChecked:
-		s.mpsBusy = false
-		s.mpsErr = ev.err
-		for _, r := range []failover.Role{failover.Active, failover.Standby} {
-			if s.wantStart[r] {
-				s.wantStart[r] = false
-				s.start(r)
-			}
+		s.mps.checked(ev.err)
+		for _, r := range s.pair.waiting() {
+			s.start(r)
 		}
 	case evDrill:
 		st, _ := s.machine.State()
-		if st != failover.ServingReady || s.active == nil {
+		a := s.pair.active
+		if st != failover.ServingReady || a == nil {
 			ev.resp <- fmt.Errorf("no failover possible in state %s: it needs a ready standby", st)
 			return
 		}
 		ev.resp <- nil
-		s.log.Info("failover drill: killing the active", "pid", s.active.proc.PID(), "reason", ev.cause)
-		s.died(s.active, "drill: "+ev.cause, ev.at, classDrill)
+		s.log.Info("failover drill: killing the active", "pid", a.proc.PID(), "reason", ev.cause)
+		s.died(a, "drill: "+ev.cause, ev.at, classDrill)
 	case evShutdown:
 		s.step(failover.Event{Kind: failover.Shutdown, At: ev.at, Cause: ev.cause})
 	case evStep:
 		s.step(ev.fev)
 	case evHandoverDue:
-		s.handoverDue(ev)
+		if s.failback.fire(ev) && s.pair.inverted() {
+			s.step(failover.Event{Kind: failover.HandoverDue, At: ev.at,
+				Cause: fmt.Sprintf("active pid %d outside MPS, standby pid %d inside", s.pair.active.proc.PID(), s.pair.standby.proc.PID())})
+		}
 	case evHandoffTimeout:
-		s.handoffTimeout(ev)
+		if s.failback.timedOut(ev) {
+			s.died(s.pair.active, fmt.Sprintf("stalled: no reply to handoff within %s", s.cfg.HandoffTimeout), ev.at, classStalled)
+		}
 	case evPing:
 		ev.resp <- nil
 	case evMPSTeardown:
-		s.mpsTeardown(ev)
+		// The server writes these lines while it handles a fatal GPU error, having
+		// stopped its clients' work: the active's context is lost already, and it
+		// would notice only at its next CUDA call's error (tens to hundreds of ms
+		// later). Fenced now, it can no longer write the KV cache the standby takes.
+		if sl := s.pair.active; s.mps.tearsDown(sl, ev) {
+			s.died(sl, "MPS server: "+ev.cause, ev.at, classMPSFault)
+			s.log.Warn("the MPS server tore the active's context down; failing over", "pid", sl.proc.PID(), "client", ev.pid, "line", ev.cause)
+		}
 	case evSpareReady:
-		s.spareReady(ev)
+		s.spares.ready(ev)
 	case evSpareDied:
-		s.spareDied(ev)
+		s.spares.died(ev)
 	case evSpareDue:
-		s.spareDue(ev)
+		s.spares.due(ev)
 	}
-	s.reap()
-	s.syncShown()
-	s.maybeScheduleHandover()
-	s.maybeStartSpare()
-}
-
-// reap forgets retired slots whose process is gone (a handful at most),
-// and removes their socket files: nothing listens on them any more.
-func (s *Supervisor) reap() {
-	for sl := range s.slots {
-		if s.isLive(sl) {
-			continue
-		}
-		select {
-		case <-sl.proc.Done():
-			delete(s.slots, sl)
-			for _, p := range []string{sl.genSocket, sl.ctlSocket} {
-				if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-					s.log.Warn("remove a dead engine's socket", "path", p, "error", err)
-				}
-			}
-		default:
-		}
-	}
+	s.pair.reap()
+	s.pair.syncShown()
+	s.scheduleFailback()
+	st, _ := s.machine.State()
+	s.spares.fill(st)
 }
 
 // checkStall fences the serving active when hang detection judges it wedged
 // (hang.go): its heartbeats stopped, or its step in progress overran its bound.
 func (s *Supervisor) checkStall(now time.Time) {
-	sl := s.active
+	sl := s.pair.active
 	if sl == nil || sl.dead {
 		return
 	}
 	if st, _ := s.machine.State(); !st.Serving() {
 		return
 	}
-	sl.mu.Lock()
-	b := sl.beats
-	sl.mu.Unlock()
-	p := s.cfg.hangPolicy()
-	episode := p.suspicion(b, now)
-	if episode != sl.probe.episode {
-		sl.probe = cpuProbe{episode: episode}
-		if episode != "" && s.deps.RunWait != nil {
-			if w, ok := s.deps.RunWait(sl.proc.PID()); ok {
-				sl.probe.at, sl.probe.waits = now, w
-			}
-		}
-	}
-	class, detail := p.verdict(b, now, 0)
-	if class != "" && sl.probe.waits != nil {
-		// Past the threshold: how much of it did the engine spend waiting for a CPU?
-		if w, ok := s.deps.RunWait(sl.proc.PID()); ok {
-			class, detail = p.verdict(b, now, sl.probe.waitedSince(w, now))
-		}
-	}
+	class, detail := s.hang.judge(sl, now)
 	if class == "" {
 		return
 	}
@@ -200,70 +155,21 @@ func (s *Supervisor) checkStall(now time.Time) {
 	s.died(sl, detail, now, class)
 }
 
-// mpsTeardown fences the active as soon as the MPS server says it tears the
-// active's context down after a fatal GPU error: the context is lost already,
-// and the active would otherwise notice only at its next CUDA call's error
-// (tens to hundreds of ms later). The engine runs in its own process group,
-// so a CUDA client pid in it (a TP rank) dooms the active too. The server
-// writes these lines while it handles the fault, having stopped its clients'
-// work: the fenced active can no longer write the KV cache the standby takes.
-func (s *Supervisor) mpsTeardown(ev event) {
-	sl := s.active
-	if sl == nil || sl.dead || !sl.inMPS {
-		return
-	}
-	pid := sl.proc.PID()
-	if ev.pid != pid && !inProcessGroup(ev.pid, pid) {
-		return
-	}
-	s.mpsFaulted = true
-	s.died(sl, "MPS server: "+ev.cause, ev.at, classMPSFault)
-	s.log.Warn("the MPS server tore the active's context down; failing over", "pid", pid, "client", ev.pid, "line", ev.cause)
-}
-
-// inProcessGroup: pid is alive in the process group pgid.
-func inProcessGroup(pid, pgid int) bool {
-	g, err := syscall.Getpgid(pid)
-	return err == nil && g == pgid
-}
-
 // raise queues a machine event from inside an action.
 func (s *Supervisor) raise(ev failover.Event) { s.enqueue(event{kind: evStep, fev: ev}) }
-
-func (s *Supervisor) slotOf(r failover.Role) *slot {
-	if r == failover.Active {
-		return s.active
-	}
-	return s.standby
-}
-
-func (s *Supervisor) isLive(sl *slot) bool { return sl == s.active || sl == s.standby }
 
 // died handles the first report of a slot's death; later ones are ignored.
 // class names the death when it is known without looking at the exit
 // (a drill, a stall): the fence's SIGKILL would otherwise be the cause.
 func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 	handled := time.Now()
-	if sl == nil || sl.dead || !s.isLive(sl) {
+	if sl == nil || sl.dead || !s.pair.isLive(sl) {
 		return
 	}
 	sl.dead = true
-	// An active that dies before it was ready while nothing has served yet:
-	// nobody waits on its fence (no standby, no requests), so first let it
-	// exit on its own, for its exit code (the engines' refusal of their
-	// options) and its stderr's reason, which the SIGKILL would hide.
-	sl.mu.Lock()
-	starting := sl.state == "starting"
-	refusedHello := sl.refused != ""
-	sl.mu.Unlock()
 	var refusedStart bool
-	if sl.role == failover.Active && starting && !s.machine.EverServed() {
-		var why string
-		refusedStart, why = s.startFailure(sl)
-		refusedStart = refusedStart || refusedHello
-		if why != "" && !strings.Contains(cause, why) {
-			cause += ": " + why
-		}
+	if sl.role == failover.Active && !s.machine.EverServed() {
+		cause, refusedStart = s.pair.startFailure(sl, cause)
 	}
 	// A dead active is fenced in every state the machine takes its death up in
 	// (FenceActive): do it first, before the log lines and the machine's step
@@ -272,409 +178,34 @@ func (s *Supervisor) died(sl *slot, cause string, at time.Time, class string) {
 	// see fenceFirst.)
 	var fenced time.Time
 	if sl.role == failover.Active {
-		s.fenceFirst(sl)
+		s.pair.fenceFirst(sl)
 		fenced = time.Now()
 	}
-	sl.mu.Lock()
-	wasReady := sl.state == "ready" || sl.state == "serving"
-	refused := sl.refused != ""
-	if refused && !strings.HasPrefix(cause, "hello refused") {
-		cause = sl.refused + " (" + cause + ")"
-	}
-	sl.state = "dead"
-	sl.deathCause = cause
-	sl.mu.Unlock()
-	sl.deathClass = class
-	s.mu.Lock()
-	s.lastDead[sl.role] = sl
-	s.mu.Unlock()
-	s.metrics.up(sl.role, false)
-	if refused {
-		s.log.Error("engine refused", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
-	} else {
-		s.log.Warn("engine died", "role", sl.role, "pid", sl.proc.PID(), "cause", cause)
-	}
+	cause, wasReady, refused := s.pair.buried(sl, cause, class)
 	kind := failover.StandbyDied
 	switch {
 	case sl.role == failover.Active:
 		kind = failover.ActiveDied
 		if sl.inMPS {
-			s.lastMPSDeath = at
-			if s.failback.lostAt.IsZero() {
-				s.failback.lostAt = at
-			}
+			s.mps.activeDied(at)
+			s.failback.lost(at)
 		}
-	case !wasReady && !refused && s.notAdmitted(sl, at):
+	case !wasReady && !refused && s.mps.notAdmitted(sl, at):
 		kind = failover.StandbyNotAdmitted
 		s.log.Warn("standby in MPS died at start-up while the MPS server recovers from the active's death; relaunching it without counting it against the breaker",
-			"pid", sl.proc.PID(), "since_active_death", at.Sub(s.lastMPSDeath).Round(time.Millisecond), "cause", cause)
+			"pid", sl.proc.PID(), "since_active_death", at.Sub(s.mps.lastDeath).Round(time.Millisecond), "cause", cause)
 	}
 	st, _ := s.machine.State()
 	if kind == failover.ActiveDied && (st == failover.ServingReady || s.machine.Handover() == failover.Yielding) {
-		s.inflight = &failoverRun{kind: resumeFailover, target: s.standby, detected: at, handled: handled, fenced: fenced,
-			cause: cause, old: sl, class: class}
+		s.failovers.begin(&failoverRun{kind: resumeFailover, target: s.pair.standby, detected: at, handled: handled, fenced: fenced,
+			cause: cause, old: sl, class: class})
 	}
 	s.step(failover.Event{Kind: kind, At: at, Cause: cause, Refused: refusedStart})
 	if sl.groupPending { // after the step's Resume, if it sent one
 		sl.groupPending = false
-		s.fence(sl)
-		if fo := s.inflight; fo != nil && fo.old == sl {
-			fo.groupFenced = time.Now()
-		}
+		s.pair.fence(sl)
+		s.failovers.groupFenced(sl)
 	}
-}
-
-// startExitWait bounds how long died waits for an active that died before
-// it was ready to exit on its own (its control socket closes as it exits).
-const startExitWait = time.Second
-
-// startFailure waits (bounded) for an engine that failed to start to exit,
-// and says whether it exited with the engines' refusal code and the line of
-// its stderr that says why.
-func (s *Supervisor) startFailure(sl *slot) (refused bool, why string) {
-	select {
-	case <-sl.proc.Done():
-	case <-time.After(startExitWait):
-		return false, ""
-	}
-	ws := sl.proc.WaitStatus()
-	return ws.Exited() && ws.ExitStatus() == engineExitRefused, deathcause.Reason(sl.proc.LastStderr())
-}
-
-// notAdmitted: a standby launched into MPS within Config.MPSRecoveryWindow of
-// an MPS active's death, which did not exit with the engines' refusal code.
-func (s *Supervisor) notAdmitted(sl *slot, at time.Time) bool {
-	if !sl.inMPS || s.lastMPSDeath.IsZero() || s.cfg.MPSRecoveryWindow < 0 || at.Sub(s.lastMPSDeath) > s.cfg.MPSRecoveryWindow {
-		return false
-	}
-	select {
-	case <-sl.proc.Done():
-		ws := sl.proc.WaitStatus()
-		return !(ws.Exited() && ws.ExitStatus() == engineExitRefused)
-	default:
-		return true // its exit status is not known yet
-	}
-}
-
-// engineExitRefused is the engines' exit code for "refused at start" (bad
-// configuration, pool mismatch): never the MPS server's doing (ENGINE.md).
-const engineExitRefused = 2
-
-// step feeds the machine and executes its actions.
-func (s *Supervisor) step(ev failover.Event) {
-	tr := s.machine.Handle(ev)
-	if tr.Ignored {
-		return
-	}
-	s.mu.Lock()
-	s.state, s.stateCause = tr.To, tr.Cause
-	s.mu.Unlock()
-	s.crashLoopOpen.Store(s.machine.CrashLoopOpen())
-	s.metrics.crashLoop(s.machine.CrashLoopOpen())
-	if tr.From != tr.To || len(tr.Actions) > 0 {
-		lvl := s.log.Info
-		if tr.To == failover.CrashLoop || tr.To == failover.ServingDegraded {
-			lvl = s.log.Error
-		}
-		lvl("state", "from", tr.From, "to", tr.To, "event", ev.Kind, "cause", tr.Cause, "actions", fmt.Sprint(tr.Actions))
-	}
-	s.execute(tr.Actions, ev)
-	s.noteHandoverStep(tr)
-	if tr.From == failover.HandingOver && tr.To != failover.HandingOver {
-		s.endHandover(tr)
-	}
-	if tr.To == failover.CrashLoop {
-		s.unpublish(fmt.Errorf("%w: crash loop: %s", ErrUnavailable, tr.Cause))
-		if !s.machine.EverServed() {
-			s.giveUp(fmt.Errorf("no engine ever served: %s", tr.Cause))
-		}
-	}
-	s.syncFailback()
-}
-
-func (s *Supervisor) execute(acts []failover.Action, ev failover.Event) {
-	for _, a := range acts {
-		switch a.Kind {
-		case failover.FenceActive:
-			a := s.active
-			// died() fenced a dead active already (a second Kill is harmless; with one
-			// rank its group goes after this step, off the Resume's path); this also
-			// fences an active given up without a death (a yielded engine not resumed).
-			if a == nil || !a.groupPending {
-				s.fence(a)
-			}
-			if fo := s.inflight; fo != nil && fo.target == a {
-				s.abortFailover(fo, ev)
-			}
-			if fo := s.inflight; fo == nil || fo.old != a { // a failover's record classifies its own
-				s.classifyDeath(a)
-			}
-		case failover.FenceStandby:
-			s.cancelStart(failover.Standby) // a backoff pending for the dead standby
-			sb := s.standby
-			s.standby = nil
-			s.fence(sb)
-			s.retire(sb)
-			s.classifyDeath(sb)
-			if fo := s.inflight; fo != nil && fo.target == sb {
-				s.abortFailover(fo, ev)
-			}
-		case failover.DrainRing:
-			s.drainRing()
-			if fo := s.inflight; fo != nil && fo.drained.IsZero() {
-				fo.drained = time.Now()
-			}
-		case failover.SendResume:
-			if s.inflight == nil && s.machine.Handover() == failover.Resuming {
-				s.inflight = &failoverRun{kind: resumeHandover, target: s.standby, detected: time.Now(), cause: "failback handover"}
-			}
-			s.sendResume()
-		case failover.ResumeYielded:
-			s.inflight = &failoverRun{kind: resumeRestore, target: s.active, detected: time.Now(), cause: "failback failed: restore the yielded engine"}
-			s.sendResume()
-		case failover.SendHandoff:
-			s.sendHandoff()
-		case failover.Swap:
-			s.swap()
-		case failover.Promote:
-			old := s.active
-			s.active, s.standby = s.standby, nil
-			s.active.mu.Lock() // Status and the reader read role concurrently
-			s.active.role = failover.Active
-			s.active.beats.stepSince = time.Now() // it slept until now
-			s.active.mu.Unlock()
-			s.active.setState("serving")
-			s.metrics.up(failover.Active, true)
-			s.metrics.up(failover.Standby, false)
-			s.retire(old)
-			s.publish(s.active)
-		case failover.Publish:
-			s.active.setState("serving")
-			s.metrics.up(failover.Active, true)
-			s.publish(s.active)
-		case failover.Unpublish:
-			s.unpublish(nil)
-			if a := s.active; a != nil && a.dead {
-				s.active = nil
-				s.retire(a)
-			}
-		case failover.StartActive, failover.StartStandby:
-			role := failover.Active
-			if a.Kind == failover.StartStandby {
-				role = failover.Standby
-			}
-			s.cancelStart(role)
-			if a.Delay > 0 {
-				s.startSeq[role]++
-				seq := s.startSeq[role]
-				s.startAfter[role] = time.AfterFunc(a.Delay, func() { s.post(event{kind: evStartDue, role: role, id: seq, at: time.Now()}) })
-			} else {
-				s.start(role)
-			}
-		case failover.CheckMPS:
-			s.checkMPS()
-		case failover.StopAll:
-			s.stopAll(ev.Cause)
-		}
-	}
-}
-
-// fenceFirst fences a dead active on the way to the standby's Resume. With
-// one rank it kills the leader only, the one process that writes the pools,
-// the ring and the streams, and died fences the group after the step: a
-// SIGKILL costs its sender a wake-up of every thread it reaches (3-4 µs each
-// on the GPU host, bench/gpu/kill_cost_probe.py), so helper processes in the
-// group (compile workers, say) stay off the Resume's path. The leader's own
-// threads do not: a serving vLLM engine had ~219 and its SIGKILL took
-// 0.6-1.6 ms (bench/results/2026-11-28-h200x2-vllm-fence/). The ranks of a
-// tensor-parallel engine are processes of its group that write the KV cache:
-// the whole group then.
-func (s *Supervisor) fenceFirst(sl *slot) {
-	if s.cfg.TensorParallelSize > 1 {
-		s.fence(sl)
-		return
-	}
-	if err := sl.proc.KillLeader(); err != nil {
-		s.log.Error("fence engine", "role", sl.role, "pid", sl.proc.PID(), "error", err)
-		s.fence(sl) // the group then, at once
-		return
-	}
-	sl.dead = true
-	sl.groupPending = true
-}
-
-// fence kills a slot's process group; the slot stays until retired.
-func (s *Supervisor) fence(sl *slot) {
-	if sl == nil {
-		return
-	}
-	if err := sl.proc.Kill(); err != nil {
-		s.log.Error("fence engine", "role", sl.role, "pid", sl.proc.PID(), "error", err)
-	}
-	sl.dead = true
-}
-
-// retire closes a fenced slot's connection and socket; its goroutines end
-// and its process is reaped by the launcher.
-func (s *Supervisor) retire(sl *slot) {
-	if sl == nil {
-		return
-	}
-	sl.cancel()
-	if c := sl.getConn(); c != nil {
-		_ = c.Close()
-	}
-	if err := sl.listener.Close(); err != nil {
-		s.log.Debug("close control listener", "error", err)
-	}
-	if sl.genC != nil {
-		_ = sl.genC.Close()
-		sl.genC = nil
-	}
-}
-
-// classifyDeath names a dead engine's death from its exit once it is reaped,
-// for a death no failover record classifies (a standby's; an active's while
-// starting or with no standby): the control socket only says that it closed,
-// or that the handshake broke, where the exit and the engine's last stderr
-// line say why (a start that fails every time, say).
-func (s *Supervisor) classifyDeath(sl *slot) {
-	if sl == nil || !sl.dead || sl.deathClass != "" {
-		return
-	}
-	role := sl.role
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		class, detail := s.classify(sl)
-		sl.mu.Lock()
-		cause := sl.deathCause
-		sl.deathCause = class + ": " + detail
-		sl.mu.Unlock()
-		s.log.Warn("engine death", "role", role, "pid", sl.proc.PID(), "class", class, "detail", detail, "seen_as", cause,
-			"log", sl.proc.LogPath())
-	}()
-}
-
-// classify waits (bounded) for the fenced process to be reaped.
-func (s *Supervisor) classify(sl *slot) (string, string) {
-	select {
-	case <-sl.proc.Done():
-	case <-time.After(5 * time.Second):
-		return "unknown", "engine not reaped within 5s of the fence"
-	}
-	sl.mu.Lock()
-	fault := sl.fault
-	sl.mu.Unlock()
-	return s.deps.Classify(sl.proc.WaitStatus(), sl.proc.LastStderr(), fault)
-}
-
-func (s *Supervisor) checkMPS() {
-	if s.mps == nil || s.mpsBusy {
-		return
-	}
-	s.mpsBusy = true
-	mps := s.mps
-	// After a fatal GPU error the server that handled it lives on, and clients
-	// that join it in the next seconds can crash at start (H100, driver 580:
-	// segfaults up to 40 s after the fault): restart our own daemon so the
-	// engine launched into MPS next gets a fresh server. No client of it is
-	// left (every client was torn down with the fault). The operator's
-	// daemon is never restarted: there the launch is retried instead.
-	fresh := s.mpsFaulted && mps.Owned()
-	s.mpsFaulted = false
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		var err error
-		if fresh {
-			s.log.Info("restarting the MPS daemon after a fatal GPU error: a fresh server for the next engine")
-			s.setMPSState("restarting")
-			if err = mps.Recover(ctx); err != nil {
-				s.log.Warn("MPS restart after the fault", "error", err)
-			} else {
-				s.setMPSState("running (restarted after a fatal GPU error)")
-			}
-		}
-		if err == nil {
-			err = mps.Check(ctx)
-		}
-		if err != nil {
-			what, recovered := "restart MPS", "running (restarted)"
-			if mps.Owned() {
-				s.log.Warn("MPS daemon does not answer; restarting it", "error", err)
-				s.setMPSState("restarting")
-			} else {
-				what, recovered = "the operator's MPS daemon", "joined (the operator's daemon answers again)"
-				s.log.Warn("the operator's MPS daemon does not answer; waiting for it (frmps never restarts it)", "error", err)
-				s.setMPSState("waiting for the operator's daemon")
-			}
-			if err = mps.Recover(ctx); err != nil {
-				err = fmt.Errorf("%s: %w", what, err)
-				s.log.Error("MPS daemon unusable: no active can start in it", "error", err)
-				s.setMPSState("failed: " + err.Error())
-			} else {
-				s.setMPSState(recovered)
-			}
-		}
-		s.post(event{kind: evMPSChecked, err: err, at: time.Now()})
-	}()
-}
-
-// stopAll shuts the children down: Shutdown with a grace period, then the
-// group kill. The loop exits after this.
-func (s *Supervisor) stopAll(cause string) {
-	s.setUnavailable(fmt.Errorf("%w: stopped (%s)", ErrUnavailable, cause))
-	for r := range s.startAfter {
-		if t := s.startAfter[r]; t != nil {
-			t.Stop()
-		}
-	}
-	if fo := s.inflight; fo != nil && fo.timer != nil {
-		fo.timer.Stop()
-	}
-	grace := s.cfg.ShutdownGrace
-	for sl := range s.slots {
-		c := sl.getConn()
-		switch {
-		case sl.dead:
-		case c == nil: // not connected yet: nobody to ask politely
-			s.fence(sl)
-		default:
-			if err := c.Send(&frmpsv1.Envelope{Msg: &frmpsv1.Envelope_Shutdown{Shutdown: &frmpsv1.Shutdown{GraceMs: uint32(grace.Milliseconds())}}}, nil); err != nil {
-				s.fence(sl)
-			}
-		}
-	}
-	deadline := time.NewTimer(grace)
-	defer deadline.Stop()
-	for sl := range s.slots {
-		select {
-		case <-sl.proc.Done():
-		case <-deadline.C:
-			deadline.Reset(0) // the rest get no more grace
-		}
-	}
-	for sl := range s.slots {
-		s.fence(sl)
-		s.retire(sl)
-	}
-	for sl := range s.slots {
-		select {
-		case <-sl.proc.Done():
-		case <-time.After(10 * time.Second):
-			s.log.Error("engine survived SIGKILL", "pid", sl.proc.PID())
-		}
-		delete(s.slots, sl)
-	}
-	s.active, s.standby = nil, nil
-	s.stopSpare()
-	s.wg.Wait()
-	s.metrics.up(failover.Active, false)
-	s.metrics.up(failover.Standby, false)
-	s.log.Info("deployment stopped", "cause", cause)
 }
 
 // Run starts the deployment and supervises it until ctx ends, then shuts
@@ -691,8 +222,8 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 	}
 	pollCtx, stopPoll := context.WithCancel(context.Background())
 	pollDone := make(chan struct{})
-	go func() { defer close(pollDone); s.pollRing(pollCtx) }()
-	watchDone := s.watchMPSLog(pollCtx)
+	go func() { defer close(pollDone); s.ring.poll(pollCtx) }()
+	watchDone := s.mps.watchLog(pollCtx)
 	defer func() {
 		stopPoll()
 		<-pollDone
@@ -700,14 +231,15 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 		s.cleanup()
 	}()
 
-	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ringPath, "mps", !s.cfg.NoMPS)
-	s.syncSpare()
+	s.log.Info("deployment starting", "model", s.cfg.Model, "engine", s.cfg.Engine, "run_dir", s.runDir, "ring", s.ring.path, "mps", !s.cfg.NoMPS)
+	s.spares.sync()
+	s.failback.enabled = s.mps.on() && !s.cfg.NoFailback
 	s.execute(s.machine.Initial(), failover.Event{At: time.Now()})
 	done := ctx.Done()
 	feed, stopFeed := s.watchdogTick()
 	defer stopFeed()
 	var watchdog <-chan time.Time
-	if p := s.cfg.hangPolicy(); p.enabled() {
+	if p := s.hang.policy; p.enabled() {
 		t := time.NewTicker(p.tick())
 		defer t.Stop()
 		watchdog = t.C
@@ -729,35 +261,12 @@ func (s *Supervisor) Run(ctx context.Context) (retErr error) {
 			s.handle(ev)
 		case now := <-watchdog:
 			s.checkStall(now)
-			s.reap()
-			s.syncShown()
+			s.pair.reap()
+			s.pair.syncShown()
 		case <-feed:
 			s.watchdog.Feed()
 		}
 	}
-}
-
-// watchMPSLog follows the MPS server's log (the early fault signal) until
-// ctx ends; the channel closes when the watcher has returned. Nothing to
-// follow without MPS, with the watch turned off, or with an operator's daemon
-// whose log directory frmps was not given.
-func (s *Supervisor) watchMPSLog(ctx context.Context) <-chan struct{} {
-	done := make(chan struct{})
-	logged, ok := s.mps.(interface{ LogDir() string })
-	if s.cfg.NoMPSFaultWatch || !ok || logged.LogDir() == "" {
-		close(done)
-		return done
-	}
-	path := mps.ServerLogPath(logged.LogDir())
-	s.log.Debug("following the MPS server's log for early fault signals", "path", path)
-	w := mps.OpenServerLog(path) // what the log holds now is history
-	go func() {
-		defer close(done)
-		w.Watch(ctx, 0, func(t mps.Teardown) {
-			s.post(event{kind: evMPSTeardown, pid: t.PID, cause: t.Line, at: t.Seen})
-		})
-	}()
-	return done
 }
 
 // post hands an event to the loop from another goroutine; dropped once the

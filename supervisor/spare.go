@@ -2,10 +2,13 @@ package supervisor
 
 import (
 	"fmt"
-	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"google.golang.org/protobuf/proto"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/engine"
@@ -38,8 +41,24 @@ const (
 	spareStopGrace = 2 * time.Second
 )
 
-// spareState is the loop's view of the spares (loop-owned).
-type spareState struct {
+// spares owns the spare processes: the pool, its backoff and its counts
+// (loop-owned), and what Status shows of them (under mu).
+type spares struct {
+	launcher SpareLauncher // nil: engines always start cold
+	size     int           // spares to keep; 0: spares are off
+	model    string
+	log      hclog.Logger
+	metrics  *metrics
+	post     func(event)     // to the loop, from a spare's watcher
+	stopped  <-chan struct{} // closed when the loop has exited
+	wg       *sync.WaitGroup // the watchers, waited for at shutdown
+	// env is what a spare starts from (the engines' environment); modules is
+	// the file the first served engine lists its modules in; logPath names the
+	// next spare's log.
+	env     func() []string
+	modules func() string
+	logPath func() string
+
 	pool      []*spareEntry // oldest first
 	fails     int
 	off       string // why spares are off ("" = on)
@@ -49,6 +68,10 @@ type spareState struct {
 	activated uint64
 	cold      uint64
 	lastReady time.Duration
+
+	mu     sync.Mutex
+	status *frmpsv1.Spare
+	pids   []int // the spare processes' pids, for Status's host memory
 }
 
 // spareEntry is one spare process.
@@ -60,7 +83,7 @@ type spareEntry struct {
 }
 
 // find returns the pool's entry of p, or nil (taken already).
-func (sp *spareState) find(p Spare) *spareEntry {
+func (sp *spares) find(p Spare) *spareEntry {
 	for _, e := range sp.pool {
 		if e.p == p {
 			return e
@@ -70,13 +93,13 @@ func (sp *spareState) find(p Spare) *spareEntry {
 }
 
 // take removes e from the pool (used or sent away) and ends its watcher.
-func (sp *spareState) take(e *spareEntry) {
+func (sp *spares) take(e *spareEntry) {
 	close(e.unwatch)
 	sp.pool = slices.DeleteFunc(sp.pool, func(x *spareEntry) bool { return x == e })
 }
 
 // readyCount: spares whose imports are done.
-func (sp *spareState) readyCount() int {
+func (sp *spares) readyCount() int {
 	n := 0
 	for _, e := range sp.pool {
 		if e.ready {
@@ -89,7 +112,7 @@ func (sp *spareState) readyCount() int {
 // next: the spare the next launch takes: the oldest ready one, else the
 // oldest still importing (the nearest to ready), skipping any that died
 // (their death event is on the way); nil if none.
-func (sp *spareState) next() *spareEntry {
+func (sp *spares) next() *spareEntry {
 	var importing *spareEntry
 	for _, e := range sp.pool {
 		select {
@@ -107,84 +130,70 @@ func (sp *spareState) next() *spareEntry {
 	return importing
 }
 
-// engineEnv is the environment every engine and every spare starts from.
-func (s *Supervisor) engineEnv() []string {
-	env := slices.Clone(s.cfg.BaseEnv)
-	return append(env, "FRMPS_MODULES_FILE="+s.modulesFile())
-}
+func (sp *spares) enabled() bool { return sp.launcher != nil && sp.size > 0 }
 
-// modulesFile: where the first served engine lists its modules for spares.
-func (s *Supervisor) modulesFile() string { return filepath.Join(s.runDir, "engine-modules.txt") }
-
-func (s *Supervisor) sparesEnabled() bool { return s.deps.Spares != nil && s.cfg.sparesOn() }
-
-// maybeStartSpare starts spares until the pool is full. Called after every event.
-func (s *Supervisor) maybeStartSpare() {
-	if !s.sparesEnabled() {
+// fill starts spares until the pool is full, once the pair (in state st)
+// was ready. Called after every event.
+func (sp *spares) fill(st failover.State) {
+	if !sp.enabled() {
 		return
 	}
-	sp := &s.spares
-	st, _ := s.machine.State()
 	if st == failover.ServingReady {
 		sp.pairOnce = true
 	}
 	for st != failover.Stopped && st != failover.CrashLoop && sp.pairOnce && sp.off == "" && sp.timer == nil &&
-		len(sp.pool) < s.cfg.spareCount() {
-		s.startSpare()
+		len(sp.pool) < sp.size {
+		sp.start()
 	}
 }
 
-// startSpare starts one spare process and its watcher.
-func (s *Supervisor) startSpare() {
-	sp := &s.spares
-	s.nextID++
-	logPath := filepath.Join(s.logDir, fmt.Sprintf("spare-%d.log", s.nextID))
-	cur, err := s.deps.Spares.StartSpare(s.engineEnv(), logPath, engine.SpareOptions{ModulesFile: s.modulesFile(), Model: s.cfg.Model})
+// start starts one spare process and its watcher.
+func (sp *spares) start() {
+	logPath := sp.logPath()
+	cur, err := sp.launcher.StartSpare(sp.env(), logPath, engine.SpareOptions{ModulesFile: sp.modules(), Model: sp.model})
 	if err != nil {
-		s.spareFailed(fmt.Sprintf("start: %v", err))
+		sp.failed(fmt.Sprintf("start: %v", err))
 		return
 	}
 	unwatch := make(chan struct{})
 	sp.pool = append(sp.pool, &spareEntry{p: cur, unwatch: unwatch, started: time.Now()})
-	s.log.Info("spare engine process started", "pid", cur.PID(), "log", logPath)
-	s.wg.Add(1)
+	sp.log.Info("spare engine process started", "pid", cur.PID(), "log", logPath)
+	sp.wg.Add(1)
 	go func() { // until the spare is used, sent away or dead
-		defer s.wg.Done()
+		defer sp.wg.Done()
 		select {
 		case <-cur.Ready():
-			s.post(event{kind: evSpareReady, spare: cur, at: time.Now()})
+			sp.post(event{kind: evSpareReady, spare: cur, at: time.Now()})
 		case <-cur.Done():
 		case <-unwatch:
 			return
-		case <-s.stopped:
+		case <-sp.stopped:
 			return
 		}
 		select {
 		case <-cur.Done():
-			s.post(event{kind: evSpareDied, spare: cur, at: time.Now()})
+			sp.post(event{kind: evSpareDied, spare: cur, at: time.Now()})
 		case <-unwatch:
-		case <-s.stopped:
+		case <-sp.stopped:
 		}
 	}()
-	s.syncSpare()
+	sp.sync()
 }
 
-// spareReady notes that the spare's imports are done.
-func (s *Supervisor) spareReady(ev event) {
-	sp := &s.spares
+// ready notes that a spare's imports are done (evSpareReady).
+func (sp *spares) ready(ev event) {
 	e := sp.find(ev.spare)
 	if e == nil {
 		return
 	}
 	e.ready, sp.fails = true, 0
 	sp.lastReady = ev.at.Sub(e.started)
-	s.log.Info("spare engine process ready", "pid", ev.spare.PID(), "after", sp.lastReady.Round(time.Millisecond), "said", ev.spare.ReadyLine())
-	s.syncSpare()
+	sp.log.Info("spare engine process ready", "pid", ev.spare.PID(), "after", sp.lastReady.Round(time.Millisecond), "said", ev.spare.ReadyLine())
+	sp.sync()
 }
 
-// spareDied handles a spare that exited before it was activated.
-func (s *Supervisor) spareDied(ev event) {
-	sp := &s.spares
+// died handles a spare that exited before it was activated (evSpareDied).
+func (sp *spares) died(ev event) {
 	e := sp.find(ev.spare)
 	if e == nil {
 		return // activated: its death is an engine's
@@ -192,49 +201,47 @@ func (s *Supervisor) spareDied(ev event) {
 	sp.take(e)
 	if ws := ev.spare.WaitStatus(); ws.Exited() && ws.ExitStatus() == engine.SpareExitDriverInitialised {
 		sp.off = "the engine's imports initialise the CUDA driver, so a spare could not be placed in or out of MPS"
-		s.log.Error("spares turned off: engines start cold", "why", sp.off)
-		s.syncSpare()
+		sp.log.Error("spares turned off: engines start cold", "why", sp.off)
+		sp.sync()
 		return
 	}
-	s.spareFailed(fmt.Sprintf("pid %d %s: %s", ev.spare.PID(), describeExit(ev.spare.WaitStatus()), strings.Join(lastN(ev.spare.LastStderr(), 3), " | ")))
+	sp.failed(fmt.Sprintf("pid %d %s: %s", ev.spare.PID(), describeExit(ev.spare.WaitStatus()), strings.Join(lastN(ev.spare.LastStderr(), 3), " | ")))
 }
 
-// spareFailed counts a spare that could not start or died unused, and
-// schedules the next one (or turns spares off).
-func (s *Supervisor) spareFailed(why string) {
-	sp := &s.spares
+// failed counts a spare that could not start or died unused, and schedules
+// the next one (or turns spares off).
+func (sp *spares) failed(why string) {
 	sp.fails++
 	if sp.fails >= spareMaxFails {
 		sp.off = fmt.Sprintf("%d spares in a row failed, the last: %s", sp.fails, why)
-		s.log.Error("spares turned off: engines start cold", "why", sp.off)
-		s.syncSpare()
+		sp.log.Error("spares turned off: engines start cold", "why", sp.off)
+		sp.sync()
 		return
 	}
 	delay := spareBaseBackoff << (sp.fails - 1)
-	s.log.Warn("spare engine process failed; starting another later", "why", why, "in", delay)
+	sp.log.Warn("spare engine process failed; starting another later", "why", why, "in", delay)
 	sp.seq++
 	seq := sp.seq
-	sp.timer = time.AfterFunc(delay, func() { s.post(event{kind: evSpareDue, id: seq, at: time.Now()}) })
-	s.syncSpare()
+	sp.timer = time.AfterFunc(delay, func() { sp.post(event{kind: evSpareDue, id: seq, at: time.Now()}) })
+	sp.sync()
 }
 
-// spareDue: the backoff after a failed spare elapsed.
-func (s *Supervisor) spareDue(ev event) {
-	if s.spares.timer == nil || ev.id != s.spares.seq {
+// due: the backoff after a failed spare elapsed (evSpareDue).
+func (sp *spares) due(ev event) {
+	if sp.timer == nil || ev.id != sp.seq {
 		return
 	}
-	s.spares.timer = nil
+	sp.timer = nil
 }
 
-// launchFromSpare makes a spare the engine of role (spareState.next), if
-// there is one that can take env. ok false: launch cold.
-func (s *Supervisor) launchFromSpare(role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, bool) {
-	sp := &s.spares
+// launch makes a spare the engine of role (next), if there is one that can
+// take env. ok false: launch cold.
+func (sp *spares) launch(role failover.Role, inv engine.Invocation, env []string, logPath string) (Process, bool) {
 	e := sp.next()
 	if e == nil {
-		if sp.pairOnce && s.sparesEnabled() {
+		if sp.pairOnce && sp.enabled() {
 			sp.cold++
-			s.syncSpare()
+			sp.sync()
 		}
 		return nil, false
 	}
@@ -246,24 +253,23 @@ func (s *Supervisor) launchFromSpare(role failover.Role, inv engine.Invocation, 
 		wasReady = true
 	default:
 	}
-	p, err := s.deps.Spares.ActivateSpare(cur, role, inv, env, logPath)
+	p, err := sp.launcher.ActivateSpare(cur, role, inv, env, logPath)
 	if err != nil {
-		s.log.Warn("cannot use the spare; launching cold", "pid", cur.PID(), "error", err)
+		sp.log.Warn("cannot use the spare; launching cold", "pid", cur.PID(), "error", err)
 		cur.Close(0)
 		sp.cold++
-		s.syncSpare()
+		sp.sync()
 		return nil, false
 	}
 	sp.activated++
-	s.log.Info("engine launched from the spare", "role", role, "pid", p.PID(), "spare_ready", wasReady,
+	sp.log.Info("engine launched from the spare", "role", role, "pid", p.PID(), "spare_ready", wasReady,
 		"spare_age", time.Since(started).Round(time.Millisecond), "spares_left", len(sp.pool))
-	s.syncSpare()
+	sp.sync()
 	return p, true
 }
 
-// stopSpare sends every spare away at shutdown and waits for them.
-func (s *Supervisor) stopSpare() {
-	sp := &s.spares
+// stop sends every spare away at shutdown and waits for them.
+func (sp *spares) stop() {
 	if sp.timer != nil {
 		sp.timer.Stop()
 		sp.timer = nil
@@ -278,19 +284,18 @@ func (s *Supervisor) stopSpare() {
 		select {
 		case <-e.p.Done():
 		case <-deadline:
-			s.log.Error("spare survived SIGKILL", "pid", e.p.PID())
+			sp.log.Error("spare survived SIGKILL", "pid", e.p.PID())
 		}
 	}
-	s.syncSpare()
+	sp.sync()
 }
 
-// syncSpare publishes the spare's state to Status and metrics.
-func (s *Supervisor) syncSpare() {
-	sp := &s.spares
-	v := &frmpsv1.Spare{Enabled: s.sparesEnabled(), Activations: sp.activated, ColdStarts: sp.cold,
+// sync publishes the spares' state to Status and metrics.
+func (sp *spares) sync() {
+	v := &frmpsv1.Spare{Enabled: sp.enabled(), Activations: sp.activated, ColdStarts: sp.cold,
 		LastReadySeconds: sp.lastReady.Seconds(), ReadyCount: uint32(sp.readyCount())}
 	if v.Enabled {
-		v.Size = uint32(s.cfg.spareCount())
+		v.Size = uint32(sp.size)
 	}
 	next := sp.next()
 	switch {
@@ -307,14 +312,25 @@ func (s *Supervisor) syncSpare() {
 	default:
 		v.State = "none"
 	}
-	s.metrics.spare(v.Enabled, int(v.ReadyCount))
+	sp.metrics.spare(v.Enabled, int(v.ReadyCount))
 	pids := make([]int, 0, len(sp.pool))
 	for _, e := range sp.pool {
 		pids = append(pids, e.p.PID())
 	}
-	s.mu.Lock()
-	s.spareStatus, s.sparePIDs = v, pids
-	s.mu.Unlock()
+	sp.mu.Lock()
+	sp.status, sp.pids = v, pids
+	sp.mu.Unlock()
+}
+
+// shown is what Status shows of the spares (a copy; nil before the first
+// sync) and their processes' pids.
+func (sp *spares) shown() (*frmpsv1.Spare, []int) {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	if sp.status == nil {
+		return nil, nil
+	}
+	return proto.Clone(sp.status).(*frmpsv1.Spare), sp.pids
 }
 
 func lastN(lines []string, n int) []string {

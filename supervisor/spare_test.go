@@ -1,6 +1,7 @@
 package supervisor
 
 import (
+	"fmt"
 	"os"
 	"slices"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/hashicorp/go-hclog"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/frmps/frmps/supervisor/engine"
@@ -350,4 +352,129 @@ func TestResidentBytesOfLiveAndGoneProcesses(t *testing.T) {
 	if got := residentBytes(nil); got != 0 {
 		t.Fatalf("no pids: %d", got)
 	}
+}
+
+// newSpares is a spares owner on its own: its events go to the returned
+// channel instead of a loop.
+func newSpares(t *testing.T, w *fakeWorld, size int) (*spares, chan event, func()) {
+	t.Helper()
+	m, err := newMetrics(nil, "m")
+	if err != nil {
+		t.Fatal(err)
+	}
+	events, stopped := make(chan event, 16), make(chan struct{})
+	wg := &sync.WaitGroup{}
+	n := 0
+	sp := &spares{launcher: w.spares, size: size, model: "m", log: hclog.NewNullLogger(), metrics: m,
+		post: func(ev event) { events <- ev }, stopped: stopped, wg: wg,
+		env: func() []string { return []string{"A=1"} }, modules: func() string { return "/run/modules.txt" },
+		logPath: func() string { n++; return fmt.Sprintf("/logs/spare-%d.log", n) }}
+	return sp, events, func() { sp.stop(); close(stopped); wg.Wait() }
+}
+
+// The pool fills once the pair was ready, the ready spare goes first, a
+// launch with none left starts cold, and stop sends the rest away.
+func TestSparesFillTakeAndStop(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.spares = &fakeSpares{w: w, holdReady: func(i int) bool { return i == 0 }}
+		sp, events, stop := newSpares(t, w, 2)
+		sp.fill(failover.Starting)
+		if len(sp.pool) != 0 {
+			t.Fatalf("%d spares started before the pair was ready", len(sp.pool))
+		}
+		sp.fill(failover.ServingReady)
+		sp.fill(failover.ServingReady)
+		started := w.spares.list()
+		if len(sp.pool) != 2 || len(started) != 2 {
+			t.Fatalf("pool %d, started %d; want 2 and 2", len(sp.pool), len(started))
+		}
+		if got := started[1].env; !slices.Equal(got, []string{"A=1"}) || started[1].modules != "/run/modules.txt" || started[1].model != "m" {
+			t.Fatalf("spare started with env %v modules %q model %q", got, started[1].modules, started[1].model)
+		}
+		synctest.Wait()
+		ev := <-events
+		if ev.kind != evSpareReady || ev.spare != Spare(started[1]) {
+			t.Fatalf("event %v for spare %v, want the second spare ready", ev.kind, ev.spare)
+		}
+		sp.ready(ev)
+		if st, _ := sp.shown(); st.GetState() != "ready" || st.GetPid() != int32(started[1].pid) || st.GetReadyCount() != 1 {
+			t.Fatalf("shown %v, want the second spare ready", st)
+		}
+		inv := engine.Invocation{Role: engine.RoleStandby, Model: "m"}
+		p, ok := sp.launch(failover.Standby, inv, []string{"A=1"}, "/logs/standby-3.log")
+		if !ok || p.PID() != started[1].pid {
+			t.Fatalf("launch took %v (ok %v), want the ready spare %d", p, ok, started[1].pid)
+		}
+		sp.fill(failover.ServingReady) // replaced at once
+		if len(w.spares.list()) != 3 || len(sp.pool) != 2 {
+			t.Fatalf("started %d, pool %d after a launch; want the spare replaced", len(w.spares.list()), len(sp.pool))
+		}
+		synctest.Wait()
+		sp.ready(<-events) // the replacement's imports are done
+		// The ready replacement goes before the older spare still importing.
+		if p, ok := sp.launch(failover.Standby, inv, []string{"A=1"}, ""); !ok || p.PID() != w.spares.list()[2].pid {
+			t.Fatalf("launch took %v (ok %v), want the ready replacement", p, ok)
+		}
+		sp.fill(failover.CrashLoop) // no spare starts in a crash loop
+		if len(w.spares.list()) != 3 {
+			t.Fatalf("%d spares started, want no new one in a crash loop", len(w.spares.list()))
+		}
+		// The spare still importing is the last; then launches start cold.
+		if p, ok := sp.launch(failover.Standby, inv, []string{"A=1"}, ""); !ok || p.PID() != started[0].pid {
+			t.Fatalf("launch took %v (ok %v), want the spare still importing", p, ok)
+		}
+		if _, ok := sp.launch(failover.Standby, inv, []string{"A=1"}, ""); ok {
+			t.Fatal("a launch with the pool empty took a spare")
+		}
+		if st, _ := sp.shown(); st.GetActivations() != 3 || st.GetColdStarts() != 1 || st.GetState() != "none" {
+			t.Fatalf("shown %v, want 3 activations, 1 cold start, state none", st)
+		}
+		sp.fill(failover.ServingReady)
+		left := w.spares.list()[3]
+		stop()
+		if !left.closed {
+			t.Fatalf("spare %d not sent away at stop", left.pid)
+		}
+		if st, _ := sp.shown(); st.GetReadyCount() != 0 || st.GetState() != "none" {
+			t.Fatalf("shown %v after stop, want no spare", st)
+		}
+	})
+}
+
+// Spares that fail are retried with a doubling backoff, then turned off.
+func TestSparesBackOffThenTurnOff(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := newWorld()
+		w.spares = &fakeSpares{w: w, exitWith: 1}
+		sp, events, stop := newSpares(t, w, 1)
+		defer stop()
+		t0 := time.Now()
+		var retries []time.Duration
+		sp.fill(failover.ServingReady)
+		for sp.off == "" {
+			synctest.Wait()
+			ev := <-events
+			switch ev.kind {
+			case evSpareDied:
+				sp.died(ev)
+				if st, _ := sp.shown(); sp.off == "" && st.GetState() != "backoff" {
+					t.Fatalf("state %q after a failed spare, want backoff", st.GetState())
+				}
+			case evSpareDue:
+				retries = append(retries, time.Since(t0))
+				sp.due(ev)
+			default:
+				t.Fatalf("unexpected event %v", ev.kind)
+			}
+			sp.fill(failover.ServingReady)
+		}
+		want := []time.Duration{spareBaseBackoff, 3 * spareBaseBackoff}
+		if !slices.Equal(retries, want) || len(w.spares.list()) != spareMaxFails {
+			t.Fatalf("retries at %v with %d spares started; want %v and %d", retries, len(w.spares.list()), want, spareMaxFails)
+		}
+		if st, _ := sp.shown(); !strings.HasPrefix(st.GetState(), "off: 3 spares in a row failed") {
+			t.Fatalf("state %q", st.GetState())
+		}
+	})
 }

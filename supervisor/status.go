@@ -16,8 +16,8 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	s.mu.Lock()
 	st := &frmpsv1.Status{
 		State: s.state.String(), StateCause: s.stateCause, Model: s.cfg.Model, Engine: s.cfg.Engine,
-		SyncEvery: s.cfg.SyncEvery, Mps: !s.cfg.NoMPS, MpsState: s.mpsState,
-		RingLagRecords: s.ringLag.Load(), RingResyncs: s.ringResyncs.Load(),
+		SyncEvery: s.cfg.SyncEvery, Mps: !s.cfg.NoMPS, MpsState: s.mps.shownState(),
+		RingLagRecords: s.ring.lag.Load(), RingResyncs: s.ring.resyncs.Load(),
 		Version:            buildinfo.Get().Version,
 		CrashLoopOpen:      s.state == failover.CrashLoop,
 		TensorParallelSize: uint32(s.cfg.TensorParallelSize),
@@ -25,23 +25,19 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 	if s.cfg.Resolved != nil {
 		st.Resolved = proto.Clone(s.cfg.Resolved).(*frmpsv1.Resolved)
 	}
-	for _, r := range s.records {
-		st.Failovers = append(st.Failovers, proto.Clone(r).(*frmpsv1.FailoverRecord))
-	}
-	if s.failbackStatus != nil {
-		st.Failback = proto.Clone(s.failbackStatus).(*frmpsv1.Failback)
-	}
-	if s.spareStatus != nil {
-		st.Spare = proto.Clone(s.spareStatus).(*frmpsv1.Spare)
-	}
-	sparePIDs := s.sparePIDs
 	s.mu.Unlock()
+	if recs := s.failovers.shownRecords(); len(recs) > 0 {
+		st.Failovers = recs
+	}
+	st.Failback = s.failback.shown()
+	var sparePIDs []int
+	st.Spare, sparePIDs = s.spares.shown()
 	if st.Spare != nil {
 		st.Spare.RssBytes = residentBytes(sparePIDs)
 	}
 	st.CrashLoopOpen = st.CrashLoopOpen || s.crashLoopOpen.Load()
-	for _, sl := range s.statusSlots() {
-		died := s.lastDeathCause(sl)
+	for _, sl := range s.pair.shownSlots() {
+		died := s.pair.lastDeathCause(sl)
 		sl.mu.Lock()
 		if sl.deathCause != "" {
 			died = sl.deathCause
@@ -59,65 +55,13 @@ func (s *Supervisor) Status() *frmpsv1.Status {
 		sl.mu.Unlock()
 		st.Engines = append(st.Engines, es)
 	}
-	if n := s.liveRequests(); n >= 0 {
+	if n := s.ring.size(); n >= 0 {
 		st.LiveRequests = uint32(n)
 	}
 	if fs, ok := s.frontDoor.(FrontendStatuser); ok {
 		st.Frontend = fs.FrontendStatus()
 	}
 	return st
-}
-
-func (s *Supervisor) liveRequests() int {
-	s.ringMu.Lock()
-	defer s.ringMu.Unlock()
-	if s.ring == nil {
-		return -1
-	}
-	return s.ring.Len()
-}
-
-// lastDeathCause: the cause of the last death of an engine in sl's role, if
-// that was another engine (the one sl replaced, or an earlier one); "" if none.
-func (s *Supervisor) lastDeathCause(sl *slot) string {
-	r := sl.roleNow()
-	s.mu.Lock()
-	d := s.lastDead[r]
-	s.mu.Unlock()
-	if d == nil || d == sl {
-		return ""
-	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.deathCause
-}
-
-func (s *Supervisor) statusSlots() []*slot {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var out []*slot
-	for _, sl := range s.shown {
-		if sl != nil {
-			out = append(out, sl)
-		}
-	}
-	return out
-}
-
-// syncShown publishes the loop's engine slots to Status; a dead engine
-// stays visible (with its cause) until its replacement starts.
-func (s *Supervisor) syncShown() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.active != nil {
-		s.shown[0] = s.active
-	}
-	if s.standby != nil {
-		s.shown[1] = s.standby
-	}
-	if s.shown[1] == s.shown[0] {
-		s.shown[1] = nil
-	}
 }
 
 // residentBytes sums the resident memory of the processes (procfs, as the

@@ -4,9 +4,13 @@
 // ring, detects deaths, and executes the failover state machine's actions.
 //
 // One goroutine (the loop in Run) owns all state that changes; engine
-// connections, process exits, timers and admin requests reach it as events.
-// The front door reads the serving engine through Current, the admin API
-// through Status and TriggerFailover.
+// connections, process exits, timers and admin requests reach it as events,
+// which it dispatches to the owner of each concern: the engines (pair), the
+// failover run (failovers), failback, spares, the ring's consumer, hang
+// detection, the MPS daemon. Each owner keeps its own state; what other
+// goroutines read of it sits under the owner's own lock. The front door
+// reads the serving engine through Current, the admin API through Status
+// and TriggerFailover.
 package supervisor
 
 import (
@@ -48,85 +52,41 @@ type Supervisor struct {
 	gaveUpErr error
 	ran       atomic.Bool
 
+	// The owners: each keeps its own state (loop-owned unless its type says
+	// otherwise) and the loop dispatches events to them.
+	pair      pair         // the engines: launch and the active/standby pair (pair.go)
+	failovers failovers    // the resume in progress and the failover records (failover_run.go)
+	failback  failback     // the failback policy and the handover in progress (failback.go)
+	spares    spares       // the spare processes (spare.go)
+	ring      ringConsumer // the forward-state ring's consumer (ring.go)
+	hang      hangWatch    // hang detection of the serving active (hang.go)
+	mps       mpsDaemon    // the MPS daemon the engines run in (mpsdaemon.go)
+	limit     modelLimit   // the served model's context limit (modellimit.go)
+
 	// Loop-owned.
 	pending []event
-	nextID  int
-	active  *slot
-	standby *slot
-	slots   map[*slot]struct{} // every slot not yet cleaned up
-	broker  Broker
-	mps     MPS
-	mpsBusy bool
-	mpsErr  error // the last MPS check/restart failed: no active can start in it
-	// lastMPSDeath: when an active inside MPS last died (the MPS server may
-	// still be recovering; see Config.MPSRecoveryWindow).
-	lastMPSDeath time.Time
-	// lastDead: the last engine of each role that died (guarded by mu): Status
-	// shows its cause beside the engine that replaced it.
-	lastDead [2]*slot
-	// mpsFaulted: the MPS server said it tore the active's context down after
-	// a fatal GPU error (mps_fault); the next MPS check restarts frmps's own
-	// daemon, whose server broke new clients for seconds after such a fault.
-	mpsFaulted bool
-	startAfter [2]*time.Timer
-	startSeq   [2]uint64
-	wantStart  [2]bool // a start is due but waits (MPS check in progress)
-	inflight   *failoverRun
-	handover   *handoverRun
-	failback   failbackPolicy
-	spares     spareState
-	resumeSeq  uint64
-	frontDoor  FrontDoor
-	deployID   string
-	stateDir   *leftover.Dir // nil: no launch record
-	ringPath   string
-	runDir     string
-	logDir     string
-	wg         sync.WaitGroup // engine goroutines
+	cmdSeq  uint64         // the id of the last command (Resume, Handoff) sent to an engine
+	wg      sync.WaitGroup // the owners' goroutines (engines, spares' watchers, checks), waited for at shutdown
 
-	// Set before Run (SetWatchdog); fed by the loop.
+	// Set before the loop starts (SetFrontDoor, SetWatchdog, setup) and read
+	// while it runs; cleanup clears the dirs after it ends.
+	frontDoor     FrontDoor
 	watchdog      Watchdog
 	watchdogEvery time.Duration
-
-	ringMu sync.Mutex
-	ring   Ring
-
-	// numBlocks (guarded by mu): the KV block count an engine chose itself
-	// (Config.NumBlocks 0: the vLLM adapter sizes its cache), from the first
-	// active's Hello; every engine launched after it gets it (invocation), so
-	// the standby derives the active's pool layout.
-	numBlocks int
+	deployID      string
+	stateDir      *leftover.Dir // nil: no launch record
+	runDir        string
+	logDir        string
 
 	// Read by Current/Status from other goroutines.
-	mu          sync.Mutex
-	current     *slot
-	generation  uint64
-	changed     chan struct{}
-	unavailable error
-	state       failover.State
-	stateCause  string
-	records     []*frmpsv1.FailoverRecord
-	// awaitingFirstToken: failover records, by the generation they promoted,
-	// whose first resumed token has not reached a client yet.
-	awaitingFirstToken map[uint64]pendingFirstToken
-	failbackStatus     *frmpsv1.Failback
-	spareStatus        *frmpsv1.Spare
-	sparePIDs          []int // the spare processes' pids, for Status's host memory
-	// failbackFirstTokenSeconds: the last handover's Handoff sent -> first resumed token.
-	failbackFirstTokenSeconds float64
-	recordSeq                 uint64
-	mpsState                  string
-	shown                     [2]*slot
-	// detectToResume: death detected → Resume sent, for benchmarks (bounded).
-	detectToResume []time.Duration
-	crashLoopOpen  atomic.Bool
-	ringLag        atomic.Uint64
-	learnedMaxLen  atomic.Uint32
-	ringResyncs    atomic.Uint64
-
-	// earlyFirstToken (under mu): a first resumed token that came before its
-	// failover record was written.
-	earlyFirstToken earlyToken
+	mu            sync.Mutex
+	current       *slot
+	generation    uint64
+	changed       chan struct{}
+	unavailable   error
+	state         failover.State
+	stateCause    string
+	crashLoopOpen atomic.Bool
 }
 
 // New checks cfg and prepares a supervisor bound to the real collaborators.
@@ -166,12 +126,30 @@ func NewWithDeps(cfg Config, deps Deps, log hclog.Logger, reg prometheus.Registe
 	s := &Supervisor{
 		cfg: cfg, deps: deps, log: log, metrics: m, machine: machine,
 		events: make(chan event, 64), stopped: make(chan struct{}), gaveUp: make(chan struct{}),
-		slots: map[*slot]struct{}{}, changed: make(chan struct{}),
-		deployID: hex.EncodeToString(idb), mpsState: "disabled",
+		changed:  make(chan struct{}),
+		deployID: hex.EncodeToString(idb),
+	}
+	s.limit.configured = cfg.MaxModelLen
+	s.pair = pair{cfg: &s.cfg, deps: deps, log: log, metrics: m, post: s.post, enqueue: s.enqueue, stopped: s.stopped,
+		wg: &s.wg, spares: &s.spares, limit: &s.limit, deployID: s.deployID, beat: cfg.hangPolicy().beatInterval(),
+		slots: map[*slot]struct{}{}}
+	s.ring.log, s.ring.every = log, cfg.PollInterval
+	s.failovers = failovers{timeout: cfg.ResumeTimeout, syncEvery: cfg.SyncEvery, maxRecords: cfg.MaxFailoverRecords,
+		log: log, metrics: m, post: s.post, wg: &s.wg, classify: s.pair.classify}
+	s.mps = mpsDaemon{log: log, post: s.post, wg: &s.wg, window: cfg.MPSRecoveryWindow, noFaultWatch: cfg.NoMPSFaultWatch,
+		state: "disabled"}
+	s.failback = failback{delay: cfg.FailbackDelay, base: cfg.FailbackBaseBackoff, max: cfg.FailbackMaxBackoff,
+		timeout: cfg.HandoffTimeout, log: log, metrics: m, post: s.post}
+	s.hang = hangWatch{policy: cfg.hangPolicy(), runWait: deps.RunWait}
+	s.spares = spares{launcher: deps.Spares, model: cfg.Model, log: log, metrics: m,
+		post: s.post, stopped: s.stopped, wg: &s.wg, env: s.engineEnv, modules: s.modulesFile,
+		logPath: s.pair.spareLogPath}
+	if cfg.sparesOn() {
+		s.spares.size = cfg.spareCount()
 	}
 	s.state, s.stateCause = machine.State()
-	m.ringLagFn(func() float64 { return float64(s.ringLag.Load()) })
-	m.ringResyncsFn(func() float64 { return float64(s.ringResyncs.Load()) })
+	m.ringLagFn(func() float64 { return float64(s.ring.lag.Load()) })
+	m.ringResyncsFn(func() float64 { return float64(s.ring.resyncs.Load()) })
 	return s, nil
 }
 
@@ -187,10 +165,7 @@ func (s *Supervisor) Model() (name string, maxModelLen int) {
 	if name == "" {
 		name = s.cfg.Model
 	}
-	if s.cfg.MaxModelLen > 0 {
-		return name, s.cfg.MaxModelLen
-	}
-	return name, int(s.learnedMaxLen.Load())
+	return name, s.limit.get()
 }
 
 // Current blocks until an engine with generation >= minGeneration serves,
@@ -222,12 +197,6 @@ func (s *Supervisor) Serving() bool {
 	return s.current != nil
 }
 
-func (s *Supervisor) setMPSState(st string) {
-	s.mu.Lock()
-	s.mpsState = st
-	s.mu.Unlock()
-}
-
 func (s *Supervisor) setUnavailable(err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -238,10 +207,11 @@ func (s *Supervisor) setUnavailable(err error) {
 
 // publish makes sl the engine Current returns, with a new generation.
 func (s *Supervisor) publish(sl *slot) {
-	if s.cfg.MaxModelLen == 0 && s.learnedMaxLen.Load() == 0 && sl.gen != nil {
+	if !s.limit.known() && sl.gen != nil {
 		s.wg.Add(1)
-		go func() { defer s.wg.Done(); s.learnMaxModelLen(sl.gen) }()
+		go func() { defer s.wg.Done(); s.limit.learn(context.Background(), sl.gen, s.log) }()
 	}
+	s.failovers.published(s.generation + 1) // the loop is the only writer of generation
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.current = sl
@@ -260,16 +230,12 @@ func (s *Supervisor) unpublish(err error) {
 	s.changed = make(chan struct{})
 }
 
-// learnMaxModelLen asks a serving engine for its context limit (best effort).
-func (s *Supervisor) learnMaxModelLen(c frmpsv1.GenerationClient) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	h, err := c.Health(ctx, &frmpsv1.HealthRequest{})
-	if err != nil {
-		s.log.Debug("engine health", "error", err)
-		return
-	}
-	s.learnedMaxLen.Store(h.GetMaxModelLen())
+// NoteResumedToken is called by the front door when the first token of a
+// stream resumed on engine generation gen reaches its client: the failover
+// that promoted gen then records death-to-first-resumed-token. Cheap; safe
+// from any goroutine.
+func (s *Supervisor) NoteResumedToken(gen uint64, at time.Time) {
+	s.failovers.noteResumedToken(gen, at)
 }
 
 // TriggerFailover kills the active on purpose (a drill). It fails when no

@@ -486,14 +486,27 @@ def stream_report(report: dict, done: list[dict], events: list, prompt_tokens: l
     return report["headline"]
 
 
-def run_control(args, case: str, trigger_spec: str) -> dict:
-    """One negative control: a short deployment whose engines run with
-    FRMPS_TEST_TAKEOVER_FAULT=<case>, a few streams (and the burst) checked against
-    their no-fault outputs across one real fault (the proof's own trigger) and the
-    failback after it. Its record (proofcount.control_result) says whether the
-    comparison noticed."""
+def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
+    """The negative controls in one short deployment whose engines read the
+    control's cases from a file at each takeover (FRMPS_TEST_TAKEOVER_FAULT=@PATH,
+    sdk/takeover_fault.py): per case, the file names it, a few streams (and the
+    burst) run against their no-fault outputs across one real fault (the proof's own
+    trigger) and the failback after it, and its record (proofcount.control_result)
+    says whether the comparison noticed. Each case sends its own prompts (the
+    proof's, behind a tag with the case's number) and takes their no-fault outputs right
+    before its fault: a block a case broke stays in the engines' prefix cache (and
+    is adopted with it at the next takeover), and a later request with the same
+    prompt would read it, so a case's prompts must not come back. The run without a
+    control sends the proof's prompts untagged, and when it runs again after the
+    cases it compares with the outputs taken before any takeover: whatever a case
+    broke must not reach them. A case whose cycle failed ends the deployment: the
+    cases after it get "not_run"."""
     cargs = copy.copy(args)
-    cargs.env = {**(getattr(args, "env", None) or {}), **proofcount.control_env(case)}
+    switch = os.path.join(args.workdir, "controls", "cases")
+    os.makedirs(os.path.dirname(switch), exist_ok=True)
+    with open(switch, "w"):
+        pass
+    cargs.env = {**(getattr(args, "env", None) or {}), **proofcount.switch_env(switch)}
     cargs.port = 0
     # A control runs the proof's engines, but syncs every 16 steps: the position case needs
     # a request with tokens past its last sync, which syncing every step seldom leaves.
@@ -502,13 +515,12 @@ def run_control(args, case: str, trigger_spec: str) -> dict:
         cargs.quick_start = False  # the same choices, spelled out, so that --sync-every can be given
         cargs.engine_arg, cargs.serve_arg, cargs.num_blocks, cargs.max_model_len = [], [], 0, 0
     model = getattr(args, "served_model_name", "") or args.model
-    dep = Deployment(cargs, f"control-{case}", os.path.join(args.workdir, f"control-{case}"))
-    load, rec, fig, faulted, err = None, {"n": 1, "label": f"control {case}"}, {}, False, None
-    streams: list[dict] = []
-    t0 = now()
+    dep = Deployment(cargs, "controls", os.path.join(args.workdir, "controls"))
+    out: list[dict] = []
+    stopped: str | None = None
     try:
         dep.start()
-        dep.wait(lambda s: started(dep, s), 900, f"control {case}: active serving + standby ready")
+        dep.wait(lambda s: started(dep, s), 900, "controls: active serving + standby ready")
         wait_endpoint(dep.base, 300)
         n = args.control_streams
         reqs = bodies(n, args.control_max_tokens) + burst_bodies(args.control_burst, args.control_max_tokens,
@@ -516,45 +528,69 @@ def run_control(args, case: str, trigger_spec: str) -> dict:
         if getattr(args, "seed_every_request", False):  # engines whose greedy sampling is not deterministic
             for i, body in enumerate(reqs):
                 body.setdefault("seed", 3000 + i)
-        ref, fig = no_fault_run(dep, model, reqs)
+        ref0, fig = no_fault_run(dep, model, reqs)
         if fig["errors"]:
-            raise RuntimeError(f"control {case}: the no-fault run failed: {fig['errors'][:3]}")
-        load = Load(dep, model, reqs, ref, n_loop=n)
-        load.start()
-        faulted = True  # from here on a failure is the control's doing (or noticed by the run)
-        cycle(dep, cargs, load, fig.get("decode_step_s_p50") or 0.0, rec, 0, [0.0], mps_trigger(cargs, trigger_spec))
+            raise RuntimeError(f"controls: the no-fault run failed: {fig['errors'][:3]}")
+        last = [0.0]
+        for k, case in enumerate(cases):
+            creqs, ref, ptoks = reqs, ref0, fig.get("prompt_tokens") or []
+            if case != proofcount.POSITIVE:
+                creqs = [{**b, "prompt": f"({k}) {b['prompt']}"} for b in reqs]  # a short tag: few tokens alike
+                ref, cfig = no_fault_run(dep, model, creqs)
+                if cfig["errors"]:
+                    raise RuntimeError(f"controls: the no-fault run of {case} failed: {cfig['errors'][:3]}")
+                ptoks = cfig.get("prompt_tokens") or []
+            with open(switch, "w") as f:
+                f.write("" if case == proofcount.POSITIVE else case)
+            load = Load(dep, model, creqs, ref, n_loop=n)
+            rec: dict = {"n": k + 1, "label": f"control {case}"}
+            t0, err = now(), None
+            load.start()
+            try:
+                cycle(dep, cargs, load, fig.get("decode_step_s_p50") or 0.0, rec, k, last,
+                      mps_trigger(cargs, trigger_spec))
+            except Exception as ex:
+                err = f"{type(ex).__name__}: {ex}"
+            finally:
+                load.finish(120)
+            streams, _ = count_streams(list(load.done), events_of([rec]), ptoks, args.prefill_chunk)
+            fo = rec.get("failover") or {}
+            r = proofcount.control_result(case, streams, fo.get("ok") if fo else None, err)
+            r.update(fault=trigger_spec, seconds=round(now() - t0, 1), fault_to_detect_s=rec.get("fault_to_detect_s"))
+            out.append(r)
+            if err:
+                stopped = f"the controls' deployment stopped after case {case}: {err}"
+                break
     except Exception as ex:
-        err = f"{type(ex).__name__}: {ex}"
+        stopped = f"{type(ex).__name__}: {ex}"
     finally:
-        if load is not None:
-            load.finish(120)
-            streams, _ = count_streams(list(load.done), events_of([rec]), fig.get("prompt_tokens") or [],
-                                       args.prefill_chunk)
         dep.stop()
-    fo = rec.get("failover") or {}
-    out = proofcount.control_result(case, streams, fo.get("ok") if fo else None, err if faulted else None)
-    if not faulted:
-        out["not_run"] = err
-    out.update(fault=trigger_spec, seconds=round(now() - t0, 1), fault_to_detect_s=rec.get("fault_to_detect_s"))
+    for case in cases[len(out):]:
+        out.append({"case": case, "detected": False, "how": None, "streams": 0, "streams_in_flight": 0,
+                    "streams_affected": 0, "failover_ok": None, "error": None, "not_run": stopped, "tally": {}})
     return out
 
 
 def run_controls(args, report: dict, save, trigger_spec: str) -> bool:
-    """--controls: every case before the real run; report["controls"]. False (and
-    report["error"]) when one passed unnoticed or could not run."""
-    cases = args.controls
+    """--controls: every case before the real run, in one deployment
+    (control_cycles), and when the run without a control came first, that run
+    again after the last case (nothing a case broke may outlive its request);
+    report["controls"]. False (and report["error"]) when one passed unnoticed or
+    could not run."""
+    cases = list(args.controls)
     report["controls_mode"] = "off" if not cases else ",".join(cases)
     report["controls"] = []
     if not cases:
         print("controls: OFF (--controls off): the results below are not backed by negative controls", flush=True)
         return True
-    for case in cases:
-        r = run_control(args, case, trigger_spec)
+    if cases[0] == proofcount.POSITIVE and any(c != proofcount.POSITIVE for c in cases):
+        cases.append(proofcount.POSITIVE)
+    for r in control_cycles(args, cases, trigger_spec):
         report["controls"].append(r)
-        save()
-        print(f"control {case}: detected={r['detected']} ({r['how'] or 'every stream exact'}) "
+        print(f"control {r['case']}: detected={r['detected']} ({r['how'] or 'every stream exact'}) "
               f"in flight {r['streams_in_flight']}/{r['streams']} affected {r['streams_affected']} "
-              f"failover_ok={r['failover_ok']} {r['seconds']}s", flush=True)
+              f"failover_ok={r['failover_ok']} {r.get('seconds')}s", flush=True)
+    save()
     not_run = [r for r in report["controls"] if r.get("not_run")]
     if not_run:
         report["error"] = "; ".join(f"control {r['case']} did not run: {r['not_run']}" for r in not_run)

@@ -46,6 +46,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--safety", type=float, default=2.0)
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
+    ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile and CUDA graphs")
+    ap.add_argument("--attention-backend", default="", help="vLLM's attention backend (e.g. TRITON_ATTN; default: vLLM's choice)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--out", default="margin_bound.json")
     args = ap.parse_args()
@@ -55,7 +57,10 @@ def main() -> int:
 
     from bench import exactness
 
-    llm = LLM(model=args.model, seed=0, gpu_memory_utilization=args.gpu_memory_utilization)
+    extra = {"enforce_eager": True} if args.enforce_eager else {}
+    if args.attention_backend:
+        extra["attention_backend"] = args.attention_backend
+    llm = LLM(model=args.model, seed=0, gpu_memory_utilization=args.gpu_memory_utilization, **extra)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)
     prompts = [prompt(i) for i in range(args.prompts)]
 
@@ -78,14 +83,16 @@ def main() -> int:
               f"alone-run top-2 margin {d.margin:.5f}")
     smallest = [min(m) for m in alone_m]
     rec = {
-        "model": args.model, "batch_invariant": args.batch_invariant, "prompts": args.prompts,
+        "model": args.model, "batch_invariant": args.batch_invariant, "enforce_eager": args.enforce_eager,
+        "attention_backend": args.attention_backend or "vLLM's choice", "prompts": args.prompts,
         "fillers": args.fillers, "max_tokens": args.max_tokens, "safety": args.safety,
         "disagreeing_prompts": len(seen), "bound": bound,
         "disagreements": [d.__dict__ for d in seen],
         "smallest_margin_per_prompt": smallest,
     }
     print(f"{len(seen)}/{args.prompts} prompts differ between alone and batched; margin bound B = {bound:.5f} "
-          f"(largest disagreeing margin x {args.safety}); batch-invariant {'on' if args.batch_invariant else 'off'}")
+          f"(largest disagreeing margin x {args.safety}); batch-invariant {'on' if args.batch_invariant else 'off'}, "
+          f"eager {'on' if args.enforce_eager else 'off'}, attention {args.attention_backend or 'default'}")
     with open(args.out, "w") as f:
         json.dump(rec, f, indent=1)
     return 0

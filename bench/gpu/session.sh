@@ -75,6 +75,13 @@
 #   controls:<engine>:<model>[:<timeout>]  bench/gpu/controls_check.py on the seeded checkpoint: each negative control
 #                                      detected, the positive run exact
 #   margin:<model>[:<timeout>]         bench/gpu/margin_bound.py on the seeded checkpoint (alone vs in a batch)
+#   bi-margin:<model>[:<timeout>]      margin_bound.py with VLLM_BATCH_INVARIANT=1 in three variants (eager; Triton
+#                                      attention; both), 16 prompts of 96 tokens: the first variant with no prompt
+#                                      differing alone and batched is written to $WORK/exact-flags (frmps serve's
+#                                      --vllm-arg flags for it), which exact-proof reads
+#   exact-proof:<model>:<n>:<budget>[:<timeout>]  failback_proof.py with --engine vllm on the seeded checkpoint,
+#                                      VLLM_BATCH_INVARIANT=1 and $WORK/exact-flags: the controls (one deployment),
+#                                      then n real MPS faults with failback, every stream compared token for token
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
 # (put ahead of PYTHONPATH).
@@ -94,31 +101,8 @@ mkdir -p "$OUT" "$WORK"
 S=$OUT/summary.txt
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$S"; }
 
-# bounded SECONDS CMD...: run CMD in a process group of its own; past SECONDS the
-# whole group gets SIGTERM (the checks then stop their frmps, which stops its MPS
-# daemon and engines), and SIGKILL 90 s later. Returns CMD's status, 124 when it
-# was stopped. `timeout` would signal only its child: a check's frmps (in a session
-# of its own) and its MPS daemon would outlive it.
-bounded() {
-    local limit=$1 pid t=0
-    shift
-    set -m
-    "$@" &
-    pid=$!
-    set +m
-    while kill -0 "$pid" 2>/dev/null; do
-        if [ "$t" -ge "$limit" ]; then
-            kill -TERM -- "-$pid" 2>/dev/null
-            for _ in $(seq 90); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-            kill -KILL -- "-$pid" 2>/dev/null
-            wait "$pid" 2>/dev/null
-            return 124
-        fi
-        sleep 1
-        t=$((t + 1))
-    done
-    wait "$pid"
-}
+# shellcheck source=bench/gpu/bounded.sh
+. "$(dirname "${BASH_SOURCE[0]}")/bounded.sh"
 export PYTHONUNBUFFERED=1
 
 ctl_s() { [ "$CONTROLS" = off ] && echo 0 || echo "$CONTROL_S"; }  # the controls' share of a stage's default timeout
@@ -373,6 +357,51 @@ stage_margin() {  # model [timeout]
     log "margin $1: rc=$?"; tail -n 8 "$WORK/margin-$1.out" >> "$S"
 }
 
+stage_bi_margin() {  # model [timeout]: which batch-invariant vLLM configuration is batch-invariant here
+    vllm_env
+    local m v flags n
+    m=$(seeded_for bi-margin "$1") || return
+    rm -f "$WORK/exact-flags"
+    for v in eager triton triton-eager; do
+        case $v in
+            eager) flags=(--enforce-eager) ;;
+            triton) flags=(--attention-backend TRITON_ATTN) ;;
+            triton-eager) flags=(--enforce-eager --attention-backend TRITON_ATTN) ;;
+        esac
+        log "bi-margin $1 $v: VLLM_BATCH_INVARIANT=1 ${flags[*]}"
+        bounded "${2:-240}" python3 bench/gpu/margin_bound.py --model "$m" --batch-invariant "${flags[@]}" --prompts 16 \
+            --max-tokens 96 --out "$OUT/margin-$1-bi-$v.json" > "$WORK/margin-$1-bi-$v.out" 2>&1
+        log "bi-margin $1 $v: rc=$?"; grep -E "prompts differ|Using .*backend|attention backend" "$WORK/margin-$1-bi-$v.out" | cut -c1-300 | tail -n 3 >> "$S"
+        n=$(sed -n 's/^\([0-9]*\)\/[0-9]* prompts differ.*/\1/p' "$WORK/margin-$1-bi-$v.out")
+        if [ "$n" = 0 ] && [ ! -e "$WORK/exact-flags" ]; then
+            case $v in
+                eager) echo "--vllm-arg=--enforce-eager" ;;
+                triton) echo "--vllm-arg=--attention-backend=TRITON_ATTN" ;;
+                triton-eager) echo "--vllm-arg=--enforce-eager --vllm-arg=--attention-backend=TRITON_ATTN" ;;
+            esac > "$WORK/exact-flags"
+            log "bi-margin $1: batch-invariant with $v: $(cat "$WORK/exact-flags")"
+        fi
+    done
+    [ -e "$WORK/exact-flags" ] || log "bi-margin $1: no variant batch-invariant"
+}
+
+stage_exact_proof() {  # model n budget [timeout]
+    vllm_env
+    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330 + ${CONTROL_S:-900}))} m f sargs=()
+    m=$(seeded_for exact-proof "$model") || return
+    [ -e "$WORK/exact-flags" ] || { log "exact-proof $model: no \$WORK/exact-flags (run bi-margin first)"; return; }
+    for f in $(cat "$WORK/exact-flags"); do sargs+=("--serve-arg=$f"); done
+    rm -rf "$WORK/exact-$model"
+    log "exact-proof $model: VLLM_BATCH_INVARIANT=1 frmps serve --engine vllm $(cat "$WORK/exact-flags"), controls ${CONTROLS:-on}, $n faults, budget ${budget}s"
+    (export VLLM_BATCH_INVARIANT=1
+     bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine vllm \
+        --model "$m" "${sargs[@]}" --controls "${CONTROLS:-on}" --faults "$n" --time-budget "$budget" \
+        --workdir "$WORK/exact-$model" --out "$OUT/exact-$model.json" > "$WORK/exact-$model.out" 2>&1)
+    log "exact-proof $model: rc=$?"
+    grep -E "^control |controls:|streams in flight|passed unnoticed|^error" "$WORK/exact-$model.out" | tail -n 12 >> "$S"
+    tail -n 6 "$WORK/exact-$model.out" >> "$S"
+}
+
 two_gpus() {  # what: fails (and logs why) on a machine with fewer than two GPUs
     local gpus
     gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
@@ -466,6 +495,8 @@ for st in "$@"; do
         quick-start-preset) stage_quick_start_preset "$a" "$b" ;;
         controls) stage_controls "$a" "$b" "$c" ;;
         margin) stage_margin "$a" "$b" ;;
+        bi-margin) stage_bi_margin "$a" "$b" ;;
+        exact-proof) stage_exact_proof "$a" "$b" "$c" "$d" ;;
         py)  # py:<script in bench/gpu>:<timeout>: a probe, its output into $OUT/<script>.out
             vllm_env; log "py $a"
             bounded "${b:-120}" python3 "bench/gpu/$a" > "$OUT/${a%.py}.out" 2>&1

@@ -55,7 +55,7 @@ command resumes.`,
 	// Flags after the experiment name belong to the driver.
 	cmd.Flags().SetInterspersed(false)
 	cmd.Flags().StringVar(&python, "python", "", "Python interpreter that runs the bench driver and the engines (default: $FRMPS_PYTHON, else the checkout's .venv, else python3)")
-	cmd.AddCommand(newBenchMPSCmd())
+	cmd.AddCommand(newBenchMPSCmd(), newBenchServingCmd())
 	return cmd
 }
 

@@ -7,10 +7,7 @@ import (
 
 // The systemd unit's example config is one frmps serve accepts.
 func TestSystemdExampleConfig(t *testing.T) {
-	opts := defaultServeOptions()
-	if err := applyConfigFile(newServeCmd().Flags(), &opts, "../../deploy/systemd/frmps.json"); err != nil {
-		t.Fatal(err)
-	}
+	opts := parseServe(t, "--config", "../../deploy/systemd/frmps.json")
 	if err := opts.validate(); err != nil {
 		t.Fatal(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -27,10 +28,11 @@ func parseServe(t *testing.T, args ...string) serveOptions {
 		t.Fatal(err)
 	}
 	if cfgFile != "" {
-		if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+		if err := applyConfigFile(f, cfgFile); err != nil {
 			t.Fatal(err)
 		}
 	}
+	fixRingIfGiven(f, &opts)
 	return opts
 }
 
@@ -47,7 +49,7 @@ func writeConfig(t *testing.T, body string) string {
 func TestConfigFileFlagsWin(t *testing.T) {
 	path := writeConfig(t, `{"model":"qwen2.5-0.5b","sync_every":8,"port":9000,"restart_window":"2m","stall_timeout":"45s","no_mps":true}`)
 	opts := parseServe(t, "--config", path, "--sync-every", "4", "--port", "8000")
-	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.RestartWindow != 2*time.Minute || opts.HeartbeatTimeout != 45*time.Second {
+	if opts.Model != "qwen2.5-0.5b" || !opts.NoMPS || opts.Breaker.Window != 2*time.Minute || opts.HeartbeatTimeout != 45*time.Second {
 		t.Fatalf("file not applied: %+v", opts)
 	}
 	if opts.SyncEvery != 4 || opts.Port != 8000 {
@@ -72,7 +74,7 @@ func TestTensorParallelFlag(t *testing.T) {
 	if err := f.Parse([]string{"--config", path}); err != nil {
 		t.Fatal(err)
 	}
-	if err := applyConfigFile(f, &opts, cfgFile); err != nil {
+	if err := applyConfigFile(f, cfgFile); err != nil {
 		t.Fatal(err)
 	}
 	if opts.TensorParallelSize != 2 || opts.validate() != nil {
@@ -147,13 +149,11 @@ func TestConfigFileErrors(t *testing.T) {
 	} {
 		p := filepath.Join(dir, name)
 		os.WriteFile(p, []byte(body), 0o600)
-		opts := defaultServeOptions()
-		if err := applyConfigFile(newServeCmd().Flags(), &opts, p); err == nil {
+		if err := applyConfigFile(newServeCmd().Flags(), p); err == nil {
 			t.Errorf("%s accepted", name)
 		}
 	}
-	opts := defaultServeOptions()
-	if err := applyConfigFile(newServeCmd().Flags(), &opts, filepath.Join(dir, "missing.json")); err == nil {
+	if err := applyConfigFile(newServeCmd().Flags(), filepath.Join(dir, "missing.json")); err == nil {
 		t.Error("missing file accepted")
 	}
 }
@@ -164,7 +164,10 @@ func TestServeRejectsBadOptions(t *testing.T) {
 		func(o *serveOptions) { o.LogLevel = "loud" },
 		func(o *serveOptions) { o.AdminAddr = "0.0.0.0:8001" },
 		func(o *serveOptions) { o.SyncEvery = 0 },
-		func(o *serveOptions) { o.MaxRestarts = 0 },
+		func(o *serveOptions) { o.Breaker.MaxRestarts = 0 },
+		func(o *serveOptions) { o.Breaker.Window = 0 },
+		func(o *serveOptions) { o.RingCapacity = 5000000 },
+		func(o *serveOptions) { o.Device = "cuda:0" },
 		func(o *serveOptions) { o.StepTimeoutFactor = 0.5 },
 		func(o *serveOptions) { o.StepTimeoutMin = 0 },
 		func(o *serveOptions) { o.StepTimeoutDefault = -time.Second },
@@ -284,5 +287,49 @@ func TestPrimeFaultPathFlag(t *testing.T) {
 	}
 	if !parseServe(t, "--config", writeConfig(t, `{"prime_fault_path":true}`)).PrimeFaultPath {
 		t.Fatal("file key not applied")
+	}
+}
+
+// --exact: vLLM's batch-invariant mode in the engines' (and vLLM's API server's)
+// environment with Triton attention unless a backend is given; the reference
+// engine's --exact; nothing without it; refused with --enforce-eager.
+func TestExactFlag(t *testing.T) {
+	has := func(xs []string, x string) bool { return slices.Contains(xs, x) }
+	o := parseServe(t, "--exact", "--engine", "vllm")
+	c := o.supervisorConfig(pythonEnv{Env: []string{"VLLM_BATCH_INVARIANT=0", "PATH=/bin"}})
+	if !has(c.EngineArgs, "--vllm-arg=--attention-backend=TRITON_ATTN") || !has(c.BaseEnv, "VLLM_BATCH_INVARIANT=1") ||
+		has(c.BaseEnv, "VLLM_BATCH_INVARIANT=0") || has(c.EngineArgs, "--exact") || o.validate() != nil {
+		t.Fatalf("vllm --exact: args %q env %q err %v", c.EngineArgs, c.BaseEnv, o.validate())
+	}
+	if f := o.vllmFrontConfig(pythonEnv{}, ""); !has(f.Env, "VLLM_BATCH_INVARIANT=1") || !has(f.VLLMArgs, "--attention-backend=TRITON_ATTN") {
+		t.Fatalf("vllm --exact, the API server: env %q args %q", f.Env, f.VLLMArgs)
+	}
+	o = parseServe(t, "--exact", "--engine", "vllm", "--vllm-arg=--attention-backend=FLEX_ATTENTION")
+	if a := o.engineArgs(); has(a, "--vllm-arg=--attention-backend=TRITON_ATTN") || !has(a, "--vllm-arg=--attention-backend=FLEX_ATTENTION") {
+		t.Fatalf("a given backend is kept: %q", a)
+	}
+	o = parseServe(t, "--exact", "--engine", "ref")
+	if c := o.supervisorConfig(pythonEnv{}); !has(c.EngineArgs, "--exact") || has(c.BaseEnv, "VLLM_BATCH_INVARIANT=1") {
+		t.Fatalf("ref --exact: args %q env %q", c.EngineArgs, c.BaseEnv)
+	}
+	for _, o := range []serveOptions{parseServe(t, "--engine", "vllm"), parseServe(t, "--engine", "ref")} {
+		if c := o.supervisorConfig(pythonEnv{}); has(c.EngineArgs, "--exact") || has(c.BaseEnv, "VLLM_BATCH_INVARIANT=1") ||
+			slices.ContainsFunc(c.EngineArgs, func(a string) bool { return strings.Contains(a, "attention-backend") }) {
+			t.Fatalf("no --exact: args %q env %q", c.EngineArgs, c.BaseEnv)
+		}
+	}
+	if err := parseServe(t, "--exact", "--engine", "vllm", "--vllm-arg=--enforce-eager").validate(); err == nil ||
+		!strings.Contains(err.Error(), "enforce-eager") {
+		t.Fatalf("--exact with --enforce-eager: %v", err)
+	}
+}
+
+// The ring grows for the first active's largest snapshot at frmps's default
+// size only: a --ring-capacity given (flag or file) stays.
+func TestRingGrowOnlyAtTheDefault(t *testing.T) {
+	grow := func(args ...string) bool { return !parseServe(t, args...).supervisorConfig(pythonEnv{}).RingFixed }
+	if !grow() || grow("--ring-capacity", "8388608") || grow("--config", writeConfig(t, `{"ring_capacity": 65536}`)) {
+		t.Fatalf("default %v, flag %v, file %v", grow(), grow("--ring-capacity", "8388608"),
+			grow("--config", writeConfig(t, `{"ring_capacity": 65536}`)))
 	}
 }

@@ -9,23 +9,19 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/frmps/frmps/supervisor"
 )
 
 // `frmps serve`'s "auto" defaults. --device, --memory and --engine default to
-// auto and --model to "" (the engine's default model): on a host with a
-// visible GPU, serve runs vLLM on it (the reference engine where vLLM is not
-// installed), and on a host without one the reference engine on the CPU, as
-// before. A flag given explicitly is taken as given.
+// auto and --model to "" (the engine's default model; supervisor.DefaultConfig):
+// on a host with a visible GPU, serve runs vLLM on it (the reference engine
+// where vLLM is not installed), and on a host without one the reference engine
+// on the CPU, as before. A flag given explicitly is taken as given. What
+// depends on the host (a GPU, vLLM) is resolved here; the rest is the
+// supervisor's (DefaultMemory, DefaultModel, CheckPlacement).
 
-const auto = "auto"
-
-// Default models per engine when --model is not given: the reference
-// engine's CPU preset, and for vLLM the smallest Qwen2.5 preset, which every
-// GPU frmps runs on holds twice over (weights and KV cache for the pair).
-const (
-	defaultRefModel  = "tiny"
-	defaultVLLMModel = "qwen2.5-0.5b"
-)
+const auto = supervisor.Auto
 
 // gpuProbe says whether a GPU is visible to the engines, and how it knows.
 type gpuProbe func() (visible bool, how string)
@@ -64,17 +60,14 @@ func resolveDevice(device string, gpu gpuProbe) (string, string) {
 // given (device already through resolveDevice, with deviceWhy) and what the
 // engine interpreter has (vllm). Explicit values win; auto follows the host:
 //
-//	memory auto: cuda-vmm on cuda, host-shm on the CPU
+//	memory auto: cuda-vmm on cuda, host-shm on the CPU (supervisor.DefaultMemory)
 //	engine auto: vllm on cuda where vLLM is installed, else ref
-//	model "":    the engine's default (ref: tiny; vllm: qwen2.5-0.5b)
+//	model "":    the engine's default (supervisor.DefaultModel)
 func resolveChoices(device, deviceWhy, memory, engine, model string, vllm vllmInfo) (choices, error) {
 	c := choices{Device: device, Memory: memory, Engine: engine, Model: model}
 	why := []string{deviceWhy}
 	if c.Memory == auto {
-		c.Memory = "host-shm"
-		if strings.HasPrefix(c.Device, "cuda") {
-			c.Memory = "cuda-vmm"
-		}
+		c.Memory = supervisor.DefaultMemory(c.Device)
 	}
 	if c.Engine == auto {
 		switch {
@@ -90,30 +83,18 @@ func resolveChoices(device, deviceWhy, memory, engine, model string, vllm vllmIn
 		}
 	}
 	if c.Model == "" {
-		switch c.Engine {
-		case "vllm":
-			c.Model = defaultVLLMModel
-		case "ref":
-			c.Model = defaultRefModel
-		default:
+		m, ok := supervisor.DefaultModel(c.Engine)
+		if !ok {
+			ref, _ := supervisor.DefaultModel("ref")
+			vllm, _ := supervisor.DefaultModel("vllm")
 			return c, fmt.Errorf("--engine %s: give --model (the default models are for the built-in engines: %s for ref, %s for vllm)",
-				c.Engine, defaultRefModel, defaultVLLMModel)
+				c.Engine, ref, vllm)
 		}
+		c.Model = m
 		why = append(why, "model "+c.Model+" is the "+c.Engine+" engine's default (pass --model to choose)")
 	}
 	c.Why = strings.Join(why, "; ")
-	if c.Device != "cpu" && c.Device != "cuda" && !strings.HasPrefix(c.Device, "cuda:") {
-		return c, fmt.Errorf("--device %q: want auto, cpu or cuda", c.Device)
-	}
-	switch cuda := strings.HasPrefix(c.Device, "cuda"); {
-	case c.Memory != "host-shm" && c.Memory != "cuda-vmm":
-		return c, fmt.Errorf("--memory %q: want auto, host-shm or cuda-vmm", c.Memory)
-	case c.Memory == "host-shm" && cuda:
-		return c, errors.New("--memory host-shm keeps the pools in host memory, which a GPU engine cannot use: --memory cuda-vmm (or auto) with --device cuda")
-	case c.Memory == "cuda-vmm" && !cuda:
-		return c, errors.New("--memory cuda-vmm maps the pools in GPU memory: it needs --device cuda (or --memory host-shm on the CPU)")
-	}
-	return c, nil
+	return c, supervisor.CheckPlacement(c.Device, c.Memory)
 }
 
 // hostGPU is the real GPU probe: no GPU when CUDA_VISIBLE_DEVICES hides them

@@ -1,19 +1,20 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -22,103 +23,63 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+	"golang.org/x/sync/errgroup"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
+	"github.com/frmps/frmps/ringbuf"
 	"github.com/frmps/frmps/supervisor"
 	"github.com/frmps/frmps/supervisor/admin"
 	"github.com/frmps/frmps/supervisor/engine"
-	"github.com/frmps/frmps/supervisor/failover"
-	"github.com/frmps/frmps/supervisor/leftover"
 	"github.com/frmps/frmps/supervisor/mps"
 	"github.com/frmps/frmps/supervisor/openai"
 	"github.com/frmps/frmps/supervisor/sdnotify"
+	"github.com/frmps/frmps/supervisor/vllmfront"
 )
 
-// serveOptions are `frmps serve`'s settings. The JSON names are the keys of
-// the --config file; a flag given on the command line wins over the file.
+// serveOptions are `frmps serve`'s settings: the deployment the supervisor
+// runs (supervisor.Config, whose defaults and rules are
+// supervisor.DefaultConfig and Config.Validate), and what serve runs around it:
+// the OpenAI endpoint, the admin API, the engines' environment, logging. The
+// flags bind to these fields; a --config file's keys are the flags' names
+// (applyConfigFile).
 type serveOptions struct {
-	Model              string        `json:"model"`
-	ServedModelName    string        `json:"served_model_name"`
-	Engine             string        `json:"engine"`
-	Python             string        `json:"python"`
-	SyncEvery          uint32        `json:"sync_every"`
-	NoFailback         bool          `json:"no_failback"`
-	PrimeFaultPath     bool          `json:"prime_fault_path"`
-	StandbyKV          string        `json:"standby_kv"`
-	NoMPSFaultWatch    bool          `json:"no_mps_fault_watch"`
-	Spare              string        `json:"spare"`
-	Spares             int           `json:"spares"`
-	FailbackDelay      time.Duration `json:"-"`
-	FailbackDelayStr   string        `json:"failback_delay"`
-	HandoffTimeout     time.Duration `json:"-"`
-	HandoffTimeoutStr  string        `json:"handoff_timeout"`
-	Host               string        `json:"host"`
-	Port               int           `json:"port"`
-	AdminAddr          string        `json:"admin_addr"`
-	AdminAllowRemote   bool          `json:"admin_allow_remote"`
-	NoMPS              bool          `json:"no_mps"`
-	MPSControl         string        `json:"mps_control"`
-	MPSPipeDir         string        `json:"mps_pipe_dir"`
-	MPSLogDir          string        `json:"mps_log_dir"`
-	RunDir             string        `json:"run_dir"`
-	EngineLogDir       string        `json:"engine_log_dir"`
-	RingDir            string        `json:"ring_dir"`
-	RingCapacity       uint64        `json:"ring_capacity"`
-	StateDir           string        `json:"state_dir"`
-	Device             string        `json:"device"`
-	Memory             string        `json:"memory"`
-	NumBlocks          int           `json:"num_blocks"`
-	MaxModelLen        int           `json:"max_model_len"`
-	TensorParallelSize int           `json:"tensor_parallel_size"`
-	EngineArgs         []string      `json:"engine_args"`
-	VllmArgs           []string      `json:"vllm_args"`
-	Frontend           string        `json:"frontend"`
-	FrontendArgs       []string      `json:"frontend_args"`
-	MaxConcurrent      int           `json:"max_concurrent"`
-	MaxQueue           int           `json:"max_queue"`
-	MaxBodyBytes       int64         `json:"max_body_bytes"`
-	MaxConnections     int           `json:"max_connections"`
-	APIKeyFile         string        `json:"api_key_file"`
-	MaxRestarts        int           `json:"max_restarts"`
-	RestartWindow      time.Duration `json:"-"`
-	RestartWindowStr   string        `json:"restart_window"` // file only: a Go duration, e.g. "60s"
-	ShutdownGrace      time.Duration `json:"-"`
-	ShutdownGraceStr   string        `json:"shutdown_grace"`
-	// Hang detection; durations in the file are Go durations, e.g. "1s".
-	HeartbeatTimeout      time.Duration `json:"-"`
-	HeartbeatTimeoutStr   string        `json:"heartbeat_timeout"`
-	StallTimeoutStr       string        `json:"stall_timeout"` // the older name of heartbeat_timeout
-	StepTimeoutFactor     float64       `json:"step_timeout_factor"`
-	StepTimeoutMin        time.Duration `json:"-"`
-	StepTimeoutMinStr     string        `json:"step_timeout_min"`
-	StepTimeoutDefault    time.Duration `json:"-"`
-	StepTimeoutDefaultStr string        `json:"step_timeout_default"`
-	LogLevel              string        `json:"log_level"`
-	LogJSON               bool          `json:"log_json"`
+	supervisor.Config
 
-	// The fraction of the GPU the deployment may use (--engine vllm without --num-blocks).
-	GPUMemoryUtilization float64 `json:"gpu_memory_utilization"`
+	StandbyKV        string   // FRMPS_STANDBY_KV in the engines' environment
+	Exact            bool     // batch-invariant engines: a resumed stream equals the no-fault one (exactArgs)
+	VllmArgs         []string // vLLM's flags, for the engines and vLLM's API server
+	Frontend         string
+	FrontendArgs     []string
+	Host             string
+	Port             int
+	AdminAddr        string
+	AdminAllowRemote bool
+	MaxConcurrent    int
+	MaxQueue         int
+	MaxBodyBytes     int64
+	MaxConnections   int
+	APIKeyFile       string
+	LogLevel         string
+	LogJSON          bool
 }
 
 func defaultServeOptions() serveOptions {
 	return serveOptions{
-		Model: "", Engine: auto, SyncEvery: supervisor.DefaultSyncEvery, Port: 8000,
-		AdminAddr: "127.0.0.1:8001", MPSControl: "nvidia-cuda-mps-control", RingCapacity: 8 << 20, StateDir: leftover.DefaultDir(),
-		Device: auto, Memory: auto, TensorParallelSize: 1, MaxRestarts: failover.DefaultBreaker.MaxRestarts,
-		RestartWindow: failover.DefaultBreaker.Window, ShutdownGrace: 10 * time.Second, LogLevel: "info",
-		HeartbeatTimeout: time.Second, StepTimeoutFactor: 8, StepTimeoutMin: time.Second, StepTimeoutDefault: time.Minute,
-		Spare: "auto", Spares: 1, Frontend: "frmps", StandbyKV: "writable",
-		GPUMemoryUtilization: 0.9,
+		Config:    supervisor.DefaultConfig(),
+		StandbyKV: "writable", Frontend: "frmps", Port: 8000, AdminAddr: "127.0.0.1:8001", LogLevel: "info",
 	}
 }
 
 func newServeCmd() *cobra.Command {
 	opts := defaultServeOptions()
 	var configFile string
+	d := supervisor.DefaultConfig()
+	refModel, _ := supervisor.DefaultModel("ref")
+	vllmModel, _ := supervisor.DefaultModel("vllm")
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Run an active/standby engine pair behind an OpenAI-compatible endpoint",
-		Long: `Run an active/standby engine pair behind an OpenAI-compatible endpoint.
+		Long: fmt.Sprintf(`Run an active/standby engine pair behind an OpenAI-compatible endpoint.
 
 The active engine runs inside a private MPS session (unless --no-mps), the
 standby outside it, asleep with the shared weights and KV cache mapped. On a
@@ -135,11 +96,11 @@ names with underscores (e.g. {"model": "qwen2.5-0.5b", "sync_every": 8,
 "restart_window": "2m"}); flags given on the command line override the file.
 
 Hang detection: the active's heartbeats come from a thread that never waits
-on the device. When they stop for --heartbeat-timeout (1s; a stopped or
+on the device. When they stop for --heartbeat-timeout (%s; a stopped or
 frozen process), or when one engine step runs longer than
 max(--step-timeout-min, --step-timeout-factor × the engine's estimate for it)
-(max(1s, 8 × estimate); a kernel that never returns), or longer than
---step-timeout-default (60s) while the engine has no estimate (its first
+(max(%s, %g × estimate); a kernel that never returns), or longer than
+--step-timeout-default (%s) while the engine has no estimate (its first
 steps, a far larger batch than before), the active is fenced and the standby
 takes over.
 
@@ -147,17 +108,19 @@ takes over.
 the engines run vLLM on it with cuda-vmm pools (the reference engine, said in
 one line, where vLLM is not installed in the engines' interpreter); without a
 GPU, the reference engine on the CPU with host-shm pools. --model defaults to
-the engine's default model: "tiny", the reference engine's small preset that
-runs on a CPU in seconds, or "qwen2.5-0.5b" for vLLM. What was resolved, and
+the engine's default model: %q, the reference engine's small preset that
+runs on a CPU in seconds, or %q for vLLM. What was resolved, and
 why, is logged at start and shown by frmps status; a flag given explicitly is
 taken as given (e.g. --model qwen2.5-14b on a GPU runs vLLM with 14B).`,
+			d.HeartbeatTimeout, d.StepTimeoutMin, d.StepTimeoutFactor, d.StepTimeoutDefault, refModel, vllmModel),
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if configFile != "" {
-				if err := applyConfigFile(cmd.Flags(), &opts, configFile); err != nil {
+				if err := applyConfigFile(cmd.Flags(), configFile); err != nil {
 					return err
 				}
 			}
+			fixRingIfGiven(cmd.Flags(), &opts)
 			return runServe(cmd.Context(), opts, cmd.ErrOrStderr())
 		},
 	}
@@ -167,7 +130,9 @@ taken as given (e.g. --model qwen2.5-14b on a GPU runs vLLM with 14B).`,
 
 func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(configFile, "config", "", "JSON config file (flags override it)")
-	f.StringVar(&opts.Model, "model", opts.Model, "model: a preset name (tiny, qwen2.5-0.5b, …, qwen2.5-14b) or a model directory (default: the engine's default model, tiny for ref, qwen2.5-0.5b for vllm)")
+	refModel, _ := supervisor.DefaultModel("ref")
+	vllmModel, _ := supervisor.DefaultModel("vllm")
+	f.StringVar(&opts.Model, "model", opts.Model, fmt.Sprintf("model: a preset name (tiny, qwen2.5-0.5b, …, qwen2.5-14b) or a model directory (default: the engine's default model, %s for ref, %s for vllm)", refModel, vllmModel))
 	f.StringVar(&opts.ServedModelName, "served-model-name", opts.ServedModelName, "the model name clients send and /v1/models lists (default: --model as given, as vllm serve does)")
 	f.StringVar(&opts.Engine, "engine", opts.Engine, "engine: auto (vllm on a GPU where vLLM is installed, else ref), ref (the reference engine), vllm, or a Python adapter factory as package.module:Factory (proto/frmps/v1/ENGINE.md); checked by the engine side before anything starts")
 	f.StringVar(&opts.Python, "python", opts.Python, "Python interpreter that runs the engines, with frmps_engine importable (default: $FRMPS_PYTHON, else the .venv of the source checkout holding this binary, else python3)")
@@ -185,13 +150,13 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.StringVar(&opts.AdminAddr, "admin-addr", opts.AdminAddr, "admin API address (gRPC and REST); loopback only unless --admin-allow-remote")
 	f.BoolVar(&opts.AdminAllowRemote, "admin-allow-remote", opts.AdminAllowRemote, "allow a non-loopback --admin-addr (the admin API can kill engines)")
 	f.BoolVar(&opts.NoMPS, "no-mps", opts.NoMPS, "do not start an MPS daemon; the active runs outside MPS")
-	f.StringVar(&opts.MPSControl, "mps-control", opts.MPSControl, "the nvidia-cuda-mps-control binary")
+	f.StringVar(&opts.MPSControlBinary, "mps-control", opts.MPSControlBinary, "the nvidia-cuda-mps-control binary")
 	f.StringVar(&opts.MPSPipeDir, "mps-pipe-dir", opts.MPSPipeDir, "join the operator's MPS daemon at this pipe directory (its CUDA_MPS_PIPE_DIRECTORY) instead of starting one: the active runs in it, the standby outside; frmps checks it answers and never starts, stops or restarts it")
 	f.StringVar(&opts.MPSLogDir, "mps-log-dir", opts.MPSLogDir, "that daemon's CUDA_MPS_LOG_DIRECTORY, given to the active (with --mps-pipe-dir)")
 	f.StringVar(&opts.RunDir, "run-dir", opts.RunDir, "private run directory for sockets and logs, created 0700 and removed at exit (empty: a fresh temp dir)")
-	f.StringVar(&opts.EngineLogDir, "engine-log-dir", opts.EngineLogDir, "directory for the engines' log files, kept after exit (empty: inside the run dir, removed at exit)")
+	f.StringVar(&opts.LogDir, "engine-log-dir", opts.LogDir, "directory for the engines' log files, kept after exit (empty: inside the run dir, removed at exit)")
 	f.StringVar(&opts.RingDir, "ring-dir", opts.RingDir, "directory of the forward-state ring (empty: /dev/shm)")
-	f.Uint64Var(&opts.RingCapacity, "ring-capacity", opts.RingCapacity, "ring size in bytes")
+	f.Uint64Var(&opts.RingCapacity, "ring-capacity", opts.RingCapacity, fmt.Sprintf("ring size in bytes: a power of two from %d to %d. Not given: this size, grown before the first active attaches to hold a snapshot of its largest batch (up to %d; vLLM at `vllm serve`'s batch limits needs tens of MiB); given: exactly this size", uint64(ringbuf.MinCapacity), uint64(ringbuf.MaxCapacity), supervisor.RingGrowMax))
 	f.StringVar(&opts.StateDir, "state-dir", opts.StateDir, "private directory (0700) of launch records: at start, the ring, run dir and MPS daemon of an frmps that was killed before it could clean up are removed (default: $XDG_RUNTIME_DIR/frmps, else /run/frmps as root, else <temp dir>/frmps-<uid>; empty: no records)")
 	f.StringVar(&opts.Device, "device", opts.Device, "engine device: auto (cuda where a GPU is visible: nvidia-smi -L, honouring CUDA_VISIBLE_DEVICES; else cpu), cpu or cuda")
 	f.StringVar(&opts.Memory, "memory", opts.Memory, "shared memory backend: auto (cuda-vmm on cuda, else host-shm), host-shm (CPU) or cuda-vmm (GPU)")
@@ -200,6 +165,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.IntVar(&opts.MaxModelLen, "max-model-len", opts.MaxModelLen, "maximum sequence length (0: the engine's default)")
 	f.IntVar(&opts.TensorParallelSize, "tensor-parallel-size", opts.TensorParallelSize, "shard the model over this many GPUs per engine (both engines): each engine is a group of this many processes, rank r on GPU r of the visible devices; the group fails over as a unit. On the CPU (tests) the ranks share the host")
 	f.StringArrayVar(&opts.EngineArgs, "engine-arg", opts.EngineArgs, "extra argument for the engine's command line, repeatable (e.g. --engine-arg=--max-num-seqs=64)")
+	f.BoolVar(&opts.Exact, "exact", opts.Exact, "engines whose output does not depend on what else is in their batch, so that a stream resumed after a takeover equals, token for token, what it would have been with no fault under any load: with --engine vllm, vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1 in the engines' environment) with its Triton attention backend (--vllm-arg=--attention-backend=TRITON_ATTN unless an attention backend is given), slower than vLLM's default kernels; with the reference engine its exact scheduler mode (--engine-arg=--exact, already its default on a GPU). Without it a vLLM takeover continues every stream from the adopted KV cache, but under a changing batch a near-tied token may come out otherwise, as it may in vLLM itself")
 	f.StringArrayVar(&opts.VllmArgs, "vllm-arg", opts.VllmArgs, "with --engine vllm: one of vLLM's own flags as `vllm serve` spells it, for the engines and, with --frontend vllm, vLLM's API server alike, repeatable (e.g. --vllm-arg=--max-logprobs=50); the engines refuse the flags frmps sets itself (model, sizes, dtype, seed)")
 	f.StringVar(&opts.Frontend, "frontend", opts.Frontend, "the OpenAI endpoint: frmps (frmps's front door, both engines) or vllm (vLLM's own API server, every route of `vllm serve`, with --engine vllm; the engine is the unit of failover, vllmpatch/OPENAI.md)")
 	f.StringArrayVar(&opts.FrontendArgs, "frontend-arg", opts.FrontendArgs, "with --frontend vllm: extra argument for vLLM's API server as `vllm serve` spells it, repeatable (e.g. --frontend-arg=--enable-auto-tool-choice)")
@@ -208,8 +174,8 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.Int64Var(&opts.MaxBodyBytes, "max-body-bytes", opts.MaxBodyBytes, "largest request body accepted before 413 (0: 4 MiB)")
 	f.IntVar(&opts.MaxConnections, "max-connections", opts.MaxConnections, "most client connections open at once; more wait to be accepted (0: 4096; negative: no bound)")
 	f.StringVar(&opts.APIKeyFile, "api-key-file", opts.APIKeyFile, "file holding the API key clients must send as a Bearer token (else FRMPS_API_KEY, else none)")
-	f.IntVar(&opts.MaxRestarts, "max-restarts", opts.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window, or more than this many launches in a row never becoming ready (however long each takes), is not restarted; before any engine has served, frmps serve then exits 1 with the engine's reason")
-	f.DurationVar(&opts.RestartWindow, "restart-window", opts.RestartWindow, "crash-loop breaker window")
+	f.IntVar(&opts.Breaker.MaxRestarts, "max-restarts", opts.Breaker.MaxRestarts, "crash-loop breaker: an engine role dying more than this many times within --restart-window, or more than this many launches in a row never becoming ready (however long each takes), is not restarted; before any engine has served, frmps serve then exits 1 with the engine's reason")
+	f.DurationVar(&opts.Breaker.Window, "restart-window", opts.Breaker.Window, "crash-loop breaker window")
 	f.DurationVar(&opts.HeartbeatTimeout, "heartbeat-timeout", opts.HeartbeatTimeout, "hang detection, liveness: fail over from an active whose heartbeats stop for this long (a stopped or frozen process: the heartbeat thread never waits on the device); negative disables hang detection")
 	f.Float64Var(&opts.StepTimeoutFactor, "step-timeout-factor", opts.StepTimeoutFactor, "hang detection, progress: fail over from an active whose step runs longer than this many times the engine's own estimate for it (recent step times scaled to the step's tokens), and longer than --step-timeout-min")
 	f.DurationVar(&opts.StepTimeoutMin, "step-timeout-min", opts.StepTimeoutMin, "hang detection, progress: the shortest bound of one engine step")
@@ -221,42 +187,85 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.BoolVar(&opts.LogJSON, "log-json", opts.LogJSON, "log as JSON lines")
 }
 
-// applyConfigFile loads path into opts, then re-applies the flags the user
-// set so they win.
-func applyConfigFile(flags *pflag.FlagSet, opts *serveOptions, path string) error {
+// fileKeyFlags are the --config file's keys that are not their flag's name
+// with underscores: the repeatable flags, whose keys are plural.
+var fileKeyFlags = map[string]string{"engine_args": "engine-arg", "vllm_args": "vllm-arg", "frontend_args": "frontend-arg"}
+
+// applyConfigFile sets the flags of flags from the JSON file at path, whose
+// keys are the flags' names with underscores (e.g. "sync_every"; a list for a
+// repeatable flag), except the settings given on the command line, which win.
+// The file's values go through the flags, so they meet the same parsing and,
+// later, the same checks as the command line's.
+func applyConfigFile(flags *pflag.FlagSet, path string) error {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return fmt.Errorf("read config: %w", err)
 	}
-	changed := map[string]string{}
-	flags.Visit(func(f *pflag.Flag) { changed[f.Name] = f.Value.String() })
-	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(opts); err != nil {
+	var file map[string]json.RawMessage
+	if err := json.Unmarshal(data, &file); err != nil {
 		return fmt.Errorf("config %s: %w", path, err)
 	}
-	for name, s := range map[string]struct {
-		raw string
-		dst *time.Duration
-	}{"restart_window": {opts.RestartWindowStr, &opts.RestartWindow}, "shutdown_grace": {opts.ShutdownGraceStr, &opts.ShutdownGrace},
-		"stall_timeout": {opts.StallTimeoutStr, &opts.HeartbeatTimeout}, "heartbeat_timeout": {opts.HeartbeatTimeoutStr, &opts.HeartbeatTimeout},
-		"step_timeout_min": {opts.StepTimeoutMinStr, &opts.StepTimeoutMin}, "step_timeout_default": {opts.StepTimeoutDefaultStr, &opts.StepTimeoutDefault},
-		"failback_delay": {opts.FailbackDelayStr, &opts.FailbackDelay}, "handoff_timeout": {opts.HandoffTimeoutStr, &opts.HandoffTimeout}} {
-		if s.raw == "" {
+	// By value, not name: a flag's older name (--stall-timeout) sets the same variable.
+	given := map[pflag.Value]bool{}
+	flags.Visit(func(f *pflag.Flag) { given[f.Value] = true })
+	for _, key := range slices.Sorted(maps.Keys(file)) {
+		name, ok := fileKeyFlags[key]
+		if !ok {
+			name = strings.ReplaceAll(key, "_", "-")
+		}
+		f := flags.Lookup(name)
+		if f == nil || name == "config" || strings.Contains(key, "-") || !ok && f.Value.Type() == "stringArray" {
+			return fmt.Errorf("config %s: unknown key %q", path, key)
+		}
+		if given[f.Value] {
 			continue
 		}
-		d, err := time.ParseDuration(s.raw)
+		values, err := fileValues(f.Value.Type(), file[key])
 		if err != nil {
-			return fmt.Errorf("config %s: %s: %w", path, name, err)
+			return fmt.Errorf("config %s: %s: %w", path, key, err)
 		}
-		*s.dst = d
-	}
-	for name, v := range changed {
-		if err := flags.Set(name, v); err != nil {
-			return fmt.Errorf("re-apply --%s: %w", name, err)
+		for _, v := range values {
+			if err := flags.Set(name, v); err != nil {
+				return fmt.Errorf("config %s: %s: %w", path, key, err)
+			}
 		}
 	}
 	return nil
+}
+
+// fileValues turns a --config value into the text(s) its flag parses: a JSON
+// string for a string or a duration ("90s"), a number, a boolean, and a list
+// of strings for a repeatable flag. null leaves the flag as it is.
+func fileValues(flagType string, raw json.RawMessage) ([]string, error) {
+	if string(raw) == "null" {
+		return nil, nil
+	}
+	switch flagType {
+	case "string", "duration":
+		var v string
+		if err := json.Unmarshal(raw, &v); err != nil {
+			return nil, fmt.Errorf("want a string: %w", err)
+		}
+		return []string{v}, nil
+	case "stringArray":
+		var v []string
+		if err := json.Unmarshal(raw, &v); err != nil {
+			return nil, fmt.Errorf("want a list of strings: %w", err)
+		}
+		return v, nil
+	case "bool":
+		var v bool
+		if err := json.Unmarshal(raw, &v); err != nil {
+			return nil, fmt.Errorf("want true or false: %w", err)
+		}
+		return []string{strconv.FormatBool(v)}, nil
+	default: // the numbers: int, int64, uint32, uint64, float64
+		var v json.Number
+		if err := json.Unmarshal(raw, &v); err != nil || raw[0] == '"' {
+			return nil, fmt.Errorf("want a number, got %s", raw)
+		}
+		return []string{v.String()}, nil
+	}
 }
 
 // resolveModel names the served model as the user gave it (a preset name, not
@@ -278,58 +287,86 @@ func (o *serveOptions) resolveModel(resolveDir func(string) (string, error)) err
 	return nil
 }
 
-func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
-	b := failover.DefaultBreaker
-	b.MaxRestarts, b.Window = o.MaxRestarts, o.RestartWindow
-	return supervisor.Config{
-		Model: o.Model, ServedModelName: o.ServedModelName, Engine: o.Engine, Python: py.Python, BaseEnv: append(sdnotify.StripEnv(py.Env), "FRMPS_STANDBY_KV="+o.StandbyKV), SyncEvery: o.SyncEvery,
-		RunDir: o.RunDir, LogDir: o.EngineLogDir, RingDir: o.RingDir, RingCapacity: o.RingCapacity, StateDir: o.StateDir,
-		NoMPS: o.NoMPS, MPSControlBinary: o.MPSControl, MPSPipeDir: o.MPSPipeDir, MPSLogDir: o.MPSLogDir, Device: o.Device, Memory: o.Memory,
-		NumBlocks: o.NumBlocks, MaxModelLen: o.MaxModelLen, TensorParallelSize: o.TensorParallelSize, EngineArgs: o.engineArgs(), Breaker: b, ShutdownGrace: o.ShutdownGrace,
-		HeartbeatTimeout: o.HeartbeatTimeout, StepTimeoutFactor: o.StepTimeoutFactor, StepTimeoutMin: o.StepTimeoutMin,
-		StepTimeoutDefault: o.StepTimeoutDefault,
-		NoFailback:         o.NoFailback, NoMPSFaultWatch: o.NoMPSFaultWatch, FailbackDelay: o.FailbackDelay, HandoffTimeout: o.HandoffTimeout,
-		PrimeFaultPath: o.PrimeFaultPath,
-		Spare:          o.Spare, Spares: o.Spares,
-		GPUMemoryUtilization: o.GPUMemoryUtilization,
+// fixRingIfGiven keeps a --ring-capacity given on the command line or in the
+// --config file (both set the flag) as it is: only frmps's own default grows
+// (Config.RingFixed).
+func fixRingIfGiven(f *pflag.FlagSet, o *serveOptions) {
+	if f.Changed("ring-capacity") {
+		o.RingFixed = true
 	}
 }
 
-// engineArgs is the engines' extra command line: --engine-arg as given, then
-// each --vllm-arg as the engine's own --vllm-arg.
+// supervisorConfig is the Config the supervisor runs: the options' own, with
+// the engines' interpreter and environment (FRMPS_STANDBY_KV added) and their
+// extra arguments (engineArgs).
+func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
+	c := o.Config
+	c.Python = py.Python
+	c.BaseEnv = append(o.exactEnv(sdnotify.StripEnv(py.Env)), "FRMPS_STANDBY_KV="+o.StandbyKV)
+	c.EngineArgs = o.engineArgs()
+	return c
+}
+
+// exactEnv is env with what --exact asks of vLLM's processes (engines and API
+// server): its batch-invariant kernels, read when vLLM is imported, so set
+// before any engine (a spare preloads vLLM) starts.
+func (o serveOptions) exactEnv(env []string) []string {
+	if !o.Exact || o.Engine != "vllm" {
+		return env
+	}
+	out := slices.DeleteFunc(slices.Clone(env), func(kv string) bool { return strings.HasPrefix(kv, "VLLM_BATCH_INVARIANT=") })
+	return append(out, "VLLM_BATCH_INVARIANT=1")
+}
+
+// vllmArgs is --vllm-arg as given and, with --exact, vLLM's Triton attention
+// backend where no backend is given: its batch-invariant mode holds with it,
+// and not with every backend (FlashAttention 3 on Hopper stays batch-dependent).
+func (o serveOptions) vllmArgs() []string {
+	out := slices.Clone(o.VllmArgs)
+	if o.Exact && o.Engine == "vllm" && !slices.ContainsFunc(out, func(a string) bool {
+		return strings.HasPrefix(a, "--attention-backend") || strings.HasPrefix(a, "--attention-config") || strings.HasPrefix(a, "-ac")
+	}) {
+		out = append(out, "--attention-backend=TRITON_ATTN")
+	}
+	return out
+}
+
+// engineArgs is the engines' extra command line: --engine-arg as given (and
+// --exact for the reference engine), then each of vllmArgs as the engine's
+// own --vllm-arg.
 func (o serveOptions) engineArgs() []string {
 	out := slices.Clone(o.EngineArgs)
-	for _, a := range o.VllmArgs {
+	if o.Exact && o.Engine == "ref" && !slices.ContainsFunc(out, func(a string) bool {
+		return a == "--exact" || a == "--no-exact"
+	}) {
+		out = append(out, "--exact")
+	}
+	for _, a := range o.vllmArgs() {
 		out = append(out, "--vllm-arg="+a)
 	}
 	return out
 }
 
-// validate checks what can be checked before anything starts.
+// validate checks what can be checked before anything starts: the
+// deployment by its own rules (Config.Validate), then what serve adds.
 func (o serveOptions) validate() error {
+	if err := o.Config.Validate(); err != nil {
+		return err
+	}
 	if o.Port < 0 || o.Port > 65535 {
 		return fmt.Errorf("--port %d out of range", o.Port)
 	}
 	if hclog.LevelFromString(o.LogLevel) == hclog.NoLevel {
 		return fmt.Errorf("--log-level %q: want trace, debug, info, warn or error", o.LogLevel)
 	}
-	if o.SyncEvery == 0 {
-		return errors.New("--sync-every must be at least 1")
-	}
-	if !(o.GPUMemoryUtilization > 0 && o.GPUMemoryUtilization <= 1) { // NaN too
-		return fmt.Errorf("--gpu-memory-utilization %v: want a fraction in (0, 1], e.g. 0.9", o.GPUMemoryUtilization)
-	}
 	if o.StandbyKV != "writable" && o.StandbyKV != "readonly" {
 		return fmt.Errorf("--standby-kv %q: want writable or readonly", o.StandbyKV)
 	}
-	if o.Spares < 1 || o.Spares > supervisor.MaxSpares {
-		return fmt.Errorf("--spares %d: want 1 to %d", o.Spares, supervisor.MaxSpares)
-	}
-	if o.TensorParallelSize < 1 {
-		return fmt.Errorf("--tensor-parallel-size %d: want at least 1", o.TensorParallelSize)
-	}
 	if len(o.VllmArgs) > 0 && o.Engine == "ref" {
 		return errors.New("--vllm-arg is one of vLLM's flags: give --engine vllm")
+	}
+	if o.Exact && slices.ContainsFunc(o.VllmArgs, func(a string) bool { return a == "--enforce-eager" || a == "--enforce-eager=true" }) {
+		return errors.New("--exact with --vllm-arg=--enforce-eager: vLLM's eager mode is not batch-invariant even in its batch-invariant mode; drop --enforce-eager")
 	}
 	switch o.Frontend {
 	case "frmps":
@@ -347,26 +384,16 @@ func (o serveOptions) validate() error {
 	default:
 		return fmt.Errorf("--frontend %q: want frmps or vllm", o.Frontend)
 	}
-	if o.StepTimeoutFactor < 1 || o.StepTimeoutMin <= 0 || o.StepTimeoutDefault <= 0 {
-		return fmt.Errorf("--step-timeout-factor %g / --step-timeout-min %s / --step-timeout-default %s: want a factor of at least 1 and positive durations",
-			o.StepTimeoutFactor, o.StepTimeoutMin, o.StepTimeoutDefault)
-	}
-	if o.MPSPipeDir != "" && o.NoMPS {
-		return errors.New("--mps-pipe-dir joins an MPS daemon, --no-mps runs without one: choose one")
-	}
-	if o.MPSPipeDir != "" && !filepath.IsAbs(o.MPSPipeDir) {
-		return fmt.Errorf("--mps-pipe-dir %q: want an absolute path", o.MPSPipeDir)
-	}
-	if o.MPSLogDir != "" && o.MPSPipeDir == "" {
-		return errors.New("--mps-log-dir names the joined daemon's log directory: give --mps-pipe-dir too")
-	}
-	if o.HeartbeatTimeout == 0 {
-		return errors.New("--heartbeat-timeout 0: give a duration (negative disables hang detection)")
-	}
-	if o.MaxRestarts < 1 || o.RestartWindow <= 0 {
-		return fmt.Errorf("--max-restarts %d / --restart-window %s: both must be positive", o.MaxRestarts, o.RestartWindow)
-	}
 	return admin.CheckAddr(o.AdminAddr, o.AdminAllowRemote)
+}
+
+// vllmFrontConfig is --frontend vllm's process: vLLM's API server for the
+// model, on serve's address, with the API key (may be empty).
+func (o serveOptions) vllmFrontConfig(py pythonEnv, apiKey string) vllmfront.Config {
+	return vllmfront.Config{
+		Python: py.Python, Env: o.exactEnv(py.Env), Model: o.Model, ServedModelName: o.ServedModelName,
+		Host: o.Host, Port: o.Port, MaxModelLen: o.MaxModelLen, VLLMArgs: o.vllmArgs(), FrontendArgs: o.FrontendArgs, APIKey: apiKey,
+	}
 }
 
 // serveGPUProbe replaces the host's GPU probe (tests); nil: the host's.
@@ -410,6 +437,9 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		return err
 	}
 	log.Info("resolved: " + ch.String())
+	if o.Exact {
+		log.Info("exact: batch-invariant engines", "engine_args", strings.Join(o.engineArgs(), " "), "env", strings.Join(o.exactEnv(nil), " "))
+	}
 	if err := o.resolveModel(func(m string) (string, error) { return resolveVLLMModel(ctx, py, m) }); err != nil {
 		return err
 	}
@@ -423,7 +453,7 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	var vfd *vllmFrontDoor
+	var vfd *vllmfront.FrontDoor
 	cfg := o.supervisorConfig(py)
 	cfg.Resolved = &frmpsv1.Resolved{Device: ch.Device, Memory: ch.Memory, Engine: ch.Engine, Model: ch.Model, Reason: ch.Why}
 	if o.Frontend == "vllm" {
@@ -431,13 +461,13 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 		if err != nil {
 			return err
 		}
-		if vfd, err = newVllmFrontDoor(o, py, key, log.Named("vllm-frontend")); err != nil {
+		if vfd, err = vllmfront.New(o.vllmFrontConfig(py, key), log.Named("vllm-frontend")); err != nil {
 			return err
 		}
 		// Removes its directory on every return (a second Shutdown after the
 		// one below only closes what is closed).
 		defer func() { _ = vfd.Shutdown(context.Background()) }()
-		cfg.EngineCoreInput, cfg.EngineCoreOutput = vfd.inputAddr, vfd.outputAddr
+		cfg.EngineCoreInput, cfg.EngineCoreOutput = vfd.EngineCoreAddrs()
 	}
 	sup, err := supervisor.New(cfg, log.Named("supervisor"), reg)
 	if err != nil {
@@ -471,63 +501,86 @@ func runServe(ctx context.Context, o serveOptions, stderr io.Writer) error {
 
 	sigCtx, stopSignals := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 	defer stopSignals()
+	// Every goroutine of serve runs in one group, and serve returns only once
+	// each has returned: the supervisor, the admin API, the OpenAI endpoint,
+	// the watch for a deployment that gave up, and systemd's readiness notice.
+	// The first of the first four to return starts the shutdown (as does a
+	// signal); serve's error is the first error any of them returned.
+	var g errgroup.Group
+	ended := make(chan struct{})
+	var endOnce sync.Once
+	member := func(f func() error) {
+		g.Go(func() error {
+			defer endOnce.Do(func() { close(ended) })
+			return f()
+		})
+	}
 	supCtx, stopSup := context.WithCancel(context.Background())
 	defer stopSup()
-	supDone := make(chan error, 1)
-	go func() { supDone <- sup.Run(supCtx) }()
+	supReturned := make(chan struct{})
+	member(func() error {
+		defer close(supReturned)
+		err := sup.Run(supCtx)
+		if err == nil && supCtx.Err() == nil {
+			err = errors.New("supervisor stopped unexpectedly")
+		}
+		return err
+	})
 	admCtx, stopAdm := context.WithCancel(context.Background())
 	defer stopAdm()
-	admDone := make(chan error, 1)
-	go func() { admDone <- adm.Serve(admCtx, admL) }()
-	apiDone := make(chan error, 1)
-	go func() { apiDone <- fd.Serve(apiL) }()
+	member(func() error { return adm.Serve(admCtx, admL) })
+	var draining atomic.Bool // the front door was asked to shut down
+	apiReturned := make(chan struct{})
+	member(func() error {
+		defer close(apiReturned)
+		if err := fd.Serve(apiL); !draining.Load() {
+			return err
+		}
+		return nil // what it says once shut down is not the deployment's error
+	})
+	stopWatch := make(chan struct{})
+	member(func() error {
+		select {
+		case <-sup.GaveUp():
+			// The breaker opened before any engine served (a configuration error):
+			// there is nothing to keep up. Exit 1 with the engine's reason.
+			return sup.GiveUpErr()
+		case <-stopWatch:
+			return nil
+		}
+	})
 	log.Info("serving", "model", o.Model, "engine", o.Engine, "port", o.Port, "admin", admL.Addr().String())
 	readyCtx, stopReady := context.WithCancel(context.Background())
 	defer stopReady()
-	readyDone := make(chan struct{})
-	go func() {
-		defer close(readyDone)
+	readyReturned := make(chan struct{})
+	g.Go(func() error {
+		defer close(readyReturned)
 		notifyReady(readyCtx, sup, notify, o.Model)
-	}()
+		return nil
+	})
 
-	var runErr error
 	select {
 	case <-sigCtx.Done():
 		log.Info("shutting down")
-	case runErr = <-supDone:
-		supDone <- runErr // consumed again below
-		if runErr == nil {
-			runErr = errors.New("supervisor stopped unexpectedly")
-		}
-	case runErr = <-admDone:
-		admDone <- runErr
-	case runErr = <-apiDone:
-		apiDone <- runErr
-	case <-sup.GaveUp():
-		// The breaker opened before any engine served (a configuration error):
-		// there is nothing to keep up. Exit 1 with the engine's reason.
-		runErr = sup.GiveUpErr()
+	case <-ended:
 	}
 	notify.Stopping("draining requests, then stopping the engines")
 	stopReady()
-	<-readyDone
+	<-readyReturned
 	// Order matters: stop taking requests and drain them, then the engines,
 	// then the admin API (status stays readable during the drain).
+	draining.Store(true)
 	dctx, cancel := context.WithTimeout(context.Background(), o.ShutdownGrace+5*time.Second)
 	if err := fd.Shutdown(dctx); err != nil {
 		log.Warn("front door shutdown", "error", err)
 	}
 	cancel()
-	<-apiDone
+	<-apiReturned
 	stopSup()
-	if err := <-supDone; err != nil && runErr == nil {
-		runErr = err
-	}
+	<-supReturned
 	stopAdm()
-	if err := <-admDone; err != nil && runErr == nil {
-		runErr = err
-	}
-	return runErr
+	close(stopWatch)
+	return g.Wait()
 }
 
 // notifyReady tells systemd READY=1 once an engine serves (the first

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/frmps/frmps/internal/testenv"
 )
 
 // fakeAdapters is the TEST DOUBLE of frmps_engine.sdk.adapters: it knows ref and vllm.
@@ -45,7 +47,7 @@ func python3(t *testing.T) string {
 	t.Helper()
 	py, err := exec.LookPath("python3")
 	if err != nil {
-		t.Skip("python3 is not in PATH")
+		testenv.Missing(t, "python3 is not in PATH")
 	}
 	return py
 }
@@ -84,7 +86,7 @@ func TestPreflight(t *testing.T) {
 func TestPreflightProjectPython(t *testing.T) {
 	py := os.Getenv("FRMPS_PYTHON")
 	if py == "" {
-		t.Skip("set FRMPS_PYTHON (and PYTHONPATH=vllmpatch/src) to check the project's interpreter")
+		testenv.Missing(t, "set FRMPS_PYTHON (and PYTHONPATH=vllmpatch/src) to check the project's interpreter")
 	}
 	where, err := PythonCLI{Engine: "ref", Python: py}.Preflight(context.Background(), os.Environ())
 	if err != nil || !strings.HasSuffix(where, filepath.Join("frmps_engine", "__init__.py")) {

@@ -61,12 +61,6 @@ func (r *openRequest) setPromptIDs(ids []uint32) {
 	r.mu.Unlock()
 }
 
-func (r *openRequest) deliveredCount() int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return len(r.delivered)
-}
-
 // resumeRequest builds the supervisor's view of this request for a resume set.
 func (r *openRequest) resumeRequest() (*frmpsv1.ResumeRequest, bool) {
 	r.mu.Lock()

@@ -1,9 +1,6 @@
 package openai
 
-import (
-	"strconv"
-	"unicode/utf8"
-)
+import "unicode/utf8"
 
 // The streaming hot path builds its SSE chunks by appending to a reused buffer
 // instead of encoding/json: one chunk per token makes reflection-based
@@ -61,5 +58,3 @@ func appendJSONString(b []byte, s string) []byte {
 	b = append(b, s[start:]...)
 	return append(b, '"')
 }
-
-func appendUint(b []byte, v uint64) []byte { return strconv.AppendUint(b, v, 10) }

@@ -7,6 +7,12 @@ import tempfile
 import pytest
 
 
+def pytest_configure(config):
+    import e2e
+
+    e2e.MARK_EXPR = config.getoption("markexpr", "") or ""
+
+
 @pytest.fixture
 def sockdir():
     """A short private directory (0700) for unix sockets: pytest's tmp_path can exceed

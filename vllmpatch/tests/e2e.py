@@ -6,6 +6,7 @@ bench/sse.py)."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -24,12 +26,34 @@ from bench import sse
 from bench.serve import Serve, ServeOpts
 
 
-def missing(reason: str) -> None:
+# The run's -m expression (conftest.py sets it): a prerequisite of tests the run
+# deselects by their marker never fails the run.
+MARK_EXPR = ""
+
+
+def missing(reason: str, mark: str = "") -> None:
     """A prerequisite of the test is missing: skip, or fail in CI (CI set to a true
-    value, as CI services and .ci/run do), where a test that never ran must not pass."""
-    if os.environ.get("CI", "").strip().lower() in ("1", "t", "true"):
+    value, as CI services and .ci/run do), where a test that never ran must not pass.
+    Called at a module's top too: the whole module then skips or fails. ``mark``:
+    the marker of the tests that need it; a run that deselects it (``-m "not
+    torch"``) skips them even in CI."""
+    deselected = bool(mark) and f"not {mark}" in MARK_EXPR
+    if os.environ.get("CI", "").strip().lower() in ("1", "t", "true") and not deselected:
         pytest.fail(f"{reason} (CI is set: a test that cannot run fails)")
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require(module: str, mark: str = "torch") -> Any:
+    """``import module`` for a test's prerequisite (a third-party package), or
+    ``missing`` when it cannot be imported (skip; fail in CI). Only for what the
+    tree does not ship: the tree's own modules are imported plainly, so that an
+    import error in them fails instead of skipping. ``mark``: the torch-free run
+    (``make test-notorch``: ``-m "not torch"``, requirements-notorch.txt) lacks
+    these packages by design and skips."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing(f"needs {module} ({type(e).__name__}: {e})", mark)
 
 
 def frmps_bin() -> str:

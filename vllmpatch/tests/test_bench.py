@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from e2e import frmps_bin
+from e2e import frmps_bin, require
 from bench import report
 from bench.results import ResultFile, key_id, latest_ok, load_records
 from bench.experiments import EXPERIMENTS, outage_metrics
@@ -57,7 +57,7 @@ def bench(out: str, workdir: str, exp: str, *extra: str, timeout: float = 240) -
 
 @pytest.fixture(scope="module")
 def cpu_results(tmp_path_factory):
-    pytest.importorskip("torch")
+    require("torch")
     frmps_bin()
     out = str(tmp_path_factory.mktemp("bench-out"))
     work = str(tmp_path_factory.mktemp("bench-work"))
@@ -364,7 +364,7 @@ def test_report_targets_and_tables(tmp_path):
 
 
 def test_plots_from_json(tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     from bench import plots
 
     out = str(tmp_path)
@@ -425,7 +425,7 @@ def test_engine_arg_reaches_every_frmps_serve_the_bench_starts():
 
 @pytest.mark.torch
 def test_budget_stops_before_work_that_does_not_fit(tmp_path):
-    pytest.importorskip("torch")
+    require("torch")
     frmps_bin()
     out, work = str(tmp_path / "out"), str(tmp_path / "work")
     p = bench(out, work, "sync-overhead", "--budget", "2")
@@ -565,8 +565,8 @@ def test_checkpoint_is_a_model_directory_both_engines_load(tmp_path):
     directories (vLLM's, transformers') load without a missing or unexpected tensor,
     holding the reference engine's seeded weights: transformers' greedy output from it
     equals the reference engine's from the same files."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = require("torch")
+    transformers = require("transformers")
     out = str(tmp_path / "tiny")
     env = {**os.environ, "PYTHONPATH": BENCH_PATH}
     p = subprocess.run([sys.executable, "-m", "bench.baseline_engine", "write-checkpoint", "--model", "tiny",
@@ -741,7 +741,7 @@ def test_teardown_by_fault_groups_soaks_by_kind(tmp_path):
 def test_flip_contention_probe_runs_on_the_cpu(tmp_path):
     """bench/gpu/flip_contention.py's own smoke check (host-shm, CPU tensors): the probe
     runs end to end and writes its figures; what it measures needs a GPU."""
-    pytest.importorskip("torch")
+    require("torch")
     out = tmp_path / "flip.json"
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu", "flip_contention.py"), "--device", "cpu",
                         "--memory", "host-shm", "--gib", "0.01", "--rounds", "2", "--launches", "5", "--out", str(out)],

@@ -15,11 +15,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("frmps_engine.sdk.memory.base", reason="the engine SDK's memory interface is not in this tree")
-
-from e2e import missing  # noqa: E402
-from frmps_engine.sdk.memory.base import MemoryError_, PoolSpec, SizeMismatch  # noqa: E402
-from frmps_engine.sdk.memory.cuda_vmm import (  # noqa: E402
+from e2e import missing, require
+from frmps_engine.sdk.memory.base import MemoryError_, PoolSpec, SizeMismatch
+from frmps_engine.sdk.memory.cuda_vmm import (
     CudaVmmBackend,
     VmmError,
     VmmLibrary,
@@ -141,7 +139,7 @@ def test_kill_switch_refuses_the_backend(built):
 
 @pytest.mark.torch
 def test_no_gpu_is_a_clear_error():
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(VmmUnavailable, match="needs a CUDA GPU"):

@@ -13,8 +13,9 @@ import textwrap
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("frmps_engine.sdk.memory.base", reason="the engine SDK's memory interface is not in this tree")
+from e2e import require
+
+torch = require("torch")
 
 pytestmark = [
     pytest.mark.torch,

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from e2e import Killer, deployment, http_json
+from e2e import Killer, deployment, http_json, require
 
-openai = pytest.importorskip("openai")
+openai = require("openai")
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
 
 API_KEY = "sk-test-frmps"

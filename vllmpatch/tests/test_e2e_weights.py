@@ -10,10 +10,10 @@ import concurrent.futures as cf
 import pytest
 
 import hfckpt
-from e2e import Killer, deployment
+from e2e import Killer, deployment, require
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(900)]
-pytest.importorskip("transformers")
+require("transformers")
 
 NEW = 60
 

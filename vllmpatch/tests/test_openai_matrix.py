@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from e2e import deployment
+from e2e import deployment, require
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("jsonschema")
+openai = require("openai")
+require("jsonschema")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("openai_matrix", os.path.join(REPO, "bench", "openai_matrix.py"))

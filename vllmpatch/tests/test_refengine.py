@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from e2e import require
+
+torch = require("torch")
 # one_torch_thread (conftest.py): one intra-op thread for the whole module.
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 

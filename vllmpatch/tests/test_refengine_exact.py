@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from e2e import require
+
+torch = require("torch")
 # one_torch_thread (conftest.py): one intra-op thread for the whole module.
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from e2e import require
+
+torch = require("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams  # noqa: E402

@@ -12,8 +12,10 @@ import json
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from e2e import require
+
+torch = require("torch")
+transformers = require("transformers")
 pytestmark = pytest.mark.torch
 
 import hfckpt  # noqa: E402

@@ -13,7 +13,9 @@ import textwrap
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from e2e import require
+
+torch = require("torch")
 pytestmark = pytest.mark.torch
 
 from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams, pool_layout  # noqa: E402

@@ -9,7 +9,9 @@ from collections import defaultdict
 
 import pytest
 
-pytest.importorskip("torch")  # the refengine package imports it; the scheduler itself does not use it
+from e2e import require
+
+require("torch")  # the refengine package imports it; the scheduler itself does not use it
 pytestmark = pytest.mark.torch
 
 from frmps_engine.refengine import ByteTokenizer, EngineConfig, SamplingParams  # noqa: E402

@@ -13,7 +13,9 @@ import threading
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from e2e import require
+
+torch = require("torch")
 
 from bench.procs import alive, wait_gone  # noqa: E402
 from frmps_engine.refengine import ConfigError, EngineConfig, RefCore, SamplingParams, pool_layout  # noqa: E402

@@ -9,8 +9,10 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("triton")
+from e2e import require
+
+require("torch")
+require("triton")
 pytestmark = pytest.mark.torch
 
 SCRIPT = textwrap.dedent(

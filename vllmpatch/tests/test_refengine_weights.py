@@ -6,10 +6,12 @@ import json
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from e2e import require
+
+torch = require("torch")
 pytestmark = pytest.mark.torch
-safetensors_torch = pytest.importorskip("safetensors.torch")
-tokenizers = pytest.importorskip("tokenizers")
+safetensors_torch = require("safetensors.torch")
+tokenizers = require("tokenizers")
 
 from frmps_engine.refengine import EngineConfig, RefCore, SamplingParams, WeightsError  # noqa: E402
 from frmps_engine.refengine.tokenizer import HFTokenizer, IncrementalDetokenizer  # noqa: E402

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from e2e import require
 from frmps_engine._proto.frmps.v1 import control_pb2
 from frmps_engine.sdk import control
 
@@ -58,7 +59,7 @@ def test_bench_control_round_trip():
 
 @pytest.mark.torch
 def test_bench_generation_stream(sockdir):
-    pytest.importorskip("torch")
+    require("torch")
     import grpc
     from frmps_engine._proto.frmps.v1 import generation_pb2 as g, generation_pb2_grpc
     from test_sdk_genapi import Env

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from e2e import require
+
+torch = require("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("one_torch_thread")]
 
 from frmps_engine._proto.frmps.v1 import control_pb2  # noqa: E402

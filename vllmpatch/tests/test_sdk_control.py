@@ -187,7 +187,7 @@ def _fake_supervisor(conn: ControlConn, welcome: control_pb2.Welcome, seen: list
 def _hello():
     return control.HelloInfo(role=control_pb2.ROLE_ACTIVE, model="m", engine="fake", engine_version="1",
                              pools=[control_pb2.Pool(tag="kv_cache", index=0, size=64)], generation_endpoint="unix:///x",
-                             device="cpu", block_size=16, num_blocks=4)
+                             device="cpu", block_size=16, num_blocks=4, ring_record_bytes=3 << 20)
 
 
 def test_handshake_accepted():
@@ -202,6 +202,7 @@ def test_handshake_accepted():
     h = seen[0].hello
     assert h.pid == os.getpid() and h.protocol_version == control_pb2.PROTOCOL_VERSION_1
     assert h.pools[0].size == 64 and h.role == control_pb2.ROLE_ACTIVE
+    assert h.ring_record_bytes == 3 << 20  # the supervisor grows the ring for it
     a.close()
     b.close()
 

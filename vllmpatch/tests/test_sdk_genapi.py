@@ -9,6 +9,7 @@ import threading
 import grpc
 import pytest
 
+from e2e import require
 from frmps_engine._proto.frmps.v1 import control_pb2, generation_pb2 as g, generation_pb2_grpc
 from frmps_engine.sdk.adapters import EngineOptions
 from frmps_engine.sdk.genapi import GenerationServer
@@ -17,7 +18,7 @@ from frmps_engine.sdk.memory import get_backend
 from frmps_engine.sdk.seeds import derive_seed
 
 pytestmark = pytest.mark.torch
-torch = pytest.importorskip("torch")
+torch = require("torch")
 from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeParams, FakeTokenizer  # noqa: E402
 
 TOK = FakeTokenizer()

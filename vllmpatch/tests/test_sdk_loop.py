@@ -6,13 +6,14 @@ import time
 
 import pytest
 
+from e2e import require
 from frmps_engine._proto.frmps.v1 import control_pb2
 from frmps_engine.sdk.adapters import EngineOptions
 from frmps_engine.sdk.loop import EngineLoop, RingPublisher, device_error_cause, is_device_error
 from frmps_engine.sdk.memory import get_backend
 
 pytestmark = pytest.mark.torch
-torch = pytest.importorskip("torch")
+torch = require("torch")
 from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeParams  # noqa: E402
 from frmps_engine.sdk.testing.fake_ring import read_snapshot  # noqa: E402
 

@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
+from e2e import require
 from frmps_engine.sdk.memory import MemoryError_, PoolSpec, SizeMismatch, check_specs_match, get_backend
 from frmps_engine.sdk.memory.cuda_vmm import VmmUnavailable
 
 pytestmark = pytest.mark.torch
-torch = pytest.importorskip("torch")
+torch = require("torch")
 
 SPECS = [PoolSpec("weights", 0, 8192), PoolSpec("kv_cache", 0, 4096 * 3)]
 

@@ -1,5 +1,4 @@
-"""The SDK runner with the real reference engine and the real ring (skipped until
-both packages are present): SIGKILL the active mid-generation, take over from the
+"""The SDK runner with the real reference engine and the real ring: SIGKILL the active mid-generation, take over from the
 ring snapshot read by the ring's own reader, and compare with a no-fault run."""
 
 import os
@@ -14,11 +13,13 @@ from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, 
 from frmps_engine.sdk.control import ConnectionClosed
 from frmps_engine.sdk.seeds import derive_seed
 
+from e2e import require
+
 pytestmark = pytest.mark.torch
-torch = pytest.importorskip("torch")
-refengine = pytest.importorskip("frmps_engine.refengine")
-ring = pytest.importorskip("frmps_engine.ring")
-ring_reader = pytest.importorskip("frmps_engine.ring.reader")
+torch = require("torch")
+
+from frmps_engine import refengine, ring  # noqa: E402  (the reference engine imports torch)
+from frmps_engine.ring import reader as ring_reader  # noqa: E402
 from test_sdk_runner import FakeSupervisor  # noqa: E402
 
 ARGS = ("--num-blocks", "64", "--max-model-len", "256")

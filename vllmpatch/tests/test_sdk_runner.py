@@ -20,13 +20,14 @@ import time
 import grpc
 import pytest
 
+from e2e import require
 from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
 from bench import loglines
 from frmps_engine.sdk.control import ConnectionClosed, ControlConn, ControlError
 from frmps_engine.sdk.seeds import derive_seed
 
 pytestmark = pytest.mark.torch
-torch = pytest.importorskip("torch")
+torch = require("torch")
 from frmps_engine.sdk.adapters import EngineOptions  # noqa: E402
 from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeParams, FakeTokenizer  # noqa: E402
 from frmps_engine.ring import create_ring  # noqa: E402
@@ -654,7 +655,7 @@ def test_torch_pools_breakdown_sums_segments_by_kind_of_pool():
     """The standby's after-Sleep note: torch's segments (as torch.cuda.memory_snapshot
     lists them; made up here) summed per kind of pool — the default pool, CUDA-graph
     pools (ids (n, 0)) and MemPools (ids (0, n), the frmps pools' contexts)."""
-    from frmps_engine.sdk.runner import torch_pools_breakdown
+    from frmps_engine.sdk.diagnostics import torch_pools_breakdown
 
     mib = 2**20
     segs = [
@@ -674,7 +675,7 @@ def test_torch_pools_breakdown_sums_segments_by_kind_of_pool():
 def test_the_standby_memory_note_reads_back(tmp_path):
     """What the standby logs after Sleep is what the harnesses parse."""
     from bench import loglines
-    from frmps_engine.sdk.runner import pools_note, threads_note, torch_pools_breakdown
+    from frmps_engine.sdk.diagnostics import pools_note, threads_note, torch_pools_breakdown
     from frmps_engine.sdk.stack import StandbyStack
 
     mib = 2**20
@@ -708,7 +709,7 @@ def test_the_standby_memory_note_reads_back(tmp_path):
 def test_threads_note_counts_this_process_threads_by_name(tmp_path):
     import threading
 
-    from frmps_engine.sdk.runner import threads_note
+    from frmps_engine.sdk.diagnostics import threads_note
 
     for tid, name in ((1, "python3"), (2, "python3"), (3, "grpc_global_tim"), (4, "cuda-EvtHandlr"), (5, "python3")):
         (tmp_path / str(tid)).mkdir()

@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from e2e import require
 from frmps_engine._proto.frmps.v1 import control_pb2 as c, generation_pb2 as g, generation_pb2_grpc
 from bench import loglines
 from frmps_engine.sdk.adapters import EngineOptions
@@ -19,7 +20,7 @@ from frmps_engine.sdk.memory import get_backend
 from frmps_engine.sdk.runner import Runner, RunnerConfig
 
 pytestmark = pytest.mark.torch
-torch = pytest.importorskip("torch")
+torch = require("torch")
 from frmps_engine.sdk.testing.fake_engine import FakeAdapter, FakeParams, FakeTokenizer  # noqa: E402
 from test_sdk_genapi import reference  # noqa: E402
 
@@ -461,14 +462,14 @@ def test_a_first_step_that_reaches_the_gate_after_the_flip_says_when_in_its_own_
     assert first["step_ms"] > 0, first
 
 
-def test_without_a_device_gate_the_log_says_the_loop_started_after_the_flip(h_ro, caplog, monkeypatch):
+def test_a_core_that_declines_the_device_gate_starts_its_loop_after_the_flip(h_ro, caplog, monkeypatch):
     h = h_ro  # FRMPS_STANDBY_KV=readonly: the KV cache flips at the takeover
-    """FRMPS_DEBUG_NO_DEVICE_GATE=1 (A/B runs): the loop starts after the flip even
-    for a core with a gate, and the takeover's log line says so."""
+    """A core whose gate_device returns False (vLLM's V1 runner, a runner in other
+    processes): the loop starts after the flip, and the takeover's log line says so."""
     caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
-    monkeypatch.setenv("FRMPS_DEBUG_NO_DEVICE_GATE", "1")
     assert h.sleep().ok
     _, seen = gate_on(h.runner.core, monkeypatch)
+    monkeypatch.setattr(h.runner.core, "gate_device", lambda wait: False, raising=False)
     r = resume_one_new(h)
     assert r.ok and r.resumed[0].ok, r
     assert len(resume_stream(h, 3, [])) == 6
@@ -513,7 +514,7 @@ def test_by_default_the_kv_cache_is_writable_asleep_and_the_takeover_flips_nothi
 
     monkeypatch.setattr(mem, "_set_access", set_access)
     flip_threads = []
-    monkeypatch.setattr("frmps_engine.sdk.runner._KvFlip._run", lambda self: flip_threads.append(self))
+    monkeypatch.setattr("frmps_engine.sdk.takeover.KvFlip._run", lambda self: flip_threads.append(self))
     assert h.sleep().ok
     assert flips == [("kv_cache", False)]
     assert [p.readonly for p in mem.pools() if p.spec.tag == "weights"] == [True]
@@ -551,28 +552,3 @@ def test_the_reply_waits_for_the_first_steps_host_work(h, monkeypatch, caplog):
     line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
     got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
     assert got["device_gate"] and got["reply_wait_ms"] >= 3.0, (got, line)
-
-
-def test_the_reply_beside_the_first_step_when_asked(h, monkeypatch, caplog):
-    """FRMPS_DEBUG_REPLY_BESIDE_FIRST_STEP=1 (A/B runs): the reply goes as soon as the
-    requests are adopted, while the first step's host work is still running."""
-    caplog.set_level("INFO", logger="frmps_engine.sdk.runner")
-    monkeypatch.setenv("FRMPS_DEBUG_REPLY_BESIDE_FIRST_STEP", "1")
-    assert h.sleep().ok
-    core = h.runner.core
-    at_gate, seen = gate_on(core, monkeypatch)
-    gated_step, replied = core.step, threading.Event()
-
-    def step(*a, **kw):  # TEST DOUBLE of host work that lasts until the reply is in
-        if not at_gate.is_set():
-            replied.wait(10)
-        return gated_step(*a, **kw)
-
-    monkeypatch.setattr(core, "step", step)
-    r = resume_one_new(h)
-    assert not at_gate.is_set()
-    replied.set()
-    assert r.ok and r.resumed[0].ok, r
-    assert len(resume_stream(h, 3, [])) == 6
-    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
-    assert "the reply waited" not in line, line

@@ -6,12 +6,17 @@ every takeover. The model is the seeded checkpoint of the tiny preset
 bench/README.md "The test model"), loaded from its safetensors. The comparison with the no-fault output
 (bench/exactness.py) must report the request a control hit as inexact, and
 with no control (test mode only) every request must stay exact. One deployment
-per case: the switch is read when an engine starts.
+runs them all: its engines read the cases from a file at each takeover
+(``FRMPS_TEST_TAKEOVER_FAULT=@PATH``), which the test rewrites before each
+failover: the run without a control first, then each case, then the run without
+a control again (nothing a case broke outlives its request). A deployment with
+the cases in the variable itself is refused without test mode.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import os
 import subprocess
 import sys
@@ -22,7 +27,7 @@ from e2e import Deployment, Killer, deployment
 from bench import exactness
 from frmps_engine.sdk import takeover_fault
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(900)]  # six deployments, ~2.5 min on 2 cores
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ENGINE_ARGS = ["--engine-arg=--max-num-batched-tokens=64", "--max-restarts=1000000", "--served-model-name=tiny"]
 PROMPT = "Once upon a time, in a land of shared GPUs, the standby kept watch. " * 4
@@ -68,43 +73,64 @@ def run_batch(dep: Deployment, killer: Killer | None = None):
         return [f.result() for f in futs]
 
 
-def failover_run(case: str | None, model_dir: str) -> exactness.ControlRun:
-    env = {"FRMPS_TEST_STEP_DELAY_MS": "10", **exactness.control_env(case)}
+@dataclasses.dataclass
+class CaseRun:
+    case: str | None
+    run: exactness.ControlRun
+
+
+@pytest.fixture(scope="module")
+def case_runs(model_dir, tmp_path_factory) -> list[CaseRun]:
+    """One deployment, one failover per case: None (no control), every case, None again."""
+    switch = str(tmp_path_factory.mktemp("switch") / "cases")
+    env = {"FRMPS_TEST_STEP_DELAY_MS": "10", **exactness.control_env(None), takeover_fault.ENV: "@" + switch}
+    out: list[CaseRun] = []
     with deployment(sync_every=SYNC_EVERY, env=env, extra_args=ENGINE_ARGS, model=model_dir) as dep:
+        dep.wait_state("serving_ready")
         ref = run_batch(dep)
         for r in ref:
             assert r.done and r.error is None and len(r.token_ids) == 64, r
-        killer = Killer(dep, after=KILL_AFTER)
-        got = run_batch(dep, killer)
-        assert killer.fired.is_set()
-        st = dep.wait_state("serving_ready")
-        assert st["failovers"][0]["ok"], st["failovers"][0]
-        with open(dep.log_path, errors="replace") as f:
-            log_text = f.read()
-    return exactness.ControlRun(
-        reference={i: r.token_ids for i, r in enumerate(ref)},
-        observed={i: (g.token_ids if g.error is None and g.done else []) for i, g in enumerate(got)},
-        log_text=log_text)
+        for n, case in enumerate([None, *takeover_fault.CASES, None]):
+            with open(switch, "w") as f:
+                f.write(case or "")
+            with open(dep.log_path, errors="replace") as f:
+                seen = len(f.read())
+            killer = Killer(dep, after=KILL_AFTER)
+            got = run_batch(dep, killer)
+            assert killer.fired.is_set()
+            st = dep.wait_state("serving_ready")
+            assert len(st["failovers"]) == n + 1 and st["failovers"][0]["ok"], st["failovers"]
+            with open(dep.log_path, errors="replace") as f:
+                log_text = f.read()[seen:]  # this failover's lines
+            out.append(CaseRun(case, exactness.ControlRun(
+                reference={i: r.token_ids for i, r in enumerate(ref)},
+                observed={i: (g.token_ids if g.error is None and g.done else []) for i, g in enumerate(got)},
+                log_text=log_text)))
+    return out
 
 
 def _verdicts(run: exactness.ControlRun) -> dict[int, exactness.Verdict]:
     return {i: exactness.compare(run.reference[i], run.observed[i]) for i in run.reference}
 
 
-def test_no_control_is_exact(model_dir):
-    """The positive case: test mode on, no control: every request resumes exactly."""
-    run = failover_run(None, model_dir)
-    assert not exactness.applied_controls(run.log_text)
-    verdicts = _verdicts(run)
-    assert all(v.kind == exactness.EXACT for v in verdicts.values()), verdicts
+def test_no_control_is_exact(case_runs):
+    """The positive case: test mode on, no control: every request resumes exactly,
+    before the first case and after the last."""
+    positive = [c.run for c in case_runs if c.case is None]
+    assert len(positive) == 2
+    for run in positive:
+        assert not exactness.applied_controls(run.log_text)
+        assert "this takeover's cases from" in run.log_text and ": none" in run.log_text, run.log_text[-3000:]
+        verdicts = _verdicts(run)
+        assert all(v.kind == exactness.EXACT for v in verdicts.values()), verdicts
 
 
 @pytest.mark.parametrize("case", takeover_fault.CASES)
-def test_control_is_detected(case: str, model_dir):
+def test_control_is_detected(case: str, case_runs, model_dir):
     """Each control, applied to one adopted request at the failover, makes the
     comparison with the no-fault output fail for that request (found by its prompt
     length: the log line names the engine's key, which a client does not see)."""
-    run = failover_run(case, model_dir)
+    (run,) = [c.run for c in case_runs if c.case == case]
     applied = exactness.applied_prompt_lengths(run.log_text)
     assert [c for c, _ in applied] == [case], f"the control's log line: {applied}\n{run.log_text[-4000:]}"
     (hit,) = [i for i, n in enumerate(prompt_tokens(model_dir)) if n == applied[0][1]]
@@ -134,3 +160,24 @@ def test_parse():
         takeover_fault.parse({"FRMPS_TEST_TAKEOVER_FAULT": "position"})
     with pytest.raises(takeover_fault.ControlError, match="unknown case bogus"):
         takeover_fault.parse({"FRMPS_TEST_TAKEOVER_FAULT": "bogus", "FRMPS_TEST_MODE": "1"})
+    assert takeover_fault.parse({"FRMPS_TEST_TAKEOVER_FAULT": "@/x", "FRMPS_TEST_MODE": "1"}) == takeover_fault.CASES
+    with pytest.raises(takeover_fault.ControlError, match="FRMPS_TEST_MODE=1"):
+        takeover_fault.parse({"FRMPS_TEST_TAKEOVER_FAULT": "@/x"})
+    with pytest.raises(takeover_fault.ControlError, match="wants a file"):
+        takeover_fault.parse({"FRMPS_TEST_TAKEOVER_FAULT": "@", "FRMPS_TEST_MODE": "1"})
+
+
+def test_file_cases(tmp_path):
+    """@PATH: the file's cases at each takeover; missing or empty: none; an unknown
+    case applies none (logged), it does not stop the engine mid-takeover."""
+    path = tmp_path / "cases"
+    faults = takeover_fault.from_env(16, {"FRMPS_TEST_TAKEOVER_FAULT": f"@{path}", "FRMPS_TEST_MODE": "1"})
+    assert faults is not None and faults.path == str(path) and faults.cases == takeover_fault.CASES
+    assert faults.arm(object()).pending == set()
+    path.write_text("")
+    assert faults.arm(object()).pending == set()
+    path.write_text("zero-block, position\n")
+    assert faults.arm(object()).pending == {"zero-block", "position"}
+    path.write_text("bogus")
+    assert faults.arm(object()).pending == set()
+    assert takeover_fault.from_env(16, {}) is None

@@ -17,7 +17,9 @@ import textwrap
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from e2e import require
+
+torch = require("torch")
 
 pytestmark = [
     pytest.mark.torch,

@@ -481,9 +481,13 @@ type Hello struct {
 	// the engine was told to use dummy weights).
 	Weights string `protobuf:"bytes,12,opt,name=weights,proto3" json:"weights,omitempty"`
 	// How the KV cache was sized (an engine that sizes it; unset otherwise).
-	KvBudget      *KVBudget `protobuf:"bytes,13,opt,name=kv_budget,json=kvBudget,proto3" json:"kv_budget,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	KvBudget *KVBudget `protobuf:"bytes,13,opt,name=kv_budget,json=kvBudget,proto3" json:"kv_budget,omitempty"`
+	// The largest FULL ring record this engine can publish (its batch limits and
+	// KV cache; 0: unknown). Before the first active attaches, a supervisor that
+	// sized the ring itself grows it to hold a snapshot of that size.
+	RingRecordBytes uint64 `protobuf:"varint,14,opt,name=ring_record_bytes,json=ringRecordBytes,proto3" json:"ring_record_bytes,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Hello) Reset() {
@@ -605,6 +609,13 @@ func (x *Hello) GetKvBudget() *KVBudget {
 		return x.KvBudget
 	}
 	return nil
+}
+
+func (x *Hello) GetRingRecordBytes() uint64 {
+	if x != nil {
+		return x.RingRecordBytes
+	}
+	return 0
 }
 
 // The KV cache's share of the GPU (the vLLM adapter, vllm/sizing.py): a
@@ -1876,7 +1887,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\bshutdown\x18\x17 \x01(\v2\x12.frmps.v1.ShutdownH\x00R\bshutdown\x12$\n" +
 	"\x04ping\x18\x18 \x01(\v2\x0e.frmps.v1.PingH\x00R\x04ping\x12-\n" +
 	"\ahandoff\x18\x19 \x01(\v2\x11.frmps.v1.HandoffH\x00R\ahandoffB\x05\n" +
-	"\x03msg\"\xd0\x03\n" +
+	"\x03msg\"\xfc\x03\n" +
 	"\x05Hello\x12D\n" +
 	"\x10protocol_version\x18\x01 \x01(\x0e2\x19.frmps.v1.ProtocolVersionR\x0fprotocolVersion\x12\"\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x0e.frmps.v1.RoleR\x04role\x12\x10\n" +
@@ -1893,7 +1904,8 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\n" +
 	"num_blocks\x18\v \x01(\x04R\tnumBlocks\x12\x18\n" +
 	"\aweights\x18\f \x01(\tR\aweights\x12/\n" +
-	"\tkv_budget\x18\r \x01(\v2\x12.frmps.v1.KVBudgetR\bkvBudget\"\xb1\x03\n" +
+	"\tkv_budget\x18\r \x01(\v2\x12.frmps.v1.KVBudgetR\bkvBudget\x12*\n" +
+	"\x11ring_record_bytes\x18\x0e \x01(\x04R\x0fringRecordBytes\"\xb1\x03\n" +
 	"\bKVBudget\x12&\n" +
 	"\x0fgpu_total_bytes\x18\x01 \x01(\x04R\rgpuTotalBytes\x12 \n" +
 	"\vutilization\x18\x02 \x01(\x01R\vutilization\x12!\n" +

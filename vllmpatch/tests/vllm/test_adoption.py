@@ -46,14 +46,20 @@ def active_until(model_dir, steps, sync_every, *, caching=False, prompts=PROMPTS
 
     vc = make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS, enable_prefix_caching=caching)
     active = make_scheduler(vc)
+    # The ring's records as the engine loop would publish the scheduler's views: a
+    # FULL record at the attach, then every sync_every computing steps.
     tracker = RecordingTracker()
-    active.frmps_attach(tracker, sync_every)
+    tracker.sync(0, active.frmps_views())
     hasher = block_hasher() if caching else None
     for k, p in prompts.items():
         active.add_request(make_request(k, p, max_tokens=MAX_TOKENS[k], hasher=hasher))
     model = FakeModel()
+    computed = 0
     for _ in range(steps):
-        step(active, model)
+        if step(active, model).total_num_scheduled_tokens:
+            computed += 1
+            if computed % sync_every == 0:
+                tracker.sync(computed, active.frmps_views())
     return active, model, tracker
 
 
@@ -178,12 +184,12 @@ def test_adopted_prefix_shared_blocks_keep_ref_counts(model_dir, defer):
 
     shared = list(range(300, 332))  # two full blocks
     prompts = {21: shared + [1, 2, 3, 4, 5], 22: shared + [9, 8, 7]}
-    active, amodel, tracker = active_until(model_dir, 0, 1, caching=True, prompts=prompts)
+    active, amodel, _ = active_until(model_dir, 0, 1, caching=True, prompts=prompts)
     # Run the first request's prefill alone so the second one hits its cached prefix.
     step(active, amodel)
     for _ in range(4):
         step(active, amodel)
-    _, views = tracker.records[-1]
+    views = active.frmps_views()  # the sync after the last step
     by_key = {v.key: v for v in views}
     assert by_key[21].block_ids[:2] == by_key[22].block_ids[:2]
     delivered = {k: list(amodel.sampled.get(f"frmps-{k}", [])) for k in prompts}

@@ -93,7 +93,8 @@ def test_reasoning_parser_is_not_yet_supported(model_dir, tok):
 def _standby_core(model_dir, **so_config):
     from vllm.config import StructuredOutputsConfig
 
-    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
+    from frmps_engine.vllm.core import VllmCore
+    from frmps_engine.vllm.engine import scheduler_cls_for
     from vhelpers import SchedulerCore
 
     vc = make_vllm_config(model_dir, tokenizer=True, structured_outputs_config=StructuredOutputsConfig(**so_config))
@@ -129,7 +130,7 @@ def test_the_first_real_request_still_decides_the_backend():
     the check runs once. A labelled stand-in for vLLM's StructuredOutputManager."""
     from types import SimpleNamespace
 
-    from frmps_engine.vllm.engine import _first_request_decides
+    from frmps_engine.vllm.core import _first_request_decides
 
     class Manager:  # test double: grammar_init builds the backend the request asks for when there is none
         backend, backend_name = "xgrammar-backend", "xgrammar"

@@ -11,9 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from e2e import require
+
 from poolhelpers import MiB, HostMemPools, build_interceptor, inside, storage_range, vmm_backend
 
-torch = pytest.importorskip("torch")
+torch = require("torch")
 
 
 @pytest.fixture(scope="module")

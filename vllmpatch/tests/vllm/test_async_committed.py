@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from vhelpers import BLOCK_SIZE, FakeModel, RecordingTracker, block_pool_invariants, make_request, make_scheduler, make_vllm_config, write_tiny_model
+from vhelpers import BLOCK_SIZE, FakeModel, block_pool_invariants, make_request, make_scheduler, make_vllm_config, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +19,6 @@ def test_async_pipeline_publishes_only_processed_steps(model_dir):
 
     vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=True, scheduler_cls=ASYNC_SCHEDULER_CLS, max_num_batched_tokens=32)
     sched = make_scheduler(vc)
-    tracker = RecordingTracker()
-    sched.frmps_attach(tracker, 1)
     prompts = {31: list(range(10, 50)), 32: list(range(60, 75))}
     for k, p in prompts.items():
         sched.add_request(make_request(k, p, max_tokens=8))
@@ -45,7 +43,7 @@ def test_async_pipeline_publishes_only_processed_steps(model_dir):
                 processed.setdefault(rid, []).extend(pos)
                 sampled.setdefault(rid, []).extend(ptok[rid])
             if pso.total_num_scheduled_tokens:
-                _, views = tracker.records[-1]
+                views = sched.frmps_views()  # read as the engine loop does between steps
                 for v in views:
                     rid = f"frmps-{v.key}"
                     if v.finished:

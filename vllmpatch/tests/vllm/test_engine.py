@@ -32,7 +32,8 @@ def mode(request):
 
 
 def engine(model_dir, tokenizer=None, mode="sync", prefix_caching=False, kv_reuse=True):
-    from frmps_engine.vllm.engine import VllmCore, scheduler_cls_for
+    from frmps_engine.vllm.core import VllmCore
+    from frmps_engine.vllm.engine import scheduler_cls_for
 
     vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async",
                           enable_prefix_caching=prefix_caching)
@@ -127,7 +128,7 @@ def test_capabilities_of_the_vllm_core(model_dir):
     assert not isinstance(eng, engine_api.DeviceCheck)
     assert engine_api.has_launch_hook(eng)
     assert not engine_api.has_launch_hook(engine(model_dir, CharTokenizer(), mode="async"))
-    from frmps_engine.vllm.engine import VllmTokenizer
+    from frmps_engine.vllm.tokenizer import VllmTokenizer
 
     assert engine_api.vocab_size(VllmTokenizer(CharTokenizer())) is None
 
@@ -176,7 +177,7 @@ def test_the_launch_hook_runs_once_per_step_between_launch_and_output(model_dir)
 
 
 def test_a_scheduler_without_the_frmps_members_is_refused(model_dir):
-    from frmps_engine.vllm.engine import FrmpsSchedulerAPI, VllmCore
+    from frmps_engine.vllm.core import FrmpsSchedulerAPI, VllmCore
 
     plain = make_scheduler(make_vllm_config(model_dir, num_blocks=64))  # vLLM's own scheduler
     assert not isinstance(plain, FrmpsSchedulerAPI)
@@ -283,10 +284,11 @@ def test_adapter_layout_params_and_refusals(model_dir):
     import transformers
 
     from frmps_engine._proto.frmps.v1 import control_pb2
-    from frmps_engine.vllm.engine import make_adapter, weight_bytes, weights_pool_bytes
+    from frmps_engine.vllm.engine import make_adapter
+    from frmps_engine.vllm.modelcfg import weight_bytes, weights_pool_bytes
     from frmps_engine.vllm.pools import ALIGN, round_up
 
-    args = SimpleNamespace(model=model_dir, num_blocks=100, block_size=16, max_model_len=256, dtype="float32", sync_every=4)
+    args = SimpleNamespace(model=model_dir, num_blocks=100, block_size=16, max_model_len=256, dtype="float32")
     ad = make_adapter(args)
     from importlib import metadata
 
@@ -337,10 +339,10 @@ QWEN25_7B = {
                                              "num_attention_heads": 14, "num_key_value_heads": 2,
                                              "num_hidden_layers": 24, "tie_word_embeddings": True}])
 def test_weights_pool_estimate_covers_torch_segments(cfg):
-    from frmps_engine.vllm.engine import _weight_tensors, weight_bytes, weights_pool_bytes
+    from frmps_engine.vllm.modelcfg import weight_bytes, weight_tensors, weights_pool_bytes
     from frmps_engine.vllm.pools import TORCH_MIN_LARGE_ALLOC, torch_segment_bytes
 
-    tensors = _weight_tensors(cfg, "bfloat16", allocated=True)
+    tensors = weight_tensors(cfg, "bfloat16", allocated=True)
     pool = weights_pool_bytes(cfg, "bfloat16")
     big = sum(torch_segment_bytes(n) for n in tensors if n >= TORCH_MIN_LARGE_ALLOC)
     rest = sum(n for n in tensors if n < TORCH_MIN_LARGE_ALLOC)
@@ -350,7 +352,7 @@ def test_weights_pool_estimate_covers_torch_segments(cfg):
     # vLLM allocates a tied lm_head before tying it (qwen2.py:480-487): counted in the pool, not in the weights.
     vocab_rows = cfg["vocab_size"] * cfg["hidden_size"] * 2
     tied = vocab_rows if cfg["tie_word_embeddings"] else 0
-    assert len(tensors) == len(_weight_tensors(cfg, "bfloat16")) + (1 if tied else 0)
+    assert len(tensors) == len(weight_tensors(cfg, "bfloat16")) + (1 if tied else 0)
     # Not wasteful: within 12 % of the weights, plus the fragmentation headroom (2 %, at least 64 MiB).
     w = weight_bytes(cfg, "bfloat16")
     assert pool - tied - w < 0.12 * w + max(64 << 20, 0.021 * pool)
@@ -437,7 +439,7 @@ def test_no_kv_reuse_adopts_with_nothing_computed_and_prefills_it_all(model_dir)
     nothing reused, no snapshot block held, the first step a prefill of each request's
     prompt and delivered tokens — and finishes them (the stand-in model keeps no KV,
     so its outputs equal the reference's either way)."""
-    from frmps_engine.vllm.engine import VllmCore
+    from frmps_engine.vllm.core import VllmCore
 
     reference = by_key(_run_all(model_dir))
     _, delivered, views = _four_steps(model_dir)
@@ -693,7 +695,7 @@ def test_the_device_gate_waits_after_the_runners_host_work_and_before_the_forwar
     tables come before the gate's wait, the computing after it; once only (the
     connector's own pre_forward is back afterwards), and the outputs are those of
     an ungated engine. Adopted requests, as a takeover's."""
-    from frmps_engine.vllm.engine import _pre_forward_owner
+    from frmps_engine.vllm.core import _pre_forward_owner
 
     eng = engine(model_dir, mode=mode)
     model = eng.core.model
@@ -839,9 +841,10 @@ def test_hand_over_publishes_every_delivered_token_with_nothing_in_flight(model_
 def test_async_scheduling_switch_from_the_environment(model_dir, monkeypatch):
     from types import SimpleNamespace
 
-    from frmps_engine.vllm.engine import async_scheduling_from_env, make_adapter
+    from frmps_engine.vllm.engine import make_adapter
 
     # vLLM decides unless told (unset, empty, auto); 0 and 1 force it.
+    from frmps_engine.vllm.envpolicy import async_scheduling_from_env
     assert [async_scheduling_from_env(e) for e in ({}, {"FRMPS_VLLM_ASYNC_SCHEDULING": ""},
                                                    {"FRMPS_VLLM_ASYNC_SCHEDULING": "0"},
                                                    {"FRMPS_VLLM_ASYNC_SCHEDULING": "1"},
@@ -862,7 +865,7 @@ def test_mega_aot_artifact_is_on_by_default_where_vllm_can_use_it(monkeypatch):
     """frmps's engines load vLLM's compiled model whole (VLLM_USE_MEGA_AOT_ARTIFACT=1)
     unless the user said otherwise, AOT compile is off, or torch has no AOT compile;
     the variable is the one vLLM reads."""
-    from frmps_engine.vllm.engine import MEGA_AOT_ENV, mega_aot_default
+    from frmps_engine.vllm.envpolicy import MEGA_AOT_ENV, mega_aot_default
 
     env: dict = {}
     assert mega_aot_default(env, "2.11.0+cu130") and env == {MEGA_AOT_ENV: "1"}
@@ -888,7 +891,7 @@ def test_mega_aot_artifact_is_on_by_default_where_vllm_can_use_it(monkeypatch):
 
 
 def test_flashinfer_sampler_off_where_flashinfer_is_missing():
-    from frmps_engine.vllm.engine import FLASHINFER_SAMPLER_ENV as V, flashinfer_sampler_default
+    from frmps_engine.vllm.envpolicy import FLASHINFER_SAMPLER_ENV as V, flashinfer_sampler_default
 
     env: dict[str, str] = {}
     note = flashinfer_sampler_default(env, have_flashinfer=False)
@@ -907,7 +910,7 @@ def test_flashinfer_sampler_off_where_flashinfer_is_missing():
 def test_triton_cache_is_pinned_unless_the_user_set_it(tmp_path):
     """With the compiled model loaded whole vLLM leaves TRITON_CACHE_DIR alone, so
     frmps names one directory under vLLM's cache root; a user's choice stands."""
-    from frmps_engine.vllm.engine import TRITON_CACHE_ENV, triton_cache_default
+    from frmps_engine.vllm.envpolicy import TRITON_CACHE_ENV, triton_cache_default
 
     env: dict = {}
     assert triton_cache_default(env, str(tmp_path)) == str(tmp_path / "triton_cache")
@@ -921,7 +924,7 @@ def test_triton_cache_is_pinned_unless_the_user_set_it(tmp_path):
 def test_triton_ptxas_is_torchs_from_the_start(tmp_path):
     """Inductor points Triton at torch's ptxas on its first compile; frmps does so
     before any, so that every engine keys Triton's cache with the same ptxas."""
-    from frmps_engine.vllm.engine import TRITON_PTXAS_ENV, triton_ptxas_default
+    from frmps_engine.vllm.envpolicy import TRITON_PTXAS_ENV, triton_ptxas_default
 
     env: dict = {}
     assert triton_ptxas_default(env, str(tmp_path)) == "" and env == {}  # torch ships no ptxas
@@ -941,7 +944,8 @@ def test_structured_outputs_config_from_the_environment(model_dir, monkeypatch):
     from types import SimpleNamespace
 
     from frmps_engine.sdk.adapters import AdapterError
-    from frmps_engine.vllm.engine import STRUCTURED_OUTPUTS_ENV, make_adapter
+    from frmps_engine.vllm.engine import make_adapter
+    from frmps_engine.vllm.envpolicy import STRUCTURED_OUTPUTS_ENV
 
     args = SimpleNamespace(model=model_dir, num_blocks=100, dtype="float32")
     monkeypatch.delenv(STRUCTURED_OUTPUTS_ENV, raising=False)
@@ -964,18 +968,18 @@ def test_a_spares_preload_imports_vllm_and_hands_its_tokenizer_to_the_adapter(tm
 
     from frmps_engine import modeldir
     from frmps_engine.sdk import spare
-    from frmps_engine.vllm import engine
+    from frmps_engine.vllm import preload
     from frmps_engine.vllm.engine import VllmAdapter, VllmEngineConfig, make_adapter
 
     d = modeldir.write("qwen2.5-0.5b", str(tmp_path / "q05"))
-    engine._PRELOADED_TOKENIZERS.clear()
+    preload._PRELOADED_TOKENIZERS.clear()
     summary = spare.preload("vllm", None, model=d)
     assert "modules loaded" in summary and "vllm.v1.engine.core" in sys.modules and "xgrammar" in sys.modules
     assert not spare.driver_initialised()
-    preloaded = engine._PRELOADED_TOKENIZERS[d]
-    assert make_adapter.preload is engine.preload
+    preloaded = preload._PRELOADED_TOKENIZERS[d]
+    assert make_adapter.preload is preload.preload
     ad = VllmAdapter(VllmEngineConfig(model=d, num_blocks=512, max_model_len=4096))
-    assert ad.tokenizer()._tok is preloaded and d not in engine._PRELOADED_TOKENIZERS  # taken, once
+    assert ad.tokenizer()._tok is preloaded and d not in preload._PRELOADED_TOKENIZERS  # taken, once
     other = VllmAdapter(VllmEngineConfig(model=d, num_blocks=512, max_model_len=4096))
     assert other.tokenizer()._tok is not preloaded  # a second engine in this process reads its own
     # vLLM's own tokenizer cache (its structured-output manager's) was filled for the model
@@ -998,14 +1002,14 @@ def test_a_spares_preload_imports_vllm_and_hands_its_tokenizer_to_the_adapter(tm
     from frmps_engine.vllm.testing import make_vllm_config
 
     vocab = mc.get_vocab_size()
-    engine._XGRAMMAR_HANDED_OVER.clear()
+    preload._XGRAMMAR_HANDED_OVER.clear()
     XgrammarBackend(make_vllm_config(d, tokenizer=True), tokenizer=vllm_tok, vocab_size=vocab)
-    assert engine._XGRAMMAR_HANDED_OVER == [d]
+    assert preload._XGRAMMAR_HANDED_OVER == [d]
     again = xgr.TokenizerInfo.from_huggingface(vllm_tok, vocab_size=vocab)  # built anew: handed over once
-    assert engine._XGRAMMAR_HANDED_OVER == [d] and again.vocab_size == vocab
+    assert preload._XGRAMMAR_HANDED_OVER == [d] and again.vocab_size == vocab
     # A model the spare could not read is only a lost head start.
     spare.preload("vllm", None, model=str(tmp_path / "missing"))
-    assert str(tmp_path / "missing") not in engine._PRELOADED_TOKENIZERS
+    assert str(tmp_path / "missing") not in preload._PRELOADED_TOKENIZERS
 
 
 def test_the_tokenizers_backend_decode_is_used_only_where_it_equals_decode(tmp_path):
@@ -1016,7 +1020,8 @@ def test_the_tokenizers_backend_decode_is_used_only_where_it_equals_decode(tmp_p
     import random
 
     from frmps_engine import modeldir
-    from frmps_engine.vllm.engine import VllmAdapter, VllmEngineConfig, VllmTokenizer
+    from frmps_engine.vllm.engine import VllmAdapter, VllmEngineConfig
+    from frmps_engine.vllm.tokenizer import VllmTokenizer
 
     d = modeldir.write("qwen2.5-0.5b", str(tmp_path / "q05"))
     tok = VllmAdapter(VllmEngineConfig(model=d, num_blocks=64, max_model_len=512)).tokenizer()
@@ -1099,16 +1104,12 @@ def test_adopting_with_nothing_computed_may_hit_the_prefix_cache(model_dir, mode
         assert got == want
 
 
-@pytest.mark.parametrize("hash_now", [False, True], ids=["deferred", "hash-now"])
-def test_adopted_blocks_enter_the_prefix_cache_once_the_second_step_is_launched(model_dir, mode, monkeypatch, hash_now):
+def test_adopted_blocks_enter_the_prefix_cache_once_the_second_step_is_launched(model_dir, mode):
     """An adopted request's block hashes and its blocks' entry in vLLM's prefix
     cache wait for its second step's launch (DeferredPrefixCache), the CPU half of
-    an adoption moved off the first resumed token's path; FRMPS_DEBUG_ADOPT_HASH_NOW=1
-    does them in the adoption. Either way the request's output is the no-fault one,
-    its hashes are those of its tokens, and a new request with its prompt then
-    reuses the adopted full blocks."""
-    if hash_now:
-        monkeypatch.setenv("FRMPS_DEBUG_ADOPT_HASH_NOW", "1")
+    an adoption moved off the first resumed token's path. The request's output is
+    the no-fault one, its hashes are those of its tokens, and a new request with
+    its prompt then reuses the adopted full blocks."""
     from vhelpers import make_request
 
     prompt = list(range(10, 10 + 40))  # two full blocks of 16 and a partial one
@@ -1122,9 +1123,9 @@ def test_adopted_blocks_enter_the_prefix_cache_once_the_second_step_is_launched(
     # stand-in model's tokens depend on the position only).
     eng.adopt_request(1, params(12), prompt + delivered, len(prompt), 44, [3, 4, 5], 7, delivered)
     req = eng.scheduler.requests["frmps-1"]
-    assert (req.block_hashes == [] and pool.blocks[3].block_hash is None) != hash_now
+    assert req.block_hashes == [] and pool.blocks[3].block_hash is None
     outs = eng.step()
-    assert (req.block_hashes == []) != hash_now, "not in the first step: off the first token's path"
+    assert req.block_hashes == [], "not in the first step: off the first token's path"
     outs += eng.step()
     assert not eng.deferred_prefix_cache, "done in the second step"
     hasher = eng.core.request_block_hasher
@@ -1140,16 +1141,12 @@ def test_adopted_blocks_enter_the_prefix_cache_once_the_second_step_is_launched(
     assert got[1] == want and len(got[2]) == 4
 
 
-@pytest.mark.parametrize("together", [False, True], ids=["decodes-first", "one-batch"])
-def test_the_first_step_after_a_takeover_resumes_decodes_before_any_prefill(model_dir, mode, monkeypatch, together):
+def test_the_first_step_after_a_takeover_resumes_decodes_before_any_prefill(model_dir, mode):
     """A takeover's first step resumes every adopted request whose KV was
     published, and leaves a whole-prompt prefill (a request adopted before its
     prompt's KV reached the ring, or a new one) to the next step: in one batch the
     prefill could push the step out of vLLM's CUDA graphs, and every resumed
-    stream would wait for it. FRMPS_DEBUG_PREFILL_IN_FIRST_STEP=1: one batch, as
-    before. Either way every request's output is its no-fault output."""
-    if together:
-        monkeypatch.setenv("FRMPS_DEBUG_PREFILL_IN_FIRST_STEP", "1")
+    stream would wait for it. Every request's output is its no-fault output."""
     want = by_key(_run_all(model_dir))
     eng = engine(model_dir, mode=mode)
     p41, p42 = PROMPTS[41], PROMPTS[42]
@@ -1158,10 +1155,9 @@ def test_the_first_step_after_a_takeover_resumes_decodes_before_any_prefill(mode
     # 42: one token delivered, nothing published: its prompt and that token to prefill.
     eng.adopt_request(42, params(MAX[42]), p42, len(p42), 0, [], 0, want[42][:1])
     outs = eng.step()
-    assert eng.scheduled_tokens == (1 + len(p42) + 1 if together else 1)
+    assert eng.scheduled_tokens == 1
     outs += eng.step()
-    if not together:
-        assert eng.scheduled_tokens == 1 + len(p42) + 1, "the prefill runs in the second step"
+    assert eng.scheduled_tokens == 1 + len(p42) + 1, "the prefill runs in the second step"
     got = {41: list(want[41][:2]), 42: list(want[42][:1])}
     for o in outs + drain(eng):
         assert o.output_index == len(got[o.key])

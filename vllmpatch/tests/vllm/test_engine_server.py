@@ -50,7 +50,7 @@ def model_dir(tmp_path_factory):
 
 def make_core(model_dir, model=None, device_s=STEP_S):
     from frmps_engine.vllm import SCHEDULER_CLS
-    from frmps_engine.vllm.engine import VllmCore
+    from frmps_engine.vllm.core import VllmCore
 
     cfg = make_vllm_config(model_dir, num_blocks=64, max_num_seqs=8, scheduler_cls=SCHEDULER_CLS)
     return VllmCore(SchedulerCore(make_scheduler(cfg), model=model or SeededFakeModel(), device_s=device_s), None)

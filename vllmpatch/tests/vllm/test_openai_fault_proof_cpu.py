@@ -18,10 +18,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # vllmpatch/tests: e2e helpers
 
-from e2e import frmps_bin  # noqa: E402
+from e2e import frmps_bin, require  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
-pytest.importorskip("openai")
+require("openai")
 
 
 def test_openai_fault_proof_cpu_check(tmp_path):

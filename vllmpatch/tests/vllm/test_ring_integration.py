@@ -1,8 +1,7 @@
-"""FrmpsScheduler publishing through the real ring writer (RingWriter + DeltaTracker),
-read back with the ring's Python reader: the snapshot equals the scheduler's
-committed state, and a second scheduler adopts straight from that snapshot.
-
-Skipped while ``frmps_engine.ring`` (another work stream) is not in the tree."""
+"""FrmpsScheduler's views published through the real ring writer (RingWriter +
+DeltaTracker, as the engine loop's RingPublisher does), read back with the ring's
+Python reader: the snapshot equals the scheduler's committed state, and a second
+scheduler adopts straight from that snapshot."""
 
 from __future__ import annotations
 
@@ -10,8 +9,8 @@ import pytest
 
 from vhelpers import BLOCK_SIZE, FakeModel, block_pool_invariants, make_request, make_scheduler, make_vllm_config, step, write_tiny_model
 
-ring = pytest.importorskip("frmps_engine.ring", reason="frmps_engine.ring is not in this tree yet")
-reader_mod = pytest.importorskip("frmps_engine.ring.reader", reason="frmps_engine.ring.reader is not in this tree yet")
+from frmps_engine import ring
+from frmps_engine.ring import reader as reader_mod
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +27,19 @@ def test_ring_snapshot_matches_committed_state_and_feeds_adoption(model_dir, tmp
     path = str(tmp_path / "ring")
     ring.create_ring(path, 1 << 20)
     reader = reader_mod.RingReader(path)
-    vc = make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS, additional_config={"frmps": {"ring_path": path, "sync_every": 2}})
-    active = make_scheduler(vc)  # attaches to the ring from additional_config
+    vc = make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS)
+    active = make_scheduler(vc)
+    writer = ring.RingWriter.attach(path)
+    tracker = ring.DeltaTracker(writer)
+    tracker.sync(0, active.frmps_views())  # the FULL record owed on attach
     prompts = {1: list(range(10, 45)), 2: list(range(50, 60))}
     for k, p in prompts.items():
         active.add_request(make_request(k, p, max_tokens=20))
     model = FakeModel()
-    for _ in range(6):
+    for n in range(1, 7):  # a sync every 2 steps
         step(active, model)
+        if n % 2 == 0:
+            tracker.sync(n, active.frmps_views())
     reader.poll()
     assert not reader.stale
     views = {v.key: v for v in active.frmps_views()}
@@ -58,3 +62,4 @@ def test_ring_snapshot_matches_committed_state_and_feeds_adoption(model_dir, tmp
         k = int(nr.req_id.split("-")[1])
         assert nr.block_ids[0][: len(reader.snapshot[k].blocks)] == reader.snapshot[k].blocks
     block_pool_invariants(standby)
+    writer.close()

@@ -1,12 +1,15 @@
-"""A real vLLM 0.33.0 Scheduler (FrmpsScheduler via scheduler_cls) publishes the
-committed state of its requests every N steps, checked against what a model
-runner was told to compute (FakeModel, a labelled test double)."""
+"""A real vLLM Scheduler (FrmpsScheduler via scheduler_cls) reports the committed
+state of its requests (``frmps_views``), checked against what a model runner was
+told to compute (FakeModel, a labelled test double); the engine loop publishes
+those views to the ring every N steps (sdk/loop.py, the one owner of that
+cadence), checked here over the vLLM core."""
 
 from __future__ import annotations
 
 import pytest
 
-from vhelpers import BLOCK_SIZE, FakeModel, RecordingTracker, block_pool_invariants, make_request, make_scheduler, make_vllm_config, step, write_tiny_model
+from vhelpers import (BLOCK_SIZE, FakeModel, RecordingTracker, SchedulerCore, block_pool_invariants, make_request,
+                      make_scheduler, make_vllm_config, step, write_tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +35,11 @@ def expected_view(model: FakeModel, req, prompt):
     }
 
 
-@pytest.mark.parametrize("sync_every", [1, 3])
-def test_publishes_committed_state_every_n_steps(model_dir, sync_every):
+@pytest.mark.parametrize("read_every", [1, 3])
+def test_views_are_the_committed_state_whenever_they_are_read(model_dir, read_every):
+    """The views read every ``read_every`` computing steps (as the engine loop reads
+    them every sync_every steps): each request's committed tokens, KV and blocks;
+    a finished request once, in the first read after it finished, then never again."""
     from frmps_engine.vllm import SCHEDULER_CLS
     from frmps_engine.vllm.scheduler import FrmpsScheduler
     from frmps_engine.sdk.seeds import derive_seed
@@ -42,8 +48,7 @@ def test_publishes_committed_state_every_n_steps(model_dir, sync_every):
     sched = make_scheduler(vc)
     assert type(sched) is FrmpsScheduler
     tracker = RecordingTracker()
-    assert sched.frmps_attach(tracker, sync_every) == 1
-    assert tracker.records == [(0, [])]  # the FULL record owed on attach
+    assert sched.frmps_views() == []
 
     prompts = {1: list(range(10, 50)), 2: list(range(100, 120)), 3: list(range(200, 270))}
     max_tokens = {1: 6, 2: 20, 3: 9}
@@ -60,11 +65,10 @@ def test_publishes_committed_state_every_n_steps(model_dir, sync_every):
             # A step that computes nothing (vLLM reporting finished ids) is not counted.
             continue
         steps += 1
-        if steps % sync_every:
-            assert len(tracker.records) == 1 + steps // sync_every
+        if steps % read_every:
             continue
-        step_no, views = tracker.records[-1]
-        assert step_no == steps
+        tracker.sync(steps, sched.frmps_views())
+        _, views = tracker.records[-1]
         by_key = {v.key: v for v in views}
         for key, req in reqs.items():
             if key in finished_published:
@@ -82,8 +86,8 @@ def test_publishes_committed_state_every_n_steps(model_dir, sync_every):
                 finished_published[key] = steps
                 assert len(v.token_ids) - v.num_prompt == max_tokens[key]
     assert not sched.has_requests()
-    if steps % sync_every:
-        sched.frmps_publish()
+    if steps % read_every:
+        tracker.sync(steps, sched.frmps_views())
         for v in tracker.records[-1][1]:
             finished_published[v.key] = steps
     assert sorted(finished_published) == [1, 2, 3]
@@ -102,8 +106,6 @@ def test_committed_excludes_in_flight_tokens_and_publishes_aborts(model_dir):
 
     vc = make_vllm_config(model_dir, num_blocks=32, scheduler_cls=SCHEDULER_CLS)
     sched = make_scheduler(vc)
-    tracker = RecordingTracker()
-    sched.frmps_attach(tracker, 1)
     prompt = list(range(5, 38))  # 33 tokens: 3 blocks
     sched.add_request(make_request(7, prompt, max_tokens=30))
     sched.add_request(make_request(8, list(range(40, 50)), max_tokens=30))
@@ -122,11 +124,11 @@ def test_committed_excludes_in_flight_tokens_and_publishes_aborts(model_dir):
     # Abort one; the next publish says so once.
     sched.finish_requests("frmps-8", RequestStatus.FINISHED_ABORTED)
     step(sched, model)
-    views = {v.key: v for v in tracker.records[-1][1]}
+    views = {v.key: v for v in sched.frmps_views()}
     assert views[8].aborted and not views[8].finished
     assert not views[7].finished
     step(sched, model)
-    assert 8 not in {v.key for v in tracker.records[-1][1]}
+    assert 8 not in {v.key for v in sched.frmps_views()}
     block_pool_invariants(sched)
 
 
@@ -143,24 +145,18 @@ def test_requests_without_explicit_seed_are_refused(model_dir):
     assert not sched.has_requests() and "frmps-9" not in sched.requests  # refused, not queued
 
 
-def test_async_scheduler_variant_is_selected_and_publishes(model_dir):
+def test_async_scheduler_variant_is_selected_and_reports_its_views(model_dir):
     from frmps_engine.vllm import ASYNC_SCHEDULER_CLS
     from frmps_engine.vllm.scheduler import FrmpsAsyncScheduler
 
-    vc = make_vllm_config(
-        model_dir, scheduler_cls=ASYNC_SCHEDULER_CLS, additional_config={"frmps": {"sync_every": 2}}
-    )
+    vc = make_vllm_config(model_dir, scheduler_cls=ASYNC_SCHEDULER_CLS)
     sched = make_scheduler(vc)
     assert isinstance(sched, FrmpsAsyncScheduler)
-    assert sched._frmps_policy.every == 2
-    tracker = RecordingTracker()
-    sched.frmps_attach(tracker, 2)
     sched.add_request(make_request(11, list(range(20)), max_tokens=5))
     model = FakeModel()
     for _ in range(4):
         step(sched, model)
-    _, views = tracker.records[-1]
-    (v,) = views
+    (v,) = sched.frmps_views()
     assert v.num_computed == len(model.computed["frmps-11"])
     assert v.token_ids == list(range(20)) + model.sampled["frmps-11"]
 
@@ -176,8 +172,6 @@ def test_published_block_ids_follow_preemption_and_reallocation(model_dir):
     vc = make_vllm_config(model_dir, num_blocks=13, max_num_batched_tokens=64, scheduler_cls=SCHEDULER_CLS)
     sched = make_scheduler(vc)
     assert sched._frmps_blocks_of is not None, "full attention: the cached block ids are in use"
-    tracker = RecordingTracker()
-    sched.frmps_attach(tracker, 1)
     reqs = {k: make_request(k, list(range(30 * k, 30 * k + 40)), max_tokens=50) for k in (1, 2, 3)}
     for r in reqs.values():
         sched.add_request(r)
@@ -187,7 +181,7 @@ def test_published_block_ids_follow_preemption_and_reallocation(model_dir):
         if not sched.has_requests():
             break
         step(sched, model)
-        for v in tracker.records[-1][1]:
+        for v in sched.frmps_views():
             req = reqs[v.key]
             if v.finished or v.aborted or sched.requests.get(req.request_id) is not req:
                 continue
@@ -198,3 +192,87 @@ def test_published_block_ids_follow_preemption_and_reallocation(model_dir):
     assert sum(r.num_preemptions for r in reqs.values()) >= 1, "the test must go through a preemption"
     assert sched._frmps_pub == {}, "finished requests leave the publish cache"
     block_pool_invariants(sched)
+
+
+class _RecordingPublisher:
+    """TEST DOUBLE of sdk/loop.py's RingPublisher: records each record's step, the
+    views (copied) and how many batches the stand-in model had run when it was
+    published."""
+
+    def __init__(self, model):
+        self.model, self.records = model, []
+
+    def publish_full(self, step_no, views):
+        self.sync(step_no, views)
+
+    def sync(self, step_no, views):
+        import copy
+
+        self.records.append((step_no, [copy.deepcopy(v) for v in views], len(self.model.steps)))
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_the_engine_loop_publishes_the_committed_state_every_n_steps(model_dir, sync_every):
+    """The one owner of the sync cadence is the engine loop (sdk/loop.py): over the
+    vLLM core (VllmCore on the real FrmpsScheduler, synchronous steps) it publishes
+    a record after the step where a request got its first token, every
+    ``sync_every`` steps, and when it goes idle; each record is the committed state
+    after its step (one sampled token per step after the prefill, the KV of all but
+    the newest), published inside the next step once its batch is launched
+    (FrmpsScheduler.get_grammar_bitmask), and each request's finish is published
+    once."""
+    import time
+
+    from vllm import SamplingParams
+
+    from frmps_engine._proto.frmps.v1 import control_pb2
+    from frmps_engine.sdk.loop import EngineLoop
+    from frmps_engine.vllm import SCHEDULER_CLS
+    from frmps_engine.vllm.core import VllmCore
+
+    sched = make_scheduler(make_vllm_config(model_dir, num_blocks=64, scheduler_cls=SCHEDULER_CLS))
+    model = FakeModel()
+    core = VllmCore(SchedulerCore(sched, model=model))
+    loop = EngineLoop(core, sync_every=sync_every)
+    pub = _RecordingPublisher(model)
+    loop.attach_ring(pub)
+    assert pub.records == [(0, [], 0)]  # the FULL record owed on attach
+    prompts = {1: list(range(10, 30)), 2: list(range(40, 45))}  # both prefill in the first step
+    n = 10
+    streams = {k: loop.submit(k, p, control_pb2.SamplingParams(max_tokens=n),
+                              SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, seed=k))
+               for k, p in prompts.items()}
+    loop.start()
+    try:
+        for s in streams.values():
+            with s.cond:
+                assert s.cond.wait_for(lambda s=s: s.finished, 30)
+        deadline = time.monotonic() + 10  # then the loop goes idle: its last record is of its last step
+        while (core.has_work() or pub.records[-1][0] != loop.step_count) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop(10)
+    last = loop.step_count
+    steps = [r[0] for r in pub.records[1:]]
+    want = [1] + [s for s in range(1, last + 1) if s % sync_every == 0 and s > 1]
+    assert steps == want + ([last] if want[-1] != last else []), steps
+    finished = []
+    for step_no, views, batches in pub.records[1:]:
+        # Inside the next step, its batch launched (still the state after step_no: that
+        # batch is in flight); the last record between steps, the loop going idle.
+        assert batches == (step_no + 1 if step_no < last else last), (step_no, batches)
+        by_key = {v.key: v for v in views}
+        assert set(by_key) == set(prompts) - set(finished), (step_no, set(by_key))
+        for k, v in by_key.items():
+            if v.finished:  # in the first record after the step that finished it
+                assert step_no >= n and len(v.token_ids) == len(prompts[k]) + n
+                finished.append(k)
+                continue
+            out = streams[k].output
+            assert v.token_ids == prompts[k] + out[:step_no], (k, step_no)
+            assert v.num_computed == len(prompts[k]) + step_no - 1
+            assert v.block_ids == model.blocks[f"frmps-{k}"][: -(-v.num_computed // BLOCK_SIZE)]
+    assert sorted(finished) == sorted(prompts)

@@ -112,11 +112,11 @@ def test_the_preset_context_length_matches_vllms_model_config(tmp_path):
     from vllm.config import ModelConfig
 
     from frmps_engine import modeldir
-    from frmps_engine.vllm.engine import _hf_config, _tokenizer_config
+    from frmps_engine.vllm.modelcfg import hf_config, tokenizer_config
     from frmps_engine.vllm.sizing import model_max_len
 
     d = modeldir.write("qwen2.5-7b", str(tmp_path / "q7"))
-    assert model_max_len(_hf_config(d), _tokenizer_config(d)) == ModelConfig(model=d, tokenizer=d).max_model_len == 32768
+    assert model_max_len(hf_config(d), tokenizer_config(d)) == ModelConfig(model=d, tokenizer=d).max_model_len == 32768
 
 
 def _q7_adapter(tmp_path, monkeypatch, gpu=H200, env=None, **cfg):

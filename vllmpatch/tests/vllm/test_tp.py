@@ -198,15 +198,16 @@ def test_the_exchange_refuses_a_peer_without_the_token():
 
 
 def test_per_rank_weights_and_kv_pools(tmp_path, monkeypatch):
-    from frmps_engine.vllm.engine import _weight_tensors, make_adapter
+    from frmps_engine.vllm.engine import make_adapter
+    from frmps_engine.vllm.modelcfg import weight_tensors
 
     cfg = {**TINY_QWEN2, "tie_word_embeddings": False}
-    one, two = _weight_tensors(cfg, "float32"), _weight_tensors(cfg, "float32", tp=2)
+    one, two = weight_tensors(cfg, "float32"), weight_tensors(cfg, "float32", tp=2)
     h = cfg["hidden_size"]
     norms = (2 * cfg["num_hidden_layers"] + 1) * h * 4  # replicated on every rank
     assert sum(two) - norms == (sum(one) - norms) // 2
     with pytest.raises(ValueError, match="does not divide"):
-        _weight_tensors({**cfg, "num_attention_heads": 6, "num_key_value_heads": 3}, "float32", tp=4)
+        weight_tensors({**cfg, "num_attention_heads": 6, "num_key_value_heads": 3}, "float32", tp=4)
 
     model = write_tiny_model(tmp_path / "m")
     args = SimpleNamespace(model=model, num_blocks=4096, dtype="float32", device="cuda", tensor_parallel_size=2)

@@ -12,8 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
+from e2e import require
+
+triton = require("triton")
+tl = require("triton.language")
 
 from frmps_engine.vllm import triton_watch  # noqa: E402
 from frmps_engine.vllm.triton_watch import TritonCompileWatch, key_parts, watch_from_env  # noqa: E402

@@ -17,7 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from e2e import require
+
+torch = require("torch")
 
 import hfckpt  # noqa: E402  (vllmpatch/tests)
 
@@ -74,7 +76,7 @@ def test_pool_formulas_read_nulls_as_transformers_does(ckpt):
     heads), as vLLM does through transformers."""
     import json
 
-    from frmps_engine.vllm.engine import weights_pool_bytes
+    from frmps_engine.vllm.modelcfg import weights_pool_bytes
 
     cfg = json.load(open(f"{ckpt}/config.json"))
     assert "rope_parameters" in cfg and "rope_theta" not in cfg  # as transformers 5 wrote it
@@ -181,7 +183,7 @@ def test_vllm_default_loader_puts_the_checkpoint_in_the_pool_and_the_standby_map
     from test_allocation import Engine
 
     from frmps_engine.vllm import plugin, pools
-    from frmps_engine.vllm.engine import weights_pool_bytes
+    from frmps_engine.vllm.modelcfg import weights_pool_bytes
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
 
     plugin.register()

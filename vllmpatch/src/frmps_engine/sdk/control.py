@@ -206,6 +206,7 @@ class HelloInfo:
     weights: str = ""  # "loaded:<model dir>" or "dummy" ("": the adapter does not say)
     pid: int = field(default_factory=os.getpid)
     kv_budget: control_pb2.KVBudget | None = None  # an engine that sized its KV cache says how
+    ring_record_bytes: int = 0  # its largest FULL ring record (0: unknown); the supervisor may grow the ring for it
 
 
 class ControlClient:
@@ -247,6 +248,7 @@ class ControlClient:
             block_size=info.block_size,
             num_blocks=info.num_blocks,
             kv_budget=info.kv_budget,
+            ring_record_bytes=info.ring_record_bytes,
             weights=info.weights,
         )
         self.send(control_pb2.Envelope(hello=hello))

@@ -156,10 +156,8 @@ class TakeoverWarmup(Protocol):
     """warm_takeover(): run a takeover's host path once (adopt two small requests,
     one step, reset) on a standby's own memory before it sleeps, then forget it
     all, counters included. A fresh engine's first takeover otherwise pays for
-    code run for the first time (lazy imports, first calls, first-use caches):
-    measured with vLLM 7B on the H100, its first step after a takeover took
-    11-18 ms of host time against 4-7 ms in the same engine's later takeovers
-    (2-3 ms more with the warm-up). throwaway_takeover() is the body."""
+    code run for the first time (lazy imports, first calls, first-use caches) in
+    its first step's host time. throwaway_takeover() is the body."""
 
     def warm_takeover(self) -> None: ...
 
@@ -235,8 +233,8 @@ class Resettable(Protocol):
     cache's contents now. It may launch device work of its own (vLLM's runs a step
     that computes no token, to hand the model runner the finished request ids), so
     the runner calls it while the pools are still writable and the next engine
-    still waits: before the read-only flips and the reply (measured: run after
-    them, vLLM's reset step hit an illegal address). Without it: the engine
+    still waits: before the read-only flips and the reply (after them, vLLM's reset
+    step would write read-only memory: an illegal address). Without it: the engine
     refuses Handoff and keeps serving (no failback to it)."""
 
     def reset(self) -> None: ...
@@ -299,8 +297,8 @@ def has_launch_hook(core: object) -> bool:
 def vocab_size(tok: object) -> int | None:
     """The tokenizer's vocabulary size, or None when it does not say (VocabSize).
     An attribute lookup, not ``isinstance(tok, VocabSize)``: a runtime protocol
-    check costs ~10 us on Python 3.11, paid per request and twice per request a
-    takeover adopts."""
+    check walks the protocol's members each time, paid per request and twice per
+    request a takeover adopts."""
     try:
         n = tok.vocab_size  # type: ignore[attr-defined]
     except AttributeError:

@@ -148,7 +148,7 @@ class RingPublisher:
     @staticmethod
     def preload(module: str = "frmps_engine.ring") -> None:
         """Import the ring module and run one publish on a scratch ring, so that the
-        takeover does not pay for imports and lazy initialisation (~0.6 s measured)."""
+        takeover does not pay for imports and lazy initialisation."""
         mod = importlib.import_module(module)
         if not isinstance(mod, CreatesRings):
             return
@@ -258,9 +258,8 @@ class EngineLoop:
         self._phases = getattr(core, "step_phases", None)
         # Set for a takeover: the first step's outputs go out as soon as its device
         # work is done. A pipelined core would otherwise hand them over only once the
-        # second step is scheduled and launched (vLLM 0.26 at 14B on the H200: the
-        # first resumed token ~17 ms after a planned handover's Resume, ~6 ms of it
-        # the second step's host work); the device idles for that host work once.
+        # second step is scheduled and launched, putting that step's host work on the
+        # path to the first resumed token; the device idles for that host work once.
         self.deliver_first_step = False
         self._sync_pending = False
         self.last_handover: HandoverTimes | None = None  # hand_over()'s breakdown

@@ -1,9 +1,8 @@
 """Diagnostics: an engine's GPU memory at the phases of its start
 (``FRMPS_DEBUG_MEMORY_PHASES=1``; off by default, and then free).
 
-A standby holds a few hundred MiB beyond a bare CUDA context that neither torch's
-allocator nor vLLM's CUDA graphs nor the driver's per-thread stack account for
-(bench/results/2026-11-28-h200-vllm-standby-stack/). With this set, the engine logs
+A standby holds memory beyond a bare CUDA context that neither torch's allocator
+nor vLLM's CUDA graphs nor the driver's per-thread stack account for. With this set, the engine logs
 one line per phase — engine start, model constructed and weights initialised (vLLM),
 weights placed, KV cache placed (vLLM), engine built, takeover warmed (standby),
 asleep (standby) — with what NVML reports for this

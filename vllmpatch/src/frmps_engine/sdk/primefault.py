@@ -1,12 +1,11 @@
 """Prime a GPU's fault path: one deliberate fault in a throwaway CUDA context.
 
 The first fatal fault of an MPS client on a GPU since the machine started costs
-~330 ms more than every later one: the MPS server takes that much longer to
-tear its clients down ("to be torn down" -> "exiting"), with no engine involved
-(bench/gpu/fault_teardown_probe.py; 2 x H200, driver 580: the first fault on each
-GPU 331-339 ms, later ones 48-95 ms, in a new MPS daemon too). A standby taking
-over waits for that teardown, so the first real fault of a deployment stalls
-(bench/results/2026-11-27-h200x2-fault-path/). ``frmps serve --prime-fault-path``
+far more than every later one: the MPS server takes that much longer to tear its
+clients down ("to be torn down" -> "exiting"), with no engine involved, in a new
+MPS daemon too (bench/gpu/fault_teardown_probe.py shows it). A standby taking
+over waits for that teardown, so the first real fault of a deployment stalls.
+``frmps serve --prime-fault-path``
 runs this module once per GPU inside its private MPS daemon before the active
 starts: the cost is paid while nothing serves, by a client that is alone in its
 MPS server. It leaves an Xid 13 and an Xid 43 in the kernel log.

@@ -24,14 +24,9 @@ without ending the frontend's requests. Everything else is the same.
 
 from __future__ import annotations
 
-import faulthandler
-import gc
 import json
 import logging
 import os
-import shutil
-import signal
-import subprocess
 import threading
 import time
 import traceback
@@ -41,15 +36,18 @@ from typing import Any, Callable
 from frmps_engine._proto.frmps.v1 import control_pb2
 
 from . import control, debug_hang, memphase, spare, takeover_fault
-from .engine_api import (DeviceGate, EngineAdapter, EngineCoreProtocol, ProcessGroup, Resettable, TakeoverWarmup,
+from .engine_api import (EngineAdapter, EngineCoreProtocol, ProcessGroup, Resettable, TakeoverWarmup,
                          vocab_size)
 from ..ring.layout import ring_capacity_needed
-from .genapi import GenerationServer, input_to_ids, pb_ints
+from .diagnostics import (device_memory_note, log_start_phases, standby_memory_note, startup_profile, startup_stacks,
+                          threads_note)
+from .genapi import GenerationServer, input_to_ids
 from .loop import EngineBackend, EngineLoop, RingPublisher, device_error_cause, is_device_error
 from .memory import MemoryBackend, MemoryError_, SizeMismatch, check_specs_match
 from .memory.base import as_spec
-from .params import InvalidRequest, normalize
+from .params import normalize
 from .stack import StandbyStack
+from .takeover import Takeovers
 
 log = logging.getLogger(__name__)
 
@@ -70,124 +68,6 @@ class _WarmMessage:
     content: str
 
 
-class _KvFlip:
-    """``memory.make_writable("kv_cache")`` on a thread of its own, started at
-    construction; ``join()`` waits for it, returns how long it took (ns) and
-    raises what it raised."""
-
-    def __init__(self, memory: MemoryBackend, needed: bool = True):
-        self._memory = memory
-        self._took = 0
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        self.done_ns = 0  # perf_counter_ns when the flip ended
-        self.gate_entered_ns = 0  # when the device gate's wait began (the engine loop's thread)
-        self.gate_reached = threading.Event()  # set there: the first step's host work is done
-        self._thread: threading.Thread | None = None
-        if not needed:  # the KV cache is writable already (FRMPS_STANDBY_KV=writable): no thread
-            self.done_ns = time.perf_counter_ns()
-            self._done.set()
-            return
-        self._thread = threading.Thread(target=self._run, name="frmps-kv-flip", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        t = time.perf_counter_ns()
-        try:
-            self._memory.make_writable("kv_cache")
-        except BaseException as e:  # re-raised by join() on the takeover's thread
-            self._error = e
-        self.done_ns = time.perf_counter_ns()
-        self._took = self.done_ns - t
-        self._done.set()
-
-    def join(self) -> int:
-        if self._thread is not None:
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._took
-
-    def wait(self) -> None:
-        """The device gate (engine_api.DeviceGate): returns once the KV cache is
-        writable; raises the flip's error."""
-        self.gate_entered_ns = time.perf_counter_ns()
-        self.gate_reached.set()
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-
-
-@dataclass
-class _Takeover:
-    """A takeover's times up to its reply (Runner._beside_the_flip)."""
-
-    flip: _KvFlip
-    gated: bool = False
-    started: Any = None  # what the start function returned (core mode: the connection's ns)
-    ring_error: str = ""
-    adopt_ns: int = 0
-    adopt_cpu_ns: int = 0
-    ring_ns: int = 0
-    wake_ns: int = 0
-    reply_waited_ns: int = -1  # how long the reply waited for the first step's host work (-1: it did not)
-
-    def line(self, outcomes: list, took: int, loop: EngineLoop, t0: int) -> str:
-        """The takeover's log line (bench/loglines.py TAKEOVER reads it)."""
-        return (f"took over {len(outcomes)} requests in {took / 1e6:.2f} ms "
-                f"({sum(o.reused_tokens for o in outcomes)} reused tokens, "
-                f"{sum(o.prefilled_tokens for o in outcomes)} to prefill; KV writable in {self.wake_ns / 1e6:.3f} ms; "
-                f"adoption {self.adopt_ns / 1e6:.2f} ms, ring attach {self.ring_ns / 1e6:.2f} ms; "
-                f"adoption CPU {self.adopt_cpu_ns / 1e6:.2f} ms, the KV flip beside it); "
-                + self._gate_note(loop.started_ns - t0, t0)
-                + (f"; the reply waited {self.reply_waited_ns / 1e6:.2f} ms for the first step's host work"
-                   if self.reply_waited_ns >= 0 else ""))
-
-    def first_step_note(self, t0: int, stack: "StandbyStack") -> str:
-        """For the loop's first-step line, written once that step is done: when its
-        host work reached the device gate (the takeover's line is written before, and
-        at a fast flip cannot say), and what the stack's regrowth did."""
-        parts = []
-        entered, done = self.flip.gate_entered_ns, self.flip.done_ns
-        if self.gated and entered:
-            parts.append(f"reached the device gate {(entered - t0) / 1e6:.2f} ms into the takeover, "
-                         f"{(entered - done) / 1e6:+.2f} ms from the flip's end")
-        note = stack.note()
-        if note:
-            parts.append(note)
-        return "; ".join(parts)
-
-    def _gate_note(self, t_loop: int, t0: int) -> str:
-        """The line's account of the first step's start (the device gate)."""
-        where = "beside" if self.gated else "after"
-        started = f"loop started {where} the KV flip, {t_loop / 1e6:.2f} ms into the takeover"
-        if not self.gated:
-            return started
-        entered, done = self.flip.gate_entered_ns, self.flip.done_ns
-        if not entered or entered > done:
-            return (f"{started}; its first step's host work had not reached the device gate when the flip ended"
-                    + (f" ({(done - t0) / 1e6:.2f} ms into the takeover)" if done else ""))
-        return (f"{started}; its first step's host work reached the device gate {(entered - t0) / 1e6:.2f} ms "
-                f"into the takeover and waited {(done - entered) / 1e6:.2f} ms there for the flip")
-
-
-# The most a takeover's reply waits for its first step's host work (Runner._beside_the_flip).
-REPLY_AFTER_HOST_WORK_MAX_S = 0.02
-
-
-def _reply_after_host_work() -> bool:
-    """FRMPS_DEBUG_REPLY_BESIDE_FIRST_STEP=1 (diagnostics, for A/B runs on a GPU): a
-    gated takeover replies as soon as its requests are adopted, beside the first
-    step's host work, as before."""
-    return os.environ.get("FRMPS_DEBUG_REPLY_BESIDE_FIRST_STEP", "") in ("", "0")
-
-
-def _device_gate_enabled() -> bool:
-    """FRMPS_DEBUG_NO_DEVICE_GATE=1 (diagnostics, for A/B runs on a GPU): start the
-    loop after the KV flip, as before engine_api.DeviceGate."""
-    return os.environ.get("FRMPS_DEBUG_NO_DEVICE_GATE", "") in ("", "0")
-
-
 STANDBY_KV_ENV = "FRMPS_STANDBY_KV"
 
 
@@ -195,15 +75,14 @@ def _standby_kv_writable() -> bool:
     """FRMPS_STANDBY_KV: how a sleeping standby maps the KV cache.
 
     ``writable`` (default): read-write from the moment it goes to sleep, so a
-    takeover never waits for an access change. After a fault the flip's driver call
-    waits on the MPS server tearing the dead context down: 2-20 ms at 14B on an H100
-    (bench/results/2026-11-28-h100-vllm-standby-kv/). The standby still writes nothing
+    takeover never waits for an access change (after a fault the flip's driver call
+    waits on the MPS server tearing the dead context down). The standby still writes nothing
     before it is resumed: it runs no device work while asleep, an active that hands
     over synchronises its device before it replies, and the supervisor resumes a
     standby only once the active is dead and fenced. ``readonly``: read-only while
     asleep, flipped to read-write beside the takeover's first step, so the driver
-    itself faults any write a standby makes while asleep (a hardened mode, and the
-    behaviour before; the flip is then on the takeover's path). Weights stay
+    itself faults any write a standby makes while asleep (a hardened mode; the flip
+    is then on the takeover's path). Weights stay
     read-only in both. Anything else is a configuration error."""
     raw = os.environ.get(STANDBY_KV_ENV, "") or "writable"
     if raw not in ("readonly", "writable"):
@@ -257,7 +136,7 @@ class StartupError(Exception):
     """The engine cannot start; exits with EXIT_REFUSED after saying why."""
 
 
-class Runner:
+class Runner(Takeovers):
     def __init__(
         self,
         cfg: RunnerConfig,
@@ -283,12 +162,11 @@ class Runner:
         # Negative controls (tests and benches only): parsed first, so a bad setting
         # stops the engine before anything is built.
         try:
-            cases = takeover_fault.parse()
+            self._faults = takeover_fault.from_env(int(adapter.block_size))
         except takeover_fault.ControlError as e:
             raise StartupError(str(e)) from None
         self.cfg = cfg
         self.adapter = adapter
-        self._faults = takeover_fault.TakeoverFaults(cases, int(adapter.block_size)) if cases else None
         # A tensor-parallel engine: the pools of every rank go through this process.
         self.memory = adapter.group_memory(memory) if isinstance(adapter, ProcessGroup) else memory
         self._exit = exit_fn
@@ -318,8 +196,8 @@ class Runner:
 
     def run(self) -> int:
         """Run until shutdown; returns the exit code (the caller exits with it)."""
-        _startup_stacks(True)
-        _startup_profile(True, self.role)
+        startup_stacks(True)
+        startup_profile(True, self.role)
         try:
             self._start()
         except control.WelcomeRefused as e:
@@ -339,7 +217,7 @@ class Runner:
             log.exception("engine cannot start")
             return EXIT_ERROR
         finally:
-            _startup_profile(False)  # a start that failed: its profile up to the failure
+            startup_profile(False)  # a start that failed: its profile up to the failure
         self._done.wait()
         return self._exit_code
 
@@ -358,6 +236,7 @@ class Runner:
                 generation_endpoint=self.gen.endpoint if self.gen is not None else "", device=self.adapter.device,
                 block_size=self.adapter.block_size, num_blocks=self.adapter.num_blocks,
                 kv_budget=kv_budget_pb(getattr(self.adapter, "kv_budget", None)),
+                ring_record_bytes=int(getattr(self.adapter, "ring_record_bytes", 0) or 0),
                 weights=self._weights(),
             )
         )
@@ -377,7 +256,7 @@ class Runner:
         except takeover_fault.ControlError as e:
             raise StartupError(str(e)) from None
         log.warning("%s: %s set (test mode): every takeover of this engine breaks one adopted request on purpose",
-                    takeover_fault.APPLIED, takeover_fault.ENV + "=" + ",".join(self._faults.cases))
+                    takeover_fault.APPLIED, self._faults.describe())
 
     def _weights(self) -> str:
         """Hello.weights from the adapter's optional ``weights`` attribute, logged
@@ -409,7 +288,7 @@ class Runner:
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in pools}, load_weights=True)
         memphase.note("engine built")
         self._check_faults()
-        _log_start_phases(t, t_ring, t_pools)
+        log_start_phases(t, t_ring, t_pools)
         if not self.cfg.core_mode:  # core mode: requests arrive tokenized, with the engine's own params
             self._warm_request_path()
         self._prepare_debug_fault()
@@ -419,8 +298,7 @@ class Runner:
             self.server = self._engine_core_server(self.welcome.sync_every or 1)
             self.loop = self.server.loop
         else:
-            self.loop = EngineLoop(self.core, sync_every=self.welcome.sync_every or 1, on_fatal=self._fatal,
-                                   on_error=self._step_failed, step_delay_s=_test_step_delay())
+            self.loop = self._engine_loop(self.welcome.sync_every or 1)
         if self.welcome.ring_path:
             publisher = RingPublisher(self.welcome.ring_path, self.cfg.ring_module)
             ring_room_note(getattr(self.adapter, "ring_record_bytes", 0), publisher)
@@ -435,8 +313,8 @@ class Runner:
         self._log_checksums("at ready")
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
         log.info("active engine serving on %s (init %.0f ms)", self._serving_on(), (time.perf_counter_ns() - self._t0) / 1e6)
-        _startup_stacks(False)
-        _startup_profile(False)
+        startup_stacks(False)
+        startup_profile(False)
         _write_modules()
 
     def _start_standby(self) -> None:
@@ -449,7 +327,7 @@ class Runner:
         self.core = self.adapter.create_core({p.spec.key: p.tensor for p in reserved}, load_weights=False)
         memphase.note("engine built")
         self._check_faults()
-        _log_start_phases(t, t_ring, t_pools)
+        log_start_phases(t, t_ring, t_pools)
         t_warm = time.perf_counter_ns()
         if not self.cfg.core_mode:  # core mode: requests arrive tokenized, with the engine's own params
             self._warm_request_path()
@@ -464,9 +342,14 @@ class Runner:
         _freeze_heap()
         self.client.start(self)
         log.info("standby built (init %.0f ms), waiting for Sleep%s", (time.perf_counter_ns() - self._t0) / 1e6,
-                 _device_memory_note(self.adapter.device))
-        _startup_stacks(False)
-        _startup_profile(False)
+                 device_memory_note(self.adapter.device))
+        startup_stacks(False)
+        startup_profile(False)
+
+    def _engine_loop(self, sync_every: int) -> EngineLoop:
+        """The engine loop over the core (the runner's: fatal errors end the process)."""
+        return EngineLoop(self.core, sync_every=sync_every, on_fatal=self._fatal, on_error=self._step_failed,
+                          step_delay_s=_test_step_delay())
 
     def _engine_core_server(self, sync_every: int):
         """Core mode: the engine-core server over the core, with its own engine loop
@@ -484,11 +367,9 @@ class Runner:
         """Run once what turning a request into the engine's input costs the first
         time: the chat template (compiled on its first use), prompt encoding, the
         parameter checks, the engine's sampling parameters. A fresh engine's first
-        adoption otherwise pays for it in the takeover (the template alone is ~9 ms
-        with vLLM's tokenizer on the CPU box; on the H100 engines launched from a
-        spare adopted in 12-19 ms at 7B against 7-10 ms for one that had taken over
-        before, not all of it explained by this). Also for the active: its first
-        request's latency. Never fatal."""
+        adoption otherwise pays for it in the takeover (the chat template's
+        compilation most of all). Also for the active: its first request's latency.
+        Never fatal."""
         try:
             tok = self.adapter.tokenizer()
             ids = input_to_ids(tok, messages=[_WarmMessage("user", "warm-up")])
@@ -530,7 +411,7 @@ class Runner:
         self.client.ready(self.role, time.perf_counter_ns() - self._t0)
         log.info("standby asleep with %d brokered pools mapped %s (map %.2f ms, ready %.0f ms after start)%s%s%s",
                  len(fds), how, t_map / 1e6, (time.perf_counter_ns() - self._t0) / 1e6,
-                 _standby_memory_note(self.adapter.device), stack, threads_note())
+                 standby_memory_note(self.adapter.device), stack, threads_note())
         return control_pb2.Reply(ok=True)
 
     def _standby_stack(self) -> StandbyStack:
@@ -549,183 +430,6 @@ class Runner:
             pass
         self._finish(EXIT_REFUSED)
         return None
-
-    def on_resume(self, env_id: int, msg: control_pb2.Resume):
-        t0 = time.perf_counter_ns()
-        if self.role != control_pb2.ROLE_STANDBY or not self._slept or self._resumed:
-            return control_pb2.Reply(ok=False, error="Resume is for a sleeping standby (send Sleep first)")
-        mismatch = self._resume_mismatch(msg)
-        if mismatch:  # refused whole, nothing adopted: still a sleeping standby
-            log.error("%s", mismatch)
-            return control_pb2.Reply(ok=False, error=mismatch)
-        self._resumed = True
-        # No collector pass in the middle of a takeover (it is re-enabled below).
-        gc.disable()
-        try:
-            if self.cfg.core_mode:
-                return self._take_over_core(env_id, msg, t0)
-            return self._take_over(env_id, msg, t0)
-        finally:
-            gc.enable()
-
-    def _resume_mismatch(self, msg: control_pb2.Resume) -> str:
-        """Why this Resume's requests are of the other frontend's kind ("" when
-        they fit): requests with ``engine_request`` come from vLLM's API server as
-        the frontend and are adopted only in core mode; requests without it come
-        from the Go front door and are adopted only in the normal mode."""
-        if self.cfg.core_mode:
-            bad = [r.key for r in msg.requests if not r.engine_request]
-            if bad:
-                return (f"Resume refused: this engine serves vLLM's engine-core protocol (core mode), and "
-                        f"{len(bad)} of {len(msg.requests)} requests carry no engine_request (keys "
-                        f"{_keys(bad)}): a resume set of the generation API's front door? Nothing adopted")
-            return ""
-        bad = [r.key for r in msg.requests if r.engine_request]
-        if bad:
-            return (f"Resume refused: {len(bad)} of {len(msg.requests)} requests carry engine_request (keys "
-                    f"{_keys(bad)}), a resume set of vLLM's API server as frontend, but this engine serves "
-                    f"frmps's generation API (not core mode). Nothing adopted")
-        return ""
-
-    def _take_over_core(self, env_id: int, msg: control_pb2.Resume, t0: int):
-        """Core mode's takeover: adopt the frontend's requests (their EngineCoreRequests
-        with the tokens it received and the ring's snapshots) beside the KV flip,
-        attach the ring, connect to the frontend under the engine's identity (the
-        ready message: its held messages follow, and the adopted requests' outputs
-        continue each stream where the frontend stopped) and reply. With a device
-        gate the connection and the first step's host work come before the flip's
-        end (``_beside_the_flip``); without one, after the reply."""
-        self.server = self._engine_core_server(msg.sync_every or self.welcome.sync_every or 1)
-        self.loop = self.server.loop
-
-        def adopt() -> list:
-            try:
-                adopted = self.server.adopt_resume(msg.requests)
-            except Exception as e:  # one request's failure is its outcome; this is the engine's
-                if is_device_error(e):
-                    self._fatal(e)
-                raise
-            return [control_pb2.ResumeOutcome(key=o.key, ok=o.ok, error=o.error, reused_tokens=o.reused_tokens,
-                                              prefilled_tokens=o.prefill_tokens) for o in adopted]
-
-        outcomes, tk = self._beside_the_flip(msg, adopt, self._start_core_server, t0)
-        took = self._reply_serving(env_id, outcomes, tk.ring_error, t0)
-        t_connect = tk.started if tk.gated else self._start_core_server()
-        log.info("%s; connected to the frontend in %.2f ms, %s the reply (%s)", tk.line(outcomes, took, self.loop, t0),
-                 t_connect / 1e6, "before" if tk.gated else "after", self._serving_on())
-        self.log_counters("after takeover")
-        return None
-
-    def _start_core_server(self) -> int:
-        """Connect to the frontend, send the ready message, start the loop; returns
-        how long that took (ns). Not connected, the engine is of no use: the
-        frontend would wait for it forever."""
-        t = time.perf_counter_ns()
-        try:
-            self.server.start()
-        except Exception as e:
-            self._fatal(e)
-            raise  # not reached: _fatal exits
-        return time.perf_counter_ns() - t
-
-    def _prepare_first_steps(self) -> None:
-        self.loop.trace_steps = 3
-        # Diagnostics: FRMPS_DEBUG_PIPELINED_FIRST_STEP=1 leaves the first step's
-        # outputs in the pipeline (the behaviour before, for A/B runs on a GPU).
-        self.loop.deliver_first_step = os.environ.get("FRMPS_DEBUG_PIPELINED_FIRST_STEP", "") != "1"
-
-    def _reply_serving(self, env_id: int, outcomes: list, ring_error: str, t0: int) -> int:
-        """Become the serving active and send the Resume's Reply; returns the takeover's ns."""
-        self.backend.loop = self.loop
-        self.role = control_pb2.ROLE_ACTIVE
-        self.backend.is_serving = True
-        took = time.perf_counter_ns() - t0
-        self.client.reply(env_id, control_pb2.Reply(ok=True, error=ring_error, took_ns=took, resumed=outcomes))
-        return took
-
-    def _attach_resume_ring(self, msg: control_pb2.Resume) -> str:
-        """Attach the ring a Resume names; "" or why the engine serves without it. Its
-        FULL record goes out with the first step (EngineLoop.attach_ring), off the path
-        to the first resumed token."""
-        ring_path = msg.ring_path or self.welcome.ring_path
-        if not ring_path:
-            return ""
-        try:
-            self.loop.attach_ring(RingPublisher(ring_path, self.cfg.ring_module), full_now=False)
-        except Exception as e:
-            if is_device_error(e):
-                raise
-            # Serving without a ring beats not serving: only the next failover loses
-            # its snapshot. The Reply says so; the supervisor decides what to do.
-            msg_ = f"serving without the ring: attach {ring_path}: {e}"
-            log.error("%s", msg_)
-            return msg_
-        return ""
-
-    def _take_over(self, env_id: int, msg: control_pb2.Resume, t0: int):
-        self.loop = EngineLoop(self.core, sync_every=msg.sync_every or self.welcome.sync_every or 1,
-                               on_fatal=self._fatal, on_error=self._step_failed, step_delay_s=_test_step_delay())
-        outcomes, tk = self._beside_the_flip(msg, lambda: [self._adopt(r) for r in msg.requests], self.loop.start, t0)
-        took = self._reply_serving(env_id, outcomes, tk.ring_error, t0)
-        if not tk.gated:
-            self.loop.start()
-        log.info("%s", tk.line(outcomes, took, self.loop, t0))
-        self.log_counters("after takeover")
-        return None
-
-    def _beside_the_flip(self, msg: control_pb2.Resume, adopt: Callable[[], list],
-                         start: Callable[[], Any], t0: int) -> tuple[list, "_Takeover"]:
-        """A takeover up to its reply, both modes. The KV flip overlaps the adoption
-        and, behind a device gate, the first step's host work: after a fault the
-        flip's driver call waits on the MPS server tearing the dead context down
-        (ctypes releases the GIL meanwhile), and adoption is host work on the
-        scheduler only. Once the requests are adopted and the ring attached, a core
-        with engine_api.DeviceGate gets the gate and ``start`` runs (the loop
-        starts: it schedules and prepares its first step and waits at the gate for
-        the flip before its first device work that touches the KV cache); without
-        one the caller starts the loop after the flip. Returns the adoption's
-        outcomes and the takeover's times (``t0``: when the Resume arrived)."""
-        tk = _Takeover(_KvFlip(self.memory, needed=not self._kv_writable))
-        self._standby_stack().regrow()  # beside the flip and the adoption (sdk/stack.py)
-        # Negative controls (FRMPS_TEST_TAKEOVER_FAULT, tests and benches only).
-        faults = self._faults.arm(self.core) if self._faults is not None else None
-        try:
-            t, c = time.perf_counter_ns(), time.thread_time_ns()
-            if faults is not None:
-                faults.install()
-                try:
-                    outcomes = adopt()
-                finally:
-                    faults.remove()
-            else:
-                outcomes = adopt()
-            tk.adopt_cpu_ns, tk.adopt_ns = time.thread_time_ns() - c, time.perf_counter_ns() - t
-            t = time.perf_counter_ns()
-            tk.ring_error = self._attach_resume_ring(msg)  # inline: the loop has not started
-            tk.ring_ns = time.perf_counter_ns() - t
-            self._prepare_first_steps()
-            self.loop.first_step_note = lambda: tk.first_step_note(t0, self._standby_stack())
-            wait = tk.flip.wait if faults is None else faults.gate(tk.flip.wait)
-            if _device_gate_enabled() and isinstance(self.core, DeviceGate) and self.core.gate_device(wait):
-                tk.gated = True
-                tk.started = start()
-        finally:
-            tk.wake_ns = tk.flip.join()  # raises the flip's error (a device error: the engine is lost)
-        if faults is not None and not tk.gated:
-            faults.apply_kv()  # the KV cache is writable and the loop has not started
-        if tk.gated and _reply_after_host_work() and any(o.ok for o in outcomes):
-            # The reply, the supervisor's promotion and the front door's streams
-            # attaching to this engine (its generation server's threads) all want the
-            # GIL; beside the first step's host work they made it longer (H200, 14B,
-            # FRMPS_DEBUG_STEP_PHASES: forward launched 2.8 ms into the step, median,
-            # against 2.3 with the reply after it; the first token within noise:
-            # bench/results/2026-11-28-h200-vllm-first-step/ §2). Once that work is done
-            # the device runs the step for milliseconds: reply then. Bounded, for a first
-            # step that never gets there (a kernel compiled on the spot, a step that fails).
-            t = time.perf_counter_ns()
-            tk.flip.gate_reached.wait(REPLY_AFTER_HOST_WORK_MAX_S)
-            tk.reply_waited_ns = time.perf_counter_ns() - t
-        return outcomes, tk
 
     def on_handoff(self, env_id: int, msg: control_pb2.Handoff):
         """A planned handover (failback): hand every request to the standby the
@@ -765,68 +469,6 @@ class Runner:
                                            lambda: self.role == control_pb2.ROLE_STANDBY and not self._resumed)
         self.log_counters("after handover")
         return control_pb2.Reply(ok=True, took_ns=took)
-
-    def _adopt(self, r: control_pb2.ResumeRequest) -> control_pb2.ResumeOutcome:
-        in_core = False  # the core took the request: a later failure must abort it there
-        try:
-            if self.loop.get(r.key) is not None:
-                raise InvalidRequest(f"request key {r.key} appears twice in the resume set")
-            tok = self.adapter.tokenizer()
-            # Each repeated field is read into a list once (~20 ns per item); the lists
-            # go on to the core as they are.
-            ids = input_to_ids(
-                tok,
-                prompt=r.prompt,
-                prompt_token_ids=r.prompt_token_ids if r.prompt_token_ids else None,
-                messages=list(r.messages) if r.messages else None,
-            )
-            if not ids:
-                raise InvalidRequest("empty prompt")
-            params = normalize(r.params, r.key, len(ids), self.adapter.max_model_len, vocab_size(tok))
-            delivered = pb_ints(r.delivered_token_ids)
-            if r.HasField("snapshot"):
-                snap = r.snapshot
-                if not snap.token_ids and snap.num_prompt_tokens and r.prompt_token_ids and not r.messages:
-                    # The supervisor left the prompt out (it is this request's prompt_token_ids,
-                    # control.proto): convert and check each prompt token once, not twice.
-                    if snap.num_prompt_tokens != len(ids):
-                        raise InvalidRequest("snapshot prompt length differs from the request's prompt")
-                    token_ids = ids + pb_ints(snap.output_token_ids)
-                else:
-                    token_ids = pb_ints(snap.token_ids)
-                    if snap.num_prompt_tokens != len(ids) or token_ids[: len(ids)] != ids:
-                        raise InvalidRequest("snapshot prompt tokens differ from the request's prompt")
-                seed = snap.seed
-                params.seed = seed
-                res = self.core.adopt_request(
-                    r.key, self.adapter.sampling_params(params, seed), token_ids, snap.num_prompt_tokens,
-                    snap.num_computed_tokens, pb_ints(snap.block_ids), seed, delivered,
-                )
-                in_core = True
-                reused, prefilled = int(res.reused_tokens), int(res.prefill_tokens)
-            elif delivered:
-                # Never reached a sync: full prefill of prompt + delivered output.
-                res = self.core.adopt_request(
-                    r.key, self.adapter.sampling_params(params, params.seed), ids, len(ids), 0, [], params.seed, delivered,
-                )
-                in_core = True
-                reused, prefilled = int(res.reused_tokens), int(res.prefill_tokens)
-            else:
-                self.core.add_request(r.key, ids, self.adapter.sampling_params(params, params.seed))
-                in_core = True
-                reused, prefilled = 0, len(ids)
-            self.loop.register_adopted(r.key, len(ids), params, delivered, prompt_ids=ids)
-            return control_pb2.ResumeOutcome(key=r.key, ok=True, reused_tokens=reused, prefilled_tokens=prefilled)
-        except Exception as e:
-            if is_device_error(e):
-                self._fatal(e)
-            log.warning("takeover of request %d failed: %s", r.key, e)
-            if in_core:  # it must not run on with no stream to follow it
-                try:
-                    self.core.abort(r.key)
-                except Exception as abort_error:
-                    log.warning("takeover of request %d: abort after the failure: %s", r.key, abort_error)
-            return control_pb2.ResumeOutcome(key=r.key, ok=False, error=str(e))
 
     def _prepare_debug_fault(self) -> None:
         from . import debug_fault
@@ -1043,94 +685,6 @@ def kv_budget_pb(b: Any) -> control_pb2.KVBudget | None:
         reserved={k: int(v) for k, v in dict(b.reserved).items()}, source=str(b.source))
 
 
-def _keys(keys: list[int], most: int = 8) -> str:
-    shown = ", ".join(str(k) for k in keys[:most])
-    return shown + (f", … ({len(keys) - most} more)" if len(keys) > most else "")
-
-
-def _torch_cuda_note(device: str, what: str, note: Callable[[Any], str]) -> str:
-    """``note(torch.cuda)`` on a GPU whose CUDA this process has initialised, '' elsewhere
-    (e.g. rank 0 of a group whose ranks are other processes); '; <what>: unknown (…)' if
-    it fails: a note in a log line is not worth failing a start for."""
-    if not device.startswith("cuda"):
-        return ""
-    try:
-        import torch
-
-        if not torch.cuda.is_initialized():
-            return ""
-        return note(torch.cuda)
-    except Exception as e:
-        return f"; {what}: unknown ({e})"
-
-
-def _device_memory_note(device: str) -> str:
-    """'; torch allocator: N MiB reserved' on a GPU (what the standby keeps besides the
-    CUDA context, its loaded kernels and library workspaces), '' elsewhere."""
-    return _torch_cuda_note(device, "torch allocator", lambda cuda: (
-        f"; torch allocator: {cuda.memory_reserved() / 2**20:.1f} MiB reserved, "
-        f"{cuda.memory_allocated() / 2**20:.1f} MiB allocated"))
-
-
-def torch_pools_breakdown(segments: list[dict]) -> dict[str, dict[str, float]]:
-    """torch's CUDA segments (``torch.cuda.memory_snapshot()``) summed by the kind of
-    pool that owns them, in MiB: ``default`` (pool id (0, 0): the process's own
-    allocations), ``graphs`` (ids (n, 0): CUDA-graph private pools, which a
-    captured graph's intermediate tensors live in) and ``mempools`` (ids (0, n):
-    MemPools such as the frmps pools' contexts — on a standby after Sleep, backed by
-    the brokered pools, not by memory of its own). Each: reserved, allocated, pools."""
-    out: dict[str, dict[str, float]] = {}
-    pools: dict[str, set] = {}
-    for seg in segments:
-        pid = tuple(seg.get("segment_pool_id") or (0, 0))
-        kind = "default" if pid == (0, 0) else "graphs" if pid[1] == 0 else "mempools"
-        d = out.setdefault(kind, {"reserved": 0.0, "allocated": 0.0, "pools": 0})
-        d["reserved"] += seg.get("total_size", 0) / 2**20
-        d["allocated"] += seg.get("allocated_size", 0) / 2**20
-        pools.setdefault(kind, set()).add(pid)
-    for kind, d in out.items():
-        d["pools"] = len(pools[kind])
-    return out
-
-
-def _standby_memory_note(device: str) -> str:
-    """After Sleep, on a GPU: what the standby keeps of its own in torch's allocator,
-    by kind of pool (torch_pools_breakdown), '' elsewhere."""
-    return _torch_cuda_note(device, "torch allocator by pool",
-                            lambda cuda: pools_note(torch_pools_breakdown(cuda.memory_snapshot())))
-
-
-def threads_note(task_dir: str = "/proc/self/task", top: int = 6) -> str:
-    """'; N threads (name n, ...)': this process's threads by name, most first. The
-    supervisor fences a dead active with a SIGKILL whose sender wakes every thread of it
-    before the Resume can go (0.6-1.6 ms for ~219 threads on an H200 host:
-    bench/results/2026-11-28-h200x2-vllm-fence/), so the count is on a takeover's path.
-    '' where the kernel does not list them."""
-    try:
-        tids = os.listdir(task_dir)
-    except OSError:
-        return ""
-    names: dict[str, int] = {}
-    for tid in tids:
-        try:
-            with open(os.path.join(task_dir, tid, "comm")) as f:
-                name = f.read().strip() or "?"
-        except OSError:  # the thread ended meanwhile
-            continue
-        names[name] = names.get(name, 0) + 1
-    most = sorted(names.items(), key=lambda kv: (-kv[1], kv[0]))
-    shown = ", ".join(f"{n} {c}" for n, c in most[:top]) + (", ..." if len(most) > top else "")
-    return f"; {sum(names.values())} threads ({shown})"
-
-
-def pools_note(b: dict[str, dict[str, float]]) -> str:
-    """torch_pools_breakdown as the standby's log line says it (bench/loglines.py reads it)."""
-    parts = [f"{k} {b[k]['reserved']:.1f} MiB reserved ({b[k]['allocated']:.1f} allocated"
-             + (f", {b[k]['pools']:.0f} pools)" if k != "default" else ")")
-             for k in ("default", "graphs", "mempools") if k in b]
-    return "; torch allocator by pool: " + ", ".join(parts) if parts else "; torch allocator: empty"
-
-
 def _write_modules() -> None:
     """FRMPS_MODULES_FILE (set by the supervisor): the modules this served engine
     loaded, for the spares it starts later (sdk/spare.py)."""
@@ -1144,75 +698,8 @@ def _write_modules() -> None:
 
 
 def _freeze_heap() -> None:
-    """Move everything built so far (torch, the model, gRPC: ~200k objects) out of the
-    collector's reach (spare.freeze_heap, which a spare also runs after its preload).
-    A full collection over that heap takes tens to hundreds of ms, and would otherwise
-    land at random in a decode step or in the middle of a takeover."""
+    """Move everything built so far (torch, the model, gRPC) out of the collector's
+    reach (spare.freeze_heap, which a spare also runs after its preload). A full
+    collection walks that whole heap, and would otherwise land at random in a
+    decode step or in the middle of a takeover."""
     spare.freeze_heap()
-
-
-def _log_start_phases(t: int, t_ring: int, t_pools: int) -> None:
-    now = time.perf_counter_ns()
-    log.info("start phases: ring warm-up %.0f ms, pools %.0f ms, engine core %.0f ms",
-             (t_ring - t) / 1e6, (t_pools - t_ring) / 1e6, (now - t_pools) / 1e6)
-
-
-def _startup_stacks(on: bool) -> None:
-    """Diagnostics (FRMPS_DEBUG_STARTUP_STACKS=<seconds>): every so many seconds
-    while the engine starts, every thread's stack to stderr (the engine log), to
-    see where a slow start spends its time; off once the engine is up."""
-    every = os.environ.get("FRMPS_DEBUG_STARTUP_STACKS", "")
-    if not every:
-        return
-    if on:
-        faulthandler.dump_traceback_later(float(every), repeat=True)
-    else:
-        faulthandler.cancel_dump_traceback_later()
-
-
-_profiler: subprocess.Popen | None = None
-
-
-def _startup_profile(on: bool, role: int = 0) -> None:
-    """Diagnostics (FRMPS_DEBUG_STARTUP_PROFILE=<dir>): py-spy (FRMPS_PY_SPY, else
-    py-spy on PATH) samples every thread of this process from the start until the
-    engine is up, without pausing it (--nonblocking), waits included (--idle: the
-    wall clock of the start, the GPU's share too), into
-    <dir>/start-<role>-<pid>.stacks (py-spy's raw collapsed stacks;
-    bench/gpu/start_profile.py sums them per function). py-spy must be allowed to
-    trace this process (root, or CAP_SYS_PTRACE). It stays in the engine's process
-    group, so the supervisor's fence stops it with the engine."""
-    global _profiler
-    out_dir = os.environ.get("FRMPS_DEBUG_STARTUP_PROFILE", "")
-    if not out_dir:
-        return
-    if not on:
-        p, _profiler = _profiler, None
-        if p is not None:
-            p.send_signal(signal.SIGINT)  # py-spy writes its output when interrupted
-            threading.Thread(target=_reap_profiler, args=(p,), name="frmps-start-profile", daemon=True).start()
-        return
-    exe = os.environ.get("FRMPS_PY_SPY", "") or shutil.which("py-spy")
-    if not exe:
-        log.warning("FRMPS_DEBUG_STARTUP_PROFILE is set but there is no py-spy (FRMPS_PY_SPY or PATH): no start profile")
-        return
-    role_name = control_pb2.Role.Name(role).removeprefix("ROLE_").lower() if role else "engine"
-    path = os.path.join(out_dir, f"start-{role_name}-{os.getpid()}.stacks")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        _profiler = subprocess.Popen(
-            [exe, "record", "--pid", str(os.getpid()), "--rate", "200", "--nonblocking", "--threads", "--idle",
-             "--format", "raw", "--duration", "900", "--output", path],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except OSError as e:
-        log.warning("start profile: cannot run %s: %s", exe, e)
-        return
-    log.info("start profile: py-spy (pid %d) samples this engine's start into %s", _profiler.pid, path)
-
-
-def _reap_profiler(p: subprocess.Popen) -> None:
-    try:
-        p.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()

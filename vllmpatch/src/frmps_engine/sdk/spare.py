@@ -1,8 +1,7 @@
 """A spare: an engine process started ahead of need, its imports done, its GPU untouched.
 
 Most of a vLLM engine's start-up after a fault is Python, not GPU work: the
-interpreter, torch, torch._dynamo, vLLM's modules (about 24 s of the 35 s a
-7B restore took on the H100). None of it depends on the role the engine will
+interpreter, torch, torch._dynamo, vLLM's modules. None of it depends on the role the engine will
 have or on whether it runs inside MPS, which is decided when the CUDA driver
 initialises. So the supervisor keeps one spare::
 
@@ -216,13 +215,11 @@ def preload(engine: str, modules_file: str | None, model: str | None = None) -> 
 
 def freeze_heap() -> int:
     """Collect once, then move everything the preload built (the modules of torch,
-    vLLM and the rest: ~600k objects) out of the collector's reach (gc.freeze);
-    returns how many objects are frozen. An engine's start collects several times
-    (vLLM 0.26's DeviceMemoryProfiler around the model load: three full
-    collections, then freeze_gc_heap; ~0.48 s each over a 14B engine's heap on the
-    H200 host, 2026-11-27-h200-vllm-restore), and each would walk that heap again:
-    frozen, they walk only what the engine built since (on the CPU box 200 ms ->
-    25 ms). These objects live as long as the process anyway; vLLM and the runner
+    vLLM and the rest) out of the collector's reach (gc.freeze); returns how many
+    objects are frozen. An engine's start collects several times (vLLM 0.26's
+    DeviceMemoryProfiler around the model load: three full collections, then
+    freeze_gc_heap), and each would walk that heap again: frozen, they walk only
+    what the engine built since. These objects live as long as the process anyway; vLLM and the runner
     freeze the heap themselves once the engine is built."""
     gc.collect()
     gc.freeze()

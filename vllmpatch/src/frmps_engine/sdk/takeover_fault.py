@@ -4,7 +4,12 @@ with the no-fault output can be shown to fail (a check is only a check if it can
 
 ``FRMPS_TEST_TAKEOVER_FAULT`` (one case or a comma list), refused at start unless
 ``FRMPS_TEST_MODE=1`` is set too. Read by the engine process when it starts and
-applied at every takeover it makes: a Resume after a failover and a planned
+applied at every takeover it makes. ``FRMPS_TEST_TAKEOVER_FAULT=@PATH`` instead
+reads the cases from the file PATH at each takeover (a comma list; an empty or
+missing file: none), so that one deployment can run the run without a control
+and every case in turn, each across its own fault (a bench's driver rewrites
+the file between faults; every engine of the deployment, spares included, reads
+it). Applied: a Resume after a failover and a planned
 handover's (failback's) Resume alike, in both the generation-API and the
 vLLM-frontend (core) modes; each case goes to ONE adopted request, and a WARNING
 line names the case and the request's key (``applied_line``), or says that no
@@ -58,21 +63,58 @@ class ControlError(ValueError):
     """A bad FRMPS_TEST_TAKEOVER_FAULT setting; the engine refuses to start."""
 
 
-def parse(env: dict[str, str] | None = None) -> tuple[str, ...]:
-    """The cases ``FRMPS_TEST_TAKEOVER_FAULT`` names (empty when unset). Raises
-    ControlError, one line, for an unknown case or without ``FRMPS_TEST_MODE=1``."""
-    env = os.environ if env is None else env
-    raw = env.get(ENV, "").strip()
-    if not raw:
-        return ()
+def _cases(raw: str, what: str) -> tuple[str, ...]:
     cases = tuple(dict.fromkeys(c.strip() for c in raw.split(",") if c.strip()))
     bad = [c for c in cases if c not in CASES]
     if bad:
-        raise ControlError(f"{ENV}={raw!r}: unknown case {', '.join(bad)} (known: {', '.join(CASES)})")
+        raise ControlError(f"{what}: unknown case {', '.join(bad)} (known: {', '.join(CASES)})")
+    return cases
+
+
+def _setting(env: dict[str, str] | None) -> tuple[str, tuple[str, ...], str | None]:
+    """(raw value, cases, file): the cases named in the variable, or every case
+    and the file's path for ``@PATH``. Raises ControlError, one line, for an
+    unknown case, an empty path, or without ``FRMPS_TEST_MODE=1``."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV, "").strip()
+    if not raw:
+        return "", (), None
+    path = None
+    if raw.startswith("@"):
+        path = raw[1:].strip()
+        if not path:
+            raise ControlError(f"{ENV}={raw!r}: '@' wants a file's path (the cases, read at each takeover)")
+        cases = CASES
+    else:
+        cases = _cases(raw, f"{ENV}={raw!r}")
     if env.get(TEST_MODE_ENV, "") != "1":
         raise ControlError(f"{ENV}={raw!r} breaks takeovers on purpose (a test and bench negative control) and is "
                            f"refused unless {TEST_MODE_ENV}=1 is set")
-    return cases
+    return raw, cases, path
+
+
+def parse(env: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The cases ``FRMPS_TEST_TAKEOVER_FAULT`` may apply (empty when unset; every
+    case for ``@PATH``). Raises ControlError, one line, for an unknown case or
+    without ``FRMPS_TEST_MODE=1``."""
+    return _setting(env)[1]
+
+
+def from_env(block_size: int, env: dict[str, str] | None = None) -> "TakeoverFaults | None":
+    """The engine's controls (None when the variable is unset); ControlError as parse."""
+    raw, cases, path = _setting(env)
+    return TakeoverFaults(cases, int(block_size), path=path) if raw else None
+
+
+def read_cases(path: str) -> tuple[str, ...]:
+    """The cases the file at ``path`` names now (none when it is missing or empty).
+    Raises ControlError for an unknown case."""
+    try:
+        with open(path) as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return ()
+    return _cases(raw.replace("\n", ","), f"{ENV}=@{path} ({raw.strip()!r})")
 
 
 def applied_line(case: str, key: int, num_prompt: int, detail: str) -> str:
@@ -94,8 +136,12 @@ class _Adopted:
 class TakeoverFaults:
     """The cases to apply at each takeover of this engine (``parse``)."""
 
-    cases: tuple[str, ...]
+    cases: tuple[str, ...]  # for a file: every case it may name
     block_size: int
+    path: str | None = None  # FRMPS_TEST_TAKEOVER_FAULT=@PATH: the cases are read at each takeover
+
+    def describe(self) -> str:
+        return f"{ENV}=@{self.path} (read at each takeover)" if self.path else f"{ENV}={','.join(self.cases)}"
 
     def check_core(self, core: Any) -> None:
         """Raise ControlError when the core cannot apply a case (the engine refuses to start)."""
@@ -105,15 +151,25 @@ class TakeoverFaults:
         if not need:
             return
         if not isinstance(core, TakeoverFaultHooks):
-            raise ControlError(f"{ENV}={','.join(self.cases)}: this engine's core has no takeover fault hooks "
+            raise ControlError(f"{self.describe()}: this engine's core has no takeover fault hooks "
                                f"(engine_api.TakeoverFaultHooks), needed by {', '.join(need)}")
         try:
             core.check_takeover_faults(need)
         except ValueError as e:
-            raise ControlError(f"{ENV}={','.join(self.cases)}: {e}") from None
+            raise ControlError(f"{self.describe()}: {e}") from None
 
     def arm(self, core: Any) -> "_Armed":
-        return _Armed(self, core)
+        """One takeover's controls. With a file, the cases it names now (logged; a
+        file that names an unknown case applies none and says so)."""
+        if self.path is None:
+            return _Armed(self, core, self.cases)
+        try:
+            cases = read_cases(self.path)
+        except ControlError as e:
+            log.error("%s: %s: none applied at this takeover", APPLIED, e)
+            cases = ()
+        log.warning("%s: this takeover's cases from %s: %s", APPLIED, self.path, ",".join(cases) or "none")
+        return _Armed(self, core, cases)
 
 
 @dataclass
@@ -125,6 +181,7 @@ class _Armed:
 
     faults: TakeoverFaults
     core: Any
+    cases: tuple[str, ...] = ()
     pending: set[str] = field(default_factory=set)
     kv_ops: list[tuple[str, int, int, int]] = field(default_factory=list)  # (op, block, other, slot)
     swap_first: _Adopted | None = None
@@ -132,7 +189,7 @@ class _Armed:
     _own: Any = None
 
     def __post_init__(self) -> None:
-        self.pending = set(self.faults.cases)
+        self.pending = set(self.cases)
 
     def install(self) -> None:
         own = vars(self.core).get("adopt_request")

@@ -74,9 +74,9 @@ class AdoptResult:
 
 def _int_list(seq: Sequence[int]) -> list[int]:
     """``seq`` as a new list of ints. A list is taken to hold ints already (what the
-    SDK hands the core: lists read from the Resume message) and copied in C; an int()
-    per token, for every other sequence (numpy arrays, ranges), cost a takeover ~40 ns
-    a token on each of its lists."""
+    SDK hands the core: lists read from the Resume message) and copied in C; every
+    other sequence (numpy arrays, ranges) gets an int() per token, which a takeover
+    would otherwise pay on each of its lists."""
     return seq[:] if type(seq) is list else list(map(int, seq))
 
 
@@ -85,7 +85,7 @@ _ATOMS = (type(None), bool, int, float, complex, str, bytes)  # immutable, nothi
 
 def copy_params(params: Any) -> Any:
     """An independent copy of vLLM's ``SamplingParams``, as ``copy.deepcopy`` makes
-    it, at a fraction of the cost (~4 us against ~19 us per request on the CPU box):
+    it, at a fraction of the cost (it runs once per adopted request):
     a msgspec Struct is copied shallowly in C, then every field that is not an
     immutable atom or an enum member is replaced by its own copy — a list, set,
     tuple or dict of atoms by a new one of the same type, anything else by
@@ -193,18 +193,16 @@ class DeferredPrefixCache:
 
     With vLLM's prefix caching on (its default), adopting a request hashes every
     full block of its prompt and output (sha256 over each block's tokens, chained)
-    and enters the blocks in the prefix cache: ~half of an 8-request adoption's
-    CPU time (bench/results/cpu-adoption-2026-11-26.md), all of it before the first
-    resumed token although the first step needs none of it — the step reads the
-    blocks through the request's block table, not through the cache. Deferred, the
-    request is built without its block hasher and held out of vLLM's cache_blocks
-    (``_NOT_YET_CACHED``); ``run`` gives each request its hasher back, hashes its
-    full blocks and caches them as adoption did. The core runs it once the second
-    step's forward pass is enqueued, beside that step's device work: after the
-    first step's launch it could land on the first token's path (H200, 14B, 32
-    requests whose first step had a prefill to run without a CUDA graph: its
-    device work was done when the launch returned, and the 2.4 ms of hashing came
-    before the first token). Until then nothing can hit the adopted blocks in the
+    and enters the blocks in the prefix cache: a large share of an adoption's CPU
+    time, all of it before the first resumed token although the first step needs
+    none of it — the step reads the blocks through the request's block table, not
+    through the cache. Deferred, the request is built without its block hasher and
+    held out of vLLM's cache_blocks (``_NOT_YET_CACHED``); ``run`` gives each
+    request its hasher back, hashes its full blocks and caches them as an adoption
+    would. The core runs it once the second step's forward pass is enqueued, beside
+    that step's device work: after the first step's launch it could still land on
+    the first token's path (a first step run without a CUDA graph can have finished
+    its device work by the time its launch returns). Until then nothing can hit the adopted blocks in the
     prefix cache (a new request computes its prompt), and a sibling adopted in
     the same takeover may share their leading full blocks (``full_blocks``: what a
     hash said before)."""
@@ -347,7 +345,7 @@ def adopt(
                               pooling_params=None, **(request_kwargs or {}))
     request = build(block_hasher=None if defer else block_hasher)
     if defer and not hasattr(request, "_block_hasher"):
-        # A vLLM whose Request keeps its hasher elsewhere: hash now, as before.
+        # A vLLM whose Request keeps its hasher elsewhere: hash now, in the adoption.
         defer = False
         request = build(block_hasher=block_hasher)
     if not fold_outputs and outs:

@@ -64,15 +64,6 @@ class Patch:
         setattr(owner, attr, replacement)
         return True
 
-    def revert(self) -> bool:
-        """Undo (tests only)."""
-        owner, attr = self._owner_attr()
-        current = getattr(owner, attr)
-        if getattr(current, _MARK, None) != self.name:
-            return False
-        setattr(owner, attr, current.__wrapped__)
-        return True
-
 
 def worker_pool_context(places_kv: bool) -> Callable[[Callable], Callable]:
     """Builder of the ``worker-pool-context`` patch. ``places_kv``: the worker's
@@ -130,10 +121,7 @@ def _weights_step(loader) -> Callable | None:
 
     With FRMPS_DEBUG_MEMORY_PHASES the model's construction and its weights'
     initialisation get a memory line each ("model constructed", "weights
-    initialised"). On the H200 (bench/results/2026-11-28-h200-vllm-first-step/)
-    the standby's 164 MiB of growth in this phase all came before "model
-    constructed", none in the initialisation (zero-filling instead of the dummy
-    loader's random fills changed nothing)."""
+    initialised"), so that memory the phase adds shows on one side of the two."""
     if not memphase.enabled():
         return None
     real = loader.load_weights

@@ -1,29 +1,24 @@
-"""vLLM scheduler subclasses (selected with ``scheduler_cls``) that publish
-committed forward state to the ring and adopt requests on takeover.
+"""vLLM scheduler subclasses (selected with ``scheduler_cls``) that report the
+committed forward state of their requests (``frmps_views``) and adopt requests
+on takeover.
 
-Thin: the logic is in ``state`` (committed views), ``adoption`` and the ring's
-``DeltaTracker``. This module imports vLLM; load it only where vLLM runs.
-
-Configuration comes from ``VllmConfig.additional_config["frmps"]`` (the
-official slot for plugin settings): ``{"ring_path": str | None, "sync_every": int}``.
-An engine that only learns its ring later (the standby, at Resume) calls
-``frmps_attach_ring``.
+Thin: the logic is in ``state`` (committed views) and ``adoption``. When the
+views go to the ring, and how often, is the engine loop's (sdk/loop.py
+``EngineLoop``: every ``sync_every`` steps, after a request's first token, and
+when going idle), through ``VllmCore.request_views``. This module imports vLLM;
+load it only where vLLM runs.
 """
 
 from __future__ import annotations
 
-import os
-
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from .adoption import AdoptPlan, AdoptResult, adopt
-from .state import CommittedView, SyncPolicy, committed_view, key_for_request_id, views_sorted
-
-ADDITIONAL_CONFIG_KEY = "frmps"
+from .state import CommittedView, committed_view, key_for_request_id, views_sorted
 
 
 _NO_BLOCKS: list[Any] = []  # never mutated: a request without blocks yet (or freed)
@@ -57,19 +52,14 @@ class _FrmpsSchedulerMixin:
     """Adds ring publishing and adoption to a vLLM Scheduler (mixed in first)."""
 
     def _frmps_init(self) -> None:
-        extra = self.vllm_config.additional_config
-        cfg = extra.get(ADDITIONAL_CONFIG_KEY, {}) if isinstance(extra, dict) else {}
-        self._frmps_tracker: Any = None
-        self._frmps_policy = SyncPolicy(int(cfg.get("sync_every", 1)))
-        self._frmps_step = 0
         # Every frmps request seen and not yet published as finished: request id ->
         # vLLM Request. Requests leave self.requests when they finish; keeping the
         # object lets the next sync publish the finish once.
         self._frmps_live: dict[str, Any] = {}
         self._frmps_folded: dict[str, int] = {}
         # Per frmps request, what a publish needs from one step to the next. The block
-        # ids are extended as blocks are appended, not rebuilt every step (a publish of
-        # 256 requests spent a third of its time rebuilding them); a request's finished
+        # ids are extended as blocks are appended, not rebuilt every step (rebuilding
+        # them would be a large part of every publish); a request's finished
         # view uses the last ones after vLLM has freed the blocks.
         self._frmps_pub: dict[str, _Pub] = {}
         # None: no cache of block ids (block lists that change in place).
@@ -86,9 +76,7 @@ class _FrmpsSchedulerMixin:
         self.frmps_scheduled_tokens = 0
         # Set by an adoption: the next schedule runs the requests whose KV the ring
         # had before any whole-prompt prefill (_frmps_hold_prefills).
-        # FRMPS_DEBUG_PREFILL_IN_FIRST_STEP=1: one batch for both, as before.
         self._frmps_decodes_first = False
-        self._frmps_decodes_first_on = os.environ.get("FRMPS_DEBUG_PREFILL_IN_FIRST_STEP", "") in ("", "0")
         # What the engine computed, so tests and the supervisor can prove that a
         # takeover did not recompute tokens the last sync covered.
         self.frmps_counters = {
@@ -98,9 +86,6 @@ class _FrmpsSchedulerMixin:
             "adopted_tokens_reused": 0,
             "requests_adopted": 0,
         }
-        ring_path = cfg.get("ring_path")
-        if ring_path:
-            self.frmps_attach_ring(str(ring_path), self._frmps_policy.every)
 
     def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
         """vLLM's EngineCore.step calls this right after ``execute_model(non_block=True)``
@@ -113,23 +98,7 @@ class _FrmpsSchedulerMixin:
             fn()
         return super().get_grammar_bitmask(scheduler_output)  # type: ignore[misc]
 
-    # -- ring -------------------------------------------------------------------
-    def frmps_attach(self, tracker: Any, sync_every: int) -> int:
-        """Publish through ``tracker`` (a ring ``DeltaTracker``) every ``sync_every`` steps.
-
-        Publishes the full current state at once: a freshly attached writer
-        owes the reader a FULL record. Returns that record's seq.
-        """
-        self._frmps_policy = SyncPolicy(sync_every)
-        self._frmps_tracker = tracker
-        return self.frmps_publish()
-
-    def frmps_attach_ring(self, path: str, sync_every: int) -> int:
-        from frmps_engine.ring import DeltaTracker, RingWriter
-
-        writer = RingWriter.attach(path)
-        return self.frmps_attach(DeltaTracker(writer), sync_every)
-
+    # -- committed state ---------------------------------------------------------
     def frmps_views(self) -> list[CommittedView]:
         """Committed state of every frmps request, plus a last entry for each that
         finished since the previous call (which is then forgotten here)."""
@@ -178,12 +147,6 @@ class _FrmpsSchedulerMixin:
         self._frmps_folded.clear()
         self._frmps_pub.clear()
 
-    def frmps_publish(self) -> int:
-        """Publish one record now (no-op returning -1 without a tracker)."""
-        if self._frmps_tracker is None:
-            return -1
-        return self._frmps_tracker.sync(self._frmps_step, self.frmps_views())
-
     # -- requests ---------------------------------------------------------------
     @staticmethod
     def _frmps_check(request: Any) -> bool:
@@ -220,7 +183,7 @@ class _FrmpsSchedulerMixin:
             request_kwargs=request_kwargs, deferred=deferred,
         )
         self._frmps_track(request, result.num_folded)
-        self._frmps_decodes_first = self._frmps_decodes_first_on
+        self._frmps_decodes_first = True
         self.frmps_counters["adopted_tokens_reused"] += result.reused_tokens
         self.frmps_counters["requests_adopted"] += 1
         return result
@@ -259,9 +222,7 @@ class _FrmpsSchedulerMixin:
         had; a waiting request with its whole prompt to compute (adopted before its
         prompt's KV was published, or new) waits one step. In one batch with the
         resumed streams such a prefill can make the step too large for vLLM's CUDA
-        graphs and every resumed stream waits for it (H200, 14B, 32 streams: 549
-        prefill tokens beside 31 decodes, an 83.5 ms first step against a 9 ms
-        decode step; bench/results/2026-11-28-h200-vllm-deferred-hashing/ §4).
+        graphs, and every resumed stream waits for it.
         A resumed stream's replay (the tokens past its last sync, --sync-every > 1)
         stays in the first step. Held only when some waiting request holds KV; the
         held ones are taken out of vLLM's waiting queues for this schedule and put
@@ -282,16 +243,10 @@ class _FrmpsSchedulerMixin:
         if scheduler_output.total_num_scheduled_tokens > 0:
             self._frmps_count(scheduler_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        # Only steps that computed something count towards the sync interval.
+        # Only steps that computed something count.
         if scheduler_output.total_num_scheduled_tokens > 0:
-            self._frmps_step += 1
             self.frmps_counters["steps"] += 1
-            if self._frmps_tracker is not None and self._frmps_policy.tick():
-                self.frmps_publish()
         return outputs
-
-    def frmps_live_keys(self) -> Iterable[int]:
-        return [k for k in (key_for_request_id(r) for r in self._frmps_live) if k is not None]
 
 
 class FrmpsScheduler(_FrmpsSchedulerMixin, Scheduler):

@@ -30,9 +30,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 # Per engine: its CUDA context, cuBLAS/cuDNN workspaces and what else lives
-# outside torch's allocator. A CUDA 12/13 context with torch's libraries loaded
-# is ~0.5 GiB on an H100/H200; the standby's memory outside torch's allocator
-# measured ~250 MiB more on 2 x H200 (VLLM.md). 1 GiB covers both with room.
+# outside torch's allocator: a CUDA 12/13 context with torch's libraries loaded,
+# and what a standby holds beyond it outside torch's allocator (VLLM.md has the
+# figures). 1 GiB covers both with room.
 ENGINE_CONTEXT_BYTES = 1 * GiB
 # Per engine: vLLM's CUDA graphs (piecewise, up to 512 tokens by default; vLLM's
 # own profile_cudagraph_memory estimate is a few hundred MiB at 7B-14B).

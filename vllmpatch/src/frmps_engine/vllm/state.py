@@ -132,21 +132,6 @@ def committed_view(
                          finished, aborted, n_tokens, min(len(block_ids), cdiv(num_computed, block_size)))
 
 
-class SyncPolicy:
-    """Publish every ``every`` committed steps (``every`` >= 1)."""
-
-    def __init__(self, every: int):
-        if int(every) < 1:
-            raise ValueError(f"sync interval must be >= 1, got {every}")
-        self.every = int(every)
-        self.steps = 0
-
-    def tick(self) -> bool:
-        """Count one committed step; True when this step must be published."""
-        self.steps += 1
-        return self.steps % self.every == 0
-
-
 def views_sorted(views: Iterable[CommittedView]) -> list[CommittedView]:
     """Deterministic publish order (by key), so records are reproducible."""
     return sorted(views, key=lambda v: v.key)

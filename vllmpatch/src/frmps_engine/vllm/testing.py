@@ -287,7 +287,7 @@ def cpu_engine_core(model_dir: str, *, num_blocks: int, max_num_seqs: int, max_m
                     max_num_batched_tokens: int = 0, tokenizer: Any = None):
     """The adapter's VllmCore over the real FrmpsScheduler and the stand-in model."""
     from . import SCHEDULER_CLS
-    from .engine import VllmCore
+    from .core import VllmCore
 
     cfg = make_vllm_config(model_dir, num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len, 256),
@@ -307,7 +307,8 @@ def cpu_adapter(model_dir: str, *, num_blocks: int = 64, max_num_seqs: int = 8, 
     FrmpsAsyncScheduler behind SchedulerCore's batch queue (one step in flight)."""
     from ..sdk.memory.base import PoolSpec
     from . import ASYNC_SCHEDULER_CLS, SCHEDULER_CLS
-    from .engine import VllmAdapter, VllmCore, VllmEngineConfig
+    from .core import VllmCore
+    from .engine import VllmAdapter, VllmEngineConfig
 
     class CpuVllmAdapter(VllmAdapter):
         def pool_layout(self):

@@ -1,8 +1,7 @@
 """Tensor parallelism for the vLLM engine (``frmps serve --engine vllm
---tensor-parallel-size N``). Run on 2 x H200 at 0.5B and 7B with real MPS faults on
-either GPU (bench/results/2026-11-27-h200x2-fault-path/, ...-vllm-tp-drills/); on the
-CPU tested in its parts (the per-rank layout, the fd exchange, the group memory over
-a labelled executor double). The plan: vllmpatch/VLLM.md ("Tensor parallelism with vLLM").
+--tensor-parallel-size N``). On the CPU its tests check it in its parts (the
+per-rank layout, the fd exchange, the group memory over a labelled executor
+double). The plan: vllmpatch/VLLM.md ("Tensor parallelism with vLLM").
 
 The engine process the supervisor launched is rank 0 as far as frmps's contract
 goes; vLLM's MultiprocExecutor starts one worker process per rank. Each worker

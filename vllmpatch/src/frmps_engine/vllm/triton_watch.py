@@ -1,10 +1,9 @@
 """What Triton compiled in this engine, and why its disk cache did not have it.
 
 An engine that finds every Triton kernel in Triton's disk cache builds in seconds;
-one that misses compiles them again (on the H100 at 14B, one restored engine in 12
-spent 11 s compiling every Triton kernel vLLM's V2 model runner and sampler use,
-and inductor's too, under the same cache directory its predecessors had filled:
-bench/results/2026-11-27-h100-vllm-restore/). Triton's cache key is
+one that misses compiles them again (every Triton kernel vLLM's V2 model runner and
+sampler use, and inductor's too), seconds more of its start, even under a cache
+directory other engines have filled. Triton's cache key is
 ``triton_key()-src.hash()-backend.hash()-options.hash()-env vars``
 (triton/runtime/cache.py, get_cache_key); a miss of every kernel at once means a
 part common to all of them changed, or the directory did.

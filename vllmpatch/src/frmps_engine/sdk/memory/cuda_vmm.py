@@ -35,11 +35,10 @@ from .base import MemoryBackend, MemoryError_, Pool, PoolSpec, as_spec, checked_
 
 BACKEND_NAME = "cuda-vmm"
 LIBRARY_ENV = "FRMPS_VMM_LIBRARY"
-# A standby's pool is backed by one scratch chunk mapped over and over: each
-# mapping costs ~125 us on the H100 (2048 mappings of 2 MiB: 256 ms), so 2 MiB
-# chunks over a 14B model's 30 GB of weights take ~1.9 s of every standby's and
-# every restored engine's start (2026-11-27 logs), and more again to unmap at
-# sleep. The chunk grows with the pool, up to about SCRATCH_MAPPINGS mappings,
+# A standby's pool is backed by one scratch chunk mapped over and over, and every
+# mapping is a driver call: 2 MiB chunks over a large model's weights would add
+# seconds to every standby's and every restored engine's start, and more again to
+# unmap at sleep. The chunk grows with the pool, up to about SCRATCH_MAPPINGS mappings,
 # at most MAX_SCRATCH_CHUNK of GPU memory per pool, held only until the sleep.
 MIN_SCRATCH_CHUNK = 2 << 20
 MAX_SCRATCH_CHUNK = 64 << 20

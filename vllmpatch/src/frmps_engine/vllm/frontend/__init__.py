@@ -24,7 +24,7 @@ reserved ids are -1 and -2.
 
 The engine process that runs the engine server is ``frmps serve --engine vllm``
 in core mode (``sdk/runner.py``), and the supervisor's side is
-``cmd/frmps/vllmfront.go`` (``OPENAI.md``, "Status"). Importing this package
+``supervisor/vllmfront/`` (``OPENAI.md``, "Status"). Importing this package
 never imports vLLM.
 """
 

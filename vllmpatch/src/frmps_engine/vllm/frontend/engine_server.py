@@ -7,7 +7,7 @@ for inputs and a PULL for outputs; an engine connects a DEALER with identity
 the DEALER, then receives ``(type, *msgpack frames)`` messages and pushes
 msgpack-encoded ``EngineCoreOutputs`` (v1/engine/core.py:1933-2108; 0.26:
 :1583-1753; ``OPENAI.md`` has the client's lines). ``EngineCoreServer`` speaks
-that protocol around frmps's ``VllmCore`` (``engine.py``):
+that protocol around frmps's ``VllmCore`` (``core.py``):
 
 - the engine loop is the SDK's ``EngineLoop`` (``sdk/loop.py``), the one the
   runner drives: it steps the core, publishes the ring (every ``sync_every``

@@ -66,7 +66,7 @@ class Envelope(_message.Message):
     def __init__(self, id: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., pool_export: _Optional[_Union[PoolExport, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., reply: _Optional[_Union[Reply, _Mapping]] = ..., fault: _Optional[_Union[Fault, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., sleep: _Optional[_Union[Sleep, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "role", "pid", "model", "engine", "engine_version", "pools", "generation_endpoint", "device", "block_size", "num_blocks", "weights", "kv_budget")
+    __slots__ = ("protocol_version", "role", "pid", "model", "engine", "engine_version", "pools", "generation_endpoint", "device", "block_size", "num_blocks", "weights", "kv_budget", "ring_record_bytes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class Hello(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    RING_RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: ProtocolVersion
     role: Role
     pid: int
@@ -93,7 +94,8 @@ class Hello(_message.Message):
     num_blocks: int
     weights: str
     kv_budget: KVBudget
-    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., role: _Optional[_Union[Role, str]] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., generation_endpoint: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., weights: _Optional[str] = ..., kv_budget: _Optional[_Union[KVBudget, _Mapping]] = ...) -> None: ...
+    ring_record_bytes: int
+    def __init__(self, protocol_version: _Optional[_Union[ProtocolVersion, str]] = ..., role: _Optional[_Union[Role, str]] = ..., pid: _Optional[int] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., generation_endpoint: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., weights: _Optional[str] = ..., kv_budget: _Optional[_Union[KVBudget, _Mapping]] = ..., ring_record_bytes: _Optional[int] = ...) -> None: ...
 
 class KVBudget(_message.Message):
     __slots__ = ("gpu_total_bytes", "utilization", "budget_bytes", "weights_bytes", "kv_bytes", "num_blocks", "block_bytes", "reserved_bytes", "reserved", "source")

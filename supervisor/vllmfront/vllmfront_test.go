@@ -1,4 +1,4 @@
-package main
+package vllmfront
 
 import (
 	"context"
@@ -58,11 +58,11 @@ func (f *fakeFrontend) FrontendHealth(context.Context, *frmpsv1.FrontendHealthRe
 	return &frmpsv1.FrontendHealthResponse{EngineConnected: true, OpenRequests: 2, VllmVersion: "0.26.0"}, nil
 }
 
-func newTestVllmFrontDoor(t *testing.T, argv []string) *vllmFrontDoor {
+func newTestVllmFrontDoor(t *testing.T, argv []string) *FrontDoor {
 	t.Helper()
-	o := defaultServeOptions()
-	o.Engine, o.Frontend, o.Model, o.ServedModelName = "vllm", "vllm", "/models/q", "q"
-	d, err := newVllmFrontDoor(o, pythonEnv{Python: "python3", Env: []string{"PATH=" + os.Getenv("PATH"), "VLLM_SERVER_DEV_MODE=1"}}, "k3y", hclog.NewNullLogger())
+	c := Config{Python: "python3", Env: []string{"PATH=" + os.Getenv("PATH"), "VLLM_SERVER_DEV_MODE=1"},
+		Model: "/models/q", ServedModelName: "q", Port: 8000, APIKey: "k3y"}
+	d, err := New(c, hclog.NewNullLogger())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -72,7 +72,7 @@ func newTestVllmFrontDoor(t *testing.T, argv []string) *vllmFrontDoor {
 	return d
 }
 
-func serveFake(t *testing.T, d *vllmFrontDoor, f *fakeFrontend) {
+func serveFake(t *testing.T, d *FrontDoor, f *fakeFrontend) {
 	t.Helper()
 	l, err := net.Listen("unix", d.controlPath)
 	if err != nil {
@@ -239,32 +239,8 @@ func TestVllmFrontDoorCommandAndEnv(t *testing.T) {
 	if strings.Contains(env, "VLLM_SERVER_DEV_MODE") || !strings.Contains(env, "VLLM_API_KEY=k3y") || !strings.Contains(env, "CUDA_MPS_PIPE_DIRECTORY="+d.dir) {
 		t.Errorf("frontend env:\n%s", env)
 	}
-	if !strings.HasPrefix(d.inputAddr, "ipc://"+d.dir+"/") || !strings.HasPrefix(d.outputAddr, "ipc://"+d.dir+"/") {
-		t.Errorf("engine-core addresses %s %s outside %s", d.inputAddr, d.outputAddr, d.dir)
-	}
-}
-
-func TestServeFrontendValidation(t *testing.T) {
-	for _, c := range []struct {
-		mod  func(*serveOptions)
-		want string
-	}{
-		{func(o *serveOptions) { o.Frontend, o.Engine = "vllm", "ref" }, "use --engine vllm"},
-		{func(o *serveOptions) { o.Frontend = "nginx" }, "want frmps or vllm"},
-		{func(o *serveOptions) { o.FrontendArgs = []string{"--x"} }, "give --frontend vllm"},
-		{func(o *serveOptions) { o.Frontend, o.Engine, o.TensorParallelSize = "vllm", "vllm", 2 }, "tensor-parallel"},
-		{func(o *serveOptions) { o.Engine, o.VllmArgs = "ref", []string{"--max-logprobs=5"} }, "give --engine vllm"},
-	} {
-		o := defaultServeOptions()
-		c.mod(&o)
-		if err := o.validate(); err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("validate: %v, want %q", err, c.want)
-		}
-	}
-	o := defaultServeOptions()
-	o.Frontend, o.Engine = "vllm", "vllm"
-	if err := o.validate(); err != nil {
-		t.Errorf("--frontend vllm --engine vllm: %v", err)
+	if in, out := d.EngineCoreAddrs(); !strings.HasPrefix(in, "ipc://"+d.dir+"/") || !strings.HasPrefix(out, "ipc://"+d.dir+"/") {
+		t.Errorf("engine-core addresses %s %s outside %s", in, out, d.dir)
 	}
 }
 
@@ -284,25 +260,5 @@ func waitFor(t *testing.T, cond func() bool) {
 			t.Fatal("condition not reached in 5 s")
 		}
 		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-// --vllm-arg reaches the engines (as their --vllm-arg) and vLLM's API server
-// (before --frontend-arg, which is the API server's only).
-func TestVllmArgsReachEnginesAndFrontend(t *testing.T) {
-	o := defaultServeOptions()
-	o.Engine, o.Frontend, o.Model, o.ServedModelName = "vllm", "vllm", "/models/q", "q"
-	o.EngineArgs = []string{"--max-num-seqs=8"}
-	o.VllmArgs = []string{"--max-logprobs=50", "--enable-prefix-caching"}
-	o.FrontendArgs = []string{"--enable-auto-tool-choice"}
-	if err := o.validate(); err != nil {
-		t.Fatal(err)
-	}
-	if got := o.supervisorConfig(pythonEnv{Python: "python3"}).EngineArgs; !slices.Equal(got,
-		[]string{"--max-num-seqs=8", "--vllm-arg=--max-logprobs=50", "--vllm-arg=--enable-prefix-caching"}) {
-		t.Fatalf("engine args %q", got)
-	}
-	if got := strings.Join(vllmFrontendArgs(o), " "); !strings.HasSuffix(got, "--max-logprobs=50 --enable-prefix-caching --enable-auto-tool-choice") {
-		t.Fatalf("frontend args %q", got)
 	}
 }

@@ -1,4 +1,10 @@
-package main
+// Package vllmfront is frmps serve's `--frontend vllm`: vLLM's own OpenAI API
+// server (the code of `vllm serve`, every route and parameter of the pinned
+// vLLM) runs as the front door, in a Python process outside MPS that holds no
+// CUDA context, and the engines speak vLLM's engine-core protocol to it
+// instead of frmps's generation API (vllmpatch/OPENAI.md, design (a)). This
+// package supervises that process and is the supervisor's FrontDoor for it.
+package vllmfront
 
 import (
 	"context"
@@ -24,23 +30,37 @@ import (
 	"github.com/frmps/frmps/supervisor/mps"
 )
 
-// vllmFrontDoor is `--frontend vllm`: vLLM's own OpenAI API server (the code of
-// `vllm serve`, every route and parameter of the pinned vLLM) runs as the front
-// door, in a Python process outside MPS that holds no CUDA context, and the
-// engines speak vLLM's engine-core protocol to it instead of frmps's
-// generation API (vllmpatch/OPENAI.md, design (a)). Its resume ledger is the
-// source of a failover's resume set: OpenRequests asks it (EngineLost: it
-// holds new work, consumes what the dead engine had pushed, and returns each
-// open request as vLLM's EngineCoreRequest with the tokens it received), and
-// a goroutine then waits for the promoted engine to connect (EngineBack),
-// after which the frontend sends what it held.
-type vllmFrontDoor struct {
+// Config is what the frontend process is started with.
+type Config struct {
+	Python string   // interpreter with frmps_engine and vLLM importable
+	Env    []string // the engines' base environment (frontendEnv adjusts it)
+	// Model is what vLLM's API server loads its tokenizer and config from (a
+	// model directory), ServedModelName what clients call it.
+	Model, ServedModelName string
+	Host                   string // "": every interface
+	Port                   int
+	MaxModelLen            int // 0: vLLM's default
+	// VLLMArgs are vLLM's flags the engines get too (serve's --vllm-arg),
+	// FrontendArgs the API server's only (--frontend-arg), as `vllm serve`
+	// spells them.
+	VLLMArgs, FrontendArgs []string
+	// APIKey (may be empty) reaches vLLM as VLLM_API_KEY, not on its command line.
+	APIKey string
+}
+
+// FrontDoor is the frontend process. Its resume ledger is the source of a
+// failover's resume set: OpenRequests asks it (EngineLost: it holds new work,
+// consumes what the dead engine had pushed, and returns each open request as
+// vLLM's EngineCoreRequest with the tokens it received), and a goroutine then
+// waits for the promoted engine to connect (EngineBack), after which the
+// frontend sends what it held.
+type FrontDoor struct {
 	log  hclog.Logger
 	dir  string // private (0700): the engine-core sockets and the control socket
 	argv []string
 	env  []string
 
-	// Addresses the engines connect to (Config.EngineCoreInput/Output: --core-input/--core-output).
+	// Addresses the engines connect to (EngineCoreAddrs).
 	inputAddr, outputAddr, controlPath string
 
 	conn *grpc.ClientConn
@@ -70,24 +90,23 @@ type vllmFrontDoor struct {
 	healthWG   sync.WaitGroup
 }
 
-// vllmFrontendArgs are the `vllm serve` arguments the frontend process gets
-// from frmps's own options, then --vllm-arg (vLLM's flags the engines get too)
-// and --frontend-arg (the API server's only), as `vllm serve` spells them.
-func vllmFrontendArgs(o serveOptions) []string {
-	args := []string{o.Model, "--host", o.Host, "--port", strconv.Itoa(o.Port), "--served-model-name", o.ServedModelName}
-	if o.Host == "" {
+// Args are the `vllm serve` arguments the frontend process gets: the model,
+// address and limits, then c.VLLMArgs and c.FrontendArgs.
+func Args(c Config) []string {
+	args := []string{c.Model, "--host", c.Host, "--port", strconv.Itoa(c.Port), "--served-model-name", c.ServedModelName}
+	if c.Host == "" {
 		args = append(args[:1], args[3:]...) // vLLM binds every interface without --host
 	}
-	if o.MaxModelLen > 0 {
-		args = append(args, "--max-model-len", strconv.Itoa(o.MaxModelLen))
+	if c.MaxModelLen > 0 {
+		args = append(args, "--max-model-len", strconv.Itoa(c.MaxModelLen))
 	}
-	args = append(args, o.VllmArgs...)
-	return append(args, o.FrontendArgs...)
+	args = append(args, c.VLLMArgs...)
+	return append(args, c.FrontendArgs...)
 }
 
-// newVllmFrontDoor prepares (does not start) the frontend process. apiKey
-// (may be empty) reaches vLLM as VLLM_API_KEY, not on its command line.
-func newVllmFrontDoor(o serveOptions, py pythonEnv, apiKey string, log hclog.Logger) (*vllmFrontDoor, error) {
+// New prepares (does not start: Serve does) the frontend process, with a
+// private directory for its sockets that Shutdown removes.
+func New(c Config, log hclog.Logger) (*FrontDoor, error) {
 	dir, err := os.MkdirTemp("", "frmps-frontend-")
 	if err != nil {
 		return nil, fmt.Errorf("vLLM frontend: %w", err)
@@ -103,17 +122,17 @@ func newVllmFrontDoor(o serveOptions, py pythonEnv, apiKey string, log hclog.Log
 		os.RemoveAll(dir)
 		return nil, fmt.Errorf("vLLM frontend: %w", err)
 	}
-	d := &vllmFrontDoor{
+	d := &FrontDoor{
 		log: log, dir: dir,
 		inputAddr: "ipc://" + filepath.Join(dir, "core-input.sock"), outputAddr: "ipc://" + filepath.Join(dir, "core-output.sock"),
 		controlPath: filepath.Join(dir, "frontend.sock"),
 		lostTimeout: 5 * time.Second, drainMs: 2000, backTimeout: time.Minute, healthTTL: time.Second,
 		exited: make(chan struct{}),
 	}
-	d.argv = append([]string{py.Python, "-m", "frmps_engine.cli", "frontend",
+	d.argv = append([]string{c.Python, "-m", "frmps_engine.cli", "frontend",
 		"--engine-input", d.inputAddr, "--engine-output", d.outputAddr, "--control-socket", d.controlPath},
-		vllmFrontendArgs(o)...)
-	d.env = frontendEnv(py.Env, outside, apiKey)
+		Args(c)...)
+	d.env = frontendEnv(c.Env, outside, c.APIKey)
 	conn, err := grpc.NewClient("unix://"+d.controlPath, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		os.RemoveAll(dir)
@@ -122,6 +141,10 @@ func newVllmFrontDoor(o serveOptions, py pythonEnv, apiKey string, log hclog.Log
 	d.conn, d.ctl = conn, frmpsv1.NewFrontendClient(conn)
 	return d, nil
 }
+
+// EngineCoreAddrs are the addresses the engines connect to, vLLM's
+// engine-core input and output (supervisor.Config.EngineCoreInput/Output).
+func (d *FrontDoor) EngineCoreAddrs() (input, output string) { return d.inputAddr, d.outputAddr }
 
 // frontendEnv is the frontend's environment: the engines' base environment
 // with the outside-MPS pipe directories, the API key as VLLM_API_KEY, and
@@ -145,7 +168,7 @@ func frontendEnv(base, outside []string, apiKey string) []string {
 // Serve starts the frontend process and returns when it exits: nil after
 // Shutdown, an error otherwise (serve then stops: every client connection
 // was in that process). The listener is unused (nil): vLLM binds its port.
-func (d *vllmFrontDoor) Serve(net.Listener) error {
+func (d *FrontDoor) Serve(net.Listener) error {
 	cmd := exec.Command(d.argv[0], d.argv[1:]...)
 	cmd.Env = d.env
 	cmd.Stdout, cmd.Stderr = d.log.StandardWriter(&hclog.StandardLoggerOptions{InferLevels: true}), d.log.StandardWriter(&hclog.StandardLoggerOptions{InferLevels: true})
@@ -184,7 +207,7 @@ func (d *vllmFrontDoor) Serve(net.Listener) error {
 // Shutdown stops the frontend: SIGTERM to its process group (uvicorn then
 // finishes its responses), SIGKILL when ctx ends; then the control client,
 // every EngineBack call and the private directory.
-func (d *vllmFrontDoor) Shutdown(ctx context.Context) error {
+func (d *FrontDoor) Shutdown(ctx context.Context) error {
 	d.mu.Lock()
 	d.stopping = true
 	cmd := d.cmd
@@ -215,7 +238,7 @@ func (d *vllmFrontDoor) Shutdown(ctx context.Context) error {
 // received. The supervisor adds the ring snapshots by key. On an error the
 // set is empty: the promoted engine then has nothing to adopt, and the
 // frontend's open requests get no more tokens (logged as an error).
-func (d *vllmFrontDoor) OpenRequests() []*frmpsv1.ResumeRequest {
+func (d *FrontDoor) OpenRequests() []*frmpsv1.ResumeRequest {
 	ctx, cancel := context.WithTimeout(context.Background(), d.lostTimeout)
 	defer cancel()
 	set, err := d.ctl.EngineLost(ctx, &frmpsv1.EngineLostRequest{DrainTimeoutMs: d.drainMs})
@@ -247,7 +270,7 @@ func (d *vllmFrontDoor) OpenRequests() []*frmpsv1.ResumeRequest {
 // wait is covered by the same one, which ends when any engine connects). The
 // frontend holds new requests until then, so the wait goes on, in rounds of
 // backTimeout, until an engine connects or frmps stops.
-func (d *vllmFrontDoor) awaitEngine() {
+func (d *FrontDoor) awaitEngine() {
 	d.mu.Lock()
 	if d.backing || d.stopping {
 		d.mu.Unlock()
@@ -297,7 +320,7 @@ func (d *vllmFrontDoor) awaitEngine() {
 // what frmps knows itself (process, losses, waits) and the frontend's latest
 // FrontendHealth answer, at most healthTTL old plus one call. It never blocks:
 // a stale answer starts a refresh in the background.
-func (d *vllmFrontDoor) FrontendStatus() *frmpsv1.FrontendStatus {
+func (d *FrontDoor) FrontendStatus() *frmpsv1.FrontendStatus {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	fs := &frmpsv1.FrontendStatus{Kind: "vllm", EngineLost: d.lost, EngineBack: d.back, LastError: d.lastErr}
@@ -331,7 +354,7 @@ func (d *vllmFrontDoor) FrontendStatus() *frmpsv1.FrontendStatus {
 	return fs
 }
 
-func (d *vllmFrontDoor) refreshHealth() {
+func (d *FrontDoor) refreshHealth() {
 	defer d.healthWG.Done()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	h, err := d.ctl.FrontendHealth(ctx, &frmpsv1.FrontendHealthRequest{})

@@ -1,0 +1,302 @@
+"""The results directory: results.json (plans, servers, every trial, the
+aggregate, the claims beyond the spread, the fault runs), README.md (markdown
+tables) and the plots (throughput and p99 TPOT against request rate per
+system; a timeline per fault run), rebuilt from the JSON-lines files the runs
+append (plans.jsonl, servers.jsonl, trials.jsonl, faultruns.jsonl):
+
+    python -m bench.serving report <results dir>
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from . import plan as P
+from . import results as R
+
+COLORS = {P.VLLM: "#4d4d4d", P.VLLM_MPS: "#b2182b", P.VLLM_MPS_RESTART: "#b2182b", P.FRMPS: "#1b7837",
+          P.FRMPS_VLLM_FE: "#2166ac"}
+CPU_NOTE = "CPU check of the harness (reference engine, tiny model): not a measurement"
+
+
+def read_jsonl(path: str) -> list[dict]:
+    out = []
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise R.ResultError(f"{path}:{n}: {e}") from e
+    return out
+
+
+def rate_key(label: str) -> float:
+    return P.INF if label == "inf" else float(label)
+
+
+def fmt(v, digits: int = 1) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def cell(c: dict, digits: int = 1, scale: float = 1.0) -> str:
+    """median (min–max) of a Spread's JSON."""
+    if not c or c.get("median") is None:
+        return "–"
+    m, lo, hi = (c[k] * scale for k in ("median", "min", "max"))
+    if c["n"] == 1 or lo == hi:
+        return fmt(m, digits)
+    return f"{fmt(m, digits)} ({fmt(lo, digits)}–{fmt(hi, digits)})"
+
+
+def build(out_dir: str) -> dict:
+    """Rebuild results.json, README.md and the plots from the run files in out_dir."""
+    plans = read_jsonl(os.path.join(out_dir, "plans.jsonl"))
+    if not plans:
+        raise R.ResultError(f"{out_dir}: no plans.jsonl: not a serving results directory")
+    servers = read_jsonl(os.path.join(out_dir, "servers.jsonl"))
+    trials = read_jsonl(os.path.join(out_dir, "trials.jsonl"))
+    faultruns = read_jsonl(os.path.join(out_dir, "faultruns.jsonl"))
+    agg = R.aggregate(trials)
+    systems = {t["system"] for t in trials}
+    doc = {"plans": plans, "servers": servers, "trials": trials, "aggregate": agg,
+           "claims": {b: R.claims(agg, b) for b in (P.VLLM, P.VLLM_MPS) if b in systems},
+           "fault_runs": faultruns, "cpu_check": all(p.get("device") == "cpu" for p in plans)}
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    doc["plots"] = write_plots(out_dir, doc)
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write(markdown(doc))
+    return doc
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def _systems_in(agg_kv: dict) -> list[str]:
+    order = P.SYSTEMS + [P.VLLM_MPS_RESTART]
+    return [s for s in order if s in agg_kv] + sorted(s for s in agg_kv if s not in order)
+
+
+def sweep_table(agg_kv: dict) -> str:
+    cols = [("output_throughput", "output tok/s", 0, 1), ("total_token_throughput", "total tok/s", 0, 1),
+            ("p50_ttft_ms", "TTFT p50 ms", 1, 1), ("p99_ttft_ms", "TTFT p99 ms", 1, 1),
+            ("p50_tpot_ms", "TPOT p50 ms", 2, 1), ("p99_tpot_ms", "TPOT p99 ms", 2, 1),
+            ("p50_itl_ms", "ITL p50 ms", 2, 1), ("p99_itl_ms", "ITL p99 ms", 2, 1),
+            ("request_goodput", "goodput req/s", 2, 1), ("slo_attainment", "SLO met %", 1, 100.0),
+            ("failed", "failed", 0, 1)]
+    lines = ["| rate (req/s) | system | trials | " + " | ".join(c[1] for c in cols) + " |",
+             "|---|---|---|" + "---|" * len(cols)]
+    rates = sorted({r for s in agg_kv.values() for r in s}, key=rate_key)
+    for rate in rates:
+        for system in _systems_in(agg_kv):
+            c = agg_kv[system].get(rate)
+            if not c:
+                continue
+            lines.append(f"| {rate} | {P.SYSTEM_LABELS.get(system, system)} | {c['trials']} | "
+                         + " | ".join(cell(c[k], d, sc) for k, _, d, sc in cols) + " |")
+    return "\n".join(lines)
+
+
+def kv_table(servers: list[dict]) -> str:
+    lines = ["| kv mode | system | KV blocks | source | start to serving (s) | error |", "|---|---|---|---|---|---|"]
+    for s in servers:
+        kv = s.get("kv") or {}
+        err = (s.get("error") or "").splitlines()[0][:120] if s.get("error") else ""
+        lines.append(f"| {s.get('kv_mode', '')} | {P.SYSTEM_LABELS.get(s['system'], s['system'])} | "
+                     f"{fmt(kv.get('num_blocks'))} | {kv.get('source', '')} | {fmt(s.get('start_s'))} | {err} |")
+    return "\n".join(lines)
+
+
+def claims_md(claims: dict) -> str:
+    out = []
+    for base, cs in claims.items():
+        if not cs:
+            out.append(f"- against {P.SYSTEM_LABELS[base]}: no difference beyond the spread of the trials.")
+            continue
+        for c in cs:
+            out.append(f"- {c['kv_mode']}, rate {c['rate']}: {P.SYSTEM_LABELS.get(c['system'], c['system'])} "
+                       f"**{c['verdict']}** than {P.SYSTEM_LABELS[base]} on {c['metric']} "
+                       f"(median {fmt(c['system_median'], 2)} vs {fmt(c['baseline_median'], 2)}; ranges disjoint)")
+    return "\n".join(out)
+
+
+def fault_table(runs: list[dict]) -> str:
+    lines = ["| spacing (s) | system | faults fired | requests | failed | truncated | goodput req/s | SLO met % | "
+             "TTFT p99 ms | TPOT p99 ms | longest gap ms | server restarts / failovers |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (-(r.get("spacing_s") or 0), r.get("system", ""))):
+        s = r.get("summary") or {}
+        if r.get("error") and not s:
+            lines.append(f"| {fmt(r.get('spacing_s'), 0)} | {P.SYSTEM_LABELS.get(r['system'], r['system'])} | "
+                         f"ERROR: {r['error'].splitlines()[0][:150]} |" + " |" * 10)
+            continue
+        recov = s.get("restarts") if r["system"] == P.VLLM_MPS_RESTART else s.get("failovers")
+        lines.append(f"| {fmt(r.get('spacing_s'), 0)} | {P.SYSTEM_LABELS.get(r['system'], r['system'])} | "
+                     f"{len(r.get('faults') or [])} | {fmt(s.get('sent'))} | {fmt(s.get('failed'))} | "
+                     f"{fmt(s.get('truncated'))} | {fmt(s.get('goodput_rps'), 2)} | "
+                     f"{fmt(None if s.get('slo_attainment') is None else 100 * s['slo_attainment'], 1)} | "
+                     f"{fmt(s.get('p99_ttft_ms'))} | {fmt(s.get('p99_tpot_ms'), 2)} | {fmt(s.get('longest_gap_ms'))} | "
+                     f"{fmt(recov)} |")
+    return "\n".join(lines)
+
+
+def markdown(doc: dict) -> str:
+    plans = doc["plans"]
+    p0 = plans[0]
+    st, al = p0["stream"], p0["alike"]
+    out = ["# Serving performance beside `vllm serve`, with and without faults", ""]
+    if doc.get("cpu_check"):
+        out += [f"**{CPU_NOTE}.**", ""]
+    out += ["Client: vLLM's own serving benchmark, `vllm bench serve` (module `vllm.benchmarks.serve`), "
+            "its `openai` backend streaming `/v1/completions`, per-request detail saved (`--save-detailed`).",
+            "",
+            "Request stream: vLLM's `random` dataset (no dataset can be downloaded on the GPU machine): "
+            f"input {st['input_len']} tokens and output {st['output_len']} tokens, each drawn uniformly in "
+            f"[len × (1 − {st['range_ratio']}), len × (1 + {st['range_ratio']})] (`--random-range-ratio "
+            f"{st['range_ratio']}`), random token ids from the model's tokenizer, seeded: trial *i* uses seed "
+            f"{st['seed']} + *i* for every system, so each system gets the same requests in the same trial; "
+            f"`--ignore-eos` (every request runs to its drawn output length), temperature {st['temperature']}. "
+            f"Arrivals: Poisson (`--burstiness 1`) at each rate for about {st['trial_s']} s "
+            f"(rate × {st['trial_s']} requests, at least {st['min_prompts']}); `inf` sends "
+            f"{st['inf_prompts'] or 4 * al['max_num_seqs']} requests at once.",
+            "",
+            f"Configured alike: max_num_seqs {al['max_num_seqs']}, max_num_batched_tokens "
+            f"{al['max_num_batched_tokens']}, max_model_len {al['max_model_len']}; every system loads the same "
+            f"model directory (`{p0['model']}`). KV cache: each system at its own default memory fraction "
+            "(`default-kv`), and where an `equal-kv-N` run is listed, N blocks for every system "
+            "(`--num-gpu-blocks-override N` for vllm serve, `--num-blocks N` for frmps).",
+            "",
+            f"Goodput (`--goodput ttft:{p0['slo_ttft_ms']:g} tpot:{p0['slo_tpot_ms']:g}`): requests per second that "
+            f"completed with TTFT ≤ {p0['slo_ttft_ms']:g} ms and TPOT ≤ {p0['slo_tpot_ms']:g} ms; SLO met %: "
+            "the share of the requests sent that did (a failed request misses). Cells: median (min–max) over the "
+            f"trials; a difference is claimed only where the min–max ranges of two systems do not overlap "
+            f"(with at least {R.MIN_TRIALS_FOR_CLAIM} trials each).",
+            "",
+            "Each system's server is started once; its trials are repeated client runs, trial by trial over every "
+            "rate (so a drift over the run touches every rate alike), after an untimed warm-up run.", ""]
+    if doc["servers"]:
+        out += ["## KV cache and start-up", "", kv_table(doc["servers"]), ""]
+    for kv, agg_kv in sorted(doc["aggregate"].items()):
+        out += [f"## Sweep ({kv})", "", sweep_table(agg_kv), ""]
+        for name in ("sweep-" + kv + ".png",):
+            if name in (doc.get("plots") or []):
+                out += [f"![throughput and p99 TPOT against rate]({name})", ""]
+    if doc["aggregate"]:
+        out += ["## Differences beyond the spread", "", claims_md(doc["claims"]) or "- (no baseline in this run)", ""]
+    errs = [t for t in doc["trials"] if t.get("error")]
+    if errs:
+        out += ["## Trials that failed", ""]
+        out += [f"- {t['system']} {t['kv_mode']} rate {t['rate']} trial {t['trial']}: "
+                f"{t['error'].splitlines()[0][:200]}" for t in errs]
+        out += [""]
+    if doc["fault_runs"]:
+        fr = doc["fault_runs"][0]
+        how = ("SIGKILL of frmps's active engine (the CPU check's fault; no MPS on the CPU)" if fr.get("device") == "cpu"
+               else f"rotating the SM-fault kinds ({', '.join(fr.get('kinds') or [])})")
+        out += ["## Fault mode", "",
+                f"The same client at {fr.get('rate')} req/s for {fr.get('window_s')} s per system while a co-located "
+                f"MPS client faults every *spacing* seconds; fault: {how}. "
+                "Baseline: `vllm serve` as a client of an MPS daemon under a supervisor loop that restarts it when it "
+                "exits or its /health fails (every fault is a cold restart). frmps: the trigger joins frmps's own "
+                "MPS daemon, whose client is the active engine. *failed*: requests vLLM's client counts as failed; "
+                "*truncated*: counted as completed but shorter than the shortest output the dataset asks for (a "
+                "stream ended by an error event); *longest gap*: the longest wait for a first token or between two "
+                "chunks that any completed request saw.", "", fault_table(doc["fault_runs"]), ""]
+        for name in sorted(p for p in doc.get("plots") or [] if p.startswith("timeline-")):
+            out += [f"![{name}]({name})", ""]
+    out += ["## Commands", ""]
+    for s in doc["servers"]:
+        out += [f"- {s['system']} ({s.get('kv_mode', '')}): `{P.shell(s.get('command') or [])}`"]
+    for fr in doc["fault_runs"]:
+        out += [f"- fault run {fr['system']} (spacing {fr.get('spacing_s')} s): `{P.shell(fr.get('command') or [])}`"]
+    if doc["trials"]:
+        out += ["", "Client, per trial: see `trials.jsonl` and the `raw/` result files; the command line of each "
+                "is in `work/client-*.log`."]
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def write_plots(out_dir: str, doc: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    note = CPU_NOTE if doc.get("cpu_check") else ""
+    for kv, agg_kv in doc["aggregate"].items():
+        names.append(plot_sweep(plt, out_dir, kv, agg_kv, note))
+    for fr in doc["fault_runs"]:
+        if fr.get("timeline"):
+            names.append(plot_timeline(plt, out_dir, fr, note))
+    return names
+
+
+def plot_sweep(plt, out_dir: str, kv: str, agg_kv: dict, note: str) -> str:
+    rates = sorted({r for s in agg_kv.values() for r in s}, key=rate_key)
+    xs = {r: i for i, r in enumerate(rates)}  # 'inf' as the last category
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system in _systems_in(agg_kv):
+        pts = [(xs[r], agg_kv[system][r]) for r in rates if r in agg_kv[system]]
+        for ax, key in zip(axes, ("output_throughput", "p99_tpot_ms")):
+            p = [(x, c[key]) for x, c in pts if c[key]["median"] is not None]
+            if not p:
+                continue
+            x = [a for a, _ in p]
+            m = [c["median"] for _, c in p]
+            err = [[c["median"] - c["min"] for _, c in p], [c["max"] - c["median"] for _, c in p]]
+            ax.errorbar(x, m, yerr=err, marker="o", capsize=3, label=P.SYSTEM_LABELS.get(system, system),
+                        color=COLORS.get(system))
+    for ax, title in zip(axes, ("output throughput (tok/s)", "p99 TPOT (ms)")):
+        ax.set_xticks(range(len(rates)), rates)
+        ax.set_xlabel("request rate (req/s, Poisson; inf: all at once)")
+        ax.set_title(title + ": median, bars min–max", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    name = f"sweep-{kv}.png"
+    _save(plt, fig, os.path.join(out_dir, name), note)
+    return name
+
+
+def plot_timeline(plt, out_dir: str, fr: dict, note: str) -> str:
+    tl = fr["timeline"]
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    ax.plot(tl["t"], tl["tokens_per_s"], color=COLORS.get(fr["system"], "#333333"), label="output tokens/s")
+    fails = tl.get("failed_starts") or []
+    if fails:
+        ax.scatter(fails, [0] * len(fails), marker="x", color="#d6604d", label="failed request (start)", zorder=3)
+    for i, f in enumerate(fr.get("faults") or []):
+        ax.axvline(f["t_rel"], color="#b2182b", ls="--", lw=1, label="fault" if i == 0 else None)
+    for i, e in enumerate(tl.get("down") or []):
+        ax.axvspan(e[0], e[1], color="#fddbc7", alpha=0.6, label="server restarting" if i == 0 else None)
+    ax.set_xlabel("time since the client's main run started (s)")
+    ax.set_ylabel("output tokens/s (1 s bins)")
+    ax.set_title(f"{P.SYSTEM_LABELS.get(fr['system'], fr['system'])}: {fr.get('rate')} req/s, a fault every "
+                 f"{fr.get('spacing_s')} s", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(alpha=0.3)
+    name = f"timeline-{fr['system']}-{fr.get('spacing_s'):g}s.png"
+    _save(plt, fig, os.path.join(out_dir, name), note)
+    return name
+
+
+def _save(plt, fig, path: str, note: str) -> None:
+    if note:
+        fig.text(0.99, 0.01, note, ha="right", va="bottom", fontsize=8, color="#b2182b")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
