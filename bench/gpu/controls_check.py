@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "vllmpatch", "src"))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))  # the bench package
-from failback_proof import stream, wait_endpoint  # noqa: E402  (same folder)
+from proof_load import stream, wait_endpoint  # noqa: E402  (same folder)
 from failover_proof import Deployment, failover_after, failover_seq, get, http_json  # noqa: E402
 
 from bench import exactness  # noqa: E402

@@ -40,7 +40,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failback_proof import (FAKE_MPS, FAULTS, add_count_args, apply_prefill_chunk, engines, restored,  # noqa: E402
-                            run_controls, spare_state, started, wait_endpoint)
+                            run_controls, spare_state, started)
+from proof_load import wait_endpoint  # noqa: E402
 from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
 
 from bench import proofcount  # noqa: E402  (standard library only)

@@ -38,8 +38,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failback_proof import (  # noqa: E402  (same folder, standard library only)
-    FAKE_MPS, FAULTS, Load, add_count_args, apply_prefill_chunk, bodies, burst_bodies, engines, events_of,
-    first_resumed, gaps_after, grep_all, max_gap_in, no_fault_run, restored, run_controls, started, stream_report)
+    FAKE_MPS, FAULTS, add_count_args, apply_prefill_chunk, engines, events_of, first_resumed, grep_all, restored,
+    run_controls, started, stream_report)
+from proof_load import Load, bodies, burst_bodies, gaps_after, max_gap_in, no_fault_run  # noqa: E402
 from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
 
 from bench.procs import alive, live_children  # noqa: E402  (standard library only)

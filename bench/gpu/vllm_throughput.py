@@ -31,7 +31,8 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failover_proof import Deployment  # noqa: E402
 
-from failback_proof import started, stream  # noqa: E402
+from failback_proof import started  # noqa: E402
+from proof_load import stream  # noqa: E402
 from start_profile import read_stacks  # noqa: E402  (py-spy's raw format, one parser)
 
 from bench.procs import collect  # noqa: E402  (standard library only)

@@ -16,7 +16,8 @@ import pytest
 from e2e import frmps_bin, require
 from bench import report
 from bench.results import ResultFile, key_id, latest_ok, load_records
-from bench.experiments import EXPERIMENTS, outage_metrics
+from bench.experiments import EXPERIMENTS
+from bench.outage import outage_metrics
 
 # Reduced CPU plans: every experiment and every system once, a few seconds each.
 HERE = os.path.dirname(os.path.abspath(__file__))
