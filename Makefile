@@ -124,9 +124,9 @@ c-test: c-build ## interceptor unit tests against the fake libcuda
 
 # The Python suites run on pytest-xdist's workers, one per core and at most 4 (each
 # worker imports torch, and vLLM in the adapter's tests), a test module to one worker
-# (--dist loadgroup, vllmpatch/tests/conftest.py) so a module's shared fixtures, a `frmps serve` deployment or a
+# (--dist loadfile) so a module's shared fixtures, a `frmps serve` deployment or a
 # loaded model, start once. PYTEST_PAR= runs them in one process.
-PYTEST_PAR ?= -n auto --maxprocesses=4 --dist loadgroup
+PYTEST_PAR ?= -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
 
 # The interceptor and its fake libcuda, built before the workers start: several test
 # modules build them (make -C interceptor), and two workers must not write them at once.

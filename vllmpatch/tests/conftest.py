@@ -110,16 +110,14 @@ def no_ring_left_in_dev_shm():
     assert not left, f"tests left frmps rings in /dev/shm: {left}"
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's --dist loadgroup (make py-test), a test module runs on one
-    worker: each test without an xdist_group marker of its own is put in its module's
-    group, so a module-scoped fixture (a `frmps serve` deployment, a loaded model) starts
-    once, not once on every worker that gets some of the module's tests. A module splits
-    where its tests name groups of their own (a deployment per parameter). Runs before
-    xdist's own hook, which reads the markers. Without loadgroup it does nothing."""
-    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers
+    """On pytest-xdist's workers (make py-test: --dist loadfile, a test module to one
+    worker, so a module-scoped fixture such as a `frmps serve` deployment starts once):
+    the modules that hold a test marked slow go first, in their collection order, so no
+    long test starts last while the other workers idle (with --no-loadscope-reorder the
+    workers take the modules in this order). The order within a module stays. Without
+    xdist it does nothing."""
+    if not hasattr(config, "workerinput"):
         return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in slow)  # a stable sort
