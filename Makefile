@@ -122,13 +122,25 @@ go-test: $(VENV)/.stamp ## Go tests with the race detector, the full writer-cras
 c-test: c-build ## interceptor unit tests against the fake libcuda
 	$(MAKE) -C interceptor test CFLAGS_STRICT='$(CFLAGS_STRICT)'
 
+# The Python suites run on pytest-xdist's workers, one per core and at most 4 (each
+# worker imports torch, and vLLM in the adapter's tests), a test module to one worker
+# (--dist loadfile) so a module's shared fixtures, a `frmps serve` deployment or a
+# loaded model, start once. PYTEST_PAR= runs them in one process.
+PYTEST_PAR ?= -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
+
+# The interceptor and its fake libcuda, built before the workers start: several test
+# modules build them (make -C interceptor), and two workers must not write them at once.
+.PHONY: py-test-libs
+py-test-libs:
+	$(MAKE) -C interceptor all build/libcuda_fake.so CFLAGS_STRICT='$(CFLAGS_STRICT)'
+
 .PHONY: py-test
-py-test: $(VENV)/.stamp go-build py-test-vllm026 ## Python tests (engine SDK, reference engine, ring writer, vLLM adapter on 0.33.0 and 0.26.0)
-	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY) -m pytest -q vllmpatch/tests
+py-test: $(VENV)/.stamp go-build py-test-libs py-test-vllm026 ## Python tests (engine SDK, reference engine, ring writer, vLLM adapter on 0.33.0 and 0.26.0)
+	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY) -m pytest -q $(PYTEST_PAR) vllmpatch/tests
 
 .PHONY: py-test-vllm026
-py-test-vllm026: $(VENV026)/.stamp go-build ## the vLLM adapter's tests against vLLM 0.26.0
-	FRMPS_EXPECT_VLLM=0.26.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY026) -m pytest -q -p no:cacheprovider vllmpatch/tests/vllm
+py-test-vllm026: $(VENV026)/.stamp go-build py-test-libs ## the vLLM adapter's tests against vLLM 0.26.0
+	FRMPS_EXPECT_VLLM=0.26.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY026) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) vllmpatch/tests/vllm
 
 .PHONY: test-notorch
 test-notorch: ## Go tests and the torch-free Python tests, without installing torch

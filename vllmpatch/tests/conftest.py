@@ -108,3 +108,16 @@ def no_ring_left_in_dev_shm():
     yield
     left = leaked_rings(before)
     assert not left, f"tests left frmps rings in /dev/shm: {left}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """On pytest-xdist's workers (make py-test: --dist loadfile, a test module to one
+    worker, so a module-scoped fixture such as a `frmps serve` deployment starts once):
+    the modules that hold a test marked slow go first, in their collection order, so no
+    long test starts last while the other workers idle (with --no-loadscope-reorder the
+    workers take the modules in this order). The order within a module stays. Without
+    xdist it does nothing."""
+    if not hasattr(config, "workerinput"):
+        return
+    slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in slow)  # a stable sort

@@ -21,7 +21,7 @@ from e2e import frmps_bin
 from bench.chaos import (Clients, Serve, baseline, check, double_fault, goroutine_dump, hang_active,
                                       kill_active, kill_supervisor, reference_outputs, settle, summarize, workload)
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.mark.parametrize("spare", [False, True], ids=["cold", "spare"])

@@ -64,6 +64,7 @@ def wait_spare_ready(dep, timeout: float = 120.0) -> dict:
     raise AssertionError(f"no ready spare within {timeout}s: {st.get('spare')}\n{dep.log_tail()}")
 
 
+@pytest.mark.slow
 def test_every_fault_is_followed_by_failback_and_streams_stay_exact():
     with deployment(sync_every=1, env=ENGINE_ENV, extra_args=ARGS, fake_mps=True) as dep:
         st = dep.status()

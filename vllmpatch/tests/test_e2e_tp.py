@@ -20,7 +20,7 @@ import pytest
 from e2e import Deployment, deployment
 from bench.procs import live_children, wait_gone
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(600)]
 
 ENGINE_ENV = {"FRMPS_TEST_STEP_DELAY_MS": "5"}
 ENGINE_ARGS = ["--tensor-parallel-size=2", "--engine-arg=--max-num-batched-tokens=64", "--max-restarts=1000000"]

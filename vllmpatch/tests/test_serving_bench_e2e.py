@@ -65,6 +65,7 @@ def procs_with(needle: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_sweep_and_fault_run_against_frmps_on_the_cpu(tiny_model, tmp_path):
     out = str(tmp_path / "res")
     common = ["--model", tiny_model, "--out", out, "--frmps", frmps_bin(), "--python", sys.executable,

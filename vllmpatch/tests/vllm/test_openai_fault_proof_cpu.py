@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[3]
 require("openai")
 
 
+@pytest.mark.slow
 def test_openai_fault_proof_cpu_check(tmp_path):
     from frmps_engine import modeldir
 

@@ -92,6 +92,7 @@ ARGS = ["--frontend", "vllm", "--served-model-name", "tiny", "--memory", "host-s
 ENGINE = "frmps_engine.vllm.testing:cpu_engine"
 
 
+@pytest.mark.slow
 def test_failover_through_vllms_api_server(model_dir):
     with deployment(model=model_dir, engine=ENGINE, extra_args=ARGS, env=_env()) as dep:
         wait_models(dep.base)
@@ -149,6 +150,7 @@ def test_failover_through_vllms_api_server(model_dir):
         assert fe.get("vllm_version") and int(fe.get("pid", 0)) > 0, fe
 
 
+@pytest.mark.slow
 def test_failback_hands_open_streams_over_through_vllms_api_server(model_dir):
     """With MPS placement (the test double of nvidia-cuda-mps-control, as on a GPU):
     after the active is killed mid-stream, the engine started from the spare in
