@@ -374,8 +374,7 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
     finally:
         dep.stop()
     for case in cases[len(out):]:
-        out.append({"case": case, "detected": False, "how": None, "streams": 0, "streams_in_flight": 0,
-                    "streams_affected": 0, "failover_ok": None, "error": None, "not_run": stopped, "tally": {}})
+        out.append({**proofcount.control_result(case, [], None), "not_run": stopped})
     return out
 
 

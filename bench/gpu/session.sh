@@ -76,12 +76,11 @@
 #                                      detected, the positive run exact
 #   margin:<model>[:<timeout>]         bench/gpu/margin_bound.py on the seeded checkpoint (alone vs in a batch)
 #   bi-margin:<model>[:<timeout>]      margin_bound.py with VLLM_BATCH_INVARIANT=1 in three variants (eager; Triton
-#                                      attention; both), 16 prompts of 96 tokens: the first variant with no prompt
-#                                      differing alone and batched is written to $WORK/exact-flags (frmps serve's
-#                                      --vllm-arg flags for it), which exact-proof reads
-#   exact-proof:<model>:<n>:<budget>[:<timeout>]  failback_proof.py with --engine vllm on the seeded checkpoint,
-#                                      VLLM_BATCH_INVARIANT=1 and $WORK/exact-flags: the controls (one deployment),
-#                                      then n real MPS faults with failback, every stream compared token for token
+#                                      attention; both), 16 prompts of 96 tokens: which one is batch-invariant here
+#                                      (frmps serve --exact asks for Triton attention, compiled)
+#   exact-proof:<model>:<n>:<budget>[:<timeout>]  failback_proof.py with --engine vllm and frmps serve --exact on the
+#                                      seeded checkpoint: the controls (one deployment), then n real MPS faults with
+#                                      failback, every stream compared token for token
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
 # (put ahead of PYTHONPATH).
@@ -359,9 +358,8 @@ stage_margin() {  # model [timeout]
 
 stage_bi_margin() {  # model [timeout]: which batch-invariant vLLM configuration is batch-invariant here
     vllm_env
-    local m v flags n
+    local m v flags
     m=$(seeded_for bi-margin "$1") || return
-    rm -f "$WORK/exact-flags"
     for v in eager triton triton-eager; do
         case $v in
             eager) flags=(--enforce-eager) ;;
@@ -372,31 +370,18 @@ stage_bi_margin() {  # model [timeout]: which batch-invariant vLLM configuration
         bounded "${2:-240}" python3 bench/gpu/margin_bound.py --model "$m" --batch-invariant "${flags[@]}" --prompts 16 \
             --max-tokens 96 --out "$OUT/margin-$1-bi-$v.json" > "$WORK/margin-$1-bi-$v.out" 2>&1
         log "bi-margin $1 $v: rc=$?"; grep -E "prompts differ|Using .*backend|attention backend" "$WORK/margin-$1-bi-$v.out" | cut -c1-300 | tail -n 3 >> "$S"
-        n=$(sed -n 's/^\([0-9]*\)\/[0-9]* prompts differ.*/\1/p' "$WORK/margin-$1-bi-$v.out")
-        if [ "$n" = 0 ] && [ ! -e "$WORK/exact-flags" ]; then
-            case $v in
-                eager) echo "--vllm-arg=--enforce-eager" ;;
-                triton) echo "--vllm-arg=--attention-backend=TRITON_ATTN" ;;
-                triton-eager) echo "--vllm-arg=--enforce-eager --vllm-arg=--attention-backend=TRITON_ATTN" ;;
-            esac > "$WORK/exact-flags"
-            log "bi-margin $1: batch-invariant with $v: $(cat "$WORK/exact-flags")"
-        fi
     done
-    [ -e "$WORK/exact-flags" ] || log "bi-margin $1: no variant batch-invariant"
 }
 
 stage_exact_proof() {  # model n budget [timeout]
     vllm_env
-    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330 + ${CONTROL_S:-900}))} m f sargs=()
+    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330 + ${CONTROL_S:-900}))} m
     m=$(seeded_for exact-proof "$model") || return
-    [ -e "$WORK/exact-flags" ] || { log "exact-proof $model: no \$WORK/exact-flags (run bi-margin first)"; return; }
-    for f in $(cat "$WORK/exact-flags"); do sargs+=("--serve-arg=$f"); done
     rm -rf "$WORK/exact-$model"
-    log "exact-proof $model: VLLM_BATCH_INVARIANT=1 frmps serve --engine vllm $(cat "$WORK/exact-flags"), controls ${CONTROLS:-on}, $n faults, budget ${budget}s"
-    (export VLLM_BATCH_INVARIANT=1
-     bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine vllm \
-        --model "$m" "${sargs[@]}" --controls "${CONTROLS:-on}" --faults "$n" --time-budget "$budget" \
-        --workdir "$WORK/exact-$model" --out "$OUT/exact-$model.json" > "$WORK/exact-$model.out" 2>&1)
+    log "exact-proof $model: frmps serve --engine vllm --exact, controls ${CONTROLS:-on}, $n faults, budget ${budget}s"
+    bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine vllm --model "$m" --serve-arg=--exact \
+        --controls "${CONTROLS:-on}" --faults "$n" --time-budget "$budget" \
+        --workdir "$WORK/exact-$model" --out "$OUT/exact-$model.json" > "$WORK/exact-$model.out" 2>&1
     log "exact-proof $model: rc=$?"
     grep -E "^control |controls:|streams in flight|passed unnoticed|^error" "$WORK/exact-$model.out" | tail -n 12 >> "$S"
     tail -n 6 "$WORK/exact-$model.out" >> "$S"
