@@ -9,6 +9,13 @@ import (
 	"github.com/frmps/frmps/supervisor/failover"
 )
 
+// ringsMade is every ring the deployment created, in order.
+func (w *fakeWorld) ringsMade() []*fakeRing {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return append([]*fakeRing(nil), w.rings...)
+}
+
 // The first active's Hello says how large its largest snapshot can be: a ring
 // the supervisor sized itself (not Config.RingFixed) grows to hold it before the Welcome
 // names it, at the same path; a later active (the ring in use) changes nothing.
@@ -23,9 +30,7 @@ func TestRingGrowsForTheFirstActive(t *testing.T) {
 		}
 		h := start(t, w, func(c *Config) { c.NoFailback = true; c.RingCapacity = 1 << 16 })
 		h.wantState(failover.ServingReady)
-		w.mu.Lock()
-		rings := append([]*fakeRing(nil), w.rings...)
-		w.mu.Unlock()
+		rings := w.ringsMade()
 		if len(rings) != 2 || rings[0].capacity != 1<<16 || rings[1].capacity != ringbuf.CapacityFor(3<<20) || rings[1].capacity != 16<<20 {
 			t.Fatalf("rings created: %+v", rings)
 		}
@@ -45,10 +50,7 @@ func TestRingGrowsForTheFirstActive(t *testing.T) {
 		w.liveRole(failover.Active).Kill()
 		synctest.Wait()
 		h.wantState(failover.ServingReady)
-		w.mu.Lock()
-		n := len(w.rings)
-		w.mu.Unlock()
-		if n != 2 || h.s.ring.capacity != 16<<20 {
+		if n := len(w.ringsMade()); n != 2 || h.s.ring.capacity != 16<<20 {
 			t.Fatalf("a later active grew the ring in use: %d rings, capacity %d", n, h.s.ring.capacity)
 		}
 		h.stop()
@@ -69,10 +71,7 @@ func TestRingStaysWhenFixedOrBigEnough(t *testing.T) {
 				w.behave = func(failover.Role, int) behavior { return behavior{ringRecord: tc.record} }
 				h := start(t, w, func(c *Config) { c.NoFailback = true; c.RingCapacity = 1 << 16; c.RingFixed = tc.fixed })
 				h.wantState(failover.ServingReady)
-				w.mu.Lock()
-				n := len(w.rings)
-				w.mu.Unlock()
-				if n != 1 || h.s.ring.capacity != 1<<16 {
+				if n := len(w.ringsMade()); n != 1 || h.s.ring.capacity != 1<<16 {
 					t.Fatalf("%d rings, capacity %d", n, h.s.ring.capacity)
 				}
 				h.stop()
