@@ -495,6 +495,9 @@ def main() -> int:
                          "block or batch flag; --engine-arg, --serve-arg, --num-blocks and --max-model-len refused); "
                          "--prefill-chunk then only names the engines' own chunk for the count (default 8192, "
                          "vllm serve's on a GPU of >= 70 GiB)")
+    ap.add_argument("--exact", action="store_true",
+                    help="frmps serve --exact (as the README shows it: vLLM's batch-invariant mode), with or without "
+                         "--quick-start; the controls' deployment too")
     add_count_args(ap)
     args = ap.parse_args()
     if args.quick_start:
@@ -512,7 +515,7 @@ def main() -> int:
         args.env = {"FRMPS_TEST_STEP_DELAY_MS": "10"}
     t_begin = now()
     os.makedirs(args.workdir, exist_ok=True)
-    report: dict = {"quick_start": args.quick_start, "engine": args.engine, "model": args.model, "device": args.device, "sync_every": args.sync_every,
+    report: dict = {"quick_start": args.quick_start, "exact": args.exact, "engine": args.engine, "model": args.model, "device": args.device, "sync_every": args.sync_every,
                     "streams": args.streams, "max_tokens": args.max_tokens, "burst": args.burst,
                     "prefill_chunk": args.prefill_chunk, "faults": []}
 

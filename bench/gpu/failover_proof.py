@@ -153,16 +153,17 @@ class Stream(threading.Thread):
 
 def serve_opts(a) -> ServeOpts:
     """What the proof's `frmps serve` runs, from its arguments."""
+    exact = ["--exact"] if getattr(a, "exact", False) else []  # the README's --exact
     if getattr(a, "quick_start", False):
-        # The README's GPU quick start: `frmps serve --model M` and nothing that changes
-        # how it serves; only where it listens and keeps its files.
+        # The README's GPU quick start: `frmps serve --model M` (with --exact, where asked) and
+        # nothing else that changes how it serves; only where it listens and keeps its files.
         return ServeOpts(frmps=a.frmps, python=None, model=a.model, device=None, memory=None, sync_every=None,
-                         engine=None)
+                         engine=None, serve_args=exact)
     return ServeOpts(frmps=a.frmps, python=a.python, model=a.model, device=a.device, memory=a.memory,
                      mps=not a.cpu or bool(getattr(a, "mps_control", "")),
                      sync_every=a.sync_every, num_blocks=a.num_blocks, max_model_len=a.max_model_len,
                      engine_args=list(a.engine_arg), engine=getattr(a, "engine", "ref"),
-                     serve_args=list(getattr(a, "serve_arg", []) or []) + shared_mps_args(a))
+                     serve_args=exact + list(getattr(a, "serve_arg", []) or []) + shared_mps_args(a))
 
 
 class Deployment(Serve):

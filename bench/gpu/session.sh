@@ -78,9 +78,10 @@
 #   bi-margin:<model>[:<timeout>]      margin_bound.py with VLLM_BATCH_INVARIANT=1 in three variants (eager; Triton
 #                                      attention; both), 16 prompts of 96 tokens: which one is batch-invariant here
 #                                      (frmps serve --exact asks for Triton attention, compiled)
-#   exact-proof:<model>:<n>:<budget>[:<timeout>]  failback_proof.py with --engine vllm and frmps serve --exact on the
-#                                      seeded checkpoint: the controls (one deployment), then n real MPS faults with
-#                                      failback, every stream compared token for token
+#   exact-proof:<model>:<n>:<budget>[:<timeout>]  failback_proof.py --quick-start --exact on the seeded checkpoint:
+#                                      `frmps serve --model DIR --exact` as the README shows it, the controls (one
+#                                      deployment), then n real MPS faults with failback, every stream compared token
+#                                      for token
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
 # (put ahead of PYTHONPATH).
@@ -378,8 +379,8 @@ stage_exact_proof() {  # model n budget [timeout]
     local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330 + ${CONTROL_S:-900}))} m
     m=$(seeded_for exact-proof "$model") || return
     rm -rf "$WORK/exact-$model"
-    log "exact-proof $model: frmps serve --engine vllm --exact, controls ${CONTROLS:-on}, $n faults, budget ${budget}s"
-    bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --engine vllm --model "$m" --serve-arg=--exact \
+    log "exact-proof $model: frmps serve --model $m --exact, controls ${CONTROLS:-on}, $n faults, budget ${budget}s"
+    bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --quick-start --exact --model "$m" \
         --controls "${CONTROLS:-on}" --faults "$n" --time-budget "$budget" \
         --workdir "$WORK/exact-$model" --out "$OUT/exact-$model.json" > "$WORK/exact-$model.out" 2>&1
     log "exact-proof $model: rc=$?"

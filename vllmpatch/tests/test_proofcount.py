@@ -240,3 +240,23 @@ def test_controls_are_void_when_the_positive_run_is_not_exact():
             pc.check_controls([bad, *detected])
     with pytest.raises(pc.ControlPassedUnnoticed, match="control position passed unnoticed"):
         pc.check_controls([rec(pc.POSITIVE, ["exact"]), *detected[:3], rec("position", ["exact"]), detected[4]])
+
+
+def test_the_proofs_start_frmps_serve_as_the_readme_shows_it():
+    """--quick-start is `frmps serve --model M` and nothing else that changes how it
+    serves; --exact adds the README's --exact, with or without it."""
+    import types
+
+    fo = _load("failover_proof")
+    base = dict(frmps="bin/frmps", python="python3", model="M", device="cuda", memory="cuda-vmm", cpu=False,
+                sync_every=1, num_blocks=0, max_model_len=0, engine_arg=["--max-num-batched-tokens=512"],
+                engine="vllm", serve_arg=[])
+    qs = fo.serve_opts(types.SimpleNamespace(**base, quick_start=True)).command(8000, "127.0.0.1:1", "/r", "/l")
+    assert qs[:4] == ["bin/frmps", "serve", "--model", "M"]
+    tuned = {"--engine", "--device", "--memory", "--sync-every", "--num-blocks", "--python", "--exact"}
+    assert not tuned & set(qs) and not any(a.startswith("--engine-arg") for a in qs)
+    qx = fo.serve_opts(types.SimpleNamespace(**base, quick_start=True, exact=True)).command(8000, "a:1", "/r")
+    assert qx.count("--exact") == 1 and not tuned - {"--exact"} & set(qx)
+    full = fo.serve_opts(types.SimpleNamespace(**base, exact=True)).command(8000, "a:1", "/r")
+    assert full.count("--exact") == 1 and "--engine-arg=--max-num-batched-tokens=512" in full
+    assert "--exact" not in fo.serve_opts(types.SimpleNamespace(**base)).command(8000, "a:1", "/r")
