@@ -174,6 +174,20 @@ def applied_controls(log_text: str) -> list[tuple[str, int]]:
     return list(dict.fromkeys((m.group(1), int(m.group(2))) for m in _APPLIED.finditer(log_text)))
 
 
+_NOT_APPLIED = re.compile(re.escape(takeover_fault.APPLIED) + r" (\S+) NOT applied: (.*)")
+
+
+def control_lines(log_text: str) -> dict[str, dict]:
+    """Per case, what the engines' log says of it: how many times it was applied,
+    and why not where it found no request (``takeover_fault.not_applied_line``)."""
+    out: dict[str, dict] = {}
+    for m in _APPLIED.finditer(log_text):
+        out.setdefault(m.group(1), {"applied": 0, "not_applied": []})["applied"] += 1
+    for m in _NOT_APPLIED.finditer(log_text):
+        out.setdefault(m.group(1), {"applied": 0, "not_applied": []})["not_applied"].append(m.group(2).strip())
+    return out
+
+
 def applied_prompt_lengths(log_text: str) -> list[tuple[str, int]]:
     """(case, prompt length in tokens) of every control applied: how a client that
     does not know the engine's request keys finds the request a control hit."""

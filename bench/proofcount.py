@@ -212,9 +212,21 @@ def check_controls(results: Sequence[dict]) -> None:
                 f"{'; ' if r['how'] and t.get('not_in_flight_not_exact') else ''}"
                 f"{str(t.get('not_in_flight_not_exact')) + ' stream(s) not in flight not exact' if t.get('not_in_flight_not_exact') else ''}): "
                 "the comparison fails without a broken takeover, so no control can be told from it")
-    missed = [r["case"] for r in results if r["case"] != POSITIVE and not r["detected"]]
+    missed = [r for r in results if r["case"] != POSITIVE and not r["detected"]]
     if missed:
-        raise ControlPassedUnnoticed(", ".join(f"control {c} passed unnoticed" for c in missed))
+        raise ControlPassedUnnoticed(", ".join(f"control {r['case']} {unnoticed(r)}" for r in missed))
+
+
+def unnoticed(r: dict) -> str:
+    """How a control that was not detected went: applied and unnoticed, or never
+    applied (the engines' log said why), or not known (no log was read)."""
+    applied = r.get("applied")
+    if applied is None:
+        return "passed unnoticed"
+    if applied:
+        return f"passed unnoticed (applied {applied} time(s))"
+    why = "; ".join(dict.fromkeys(r.get("not_applied") or [])) or "the engines' logs say nothing of it"
+    return f"was never applied ({why})"
 
 
 def controls_arg(s: str) -> list[str]:

@@ -38,7 +38,7 @@ from failover_proof import (  # noqa: E402  (same folder, standard library only)
     LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, http_json, loglines, mps_trigger,
     nvidia_smi)
 
-from bench import proofcount  # noqa: E402  (standard library only)
+from bench import exactness, proofcount  # noqa: E402
 from bench.runctx import FAULT_KINDS as FAULTS  # noqa: E402  (the seven kinds, in the soaks' order)
 from proof_load import (  # noqa: E402  (same folder, standard library only)
     Load, bodies, burst_bodies, gaps_after, max_gap_in, no_fault_run, now, wait_endpoint)
@@ -340,6 +340,8 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
         if fig["errors"]:
             raise RuntimeError(f"controls: the no-fault run failed: {fig['errors'][:3]}")
         last = [0.0]
+        applied_before: dict[str, int] = {}
+        not_applied_before: dict[str, list] = {}
         for k, case in enumerate(cases):
             creqs, ref, ptoks = reqs, ref0, fig.get("prompt_tokens") or []
             if case != proofcount.POSITIVE:
@@ -364,6 +366,12 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
             streams, _ = count_streams(list(load.done), events_of([rec]), ptoks, args.prefill_chunk)
             fo = rec.get("failover") or {}
             r = proofcount.control_result(case, streams, fo.get("ok") if fo else None, err)
+            if case != proofcount.POSITIVE:  # what the engines' logs say of this case since the last one
+                seen = exactness.control_lines(engine_logs(dep.log_dir)).get(case) or {}
+                r.update(applied=seen.get("applied", 0) - applied_before.get(case, 0),
+                         not_applied=(seen.get("not_applied") or [])[len(not_applied_before.get(case, [])):])
+                applied_before[case] = seen.get("applied", 0)
+                not_applied_before[case] = seen.get("not_applied") or []
             r.update(fault=trigger_spec, seconds=round(now() - t0, 1), fault_to_detect_s=rec.get("fault_to_detect_s"))
             out.append(r)
             if err:
@@ -376,6 +384,16 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
     for case in cases[len(out):]:
         out.append({**proofcount.control_result(case, [], None), "not_run": stopped})
     return out
+
+
+def engine_logs(log_dir: str) -> str:
+    """Every engine's log of a deployment, one text (the controls' lines)."""
+    text = []
+    for name in sorted(os.listdir(log_dir)):
+        if name.endswith(".log") and name != "frmps.log":
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                text.append(f.read())
+    return "\n".join(text)
 
 
 def run_controls(args, report: dict, save, trigger_spec: str) -> bool:
@@ -394,7 +412,8 @@ def run_controls(args, report: dict, save, trigger_spec: str) -> bool:
         cases.append(proofcount.POSITIVE)
     for r in control_cycles(args, cases, trigger_spec):
         report["controls"].append(r)
-        print(f"control {r['case']}: detected={r['detected']} ({r['how'] or 'every stream exact'}) "
+        applied = "" if r.get("applied") is None else f" applied={r['applied']}{' (' + '; '.join(r['not_applied']) + ')' if r.get('not_applied') else ''}"
+        print(f"control {r['case']}: detected={r['detected']}{applied} ({r['how'] or 'every stream exact'}) "
               f"in flight {r['streams_in_flight']}/{r['streams']} affected {r['streams_affected']} "
               f"failover_ok={r['failover_ok']} {r.get('seconds')}s", flush=True)
     save()

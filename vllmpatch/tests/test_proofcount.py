@@ -260,3 +260,27 @@ def test_the_proofs_start_frmps_serve_as_the_readme_shows_it():
     full = fo.serve_opts(types.SimpleNamespace(**base, exact=True)).command(8000, "a:1", "/r")
     assert full.count("--exact") == 1 and "--engine-arg=--max-num-batched-tokens=512" in full
     assert "--exact" not in fo.serve_opts(types.SimpleNamespace(**base)).command(8000, "a:1", "/r")
+
+
+def test_a_control_never_applied_is_told_from_one_that_passed_unnoticed():
+    from bench import exactness
+    from frmps_engine.sdk import takeover_fault as tf
+
+    log = "\n".join([
+        "x " + tf.applied_line("zero-block", 3, 40, "KV block 7 (its first) zeroed"),
+        "y " + tf.applied_line("zero-block", 5, 41, "KV block 9 (its first) zeroed"),
+        "z " + tf.not_applied_line("sampler-offset", "no adopted sampled (temperature > 0) request with KV blocks"),
+    ])
+    seen = exactness.control_lines(log)
+    assert seen["zero-block"] == {"applied": 2, "not_applied": []}
+    assert seen["sampler-offset"] == {"applied": 0, "not_applied": [
+        "no adopted sampled (temperature > 0) request with KV blocks"]}
+    assert "position" not in seen
+    base = {"case": "sampler-offset", "detected": False, "how": None}
+    with pytest.raises(pc.ControlPassedUnnoticed, match=r"sampler-offset was never applied \(no adopted sampled"):
+        pc.check_controls([{**base, "applied": 0, "not_applied": seen["sampler-offset"]["not_applied"]}])
+    with pytest.raises(pc.ControlPassedUnnoticed, match=r"passed unnoticed \(applied 1 time"):
+        pc.check_controls([{**base, "applied": 1, "not_applied": []}])
+    with pytest.raises(pc.ControlPassedUnnoticed, match=r"sampler-offset passed unnoticed$"):
+        pc.check_controls([base])  # no log read
+    pc.check_controls([{**base, "detected": True, "applied": 1}])

@@ -12,6 +12,7 @@ and with a sampler called as V2's.
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
@@ -74,24 +75,40 @@ def test_stand_in_refuses_what_it_cannot_apply(model_dir):  # noqa: F811
     takeover_fault.TakeoverFaults(("shift-table",), BS).check_core(eng)  # needs nothing of the engine
 
 
+def _v2_sample_signature() -> inspect.Signature:
+    """The installed vLLM's V2 ``Sampler.sample`` signature (its parameters'
+    order differs between versions)."""
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    return inspect.signature(Sampler.sample)
+
+
 class _Runner:
     """A model runner as VllmCore's hooks reach it: ``kv_caches`` (one tensor per
-    layer, K and V stacked first, as FlashAttention's layout), a V2-like sampler
-    whose ``sample`` gets (logits, expanded_idx_mapping, ..., pos, ...), and
+    layer, K and V stacked first, as FlashAttention's layout), a sampler whose
+    ``sample`` has the installed vLLM's V2 signature, and
     ``req_states.req_id_to_index``."""
 
     def __init__(self, nb):
         self.kv_caches = [torch.randn(2, nb, BS, 2, 4) for _ in range(2)]
         self.req_states = types.SimpleNamespace(req_id_to_index={request_id_for_key(1): 0, request_id_for_key(2): 1})
         self.seen = []
-        runner = self
+        runner, sig = self, _v2_sample_signature()
 
         class Sampler:
-            def sample(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, *a, **kw):
-                runner.seen.append(pos.clone())
-                return pos
+            def sample(self, *args, **kwargs):
+                got = sig.bind(self, *args, **kwargs).arguments
+                runner.seen.append({name: got.get(name) for name in ("pos", "input_ids")})
+                return got["pos"]
 
+        Sampler.sample.__signature__ = sig
         self.sampler = Sampler()
+
+    def call_sample(self, **named):
+        """sampler.sample called as vLLM calls it: every argument by position, in the
+        installed version's order (None for those not named)."""
+        names = [p for p in _v2_sample_signature().parameters if p != "self"]
+        return self.sampler.sample(*[named.get(p) for p in names if p != "return_logprobs"])
 
 
 def test_vllm_hooks_write_kv_blocks_and_shift_the_sampler(model_dir):  # noqa: F811
@@ -109,7 +126,23 @@ def test_vllm_hooks_write_kv_blocks_and_shift_the_sampler(model_dir):  # noqa: F
         assert torch.equal(t[:, 1], b[:, 2]) and torch.equal(t[:, 2], b[:, 1]), "blocks 1 and 2 swapped"
         assert torch.all(t[:, 7] == 0) and torch.equal(t[:, 8], b[:, 8]), "block 7 zeroed, its neighbour kept"
     eng.shift_sampler(2, 1)
-    pos = torch.tensor([40, 35, 36])
+    pos, ids = torch.tensor([40, 35, 36]), torch.tensor([5, 6, 7])
     mapping = torch.tensor([0, 1, 1])
-    runner.sampler.sample(None, mapping, mapping, mapping.numpy(), pos)
-    assert runner.seen[-1].tolist() == [40, 36, 37], "request 2's rows draw one position further on"
+    runner.call_sample(expanded_idx_mapping=mapping, idx_mapping=mapping, idx_mapping_np=mapping.numpy(), pos=pos,
+                       input_ids=ids)
+    assert runner.seen[-1]["pos"].tolist() == [40, 36, 37], "request 2's rows draw one position further on"
+    assert runner.seen[-1]["input_ids"].tolist() == [5, 6, 7], "and nothing else changes"
+
+
+def test_sampler_offset_is_refused_where_sample_takes_no_position(model_dir):  # noqa: F811
+    eng = engine(model_dir)
+    runner = _Runner(int(eng.scheduler.kv_cache_manager.block_pool.num_gpu_blocks))
+
+    class Sampler:
+        def sample(self, logits, expanded_idx_mapping, positions):  # not V2's parameter names
+            return positions
+
+    runner.sampler = Sampler()
+    eng.core.__class__ = type("WithRunner", (type(eng.core),), {"model_runner": property(lambda s: runner)})
+    with pytest.raises(takeover_fault.ControlError, match="takes no pos"):
+        takeover_fault.TakeoverFaults(("sampler-offset",), BS).check_core(eng)

@@ -13,6 +13,8 @@ This module imports vLLM only inside functions.
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -262,10 +264,14 @@ class VllmCore:
         if any(c != "sampler-offset" for c in cases) and not getattr(runner, "kv_caches", None):
             raise ValueError("the KV-content negative controls need vLLM's model runner and its KV caches in this "
                              "process (one GPU, the in-process executor; the CPU stand-in keeps no KV)")
-        if "sampler-offset" in cases and not (hasattr(getattr(runner, "sampler", None), "sample")
-                                              and hasattr(getattr(runner, "req_states", None), "req_id_to_index")):
-            raise ValueError("sampler-offset needs vLLM's V2 model runner (its sampler draws from (seed, position)) "
-                             "in this process")
+        if "sampler-offset" in cases:
+            sample = getattr(getattr(runner, "sampler", None), "sample", None)
+            if sample is None or not hasattr(getattr(runner, "req_states", None), "req_id_to_index"):
+                raise ValueError("sampler-offset needs vLLM's V2 model runner (its sampler draws from (seed, "
+                                 "position)) in this process")
+            missing = {"expanded_idx_mapping", "pos"} - set(inspect.signature(sample).parameters)
+            if missing:
+                raise ValueError(f"sampler-offset: this vLLM's V2 sampler.sample takes no {', '.join(sorted(missing))}")
 
     def fault_kv(self, op: str, block: int, other: int, slot: int) -> None:
         """Zero a block (or one slot of it) or swap two blocks in every layer's KV
@@ -307,21 +313,27 @@ class VllmCore:
     def shift_sampler(self, key: int, n: int) -> None:
         """vLLM's V2 sampler draws a token's noise from (seed, position of the
         sampled row): wrap the runner's sampler once so that the rows of request
-        ``key`` draw with position + n."""
+        ``key`` draw with position + n. The arguments are bound by name: the
+        order of sample's parameters differs between vLLM versions (0.26 has no
+        idx_mapping before idx_mapping_np)."""
         runner = _runner_of(self.core)
         sampler = runner.sampler
         shifts = vars(sampler).get("_frmps_shifts")
         if shifts is None:
             shifts = {}
             inner = sampler.sample
+            sig = inspect.signature(inner)
             states = runner.req_states
 
-            def sample(logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, *a, **kw):
+            def sample(*args, **kwargs):
+                bound = sig.bind(*args, **kwargs)
+                pos, mapping = bound.arguments["pos"], bound.arguments["expanded_idx_mapping"]
                 for rid, k in list(shifts.items()):
                     idx = states.req_id_to_index.get(rid)
                     if idx is not None:
-                        pos = pos + (expanded_idx_mapping == idx).to(pos.dtype) * k
-                return inner(logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, pos, *a, **kw)
+                        pos = pos + (mapping == idx).to(pos.dtype) * k
+                bound.arguments["pos"] = pos
+                return inner(*bound.args, **bound.kwargs)
 
             sampler.sample = sample
             sampler._frmps_shifts = shifts
