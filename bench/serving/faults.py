@@ -20,7 +20,7 @@ import time
 from . import plan as P
 from . import report, results
 from .reuse import Cleanup, MpsTrigger, SigkillTrigger, TrialError, tail
-from .run import client_timeout, run_client
+from .run import bench_client, client_timeout, run_client
 from .servers import FrmpsServer, VllmServer, make_server
 
 
@@ -166,14 +166,15 @@ def run_fault_window(plan: P.Plan, system: str, out_dir: str, rate: float, windo
         srv.start()
         srv.wait_ready(plan.ready_timeout_s)
         clog = os.path.join(work, f"client-fault-{system}-s{spacing_s:g}.log")
-        run_client(plan.warmup_cmd(srv.base, raw_dir), clog, cleanup,
+        client = bench_client(plan, cleanup)
+        run_client(client, plan.warmup_cmd(srv.base, raw_dir), clog,
                    client_timeout(plan, P.INF, plan.warmup_prompts or plan.alike.max_num_seqs))
         offsets = fault_times(window_s, spacing_s)
         inj = Injector(srv, plan, offsets, kinds, faults_dir, cleanup)
         inj.start()
         cmd = plan.bench_cmd(srv.base, rate, 0, raw_dir, name, num_prompts=n, label=f"fault-{system}")
         rec["client_command"] = cmd
-        rc = run_client(cmd, clog, cleanup, client_timeout(plan, rate, n) + window_s, on_start=inj.begin)
+        rc = run_client(client, cmd, clog, client_timeout(plan, rate, n) + window_s, on_start=inj.begin)
         inj.stop.set()
         inj.join(120)
         if rc != 0:

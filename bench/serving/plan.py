@@ -259,14 +259,16 @@ class Plan:
         return [(t, r) for t in range(self.trials) for r in self.rates]
 
     def estimate_s(self, start_s: dict[str, float] | None = None, drain_s: float = 5.0,
-                   client_s: float = 10.0) -> dict[str, float]:
+                   client_s: float = 4.0, import_s: float = 30.0) -> dict[str, float]:
         """A rough duration per system: its start (start_s, else 120 s on a GPU),
         a warm-up, and each trial's arrivals plus drain_s, plus client_s per
-        client run (vllm bench serve's imports, tokenizer and dataset before its
-        first request). An 'inf' trial is counted as trial_s."""
+        client run (tokenizer and dataset before its first request); the first
+        system also import_s, the client's one import of vLLM (client.py). An
+        'inf' trial is counted as trial_s."""
         out = {}
-        for system in self.systems:
+        for i, system in enumerate(self.systems):
             t = (start_s or {}).get(system, 120.0 if self.device != "cpu" else 15.0) + drain_s * 2 + client_s
+            t += import_s if i == 0 else 0.0
             for _, rate in self.schedule():
                 t += (self.stream.trial_s if rate == INF else self.num_prompts(rate) / rate) + drain_s + client_s
             out[system] = round(t)

@@ -19,7 +19,8 @@ import time
 
 from . import plan as P
 from . import report, results
-from .reuse import MPS_CONTROL, Cleanup, TrialError, tail
+from .client import Client, ClientError
+from .reuse import MPS_CONTROL, Cleanup, TrialError, kill_group, tail
 from .servers import make_server
 
 
@@ -114,39 +115,23 @@ def install_cleanup(cleanup: Cleanup) -> None:
 # ----------------------------------------------------------------------------- the client
 
 
-def run_client(cmd: list[str], log_path: str, cleanup: Cleanup, timeout_s: float,
-               on_start=None) -> int:
-    """Run `vllm bench serve` in a process group of its own; its output to
-    log_path. on_start(t) is called with time.perf_counter() when the client
-    prints that its main run starts. Returns its exit status (TrialError past
-    timeout_s, after killing it)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "ab") as log:
-        log.write(f"$ {P.shell(cmd)}\n".encode())
-        log.flush()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        cleanup.add_proc(p)
+def bench_client(plan: P.Plan, cleanup: Cleanup) -> Client:
+    """The run's `vllm bench serve` (bench/serving/client.py: one process, vLLM's own
+    client and parser, imported once), stopped by cleanup however the run ends."""
+    c = Client(plan.bench_python, cleanup.add_proc, kill_group)
+    cleanup.add(c.close)
+    return c
 
-        def pump():
-            for line in p.stdout:
-                log.write(line)
-                log.flush()
-                if on_start is not None and b"Starting main benchmark run" in line:
-                    on_start(time.perf_counter())
 
-        t = threading.Thread(target=pump, daemon=True)
-        t.start()
-        try:
-            rc = p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            from .reuse import kill_group
-
-            kill_group(p)
-            t.join(5)
-            raise TrialError(f"vllm bench serve ran past {timeout_s:.0f} s; log tail:\n{tail(log_path, 15)}") from None
-        t.join(10)
-        p.stdout.close()
-    return rc
+def run_client(client: Client, cmd: list[str], log_path: str, timeout_s: float, on_start=None) -> int:
+    """Run one `vllm bench serve` command line in client; its output to log_path.
+    on_start(t) is called with time.perf_counter() when the client prints that its
+    main run starts. Returns its exit status (TrialError past timeout_s, after
+    killing the client, or when it died)."""
+    try:
+        return client.run(cmd, log_path, timeout_s, on_start)
+    except ClientError as e:
+        raise TrialError(f"vllm bench serve: {e}; log tail:\n{tail(log_path, 15)}") from None
 
 
 def client_timeout(plan: P.Plan, rate: float, n: int | None = None) -> float:
@@ -201,6 +186,7 @@ def run_sweep(plan: P.Plan, out_dir: str, cleanup: Cleanup | None = None, log=pr
     jsonl = os.path.join(out_dir, "trials.jsonl")
     with open(os.path.join(out_dir, "plans.jsonl"), "a") as f:
         f.write(json.dumps({"kind": "sweep", **plan.to_json()}) + "\n")
+    client = bench_client(plan, cleanup)
     try:
         for system in plan.systems:
             srv = make_server(plan, system, work, cleanup)
@@ -216,7 +202,7 @@ def run_sweep(plan: P.Plan, out_dir: str, cleanup: Cleanup | None = None, log=pr
                     f"({info['kv'].get('source')})")
                 wcmd = plan.warmup_cmd(srv.base, raw_dir)
                 wlog = os.path.join(work, f"client-{system}-{kv}.log")
-                rc = run_client(wcmd, wlog, cleanup, client_timeout(plan, P.INF, plan.warmup_prompts or plan.alike.max_num_seqs))
+                rc = run_client(client, wcmd, wlog, client_timeout(plan, P.INF, plan.warmup_prompts or plan.alike.max_num_seqs))
                 info["warmup_rc"] = rc
                 for trial, rate in plan.schedule():
                     name = trial_name(system, kv, rate, trial)
@@ -225,7 +211,7 @@ def run_sweep(plan: P.Plan, out_dir: str, cleanup: Cleanup | None = None, log=pr
                            "seed": plan.trial_seed(trial), "num_prompts": plan.num_prompts(rate), "file": f"raw/{name}"}
                     t1 = time.monotonic()
                     try:
-                        rc = run_client(cmd, wlog, cleanup, client_timeout(plan, rate))
+                        rc = run_client(client, cmd, wlog, client_timeout(plan, rate))
                         if rc != 0:
                             raise TrialError(f"vllm bench serve exited {rc}; log tail:\n{tail(wlog, 15)}")
                         raw = results.load_bench_json(os.path.join(raw_dir, name))

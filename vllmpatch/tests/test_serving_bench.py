@@ -155,9 +155,11 @@ def test_client_command_parses_with_vllm_bench_serve():
 def test_schedule_runs_every_rate_in_each_trial_and_estimates():
     p = mkplan(rates=[2.0, P.INF], trials=2, stream=P.Stream(trial_s=10))
     assert p.schedule() == [(0, 2.0), (0, P.INF), (1, 2.0), (1, P.INF)]
-    est = p.estimate_s(start_s={s: 60.0 for s in P.SYSTEMS}, drain_s=5, client_s=0)
+    est = p.estimate_s(start_s={s: 60.0 for s in P.SYSTEMS}, drain_s=5, client_s=0, import_s=0)
     assert est[P.VLLM] == 60 + 10 + 4 * (10 + 5)
-    assert p.estimate_s(start_s={s: 60.0 for s in P.SYSTEMS}, drain_s=5, client_s=10)[P.VLLM] == est[P.VLLM] + 5 * 10
+    assert p.estimate_s(start_s={s: 60.0 for s in P.SYSTEMS}, drain_s=5, client_s=10, import_s=0)[P.VLLM] == est[P.VLLM] + 5 * 10
+    once = p.estimate_s(start_s={s: 60.0 for s in P.SYSTEMS}, drain_s=5, client_s=0, import_s=30)
+    assert once[p.systems[0]] == est[p.systems[0]] + 30 and once[p.systems[1]] == est[p.systems[1]]
 
 
 def test_dry_run_prints_every_command_and_starts_nothing(capsys, tmp_path):
@@ -460,3 +462,69 @@ def test_restart_loop_restarts_and_stop_leaves_no_server_and_no_mps_daemon(monke
     assert not _alive(daemon_pid), "the MPS daemon outlived the server's stop"
     assert not os.path.exists(run_dir)
     cleanup.run()  # nothing left to do, and nothing raises
+
+
+# ----------------------------------------------------------------------------- the long-lived client
+
+def _fake_python(tmp_path, body: str) -> str:
+    """A stand-in for `python -m bench.serving.client` (labelled test double): a
+    shell script speaking the client's line protocol."""
+    from bench.serving import client as C
+
+    p = tmp_path / "fake-python"
+    p.write_text(f"#!/bin/sh\necho '{C.READY}'\n{body}\n")
+    p.chmod(0o755)
+    return str(p)
+
+
+def _client(python):
+    from bench.procs import Cleanup, kill_group
+    from bench.serving import client as C
+
+    cleanup = Cleanup()
+    return C.Client(python, cleanup.add_proc, kill_group, start_timeout_s=20), cleanup
+
+
+def test_client_sends_the_arguments_after_bench_serve_and_reads_the_status(tmp_path):
+    from bench.serving import client as C
+
+    cmd = mkplan().bench_cmd("http://127.0.0.1:9", 8.0, 0, "/res", "x.json")
+    argv = C.bench_argv(cmd)
+    assert argv[:2] == ["--backend", "openai"] and argv == cmd[5:]
+    with pytest.raises(ValueError, match="not a `vllm bench serve`"):
+        C.bench_argv(["python", "-m", "vllm.entrypoints.cli.main", "serve", "m"])
+    # The double echoes what it was sent, the main-run line, and a status of 3.
+    py = _fake_python(tmp_path, f"while read -r line; do echo \"got $line\"; echo '{C.MAIN_RUN}...'; "
+                                f"echo '{C.DONE} 3'; done")
+    client, cleanup = _client(py)
+    started = []
+    try:
+        log = tmp_path / "client.log"
+        assert client.run(cmd, str(log), 20, on_start=started.append) == 3
+        assert client.run(cmd, str(log), 20) == 3  # the same process, a second run
+        text = log.read_text()
+        assert text.count("got " + json.dumps(argv)) == 2 and len(started) == 1
+    finally:
+        client.close()
+        cleanup.run()
+
+
+def test_client_that_overstays_or_dies_is_killed_and_the_next_run_starts_a_fresh_one(tmp_path):
+    from bench.serving import client as C
+    from bench.serving import reuse
+    from bench.serving import run as RUN
+
+    cmd = mkplan().bench_cmd("http://127.0.0.1:9", 8.0, 0, "/res", "x.json")
+    py = _fake_python(tmp_path, "read -r line; exec sleep 600")  # never answers
+    client, cleanup = _client(py)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(reuse.TrialError, match="timed out"):
+            RUN.run_client(client, cmd, str(tmp_path / "a.log"), 1.0)
+        assert time.monotonic() - t0 < 15 and client.p is None, "killed, not waited for"
+        client.python = _fake_python(tmp_path, "read -r line; exit 7")  # dies in its run
+        with pytest.raises(C.ClientError, match="exited"):
+            client.run(cmd, str(tmp_path / "b.log"), 5)
+    finally:
+        client.close()
+        cleanup.run()

@@ -92,6 +92,7 @@ def test_sweep_and_fault_run_against_frmps_on_the_cpu(tiny_model, tmp_path):
     assert os.path.getsize(os.path.join(out, "sweep-default-kv.png")) > 5000
     # The server is gone, its run directory removed.
     assert not procs_with(srv["run_dir"]) and not os.path.exists(srv["run_dir"])
+    assert not procs_with("bench.serving.client"), "the long-lived benchmark client was left running"
 
     # Fault mode on the CPU: SIGKILL of the active every 6 s; frmps's standby takes over.
     p = harness(["faults", *common, "--rate", "3", "--window-s", "16", "--spacing-s", "6", "--range-ratio", "0",
@@ -110,6 +111,7 @@ def test_sweep_and_fault_run_against_frmps_on_the_cpu(tiny_model, tmp_path):
     assert os.path.getsize(os.path.join(out, "timeline-frmps-6s.png")) > 5000
     # The sweep's rows are still in the rebuilt report.
     assert len(doc["trials"]) == 4
+    assert not procs_with("bench.serving.client")
 
 
 def test_sigterm_stops_the_run_and_leaves_no_server(tiny_model, tmp_path):
