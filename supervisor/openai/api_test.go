@@ -522,3 +522,45 @@ func TestReturnTokenIDs(t *testing.T) {
 		t.Fatal("token_ids present without return_token_ids")
 	}
 }
+
+// TestStreamingChunkPerTokenMessage: as vLLM's server, one chunk for each engine
+// message that carries tokens, also when the detokeniser held its text back
+// (the chunk's text is then empty); the text is whole at the end.
+func TestStreamingChunkPerTokenMessage(t *testing.T) {
+	h, eng := newHarness(t, openai.Config{}, fakegen.Config{HoldText: true})
+	for i, tc := range []struct{ path, body, field string }{
+		{"/v1/completions", `{"model":"test-model","prompt":"a b","stream":true,"max_tokens":6}`, "text"},
+		{"/v1/chat/completions", `{"model":"test-model","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":6}`, "content"},
+	} {
+		resp := h.post(tc.path, tc.body)
+		s := readStream(t, resp.Body, nil)
+		resp.Body.Close()
+		_, text, _ := fakegen.Expected(h.ecfg, eng.Requests()[i])
+		if s.text() != text {
+			t.Errorf("%s: text %q, want %q", tc.path, s.text(), text)
+		}
+		empty, withText := 0, 0
+		for _, ev := range s.events {
+			for _, c := range ev["choices"].([]any) {
+				cm := c.(map[string]any)
+				v, ok := cm[tc.field].(string)
+				if d, isChat := cm["delta"].(map[string]any); isChat {
+					if _, role := d["role"]; role {
+						continue // the role's opening chunk, before any token
+					}
+					v, ok = d[tc.field].(string)
+				}
+				switch {
+				case ok && v == "" && cm["finish_reason"] == nil:
+					empty++
+				case ok && v != "":
+					withText++
+				}
+			}
+		}
+		// 6 tokens, one per message: 3 held back (empty), 3 carrying text.
+		if empty != 3 || withText != 3 {
+			t.Errorf("%s: %d empty and %d non-empty token chunks, want 3 and 3: %v", tc.path, empty, withText, s.raw)
+		}
+	}
+}

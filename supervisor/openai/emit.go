@@ -145,8 +145,13 @@ func appendTokenIDs(b []byte, ids []uint32) []byte {
 	return append(b, ']')
 }
 
+// text writes one chunk per engine message that carries tokens, with its text
+// (possibly empty: a token that ends inside a UTF-8 character, or a special
+// token), as vLLM's server streams one chunk per step's output: a client's
+// inter-token latency then counts the engine's steps, not the detokeniser's
+// hold-backs. A message with neither text nor tokens writes nothing.
 func (o *sseOutput) text(delta string, ids []uint32) error {
-	if delta == "" && (!o.returnIDs || len(ids) == 0) {
+	if delta == "" && len(ids) == 0 {
 		return nil
 	}
 	o.mu.Lock()

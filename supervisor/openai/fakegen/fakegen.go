@@ -54,6 +54,10 @@ type Config struct {
 	TextPad int
 	// StampText makes each chunk's text the emit time in Unix nanoseconds (benchmarks).
 	StampText bool
+	// HoldText sends every other chunk's tokens with no text, their text going
+	// out with the next chunk, as a detokeniser holds back a token that ends
+	// inside a UTF-8 character.
+	HoldText bool
 	// PromptIDs makes Generate's first chunk carry the prompt's token ids, as
 	// the real engines do (one id per word, three per chat message's role); a
 	// request is then identified by those ids, whichever input carries them.
@@ -332,7 +336,7 @@ func (e *Engine) emit(stream grpc.ServerStreamingServer[frmpsv1.GenerateResponse
 		ticker = time.NewTicker(e.cfg.Interval)
 		defer ticker.Stop()
 	}
-	sent := 0
+	sent, held := 0, ""
 	if start >= pl.total {
 		return stream.Send(&frmpsv1.GenerateResponse{OutputIndex: uint32(pl.total), FinishReason: pl.finish,
 			Usage: &frmpsv1.Usage{PromptTokens: uint32(pl.promptTokens), CompletionTokens: uint32(pl.total)}})
@@ -375,7 +379,11 @@ func (e *Engine) emit(stream grpc.ServerStreamingServer[frmpsv1.GenerateResponse
 		if e.cfg.TextPad > 0 {
 			sb.WriteString(strings.Repeat(".", e.cfg.TextPad))
 		}
-		resp.Text = sb.String()
+		resp.Text = held + sb.String()
+		held = ""
+		if e.cfg.HoldText && ((i-start)/per)%2 == 0 && end < pl.total && !kill {
+			held, resp.Text = resp.Text, ""
+		}
 		if end == pl.total && !kill {
 			resp.FinishReason = pl.finish
 		}
