@@ -168,7 +168,7 @@ def run_fault_window(plan: P.Plan, system: str, out_dir: str, rate: float, windo
         clog = os.path.join(work, f"client-fault-{system}-s{spacing_s:g}.log")
         client = bench_client(plan, cleanup)
         run_client(client, plan.warmup_cmd(srv.base, raw_dir), clog,
-                   client_timeout(plan, P.INF, plan.warmup_prompts or plan.alike.max_num_seqs))
+                   client_timeout(plan, P.INF, plan.warmup_n()))
         offsets = fault_times(window_s, spacing_s)
         inj = Injector(srv, plan, offsets, kinds, faults_dir, cleanup)
         inj.start()

@@ -18,7 +18,8 @@
 #
 # Settings (environment): MODEL (preset, qwen2.5-7b), MODEL_DIR (default: its seeded checkpoint in
 # $WORK/models), RATES (4,16,inf), TRIALS (3), TRIAL_S (8), INPUT_LEN (512), OUTPUT_LEN (128),
-# RANGE_RATIO (0.5), MAX_NUM_SEQS (64), MAX_BATCHED (8192), MAX_MODEL_LEN (4096), FAULT_RATE (4),
+# RANGE_RATIO (0.5), MAX_NUM_SEQS, MAX_BATCHED, MAX_MODEL_LEN (0: every system at vllm serve's defaults, what a
+# user of either gets without a flag), FAULT_RATE (4),
 # WINDOW_S (180), LIMIT_S (570: each piece is stopped past it; the harness then stops its servers
 # and MPS daemons). Needs bin/frmps (built elsewhere with CGO_ENABLED=0), python3 with vLLM 0.26.0
 # (or VLSITE, put ahead of PYTHONPATH, as bench/gpu/session.sh does), and for faults the triggers
@@ -52,8 +53,8 @@ model_dir() {
 
 common() {  # the flags every piece gives the harness
     echo --model "$1" --out "$OUT" --python python3 --input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-128}" \
-        --range-ratio "${RANGE_RATIO:-0.5}" --max-num-seqs "${MAX_NUM_SEQS:-64}" \
-        --max-num-batched-tokens "${MAX_BATCHED:-8192}" --max-model-len "${MAX_MODEL_LEN:-4096}"
+        --range-ratio "${RANGE_RATIO:-0.5}" --max-num-seqs "${MAX_NUM_SEQS:-0}" \
+        --max-num-batched-tokens "${MAX_BATCHED:-0}" --max-model-len "${MAX_MODEL_LEN:-0}"
 }
 
 sweep() {  # name systems [more flags]

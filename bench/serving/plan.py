@@ -35,6 +35,10 @@ SYSTEM_LABELS = {
 # The SLOs of goodput (vllm bench serve --goodput, milliseconds).
 DEFAULT_SLO_TTFT_MS = 1000.0
 DEFAULT_SLO_TPOT_MS = 50.0
+# At the systems' default batch bounds (vllm serve's 1,024 sequences on a large GPU):
+# an 'inf' trial's requests, and the warm-up's.
+DEFAULT_INF_PROMPTS = 512
+DEFAULT_WARMUP_PROMPTS = 64
 
 INF = math.inf
 
@@ -88,7 +92,7 @@ class Stream:
     range_ratio: float = 0.5
     seed: int = 0  # trial i uses seed + i: every system gets the same stream in trial i
     trial_s: float = 20.0  # a finite rate sends rate * trial_s requests
-    inf_prompts: int = 0  # requests of an 'inf' trial (0: 4 x max_num_seqs)
+    inf_prompts: int = 0  # requests of an 'inf' trial (0: 4 x max_num_seqs, DEFAULT_INF_PROMPTS at the defaults)
     min_prompts: int = 8
     temperature: float = 0.0
 
@@ -104,7 +108,7 @@ class Stream:
 
     def num_prompts(self, rate: float, max_num_seqs: int) -> int:
         if rate == INF:
-            return self.inf_prompts or 4 * max_num_seqs
+            return self.inf_prompts or (4 * max_num_seqs if max_num_seqs else DEFAULT_INF_PROMPTS)
         return max(self.min_prompts, int(math.ceil(rate * self.trial_s)))
 
     def max_output_len(self) -> int:
@@ -123,7 +127,9 @@ class Stream:
 class Alike:
     """What every system is configured with alike: the same batch bounds and
     context length; the KV cache at each system's own default memory fraction,
-    or kv_blocks blocks for all (the equal-KV run)."""
+    or kv_blocks blocks for all (the equal-KV run). A bound of 0 is left to each
+    system's default, which is the same for all: `vllm serve`'s, which `frmps
+    serve` takes for its engines (what a user of either gets without a flag)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
@@ -132,16 +138,35 @@ class Alike:
 
     def check(self, stream: Stream) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, or 0 for the systems' default")
         if self.kv_blocks < 0:
             raise ValueError("--kv-blocks must be >= 0")
         need = stream.max_input_len() + stream.max_output_len()
-        if need > self.max_model_len:
+        if self.max_model_len and need > self.max_model_len:
             raise ValueError(f"the longest request ({stream.max_input_len()} + {stream.max_output_len()} tokens) "
                              f"exceeds --max-model-len {self.max_model_len}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be at least --max-num-seqs")
+
+    def vllm_flags(self) -> list[str]:
+        """The bounds given (not 0) as `vllm serve` flags."""
+        return [f for name, v in self.bounds() for f in (f"--{name}", str(v))]
+
+    def bounds(self) -> list[tuple[str, int]]:
+        return [(n.replace("_", "-"), v) for n, v in (("max_num_seqs", self.max_num_seqs),
+                                                       ("max_num_batched_tokens", self.max_num_batched_tokens),
+                                                       ("max_model_len", self.max_model_len)) if v]
+
+    def describe(self) -> str:
+        """One line for the report."""
+        given = ", ".join(f"{n.replace('-', '_')} {v}" for n, v in self.bounds())
+        left = [n for n, v in (("max_num_seqs", self.max_num_seqs), ("max_num_batched_tokens", self.max_num_batched_tokens),
+                               ("max_model_len", self.max_model_len)) if not v]
+        if not left:
+            return given
+        return ", ".join(x for x in (given, f"{', '.join(left)} at `vllm serve`'s defaults (frmps serve takes them "
+                                             "for its engines; no flag to either)") if x)
 
     @property
     def kv_mode(self) -> str:
@@ -194,8 +219,7 @@ class Plan:
         `vllm` console script runs it)."""
         a = self.alike
         cmd = [self.python, "-m", "vllm.entrypoints.cli.main", "serve", self.model, "--host", "127.0.0.1",
-               "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
-               "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--max-model-len", str(a.max_model_len)]
+               "--port", str(port), *a.vllm_flags()]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if a.kv_blocks:
@@ -207,9 +231,10 @@ class Plan:
         gets alike, where to listen and where to keep its logs."""
         a = self.alike
         cmd = [self.frmps, "serve", "--model", self.model, "--host", "127.0.0.1", "--port", str(port),
-               "--admin-addr", admin, "--run-dir", run_dir, "--engine-log-dir", log_dir, "--python", self.python,
-               "--max-model-len", str(a.max_model_len), f"--engine-arg=--max-num-seqs={a.max_num_seqs}",
-               f"--engine-arg=--max-num-batched-tokens={a.max_num_batched_tokens}"]
+               "--admin-addr", admin, "--run-dir", run_dir, "--engine-log-dir", log_dir, "--python", self.python]
+        if a.max_model_len:
+            cmd += ["--max-model-len", str(a.max_model_len)]
+        cmd += [f"--engine-arg=--{n}={v}" for n, v in a.bounds() if n != "max-model-len"]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if a.kv_blocks:
@@ -221,6 +246,10 @@ class Plan:
         return cmd + list(self.frmps_args)
 
     # -- the client -----------------------------------------------------------------
+    def warmup_n(self) -> int:
+        """Requests of the untimed warm-up run."""
+        return self.warmup_prompts or self.alike.max_num_seqs or DEFAULT_WARMUP_PROMPTS
+
     def num_prompts(self, rate: float) -> int:
         return self.stream.num_prompts(rate, self.alike.max_num_seqs)
 
@@ -249,7 +278,7 @@ class Plan:
         return cmd
 
     def warmup_cmd(self, base_url: str, result_dir: str) -> list[str]:
-        n = self.warmup_prompts or self.alike.max_num_seqs
+        n = self.warmup_n()
         return self.bench_cmd(base_url, INF, 0, result_dir, "warmup.json", num_prompts=n, label="warmup")
 
     # -- the schedule ---------------------------------------------------------------

@@ -170,10 +170,9 @@ def markdown(doc: dict) -> str:
             f"`--ignore-eos` (every request runs to its drawn output length), temperature {st['temperature']}. "
             f"Arrivals: Poisson (`--burstiness 1`) at each rate for about {st['trial_s']} s "
             f"(rate × {st['trial_s']} requests, at least {st['min_prompts']}); `inf` sends "
-            f"{st['inf_prompts'] or 4 * al['max_num_seqs']} requests at once.",
+            f"{P.Stream(**st).num_prompts(P.INF, al['max_num_seqs'])} requests at once.",
             "",
-            f"Configured alike: max_num_seqs {al['max_num_seqs']}, max_num_batched_tokens "
-            f"{al['max_num_batched_tokens']}, max_model_len {al['max_model_len']}; every system loads the same "
+            f"Configured alike: {P.Alike(**al).describe()}; every system loads the same "
             f"model directory (`{p0['model']}`). KV cache: each system at its own default memory fraction "
             "(`default-kv`), and where an `equal-kv-N` run is listed, N blocks for every system "
             "(`--num-gpu-blocks-override N` for vllm serve, `--num-blocks N` for frmps).",

@@ -202,7 +202,7 @@ def run_sweep(plan: P.Plan, out_dir: str, cleanup: Cleanup | None = None, log=pr
                     f"({info['kv'].get('source')})")
                 wcmd = plan.warmup_cmd(srv.base, raw_dir)
                 wlog = os.path.join(work, f"client-{system}-{kv}.log")
-                rc = run_client(client, wcmd, wlog, client_timeout(plan, P.INF, plan.warmup_prompts or plan.alike.max_num_seqs))
+                rc = run_client(client, wcmd, wlog, client_timeout(plan, P.INF, plan.warmup_n()))
                 info["warmup_rc"] = rc
                 for trial, rate in plan.schedule():
                     name = trial_name(system, kv, rate, trial)

@@ -83,6 +83,33 @@ def test_servers_get_the_same_batch_bounds_and_context():
     assert fe[fe.index("--frontend") + 1] == "vllm" and fe[:-2] == f[:4] + fe[4:-2]
 
 
+def test_bounds_left_at_zero_are_every_systems_default_with_no_flag():
+    """The harness's default: each system as a user starts it, at vLLM serve's batch
+    bounds and the model's context (frmps serve takes them for its engines)."""
+    p = mkplan(alike=P.Alike(max_num_seqs=0, max_num_batched_tokens=0, max_model_len=0))
+    v = p.vllm_serve_cmd(8100)
+    f = p.frmps_serve_cmd(P.FRMPS, 8000, "a", "r", "l")
+    for absent in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len"):
+        assert absent not in v and absent not in f
+    assert not [a for a in f if a.startswith("--engine-arg")]
+    assert p.num_prompts(P.INF) == P.DEFAULT_INF_PROMPTS and p.warmup_n() == P.DEFAULT_WARMUP_PROMPTS
+    assert "at `vllm serve`'s defaults" in p.alike.describe()
+    mixed = P.Alike(max_num_seqs=32, max_num_batched_tokens=0, max_model_len=0)
+    assert mixed.vllm_flags() == ["--max-num-seqs", "32"] and mixed.describe().startswith("max_num_seqs 32, ")
+    with pytest.raises(ValueError, match="or 0 for the systems' default"):
+        mkplan(alike=P.Alike(max_num_seqs=-1))
+    # the CLI's default
+    args = ["sweep", "--model", "/m", "--out", "/o", "--python", "/py", "--dry-run"]
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        cli(args)
+    out = buf.getvalue()
+    assert "--max-num-seqs" not in out and "--engine-arg" not in out and "--max-model-len" not in out
+
+
 def test_equal_kv_blocks_reach_every_system():
     p = mkplan(alike=P.Alike(kv_blocks=5000))
     assert flag(p.vllm_serve_cmd(1), "--num-gpu-blocks-override") == "5000"
