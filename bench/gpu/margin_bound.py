@@ -48,11 +48,25 @@ def main() -> int:
     ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile and CUDA graphs")
     ap.add_argument("--attention-backend", default="", help="vLLM's attention backend (e.g. TRITON_ATTN; default: vLLM's choice)")
+    ap.add_argument("--keep-aot", action="store_true",
+                    help="with --batch-invariant: keep vLLM's AOT compile on (FRMPS_DEBUG_BI_KEEP_AOT=1, the engines' "
+                         "experiment; vLLM 0.26 turns it off in batch-invariant mode); the engine core runs in this "
+                         "process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the switch reaches its worker. Run it "
+                         "twice: the second run loads the compiled model the first saved, as a restored engine does")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--out", default="margin_bound.json")
     args = ap.parse_args()
     if args.batch_invariant:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    if args.keep_aot:
+        if not args.batch_invariant or args.enforce_eager:
+            ap.error("--keep-aot wants --batch-invariant, without --enforce-eager")
+        from frmps_engine.vllm.envpolicy import BI_KEEP_AOT_ENV, keep_aot_in_batch_invariant_mode
+
+        os.environ[BI_KEEP_AOT_ENV] = "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not keep_aot_in_batch_invariant_mode(os.environ):
+            print("--keep-aot: this vLLM does not turn the AOT compile off in batch-invariant mode", flush=True)
     from vllm import LLM, SamplingParams
 
     from bench import exactness
@@ -84,6 +98,7 @@ def main() -> int:
     smallest = [min(m) for m in alone_m]
     rec = {
         "model": args.model, "batch_invariant": args.batch_invariant, "enforce_eager": args.enforce_eager,
+        "keep_aot": args.keep_aot,
         "attention_backend": args.attention_backend or "vLLM's choice", "prompts": args.prompts,
         "fillers": args.fillers, "max_tokens": args.max_tokens, "safety": args.safety,
         "disagreeing_prompts": len(seen), "bound": bound,

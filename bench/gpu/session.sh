@@ -77,7 +77,9 @@
 #   margin:<model>[:<timeout>]         bench/gpu/margin_bound.py on the seeded checkpoint (alone vs in a batch)
 #   bi-margin:<model>[:<timeout>]      margin_bound.py with VLLM_BATCH_INVARIANT=1 in three variants (eager; Triton
 #                                      attention; both), 16 prompts of 96 tokens: which one is batch-invariant here
-#                                      (frmps serve --exact asks for Triton attention, compiled)
+#                                      (frmps serve --exact asks for Triton attention, compiled); env:BI_VARIANTS=
+#                                      triton-aot,triton-aot-load: Triton attention with vLLM's AOT compile kept on
+#                                      (FRMPS_DEBUG_BI_KEEP_AOT), saved by the first run and loaded by the second
 #   exact-proof:<model>:<n>:<budget>[:<timeout>]  failback_proof.py --quick-start --exact on the seeded checkpoint:
 #                                      `frmps serve --model DIR --exact` as the README shows it, the controls (one
 #                                      deployment), then n real MPS faults with failback, every stream compared token
@@ -96,6 +98,7 @@ VLSITE=${VLSITE:-}
 WORK=${WORK:-/tmp/frmps-session}
 CONTROLS=${CONTROLS:-on}
 CONTROL_S=${CONTROL_S:-900}
+BI_VARIANTS=${BI_VARIANTS:-eager,triton,triton-eager}
 RESULTS=${RESULTS:-$OUT/bench-results}
 mkdir -p "$OUT" "$WORK"
 S=$OUT/summary.txt
@@ -361,16 +364,20 @@ stage_bi_margin() {  # model [timeout]: which batch-invariant vLLM configuration
     vllm_env
     local m v flags
     m=$(seeded_for bi-margin "$1") || return
-    for v in eager triton triton-eager; do
+    for v in ${BI_VARIANTS//,/ }; do
         case $v in
             eager) flags=(--enforce-eager) ;;
             triton) flags=(--attention-backend TRITON_ATTN) ;;
             triton-eager) flags=(--enforce-eager --attention-backend TRITON_ATTN) ;;
+            # vLLM's AOT compile kept on (FRMPS_DEBUG_BI_KEEP_AOT): the first run saves the compiled
+            # model, the second loads it, as an engine restored after a fault does
+            triton-aot|triton-aot-load) flags=(--attention-backend TRITON_ATTN --keep-aot) ;;
+            *) log "bi-margin: unknown variant $v"; continue ;;
         esac
         log "bi-margin $1 $v: VLLM_BATCH_INVARIANT=1 ${flags[*]}"
         bounded "${2:-240}" python3 bench/gpu/margin_bound.py --model "$m" --batch-invariant "${flags[@]}" --prompts 16 \
             --max-tokens 96 --out "$OUT/margin-$1-bi-$v.json" > "$WORK/margin-$1-bi-$v.out" 2>&1
-        log "bi-margin $1 $v: rc=$?"; grep -E "prompts differ|Using .*backend|attention backend" "$WORK/margin-$1-bi-$v.out" | cut -c1-300 | tail -n 3 >> "$S"
+        log "bi-margin $1 $v: rc=$?"; grep -E "prompts differ|Using .*backend|attention backend|AOT compil" "$WORK/margin-$1-bi-$v.out" | cut -c1-300 | tail -n 4 >> "$S"
     done
 }
 

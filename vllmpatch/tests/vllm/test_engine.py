@@ -1294,3 +1294,46 @@ def test_vllm_args_reach_engine_args_and_frmps_owned_ones_are_refused(model_dir,
         load_adapter("vllm", launched("--max-model-len=99"))
     with pytest.raises(AdapterError, match="need --engine vllm"):
         load_adapter("ref", launched("--max-logprobs=7"))
+
+
+def test_keep_aot_switch_leaves_vllms_aot_compile_as_it_was(monkeypatch):
+    """FRMPS_DEBUG_BI_KEEP_AOT (an experiment): vLLM 0.26's batch-invariant override
+    turns VLLM_USE_AOT_COMPILE off; with the switch it stays as it was. Off unless
+    both variables are set; a vLLM without that override (0.33) needs nothing."""
+    import importlib
+    import os
+
+    from frmps_engine.vllm.envpolicy import BI_KEEP_AOT_ENV, keep_aot_in_batch_invariant_mode
+
+    assert not keep_aot_in_batch_invariant_mode({BI_KEEP_AOT_ENV: "1"})  # not batch-invariant
+    assert not keep_aot_in_batch_invariant_mode({"VLLM_BATCH_INVARIANT": "1"})  # switch off
+    try:
+        bi = importlib.import_module("vllm.model_executor.layers.batch_invariant")
+    except ImportError:
+        bi = None
+    original = getattr(bi, "override_envs_for_invariance", None)
+    on = {BI_KEEP_AOT_ENV: "1", "VLLM_BATCH_INVARIANT": "1"}
+    if original is None:  # vLLM 0.33: the override moved and leaves the AOT compile alone
+        assert not keep_aot_in_batch_invariant_mode(on)
+        return
+    monkeypatch.setattr(bi, "override_envs_for_invariance", original)  # restored after the test
+    saved = dict(os.environ)
+    try:
+        for before in (None, "1"):
+            os.environ.pop("VLLM_USE_AOT_COMPILE", None)
+            if before is not None:
+                os.environ["VLLM_USE_AOT_COMPILE"] = before
+            original()  # vLLM's own: the AOT compile off (the negative control of the check below)
+            assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+            os.environ.pop("VLLM_USE_AOT_COMPILE", None)
+            if before is not None:
+                os.environ["VLLM_USE_AOT_COMPILE"] = before
+            assert keep_aot_in_batch_invariant_mode(on) and keep_aot_in_batch_invariant_mode(on)  # idempotent
+            bi.override_envs_for_invariance()
+            assert os.environ.get("VLLM_USE_AOT_COMPILE") == before
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8", "the rest of vLLM's override still runs"
+            assert bi.override_envs_for_invariance.__wrapped__ is original
+            bi.override_envs_for_invariance = original
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

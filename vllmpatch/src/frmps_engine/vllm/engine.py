@@ -34,7 +34,8 @@ from typing import Any, Callable, Mapping
 
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME, sizing
 from .core import VllmCore
-from .envpolicy import (MEGA_AOT_ENV, TRITON_PTXAS_ENV, async_scheduling_from_env, flashinfer_sampler_default,
+from .envpolicy import (BI_KEEP_AOT_ENV, MEGA_AOT_ENV, TRITON_PTXAS_ENV, async_scheduling_from_env,
+                        flashinfer_sampler_default, keep_aot_in_batch_invariant_mode,
                         importable, mega_aot_default, structured_outputs_from_env, triton_cache_default,
                         triton_ptxas_default)
 from .modelcfg import DTYPE_BYTES, cfg_field, hf_config, tokenizer_config, weights_pool_bytes
@@ -408,6 +409,10 @@ class VllmAdapter:
         ptxas = triton_ptxas_default(os.environ, os.path.dirname(torch.__file__))
         if ptxas:
             logging.getLogger(__name__).info("Triton's ptxas: %s (%s)", ptxas, TRITON_PTXAS_ENV)
+        if keep_aot_in_batch_invariant_mode(os.environ):
+            logging.getLogger(__name__).warning(
+                "%s=1: vLLM's AOT compile kept on in batch-invariant mode (an experiment: vLLM 0.26 turns it off "
+                "there; whether the output stays batch-invariant is unproven)", BI_KEEP_AOT_ENV)
         if mega_aot_default(os.environ, torch.__version__):
             import vllm.envs
 

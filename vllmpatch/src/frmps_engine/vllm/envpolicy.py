@@ -173,3 +173,46 @@ def structured_outputs_from_env(env: Mapping[str, str]) -> dict | None:
     except Exception as exc:  # noqa: BLE001 - vLLM raises TypeError, ValueError or pydantic's errors
         raise ValueError(f"{STRUCTURED_OUTPUTS_ENV}: vLLM refuses {cfg}: {exc}") from None
     return cfg
+
+
+BI_KEEP_AOT_ENV = "FRMPS_DEBUG_BI_KEEP_AOT"
+
+
+def keep_aot_in_batch_invariant_mode(env: MutableMapping[str, str]) -> bool:
+    """A diagnostic experiment (sdk/README.md, diagnostic switches), off unless
+    FRMPS_DEBUG_BI_KEEP_AOT=1 with VLLM_BATCH_INVARIANT=1: vLLM 0.26's
+    batch-invariant mode turns vLLM's AOT compile off while the worker starts
+    (model_executor/layers/batch_invariant.py, override_envs_for_invariance sets
+    VLLM_USE_AOT_COMPILE=0), so every engine started after a fault traces its model
+    again (the restore under --exact: 25-30 s against 7-13 s). vLLM 0.33 no longer
+    does (its override leaves the AOT compile alone). With the switch, the override
+    keeps VLLM_USE_AOT_COMPILE as it was; whether the output stays batch-invariant
+    so is for the GPU to show (bench/gpu/margin_bound.py --keep-aot, the exact
+    proof). Returns whether the override was wrapped (False: switch off, or a vLLM
+    without that override)."""
+    if env.get(BI_KEEP_AOT_ENV, "").strip() != "1" or env.get("VLLM_BATCH_INVARIANT", "").strip() in ("", "0"):
+        return False
+    try:
+        import vllm.model_executor.layers.batch_invariant as bi
+    except ImportError:
+        return False
+    original = getattr(bi, "override_envs_for_invariance", None)
+    if original is None:
+        return False
+    if getattr(original, "__frmps_keeps_aot__", False):
+        return True
+
+    def override_envs_for_invariance(*args, **kwargs):
+        had = os.environ.get("VLLM_USE_AOT_COMPILE")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if had is None:
+                os.environ.pop("VLLM_USE_AOT_COMPILE", None)
+            else:
+                os.environ["VLLM_USE_AOT_COMPILE"] = had
+
+    override_envs_for_invariance.__frmps_keeps_aot__ = True  # type: ignore[attr-defined]
+    override_envs_for_invariance.__wrapped__ = original  # type: ignore[attr-defined]
+    bi.override_envs_for_invariance = override_envs_for_invariance
+    return True
