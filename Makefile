@@ -21,10 +21,15 @@ help: ## list targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 # ---------------------------------------------------------------- setup
+# --no-compile: no bytecode for every installed module up front (torch and vLLM
+# hold thousands, most never imported); Python writes it for the modules
+# imported, at their first import.
+PIP_OPTS := --disable-pip-version-check --no-deps --no-compile
+
 $(VENV)/.stamp: vllmpatch/requirements.lock vllmpatch/pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --disable-pip-version-check --no-deps -r vllmpatch/requirements.lock
-	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e vllmpatch
+	$(VPY) -m pip install -q $(PIP_OPTS) -r vllmpatch/requirements.lock
+	$(VPY) -m pip install -q $(PIP_OPTS) --no-build-isolation -e vllmpatch
 	touch $@
 
 .PHONY: venv
@@ -34,7 +39,7 @@ venv: $(VENV)/.stamp ## Python virtualenv with pinned deps (torch CPU-usable bui
 # follow them on sys.path through a .pth file.
 $(VENV026)/.stamp: vllmpatch/requirements-vllm026.lock $(VENV)/.stamp
 	test -x $(VPY026) || $(PYTHON) -m venv $(VENV026)
-	$(VPY026) -m pip install -q --disable-pip-version-check --no-deps -r vllmpatch/requirements-vllm026.lock
+	$(VPY026) -m pip install -q $(PIP_OPTS) -r vllmpatch/requirements-vllm026.lock
 	$(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$$($(VPY026) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_frmps_base.pth"
 	$(VPY026) -c 'import importlib.metadata as m; v = m.version("vllm"); assert v == "0.26.0", v; import torch; assert torch.__version__.startswith("2.11.0"), torch.__version__'
 	touch $@
@@ -89,7 +94,17 @@ proto-check: proto ## fail if the committed generated code is stale
 
 # ---------------------------------------------------------------- tests
 .PHONY: test
-test: fmt-check vet proto-check go-test c-test py-test deploy-test ## every test (what CI runs)
+test: ## every test (what CI runs)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-prep
+	$(MAKE) --no-print-directory proto-check py-test
+
+# What make test runs before the Python suites, two stages at a time where one does
+# not wait on the other: the virtualenvs install (pip, one core) while the Go tests
+# that need no Python, the fuzzing and the interceptor's tests run. proto-check
+# (it rewrites generated Go code the Go tests compile) and the Python suites then
+# run alone: the suites' workers take every core.
+.PHONY: test-prep
+test-prep: $(VENV)/.stamp $(VENV026)/.stamp fmt-check vet go-test-nopy go-fuzz c-test go-build go-test-py deploy-test
 
 .PHONY: fmt-check
 fmt-check:
@@ -102,14 +117,28 @@ vet:
 # FRMPS_PYTHON: the ring's and the control protocol's cross-language tests run
 # a real Python peer (without one they skip, or fail when CI=true).
 GO_TEST_ENV := FRMPS_PYTHON=$(CURDIR)/$(VPY) PYTHONPATH=$(CURDIR)/vllmpatch/src
+# The Go packages whose tests run the virtualenv's Python (FRMPS_PYTHON): the ring's
+# writer, the control protocol's peer, the engine preflight, the CLI. The others need
+# none (without FRMPS_PYTHON a test that did would skip, or fail when CI=true).
+GO_PY_PKGS := $(addprefix $(PKG)/,ringbuf supervisor/control supervisor/engine cmd/frmps)
 # The Python tests and the bench: the engine package's source and the repository
 # root, which holds the bench package (bench/: the evaluation, its harnesses).
 PY_PATH := $(CURDIR)/vllmpatch/src:$(CURDIR)
 
 .PHONY: go-test
-go-test: $(VENV)/.stamp ## Go tests with the race detector, the full writer-crash test, brief fuzzing
-	$(GO_TEST_ENV) $(GO) test -race -count=1 -timeout 15m ./...
+go-test: go-test-nopy go-test-py go-fuzz ## Go tests with the race detector, the full writer-crash test, brief fuzzing
+
+.PHONY: go-test-nopy
+go-test-nopy:
+	$(GO) test -race -count=1 -timeout 15m $(filter-out $(GO_PY_PKGS),$(shell $(GO) list ./...))
+
+.PHONY: go-test-py
+go-test-py: $(VENV)/.stamp
+	$(GO_TEST_ENV) $(GO) test -race -count=1 -timeout 15m $(GO_PY_PKGS)
 	$(GO_TEST_ENV) $(GO) test -count=1 -run Crash ./ringbuf
+
+.PHONY: go-fuzz
+go-fuzz:
 	# Fuzz budgets are counts of executions, not durations: with a duration Go 1.26's
 	# fuzz coordinator can fail a run with a bare "context deadline exceeded" at the
 	# deadline on a loaded machine (golang/go#75804, fixed in Go 1.27). The counts
