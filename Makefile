@@ -21,25 +21,24 @@ help: ## list targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 # ---------------------------------------------------------------- setup
-# --no-compile: no bytecode for every installed module up front (torch and vLLM
-# hold thousands, most never imported); Python writes it for the modules
-# imported, at their first import.
-PIP_OPTS := --disable-pip-version-check --no-deps --no-compile
-
 $(VENV)/.stamp: vllmpatch/requirements.lock vllmpatch/pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q $(PIP_OPTS) -r vllmpatch/requirements.lock
-	$(VPY) -m pip install -q $(PIP_OPTS) --no-build-isolation -e vllmpatch
+	$(VPY) -m pip install -q --disable-pip-version-check --no-deps -r vllmpatch/requirements.lock
+	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e vllmpatch
 	touch $@
 
 .PHONY: venv
 venv: $(VENV)/.stamp ## Python virtualenv with pinned deps (torch CPU-usable build)
 
 # Only the packages that differ (requirements-vllm026.lock); .venv's site-packages
-# follow them on sys.path through a .pth file.
-$(VENV026)/.stamp: vllmpatch/requirements-vllm026.lock $(VENV)/.stamp
+# follow them on sys.path through a .pth file. The install needs nothing of .venv
+# (make test runs it beside .venv's); the .pth file and the version check do.
+$(VENV026)/.installed: vllmpatch/requirements-vllm026.lock
 	test -x $(VPY026) || $(PYTHON) -m venv $(VENV026)
-	$(VPY026) -m pip install -q $(PIP_OPTS) -r vllmpatch/requirements-vllm026.lock
+	$(VPY026) -m pip install -q --disable-pip-version-check --no-deps -r vllmpatch/requirements-vllm026.lock
+	touch $@
+
+$(VENV026)/.stamp: $(VENV026)/.installed $(VENV)/.stamp
 	$(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$$($(VPY026) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_frmps_base.pth"
 	$(VPY026) -c 'import importlib.metadata as m; v = m.version("vllm"); assert v == "0.26.0", v; import torch; assert torch.__version__.startswith("2.11.0"), torch.__version__'
 	touch $@
@@ -95,16 +94,22 @@ proto-check: proto ## fail if the committed generated code is stale
 # ---------------------------------------------------------------- tests
 .PHONY: test
 test: ## every test (what CI runs)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-prep
-	$(MAKE) --no-print-directory proto-check py-test
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-setup
+	$(MAKE) --no-print-directory proto-check py-test-vllm026
+	$(MAKE) --no-print-directory -j2 --output-sync=target py-test-main go-test-py go-fuzz deploy-test
 
-# What make test runs before the Python suites, two stages at a time where one does
-# not wait on the other: the virtualenvs install (pip, one core) while the Go tests
-# that need no Python, the fuzzing and the interceptor's tests run. proto-check
-# (it rewrites generated Go code the Go tests compile) and the Python suites then
-# run alone: the suites' workers take every core.
-.PHONY: test-prep
-test-prep: $(VENV)/.stamp $(VENV026)/.stamp fmt-check vet go-test-nopy go-fuzz c-test go-build go-test-py deploy-test
+# make test runs its stages in three steps, two stages at a time where neither waits
+# on the other and the cores would otherwise idle (it is about 10 minutes, most of it
+# the Python suites, on a 2-core machine):
+# 1. .venv installs (pip: one core) while .venv-vllm026 installs and the Go tests
+#    that need no Python and the interceptor's tests run;
+# 2. proto-check (it rewrites generated code that the Go tests compile and the
+#    engines import), then the vLLM 0.26.0 suite alone: it keeps both cores busy;
+# 3. the main Python suite, whose end-to-end tests leave a core idle part of the
+#    time (engines asleep in their step delays, waits on failovers), beside the Go
+#    tests that need the virtualenv's Python, the fuzzing and the deployment tests.
+.PHONY: test-setup
+test-setup: $(VENV)/.stamp $(VENV026)/.installed fmt-check vet c-test go-build go-test-nopy
 
 .PHONY: fmt-check
 fmt-check:
@@ -164,7 +169,12 @@ py-test-libs:
 	$(MAKE) -C interceptor all build/libcuda_fake.so CFLAGS_STRICT='$(CFLAGS_STRICT)'
 
 .PHONY: py-test
-py-test: $(VENV)/.stamp go-build py-test-libs py-test-vllm026 ## Python tests (engine SDK, reference engine, ring writer, vLLM adapter on 0.33.0 and 0.26.0)
+py-test: py-test-vllm026 py-test-main ## Python tests (engine SDK, reference engine, ring writer, vLLM adapter on 0.33.0 and 0.26.0)
+
+# The main suite (the vLLM adapter's tests on 0.33.0 among them). .venv-vllm026 too:
+# bench/serving's test runs vLLM 0.26.0's `vllm bench serve` client from it.
+.PHONY: py-test-main
+py-test-main: $(VENV)/.stamp $(VENV026)/.stamp go-build py-test-libs
 	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY) -m pytest -q $(PYTEST_PAR) vllmpatch/tests
 
 .PHONY: py-test-vllm026
