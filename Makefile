@@ -94,22 +94,26 @@ proto-check: proto ## fail if the committed generated code is stale
 # ---------------------------------------------------------------- tests
 .PHONY: test
 test: ## every test (what CI runs)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-setup
+	$(MAKE) --no-print-directory test-setup
 	$(MAKE) --no-print-directory proto-check py-test-vllm026
-	$(MAKE) --no-print-directory -j2 --output-sync=target py-test-main go-test-py go-fuzz deploy-test
+	$(MAKE) --no-print-directory -j2 --output-sync=target py-test-main go-test-py deploy-test
 
-# make test runs its stages in three steps, two stages at a time where neither waits
-# on the other and the cores would otherwise idle (it is about 10 minutes, most of it
-# the Python suites, on a 2-core machine):
-# 1. .venv installs (pip: one core) while .venv-vllm026 installs and the Go tests
-#    that need no Python and the interceptor's tests run;
+# make test runs its stages in three steps, two at a time where neither waits on the
+# other and a core would otherwise idle (most of its time on a 2-core machine is the
+# Python suites'):
+# 1. .venv installs (pip, one core: the longest wait before the suites) while, at a
+#    lower priority so as not to slow it, .venv-vllm026 installs and the Go tests that
+#    need no Python, the fuzzing and the interceptor's tests run;
 # 2. proto-check (it rewrites generated code that the Go tests compile and the
 #    engines import), then the vLLM 0.26.0 suite alone: it keeps both cores busy;
 # 3. the main Python suite, whose end-to-end tests leave a core idle part of the
 #    time (engines asleep in their step delays, waits on failovers), beside the Go
-#    tests that need the virtualenv's Python, the fuzzing and the deployment tests.
+#    tests that need the virtualenv's Python and the deployment tests.
 .PHONY: test-setup
-test-setup: $(VENV)/.stamp $(VENV026)/.installed fmt-check vet c-test go-build go-test-nopy
+test-setup:
+	$(MAKE) --no-print-directory $(VENV)/.stamp & venv=$$!; \
+	nice -n 10 $(MAKE) --no-print-directory $(VENV026)/.installed fmt-check vet c-test go-build go-test-nopy go-fuzz; \
+	rc=$$?; wait $$venv && exit $$rc
 
 .PHONY: fmt-check
 fmt-check:
