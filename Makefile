@@ -31,10 +31,14 @@ $(VENV)/.stamp: vllmpatch/requirements.lock vllmpatch/pyproject.toml
 venv: $(VENV)/.stamp ## Python virtualenv with pinned deps (torch CPU-usable build)
 
 # Only the packages that differ (requirements-vllm026.lock); .venv's site-packages
-# follow them on sys.path through a .pth file.
-$(VENV026)/.stamp: vllmpatch/requirements-vllm026.lock $(VENV)/.stamp
+# follow them on sys.path through a .pth file. The install needs nothing of .venv
+# (make test runs it beside .venv's); the .pth file and the version check do.
+$(VENV026)/.installed: vllmpatch/requirements-vllm026.lock
 	test -x $(VPY026) || $(PYTHON) -m venv $(VENV026)
 	$(VPY026) -m pip install -q --disable-pip-version-check --no-deps -r vllmpatch/requirements-vllm026.lock
+	touch $@
+
+$(VENV026)/.stamp: $(VENV026)/.installed $(VENV)/.stamp
 	$(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$$($(VPY026) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_frmps_base.pth"
 	$(VPY026) -c 'import importlib.metadata as m; v = m.version("vllm"); assert v == "0.26.0", v; import torch; assert torch.__version__.startswith("2.11.0"), torch.__version__'
 	touch $@
@@ -89,7 +93,27 @@ proto-check: proto ## fail if the committed generated code is stale
 
 # ---------------------------------------------------------------- tests
 .PHONY: test
-test: fmt-check vet proto-check go-test c-test py-test deploy-test ## every test (what CI runs)
+test: ## every test (what CI runs)
+	$(MAKE) --no-print-directory test-setup
+	$(MAKE) --no-print-directory proto-check py-test-vllm026
+	$(MAKE) --no-print-directory -j2 --output-sync=target py-test-main go-test-py deploy-test
+
+# make test runs its stages in three steps, two at a time where neither waits on the
+# other and a core would otherwise idle (most of its time on a 2-core machine is the
+# Python suites'):
+# 1. .venv installs (pip, one core: the longest wait before the suites) while, at a
+#    lower priority so as not to slow it, .venv-vllm026 installs and the Go tests that
+#    need no Python, the fuzzing and the interceptor's tests run;
+# 2. proto-check (it rewrites generated code that the Go tests compile and the
+#    engines import), then the vLLM 0.26.0 suite alone: it keeps both cores busy;
+# 3. the main Python suite, whose end-to-end tests leave a core idle part of the
+#    time (engines asleep in their step delays, waits on failovers), beside the Go
+#    tests that need the virtualenv's Python and the deployment tests.
+.PHONY: test-setup
+test-setup:
+	$(MAKE) --no-print-directory $(VENV)/.stamp & venv=$$!; \
+	nice -n 10 $(MAKE) --no-print-directory $(VENV026)/.installed fmt-check vet c-test go-build go-test-nopy go-fuzz; \
+	rc=$$?; wait $$venv && exit $$rc
 
 .PHONY: fmt-check
 fmt-check:
@@ -102,14 +126,28 @@ vet:
 # FRMPS_PYTHON: the ring's and the control protocol's cross-language tests run
 # a real Python peer (without one they skip, or fail when CI=true).
 GO_TEST_ENV := FRMPS_PYTHON=$(CURDIR)/$(VPY) PYTHONPATH=$(CURDIR)/vllmpatch/src
+# The Go packages whose tests run the virtualenv's Python (FRMPS_PYTHON): the ring's
+# writer, the control protocol's peer, the engine preflight, the CLI. The others need
+# none (without FRMPS_PYTHON a test that did would skip, or fail when CI=true).
+GO_PY_PKGS := $(addprefix $(PKG)/,ringbuf supervisor/control supervisor/engine cmd/frmps)
 # The Python tests and the bench: the engine package's source and the repository
 # root, which holds the bench package (bench/: the evaluation, its harnesses).
 PY_PATH := $(CURDIR)/vllmpatch/src:$(CURDIR)
 
 .PHONY: go-test
-go-test: $(VENV)/.stamp ## Go tests with the race detector, the full writer-crash test, brief fuzzing
-	$(GO_TEST_ENV) $(GO) test -race -count=1 -timeout 15m ./...
+go-test: go-test-nopy go-test-py go-fuzz ## Go tests with the race detector, the full writer-crash test, brief fuzzing
+
+.PHONY: go-test-nopy
+go-test-nopy:
+	$(GO) test -race -count=1 -timeout 15m $(filter-out $(GO_PY_PKGS),$(shell $(GO) list ./...))
+
+.PHONY: go-test-py
+go-test-py: $(VENV)/.stamp
+	$(GO_TEST_ENV) $(GO) test -race -count=1 -timeout 15m $(GO_PY_PKGS)
 	$(GO_TEST_ENV) $(GO) test -count=1 -run Crash ./ringbuf
+
+.PHONY: go-fuzz
+go-fuzz:
 	# Fuzz budgets are counts of executions, not durations: with a duration Go 1.26's
 	# fuzz coordinator can fail a run with a bare "context deadline exceeded" at the
 	# deadline on a loaded machine (golang/go#75804, fixed in Go 1.27). The counts
@@ -135,7 +173,12 @@ py-test-libs:
 	$(MAKE) -C interceptor all build/libcuda_fake.so CFLAGS_STRICT='$(CFLAGS_STRICT)'
 
 .PHONY: py-test
-py-test: $(VENV)/.stamp go-build py-test-libs py-test-vllm026 ## Python tests (engine SDK, reference engine, ring writer, vLLM adapter on 0.33.0 and 0.26.0)
+py-test: py-test-vllm026 py-test-main ## Python tests (engine SDK, reference engine, ring writer, vLLM adapter on 0.33.0 and 0.26.0)
+
+# The main suite (the vLLM adapter's tests on 0.33.0 among them). .venv-vllm026 too:
+# bench/serving's test runs vLLM 0.26.0's `vllm bench serve` client from it.
+.PHONY: py-test-main
+py-test-main: $(VENV)/.stamp $(VENV026)/.stamp go-build py-test-libs
 	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY) -m pytest -q $(PYTEST_PAR) vllmpatch/tests
 
 .PHONY: py-test-vllm026

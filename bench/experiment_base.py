@@ -8,7 +8,7 @@ import argparse
 import random
 from typing import Callable
 
-from .baselines import BaselineRig, engine_supports
+from .baselines import BaselineRig, EngineProc, engine_supports
 from .deploy import Deployment, MpsTrigger, SigkillTrigger, Trigger, frmps_trial
 from .mps import outside_mps_env
 from .procs import field, now
@@ -227,6 +227,23 @@ def rig_for(ctx: Ctx, model: str, engine_args: list[str]) -> BaselineRig:
     if ctx.cpu:  # the victim decodes at the pace of the CPU check's frmps engines
         rig.victim_env["FRMPS_TEST_STEP_DELAY_MS"] = str(a.cpu_step_delay_ms)
     return rig
+
+
+def with_sleep_only_standby(ctx: Ctx, rig: BaselineRig, model: str, keys: list[dict],
+                            run: Callable[[EngineProc, dict], None]) -> None:
+    """The sleep-only baseline's standby for the points `keys`: its start checked against
+    the time budget, started (the points fail if it does not start), handed with its
+    ready event to `run`, closed after."""
+    ctx.budget.check(10 + 0.6 * gb(model) + engine_start(ctx.args), f"starting the sleep-only standby ({model})")
+    try:
+        sb, ready = rig.start_sleep_standby(model)
+    except Exception as e:
+        ctx.fail_points(keys, f"sleep-only standby did not start: {e}")
+        return
+    try:
+        run(sb, ready)
+    finally:
+        sb.close()
 
 
 def shape_args(num_blocks: int, max_model_len: int) -> list[str]:

@@ -27,7 +27,7 @@ from .procs import field
 from .runctx import TrialError
 from .experiment_base import (Deployments, Experiment, GPU_MODELS, VLLM_START_S, _model, _models, csv_list,
     describe_recovery, drop_arrivals, engine_key, engine_shape, engine_start, frmps_point, gb, int_list, no_kv_args,
-    no_kv_why, outside_env, prompt_ids, rig_for, serve_opts, shape_args, stream_point)
+    no_kv_why, outside_env, prompt_ids, rig_for, serve_opts, shape_args, stream_point, with_sleep_only_standby)
 from .outage import Outage
 
 
@@ -89,20 +89,15 @@ class Recovery(Experiment):
     @staticmethod
     def _sleep_only(ctx, model, keys, reqs, eargs):
         rig = rig_for(ctx, model, eargs)
-        ctx.budget.check(10 + 0.6 * gb(model) + engine_start(ctx.args), f"starting the sleep-only standby ({model})")
-        try:
-            sb, ready = rig.start_sleep_standby(model)
-        except Exception as e:
-            ctx.fail_points(keys, f"sleep-only standby did not start: {e}")
-            return
-        try:
+
+        def run(sb, ready):
             for key in keys:
                 ctx.run_point(key, lambda: {**drop_arrivals(rig.trial("sleep-only", model, reqs, 1, standby=sb,
                                                                       fault=ctx.fault)),
                                             "standby_init_s": ready.get("init_s")},
                               10 + 0.2 * gb(model) + engine_start(ctx.args), describe_recovery)
-        finally:
-            sb.close()
+
+        with_sleep_only_standby(ctx, rig, model, keys, run)
 
     @staticmethod
     def _cold(ctx, model, keys, reqs, eargs):

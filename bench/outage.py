@@ -13,7 +13,7 @@ from .lengths import describe as describe_lengths
 from .procs import field, now
 from .runctx import TrialError, fmt_s
 from .experiment_base import (Deployments, Experiment, _model, csv_list, engine_key, engine_shape, engine_start,
-    frmps_point, gb, int_list, no_kv_args, no_kv_why, prompt_ids, rig_for, serve_opts, shape_args)
+    frmps_point, gb, int_list, no_kv_args, no_kv_why, prompt_ids, rig_for, serve_opts, shape_args, with_sleep_only_standby)
 
 
 # ----------------------------------------------------------------------------- 5. outage under load
@@ -269,13 +269,8 @@ class Outage(Experiment):
         mml = max(a.max_model_len, -(-(pd.hi + int(kill_at * 150) + 64) // 256) * 256)
         eargs = shape_args(*engine_shape(ctx, model, nb, mml))
         rig = rig_for(ctx, model, eargs)
-        ctx.budget.check(10 + 0.6 * gb(model) + engine_start(a), "starting the sleep-only standby")
-        try:
-            sb, ready = rig.start_sleep_standby(model)
-        except Exception as e:
-            ctx.fail_points(keys, f"sleep-only standby did not start: {e}")
-            return
-        try:
+
+        def run(sb, ready):
             for key in keys:
                 def point(trial=key["trial"]):
                     # The same prompt lengths as the frmps streams (each client's first request);
@@ -299,5 +294,5 @@ class Outage(Experiment):
 
                 ctx.run_point(key, point, a.duration + 30 + 0.2 * gb(model) + engine_start(a),
                               lambda d: f"outage {fmt_s(d.get('outage_s'))} (sleep-only, in process)")
-        finally:
-            sb.close()
+
+        with_sleep_only_standby(ctx, rig, model, keys, run)

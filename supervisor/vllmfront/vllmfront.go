@@ -22,6 +22,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
@@ -133,7 +134,15 @@ func New(c Config, log hclog.Logger) (*FrontDoor, error) {
 		"--engine-input", d.inputAddr, "--engine-output", d.outputAddr, "--control-socket", d.controlPath},
 		Args(c)...)
 	d.env = frontendEnv(c.Env, outside, c.APIKey)
-	conn, err := grpc.NewClient("unix://"+d.controlPath, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	// The control socket is local: reconnect within a second at most. Status polls
+	// the frontend's health while vLLM still imports (seconds, more on a loaded
+	// machine) and the socket does not exist yet; with gRPC's default backoff each
+	// failed dial lengthens the wait before the next one towards minutes, and a call
+	// meanwhile fails at once with the stale dial error: a failover's EngineLost
+	// then found "no such file" for a socket that was there.
+	conn, err := grpc.NewClient("unix://"+d.controlPath, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{
+			BaseDelay: 50 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second}}))
 	if err != nil {
 		os.RemoveAll(dir)
 		return nil, fmt.Errorf("vLLM frontend control client: %w", err)
@@ -241,7 +250,8 @@ func (d *FrontDoor) Shutdown(ctx context.Context) error {
 func (d *FrontDoor) OpenRequests() []*frmpsv1.ResumeRequest {
 	ctx, cancel := context.WithTimeout(context.Background(), d.lostTimeout)
 	defer cancel()
-	set, err := d.ctl.EngineLost(ctx, &frmpsv1.EngineLostRequest{DrainTimeoutMs: d.drainMs})
+	// WaitForReady: a connection between two dials (backoff) is waited for, within ctx.
+	set, err := d.ctl.EngineLost(ctx, &frmpsv1.EngineLostRequest{DrainTimeoutMs: d.drainMs}, grpc.WaitForReady(true))
 	d.mu.Lock()
 	if err != nil {
 		d.lastErr = "EngineLost: " + err.Error()
@@ -284,7 +294,8 @@ func (d *FrontDoor) awaitEngine() {
 		start := time.Now()
 		for {
 			ctx, cancel := context.WithTimeout(context.Background(), d.backTimeout+5*time.Second)
-			resp, err := d.ctl.EngineBack(ctx, &frmpsv1.EngineBackRequest{TimeoutMs: uint32(d.backTimeout / time.Millisecond)})
+			resp, err := d.ctl.EngineBack(ctx, &frmpsv1.EngineBackRequest{TimeoutMs: uint32(d.backTimeout / time.Millisecond)},
+				grpc.WaitForReady(true))
 			cancel()
 			d.mu.Lock()
 			stopping := d.stopping

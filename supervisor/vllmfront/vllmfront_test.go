@@ -162,6 +162,28 @@ func TestVllmFrontDoorWaitsUntilEngineBack(t *testing.T) {
 	}
 }
 
+// The supervisor polls the frontend's health from the start, while vLLM still
+// imports (seconds; more on a loaded machine) and the control socket does not
+// exist yet: each failed dial lengthens the client's reconnect backoff. A
+// failover once the frontend listens must still get its resume set, not the
+// stale dial error of a connection in backoff.
+func TestVllmFrontDoorReachesAFrontendThatStartedLate(t *testing.T) {
+	d := newTestVllmFrontDoor(t, nil)
+	d.healthTTL = 0
+	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		d.FrontendStatus()
+	}
+	f := &fakeFrontend{release: make(chan struct{}), entries: []*frmpsv1.ResumeEntry{{Key: 3, EngineRequest: []byte{0x90}}}}
+	close(f.release)
+	serveFake(t, d, f)
+	if reqs := d.OpenRequests(); len(reqs) != 1 || reqs[0].GetKey() != 3 {
+		t.Fatalf("resume set %v from a frontend that listens now, want key 3; last error %q", reqs, d.FrontendStatus().GetLastError())
+	}
+	if err := d.Shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestVllmFrontDoorLostFails(t *testing.T) {
 	d := newTestVllmFrontDoor(t, nil)
 	f := &fakeFrontend{release: make(chan struct{}), lostErr: errors.New("drain failed")}
