@@ -195,6 +195,7 @@ class Plan:
     frmps_args: list[str] = field(default_factory=list)  # more `frmps serve` flags
     warmup_prompts: int = 0  # a short untimed run per system before its trials (0: max_num_seqs)
     ready_timeout_s: float = 900.0
+    py_spy: str = ""  # py-spy's path: one more saturation run per system with the engine process sampled
 
     def check(self) -> None:
         if self.trials < 1:

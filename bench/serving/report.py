@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 
 from . import plan as P
 from . import results as R
@@ -119,6 +120,49 @@ def kv_table(servers: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(trials: list[dict], servers: list[dict]) -> str:
+    """Per system, at its highest rate: the host CPU of its processes (median over
+    the trials; cores = CPU seconds / the trial's wall time), and the py-spy
+    profile run's busiest engine threads where one was taken."""
+    lines = ["| system | rate | process | cores | CPU ms per output token |", "|---|---|---|---|---|"]
+    by_sys: dict[str, list[dict]] = {}
+    for t in trials:
+        if t.get("cpu") and not t.get("error"):
+            by_sys.setdefault(t["system"], []).append(t)
+    for system in _systems_in(by_sys):
+        top = max((t["rate"] for t in by_sys[system]), key=rate_key)
+        rows: dict[str, dict[str, list[float]]] = {}
+        for t in by_sys[system]:
+            if t["rate"] != top:
+                continue
+            for p in t["cpu"].get("processes") or []:
+                r = rows.setdefault(p.get("role") or p.get("name", "?"), {"cores": [], "ms": []})
+                if p.get("cores") is not None:
+                    r["cores"].append(p["cores"])
+                if p.get("cpu_ms_per_token") is not None:
+                    r["ms"].append(p["cpu_ms_per_token"])
+        for name, r in sorted(rows.items(), key=lambda kv: -statistics.median(kv[1]["cores"] or [0])):
+            if not r["cores"] or statistics.median(r["cores"]) < 0.01:
+                continue
+            lines.append(f"| {P.SYSTEM_LABELS.get(system, system)} | {top} | {name} | {fmt(statistics.median(r['cores']), 2)} | "
+                         f"{fmt(statistics.median(r['ms']), 3) if r['ms'] else '–'} |")
+    if len(lines) == 2:
+        return ""
+    out = [*lines]
+    spied = [s for s in servers if s.get("py_spy")]
+    for s in spied:
+        th = (s["py_spy"].get("threads") or {})
+        if "error" in th:
+            out += ["", f"- {s['system']}: py-spy failed: {str(th['error'])[:200]}"]
+            continue
+        out += ["", f"- {P.SYSTEM_LABELS.get(s['system'], s['system'])}, py-spy of pid {s['py_spy'].get('pid')} "
+                f"(`{s['py_spy'].get('stacks')}`), busiest threads:"]
+        for name, t in list(th.items())[:3]:
+            leaf = ", ".join(f"{f} {n}" for f, n in t["leaf"][:4])
+            out += [f"  - {name}: {t['samples']} samples; hottest frames: {leaf}"]
+    return "\n".join(out)
+
+
 def claims_md(claims: dict) -> str:
     out = []
     for base, cs in claims.items():
@@ -192,6 +236,11 @@ def markdown(doc: dict) -> str:
         for name in ("sweep-" + kv + ".png",):
             if name in (doc.get("plots") or []):
                 out += [f"![throughput and p99 TPOT against rate]({name})", ""]
+    cpu = cpu_table(doc["trials"], doc["servers"])
+    if cpu:
+        out += ["## Host CPU at the highest rate", "",
+                "Every process of each server, read from /proc before and after each trial (nothing paused); "
+                "cores: CPU seconds over the trial's wall time.", "", cpu, ""]
     if doc["aggregate"]:
         out += ["## Differences beyond the spread", "", claims_md(doc["claims"]) or "- (no baseline in this run)", ""]
     errs = [t for t in doc["trials"] if t.get("error")]

@@ -18,6 +18,7 @@ import threading
 import time
 
 from . import plan as P
+from . import profile
 from . import report, results
 from .client import Client, ClientError
 from .reuse import MPS_CONTROL, Cleanup, TrialError, kill_group, tail
@@ -173,6 +174,32 @@ def trial_name(system: str, kv_mode: str, rate: float, trial: int) -> str:
     return f"{system}-{kv_mode}-r{P.rate_label(rate)}-t{trial}.json"
 
 
+def profile_run(plan: P.Plan, client: Client, srv, raw_dir: str, wlog: str, log=print) -> dict:
+    """One more saturation run after a system's trials, not counted among them,
+    while py-spy samples the engine process's threads (bench/serving/profile.py).
+    The stacks go to raw/profile-<system>.stacks; returns their summary."""
+    pid = srv.engine_pid()
+    if not pid:
+        return {"error": "no engine process found"}
+    name = f"profile-{srv.system}"
+    cmd = plan.bench_cmd(srv.base, P.INF, 0, raw_dir, name + ".json", label=srv.system)
+    stacks = os.path.join(raw_dir, name + ".stacks")
+    timeout = client_timeout(plan, P.INF)
+    out: dict = {"pid": pid, "stacks": f"raw/{name}.stacks"}
+    meter = profile.CpuMeter(srv.root_pid(), srv.roles())
+
+    def run() -> None:
+        meter.start()
+        out["client_rc"] = run_client(client, cmd, wlog, timeout)
+
+    out["threads"] = profile.py_spy(plan.py_spy, pid, timeout, stacks, run)
+    out["cpu"] = meter.stop()
+    busiest = next(iter(out["threads"].items()), None) if "error" not in out["threads"] else None
+    log(f"[{srv.system}] py-spy of pid {pid} during one more saturation run: "
+        + (f"busiest thread {busiest[0]} ({busiest[1]['samples']} samples)" if busiest else str(out["threads"])[:200]))
+    return out
+
+
 def run_sweep(plan: P.Plan, out_dir: str, cleanup: Cleanup | None = None, log=print) -> dict:
     """Run the plan; every trial is appended to out_dir/trials.jsonl as it ends,
     and results.json, README.md and the plots are rewritten at the end."""
@@ -210,6 +237,8 @@ def run_sweep(plan: P.Plan, out_dir: str, cleanup: Cleanup | None = None, log=pr
                     rec = {"system": system, "kv_mode": kv, "rate": P.rate_label(rate), "trial": trial,
                            "seed": plan.trial_seed(trial), "num_prompts": plan.num_prompts(rate), "file": f"raw/{name}"}
                     t1 = time.monotonic()
+                    meter = profile.CpuMeter(srv.root_pid(), srv.roles())
+                    meter.start()
                     try:
                         rc = run_client(client, cmd, wlog, client_timeout(plan, rate))
                         if rc != 0:
@@ -219,6 +248,7 @@ def run_sweep(plan: P.Plan, out_dir: str, cleanup: Cleanup | None = None, log=pr
                                                         plan.stream.min_output_len()))
                     except (TrialError, results.ResultError) as e:
                         rec["error"] = str(e)[-2000:]
+                    rec["cpu"] = meter.stop(rec.get("total_output_tokens"))
                     rec["wall_s"] = round(time.monotonic() - t1, 1)
                     with open(jsonl, "a") as f:
                         f.write(json.dumps(rec) + "\n")
@@ -226,6 +256,8 @@ def run_sweep(plan: P.Plan, out_dir: str, cleanup: Cleanup | None = None, log=pr
                         f"ERROR {rec['error'][:200]}" if rec.get("error") else
                         f"{rec['output_throughput']:.1f} out tok/s, p99 TPOT {rec.get('p99_tpot_ms') or 0:.1f} ms, "
                         f"failed {rec.get('failed')}, {rec['wall_s']} s"))
+                if plan.py_spy:
+                    info["py_spy"] = profile_run(plan, client, srv, raw_dir, wlog, log)
             except TrialError as e:
                 info["error"] = str(e)[-3000:]
                 log(f"[{system}] ERROR: {info['error'][:500]}")

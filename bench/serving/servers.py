@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 
 from . import plan as P
+from . import profile
 from .reuse import (Cleanup, Deployment, MpsDaemon, ServeOpts, TrialError, die_with_parent, field, free_port,
                     stop_group, tail)
 
@@ -89,6 +90,18 @@ class Server:
     def events(self) -> list[dict]:
         return []
 
+    def root_pid(self) -> int | None:
+        """The server's own process (the root of its process tree)."""
+        return None
+
+    def roles(self) -> dict[int, str]:
+        """pid -> role of the processes worth naming in a CPU account."""
+        return {}
+
+    def engine_pid(self) -> int | None:
+        """The process that runs the engine's step loop."""
+        return profile.engine_pid(self.root_pid())
+
 
 class VllmServer(Server):
     """`vllm serve` with the plan's alike settings. mps: as a client of a private
@@ -127,6 +140,18 @@ class VllmServer(Server):
 
     def mps_client_env(self) -> dict[str, str]:
         return dict(self.daemon.env) if self.daemon else {}
+
+    def root_pid(self) -> int | None:
+        p = self.proc
+        return p.pid if p is not None and p.poll() is None else None
+
+    def roles(self) -> dict[int, str]:
+        root = self.root_pid()
+        eng = self.engine_pid()
+        out = {root: "api server"} if root else {}
+        if eng and eng != root:
+            out[eng] = "engine core"
+        return out
 
     def start(self) -> None:
         if self.mps:
@@ -289,6 +314,30 @@ class FrmpsServer(Server):
     def active_pid(self) -> int | None:
         act = self.dep.engines(self.status()).get("active")
         return int(field(act, "pid", 0) or 0) or None if act else None
+
+    def root_pid(self) -> int | None:
+        p = self.dep.proc
+        return p.pid if p is not None and p.poll() is None else None
+
+    def roles(self) -> dict[int, str]:
+        out: dict[int, str] = {}
+        root = self.root_pid()
+        if root:
+            out[root] = "frmps supervisor"
+        try:
+            for role, e in self.dep.engines(self.status()).items():
+                pid = int(field(e, "pid", 0) or 0)
+                if pid:
+                    out[pid] = f"{role} engine"
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        return out
+
+    def engine_pid(self) -> int | None:
+        try:
+            return self.active_pid()
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
 
     def mps_client_env(self) -> dict[str, str]:
         return self.dep.mps_client_env()

@@ -555,3 +555,135 @@ def test_client_that_overstays_or_dies_is_killed_and_the_next_run_starts_a_fresh
     finally:
         client.close()
         cleanup.run()
+
+
+# ----------------------------------------------------------------------------- host CPU and py-spy (profile.py)
+
+from bench.serving import profile as PR  # noqa: E402
+
+BUSY = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\ntime.sleep(60)\n"
+
+
+def _spawn(code: str, argv0: str = "") -> subprocess.Popen:
+    """A child (through bash's exec -a when argv0 names it, as setproctitle would)."""
+    if argv0:
+        return subprocess.Popen(["bash", "-c", f'exec -a "{argv0}" "{sys.executable}" -c "$0"', code])
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_cpu_meter_counts_each_process_of_the_tree():
+    # A parent that starts a busy child (0.6 s of CPU) and an idle one: the meter,
+    # rooted at the parent, sees the busy grandchild's CPU and names its role.
+    parent = _spawn("import subprocess, sys, time\n"
+                    f"b = subprocess.Popen([sys.executable, '-c', {BUSY.format(s=0.6)!r}])\n"
+                    "i = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                    "print(b.pid, flush=True); time.sleep(60)\n")
+    try:
+        time.sleep(0.3)
+        kids = [p for p in PR.tree(parent.pid) if p != parent.pid]
+        deadline = time.monotonic() + 10
+        while len(kids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            kids = [p for p in PR.tree(parent.pid) if p != parent.pid]
+        assert len(kids) == 2, kids
+        m = PR.CpuMeter(parent.pid, {k: f"child {i}" for i, k in enumerate(sorted(kids))})
+        m.start()
+        time.sleep(1.5)
+        rep = m.stop(output_tokens=100)
+        busy = [p for p in rep["processes"] if p["cpu_s"] >= 0.3]
+        assert len(busy) == 1 and busy[0]["role"].startswith("child"), rep
+        assert busy[0]["cpu_ms_per_token"] == pytest.approx(busy[0]["cpu_s"] * 10, rel=0.01)
+        assert 0 < busy[0]["cores"] <= 1.2 and rep["wall_s"] >= 1.5
+        assert rep["cpu_s"] >= busy[0]["cpu_s"]
+    finally:
+        for p in PR.tree(parent.pid)[::-1]:
+            try:
+                os.kill(p, 9)
+            except OSError:
+                pass
+        parent.wait()
+    none = PR.CpuMeter(None)
+    none.start()
+    r = none.stop()
+    assert r["processes"] == [] and r["cpu_s"] == 0
+
+
+def test_engine_pid_finds_vllms_engine_core_else_the_root():
+    root = _spawn("import subprocess, sys, time\n"
+                  "subprocess.Popen(['bash', '-c', 'exec -a VLLM::EngineCore sleep 60'])\n"
+                  "time.sleep(60)\n")
+    try:
+        deadline = time.monotonic() + 10
+        core = None
+        while core in (None, root.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            core = PR.engine_pid(root.pid)
+        assert core != root.pid and "EngineCore" in PR._label(core)
+        assert PR.engine_pid(root.pid, active=4242) == 4242  # frmps: the active engine, from its status
+        assert PR.engine_pid(None) is None
+    finally:
+        for p in PR.tree(root.pid)[::-1]:
+            try:
+                os.kill(p, 9)
+            except OSError:
+                pass
+        root.wait()
+    lone = _spawn("import time; time.sleep(60)")
+    try:
+        time.sleep(0.2)
+        assert PR.engine_pid(lone.pid) == lone.pid  # an in-process engine
+    finally:
+        lone.kill()
+        lone.wait()
+
+
+# A labelled stand-in for py-spy: `record ... --output F` writes a raw profile
+# when SIGINT arrives (as py-spy does on Ctrl-C), or exits 1 without one.
+FAKE_PY_SPY = """#!{py}
+import signal, sys, time
+args = sys.argv[1:]
+out = args[args.index("--output") + 1]
+if "--pid" not in args or args[args.index("--pid") + 1] == "1":
+    sys.stderr.write("Permission denied\\n"); sys.exit(1)
+def stop(*_):
+    with open(out, "w") as f:
+        f.write("thread (0x1): \\"MainThread\\";loop (engine.py:10);step (engine.py:20) 30\\n")
+        f.write("thread (0x1): \\"MainThread\\";loop (engine.py:10);publish (ring.py:5) 10\\n")
+        f.write("thread (0x2): \\"grpc\\";serve (server.py:3) 5\\n")
+    sys.exit(0)
+signal.signal(signal.SIGINT, stop)
+time.sleep(120)
+"""
+
+
+def test_py_spy_is_stopped_when_the_run_ends_and_summarized(tmp_path):
+    fake = tmp_path / "py-spy"
+    fake.write_text(FAKE_PY_SPY.format(py=sys.executable))
+    fake.chmod(0o755)
+    out = str(tmp_path / "p.stacks")
+    ran = []
+    t0 = time.monotonic()
+    rep = PR.py_spy(str(fake), 4242, 300, out, lambda: ran.append(1))
+    assert ran == [1] and time.monotonic() - t0 < 30, "py-spy was not stopped when the run ended"
+    main = rep['thread (0x1): "MainThread"']
+    assert main["samples"] == 40 and main["leaf"][0] == ("step (engine.py:20)", 30)
+    assert dict(main["inclusive"])["loop (engine.py:10)"] == 40
+    assert list(rep)[0].endswith('"MainThread"')  # busiest first
+    bad = PR.py_spy(str(fake), 1, 300, str(tmp_path / "none.stacks"), lambda: None)
+    assert "Permission denied" in bad["error"]
+
+
+def test_report_shows_host_cpu_per_process_at_the_highest_rate():
+    def trial(system, rate, cores):
+        return {"system": system, "rate": rate, "cpu": {"processes": [
+            {"name": "python3 -m frmps_engine", "role": "active engine", "cores": cores, "cpu_ms_per_token": cores / 10},
+            {"name": "frmps serve", "role": "frmps supervisor", "cores": 0.2, "cpu_ms_per_token": 0.02},
+            {"name": "idle", "cores": 0.001}]}}
+    trials = [trial("frmps", "inf", c) for c in (0.9, 1.0, 0.95)] + [trial("frmps", "16", 0.3)]
+    servers = [{"system": "frmps", "py_spy": {"pid": 7, "stacks": "raw/profile-frmps.stacks", "threads": {
+        "MainThread": {"samples": 40, "leaf": [["step", 30]], "inclusive": []}}}}]
+    md = RP.cpu_table(trials, servers)
+    assert "| frmps serve (Go front door) | inf | active engine | 0.95 | 0.095 |" in md, md
+    assert "frmps supervisor" in md and "idle" not in md and "| 16 |" not in md
+    assert "MainThread: 40 samples; hottest frames: step 30" in md
+    assert RP.cpu_table([], []) == ""

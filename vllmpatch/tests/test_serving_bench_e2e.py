@@ -83,12 +83,18 @@ def test_sweep_and_fault_run_against_frmps_on_the_cpu(tiny_model, tmp_path):
         # --ignore-eos: every request got at least the dataset's shortest output
         assert t["total_output_tokens"] >= 4 * t["sent"]
     assert {t["seed"] for t in trials if t["rate"] == "4"} == {0, 1}
+    # The host CPU of each trial, per process of the server: the active engine ran the steps.
+    for t in trials:
+        roles = {p.get("role"): p for p in t["cpu"]["processes"]}
+        assert roles["active engine"]["cpu_s"] > 0 and roles["active engine"]["cpu_ms_per_token"] > 0, t["cpu"]
+        assert "frmps supervisor" in roles, t["cpu"]
     (srv,) = doc["servers"]
     assert srv["kv"]["num_blocks"] and srv["start_s"] > 0 and not srv.get("error")
     cell = doc["aggregate"]["default-kv"]["frmps"]["inf"]
     assert cell["trials"] == 2 and cell["output_throughput"]["n"] == 2
     md = open(os.path.join(out, "README.md")).read()
     assert "CPU check of the harness" in md and "| inf | frmps serve (Go front door) | 2 |" in md
+    assert "## Host CPU at the highest rate" in md and "| active engine |" in md
     assert os.path.getsize(os.path.join(out, "sweep-default-kv.png")) > 5000
     # The server is gone, its run directory removed.
     assert not procs_with(srv["run_dir"]) and not os.path.exists(srv["run_dir"])

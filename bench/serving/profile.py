@@ -1,0 +1,173 @@
+"""Where a server's host CPU goes during a trial: the CPU seconds of every
+process of the server (its process tree, read from /proc before and after the
+trial; nothing is paused or sampled), and, with --py-spy, one more saturation
+run per system (not counted among the trials) during which py-spy samples the
+engine process's threads: frmps's active engine, vLLM's EngineCore.
+
+Per process, `cpu_s / wall_s` is the share of one core it used; `cpu_ms_per_token`
+is its CPU per output token of the trial. The engine process of either system
+runs the step loop; a loop at one core's worth is the host-bound sign.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(ppid, utime + stime seconds) of pid, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            s = f.read()
+    except OSError:
+        return None
+    # comm may hold spaces and parentheses: the fields after it follow the last ')'.
+    rest = s[s.rfind(")") + 2:].split()
+    try:
+        return int(rest[1]), (int(rest[11]) + int(rest[12])) / CLK_TCK
+    except (IndexError, ValueError):
+        return None
+
+
+def _label(pid: int) -> str:
+    """The process's name: its command line's first words (setproctitle'd names
+    such as vLLM's VLLM::EngineCore included), else comm."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        argv = []
+    if argv:
+        words = [os.path.basename(argv[0])] + argv[1:]
+        text = " ".join(words)
+        return text if len(text) <= 80 else text[:77] + "..."
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def tree(root: int) -> list[int]:
+    """root and all its descendants that exist now."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st:
+                children.setdefault(st[0], []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        if _stat(p) is None:
+            continue
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+class CpuMeter:
+    """CPU seconds of a server's process tree over an interval. roles: pid ->
+    a role to name the process by (e.g. the active engine)."""
+
+    def __init__(self, root: int | None, roles: dict[int, str] | None = None):
+        self.root = root
+        self.roles = roles or {}
+        self.t0 = 0.0
+        self.before: dict[int, float] = {}
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self.before = {}
+        if self.root:
+            for p in tree(self.root):
+                st = _stat(p)
+                if st:
+                    self.before[p] = st[1]
+
+    def stop(self, output_tokens: int | None = None) -> dict:
+        wall = time.monotonic() - self.t0
+        procs = []
+        if self.root:
+            for p in tree(self.root):
+                st = _stat(p)
+                if not st:
+                    continue
+                cpu = st[1] - self.before.get(p, 0.0)
+                if cpu <= 0:
+                    continue
+                rec = {"pid": p, "name": _label(p), "cpu_s": round(cpu, 3), "cores": round(cpu / wall, 3) if wall else None}
+                if p in self.roles:
+                    rec["role"] = self.roles[p]
+                if output_tokens:
+                    rec["cpu_ms_per_token"] = round(cpu * 1e3 / output_tokens, 4)
+                procs.append(rec)
+        procs.sort(key=lambda r: -r["cpu_s"])
+        return {"wall_s": round(wall, 3), "cpu_s": round(sum(r["cpu_s"] for r in procs), 3), "processes": procs}
+
+
+def engine_pid(root: int | None, active: int | None = None) -> int | None:
+    """The process that runs the engine loop: frmps's active engine when given,
+    else vLLM's EngineCore among root's descendants (vllm serve's default
+    multiprocessing engine), else root itself (an in-process engine)."""
+    if active:
+        return active
+    if not root:
+        return None
+    for p in tree(root):
+        if "EngineCore" in _label(p):
+            return p
+    return root
+
+
+def py_spy(py_spy_path: str, pid: int, seconds: float, out_path: str, run) -> dict:
+    """py-spy record (raw collapsed stacks, every thread, the process not paused)
+    of pid while run() runs (at most `seconds`: stopped by SIGINT when run()
+    returns); returns its samples per thread and each thread's
+    hottest frames."""
+    p = subprocess.Popen([py_spy_path, "record", "--pid", str(pid), "--rate", "250", "--duration",
+                          str(int(seconds) + 1), "--format", "raw", "--output", out_path, "--threads",
+                          "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # attached before the requests start
+        run()
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+    if not os.path.exists(out_path):
+        return {"error": (err or "")[-500:] or f"py-spy exited {p.returncode} without output"}
+    return summarize(out_path)
+
+
+def summarize(path: str, top: int = 12) -> dict:
+    """py-spy's raw format ("thread;frame;...;frame count" per line, root
+    first): per thread its samples, its hottest leaf frames and the frames it
+    spends the most time under (inclusive)."""
+    threads: dict[str, dict] = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            frames, k = stack.split(";"), int(n)
+            t = threads.setdefault(frames[0], {"samples": 0, "leaf": {}, "incl": {}})
+            t["samples"] += k
+            t["leaf"][frames[-1]] = t["leaf"].get(frames[-1], 0) + k
+            for fr in set(frames[1:]):
+                t["incl"][fr] = t["incl"].get(fr, 0) + k
+    out = {}
+    for name, t in sorted(threads.items(), key=lambda kv: -kv[1]["samples"]):
+        out[name] = {"samples": t["samples"],
+                     "leaf": sorted(t["leaf"].items(), key=lambda kv: -kv[1])[:top],
+                     "inclusive": sorted(t["incl"].items(), key=lambda kv: -kv[1])[:top * 2]}
+    return out
