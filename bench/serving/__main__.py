@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--trial-s", type=float, default=20.0, help="a finite rate sends rate x trial-s requests")
     sw.add_argument("--py-spy", default="", help="py-spy executable: after each system's trials, one more saturation run "
                     "(not counted) with the engine process's threads sampled (raw/profile-<system>.stacks)")
+    sw.add_argument("--after-failover", action="store_true",
+                    help="frmps systems: after their trials, a failover drill (admin API) and its failback, then the "
+                    "trials again as <system>+failover (the engine serving then is one started after the first)")
     sw.add_argument("--inf-prompts", type=int, default=0, help=f"requests of an inf trial (0: 4 x max-num-seqs, {P.DEFAULT_INF_PROMPTS} at the default)")
     fa = sub.add_parser("faults", help="the stream at one rate while an MPS client faults at a fixed spacing")
     add_common(fa, ",".join(P.FAULT_SYSTEMS), P.FAULT_SYSTEMS)
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "sweep":
             systems = P.parse_systems(a.systems, P.SYSTEMS)
             plan = make_plan(a, systems, P.parse_rates(a.rates), a.trials, a.trial_s, a.inf_prompts)
+            plan.after_failover = a.after_failover
             if a.py_spy:
                 if not (os.path.isfile(a.py_spy) and os.access(a.py_spy, os.X_OK)):
                     raise ValueError(f"--py-spy {a.py_spy!r}: not an executable file")

@@ -24,12 +24,18 @@ FRMPS_SYSTEMS = {FRMPS, FRMPS_VLLM_FE}
 VLLM_MPS_RESTART = "vllm-serve-mps-restart"
 FAULT_SYSTEMS = [VLLM_MPS_RESTART, FRMPS, FRMPS_VLLM_FE]
 
+# The trials of an frmps system again after a failover drill and its failback
+# (--after-failover): system "<name>+failover".
+AFTER_FAILOVER = "+failover"
+
 SYSTEM_LABELS = {
     VLLM: "vllm serve",
     VLLM_MPS: "vllm serve in MPS",
     VLLM_MPS_RESTART: "vllm serve in MPS + restart loop",
     FRMPS: "frmps serve (Go front door)",
     FRMPS_VLLM_FE: "frmps serve --frontend vllm",
+    FRMPS + AFTER_FAILOVER: "frmps serve (Go front door), after a failover",
+    FRMPS_VLLM_FE + AFTER_FAILOVER: "frmps serve --frontend vllm, after a failover",
 }
 
 # The SLOs of goodput (vllm bench serve --goodput, milliseconds).
@@ -196,6 +202,7 @@ class Plan:
     warmup_prompts: int = 0  # a short untimed run per system before its trials (0: max_num_seqs)
     ready_timeout_s: float = 900.0
     py_spy: str = ""  # py-spy's path: one more saturation run per system with the engine process sampled
+    after_failover: bool = False  # frmps systems: the trials again after a failover drill and its failback
 
     def check(self) -> None:
         if self.trials < 1:
@@ -299,8 +306,13 @@ class Plan:
         for i, system in enumerate(self.systems):
             t = (start_s or {}).get(system, 120.0 if self.device != "cpu" else 15.0) + drain_s * 2 + client_s
             t += import_s if i == 0 else 0.0
-            for _, rate in self.schedule():
-                t += (self.stream.trial_s if rate == INF else self.num_prompts(rate) / rate) + drain_s + client_s
+            trials = sum((self.stream.trial_s if rate == INF else self.num_prompts(rate) / rate) + drain_s + client_s
+                         for _, rate in self.schedule())
+            t += trials
+            if self.after_failover and system in FRMPS_SYSTEMS:
+                t += 60.0 + drain_s + client_s + trials  # the drill and its failback (a restore), a warm-up, the trials
+            if self.py_spy:
+                t += self.stream.trial_s + drain_s + client_s
             out[system] = round(t)
         return out
 

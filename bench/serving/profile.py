@@ -171,3 +171,20 @@ def summarize(path: str, top: int = 12) -> dict:
                      "leaf": sorted(t["leaf"].items(), key=lambda kv: -kv[1])[:top],
                      "inclusive": sorted(t["incl"].items(), key=lambda kv: -kv[1])[:top * 2]}
     return out
+
+
+# The compiled model's origin, from an engine's log (vLLM 0.26's lines): traced
+# and compiled in this start, or its AOT-compiled artifact loaded from vLLM's
+# cache (what every engine after the first does, a restored or promoted one
+# included).
+_LOADED = ("Directly load AOT compilation", "Directly load the compiled graph")
+_COMPILED = ("saved AOT compiled function", "Compiling a graph for")
+
+
+def compile_state(log_text: str) -> str:
+    """'loaded', 'compiled', 'eager' or 'unknown' for the last engine start in log_text."""
+    loaded = max((log_text.rfind(m) for m in _LOADED), default=-1)
+    compiled = max((log_text.rfind(m) for m in _COMPILED), default=-1)
+    if loaded < 0 and compiled < 0:
+        return "eager" if "enforce_eager=True" in log_text else "unknown"
+    return "loaded" if loaded > compiled else "compiled"

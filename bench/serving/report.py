@@ -111,12 +111,17 @@ def sweep_table(agg_kv: dict) -> str:
 
 
 def kv_table(servers: list[dict]) -> str:
-    lines = ["| kv mode | system | KV blocks | source | start to serving (s) | error |", "|---|---|---|---|---|---|"]
+    lines = ["| kv mode | system | KV blocks | source | start to serving (s) | compiled model | error |",
+             "|---|---|---|---|---|---|---|"]
     for s in servers:
         kv = s.get("kv") or {}
         err = (s.get("error") or "").splitlines()[0][:120] if s.get("error") else ""
+        comp = s.get("compile") or "–"
+        if s.get("compile_after_failover"):
+            drill = s.get("failover_drill") or {}
+            comp += f"; after a failover ({fmt(drill.get('drill_s'))} s with its failback): {s['compile_after_failover']}"
         lines.append(f"| {s.get('kv_mode', '')} | {P.SYSTEM_LABELS.get(s['system'], s['system'])} | "
-                     f"{fmt(kv.get('num_blocks'))} | {kv.get('source', '')} | {fmt(s.get('start_s'))} | {err} |")
+                     f"{fmt(kv.get('num_blocks'))} | {kv.get('source', '')} | {fmt(s.get('start_s'))} | {comp} | {err} |")
     return "\n".join(lines)
 
 
@@ -230,7 +235,10 @@ def markdown(doc: dict) -> str:
             "Each system's server is started once; its trials are repeated client runs, trial by trial over every "
             "rate (so a drift over the run touches every rate alike), after an untimed warm-up run.", ""]
     if doc["servers"]:
-        out += ["## KV cache and start-up", "", kv_table(doc["servers"]), ""]
+        out += ["## KV cache and start-up", "",
+                "*compiled model*: how the serving engine got its compiled model, from its log: `compiled` (traced and "
+                "compiled in this start) or `loaded` (vLLM's AOT-compiled artifact from its cache, as every engine "
+                "after the first loads it, a promoted or restored one included).", "", kv_table(doc["servers"]), ""]
     for kv, agg_kv in sorted(doc["aggregate"].items()):
         out += [f"## Sweep ({kv})", "", sweep_table(agg_kv), ""]
         for name in ("sweep-" + kv + ".png",):

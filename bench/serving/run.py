@@ -166,6 +166,11 @@ def print_plan(plan: P.Plan, out=None) -> None:
         for trial, rate in plan.schedule():
             print(P.shell(plan.bench_cmd("http://127.0.0.1:<port>", rate, trial, "<dir>",
                                          trial_name(system, plan.alike.kv_mode, rate, trial))), file=out)
+        if plan.py_spy:
+            print(f"# one more 'inf' run, not counted, with {plan.py_spy} record --pid <engine pid>", file=out)
+        if plan.after_failover and system in P.FRMPS_SYSTEMS:
+            print("# POST /v1/admin/failover on the admin address, the failback, a ready spare; then the warm-up and "
+                  f"the trials again as {system}{P.AFTER_FAILOVER}", file=out)
     est = plan.estimate_s()
     print(f"\n# estimate: {', '.join(f'{k} {v} s' for k, v in est.items())}; total {sum(est.values())} s", file=out)
 
@@ -200,9 +205,44 @@ def profile_run(plan: P.Plan, client: Client, srv, raw_dir: str, wlog: str, log=
     return out
 
 
+def run_trials(plan: P.Plan, client: Client, srv, label: str, raw_dir: str, wlog: str, jsonl: str, log=print) -> None:
+    """The warm-up run, then every trial of the plan against srv, each appended to
+    jsonl under the system name `label` as it ends."""
+    kv = plan.alike.kv_mode
+    rc = run_client(client, plan.warmup_cmd(srv.base, raw_dir), wlog, client_timeout(plan, P.INF, plan.warmup_n()))
+    if rc != 0:
+        log(f"[{label}] warm-up: vllm bench serve exited {rc}")
+    for trial, rate in plan.schedule():
+        name = trial_name(label, kv, rate, trial)
+        cmd = plan.bench_cmd(srv.base, rate, trial, raw_dir, name, label=label)
+        rec = {"system": label, "kv_mode": kv, "rate": P.rate_label(rate), "trial": trial,
+               "seed": plan.trial_seed(trial), "num_prompts": plan.num_prompts(rate), "file": f"raw/{name}"}
+        t1 = time.monotonic()
+        meter = profile.CpuMeter(srv.root_pid(), srv.roles())
+        meter.start()
+        try:
+            rc = run_client(client, cmd, wlog, client_timeout(plan, rate))
+            if rc != 0:
+                raise TrialError(f"vllm bench serve exited {rc}; log tail:\n{tail(wlog, 15)}")
+            raw = results.load_bench_json(os.path.join(raw_dir, name))
+            rec.update(results.trial_record(raw, plan.slo_ttft_ms, plan.slo_tpot_ms, plan.stream.min_output_len()))
+        except (TrialError, results.ResultError) as e:
+            rec["error"] = str(e)[-2000:]
+        rec["cpu"] = meter.stop(rec.get("total_output_tokens"))
+        rec["wall_s"] = round(time.monotonic() - t1, 1)
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log(f"[{label}] rate {rec['rate']} trial {trial}: " + (
+            f"ERROR {rec['error'][:200]}" if rec.get("error") else
+            f"{rec['output_throughput']:.1f} out tok/s, p99 TPOT {rec.get('p99_tpot_ms') or 0:.1f} ms, "
+            f"failed {rec.get('failed')}, {rec['wall_s']} s"))
+
+
 def run_sweep(plan: P.Plan, out_dir: str, cleanup: Cleanup | None = None, log=print) -> dict:
     """Run the plan; every trial is appended to out_dir/trials.jsonl as it ends,
-    and results.json, README.md and the plots are rewritten at the end."""
+    and results.json, README.md and the plots are rewritten at the end. With
+    plan.after_failover, each frmps system is measured again after a failover
+    drill and its failback, as system `<name>+failover`."""
     cleanup = cleanup or Cleanup()
     os.makedirs(out_dir, exist_ok=True)
     raw_dir = os.path.join(out_dir, "raw")
@@ -225,39 +265,20 @@ def run_sweep(plan: P.Plan, out_dir: str, cleanup: Cleanup | None = None, log=pr
                 srv.wait_ready(plan.ready_timeout_s)
                 info["start_s"] = round(time.monotonic() - t0, 1)
                 info["kv"] = srv.kv_blocks()
+                info["compile"] = srv.compile_state()
                 log(f"[{system}] serving after {info['start_s']} s; KV blocks {info['kv'].get('num_blocks')} "
-                    f"({info['kv'].get('source')})")
-                wcmd = plan.warmup_cmd(srv.base, raw_dir)
+                    f"({info['kv'].get('source')}); compiled model {info['compile']}")
                 wlog = os.path.join(work, f"client-{system}-{kv}.log")
-                rc = run_client(client, wcmd, wlog, client_timeout(plan, P.INF, plan.warmup_n()))
-                info["warmup_rc"] = rc
-                for trial, rate in plan.schedule():
-                    name = trial_name(system, kv, rate, trial)
-                    cmd = plan.bench_cmd(srv.base, rate, trial, raw_dir, name, label=system)
-                    rec = {"system": system, "kv_mode": kv, "rate": P.rate_label(rate), "trial": trial,
-                           "seed": plan.trial_seed(trial), "num_prompts": plan.num_prompts(rate), "file": f"raw/{name}"}
-                    t1 = time.monotonic()
-                    meter = profile.CpuMeter(srv.root_pid(), srv.roles())
-                    meter.start()
-                    try:
-                        rc = run_client(client, cmd, wlog, client_timeout(plan, rate))
-                        if rc != 0:
-                            raise TrialError(f"vllm bench serve exited {rc}; log tail:\n{tail(wlog, 15)}")
-                        raw = results.load_bench_json(os.path.join(raw_dir, name))
-                        rec.update(results.trial_record(raw, plan.slo_ttft_ms, plan.slo_tpot_ms,
-                                                        plan.stream.min_output_len()))
-                    except (TrialError, results.ResultError) as e:
-                        rec["error"] = str(e)[-2000:]
-                    rec["cpu"] = meter.stop(rec.get("total_output_tokens"))
-                    rec["wall_s"] = round(time.monotonic() - t1, 1)
-                    with open(jsonl, "a") as f:
-                        f.write(json.dumps(rec) + "\n")
-                    log(f"[{system}] rate {rec['rate']} trial {trial}: " + (
-                        f"ERROR {rec['error'][:200]}" if rec.get("error") else
-                        f"{rec['output_throughput']:.1f} out tok/s, p99 TPOT {rec.get('p99_tpot_ms') or 0:.1f} ms, "
-                        f"failed {rec.get('failed')}, {rec['wall_s']} s"))
+                run_trials(plan, client, srv, system, raw_dir, wlog, jsonl, log)
                 if plan.py_spy:
                     info["py_spy"] = profile_run(plan, client, srv, raw_dir, wlog, log)
+                if plan.after_failover and system in P.FRMPS_SYSTEMS:
+                    label = system + P.AFTER_FAILOVER
+                    info["failover_drill"] = srv.failover_drill(plan.ready_timeout_s)
+                    info["compile_after_failover"] = srv.compile_state()
+                    log(f"[{system}] failover drill and failback in {info['failover_drill']['drill_s']} s; "
+                        f"compiled model {info['compile_after_failover']}; the trials again as {label}")
+                    run_trials(plan, client, srv, label, raw_dir, wlog, jsonl, log)
             except TrialError as e:
                 info["error"] = str(e)[-3000:]
                 log(f"[{system}] ERROR: {info['error'][:500]}")

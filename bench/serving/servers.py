@@ -19,7 +19,7 @@ import urllib.request
 from . import plan as P
 from . import profile
 from .reuse import (Cleanup, Deployment, MpsDaemon, ServeOpts, TrialError, die_with_parent, field, free_port,
-                    stop_group, tail)
+                    http_json, stop_group, tail)
 
 CACHE_INFO = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.M)
 KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
@@ -101,6 +101,10 @@ class Server:
     def engine_pid(self) -> int | None:
         """The process that runs the engine's step loop."""
         return profile.engine_pid(self.root_pid())
+
+    def compile_state(self) -> str:
+        """How the serving engine got its compiled model (profile.compile_state)."""
+        return "unknown"
 
 
 class VllmServer(Server):
@@ -262,6 +266,14 @@ class VllmServer(Server):
     def events(self) -> list[dict]:
         return list(self._events)
 
+    def compile_state(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return "unknown"
+        return profile.compile_state(text[text.rfind("=== start"):])
+
     def describe(self) -> dict:
         return {"system": self.system, "command": self.command(), "mps": self.mps, "restart_loop": self.restart,
                 "env": {k: v for k, v in self.env.items() if k.startswith("CUDA_MPS_")}, "log": self.log_path,
@@ -300,6 +312,9 @@ class FrmpsServer(Server):
         t0 = time.monotonic()
         placed = self.plan.device != "cpu"
         self.dep.wait_pair(timeout=timeout, placed=placed)
+        # The spare starts once the pair is ready: its start (imports, a CUDA
+        # context) is not left to overlap the first trials.
+        self.dep.wait(lambda s: spare_settled(s), max(30.0, timeout - (time.monotonic() - t0)), "the spare ready")
         while not http_ok(self.base + "/v1/models"):
             if time.monotonic() - t0 > timeout:
                 raise TrialError(f"{self.system}: the OpenAI endpoint did not answer within {timeout:.0f} s; "
@@ -367,8 +382,52 @@ class FrmpsServer(Server):
         except (urllib.error.URLError, OSError, ValueError):
             return []
 
+    def compile_state(self) -> str:
+        try:
+            act = self.dep.engines(self.status()).get("active") or {}
+            with open(str(field(act, "log_path", "") or ""), errors="replace") as f:
+                return profile.compile_state(f.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return "unknown"
+
+    def failover_drill(self, timeout: float) -> dict:
+        """The admin API's failover drill (the supervisor SIGKILLs the active; the
+        standby takes over), then the failback that restores the placement, and a
+        ready spare: afterwards the active is an engine started after the first
+        (a restored one, its compiled model loaded from the cache), as after any
+        fault."""
+        t0 = time.monotonic()
+        st = self.status()
+        before = int(field(field(st, "failback", {}) or {}, "succeeded", 0) or 0)
+        act = self.dep.engines(st).get("active") or {}
+        r = http_json(f"http://{self.dep.admin}/v1/admin/failover", {"reason": "frmps bench serving"}, timeout=10)
+        if not field(r, "accepted", False):
+            raise TrialError(f"{self.system}: the failover drill was refused: {r}")
+        placed = self.plan.device != "cpu"
+
+        def back(s: dict) -> bool:
+            fb = field(s, "failback", {}) or {}
+            done = int(field(fb, "succeeded", 0) or 0) > before or not placed
+            return done and self.dep.ready_pair(s, placed=placed) and spare_settled(s)
+
+        st = self.dep.wait(back, timeout, "the failover drill's takeover, failback and a ready spare")
+        new = self.dep.engines(st).get("active") or {}
+        return {"drill_s": round(time.monotonic() - t0, 1), "active_pid_before": field(act, "pid"),
+                "active_pid_after": field(new, "pid"), "active_from_spare": field(new, "from_spare"),
+                "failbacks": int(field(field(st, "failback", {}) or {}, "succeeded", 0) or 0)}
+
     def describe(self) -> dict:
         return {"system": self.system, "command": self.command(), "log": self.log_path, "run_dir": self.dep.run_dir}
+
+
+def spare_settled(st: dict) -> bool:
+    """No spare about to start or starting: spares off (the CPU's default), or
+    the spare ready, off or in backoff ("none" with spares on: not started yet)."""
+    sp = field(st, "spare", {}) or {}
+    if not field(sp, "enabled", False):
+        return True
+    state = str(field(sp, "state", "") or "")
+    return state in ("ready", "backoff") or state.startswith("off")
 
 
 def make_server(plan: P.Plan, system: str, workdir: str, cleanup: Cleanup) -> Server:

@@ -687,3 +687,38 @@ def test_report_shows_host_cpu_per_process_at_the_highest_rate():
     assert "frmps supervisor" in md and "idle" not in md and "| 16 |" not in md
     assert "MainThread: 40 samples; hottest frames: step 30" in md
     assert RP.cpu_table([], []) == ""
+
+
+def test_compile_state_reads_vllms_lines_for_the_last_start():
+    # vLLM 0.26.0's lines, as an H200 run logged them.
+    compiled = ("INFO 11-29 11:21:04 [backends.py:1094] Using cache directory: /root/.cache/vllm/torch_compile_cache/x\n"
+                "INFO 11-29 11:21:19 [decorators.py:708] saved AOT compiled function to /root/.cache/vllm/y/model\n")
+    loaded = "INFO 11-29 11:24:00 [decorators.py:311] Directly load AOT compilation from path /root/.cache/vllm/y/model\n"
+    assert PR.compile_state(compiled) == "compiled"
+    assert PR.compile_state(loaded) == "loaded"
+    assert PR.compile_state(compiled + "=== start 2\n" + loaded) == "loaded"  # the last start decides
+    assert PR.compile_state(loaded + compiled) == "compiled"
+    assert PR.compile_state("model config ... enforce_eager=True ...") == "eager"
+    assert PR.compile_state("") == "unknown"
+
+
+def test_spare_settled_waits_for_a_spare_that_is_on():
+    assert S.spare_settled({})  # no spare section: spares off (the CPU)
+    assert S.spare_settled({"spare": {"enabled": False, "state": "none"}})
+    for state, ok in (("none", False), ("importing", False), ("ready", True), ("backoff", True),
+                      ("off: --spares 0", True)):
+        assert S.spare_settled({"spare": {"enabled": True, "state": state}}) is ok, state
+
+
+def test_after_failover_adds_the_drill_and_the_trials_again_to_the_plan(capsys):
+    plan = mkplan(systems=[P.VLLM_MPS, P.FRMPS], rates=[16.0, P.INF], trials=3)
+    base = plan.estimate_s()
+    plan.after_failover = True
+    est = plan.estimate_s()
+    assert est[P.VLLM_MPS] == base[P.VLLM_MPS]  # vllm serve has no failover
+    assert est[P.FRMPS] > 2 * base[P.FRMPS] - 130
+    from bench.serving.run import print_plan
+    print_plan(plan)
+    out = capsys.readouterr().out
+    assert out.count("/v1/admin/failover") == 1 and "frmps+failover" in out
+    assert P.SYSTEM_LABELS[P.FRMPS + P.AFTER_FAILOVER].endswith("after a failover")

@@ -70,12 +70,20 @@ def test_sweep_and_fault_run_against_frmps_on_the_cpu(tiny_model, tmp_path):
     out = str(tmp_path / "res")
     common = ["--model", tiny_model, "--out", out, "--frmps", frmps_bin(), "--python", sys.executable,
               "--bench-python", BENCH_PY, *SMALL]
-    p = harness(["sweep", *common, "--rates", "4,inf", "--trials", "2", "--trial-s", "2", "--inf-prompts", "8"])
+    p = harness(["sweep", *common, "--rates", "4,inf", "--trials", "2", "--trial-s", "2", "--inf-prompts", "8",
+                 "--after-failover"])
     text, _ = p.communicate(timeout=600)
     assert p.returncode == 0, text[-4000:]
     with open(os.path.join(out, "results.json")) as f:
         doc = json.load(f)
-    trials = doc["trials"]
+    # --after-failover: the same trials again after a failover drill, served by the engine that took over.
+    again = [t for t in doc["trials"] if t["system"] == "frmps+failover"]
+    assert len(again) == 4 and not [t for t in again if t.get("error")], again
+    assert all(t["failed"] == 0 and t["completed"] == t["sent"] for t in again)
+    drill = doc["servers"][0]["failover_drill"]
+    assert drill["active_pid_after"] != drill["active_pid_before"], drill
+    assert doc["aggregate"]["default-kv"]["frmps+failover"]["inf"]["trials"] == 2
+    trials = [t for t in doc["trials"] if t["system"] == "frmps"]
     assert len(trials) == 4 and not [t for t in trials if t.get("error")], trials
     for t in trials:
         assert t["failed"] == 0 and t["completed"] == t["sent"] == t["num_prompts"]
@@ -116,7 +124,7 @@ def test_sweep_and_fault_run_against_frmps_on_the_cpu(tiny_model, tmp_path):
     assert s["longest_gap_ms"] > 0 and len(fr["timeline"]["t"]) >= 16
     assert os.path.getsize(os.path.join(out, "timeline-frmps-6s.png")) > 5000
     # The sweep's rows are still in the rebuilt report.
-    assert len(doc["trials"]) == 4
+    assert len(doc["trials"]) == 8
     assert not procs_with("bench.serving.client")
 
 
