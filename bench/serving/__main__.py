@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--trial-s", type=float, default=20.0, help="a finite rate sends rate x trial-s requests")
     sw.add_argument("--py-spy", default="", help="py-spy executable: after each system's trials, one more saturation run "
                     "(not counted) with the engine process's threads sampled (raw/profile-<system>.stacks)")
+    sw.add_argument("--py-spy-views", default="idle",
+                    help="with --py-spy: comma list of cpu (on the CPU only), gil (holding the GIL), idle (everything, "
+                    "waits included); one saturation run each")
     sw.add_argument("--after-failover", action="store_true",
                     help="frmps systems: after their trials, a failover drill (admin API) and its failback, then the "
                     "trials again as <system>+failover (the engine serving then is one started after the first)")
@@ -125,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not (os.path.isfile(a.py_spy) and os.access(a.py_spy, os.X_OK)):
                     raise ValueError(f"--py-spy {a.py_spy!r}: not an executable file")
                 plan.py_spy = os.path.abspath(a.py_spy)
+            from .profile import VIEWS
+            views = [v.strip() for v in a.py_spy_views.split(",") if v.strip()]
+            if not views or [v for v in views if v not in VIEWS] or len(set(views)) != len(views):
+                raise ValueError(f"--py-spy-views {a.py_spy_views!r}: a comma list of {', '.join(VIEWS)}, each once")
+            plan.py_spy_views = views
             kinds, spacings = [], []
         else:
             systems = P.parse_systems(a.systems, P.FAULT_SYSTEMS)

@@ -201,7 +201,8 @@ class Plan:
     frmps_args: list[str] = field(default_factory=list)  # more `frmps serve` flags
     warmup_prompts: int = 0  # a short untimed run per system before its trials (0: max_num_seqs)
     ready_timeout_s: float = 900.0
-    py_spy: str = ""  # py-spy's path: one more saturation run per system with the engine process sampled
+    py_spy: str = ""  # py-spy's path: one more saturation run per system and view with the engine process sampled
+    py_spy_views: list[str] = field(default_factory=lambda: ["idle"])  # profile.VIEWS keys
     after_failover: bool = False  # frmps systems: the trials again after a failover drill and its failback
 
     def check(self) -> None:
@@ -312,7 +313,7 @@ class Plan:
             if self.after_failover and system in FRMPS_SYSTEMS:
                 t += 60.0 + drain_s + client_s + trials  # the drill and its failback (a restore), a warm-up, the trials
             if self.py_spy:
-                t += self.stream.trial_s + drain_s + client_s
+                t += (self.stream.trial_s + drain_s + client_s) * len(self.py_spy_views)
             out[system] = round(t)
         return out
 

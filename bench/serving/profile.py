@@ -125,14 +125,21 @@ def engine_pid(root: int | None, active: int | None = None) -> int | None:
     return root
 
 
-def py_spy(py_spy_path: str, pid: int, seconds: float, out_path: str, run) -> dict:
+# py-spy's views: on the CPU (threads waiting in a system call, for the GIL or
+# the device included, are left out), holding the GIL (where the one
+# interpreter lock goes), and everything, waits included (where a thread that
+# is not on the CPU waits).
+VIEWS = {"cpu": [], "gil": ["--gil"], "idle": ["--idle"]}
+
+
+def py_spy(py_spy_path: str, pid: int, seconds: float, out_path: str, run, view: str = "cpu") -> dict:
     """py-spy record (raw collapsed stacks, every thread, the process not paused)
     of pid while run() runs (at most `seconds`: stopped by SIGINT when run()
     returns); returns its samples per thread and each thread's
     hottest frames."""
     p = subprocess.Popen([py_spy_path, "record", "--pid", str(pid), "--rate", "250", "--duration",
                           str(int(seconds) + 1), "--format", "raw", "--output", out_path, "--threads",
-                          "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          "--nonblocking", *VIEWS[view]], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(1.0)  # attached before the requests start
         run()

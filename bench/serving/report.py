@@ -154,17 +154,19 @@ def cpu_table(trials: list[dict], servers: list[dict]) -> str:
     if len(lines) == 2:
         return ""
     out = [*lines]
-    spied = [s for s in servers if s.get("py_spy")]
-    for s in spied:
-        th = (s["py_spy"].get("threads") or {})
-        if "error" in th:
-            out += ["", f"- {s['system']}: py-spy failed: {str(th['error'])[:200]}"]
-            continue
-        out += ["", f"- {P.SYSTEM_LABELS.get(s['system'], s['system'])}, py-spy of pid {s['py_spy'].get('pid')} "
-                f"(`{s['py_spy'].get('stacks')}`), busiest threads:"]
-        for name, t in list(th.items())[:3]:
-            leaf = ", ".join(f"{f} {n}" for f, n in t["leaf"][:4])
-            out += [f"  - {name}: {t['samples']} samples; hottest frames: {leaf}"]
+    for s in servers:
+        runs = s.get("py_spy") or []
+        for ps in ([runs] if isinstance(runs, dict) else runs):  # a dict: one cpu view (before --py-spy-views)
+            th = ps.get("threads") or {}
+            label = P.SYSTEM_LABELS.get(s["system"], s["system"])
+            if "error" in th or "error" in ps:
+                out += ["", f"- {label}: py-spy failed: {str(th.get('error') or ps.get('error'))[:200]}"]
+                continue
+            out += ["", f"- {label}, py-spy ({ps.get('view', 'cpu')} view) of pid {ps.get('pid')} "
+                    f"(`{ps.get('stacks')}`), busiest threads:"]
+            for name, t in list(th.items())[:3]:
+                leaf = ", ".join(f"{f} {n}" for f, n in t["leaf"][:4])
+                out += [f"  - {name}: {t['samples']} samples; hottest frames: {leaf}"]
     return "\n".join(out)
 
 

@@ -167,7 +167,9 @@ def print_plan(plan: P.Plan, out=None) -> None:
             print(P.shell(plan.bench_cmd("http://127.0.0.1:<port>", rate, trial, "<dir>",
                                          trial_name(system, plan.alike.kv_mode, rate, trial))), file=out)
         if plan.py_spy:
-            print(f"# one more 'inf' run, not counted, with {plan.py_spy} record --pid <engine pid>", file=out)
+            for view in plan.py_spy_views:
+                print(f"# one more 'inf' run, not counted, with {plan.py_spy} record --pid <engine pid> ({view} view)",
+                      file=out)
         if plan.after_failover and system in P.FRMPS_SYSTEMS:
             print("# POST /v1/admin/failover on the admin address, the failback, a ready spare; then the warm-up and "
                   f"the trials again as {system}{P.AFTER_FAILOVER}", file=out)
@@ -179,29 +181,33 @@ def trial_name(system: str, kv_mode: str, rate: float, trial: int) -> str:
     return f"{system}-{kv_mode}-r{P.rate_label(rate)}-t{trial}.json"
 
 
-def profile_run(plan: P.Plan, client: Client, srv, raw_dir: str, wlog: str, log=print) -> dict:
-    """One more saturation run after a system's trials, not counted among them,
-    while py-spy samples the engine process's threads (bench/serving/profile.py).
-    The stacks go to raw/profile-<system>.stacks; returns their summary."""
+def profile_run(plan: P.Plan, client: Client, srv, raw_dir: str, wlog: str, log=print) -> list[dict]:
+    """After a system's trials, one more saturation run per py-spy view
+    (plan.py_spy_views), not counted among the trials, while py-spy samples the
+    engine process's threads (bench/serving/profile.py). The stacks go to
+    raw/profile-<system>[-<view>].stacks; returns each view's summary."""
     pid = srv.engine_pid()
     if not pid:
-        return {"error": "no engine process found"}
-    name = f"profile-{srv.system}"
-    cmd = plan.bench_cmd(srv.base, P.INF, 0, raw_dir, name + ".json", label=srv.system)
-    stacks = os.path.join(raw_dir, name + ".stacks")
-    timeout = client_timeout(plan, P.INF)
-    out: dict = {"pid": pid, "stacks": f"raw/{name}.stacks"}
-    meter = profile.CpuMeter(srv.root_pid(), srv.roles())
+        return [{"error": "no engine process found"}]
+    out = []
+    for view in plan.py_spy_views:
+        name = f"profile-{srv.system}" + ("" if view == "cpu" else f"-{view}")
+        cmd = plan.bench_cmd(srv.base, P.INF, 0, raw_dir, name + ".json", label=srv.system)
+        stacks = os.path.join(raw_dir, name + ".stacks")
+        timeout = client_timeout(plan, P.INF)
+        rec: dict = {"view": view, "pid": pid, "stacks": f"raw/{name}.stacks", "result": f"raw/{name}.json"}
+        meter = profile.CpuMeter(srv.root_pid(), srv.roles())
 
-    def run() -> None:
-        meter.start()
-        out["client_rc"] = run_client(client, cmd, wlog, timeout)
+        def run(rec=rec, meter=meter, cmd=cmd, timeout=timeout) -> None:
+            meter.start()
+            rec["client_rc"] = run_client(client, cmd, wlog, timeout)
 
-    out["threads"] = profile.py_spy(plan.py_spy, pid, timeout, stacks, run)
-    out["cpu"] = meter.stop()
-    busiest = next(iter(out["threads"].items()), None) if "error" not in out["threads"] else None
-    log(f"[{srv.system}] py-spy of pid {pid} during one more saturation run: "
-        + (f"busiest thread {busiest[0]} ({busiest[1]['samples']} samples)" if busiest else str(out["threads"])[:200]))
+        rec["threads"] = profile.py_spy(plan.py_spy, pid, timeout, stacks, run, view)
+        rec["cpu"] = meter.stop()
+        busiest = next(iter(rec["threads"].items()), None) if "error" not in rec["threads"] else None
+        log(f"[{srv.system}] py-spy ({view}) of pid {pid} during one more saturation run: "
+            + (f"busiest thread {busiest[0]} ({busiest[1]['samples']} samples)" if busiest else str(rec["threads"])[:200]))
+        out.append(rec)
     return out
 
 

@@ -649,7 +649,7 @@ def stop(*_):
     with open(out, "w") as f:
         f.write("thread (0x1): \\"MainThread\\";loop (engine.py:10);step (engine.py:20) 30\\n")
         f.write("thread (0x1): \\"MainThread\\";loop (engine.py:10);publish (ring.py:5) 10\\n")
-        f.write("thread (0x2): \\"grpc\\";serve (server.py:3) 5\\n")
+        f.write("thread (0x2): \\"grpc%s\\";serve (server.py:3) 5\\n" % ("-idle" if "--idle" in args else ""))
     sys.exit(0)
 signal.signal(signal.SIGINT, stop)
 time.sleep(120)
@@ -669,6 +669,9 @@ def test_py_spy_is_stopped_when_the_run_ends_and_summarized(tmp_path):
     assert main["samples"] == 40 and main["leaf"][0] == ("step (engine.py:20)", 30)
     assert dict(main["inclusive"])["loop (engine.py:10)"] == 40
     assert list(rep)[0].endswith('"MainThread"')  # busiest first
+    assert 'thread (0x2): "grpc"' in rep
+    idle = PR.py_spy(str(fake), 4242, 300, str(tmp_path / "i.stacks"), lambda: None, view="idle")
+    assert 'thread (0x2): "grpc-idle"' in idle, "the idle view's flag did not reach py-spy"
     bad = PR.py_spy(str(fake), 1, 300, str(tmp_path / "none.stacks"), lambda: None)
     assert "Permission denied" in bad["error"]
 
@@ -687,6 +690,22 @@ def test_report_shows_host_cpu_per_process_at_the_highest_rate():
     assert "frmps supervisor" in md and "idle" not in md and "| 16 |" not in md
     assert "MainThread: 40 samples; hottest frames: step 30" in md
     assert RP.cpu_table([], []) == ""
+    # --py-spy-views: a list of runs, one per view
+    servers[0]["py_spy"] = [dict(servers[0]["py_spy"], view="idle"), {"view": "gil", "error": "no engine process found"}]
+    md = RP.cpu_table(trials, servers)
+    assert "py-spy (idle view) of pid 7" in md and "py-spy failed: no engine process found" in md
+
+
+def test_py_spy_views_are_checked(tmp_path, capsys):
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    argv = ["sweep", "--model", str(tmp_path), "--out", str(tmp_path / "o"), "--dry-run", "--py-spy", str(fake)]
+    assert cli(argv + ["--py-spy-views", "idle,bogus"]) == 2
+    assert "--py-spy-views" in capsys.readouterr().err
+    assert cli(argv + ["--py-spy-views", "idle,gil"]) == 0
+    out = capsys.readouterr().out
+    assert "(idle view)" in out and "(gil view)" in out
 
 
 def test_compile_state_reads_vllms_lines_for_the_last_start():
