@@ -340,8 +340,7 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
         if fig["errors"]:
             raise RuntimeError(f"controls: the no-fault run failed: {fig['errors'][:3]}")
         last = [0.0]
-        applied_before: dict[str, int] = {}
-        not_applied_before: dict[str, list] = {}
+        seen_before: dict[str, dict] = {}  # per case, what the engines' logs had said of it before its cycle
         for k, case in enumerate(cases):
             creqs, ref, ptoks = reqs, ref0, fig.get("prompt_tokens") or []
             if case != proofcount.POSITIVE:
@@ -368,10 +367,10 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
             r = proofcount.control_result(case, streams, fo.get("ok") if fo else None, err)
             if case != proofcount.POSITIVE:  # what the engines' logs say of this case since the last one
                 seen = exactness.control_lines(engine_logs(dep.log_dir)).get(case) or {}
-                r.update(applied=seen.get("applied", 0) - applied_before.get(case, 0),
-                         not_applied=(seen.get("not_applied") or [])[len(not_applied_before.get(case, [])):])
-                applied_before[case] = seen.get("applied", 0)
-                not_applied_before[case] = seen.get("not_applied") or []
+                before = seen_before.get(case) or {}
+                r.update(applied=seen.get("applied", 0) - before.get("applied", 0),
+                         not_applied=(seen.get("not_applied") or [])[len(before.get("not_applied") or []):])
+                seen_before[case] = seen
             r.update(fault=trigger_spec, seconds=round(now() - t0, 1), fault_to_detect_s=rec.get("fault_to_detect_s"))
             out.append(r)
             if err:

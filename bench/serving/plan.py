@@ -159,16 +159,18 @@ class Alike:
         """The bounds given (not 0) as `vllm serve` flags."""
         return [f for name, v in self.bounds() for f in (f"--{name}", str(v))]
 
+    def _named(self) -> list[tuple[str, int]]:
+        """The three bounds by their vLLM names, given or not (0)."""
+        return [("max_num_seqs", self.max_num_seqs), ("max_num_batched_tokens", self.max_num_batched_tokens),
+                ("max_model_len", self.max_model_len)]
+
     def bounds(self) -> list[tuple[str, int]]:
-        return [(n.replace("_", "-"), v) for n, v in (("max_num_seqs", self.max_num_seqs),
-                                                       ("max_num_batched_tokens", self.max_num_batched_tokens),
-                                                       ("max_model_len", self.max_model_len)) if v]
+        return [(n.replace("_", "-"), v) for n, v in self._named() if v]
 
     def describe(self) -> str:
         """One line for the report."""
-        given = ", ".join(f"{n.replace('-', '_')} {v}" for n, v in self.bounds())
-        left = [n for n, v in (("max_num_seqs", self.max_num_seqs), ("max_num_batched_tokens", self.max_num_batched_tokens),
-                               ("max_model_len", self.max_model_len)) if not v]
+        given = ", ".join(f"{n} {v}" for n, v in self._named() if v)
+        left = [n for n, v in self._named() if not v]
         if not left:
             return given
         return ", ".join(x for x in (given, f"{', '.join(left)} at `vllm serve`'s defaults (frmps serve takes them "
