@@ -448,7 +448,10 @@ def main() -> int:
         cs = [c for c in cs if c["id"] in set(args.cases.split(","))]
     if args.cpu:
         args.engine, args.device, args.memory, args.mps_control = "frmps_engine.vllm.testing:cpu_engine", "cpu", "host-shm", FAKE_MPS
-        args.serve_arg += ["--mps-control", FAKE_MPS, "--spare=on", "--max-restarts=1000"]
+        # --heartbeat-timeout: this checks the script; on a 2-core machine under a parallel test run, the
+        # idle active's heartbeat thread was once held off its GIL for over the default second while
+        # its standby imported vLLM, with no CPU wait to excuse it (the hang tests cover the default).
+        args.serve_arg += ["--mps-control", FAKE_MPS, "--spare=on", "--max-restarts=1000", "--heartbeat-timeout=10s"]
         args.env["FRMPS_TEST_VLLM_CPU_PLATFORM"] = "1"
         args.seed_every_request = True  # the controls' requests too (see below)
         # The stand-in model samples seeded_token(seed, position) whatever the temperature:
