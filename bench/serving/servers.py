@@ -399,16 +399,23 @@ class FrmpsServer(Server):
         t0 = time.monotonic()
         st = self.status()
         before = int(field(field(st, "failback", {}) or {}, "succeeded", 0) or 0)
+        n_failovers = len(self.dep.failovers(st))
         act = self.dep.engines(st).get("active") or {}
+        old_pid = int(field(act, "pid", 0) or 0)
         r = http_json(f"http://{self.dep.admin}/v1/admin/failover", {"reason": "frmps bench serving"}, timeout=10)
         if not field(r, "accepted", False):
             raise TrialError(f"{self.system}: the failover drill was refused: {r}")
         placed = self.plan.device != "cpu"
 
         def back(s: dict) -> bool:
+            # The drill's failover recorded and its active gone from the pair; with
+            # placement (MPS), the failback after it done as well.
+            new = int(field(self.dep.engines(s).get("active") or {}, "pid", 0) or 0)
+            if len(self.dep.failovers(s)) <= n_failovers or new in (0, old_pid):
+                return False
             fb = field(s, "failback", {}) or {}
             done = int(field(fb, "succeeded", 0) or 0) > before or not placed
-            return done and self.dep.ready_pair(s, placed=placed) and spare_settled(s)
+            return done and self.dep.ready_pair(s, fenced_pid=old_pid, placed=placed) and spare_settled(s)
 
         st = self.dep.wait(back, timeout, "the failover drill's takeover, failback and a ready spare")
         new = self.dep.engines(st).get("active") or {}
