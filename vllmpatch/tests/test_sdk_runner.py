@@ -608,12 +608,15 @@ def test_request_path_is_warmed_before_any_request():
 # TEST DOUBLE of py-spy: records its arguments, then waits for SIGINT (py-spy's
 # "stop and write") and writes one raw stack line to --output.
 FAKE_PY_SPY = r"""#!PYTHON
-import json, signal, sys, time
+import json, os, signal, sys, time
 args = sys.argv[1:]
 open(sys.argv[0] + ".args", "w").write(json.dumps(args))
 def stop(*_):
+    # Written whole, then renamed into place: the test waits for the file to appear
+    # and reads it at once (an open-then-write was once read empty).
     out = args[args.index("--output") + 1]
-    open(out, "w").write("MainThread;run (frmps_engine/sdk/runner.py:1) 1\n")
+    open(out + ".tmp", "w").write("MainThread;run (frmps_engine/sdk/runner.py:1) 1\n")
+    os.replace(out + ".tmp", out)
     sys.exit(0)
 signal.signal(signal.SIGINT, stop)
 time.sleep(60)
