@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the bench package
+from bench.serving.profile import read_stacks  # noqa: E402  (py-spy's raw format, one parser)
 
 _LINE = re.compile(r":\d+\)$")
 
@@ -30,16 +34,6 @@ def function_of(frame: str) -> str:
 def short_path(frame: str) -> str:
     """Paths cut to the package: '.../site-packages/vllm/x.py' -> 'vllm/x.py'."""
     return re.sub(r"\((?:[^()]*/)?(?:site-packages|dist-packages|src)/", "(", frame)
-
-
-def read_stacks(path: str) -> list[tuple[list[str], int]]:
-    out = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            stack, _, n = line.rstrip("\n").rpartition(" ")
-            if stack and n.isdigit():
-                out.append((stack.split(";"), int(n)))
-    return out
 
 
 def summarize(stacks: list[tuple[list[str], int]], rate: float, top: int) -> dict:

@@ -33,9 +33,9 @@ from failover_proof import Deployment  # noqa: E402
 
 from failback_proof import started  # noqa: E402
 from proof_load import stream  # noqa: E402
-from start_profile import read_stacks  # noqa: E402  (py-spy's raw format, one parser)
 
 from bench.procs import collect  # noqa: E402  (standard library only)
+from bench.serving.profile import VIEWS as PY_SPY_VIEWS, read_stacks  # noqa: E402  (py-spy's views, its raw format's one parser)
 
 
 def prompts(b: int, n: int = 32) -> list[list[int]]:
@@ -107,18 +107,12 @@ def frmps_times(dep: Deployment, model: str, ps: list[list[int]], tokens: int, p
     return dt
 
 
-# py-spy's views of the engine's threads: on the CPU (the default: threads
-# waiting in a system call, the GIL's wait included, are left out), holding the
-# GIL (--gil: where the one interpreter lock goes, the loop thread against the
-# generation threads), and everything, waits included (--idle).
-PY_SPY_VIEWS = {"cpu": [], "gil": ["--gil"], "idle": ["--idle"]}
-
-
 def py_spy_profile(py_spy: str, pid: int, seconds: float, out_path: str, run, view: str = "cpu") -> dict:
     """Samples every thread of the engine process `pid` with py-spy (raw collapsed
     stacks into out_path, the process not paused) while run() generates; returns
     the samples per thread and the hottest frames (own samples) of each. view:
-    a key of PY_SPY_VIEWS."""
+    a key of PY_SPY_VIEWS (bench/serving/profile.py: on the CPU, holding the
+    GIL, or everything, waits included)."""
     p = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "500", "--duration", str(int(seconds) + 1),
                           "--format", "raw", "--output", out_path, "--threads", "--nonblocking", *PY_SPY_VIEWS[view]],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

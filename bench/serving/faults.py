@@ -19,6 +19,7 @@ import time
 
 from . import plan as P
 from . import report, results
+from .client import Client
 from .reuse import Cleanup, MpsTrigger, SigkillTrigger, TrialError, tail
 from .run import bench_client, client_timeout, run_client
 from .servers import FrmpsServer, VllmServer, make_server
@@ -148,9 +149,10 @@ class Injector(threading.Thread):
             self.fired.append(rec)
 
 
-def run_fault_window(plan: P.Plan, system: str, out_dir: str, rate: float, window_s: float, spacing_s: float,
-                     kinds: list[str], faults_dir: str, cleanup: Cleanup, log=print) -> dict:
-    """One system, one spacing: start, warm up, the stream with the faults, stop."""
+def run_fault_window(plan: P.Plan, client: Client, system: str, out_dir: str, rate: float, window_s: float,
+                     spacing_s: float, kinds: list[str], faults_dir: str, cleanup: Cleanup, log=print) -> dict:
+    """One system, one spacing: start, warm up, the stream with the faults (the
+    run's one benchmark client), stop."""
     raw_dir, work = os.path.join(out_dir, "raw"), os.path.join(out_dir, "work")
     os.makedirs(raw_dir, exist_ok=True)
     os.makedirs(work, exist_ok=True)
@@ -166,7 +168,6 @@ def run_fault_window(plan: P.Plan, system: str, out_dir: str, rate: float, windo
         srv.start()
         srv.wait_ready(plan.ready_timeout_s)
         clog = os.path.join(work, f"client-fault-{system}-s{spacing_s:g}.log")
-        client = bench_client(plan, cleanup)
         run_client(client, plan.warmup_cmd(srv.base, raw_dir), clog,
                    client_timeout(plan, P.INF, plan.warmup_n()))
         offsets = fault_times(window_s, spacing_s)
@@ -213,10 +214,12 @@ def run_faults(plan: P.Plan, out_dir: str, rate: float, window_s: float, spacing
     with open(os.path.join(out_dir, "plans.jsonl"), "a") as f:
         f.write(json.dumps({"kind": "faults", "fault_rate": rate, "window_s": window_s, "spacings": spacings,
                             "fault_kinds": kinds, **plan.to_json()}) + "\n")
+    client = bench_client(plan, cleanup)
     try:
         for spacing in spacings:
             for system in plan.systems:
-                rec = run_fault_window(plan, system, out_dir, rate, window_s, spacing, kinds, faults_dir, cleanup, log)
+                rec = run_fault_window(plan, client, system, out_dir, rate, window_s, spacing, kinds, faults_dir,
+                                       cleanup, log)
                 with open(os.path.join(out_dir, "faultruns.jsonl"), "a") as f:
                     f.write(json.dumps(rec) + "\n")
     finally:

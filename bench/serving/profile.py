@@ -53,22 +53,31 @@ def _label(pid: int) -> str:
         return "?"
 
 
-def tree(root: int) -> list[int]:
-    """root and all its descendants that exist now."""
-    children: dict[int, list[int]] = {}
+def _tree_cpu(root: int) -> dict[int, float]:
+    """root and all its descendants that exist now, each with its CPU seconds
+    (one read of each process's stat)."""
+    stats: dict[int, tuple[int, float]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = _stat(int(name))
             if st:
-                children.setdefault(st[0], []).append(int(name))
-    out, todo = [], [root]
+                stats[int(name)] = st
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out: dict[int, float] = {}
+    todo = [root]
     while todo:
         p = todo.pop()
-        if _stat(p) is None:
-            continue
-        out.append(p)
-        todo.extend(children.get(p, []))
+        if p in stats:
+            out[p] = stats[p][1]
+            todo.extend(children.get(p, []))
     return out
+
+
+def tree(root: int) -> list[int]:
+    """root and all its descendants that exist now."""
+    return list(_tree_cpu(root))
 
 
 class CpuMeter:
@@ -83,30 +92,21 @@ class CpuMeter:
 
     def start(self) -> None:
         self.t0 = time.monotonic()
-        self.before = {}
-        if self.root:
-            for p in tree(self.root):
-                st = _stat(p)
-                if st:
-                    self.before[p] = st[1]
+        self.before = _tree_cpu(self.root) if self.root else {}
 
     def stop(self, output_tokens: int | None = None) -> dict:
         wall = time.monotonic() - self.t0
         procs = []
-        if self.root:
-            for p in tree(self.root):
-                st = _stat(p)
-                if not st:
-                    continue
-                cpu = st[1] - self.before.get(p, 0.0)
-                if cpu <= 0:
-                    continue
-                rec = {"pid": p, "name": _label(p), "cpu_s": round(cpu, 3), "cores": round(cpu / wall, 3) if wall else None}
-                if p in self.roles:
-                    rec["role"] = self.roles[p]
-                if output_tokens:
-                    rec["cpu_ms_per_token"] = round(cpu * 1e3 / output_tokens, 4)
-                procs.append(rec)
+        for p, total in (_tree_cpu(self.root) if self.root else {}).items():
+            cpu = total - self.before.get(p, 0.0)
+            if cpu <= 0:
+                continue
+            rec = {"pid": p, "name": _label(p), "cpu_s": round(cpu, 3), "cores": round(cpu / wall, 3) if wall else None}
+            if p in self.roles:
+                rec["role"] = self.roles[p]
+            if output_tokens:
+                rec["cpu_ms_per_token"] = round(cpu * 1e3 / output_tokens, 4)
+            procs.append(rec)
         procs.sort(key=lambda r: -r["cpu_s"])
         return {"wall_s": round(wall, 3), "cpu_s": round(sum(r["cpu_s"] for r in procs), 3), "processes": procs}
 
@@ -156,22 +156,28 @@ def py_spy(py_spy_path: str, pid: int, seconds: float, out_path: str, run, view:
     return summarize(out_path)
 
 
-def summarize(path: str, top: int = 12) -> dict:
-    """py-spy's raw format ("thread;frame;...;frame count" per line, root
-    first): per thread its samples, its hottest leaf frames and the frames it
-    spends the most time under (inclusive)."""
-    threads: dict[str, dict] = {}
+def read_stacks(path: str) -> list[tuple[list[str], int]]:
+    """py-spy's raw format ("thread;frame;...;frame count" per line, root first):
+    (frames, count) per line; lines that are not one are skipped."""
+    out = []
     with open(path, errors="replace") as f:
         for line in f:
             stack, _, n = line.rstrip("\n").rpartition(" ")
-            if not stack or not n.isdigit():
-                continue
-            frames, k = stack.split(";"), int(n)
-            t = threads.setdefault(frames[0], {"samples": 0, "leaf": {}, "incl": {}})
-            t["samples"] += k
-            t["leaf"][frames[-1]] = t["leaf"].get(frames[-1], 0) + k
-            for fr in set(frames[1:]):
-                t["incl"][fr] = t["incl"].get(fr, 0) + k
+            if stack and n.isdigit():
+                out.append((stack.split(";"), int(n)))
+    return out
+
+
+def summarize(path: str, top: int = 12) -> dict:
+    """Per thread of a raw py-spy profile: its samples, its hottest leaf frames
+    and the frames it spends the most time under (inclusive)."""
+    threads: dict[str, dict] = {}
+    for frames, k in read_stacks(path):
+        t = threads.setdefault(frames[0], {"samples": 0, "leaf": {}, "incl": {}})
+        t["samples"] += k
+        t["leaf"][frames[-1]] = t["leaf"].get(frames[-1], 0) + k
+        for fr in set(frames[1:]):
+            t["incl"][fr] = t["incl"].get(fr, 0) + k
     out = {}
     for name, t in sorted(threads.items(), key=lambda kv: -kv[1]["samples"]):
         out[name] = {"samples": t["samples"],

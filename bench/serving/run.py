@@ -198,7 +198,7 @@ def profile_run(plan: P.Plan, client: Client, srv, raw_dir: str, wlog: str, log=
         rec: dict = {"view": view, "pid": pid, "stacks": f"raw/{name}.stacks", "result": f"raw/{name}.json"}
         meter = profile.CpuMeter(srv.root_pid(), srv.roles())
 
-        def run(rec=rec, meter=meter, cmd=cmd, timeout=timeout) -> None:
+        def run() -> None:  # called by py_spy within this iteration
             meter.start()
             rec["client_rc"] = run_client(client, cmd, wlog, timeout)
 

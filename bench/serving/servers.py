@@ -400,8 +400,7 @@ class FrmpsServer(Server):
         st = self.status()
         before = int(field(field(st, "failback", {}) or {}, "succeeded", 0) or 0)
         n_failovers = len(self.dep.failovers(st))
-        act = self.dep.engines(st).get("active") or {}
-        old_pid = int(field(act, "pid", 0) or 0)
+        old_pid = int(field(self.dep.engines(st).get("active") or {}, "pid", 0) or 0)
         r = http_json(f"http://{self.dep.admin}/v1/admin/failover", {"reason": "frmps bench serving"}, timeout=10)
         if not field(r, "accepted", False):
             raise TrialError(f"{self.system}: the failover drill was refused: {r}")
@@ -419,7 +418,7 @@ class FrmpsServer(Server):
 
         st = self.dep.wait(back, timeout, "the failover drill's takeover, failback and a ready spare")
         new = self.dep.engines(st).get("active") or {}
-        return {"drill_s": round(time.monotonic() - t0, 1), "active_pid_before": field(act, "pid"),
+        return {"drill_s": round(time.monotonic() - t0, 1), "active_pid_before": old_pid,
                 "active_pid_after": field(new, "pid"), "active_from_spare": field(new, "from_spare"),
                 "failbacks": int(field(field(st, "failback", {}) or {}, "succeeded", 0) or 0)}
 

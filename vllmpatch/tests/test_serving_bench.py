@@ -571,6 +571,16 @@ def _spawn(code: str, argv0: str = "") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL proc's descendants and proc, then reap it."""
+    for p in PR.tree(proc.pid)[::-1]:
+        try:
+            os.kill(p, 9)
+        except OSError:
+            pass
+    proc.wait()
+
+
 def test_cpu_meter_counts_each_process_of_the_tree():
     # A parent that starts a busy child (0.6 s of CPU) and an idle one: the meter,
     # rooted at the parent, sees the busy grandchild's CPU and names its role.
@@ -596,12 +606,7 @@ def test_cpu_meter_counts_each_process_of_the_tree():
         assert 0 < busy[0]["cores"] <= 1.2 and rep["wall_s"] >= 1.5
         assert rep["cpu_s"] >= busy[0]["cpu_s"]
     finally:
-        for p in PR.tree(parent.pid)[::-1]:
-            try:
-                os.kill(p, 9)
-            except OSError:
-                pass
-        parent.wait()
+        _kill_tree(parent)
     none = PR.CpuMeter(None)
     none.start()
     r = none.stop()
@@ -622,12 +627,7 @@ def test_engine_pid_finds_vllms_engine_core_else_the_root():
         assert PR.engine_pid(root.pid, active=4242) == 4242  # frmps: the active engine, from its status
         assert PR.engine_pid(None) is None
     finally:
-        for p in PR.tree(root.pid)[::-1]:
-            try:
-                os.kill(p, 9)
-            except OSError:
-                pass
-        root.wait()
+        _kill_tree(root)
     lone = _spawn("import time; time.sleep(60)")
     try:
         time.sleep(0.2)
