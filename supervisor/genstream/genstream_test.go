@@ -26,7 +26,8 @@ import (
 type engine struct {
 	frmpsv1.UnimplementedGenerationServer
 	noStream bool          // answer Stream with UNIMPLEMENTED
-	breakAt  int           // end every Stream with UNAVAILABLE after this many steps (0: never)
+	breakAt  int           // end every Stream with UNAVAILABLE once breakOn requests have had this many tokens each (0: never)
+	breakOn  int           // how many requests the break waits for
 	mu       sync.Mutex    // guards detached
 	detached []uint64      // detach ops seen
 	steps    chan struct{} // one per step sent, when not nil
@@ -59,7 +60,7 @@ func (e *engine) Stream(s grpc.BidiStreamingServer[frmpsv1.StreamRequest, frmpsv
 	var live []*req
 	tick := time.NewTicker(time.Millisecond)
 	defer tick.Stop()
-	for step := 1; ; step++ {
+	for {
 		var chunks []*frmpsv1.StreamChunk
 	drain:
 		for {
@@ -86,8 +87,16 @@ func (e *engine) Stream(s grpc.BidiStreamingServer[frmpsv1.StreamRequest, frmpsv
 				break drain
 			}
 		}
-		if e.breakAt > 0 && step > e.breakAt {
-			return status.Error(codes.Unavailable, "engine died")
+		if e.breakAt > 0 && len(live) >= e.breakOn {
+			ready := 0
+			for _, r := range live {
+				if r.i >= e.breakAt {
+					ready++
+				}
+			}
+			if ready >= e.breakOn {
+				return status.Error(codes.Unavailable, "engine died")
+			}
 		}
 		var next []*req
 		for _, r := range live {
@@ -233,7 +242,7 @@ func TestASlowReaderHoldsUpNobody(t *testing.T) {
 // the tokens that did arrive; the next request opens a new stream.
 func TestABrokenStreamFailsEveryRequestOnIt(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	c, stop := serve(t, &engine{breakAt: 5})
+	c, stop := serve(t, &engine{breakAt: 5, breakOn: 3})
 	defer stop()
 	var streams []grpc.ServerStreamingClient[frmpsv1.GenerateResponse]
 	for k := uint64(1); k <= 3; k++ {
