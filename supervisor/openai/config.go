@@ -21,6 +21,9 @@ type Config struct {
 	APIKey string
 	// MaxConcurrent bounds requests running against the engine (default 512).
 	MaxConcurrent int
+	// MaxChoices bounds the choices one request may ask for: n times the
+	// prompts of a batch, each an engine request of its own (default 128).
+	MaxChoices int
 	// MaxQueue bounds requests waiting for a slot; beyond it: 429 (default 1024).
 	// Negative means no queue at all.
 	MaxQueue int
@@ -103,6 +106,7 @@ func (c Config) withDefaults() Config {
 		}
 	}
 	setInt(&c.MaxConcurrent, 512)
+	setInt(&c.MaxChoices, 128)
 	setInt(&c.MaxQueue, 1024)
 	if c.MaxQueue < 0 {
 		c.MaxQueue = 0
@@ -136,6 +140,8 @@ func (c Config) validate() error {
 	switch {
 	case c.MaxConcurrent < 0:
 		return errors.New("max concurrent requests must not be negative")
+	case c.MaxChoices < 0:
+		return errors.New("max choices must not be negative")
 	case c.MaxBodyBytes < 0:
 		return errors.New("max body bytes must not be negative")
 	case c.KeepAliveInterval < 0, c.ResumeTimeout < 0, c.EngineWaitTimeout < 0, c.QueueTimeout < 0,

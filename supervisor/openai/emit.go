@@ -76,18 +76,26 @@ type sseOutput struct {
 	// chunkHead: `data: {"id":...,"choices":[{"index":0,` — shared by every chunk.
 	chunkHead []byte
 	head      responseHead
+	echo      string // put before the first text delta
 
 	kaStop chan struct{}
 	kaDone chan struct{}
 }
 
 func newSSEOutput(w http.ResponseWriter, j *job, head responseHead, keepAlive time.Duration) *sseOutput {
-	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, returnIDs: j.returnTokenIDs, keepAlive: keepAlive, head: head}
+	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, returnIDs: j.returnTokenIDs, keepAlive: keepAlive, head: head, echo: j.echo}
 	o.flusher, _ = w.(http.Flusher)
-	b := append([]byte("data: "), head.append(nil)...)
-	o.chunkHead = append(b, `"choices":[{"index":0,`...)
+	o.chunkHead = o.choiceHead(0)
 	o.buf = make([]byte, 0, 512)
 	return o
+}
+
+// choiceHead is what every chunk of choice i starts with.
+func (o *sseOutput) choiceHead(i int) []byte {
+	b := append([]byte("data: "), o.head.append(nil)...)
+	b = append(b, `"choices":[{"index":`...)
+	b = strconv.AppendInt(b, int64(i), 10)
+	return append(b, ',')
 }
 
 // writeLocked writes o.buf and flushes; o.mu held.
@@ -105,7 +113,11 @@ func (o *sseOutput) writeLocked() error {
 	return nil
 }
 
-func (o *sseOutput) start() error {
+func (o *sseOutput) start() error { return o.startChoices([][]byte{o.chunkHead}) }
+
+// startChoices sends the headers and, for chat, the assistant's role for each
+// choice (the chunk heads given), as OpenAI's streams open.
+func (o *sseOutput) startChoices(heads [][]byte) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	h := o.w.Header()
@@ -120,10 +132,12 @@ func (o *sseOutput) start() error {
 		}
 		return nil
 	}
-	// Chat streams open with the assistant role, as OpenAI's do.
-	o.buf = append(o.buf[:0], o.chunkHead...)
-	o.buf = append(o.buf, `"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]`...)
-	o.buf = o.appendTail(o.buf)
+	o.buf = o.buf[:0]
+	for _, head := range heads {
+		o.buf = append(o.buf, head...)
+		o.buf = append(o.buf, `"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]`...)
+		o.buf = o.appendTail(o.buf)
+	}
 	return o.writeLocked()
 }
 
@@ -151,12 +165,20 @@ func appendTokenIDs(b []byte, ids []uint32) []byte {
 // inter-token latency then counts the engine's steps, not the detokeniser's
 // hold-backs. A message with neither text nor tokens writes nothing.
 func (o *sseOutput) text(delta string, ids []uint32) error {
+	if o.echo != "" {
+		delta, o.echo = o.echo+delta, ""
+	}
+	return o.textAt(o.chunkHead, delta, ids)
+}
+
+// textAt writes a text chunk of the choice whose chunk head is given.
+func (o *sseOutput) textAt(head []byte, delta string, ids []uint32) error {
 	if delta == "" && len(ids) == 0 {
 		return nil
 	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	b := append(o.buf[:0], o.chunkHead...)
+	b := append(o.buf[:0], head...)
 	if o.chat {
 		b = append(b, `"delta":{"content":`...)
 		b = appendJSONString(b, delta)
@@ -177,7 +199,14 @@ func (o *sseOutput) finish(reason string, u usage) error {
 	o.stopKeepAlive()
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	b := append(o.buf[:0], o.chunkHead...)
+	o.buf = o.appendEnd(o.appendFinish(o.buf[:0], o.chunkHead, reason), u)
+	o.ended = true
+	return o.writeLocked()
+}
+
+// appendFinish appends the finish chunk of the choice whose chunk head is given.
+func (o *sseOutput) appendFinish(b, head []byte, reason string) []byte {
+	b = append(b, head...)
 	if o.chat {
 		b = append(b, `"delta":{}`...)
 	} else {
@@ -186,7 +215,11 @@ func (o *sseOutput) finish(reason string, u usage) error {
 	b = append(b, `,"logprobs":null,"finish_reason":`...)
 	b = appendJSONString(b, reason)
 	b = append(b, "}]"...)
-	b = o.appendTail(b)
+	return o.appendTail(b)
+}
+
+// appendEnd appends the end of a stream: the usage chunk when asked for, and [DONE].
+func (o *sseOutput) appendEnd(b []byte, u usage) []byte {
 	if o.includeUsage {
 		// OpenAI's last chunk: no choices, usage of the whole request.
 		b = append(b, "data: "...)
@@ -195,9 +228,19 @@ func (o *sseOutput) finish(reason string, u usage) error {
 		b = appendUsage(b, u)
 		b = append(b, "}\n\n"...)
 	}
-	b = append(b, "data: [DONE]\n\n"...)
+	return append(b, "data: [DONE]\n\n"...)
+}
+
+// finishChoice writes one choice's finish chunk, and the stream's end when last.
+func (o *sseOutput) finishChoice(head []byte, reason string, last bool, u usage) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	b := o.appendFinish(o.buf[:0], head, reason)
+	if last {
+		b = o.appendEnd(b, u)
+		o.ended = true
+	}
 	o.buf = b
-	o.ended = true
 	return o.writeLocked()
 }
 
@@ -281,6 +324,12 @@ type jsonOutput struct {
 	done      bool
 }
 
+func newJSONOutput(w http.ResponseWriter, j *job, head responseHead) *jsonOutput {
+	o := &jsonOutput{w: w, chat: j.endpoint == endpointChat, returnIDs: j.returnTokenIDs, head: head}
+	o.sb.WriteString(j.echo)
+	return o
+}
+
 func (o *jsonOutput) start() error { return nil }
 
 func (o *jsonOutput) text(delta string, ids []uint32) error {
@@ -295,29 +344,53 @@ func (o *jsonOutput) gap(bool) {}
 
 func (o *jsonOutput) finish(reason string, u usage) error {
 	o.done = true
-	b := make([]byte, 0, 256+o.sb.Len()+o.sb.Len()/8)
-	b = o.head.append(b)
-	b = append(b, `"choices":[{"index":0,`...)
-	if o.chat {
-		b = append(b, `"message":{"role":"assistant","content":`...)
-		b = appendJSONString(b, o.sb.String())
+	return writeBody(o.w, o.head, o.chat, o.returnIDs, []choiceResult{{text: o.sb.String(), ids: o.ids, reason: reason}}, u)
+}
+
+// choiceResult is one finished choice of a JSON body.
+type choiceResult struct {
+	text   string
+	ids    []uint32
+	reason string
+}
+
+// writeBody sends a whole (non-streamed) response: its choices, index by index.
+func writeBody(w http.ResponseWriter, head responseHead, chat, returnIDs bool, choices []choiceResult, u usage) error {
+	size := 256
+	for _, c := range choices {
+		size += 96 + len(c.text) + len(c.text)/8 + 11*len(c.ids)
+	}
+	b := make([]byte, 0, size)
+	b = head.append(b)
+	b = append(b, `"choices":[`...)
+	for i, c := range choices {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = append(b, `{"index":`...)
+		b = strconv.AppendInt(b, int64(i), 10)
+		if chat {
+			b = append(b, `,"message":{"role":"assistant","content":`...)
+			b = appendJSONString(b, c.text)
+			b = append(b, '}')
+		} else {
+			b = append(b, `,"text":`...)
+			b = appendJSONString(b, c.text)
+		}
+		if returnIDs {
+			b = appendTokenIDs(b, c.ids)
+		}
+		b = append(b, `,"logprobs":null,"finish_reason":`...)
+		b = appendJSONString(b, c.reason)
 		b = append(b, '}')
-	} else {
-		b = append(b, `"text":`...)
-		b = appendJSONString(b, o.sb.String())
 	}
-	if o.returnIDs {
-		b = appendTokenIDs(b, o.ids)
-	}
-	b = append(b, `,"logprobs":null,"finish_reason":`...)
-	b = appendJSONString(b, reason)
-	b = append(b, `}],"usage":`...)
+	b = append(b, `],"usage":`...)
 	b = appendUsage(b, u)
 	b = append(b, "}\n"...)
-	o.w.Header().Set("Content-Type", "application/json")
-	o.w.Header().Set("Content-Length", strconv.Itoa(len(b)))
-	o.w.WriteHeader(http.StatusOK)
-	_, err := o.w.Write(b)
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+	w.WriteHeader(http.StatusOK)
+	_, err := w.Write(b)
 	return err
 }
 

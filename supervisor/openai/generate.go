@@ -22,6 +22,9 @@ type openRequest struct {
 	key       uint64
 	requestID string
 	gen       *frmpsv1.GenerateRequest // immutable once registered
+	// sibling: one of a request's choices after its first; the request's time
+	// to first token is its first choice's.
+	sibling bool
 
 	mu        sync.Mutex
 	submitted bool // sent to an engine: only these belong in a resume set
@@ -299,7 +302,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 			}
 		}
 		if len(ids) > 0 {
-			if delivered == 0 {
+			if delivered == 0 && !or.sibling {
 				s.m.ttft.Observe(time.Since(arrived).Seconds())
 			}
 			if resuming && !gotResumedToken {

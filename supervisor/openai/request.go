@@ -68,7 +68,51 @@ type job struct {
 	// maxTokens as the client asked (0 = not given); checked against the
 	// context length once the engine reports the prompt length.
 	maxTokens int
-	gen       *frmpsv1.GenerateRequest
+	// gen is the engine request of a one-choice request; choices is nil then.
+	gen *frmpsv1.GenerateRequest
+	// echo goes before the generated text (completions' echo of the prompt,
+	// chat's echo of a last message in the answer's role).
+	echo string
+	// choices are the engine requests of a request with several choices (n > 1,
+	// or several prompts), in the order vLLM numbers them: prompt by prompt, n
+	// each. Each is a request of its own to the engine and across a failover.
+	choices []choice
+}
+
+// choice is one of a request's several choices.
+type choice struct {
+	gen *frmpsv1.GenerateRequest
+	// sample is the choice's number among its prompt's n: vLLM seeds child
+	// i of a seeded request with seed + i. 0 marks the prompt's first choice,
+	// which alone counts the prompt in the usage.
+	sample int
+	echo   string
+}
+
+// fixSeeds gives every engine request a seed: the client's, or random() when
+// it gave none. A fixed seed makes a resumed request sample exactly as the
+// original would have, even if it never reached a ring sync.
+func (j *job) fixSeeds(random func() uint64) {
+	gens := []*frmpsv1.GenerateRequest{j.gen}
+	if j.choices != nil {
+		gens = gens[:0]
+		for _, c := range j.choices {
+			gens = append(gens, c.gen)
+		}
+	}
+	var base uint64
+	if s := gens[0].GetParams().Seed; s != nil {
+		base = *s
+	} else {
+		base = random()
+	}
+	for i, g := range gens {
+		seed := base
+		if j.choices != nil {
+			seed += uint64(j.choices[i].sample)
+		}
+		g.Params.Seed = &seed
+	}
 }
 
 // parseRequest decodes and validates a request body. It never panics on bad input.
@@ -88,7 +132,19 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 		return nil, &apiError{Status: 404, Type: typeNotFound, Param: "model", Code: "model_not_found",
 			Message: fmt.Sprintf("The model `%s` does not exist. This server serves `%s`.", *w.Model, model.Name)}
 	}
-	j := &job{endpoint: ep, model: model.Name, gen: &frmpsv1.GenerateRequest{}}
+	j := &job{endpoint: ep, model: model.Name}
+	n := 1
+	if w.N != nil {
+		if *w.N < 1 {
+			return nil, badRequest("n", "`n` must be at least 1.")
+		}
+		if *w.N > int64(cfg.MaxChoices) {
+			return nil, badRequest("n", fmt.Sprintf("n=%d is more than the %d choices a request may ask for.", *w.N, cfg.MaxChoices))
+		}
+		n = int(*w.N)
+	}
+	var inputs []promptInput
+	addGen := false
 	switch ep {
 	case endpointChat:
 		if len(w.Prompt) != 0 && !isNull(w.Prompt) {
@@ -98,27 +154,55 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 		if e != nil {
 			return nil, e
 		}
-		j.gen.Input = &frmpsv1.GenerateRequest_Messages{Messages: &frmpsv1.ChatMessages{Messages: msgs}}
-		j.gen.AddGenerationPrompt = true
+		addGen = true
 		if w.AddGenerationPrompt != nil {
-			j.gen.AddGenerationPrompt = *w.AddGenerationPrompt
+			addGen = *w.AddGenerationPrompt
 		}
+		in := promptInput{in: &frmpsv1.GenerateRequest{Input: &frmpsv1.GenerateRequest_Messages{Messages: &frmpsv1.ChatMessages{Messages: msgs}}}}
+		// vLLM's echo for chat: the answer starts with the last message when it is
+		// in the answer's role (the assistant's, or the last message's own role
+		// when no generation prompt is added).
+		if w.Echo != nil && *w.Echo && (!addGen || msgs[len(msgs)-1].GetRole() == "assistant") {
+			in.echo = msgs[len(msgs)-1].GetContent()
+		}
+		inputs = []promptInput{in}
 	case endpointCompletions:
-		if e := parsePrompt(w.Prompt, j.gen, model.MaxModelLen); e != nil {
+		var e *apiError
+		if inputs, e = parsePrompts(w.Prompt, model.MaxModelLen, cfg.MaxChoices); e != nil {
 			return nil, e
 		}
 		if w.Echo != nil && *w.Echo {
-			return nil, badRequest("echo", "`echo` is not supported.")
+			for i := range inputs {
+				p, ok := inputs[i].in.Input.(*frmpsv1.GenerateRequest_Prompt)
+				if !ok {
+					return nil, badRequest("echo", "`echo` needs the prompt as text here; a token-id prompt cannot be echoed.")
+				}
+				inputs[i].echo = p.Prompt
+			}
 		}
 	}
-	if e := rejectUnsupported(&w, ep); e != nil {
+	if len(inputs)*n > cfg.MaxChoices {
+		return nil, badRequest("n", fmt.Sprintf("%d prompts × n=%d is more than the %d choices a request may ask for.", len(inputs), n, cfg.MaxChoices))
+	}
+	if e := rejectUnsupported(&w); e != nil {
 		return nil, e
 	}
 	p, e := parseParams(&w, model, cfg)
 	if e != nil {
 		return nil, e
 	}
-	j.gen.Params = p
+	if len(inputs) == 1 && n == 1 {
+		j.gen = &frmpsv1.GenerateRequest{Input: inputs[0].in.Input, Params: p, AddGenerationPrompt: addGen}
+		j.echo = inputs[0].echo
+	} else {
+		j.choices = make([]choice, 0, len(inputs)*n)
+		for _, in := range inputs {
+			for i := 0; i < n; i++ {
+				g := &frmpsv1.GenerateRequest{Input: in.in.Input, Params: cloneParams(p), AddGenerationPrompt: addGen}
+				j.choices = append(j.choices, choice{gen: g, sample: i, echo: in.echo})
+			}
+		}
+	}
 	if w.MaxCompletionTokens != nil {
 		j.maxTokens = int(*w.MaxCompletionTokens)
 	} else if w.MaxTokens != nil {
@@ -213,48 +297,85 @@ func parseContent(raw json.RawMessage, param string) (string, *apiError) {
 	return strings.Join(texts, "\n"), nil
 }
 
-// parsePrompt accepts a string, a one-element list of strings, a list of token
-// ids, or a one-element list of token-id lists. Batches (several prompts) are
-// refused: one HTTP request is one generation here.
-func parsePrompt(raw json.RawMessage, g *frmpsv1.GenerateRequest, maxModelLen int) *apiError {
+// promptInput is one prompt of a request, and the text its echo shows.
+type promptInput struct {
+	in   *frmpsv1.GenerateRequest // Input only
+	echo string
+}
+
+// parsePrompts accepts what vLLM accepts: a string, a list of token ids, or a
+// batch, a list of strings or of token-id lists (one choice per prompt, or n).
+func parsePrompts(raw json.RawMessage, maxModelLen, maxPrompts int) ([]promptInput, *apiError) {
 	if len(raw) == 0 || isNull(raw) {
-		return badRequest("prompt", "You must provide a `prompt`.")
+		return nil, badRequest("prompt", "You must provide a `prompt`.")
 	}
 	var s string
 	if err := json.Unmarshal(raw, &s); err == nil {
 		if s == "" {
-			return badRequest("prompt", "`prompt` must not be empty.")
+			return nil, badRequest("prompt", "`prompt` must not be empty.")
 		}
-		g.Input = &frmpsv1.GenerateRequest_Prompt{Prompt: s}
-		return nil
+		return []promptInput{{in: &frmpsv1.GenerateRequest{Input: &frmpsv1.GenerateRequest_Prompt{Prompt: s}}}}, nil
 	}
 	var list []json.RawMessage
 	if err := json.Unmarshal(raw, &list); err != nil {
-		return badRequest("prompt", "`prompt` must be a string, a list of strings, a list of token ids or a list of token-id lists.")
+		return nil, badRequest("prompt", "`prompt` must be a string, a list of strings, a list of token ids or a list of token-id lists.")
 	}
 	if len(list) == 0 {
-		return badRequest("prompt", "`prompt` must not be empty.")
+		return nil, badRequest("prompt", "`prompt` must not be empty.")
 	}
 	first := bytes.TrimSpace(list[0])
-	if len(first) > 0 && (first[0] == '"' || first[0] == '[') {
-		if len(list) > 1 {
-			return badRequest("prompt", fmt.Sprintf("Batched prompts are not supported: got %d prompts, send one per request.", len(list)))
+	if len(first) == 0 || (first[0] != '"' && first[0] != '[') {
+		ids, e := parseTokenIDs(list, "prompt", maxModelLen)
+		if e != nil {
+			return nil, e
 		}
-		return parsePrompt(list[0], g, maxModelLen)
+		return []promptInput{{in: &frmpsv1.GenerateRequest{Input: &frmpsv1.GenerateRequest_PromptTokenIds{PromptTokenIds: &frmpsv1.TokenIds{Ids: ids}}}}}, nil
 	}
+	if len(list) > maxPrompts {
+		return nil, badRequest("prompt", fmt.Sprintf("%d prompts is more than the %d choices a request may ask for.", len(list), maxPrompts))
+	}
+	out := make([]promptInput, 0, len(list))
+	for i, r := range list {
+		param := fmt.Sprintf("prompt[%d]", i)
+		r = bytes.TrimSpace(r)
+		if len(r) == 0 || r[0] != first[0] {
+			return nil, badRequest(param, "A batch of prompts must be all strings or all token-id lists.")
+		}
+		if r[0] == '"' {
+			var s string
+			if err := json.Unmarshal(r, &s); err != nil || s == "" {
+				return nil, badRequest(param, fmt.Sprintf("%s must be a non-empty string.", param))
+			}
+			out = append(out, promptInput{in: &frmpsv1.GenerateRequest{Input: &frmpsv1.GenerateRequest_Prompt{Prompt: s}}})
+			continue
+		}
+		var elems []json.RawMessage
+		if err := json.Unmarshal(r, &elems); err != nil || len(elems) == 0 {
+			return nil, badRequest(param, fmt.Sprintf("%s must be a non-empty list of token ids.", param))
+		}
+		ids, e := parseTokenIDs(elems, param, maxModelLen)
+		if e != nil {
+			return nil, e
+		}
+		out = append(out, promptInput{in: &frmpsv1.GenerateRequest{Input: &frmpsv1.GenerateRequest_PromptTokenIds{PromptTokenIds: &frmpsv1.TokenIds{Ids: ids}}}})
+	}
+	return out, nil
+}
+
+// parseTokenIDs reads a prompt given as token ids.
+func parseTokenIDs(list []json.RawMessage, param string, maxModelLen int) ([]uint32, *apiError) {
 	ids := make([]uint32, len(list))
 	for i, r := range list {
 		var v int64
 		if err := json.Unmarshal(r, &v); err != nil || v < 0 || v > math.MaxUint32 {
-			return badRequest("prompt", fmt.Sprintf("prompt[%d] is not a valid token id.", i))
+			return nil, badRequest("prompt", fmt.Sprintf("%s[%d] is not a valid token id.", param, i))
 		}
 		ids[i] = uint32(v)
 	}
 	if maxModelLen > 0 && len(ids) >= maxModelLen {
-		return promptTooLong(len(ids), maxModelLen)
+		return nil, promptTooLong(len(ids), maxModelLen)
 	}
-	g.Input = &frmpsv1.GenerateRequest_PromptTokenIds{PromptTokenIds: &frmpsv1.TokenIds{Ids: ids}}
-	return nil
+	return ids, nil
 }
 
 func promptTooLong(promptTokens, maxModelLen int) *apiError {
@@ -268,13 +389,7 @@ func contextTooLong(promptTokens, maxTokens, maxModelLen int) *apiError {
 			maxModelLen, promptTokens+maxTokens, promptTokens, maxTokens)}
 }
 
-func rejectUnsupported(w *wireRequest, ep endpoint) *apiError {
-	if w.N != nil && *w.N != 1 {
-		if *w.N < 1 {
-			return badRequest("n", "`n` must be at least 1.")
-		}
-		return badRequest("n", fmt.Sprintf("n=%d is not supported: this server returns one choice per request (n=1).", *w.N))
-	}
+func rejectUnsupported(w *wireRequest) *apiError {
 	if w.BestOf != nil && *w.BestOf > 1 {
 		return badRequest("best_of", "`best_of` > 1 is not supported.")
 	}

@@ -309,14 +309,7 @@ func (s *Server) completionHandler(ep endpoint) http.HandlerFunc {
 			s.m.requests.WithLabelValues(label, strconv.Itoa(e.Status)).Inc()
 			return
 		}
-		if j.gen.Params.Seed == nil {
-			// A seed fixed here makes a resumed request sample exactly as the
-			// original would have, even if it never reached a ring sync.
-			var b [8]byte
-			_, _ = rand.Read(b[:])
-			seed := binary.LittleEndian.Uint64(b[:]) >> 1
-			j.gen.Params.Seed = &seed
-		}
+		j.fixSeeds(randomSeed)
 		rid := w.Header().Get("X-Request-Id")
 		if key := r.Header.Get("Idempotency-Key"); key != "" && s.idem != nil {
 			s.serveIdempotent(w, r, key, body, j, rid, arrived)
@@ -397,11 +390,6 @@ func (s *Server) executeInner(parent context.Context, w http.ResponseWriter, j *
 	}
 	defer s.lim.release()
 
-	or := &openRequest{key: s.nextKey.Add(1), requestID: rid, gen: j.gen}
-	j.gen.Key, j.gen.RequestId = or.key, rid
-	s.register(or)
-	defer s.unregister(or)
-
 	// A client that stops reading would block a write forever and, with it,
 	// Shutdown. Once the request's context ends, writes get a short deadline:
 	// enough for a final error event to a live client, not a hang on a stalled one.
@@ -421,24 +409,42 @@ func (s *Server) executeInner(parent context.Context, w http.ResponseWriter, j *
 		dlMu.Unlock()
 	}()
 
-	head := responseHead{created: arrived.Unix(), model: j.model}
-	var out output
-	if j.endpoint == endpointChat {
-		head.id = "chatcmpl-" + randomID(12)
-		head.object = "chat.completion"
-	} else {
-		head.id = "cmpl-" + randomID(12)
-		head.object = "text_completion"
+	head := newHead(j, arrived)
+	if j.choices != nil {
+		return s.runChoices(ctx, w, j, rid, head, arrived)
 	}
+	or := &openRequest{key: s.nextKey.Add(1), requestID: rid, gen: j.gen}
+	j.gen.Key, j.gen.RequestId = or.key, rid
+	s.register(or)
+	defer s.unregister(or)
+	var out output
 	if j.stream {
-		if j.endpoint == endpointChat {
-			head.object = "chat.completion.chunk"
-		}
 		out = newSSEOutput(w, j, head, s.cfg.KeepAliveInterval)
 	} else {
-		out = &jsonOutput{w: w, chat: j.endpoint == endpointChat, returnIDs: j.returnTokenIDs, head: head}
+		out = newJSONOutput(w, j, head)
 	}
 	return s.run(ctx, j, or, out, arrived)
+}
+
+// newHead is a new response's id, object, time and model.
+func newHead(j *job, arrived time.Time) responseHead {
+	head := responseHead{created: arrived.Unix(), model: j.model}
+	switch {
+	case j.endpoint == endpointChat && j.stream:
+		head.id, head.object = "chatcmpl-"+randomID(12), "chat.completion.chunk"
+	case j.endpoint == endpointChat:
+		head.id, head.object = "chatcmpl-"+randomID(12), "chat.completion"
+	default:
+		head.id, head.object = "cmpl-"+randomID(12), "text_completion"
+	}
+	return head
+}
+
+// randomSeed is the seed of a request that gave none.
+func randomSeed() uint64 {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return binary.LittleEndian.Uint64(b[:]) >> 1
 }
 
 func (s *Server) enter() bool {

@@ -97,6 +97,27 @@ def test_stream_across_sigkill_equals_no_fault_run(dep, client):
     dep.wait_state("serving_ready")
 
 
+def test_choices_are_the_single_requests(client):
+    """n and a batch of prompts: choice i of a prompt is that prompt alone under
+    seed + i (the reference engine on the CPU is batch-invariant), numbered
+    prompt by prompt; streamed, the same texts per index."""
+    kw = dict(model="tiny", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    prompts = ["Hello there", "Once upon a time"]
+    r = client.completions.create(prompt=prompts, n=2, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    singles = [client.completions.create(prompt=p, seed=11 + i, **kw).choices[0].text for p in prompts for i in (0, 1)]
+    assert [c.text for c in r.choices] == singles
+    assert singles[0] != singles[1]
+    assert r.usage.completion_tokens == 32
+    streamed = {}
+    for c in client.completions.create(prompt=prompts, n=2, seed=11, stream=True, **kw):
+        for ch in c.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+    assert [streamed[i] for i in range(4)] == singles
+    echo = client.completions.create(prompt="Hello there", echo=True, seed=11, **kw)
+    assert echo.choices[0].text == "Hello there" + singles[0]
+
+
 def test_errors(dep, client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
@@ -104,7 +125,7 @@ def test_errors(dep, client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="x" * 2000, max_tokens=4)   # > --max-model-len 512
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt="x", n=2)
+        client.completions.create(model="tiny", prompt="x", n=0)
     bad = openai.OpenAI(base_url=f"{dep.base}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
