@@ -57,7 +57,7 @@ func newFrontDoor(o serveOptions, sup *supervisor.Supervisor, log hclog.Logger, 
 	gath, _ := reg.(prometheus.Gatherer)
 	srv, err := openai.New(openai.Config{
 		APIKey: key, Gatherer: gath, Version: buildinfo.Get().Version, OnResumedToken: sup.NoteResumedToken,
-		MaxConcurrent: o.MaxConcurrent, MaxQueue: o.MaxQueue, MaxBodyBytes: o.MaxBodyBytes, MaxConnections: o.MaxConnections,
+		MaxConcurrent: o.MaxConcurrent, MaxChoices: o.MaxChoices, MaxQueue: o.MaxQueue, MaxBodyBytes: o.MaxBodyBytes, MaxConnections: o.MaxConnections,
 	}, backend{sup}, log, reg)
 	if err != nil {
 		return nil, fmt.Errorf("OpenAI front door: %w", err)
