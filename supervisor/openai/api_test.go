@@ -264,7 +264,6 @@ func TestErrors(t *testing.T) {
 		{"batch of strings and ids", comp, `{"model":"test-model","prompt":["a",[1,2]]}`, nil, 400, "prompt[1]", nil},
 		{"batch with an empty prompt", comp, `{"model":"test-model","prompt":["a",""]}`, nil, 400, "prompt[1]", nil},
 		{"batch with a bad token id", comp, `{"model":"test-model","prompt":[[1],[2,-1]]}`, nil, 400, "prompt", nil},
-		{"echo of token ids", comp, `{"model":"test-model","prompt":[1,2],"echo":true}`, nil, 400, "echo", nil},
 		{"bad token id", comp, `{"model":"test-model","prompt":[1,-2]}`, nil, 400, "prompt", nil},
 		{"token prompt too long", comp, `{"model":"test-model","prompt":[` + strings.Repeat("1,", 16) + `1]}`, nil, 400, "prompt", "context_length_exceeded"},
 		{"string prompt too long (engine-counted)", comp, `{"model":"test-model","prompt":"` + long + `","stream":true}`, nil, 400, "prompt", "context_length_exceeded"},

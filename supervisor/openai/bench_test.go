@@ -55,6 +55,14 @@ func (c *memClient) Health(context.Context, *frmpsv1.HealthRequest, ...grpc.Call
 	return &frmpsv1.HealthResponse{Serving: true}, nil
 }
 
+func (c *memClient) Tokenize(context.Context, *frmpsv1.TokenizeRequest, ...grpc.CallOption) (*frmpsv1.TokenIds, error) {
+	return nil, status.Error(codes.Unimplemented, "memClient has no tokenizer")
+}
+
+func (c *memClient) Detokenize(context.Context, *frmpsv1.TokenIds, ...grpc.CallOption) (*frmpsv1.DetokenizeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "memClient has no tokenizer")
+}
+
 type memBackend struct{ c *memClient }
 
 func (b memBackend) Current(context.Context, uint64) (Engine, error) {

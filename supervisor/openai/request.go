@@ -73,6 +73,9 @@ type job struct {
 	// echo goes before the generated text (completions' echo of the prompt,
 	// chat's echo of a last message in the answer's role).
 	echo string
+	// echoIDs: a prompt given as token ids to echo; the engine detokenizes it
+	// into echo before the request starts (Server.detokenizeEchoes).
+	echoIDs []uint32
 	// choices are the engine requests of a request with several choices (n > 1,
 	// or several prompts), in the order vLLM numbers them: prompt by prompt, n
 	// each. Each is a request of its own to the engine and across a failover.
@@ -85,8 +88,9 @@ type choice struct {
 	// sample is the choice's number among its prompt's n: vLLM seeds child
 	// i of a seeded request with seed + i. 0 marks the prompt's first choice,
 	// which alone counts the prompt in the usage.
-	sample int
-	echo   string
+	sample  int
+	echo    string
+	echoIDs []uint32
 }
 
 // fixSeeds gives every engine request a seed: the client's, or random() when
@@ -173,11 +177,12 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 		}
 		if w.Echo != nil && *w.Echo {
 			for i := range inputs {
-				p, ok := inputs[i].in.Input.(*frmpsv1.GenerateRequest_Prompt)
-				if !ok {
-					return nil, badRequest("echo", "`echo` needs the prompt as text here; a token-id prompt cannot be echoed.")
+				switch p := inputs[i].in.Input.(type) {
+				case *frmpsv1.GenerateRequest_Prompt:
+					inputs[i].echo = p.Prompt
+				case *frmpsv1.GenerateRequest_PromptTokenIds:
+					inputs[i].echoIDs = p.PromptTokenIds.GetIds()
 				}
-				inputs[i].echo = p.Prompt
 			}
 		}
 	}
@@ -193,13 +198,13 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 	}
 	if len(inputs) == 1 && n == 1 {
 		j.gen = &frmpsv1.GenerateRequest{Input: inputs[0].in.Input, Params: p, AddGenerationPrompt: addGen}
-		j.echo = inputs[0].echo
+		j.echo, j.echoIDs = inputs[0].echo, inputs[0].echoIDs
 	} else {
 		j.choices = make([]choice, 0, len(inputs)*n)
 		for _, in := range inputs {
 			for i := 0; i < n; i++ {
 				g := &frmpsv1.GenerateRequest{Input: in.in.Input, Params: cloneParams(p), AddGenerationPrompt: addGen}
-				j.choices = append(j.choices, choice{gen: g, sample: i, echo: in.echo})
+				j.choices = append(j.choices, choice{gen: g, sample: i, echo: in.echo, echoIDs: in.echoIDs})
 			}
 		}
 	}
@@ -299,8 +304,9 @@ func parseContent(raw json.RawMessage, param string) (string, *apiError) {
 
 // promptInput is one prompt of a request, and the text its echo shows.
 type promptInput struct {
-	in   *frmpsv1.GenerateRequest // Input only
-	echo string
+	in      *frmpsv1.GenerateRequest // Input only
+	echo    string
+	echoIDs []uint32 // a token-id prompt to echo
 }
 
 // parsePrompts accepts what vLLM accepts: a string, a list of token ids, or a

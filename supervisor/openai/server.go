@@ -128,6 +128,8 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("/v1/chat/completions", s.auth(s.completionHandler(endpointChat)))
 	mux.HandleFunc("/v1/completions", s.auth(s.completionHandler(endpointCompletions)))
 	mux.HandleFunc("/v1/models", s.auth(s.handleModels))
+	mux.HandleFunc("/tokenize", s.auth(s.handleTokenize))
+	mux.HandleFunc("/detokenize", s.auth(s.handleDetokenize))
 	mux.HandleFunc("/health", s.handleHealth)
 	mux.HandleFunc("/readyz", s.handleHealth)
 	mux.HandleFunc("/livez", s.handleLive)
@@ -409,6 +411,10 @@ func (s *Server) executeInner(parent context.Context, w http.ResponseWriter, j *
 		dlMu.Unlock()
 	}()
 
+	if e := s.detokenizeEchoes(ctx, j); e != nil {
+		e.write(w)
+		return e.Status
+	}
 	head := newHead(j, arrived)
 	if j.choices != nil {
 		return s.runChoices(ctx, w, j, rid, head, arrived)

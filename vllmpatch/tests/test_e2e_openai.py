@@ -118,6 +118,27 @@ def test_choices_are_the_single_requests(client):
     assert echo.choices[0].text == "Hello there" + singles[0]
 
 
+def test_tokenizer_routes_are_the_engines(dep, client):
+    """/tokenize counts what a completion counts as its prompt, /detokenize gives the
+    text back, and the echo of a prompt given as those ids is that text."""
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    text = "Hello there, world"
+    code, _, tk = http_json("POST", f"{dep.base}/tokenize", {"model": "tiny", "prompt": text}, headers=auth)
+    assert code == 200 and tk["count"] == len(tk["tokens"]) and tk["max_model_len"] == 512
+    r = client.completions.create(model="tiny", prompt=text, max_tokens=2)
+    assert r.usage.prompt_tokens == tk["count"]
+    code, _, dt = http_json("POST", f"{dep.base}/detokenize", {"model": "tiny", "tokens": tk["tokens"]}, headers=auth)
+    assert code == 200 and dt["prompt"] == text
+    code, _, chat = http_json("POST", f"{dep.base}/tokenize",
+                              {"model": "tiny", "messages": [{"role": "user", "content": text}]}, headers=auth)
+    assert code == 200 and chat["count"] > tk["count"]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=2)
+    assert r.usage.prompt_tokens == chat["count"]
+    echo = client.completions.create(model="tiny", prompt=tk["tokens"], echo=True, max_tokens=2)
+    assert echo.choices[0].text.startswith(text)
+    assert http_json("POST", f"{dep.base}/tokenize", {"model": "tiny", "prompt": text})[0] == 401
+
+
 def test_errors(dep, client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])

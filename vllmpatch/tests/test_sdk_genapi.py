@@ -124,6 +124,26 @@ def test_generate_token_ids_and_chat(env):
     assert toks == reference(templ, 4)
 
 
+def test_tokenize_and_detokenize_as_generate_does(env):
+    assert list(env.stub.Tokenize(g.TokenizeRequest(prompt="hello")).ids) == TOK.encode("hello")
+    msgs = [control_pb2.ChatMessage(role="user", content="hi")]
+    for agp in (True, False):
+        ids = env.stub.Tokenize(g.TokenizeRequest(messages=g.ChatMessages(messages=msgs), add_generation_prompt=agp)).ids
+        # The generation prompt is added also when not asked: the last message is not the assistant's (chat_to_ids).
+        assert list(ids) == TOK.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        first = next(iter(env.stub.Generate(g.GenerateRequest(key=40 + agp, messages=g.ChatMessages(messages=msgs),
+                                                              add_generation_prompt=agp,
+                                                              params=control_pb2.SamplingParams(max_tokens=1)))))
+        assert list(first.prompt_token_ids) == list(ids)
+    assert env.stub.Detokenize(g.TokenIds(ids=TOK.encode("héllo"))).text == "héllo"
+    with pytest.raises(grpc.RpcError) as e:
+        env.stub.Detokenize(g.TokenIds(ids=[65, 300]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "300" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        env.stub.Tokenize(g.TokenizeRequest())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_seeded_and_unseeded_sampling_use_the_recorded_seed(env):
     _, toks, _ = collect(env.stub.Generate(gen(4, "abc", 8, temperature=1.0, seed=5)))
     assert toks == reference(TOK.encode("abc"), 8, 1.0, 5)

@@ -76,6 +76,140 @@ func (FinishReason) EnumDescriptor() ([]byte, []int) {
 	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{0}
 }
 
+type TokenizeRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Input:
+	//
+	//	*TokenizeRequest_Prompt
+	//	*TokenizeRequest_Messages
+	Input               isTokenizeRequest_Input `protobuf_oneof:"input"`
+	AddGenerationPrompt bool                    `protobuf:"varint,3,opt,name=add_generation_prompt,json=addGenerationPrompt,proto3" json:"add_generation_prompt,omitempty"` // chat only, as in GenerateRequest
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
+}
+
+func (x *TokenizeRequest) Reset() {
+	*x = TokenizeRequest{}
+	mi := &file_frmps_v1_generation_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TokenizeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TokenizeRequest) ProtoMessage() {}
+
+func (x *TokenizeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_generation_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TokenizeRequest.ProtoReflect.Descriptor instead.
+func (*TokenizeRequest) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *TokenizeRequest) GetInput() isTokenizeRequest_Input {
+	if x != nil {
+		return x.Input
+	}
+	return nil
+}
+
+func (x *TokenizeRequest) GetPrompt() string {
+	if x != nil {
+		if x, ok := x.Input.(*TokenizeRequest_Prompt); ok {
+			return x.Prompt
+		}
+	}
+	return ""
+}
+
+func (x *TokenizeRequest) GetMessages() *ChatMessages {
+	if x != nil {
+		if x, ok := x.Input.(*TokenizeRequest_Messages); ok {
+			return x.Messages
+		}
+	}
+	return nil
+}
+
+func (x *TokenizeRequest) GetAddGenerationPrompt() bool {
+	if x != nil {
+		return x.AddGenerationPrompt
+	}
+	return false
+}
+
+type isTokenizeRequest_Input interface {
+	isTokenizeRequest_Input()
+}
+
+type TokenizeRequest_Prompt struct {
+	Prompt string `protobuf:"bytes,1,opt,name=prompt,proto3,oneof"`
+}
+
+type TokenizeRequest_Messages struct {
+	Messages *ChatMessages `protobuf:"bytes,2,opt,name=messages,proto3,oneof"`
+}
+
+func (*TokenizeRequest_Prompt) isTokenizeRequest_Input() {}
+
+func (*TokenizeRequest_Messages) isTokenizeRequest_Input() {}
+
+type DetokenizeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Text          string                 `protobuf:"bytes,1,opt,name=text,proto3" json:"text,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DetokenizeResponse) Reset() {
+	*x = DetokenizeResponse{}
+	mi := &file_frmps_v1_generation_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DetokenizeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DetokenizeResponse) ProtoMessage() {}
+
+func (x *DetokenizeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_generation_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DetokenizeResponse.ProtoReflect.Descriptor instead.
+func (*DetokenizeResponse) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *DetokenizeResponse) GetText() string {
+	if x != nil {
+		return x.Text
+	}
+	return ""
+}
+
 type StreamRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Op:
@@ -90,7 +224,7 @@ type StreamRequest struct {
 
 func (x *StreamRequest) Reset() {
 	*x = StreamRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[0]
+	mi := &file_frmps_v1_generation_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -102,7 +236,7 @@ func (x *StreamRequest) String() string {
 func (*StreamRequest) ProtoMessage() {}
 
 func (x *StreamRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[0]
+	mi := &file_frmps_v1_generation_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -115,7 +249,7 @@ func (x *StreamRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamRequest.ProtoReflect.Descriptor instead.
 func (*StreamRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{0}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *StreamRequest) GetOp() isStreamRequest_Op {
@@ -189,7 +323,7 @@ type StreamChunk struct {
 
 func (x *StreamChunk) Reset() {
 	*x = StreamChunk{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[1]
+	mi := &file_frmps_v1_generation_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -201,7 +335,7 @@ func (x *StreamChunk) String() string {
 func (*StreamChunk) ProtoMessage() {}
 
 func (x *StreamChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[1]
+	mi := &file_frmps_v1_generation_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -214,7 +348,7 @@ func (x *StreamChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamChunk.ProtoReflect.Descriptor instead.
 func (*StreamChunk) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{1}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *StreamChunk) GetKey() uint64 {
@@ -254,7 +388,7 @@ type StreamResponse struct {
 
 func (x *StreamResponse) Reset() {
 	*x = StreamResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[2]
+	mi := &file_frmps_v1_generation_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -266,7 +400,7 @@ func (x *StreamResponse) String() string {
 func (*StreamResponse) ProtoMessage() {}
 
 func (x *StreamResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[2]
+	mi := &file_frmps_v1_generation_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -279,7 +413,7 @@ func (x *StreamResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StreamResponse.ProtoReflect.Descriptor instead.
 func (*StreamResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{2}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *StreamResponse) GetChunks() []*StreamChunk {
@@ -308,7 +442,7 @@ type GenerateRequest struct {
 
 func (x *GenerateRequest) Reset() {
 	*x = GenerateRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[3]
+	mi := &file_frmps_v1_generation_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -320,7 +454,7 @@ func (x *GenerateRequest) String() string {
 func (*GenerateRequest) ProtoMessage() {}
 
 func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[3]
+	mi := &file_frmps_v1_generation_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -333,7 +467,7 @@ func (x *GenerateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateRequest.ProtoReflect.Descriptor instead.
 func (*GenerateRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{3}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GenerateRequest) GetKey() uint64 {
@@ -429,7 +563,7 @@ type TokenIds struct {
 
 func (x *TokenIds) Reset() {
 	*x = TokenIds{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[4]
+	mi := &file_frmps_v1_generation_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -441,7 +575,7 @@ func (x *TokenIds) String() string {
 func (*TokenIds) ProtoMessage() {}
 
 func (x *TokenIds) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[4]
+	mi := &file_frmps_v1_generation_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -454,7 +588,7 @@ func (x *TokenIds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenIds.ProtoReflect.Descriptor instead.
 func (*TokenIds) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{4}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *TokenIds) GetIds() []uint32 {
@@ -473,7 +607,7 @@ type ChatMessages struct {
 
 func (x *ChatMessages) Reset() {
 	*x = ChatMessages{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[5]
+	mi := &file_frmps_v1_generation_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -485,7 +619,7 @@ func (x *ChatMessages) String() string {
 func (*ChatMessages) ProtoMessage() {}
 
 func (x *ChatMessages) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[5]
+	mi := &file_frmps_v1_generation_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -498,7 +632,7 @@ func (x *ChatMessages) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessages.ProtoReflect.Descriptor instead.
 func (*ChatMessages) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{5}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ChatMessages) GetMessages() []*ChatMessage {
@@ -518,7 +652,7 @@ type Usage struct {
 
 func (x *Usage) Reset() {
 	*x = Usage{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[6]
+	mi := &file_frmps_v1_generation_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -530,7 +664,7 @@ func (x *Usage) String() string {
 func (*Usage) ProtoMessage() {}
 
 func (x *Usage) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[6]
+	mi := &file_frmps_v1_generation_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -543,7 +677,7 @@ func (x *Usage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Usage.ProtoReflect.Descriptor instead.
 func (*Usage) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{6}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Usage) GetPromptTokens() uint32 {
@@ -590,7 +724,7 @@ type GenerateResponse struct {
 
 func (x *GenerateResponse) Reset() {
 	*x = GenerateResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[7]
+	mi := &file_frmps_v1_generation_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -602,7 +736,7 @@ func (x *GenerateResponse) String() string {
 func (*GenerateResponse) ProtoMessage() {}
 
 func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[7]
+	mi := &file_frmps_v1_generation_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -615,7 +749,7 @@ func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateResponse.ProtoReflect.Descriptor instead.
 func (*GenerateResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{7}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GenerateResponse) GetTokenIds() []uint32 {
@@ -687,7 +821,7 @@ type DetokState struct {
 
 func (x *DetokState) Reset() {
 	*x = DetokState{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[8]
+	mi := &file_frmps_v1_generation_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -699,7 +833,7 @@ func (x *DetokState) String() string {
 func (*DetokState) ProtoMessage() {}
 
 func (x *DetokState) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[8]
+	mi := &file_frmps_v1_generation_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -712,7 +846,7 @@ func (x *DetokState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetokState.ProtoReflect.Descriptor instead.
 func (*DetokState) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{8}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *DetokState) GetPrefix() uint32 {
@@ -743,7 +877,7 @@ type ResumeStreamRequest struct {
 
 func (x *ResumeStreamRequest) Reset() {
 	*x = ResumeStreamRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[9]
+	mi := &file_frmps_v1_generation_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -755,7 +889,7 @@ func (x *ResumeStreamRequest) String() string {
 func (*ResumeStreamRequest) ProtoMessage() {}
 
 func (x *ResumeStreamRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[9]
+	mi := &file_frmps_v1_generation_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -768,7 +902,7 @@ func (x *ResumeStreamRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeStreamRequest.ProtoReflect.Descriptor instead.
 func (*ResumeStreamRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{9}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ResumeStreamRequest) GetKey() uint64 {
@@ -801,7 +935,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[10]
+	mi := &file_frmps_v1_generation_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -813,7 +947,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[10]
+	mi := &file_frmps_v1_generation_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -826,7 +960,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{10}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *AbortRequest) GetKey() uint64 {
@@ -845,7 +979,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[11]
+	mi := &file_frmps_v1_generation_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -857,7 +991,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[11]
+	mi := &file_frmps_v1_generation_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -870,7 +1004,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{11}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *AbortResponse) GetFound() bool {
@@ -888,7 +1022,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[12]
+	mi := &file_frmps_v1_generation_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -900,7 +1034,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[12]
+	mi := &file_frmps_v1_generation_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -913,7 +1047,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{12}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{14}
 }
 
 type HealthResponse struct {
@@ -929,7 +1063,7 @@ type HealthResponse struct {
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[13]
+	mi := &file_frmps_v1_generation_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -941,7 +1075,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[13]
+	mi := &file_frmps_v1_generation_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -954,7 +1088,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{13}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *HealthResponse) GetServing() bool {
@@ -996,7 +1130,14 @@ var File_frmps_v1_generation_proto protoreflect.FileDescriptor
 
 const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\n" +
-	"\x19frmps/v1/generation.proto\x12\bfrmps.v1\x1a\x16frmps/v1/control.proto\"\xb9\x01\n" +
+	"\x19frmps/v1/generation.proto\x12\bfrmps.v1\x1a\x16frmps/v1/control.proto\"\x9e\x01\n" +
+	"\x0fTokenizeRequest\x12\x18\n" +
+	"\x06prompt\x18\x01 \x01(\tH\x00R\x06prompt\x124\n" +
+	"\bmessages\x18\x02 \x01(\v2\x16.frmps.v1.ChatMessagesH\x00R\bmessages\x122\n" +
+	"\x15add_generation_prompt\x18\x03 \x01(\bR\x13addGenerationPromptB\a\n" +
+	"\x05input\"(\n" +
+	"\x12DetokenizeResponse\x12\x12\n" +
+	"\x04text\x18\x01 \x01(\tR\x04text\"\xb9\x01\n" +
 	"\rStreamRequest\x127\n" +
 	"\bgenerate\x18\x01 \x01(\v2\x19.frmps.v1.GenerateRequestH\x00R\bgenerate\x127\n" +
 	"\x06resume\x18\x02 \x01(\v2\x1d.frmps.v1.ResumeStreamRequestH\x00R\x06resume\x120\n" +
@@ -1060,14 +1201,17 @@ const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12FINISH_REASON_STOP\x10\x01\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x02\x12\x17\n" +
-	"\x13FINISH_REASON_ABORT\x10\x032\xd0\x02\n" +
+	"\x13FINISH_REASON_ABORT\x10\x032\xcb\x03\n" +
 	"\n" +
 	"Generation\x12C\n" +
 	"\bGenerate\x12\x19.frmps.v1.GenerateRequest\x1a\x1a.frmps.v1.GenerateResponse0\x01\x12E\n" +
 	"\x06Resume\x12\x1d.frmps.v1.ResumeStreamRequest\x1a\x1a.frmps.v1.GenerateResponse0\x01\x128\n" +
 	"\x05Abort\x12\x16.frmps.v1.AbortRequest\x1a\x17.frmps.v1.AbortResponse\x12;\n" +
 	"\x06Health\x12\x17.frmps.v1.HealthRequest\x1a\x18.frmps.v1.HealthResponse\x12?\n" +
-	"\x06Stream\x12\x17.frmps.v1.StreamRequest\x1a\x18.frmps.v1.StreamResponse(\x010\x01B/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3"
+	"\x06Stream\x12\x17.frmps.v1.StreamRequest\x1a\x18.frmps.v1.StreamResponse(\x010\x01\x129\n" +
+	"\bTokenize\x12\x19.frmps.v1.TokenizeRequest\x1a\x12.frmps.v1.TokenIds\x12>\n" +
+	"\n" +
+	"Detokenize\x12\x12.frmps.v1.TokenIds\x1a\x1c.frmps.v1.DetokenizeResponseB/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3"
 
 var (
 	file_frmps_v1_generation_proto_rawDescOnce sync.Once
@@ -1082,55 +1226,62 @@ func file_frmps_v1_generation_proto_rawDescGZIP() []byte {
 }
 
 var file_frmps_v1_generation_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_frmps_v1_generation_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_frmps_v1_generation_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_frmps_v1_generation_proto_goTypes = []any{
 	(FinishReason)(0),           // 0: frmps.v1.FinishReason
-	(*StreamRequest)(nil),       // 1: frmps.v1.StreamRequest
-	(*StreamChunk)(nil),         // 2: frmps.v1.StreamChunk
-	(*StreamResponse)(nil),      // 3: frmps.v1.StreamResponse
-	(*GenerateRequest)(nil),     // 4: frmps.v1.GenerateRequest
-	(*TokenIds)(nil),            // 5: frmps.v1.TokenIds
-	(*ChatMessages)(nil),        // 6: frmps.v1.ChatMessages
-	(*Usage)(nil),               // 7: frmps.v1.Usage
-	(*GenerateResponse)(nil),    // 8: frmps.v1.GenerateResponse
-	(*DetokState)(nil),          // 9: frmps.v1.DetokState
-	(*ResumeStreamRequest)(nil), // 10: frmps.v1.ResumeStreamRequest
-	(*AbortRequest)(nil),        // 11: frmps.v1.AbortRequest
-	(*AbortResponse)(nil),       // 12: frmps.v1.AbortResponse
-	(*HealthRequest)(nil),       // 13: frmps.v1.HealthRequest
-	(*HealthResponse)(nil),      // 14: frmps.v1.HealthResponse
-	(*SamplingParams)(nil),      // 15: frmps.v1.SamplingParams
-	(*ChatMessage)(nil),         // 16: frmps.v1.ChatMessage
+	(*TokenizeRequest)(nil),     // 1: frmps.v1.TokenizeRequest
+	(*DetokenizeResponse)(nil),  // 2: frmps.v1.DetokenizeResponse
+	(*StreamRequest)(nil),       // 3: frmps.v1.StreamRequest
+	(*StreamChunk)(nil),         // 4: frmps.v1.StreamChunk
+	(*StreamResponse)(nil),      // 5: frmps.v1.StreamResponse
+	(*GenerateRequest)(nil),     // 6: frmps.v1.GenerateRequest
+	(*TokenIds)(nil),            // 7: frmps.v1.TokenIds
+	(*ChatMessages)(nil),        // 8: frmps.v1.ChatMessages
+	(*Usage)(nil),               // 9: frmps.v1.Usage
+	(*GenerateResponse)(nil),    // 10: frmps.v1.GenerateResponse
+	(*DetokState)(nil),          // 11: frmps.v1.DetokState
+	(*ResumeStreamRequest)(nil), // 12: frmps.v1.ResumeStreamRequest
+	(*AbortRequest)(nil),        // 13: frmps.v1.AbortRequest
+	(*AbortResponse)(nil),       // 14: frmps.v1.AbortResponse
+	(*HealthRequest)(nil),       // 15: frmps.v1.HealthRequest
+	(*HealthResponse)(nil),      // 16: frmps.v1.HealthResponse
+	(*SamplingParams)(nil),      // 17: frmps.v1.SamplingParams
+	(*ChatMessage)(nil),         // 18: frmps.v1.ChatMessage
 }
 var file_frmps_v1_generation_proto_depIdxs = []int32{
-	4,  // 0: frmps.v1.StreamRequest.generate:type_name -> frmps.v1.GenerateRequest
-	10, // 1: frmps.v1.StreamRequest.resume:type_name -> frmps.v1.ResumeStreamRequest
-	11, // 2: frmps.v1.StreamRequest.detach:type_name -> frmps.v1.AbortRequest
-	8,  // 3: frmps.v1.StreamChunk.response:type_name -> frmps.v1.GenerateResponse
-	2,  // 4: frmps.v1.StreamResponse.chunks:type_name -> frmps.v1.StreamChunk
-	5,  // 5: frmps.v1.GenerateRequest.prompt_token_ids:type_name -> frmps.v1.TokenIds
-	6,  // 6: frmps.v1.GenerateRequest.messages:type_name -> frmps.v1.ChatMessages
-	15, // 7: frmps.v1.GenerateRequest.params:type_name -> frmps.v1.SamplingParams
-	16, // 8: frmps.v1.ChatMessages.messages:type_name -> frmps.v1.ChatMessage
-	0,  // 9: frmps.v1.GenerateResponse.finish_reason:type_name -> frmps.v1.FinishReason
-	7,  // 10: frmps.v1.GenerateResponse.usage:type_name -> frmps.v1.Usage
-	9,  // 11: frmps.v1.GenerateResponse.detok:type_name -> frmps.v1.DetokState
-	9,  // 12: frmps.v1.ResumeStreamRequest.detok:type_name -> frmps.v1.DetokState
-	4,  // 13: frmps.v1.Generation.Generate:input_type -> frmps.v1.GenerateRequest
-	10, // 14: frmps.v1.Generation.Resume:input_type -> frmps.v1.ResumeStreamRequest
-	11, // 15: frmps.v1.Generation.Abort:input_type -> frmps.v1.AbortRequest
-	13, // 16: frmps.v1.Generation.Health:input_type -> frmps.v1.HealthRequest
-	1,  // 17: frmps.v1.Generation.Stream:input_type -> frmps.v1.StreamRequest
-	8,  // 18: frmps.v1.Generation.Generate:output_type -> frmps.v1.GenerateResponse
-	8,  // 19: frmps.v1.Generation.Resume:output_type -> frmps.v1.GenerateResponse
-	12, // 20: frmps.v1.Generation.Abort:output_type -> frmps.v1.AbortResponse
-	14, // 21: frmps.v1.Generation.Health:output_type -> frmps.v1.HealthResponse
-	3,  // 22: frmps.v1.Generation.Stream:output_type -> frmps.v1.StreamResponse
-	18, // [18:23] is the sub-list for method output_type
-	13, // [13:18] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	8,  // 0: frmps.v1.TokenizeRequest.messages:type_name -> frmps.v1.ChatMessages
+	6,  // 1: frmps.v1.StreamRequest.generate:type_name -> frmps.v1.GenerateRequest
+	12, // 2: frmps.v1.StreamRequest.resume:type_name -> frmps.v1.ResumeStreamRequest
+	13, // 3: frmps.v1.StreamRequest.detach:type_name -> frmps.v1.AbortRequest
+	10, // 4: frmps.v1.StreamChunk.response:type_name -> frmps.v1.GenerateResponse
+	4,  // 5: frmps.v1.StreamResponse.chunks:type_name -> frmps.v1.StreamChunk
+	7,  // 6: frmps.v1.GenerateRequest.prompt_token_ids:type_name -> frmps.v1.TokenIds
+	8,  // 7: frmps.v1.GenerateRequest.messages:type_name -> frmps.v1.ChatMessages
+	17, // 8: frmps.v1.GenerateRequest.params:type_name -> frmps.v1.SamplingParams
+	18, // 9: frmps.v1.ChatMessages.messages:type_name -> frmps.v1.ChatMessage
+	0,  // 10: frmps.v1.GenerateResponse.finish_reason:type_name -> frmps.v1.FinishReason
+	9,  // 11: frmps.v1.GenerateResponse.usage:type_name -> frmps.v1.Usage
+	11, // 12: frmps.v1.GenerateResponse.detok:type_name -> frmps.v1.DetokState
+	11, // 13: frmps.v1.ResumeStreamRequest.detok:type_name -> frmps.v1.DetokState
+	6,  // 14: frmps.v1.Generation.Generate:input_type -> frmps.v1.GenerateRequest
+	12, // 15: frmps.v1.Generation.Resume:input_type -> frmps.v1.ResumeStreamRequest
+	13, // 16: frmps.v1.Generation.Abort:input_type -> frmps.v1.AbortRequest
+	15, // 17: frmps.v1.Generation.Health:input_type -> frmps.v1.HealthRequest
+	3,  // 18: frmps.v1.Generation.Stream:input_type -> frmps.v1.StreamRequest
+	1,  // 19: frmps.v1.Generation.Tokenize:input_type -> frmps.v1.TokenizeRequest
+	7,  // 20: frmps.v1.Generation.Detokenize:input_type -> frmps.v1.TokenIds
+	10, // 21: frmps.v1.Generation.Generate:output_type -> frmps.v1.GenerateResponse
+	10, // 22: frmps.v1.Generation.Resume:output_type -> frmps.v1.GenerateResponse
+	14, // 23: frmps.v1.Generation.Abort:output_type -> frmps.v1.AbortResponse
+	16, // 24: frmps.v1.Generation.Health:output_type -> frmps.v1.HealthResponse
+	5,  // 25: frmps.v1.Generation.Stream:output_type -> frmps.v1.StreamResponse
+	7,  // 26: frmps.v1.Generation.Tokenize:output_type -> frmps.v1.TokenIds
+	2,  // 27: frmps.v1.Generation.Detokenize:output_type -> frmps.v1.DetokenizeResponse
+	21, // [21:28] is the sub-list for method output_type
+	14, // [14:21] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_generation_proto_init() }
@@ -1140,11 +1291,15 @@ func file_frmps_v1_generation_proto_init() {
 	}
 	file_frmps_v1_control_proto_init()
 	file_frmps_v1_generation_proto_msgTypes[0].OneofWrappers = []any{
+		(*TokenizeRequest_Prompt)(nil),
+		(*TokenizeRequest_Messages)(nil),
+	}
+	file_frmps_v1_generation_proto_msgTypes[2].OneofWrappers = []any{
 		(*StreamRequest_Generate)(nil),
 		(*StreamRequest_Resume)(nil),
 		(*StreamRequest_Detach)(nil),
 	}
-	file_frmps_v1_generation_proto_msgTypes[3].OneofWrappers = []any{
+	file_frmps_v1_generation_proto_msgTypes[5].OneofWrappers = []any{
 		(*GenerateRequest_Prompt)(nil),
 		(*GenerateRequest_PromptTokenIds)(nil),
 		(*GenerateRequest_Messages)(nil),
@@ -1155,7 +1310,7 @@ func file_frmps_v1_generation_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_generation_proto_rawDesc), len(file_frmps_v1_generation_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   14,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

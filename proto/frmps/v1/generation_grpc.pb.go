@@ -22,11 +22,13 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Generation_Generate_FullMethodName = "/frmps.v1.Generation/Generate"
-	Generation_Resume_FullMethodName   = "/frmps.v1.Generation/Resume"
-	Generation_Abort_FullMethodName    = "/frmps.v1.Generation/Abort"
-	Generation_Health_FullMethodName   = "/frmps.v1.Generation/Health"
-	Generation_Stream_FullMethodName   = "/frmps.v1.Generation/Stream"
+	Generation_Generate_FullMethodName   = "/frmps.v1.Generation/Generate"
+	Generation_Resume_FullMethodName     = "/frmps.v1.Generation/Resume"
+	Generation_Abort_FullMethodName      = "/frmps.v1.Generation/Abort"
+	Generation_Health_FullMethodName     = "/frmps.v1.Generation/Health"
+	Generation_Stream_FullMethodName     = "/frmps.v1.Generation/Stream"
+	Generation_Tokenize_FullMethodName   = "/frmps.v1.Generation/Tokenize"
+	Generation_Detokenize_FullMethodName = "/frmps.v1.Generation/Detokenize"
 )
 
 // GenerationClient is the client API for Generation service.
@@ -48,6 +50,12 @@ type GenerationClient interface {
 	// with status_code set. Optional: a client that gets UNIMPLEMENTED falls back
 	// to Generate and Resume.
 	Stream(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[StreamRequest, StreamResponse], error)
+	// The token ids of a prompt or of chat messages, as Generate would tokenize
+	// them (the front door's /tokenize).
+	Tokenize(ctx context.Context, in *TokenizeRequest, opts ...grpc.CallOption) (*TokenIds, error)
+	// The text of token ids (the front door's /detokenize, and the echo of a
+	// prompt given as ids).
+	Detokenize(ctx context.Context, in *TokenIds, opts ...grpc.CallOption) (*DetokenizeResponse, error)
 }
 
 type generationClient struct {
@@ -129,6 +137,26 @@ func (c *generationClient) Stream(ctx context.Context, opts ...grpc.CallOption) 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Generation_StreamClient = grpc.BidiStreamingClient[StreamRequest, StreamResponse]
 
+func (c *generationClient) Tokenize(ctx context.Context, in *TokenizeRequest, opts ...grpc.CallOption) (*TokenIds, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(TokenIds)
+	err := c.cc.Invoke(ctx, Generation_Tokenize_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *generationClient) Detokenize(ctx context.Context, in *TokenIds, opts ...grpc.CallOption) (*DetokenizeResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DetokenizeResponse)
+	err := c.cc.Invoke(ctx, Generation_Detokenize_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // GenerationServer is the server API for Generation service.
 // All implementations must embed UnimplementedGenerationServer
 // for forward compatibility.
@@ -148,6 +176,12 @@ type GenerationServer interface {
 	// with status_code set. Optional: a client that gets UNIMPLEMENTED falls back
 	// to Generate and Resume.
 	Stream(grpc.BidiStreamingServer[StreamRequest, StreamResponse]) error
+	// The token ids of a prompt or of chat messages, as Generate would tokenize
+	// them (the front door's /tokenize).
+	Tokenize(context.Context, *TokenizeRequest) (*TokenIds, error)
+	// The text of token ids (the front door's /detokenize, and the echo of a
+	// prompt given as ids).
+	Detokenize(context.Context, *TokenIds) (*DetokenizeResponse, error)
 	mustEmbedUnimplementedGenerationServer()
 }
 
@@ -172,6 +206,12 @@ func (UnimplementedGenerationServer) Health(context.Context, *HealthRequest) (*H
 }
 func (UnimplementedGenerationServer) Stream(grpc.BidiStreamingServer[StreamRequest, StreamResponse]) error {
 	return status.Error(codes.Unimplemented, "method Stream not implemented")
+}
+func (UnimplementedGenerationServer) Tokenize(context.Context, *TokenizeRequest) (*TokenIds, error) {
+	return nil, status.Error(codes.Unimplemented, "method Tokenize not implemented")
+}
+func (UnimplementedGenerationServer) Detokenize(context.Context, *TokenIds) (*DetokenizeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Detokenize not implemented")
 }
 func (UnimplementedGenerationServer) mustEmbedUnimplementedGenerationServer() {}
 func (UnimplementedGenerationServer) testEmbeddedByValue()                    {}
@@ -259,6 +299,42 @@ func _Generation_Stream_Handler(srv interface{}, stream grpc.ServerStream) error
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Generation_StreamServer = grpc.BidiStreamingServer[StreamRequest, StreamResponse]
 
+func _Generation_Tokenize_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(TokenizeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GenerationServer).Tokenize(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Generation_Tokenize_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GenerationServer).Tokenize(ctx, req.(*TokenizeRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Generation_Detokenize_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(TokenIds)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GenerationServer).Detokenize(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Generation_Detokenize_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GenerationServer).Detokenize(ctx, req.(*TokenIds))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Generation_ServiceDesc is the grpc.ServiceDesc for Generation service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -273,6 +349,14 @@ var Generation_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Health",
 			Handler:    _Generation_Health_Handler,
+		},
+		{
+			MethodName: "Tokenize",
+			Handler:    _Generation_Tokenize_Handler,
+		},
+		{
+			MethodName: "Detokenize",
+			Handler:    _Generation_Detokenize_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -418,6 +418,31 @@ func (s *service) Abort(_ context.Context, req *frmpsv1.AbortRequest) (*frmpsv1.
 	return &frmpsv1.AbortResponse{Found: found}, nil
 }
 
+// Tokenize is the fake tokenizer of Config.PromptIDs: one id per word, three
+// per chat message's role.
+func (s *service) Tokenize(_ context.Context, req *frmpsv1.TokenizeRequest) (*frmpsv1.TokenIds, error) {
+	if s.e.dead.Load() {
+		return nil, status.Error(codes.Unavailable, "fake engine is dead")
+	}
+	ids := promptIDs(req.GetPrompt(), req.GetMessages().GetMessages())
+	if len(ids) == 0 {
+		return nil, status.Error(codes.InvalidArgument, "nothing to tokenize")
+	}
+	return &frmpsv1.TokenIds{Ids: ids}, nil
+}
+
+// Detokenize is the text the fake gives those ids as output (TokenText).
+func (s *service) Detokenize(_ context.Context, req *frmpsv1.TokenIds) (*frmpsv1.DetokenizeResponse, error) {
+	if s.e.dead.Load() {
+		return nil, status.Error(codes.Unavailable, "fake engine is dead")
+	}
+	var sb strings.Builder
+	for _, id := range req.GetIds() {
+		sb.WriteString(TokenText(id))
+	}
+	return &frmpsv1.DetokenizeResponse{Text: sb.String()}, nil
+}
+
 func (s *service) Health(context.Context, *frmpsv1.HealthRequest) (*frmpsv1.HealthResponse, error) {
 	if s.e.dead.Load() {
 		return nil, status.Error(codes.Unavailable, "fake engine is dead")

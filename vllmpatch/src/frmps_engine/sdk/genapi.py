@@ -163,6 +163,29 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             running=running, waiting=waiting,
         )
 
+    def Tokenize(self, request: generation_pb2.TokenizeRequest, context: grpc.ServicerContext):
+        """A prompt's or chat messages' token ids, as Generate tokenizes them."""
+        which = request.WhichOneof("input")
+        try:
+            ids = input_to_ids(
+                self._b.tokenizer(),
+                prompt=request.prompt if which == "prompt" else None,
+                messages=request.messages.messages if which == "messages" else None,
+                add_generation_prompt=request.add_generation_prompt,
+            )
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return generation_pb2.TokenIds(ids=ids)
+
+    def Detokenize(self, request: generation_pb2.TokenIds, context: grpc.ServicerContext):
+        tok = self._b.tokenizer()
+        ids = pb_ints(request.ids)
+        vocab = vocab_size(tok)
+        if vocab is not None and ids and max(ids) >= vocab:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"token ids {[t for t in ids if t >= vocab][:5]} outside the vocabulary (size {vocab})")
+        return generation_pb2.DetokenizeResponse(text=tok.decode(ids))
+
     def Stream(self, request_iterator, context: grpc.ServicerContext):
         mux = _Mux(self)
         threading.Thread(target=mux.read, args=(request_iterator,), name="frmps-gen-stream-in", daemon=True).start()

@@ -19,6 +19,22 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class TokenizeRequest(_message.Message):
+    __slots__ = ("prompt", "messages", "add_generation_prompt")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: ChatMessages
+    add_generation_prompt: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
 class StreamRequest(_message.Message):
     __slots__ = ("generate", "resume", "detach")
     GENERATE_FIELD_NUMBER: _ClassVar[int]

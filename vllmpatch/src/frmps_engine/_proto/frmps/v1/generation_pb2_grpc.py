@@ -59,6 +59,16 @@ class GenerationStub:
                 request_serializer=frmps_dot_v1_dot_generation__pb2.StreamRequest.SerializeToString,
                 response_deserializer=frmps_dot_v1_dot_generation__pb2.StreamResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/frmps.v1.Generation/Tokenize',
+                request_serializer=frmps_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=frmps_dot_v1_dot_generation__pb2.TokenIds.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/frmps.v1.Generation/Detokenize',
+                request_serializer=frmps_dot_v1_dot_generation__pb2.TokenIds.SerializeToString,
+                response_deserializer=frmps_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -104,6 +114,22 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids of a prompt or of chat messages, as Generate would tokenize
+        them (the front door's /tokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids (the front door's /detokenize, and the echo of a
+        prompt given as ids).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +157,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=frmps_dot_v1_dot_generation__pb2.StreamRequest.FromString,
                     response_serializer=frmps_dot_v1_dot_generation__pb2.StreamResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=frmps_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=frmps_dot_v1_dot_generation__pb2.TokenIds.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=frmps_dot_v1_dot_generation__pb2.TokenIds.FromString,
+                    response_serializer=frmps_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +304,60 @@ class Generation:
             '/frmps.v1.Generation/Stream',
             frmps_dot_v1_dot_generation__pb2.StreamRequest.SerializeToString,
             frmps_dot_v1_dot_generation__pb2.StreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/frmps.v1.Generation/Tokenize',
+            frmps_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            frmps_dot_v1_dot_generation__pb2.TokenIds.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/frmps.v1.Generation/Detokenize',
+            frmps_dot_v1_dot_generation__pb2.TokenIds.SerializeToString,
+            frmps_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
