@@ -8,6 +8,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 )
 
 // A request with several choices (n > 1, or a batch of prompts) runs one
@@ -44,6 +46,8 @@ type choiceSet struct {
 type choiceState struct {
 	out    strings.Builder // JSON: the text so far
 	ids    []uint32
+	lps    []*frmpsv1.TokenLogprobs
+	lpOff  int // streams: text_offset of the next token's logprobs
 	echo   string // still to put before the first text
 	inGap  bool
 	reason string
@@ -116,7 +120,7 @@ func (o *choiceOut) start() error {
 	return nil
 }
 
-func (o *choiceOut) text(delta string, ids []uint32) error {
+func (o *choiceOut) text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
 	set := o.set
 	set.mu.Lock()
 	defer set.mu.Unlock()
@@ -128,11 +132,17 @@ func (o *choiceOut) text(delta string, ids []uint32) error {
 		delta, st.echo = st.echo+delta, ""
 	}
 	if set.sse != nil {
-		return set.sse.textAt(set.heads[o.i], delta, ids)
+		return set.sse.textAt(set.heads[o.i], delta, ids, lps, &st.lpOff)
 	}
 	st.out.WriteString(delta)
-	if set.j.returnTokenIDs {
+	if set.j.returnTokenIDs || set.j.lp != nil {
 		st.ids = append(st.ids, ids...)
+	}
+	if set.j.lp != nil {
+		st.lps = append(st.lps, lps...)
+		for len(st.lps) < len(st.ids) {
+			st.lps = append(st.lps, nil)
+		}
 	}
 	return nil
 }
@@ -190,7 +200,7 @@ func (o *choiceOut) textLocked(delta string) error {
 	st := &o.set.state[o.i]
 	delta, st.echo = st.echo+delta, ""
 	if o.set.sse != nil {
-		return o.set.sse.textAt(o.set.heads[o.i], delta, nil)
+		return o.set.sse.textAt(o.set.heads[o.i], delta, nil, nil, &st.lpOff)
 	}
 	st.out.WriteString(delta)
 	return nil
@@ -262,9 +272,9 @@ func (set *choiceSet) end(codes []int) int {
 	res := make([]choiceResult, len(set.state))
 	for i := range set.state {
 		st := &set.state[i]
-		res[i] = choiceResult{text: st.out.String(), ids: st.ids, reason: st.reason}
+		res[i] = choiceResult{text: st.out.String(), ids: st.ids, lps: st.lps, reason: st.reason}
 	}
-	if err := writeBody(set.w, set.head, set.j.endpoint == endpointChat, set.j.returnTokenIDs, res, set.usage()); err != nil {
+	if err := writeBody(set.w, set.head, set.j.endpoint == endpointChat, set.j.returnTokenIDs, set.j.lp, res, set.usage()); err != nil {
 		return statusClientClosed
 	}
 	return http.StatusOK

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 )
 
 type usage struct{ prompt, completion int }
@@ -25,9 +27,9 @@ type output interface {
 	// start runs once, on the first engine chunk, after the limits passed and
 	// before anything reaches the client; a stream sends its headers here.
 	start() error
-	// text delivers a text delta and the token ids it came from (already
-	// recorded as delivered).
-	text(delta string, ids []uint32) error
+	// text delivers a text delta, the token ids it came from (already
+	// recorded as delivered) and their logprobs where asked for.
+	text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error
 	// gap opens (true) or closes (false) a failover gap.
 	gap(open bool)
 	// finish ends the response successfully.
@@ -76,14 +78,16 @@ type sseOutput struct {
 	// chunkHead: `data: {"id":...,"choices":[{"index":0,` — shared by every chunk.
 	chunkHead []byte
 	head      responseHead
-	echo      string // put before the first text delta
+	echo      string    // put before the first text delta
+	lp        *lpFormat // logprobs asked for, else nil
+	lpOffset  int       // completions' text_offset of the next token
 
 	kaStop chan struct{}
 	kaDone chan struct{}
 }
 
 func newSSEOutput(w http.ResponseWriter, j *job, head responseHead, keepAlive time.Duration) *sseOutput {
-	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, returnIDs: j.returnTokenIDs, keepAlive: keepAlive, head: head, echo: j.echo}
+	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, returnIDs: j.returnTokenIDs, keepAlive: keepAlive, head: head, echo: j.echo, lp: j.lp}
 	o.flusher, _ = w.(http.Flusher)
 	o.chunkHead = o.choiceHead(0)
 	o.buf = make([]byte, 0, 512)
@@ -164,15 +168,16 @@ func appendTokenIDs(b []byte, ids []uint32) []byte {
 // token), as vLLM's server streams one chunk per step's output: a client's
 // inter-token latency then counts the engine's steps, not the detokeniser's
 // hold-backs. A message with neither text nor tokens writes nothing.
-func (o *sseOutput) text(delta string, ids []uint32) error {
+func (o *sseOutput) text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
 	if o.echo != "" {
 		delta, o.echo = o.echo+delta, ""
 	}
-	return o.textAt(o.chunkHead, delta, ids)
+	return o.textAt(o.chunkHead, delta, ids, lps, &o.lpOffset)
 }
 
-// textAt writes a text chunk of the choice whose chunk head is given.
-func (o *sseOutput) textAt(head []byte, delta string, ids []uint32) error {
+// textAt writes a text chunk of the choice whose chunk head is given; lpOffset
+// is that choice's text offset for logprobs.
+func (o *sseOutput) textAt(head []byte, delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs, lpOffset *int) error {
 	if delta == "" && len(ids) == 0 {
 		return nil
 	}
@@ -190,7 +195,13 @@ func (o *sseOutput) textAt(head []byte, delta string, ids []uint32) error {
 	if o.returnIDs {
 		b = appendTokenIDs(b, ids)
 	}
-	b = append(b, `,"logprobs":null,"finish_reason":null}]`...)
+	if o.lp != nil && len(ids) > 0 {
+		b = append(b, `,"logprobs":`...)
+		b = o.lp.appendValue(b, ids, lps, lpOffset)
+		b = append(b, `,"finish_reason":null}]`...)
+	} else {
+		b = append(b, `,"logprobs":null,"finish_reason":null}]`...)
+	}
 	o.buf = o.appendTail(b)
 	return o.writeLocked()
 }
@@ -319,23 +330,31 @@ type jsonOutput struct {
 	chat      bool
 	returnIDs bool
 	head      responseHead
+	lp        *lpFormat
 	sb        strings.Builder
 	ids       []uint32
+	lps       []*frmpsv1.TokenLogprobs
 	done      bool
 }
 
 func newJSONOutput(w http.ResponseWriter, j *job, head responseHead) *jsonOutput {
-	o := &jsonOutput{w: w, chat: j.endpoint == endpointChat, returnIDs: j.returnTokenIDs, head: head}
+	o := &jsonOutput{w: w, chat: j.endpoint == endpointChat, returnIDs: j.returnTokenIDs, head: head, lp: j.lp}
 	o.sb.WriteString(j.echo)
 	return o
 }
 
 func (o *jsonOutput) start() error { return nil }
 
-func (o *jsonOutput) text(delta string, ids []uint32) error {
+func (o *jsonOutput) text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
 	o.sb.WriteString(delta)
-	if o.returnIDs {
+	if o.returnIDs || o.lp != nil {
 		o.ids = append(o.ids, ids...)
+	}
+	if o.lp != nil {
+		o.lps = append(o.lps, lps...)
+		for len(o.lps) < len(o.ids) { // an engine that sent fewer entries than tokens
+			o.lps = append(o.lps, nil)
+		}
 	}
 	return nil
 }
@@ -344,21 +363,25 @@ func (o *jsonOutput) gap(bool) {}
 
 func (o *jsonOutput) finish(reason string, u usage) error {
 	o.done = true
-	return writeBody(o.w, o.head, o.chat, o.returnIDs, []choiceResult{{text: o.sb.String(), ids: o.ids, reason: reason}}, u)
+	return writeBody(o.w, o.head, o.chat, o.returnIDs, o.lp, []choiceResult{{text: o.sb.String(), ids: o.ids, lps: o.lps, reason: reason}}, u)
 }
 
 // choiceResult is one finished choice of a JSON body.
 type choiceResult struct {
 	text   string
 	ids    []uint32
+	lps    []*frmpsv1.TokenLogprobs
 	reason string
 }
 
 // writeBody sends a whole (non-streamed) response: its choices, index by index.
-func writeBody(w http.ResponseWriter, head responseHead, chat, returnIDs bool, choices []choiceResult, u usage) error {
+func writeBody(w http.ResponseWriter, head responseHead, chat, returnIDs bool, lp *lpFormat, choices []choiceResult, u usage) error {
 	size := 256
 	for _, c := range choices {
 		size += 96 + len(c.text) + len(c.text)/8 + 11*len(c.ids)
+		if lp != nil {
+			size += len(c.ids) * (64 + 32*lp.top)
+		}
 	}
 	b := make([]byte, 0, size)
 	b = head.append(b)
@@ -380,7 +403,14 @@ func writeBody(w http.ResponseWriter, head responseHead, chat, returnIDs bool, c
 		if returnIDs {
 			b = appendTokenIDs(b, c.ids)
 		}
-		b = append(b, `,"logprobs":null,"finish_reason":`...)
+		if lp != nil {
+			b = append(b, `,"logprobs":`...)
+			off := 0
+			b = lp.appendValue(b, c.ids, c.lps, &off)
+		} else {
+			b = append(b, `,"logprobs":null`...)
+		}
+		b = append(b, `,"finish_reason":`...)
 		b = appendJSONString(b, c.reason)
 		b = append(b, '}')
 	}

@@ -107,6 +107,10 @@ func cloneParams(p *frmpsv1.SamplingParams) *frmpsv1.SamplingParams {
 		s := *p.Seed
 		c.Seed = &s
 	}
+	if p.Logprobs != nil {
+		k := *p.Logprobs
+		c.Logprobs = &k
+	}
 	return c
 }
 
@@ -284,7 +288,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 			}
 			started = true
 		}
-		ids, text := resp.GetTokenIds(), resp.GetText()
+		ids, text, lps := resp.GetTokenIds(), resp.GetText(), resp.GetLogprobs()
 		if idx := int(resp.GetOutputIndex()); idx != delivered {
 			switch {
 			case idx > delivered:
@@ -292,7 +296,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 				return fail(&apiError{Status: 500, Type: typeServer, Code: "stream_gap",
 					Message: fmt.Sprintf("The engine skipped output tokens (sent index %d, %d delivered).", idx, delivered)})
 			case idx+len(ids) <= delivered:
-				ids, text = nil, "" // already delivered before the failover
+				ids, text, lps = nil, "", nil // already delivered before the failover
 			default:
 				// A chunk straddling the delivered boundary cannot be split:
 				// its text is not divisible per token.
@@ -318,7 +322,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 			detok = resp.GetDetok()
 			s.m.tokens.Add(float64(len(ids)))
 		}
-		if err := out.text(text, ids); err != nil {
+		if err := out.text(text, ids, lps); err != nil {
 			return s.clientGone(or)
 		}
 		if text != "" && j.stream {

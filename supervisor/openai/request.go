@@ -54,7 +54,9 @@ type wireRequest struct {
 	ReturnTokenIDs *bool           `json:"return_token_ids"`
 	Echo           *bool           `json:"echo"`
 	Logprobs       json.RawMessage `json:"logprobs"`
-	TopLogprobs    json.RawMessage `json:"top_logprobs"`
+	TopLogprobs    *int64          `json:"top_logprobs"`
+	// vLLM's extension: logprobs' tokens as "token_id:N".
+	ReturnTokensAsTokenIDs *bool `json:"return_tokens_as_token_ids"`
 }
 
 // job is a validated request, ready for the engine.
@@ -65,6 +67,8 @@ type job struct {
 	includeUsage bool
 	// returnTokenIDs: add "token_ids" to every choice (vLLM's extension).
 	returnTokenIDs bool
+	// lp formats the logprobs asked for; nil when none were.
+	lp *lpFormat
 	// maxTokens as the client asked (0 = not given); checked against the
 	// context length once the engine reports the prompt length.
 	maxTokens int
@@ -195,6 +199,16 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 	p, e := parseParams(&w, model, cfg)
 	if e != nil {
 		return nil, e
+	}
+	if j.lp, e = parseLogprobs(&w, ep); e != nil {
+		return nil, e
+	}
+	if j.lp != nil {
+		if ep == endpointCompletions && w.Echo != nil && *w.Echo {
+			return nil, badRequest("echo", "`echo` with `logprobs` would need the prompt's logprobs, which this server does not compute.")
+		}
+		k := uint32(j.lp.top)
+		p.Logprobs = &k
 	}
 	if len(inputs) == 1 && n == 1 {
 		j.gen = &frmpsv1.GenerateRequest{Input: inputs[0].in.Input, Params: p, AddGenerationPrompt: addGen}
@@ -399,16 +413,48 @@ func rejectUnsupported(w *wireRequest) *apiError {
 	if w.BestOf != nil && *w.BestOf > 1 {
 		return badRequest("best_of", "`best_of` > 1 is not supported.")
 	}
-	if len(w.Logprobs) != 0 && !isNull(w.Logprobs) {
-		s := strings.TrimSpace(string(w.Logprobs))
-		if s != "false" && s != "0" {
-			return badRequest("logprobs", "`logprobs` is not supported.")
+	return nil
+}
+
+// parseLogprobs reads what a request asks of logprobs: completions' `logprobs`
+// (how many top tokens, 0 to 20), chat's `logprobs` (true/false) with
+// `top_logprobs` (0 to 20). nil: none.
+func parseLogprobs(w *wireRequest, ep endpoint) (*lpFormat, *apiError) {
+	set := len(w.Logprobs) != 0 && !isNull(w.Logprobs)
+	f := &lpFormat{chat: ep == endpointChat, asIDs: w.ReturnTokensAsTokenIDs != nil && *w.ReturnTokensAsTokenIDs}
+	if ep == endpointCompletions {
+		if !set { // top_logprobs is chat's: ignored here, as vLLM ignores it
+			return nil, nil
+		}
+		var k int64
+		if err := json.Unmarshal(w.Logprobs, &k); err != nil {
+			return nil, badRequest("logprobs", "`logprobs` must be an integer (the number of top tokens) for completions.")
+		}
+		if k < 0 || k > maxLogprobs {
+			return nil, badRequest("logprobs", fmt.Sprintf("`logprobs` must be between 0 and %d.", maxLogprobs))
+		}
+		f.top = int(k)
+		return f, nil
+	}
+	on := false
+	if set {
+		if err := json.Unmarshal(w.Logprobs, &on); err != nil {
+			return nil, badRequest("logprobs", "`logprobs` must be true or false for chat completions.")
 		}
 	}
-	if len(w.TopLogprobs) != 0 && !isNull(w.TopLogprobs) && strings.TrimSpace(string(w.TopLogprobs)) != "0" {
-		return badRequest("top_logprobs", "`top_logprobs` is not supported.")
+	if w.TopLogprobs != nil {
+		if *w.TopLogprobs < 0 || *w.TopLogprobs > maxLogprobs {
+			return nil, badRequest("top_logprobs", fmt.Sprintf("`top_logprobs` must be between 0 and %d.", maxLogprobs))
+		}
+		if *w.TopLogprobs > 0 && !on {
+			return nil, badRequest("top_logprobs", "`top_logprobs` needs `logprobs` set to true.")
+		}
+		f.top = int(*w.TopLogprobs)
 	}
-	return nil
+	if !on {
+		return nil, nil
+	}
+	return f, nil
 }
 
 func parseParams(w *wireRequest, model ModelInfo, cfg *Config) (*frmpsv1.SamplingParams, *apiError) {

@@ -72,28 +72,36 @@ def test_completions_streaming_without_usage(client):
 
 
 def test_stream_across_sigkill_equals_no_fault_run(dep, client):
-    kw = dict(model="tiny", prompt="The standby takes over", max_tokens=150, temperature=0.7, seed=11,
-              stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    """The text, and the logprobs: the standby computes the same distribution."""
+    # Tokens as ids: the tiny model's byte tokens often share a text, which would merge top entries.
+    kw = dict(model="tiny", prompt="The standby takes over", max_tokens=150, temperature=0.7, seed=11, logprobs=2,
+              stream=True, stream_options={"include_usage": True},
+              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
 
     def consume(on_token=None):
-        text, usage, ids, n = [], None, set(), 0
+        text, usage, ids, n, lps = [], None, set(), 0, []
         for c in client.completions.create(**kw):
             ids.add(c.id)
             if c.choices:
                 text.append(c.choices[0].text)
+                lp = c.choices[0].logprobs
+                if lp is not None:
+                    lps += list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
                 n += 1
                 if on_token:
                     on_token(n)
             if c.usage:
                 usage = c.usage
-        return "".join(text), usage.completion_tokens, ids
+        return "".join(text), usage.completion_tokens, ids, lps
 
-    ref_text, ref_n, _ = consume()
+    ref_text, ref_n, _, ref_lps = consume()
     killer = Killer(dep, after=30)
-    text, n, ids = consume(killer.on_token)
+    text, n, ids, lps = consume(killer.on_token)
     assert killer.fired.is_set()
     assert len(ids) == 1
     assert text == ref_text and n == ref_n == 150
+    assert len(ref_lps) == 150 and all(len(top) in (2, 3) for _, _, top in ref_lps)
+    assert lps == ref_lps
     dep.wait_state("serving_ready")
 
 

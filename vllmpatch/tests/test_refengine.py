@@ -279,6 +279,45 @@ def test_seeded_sampling_independent_of_batch():
     assert make_core().generate([(1, ps[1], sp2)])[1] != a
 
 
+def run_logprobs(core: RefCore, reqs) -> dict[int, list]:
+    """Run requests to completion: per key, (token, logprobs entry) per output token."""
+    for key, ids, sp in reqs:
+        core.add_request(key, ids, sp)
+    out: dict[int, list] = {key: [] for key, _, _ in reqs}
+    while core.has_work():
+        for o in core.step():
+            lps = o.logprobs if o.logprobs is not None else [None] * len(o.new_token_ids)
+            out[o.key] += list(zip(o.new_token_ids, lps))
+    return out
+
+
+def test_logprobs_are_the_raw_distribution_and_do_not_change_sampling():
+    ps = prompts(4)
+    rec_core = make_core()
+    logits = record_logits(rec_core)
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=5, logprobs=4)
+    got = run_logprobs(rec_core, [(1, ps[1], sp)])[1]
+    # The same tokens as without logprobs.
+    plain = make_core().generate([(1, ps[1], SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=5))])[1]
+    assert [t for t, _ in got] == plain
+    # Each entry is log_softmax of the raw logits the token was sampled from (no temperature, no top-k).
+    assert len(logits) == len(got)
+    for (tok, (lp, rank, top_ids, top_lps)), lg in zip(got, logits):
+        ref = torch.log_softmax(lg[-1].float(), dim=-1)
+        assert lp == pytest.approx(ref[tok].item(), abs=1e-6)
+        assert rank == int((ref > ref[tok]).sum()) + 1
+        v, i = ref.topk(4)
+        assert top_ids == i.tolist() and top_lps == pytest.approx(v.tolist(), abs=1e-6)
+        if rank <= 4:
+            assert top_ids[rank - 1] == tok
+    # Greedy: the chosen token is the most likely; logprobs=0 gives its own only.
+    greedy = run_logprobs(make_core(), [(2, ps[2], SamplingParams(max_tokens=8, temperature=0.0, logprobs=0))])[2]
+    assert all(rank == 1 and top == [] for _, (_, rank, top, _) in greedy)
+    # Batch-independent, as sampling is; a request without logprobs gets none.
+    mixed = run_logprobs(make_core(budget=19), [(1, ps[1], sp), (3, ps[3], SamplingParams(max_tokens=5, temperature=0.0))])
+    assert mixed[1] == got and all(lp is None for _, lp in mixed[3])
+
+
 def test_unseeded_request_gets_key_derived_seed():
     core = make_core()
     ps = prompts(1)

@@ -1344,8 +1344,12 @@ type SamplingParams struct {
 	StopTokenIds           []uint32               `protobuf:"varint,7,rep,packed,name=stop_token_ids,json=stopTokenIds,proto3" json:"stop_token_ids,omitempty"`
 	IgnoreEos              bool                   `protobuf:"varint,8,opt,name=ignore_eos,json=ignoreEos,proto3" json:"ignore_eos,omitempty"`
 	IncludeStopStrInOutput bool                   `protobuf:"varint,9,opt,name=include_stop_str_in_output,json=includeStopStrInOutput,proto3" json:"include_stop_str_in_output,omitempty"`
-	unknownFields          protoimpl.UnknownFields
-	sizeCache              protoimpl.SizeCache
+	// When set, every output token comes with its log probability and those of
+	// this many most likely tokens (0: its own only), from the model's raw
+	// logits, as vLLM's default logprobs mode (GenerateResponse.logprobs).
+	Logprobs      *uint32 `protobuf:"varint,10,opt,name=logprobs,proto3,oneof" json:"logprobs,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SamplingParams) Reset() {
@@ -1439,6 +1443,13 @@ func (x *SamplingParams) GetIncludeStopStrInOutput() bool {
 		return x.IncludeStopStrInOutput
 	}
 	return false
+}
+
+func (x *SamplingParams) GetLogprobs() uint32 {
+	if x != nil && x.Logprobs != nil {
+		return *x.Logprobs
+	}
+	return 0
 }
 
 // One request to rebuild on takeover: what the client asked, what the ring's
@@ -1966,7 +1977,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"stepTokens\"\x06\n" +
 	"\x04Ping\"-\n" +
 	"\x05Sleep\x12$\n" +
-	"\x05pools\x18\x01 \x03(\v2\x0e.frmps.v1.PoolR\x05pools\"\xb2\x02\n" +
+	"\x05pools\x18\x01 \x03(\v2\x0e.frmps.v1.PoolR\x05pools\"\xe0\x02\n" +
 	"\x0eSamplingParams\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12 \n" +
@@ -1978,8 +1989,11 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\x0estop_token_ids\x18\a \x03(\rR\fstopTokenIds\x12\x1d\n" +
 	"\n" +
 	"ignore_eos\x18\b \x01(\bR\tignoreEos\x12:\n" +
-	"\x1ainclude_stop_str_in_output\x18\t \x01(\bR\x16includeStopStrInOutputB\a\n" +
-	"\x05_seed\"\x87\x03\n" +
+	"\x1ainclude_stop_str_in_output\x18\t \x01(\bR\x16includeStopStrInOutput\x12\x1f\n" +
+	"\blogprobs\x18\n" +
+	" \x01(\rH\x01R\blogprobs\x88\x01\x01B\a\n" +
+	"\x05_seedB\v\n" +
+	"\t_logprobs\"\x87\x03\n" +
 	"\rResumeRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\x04R\x03key\x12\x1d\n" +
 	"\n" +

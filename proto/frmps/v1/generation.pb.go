@@ -718,8 +718,10 @@ type GenerateResponse struct {
 	// (it checks them against the ring's snapshot). Optional for an engine: a
 	// front door that has none resumes with the request's own input.
 	PromptTokenIds []uint32 `protobuf:"varint,8,rep,packed,name=prompt_token_ids,json=promptTokenIds,proto3" json:"prompt_token_ids,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// With params.logprobs: one entry per token of token_ids, in order.
+	Logprobs      []*TokenLogprobs `protobuf:"bytes,9,rep,name=logprobs,proto3" json:"logprobs,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateResponse) Reset() {
@@ -808,6 +810,98 @@ func (x *GenerateResponse) GetPromptTokenIds() []uint32 {
 	return nil
 }
 
+func (x *GenerateResponse) GetLogprobs() []*TokenLogprobs {
+	if x != nil {
+		return x.Logprobs
+	}
+	return nil
+}
+
+// A sampled token's log probability and the most likely tokens' at its position.
+type TokenLogprobs struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Logprob       float32                `protobuf:"fixed32,1,opt,name=logprob,proto3" json:"logprob,omitempty"`
+	Rank          uint32                 `protobuf:"varint,2,opt,name=rank,proto3" json:"rank,omitempty"`                          // 1 = the most likely token
+	Token         string                 `protobuf:"bytes,3,opt,name=token,proto3" json:"token,omitempty"`                         // the token's text alone (the tokenizer's decode of it)
+	TopIds        []uint32               `protobuf:"varint,4,rep,packed,name=top_ids,json=topIds,proto3" json:"top_ids,omitempty"` // most likely first
+	TopLogprobs   []float32              `protobuf:"fixed32,5,rep,packed,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
+	TopTokens     []string               `protobuf:"bytes,6,rep,name=top_tokens,json=topTokens,proto3" json:"top_tokens,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TokenLogprobs) Reset() {
+	*x = TokenLogprobs{}
+	mi := &file_frmps_v1_generation_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TokenLogprobs) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TokenLogprobs) ProtoMessage() {}
+
+func (x *TokenLogprobs) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_generation_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TokenLogprobs.ProtoReflect.Descriptor instead.
+func (*TokenLogprobs) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *TokenLogprobs) GetLogprob() float32 {
+	if x != nil {
+		return x.Logprob
+	}
+	return 0
+}
+
+func (x *TokenLogprobs) GetRank() uint32 {
+	if x != nil {
+		return x.Rank
+	}
+	return 0
+}
+
+func (x *TokenLogprobs) GetToken() string {
+	if x != nil {
+		return x.Token
+	}
+	return ""
+}
+
+func (x *TokenLogprobs) GetTopIds() []uint32 {
+	if x != nil {
+		return x.TopIds
+	}
+	return nil
+}
+
+func (x *TokenLogprobs) GetTopLogprobs() []float32 {
+	if x != nil {
+		return x.TopLogprobs
+	}
+	return nil
+}
+
+func (x *TokenLogprobs) GetTopTokens() []string {
+	if x != nil {
+		return x.TopTokens
+	}
+	return nil
+}
+
 // Where an incremental detokenizer stands, in output-token indices: text is
 // decoded from token `prefix` on, and the text of the tokens before `read` has
 // been handed out (prefix <= read <= tokens received).
@@ -821,7 +915,7 @@ type DetokState struct {
 
 func (x *DetokState) Reset() {
 	*x = DetokState{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[10]
+	mi := &file_frmps_v1_generation_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -833,7 +927,7 @@ func (x *DetokState) String() string {
 func (*DetokState) ProtoMessage() {}
 
 func (x *DetokState) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[10]
+	mi := &file_frmps_v1_generation_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -846,7 +940,7 @@ func (x *DetokState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DetokState.ProtoReflect.Descriptor instead.
 func (*DetokState) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{10}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *DetokState) GetPrefix() uint32 {
@@ -877,7 +971,7 @@ type ResumeStreamRequest struct {
 
 func (x *ResumeStreamRequest) Reset() {
 	*x = ResumeStreamRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[11]
+	mi := &file_frmps_v1_generation_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -889,7 +983,7 @@ func (x *ResumeStreamRequest) String() string {
 func (*ResumeStreamRequest) ProtoMessage() {}
 
 func (x *ResumeStreamRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[11]
+	mi := &file_frmps_v1_generation_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -902,7 +996,7 @@ func (x *ResumeStreamRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeStreamRequest.ProtoReflect.Descriptor instead.
 func (*ResumeStreamRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{11}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ResumeStreamRequest) GetKey() uint64 {
@@ -935,7 +1029,7 @@ type AbortRequest struct {
 
 func (x *AbortRequest) Reset() {
 	*x = AbortRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[12]
+	mi := &file_frmps_v1_generation_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -947,7 +1041,7 @@ func (x *AbortRequest) String() string {
 func (*AbortRequest) ProtoMessage() {}
 
 func (x *AbortRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[12]
+	mi := &file_frmps_v1_generation_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -960,7 +1054,7 @@ func (x *AbortRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortRequest.ProtoReflect.Descriptor instead.
 func (*AbortRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{12}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *AbortRequest) GetKey() uint64 {
@@ -979,7 +1073,7 @@ type AbortResponse struct {
 
 func (x *AbortResponse) Reset() {
 	*x = AbortResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[13]
+	mi := &file_frmps_v1_generation_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -991,7 +1085,7 @@ func (x *AbortResponse) String() string {
 func (*AbortResponse) ProtoMessage() {}
 
 func (x *AbortResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[13]
+	mi := &file_frmps_v1_generation_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1004,7 +1098,7 @@ func (x *AbortResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AbortResponse.ProtoReflect.Descriptor instead.
 func (*AbortResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{13}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *AbortResponse) GetFound() bool {
@@ -1022,7 +1116,7 @@ type HealthRequest struct {
 
 func (x *HealthRequest) Reset() {
 	*x = HealthRequest{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[14]
+	mi := &file_frmps_v1_generation_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1034,7 +1128,7 @@ func (x *HealthRequest) String() string {
 func (*HealthRequest) ProtoMessage() {}
 
 func (x *HealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[14]
+	mi := &file_frmps_v1_generation_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1047,7 +1141,7 @@ func (x *HealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthRequest.ProtoReflect.Descriptor instead.
 func (*HealthRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{14}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{15}
 }
 
 type HealthResponse struct {
@@ -1063,7 +1157,7 @@ type HealthResponse struct {
 
 func (x *HealthResponse) Reset() {
 	*x = HealthResponse{}
-	mi := &file_frmps_v1_generation_proto_msgTypes[15]
+	mi := &file_frmps_v1_generation_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1075,7 +1169,7 @@ func (x *HealthResponse) String() string {
 func (*HealthResponse) ProtoMessage() {}
 
 func (x *HealthResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_generation_proto_msgTypes[15]
+	mi := &file_frmps_v1_generation_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1088,7 +1182,7 @@ func (x *HealthResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HealthResponse.ProtoReflect.Descriptor instead.
 func (*HealthResponse) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{15}
+	return file_frmps_v1_generation_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *HealthResponse) GetServing() bool {
@@ -1167,7 +1261,7 @@ const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\bmessages\x18\x01 \x03(\v2\x15.frmps.v1.ChatMessageR\bmessages\"Y\n" +
 	"\x05Usage\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\rR\fpromptTokens\x12+\n" +
-	"\x11completion_tokens\x18\x02 \x01(\rR\x10completionTokens\"\xc1\x02\n" +
+	"\x11completion_tokens\x18\x02 \x01(\rR\x10completionTokens\"\xf6\x02\n" +
 	"\x10GenerateResponse\x12\x1b\n" +
 	"\ttoken_ids\x18\x01 \x03(\rR\btokenIds\x12\x12\n" +
 	"\x04text\x18\x02 \x01(\tR\x04text\x12;\n" +
@@ -1177,7 +1271,16 @@ const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\vstop_reason\x18\x06 \x01(\tR\n" +
 	"stopReason\x12*\n" +
 	"\x05detok\x18\a \x01(\v2\x14.frmps.v1.DetokStateR\x05detok\x12(\n" +
-	"\x10prompt_token_ids\x18\b \x03(\rR\x0epromptTokenIds\"8\n" +
+	"\x10prompt_token_ids\x18\b \x03(\rR\x0epromptTokenIds\x123\n" +
+	"\blogprobs\x18\t \x03(\v2\x17.frmps.v1.TokenLogprobsR\blogprobs\"\xae\x01\n" +
+	"\rTokenLogprobs\x12\x18\n" +
+	"\alogprob\x18\x01 \x01(\x02R\alogprob\x12\x12\n" +
+	"\x04rank\x18\x02 \x01(\rR\x04rank\x12\x14\n" +
+	"\x05token\x18\x03 \x01(\tR\x05token\x12\x17\n" +
+	"\atop_ids\x18\x04 \x03(\rR\x06topIds\x12!\n" +
+	"\ftop_logprobs\x18\x05 \x03(\x02R\vtopLogprobs\x12\x1d\n" +
+	"\n" +
+	"top_tokens\x18\x06 \x03(\tR\ttopTokens\"8\n" +
 	"\n" +
 	"DetokState\x12\x16\n" +
 	"\x06prefix\x18\x01 \x01(\rR\x06prefix\x12\x12\n" +
@@ -1226,7 +1329,7 @@ func file_frmps_v1_generation_proto_rawDescGZIP() []byte {
 }
 
 var file_frmps_v1_generation_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_frmps_v1_generation_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_frmps_v1_generation_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_frmps_v1_generation_proto_goTypes = []any{
 	(FinishReason)(0),           // 0: frmps.v1.FinishReason
 	(*TokenizeRequest)(nil),     // 1: frmps.v1.TokenizeRequest
@@ -1239,49 +1342,51 @@ var file_frmps_v1_generation_proto_goTypes = []any{
 	(*ChatMessages)(nil),        // 8: frmps.v1.ChatMessages
 	(*Usage)(nil),               // 9: frmps.v1.Usage
 	(*GenerateResponse)(nil),    // 10: frmps.v1.GenerateResponse
-	(*DetokState)(nil),          // 11: frmps.v1.DetokState
-	(*ResumeStreamRequest)(nil), // 12: frmps.v1.ResumeStreamRequest
-	(*AbortRequest)(nil),        // 13: frmps.v1.AbortRequest
-	(*AbortResponse)(nil),       // 14: frmps.v1.AbortResponse
-	(*HealthRequest)(nil),       // 15: frmps.v1.HealthRequest
-	(*HealthResponse)(nil),      // 16: frmps.v1.HealthResponse
-	(*SamplingParams)(nil),      // 17: frmps.v1.SamplingParams
-	(*ChatMessage)(nil),         // 18: frmps.v1.ChatMessage
+	(*TokenLogprobs)(nil),       // 11: frmps.v1.TokenLogprobs
+	(*DetokState)(nil),          // 12: frmps.v1.DetokState
+	(*ResumeStreamRequest)(nil), // 13: frmps.v1.ResumeStreamRequest
+	(*AbortRequest)(nil),        // 14: frmps.v1.AbortRequest
+	(*AbortResponse)(nil),       // 15: frmps.v1.AbortResponse
+	(*HealthRequest)(nil),       // 16: frmps.v1.HealthRequest
+	(*HealthResponse)(nil),      // 17: frmps.v1.HealthResponse
+	(*SamplingParams)(nil),      // 18: frmps.v1.SamplingParams
+	(*ChatMessage)(nil),         // 19: frmps.v1.ChatMessage
 }
 var file_frmps_v1_generation_proto_depIdxs = []int32{
 	8,  // 0: frmps.v1.TokenizeRequest.messages:type_name -> frmps.v1.ChatMessages
 	6,  // 1: frmps.v1.StreamRequest.generate:type_name -> frmps.v1.GenerateRequest
-	12, // 2: frmps.v1.StreamRequest.resume:type_name -> frmps.v1.ResumeStreamRequest
-	13, // 3: frmps.v1.StreamRequest.detach:type_name -> frmps.v1.AbortRequest
+	13, // 2: frmps.v1.StreamRequest.resume:type_name -> frmps.v1.ResumeStreamRequest
+	14, // 3: frmps.v1.StreamRequest.detach:type_name -> frmps.v1.AbortRequest
 	10, // 4: frmps.v1.StreamChunk.response:type_name -> frmps.v1.GenerateResponse
 	4,  // 5: frmps.v1.StreamResponse.chunks:type_name -> frmps.v1.StreamChunk
 	7,  // 6: frmps.v1.GenerateRequest.prompt_token_ids:type_name -> frmps.v1.TokenIds
 	8,  // 7: frmps.v1.GenerateRequest.messages:type_name -> frmps.v1.ChatMessages
-	17, // 8: frmps.v1.GenerateRequest.params:type_name -> frmps.v1.SamplingParams
-	18, // 9: frmps.v1.ChatMessages.messages:type_name -> frmps.v1.ChatMessage
+	18, // 8: frmps.v1.GenerateRequest.params:type_name -> frmps.v1.SamplingParams
+	19, // 9: frmps.v1.ChatMessages.messages:type_name -> frmps.v1.ChatMessage
 	0,  // 10: frmps.v1.GenerateResponse.finish_reason:type_name -> frmps.v1.FinishReason
 	9,  // 11: frmps.v1.GenerateResponse.usage:type_name -> frmps.v1.Usage
-	11, // 12: frmps.v1.GenerateResponse.detok:type_name -> frmps.v1.DetokState
-	11, // 13: frmps.v1.ResumeStreamRequest.detok:type_name -> frmps.v1.DetokState
-	6,  // 14: frmps.v1.Generation.Generate:input_type -> frmps.v1.GenerateRequest
-	12, // 15: frmps.v1.Generation.Resume:input_type -> frmps.v1.ResumeStreamRequest
-	13, // 16: frmps.v1.Generation.Abort:input_type -> frmps.v1.AbortRequest
-	15, // 17: frmps.v1.Generation.Health:input_type -> frmps.v1.HealthRequest
-	3,  // 18: frmps.v1.Generation.Stream:input_type -> frmps.v1.StreamRequest
-	1,  // 19: frmps.v1.Generation.Tokenize:input_type -> frmps.v1.TokenizeRequest
-	7,  // 20: frmps.v1.Generation.Detokenize:input_type -> frmps.v1.TokenIds
-	10, // 21: frmps.v1.Generation.Generate:output_type -> frmps.v1.GenerateResponse
-	10, // 22: frmps.v1.Generation.Resume:output_type -> frmps.v1.GenerateResponse
-	14, // 23: frmps.v1.Generation.Abort:output_type -> frmps.v1.AbortResponse
-	16, // 24: frmps.v1.Generation.Health:output_type -> frmps.v1.HealthResponse
-	5,  // 25: frmps.v1.Generation.Stream:output_type -> frmps.v1.StreamResponse
-	7,  // 26: frmps.v1.Generation.Tokenize:output_type -> frmps.v1.TokenIds
-	2,  // 27: frmps.v1.Generation.Detokenize:output_type -> frmps.v1.DetokenizeResponse
-	21, // [21:28] is the sub-list for method output_type
-	14, // [14:21] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	12, // 12: frmps.v1.GenerateResponse.detok:type_name -> frmps.v1.DetokState
+	11, // 13: frmps.v1.GenerateResponse.logprobs:type_name -> frmps.v1.TokenLogprobs
+	12, // 14: frmps.v1.ResumeStreamRequest.detok:type_name -> frmps.v1.DetokState
+	6,  // 15: frmps.v1.Generation.Generate:input_type -> frmps.v1.GenerateRequest
+	13, // 16: frmps.v1.Generation.Resume:input_type -> frmps.v1.ResumeStreamRequest
+	14, // 17: frmps.v1.Generation.Abort:input_type -> frmps.v1.AbortRequest
+	16, // 18: frmps.v1.Generation.Health:input_type -> frmps.v1.HealthRequest
+	3,  // 19: frmps.v1.Generation.Stream:input_type -> frmps.v1.StreamRequest
+	1,  // 20: frmps.v1.Generation.Tokenize:input_type -> frmps.v1.TokenizeRequest
+	7,  // 21: frmps.v1.Generation.Detokenize:input_type -> frmps.v1.TokenIds
+	10, // 22: frmps.v1.Generation.Generate:output_type -> frmps.v1.GenerateResponse
+	10, // 23: frmps.v1.Generation.Resume:output_type -> frmps.v1.GenerateResponse
+	15, // 24: frmps.v1.Generation.Abort:output_type -> frmps.v1.AbortResponse
+	17, // 25: frmps.v1.Generation.Health:output_type -> frmps.v1.HealthResponse
+	5,  // 26: frmps.v1.Generation.Stream:output_type -> frmps.v1.StreamResponse
+	7,  // 27: frmps.v1.Generation.Tokenize:output_type -> frmps.v1.TokenIds
+	2,  // 28: frmps.v1.Generation.Detokenize:output_type -> frmps.v1.DetokenizeResponse
+	22, // [22:29] is the sub-list for method output_type
+	15, // [15:22] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_generation_proto_init() }
@@ -1310,7 +1415,7 @@ func file_frmps_v1_generation_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_generation_proto_rawDesc), len(file_frmps_v1_generation_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   16,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -204,6 +204,7 @@ type plan struct {
 	promptIDs    []uint32 // Config.PromptIDs: what Generate's first chunk reports
 	total        int
 	finish       frmpsv1.FinishReason
+	logprobs     int // params.logprobs, -1 when not asked
 }
 
 // promptIDs is the fake tokenizer of Config.PromptIDs.
@@ -255,7 +256,10 @@ func makePlan(cfg *Config, prompt string, ids []uint32, msgs []*frmpsv1.ChatMess
 	if p.Seed != nil {
 		ident ^= *p.Seed
 	}
-	pl := plan{ident: ident, promptTokens: n, total: cfg.OutputLen, finish: frmpsv1.FinishReason_FINISH_REASON_STOP}
+	pl := plan{ident: ident, promptTokens: n, total: cfg.OutputLen, finish: frmpsv1.FinishReason_FINISH_REASON_STOP, logprobs: -1}
+	if p.Logprobs != nil {
+		pl.logprobs = int(*p.Logprobs)
+	}
 	if cfg.PromptIDs {
 		pl.promptIDs = ids
 	}
@@ -369,6 +373,9 @@ func (e *Engine) emit(stream grpc.ServerStreamingServer[frmpsv1.GenerateResponse
 		for k := i; k < end; k++ {
 			id := TokenID(pl.ident, k)
 			resp.TokenIds = append(resp.TokenIds, id)
+			if pl.logprobs >= 0 {
+				resp.Logprobs = append(resp.Logprobs, Logprobs(id, pl.logprobs))
+			}
 			if !e.cfg.StampText {
 				sb.WriteString(TokenText(id))
 			}
@@ -468,6 +475,19 @@ func Expected(cfg Config, req *frmpsv1.GenerateRequest) (ids []uint32, text stri
 		finish = "length"
 	}
 	return ids, sb.String(), finish
+}
+
+// Logprobs is what the fake sends for output token id with k top tokens: the
+// token's text, a log probability and rank made from the id, and as top the
+// next k ids with log probabilities -0.5, -1, ...
+func Logprobs(id uint32, k int) *frmpsv1.TokenLogprobs {
+	e := &frmpsv1.TokenLogprobs{Token: TokenText(id), Logprob: -0.25 - float32(id%4)/8, Rank: 1 + id%3}
+	for j := 0; j < k; j++ {
+		e.TopIds = append(e.TopIds, id+1+uint32(j))
+		e.TopLogprobs = append(e.TopLogprobs, -0.5*float32(j+1))
+		e.TopTokens = append(e.TopTokens, TokenText(id+1+uint32(j)))
+	}
+	return e
 }
 
 // Path is the fake's unix socket.

@@ -315,6 +315,9 @@ def test_adapter_layout_params_and_refusals(model_dir):
         seed=123,
     )
     assert (sp.max_tokens, sp.seed, sp.top_k, sp.stop, sp.stop_token_ids, sp.ignore_eos) == (256, 123, 5, ["x"], [9], True)
+    assert sp.logprobs is None
+    assert ad.sampling_params(control_pb2.SamplingParams(max_tokens=4, logprobs=3), seed=1).logprobs == 3
+    assert ad.sampling_params(control_pb2.SamplingParams(max_tokens=4, logprobs=0), seed=1).logprobs == 0
 
     # No --num-blocks and no GPU to size the KV cache on (sizing.py; test_sizing.py).
     with pytest.raises(ValueError, match="give --num-blocks"):
@@ -1337,3 +1340,18 @@ def test_keep_aot_switch_leaves_vllms_aot_compile_as_it_was(monkeypatch):
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_logprobs_come_from_vllms_per_request_lists_cut_to_the_requests_k():
+    """vLLM's LogprobsLists of one request (its real type; the rows as its sampler
+    fills them: the sampled token first, then the batch's most likely tokens)."""
+    import numpy as np
+    from vllm.v1.outputs import LogprobsLists
+
+    from frmps_engine.vllm.core import _logprobs
+
+    lists = LogprobsLists(np.array([[7, 3, 7, 9], [4, 4, 1, 2]]), np.array([[-1.5, -0.5, -1.5, -2.0], [-0.1, -0.1, -3.0, -4.0]]),
+                          np.array([2, 1]))
+    assert _logprobs(lists, 2, 2) == [(-1.5, 2, [3, 7], [-0.5, -1.5]), (-0.1, 1, [4, 1], [-0.1, -3.0])]
+    assert _logprobs(lists, 2, 0) == [(-1.5, 2, [], []), (-0.1, 1, [], [])]
+    assert _logprobs(None, 2, 2) is None

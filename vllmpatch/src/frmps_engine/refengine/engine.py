@@ -16,7 +16,7 @@ from frmps_engine.sdk.engine_api import throwaway_takeover
 from .block_manager import BlockManager
 from .config import NULL_BLOCK, EngineConfig, rank_pools
 from .model import AllReduce, Batch, CudaGraphDecoder, Qwen2Model, SeqChunk
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_logprobs
 from .scheduler import AdoptResult, EngineError, Request, RequestOutput, RequestView, Scheduler, SchedulerOutput
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import check_pools, init_dummy, load_safetensors
@@ -299,6 +299,13 @@ class RefCore:
             # the request already has, which the scheduler checks.
             tokens = sample(logits, [r.request.params for r in rows], [r.request.seed for r in rows],
                             [r.position + r.request.sample_offset for r in rows])
+            want = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None and r.expected is None]
+            if want:
+                lps: list = [None] * len(rows)
+                got = token_logprobs(logits[want], [tokens[i] for i in want], [rows[i].request.params.logprobs for i in want])
+                for i, lp in zip(want, got):
+                    lps[i] = lp
+                return self.scheduler.update_from_output(batch, tokens, lps)
         return self.scheduler.update_from_output(batch, tokens)
 
     def _forward(self, batch: SchedulerOutput, on_launch: Callable[[], None] | None = None) -> torch.Tensor:

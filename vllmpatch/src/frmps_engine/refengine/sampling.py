@@ -31,6 +31,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: none; k: the token's own and the k most likely tokens'
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -50,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"seed must fit in 64 unsigned bits, got {self.seed!r}")
         if any(not isinstance(s, str) for s in self.stop):
             raise ValueError("stop must be a list of strings")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -119,6 +122,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     for i, t in zip(rows, toks):
         out[i] = t
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[tuple[float, int, list[int], list[float]]]:
+    """Per row: the log probability of tokens[i], its rank (1 = the most likely),
+    and the ks[i] most likely tokens with theirs, from the raw logits (before
+    temperature and filtering, as vLLM's default logprobs mode). Row-wise, so
+    batch-independent as sample() is."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    tok = torch.tensor(tokens, dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, tok[:, None])[:, 0]
+    ranks = ((lp > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    kmax = min(max(ks, default=0), lp.shape[-1])
+    top_v, top_i = (lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen.tolist()
+    return [(chosen[r], ranks[r], top_i[r][: ks[r]], top_v[r][: ks[r]]) for r in range(len(tokens))]
 
 
 def _filter_top_k_top_p(lg: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:

@@ -58,6 +58,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token that matched
     text: str = ""  # detokenized delta (stop strings already cut)
     num_prompt_tokens: int = 0
+    logprobs: list | None = None  # per new token, when the request asked (sampling.token_logprobs)
 
 
 class RequestView:
@@ -524,19 +525,24 @@ class Scheduler:
             return SampleRow(req, end, req.token_ids[end])
         return None
 
-    def update_from_output(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[RequestOutput]:
+    def update_from_output(self, out: SchedulerOutput, sampled: Sequence[int],
+                           logprobs: Sequence | None = None) -> list[RequestOutput]:
         """Commit a pass that ran: its KV is written, ``sampled`` holds one token per
-        row of ``out.sampled``. Returns the outputs of the step (``out.ready`` first)."""
+        row of ``out.sampled`` (and ``logprobs`` its logprobs, where asked). Returns
+        the outputs of the step (``out.ready`` first)."""
         rows = out.sampled
         if len(sampled) != len(rows):
             raise ValueError(f"update_from_output: {len(sampled)} sampled tokens for {len(rows)} rows")
         for req, n in out.chunks:
             req.num_computed += n
         outputs = out.ready
-        for row, tok in zip(rows, sampled):
+        for i, (row, tok) in enumerate(zip(rows, sampled)):
             req = row.request
             if row.expected is None:
-                outputs.append(self._append_token(req, int(tok)))
+                o = self._append_token(req, int(tok))
+                if logprobs is not None and logprobs[i] is not None:
+                    o.logprobs = [logprobs[i]]
+                outputs.append(o)
                 continue
             self.counters["replayed_tokens"] += 1
             if tok != row.expected:

@@ -194,4 +194,5 @@ class RefAdapter:
             max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
             stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
             include_stop_str_in_output=p.include_stop_str_in_output,
+            logprobs=p.logprobs if p.HasField("logprobs") else None,
         )

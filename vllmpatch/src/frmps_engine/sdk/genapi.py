@@ -274,6 +274,7 @@ class _Follower:
         idx = self.idx
         with stream.cond:
             new = stream.output[idx:]
+            lps = stream.logprobs[idx:] if stream.logprobs is not None else None
             finished, reason, stop_reason, error = stream.finished, stream.finish_reason, stream.stop_reason, stream.error
             invalid, moved = stream.error_invalid, stream.moved
         if moved:
@@ -300,6 +301,8 @@ class _Follower:
             token_ids=new, text=delta, output_index=idx,
             usage=generation_pb2.Usage(prompt_tokens=stream.prompt_len, completion_tokens=idx + len(new)),
         )
+        if lps is not None and new:
+            resp.logprobs.extend(self._logprobs(new, lps[: len(new)]))
         if done:
             resp.finish_reason = _FINISH_PB.get(reason or "stop", generation_pb2.FINISH_REASON_STOP)
             resp.stop_reason = stop_reason or ""
@@ -309,6 +312,23 @@ class _Follower:
                 resp.detok.prefix, resp.detok.read = off
         self.idx = idx + len(new)
         return resp, None, done
+
+
+    def _logprobs(self, ids: list[int], lps: list) -> list[generation_pb2.TokenLogprobs]:
+        """The chunk's logprobs, with each token's text alone; a token the core gave
+        none for (it should not happen) gets an entry with only its text."""
+        decode = self._b.tokenizer().decode
+        out = []
+        for tok, lp in zip(ids, lps):
+            e = generation_pb2.TokenLogprobs(token=decode([tok]))
+            if lp is not None:
+                logprob, rank, top_ids, top_lps = lp
+                e.logprob, e.rank = logprob, rank
+                e.top_ids.extend(top_ids)
+                e.top_logprobs.extend(top_lps)
+                e.top_tokens.extend(decode([t]) for t in top_ids)
+            out.append(e)
+        return out
 
 
 class _Mux:

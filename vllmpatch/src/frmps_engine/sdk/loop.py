@@ -29,6 +29,12 @@ class DuplicateRequest(Exception):
     pass
 
 
+def _wants_logprobs(params: Any) -> bool:
+    """A request that asked for logprobs (control_pb2.SamplingParams.logprobs set)."""
+    has = getattr(params, "HasField", None)
+    return bool(has is not None and has("logprobs"))
+
+
 class RequestStream:
     """The output buffer of one request, read by any number of gRPC streams.
 
@@ -42,6 +48,10 @@ class RequestStream:
         self.prompt_len = prompt_len
         self.params = params  # normalised control_pb2.SamplingParams
         self.output: list[int] = list(output or [])
+        # With params.logprobs: each output token's (logprob, rank, top ids, top
+        # logprobs), aligned with output (None for the tokens delivered before an
+        # adoption: the client has theirs).
+        self.logprobs: list | None = [None] * len(self.output) if _wants_logprobs(params) else None
         self.await_first_resumed = False  # adopted at a takeover: log when its first new token goes out
         self.finished = False
         self.finish_reason: str | None = None
@@ -70,7 +80,7 @@ class RequestStream:
             wake()
 
     def _append(self, index: int, ids, finished: bool, reason: str | None, stop_reason: Any,
-                defer: set[Callable[[], None]] | None = None) -> None:
+                defer: set[Callable[[], None]] | None = None, logprobs: Any = None) -> None:
         with self.cond:
             if self.finished:
                 return
@@ -82,6 +92,9 @@ class RequestStream:
             else:
                 # Overlap happens only for adopted requests whose delivered tokens were re-emitted.
                 self.output.extend(ids[have - index :])
+                if self.logprobs is not None:
+                    lps = list(logprobs) if logprobs is not None else [None] * len(ids)
+                    self.logprobs.extend(lps[have - index :])
                 if finished:
                     self.finished = True
                     self.finish_reason = reason if reason in _FINISH else "stop"
@@ -664,7 +677,8 @@ class EngineLoop:
             s = self._streams.get(o.key)
             if s is None:
                 continue
-            s._append(o.output_index, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason, wake)
+            s._append(o.output_index, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason, wake,
+                      getattr(o, "logprobs", None))
             n += len(o.new_token_ids)
             if s.await_first_resumed and o.new_token_ids:
                 # Once per adopted request: the takeover's client-visible latency ends here.

@@ -36,12 +36,14 @@ class Output:
     finished: bool
     finish_reason: str | None
     stop_reason: Any = None
+    logprobs: list | None = None  # per new token, when the request asked (_logprobs)
 
 
 @dataclass
 class _Track:
     num_out: int  # output tokens delivered so far (including those before a takeover)
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # the request's SamplingParams.logprobs
     text_tail: str = ""
 
 
@@ -185,7 +187,8 @@ class VllmCore:
         if request.use_structured_output:
             self.scheduler.structured_output_manager.grammar_init(request)
         self.core.add_request(request)
-        self._tracks[key] = _Track(0, list(request.sampling_params.stop or []))
+        sp = request.sampling_params
+        self._tracks[key] = _Track(0, list(sp.stop or []), sp.logprobs)
 
     def adopt_request(
         self,
@@ -219,7 +222,7 @@ class VllmCore:
         # _params would set): no copy here as well.
         result = self.scheduler.frmps_adopt(plan, params, block_hasher=self.core.request_block_hasher,
                                             request_kwargs=request_kwargs, deferred=self.deferred_prefix_cache)
-        self._tracks[key] = _Track(len(plan.output_token_ids), list(params.stop or []))
+        self._tracks[key] = _Track(len(plan.output_token_ids), list(params.stop or []), params.logprobs)
         return result
 
     def abort(self, key: int) -> bool:
@@ -520,12 +523,29 @@ class VllmCore:
                         reason, stop_reason = "stop", hit
                         stopped.append(key)
                 finished = reason is not None
-                result.append(Output(key, new, index, finished, reason, stop_reason))
+                lps = _logprobs(out.new_logprobs, len(new), tr.logprobs) if tr.logprobs is not None else None
+                result.append(Output(key, new, index, finished, reason, stop_reason, lps))
                 if finished:
                     del self._tracks[key]
         if stopped:
             self.core.abort_requests([request_id_for_key(k) for k in stopped])
         return result
+
+
+def _logprobs(lists: Any, n: int, k: int) -> list | None:
+    """A request's new tokens' logprobs from vLLM's per-request LogprobsLists (rows:
+    the new tokens; column 0 the sampled token, then the batch's most likely tokens,
+    most likely first): per token (logprob, rank, top ids, top logprobs), the top
+    cut to the request's own k, as vLLM's output processor cuts it. None where
+    vLLM sent none."""
+    if lists is None:
+        return None
+    ids, lps, ranks = lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks
+    out = []
+    for r in range(min(n, len(ranks))):
+        row_ids, row_lps = [int(t) for t in ids[r]], [float(v) for v in lps[r]]
+        out.append((row_lps[0], int(ranks[r]), row_ids[1 : k + 1], row_lps[1 : k + 1]))
+    return out
 
 
 def _first_request_decides(manager: Any, warmed: str) -> None:

@@ -496,6 +496,7 @@ class VllmAdapter:
             ignore_eos=bool(params.ignore_eos),
             include_stop_str_in_output=bool(params.include_stop_str_in_output),
             seed=to_int64(seed),
+            logprobs=int(params.logprobs) if params.HasField("logprobs") else None,
         )
         sp.update_from_generation_config(self._generation_config(), self.tokenizer().eos_token_id)
         return sp

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from frmps_engine._proto.frmps.v1 import control_pb2 as frmps_dot_v1_dot_control__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66rmps/v1/generation.proto\x12\x08\x66rmps.v1\x1a\x16\x66rmps/v1/control.proto\"w\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x08messages\x18\x02 \x01(\x0b\x32\x16.frmps.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\x42\x07\n\x05input\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x9f\x01\n\rStreamRequest\x12-\n\x08generate\x18\x01 \x01(\x0b\x32\x19.frmps.v1.GenerateRequestH\x00\x12/\n\x06resume\x18\x02 \x01(\x0b\x32\x1d.frmps.v1.ResumeStreamRequestH\x00\x12(\n\x06\x64\x65tach\x18\x03 \x01(\x0b\x32\x16.frmps.v1.AbortRequestH\x00\x42\x04\n\x02op\"u\n\x0bStreamChunk\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12,\n\x08response\x18\x02 \x01(\x0b\x32\x1a.frmps.v1.GenerateResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_message\x18\x04 \x01(\t\"7\n\x0eStreamResponse\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.frmps.v1.StreamChunk\"\xf2\x01\n\x0fGenerateRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12.\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x12.frmps.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x05 \x01(\x0b\x32\x16.frmps.v1.ChatMessagesH\x00\x12(\n\x06params\x18\x06 \x01(\x0b\x32\x18.frmps.v1.SamplingParams\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x07 \x01(\x08\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.frmps.v1.ChatMessage\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xec\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.frmps.v1.FinishReason\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.frmps.v1.Usage\x12\x14\n\x0coutput_index\x18\x05 \x01(\r\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12#\n\x05\x64\x65tok\x18\x07 \x01(\x0b\x32\x14.frmps.v1.DetokState\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\"*\n\nDetokState\x12\x0e\n\x06prefix\x18\x01 \x01(\r\x12\x0c\n\x04read\x18\x02 \x01(\r\"Z\n\x13ResumeStreamRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x11\n\tdelivered\x18\x02 \x01(\r\x12#\n\x05\x64\x65tok\x18\x03 \x01(\x0b\x32\x14.frmps.v1.DetokState\"\x1b\n\x0c\x41\x62ortRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"i\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcb\x03\n\nGeneration\x12\x43\n\x08Generate\x12\x19.frmps.v1.GenerateRequest\x1a\x1a.frmps.v1.GenerateResponse0\x01\x12\x45\n\x06Resume\x12\x1d.frmps.v1.ResumeStreamRequest\x1a\x1a.frmps.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.frmps.v1.AbortRequest\x1a\x17.frmps.v1.AbortResponse\x12;\n\x06Health\x12\x17.frmps.v1.HealthRequest\x1a\x18.frmps.v1.HealthResponse\x12?\n\x06Stream\x12\x17.frmps.v1.StreamRequest\x1a\x18.frmps.v1.StreamResponse(\x01\x30\x01\x12\x39\n\x08Tokenize\x12\x19.frmps.v1.TokenizeRequest\x1a\x12.frmps.v1.TokenIds\x12>\n\nDetokenize\x12\x12.frmps.v1.TokenIds\x1a\x1c.frmps.v1.DetokenizeResponseB/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66rmps/v1/generation.proto\x12\x08\x66rmps.v1\x1a\x16\x66rmps/v1/control.proto\"w\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12*\n\x08messages\x18\x02 \x01(\x0b\x32\x16.frmps.v1.ChatMessagesH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08\x42\x07\n\x05input\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x9f\x01\n\rStreamRequest\x12-\n\x08generate\x18\x01 \x01(\x0b\x32\x19.frmps.v1.GenerateRequestH\x00\x12/\n\x06resume\x18\x02 \x01(\x0b\x32\x1d.frmps.v1.ResumeStreamRequestH\x00\x12(\n\x06\x64\x65tach\x18\x03 \x01(\x0b\x32\x16.frmps.v1.AbortRequestH\x00\x42\x04\n\x02op\"u\n\x0bStreamChunk\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12,\n\x08response\x18\x02 \x01(\x0b\x32\x1a.frmps.v1.GenerateResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_message\x18\x04 \x01(\t\"7\n\x0eStreamResponse\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.frmps.v1.StreamChunk\"\xf2\x01\n\x0fGenerateRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12.\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x12.frmps.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x05 \x01(\x0b\x32\x16.frmps.v1.ChatMessagesH\x00\x12(\n\x06params\x18\x06 \x01(\x0b\x32\x18.frmps.v1.SamplingParams\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x07 \x01(\x08\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.frmps.v1.ChatMessage\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x97\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12-\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x16.frmps.v1.FinishReason\x12\x1e\n\x05usage\x18\x04 \x01(\x0b\x32\x0f.frmps.v1.Usage\x12\x14\n\x0coutput_index\x18\x05 \x01(\r\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12#\n\x05\x64\x65tok\x18\x07 \x01(\x0b\x32\x14.frmps.v1.DetokState\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.frmps.v1.TokenLogprobs\"x\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\r\n\x05token\x18\x03 \x01(\t\x12\x0f\n\x07top_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\x12\n\ntop_tokens\x18\x06 \x03(\t\"*\n\nDetokState\x12\x0e\n\x06prefix\x18\x01 \x01(\r\x12\x0c\n\x04read\x18\x02 \x01(\r\"Z\n\x13ResumeStreamRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x11\n\tdelivered\x18\x02 \x01(\r\x12#\n\x05\x64\x65tok\x18\x03 \x01(\x0b\x32\x14.frmps.v1.DetokState\"\x1b\n\x0c\x41\x62ortRequest\x12\x0b\n\x03key\x18\x01 \x01(\x04\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"i\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcb\x03\n\nGeneration\x12\x43\n\x08Generate\x12\x19.frmps.v1.GenerateRequest\x1a\x1a.frmps.v1.GenerateResponse0\x01\x12\x45\n\x06Resume\x12\x1d.frmps.v1.ResumeStreamRequest\x1a\x1a.frmps.v1.GenerateResponse0\x01\x12\x38\n\x05\x41\x62ort\x12\x16.frmps.v1.AbortRequest\x1a\x17.frmps.v1.AbortResponse\x12;\n\x06Health\x12\x17.frmps.v1.HealthRequest\x1a\x18.frmps.v1.HealthResponse\x12?\n\x06Stream\x12\x17.frmps.v1.StreamRequest\x1a\x18.frmps.v1.StreamResponse(\x01\x30\x01\x12\x39\n\x08Tokenize\x12\x19.frmps.v1.TokenizeRequest\x1a\x12.frmps.v1.TokenIds\x12>\n\nDetokenize\x12\x12.frmps.v1.TokenIds\x1a\x1c.frmps.v1.DetokenizeResponseB/Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'frmps.v1.generation_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z-github.com/frmps/frmps/proto/frmps/v1;frmpsv1'
-  _globals['_FINISHREASON']._serialized_start=1504
-  _globals['_FINISHREASON']._serialized_end=1624
+  _globals['_FINISHREASON']._serialized_start=1669
+  _globals['_FINISHREASON']._serialized_end=1789
   _globals['_TOKENIZEREQUEST']._serialized_start=63
   _globals['_TOKENIZEREQUEST']._serialized_end=182
   _globals['_DETOKENIZERESPONSE']._serialized_start=184
@@ -54,19 +54,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=885
   _globals['_USAGE']._serialized_end=942
   _globals['_GENERATERESPONSE']._serialized_start=945
-  _globals['_GENERATERESPONSE']._serialized_end=1181
-  _globals['_DETOKSTATE']._serialized_start=1183
-  _globals['_DETOKSTATE']._serialized_end=1225
-  _globals['_RESUMESTREAMREQUEST']._serialized_start=1227
-  _globals['_RESUMESTREAMREQUEST']._serialized_end=1317
-  _globals['_ABORTREQUEST']._serialized_start=1319
-  _globals['_ABORTREQUEST']._serialized_end=1346
-  _globals['_ABORTRESPONSE']._serialized_start=1348
-  _globals['_ABORTRESPONSE']._serialized_end=1378
-  _globals['_HEALTHREQUEST']._serialized_start=1380
-  _globals['_HEALTHREQUEST']._serialized_end=1395
-  _globals['_HEALTHRESPONSE']._serialized_start=1397
-  _globals['_HEALTHRESPONSE']._serialized_end=1502
-  _globals['_GENERATION']._serialized_start=1627
-  _globals['_GENERATION']._serialized_end=2086
+  _globals['_GENERATERESPONSE']._serialized_end=1224
+  _globals['_TOKENLOGPROBS']._serialized_start=1226
+  _globals['_TOKENLOGPROBS']._serialized_end=1346
+  _globals['_DETOKSTATE']._serialized_start=1348
+  _globals['_DETOKSTATE']._serialized_end=1390
+  _globals['_RESUMESTREAMREQUEST']._serialized_start=1392
+  _globals['_RESUMESTREAMREQUEST']._serialized_end=1482
+  _globals['_ABORTREQUEST']._serialized_start=1484
+  _globals['_ABORTREQUEST']._serialized_end=1511
+  _globals['_ABORTRESPONSE']._serialized_start=1513
+  _globals['_ABORTRESPONSE']._serialized_end=1543
+  _globals['_HEALTHREQUEST']._serialized_start=1545
+  _globals['_HEALTHREQUEST']._serialized_end=1560
+  _globals['_HEALTHRESPONSE']._serialized_start=1562
+  _globals['_HEALTHRESPONSE']._serialized_end=1667
+  _globals['_GENERATION']._serialized_start=1792
+  _globals['_GENERATION']._serialized_end=2251
 # @@protoc_insertion_point(module_scope)

@@ -102,7 +102,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "output_index", "stop_reason", "detok", "prompt_token_ids")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "output_index", "stop_reason", "detok", "prompt_token_ids", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class GenerateResponse(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     DETOK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
@@ -119,7 +120,24 @@ class GenerateResponse(_message.Message):
     stop_reason: str
     detok: DetokState
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., output_index: _Optional[int] = ..., stop_reason: _Optional[str] = ..., detok: _Optional[_Union[DetokState, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., output_index: _Optional[int] = ..., stop_reason: _Optional[str] = ..., detok: _Optional[_Union[DetokState, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "rank", "token", "top_ids", "top_logprobs", "top_tokens")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    rank: int
+    token: str
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, logprob: _Optional[float] = ..., rank: _Optional[int] = ..., token: _Optional[str] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., top_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DetokState(_message.Message):
     __slots__ = ("prefix", "read")
