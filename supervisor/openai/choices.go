@@ -47,7 +47,7 @@ type choiceState struct {
 	out    strings.Builder // JSON: the text so far
 	ids    []uint32
 	lps    []*frmpsv1.TokenLogprobs
-	lpOff  int // streams: text_offset of the next token's logprobs
+	lpOff  int    // streams: text_offset of the next token's logprobs
 	echo   string // still to put before the first text
 	inGap  bool
 	reason string
