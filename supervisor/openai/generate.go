@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 )
@@ -94,24 +95,12 @@ func (r *openRequest) resumeRequest() (*frmpsv1.ResumeRequest, bool) {
 	return rr, true
 }
 
+// cloneParams copies every field, so that no sampling parameter is lost on a resume.
 func cloneParams(p *frmpsv1.SamplingParams) *frmpsv1.SamplingParams {
 	if p == nil {
 		return nil
 	}
-	c := &frmpsv1.SamplingParams{
-		MaxTokens: p.MaxTokens, Temperature: p.Temperature, TopP: p.TopP, TopK: p.TopK,
-		Stop: append([]string(nil), p.Stop...), StopTokenIds: append([]uint32(nil), p.StopTokenIds...),
-		IgnoreEos: p.IgnoreEos, IncludeStopStrInOutput: p.IncludeStopStrInOutput,
-	}
-	if p.Seed != nil {
-		s := *p.Seed
-		c.Seed = &s
-	}
-	if p.Logprobs != nil {
-		k := *p.Logprobs
-		c.Logprobs = &k
-	}
-	return c
+	return proto.Clone(p).(*frmpsv1.SamplingParams)
 }
 
 // errShuttingDown is the cancel cause of requests cut short by Shutdown.

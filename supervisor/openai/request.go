@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strconv"
 	"strings"
 
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
@@ -56,7 +57,12 @@ type wireRequest struct {
 	Logprobs       json.RawMessage `json:"logprobs"`
 	TopLogprobs    *int64          `json:"top_logprobs"`
 	// vLLM's extension: logprobs' tokens as "token_id:N".
-	ReturnTokensAsTokenIDs *bool `json:"return_tokens_as_token_ids"`
+	ReturnTokensAsTokenIDs *bool              `json:"return_tokens_as_token_ids"`
+	LogitBias              map[string]float64 `json:"logit_bias"`
+	MinTokens              *int64             `json:"min_tokens"`
+	PresencePenalty        *float64           `json:"presence_penalty"`
+	FrequencyPenalty       *float64           `json:"frequency_penalty"`
+	RepetitionPenalty      *float64           `json:"repetition_penalty"`
 }
 
 // job is a validated request, ready for the engine.
@@ -516,6 +522,9 @@ func parseParams(w *wireRequest, model ModelInfo, cfg *Config) (*frmpsv1.Samplin
 	if w.IgnoreEOS != nil {
 		p.IgnoreEos = *w.IgnoreEOS
 	}
+	if e := parsePenalties(w, p); e != nil {
+		return nil, e
+	}
 	if w.IncludeStopStrInOutput != nil {
 		p.IncludeStopStrInOutput = *w.IncludeStopStrInOutput
 	}
@@ -523,6 +532,49 @@ func parseParams(w *wireRequest, model ModelInfo, cfg *Config) (*frmpsv1.Samplin
 }
 
 const maxStops = 16
+
+// parsePenalties reads logit_bias, min_tokens and the penalties, with vLLM's bounds.
+func parsePenalties(w *wireRequest, p *frmpsv1.SamplingParams) *apiError {
+	if len(w.LogitBias) > 0 {
+		p.LogitBias = make(map[uint32]float32, len(w.LogitBias))
+		for k, v := range w.LogitBias {
+			id, err := strconv.ParseUint(k, 10, 32)
+			if err != nil || math.IsNaN(v) {
+				return badRequest("logit_bias", fmt.Sprintf("`logit_bias` maps token ids to numbers; got %q: %v.", k, v))
+			}
+			p.LogitBias[uint32(id)] = float32(min(100, max(-100, v))) // clamped, as vLLM does
+		}
+	}
+	if w.MinTokens != nil {
+		if *w.MinTokens < 0 || *w.MinTokens > math.MaxUint32 {
+			return badRequest("min_tokens", "`min_tokens` must be at least 0.")
+		}
+		if p.MaxTokens > 0 && uint32(*w.MinTokens) > p.MaxTokens {
+			return badRequest("min_tokens", fmt.Sprintf("`min_tokens` (%d) must not exceed `max_tokens` (%d).", *w.MinTokens, p.MaxTokens))
+		}
+		p.MinTokens = uint32(*w.MinTokens)
+	}
+	for _, f := range []struct {
+		v     *float64
+		to    *float32
+		param string
+	}{{w.PresencePenalty, &p.PresencePenalty, "presence_penalty"}, {w.FrequencyPenalty, &p.FrequencyPenalty, "frequency_penalty"}} {
+		if f.v == nil {
+			continue
+		}
+		if math.IsNaN(*f.v) || *f.v < -2 || *f.v > 2 {
+			return badRequest(f.param, fmt.Sprintf("`%s` must be between -2 and 2.", f.param))
+		}
+		*f.to = float32(*f.v)
+	}
+	if r := w.RepetitionPenalty; r != nil {
+		if math.IsNaN(*r) || math.IsInf(*r, 0) || *r <= 0 {
+			return badRequest("repetition_penalty", "`repetition_penalty` must be a number greater than 0 (1: none).")
+		}
+		p.RepetitionPenalty = float32(*r)
+	}
+	return nil
+}
 
 func parseStop(raw json.RawMessage) ([]string, *apiError) {
 	if len(raw) == 0 || isNull(raw) {

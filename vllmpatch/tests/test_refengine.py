@@ -318,6 +318,60 @@ def test_logprobs_are_the_raw_distribution_and_do_not_change_sampling():
     assert mixed[1] == got and all(lp is None for _, lp in mixed[3])
 
 
+def test_logit_bias_and_min_tokens():
+    ps = prompts(2)
+    core = make_core()
+    eos = min(core.tokenizer.eos_token_ids)
+    # +100 on one token: greedy picks it every time.
+    out = make_core().generate([(1, ps[1], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                            logit_bias={65: 100.0}))])[1]
+    assert out == [65] * 10
+    # An end of sequence forced by the bias: 1 token; with min_tokens=5, five others first.
+    forced = {eos: 100.0}
+    assert core.generate([(2, ps[2], SamplingParams(max_tokens=16, temperature=0.0, logit_bias=forced))])[2] == [eos]
+    out = make_core().generate([(3, ps[2], SamplingParams(max_tokens=16, temperature=0.0, logit_bias=forced,
+                                                            min_tokens=5))])[3]
+    assert len(out) == 6 and out[-1] == eos and eos not in out[:5]
+
+
+def test_adjust_logits_by_hand():
+    """Each adjustment on a row small enough to work out by hand: prompt [0, 1],
+    output so far [1, 3], sampling position 4."""
+    from frmps_engine.refengine.sampling import adjust_logits
+
+    sp = SamplingParams(max_tokens=8, logit_bias={4: 1.0}, min_tokens=3, repetition_penalty=2.0, presence_penalty=0.5,
+                        frequency_penalty=0.25)
+    lg = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0], [2.0, -1.0, 0.5, 3.0, 0.0]])
+    out = adjust_logits(lg, [(sp, [0, 1, 1, 3], 2, 4), (SamplingParams(max_tokens=8), [0, 1, 1, 3], 2, 4)], frozenset({2}))
+    # bias: 0 + 1 on token 4; min_tokens: 2 outputs < 3, the end of sequence (2) masked;
+    # repetition on tokens seen in prompt or output (0, 1, 3); then frequency and presence on the output's (1, 3).
+    assert out[0].tolist() == [1.0, -2.0 - 0.25 - 0.5, float("-inf"), 1.5 - 0.25 - 0.5, 1.0]
+    assert out[1].tolist() == lg[1].tolist() and lg[0].tolist() == [2.0, -1.0, 0.5, 3.0, 0.0]  # untouched
+
+
+def test_penalties_follow_vllms_definition():
+    """Greedy with the three penalties equals argmax of the recorded raw logits
+    adjusted by the definitions, written out here token by token."""
+    ps = prompts(3)
+    prompt = ps[3]
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.7,
+                        repetition_penalty=1.8)
+    core = make_core()
+    logits = record_logits(core)
+    out = core.generate([(1, prompt, sp)])[1]
+    assert len(logits) == len(out)
+    for i, lg in enumerate(logits):
+        row = lg[-1].double().tolist()
+        context, generated = prompt + out[:i], out[:i]
+        for t in set(context):
+            row[t] = row[t] / 1.8 if row[t] > 0 else row[t] * 1.8
+        for t in set(generated):
+            row[t] -= 0.7 * generated.count(t) + 0.5
+        assert out[i] == max(range(len(row)), key=row.__getitem__), i
+    plain = make_core().generate([(1, prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))])[1]
+    assert out != plain
+
+
 def test_unseeded_request_gets_key_derived_seed():
     core = make_core()
     ps = prompts(1)
@@ -355,6 +409,13 @@ def test_sampling_follows_softmax():
     k = torch.tensor([row_key(5, 9)])
     assert torch.equal(gumbel_noise(k, 50), gumbel_noise(k, 50))
     assert not torch.equal(gumbel_noise(k, 50), gumbel_noise(torch.tensor([row_key(5, 10)]), 50))
+
+
+def test_bad_adjustments():
+    for kw in ({"min_tokens": 17}, {"min_tokens": -1}, {"presence_penalty": 2.5}, {"frequency_penalty": -3.0},
+               {"repetition_penalty": 0.0}):
+        with pytest.raises(ValueError):
+            SamplingParams(max_tokens=16, **kw)
 
 
 def test_bad_sampling_params():

@@ -142,6 +142,27 @@ def test_single_request_failover_is_exact(sampling, sync_every, kill):
         assert snap[100].num_computed == 40 + 13  # synced at step 16 = 14 tokens out
 
 
+ADJUSTED = dict(logit_bias={7: 3.0, 11: -2.0}, min_tokens=20, presence_penalty=0.6, frequency_penalty=0.4,
+                repetition_penalty=1.3)
+
+
+@pytest.mark.parametrize("kill_step", [2, 5, 19, 30])
+def test_failover_with_penalties_bias_and_min_tokens_is_exact(kill_step):
+    """The adjustments depend on the tokens before the position sampled: the
+    standby, holding the delivered tokens, adjusts exactly as the active would."""
+    g = torch.Generator().manual_seed(5)
+    reqs = [(200, torch.randint(0, 256, (24,), generator=g).tolist(), SamplingParams(max_tokens=40, temperature=0.0, **ADJUSTED)),
+            (201, torch.randint(0, 256, (9,), generator=g).tolist(),
+             SamplingParams(max_tokens=35, temperature=0.9, seed=3, **ADJUSTED))]
+    ref = no_fault(reqs, budget=16)
+    plain = no_fault([(k, ids, SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, seed=sp.seed))
+                      for k, ids, sp in reqs], budget=16)
+    assert ref[200] != plain[200] and ref[201] != plain[201]  # the adjustments act
+    for sync_every in (1, 16):
+        final, _, _ = failover(reqs, 16, kill_step, sync_every, lag=1)
+        assert final == ref, (kill_step, sync_every)
+
+
 def test_after_100_tokens():
     ((key, ids, _),) = make_requests([30], "seeded", max_tokens=130)
     reqs = [(key, ids, SamplingParams(max_tokens=130, temperature=1.0, seed=5, ignore_eos=True))]

@@ -247,6 +247,10 @@ def test_unknown_request_is_not_found(env):
     (gen(23, "hi", 5, temperature=-1.0), "temperature must be >= 0"),
     (gen(24, "hi", 5, top_p=1.5), "top_p must be in (0, 1]"),
     (g.GenerateRequest(key=25, prompt_token_ids=g.TokenIds(ids=[1, 300])), "outside the vocabulary"),
+    (gen(26, "hi", 5, presence_penalty=2.5), "presence_penalty and frequency_penalty must be in [-2, 2]"),
+    (gen(27, "hi", 5, repetition_penalty=-1.0), "repetition_penalty must be > 0"),
+    (gen(28, "hi", 5, min_tokens=6), "min_tokens 6 is more than max_tokens 5"),
+    (gen(29, "hi", 5, logit_bias={300: 1.0}), "logit_bias token ids [300] outside the vocabulary"),
 ])
 def test_invalid_requests(env, req, msg):
     with pytest.raises(grpc.RpcError) as ei:

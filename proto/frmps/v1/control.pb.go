@@ -1347,9 +1347,19 @@ type SamplingParams struct {
 	// When set, every output token comes with its log probability and those of
 	// this many most likely tokens (0: its own only), from the model's raw
 	// logits, as vLLM's default logprobs mode (GenerateResponse.logprobs).
-	Logprobs      *uint32 `protobuf:"varint,10,opt,name=logprobs,proto3,oneof" json:"logprobs,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Logprobs *uint32 `protobuf:"varint,10,opt,name=logprobs,proto3,oneof" json:"logprobs,omitempty"`
+	// Added to a token's logit before sampling (-100 to 100), as vLLM's logit_bias.
+	LogitBias map[uint32]float32 `protobuf:"bytes,11,rep,name=logit_bias,json=logitBias,proto3" json:"logit_bias,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"fixed32,2,opt,name=value"`
+	// End-of-sequence and stop tokens cannot end the output before this many tokens.
+	MinTokens uint32 `protobuf:"varint,12,opt,name=min_tokens,json=minTokens,proto3" json:"min_tokens,omitempty"`
+	// vLLM's penalties, over the tokens before the position sampled: presence and
+	// frequency (-2 to 2) on the output's tokens, repetition (0: none, else > 0,
+	// 1 = none) on the prompt's and the output's.
+	PresencePenalty   float32 `protobuf:"fixed32,13,opt,name=presence_penalty,json=presencePenalty,proto3" json:"presence_penalty,omitempty"`
+	FrequencyPenalty  float32 `protobuf:"fixed32,14,opt,name=frequency_penalty,json=frequencyPenalty,proto3" json:"frequency_penalty,omitempty"`
+	RepetitionPenalty float32 `protobuf:"fixed32,15,opt,name=repetition_penalty,json=repetitionPenalty,proto3" json:"repetition_penalty,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *SamplingParams) Reset() {
@@ -1448,6 +1458,41 @@ func (x *SamplingParams) GetIncludeStopStrInOutput() bool {
 func (x *SamplingParams) GetLogprobs() uint32 {
 	if x != nil && x.Logprobs != nil {
 		return *x.Logprobs
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetLogitBias() map[uint32]float32 {
+	if x != nil {
+		return x.LogitBias
+	}
+	return nil
+}
+
+func (x *SamplingParams) GetMinTokens() uint32 {
+	if x != nil {
+		return x.MinTokens
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetPresencePenalty() float32 {
+	if x != nil {
+		return x.PresencePenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetFrequencyPenalty() float32 {
+	if x != nil {
+		return x.FrequencyPenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetRepetitionPenalty() float32 {
+	if x != nil {
+		return x.RepetitionPenalty
 	}
 	return 0
 }
@@ -1977,7 +2022,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"stepTokens\"\x06\n" +
 	"\x04Ping\"-\n" +
 	"\x05Sleep\x12$\n" +
-	"\x05pools\x18\x01 \x03(\v2\x0e.frmps.v1.PoolR\x05pools\"\xe0\x02\n" +
+	"\x05pools\x18\x01 \x03(\v2\x0e.frmps.v1.PoolR\x05pools\"\x8c\x05\n" +
 	"\x0eSamplingParams\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12 \n" +
@@ -1991,7 +2036,17 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"ignore_eos\x18\b \x01(\bR\tignoreEos\x12:\n" +
 	"\x1ainclude_stop_str_in_output\x18\t \x01(\bR\x16includeStopStrInOutput\x12\x1f\n" +
 	"\blogprobs\x18\n" +
-	" \x01(\rH\x01R\blogprobs\x88\x01\x01B\a\n" +
+	" \x01(\rH\x01R\blogprobs\x88\x01\x01\x12F\n" +
+	"\n" +
+	"logit_bias\x18\v \x03(\v2'.frmps.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x12\x1d\n" +
+	"\n" +
+	"min_tokens\x18\f \x01(\rR\tminTokens\x12)\n" +
+	"\x10presence_penalty\x18\r \x01(\x02R\x0fpresencePenalty\x12+\n" +
+	"\x11frequency_penalty\x18\x0e \x01(\x02R\x10frequencyPenalty\x12-\n" +
+	"\x12repetition_penalty\x18\x0f \x01(\x02R\x11repetitionPenalty\x1a<\n" +
+	"\x0eLogitBiasEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\a\n" +
 	"\x05_seedB\v\n" +
 	"\t_logprobs\"\x87\x03\n" +
 	"\rResumeRequest\x12\x10\n" +
@@ -2046,7 +2101,7 @@ func file_frmps_v1_control_proto_rawDescGZIP() []byte {
 }
 
 var file_frmps_v1_control_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_frmps_v1_control_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
+var file_frmps_v1_control_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_frmps_v1_control_proto_goTypes = []any{
 	(ProtocolVersion)(0),    // 0: frmps.v1.ProtocolVersion
 	(Role)(0),               // 1: frmps.v1.Role
@@ -2071,6 +2126,7 @@ var file_frmps_v1_control_proto_goTypes = []any{
 	(*Handoff)(nil),         // 20: frmps.v1.Handoff
 	(*ChatMessage)(nil),     // 21: frmps.v1.ChatMessage
 	nil,                     // 22: frmps.v1.KVBudget.ReservedEntry
+	nil,                     // 23: frmps.v1.SamplingParams.LogitBiasEntry
 }
 var file_frmps_v1_control_proto_depIdxs = []int32{
 	4,  // 0: frmps.v1.Envelope.hello:type_name -> frmps.v1.Hello
@@ -2095,15 +2151,16 @@ var file_frmps_v1_control_proto_depIdxs = []int32{
 	1,  // 19: frmps.v1.Ready.role:type_name -> frmps.v1.Role
 	10, // 20: frmps.v1.Reply.resumed:type_name -> frmps.v1.ResumeOutcome
 	2,  // 21: frmps.v1.Sleep.pools:type_name -> frmps.v1.Pool
-	21, // 22: frmps.v1.ResumeRequest.messages:type_name -> frmps.v1.ChatMessage
-	15, // 23: frmps.v1.ResumeRequest.params:type_name -> frmps.v1.SamplingParams
-	17, // 24: frmps.v1.ResumeRequest.snapshot:type_name -> frmps.v1.RequestSnapshot
-	16, // 25: frmps.v1.Resume.requests:type_name -> frmps.v1.ResumeRequest
-	26, // [26:26] is the sub-list for method output_type
-	26, // [26:26] is the sub-list for method input_type
-	26, // [26:26] is the sub-list for extension type_name
-	26, // [26:26] is the sub-list for extension extendee
-	0,  // [0:26] is the sub-list for field type_name
+	23, // 22: frmps.v1.SamplingParams.logit_bias:type_name -> frmps.v1.SamplingParams.LogitBiasEntry
+	21, // 23: frmps.v1.ResumeRequest.messages:type_name -> frmps.v1.ChatMessage
+	15, // 24: frmps.v1.ResumeRequest.params:type_name -> frmps.v1.SamplingParams
+	17, // 25: frmps.v1.ResumeRequest.snapshot:type_name -> frmps.v1.RequestSnapshot
+	16, // 26: frmps.v1.Resume.requests:type_name -> frmps.v1.ResumeRequest
+	27, // [27:27] is the sub-list for method output_type
+	27, // [27:27] is the sub-list for method input_type
+	27, // [27:27] is the sub-list for extension type_name
+	27, // [27:27] is the sub-list for extension extendee
+	0,  // [0:27] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_control_proto_init() }
@@ -2133,7 +2190,7 @@ func file_frmps_v1_control_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_control_proto_rawDesc), len(file_frmps_v1_control_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   21,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

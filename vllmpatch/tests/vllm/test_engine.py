@@ -318,6 +318,11 @@ def test_adapter_layout_params_and_refusals(model_dir):
     assert sp.logprobs is None
     assert ad.sampling_params(control_pb2.SamplingParams(max_tokens=4, logprobs=3), seed=1).logprobs == 3
     assert ad.sampling_params(control_pb2.SamplingParams(max_tokens=4, logprobs=0), seed=1).logprobs == 0
+    assert (sp.logit_bias, sp.min_tokens, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (None, 0, 0, 0, 1)
+    adj = ad.sampling_params(control_pb2.SamplingParams(max_tokens=8, logit_bias={5: 2.5}, min_tokens=3, presence_penalty=0.5,
+                                                        frequency_penalty=-1.0, repetition_penalty=1.25), seed=1)
+    assert (adj.logit_bias, adj.min_tokens, adj.presence_penalty, adj.frequency_penalty, adj.repetition_penalty) == (
+        {5: 2.5}, 3, 0.5, -1.0, 1.25)
 
     # No --num-blocks and no GPU to size the KV cache on (sizing.py; test_sizing.py).
     with pytest.raises(ValueError, match="give --num-blocks"):

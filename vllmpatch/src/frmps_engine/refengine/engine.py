@@ -16,7 +16,7 @@ from frmps_engine.sdk.engine_api import throwaway_takeover
 from .block_manager import BlockManager
 from .config import NULL_BLOCK, EngineConfig, rank_pools
 from .model import AllReduce, Batch, CudaGraphDecoder, Qwen2Model, SeqChunk
-from .sampling import SamplingParams, sample, token_logprobs
+from .sampling import SamplingParams, adjust_logits, sample, token_logprobs
 from .scheduler import AdoptResult, EngineError, Request, RequestOutput, RequestView, Scheduler, SchedulerOutput
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import check_pools, init_dummy, load_safetensors
@@ -297,7 +297,12 @@ class RefCore:
         if rows:
             # Each row samples the token at its position: a new one, or (a replay) one
             # the request already has, which the scheduler checks.
-            tokens = sample(logits, [r.request.params for r in rows], [r.request.seed for r in rows],
+            params = [r.request.params for r in rows]
+            sampled = logits
+            if any(p.adjusts for p in params):
+                sampled = adjust_logits(logits, [(r.request.params, r.request.token_ids, r.request.num_prompt, r.position)
+                                                 for r in rows], self.tokenizer.eos_token_ids)
+            tokens = sample(sampled, params, [r.request.seed for r in rows],
                             [r.position + r.request.sample_offset for r in rows])
             want = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None and r.expected is None]
             if want:

@@ -32,6 +32,13 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; k: the token's own and the k most likely tokens'
+    # vLLM's logits adjustments (adjust_logits): a bias per token id, and penalties
+    # over the tokens before the position sampled.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -53,10 +60,25 @@ class SamplingParams:
             raise ValueError("stop must be a list of strings")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether adjust_logits changes anything for this request."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 def default_seed(key: int) -> int:
@@ -121,6 +143,38 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     toks = (lg + gumbel_noise(keys, vocab)).argmax(dim=-1).tolist()
     for i, t in zip(rows, toks):
         out[i] = t
+    return out
+
+
+def adjust_logits(logits: torch.Tensor, rows: list[tuple[SamplingParams, list[int], int, int]],
+                  eos_ids: frozenset[int]) -> torch.Tensor:
+    """The logits to sample from, as vLLM's sampler adjusts them, one row at a time
+    (so batch-independent): rows[i] is (params, the request's tokens, its prompt
+    length, the position sampled), the tokens before that position being its
+    context. In vLLM's order: the logit bias and min_tokens (end-of-sequence and
+    stop tokens masked while the output is shorter), then the penalties —
+    repetition on the prompt's and the output's tokens (a positive logit divided
+    by it, a negative one multiplied), frequency and presence on the output's."""
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    for i, (p, tokens, num_prompt, position) in enumerate(rows):
+        if not p.adjusts:
+            continue
+        row = out[i]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.int64, device=out.device)
+            row[ids] += torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=row.dtype, device=out.device)
+        if position - num_prompt < p.min_tokens:
+            stops = sorted(t for t in set(p.stop_token_ids) | eos_ids if t < vocab)
+            row[torch.tensor(stops, dtype=torch.int64, device=out.device)] = float("-inf")
+        if p.repetition_penalty != 1.0 and position > 0:
+            seen = torch.tensor(sorted(set(tokens[:position])), dtype=torch.int64, device=out.device)
+            v = row[seen]
+            row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and position > num_prompt:
+            counts = torch.bincount(torch.tensor(tokens[num_prompt:position], dtype=torch.int64), minlength=vocab)[:vocab]
+            counts = counts.to(device=out.device, dtype=row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return out
 
 

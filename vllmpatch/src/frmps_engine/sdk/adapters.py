@@ -195,4 +195,6 @@ class RefAdapter:
             stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
             include_stop_str_in_output=p.include_stop_str_in_output,
             logprobs=p.logprobs if p.HasField("logprobs") else None,
+            logit_bias=tuple(p.logit_bias.items()), min_tokens=p.min_tokens, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty or 1.0,
         )

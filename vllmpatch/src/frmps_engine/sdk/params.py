@@ -34,6 +34,16 @@ def normalize(p: control_pb2.SamplingParams, key: int, prompt_len: int, max_mode
         bad = [t for t in p.stop_token_ids if t >= vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids {bad[:5]} outside the vocabulary (size {vocab_size})")
+    if not -2.0 <= p.presence_penalty <= 2.0 or not -2.0 <= p.frequency_penalty <= 2.0:
+        raise InvalidRequest("presence_penalty and frequency_penalty must be in [-2, 2]")
+    if math.isnan(p.repetition_penalty) or p.repetition_penalty < 0 or math.isinf(p.repetition_penalty):
+        raise InvalidRequest(f"repetition_penalty must be > 0 (0: none), got {p.repetition_penalty}")
+    if p.min_tokens > out.max_tokens:
+        raise InvalidRequest(f"min_tokens {p.min_tokens} is more than max_tokens {out.max_tokens}")
+    if vocab_size is not None:
+        bad = [t for t in p.logit_bias if t >= vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias token ids {sorted(bad)[:5]} outside the vocabulary (size {vocab_size})")
     if not p.HasField("seed"):
         out.seed = derive_seed(key)
     return out

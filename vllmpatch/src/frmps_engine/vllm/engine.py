@@ -497,6 +497,11 @@ class VllmAdapter:
             include_stop_str_in_output=bool(params.include_stop_str_in_output),
             seed=to_int64(seed),
             logprobs=int(params.logprobs) if params.HasField("logprobs") else None,
+            logit_bias={int(t): float(b) for t, b in params.logit_bias.items()} or None,
+            min_tokens=int(params.min_tokens),
+            presence_penalty=float(params.presence_penalty),
+            frequency_penalty=float(params.frequency_penalty),
+            repetition_penalty=float(params.repetition_penalty) or 1.0,
         )
         sp.update_from_generation_config(self._generation_config(), self.tokenizer().eos_token_id)
         return sp
