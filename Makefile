@@ -21,9 +21,15 @@ help: ## list targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 # ---------------------------------------------------------------- setup
+# --no-compile: pip would byte-compile every module of every package (vLLM's,
+# transformers', torch's: tens of thousands, most never imported by the tests),
+# about 40 s of the install on the 2-core development machine; Python compiles
+# what it imports, once, on first import.
+PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile --no-deps
+
 $(VENV)/.stamp: vllmpatch/requirements.lock vllmpatch/pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --disable-pip-version-check --no-deps -r vllmpatch/requirements.lock
+	$(VPY) $(PIP_INSTALL) -r vllmpatch/requirements.lock
 	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e vllmpatch
 	touch $@
 
@@ -35,7 +41,7 @@ venv: $(VENV)/.stamp ## Python virtualenv with pinned deps (torch CPU-usable bui
 # (make test runs it beside .venv's); the .pth file and the version check do.
 $(VENV026)/.installed: vllmpatch/requirements-vllm026.lock
 	test -x $(VPY026) || $(PYTHON) -m venv $(VENV026)
-	$(VPY026) -m pip install -q --disable-pip-version-check --no-deps -r vllmpatch/requirements-vllm026.lock
+	$(VPY026) $(PIP_INSTALL) -r vllmpatch/requirements-vllm026.lock
 	touch $@
 
 $(VENV026)/.stamp: $(VENV026)/.installed $(VENV)/.stamp
@@ -95,20 +101,21 @@ proto-check: proto ## fail if the committed generated code is stale
 .PHONY: test
 test: ## every test (what CI runs)
 	$(MAKE) --no-print-directory test-setup
-	$(MAKE) --no-print-directory proto-check py-test-vllm026
-	$(MAKE) --no-print-directory -j2 --output-sync=target py-test-main go-test-py deploy-test
+	$(MAKE) --no-print-directory proto-check
+	$(MAKE) --no-print-directory -j4 --output-sync=target py-test-main py-test-vllm026 go-test-py deploy-test
 
-# make test runs its stages in three steps, two at a time where neither waits on the
-# other and a core would otherwise idle (most of its time on a 2-core machine is the
-# Python suites'):
+# make test runs its stages in three steps, at once where neither waits on the other
+# and a core would otherwise idle (most of its time on a 2-core machine is the Python
+# suites'):
 # 1. .venv installs (pip, one core: the longest wait before the suites) while, at a
 #    lower priority so as not to slow it, .venv-vllm026 installs and the Go tests that
 #    need no Python, the fuzzing and the interceptor's tests run;
 # 2. proto-check (it rewrites generated code that the Go tests compile and the
-#    engines import), then the vLLM 0.26.0 suite alone: it keeps both cores busy;
-# 3. the main Python suite, whose end-to-end tests leave a core idle part of the
-#    time (engines asleep in their step delays, waits on failovers), beside the Go
-#    tests that need the virtualenv's Python and the deployment tests.
+#    engines import);
+# 3. the two Python suites, whose end-to-end tests leave the cores idle part of the
+#    time (engines asleep in their step delays, waits on failovers, servers
+#    importing), beside the Go tests that need the virtualenv's Python and the
+#    deployment tests. Alone, the main suite kept the 2 cores 82 % busy.
 .PHONY: test-setup
 test-setup:
 	$(MAKE) --no-print-directory $(VENV)/.stamp & venv=$$!; \
