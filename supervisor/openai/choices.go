@@ -5,7 +5,6 @@ import (
 	"errors"
 	"net/http"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -44,11 +43,9 @@ type choiceSet struct {
 }
 
 type choiceState struct {
-	out    strings.Builder // JSON: the text so far
-	ids    []uint32
-	lps    []*frmpsv1.TokenLogprobs
-	lpOff  int    // streams: text_offset of the next token's logprobs
-	echo   string // still to put before the first text
+	acc    jsonOutput // JSON: what the choice delivered (only its accumulating half is used)
+	lpOff  int        // streams: text_offset of the next token's logprobs
+	echo   string     // still to put before the first text
 	inGap  bool
 	reason string
 	u      usage
@@ -73,6 +70,7 @@ func (s *Server) runChoices(ctx context.Context, w http.ResponseWriter, j *job, 
 	}
 	for i, c := range j.choices {
 		set.state[i].echo = c.echo
+		set.state[i].acc = jsonOutput{returnIDs: j.returnTokenIDs, lp: j.lp}
 	}
 	codes := make([]int, len(j.choices))
 	var wg sync.WaitGroup
@@ -121,30 +119,24 @@ func (o *choiceOut) start() error {
 }
 
 func (o *choiceOut) text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
-	set := o.set
-	set.mu.Lock()
-	defer set.mu.Unlock()
-	if set.failed != nil {
+	o.set.mu.Lock()
+	defer o.set.mu.Unlock()
+	if o.set.failed != nil {
 		return errChoiceFailed
 	}
-	st := &set.state[o.i]
+	return o.textLocked(delta, ids, lps)
+}
+
+// textLocked delivers the choice's text, its pending echo first; set.mu held.
+func (o *choiceOut) textLocked(delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
+	set, st := o.set, &o.set.state[o.i]
 	if st.echo != "" {
 		delta, st.echo = st.echo+delta, ""
 	}
 	if set.sse != nil {
 		return set.sse.textAt(set.heads[o.i], delta, ids, lps, &st.lpOff)
 	}
-	st.out.WriteString(delta)
-	if set.j.returnTokenIDs || set.j.lp != nil {
-		st.ids = append(st.ids, ids...)
-	}
-	if set.j.lp != nil {
-		st.lps = append(st.lps, lps...)
-		for len(st.lps) < len(st.ids) {
-			st.lps = append(st.lps, nil)
-		}
-	}
-	return nil
+	return st.acc.text(delta, ids, lps)
 }
 
 func (o *choiceOut) gap(open bool) {
@@ -179,7 +171,7 @@ func (o *choiceOut) finish(reason string, u usage) error {
 	}
 	st := &set.state[o.i]
 	if st.echo != "" { // no text came to put it before
-		if err := o.textLocked(""); err != nil {
+		if err := o.textLocked("", nil, nil); err != nil {
 			return err
 		}
 	}
@@ -193,17 +185,6 @@ func (o *choiceOut) finish(reason string, u usage) error {
 		set.sse.stopKeepAlive()
 	}
 	return set.sse.finishChoice(set.heads[o.i], reason, last, set.usage())
-}
-
-// textLocked writes a choice's pending echo alone; set.mu held.
-func (o *choiceOut) textLocked(delta string) error {
-	st := &o.set.state[o.i]
-	delta, st.echo = st.echo+delta, ""
-	if o.set.sse != nil {
-		return o.set.sse.textAt(o.set.heads[o.i], delta, nil, nil, &st.lpOff)
-	}
-	st.out.WriteString(delta)
-	return nil
 }
 
 // usage is the request's: each prompt counted once (by its first choice), every
@@ -272,7 +253,7 @@ func (set *choiceSet) end(codes []int) int {
 	res := make([]choiceResult, len(set.state))
 	for i := range set.state {
 		st := &set.state[i]
-		res[i] = choiceResult{text: st.out.String(), ids: st.ids, lps: st.lps, reason: st.reason}
+		res[i] = choiceResult{text: st.acc.sb.String(), ids: st.acc.ids, lps: st.acc.lps, reason: st.reason}
 	}
 	if err := writeBody(set.w, set.head, set.j.endpoint == endpointChat, set.j.returnTokenIDs, set.j.lp, res, set.usage()); err != nil {
 		return statusClientClosed

@@ -54,6 +54,26 @@ func wantCompletionLogprobs(ids []uint32, k int, asIDs bool) completionLogprobs 
 	return w
 }
 
+// streamedLogprobs joins a one-choice stream's logprobs, chunk by chunk.
+func streamedLogprobs(t *testing.T, s stream) completionLogprobs {
+	t.Helper()
+	var got completionLogprobs
+	for _, raw := range s.raw {
+		var c struct {
+			Choices []struct {
+				Logprobs *completionLogprobs `json:"logprobs"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(raw), &c); err != nil {
+			t.Fatal(err)
+		}
+		if len(c.Choices) == 1 && c.Choices[0].Logprobs != nil {
+			got.add(*c.Choices[0].Logprobs)
+		}
+	}
+	return got
+}
+
 func approxEqual(a, b completionLogprobs) bool {
 	return fmt.Sprintf("%v %v %v %.5f", a.TextOffset, a.Tokens, a.TopLogprobs, a.TokenLogprobs) ==
 		fmt.Sprintf("%v %v %v %.5f", b.TextOffset, b.Tokens, b.TopLogprobs, b.TokenLogprobs)
@@ -92,21 +112,7 @@ func TestCompletionLogprobs(t *testing.T) {
 		resp = h.post("/v1/completions", `{"model":"test-model","prompt":"a b","seed":3,"max_tokens":5,"logprobs":2,"stream":true`+extra+`}`)
 		s := readStream(t, resp.Body, nil)
 		resp.Body.Close()
-		var got completionLogprobs
-		for _, raw := range s.raw {
-			var c struct {
-				Choices []struct {
-					Logprobs *completionLogprobs `json:"logprobs"`
-				} `json:"choices"`
-			}
-			if err := json.Unmarshal([]byte(raw), &c); err != nil {
-				t.Fatal(err)
-			}
-			if len(c.Choices) == 1 && c.Choices[0].Logprobs != nil {
-				got.add(*c.Choices[0].Logprobs)
-			}
-		}
-		if !approxEqual(got, want) {
+		if got := streamedLogprobs(t, s); !approxEqual(got, want) {
 			t.Errorf("streamed, as ids %v:\n got %+v\nwant %+v", asIDs, got, want)
 		}
 	}
@@ -196,18 +202,7 @@ func TestLogprobsAcrossFailoverAndChoices(t *testing.T) {
 	resp := h.post("/v1/completions", body)
 	s := readStream(t, resp.Body, nil)
 	resp.Body.Close()
-	var got completionLogprobs
-	for _, raw := range s.raw {
-		var c struct {
-			Choices []struct {
-				Logprobs *completionLogprobs `json:"logprobs"`
-			} `json:"choices"`
-		}
-		_ = json.Unmarshal([]byte(raw), &c)
-		if len(c.Choices) == 1 && c.Choices[0].Logprobs != nil {
-			got.add(*c.Choices[0].Logprobs)
-		}
-	}
+	got := streamedLogprobs(t, s)
 	if want := wantCompletionLogprobs(outputIDs(fakegen.Config{}, "a b", 3, 12), 1, false); !approxEqual(got, want) || !s.done {
 		t.Errorf("across the failover:\n got %+v\nwant %+v", got, want)
 	}

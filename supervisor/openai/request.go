@@ -139,12 +139,8 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 	if dec.More() {
 		return nil, badRequest("", "Invalid JSON body: unexpected data after the top-level object.")
 	}
-	if w.Model == nil || *w.Model == "" {
-		return nil, badRequest("model", "You must provide a model parameter.")
-	}
-	if *w.Model != model.Name {
-		return nil, &apiError{Status: 404, Type: typeNotFound, Param: "model", Code: "model_not_found",
-			Message: fmt.Sprintf("The model `%s` does not exist. This server serves `%s`.", *w.Model, model.Name)}
+	if e := checkModel(w.Model, model.Name); e != nil {
+		return nil, e
 	}
 	j := &job{endpoint: ep, model: model.Name}
 	n := 1
@@ -246,6 +242,18 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 		j.includeUsage = *w.StreamOptions.IncludeUsage
 	}
 	return j, nil
+}
+
+// checkModel refuses a request that names no model or another than the served one.
+func checkModel(m *string, served string) *apiError {
+	if m == nil || *m == "" {
+		return badRequest("model", "You must provide a model parameter.")
+	}
+	if *m != served {
+		return &apiError{Status: 404, Type: typeNotFound, Param: "model", Code: "model_not_found",
+			Message: fmt.Sprintf("The model `%s` does not exist. This server serves `%s`.", *m, served)}
+	}
+	return nil
 }
 
 func decodeError(err error) *apiError {

@@ -117,12 +117,8 @@ func (s *Server) tokenizerRouteInner(w http.ResponseWriter, r *http.Request,
 	if err := dec.Decode(&b); err != nil {
 		return fail(decodeError(err))
 	}
-	if b.Model == nil || *b.Model == "" {
-		return fail(badRequest("model", "You must provide a model parameter."))
-	}
-	if *b.Model != s.model.Name {
-		return fail(&apiError{Status: 404, Type: typeNotFound, Param: "model", Code: "model_not_found",
-			Message: fmt.Sprintf("The model `%s` does not exist. This server serves `%s`.", *b.Model, s.model.Name)})
+	if e := checkModel(b.Model, s.model.Name); e != nil {
+		return fail(e)
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.EngineWaitTimeout)
 	defer cancel()
