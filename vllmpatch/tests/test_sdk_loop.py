@@ -267,7 +267,7 @@ def test_a_step_wakes_a_stream_following_its_requests_once(core):
     condition is still woken at its append."""
     from types import SimpleNamespace
 
-    from frmps_engine.sdk.loop import RequestStream
+    from frmps_engine.sdk.stream import RequestStream
 
     loop = EngineLoop(core())
     streams = [RequestStream(k, 2, control_pb2.SamplingParams(max_tokens=10)) for k in (1, 2, 3)]

@@ -20,7 +20,7 @@ from frmps_engine._proto.frmps.v1 import control_pb2, generation_pb2, generation
 
 from .detok import TextStream
 from .engine_api import Tokenizer, vocab_size
-from .loop import DuplicateRequest, RequestStream
+from .stream import DuplicateRequest, RequestStream
 from .params import InvalidRequest, normalize
 
 log = logging.getLogger(__name__)
