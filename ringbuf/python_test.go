@@ -36,7 +36,9 @@ func TestPythonWriterConcurrent(t *testing.T) {
 			logPath, finalPath := filepath.Join(dir, "log"), filepath.Join(dir, "final.json")
 			cmd := exec.Command(python, "-m", "frmps_engine.ring._testwriter", "run", path, logPath,
 				"--seed", "11", "--steps", "1500", "--sync-every", strconv.Itoa(tc.syncEvery), "--final", finalPath,
-				"--linger", "1.5")
+				// Paced as an engine is (a step takes milliseconds), so that a reader
+				// starved by a loaded machine still sees enough snapshots to check.
+				"--linger", "1.5", "--sync-delay", "0.001")
 			cmd.Env = env
 			var out strings.Builder
 			cmd.Stdout, cmd.Stderr = &out, &out

@@ -113,7 +113,7 @@ class Workload:
 
 
 def run_writer(ring: str, log_path: str, seed: int, steps: int, sync_every: int = 1, final: str | None = None,
-               linger_s: float = 0.0) -> None:
+               linger_s: float = 0.0, sync_delay_s: float = 0.0) -> None:
     w = RingWriter.attach(ring)
     t = DeltaTracker(w)
     wl = Workload(seed)
@@ -134,6 +134,8 @@ def run_writer(ring: str, log_path: str, seed: int, steps: int, sync_every: int 
             os.write(fd, f"{s} {state_digest(wl.live.values())}\n".encode())
             t.sync(s, list(pending.values()) + [r for r in wl.live.values() if r.key not in pending])
             pending.clear()
+            if sync_delay_s:
+                time.sleep(sync_delay_s)  # an engine's pace: a reader on a loaded machine keeps up
         if final:
             with open(final, "w") as f:
                 json.dump(
@@ -192,12 +194,13 @@ def main(argv=None) -> int:
     r.add_argument("--sync-every", type=int, default=1)
     r.add_argument("--final")
     r.add_argument("--linger", type=float, default=0.0, help="seconds to keep answering resync requests at the end")
+    r.add_argument("--sync-delay", type=float, default=0.0, help="seconds to pause after each record")
     f = sub.add_parser("forkserver")
     f.add_argument("ring")
     f.add_argument("logdir")
     a = ap.parse_args(argv)
     if a.cmd == "run":
-        run_writer(a.ring, a.log, a.seed, a.steps, a.sync_every, a.final, a.linger)
+        run_writer(a.ring, a.log, a.seed, a.steps, a.sync_every, a.final, a.linger, a.sync_delay)
     else:
         forkserver(a.ring, a.logdir)
     return 0
