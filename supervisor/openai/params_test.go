@@ -50,3 +50,50 @@ func TestPenaltiesRefused(t *testing.T) {
 		checkError(t, h.post("/v1/completions", tc.body), 400, tc.param, nil)
 	}
 }
+
+// response_format and vLLM's structured_outputs reach the engine as one constraint.
+func TestStructuredOutputsReachTheEngine(t *testing.T) {
+	h, eng := newHarness(t, openai.Config{}, fakegen.Config{})
+	msgs := `"messages":[{"role":"user","content":"x"}]`
+	schema := frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_JsonSchema{JsonSchema: `{"type":"object","required":["a"]}`}}
+	for _, tc := range []struct {
+		path, body string
+		want       *frmpsv1.StructuredOutputs
+	}{
+		{"/v1/chat/completions", `{"model":"test-model",` + msgs + `,"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type": "object", "required": ["a"]}}}}`, &schema},
+		{"/v1/chat/completions", `{"model":"test-model",` + msgs + `,"response_format":{"type":"json_object"}}`,
+			&frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_JsonObject{JsonObject: true}}},
+		{"/v1/chat/completions", `{"model":"test-model",` + msgs + `,"response_format":{"type":"text"}}`, nil},
+		{"/v1/completions", `{"model":"test-model","prompt":"x","structured_outputs":{"regex":"[a-c]{3}"}}`,
+			&frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_Regex{Regex: "[a-c]{3}"}}},
+		{"/v1/completions", `{"model":"test-model","prompt":"x","structured_outputs":{"choice":["yes","no"]}}`,
+			&frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_Choice{Choice: &frmpsv1.Choices{Values: []string{"yes", "no"}}}}},
+		{"/v1/completions", `{"model":"test-model","prompt":"x","structured_outputs":{"json":"{\"type\":\"object\",\"required\":[\"a\"]}"}}`, &schema},
+		{"/v1/completions", `{"model":"test-model","prompt":"x","structured_outputs":{"grammar":"root ::= \"a\""}}`,
+			&frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_Grammar{Grammar: `root ::= "a"`}}},
+	} {
+		before := len(eng.Requests())
+		resp := h.post(tc.path, tc.body)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s: status %d: %v", tc.body, resp.StatusCode, readJSON(t, resp))
+		}
+		resp.Body.Close()
+		reqs := eng.Requests()
+		if len(reqs) != before+1 || !proto.Equal(reqs[len(reqs)-1].GetParams().GetStructuredOutputs(), tc.want) {
+			t.Errorf("%s: engine got %v, want %v", tc.body, reqs[len(reqs)-1].GetParams().GetStructuredOutputs(), tc.want)
+		}
+	}
+	for _, tc := range []struct{ body, param string }{
+		{`"response_format":{"type":"json_object"},"structured_outputs":{"regex":"a"}`, "response_format"},
+		{`"response_format":{"type":"xml"}`, "response_format"},
+		{`"response_format":{"type":"json_schema","json_schema":{"name":"n"}}`, "response_format"},
+		{`"response_format":{"type":"json_schema","json_schema":{"schema":[1]}}`, "response_format"},
+		{`"response_format":"json"`, "response_format"},
+		{`"structured_outputs":{"regex":"a","choice":["b"]}`, "structured_outputs"},
+		{`"structured_outputs":{}`, "structured_outputs"},
+		{`"structured_outputs":{"choice":[]}`, "structured_outputs"},
+		{`"structured_outputs":{"json":"not json"}`, "structured_outputs"},
+	} {
+		checkError(t, h.post("/v1/completions", `{"model":"test-model","prompt":"x",`+tc.body+`}`), 400, tc.param, nil)
+	}
+}

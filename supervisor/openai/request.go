@@ -63,6 +63,8 @@ type wireRequest struct {
 	PresencePenalty        *float64           `json:"presence_penalty"`
 	FrequencyPenalty       *float64           `json:"frequency_penalty"`
 	RepetitionPenalty      *float64           `json:"repetition_penalty"`
+	ResponseFormat         json.RawMessage    `json:"response_format"`
+	StructuredOutputs      json.RawMessage    `json:"structured_outputs"`
 }
 
 // job is a validated request, ready for the engine.
@@ -533,6 +535,11 @@ func parseParams(w *wireRequest, model ModelInfo, cfg *Config) (*frmpsv1.Samplin
 	if e := parsePenalties(w, p); e != nil {
 		return nil, e
 	}
+	so, e := parseStructured(w)
+	if e != nil {
+		return nil, e
+	}
+	p.StructuredOutputs = so
 	if w.IncludeStopStrInOutput != nil {
 		p.IncludeStopStrInOutput = *w.IncludeStopStrInOutput
 	}
@@ -540,6 +547,98 @@ func parseParams(w *wireRequest, model ModelInfo, cfg *Config) (*frmpsv1.Samplin
 }
 
 const maxStops = 16
+
+// parseStructured reads a constraint on the output: OpenAI's response_format
+// (json_object, or json_schema with its schema) or vLLM's structured_outputs
+// (one of json, json_object, regex, choice, grammar). nil: none.
+func parseStructured(w *wireRequest) (*frmpsv1.StructuredOutputs, *apiError) {
+	hasRF := len(w.ResponseFormat) != 0 && !isNull(w.ResponseFormat)
+	hasSO := len(w.StructuredOutputs) != 0 && !isNull(w.StructuredOutputs)
+	switch {
+	case hasRF && hasSO:
+		return nil, badRequest("response_format", "Give `response_format` or `structured_outputs`, not both.")
+	case hasRF:
+		var rf struct {
+			Type       string `json:"type"`
+			JSONSchema *struct {
+				Schema json.RawMessage `json:"schema"`
+			} `json:"json_schema"`
+		}
+		if err := json.Unmarshal(w.ResponseFormat, &rf); err != nil {
+			return nil, badRequest("response_format", "`response_format` must be an object with a `type`.")
+		}
+		switch rf.Type {
+		case "text":
+			return nil, nil
+		case "json_object":
+			return &frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_JsonObject{JsonObject: true}}, nil
+		case "json_schema":
+			if rf.JSONSchema == nil || len(rf.JSONSchema.Schema) == 0 || isNull(rf.JSONSchema.Schema) {
+				return nil, badRequest("response_format", "`response_format.json_schema.schema` is required.")
+			}
+			return jsonSchema(rf.JSONSchema.Schema, "response_format")
+		}
+		return nil, badRequest("response_format", fmt.Sprintf("`response_format.type` must be text, json_object or json_schema, got %q.", rf.Type))
+	case hasSO:
+		var so struct {
+			JSON       json.RawMessage `json:"json"`
+			JSONObject *bool           `json:"json_object"`
+			Regex      *string         `json:"regex"`
+			Choice     []string        `json:"choice"`
+			Grammar    *string         `json:"grammar"`
+		}
+		if err := json.Unmarshal(w.StructuredOutputs, &so); err != nil {
+			return nil, badRequest("structured_outputs", "`structured_outputs` must be an object: one of json, json_object, regex, choice, grammar.")
+		}
+		var out []*frmpsv1.StructuredOutputs
+		if len(so.JSON) != 0 && !isNull(so.JSON) {
+			// A schema, or a schema given as a JSON string (vLLM takes both).
+			raw := so.JSON
+			var str string
+			if json.Unmarshal(raw, &str) == nil {
+				raw = json.RawMessage(str)
+			}
+			j, e := jsonSchema(raw, "structured_outputs")
+			if e != nil {
+				return nil, e
+			}
+			out = append(out, j)
+		}
+		if so.JSONObject != nil && *so.JSONObject {
+			out = append(out, &frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_JsonObject{JsonObject: true}})
+		}
+		if so.Regex != nil {
+			out = append(out, &frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_Regex{Regex: *so.Regex}})
+		}
+		if so.Choice != nil {
+			if len(so.Choice) == 0 {
+				return nil, badRequest("structured_outputs", "`structured_outputs.choice` must not be empty.")
+			}
+			out = append(out, &frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_Choice{Choice: &frmpsv1.Choices{Values: so.Choice}}})
+		}
+		if so.Grammar != nil {
+			out = append(out, &frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_Grammar{Grammar: *so.Grammar}})
+		}
+		if len(out) != 1 {
+			return nil, badRequest("structured_outputs", fmt.Sprintf("`structured_outputs` must give exactly one of json, json_object, regex, choice, grammar; got %d.", len(out)))
+		}
+		return out[0], nil
+	}
+	return nil, nil
+}
+
+// jsonSchema checks a schema is a JSON object and keeps it compact.
+func jsonSchema(raw json.RawMessage, param string) (*frmpsv1.StructuredOutputs, *apiError) {
+	var obj map[string]any
+	if err := json.Unmarshal(raw, &obj); err != nil {
+		return nil, badRequest(param, "The JSON schema must be a JSON object.")
+	}
+	var b bytes.Buffer
+	if err := json.Compact(&b, raw); err != nil {
+		return nil, badRequest(param, "The JSON schema is not valid JSON.")
+	}
+	return &frmpsv1.StructuredOutputs{Kind: &frmpsv1.StructuredOutputs_JsonSchema{JsonSchema: b.String()}}, nil
+}
 
 // parsePenalties reads logit_bias, min_tokens and the penalties, with vLLM's bounds.
 func parsePenalties(w *wireRequest, p *frmpsv1.SamplingParams) *apiError {

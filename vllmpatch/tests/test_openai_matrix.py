@@ -72,13 +72,15 @@ def test_matrix_against_frmps_front_door(tmp_path):
     assert set(got) == {r.id for r in matrix.ROWS}
     served = ["models", "tokenize", "tokenize-chat", "detokenize", "cmpl", "cmpl-stream-usage", "cmpl-token-ids-prompt",
               "cmpl-batch", "cmpl-n", "cmpl-n-stream", "cmpl-logprobs", "cmpl-echo", "cmpl-stop", "cmpl-stop-token-ids",
-              "cmpl-seed", "cmpl-logit-bias", "cmpl-min-tokens", "cmpl-penalties", "chat", "chat-stream-usage",
-              "chat-max-completion-tokens", "chat-n", "chat-logprobs", "chat-stop"]
+              "cmpl-seed", "cmpl-logit-bias", "cmpl-min-tokens", "cmpl-penalties", "cmpl-regex", "chat",
+              "chat-stream-usage", "chat-max-completion-tokens", "chat-n", "chat-logprobs", "chat-stop", "chat-json-object"]
     for rid in served:
         assert got[rid]["outcome"] == "pass", (rid, got[rid]["detail"])
     # ...and parameters the front door drops without a word are caught by
     # their semantic checks, not passed because the request succeeded.
-    for rid in ("chat-json-schema", "chat-json-object", "cmpl-regex", "chat-tools-auto-parser"):
+    # (chat-json-schema: the grammar holds, but a random model wanders in the whitespace it allows
+    # until max_tokens, as vllm serve's does without disable_any_whitespace.)
+    for rid in ("chat-json-schema", "chat-tools-auto-parser"):
         assert got[rid]["outcome"] == "fail", (rid, got[rid])
     for rid in ("responses",):
         assert got[rid]["outcome"] == "refused" and "404" in got[rid]["detail"], (rid, got[rid])

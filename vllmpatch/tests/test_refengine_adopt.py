@@ -163,6 +163,21 @@ def test_failover_with_penalties_bias_and_min_tokens_is_exact(kill_step):
         assert final == ref, (kill_step, sync_every)
 
 
+@pytest.mark.parametrize("kill_step", [2, 6, 20])
+def test_failover_of_a_structured_output_request_is_exact(kill_step):
+    """The standby's matcher replays the delivered tokens and continues the grammar
+    where the active stood (a fresh matcher would refuse the rest)."""
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, 256, (20,), generator=g).tolist()
+    reqs = [(300, prompt, SamplingParams(max_tokens=40, temperature=0.9, seed=2, structured=("regex", "[a-z]{12}-[0-9]{12}"))),
+            (301, prompt[:7], SamplingParams(max_tokens=30, temperature=0.0, structured=("grammar", 'root ::= ("ab" | "cd")+ "."')))]
+    ref = no_fault(reqs, budget=16)
+    assert len(ref[300]) == 26 and bytes(ref[300][12:13]) == b"-"  # the regex, then the end of sequence
+    for sync_every in (1, 16):
+        final, _, _ = failover(reqs, 16, kill_step, sync_every, lag=1)
+        assert final == ref, (kill_step, sync_every)
+
+
 def test_after_100_tokens():
     ((key, ids, _),) = make_requests([30], "seeded", max_tokens=130)
     reqs = [(key, ids, SamplingParams(max_tokens=130, temperature=1.0, seed=5, ignore_eos=True))]

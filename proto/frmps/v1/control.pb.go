@@ -1358,6 +1358,8 @@ type SamplingParams struct {
 	PresencePenalty   float32 `protobuf:"fixed32,13,opt,name=presence_penalty,json=presencePenalty,proto3" json:"presence_penalty,omitempty"`
 	FrequencyPenalty  float32 `protobuf:"fixed32,14,opt,name=frequency_penalty,json=frequencyPenalty,proto3" json:"frequency_penalty,omitempty"`
 	RepetitionPenalty float32 `protobuf:"fixed32,15,opt,name=repetition_penalty,json=repetitionPenalty,proto3" json:"repetition_penalty,omitempty"`
+	// Output constrained to a grammar (vLLM's structured outputs); unset: none.
+	StructuredOutputs *StructuredOutputs `protobuf:"bytes,16,opt,name=structured_outputs,json=structuredOutputs,proto3" json:"structured_outputs,omitempty"`
 	unknownFields     protoimpl.UnknownFields
 	sizeCache         protoimpl.SizeCache
 }
@@ -1497,6 +1499,191 @@ func (x *SamplingParams) GetRepetitionPenalty() float32 {
 	return 0
 }
 
+func (x *SamplingParams) GetStructuredOutputs() *StructuredOutputs {
+	if x != nil {
+		return x.StructuredOutputs
+	}
+	return nil
+}
+
+// One kind of constraint on a request's output, as vLLM's
+// StructuredOutputsParams: the output is a JSON value the schema accepts, any
+// JSON object, text the regex matches whole, one of the choices, or text of
+// the grammar (EBNF, as xgrammar reads it).
+type StructuredOutputs struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Kind:
+	//
+	//	*StructuredOutputs_JsonSchema
+	//	*StructuredOutputs_JsonObject
+	//	*StructuredOutputs_Regex
+	//	*StructuredOutputs_Choice
+	//	*StructuredOutputs_Grammar
+	Kind          isStructuredOutputs_Kind `protobuf_oneof:"kind"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StructuredOutputs) Reset() {
+	*x = StructuredOutputs{}
+	mi := &file_frmps_v1_control_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StructuredOutputs) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StructuredOutputs) ProtoMessage() {}
+
+func (x *StructuredOutputs) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_control_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StructuredOutputs.ProtoReflect.Descriptor instead.
+func (*StructuredOutputs) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *StructuredOutputs) GetKind() isStructuredOutputs_Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return nil
+}
+
+func (x *StructuredOutputs) GetJsonSchema() string {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutputs_JsonSchema); ok {
+			return x.JsonSchema
+		}
+	}
+	return ""
+}
+
+func (x *StructuredOutputs) GetJsonObject() bool {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutputs_JsonObject); ok {
+			return x.JsonObject
+		}
+	}
+	return false
+}
+
+func (x *StructuredOutputs) GetRegex() string {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutputs_Regex); ok {
+			return x.Regex
+		}
+	}
+	return ""
+}
+
+func (x *StructuredOutputs) GetChoice() *Choices {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutputs_Choice); ok {
+			return x.Choice
+		}
+	}
+	return nil
+}
+
+func (x *StructuredOutputs) GetGrammar() string {
+	if x != nil {
+		if x, ok := x.Kind.(*StructuredOutputs_Grammar); ok {
+			return x.Grammar
+		}
+	}
+	return ""
+}
+
+type isStructuredOutputs_Kind interface {
+	isStructuredOutputs_Kind()
+}
+
+type StructuredOutputs_JsonSchema struct {
+	JsonSchema string `protobuf:"bytes,1,opt,name=json_schema,json=jsonSchema,proto3,oneof"` // the schema as JSON text
+}
+
+type StructuredOutputs_JsonObject struct {
+	JsonObject bool `protobuf:"varint,2,opt,name=json_object,json=jsonObject,proto3,oneof"`
+}
+
+type StructuredOutputs_Regex struct {
+	Regex string `protobuf:"bytes,3,opt,name=regex,proto3,oneof"`
+}
+
+type StructuredOutputs_Choice struct {
+	Choice *Choices `protobuf:"bytes,4,opt,name=choice,proto3,oneof"`
+}
+
+type StructuredOutputs_Grammar struct {
+	Grammar string `protobuf:"bytes,5,opt,name=grammar,proto3,oneof"`
+}
+
+func (*StructuredOutputs_JsonSchema) isStructuredOutputs_Kind() {}
+
+func (*StructuredOutputs_JsonObject) isStructuredOutputs_Kind() {}
+
+func (*StructuredOutputs_Regex) isStructuredOutputs_Kind() {}
+
+func (*StructuredOutputs_Choice) isStructuredOutputs_Kind() {}
+
+func (*StructuredOutputs_Grammar) isStructuredOutputs_Kind() {}
+
+type Choices struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Values        []string               `protobuf:"bytes,1,rep,name=values,proto3" json:"values,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Choices) Reset() {
+	*x = Choices{}
+	mi := &file_frmps_v1_control_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Choices) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Choices) ProtoMessage() {}
+
+func (x *Choices) ProtoReflect() protoreflect.Message {
+	mi := &file_frmps_v1_control_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Choices.ProtoReflect.Descriptor instead.
+func (*Choices) Descriptor() ([]byte, []int) {
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *Choices) GetValues() []string {
+	if x != nil {
+		return x.Values
+	}
+	return nil
+}
+
 // One request to rebuild on takeover: what the client asked, what the ring's
 // snapshot holds of its forward state, and what the client already received.
 type ResumeRequest struct {
@@ -1526,7 +1713,7 @@ type ResumeRequest struct {
 
 func (x *ResumeRequest) Reset() {
 	*x = ResumeRequest{}
-	mi := &file_frmps_v1_control_proto_msgTypes[14]
+	mi := &file_frmps_v1_control_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1538,7 +1725,7 @@ func (x *ResumeRequest) String() string {
 func (*ResumeRequest) ProtoMessage() {}
 
 func (x *ResumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[14]
+	mi := &file_frmps_v1_control_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1551,7 +1738,7 @@ func (x *ResumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeRequest.ProtoReflect.Descriptor instead.
 func (*ResumeRequest) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{14}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ResumeRequest) GetKey() uint64 {
@@ -1641,7 +1828,7 @@ type RequestSnapshot struct {
 
 func (x *RequestSnapshot) Reset() {
 	*x = RequestSnapshot{}
-	mi := &file_frmps_v1_control_proto_msgTypes[15]
+	mi := &file_frmps_v1_control_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1653,7 +1840,7 @@ func (x *RequestSnapshot) String() string {
 func (*RequestSnapshot) ProtoMessage() {}
 
 func (x *RequestSnapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[15]
+	mi := &file_frmps_v1_control_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1666,7 +1853,7 @@ func (x *RequestSnapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RequestSnapshot.ProtoReflect.Descriptor instead.
 func (*RequestSnapshot) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{15}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *RequestSnapshot) GetBlockIds() []uint32 {
@@ -1729,7 +1916,7 @@ type Resume struct {
 
 func (x *Resume) Reset() {
 	*x = Resume{}
-	mi := &file_frmps_v1_control_proto_msgTypes[16]
+	mi := &file_frmps_v1_control_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1741,7 +1928,7 @@ func (x *Resume) String() string {
 func (*Resume) ProtoMessage() {}
 
 func (x *Resume) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[16]
+	mi := &file_frmps_v1_control_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1754,7 +1941,7 @@ func (x *Resume) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Resume.ProtoReflect.Descriptor instead.
 func (*Resume) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{16}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Resume) GetRequests() []*ResumeRequest {
@@ -1787,7 +1974,7 @@ type Shutdown struct {
 
 func (x *Shutdown) Reset() {
 	*x = Shutdown{}
-	mi := &file_frmps_v1_control_proto_msgTypes[17]
+	mi := &file_frmps_v1_control_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1799,7 +1986,7 @@ func (x *Shutdown) String() string {
 func (*Shutdown) ProtoMessage() {}
 
 func (x *Shutdown) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[17]
+	mi := &file_frmps_v1_control_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1812,7 +1999,7 @@ func (x *Shutdown) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Shutdown.ProtoReflect.Descriptor instead.
 func (*Shutdown) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{17}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Shutdown) GetGraceMs() uint32 {
@@ -1837,7 +2024,7 @@ type Handoff struct {
 
 func (x *Handoff) Reset() {
 	*x = Handoff{}
-	mi := &file_frmps_v1_control_proto_msgTypes[18]
+	mi := &file_frmps_v1_control_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1849,7 +2036,7 @@ func (x *Handoff) String() string {
 func (*Handoff) ProtoMessage() {}
 
 func (x *Handoff) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[18]
+	mi := &file_frmps_v1_control_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1862,7 +2049,7 @@ func (x *Handoff) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Handoff.ProtoReflect.Descriptor instead.
 func (*Handoff) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{18}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{20}
 }
 
 type ChatMessage struct {
@@ -1875,7 +2062,7 @@ type ChatMessage struct {
 
 func (x *ChatMessage) Reset() {
 	*x = ChatMessage{}
-	mi := &file_frmps_v1_control_proto_msgTypes[19]
+	mi := &file_frmps_v1_control_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1887,7 +2074,7 @@ func (x *ChatMessage) String() string {
 func (*ChatMessage) ProtoMessage() {}
 
 func (x *ChatMessage) ProtoReflect() protoreflect.Message {
-	mi := &file_frmps_v1_control_proto_msgTypes[19]
+	mi := &file_frmps_v1_control_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1900,7 +2087,7 @@ func (x *ChatMessage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChatMessage.ProtoReflect.Descriptor instead.
 func (*ChatMessage) Descriptor() ([]byte, []int) {
-	return file_frmps_v1_control_proto_rawDescGZIP(), []int{19}
+	return file_frmps_v1_control_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ChatMessage) GetRole() string {
@@ -2022,7 +2209,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"stepTokens\"\x06\n" +
 	"\x04Ping\"-\n" +
 	"\x05Sleep\x12$\n" +
-	"\x05pools\x18\x01 \x03(\v2\x0e.frmps.v1.PoolR\x05pools\"\x8c\x05\n" +
+	"\x05pools\x18\x01 \x03(\v2\x0e.frmps.v1.PoolR\x05pools\"\xd8\x05\n" +
 	"\x0eSamplingParams\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x01 \x01(\rR\tmaxTokens\x12 \n" +
@@ -2043,12 +2230,24 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"min_tokens\x18\f \x01(\rR\tminTokens\x12)\n" +
 	"\x10presence_penalty\x18\r \x01(\x02R\x0fpresencePenalty\x12+\n" +
 	"\x11frequency_penalty\x18\x0e \x01(\x02R\x10frequencyPenalty\x12-\n" +
-	"\x12repetition_penalty\x18\x0f \x01(\x02R\x11repetitionPenalty\x1a<\n" +
+	"\x12repetition_penalty\x18\x0f \x01(\x02R\x11repetitionPenalty\x12J\n" +
+	"\x12structured_outputs\x18\x10 \x01(\v2\x1b.frmps.v1.StructuredOutputsR\x11structuredOutputs\x1a<\n" +
 	"\x0eLogitBiasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\a\n" +
 	"\x05_seedB\v\n" +
-	"\t_logprobs\"\x87\x03\n" +
+	"\t_logprobs\"\xc2\x01\n" +
+	"\x11StructuredOutputs\x12!\n" +
+	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
+	"jsonSchema\x12!\n" +
+	"\vjson_object\x18\x02 \x01(\bH\x00R\n" +
+	"jsonObject\x12\x16\n" +
+	"\x05regex\x18\x03 \x01(\tH\x00R\x05regex\x12+\n" +
+	"\x06choice\x18\x04 \x01(\v2\x11.frmps.v1.ChoicesH\x00R\x06choice\x12\x1a\n" +
+	"\agrammar\x18\x05 \x01(\tH\x00R\agrammarB\x06\n" +
+	"\x04kind\"!\n" +
+	"\aChoices\x12\x16\n" +
+	"\x06values\x18\x01 \x03(\tR\x06values\"\x87\x03\n" +
 	"\rResumeRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\x04R\x03key\x12\x1d\n" +
 	"\n" +
@@ -2101,32 +2300,34 @@ func file_frmps_v1_control_proto_rawDescGZIP() []byte {
 }
 
 var file_frmps_v1_control_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_frmps_v1_control_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_frmps_v1_control_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_frmps_v1_control_proto_goTypes = []any{
-	(ProtocolVersion)(0),    // 0: frmps.v1.ProtocolVersion
-	(Role)(0),               // 1: frmps.v1.Role
-	(*Pool)(nil),            // 2: frmps.v1.Pool
-	(*Envelope)(nil),        // 3: frmps.v1.Envelope
-	(*Hello)(nil),           // 4: frmps.v1.Hello
-	(*KVBudget)(nil),        // 5: frmps.v1.KVBudget
-	(*Welcome)(nil),         // 6: frmps.v1.Welcome
-	(*PoolExport)(nil),      // 7: frmps.v1.PoolExport
-	(*Ready)(nil),           // 8: frmps.v1.Ready
-	(*Reply)(nil),           // 9: frmps.v1.Reply
-	(*ResumeOutcome)(nil),   // 10: frmps.v1.ResumeOutcome
-	(*Fault)(nil),           // 11: frmps.v1.Fault
-	(*Heartbeat)(nil),       // 12: frmps.v1.Heartbeat
-	(*Ping)(nil),            // 13: frmps.v1.Ping
-	(*Sleep)(nil),           // 14: frmps.v1.Sleep
-	(*SamplingParams)(nil),  // 15: frmps.v1.SamplingParams
-	(*ResumeRequest)(nil),   // 16: frmps.v1.ResumeRequest
-	(*RequestSnapshot)(nil), // 17: frmps.v1.RequestSnapshot
-	(*Resume)(nil),          // 18: frmps.v1.Resume
-	(*Shutdown)(nil),        // 19: frmps.v1.Shutdown
-	(*Handoff)(nil),         // 20: frmps.v1.Handoff
-	(*ChatMessage)(nil),     // 21: frmps.v1.ChatMessage
-	nil,                     // 22: frmps.v1.KVBudget.ReservedEntry
-	nil,                     // 23: frmps.v1.SamplingParams.LogitBiasEntry
+	(ProtocolVersion)(0),      // 0: frmps.v1.ProtocolVersion
+	(Role)(0),                 // 1: frmps.v1.Role
+	(*Pool)(nil),              // 2: frmps.v1.Pool
+	(*Envelope)(nil),          // 3: frmps.v1.Envelope
+	(*Hello)(nil),             // 4: frmps.v1.Hello
+	(*KVBudget)(nil),          // 5: frmps.v1.KVBudget
+	(*Welcome)(nil),           // 6: frmps.v1.Welcome
+	(*PoolExport)(nil),        // 7: frmps.v1.PoolExport
+	(*Ready)(nil),             // 8: frmps.v1.Ready
+	(*Reply)(nil),             // 9: frmps.v1.Reply
+	(*ResumeOutcome)(nil),     // 10: frmps.v1.ResumeOutcome
+	(*Fault)(nil),             // 11: frmps.v1.Fault
+	(*Heartbeat)(nil),         // 12: frmps.v1.Heartbeat
+	(*Ping)(nil),              // 13: frmps.v1.Ping
+	(*Sleep)(nil),             // 14: frmps.v1.Sleep
+	(*SamplingParams)(nil),    // 15: frmps.v1.SamplingParams
+	(*StructuredOutputs)(nil), // 16: frmps.v1.StructuredOutputs
+	(*Choices)(nil),           // 17: frmps.v1.Choices
+	(*ResumeRequest)(nil),     // 18: frmps.v1.ResumeRequest
+	(*RequestSnapshot)(nil),   // 19: frmps.v1.RequestSnapshot
+	(*Resume)(nil),            // 20: frmps.v1.Resume
+	(*Shutdown)(nil),          // 21: frmps.v1.Shutdown
+	(*Handoff)(nil),           // 22: frmps.v1.Handoff
+	(*ChatMessage)(nil),       // 23: frmps.v1.ChatMessage
+	nil,                       // 24: frmps.v1.KVBudget.ReservedEntry
+	nil,                       // 25: frmps.v1.SamplingParams.LogitBiasEntry
 }
 var file_frmps_v1_control_proto_depIdxs = []int32{
 	4,  // 0: frmps.v1.Envelope.hello:type_name -> frmps.v1.Hello
@@ -2137,30 +2338,32 @@ var file_frmps_v1_control_proto_depIdxs = []int32{
 	12, // 5: frmps.v1.Envelope.heartbeat:type_name -> frmps.v1.Heartbeat
 	6,  // 6: frmps.v1.Envelope.welcome:type_name -> frmps.v1.Welcome
 	14, // 7: frmps.v1.Envelope.sleep:type_name -> frmps.v1.Sleep
-	18, // 8: frmps.v1.Envelope.resume:type_name -> frmps.v1.Resume
-	19, // 9: frmps.v1.Envelope.shutdown:type_name -> frmps.v1.Shutdown
+	20, // 8: frmps.v1.Envelope.resume:type_name -> frmps.v1.Resume
+	21, // 9: frmps.v1.Envelope.shutdown:type_name -> frmps.v1.Shutdown
 	13, // 10: frmps.v1.Envelope.ping:type_name -> frmps.v1.Ping
-	20, // 11: frmps.v1.Envelope.handoff:type_name -> frmps.v1.Handoff
+	22, // 11: frmps.v1.Envelope.handoff:type_name -> frmps.v1.Handoff
 	0,  // 12: frmps.v1.Hello.protocol_version:type_name -> frmps.v1.ProtocolVersion
 	1,  // 13: frmps.v1.Hello.role:type_name -> frmps.v1.Role
 	2,  // 14: frmps.v1.Hello.pools:type_name -> frmps.v1.Pool
 	5,  // 15: frmps.v1.Hello.kv_budget:type_name -> frmps.v1.KVBudget
-	22, // 16: frmps.v1.KVBudget.reserved:type_name -> frmps.v1.KVBudget.ReservedEntry
+	24, // 16: frmps.v1.KVBudget.reserved:type_name -> frmps.v1.KVBudget.ReservedEntry
 	0,  // 17: frmps.v1.Welcome.protocol_version:type_name -> frmps.v1.ProtocolVersion
 	2,  // 18: frmps.v1.PoolExport.pools:type_name -> frmps.v1.Pool
 	1,  // 19: frmps.v1.Ready.role:type_name -> frmps.v1.Role
 	10, // 20: frmps.v1.Reply.resumed:type_name -> frmps.v1.ResumeOutcome
 	2,  // 21: frmps.v1.Sleep.pools:type_name -> frmps.v1.Pool
-	23, // 22: frmps.v1.SamplingParams.logit_bias:type_name -> frmps.v1.SamplingParams.LogitBiasEntry
-	21, // 23: frmps.v1.ResumeRequest.messages:type_name -> frmps.v1.ChatMessage
-	15, // 24: frmps.v1.ResumeRequest.params:type_name -> frmps.v1.SamplingParams
-	17, // 25: frmps.v1.ResumeRequest.snapshot:type_name -> frmps.v1.RequestSnapshot
-	16, // 26: frmps.v1.Resume.requests:type_name -> frmps.v1.ResumeRequest
-	27, // [27:27] is the sub-list for method output_type
-	27, // [27:27] is the sub-list for method input_type
-	27, // [27:27] is the sub-list for extension type_name
-	27, // [27:27] is the sub-list for extension extendee
-	0,  // [0:27] is the sub-list for field type_name
+	25, // 22: frmps.v1.SamplingParams.logit_bias:type_name -> frmps.v1.SamplingParams.LogitBiasEntry
+	16, // 23: frmps.v1.SamplingParams.structured_outputs:type_name -> frmps.v1.StructuredOutputs
+	17, // 24: frmps.v1.StructuredOutputs.choice:type_name -> frmps.v1.Choices
+	23, // 25: frmps.v1.ResumeRequest.messages:type_name -> frmps.v1.ChatMessage
+	15, // 26: frmps.v1.ResumeRequest.params:type_name -> frmps.v1.SamplingParams
+	19, // 27: frmps.v1.ResumeRequest.snapshot:type_name -> frmps.v1.RequestSnapshot
+	18, // 28: frmps.v1.Resume.requests:type_name -> frmps.v1.ResumeRequest
+	29, // [29:29] is the sub-list for method output_type
+	29, // [29:29] is the sub-list for method input_type
+	29, // [29:29] is the sub-list for extension type_name
+	29, // [29:29] is the sub-list for extension extendee
+	0,  // [0:29] is the sub-list for field type_name
 }
 
 func init() { file_frmps_v1_control_proto_init() }
@@ -2183,14 +2386,21 @@ func file_frmps_v1_control_proto_init() {
 		(*Envelope_Handoff)(nil),
 	}
 	file_frmps_v1_control_proto_msgTypes[13].OneofWrappers = []any{}
-	file_frmps_v1_control_proto_msgTypes[14].OneofWrappers = []any{}
+	file_frmps_v1_control_proto_msgTypes[14].OneofWrappers = []any{
+		(*StructuredOutputs_JsonSchema)(nil),
+		(*StructuredOutputs_JsonObject)(nil),
+		(*StructuredOutputs_Regex)(nil),
+		(*StructuredOutputs_Choice)(nil),
+		(*StructuredOutputs_Grammar)(nil),
+	}
+	file_frmps_v1_control_proto_msgTypes[16].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_frmps_v1_control_proto_rawDesc), len(file_frmps_v1_control_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   22,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -159,3 +159,49 @@ def test_the_first_real_request_still_decides_the_backend():
     _first_request_decides(same, "xgrammar")
     same.grammar_init(req("xgrammar"))
     assert same.backend == "xgrammar-backend" and "grammar_init" not in vars(same)
+
+
+def _wire(**so):
+    """A request's constraint as the front door sends it, through the engine's own mapping."""
+    from frmps_engine._proto.frmps.v1 import control_pb2
+    from frmps_engine.vllm.engine import _structured_outputs
+
+    return _structured_outputs(control_pb2.SamplingParams(max_tokens=32, structured_outputs=control_pb2.StructuredOutputs(**so)))
+
+
+def wait_grammar(request):
+    import time
+
+    for _ in range(5000):
+        g = request.structured_output_request.grammar
+        if g is not None:
+            return g
+        time.sleep(0.001)
+    raise AssertionError("grammar not compiled")
+
+
+@pytest.mark.parametrize("configured", ["auto", "xgrammar"])
+def test_a_front_door_constraint_gets_vllms_backend_and_its_grammar(model_dir, tok, configured):
+    """A constraint from the Go front door (no vLLM input processor in front of the
+    engine) gets its backend where vLLM's input processor would give it, and its
+    grammar is the constraint's: added, and adopted after the received tokens."""
+    from vllm.sampling_params import SamplingParams
+
+    from frmps_engine.vllm.core import request_id_for_key
+
+    eng = _standby_core(model_dir, backend=configured)
+    eng.add_request(1, [10, 11, 12], SamplingParams(max_tokens=32, seed=1, structured_outputs=_wire(json_schema=json.dumps(SCHEMA))))
+    req = eng.scheduler.requests[request_id_for_key(1)]
+    assert req.sampling_params.structured_outputs._backend == "xgrammar"
+    g = wait_grammar(req)
+    assert not g.accept_tokens(req.request_id, ids(tok, "hello"))
+    assert g.accept_tokens(req.request_id, ids(tok, '{"city": "Oslo"}') + [modeldir_eos()]) and g.is_terminated()
+    for key, (so, good, bad) in enumerate(((dict(regex="[a-c]{3}-[0-9]{2}"), "abc-12", "xyz"),
+                                            (dict(choice={"values": ["yes", "no"]}), "no", "maybe"),
+                                            (dict(json_object=True), '{"a": 1}', "[1]")), start=20):
+        sp = SamplingParams(max_tokens=32, seed=1, structured_outputs=_wire(**so))
+        eng.adopt_request(key, sp, [10, 11, 12], 3, 0, [], 1, [])
+        req = eng.scheduler.requests[request_id_for_key(key)]
+        g = wait_grammar(req)
+        assert not g.accept_tokens(req.request_id, ids(tok, bad)), so
+        assert g.accept_tokens(req.request_id, ids(tok, good) + [modeldir_eos()]) and g.is_terminated(), so

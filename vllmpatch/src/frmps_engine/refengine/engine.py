@@ -302,6 +302,12 @@ class RefCore:
             if any(p.adjusts for p in params):
                 sampled = adjust_logits(logits, [(r.request.params, r.request.token_ids, r.request.num_prompt, r.position)
                                                  for r in rows], self.tokenizer.eos_token_ids)
+            constrained = [(i, r.request.matcher) for i, r in enumerate(rows)
+                           if r.request.matcher is not None and r.expected is None]
+            if constrained:
+                if sampled is logits:
+                    sampled = logits.float().clone()
+                self.scheduler.grammars.mask(sampled, constrained)
             tokens = sample(sampled, params, [r.request.seed for r in rows],
                             [r.position + r.request.sample_offset for r in rows])
             want = [i for i, r in enumerate(rows) if r.request.params.logprobs is not None and r.expected is None]

@@ -16,6 +16,8 @@ import torch
 
 from frmps_engine.sdk.seeds import derive_seed, splitmix64
 
+from .grammar import check_constraint
+
 M32 = 0xFFFFFFFF
 M64 = 0xFFFFFFFFFFFFFFFF
 
@@ -39,6 +41,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Structured outputs: (kind, value), refengine/grammar.py; None: unconstrained.
+    structured: tuple[str, str] | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +73,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        check_constraint(self.structured)
 
     @property
     def greedy(self) -> bool:

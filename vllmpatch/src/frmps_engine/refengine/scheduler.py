@@ -31,9 +31,11 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .block_manager import BlockError, BlockManager
 from .config import EngineConfig
+from .grammar import GrammarError, Grammars
 from .sampling import SamplingParams, default_seed
 from .tokenizer import NoText, TextState, Tokenizer, text_state
 
@@ -128,6 +130,9 @@ class Request:
     # Added to the position whose noise the sampler draws: 0, except under the
     # sampler-offset negative control (sdk/takeover_fault.py).
     sample_offset: int = 0
+    # Structured outputs: the grammar's matcher (grammar.py), advanced by every
+    # output token; None: unconstrained.
+    matcher: Any = None
 
     @property
     def num_output(self) -> int:
@@ -325,6 +330,7 @@ class Scheduler:
         # Until someone reads request_views() no snapshot can name our blocks,
         # so released blocks may be reused at once.
         self._views_read = False
+        self.grammars = Grammars(tokenizer, cfg.shape.vocab_size)
 
     # ---- requests --------------------------------------------------------
     def _check_tokens(self, ids: Sequence[int], what: str) -> list[int]:
@@ -358,6 +364,12 @@ class Scheduler:
         self._arrivals += 1
         text = text_state(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output, self.cfg.text_outputs)
         req = Request(key, params, seed, list(prompt), len(prompt), text, self._arrivals)
+        if params.structured is not None:
+            try:
+                req.matcher = self.grammars.matcher(params.structured)
+            except GrammarError as e:
+                self._arrivals -= 1
+                raise EngineError(f"request {key}: {e}") from None
         self.requests[key] = req
         self.waiting.append(req)
 
@@ -415,6 +427,11 @@ class Scheduler:
                       text_state(self.tokenizer, full[:num_prompt], params.stop, params.include_stop_str_in_output,
                                  self.cfg.text_outputs),
                       self._arrivals + 1)
+        if params.structured is not None:
+            try:
+                req.matcher = self.grammars.matcher(params.structured)
+            except GrammarError as e:
+                raise AdoptError(f"adopt {key}: {e}") from None
         outputs = full[num_prompt:]
         finish: tuple[str, str | int | None] | None = None
         for i, t in enumerate(outputs):
@@ -592,6 +609,8 @@ class Scheduler:
     def _stop_after(self, req: Request, tok: int) -> tuple[str, str | int | None] | None:
         """Finish reason after appending tok (already in req.token_ids), or None."""
         p = req.params
+        if req.matcher is not None and not req.matcher.accept_token(tok):
+            raise EngineError(f"request {req.key}: token {tok} does not fit its structured-output grammar")
         stop_str = req.text.add(tok)
         if not p.ignore_eos and tok in self.tokenizer.eos_token_ids:
             return ("stop", None)
@@ -599,6 +618,8 @@ class Scheduler:
             return ("stop", tok)
         if stop_str is not None:
             return ("stop", stop_str)
+        if req.matcher is not None and req.matcher.is_terminated():
+            return ("stop", None)
         if req.num_output >= p.max_tokens or len(req.token_ids) >= self.cfg.max_model_len:
             return ("length", None)
         return None

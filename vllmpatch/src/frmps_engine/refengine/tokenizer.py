@@ -63,6 +63,11 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def grammar_vocab(self) -> tuple[list[bytes], str]:
+        """Each id's bytes for xgrammar (grammar.py): the specials as empty tokens,
+        which a grammar never allows (the end of sequence ends it)."""
+        return [bytes([i]) for i in range(256)] + [b""] * len(self.SPECIALS), "RAW"
+
     def apply_chat_template(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> list[int]:
         out: list[int] = []
         nl = self.encode("\n")
@@ -87,6 +92,7 @@ class HFTokenizer:
             self._tok = _Tok.from_file(path)
         except Exception as e:  # tokenizers raises plain Exception subclasses
             raise TokenizerError(f"load tokenizer {path!r}: {e}") from e
+        self._path = path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = set()
         for tok in _eos_candidates(model_dir):
@@ -107,6 +113,21 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def grammar_vocab(self) -> tuple[list[str], str]:
+        """Each id's token string for xgrammar (grammar.py), special tokens as empty
+        ones, and how the strings encode bytes (tokenizer.json's decoder)."""
+        vocab = [""] * self.vocab_size
+        for tok, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if 0 <= i < len(vocab):
+                vocab[i] = tok
+        for i, added in self._tok.get_added_tokens_decoder().items():
+            if added.special and 0 <= i < len(vocab):
+                vocab[i] = ""
+        with open(self._path, encoding="utf-8") as f:
+            decoder = json.dumps(json.load(f).get("decoder"))
+        kind = "BYTE_LEVEL" if '"ByteLevel"' in decoder else "BYTE_FALLBACK" if '"ByteFallback"' in decoder else "RAW"
+        return vocab, kind
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

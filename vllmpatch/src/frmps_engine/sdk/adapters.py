@@ -21,6 +21,7 @@ from frmps_engine._proto.frmps.v1 import control_pb2
 
 from ..modeldir import weights_source
 from .engine_api import EngineAdapter
+from .params import structured_constraint
 
 
 class AdapterError(Exception):
@@ -197,4 +198,5 @@ class RefAdapter:
             logprobs=p.logprobs if p.HasField("logprobs") else None,
             logit_bias=tuple(p.logit_bias.items()), min_tokens=p.min_tokens, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty or 1.0,
+            structured=structured_constraint(p),
         )

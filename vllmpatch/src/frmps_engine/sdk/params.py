@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from frmps_engine._proto.frmps.v1 import control_pb2
@@ -44,6 +45,26 @@ def normalize(p: control_pb2.SamplingParams, key: int, prompt_len: int, max_mode
         bad = [t for t in p.logit_bias if t >= vocab_size]
         if bad:
             raise InvalidRequest(f"logit_bias token ids {sorted(bad)[:5]} outside the vocabulary (size {vocab_size})")
+    if p.HasField("structured_outputs") and p.structured_outputs.WhichOneof("kind") == "choice" \
+            and not p.structured_outputs.choice.values:
+        raise InvalidRequest("structured_outputs.choice must not be empty")
     if not p.HasField("seed"):
         out.seed = derive_seed(key)
     return out
+
+
+def structured_constraint(p: control_pb2.SamplingParams) -> tuple[str, str] | None:
+    """The request's structured-output constraint as (kind, value) (refengine/grammar.py),
+    or None: json_schema (the schema's JSON), json_object (""), regex, choice (a JSON
+    list of the strings), grammar."""
+    if not p.HasField("structured_outputs"):
+        return None
+    so = p.structured_outputs
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return ("json_object", "")
+    if kind == "choice":
+        return ("choice", json.dumps(list(so.choice.values)))
+    return (kind, getattr(so, kind))

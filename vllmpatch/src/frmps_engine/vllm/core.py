@@ -154,7 +154,21 @@ class VllmCore:
         if seed is None:
             seed = None if params.seed is None else to_uint64(params.seed)
         params.seed = self._vllm_seed(key, seed)
+        self._choose_grammar_backend(params)
         return params
+
+    def _choose_grammar_backend(self, params: Any) -> None:
+        """A structured-output request gets its grammar backend (and vLLM's own checks of
+        the request) where vLLM's input processor gives them, from the engine's
+        structured-outputs config: SamplingParams.verify. A request that a frontend
+        already processed (``_backend`` set) keeps its own."""
+        so = getattr(params, "structured_outputs", None)
+        if so is None or so._backend is not None:
+            return
+        manager = self.scheduler.structured_output_manager
+        vc = manager.vllm_config
+        params.verify(vc.model_config, vc.speculative_config, vc.structured_outputs_config,
+                      getattr(manager, "tokenizer", None))
 
     def add_request(self, key: int, prompt_token_ids: list[int], params: Any) -> None:
         from vllm.v1.request import Request
@@ -218,6 +232,7 @@ class VllmCore:
             block_size=self.scheduler.block_size,
             num_blocks=self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
         )
+        self._choose_grammar_backend(params)
         # adopt() copies the params and sets the plan's seed on its copy (the one
         # _params would set): no copy here as well.
         result = self.scheduler.frmps_adopt(plan, params, block_hasher=self.core.request_block_hasher,

@@ -46,6 +46,7 @@ from .tp import WORKER_EXTENSION as TP_WORKER_EXTENSION
 from .triton_watch import watch_from_env
 from ..modeldir import weights_source
 from ..sdk.engine_api import rank_death
+from ..sdk.params import structured_constraint
 from ..sdk.seeds import to_int64
 
 
@@ -502,6 +503,7 @@ class VllmAdapter:
             presence_penalty=float(params.presence_penalty),
             frequency_penalty=float(params.frequency_penalty),
             repetition_penalty=float(params.repetition_penalty) or 1.0,
+            structured_outputs=_structured_outputs(params),
         )
         sp.update_from_generation_config(self._generation_config(), self.tokenizer().eos_token_id)
         return sp
@@ -625,3 +627,22 @@ def make_adapter(args: Any) -> VllmAdapter:
 
 
 make_adapter.preload = preload  # type: ignore[attr-defined]
+
+
+def _structured_outputs(params: Any) -> Any:
+    """The request's constraint (sdk/params.py) as vLLM's StructuredOutputsParams, or
+    None. Its backend is chosen where vLLM's input processor chooses it, in the core
+    (VllmCore: SamplingParams.verify against the engine's structured-outputs config)."""
+    c = structured_constraint(params)
+    if c is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, value = c
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=value)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(value))
+    return StructuredOutputsParams(**{kind: value})
