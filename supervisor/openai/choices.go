@@ -191,11 +191,11 @@ func (o *choiceOut) finish(reason string, u usage) error {
 // choice's completion tokens. set.mu held.
 func (set *choiceSet) usage() usage {
 	var u usage
-	for i, st := range set.state {
+	for i := range set.state {
 		if set.j.choices[i].sample == 0 {
-			u.prompt += st.u.prompt
+			u.prompt += set.state[i].u.prompt
 		}
-		u.completion += st.u.completion
+		u.completion += set.state[i].u.completion
 	}
 	return u
 }
