@@ -21,11 +21,11 @@ help: ## list targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 # ---------------------------------------------------------------- setup
-# --no-compile: pip would byte-compile every module of every package (vLLM's,
-# transformers', torch's: tens of thousands, most never imported by the tests),
-# about 40 s of the install on the 2-core development machine; Python compiles
-# what it imports, once, on first import.
-PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile --no-deps
+# pip byte-compiles every module it installs. Without it (--no-compile) the install
+# took ~40 s less, but the first processes of the suites then compiled vLLM's modules
+# as they imported them, all at once: a vLLM engine took 80 s to start and an
+# end-to-end test of the 0.26.0 suite ran out of time.
+PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-deps
 
 $(VENV)/.stamp: vllmpatch/requirements.lock vllmpatch/pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
