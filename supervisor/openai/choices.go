@@ -28,7 +28,7 @@ type choiceSet struct {
 	w      http.ResponseWriter
 	head   responseHead
 	sse    *sseOutput      // streams: the writer, its lock and keep-alives; nil for one JSON body
-	heads  [][]byte        // streams: each choice's chunk head
+	heads  []*streamChoice // streams: each choice's stream state
 	ctx    context.Context // ends when the request does, or one choice failed
 	cancel context.CancelCauseFunc
 
@@ -44,7 +44,6 @@ type choiceSet struct {
 
 type choiceState struct {
 	acc    jsonOutput // JSON: what the choice delivered (only its accumulating half is used)
-	lpOff  int        // streams: text_offset of the next token's logprobs
 	echo   string     // still to put before the first text
 	inGap  bool
 	reason string
@@ -65,7 +64,7 @@ func (s *Server) runChoices(ctx context.Context, w http.ResponseWriter, j *job, 
 	if j.stream {
 		set.sse = newSSEOutput(w, j, head, s.cfg.KeepAliveInterval)
 		for i := range j.choices {
-			set.heads = append(set.heads, set.sse.choiceHead(i))
+			set.heads = append(set.heads, &streamChoice{head: set.sse.choiceHead(i)})
 		}
 	}
 	for i, c := range j.choices {
@@ -89,9 +88,12 @@ func (s *Server) runChoices(ctx context.Context, w http.ResponseWriter, j *job, 
 	return set.end(codes)
 }
 
-func (o *choiceOut) start() error {
+func (o *choiceOut) start(promptTokens int) error {
 	set := o.set
 	set.mu.Lock()
+	if set.sse != nil {
+		set.heads[o.i].u.prompt = promptTokens
+	}
 	if set.failed == nil {
 		set.pending--
 		if set.pending == 0 {
@@ -134,7 +136,7 @@ func (o *choiceOut) textLocked(delta string, ids []uint32, lps []*frmpsv1.TokenL
 		delta, st.echo = st.echo+delta, ""
 	}
 	if set.sse != nil {
-		return set.sse.textAt(set.heads[o.i], delta, ids, lps, &st.lpOff)
+		return set.sse.textAt(set.heads[o.i], delta, ids, lps)
 	}
 	return st.acc.text(delta, ids, lps)
 }

@@ -285,3 +285,42 @@ func waitIdle(t *testing.T, eng *fakegen.Engine) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// stream_options.continuous_usage_stats (vLLM's): every chunk carries its
+// choice's usage so far, the role chunk none of the completion yet.
+func TestContinuousUsageStats(t *testing.T) {
+	h, _ := newHarness(t, openai.Config{}, fakegen.Config{TokensPerChunk: 2})
+	for _, n := range []int{1, 2} {
+		resp := h.post("/v1/chat/completions", fmt.Sprintf(`{"model":"test-model","messages":[{"role":"user","content":"tell me"}],"n":%d,"max_tokens":6,"seed":1,"stream":true,`+
+			`"stream_options":{"include_usage":true,"continuous_usage_stats":true}}`, n))
+		s := readStream(t, resp.Body, nil)
+		resp.Body.Close()
+		got := map[int][]float64{} // choice -> completion_tokens of its chunks
+		for _, ev := range s.events[:len(s.events)-1] {
+			u, ok := ev["usage"].(map[string]any)
+			if !ok || u["prompt_tokens"] != 5.0 || u["total_tokens"] != u["prompt_tokens"].(float64)+u["completion_tokens"].(float64) {
+				t.Fatalf("n=%d: chunk usage %v in %v", n, ev["usage"], ev)
+			}
+			i := int(ev["choices"].([]any)[0].(map[string]any)["index"].(float64))
+			got[i] = append(got[i], u["completion_tokens"].(float64))
+		}
+		for i := 0; i < n; i++ {
+			// role (0), three chunks of two tokens, the finish chunk (6).
+			if fmt.Sprint(got[i]) != "[0 2 4 6 6]" {
+				t.Errorf("n=%d choice %d: completion_tokens per chunk %v", n, i, got[i])
+			}
+		}
+		if u := usageOf(t, s); u["completion_tokens"] != float64(6*n) || u["prompt_tokens"] != 5.0 {
+			t.Errorf("n=%d: final usage %v", n, u)
+		}
+	}
+	// Without include_usage it adds nothing, as in vLLM.
+	resp := h.post("/v1/completions", `{"model":"test-model","prompt":"x","max_tokens":2,"stream":true,"stream_options":{"continuous_usage_stats":true}}`)
+	s := readStream(t, resp.Body, nil)
+	resp.Body.Close()
+	for _, ev := range s.events {
+		if _, ok := ev["usage"]; ok {
+			t.Fatalf("usage without include_usage: %v", ev)
+		}
+	}
+}

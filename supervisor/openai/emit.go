@@ -26,7 +26,8 @@ func appendUsage(b []byte, u usage) []byte {
 type output interface {
 	// start runs once, on the first engine chunk, after the limits passed and
 	// before anything reaches the client; a stream sends its headers here.
-	start() error
+	// promptTokens is the prompt's length as the engine counted it.
+	start(promptTokens int) error
 	// text delivers a text delta, the token ids it came from (already
 	// recorded as delivered) and their logprobs where asked for.
 	text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error
@@ -61,6 +62,13 @@ func (h *responseHead) append(b []byte) []byte {
 	return append(b, ',')
 }
 
+// streamChoice is what a stream keeps per choice.
+type streamChoice struct {
+	head     []byte // `data: {"id":...,"choices":[{"index":i,`
+	lpOffset int    // completions' text_offset of the next token
+	u        usage  // the choice's usage so far (continuous_usage_stats)
+}
+
 // sseOutput streams chunks as server-sent events.
 type sseOutput struct {
 	w            http.ResponseWriter
@@ -80,16 +88,21 @@ type sseOutput struct {
 	head      responseHead
 	echo      string    // put before the first text delta
 	lp        *lpFormat // logprobs asked for, else nil
-	lpOffset  int       // completions' text_offset of the next token
+	// continuousUsage: vLLM's stream_options.continuous_usage_stats, the
+	// choice's usage so far in every chunk.
+	continuousUsage bool
+	own             streamChoice // the one choice's stream state
 
 	kaStop chan struct{}
 	kaDone chan struct{}
 }
 
 func newSSEOutput(w http.ResponseWriter, j *job, head responseHead, keepAlive time.Duration) *sseOutput {
-	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, returnIDs: j.returnTokenIDs, keepAlive: keepAlive, head: head, echo: j.echo, lp: j.lp}
+	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, returnIDs: j.returnTokenIDs, keepAlive: keepAlive, head: head, echo: j.echo, lp: j.lp,
+		continuousUsage: j.continuousUsage}
 	o.flusher, _ = w.(http.Flusher)
 	o.chunkHead = o.choiceHead(0)
+	o.own.head = o.chunkHead
 	o.buf = make([]byte, 0, 512)
 	return o
 }
@@ -117,11 +130,14 @@ func (o *sseOutput) writeLocked() error {
 	return nil
 }
 
-func (o *sseOutput) start() error { return o.startChoices([][]byte{o.chunkHead}) }
+func (o *sseOutput) start(promptTokens int) error {
+	o.own.u.prompt = promptTokens
+	return o.startChoices([]*streamChoice{&o.own})
+}
 
 // startChoices sends the headers and, for chat, the assistant's role for each
-// choice (the chunk heads given), as OpenAI's streams open.
-func (o *sseOutput) startChoices(heads [][]byte) error {
+// choice, as OpenAI's streams open.
+func (o *sseOutput) startChoices(choices []*streamChoice) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	h := o.w.Header()
@@ -137,17 +153,24 @@ func (o *sseOutput) startChoices(heads [][]byte) error {
 		return nil
 	}
 	o.buf = o.buf[:0]
-	for _, head := range heads {
-		o.buf = append(o.buf, head...)
+	for _, c := range choices {
+		o.buf = append(o.buf, c.head...)
 		o.buf = append(o.buf, `"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]`...)
-		o.buf = o.appendTail(o.buf)
+		o.buf = o.appendTail(o.buf, c)
 	}
 	return o.writeLocked()
 }
 
-func (o *sseOutput) appendTail(b []byte) []byte {
+// appendTail ends a chunk of choice c: its usage so far with continuous_usage_stats,
+// else null when usage was asked for.
+func (o *sseOutput) appendTail(b []byte, c *streamChoice) []byte {
 	if o.includeUsage {
-		b = append(b, `,"usage":null`...)
+		if o.continuousUsage {
+			b = append(b, `,"usage":`...)
+			b = appendUsage(b, c.u)
+		} else {
+			b = append(b, `,"usage":null`...)
+		}
 	}
 	return append(b, "}\n\n"...)
 }
@@ -172,18 +195,18 @@ func (o *sseOutput) text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprob
 	if o.echo != "" {
 		delta, o.echo = o.echo+delta, ""
 	}
-	return o.textAt(o.chunkHead, delta, ids, lps, &o.lpOffset)
+	return o.textAt(&o.own, delta, ids, lps)
 }
 
-// textAt writes a text chunk of the choice whose chunk head is given; lpOffset
-// is that choice's text offset for logprobs.
-func (o *sseOutput) textAt(head []byte, delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs, lpOffset *int) error {
+// textAt writes a text chunk of choice c.
+func (o *sseOutput) textAt(c *streamChoice, delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
 	if delta == "" && len(ids) == 0 {
 		return nil
 	}
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	b := append(o.buf[:0], head...)
+	c.u.completion += len(ids)
+	b := append(o.buf[:0], c.head...)
 	if o.chat {
 		b = append(b, `"delta":{"content":`...)
 		b = appendJSONString(b, delta)
@@ -197,12 +220,12 @@ func (o *sseOutput) textAt(head []byte, delta string, ids []uint32, lps []*frmps
 	}
 	if o.lp != nil && len(ids) > 0 {
 		b = append(b, `,"logprobs":`...)
-		b = o.lp.appendValue(b, ids, lps, lpOffset)
+		b = o.lp.appendValue(b, ids, lps, &c.lpOffset)
 		b = append(b, `,"finish_reason":null}]`...)
 	} else {
 		b = append(b, `,"logprobs":null,"finish_reason":null}]`...)
 	}
-	o.buf = o.appendTail(b)
+	o.buf = o.appendTail(b, c)
 	return o.writeLocked()
 }
 
@@ -210,14 +233,14 @@ func (o *sseOutput) finish(reason string, u usage) error {
 	o.stopKeepAlive()
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	o.buf = o.appendEnd(o.appendFinish(o.buf[:0], o.chunkHead, reason), u)
+	o.buf = o.appendEnd(o.appendFinish(o.buf[:0], &o.own, reason), u)
 	o.ended = true
 	return o.writeLocked()
 }
 
-// appendFinish appends the finish chunk of the choice whose chunk head is given.
-func (o *sseOutput) appendFinish(b, head []byte, reason string) []byte {
-	b = append(b, head...)
+// appendFinish appends the finish chunk of choice c.
+func (o *sseOutput) appendFinish(b []byte, c *streamChoice, reason string) []byte {
+	b = append(b, c.head...)
 	if o.chat {
 		b = append(b, `"delta":{}`...)
 	} else {
@@ -226,7 +249,7 @@ func (o *sseOutput) appendFinish(b, head []byte, reason string) []byte {
 	b = append(b, `,"logprobs":null,"finish_reason":`...)
 	b = appendJSONString(b, reason)
 	b = append(b, "}]"...)
-	return o.appendTail(b)
+	return o.appendTail(b, c)
 }
 
 // appendEnd appends the end of a stream: the usage chunk when asked for, and [DONE].
@@ -243,10 +266,10 @@ func (o *sseOutput) appendEnd(b []byte, u usage) []byte {
 }
 
 // finishChoice writes one choice's finish chunk, and the stream's end when last.
-func (o *sseOutput) finishChoice(head []byte, reason string, last bool, u usage) error {
+func (o *sseOutput) finishChoice(c *streamChoice, reason string, last bool, u usage) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	b := o.appendFinish(o.buf[:0], head, reason)
+	b := o.appendFinish(o.buf[:0], c, reason)
 	if last {
 		b = o.appendEnd(b, u)
 		o.ended = true
@@ -343,7 +366,7 @@ func newJSONOutput(w http.ResponseWriter, j *job, head responseHead) *jsonOutput
 	return o
 }
 
-func (o *jsonOutput) start() error { return nil }
+func (o *jsonOutput) start(int) error { return nil }
 
 func (o *jsonOutput) text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
 	o.sb.WriteString(delta)

@@ -272,7 +272,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 				s.abort(or)
 				return fail(e)
 			}
-			if err := out.start(); err != nil {
+			if err := out.start(promptTokens); err != nil {
 				return s.clientGone(or)
 			}
 			started = true

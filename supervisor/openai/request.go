@@ -45,7 +45,8 @@ type wireRequest struct {
 	BestOf              *int64          `json:"best_of"`
 	Stream              *bool           `json:"stream"`
 	StreamOptions       *struct {
-		IncludeUsage *bool `json:"include_usage"`
+		IncludeUsage         *bool `json:"include_usage"`
+		ContinuousUsageStats *bool `json:"continuous_usage_stats"`
 	} `json:"stream_options"`
 	User                   json.RawMessage `json:"user"`
 	IgnoreEOS              *bool           `json:"ignore_eos"`
@@ -73,6 +74,9 @@ type job struct {
 	model        string
 	stream       bool
 	includeUsage bool
+	// continuousUsage: every chunk carries its choice's usage so far (vLLM's
+	// stream_options.continuous_usage_stats, with include_usage).
+	continuousUsage bool
 	// returnTokenIDs: add "token_ids" to every choice (vLLM's extension).
 	returnTokenIDs bool
 	// lp formats the logprobs asked for; nil when none were.
@@ -242,6 +246,12 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 			return nil, badRequest("stream_options", "`stream_options` is only allowed when `stream` is true.")
 		}
 		j.includeUsage = *w.StreamOptions.IncludeUsage
+	}
+	if w.StreamOptions != nil && w.StreamOptions.ContinuousUsageStats != nil {
+		if !j.stream {
+			return nil, badRequest("stream_options", "`stream_options` is only allowed when `stream` is true.")
+		}
+		j.continuousUsage = j.includeUsage && *w.StreamOptions.ContinuousUsageStats
 	}
 	return j, nil
 }

@@ -432,6 +432,11 @@ def test_structured_outputs_constrain_the_output():
                         logit_bias={ord("{"): 30.0, ord("}"): 30.0})
     out = make_core().generate([(2, ps[2], sp)])[2]
     assert isinstance(json.loads(bytes(t for t in out if t < 256)), dict)
+    # An object, not any JSON value: a '[' pushed harder still opens an object.
+    sp = SamplingParams(max_tokens=40, temperature=0.0, structured=("json_object", ""),
+                        logit_bias={ord("["): 60.0, ord("{"): 30.0, ord("}"): 30.0})
+    out = make_core().generate([(4, ps[2], sp)])[4]
+    assert isinstance(json.loads(bytes(t for t in out if t < 256)), dict)
     # Unconstrained, the same request is not JSON: the check can fail.
     plain = make_core().generate([(2, ps[2], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))])[2]
     assert not re.fullmatch("[a-c]{3}-[0-9]{2}", bytes(t for t in plain if t < 256).decode(errors="replace"))

@@ -56,7 +56,7 @@ class Grammars:
             if kind == "json_schema":
                 g = c.compile_json_schema(value)
             elif kind == "json_object":
-                g = c.compile_builtin_json_grammar()
+                g = c.compile_json_schema('{"type": "object"}')  # an object, not any JSON value: as vLLM
             elif kind == "regex":
                 g = c.compile_regex(value)
             elif kind == "choice":
