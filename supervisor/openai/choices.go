@@ -44,7 +44,6 @@ type choiceSet struct {
 
 type choiceState struct {
 	acc    jsonOutput // JSON: what the choice delivered (only its accumulating half is used)
-	echo   string     // still to put before the first text
 	inGap  bool
 	reason string
 	u      usage
@@ -64,12 +63,12 @@ func (s *Server) runChoices(ctx context.Context, w http.ResponseWriter, j *job, 
 	if j.stream {
 		set.sse = newSSEOutput(w, j, head, s.cfg.KeepAliveInterval)
 		for i := range j.choices {
-			set.heads = append(set.heads, &streamChoice{head: set.sse.choiceHead(i)})
+			set.heads = append(set.heads, &streamChoice{head: set.sse.choiceHead(i), echo: j.choices[i].echo})
 		}
 	}
 	for i, c := range j.choices {
-		set.state[i].echo = c.echo
 		set.state[i].acc = jsonOutput{returnIDs: j.returnTokenIDs, lp: j.lp}
+		set.state[i].acc.sb.WriteString(c.echo)
 	}
 	codes := make([]int, len(j.choices))
 	var wg sync.WaitGroup
@@ -126,19 +125,10 @@ func (o *choiceOut) text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprob
 	if o.set.failed != nil {
 		return errChoiceFailed
 	}
-	return o.textLocked(delta, ids, lps)
-}
-
-// textLocked delivers the choice's text, its pending echo first; set.mu held.
-func (o *choiceOut) textLocked(delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
-	set, st := o.set, &o.set.state[o.i]
-	if st.echo != "" {
-		delta, st.echo = st.echo+delta, ""
+	if o.set.sse != nil {
+		return o.set.sse.textAt(o.set.heads[o.i], delta, ids, lps)
 	}
-	if set.sse != nil {
-		return set.sse.textAt(set.heads[o.i], delta, ids, lps)
-	}
-	return st.acc.text(delta, ids, lps)
+	return o.set.state[o.i].acc.text(delta, ids, lps)
 }
 
 func (o *choiceOut) gap(open bool) {
@@ -172,11 +162,6 @@ func (o *choiceOut) finish(reason string, u usage) error {
 		return errChoiceFailed
 	}
 	st := &set.state[o.i]
-	if st.echo != "" { // no text came to put it before
-		if err := o.textLocked("", nil, nil); err != nil {
-			return err
-		}
-	}
 	st.reason, st.u = reason, u
 	set.finished++
 	if set.sse == nil {

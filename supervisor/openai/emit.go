@@ -65,6 +65,7 @@ func (h *responseHead) append(b []byte) []byte {
 // streamChoice is what a stream keeps per choice.
 type streamChoice struct {
 	head     []byte // `data: {"id":...,"choices":[{"index":i,`
+	echo     string // still to put before the choice's first text
 	lpOffset int    // completions' text_offset of the next token
 	u        usage  // the choice's usage so far (continuous_usage_stats)
 }
@@ -83,26 +84,22 @@ type sseOutput struct {
 	ended   bool
 	err     error
 	buf     []byte
-	// chunkHead: `data: {"id":...,"choices":[{"index":0,` — shared by every chunk.
-	chunkHead []byte
-	head      responseHead
-	echo      string    // put before the first text delta
-	lp        *lpFormat // logprobs asked for, else nil
+	head    responseHead
+	lp      *lpFormat // logprobs asked for, else nil
 	// continuousUsage: vLLM's stream_options.continuous_usage_stats, the
 	// choice's usage so far in every chunk.
 	continuousUsage bool
-	own             streamChoice // the one choice's stream state
+	own             streamChoice // the one choice's stream state (a request with several: choices.go)
 
 	kaStop chan struct{}
 	kaDone chan struct{}
 }
 
 func newSSEOutput(w http.ResponseWriter, j *job, head responseHead, keepAlive time.Duration) *sseOutput {
-	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, returnIDs: j.returnTokenIDs, keepAlive: keepAlive, head: head, echo: j.echo, lp: j.lp,
+	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, returnIDs: j.returnTokenIDs, keepAlive: keepAlive, head: head, lp: j.lp,
 		continuousUsage: j.continuousUsage}
 	o.flusher, _ = w.(http.Flusher)
-	o.chunkHead = o.choiceHead(0)
-	o.own.head = o.chunkHead
+	o.own = streamChoice{head: o.choiceHead(0), echo: j.echo}
 	o.buf = make([]byte, 0, 512)
 	return o
 }
@@ -192,14 +189,15 @@ func appendTokenIDs(b []byte, ids []uint32) []byte {
 // inter-token latency then counts the engine's steps, not the detokeniser's
 // hold-backs. A message with neither text nor tokens writes nothing.
 func (o *sseOutput) text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
-	if o.echo != "" {
-		delta, o.echo = o.echo+delta, ""
-	}
 	return o.textAt(&o.own, delta, ids, lps)
 }
 
-// textAt writes a text chunk of choice c.
+// textAt writes a text chunk of choice c, its echo first (the first engine chunk,
+// the prompt's, comes through here before any token).
 func (o *sseOutput) textAt(c *streamChoice, delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
+	if c.echo != "" {
+		delta, c.echo = c.echo+delta, ""
+	}
 	if delta == "" && len(ids) == 0 {
 		return nil
 	}
