@@ -160,11 +160,8 @@ type genStream = grpc.ServerStreamingClient[frmpsv1.GenerateResponse]
 func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, arrived time.Time) int {
 	defer out.close()
 	waitCtx, cancelWait := context.WithTimeout(ctx, s.cfg.EngineWaitTimeout)
-	eng, err := s.backend.Current(waitCtx, 0)
+	eng, err := s.currentEngine(waitCtx, 0)
 	cancelWait()
-	if err == nil && eng.Client == nil {
-		err = errNoClient
-	}
 	if err != nil {
 		return s.failEarly(ctx, out, err)
 	}
@@ -369,7 +366,13 @@ func (s *Server) checkContext(j *job, promptTokens int) *apiError {
 func (s *Server) nextEngine(ctx context.Context, failedGen uint64) (Engine, error) {
 	rctx, cancel := context.WithTimeout(ctx, s.cfg.ResumeTimeout)
 	defer cancel()
-	eng, err := s.backend.Current(rctx, failedGen+1)
+	return s.currentEngine(rctx, failedGen+1)
+}
+
+// currentEngine is Backend.Current, refusing an engine handed out without a
+// generation client.
+func (s *Server) currentEngine(ctx context.Context, minGeneration uint64) (Engine, error) {
+	eng, err := s.backend.Current(ctx, minGeneration)
 	if err == nil && eng.Client == nil {
 		err = errNoClient
 	}

@@ -122,10 +122,7 @@ func (s *Server) tokenizerRouteInner(w http.ResponseWriter, r *http.Request,
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.EngineWaitTimeout)
 	defer cancel()
-	eng, err := s.backend.Current(ctx, 0)
-	if err == nil && eng.Client == nil {
-		err = errNoClient
-	}
+	eng, err := s.currentEngine(ctx, 0)
 	if err != nil {
 		return s.failEarly(r.Context(), &jsonOutput{w: w}, err)
 	}
@@ -161,10 +158,7 @@ func (s *Server) detokenizeEchoes(ctx context.Context, j *job) *apiError {
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.EngineWaitTimeout)
 	defer cancel()
-	eng, err := s.backend.Current(ctx, 0)
-	if err == nil && eng.Client == nil {
-		err = errNoClient
-	}
+	eng, err := s.currentEngine(ctx, 0)
 	if err != nil {
 		return unavailable(s.cfg.RetryAfter, "no engine to detokenize the prompt to echo: "+err.Error())
 	}
