@@ -82,13 +82,7 @@ func (f *lpFormat) appendValue(b []byte, ids []uint32, lps []*frmpsv1.TokenLogpr
 			if i > 0 {
 				b = append(b, ',')
 			}
-			tok := f.token(id, e.GetToken())
-			b = append(b, `{"token":`...)
-			b = appendJSONString(b, tok)
-			b = append(b, `,"logprob":`...)
-			b = appendLogprob(b, e.GetLogprob())
-			b = append(b, `,"bytes":`...)
-			b = appendBytes(b, tok)
+			b = appendChatLogprob(b, f.token(id, e.GetToken()), e.GetLogprob())
 			b = append(b, `,"top_logprobs":[`...)
 			first := true
 			f.tops(id, e, f.top, func(tid uint32, text string, lp float32) {
@@ -96,14 +90,7 @@ func (f *lpFormat) appendValue(b []byte, ids []uint32, lps []*frmpsv1.TokenLogpr
 					b = append(b, ',')
 				}
 				first = false
-				t := f.token(tid, text)
-				b = append(b, `{"token":`...)
-				b = appendJSONString(b, t)
-				b = append(b, `,"logprob":`...)
-				b = appendLogprob(b, lp)
-				b = append(b, `,"bytes":`...)
-				b = appendBytes(b, t)
-				b = append(b, '}')
+				b = append(appendChatLogprob(b, f.token(tid, text), lp), '}')
 			})
 			b = append(b, "]}"...)
 		}
@@ -154,6 +141,17 @@ func (f *lpFormat) appendValue(b []byte, ids []uint32, lps []*frmpsv1.TokenLogpr
 		b = append(b, '}')
 	}
 	return append(b, "]}"...)
+}
+
+// appendChatLogprob opens one of chat's {token, logprob, bytes, ...} objects; the
+// caller adds what else it holds and closes it.
+func appendChatLogprob(b []byte, tok string, lp float32) []byte {
+	b = append(b, `{"token":`...)
+	b = appendJSONString(b, tok)
+	b = append(b, `,"logprob":`...)
+	b = appendLogprob(b, lp)
+	b = append(b, `,"bytes":`...)
+	return appendBytes(b, tok)
 }
 
 // entry is lps[i], or an empty entry where the engine sent fewer than the tokens.
