@@ -75,12 +75,11 @@ class Grammars:
         """Mask, in place, the logits rows of these (row, matcher) pairs to the
         tokens their grammars allow next."""
         xgr = self._xgr()
-        bitmask = xgr.allocate_token_bitmask(len(rows), self._vocab_size)
-        for i, (_, m) in enumerate(rows):
-            m.fill_next_token_bitmask(bitmask, i)
-        sub = logits[[r for r, _ in rows]]
-        xgr.apply_token_bitmask_inplace(sub, bitmask.to(sub.device), vocab_size=self._vocab_size)
-        logits[[r for r, _ in rows]] = sub
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], self._vocab_size)
+        for r, m in rows:
+            m.fill_next_token_bitmask(bitmask, r)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self._vocab_size,
+                                        indices=[r for r, _ in rows])
 
 
 def check_constraint(constraint: tuple[str, str] | None) -> tuple[str, str] | None:

@@ -91,6 +91,19 @@ def input_to_ids(tok: Tokenizer, *, prompt: str | None = None, prompt_token_ids=
     raise InvalidRequest("request has no input: set prompt, prompt_token_ids or messages")
 
 
+def request_ids(tok: Tokenizer, request) -> list[int]:
+    """The token ids of a request's input (a GenerateRequest's or a TokenizeRequest's
+    ``input`` oneof: prompt, prompt_token_ids or messages)."""
+    which = request.WhichOneof("input")
+    return input_to_ids(
+        tok,
+        prompt=request.prompt if which == "prompt" else None,
+        prompt_token_ids=request.prompt_token_ids.ids if which == "prompt_token_ids" else None,
+        messages=request.messages.messages if which == "messages" else None,
+        add_generation_prompt=request.add_generation_prompt,
+    )
+
+
 def first_chunk(ids: list[int]) -> generation_pb2.GenerateResponse:
     """A request's first chunk: its prompt's length (the caller checks its limits
     before any output exists) and its ids (the front door resumes with them)."""
@@ -121,15 +134,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not self._b.serving():
             raise _Refused(grpc.StatusCode.UNAVAILABLE, "engine is not serving (standby or shutting down)")
         tok = self._b.tokenizer()
-        which = request.WhichOneof("input")
         try:
-            ids = input_to_ids(
-                tok,
-                prompt=request.prompt if which == "prompt" else None,
-                prompt_token_ids=request.prompt_token_ids.ids if which == "prompt_token_ids" else None,
-                messages=request.messages.messages if which == "messages" else None,
-                add_generation_prompt=request.add_generation_prompt,
-            )
+            ids = request_ids(tok, request)
             if not ids:
                 raise InvalidRequest("prompt is empty after tokenization")
             if len(ids) >= self._b.max_model_len:
@@ -165,25 +171,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     def Tokenize(self, request: generation_pb2.TokenizeRequest, context: grpc.ServicerContext):
         """A prompt's or chat messages' token ids, as Generate tokenizes them."""
-        which = request.WhichOneof("input")
         try:
-            ids = input_to_ids(
-                self._b.tokenizer(),
-                prompt=request.prompt if which == "prompt" else None,
-                messages=request.messages.messages if which == "messages" else None,
-                add_generation_prompt=request.add_generation_prompt,
-            )
+            ids = request_ids(self._b.tokenizer(), request)
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return generation_pb2.TokenIds(ids=ids)
 
     def Detokenize(self, request: generation_pb2.TokenIds, context: grpc.ServicerContext):
         tok = self._b.tokenizer()
-        ids = pb_ints(request.ids)
-        vocab = vocab_size(tok)
-        if vocab is not None and ids and max(ids) >= vocab:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"token ids {[t for t in ids if t >= vocab][:5]} outside the vocabulary (size {vocab})")
+        try:
+            ids = input_to_ids(tok, prompt_token_ids=request.ids)  # checks them against the vocabulary
+        except InvalidRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return generation_pb2.DetokenizeResponse(text=tok.decode(ids))
 
     def Stream(self, request_iterator, context: grpc.ServicerContext):

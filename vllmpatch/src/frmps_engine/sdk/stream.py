@@ -116,6 +116,8 @@ class RequestStream:
                 return False
             if truncate_to is not None:
                 del self.output[truncate_to:]
+                if self.logprobs is not None:
+                    del self.logprobs[truncate_to:]
             self.finished, self.finish_reason, self.stop_reason = True, reason, stop_reason
             self.finished_at = time.monotonic()
             self._changed()
