@@ -446,6 +446,27 @@ def test_structured_outputs_constrain_the_output():
         SamplingParams(max_tokens=4, structured=("xml", "x"))
 
 
+def test_structured_outputs_with_a_model_directorys_tokenizer(tmp_path):
+    """Qwen2.5's byte-level BPE tokenizer (a `frmps model init` directory) as
+    xgrammar reads it: a grammar accepts the tokens of its text and the end of
+    sequence, and refuses others; a special token is never text."""
+    from frmps_engine import modeldir
+    from frmps_engine.refengine.grammar import Grammars
+    from frmps_engine.refengine.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(modeldir.write("qwen2.5-0.5b", str(tmp_path / "m")))
+    vocab, kind = tok.grammar_vocab()
+    assert kind == "BYTE_LEVEL" and vocab[min(tok.eos_token_ids)] == ""
+    grammars = Grammars(tok, EngineConfig.from_preset("qwen2.5-0.5b").shape.vocab_size)
+    m = grammars.matcher(("json_schema", json.dumps({"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"], "additionalProperties": False})))
+    assert all(m.accept_token(t) for t in tok.encode('{"city": "Oslo"}'))
+    assert m.accept_token(tok.eos_token_id) and m.is_terminated()
+    m = grammars.matcher(("regex", "[a-c]{3}"))
+    assert not m.accept_token(tok.encode("x")[0])
+    assert not m.accept_token(tok.eos_token_id)  # the end of sequence only where the grammar ends
+
+
 def test_bad_adjustments():
     for kw in ({"min_tokens": 17}, {"min_tokens": -1}, {"presence_penalty": 2.5}, {"frequency_penalty": -3.0},
                {"repetition_penalty": 0.0}):
