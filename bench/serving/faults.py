@@ -88,6 +88,10 @@ def down_spans(events: list[dict], t0: float) -> list[list[float]]:
     return spans
 
 
+# The longest a CPU fault waits for its standby (FrmpsServer.await_standby).
+STANDBY_WAIT_S = 120.0
+
+
 class Injector(threading.Thread):
     """Fires the faults at their offsets from the client's main-run start."""
 
@@ -126,6 +130,12 @@ class Injector(threading.Thread):
             rec = {"i": i, "kind": kind, "planned_rel": off}
             trig = None
             try:
+                if self.plan.device == "cpu" and isinstance(self.srv, FrmpsServer):
+                    # The CPU's SIGKILL checks the harness's failover path: it waits
+                    # for the standby a failover needs (the one started after the last
+                    # fault may take longer than a spacing on a loaded host), and
+                    # says how long. The GPU's faults keep their schedule.
+                    rec["waited_for_standby_s"] = round(self.srv.await_standby(STANDBY_WAIT_S), 3)
                 trig = self._trigger(kind)
                 trig.prepare()
                 if self.stop.wait(max(0.0, self.t0 + off - time.perf_counter())):

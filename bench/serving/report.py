@@ -261,7 +261,9 @@ def markdown(doc: dict) -> str:
         out += [""]
     if doc["fault_runs"]:
         fr = doc["fault_runs"][0]
-        how = ("SIGKILL of frmps's active engine (the CPU check's fault; no MPS on the CPU)" if fr.get("device") == "cpu"
+        late = [f["t_rel"] - f["planned_rel"] for f in fr.get("faults") or [] if "t_rel" in f and "planned_rel" in f]
+        how = ("SIGKILL of frmps's active engine (the CPU check's fault; no MPS on the CPU), each once a standby is "
+               f"ready (at most {max(late, default=0):.1f} s past its time)" if fr.get("device") == "cpu"
                else f"rotating the SM-fault kinds ({', '.join(fr.get('kinds') or [])})")
         out += ["## Fault mode", "",
                 f"The same client at {fr.get('rate')} req/s for {fr.get('window_s')} s per system while a co-located "

@@ -326,6 +326,13 @@ class FrmpsServer(Server):
     def status(self) -> dict:
         return self.dep.status()
 
+    def await_standby(self, timeout: float) -> float:
+        """Until an active serves with a standby ready behind it (the state a
+        fault of the active is a failover from); the seconds it took."""
+        t0 = time.monotonic()
+        self.dep.wait(lambda s: self.dep.ready_pair(s), timeout, "an active serving and a standby ready")
+        return time.monotonic() - t0
+
     def active_pid(self) -> int | None:
         act = self.dep.engines(self.status()).get("active")
         return int(field(act, "pid", 0) or 0) or None if act else None
