@@ -90,6 +90,9 @@ type sseOutput struct {
 	// choice's usage so far in every chunk.
 	continuousUsage bool
 	own             streamChoice // the one choice's stream state (a request with several: choices.go)
+	// errorEvent appends the event that ends a stream failing after its
+	// headers; nil: `data: {"error":{…}}`, chat's and completions'.
+	errorEvent func(b []byte, e *apiError) []byte
 
 	kaStop chan struct{}
 	kaDone chan struct{}
@@ -290,10 +293,26 @@ func (o *sseOutput) fail(e *apiError) {
 	}
 	// After the headers the status line is gone: an error event, and no
 	// [DONE], so no client mistakes the end for a success.
-	b := append(o.buf[:0], "data: "...)
-	b = e.appendJSON(b)
-	o.buf = append(b, "\n\n"...)
+	if o.errorEvent != nil {
+		o.buf = o.errorEvent(o.buf[:0], e)
+	} else {
+		b := append(o.buf[:0], "data: "...)
+		b = e.appendJSON(b)
+		o.buf = append(b, "\n\n"...)
+	}
 	_ = o.writeLocked() // the client may be gone; nothing more to tell it
+}
+
+// emit writes the events add appends, in one write; last ends the stream
+// (a later fail writes nothing). For a stream that shapes its own events.
+func (o *sseOutput) emit(last bool, add func(b []byte) []byte) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.buf = add(o.buf[:0])
+	if last {
+		o.ended = true
+	}
+	return o.writeLocked()
 }
 
 func (o *sseOutput) gap(open bool) {

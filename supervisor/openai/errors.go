@@ -32,9 +32,15 @@ func badRequest(param, msg string) *apiError {
 	return &apiError{Status: http.StatusBadRequest, Type: typeInvalidRequest, Param: param, Message: msg}
 }
 
-// appendErrorJSON appends {"error":{...}} to b.
+// appendJSON appends {"error":{...}} to b.
 func (e *apiError) appendJSON(b []byte) []byte {
-	b = append(b, `{"error":{"message":`...)
+	b = append(b, `{"error":`...)
+	return append(e.appendObject(b), '}')
+}
+
+// appendObject appends the error object, {"message","type","param","code"}.
+func (e *apiError) appendObject(b []byte) []byte {
+	b = append(b, `{"message":`...)
 	b = appendJSONString(b, e.Message)
 	b = append(b, `,"type":`...)
 	b = appendJSONString(b, e.Type)
@@ -42,7 +48,7 @@ func (e *apiError) appendJSON(b []byte) []byte {
 	b = appendNullableString(b, e.Param)
 	b = append(b, `,"code":`...)
 	b = appendNullableString(b, e.Code)
-	return append(b, "}}"...)
+	return append(b, '}')
 }
 
 // write sends e as a complete JSON response. Only valid before headers went out.

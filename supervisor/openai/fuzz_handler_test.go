@@ -17,8 +17,8 @@ import (
 	"github.com/frmps/frmps/supervisor/openai/fakegen"
 )
 
-// FuzzRequest drives the whole request path of /v1/chat/completions and
-// /v1/completions (method, body limit and read, JSON parsing and validation,
+// FuzzRequest drives the whole request path of /v1/chat/completions,
+// /v1/completions and /v1/responses (method, body limit and read, JSON parsing and validation,
 // Idempotency-Key, x-request-id) with arbitrary bodies and headers. No engine
 // can serve, so an accepted request ends in 503; every answer must be an
 // OpenAI-shaped JSON error a client can parse, never a panic.
@@ -36,14 +36,19 @@ func FuzzRequest(f *testing.F) {
 		`{"model":"test-model","prompt":"` + strings.Repeat("x", maxBody) + `"}`,
 		`{"model":"test-model","prompt":"x"} {"model":"test-model"}`,
 		"{\"model\":\"test-model\",\"prompt\":\"\xff\xfe\u2028\"}",
+		`{"model":"test-model","input":"hi","instructions":"be brief","max_output_tokens":5,"stream":true}`,
+		`{"model":"test-model","input":[{"role":"user","content":[{"type":"input_text","text":"x"}]}],"text":{"format":{"type":"json_object"}}}`,
+		`{"model":"test-model","input":"x","tools":[{"type":"function","name":"f"}],"previous_response_id":"resp_1"}`,
+		"{\"model\":\"test-model\",\"input\":\"\xff\xfe\u2028\",\"metadata\":{\"k\":\"\xff\"}}",
 	} {
-		for _, chat := range []bool{true, false} {
-			f.Add(chat, []byte(s), "", "")
-			f.Add(chat, []byte(s), "key-1", "rid-1")
+		for route := range uint8(3) {
+			f.Add(route, []byte(s), "", "")
+			f.Add(route, []byte(s), "key-1", "rid-1")
 		}
 	}
-	f.Add(false, []byte(`{"model":"test-model","prompt":"x"}`), strings.Repeat("k", 300), "bad id with spaces")
-	f.Add(true, []byte(`{"model":"test-model","messages":[]}`), "\x00", strings.Repeat("r", 129))
+	f.Add(uint8(1), []byte(`{"model":"test-model","prompt":"x"}`), strings.Repeat("k", 300), "bad id with spaces")
+	f.Add(uint8(0), []byte(`{"model":"test-model","messages":[]}`), "\x00", strings.Repeat("r", 129))
+	f.Add(uint8(2), []byte(`{"model":"test-model","input":[]}`), "\x00", strings.Repeat("r", 129))
 
 	backend := fakegen.NewBackend(openai.ModelInfo{Name: modelName, MaxModelLen: 64})
 	backend.SetUnavailable(true)
@@ -60,11 +65,9 @@ func FuzzRequest(f *testing.F) {
 	})
 	h := fd.Handler()
 
-	f.Fuzz(func(t *testing.T, chat bool, body []byte, idemKey, requestID string) {
-		path := "/v1/completions"
-		if chat {
-			path = "/v1/chat/completions"
-		}
+	routes := []string{"/v1/chat/completions", "/v1/completions", "/v1/responses"}
+	f.Fuzz(func(t *testing.T, route uint8, body []byte, idemKey, requestID string) {
+		path := routes[int(route)%len(routes)]
 		req := httptest.NewRequest(http.MethodPost, path, bytes.NewReader(body))
 		req.Header.Set("Content-Type", "application/json")
 		if idemKey != "" {

@@ -354,10 +354,10 @@ func (s *Server) checkContext(j *job, promptTokens int) *apiError {
 		return nil
 	}
 	if promptTokens >= max {
-		return promptTooLong(promptTokens, max)
+		return promptTooLong(promptTokens, max, j.endpoint.inputParam())
 	}
 	if j.maxTokens > 0 && promptTokens+j.maxTokens > max {
-		return contextTooLong(promptTokens, j.maxTokens, max)
+		return contextTooLong(promptTokens, j.maxTokens, max, j.endpoint.maxTokensParam())
 	}
 	return nil
 }

@@ -12,7 +12,7 @@ import (
 
 // Idempotency-Key semantics:
 //
-//   - Scope: the key is scoped to the endpoint (chat vs completions). A request
+//   - Scope: the key is scoped to the endpoint (chat, completions, responses). A request
 //     carrying a key that is new (or whose entry expired) runs normally; its
 //     response (status, headers, body or SSE stream) is recorded.
 //   - While that request runs, a request with the same key and a byte-identical

@@ -76,25 +76,8 @@ func (f *lpFormat) tops(id uint32, e *frmpsv1.TokenLogprobs, n int, each func(id
 // past these tokens.
 func (f *lpFormat) appendValue(b []byte, ids []uint32, lps []*frmpsv1.TokenLogprobs, offset *int) []byte {
 	if f.chat {
-		b = append(b, `{"content":[`...)
-		for i, id := range ids {
-			e := entry(lps, i)
-			if i > 0 {
-				b = append(b, ',')
-			}
-			b = appendChatLogprob(b, f.token(id, e.GetToken()), e.GetLogprob())
-			b = append(b, `,"top_logprobs":[`...)
-			first := true
-			f.tops(id, e, f.top, func(tid uint32, text string, lp float32) {
-				if !first {
-					b = append(b, ',')
-				}
-				first = false
-				b = append(appendChatLogprob(b, f.token(tid, text), lp), '}')
-			})
-			b = append(b, "]}"...)
-		}
-		return append(b, "]}"...)
+		b = append(b, `{"content":`...)
+		return append(f.appendList(b, ids, lps, true), '}')
 	}
 	b = append(b, `{"text_offset":[`...)
 	for i, id := range ids {
@@ -143,13 +126,42 @@ func (f *lpFormat) appendValue(b []byte, ids []uint32, lps []*frmpsv1.TokenLogpr
 	return append(b, "]}"...)
 }
 
-// appendChatLogprob opens one of chat's {token, logprob, bytes, ...} objects; the
-// caller adds what else it holds and closes it.
-func appendChatLogprob(b []byte, tok string, lp float32) []byte {
+// appendList appends chat's list of logprobs, one {token, logprob, bytes,
+// top_logprobs: [{token, logprob, bytes}]} per token (also the Responses API's
+// output_text logprobs); without bytes, the objects leave "bytes" out (the
+// Responses API's stream deltas).
+func (f *lpFormat) appendList(b []byte, ids []uint32, lps []*frmpsv1.TokenLogprobs, bytes bool) []byte {
+	b = append(b, '[')
+	for i, id := range ids {
+		e := entry(lps, i)
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = appendChatLogprob(b, f.token(id, e.GetToken()), e.GetLogprob(), bytes)
+		b = append(b, `,"top_logprobs":[`...)
+		first := true
+		f.tops(id, e, f.top, func(tid uint32, text string, lp float32) {
+			if !first {
+				b = append(b, ',')
+			}
+			first = false
+			b = append(appendChatLogprob(b, f.token(tid, text), lp, bytes), '}')
+		})
+		b = append(b, "]}"...)
+	}
+	return append(b, ']')
+}
+
+// appendChatLogprob opens one of chat's {token, logprob, bytes, ...} objects
+// (without bytes when not bytes); the caller adds what else it holds and closes it.
+func appendChatLogprob(b []byte, tok string, lp float32, bytes bool) []byte {
 	b = append(b, `{"token":`...)
 	b = appendJSONString(b, tok)
 	b = append(b, `,"logprob":`...)
 	b = appendLogprob(b, lp)
+	if !bytes {
+		return b
+	}
 	b = append(b, `,"bytes":`...)
 	return appendBytes(b, tok)
 }

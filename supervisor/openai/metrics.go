@@ -58,9 +58,9 @@ func newMetrics(reg prometheus.Registerer, model string) (*metrics, error) {
 		}
 	}
 	// Every label value known in advance starts at zero, so that each series
-	// is on the first scrape: both endpoints (their success code; other codes
+	// is on the first scrape: every endpoint (its success code; other codes
 	// appear with their first request), both resume outcomes, every phase.
-	for _, ep := range []endpoint{endpointChat, endpointCompletions} {
+	for _, ep := range endpoints {
 		requests.WithLabelValues(ep.String(), "200").Add(0)
 		duration.WithLabelValues(ep.String())
 	}

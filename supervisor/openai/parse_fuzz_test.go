@@ -6,8 +6,8 @@ import (
 	"testing"
 )
 
-// FuzzParseRequest checks that no request body panics the parser and that
-// every refusal is a well-formed 4xx error.
+// FuzzParseRequest checks that no request body of any endpoint panics the
+// parser and that every refusal is a well-formed 4xx error.
 func FuzzParseRequest(f *testing.F) {
 	for _, s := range []string{
 		`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true}}`,
@@ -16,17 +16,20 @@ func FuzzParseRequest(f *testing.F) {
 		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],"logprobs":false}`,
 		`{"model":"m","prompt":"x","max_completion_tokens":1e3}`,
 		`{`, `null`, `[]`, `{"model":null}`, `{"model":"m","prompt":[[[[1]]]]}`,
+		`{"model":"m","input":"hi","instructions":"be brief","max_output_tokens":5,"stream":true,"metadata":{"k":"v"}}`,
+		`{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"x"}]},{"type":"message","role":"assistant","content":"y"}]}`,
+		`{"model":"m","input":"x","text":{"format":{"type":"json_schema","name":"n","schema":{"type":"object"}}},"tool_choice":"auto","tools":[]}`,
+		`{"model":"m","input":"x","include":["message.output_text.logprobs"],"top_logprobs":2,"reasoning":{"effort":"low"}}`,
+		`{"model":"m","input":[],"previous_response_id":"resp_1","background":true}`,
 	} {
-		f.Add(true, []byte(s))
-		f.Add(false, []byte(s))
+		for ep := range uint8(3) {
+			f.Add(ep, []byte(s))
+		}
 	}
 	cfg := Config{}.withDefaults()
 	model := ModelInfo{Name: "m", MaxModelLen: 64}
-	f.Fuzz(func(t *testing.T, chat bool, body []byte) {
-		ep := endpointCompletions
-		if chat {
-			ep = endpointChat
-		}
+	f.Fuzz(func(t *testing.T, route uint8, body []byte) {
+		ep := endpoints[int(route)%len(endpoints)]
 		j, e := parseRequest(ep, body, model, &cfg)
 		if e != nil {
 			if j != nil || e.Status < 400 || e.Status >= 500 || e.Message == "" || e.Type == "" {
@@ -40,6 +43,9 @@ func FuzzParseRequest(f *testing.F) {
 		}
 		if j.gen.GetInput() == nil || j.gen.GetParams() == nil || j.model != "m" {
 			t.Fatalf("accepted request without input or params: %+v", j.gen)
+		}
+		if (ep == endpointResponses) != (j.resp != nil) || (j.resp != nil && (j.gen.GetMessages() == nil || j.endpoint != endpointResponses)) {
+			t.Fatalf("%s request accepted as a job for %s (resp %v): %+v", ep, j.endpoint, j.resp != nil, j.gen)
 		}
 	})
 }

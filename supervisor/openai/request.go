@@ -17,13 +17,38 @@ type endpoint uint8
 const (
 	endpointChat endpoint = iota
 	endpointCompletions
+	// endpointResponses is the Responses API: a chat request to the engine
+	// (responses.go), answered in its own shapes (responses_emit.go).
+	endpointResponses
 )
 
+// endpoints lists every endpoint, for the metrics' series known in advance.
+var endpoints = []endpoint{endpointChat, endpointCompletions, endpointResponses}
+
 func (e endpoint) String() string {
-	if e == endpointChat {
+	switch e {
+	case endpointChat:
 		return "chat_completions"
+	case endpointResponses:
+		return "responses"
 	}
 	return "completions"
+}
+
+// maxTokensParam and inputParam name the request fields that a context-length
+// error is about.
+func (e endpoint) maxTokensParam() string {
+	if e == endpointResponses {
+		return "max_output_tokens"
+	}
+	return "max_tokens"
+}
+
+func (e endpoint) inputParam() string {
+	if e == endpointResponses {
+		return "input"
+	}
+	return "prompt"
 }
 
 // wireRequest is the union of the chat and completions request bodies. Fields
@@ -66,6 +91,10 @@ type wireRequest struct {
 	RepetitionPenalty      *float64           `json:"repetition_penalty"`
 	ResponseFormat         json.RawMessage    `json:"response_format"`
 	StructuredOutputs      json.RawMessage    `json:"structured_outputs"`
+
+	// msgs: the messages already read from another shape (the Responses
+	// API's input); Messages is not read then.
+	msgs []*frmpsv1.ChatMessage
 }
 
 // job is a validated request, ready for the engine.
@@ -96,6 +125,9 @@ type job struct {
 	// or several prompts), in the order vLLM numbers them: prompt by prompt, n
 	// each. Each is a request of its own to the engine and across a failover.
 	choices []choice
+	// resp: what a Responses API request echoes in its response; nil for the
+	// other endpoints.
+	resp *responsesEcho
 }
 
 // choice is one of a request's several choices.
@@ -137,14 +169,31 @@ func (j *job) fixSeeds(random func() uint64) {
 
 // parseRequest decodes and validates a request body. It never panics on bad input.
 func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job, *apiError) {
+	if ep == endpointResponses {
+		return parseResponses(body, model, cfg)
+	}
 	var w wireRequest
+	if e := decodeBody(body, &w); e != nil {
+		return nil, e
+	}
+	return parseWire(ep, &w, model, cfg)
+}
+
+// decodeBody decodes one JSON object into v; unknown fields are ignored.
+func decodeBody(body []byte, v any) *apiError {
 	dec := json.NewDecoder(bytes.NewReader(body))
-	if err := dec.Decode(&w); err != nil {
-		return nil, decodeError(err)
+	if err := dec.Decode(v); err != nil {
+		return decodeError(err)
 	}
 	if dec.More() {
-		return nil, badRequest("", "Invalid JSON body: unexpected data after the top-level object.")
+		return badRequest("", "Invalid JSON body: unexpected data after the top-level object.")
 	}
+	return nil
+}
+
+// parseWire validates a decoded chat or completions request (also the chat
+// request a Responses API request becomes) and builds its job.
+func parseWire(ep endpoint, w *wireRequest, model ModelInfo, cfg *Config) (*job, *apiError) {
 	if e := checkModel(w.Model, model.Name); e != nil {
 		return nil, e
 	}
@@ -166,9 +215,12 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 		if len(w.Prompt) != 0 && !isNull(w.Prompt) {
 			return nil, badRequest("prompt", "Chat completions take `messages`, not `prompt`.")
 		}
-		msgs, e := parseMessages(w.Messages)
-		if e != nil {
-			return nil, e
+		msgs := w.msgs
+		if msgs == nil {
+			var e *apiError
+			if msgs, e = parseMessages(w.Messages); e != nil {
+				return nil, e
+			}
 		}
 		addGen = true
 		if w.AddGenerationPrompt != nil {
@@ -201,14 +253,14 @@ func parseRequest(ep endpoint, body []byte, model ModelInfo, cfg *Config) (*job,
 	if len(inputs)*n > cfg.MaxChoices {
 		return nil, badRequest("n", fmt.Sprintf("%d prompts × n=%d is more than the %d choices a request may ask for.", len(inputs), n, cfg.MaxChoices))
 	}
-	if e := rejectUnsupported(&w); e != nil {
+	if e := rejectUnsupported(w); e != nil {
 		return nil, e
 	}
-	p, e := parseParams(&w, model, cfg)
+	p, e := parseParams(w, model, cfg)
 	if e != nil {
 		return nil, e
 	}
-	if j.lp, e = parseLogprobs(&w, ep); e != nil {
+	if j.lp, e = parseLogprobs(w, ep); e != nil {
 		return nil, e
 	}
 	if j.lp != nil {
@@ -419,20 +471,20 @@ func parseTokenIDs(list []json.RawMessage, param string, maxModelLen int) ([]uin
 		ids[i] = uint32(v)
 	}
 	if maxModelLen > 0 && len(ids) >= maxModelLen {
-		return nil, promptTooLong(len(ids), maxModelLen)
+		return nil, promptTooLong(len(ids), maxModelLen, "prompt")
 	}
 	return ids, nil
 }
 
-func promptTooLong(promptTokens, maxModelLen int) *apiError {
-	return &apiError{Status: 400, Type: typeInvalidRequest, Param: "prompt", Code: "context_length_exceeded",
+func promptTooLong(promptTokens, maxModelLen int, param string) *apiError {
+	return &apiError{Status: 400, Type: typeInvalidRequest, Param: param, Code: "context_length_exceeded",
 		Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, your prompt has %d tokens, which leaves no room for output.", maxModelLen, promptTokens)}
 }
 
-func contextTooLong(promptTokens, maxTokens, maxModelLen int) *apiError {
-	return &apiError{Status: 400, Type: typeInvalidRequest, Param: "max_tokens", Code: "context_length_exceeded",
-		Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the prompt, %d for the completion). Please reduce the prompt or max_tokens.",
-			maxModelLen, promptTokens+maxTokens, promptTokens, maxTokens)}
+func contextTooLong(promptTokens, maxTokens, maxModelLen int, param string) *apiError {
+	return &apiError{Status: 400, Type: typeInvalidRequest, Param: param, Code: "context_length_exceeded",
+		Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the prompt, %d for the completion). Please reduce the prompt or %s.",
+			maxModelLen, promptTokens+maxTokens, promptTokens, maxTokens, param)}
 }
 
 func rejectUnsupported(w *wireRequest) *apiError {

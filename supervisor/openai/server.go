@@ -127,6 +127,8 @@ func (s *Server) routes() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/v1/chat/completions", s.auth(s.completionHandler(endpointChat)))
 	mux.HandleFunc("/v1/completions", s.auth(s.completionHandler(endpointCompletions)))
+	mux.HandleFunc("/v1/responses", s.auth(s.completionHandler(endpointResponses)))
+	mux.HandleFunc("/v1/responses/", s.auth(s.handleStoredResponse))
 	mux.HandleFunc("/v1/models", s.auth(s.handleModels))
 	mux.HandleFunc("/tokenize", s.auth(s.handleTokenize))
 	mux.HandleFunc("/detokenize", s.auth(s.handleDetokenize))
@@ -198,6 +200,8 @@ func endpointLabel(path string) string {
 		return endpointChat.String()
 	case "/v1/completions":
 		return endpointCompletions.String()
+	case "/v1/responses":
+		return endpointResponses.String()
 	case "/v1/models":
 		return "models"
 	}
@@ -424,9 +428,12 @@ func (s *Server) executeInner(parent context.Context, w http.ResponseWriter, j *
 	s.register(or)
 	defer s.unregister(or)
 	var out output
-	if j.stream {
+	switch {
+	case j.resp != nil:
+		out = newResponsesOutput(w, j, head, s.cfg.KeepAliveInterval, s.modelInfo().MaxModelLen)
+	case j.stream:
 		out = newSSEOutput(w, j, head, s.cfg.KeepAliveInterval)
-	} else {
+	default:
 		out = newJSONOutput(w, j, head)
 	}
 	return s.run(ctx, j, or, out, arrived)
@@ -436,6 +443,8 @@ func (s *Server) executeInner(parent context.Context, w http.ResponseWriter, j *
 func newHead(j *job, arrived time.Time) responseHead {
 	head := responseHead{created: arrived.Unix(), model: j.model}
 	switch {
+	case j.endpoint == endpointResponses: // vLLM's: resp_ and a uuid's 32 hex digits
+		head.id, head.object = "resp_"+randomID(16), "response"
 	case j.endpoint == endpointChat && j.stream:
 		head.id, head.object = "chatcmpl-"+randomID(12), "chat.completion.chunk"
 	case j.endpoint == endpointChat:
