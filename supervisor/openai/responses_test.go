@@ -439,9 +439,21 @@ func TestResponsesErrors(t *testing.T) {
 
 func TestResponsesAPIKeyAndMetrics(t *testing.T) {
 	h, _ := newHarness(t, openai.Config{APIKey: "sekret"}, fakegen.Config{})
-	// The route's series are there before its first request.
-	if n := metricValue(t, h.reg, "frmps_request_duration_seconds", map[string]string{"endpoint": "responses"}); n != 0 {
-		t.Errorf("duration samples %v before any request", n)
+	scrape := func() string {
+		resp := h.do(context.Background(), http.MethodGet, "/metrics", "")
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return string(b)
+	}
+	// The route's series are there, at zero, before its first request.
+	before := scrape()
+	for _, want := range []string{
+		`frmps_requests_total{code="200",endpoint="responses",model_name="test-model"} 0`,
+		`frmps_request_duration_seconds_count{endpoint="responses",model_name="test-model"} 0`,
+	} {
+		if !strings.Contains(before, want) {
+			t.Errorf("metrics before any request lack %q", want)
+		}
 	}
 	body := `{"model":"test-model","input":"x","max_output_tokens":3}`
 	for _, hdr := range [][]string{nil, {"Authorization", "Bearer wrong"}} {
@@ -453,16 +465,14 @@ func TestResponsesAPIKeyAndMetrics(t *testing.T) {
 	} else {
 		resp.Body.Close()
 	}
-	resp := h.do(context.Background(), http.MethodGet, "/metrics", "")
-	b, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
+	after := scrape()
 	for _, want := range []string{
 		`frmps_requests_total{code="401",endpoint="responses",model_name="test-model"} 2`,
 		`frmps_requests_total{code="200",endpoint="responses",model_name="test-model"} 1`,
 		`frmps_request_duration_seconds_count{endpoint="responses",model_name="test-model"} 1`,
 		`frmps_tokens_generated_total{model_name="test-model"} 3`,
 	} {
-		if !strings.Contains(string(b), want) {
+		if !strings.Contains(after, want) {
 			t.Errorf("metrics lack %q", want)
 		}
 	}
