@@ -105,6 +105,42 @@ def test_stream_across_sigkill_equals_no_fault_run(dep, client):
     dep.wait_state("serving_ready")
 
 
+def test_responses_stream_across_sigkill_equals_no_fault_run(dep, client):
+    """/v1/responses runs the chat path: its stream resumes on the standby, the
+    same events, deltas and final response as without the fault."""
+    kw = dict(model="tiny", instructions="Answer at length.", input="The standby takes over", max_output_tokens=120,
+              temperature=0.7, stream=True, extra_body={"ignore_eos": True, "seed": 5})
+
+    def consume(on_delta=None):
+        events = []
+        for e in client.responses.create(**kw):
+            events.append(e)
+            if e.type == "response.output_text.delta" and on_delta:
+                on_delta(sum(x.type == "response.output_text.delta" for x in events))
+        return events
+
+    def kinds(events):  # the event types, a run of deltas as one (chunks may group tokens differently)
+        out = []
+        for e in events:
+            if not out or out[-1] != e.type or e.type != "response.output_text.delta":
+                out.append(e.type)
+        return out
+
+    ref = consume()
+    killer = Killer(dep, after=10)  # deltas: ~28 of them (a chunk without text sends none)
+    got = consume(killer.on_token)
+    assert killer.fired.is_set()
+    assert kinds(got) == kinds(ref) and kinds(got)[-1] == "response.completed"
+    assert [e.sequence_number for e in got] == list(range(len(got)))
+    deltas = "".join(e.delta for e in got if e.type == "response.output_text.delta")
+    assert deltas == "".join(e.delta for e in ref if e.type == "response.output_text.delta")
+    final, ref_final = got[-1].response, ref[-1].response
+    assert final.output_text == deltas == ref_final.output_text
+    assert final.id == got[0].response.id and final.status == ref_final.status == "incomplete"
+    assert final.usage.output_tokens == ref_final.usage.output_tokens == 120
+    dep.wait_state("serving_ready")
+
+
 def test_choices_are_the_single_requests(client):
     """n and a batch of prompts: choice i of a prompt is that prompt alone under
     seed + i (the reference engine on the CPU is batch-invariant), numbered
