@@ -16,6 +16,7 @@ func FuzzParseRequest(f *testing.F) {
 		`{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],"logprobs":false}`,
 		`{"model":"m","prompt":"x","max_completion_tokens":1e3}`,
 		`{`, `null`, `[]`, `{"model":null}`, `{"model":"m","prompt":[[[[1]]]]}`,
+		`{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","parameters":{}}}],"tool_choice":"none"}`,
 	} {
 		f.Add(true, []byte(s))
 		f.Add(false, []byte(s))
