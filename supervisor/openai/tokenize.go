@@ -17,7 +17,7 @@ import (
 
 // vLLM's tokenizer routes, answered by the current engine with the tokenizer
 // (and chat template) its Generate uses: /tokenize {model, prompt | messages,
-// add_generation_prompt} → {count, max_model_len, tokens, token_strs: null};
+// add_generation_prompt, tools} → {count, max_model_len, tokens, token_strs: null};
 // /detokenize {model, tokens} → {prompt}. Unlike vLLM's they need the API key
 // when one is set: they are not probes.
 
