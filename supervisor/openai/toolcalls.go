@@ -32,8 +32,9 @@ type toolStream interface {
 	end(reason string) (content string, calls []toolDelta, finish string)
 }
 
-// newToolCallID is vLLM's id of a call: "chatcmpl-tool-" and 32 hex digits.
-func newToolCallID() string { return "chatcmpl-tool-" + randomID(16) }
+// newToolCallID is vLLM's id of a call: "chatcmpl-tool-" and 16 hex digits
+// (its random_uuid: 64 random bits).
+func newToolCallID() string { return "chatcmpl-tool-" + randomID(8) }
 
 // newStream is a choice's stream parser; nil (no parsing) for a nil plan.
 func (p *toolPlan) newStream() toolStream {

@@ -9,7 +9,7 @@ import (
 	"testing"
 )
 
-var toolIDRe = regexp.MustCompile(`^chatcmpl-tool-[0-9a-f]{32}$`)
+var toolIDRe = regexp.MustCompile(`^chatcmpl-tool-[0-9a-f]{16}$`)
 
 func TestPyNumber(t *testing.T) {
 	// What Python's json.dumps(json.loads(s)) writes.

@@ -31,7 +31,7 @@ const (
 	weatherArgs   = `{"city": "Paris", "unit": "c"}`
 )
 
-var callIDRe = regexp.MustCompile(`^chatcmpl-tool-[0-9a-f]{32}$`)
+var callIDRe = regexp.MustCompile(`^chatcmpl-tool-[0-9a-f]{16}$`)
 
 // toolBody is a chat request for "Weather in Paris?" with twoTools and extra members.
 func toolBody(extra string) string {
@@ -408,7 +408,7 @@ func TestToolCallStreamShape(t *testing.T) {
 		switch {
 		case strings.Contains(raw, `"tool_calls":[{"id":"chatcmpl-tool-`):
 			first++
-			if !regexp.MustCompile(`"delta":\{"tool_calls":\[\{"id":"chatcmpl-tool-[0-9a-f]{32}","type":"function","index":0,"function":\{"name":"get_weather"\}\}`).MatchString(raw) {
+			if !regexp.MustCompile(`"delta":\{"tool_calls":\[\{"id":"chatcmpl-tool-[0-9a-f]{16}","type":"function","index":0,"function":\{"name":"get_weather"\}\}`).MatchString(raw) {
 				t.Errorf("first delta %s", raw)
 			}
 		case strings.Contains(raw, `"tool_calls":[{"index":0,"function":{"arguments":`):
