@@ -58,6 +58,7 @@ func newFrontDoor(o serveOptions, sup *supervisor.Supervisor, log hclog.Logger, 
 	srv, err := openai.New(openai.Config{
 		APIKey: key, Gatherer: gath, Version: buildinfo.Get().Version, OnResumedToken: sup.NoteResumedToken,
 		MaxConcurrent: o.MaxConcurrent, MaxChoices: o.MaxChoices, MaxQueue: o.MaxQueue, MaxBodyBytes: o.MaxBodyBytes, MaxConnections: o.MaxConnections,
+		EnableAutoToolChoice: o.EnableAutoToolChoice, ToolCallParser: o.ToolCallParser,
 	}, backend{sup}, log, reg)
 	if err != nil {
 		return nil, fmt.Errorf("OpenAI front door: %w", err)

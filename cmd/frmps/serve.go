@@ -45,23 +45,27 @@ import (
 type serveOptions struct {
 	supervisor.Config
 
-	StandbyKV        string   // FRMPS_STANDBY_KV in the engines' environment
-	Exact            bool     // batch-invariant engines: a resumed stream equals the no-fault one (exactArgs)
-	VllmArgs         []string // vLLM's flags, for the engines and vLLM's API server
-	Frontend         string
-	FrontendArgs     []string
-	Host             string
-	Port             int
-	AdminAddr        string
-	AdminAllowRemote bool
-	MaxConcurrent    int
-	MaxChoices       int
-	MaxQueue         int
-	MaxBodyBytes     int64
-	MaxConnections   int
-	APIKeyFile       string
-	LogLevel         string
-	LogJSON          bool
+	StandbyKV    string   // FRMPS_STANDBY_KV in the engines' environment
+	Exact        bool     // batch-invariant engines: a resumed stream equals the no-fault one (exactArgs)
+	VllmArgs     []string // vLLM's flags, for the engines and vLLM's API server
+	Frontend     string
+	FrontendArgs []string
+	// Tool calling, vLLM's flags: the front door parses calls (or, with
+	// --frontend vllm, vLLM's API server gets the flags).
+	EnableAutoToolChoice bool
+	ToolCallParser       string
+	Host                 string
+	Port                 int
+	AdminAddr            string
+	AdminAllowRemote     bool
+	MaxConcurrent        int
+	MaxChoices           int
+	MaxQueue             int
+	MaxBodyBytes         int64
+	MaxConnections       int
+	APIKeyFile           string
+	LogLevel             string
+	LogJSON              bool
 }
 
 func defaultServeOptions() serveOptions {
@@ -169,7 +173,9 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.BoolVar(&opts.Exact, "exact", opts.Exact, "engines whose output does not depend on what else is in their batch, so that a stream resumed after a takeover equals, token for token, what it would have been with no fault under any load: with --engine vllm, vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1 in the engines' environment) with its Triton attention backend (--vllm-arg=--attention-backend=TRITON_ATTN unless an attention backend is given), slower than vLLM's default kernels; with the reference engine its exact scheduler mode (--engine-arg=--exact, already its default on a GPU). Without it a vLLM takeover continues every stream from the adopted KV cache, but under a changing batch a near-tied token may come out otherwise, as it may in vLLM itself")
 	f.StringArrayVar(&opts.VllmArgs, "vllm-arg", opts.VllmArgs, "with --engine vllm: one of vLLM's own flags as `vllm serve` spells it, for the engines and, with --frontend vllm, vLLM's API server alike, repeatable (e.g. --vllm-arg=--max-logprobs=50); the engines refuse the flags frmps sets itself (model, sizes, dtype, seed)")
 	f.StringVar(&opts.Frontend, "frontend", opts.Frontend, "the OpenAI endpoint: frmps (frmps's front door, both engines) or vllm (vLLM's own API server, every route of `vllm serve`, with --engine vllm; the engine is the unit of failover, vllmpatch/OPENAI.md)")
-	f.StringArrayVar(&opts.FrontendArgs, "frontend-arg", opts.FrontendArgs, "with --frontend vllm: extra argument for vLLM's API server as `vllm serve` spells it, repeatable (e.g. --frontend-arg=--enable-auto-tool-choice)")
+	f.StringArrayVar(&opts.FrontendArgs, "frontend-arg", opts.FrontendArgs, "with --frontend vllm: extra argument for vLLM's API server as `vllm serve` spells it, repeatable (e.g. --frontend-arg=--enable-prefix-caching)")
+	f.BoolVar(&opts.EnableAutoToolChoice, "enable-auto-tool-choice", opts.EnableAutoToolChoice, "chat tool calling, as vllm serve's flag: tool_choice auto reads tool calls out of the output with --tool-call-parser (needs it), and required and named functions constrain the output to calls; without it they are refused (400), as vLLM refuses them. With --frontend vllm it goes to vLLM's API server")
+	f.StringVar(&opts.ToolCallParser, "tool-call-parser", opts.ToolCallParser, "the tool-call format --enable-auto-tool-choice reads: hermes (<tool_call>{…}</tool_call>, Qwen2.5's), the only one frmps's front door implements; with --frontend vllm any parser of vLLM's, which checks the name")
 	f.IntVar(&opts.MaxConcurrent, "max-concurrent", opts.MaxConcurrent, "most requests running against the engine at once (0: 512)")
 	f.IntVar(&opts.MaxChoices, "max-choices", opts.MaxChoices, "most choices one request may ask for, n times the prompts of a batch, each an engine request of its own (0: 128)")
 	f.IntVar(&opts.MaxQueue, "max-queue", opts.MaxQueue, "most requests waiting for a slot before 429 (0: 1024; negative: no queue)")
@@ -370,10 +376,18 @@ func (o serveOptions) validate() error {
 	if o.Exact && slices.ContainsFunc(o.VllmArgs, func(a string) bool { return a == "--enforce-eager" || a == "--enforce-eager=true" }) {
 		return errors.New("--exact with --vllm-arg=--enforce-eager: vLLM's eager mode is not batch-invariant even in its batch-invariant mode; drop --enforce-eager")
 	}
+	parserArg := slices.ContainsFunc(o.FrontendArgs, func(a string) bool { return strings.HasPrefix(a, "--tool-call-parser") })
+	if o.EnableAutoToolChoice && o.ToolCallParser == "" && !(o.Frontend == "vllm" && parserArg) {
+		return errors.New("--enable-auto-tool-choice requires --tool-call-parser")
+	}
 	switch o.Frontend {
 	case "frmps":
 		if len(o.FrontendArgs) > 0 {
 			return errors.New("--frontend-arg is for vLLM's API server: give --frontend vllm")
+		}
+		if o.ToolCallParser != "" && !slices.Contains(openai.ToolCallParsers, o.ToolCallParser) {
+			return fmt.Errorf("--tool-call-parser %q: frmps's front door implements %s (Qwen2.5's format) only; vLLM's other parsers are served with --frontend vllm",
+				o.ToolCallParser, strings.Join(openai.ToolCallParsers, ", "))
 		}
 	case "vllm":
 		if o.Engine == "ref" {
@@ -382,6 +396,9 @@ func (o serveOptions) validate() error {
 		}
 		if o.TensorParallelSize > 1 {
 			return errors.New("--frontend vllm: one GPU per engine for now (--tensor-parallel-size 1)")
+		}
+		if o.ToolCallParser != "" && parserArg {
+			return errors.New("--tool-call-parser is given twice, as a flag and as a --frontend-arg: give it once")
 		}
 	default:
 		return fmt.Errorf("--frontend %q: want frmps or vllm", o.Frontend)
@@ -394,8 +411,21 @@ func (o serveOptions) validate() error {
 func (o serveOptions) vllmFrontConfig(py pythonEnv, apiKey string) vllmfront.Config {
 	return vllmfront.Config{
 		Python: py.Python, Env: o.exactEnv(py.Env), Model: o.Model, ServedModelName: o.ServedModelName,
-		Host: o.Host, Port: o.Port, MaxModelLen: o.MaxModelLen, VLLMArgs: o.vllmArgs(), FrontendArgs: o.FrontendArgs, APIKey: apiKey,
+		Host: o.Host, Port: o.Port, MaxModelLen: o.MaxModelLen, VLLMArgs: o.vllmArgs(), FrontendArgs: o.frontendArgs(), APIKey: apiKey,
 	}
+}
+
+// frontendArgs is --frontend-arg with the tool-calling flags, which vLLM's API
+// server takes as they are.
+func (o serveOptions) frontendArgs() []string {
+	out := slices.Clone(o.FrontendArgs)
+	if o.EnableAutoToolChoice && !slices.Contains(out, "--enable-auto-tool-choice") {
+		out = append(out, "--enable-auto-tool-choice")
+	}
+	if o.ToolCallParser != "" {
+		out = append(out, "--tool-call-parser="+o.ToolCallParser)
+	}
+	return out
 }
 
 // serveGPUProbe replaces the host's GPU probe (tests); nil: the host's.

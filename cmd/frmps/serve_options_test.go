@@ -34,6 +34,8 @@ func TestServeBadOptionExitsAtOnce(t *testing.T) {
 		{"serve --device cuda:0", `--device "cuda:0": want auto, cpu or cuda`},
 		{"serve --sync-every 0", "--sync-every must be at least 1"},
 		{"serve --memory host-shm --device cuda", "--memory host-shm keeps the pools in host memory"},
+		{"serve --enable-auto-tool-choice --tool-call-parser llama3_json", `--tool-call-parser "llama3_json": frmps's front door implements hermes`},
+		{"serve --enable-auto-tool-choice", "--enable-auto-tool-choice requires --tool-call-parser"},
 	} {
 		cmd := exec.Command(os.Args[0], "-test.run=^TestServeBadOptionExitsAtOnce$")
 		cmd.Env = append(os.Environ(), "FRMPS_TEST_MAIN=1", "FRMPS_TEST_ARGS="+tc.args+" --no-mps --python "+noPython)

@@ -63,11 +63,11 @@ func (s *Server) runChoices(ctx context.Context, w http.ResponseWriter, j *job, 
 	if j.stream {
 		set.sse = newSSEOutput(w, j, head, s.cfg.KeepAliveInterval)
 		for i := range j.choices {
-			set.heads = append(set.heads, &streamChoice{head: set.sse.choiceHead(i), echo: j.choices[i].echo})
+			set.heads = append(set.heads, &streamChoice{head: set.sse.choiceHead(i), echo: j.choices[i].echo, tools: j.tools.newStream()})
 		}
 	}
 	for i, c := range j.choices {
-		set.state[i].acc = jsonOutput{returnIDs: j.returnTokenIDs, lp: j.lp}
+		set.state[i].acc = jsonOutput{returnIDs: j.returnTokenIDs, lp: j.lp, tools: j.tools, echoLen: len(c.echo)}
 		set.state[i].acc.sb.WriteString(c.echo)
 	}
 	codes := make([]int, len(j.choices))
@@ -239,8 +239,7 @@ func (set *choiceSet) end(codes []int) int {
 	}
 	res := make([]choiceResult, len(set.state))
 	for i := range set.state {
-		st := &set.state[i]
-		res[i] = choiceResult{text: st.acc.sb.String(), ids: st.acc.ids, lps: st.acc.lps, reason: st.reason}
+		res[i] = set.state[i].acc.result(set.state[i].reason)
 	}
 	if err := writeBody(set.w, set.head, set.j.endpoint == endpointChat, set.j.returnTokenIDs, set.j.lp, res, set.usage()); err != nil {
 		return statusClientClosed

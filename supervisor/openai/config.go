@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -92,6 +93,13 @@ type Config struct {
 	Gatherer prometheus.Gatherer
 	// Version is reported by /version.
 	Version string
+	// EnableAutoToolChoice with ToolCallParser: chat's tool_choice "auto" reads
+	// tool calls out of the output with that parser, and "required" and named
+	// functions are served (vLLM's --enable-auto-tool-choice and
+	// --tool-call-parser; without them those are refused with vLLM's 400s).
+	EnableAutoToolChoice bool
+	// ToolCallParser names the parser: "hermes" (ToolCallParsers), or "" for none.
+	ToolCallParser string
 }
 
 func (c Config) withDefaults() Config {
@@ -149,6 +157,10 @@ func (c Config) validate() error {
 		return errors.New("timeouts and intervals must not be negative")
 	case c.DefaultMaxTokens < 0:
 		return errors.New("default max tokens must not be negative")
+	case c.ToolCallParser != "" && !slices.Contains(ToolCallParsers, c.ToolCallParser):
+		return fmt.Errorf("tool call parser %q is not implemented; this front door has %s", c.ToolCallParser, strings.Join(ToolCallParsers, ", "))
+	case c.EnableAutoToolChoice && c.ToolCallParser == "":
+		return errors.New("auto tool choice needs a tool call parser")
 	}
 	return nil
 }

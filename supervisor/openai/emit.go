@@ -64,10 +64,11 @@ func (h *responseHead) append(b []byte) []byte {
 
 // streamChoice is what a stream keeps per choice.
 type streamChoice struct {
-	head     []byte // `data: {"id":...,"choices":[{"index":i,`
-	echo     string // still to put before the choice's first text
-	lpOffset int    // completions' text_offset of the next token
-	u        usage  // the choice's usage so far (continuous_usage_stats)
+	head     []byte     // `data: {"id":...,"choices":[{"index":i,`
+	echo     string     // still to put before the choice's first text
+	lpOffset int        // completions' text_offset of the next token
+	u        usage      // the choice's usage so far (continuous_usage_stats)
+	tools    toolStream // chat with tool calling: the choice's parser, else nil
 }
 
 // sseOutput streams chunks as server-sent events.
@@ -89,6 +90,7 @@ type sseOutput struct {
 	// continuousUsage: vLLM's stream_options.continuous_usage_stats, the
 	// choice's usage so far in every chunk.
 	continuousUsage bool
+	tools           *toolPlan    // tool calling, else nil
 	own             streamChoice // the one choice's stream state (a request with several: choices.go)
 	// errorEvent appends the event that ends a stream failing after its
 	// headers; nil: `data: {"error":{…}}`, chat's and completions'.
@@ -100,9 +102,9 @@ type sseOutput struct {
 
 func newSSEOutput(w http.ResponseWriter, j *job, head responseHead, keepAlive time.Duration) *sseOutput {
 	o := &sseOutput{w: w, chat: j.endpoint == endpointChat, includeUsage: j.includeUsage, returnIDs: j.returnTokenIDs, keepAlive: keepAlive, head: head, lp: j.lp,
-		continuousUsage: j.continuousUsage}
+		continuousUsage: j.continuousUsage, tools: j.tools}
 	o.flusher, _ = w.(http.Flusher)
-	o.own = streamChoice{head: o.choiceHead(0), echo: j.echo}
+	o.own = streamChoice{head: o.choiceHead(0), echo: j.echo, tools: j.tools.newStream()}
 	o.buf = make([]byte, 0, 512)
 	return o
 }
@@ -198,6 +200,9 @@ func (o *sseOutput) text(delta string, ids []uint32, lps []*frmpsv1.TokenLogprob
 // textAt writes a text chunk of choice c, its echo first (the first engine chunk,
 // the prompt's, comes through here before any token).
 func (o *sseOutput) textAt(c *streamChoice, delta string, ids []uint32, lps []*frmpsv1.TokenLogprobs) error {
+	if c.tools != nil {
+		return o.toolTextAt(c, delta, ids, lps)
+	}
 	if c.echo != "" {
 		delta, c.echo = c.echo+delta, ""
 	}
@@ -216,6 +221,13 @@ func (o *sseOutput) textAt(c *streamChoice, delta string, ids []uint32, lps []*f
 		b = append(b, `"text":`...)
 		b = appendJSONString(b, delta)
 	}
+	o.buf = o.appendChunkEnd(b, c, ids, lps)
+	return o.writeLocked()
+}
+
+// appendChunkEnd ends a text chunk of choice c: its token ids and logprobs
+// where asked for, no finish reason yet, the tail.
+func (o *sseOutput) appendChunkEnd(b []byte, c *streamChoice, ids []uint32, lps []*frmpsv1.TokenLogprobs) []byte {
 	if o.returnIDs {
 		b = appendTokenIDs(b, ids)
 	}
@@ -226,15 +238,15 @@ func (o *sseOutput) textAt(c *streamChoice, delta string, ids []uint32, lps []*f
 	} else {
 		b = append(b, `,"logprobs":null,"finish_reason":null}]`...)
 	}
-	o.buf = o.appendTail(b, c)
-	return o.writeLocked()
+	return o.appendTail(b, c)
 }
 
 func (o *sseOutput) finish(reason string, u usage) error {
 	o.stopKeepAlive()
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	o.buf = o.appendEnd(o.appendFinish(o.buf[:0], &o.own, reason), u)
+	b, reason := o.appendToolEnd(o.buf[:0], &o.own, reason)
+	o.buf = o.appendEnd(o.appendFinish(b, &o.own, reason), u)
 	o.ended = true
 	return o.writeLocked()
 }
@@ -270,7 +282,8 @@ func (o *sseOutput) appendEnd(b []byte, u usage) []byte {
 func (o *sseOutput) finishChoice(c *streamChoice, reason string, last bool, u usage) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	b := o.appendFinish(o.buf[:0], c, reason)
+	b, reason := o.appendToolEnd(o.buf[:0], c, reason)
+	b = o.appendFinish(b, c, reason)
 	if last {
 		b = o.appendEnd(b, u)
 		o.ended = true
@@ -371,6 +384,8 @@ type jsonOutput struct {
 	returnIDs bool
 	head      responseHead
 	lp        *lpFormat
+	tools     *toolPlan // tool calling, else nil
+	echoLen   int       // sb starts with the echo, this long
 	sb        strings.Builder
 	ids       []uint32
 	lps       []*frmpsv1.TokenLogprobs
@@ -378,7 +393,7 @@ type jsonOutput struct {
 }
 
 func newJSONOutput(w http.ResponseWriter, j *job, head responseHead) *jsonOutput {
-	o := &jsonOutput{w: w, chat: j.endpoint == endpointChat, returnIDs: j.returnTokenIDs, head: head, lp: j.lp}
+	o := &jsonOutput{w: w, chat: j.endpoint == endpointChat, returnIDs: j.returnTokenIDs, head: head, lp: j.lp, tools: j.tools, echoLen: len(j.echo)}
 	o.sb.WriteString(j.echo)
 	return o
 }
@@ -403,7 +418,7 @@ func (o *jsonOutput) gap(bool) {}
 
 func (o *jsonOutput) finish(reason string, u usage) error {
 	o.done = true
-	return writeBody(o.w, o.head, o.chat, o.returnIDs, o.lp, []choiceResult{{text: o.sb.String(), ids: o.ids, lps: o.lps, reason: reason}}, u)
+	return writeBody(o.w, o.head, o.chat, o.returnIDs, o.lp, []choiceResult{o.result(reason)}, u)
 }
 
 // choiceResult is one finished choice of a JSON body.
@@ -412,6 +427,7 @@ type choiceResult struct {
 	ids    []uint32
 	lps    []*frmpsv1.TokenLogprobs
 	reason string
+	answer *toolAnswer // chat with tool calling: the message, else nil
 }
 
 // writeBody sends a whole (non-streamed) response: its choices, index by index.
@@ -432,11 +448,15 @@ func writeBody(w http.ResponseWriter, head responseHead, chat, returnIDs bool, l
 		}
 		b = append(b, `{"index":`...)
 		b = strconv.AppendInt(b, int64(i), 10)
-		if chat {
+		switch {
+		case c.answer != nil:
+			b = append(b, ',')
+			b = appendToolMessage(b, c.answer)
+		case chat:
 			b = append(b, `,"message":{"role":"assistant","content":`...)
 			b = appendJSONString(b, c.text)
 			b = append(b, '}')
-		} else {
+		default:
 			b = append(b, `,"text":`...)
 			b = appendJSONString(b, c.text)
 		}

@@ -40,6 +40,10 @@ func FuzzRequest(f *testing.F) {
 		`{"model":"test-model","input":[{"role":"user","content":[{"type":"input_text","text":"x"}]}],"text":{"format":{"type":"json_object"}}}`,
 		`{"model":"test-model","input":"x","tools":[{"type":"function","name":"f"}],"previous_response_id":"resp_1"}`,
 		"{\"model\":\"test-model\",\"input\":\"\xff\xfe\u2028\",\"metadata\":{\"k\":\"\xff\"}}",
+		// Tool calling (on in this front door: hermes).
+		`{"model":"test-model","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","$defs":{"A":{"type":"integer"}}}}}],"tool_choice":"required","parallel_tool_calls":false}`,
+		`{"model":"test-model","messages":[{"role":"user","content":"x"}],"tools":[{"function":{"name":"f","description":null}}],"tool_choice":{"type":"function","function":{"name":"f"}},"stream":true}`,
+		`{"model":"test-model","messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{\"a\": [1, 2.5e3]}"}}]},{"role":"tool","tool_call_id":"c","name":"f","content":"ok"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"auto"}`,
 	} {
 		for route := range uint8(3) {
 			f.Add(route, []byte(s), "", "")
@@ -52,7 +56,7 @@ func FuzzRequest(f *testing.F) {
 
 	backend := fakegen.NewBackend(openai.ModelInfo{Name: modelName, MaxModelLen: 64})
 	backend.SetUnavailable(true)
-	fd, err := openai.New(openai.Config{MaxBodyBytes: maxBody}, backend, hclog.NewNullLogger(), prometheus.NewRegistry())
+	fd, err := openai.New(openai.Config{MaxBodyBytes: maxBody, EnableAutoToolChoice: true, ToolCallParser: "hermes"}, backend, hclog.NewNullLogger(), prometheus.NewRegistry())
 	if err != nil {
 		f.Fatal(err)
 	}

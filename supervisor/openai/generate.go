@@ -89,8 +89,9 @@ func (r *openRequest) resumeRequest() (*frmpsv1.ResumeRequest, bool) {
 		rr.PromptTokenIds = append([]uint32(nil), in.PromptTokenIds.GetIds()...)
 	case *frmpsv1.GenerateRequest_Messages:
 		for _, m := range in.Messages.GetMessages() {
-			rr.Messages = append(rr.Messages, &frmpsv1.ChatMessage{Role: m.GetRole(), Content: m.GetContent()})
+			rr.Messages = append(rr.Messages, proto.Clone(m).(*frmpsv1.ChatMessage))
 		}
+		rr.ToolsJson = r.gen.GetToolsJson()
 	}
 	return rr, true
 }

@@ -21,6 +21,7 @@ func FuzzParseRequest(f *testing.F) {
 		`{"model":"m","input":"x","text":{"format":{"type":"json_schema","name":"n","schema":{"type":"object"}}},"tool_choice":"auto","tools":[]}`,
 		`{"model":"m","input":"x","include":["message.output_text.logprobs"],"top_logprobs":2,"reasoning":{"effort":"low"}}`,
 		`{"model":"m","input":[],"previous_response_id":"resp_1","background":true}`,
+		`{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","parameters":{}}}],"tool_choice":"none"}`,
 	} {
 		for ep := range uint8(3) {
 			f.Add(ep, []byte(s))

@@ -91,6 +91,10 @@ type wireRequest struct {
 	RepetitionPenalty      *float64           `json:"repetition_penalty"`
 	ResponseFormat         json.RawMessage    `json:"response_format"`
 	StructuredOutputs      json.RawMessage    `json:"structured_outputs"`
+	// Chat's tool calling (tools.go).
+	Tools             json.RawMessage `json:"tools"`
+	ToolChoice        json.RawMessage `json:"tool_choice"`
+	ParallelToolCalls *bool           `json:"parallel_tool_calls"`
 
 	// msgs: the messages already read from another shape (the Responses
 	// API's input); Messages is not read then.
@@ -110,6 +114,8 @@ type job struct {
 	returnTokenIDs bool
 	// lp formats the logprobs asked for; nil when none were.
 	lp *lpFormat
+	// tools: chat's tool calling, how the output becomes tool calls; nil: plain content.
+	tools *toolPlan
 	// maxTokens as the client asked (0 = not given); checked against the
 	// context length once the engine reports the prompt length.
 	maxTokens int
@@ -210,18 +216,23 @@ func parseWire(ep endpoint, w *wireRequest, model ModelInfo, cfg *Config) (*job,
 	}
 	var inputs []promptInput
 	addGen := false
+	var tr *toolRequest
 	switch ep {
 	case endpointChat:
 		if len(w.Prompt) != 0 && !isNull(w.Prompt) {
 			return nil, badRequest("prompt", "Chat completions take `messages`, not `prompt`.")
 		}
 		msgs := w.msgs
+		var e *apiError
 		if msgs == nil {
-			var e *apiError
 			if msgs, e = parseMessages(w.Messages); e != nil {
 				return nil, e
 			}
 		}
+		if tr, e = parseTools(w, cfg); e != nil {
+			return nil, e
+		}
+		j.tools = tr.plan
 		addGen = true
 		if w.AddGenerationPrompt != nil {
 			addGen = *w.AddGenerationPrompt
@@ -260,6 +271,11 @@ func parseWire(ep endpoint, w *wireRequest, model ModelInfo, cfg *Config) (*job,
 	if e != nil {
 		return nil, e
 	}
+	toolsJSON := ""
+	if tr != nil {
+		tr.applyToolConstraint(p)
+		toolsJSON = tr.toolsJSON
+	}
 	if j.lp, e = parseLogprobs(w, ep); e != nil {
 		return nil, e
 	}
@@ -271,13 +287,13 @@ func parseWire(ep endpoint, w *wireRequest, model ModelInfo, cfg *Config) (*job,
 		p.Logprobs = &k
 	}
 	if len(inputs) == 1 && n == 1 {
-		j.gen = &frmpsv1.GenerateRequest{Input: inputs[0].in.Input, Params: p, AddGenerationPrompt: addGen}
+		j.gen = &frmpsv1.GenerateRequest{Input: inputs[0].in.Input, Params: p, AddGenerationPrompt: addGen, ToolsJson: toolsJSON}
 		j.echo, j.echoIDs = inputs[0].echo, inputs[0].echoIDs
 	} else {
 		j.choices = make([]choice, 0, len(inputs)*n)
 		for _, in := range inputs {
 			for i := 0; i < n; i++ {
-				g := &frmpsv1.GenerateRequest{Input: in.in.Input, Params: cloneParams(p), AddGenerationPrompt: addGen}
+				g := &frmpsv1.GenerateRequest{Input: in.in.Input, Params: cloneParams(p), AddGenerationPrompt: addGen, ToolsJson: toolsJSON}
 				j.choices = append(j.choices, choice{gen: g, sample: i, echo: in.echo, echoIDs: in.echoIDs})
 			}
 		}
@@ -343,8 +359,11 @@ func parseMessages(raw json.RawMessage) ([]*frmpsv1.ChatMessage, *apiError) {
 		return nil, badRequest("messages", "You must provide `messages`.")
 	}
 	var msgs []struct {
-		Role    *string         `json:"role"`
-		Content json.RawMessage `json:"content"`
+		Role       *string         `json:"role"`
+		Content    json.RawMessage `json:"content"`
+		Name       json.RawMessage `json:"name"`
+		ToolCallID json.RawMessage `json:"tool_call_id"`
+		ToolCalls  json.RawMessage `json:"tool_calls"`
 	}
 	if err := json.Unmarshal(raw, &msgs); err != nil {
 		return nil, badRequest("messages", "`messages` must be an array of {role, content} objects.")
@@ -362,7 +381,23 @@ func parseMessages(raw json.RawMessage) ([]*frmpsv1.ChatMessage, *apiError) {
 		if e != nil {
 			return nil, e
 		}
-		out = append(out, &frmpsv1.ChatMessage{Role: *m.Role, Content: content})
+		cm := &frmpsv1.ChatMessage{Role: *m.Role, Content: content}
+		// What vLLM hands the chat template besides role and content: an
+		// assistant's tool calls, a tool result's call id, a name.
+		switch *m.Role {
+		case "assistant":
+			if cm.ToolCallsJson, e = historyToolCalls(m.ToolCalls, param+".tool_calls"); e != nil {
+				return nil, e
+			}
+		case "tool":
+			if id, ok := historyString(m.ToolCallID); ok {
+				cm.ToolCallId = &id
+			}
+		}
+		if name, ok := historyString(m.Name); ok {
+			cm.Name = &name
+		}
+		out = append(out, cm)
 	}
 	return out, nil
 }

@@ -17,7 +17,7 @@ import (
 
 // vLLM's tokenizer routes, answered by the current engine with the tokenizer
 // (and chat template) its Generate uses: /tokenize {model, prompt | messages,
-// add_generation_prompt} → {count, max_model_len, tokens, token_strs: null};
+// add_generation_prompt, tools} → {count, max_model_len, tokens, token_strs: null};
 // /detokenize {model, tokens} → {prompt}. Unlike vLLM's they need the API key
 // when one is set: they are not probes.
 
@@ -27,6 +27,7 @@ type tokenizeBody struct {
 	Messages            json.RawMessage `json:"messages"`
 	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
 	Tokens              []int64         `json:"tokens"`
+	Tools               json.RawMessage `json:"tools"` // chat form: for the chat template, as vLLM's /tokenize takes them
 }
 
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
@@ -40,6 +41,9 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 			}
 			req.Input = &frmpsv1.TokenizeRequest_Messages{Messages: &frmpsv1.ChatMessages{Messages: msgs}}
 			req.AddGenerationPrompt = b.AddGenerationPrompt == nil || *b.AddGenerationPrompt
+			if req.ToolsJson, e = toolsForTokenize(b.Tools); e != nil {
+				return nil, e
+			}
 		case len(b.Prompt) != 0 && !isNull(b.Prompt):
 			var p string
 			if err := json.Unmarshal(b.Prompt, &p); err != nil {

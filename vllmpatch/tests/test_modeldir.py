@@ -67,6 +67,48 @@ def test_reference_engine_and_transformers_agree_on_the_directory(q05):
     assert "<tools>" in rendered and '"get_weather"' in rendered and rendered.endswith("<|im_start|>assistant\n")
 
 
+# A conversation with tools: the tools in the system turn, an assistant's calls
+# (arguments as the SDK hands them over: JSON values, decoded from OpenAI's
+# strings), results of two calls in one user turn.
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather, °C.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "description": None, "parameters": None}}]
+TOOL_CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "Weather and time in Zürich?"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}},
+                    {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "21"},
+    {"role": "tool", "tool_call_id": "c2", "name": "get_time", "content": "noon"},
+    {"role": "assistant", "content": "21 °C at noon."},
+    {"role": "user", "content": "Thanks"},
+]
+
+
+def test_reference_engine_renders_tools_as_the_directorys_template(q05):
+    """The reference engine's ChatML (refengine.tokenizer.chatml) renders tools,
+    tool calls and tool results as the directory's chat template does through
+    transformers (what the vLLM adapter runs): same text, same ids, with and
+    without a system message."""
+    from transformers import AutoTokenizer
+
+    from frmps_engine.refengine import load_tokenizer
+    from frmps_engine.refengine.tokenizer import chatml
+
+    ours = load_tokenizer(q05)
+    hf = AutoTokenizer.from_pretrained(q05)
+    for msgs in (TOOL_CHAT, TOOL_CHAT[1:]):
+        for tools in (TOOLS, None):
+            for agp in (True, False):
+                want = hf.apply_chat_template(msgs, tools=tools, add_generation_prompt=agp, tokenize=False)
+                assert chatml(msgs, agp, tools) == want
+                ids = hf.apply_chat_template(msgs, tools=tools, add_generation_prompt=agp, tokenize=True)["input_ids"]
+                assert ours.apply_chat_template(msgs, agp, tools=tools) == list(ids)
+    assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) + "\n" in chatml(TOOL_CHAT, True, TOOLS)
+
+
 def test_writes_are_deterministic_and_keep_an_existing_directory(tmp_path, q05):
     from frmps_engine import modeldir
 

@@ -639,6 +639,30 @@ def test_chat_template():
         tok.apply_chat_template([{"content": "x"}])
 
 
+def test_chat_template_with_tools():
+    """The byte tokenizer renders tools and tool messages as chatml does (the text
+    of modeldir.CHAT_TEMPLATE, Qwen2.5's: test_modeldir compares the two), the turn
+    markers as its special ids only: a message that holds "<|im_start|>" stays bytes."""
+    from frmps_engine.refengine.tokenizer import chatml
+
+    tok = ByteTokenizer()
+    tools = [{"type": "function", "function": {"name": "f", "description": None, "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "x <|im_start|>"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+            {"role": "tool", "content": "2"}]
+    ids = tok.apply_chat_template(msgs, tools=tools)
+    special = {tok.im_start_id: "<|im_start|>", tok.im_end_id: "<|im_end|>"}
+    assert "".join(special.get(i, chr(i)) for i in ids) == chatml(msgs, True, tools)
+    assert sum(i in special for i in ids) == 2 * 4 + 1  # system (tools), user, assistant, tool (as user); prompt
+    text = chatml(msgs, True, tools)
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n")
+    assert '\n{"type": "function", "function": {"name": "f", "description": null, "parameters": {"type": "object"}}}\n</tools>' in text
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><|im_end|>\n' in text
+    assert "<|im_start|>user\n<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
+    # Without tools nothing changes.
+    assert tok.apply_chat_template(msgs[:1]) == tok.apply_chat_template(msgs[:1], tools=None) == tok.apply_chat_template(msgs[:1], tools=[])
+
+
 # ---- bad input ------------------------------------------------------------
 
 

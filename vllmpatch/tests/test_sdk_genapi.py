@@ -124,6 +124,45 @@ def test_generate_token_ids_and_chat(env):
     assert toks == reference(templ, 4)
 
 
+# Short: the fake model's context is 128 bytes. The SDK passes what it is given.
+TOOLS_JSON = '[{"f":1}]'
+
+
+def tool_chat():
+    """A chat with tools as the front door sends it, and as the template must get it."""
+    msgs = [control_pb2.ChatMessage(role="user", content="W"),
+            control_pb2.ChatMessage(role="assistant", tool_calls_json='[{"a":{"c":1}}]'),
+            control_pb2.ChatMessage(role="tool", tool_call_id="c", name="f", content="1")]
+    want = [{"role": "user", "content": "W"},
+            {"role": "assistant", "content": "", "tool_calls": [{"a": {"c": 1}}]},
+            {"role": "tool", "content": "1", "tool_call_id": "c", "name": "f"}]
+    return msgs, want
+
+
+def test_tools_and_tool_messages_reach_the_chat_template(env):
+    """A request's tools_json and its messages' tool calls, call ids and names go to
+    the tokenizer's apply_chat_template (tools=…), for Generate and Tokenize alike."""
+    import json
+
+    msgs, want = tool_chat()
+    templ = TOK.apply_chat_template(want, add_generation_prompt=True, tools=json.loads(TOOLS_JSON))
+    assert templ != TOK.apply_chat_template(want, add_generation_prompt=True)
+    ids = env.stub.Tokenize(g.TokenizeRequest(messages=g.ChatMessages(messages=msgs), add_generation_prompt=True,
+                                              tools_json=TOOLS_JSON)).ids
+    assert list(ids) == templ
+    chunks, toks, _ = collect(env.stub.Generate(g.GenerateRequest(
+        key=60, messages=g.ChatMessages(messages=msgs), add_generation_prompt=True, tools_json=TOOLS_JSON,
+        params=control_pb2.SamplingParams(max_tokens=4))))
+    assert list(chunks[0].prompt_token_ids) == templ and toks == reference(templ, 4)
+    # Without tools the template gets none (and the tokenizer no tools argument).
+    ids = env.stub.Tokenize(g.TokenizeRequest(messages=g.ChatMessages(messages=msgs), add_generation_prompt=True)).ids
+    assert list(ids) == TOK.apply_chat_template(want, add_generation_prompt=True)
+    for bad in ("{oops", '{"not": "a list"}'):
+        with pytest.raises(grpc.RpcError) as e:
+            env.stub.Tokenize(g.TokenizeRequest(messages=g.ChatMessages(messages=msgs), tools_json=bad))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools_json" in e.value.details()
+
+
 def test_tokenize_and_detokenize_as_generate_does(env):
     assert list(env.stub.Tokenize(g.TokenizeRequest(prompt="hello")).ids) == TOK.encode("hello")
     msgs = [control_pb2.ChatMessage(role="user", content="hi")]

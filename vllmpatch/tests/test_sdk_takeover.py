@@ -184,6 +184,25 @@ def test_takeover_paths(h):
     assert not r.ok
 
 
+def test_a_chat_with_tools_is_adopted_with_its_tools(h):
+    """A resume set's chat request (no prompt ids from the engine) is tokenized
+    with its tools and its messages' tool fields, as Generate tokenized it."""
+    import json
+
+    from test_sdk_genapi import TOOLS_JSON, tool_chat
+
+    assert h.sleep().ok
+    msgs, want = tool_chat()
+    prompt = TOK.apply_chat_template(want, add_generation_prompt=True, tools=json.loads(TOOLS_JSON))
+    out, _ = run_active(h.active, 7, prompt, 3, FakeParams(9, 0.0, 13))
+    req = c.ResumeRequest(key=7, messages=msgs, tools_json=TOOLS_JSON, params=c.SamplingParams(max_tokens=9),
+                          delivered_token_ids=out)
+    r = h.cmd(c.Envelope(id=2, resume=c.Resume(requests=[req], ring_path=h.ring)))
+    assert r.ok and r.resumed[0].ok, (r.error, r.resumed)
+    assert r.resumed[0].prefilled_tokens == len(prompt) + 3
+    assert resume_stream(h, 7, out) == reference(prompt, 9)
+
+
 def test_a_resume_set_of_vllms_api_server_is_refused_by_the_generation_api_engine(h):
     """A Resume whose requests carry engine_request (vLLM's EngineCoreRequest, from
     vLLM's API server as frontend) is refused whole by an engine serving frmps's

@@ -1707,6 +1707,9 @@ type ResumeRequest struct {
 	// params are then unset. delivered_token_ids are the tokens that frontend
 	// received.
 	EngineRequest []byte `protobuf:"bytes,9,opt,name=engine_request,json=engineRequest,proto3" json:"engine_request,omitempty"`
+	// With messages: the request's tools for the chat template
+	// (generation.proto: GenerateRequest.tools_json).
+	ToolsJson     string `protobuf:"bytes,10,opt,name=tools_json,json=toolsJson,proto3" json:"tools_json,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1802,6 +1805,13 @@ func (x *ResumeRequest) GetEngineRequest() []byte {
 		return x.EngineRequest
 	}
 	return nil
+}
+
+func (x *ResumeRequest) GetToolsJson() string {
+	if x != nil {
+		return x.ToolsJson
+	}
+	return ""
 }
 
 // Compacted forward state of one request (the ring's per-request record).
@@ -2053,9 +2063,18 @@ func (*Handoff) Descriptor() ([]byte, []int) {
 }
 
 type ChatMessage struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Role          string                 `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
-	Content       string                 `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Role    string                 `protobuf:"bytes,1,opt,name=role,proto3" json:"role,omitempty"`
+	Content string                 `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
+	// Role "tool": the id of the call this message answers, when given.
+	ToolCallId *string `protobuf:"bytes,3,opt,name=tool_call_id,json=toolCallId,proto3,oneof" json:"tool_call_id,omitempty"`
+	// Role "assistant": the calls it made, a JSON array of OpenAI's
+	// {"id", "type": "function", "function": {"name", "arguments"}} with each
+	// call's arguments as a JSON value (decoded from OpenAI's JSON string; {}
+	// when empty), as chat templates take them; "" = none.
+	ToolCallsJson string `protobuf:"bytes,4,opt,name=tool_calls_json,json=toolCallsJson,proto3" json:"tool_calls_json,omitempty"`
+	// The participant's name, when the message gives one.
+	Name          *string `protobuf:"bytes,5,opt,name=name,proto3,oneof" json:"name,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2100,6 +2119,27 @@ func (x *ChatMessage) GetRole() string {
 func (x *ChatMessage) GetContent() string {
 	if x != nil {
 		return x.Content
+	}
+	return ""
+}
+
+func (x *ChatMessage) GetToolCallId() string {
+	if x != nil && x.ToolCallId != nil {
+		return *x.ToolCallId
+	}
+	return ""
+}
+
+func (x *ChatMessage) GetToolCallsJson() string {
+	if x != nil {
+		return x.ToolCallsJson
+	}
+	return ""
+}
+
+func (x *ChatMessage) GetName() string {
+	if x != nil && x.Name != nil {
+		return *x.Name
 	}
 	return ""
 }
@@ -2247,7 +2287,7 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\agrammar\x18\x05 \x01(\tH\x00R\agrammarB\x06\n" +
 	"\x04kind\"!\n" +
 	"\aChoices\x12\x16\n" +
-	"\x06values\x18\x01 \x03(\tR\x06values\"\x87\x03\n" +
+	"\x06values\x18\x01 \x03(\tR\x06values\"\xa6\x03\n" +
 	"\rResumeRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\x04R\x03key\x12\x1d\n" +
 	"\n" +
@@ -2258,7 +2298,10 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"\x06params\x18\x06 \x01(\v2\x18.frmps.v1.SamplingParamsR\x06params\x12.\n" +
 	"\x13delivered_token_ids\x18\a \x03(\rR\x11deliveredTokenIds\x12:\n" +
 	"\bsnapshot\x18\b \x01(\v2\x19.frmps.v1.RequestSnapshotH\x00R\bsnapshot\x88\x01\x01\x12%\n" +
-	"\x0eengine_request\x18\t \x01(\fR\rengineRequestB\v\n" +
+	"\x0eengine_request\x18\t \x01(\fR\rengineRequest\x12\x1d\n" +
+	"\n" +
+	"tools_json\x18\n" +
+	" \x01(\tR\ttoolsJsonB\v\n" +
 	"\t_snapshot\"\xf9\x01\n" +
 	"\x0fRequestSnapshot\x12\x1b\n" +
 	"\tblock_ids\x18\x01 \x03(\rR\bblockIds\x12\x1b\n" +
@@ -2275,10 +2318,16 @@ const file_frmps_v1_control_proto_rawDesc = "" +
 	"sync_every\x18\x03 \x01(\rR\tsyncEvery\"%\n" +
 	"\bShutdown\x12\x19\n" +
 	"\bgrace_ms\x18\x01 \x01(\rR\agraceMs\"\t\n" +
-	"\aHandoff\";\n" +
+	"\aHandoff\"\xbd\x01\n" +
 	"\vChatMessage\x12\x12\n" +
 	"\x04role\x18\x01 \x01(\tR\x04role\x12\x18\n" +
-	"\acontent\x18\x02 \x01(\tR\acontent*K\n" +
+	"\acontent\x18\x02 \x01(\tR\acontent\x12%\n" +
+	"\ftool_call_id\x18\x03 \x01(\tH\x00R\n" +
+	"toolCallId\x88\x01\x01\x12&\n" +
+	"\x0ftool_calls_json\x18\x04 \x01(\tR\rtoolCallsJson\x12\x17\n" +
+	"\x04name\x18\x05 \x01(\tH\x01R\x04name\x88\x01\x01B\x0f\n" +
+	"\r_tool_call_idB\a\n" +
+	"\x05_name*K\n" +
 	"\x0fProtocolVersion\x12 \n" +
 	"\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12PROTOCOL_VERSION_1\x10\x01*?\n" +
@@ -2394,6 +2443,7 @@ func file_frmps_v1_control_proto_init() {
 		(*StructuredOutputs_Grammar)(nil),
 	}
 	file_frmps_v1_control_proto_msgTypes[16].OneofWrappers = []any{}
+	file_frmps_v1_control_proto_msgTypes[21].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{

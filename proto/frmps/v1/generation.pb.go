@@ -84,6 +84,7 @@ type TokenizeRequest struct {
 	//	*TokenizeRequest_Messages
 	Input               isTokenizeRequest_Input `protobuf_oneof:"input"`
 	AddGenerationPrompt bool                    `protobuf:"varint,3,opt,name=add_generation_prompt,json=addGenerationPrompt,proto3" json:"add_generation_prompt,omitempty"` // chat only, as in GenerateRequest
+	ToolsJson           string                  `protobuf:"bytes,4,opt,name=tools_json,json=toolsJson,proto3" json:"tools_json,omitempty"`                                  // chat only, as in GenerateRequest
 	unknownFields       protoimpl.UnknownFields
 	sizeCache           protoimpl.SizeCache
 }
@@ -148,6 +149,13 @@ func (x *TokenizeRequest) GetAddGenerationPrompt() bool {
 		return x.AddGenerationPrompt
 	}
 	return false
+}
+
+func (x *TokenizeRequest) GetToolsJson() string {
+	if x != nil {
+		return x.ToolsJson
+	}
+	return ""
 }
 
 type isTokenizeRequest_Input interface {
@@ -436,8 +444,17 @@ type GenerateRequest struct {
 	Input               isGenerateRequest_Input `protobuf_oneof:"input"`
 	Params              *SamplingParams         `protobuf:"bytes,6,opt,name=params,proto3" json:"params,omitempty"`
 	AddGenerationPrompt bool                    `protobuf:"varint,7,opt,name=add_generation_prompt,json=addGenerationPrompt,proto3" json:"add_generation_prompt,omitempty"` // chat only; default applied by the engine
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// Chat only: the tools the chat template renders into the prompt (Qwen2.5's
+	// puts them in the system turn), a JSON array of OpenAI's
+	// {"type": "function", "function": {"name", "description", "parameters"}}
+	// ("description" and "parameters" null when not given, as vLLM hands them to
+	// the template); "" = none. The engine passes them to its chat template as
+	// Hugging Face's apply_chat_template(messages, tools=...) takes them. Tool
+	// calling itself is the front door's: it constrains the output through
+	// params.structured_outputs and parses the calls out of the text.
+	ToolsJson     string `protobuf:"bytes,8,opt,name=tools_json,json=toolsJson,proto3" json:"tools_json,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateRequest) Reset() {
@@ -530,6 +547,13 @@ func (x *GenerateRequest) GetAddGenerationPrompt() bool {
 		return x.AddGenerationPrompt
 	}
 	return false
+}
+
+func (x *GenerateRequest) GetToolsJson() string {
+	if x != nil {
+		return x.ToolsJson
+	}
+	return ""
 }
 
 type isGenerateRequest_Input interface {
@@ -1224,11 +1248,13 @@ var File_frmps_v1_generation_proto protoreflect.FileDescriptor
 
 const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\n" +
-	"\x19frmps/v1/generation.proto\x12\bfrmps.v1\x1a\x16frmps/v1/control.proto\"\x9e\x01\n" +
+	"\x19frmps/v1/generation.proto\x12\bfrmps.v1\x1a\x16frmps/v1/control.proto\"\xbd\x01\n" +
 	"\x0fTokenizeRequest\x12\x18\n" +
 	"\x06prompt\x18\x01 \x01(\tH\x00R\x06prompt\x124\n" +
 	"\bmessages\x18\x02 \x01(\v2\x16.frmps.v1.ChatMessagesH\x00R\bmessages\x122\n" +
-	"\x15add_generation_prompt\x18\x03 \x01(\bR\x13addGenerationPromptB\a\n" +
+	"\x15add_generation_prompt\x18\x03 \x01(\bR\x13addGenerationPrompt\x12\x1d\n" +
+	"\n" +
+	"tools_json\x18\x04 \x01(\tR\ttoolsJsonB\a\n" +
 	"\x05input\"(\n" +
 	"\x12DetokenizeResponse\x12\x12\n" +
 	"\x04text\x18\x01 \x01(\tR\x04text\"\xb9\x01\n" +
@@ -1244,7 +1270,7 @@ const file_frmps_v1_generation_proto_rawDesc = "" +
 	"statusCode\x12%\n" +
 	"\x0estatus_message\x18\x04 \x01(\tR\rstatusMessage\"?\n" +
 	"\x0eStreamResponse\x12-\n" +
-	"\x06chunks\x18\x01 \x03(\v2\x15.frmps.v1.StreamChunkR\x06chunks\"\xc1\x02\n" +
+	"\x06chunks\x18\x01 \x03(\v2\x15.frmps.v1.StreamChunkR\x06chunks\"\xe0\x02\n" +
 	"\x0fGenerateRequest\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\x04R\x03key\x12\x1d\n" +
 	"\n" +
@@ -1253,7 +1279,9 @@ const file_frmps_v1_generation_proto_rawDesc = "" +
 	"\x10prompt_token_ids\x18\x04 \x01(\v2\x12.frmps.v1.TokenIdsH\x00R\x0epromptTokenIds\x124\n" +
 	"\bmessages\x18\x05 \x01(\v2\x16.frmps.v1.ChatMessagesH\x00R\bmessages\x120\n" +
 	"\x06params\x18\x06 \x01(\v2\x18.frmps.v1.SamplingParamsR\x06params\x122\n" +
-	"\x15add_generation_prompt\x18\a \x01(\bR\x13addGenerationPromptB\a\n" +
+	"\x15add_generation_prompt\x18\a \x01(\bR\x13addGenerationPrompt\x12\x1d\n" +
+	"\n" +
+	"tools_json\x18\b \x01(\tR\ttoolsJsonB\a\n" +
 	"\x05input\"\x1c\n" +
 	"\bTokenIds\x12\x10\n" +
 	"\x03ids\x18\x01 \x03(\rR\x03ids\"A\n" +

@@ -62,6 +62,19 @@ type Config struct {
 	// the real engines do (one id per word, three per chat message's role); a
 	// request is then identified by those ids, whichever input carries them.
 	PromptIDs bool
+	// Script makes the output's token texts these, in order (token k's text is
+	// Script[k]) instead of TokenText, for tests of what the front door reads in
+	// the text (tool calls); the output ends with "stop" after the last one,
+	// or with "length" where max_tokens cuts it first.
+	Script []string
+}
+
+// tokenText is the text of output token k, id.
+func (c *Config) tokenText(k int, id uint32) string {
+	if c.Script != nil {
+		return c.Script[k]
+	}
+	return TokenText(id)
 }
 
 // TokenText is the text of one output token in the fake's vocabulary.
@@ -93,6 +106,7 @@ type Engine struct {
 	abortCh  chan uint64
 	requests []*frmpsv1.GenerateRequest
 	resumes  []*frmpsv1.ResumeStreamRequest
+	tokenize []*frmpsv1.TokenizeRequest
 }
 
 // Start serves a fake on a unix socket at path.
@@ -176,6 +190,13 @@ func (e *Engine) Requests() []*frmpsv1.GenerateRequest {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return append([]*frmpsv1.GenerateRequest(nil), e.requests...)
+}
+
+// Tokenizes returns the Tokenize calls received so far.
+func (e *Engine) Tokenizes() []*frmpsv1.TokenizeRequest {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]*frmpsv1.TokenizeRequest(nil), e.tokenize...)
 }
 
 // Resumes returns the Resume calls received so far.
@@ -263,7 +284,13 @@ func makePlan(cfg *Config, prompt string, ids []uint32, msgs []*frmpsv1.ChatMess
 	if cfg.PromptIDs {
 		pl.promptIDs = ids
 	}
-	if p.GetMaxTokens() > 0 {
+	switch {
+	case cfg.Script != nil:
+		pl.total = len(cfg.Script)
+		if m := int(p.GetMaxTokens()); m > 0 && m < pl.total {
+			pl.total, pl.finish = m, frmpsv1.FinishReason_FINISH_REASON_LENGTH
+		}
+	case p.GetMaxTokens() > 0:
 		pl.total, pl.finish = int(p.GetMaxTokens()), frmpsv1.FinishReason_FINISH_REASON_LENGTH
 	}
 	if cfg.MaxModelLen > 0 && n+pl.total > cfg.MaxModelLen {
@@ -377,7 +404,7 @@ func (e *Engine) emit(stream grpc.ServerStreamingServer[frmpsv1.GenerateResponse
 				resp.Logprobs = append(resp.Logprobs, Logprobs(id, pl.logprobs))
 			}
 			if !e.cfg.StampText {
-				sb.WriteString(TokenText(id))
+				sb.WriteString(e.cfg.tokenText(k, id))
 			}
 		}
 		if e.cfg.StampText {
@@ -431,6 +458,9 @@ func (s *service) Tokenize(_ context.Context, req *frmpsv1.TokenizeRequest) (*fr
 	if s.e.dead.Load() {
 		return nil, status.Error(codes.Unavailable, "fake engine is dead")
 	}
+	s.e.mu.Lock()
+	s.e.tokenize = append(s.e.tokenize, req)
+	s.e.mu.Unlock()
 	ids := promptIDs(req.GetPrompt(), req.GetMessages().GetMessages())
 	if len(ids) == 0 {
 		return nil, status.Error(codes.InvalidArgument, "nothing to tokenize")
@@ -468,7 +498,7 @@ func Expected(cfg Config, req *frmpsv1.GenerateRequest) (ids []uint32, text stri
 	for i := 0; i < pl.total; i++ {
 		id := TokenID(pl.ident, i)
 		ids = append(ids, id)
-		sb.WriteString(TokenText(id))
+		sb.WriteString(cfg.tokenText(i, id))
 	}
 	finish = "stop"
 	if pl.finish == frmpsv1.FinishReason_FINISH_REASON_LENGTH {

@@ -26,14 +26,16 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
-    def apply_chat_template(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(self, messages: Iterable[Any], add_generation_prompt: bool = True,
+                            tools: Sequence[Any] | None = None) -> list[int]: ...
+
+
+def _field(m: Any, name: str) -> Any:
+    return m.get(name) if isinstance(m, Mapping) else getattr(m, name, None)
 
 
 def _role_content(m: Any) -> tuple[str, str]:
-    if isinstance(m, Mapping):
-        role, content = m.get("role"), m.get("content")
-    else:
-        role, content = getattr(m, "role", None), getattr(m, "content", None)
+    role, content = _field(m, "role"), _field(m, "content")
     if not isinstance(role, str) or not role:
         raise TokenizerError(f"chat message without a role: {m!r}")
     if content is None:
@@ -68,14 +70,13 @@ class ByteTokenizer:
         which a grammar never allows (the end of sequence ends it)."""
         return [bytes([i]) for i in range(256)] + [b""] * len(self.SPECIALS), "RAW"
 
-    def apply_chat_template(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: Iterable[Any], add_generation_prompt: bool = True,
+                            tools: Sequence[Any] | None = None) -> list[int]:
+        # The turn markers are the special ids; text is bytes, so a message that
+        # holds "<|im_start|>" cannot open a turn.
         out: list[int] = []
-        nl = self.encode("\n")
-        for m in messages:
-            role, content = _role_content(m)
-            out += [self.im_start_id, *self.encode(role), *nl, *self.encode(content), self.im_end_id, *nl]
-        if add_generation_prompt:
-            out += [self.im_start_id, *self.encode("assistant"), *nl]
+        for special, part in chatml_parts(messages, add_generation_prompt, tools):
+            out += [self.im_start_id if part == IM_START else self.im_end_id] if special else self.encode(part)
         return out
 
 
@@ -132,8 +133,9 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(chatml(messages, add_generation_prompt))
+    def apply_chat_template(self, messages: Iterable[Any], add_generation_prompt: bool = True,
+                            tools: Sequence[Any] | None = None) -> list[int]:
+        return self.encode(chatml(messages, add_generation_prompt, tools))
 
 
 def _eos_candidates(model_dir: str) -> list[Any]:
@@ -150,14 +152,65 @@ def _eos_candidates(model_dir: str) -> list[Any]:
     return out
 
 
-def chatml(messages: Iterable[Any], add_generation_prompt: bool = True) -> str:
-    parts = []
-    for m in messages:
-        role, content = _role_content(m)
-        parts.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+# Qwen2.5's tool preamble (modeldir.CHAT_TEMPLATE's, which a model directory carries).
+_TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+               "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+               "<args-json-object>}\n</tool_call>")
+
+
+def _tojson(v: Any) -> str:
+    """Hugging Face's tojson filter in chat templates."""
+    return json.dumps(v, ensure_ascii=False)
+
+
+def chatml_parts(messages: Iterable[Any], add_generation_prompt: bool = True,
+                 tools: Sequence[Any] | None = None) -> list[tuple[bool, str]]:
+    """A chat in ChatML as (special, text) parts, the turn markers special: what
+    modeldir.CHAT_TEMPLATE renders (Qwen2.5's format) for the messages, the tools
+    (listed in the system turn), an assistant's tool_calls (<tool_call> blocks) and
+    tool results (<tool_response> blocks in a user turn). A role the template does
+    not know is rendered as a plain turn."""
+    msgs = [(m, *_role_content(m)) for m in messages]
+    out: list[tuple[bool, str]] = []
+
+    def turn(role: str, content: str) -> None:
+        out.extend([(True, IM_START), (False, f"{role}\n{content}"), (True, IM_END), (False, "\n")])
+
+    if tools:
+        system = msgs[0][2] if msgs and msgs[0][1] == "system" else "You are a helpful assistant."
+        listed = "".join("\n" + _tojson(t) for t in tools)
+        turn("system", system + _TOOLS_HEAD + listed + _TOOLS_TAIL)
+    for i, (m, role, content) in enumerate(msgs):
+        calls = _field(m, "tool_calls") if role == "assistant" else None
+        if role == "system" and i == 0 and tools:
+            continue  # in the tools' system turn
+        if role == "assistant" and calls:
+            text = "assistant" + ("\n" + content if content else "")
+            for c in calls:
+                f = c.get("function", c) if isinstance(c, Mapping) else c
+                args = f.get("arguments")
+                text += ('\n<tool_call>\n{"name": "' + str(f.get("name")) + '", "arguments": '
+                         + (args if isinstance(args, str) else _tojson(args)) + "}\n</tool_call>")
+            out.extend([(True, IM_START), (False, text), (True, IM_END), (False, "\n")])
+        elif role == "tool":
+            if i == 0 or msgs[i - 1][1] != "tool":
+                out.extend([(True, IM_START), (False, "user")])
+            out.append((False, "\n<tool_response>\n" + content + "\n</tool_response>"))
+            if i == len(msgs) - 1 or msgs[i + 1][1] != "tool":
+                out.extend([(True, IM_END), (False, "\n")])
+        else:
+            turn(role, content)
     if add_generation_prompt:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
+        out.extend([(True, IM_START), (False, "assistant\n")])
+    return out
+
+
+def chatml(messages: Iterable[Any], add_generation_prompt: bool = True, tools: Sequence[Any] | None = None) -> str:
+    return "".join(text for _, text in chatml_parts(messages, add_generation_prompt, tools))
 
 
 def load_tokenizer(model_dir: str | None) -> Tokenizer:

@@ -7,6 +7,7 @@ wire one thread hand-off after the step that produced it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -47,13 +48,52 @@ class GenerationBackend(Protocol):
     def load(self) -> tuple[int, int]: ...
 
 
-def chat_to_ids(tok: Tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    """Apply the tokenizer's chat template. The generation prompt is added when asked
-    or when the last message is not the assistant's (proto3 cannot tell unset from false)."""
-    msgs = [{"role": m.role, "content": m.content} for m in messages]
+def chat_message(m) -> dict:
+    """A ChatMessage as a chat template takes it (vLLM's conversation message): role
+    and content, and where the message has them an assistant's tool_calls (their
+    arguments JSON values), a tool result's tool_call_id, a name."""
+    d = {"role": m.role, "content": m.content}
+    calls = getattr(m, "tool_calls_json", "")
+    if calls:
+        try:
+            d["tool_calls"] = json.loads(calls)
+        except ValueError as e:
+            raise InvalidRequest(f"message tool_calls_json is not JSON: {e}") from None
+    has = getattr(m, "HasField", None)
+    for field in ("tool_call_id", "name"):
+        if has is not None and has(field):
+            d[field] = getattr(m, field)
+    return d
+
+
+def chat_tools(tools_json: str) -> list | None:
+    """A request's tools_json as the chat template takes them (None: no tools)."""
+    if not tools_json:
+        return None
+    try:
+        tools = json.loads(tools_json)
+    except ValueError as e:
+        raise InvalidRequest(f"tools_json is not JSON: {e}") from None
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools_json must be a JSON array")
+    return tools or None
+
+
+def chat_to_ids(tok: Tokenizer, messages, add_generation_prompt: bool, tools_json: str = "") -> list[int]:
+    """Apply the tokenizer's chat template, with the request's tools when it has
+    some. The generation prompt is added when asked or when the last message is
+    not the assistant's (proto3 cannot tell unset from false)."""
+    msgs = [chat_message(m) for m in messages]
     if not msgs:
         raise InvalidRequest("messages must not be empty")
     agp = add_generation_prompt or msgs[-1]["role"] != "assistant"
+    tools = chat_tools(tools_json)
+    if tools is not None:
+        # Only with tools: a tokenizer of an older adapter need not take them.
+        try:
+            return list(tok.apply_chat_template(msgs, add_generation_prompt=agp, tools=tools))
+        except TypeError as e:
+            raise InvalidRequest(f"this engine's chat template does not take tools: {e}") from None
     try:
         return list(tok.apply_chat_template(msgs, add_generation_prompt=agp))
     except TypeError:
@@ -74,9 +114,9 @@ def pb_ints(field) -> list[int]:
 
 
 def input_to_ids(tok: Tokenizer, *, prompt: str | None = None, prompt_token_ids=None, messages=None,
-                 add_generation_prompt: bool = False) -> list[int]:
+                 add_generation_prompt: bool = False, tools_json: str = "") -> list[int]:
     if messages is not None:
-        return chat_to_ids(tok, messages, add_generation_prompt)
+        return chat_to_ids(tok, messages, add_generation_prompt, tools_json)
     if prompt_token_ids is not None:
         # A message's field holds ints already: copied without an int() per token
         # (half the cost for a long prompt, on a takeover's path).
@@ -101,6 +141,7 @@ def request_ids(tok: Tokenizer, request) -> list[int]:
         prompt_token_ids=request.prompt_token_ids.ids if which == "prompt_token_ids" else None,
         messages=request.messages.messages if which == "messages" else None,
         add_generation_prompt=request.add_generation_prompt,
+        tools_json=request.tools_json,
     )
 
 

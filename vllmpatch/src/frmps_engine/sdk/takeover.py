@@ -325,6 +325,7 @@ class Takeovers:
                 prompt=r.prompt,
                 prompt_token_ids=r.prompt_token_ids if r.prompt_token_ids else None,
                 messages=list(r.messages) if r.messages else None,
+                tools_json=r.tools_json,
             )
             if not ids:
                 raise InvalidRequest("empty prompt")

@@ -50,8 +50,13 @@ class VllmTokenizer:
             return self._backend(list(ids), skip_special_tokens=True)
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        ids = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The model's chat template (Hugging Face's apply_chat_template, as vLLM's
+        renderer calls it), with the request's tools (rendered by the template:
+        Qwen2.5's lists them in the system turn)."""
+        ids = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            tokenize=True)
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a Mapping, not a dict)
             ids = ids["input_ids"]
         return list(ids)

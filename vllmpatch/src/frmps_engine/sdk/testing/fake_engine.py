@@ -12,6 +12,7 @@ FRMPS_FAKE_FAULT_AT_STEP=N raises a CUDA-like error at step N.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -36,8 +37,12 @@ class FakeTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> list[int]:
+        # Tools, and a message's tool calls, call id and name, as JSON in the text.
+        text = f"<tools>{json.dumps(tools)}\n" if tools else ""
+        for m in messages:
+            extra = "".join(f" {k}={json.dumps(m[k])}" for k in ("tool_calls", "tool_call_id", "name") if k in m)
+            text += f"<{m['role']}{extra}>{m['content']}\n"
         if add_generation_prompt:
             text += "<assistant>"
         return self.encode(text)

@@ -288,7 +288,7 @@ class Choices(_message.Message):
     def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
-    __slots__ = ("key", "request_id", "prompt", "prompt_token_ids", "messages", "params", "delivered_token_ids", "snapshot", "engine_request")
+    __slots__ = ("key", "request_id", "prompt", "prompt_token_ids", "messages", "params", "delivered_token_ids", "snapshot", "engine_request", "tools_json")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class ResumeRequest(_message.Message):
     DELIVERED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     key: int
     request_id: str
     prompt: str
@@ -307,7 +308,8 @@ class ResumeRequest(_message.Message):
     delivered_token_ids: _containers.RepeatedScalarFieldContainer[int]
     snapshot: RequestSnapshot
     engine_request: bytes
-    def __init__(self, key: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., delivered_token_ids: _Optional[_Iterable[int]] = ..., snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ..., engine_request: _Optional[bytes] = ...) -> None: ...
+    tools_json: str
+    def __init__(self, key: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., delivered_token_ids: _Optional[_Iterable[int]] = ..., snapshot: _Optional[_Union[RequestSnapshot, _Mapping]] = ..., engine_request: _Optional[bytes] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class RequestSnapshot(_message.Message):
     __slots__ = ("block_ids", "token_ids", "num_prompt_tokens", "num_computed_tokens", "seed", "step", "output_token_ids")
@@ -348,9 +350,15 @@ class Handoff(_message.Message):
     def __init__(self) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_call_id", "tool_calls_json", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_call_id: str
+    tool_calls_json: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
