@@ -174,6 +174,14 @@ c-test: c-build ## interceptor unit tests against the fake libcuda
 # loaded model, start once. PYTEST_PAR= runs them in one process.
 PYTEST_PAR ?= -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
 
+# Every process the tests start runs torch's (and numpy's BLAS) CPU kernels on one
+# thread: the suites keep several of those processes busy at once (workers, engines,
+# scripts), and OpenMP's idle worker threads spin-wait on cores the others need (a
+# Triton-interpreter test script beside two busy loops: 42.7 s and 14.6 CPU-s with the
+# default two threads, 28.4 s and 8.4 CPU-s with one). Results do not depend on the
+# thread count (test_refengine.py checks it).
+test py-test py-test-main py-test-vllm026 go-test go-test-py deploy-test: export OMP_NUM_THREADS = 1
+
 # The interceptor and its fake libcuda, built before the workers start: several test
 # modules build them (make -C interceptor), and two workers must not write them at once.
 .PHONY: py-test-libs
