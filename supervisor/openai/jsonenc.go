@@ -20,19 +20,7 @@ func appendJSONString(b []byte, s string) []byte {
 				i++
 				continue
 			}
-			b = append(b, s[start:i]...)
-			switch c {
-			case '"', '\\':
-				b = append(b, '\\', c)
-			case '\n':
-				b = append(b, '\\', 'n')
-			case '\r':
-				b = append(b, '\\', 'r')
-			case '\t':
-				b = append(b, '\\', 't')
-			default:
-				b = append(b, '\\', 'u', '0', '0', hexDigits[c>>4], hexDigits[c&0xf])
-			}
+			b = appendEscaped(append(b, s[start:i]...), c, false)
 			i++
 			start = i
 			continue
@@ -57,4 +45,29 @@ func appendJSONString(b []byte, s string) []byte {
 	}
 	b = append(b, s[start:]...)
 	return append(b, '"')
+}
+
+// appendEscaped appends the escape of an ASCII byte a JSON string must escape:
+// '"', '\\' and control characters; \b and \f as Python's json writes them when
+// py, else as \u00XX (the front door's own strings).
+func appendEscaped(b []byte, c byte, py bool) []byte {
+	switch c {
+	case '"', '\\':
+		return append(b, '\\', c)
+	case '\n':
+		return append(b, '\\', 'n')
+	case '\r':
+		return append(b, '\\', 'r')
+	case '\t':
+		return append(b, '\\', 't')
+	case '\b':
+		if py {
+			return append(b, '\\', 'b')
+		}
+	case '\f':
+		if py {
+			return append(b, '\\', 'f')
+		}
+	}
+	return append(b, '\\', 'u', '0', '0', hexDigits[c>>4], hexDigits[c&0xf])
 }

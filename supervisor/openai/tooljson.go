@@ -205,25 +205,10 @@ func appendJSONText(b []byte, s string, py bool) []byte {
 			i += size
 			continue
 		}
-		switch c {
-		case '"', '\\':
-			b = append(b, '\\', c)
-		case '\n':
-			b = append(b, '\\', 'n')
-		case '\r':
-			b = append(b, '\\', 'r')
-		case '\t':
-			b = append(b, '\\', 't')
-		case '\b':
-			b = append(b, '\\', 'b')
-		case '\f':
-			b = append(b, '\\', 'f')
-		default:
-			if c < 0x20 {
-				b = append(b, '\\', 'u', '0', '0', hexDigits[c>>4], hexDigits[c&0xf])
-			} else {
-				b = append(b, c)
-			}
+		if c < 0x20 || c == '"' || c == '\\' {
+			b = appendEscaped(b, c, true)
+		} else {
+			b = append(b, c)
 		}
 		i++
 	}

@@ -41,6 +41,10 @@ func TestPyDumps(t *testing.T) {
 	if got, want := s.pyDumps(), "\"é\\n\\t\\u0001\u2028\u007f/\\\"\\\\\""; got != want {
 		t.Errorf("string pyDumps = %q, want %q", got, want)
 	}
+	// json.dumps("\b\f\x1f") == '"\\b\\f\\u001f"'
+	if s, _ := parseJNode([]byte(`"\b\f\u001f"`)); s.pyDumps() != `"\b\f\u001f"` {
+		t.Errorf("string pyDumps = %s, want \"\\b\\f\\u001f\"", s.pyDumps())
+	}
 	for _, bad := range []string{``, `{`, `{"a":1} x`, `[1,]`, `{"a" 1}`, "\"\x01\""} {
 		if _, err := parseJNode([]byte(bad)); err == nil {
 			t.Errorf("parseJNode(%q) accepted invalid JSON", bad)
