@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The OpenAI surface of `frmps serve --engine vllm --frontend vllm` across real faults.
+"""The OpenAI surface of `frmps serve --engine vllm` across real faults, through
+either front door (--frontend: vLLM's own API server, or frmps's).
 
 The feature matrix (bench/openai_matrix.py) shows which features work; this
 shows that they keep working when the active engine dies mid-request. One
-deployment (active in MPS, standby outside, vLLM's own API server as the front
-door). A set of requests that covers the matrix's features (completions and
+deployment (active in MPS, standby outside, the front door --frontend names). A set of requests that covers the matrix's features (completions and
 chat, streamed and not, n > 1, batched prompts, logprobs/top_logprobs, echo,
 penalties, logit_bias, stop strings, min_tokens, a JSON-schema response_format,
 a structured-output regex, named/required/auto tool calls through the hermes
@@ -420,6 +420,8 @@ def main() -> int:
     ap.add_argument("--faults-dir", default="bench/build/faults")
     ap.add_argument("--structured-outputs-config", default='{"backend": "xgrammar", "disable_any_whitespace": true}')
     ap.add_argument("--tool-call-parser", default="hermes")
+    ap.add_argument("--frontend", choices=("vllm", "frmps"), default="vllm",
+                    help="the OpenAI endpoint: vLLM's own API server (frmps serve --frontend vllm) or frmps's front door")
     ap.add_argument("--api-key", default="", help="serve with --api-key and send it")
     ap.add_argument("--workdir", default="/tmp/frmps-openai-faults")
     ap.add_argument("--out", default="openai_fault_proof.json")
@@ -438,8 +440,9 @@ def main() -> int:
         args.engine_arg.append("--max-num-seqs=32")
     name = args.served_model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     # The structured-outputs config as a user gives it: --vllm-arg reaches the API server and the engines.
-    args.serve_arg = [*args.serve_arg, "--frontend=vllm", f"--served-model-name={name}",
-                      "--frontend-arg=--enable-auto-tool-choice", f"--frontend-arg=--tool-call-parser={args.tool_call_parser}",
+    # The tool-calling flags as vllm serve's, which frmps serve takes for either front door.
+    args.serve_arg = [*args.serve_arg, f"--frontend={args.frontend}", f"--served-model-name={name}",
+                      "--enable-auto-tool-choice", f"--tool-call-parser={args.tool_call_parser}",
                       f"--vllm-arg=--structured-outputs-config={args.structured_outputs_config}"]
     if args.api_key:
         args.serve_arg.append(f"--api-key={args.api_key}")
@@ -464,6 +467,7 @@ def main() -> int:
     os.makedirs(args.workdir, exist_ok=True)
     t_begin = time.time()
     report: dict = {"model": args.model, "served_model_name": name, "device": args.device, "max_tokens": args.max_tokens,
+                    "frontend": args.frontend,
                     "cpu_check": args.cpu, "cases": [], "faults": []}
     kinds = [k for k in args.fault_kinds.split(",") if k]
     def record_cases() -> None:

@@ -32,13 +32,14 @@
 #                                      --fault+misaligned,shared_oob)
 #   vllm-frontend-failback:<model>:<n>:<budget>[:<timeout>]  vllm-failback through vLLM's own API server as the
 #                                      front door (frmps serve --frontend vllm): the same streams, faults, checks
-#   openai-matrix:<model>[:<timeout>]  bench/openai_matrix.py against `vllm serve` and against `frmps serve --engine vllm
+#   openai-matrix:<model>[:<timeout>]  bench/openai_matrix.py against `vllm serve`, `frmps serve` (Go front door) and `frmps serve --engine vllm
 #                                      --frontend vllm` on the same model directory (default 900 s); the table in
 #                                      $OUT/openai-matrix.md. Both need the API server's packages: .gpu/wheels-server
 #                                      (bench/gpu/server-wheels.sh downloads them; installed into VLSITE by prep)
-#   openai-faults:<model>:<n>[:<timeout>]  bench/gpu/openai_fault_proof.py: the matrix's features (n, logprobs, echo,
+#   openai-faults:<model>:<n>[:<timeout>[:<frontend>]]  bench/gpu/openai_fault_proof.py: the matrix's features (n, logprobs, echo,
 #                                      penalties, stop, min_tokens, JSON schema, regex, tool calls, Responses) in flight
-#                                      through `frmps serve --frontend vllm` while n real MPS faults hit the active;
+#                                      through `frmps serve --frontend <frontend>` (vllm, the default, or frmps)
+#                                      while n real MPS faults hit the active;
 #                                      each compared with its no-fault result (default timeout 900 s)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1;
@@ -246,22 +247,33 @@ stage_matrix() {  # model [timeout]
     set +m
     run_matrix 8000 "$model" "frmps --frontend vllm" frmps-vllm "$limit" "$pid"
     stop_group "$pid"
+    # The default front door (frmps's own) at the defaults, with the flags the feature rows need.
+    log "openai-matrix $model: frmps serve (Go front door)"
+    set -m
+    bin/frmps serve --model "$m" --served-model-name "$model" --port 8000 --max-model-len 4096 --python python3 \
+        --enable-auto-tool-choice --tool-call-parser hermes --vllm-arg=--structured-outputs-config="$so" \
+        --engine-log-dir "$WORK/matrix-frmps-go-logs" > "$WORK/matrix-frmps-go.log" 2>&1 &
+    pid=$!
+    set +m
+    run_matrix 8000 "$model" "frmps (Go front door)" frmps-go "$limit" "$pid"
+    stop_group "$pid"
     python3 bench/openai_matrix.py --table "$OUT"/matrix-*.json > "$OUT/openai-matrix.md" 2>&1
     tail -n 45 "$OUT/openai-matrix.md" >> "$S"
 }
 
-stage_openai_faults() {  # model n [timeout]
+stage_openai_faults() {  # model n [timeout] [frontend]
     vllm_env
-    local model=$1 n=$2 limit=${3:-$((900 + $(ctl_s)))} m
+    local model=$1 n=$2 limit=${3:-$((900 + $(ctl_s)))} fe=${4:-vllm} m
+    local tag="$model-$fe"
     m=$(model_dir "$model") || { log "openai-faults $model: model-dir failed"; return; }
-    rm -rf "$WORK/openai-faults-$model"
-    log "openai-faults $model: $n faults"
+    rm -rf "$WORK/openai-faults-$tag"
+    log "openai-faults $model ($fe front door): $n faults"
     bounded "$limit" python3 bench/gpu/openai_fault_proof.py --frmps bin/frmps --python python3 --model "$m" \
         --served-model-name "$model" --faults "$n" --num-blocks "$(nblocks "$model")" --max-model-len 4096 \
-        --workdir "$WORK/openai-faults-$model" --controls "$CONTROLS" --out "$OUT/openai-faults-$model.json" \
-        > "$WORK/openai-faults-$model.out" 2>&1
-    log "openai-faults $model: rc=$?"
-    tail -n 30 "$WORK/openai-faults-$model.out" >> "$S"
+        --frontend "$fe" --workdir "$WORK/openai-faults-$tag" --controls "$CONTROLS" --out "$OUT/openai-faults-$tag.json" \
+        > "$WORK/openai-faults-$tag.out" 2>&1
+    log "openai-faults $model ($fe): rc=$?"
+    tail -n 30 "$WORK/openai-faults-$tag.out" >> "$S"
 }
 
 seeded_dir() {  # the seeded checkpoint of a preset, written once into $WORK/models; prints it
@@ -476,7 +488,7 @@ for st in "$@"; do
         vllm-soak) stage_failback vllm "$a" "$b" "$c" "$d" soak ;;
         vllm-frontend-failback) stage_failback vllm "$a" "$b" "$c" "$d" frontend ;;
         openai-matrix) stage_matrix "$a" "$b" ;;
-        openai-faults) stage_openai_faults "$a" "$b" "$c" ;;
+        openai-faults) stage_openai_faults "$a" "$b" "$c" "$d" ;;
         ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp-failback) stage_vllm_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;
