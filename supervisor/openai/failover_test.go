@@ -234,6 +234,11 @@ func TestResumeRefusedEndsWithErrorEvent(t *testing.T) {
 	s := readStream(t, resp.Body, nil)
 	resp.Body.Close()
 	lastIsError(t, s, "stream_resume_failed")
+	// The log says which engine ended the stream, and where.
+	if l := h.logs.String(); !strings.Contains(l, "engine ended a stream") || !strings.Contains(l, "resume=true") ||
+		!strings.Contains(l, "delivered=4") || !strings.Contains(l, "generation=") {
+		t.Errorf("no log line of the refused resume:\n%s", l)
+	}
 	if n := len(strings.Fields(s.text())); n != 4 {
 		t.Errorf("%d tokens before the error, want 4", n)
 	}

@@ -223,6 +223,12 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 				if resuming {
 					s.m.resumes.WithLabelValues("failed").Inc()
 				}
+				if resuming || delivered > 0 {
+					// A stream cut after it began: which engine ended it, and where
+					// (the client sees only the error).
+					s.log.Warn("engine ended a stream", "key", or.key, "generation", eng.Generation, "resume", resuming,
+						"chunks_on_this_stream", gotChunk, "delivered", delivered, "failovers", resumes, "error", err)
+				}
 				return fail(engineError(err, s.cfg.RetryAfter))
 			}
 			resumes++

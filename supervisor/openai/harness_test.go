@@ -2,6 +2,7 @@ package openai_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -12,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -39,6 +41,25 @@ type harness struct {
 	client  *http.Client
 	ecfg    fakegen.Config
 	engines []*fakegen.Engine
+	logs    lockedBuffer // the front door's log
+}
+
+// lockedBuffer is a log sink safe to read while the server writes.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 // newHarness serves the front door over real TCP with the http.Server and
@@ -68,7 +89,7 @@ func newHarnessWrapped(t *testing.T, cfg openai.Config, ecfg fakegen.Config, wra
 	h.backend = fakegen.NewBackend(openai.ModelInfo{Name: ecfg.Model, MaxModelLen: ecfg.MaxModelLen})
 	eng := h.addEngine(ecfg)
 	h.backend.Set(eng.Client())
-	h.fd, err = openai.New(cfg, h.backend, hclog.NewNullLogger(), h.reg)
+	h.fd, err = openai.New(cfg, h.backend, hclog.New(&hclog.LoggerOptions{Output: &h.logs, Level: hclog.Info}), h.reg)
 	if err != nil {
 		t.Fatal(err)
 	}
