@@ -330,7 +330,7 @@ class FrmpsServer(Server):
         """Until an active serves with a standby ready behind it (the state a
         fault of the active is a failover from); the seconds it took."""
         t0 = time.monotonic()
-        self.dep.wait(lambda s: self.dep.ready_pair(s), timeout, "an active serving and a standby ready")
+        self.dep.wait_pair(timeout=timeout)
         return time.monotonic() - t0
 
     def active_pid(self) -> int | None:

@@ -1,7 +1,6 @@
 package openai
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -117,9 +116,8 @@ func (s *Server) tokenizerRouteInner(w http.ResponseWriter, r *http.Request,
 		return fail(e)
 	}
 	var b tokenizeBody
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	if err := dec.Decode(&b); err != nil {
-		return fail(decodeError(err))
+	if e := decodeBody(raw, &b); e != nil {
+		return fail(e)
 	}
 	if e := checkModel(b.Model, s.model.Name); e != nil {
 		return fail(e)
