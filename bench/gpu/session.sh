@@ -35,12 +35,15 @@
 #   openai-matrix:<model>[:<timeout>]  bench/openai_matrix.py against `vllm serve`, `frmps serve` (Go front door) and `frmps serve --engine vllm
 #                                      --frontend vllm` on the same model directory (default 900 s); the table in
 #                                      $OUT/openai-matrix.md. Both need the API server's packages: .gpu/wheels-server
-#                                      (bench/gpu/server-wheels.sh downloads them; installed into VLSITE by prep)
-#   openai-faults:<model>:<n>[:<timeout>[:<frontend>]]  bench/gpu/openai_fault_proof.py: the matrix's features (n, logprobs, echo,
+#                                      (bench/gpu/server-wheels.sh downloads them; installed into VLSITE by prep);
+#                                      env:MATRIX_SYSTEMS=<list>: which of vllm-serve, frmps-vllm, frmps-go (default all)
+#   openai-faults:<model>:<n>[:<timeout>[:<frontend>[:exact]]]  bench/gpu/openai_fault_proof.py: the matrix's features (n, logprobs, echo,
 #                                      penalties, stop, min_tokens, JSON schema, regex, tool calls, Responses) in flight
 #                                      through `frmps serve --frontend <frontend>` (vllm, the default, or frmps)
 #                                      while n real MPS faults hit the active;
-#                                      each compared with its no-fault result (default timeout 900 s)
+#                                      each compared with its no-fault result (default timeout 900 s); exact: on the
+#                                      seeded checkpoint (stage seeded:<model> first) with frmps serve --exact, so that
+#                                      the comparison sees the KV cache and does not depend on the batch
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1;
 #                                      env:CONTROLS=off|on|<cases>: the proofs' negative controls (failback, soak,
@@ -228,6 +231,8 @@ stage_matrix() {  # model [timeout]
     m=$(model_dir "$model") || { log "openai-matrix $model: model-dir failed"; return; }
     local so='{"backend": "xgrammar", "disable_any_whitespace": true}'
     local vflags=(--enable-auto-tool-choice --tool-call-parser hermes --max-model-len 4096 --load-format dummy)
+    local want=",${MATRIX_SYSTEMS:-vllm-serve,frmps-vllm,frmps-go},"
+    if [[ $want == *,vllm-serve,* ]]; then
     log "openai-matrix $model: vllm serve"
     set -m
     python3 -m vllm.entrypoints.cli.main serve "$m" --port 8100 --served-model-name "$model" "${vflags[@]}" \
@@ -236,6 +241,8 @@ stage_matrix() {  # model [timeout]
     set +m
     run_matrix 8100 "$model" "vllm serve" vllm-serve "$limit" "$pid"
     stop_group "$pid"
+    fi
+    if [[ $want == *,frmps-vllm,* ]]; then
     log "openai-matrix $model: frmps serve --engine vllm --frontend vllm"
     set -m
     bin/frmps serve --engine vllm --frontend vllm --model "$m" --served-model-name "$model" --device cuda --memory cuda-vmm \
@@ -247,6 +254,8 @@ stage_matrix() {  # model [timeout]
     set +m
     run_matrix 8000 "$model" "frmps --frontend vllm" frmps-vllm "$limit" "$pid"
     stop_group "$pid"
+    fi
+    if [[ $want == *,frmps-go,* ]]; then
     # The default front door (frmps's own) at the defaults, with the flags the feature rows need.
     log "openai-matrix $model: frmps serve (Go front door)"
     set -m
@@ -257,21 +266,27 @@ stage_matrix() {  # model [timeout]
     set +m
     run_matrix 8000 "$model" "frmps (Go front door)" frmps-go "$limit" "$pid"
     stop_group "$pid"
+    fi
     python3 bench/openai_matrix.py --table "$OUT"/matrix-*.json > "$OUT/openai-matrix.md" 2>&1
     tail -n 45 "$OUT/openai-matrix.md" >> "$S"
 }
 
-stage_openai_faults() {  # model n [timeout] [frontend]
+stage_openai_faults() {  # model n [timeout] [frontend] [exact]
     vllm_env
-    local model=$1 n=$2 limit=${3:-$((900 + $(ctl_s)))} fe=${4:-vllm} m
+    local model=$1 n=$2 limit=${3:-$((900 + $(ctl_s)))} fe=${4:-vllm} m exact=()
     local tag="$model-$fe"
-    m=$(model_dir "$model") || { log "openai-faults $model: model-dir failed"; return; }
+    if [ "${5:-}" = exact ]; then
+        m=$(seeded_for openai-faults "$model") || return
+        exact=(--serve-arg=--exact) tag="$model-$fe-exact"
+    else
+        m=$(model_dir "$model") || { log "openai-faults $model: model-dir failed"; return; }
+    fi
     rm -rf "$WORK/openai-faults-$tag"
-    log "openai-faults $model ($fe front door): $n faults"
+    log "openai-faults $model ($fe front door${exact:+, seeded checkpoint, --exact}): $n faults"
     bounded "$limit" python3 bench/gpu/openai_fault_proof.py --frmps bin/frmps --python python3 --model "$m" \
         --served-model-name "$model" --faults "$n" --num-blocks "$(nblocks "$model")" --max-model-len 4096 \
         --frontend "$fe" --workdir "$WORK/openai-faults-$tag" --controls "$CONTROLS" --out "$OUT/openai-faults-$tag.json" \
-        > "$WORK/openai-faults-$tag.out" 2>&1
+        "${exact[@]}" > "$WORK/openai-faults-$tag.out" 2>&1
     log "openai-faults $model ($fe): rc=$?"
     tail -n 30 "$WORK/openai-faults-$tag.out" >> "$S"
 }
@@ -488,7 +503,7 @@ for st in "$@"; do
         vllm-soak) stage_failback vllm "$a" "$b" "$c" "$d" soak ;;
         vllm-frontend-failback) stage_failback vllm "$a" "$b" "$c" "$d" frontend ;;
         openai-matrix) stage_matrix "$a" "$b" ;;
-        openai-faults) stage_openai_faults "$a" "$b" "$c" "$d" ;;
+        openai-faults) stage_openai_faults "$a" "$b" "$c" "$d" "$e" ;;
         ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp-failback) stage_vllm_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;
