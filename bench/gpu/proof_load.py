@@ -53,8 +53,8 @@ def stream(base: str, model: str, body: dict, timeout: float = 900, live: list |
 
 
 def wait_endpoint(base: str, timeout: float) -> None:
-    """Until the OpenAI endpoint answers GET /v1/models (frmps's front door does at
-    once; vLLM's API server as the front door only once its engine has connected)."""
+    """Until the OpenAI endpoint answers GET /v1/models (frmps's front door once an
+    engine has served; vLLM's API server as the front door once its engine has connected)."""
     deadline = now() + timeout
     while True:
         try:

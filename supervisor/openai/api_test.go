@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -568,3 +569,39 @@ func TestStreamingChunkPerTokenMessage(t *testing.T) {
 		}
 	}
 }
+
+// GET /v1/models answers 503 until an engine has served (scripts wait for a
+// server with it), then 200 for good: a later failover is a pause, not a
+// server that went away.
+func TestModelsWaitsForTheFirstEngine(t *testing.T) {
+	fb := fakegen.NewBackend(openai.ModelInfo{Name: "m"})
+	rb := &flipBackend{Backend: fb}
+	fd, err := openai.New(openai.Config{}, rb, nil, prometheus.NewRegistry())
+	if err != nil {
+		t.Fatal(err)
+	}
+	get := func() int {
+		rec := httptest.NewRecorder()
+		fd.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/v1/models", nil))
+		return rec.Code
+	}
+	if c := get(); c != 503 {
+		t.Fatalf("before any engine served: %d, want 503", c)
+	}
+	rb.ready.Store(true)
+	if c := get(); c != 200 {
+		t.Fatalf("engine serving: %d, want 200", c)
+	}
+	rb.ready.Store(false) // a failover
+	if c := get(); c != 200 {
+		t.Fatalf("during a later failover: %d, want 200", c)
+	}
+}
+
+// flipBackend is a ReadinessReporter whose answer the test changes.
+type flipBackend struct {
+	*fakegen.Backend
+	ready atomic.Bool
+}
+
+func (b *flipBackend) Serving() bool { return b.ready.Load() }

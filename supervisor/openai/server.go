@@ -41,6 +41,9 @@ type Server struct {
 	apiKey  [32]byte // sha256 of the key: fixed length for the constant-time compare
 
 	nextKey atomic.Uint64
+	// served: an engine has served since the start (ReadinessReporter said so once);
+	// until then /v1/models answers 503, as a vllm serve that is still starting answers nothing.
+	served atomic.Bool
 
 	// base ends when Shutdown gives up waiting: every request's context follows it.
 	base       context.Context
@@ -213,6 +216,10 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 		methodNotAllowed(w, http.MethodGet)
 		return
 	}
+	if !s.startedServing() {
+		unavailable(s.cfg.RetryAfter, "the engine is still starting").write(w)
+		return
+	}
 	b := []byte(`{"object":"list","data":[{"id":`)
 	b = appendJSONString(b, s.model.Name)
 	b = append(b, `,"object":"model","created":`...)
@@ -226,6 +233,24 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 	b = append(b, "}]}\n"...)
 	w.Header().Set("Content-Type", "application/json")
 	_, _ = w.Write(b)
+}
+
+// startedServing reports whether an engine has served since the start. Scripts
+// wait for a server with GET /v1/models (vllm serve opens its port only once its
+// engine is ready): answering it before any engine can serve would send their
+// first requests into the engine wait. After the first engine a failover does
+// not change the answer: the model is still served, after a pause. A backend
+// without ReadinessReporter is taken as serving.
+func (s *Server) startedServing() bool {
+	if s.served.Load() {
+		return true
+	}
+	rr, ok := s.backend.(ReadinessReporter)
+	if ok && !rr.Serving() {
+		return false
+	}
+	s.served.Store(true)
+	return true
 }
 
 // modelInfo is the served model with its current context limit.
