@@ -213,7 +213,7 @@ class Call(threading.Thread):
 
     def ch(self, i: int) -> dict:
         return self.choices.setdefault(int(i or 0), {"text": "", "token_ids": [], "finish": None, "lp_tokens": [],
-                                                     "lp_values": [], "top": [], "tools": {}})
+                                                     "lp_values": [], "top": [], "top_values": [], "tools": {}})
 
     def run(self) -> None:
         import openai
@@ -273,7 +273,10 @@ class Call(threading.Thread):
                 lp = c.get("logprobs") or {}
                 o["lp_tokens"] += lp.get("tokens") or []
                 o["lp_values"] += [v for v in lp.get("token_logprobs") or []]
-                o["top"] += [sorted((t or {}).keys()) for t in lp.get("top_logprobs") or []]
+                for t in lp.get("top_logprobs") or []:
+                    items = sorted((t or {}).items())
+                    o["top"].append([k for k, _ in items])
+                    o["top_values"].append([v for _, v in items])
                 continue
             m = c.get("delta") or c.get("message") or {}
             o["text"] += m.get("content") or ""
@@ -287,6 +290,7 @@ class Call(threading.Thread):
                 o["lp_tokens"].append(e.get("token"))
                 o["lp_values"].append(e.get("logprob"))
                 o["top"].append([t.get("token") for t in e.get("top_logprobs") or []])
+                o["top_values"].append([t.get("logprob") for t in e.get("top_logprobs") or []])
 
     def result(self) -> dict:
         return {"choices": {str(k): v for k, v in sorted(self.choices.items())}, "usage": self.usage,
@@ -321,13 +325,50 @@ def unstable_fields(ref: dict, ref2: dict) -> list[str]:
     return out
 
 
+def top_tie(a: list, av: list, b: list, bv: list) -> bool:
+    """Whether two top_logprobs entries of one position differ only by a tie: the
+    same values, the alternatives both have with the same value in each, and every
+    alternative only one of them has at that entry's lowest value, which the other
+    also ends with. Which of two equally likely tokens makes the top k is not
+    defined (vLLM takes torch.topk's, whose order among equal values depends on
+    the kernel and the batch's shape; bf16 logits tie often), so such a difference
+    says nothing about the KV cache."""
+    if len(a) != len(b) or len(av) != len(a) or len(bv) != len(b) or not a:
+        return False
+    if any(v is None for v in (*av, *bv)) or sorted(av) != sorted(bv):
+        return False
+    da, db = dict(zip(a, av)), dict(zip(b, bv))
+    if len(da) != len(a) or len(db) != len(b):
+        return False
+    lo = min(av)
+    if any(da[t] != db[t] for t in da.keys() & db.keys()):
+        return False
+    return all(da[t] == lo for t in da.keys() - db.keys()) and all(db[t] == lo for t in db.keys() - da.keys())
+
+
+def top_ties(r: dict, g: dict) -> list[int] | None:
+    """The positions where two choices' top_logprobs differ, when every such
+    difference is a tie (top_tie); None when one is not (or a list's length differs)."""
+    a, b = r.get("top") or [], g.get("top") or []
+    av, bv = r.get("top_values") or [], g.get("top_values") or []
+    if len(a) != len(b) or len(av) != len(a) or len(bv) != len(b):
+        return None
+    out = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            if not top_tie(x, av[i], y, bv[i]):
+                return None
+            out.append(i)
+    return out
+
+
 def compare(case: dict, ref: dict, got: dict, skip: list[str] = ()) -> dict:
     """Equal what must be equal (but the fields in skip); the largest logprob
     difference reported. verdict: "exact" or "inexact" (token ids judged by
     proofcount.verdict, the proofs' one definition); an unseeded case has no
     reference (each run samples its own seed): "completed" when every choice
     finished, else "failed", and never exact."""
-    diffs, max_lp = [], 0.0
+    diffs, max_lp, ties = [], 0.0, []
     if case.get("unseeded"):
         ok = not got["error"] and all(o["finish"] for o in got["choices"].values()) and \
             len(got["choices"]) == len(ref["choices"])
@@ -345,6 +386,11 @@ def compare(case: dict, ref: dict, got: dict, skip: list[str] = ()) -> dict:
         for f in FIELDS:
             same = (proofcount.verdict(r.get(f) or [], g.get(f) or []) == "exact" if f == "token_ids"
                     else r.get(f) == g.get(f))
+            if f == "top" and not same and f not in skip:
+                tied = top_ties(r, g)
+                if tied is not None:  # only ties: reported, not a difference
+                    same = True
+                    ties += [f"choice {k} at {i}" for i in tied]
             if f not in skip and not same:
                 a, b = r.get(f), g.get(f)
                 if isinstance(a, (str, list)) and isinstance(b, (str, list)):
@@ -361,6 +407,8 @@ def compare(case: dict, ref: dict, got: dict, skip: list[str] = ()) -> dict:
            "max_logprob_diff": round(max_lp, 5)}
     if skip:
         out["not_judged"] = list(skip)
+    if ties:
+        out["top_ties"] = ties
     if case.get("parse"):
         p = parsed(case, got)
         out["parsed"] = p is not None
@@ -587,6 +635,8 @@ def table(report: dict) -> str:
                 s += " (not in flight)"
             if v.get("not_judged"):
                 s += f" (not judged: {', '.join(v['not_judged'])}, unstable without a fault)"
+            if v.get("top_ties"):
+                s += f" (top_logprobs: {len(v['top_ties'])} tie(s) ordered otherwise)"
             if v.get("max_logprob_diff"):
                 s += f", max Δlogprob {v['max_logprob_diff']}"
             cells.append(s)

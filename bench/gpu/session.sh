@@ -43,7 +43,8 @@
 #                                      while n real MPS faults hit the active;
 #                                      each compared with its no-fault result (default timeout 900 s); exact: on the
 #                                      seeded checkpoint (stage seeded:<model> first) with frmps serve --exact, so that
-#                                      the comparison sees the KV cache and does not depend on the batch
+#                                      the comparison sees the KV cache and does not depend on the batch;
+#                                      env:OPENAI_FAULTS_ARGS=<flags>: more of the proof's flags (e.g. --cases=a,b)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1;
 #                                      env:CONTROLS=off|on|<cases>: the proofs' negative controls (failback, soak,
@@ -286,7 +287,7 @@ stage_openai_faults() {  # model n [timeout] [frontend] [exact]
     bounded "$limit" python3 bench/gpu/openai_fault_proof.py --frmps bin/frmps --python python3 --model "$m" \
         --served-model-name "$model" --faults "$n" --num-blocks "$(nblocks "$model")" --max-model-len 4096 \
         --frontend "$fe" --workdir "$WORK/openai-faults-$tag" --controls "$CONTROLS" --out "$OUT/openai-faults-$tag.json" \
-        "${exact[@]}" > "$WORK/openai-faults-$tag.out" 2>&1
+        "${exact[@]}" ${OPENAI_FAULTS_ARGS:-} > "$WORK/openai-faults-$tag.out" 2>&1
     log "openai-faults $model ($fe): rc=$?"
     tail -n 30 "$WORK/openai-faults-$tag.out" >> "$S"
 }

@@ -148,3 +148,35 @@ def test_stop_is_taken_past_the_middle_at_its_first_occurrence():
     got = proof.stop_after_middle(text, 4)
     assert got == "   w" and text.index(got) >= len(text) // 2
     assert proof.stop_after_middle("abababab", 4) is None
+
+
+def test_a_tie_in_the_top_logprobs_is_reported_not_a_difference():
+    case = {"id": "p", "api": "cmpl", "stream": False, "body": {}}
+    ch = lambda top: {"choices": [{"index": 0, "text": "a", "token_ids": [1], "finish_reason": "length",  # noqa: E731
+                                   "logprobs": {"tokens": ["a"], "token_logprobs": [-0.5], "top_logprobs": [top]}}]}
+    ref = feed(case, [ch({"a": -0.5, "x": -2.0})])
+    assert ref["choices"]["0"]["top"] == [["a", "x"]] and ref["choices"]["0"]["top_values"] == [[-0.5, -2.0]]
+    # the second alternative ties with another token at the list's lowest value: which one is listed is not defined
+    tie = feed(case, [ch({"a": -0.5, "y": -2.0})])
+    v = proof.compare(case, ref, tie)
+    assert v["exact"] and v["top_ties"] == ["choice 0 at 0"]
+    assert "tie(s) ordered otherwise" in proof.table({"cases": [case], "faults": [
+        {"n": 1, "fault": "k", "cases": {"p": dict(v, in_flight_at_fault=True)}}]})
+    # negative controls: another value, or a changed alternative above the lowest value, is a difference
+    assert not proof.compare(case, ref, feed(case, [ch({"a": -0.5, "y": -2.5})]))["exact"]
+    assert not proof.compare(case, ref, feed(case, [ch({"b": -0.5, "x": -2.0})]))["exact"]
+    assert not proof.compare(case, ref, feed(case, [ch({"a": -0.7, "y": -2.0})]))["exact"]
+    # without the values (an older record) nothing is explained
+    old = {"choices": {"0": dict(ref["choices"]["0"], top_values=[])}, "usage": ref["usage"], "error": None}
+    assert not proof.compare(case, old, tie)["exact"]
+
+
+def test_chat_top_logprobs_of_equal_value_in_another_order_are_a_tie():
+    lp = lambda *tv: [{"token": "a", "logprob": -1.0, "top_logprobs": [{"token": t, "logprob": v} for t, v in tv]}]  # noqa: E731
+    ref = feed(chat_case(), [chat_chunk(0, "a", lp=lp(("a", -1.0), ("b", -3.0), ("c", -3.0)), finish="length")])
+    swapped = feed(chat_case(), [chat_chunk(0, "a", lp=lp(("a", -1.0), ("c", -3.0), ("b", -3.0)), finish="length")])
+    assert ref["choices"]["0"]["top_values"] == [[-1.0, -3.0, -3.0]]
+    v = proof.compare(chat_case(), ref, swapped)
+    assert v["exact"] and v["top_ties"] == ["choice 0 at 0"]
+    other = feed(chat_case(), [chat_chunk(0, "a", lp=lp(("b", -1.0), ("a", -3.0), ("c", -3.0)), finish="length")])
+    assert not proof.compare(chat_case(), ref, other)["exact"]
