@@ -451,6 +451,42 @@ def classify_case(case: dict, r: dict, t_fault: float | None, detect: float | No
                                failed=bool(r.get("error")), streamed=bool(case["stream"]))
 
 
+class Endpoint:
+    """A server this script did not start (--against): run_all needs only its URL."""
+
+    def __init__(self, base: str):
+        self.base = base.rstrip("/")
+
+
+def against(args, report: dict, save, cs: list[dict], name: str) -> int:
+    """--against: the no-fault run twice on a server of its own. 0 when every case
+    completed both times with no error."""
+    ep, key = Endpoint(args.against), args.api_key or "EMPTY"
+    report.update(against=args.against, runs=[])
+    try:
+        wait_endpoint(ep.base, 300)
+        report["prepared"] = prepare_cases(ep.base, key, name, cs)
+        runs = [run_all(ep, name, key, cs)[0] for _ in range(2)]
+    except Exception as ex:  # keep what was measured
+        report["error"] = f"{type(ex).__name__}: {ex}"
+        save()
+        print("error:", report["error"], flush=True)
+        return 1
+    for i, run in enumerate(runs):
+        report["runs"].append({k: {"error": r["error"], "finish": sorted({str(o.get("finish")) for o in r["choices"].values()})}
+                               for k, r in run.items()})
+    report["errors"] = {f"run {i + 1}: {k}": r["error"] for i, run in enumerate(runs) for k, r in run.items() if r["error"]}
+    report["unstable_without_fault"] = {c["id"]: f for c in cs if not c.get("unseeded")
+                                        for f in [unstable_fields(runs[0][c["id"]], runs[1][c["id"]])] if f}
+    report["reference"] = runs[0]
+    save()
+    for k, e in report["errors"].items():
+        print(f"failed {k}: {e}", flush=True)
+    print(f"against {args.against}: {len(cs)} cases x 2 runs, {len(report['errors'])} failed; differing between the "
+          f"runs: {report['unstable_without_fault'] or 'nothing'}", flush=True)
+    return 1 if report["errors"] else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frmps", default="bin/frmps")
@@ -477,6 +513,10 @@ def main() -> int:
                     help="more engine flags (default --max-num-seqs=32: the cases run 18 sequences at once)")
     ap.add_argument("--serve-arg", action="append", default=[], help="more frmps serve flags")
     ap.add_argument("--cases", default="", help="comma list of case ids (default: all)")
+    ap.add_argument("--against", default="",
+                    help="no deployment, no controls, no faults: the cases' no-fault run, twice, against the OpenAI "
+                         "server at this URL (e.g. `vllm serve` with the deployment's flags): does the server alone "
+                         "complete every case, and which fields differ between two runs")
     ap.add_argument("--cpu", action="store_true", help="CPU check of this script (labelled test doubles, SIGKILL faults); "
                     "leaves out the cases that need a real model's logits (logprobs, grammars)")
     add_count_args(ap)
@@ -529,6 +569,8 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1, default=str)
 
+    if args.against:
+        return against(args, report, save, cs, name)
     if not run_controls(args, report, save, kinds[0]):
         save()
         print(f"error: {report['error']}", flush=True)

@@ -45,6 +45,11 @@
 #                                      seeded checkpoint (stage seeded:<model> first) with frmps serve --exact, so that
 #                                      the comparison sees the KV cache and does not depend on the batch;
 #                                      env:OPENAI_FAULTS_ARGS=<flags>: more of the proof's flags (e.g. --cases=a,b)
+#   openai-cases-vllm:<model>[:<timeout>[:exact]]  the OpenAI fault proof's cases (OPENAI_FAULTS_ARGS too) with no
+#                                      fault, twice, against `vllm serve` alone on the model (exact: the seeded checkpoint,
+#                                      VLLM_BATCH_INVARIANT=1 and Triton attention, as frmps serve --exact runs vLLM), with
+#                                      the proof deployment's sizes: does vLLM itself complete every case
+#                                      ($OUT/openai-cases-vllm-<model>.json; default timeout 600 s)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1;
 #                                      env:CONTROLS=off|on|<cases>: the proofs' negative controls (failback, soak,
@@ -292,6 +297,38 @@ stage_openai_faults() {  # model n [timeout] [frontend] [exact]
     tail -n 30 "$WORK/openai-faults-$tag.out" >> "$S"
 }
 
+stage_openai_cases_vllm() {  # model [timeout] [exact]: the proof's cases against vllm serve alone
+    vllm_env
+    local model=$1 limit=${2:-600} m pid env=() flags=() tag=$1
+    if [ "${3:-}" = exact ]; then
+        m=$(seeded_for openai-cases-vllm "$model") || return
+        env=(VLLM_BATCH_INVARIANT=1) flags=(--attention-backend TRITON_ATTN) tag=$model-exact
+    else
+        m=$(model_dir "$model") || { log "openai-cases-vllm $model: model-dir failed"; return; }
+        flags=(--load-format dummy)
+    fi
+    log "openai-cases-vllm $tag: vllm serve ${env[*]} ${flags[*]}"
+    set -m
+    env "${env[@]}" python3 -m vllm.entrypoints.cli.main serve "$m" --port 8100 --served-model-name "$model" \
+        --enable-auto-tool-choice --tool-call-parser hermes --max-model-len 4096 --max-num-seqs 32 \
+        --num-gpu-blocks-override "$(nblocks "$model")" "${flags[@]}" \
+        --structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}' \
+        > "$WORK/openai-cases-vllm-$tag.log" 2>&1 &
+    pid=$!
+    set +m
+    if wait_http 8100 "$limit" "$pid"; then
+        timeout "$limit" python3 bench/gpu/openai_fault_proof.py --against http://127.0.0.1:8100 --model "$m" \
+            --served-model-name "$model" ${OPENAI_FAULTS_ARGS:-} --out "$OUT/openai-cases-vllm-$tag.json" \
+            > "$WORK/openai-cases-vllm-$tag.out" 2>&1
+        log "openai-cases-vllm $tag: rc=$?"
+        tail -n 6 "$WORK/openai-cases-vllm-$tag.out" | cut -c1-400 >> "$S"
+        grep -hE "Failed to advance|grammar rejected" "$WORK/openai-cases-vllm-$tag.log" | head -4 | cut -c1-300 >> "$S"
+    else
+        log "openai-cases-vllm $tag: vllm serve did not answer"; tail -n 20 "$WORK/openai-cases-vllm-$tag.log" >> "$S"
+    fi
+    stop_group "$pid"
+}
+
 seeded_dir() {  # the seeded checkpoint of a preset, written once into $WORK/models; prints it
     PYTHONPATH=$PWD/vllmpatch/src python3 -m frmps_engine.cli model-dir "$1" --weights seeded --out "$WORK/models/$1-seeded"
 }
@@ -505,6 +542,7 @@ for st in "$@"; do
         vllm-frontend-failback) stage_failback vllm "$a" "$b" "$c" "$d" frontend ;;
         openai-matrix) stage_matrix "$a" "$b" ;;
         openai-faults) stage_openai_faults "$a" "$b" "$c" "$d" "$e" ;;
+        openai-cases-vllm) stage_openai_cases_vllm "$a" "$b" "$c" ;;
         ref-tp) stage_ref_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp-failback) stage_vllm_tp "$a" "$b" "$c" "$d" ;;
         vllm-tp) stage_tp "$a" "$b" "$c" "$d" ;;

@@ -4,8 +4,12 @@ the server's chunks, what counts as the same result, what is not judged."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "bench", "gpu"))
@@ -14,6 +18,7 @@ proof = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(proof)
 
 from bench import proofcount  # noqa: E402
+from e2e import require  # noqa: E402  (vllmpatch/tests)
 
 
 def chat_case(**kw):
@@ -180,3 +185,33 @@ def test_chat_top_logprobs_of_equal_value_in_another_order_are_a_tie():
     assert v["exact"] and v["top_ties"] == ["choice 0 at 0"]
     other = feed(chat_case(), [chat_chunk(0, "a", lp=lp(("b", -1.0), ("a", -3.0), ("c", -3.0)), finish="length")])
     assert not proof.compare(chat_case(), ref, other)["exact"]
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_against_runs_the_cases_twice_on_a_server_it_did_not_start(tmp_path):
+    """--against: the no-fault runs against any OpenAI server (on a GPU: `vllm serve`
+    with a deployment's flags), each case's error reported and the exit status 1
+    when one failed (negative control: max_tokens past the server's context)."""
+    require("openai")
+    from e2e import deployment
+
+    cases = "cmpl-greedy-stream,chat-greedy-stream-usage,cmpl-batch-greedy,responses-stream"
+
+    def run(max_tokens: int) -> tuple[int, dict, str]:
+        out = tmp_path / f"against-{max_tokens}.json"
+        p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu", "openai_fault_proof.py"), "--against", dep.base,
+                            "--model", "tiny", "--served-model-name", "tiny", "--cpu", "--cases", cases,
+                            "--max-tokens", str(max_tokens), "--out", str(out)],
+                           capture_output=True, text=True, timeout=240, cwd=REPO,
+                           env=dict(os.environ, PYTHONPATH=os.path.join(REPO, "vllmpatch", "src") + os.pathsep + REPO))
+        return p.returncode, json.loads(out.read_text()), p.stdout + p.stderr
+
+    with deployment(sync_every=4, extra_args=["--max-model-len=256"]) as dep:
+        rc, rep, log = run(24)
+        assert rc == 0, log
+        assert rep["errors"] == {} and len(rep["runs"]) == 2, rep.get("errors")
+        assert set(rep["runs"][0]) == set(cases.split(",")) and rep["unstable_without_fault"] == {}, rep
+        assert all(v["finish"] == ["length"] or v["finish"] == ["incomplete"] for run_ in rep["runs"] for v in run_.values()), rep["runs"]
+        rc, rep, log = run(600)  # past the context: every case refused
+        assert rc == 1 and len(rep["errors"]) == 8 and not rep.get("error"), (rc, rep.get("errors"), log[-2000:])
