@@ -405,3 +405,35 @@ func TestQueueWaitTimesOut(t *testing.T) {
 	first.Body.Close()
 	<-a.Aborts()
 }
+
+// A resume refused by an engine that has handed the request on (a failback's
+// handover reached it first) continues on the newer engine, exactly; a refusal
+// with no newer engine stands (TestResumeRefusedEndsWithErrorEvent).
+func TestResumeRefusedByAnOlderEngineContinuesOnTheNewer(t *testing.T) {
+	want := noFault(t, streamBody, fakegen.Config{})
+	h, a := newHarness(t, openai.Config{}, fakegen.Config{KillAfter: 4})
+	b := h.addEngine(fakegen.Config{}) // never adopts: refuses the resume
+	c := h.addEngine(fakegen.Config{})
+	go func() {
+		<-a.Dead()
+		reqs := h.fd.OpenRequests()
+		h.backend.Set(b.Client())
+		for len(b.Resumes()) == 0 { // b refused; now the engine that has the request
+			time.Sleep(time.Millisecond)
+		}
+		c.Adopt(reqs)
+		h.backend.Set(c.Client())
+	}()
+	resp := h.post("/v1/chat/completions", streamBody)
+	got := readStream(t, resp.Body, nil)
+	resp.Body.Close()
+	if got.text() != want.text() {
+		t.Fatalf("text %q, want %q (no fault)", got.text(), want.text())
+	}
+	if len(c.Resumes()) != 1 {
+		t.Errorf("the newer engine got %d resumes, want 1", len(c.Resumes()))
+	}
+	if l := h.logs.String(); !strings.Contains(l, "resume refused by an engine no longer current") {
+		t.Errorf("no log line of the retried resume:\n%s", l)
+	}
+}

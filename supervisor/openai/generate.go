@@ -219,6 +219,25 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 				open(false)
 				continue
 			}
+			if resuming && !gotChunk && status.Code(err) == codes.NotFound && resumes < s.cfg.MaxResumes {
+				// The engine has no such request, but it may have handed it on
+				// (a failback's handover) before this resume reached it: a newer
+				// engine then has it. Only a newer one, briefly awaited; else the
+				// refusal stands.
+				if next, nerr := s.newerEngine(ctx, eng.Generation); nerr == nil {
+					s.log.Info("resume refused by an engine no longer current; resuming on the newer one", "key", or.key,
+						"refused_by", eng.Generation, "generation", next.Generation, "delivered", delivered)
+					resumes++
+					eng = next
+					engineAt = time.Now()
+					open(true)
+					openedAt = time.Now()
+					continue
+				}
+				if ctx.Err() != nil {
+					return s.ended(ctx, or, out)
+				}
+			}
 			if !engineFailed(err) {
 				if resuming {
 					s.m.resumes.WithLabelValues("failed").Inc()
@@ -374,6 +393,19 @@ func (s *Server) nextEngine(ctx context.Context, failedGen uint64) (Engine, erro
 	rctx, cancel := context.WithTimeout(ctx, s.cfg.ResumeTimeout)
 	defer cancel()
 	return s.currentEngine(rctx, failedGen+1)
+}
+
+// handedOnWait bounds the wait for a newer engine after a resume was refused
+// (newerEngine): a handover publishes its new engine within milliseconds.
+const handedOnWait = 2 * time.Second
+
+// newerEngine is an engine newer than gen, if one is published within
+// handedOnWait (or ResumeTimeout, if shorter).
+func (s *Server) newerEngine(ctx context.Context, gen uint64) (Engine, error) {
+	wait := min(handedOnWait, s.cfg.ResumeTimeout)
+	rctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	return s.currentEngine(rctx, gen+1)
 }
 
 // currentEngine is Backend.Current, refusing an engine handed out without a
