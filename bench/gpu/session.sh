@@ -49,7 +49,7 @@
 #                                      fault, twice, against `vllm serve` alone on the model (exact: the seeded checkpoint,
 #                                      VLLM_BATCH_INVARIANT=1 and Triton attention, as frmps serve --exact runs vLLM), with
 #                                      the proof deployment's sizes: does vLLM itself complete every case
-#                                      ($OUT/openai-cases-vllm-<model>.json; default timeout 600 s)
+#                                      ($OUT/openai-cases-vllm-<model>[-exact].json; default timeout 600 s)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
 #   env:<NAME>=<value>                 exported for the stages after it (e.g. env:VLLM_USE_MEGA_AOT_ARTIFACT=1;
 #                                      env:CONTROLS=off|on|<cases>: the proofs' negative controls (failback, soak,
