@@ -1,7 +1,6 @@
 package supervisor
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -17,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/frmps/frmps/internal/testenv"
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/control"
 	"github.com/frmps/frmps/supervisor/failover"
@@ -61,24 +61,12 @@ func runLogged(t *testing.T, w *fakeWorld, out io.Writer, opts ...func(*Config))
 	return s, func() { cancel(); <-done }
 }
 
-type lockedBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuf) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-func (l *lockedBuf) String() string { l.mu.Lock(); defer l.mu.Unlock(); return l.b.String() }
-
 // A failover's "failover done" line says where the way from the loop taking
 // the death up to the Resume being sent went, step by step.
 func TestFailoverDoneLogsTheWayToTheResume(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		w := newWorld()
-		var out lockedBuf
+		var out testenv.LogBuffer
 		_, stop := runLogged(t, w, &out)
 		w.liveRole(failover.Active).Kill()
 		synctest.Wait()
@@ -103,7 +91,8 @@ func TestFailoverDoneLogsTheWayToTheResume(t *testing.T) {
 // orderProbe is a log output that notes, at the first line containing mark,
 // whether the process it watches was still alive.
 type orderProbe struct {
-	lockedBuf
+	testenv.LogBuffer
+	mu        sync.Mutex // guards proc, seen and aliveThen
 	mark      string
 	proc      *fakeProc
 	seen      bool
@@ -116,7 +105,7 @@ func (o *orderProbe) Write(p []byte) (int, error) {
 		o.seen, o.aliveThen = true, o.proc.alive()
 	}
 	o.mu.Unlock()
-	return o.lockedBuf.Write(p)
+	return o.LogBuffer.Write(p)
 }
 
 // The MPS server's teardown of the active (its process still alive) fences the

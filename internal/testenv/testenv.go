@@ -5,11 +5,13 @@
 package testenv
 
 import (
+	"bytes"
 	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
 	"strconv"
+	"sync"
 	"testing"
 )
 
@@ -44,4 +46,24 @@ func FakeNvidiaSMI(t testing.TB, mode, gpus string) string {
 		t.Fatal("testenv: cannot locate the source tree")
 	}
 	return filepath.Join(filepath.Dir(file), "..", "..", "supervisor", "mps", "testdata", "nvidia-smi")
+}
+
+// LogBuffer is a log sink (the io.Writer of an hclog logger) whose text a test
+// may read while the code under test still writes to it.
+type LogBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *LogBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+// String is everything written so far.
+func (l *LogBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

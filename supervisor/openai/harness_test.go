@@ -2,7 +2,6 @@ package openai_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -13,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -21,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
 
+	"github.com/frmps/frmps/internal/testenv"
 	"github.com/frmps/frmps/supervisor/openai"
 	"github.com/frmps/frmps/supervisor/openai/fakegen"
 )
@@ -41,25 +40,7 @@ type harness struct {
 	client  *http.Client
 	ecfg    fakegen.Config
 	engines []*fakegen.Engine
-	logs    lockedBuffer // the front door's log
-}
-
-// lockedBuffer is a log sink safe to read while the server writes.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
+	logs    testenv.LogBuffer // the front door's log
 }
 
 // newHarness serves the front door over real TCP with the http.Server and
