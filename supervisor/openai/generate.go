@@ -198,6 +198,12 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 			stream, err = eng.Client.Generate(sctx, or.gen)
 		}
 	}
+	// resumeOn resumes the stream on next, noting the resume's phases.
+	resumeOn := func(next Engine) {
+		eng, engineAt = next, time.Now()
+		open(true)
+		openedAt = time.Now()
+	}
 	fail := func(e *apiError) int {
 		out.fail(e)
 		return e.Status
@@ -228,10 +234,7 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 					s.log.Info("resume refused by an engine no longer current; resuming on the newer one", "key", or.key,
 						"refused_by", eng.Generation, "generation", next.Generation, "delivered", delivered)
 					resumes++
-					eng = next
-					engineAt = time.Now()
-					open(true)
-					openedAt = time.Now()
+					resumeOn(next)
 					continue
 				}
 				if ctx.Err() != nil {
@@ -258,22 +261,20 @@ func (s *Server) run(ctx context.Context, j *job, or *openRequest, out output, a
 			}
 			out.gap(true)
 			brokeAt = time.Now()
-			eng, err = s.nextEngine(ctx, eng.Generation)
-			if err != nil {
+			next, nerr := s.nextEngine(ctx, eng.Generation)
+			if nerr != nil {
 				out.gap(false)
 				if ctx.Err() != nil {
 					return s.ended(ctx, or, out)
 				}
 				s.m.resumes.WithLabelValues("failed").Inc()
 				if !started {
-					return fail(unavailable(s.cfg.RetryAfter, "engine failover did not complete: "+err.Error()))
+					return fail(unavailable(s.cfg.RetryAfter, "engine failover did not complete: "+nerr.Error()))
 				}
 				return fail(&apiError{Status: 503, Type: typeUnavailable, Code: "stream_resume_failed", RetryAfter: s.cfg.RetryAfter,
-					Message: "The engine failed and the stream could not be resumed: " + err.Error()})
+					Message: "The engine failed and the stream could not be resumed: " + nerr.Error()})
 			}
-			engineAt = time.Now()
-			open(true)
-			openedAt = time.Now()
+			resumeOn(next)
 			continue
 		}
 		received := time.Now()
