@@ -416,12 +416,12 @@ def compare(case: dict, ref: dict, got: dict, skip: list[str] = ()) -> dict:
     return out
 
 
-def run_all(dep: Deployment, model: str, api_key: str, cs: list[dict], fire=None, min_chunks: int = 3) -> tuple[dict, dict]:
+def run_all(base: str, model: str, api_key: str, cs: list[dict], fire=None, min_chunks: int = 3) -> tuple[dict, dict]:
     """Every case at once; fire() (if given) when each streamed one has min_chunks
     chunks (or after 60 s). Returns results by case id and what fire() returned.
     The streamed Responses case does not gate the fault: vLLM's Responses stream
     sends its lifecycle events first and may hold the text deltas back."""
-    calls = [Call(dep.base, api_key, model, c) for c in cs]
+    calls = [Call(base, api_key, model, c) for c in cs]
     for c in calls:
         c.start()
     info: dict = {}
@@ -451,22 +451,15 @@ def classify_case(case: dict, r: dict, t_fault: float | None, detect: float | No
                                failed=bool(r.get("error")), streamed=bool(case["stream"]))
 
 
-class Endpoint:
-    """A server this script did not start (--against): run_all needs only its URL."""
-
-    def __init__(self, base: str):
-        self.base = base.rstrip("/")
-
-
 def against(args, report: dict, save, cs: list[dict], name: str) -> int:
     """--against: the no-fault run twice on a server of its own. 0 when every case
     completed both times with no error."""
-    ep, key = Endpoint(args.against), args.api_key or "EMPTY"
+    base, key = args.against.rstrip("/"), args.api_key or "EMPTY"
     report.update(against=args.against, runs=[])
     try:
-        wait_endpoint(ep.base, 300)
-        report["prepared"] = prepare_cases(ep.base, key, name, cs)
-        runs = [run_all(ep, name, key, cs)[0] for _ in range(2)]
+        wait_endpoint(base, 300)
+        report["prepared"] = prepare_cases(base, key, name, cs)
+        runs = [run_all(base, name, key, cs)[0] for _ in range(2)]
     except Exception as ex:  # keep what was measured
         report["error"] = f"{type(ex).__name__}: {ex}"
         save()
@@ -476,8 +469,8 @@ def against(args, report: dict, save, cs: list[dict], name: str) -> int:
         report["runs"].append({k: {"error": r["error"], "finish": sorted({str(o.get("finish")) for o in r["choices"].values()})}
                                for k, r in run.items()})
     report["errors"] = {f"run {i + 1}: {k}": r["error"] for i, run in enumerate(runs) for k, r in run.items() if r["error"]}
-    report["unstable_without_fault"] = {c["id"]: f for c in cs if not c.get("unseeded")
-                                        for f in [unstable_fields(runs[0][c["id"]], runs[1][c["id"]])] if f}
+    unstable = {c["id"]: unstable_fields(runs[0][c["id"]], runs[1][c["id"]]) for c in cs if not c.get("unseeded")}
+    report["unstable_without_fault"] = {k: v for k, v in unstable.items() if v}
     report["reference"] = runs[0]
     save()
     for k, e in report["errors"].items():
@@ -583,14 +576,14 @@ def main() -> int:
         wait_endpoint(dep.base, 300)
         report["prepared"] = prepare_cases(dep.base, key, name, cs)
         record_cases()
-        ref, _ = run_all(dep, name, key, cs)
+        ref, _ = run_all(dep.base, name, key, cs)
         report["reference"] = ref
         save()
         bad = {k: r["error"] for k, r in ref.items() if r["error"]}
         if bad:
             raise RuntimeError(f"the no-fault run failed: {bad}")
         # A second run without a fault: what differs between the two is not the failover's doing.
-        ref2, _ = run_all(dep, name, key, cs)
+        ref2, _ = run_all(dep.base, name, key, cs)
         unstable = {c["id"]: unstable_fields(ref[c["id"]], ref2[c["id"]]) for c in cs if not c.get("unseeded")}
         report["unstable_without_fault"] = {k: v for k, v in unstable.items() if v}
         report["reference_again"] = {k: ref2[k] for k, v in unstable.items() if v}
@@ -607,7 +600,7 @@ def main() -> int:
             n_fo = failover_seq(st)
             prepare, inject = mps_trigger(args, spec)(dep, act)
             prepare()
-            got, inj = run_all(dep, name, key, cs, fire=inject)
+            got, inj = run_all(dep.base, name, key, cs, fire=inject)
             rec["inject"] = {k: v for k, v in inj.items() if k != "t_fault"}
             rec["inject"]["s_after_start"] = round(inj["t_fault"] - min(r["t_start"] for r in got.values()), 3)
             st, _ = dep.wait(lambda s: failover_after(s, n_fo), 120, "the failover record")
