@@ -110,6 +110,8 @@ CONTROLS=${CONTROLS:-on}
 CONTROL_S=${CONTROL_S:-900}
 BI_VARIANTS=${BI_VARIANTS:-eager,triton,triton-eager}
 RESULTS=${RESULTS:-$OUT/bench-results}
+# The structured-outputs config of the OpenAI stages' servers (--structured-outputs-config, as vllm serve spells it).
+SO_CONFIG='{"backend": "xgrammar", "disable_any_whitespace": true}'
 mkdir -p "$OUT" "$WORK"
 S=$OUT/summary.txt
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$S"; }
@@ -231,47 +233,48 @@ run_matrix() {  # port model label name limit pid: the matrix against the server
     fi
 }
 
+start_group() {  # log cmd...: cmd in the background in a process group of its own (stop_group ends it), its pid in BG_PID
+    local out=$1
+    shift
+    set -m
+    "$@" > "$out" 2>&1 &
+    BG_PID=$!
+    set +m
+}
+
+matrix_system() {  # model name label port limit cmd...: one server of the matrix, started, run against, stopped
+    local model=$1 name=$2 label=$3 port=$4 limit=$5
+    shift 5
+    log "openai-matrix $model: $label"
+    start_group "$WORK/matrix-$name.log" "$@"
+    run_matrix "$port" "$model" "$label" "$name" "$limit" "$BG_PID"
+    stop_group "$BG_PID"
+}
+
 stage_matrix() {  # model [timeout]
     vllm_env
-    local model=$1 limit=${2:-900} m pid
+    local model=$1 limit=${2:-900} m
     m=$(model_dir "$model") || { log "openai-matrix $model: model-dir failed"; return; }
-    local so='{"backend": "xgrammar", "disable_any_whitespace": true}'
-    local vflags=(--enable-auto-tool-choice --tool-call-parser hermes --max-model-len 4096 --load-format dummy)
     local want=",${MATRIX_SYSTEMS:-vllm-serve,frmps-vllm,frmps-go},"
     if [[ $want == *,vllm-serve,* ]]; then
-    log "openai-matrix $model: vllm serve"
-    set -m
-    python3 -m vllm.entrypoints.cli.main serve "$m" --port 8100 --served-model-name "$model" "${vflags[@]}" \
-        --structured-outputs-config "$so" --gpu-memory-utilization 0.45 > "$WORK/matrix-vllm-serve.log" 2>&1 &
-    pid=$!
-    set +m
-    run_matrix 8100 "$model" "vllm serve" vllm-serve "$limit" "$pid"
-    stop_group "$pid"
+        matrix_system "$model" vllm-serve "vllm serve" 8100 "$limit" \
+            python3 -m vllm.entrypoints.cli.main serve "$m" --port 8100 --served-model-name "$model" \
+            --enable-auto-tool-choice --tool-call-parser hermes --max-model-len 4096 --load-format dummy \
+            --structured-outputs-config "$SO_CONFIG" --gpu-memory-utilization 0.45
     fi
     if [[ $want == *,frmps-vllm,* ]]; then
-    log "openai-matrix $model: frmps serve --engine vllm --frontend vllm"
-    set -m
-    bin/frmps serve --engine vllm --frontend vllm --model "$m" --served-model-name "$model" --device cuda --memory cuda-vmm \
-        --port 8000 --num-blocks "$(nblocks "$model")" --max-model-len 4096 --python python3 \
-        --frontend-arg=--enable-auto-tool-choice --frontend-arg=--tool-call-parser=hermes \
-        --vllm-arg=--structured-outputs-config="$so" \
-        --engine-log-dir "$WORK/matrix-frmps-logs" > "$WORK/matrix-frmps-vllm.log" 2>&1 &
-    pid=$!
-    set +m
-    run_matrix 8000 "$model" "frmps --frontend vllm" frmps-vllm "$limit" "$pid"
-    stop_group "$pid"
+        matrix_system "$model" frmps-vllm "frmps --frontend vllm" 8000 "$limit" \
+            bin/frmps serve --engine vllm --frontend vllm --model "$m" --served-model-name "$model" --device cuda \
+            --memory cuda-vmm --port 8000 --num-blocks "$(nblocks "$model")" --max-model-len 4096 --python python3 \
+            --frontend-arg=--enable-auto-tool-choice --frontend-arg=--tool-call-parser=hermes \
+            --vllm-arg=--structured-outputs-config="$SO_CONFIG" --engine-log-dir "$WORK/matrix-frmps-logs"
     fi
     if [[ $want == *,frmps-go,* ]]; then
-    # The default front door (frmps's own) at the defaults, with the flags the feature rows need.
-    log "openai-matrix $model: frmps serve (Go front door)"
-    set -m
-    bin/frmps serve --model "$m" --served-model-name "$model" --port 8000 --max-model-len 4096 --python python3 \
-        --enable-auto-tool-choice --tool-call-parser hermes --vllm-arg=--structured-outputs-config="$so" \
-        --engine-log-dir "$WORK/matrix-frmps-go-logs" > "$WORK/matrix-frmps-go.log" 2>&1 &
-    pid=$!
-    set +m
-    run_matrix 8000 "$model" "frmps (Go front door)" frmps-go "$limit" "$pid"
-    stop_group "$pid"
+        # The default front door (frmps's own) at the defaults, with the flags the feature rows need.
+        matrix_system "$model" frmps-go "frmps (Go front door)" 8000 "$limit" \
+            bin/frmps serve --model "$m" --served-model-name "$model" --port 8000 --max-model-len 4096 --python python3 \
+            --enable-auto-tool-choice --tool-call-parser hermes --vllm-arg=--structured-outputs-config="$SO_CONFIG" \
+            --engine-log-dir "$WORK/matrix-frmps-go-logs"
     fi
     python3 bench/openai_matrix.py --table "$OUT"/matrix-*.json > "$OUT/openai-matrix.md" 2>&1
     tail -n 45 "$OUT/openai-matrix.md" >> "$S"
@@ -308,14 +311,10 @@ stage_openai_cases_vllm() {  # model [timeout] [exact]: the proof's cases agains
         flags=(--load-format dummy)
     fi
     log "openai-cases-vllm $tag: vllm serve ${env[*]} ${flags[*]}"
-    set -m
-    env "${env[@]}" python3 -m vllm.entrypoints.cli.main serve "$m" --port 8100 --served-model-name "$model" \
-        --enable-auto-tool-choice --tool-call-parser hermes --max-model-len 4096 --max-num-seqs 32 \
-        --num-gpu-blocks-override "$(nblocks "$model")" "${flags[@]}" \
-        --structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}' \
-        > "$WORK/openai-cases-vllm-$tag.log" 2>&1 &
-    pid=$!
-    set +m
+    start_group "$WORK/openai-cases-vllm-$tag.log" env "${env[@]}" python3 -m vllm.entrypoints.cli.main serve "$m" \
+        --port 8100 --served-model-name "$model" --enable-auto-tool-choice --tool-call-parser hermes --max-model-len 4096 \
+        --max-num-seqs 32 --num-gpu-blocks-override "$(nblocks "$model")" "${flags[@]}" --structured-outputs-config "$SO_CONFIG"
+    pid=$BG_PID
     if wait_http 8100 "$limit" "$pid"; then
         timeout "$limit" python3 bench/gpu/openai_fault_proof.py --against http://127.0.0.1:8100 --model "$m" \
             --served-model-name "$model" ${OPENAI_FAULTS_ARGS:-} --out "$OUT/openai-cases-vllm-$tag.json" \
