@@ -474,7 +474,19 @@ def teardown(td: dict | None) -> str:
     return f" mps_teardown={td.get('teardown_ms')}ms kill->exit={td.get('kill_to_exit_ms')}ms"
 
 
+class Terminated(Exception):
+    """SIGTERM (a session's time bound): the proof stops as on an error, and what was
+    measured is still counted and written."""
+
+
+def stop_on_sigterm() -> None:
+    def on_term(signum, frame):
+        raise Terminated("stopped by SIGTERM (the caller's time bound)")
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def main() -> int:
+    stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frmps", default="bin/frmps")
     ap.add_argument("--python", default=sys.executable)
@@ -607,14 +619,21 @@ def main() -> int:
             cycle(dep, args, load, step, rec, n_fb, last, mps_trigger(args, spec))
             n_fb += 1
             print(f"fault {n} {spec}: {summary_line(rec, step)}", flush=True)
+            # The streams finished so far, counted now: a run cut short (a killed
+            # session) keeps the count up to its last completed stream.
+            stream_report(report, list(load.done), events_of(report.get("drills", []) + report["faults"]),
+                          (report.get("reference") or {}).get("prompt_tokens") or [], args.prefill_chunk)
+            report["streams_interim"] = f"streams finished by the end of fault {n}"
             save()
     except Exception as ex:  # keep what was measured
         report["error"] = f"{type(ex).__name__}: {ex}"
     finally:
         if load is not None:  # the streams that completed are checked whatever happened
-            load.finish(120)
+            # after a SIGTERM the caller kills us 90 s later (bench/gpu/bounded.sh)
+            load.finish(60 if isinstance(report.get("error"), str) and "SIGTERM" in report["error"] else 120)
             h = stream_report(report, list(load.done), events_of(report.get("drills", []) + report["faults"]),
                               (report.get("reference") or {}).get("prompt_tokens") or [], args.prefill_chunk)
+            report.pop("streams_interim", None)
             print(h + ("" if args.controls else " [controls OFF]"), flush=True)
         dep.stop()
         report["takeover_traces"] = takeover_traces(dep.log_dir)

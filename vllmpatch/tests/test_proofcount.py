@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -284,3 +285,19 @@ def test_a_control_never_applied_is_told_from_one_that_passed_unnoticed():
     with pytest.raises(pc.ControlPassedUnnoticed, match=r"sampler-offset passed unnoticed$"):
         pc.check_controls([base])  # no log read
     pc.check_controls([{**base, "detected": True, "applied": 1}])
+
+
+def test_failback_proof_turns_sigterm_into_an_error_that_keeps_the_count():
+    """A session's time bound sends SIGTERM: the proof must stop as on an error (its
+    finally counts the streams and writes the report), not die with nothing counted."""
+    import signal
+
+    fb = _load("failback_proof")
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        fb.stop_on_sigterm()
+        with pytest.raises(fb.Terminated, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode; this is not reached
+    finally:
+        signal.signal(signal.SIGTERM, old)
