@@ -78,7 +78,8 @@ def engine_shape(ctx: Ctx, model: str, num_blocks: int = 0, max_model_len: int =
 
 
 def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str] | None = None,
-               num_blocks: int = 0, max_model_len: int = 0, env: dict[str, str] | None = None) -> ServeOpts:
+               num_blocks: int = 0, max_model_len: int = 0, env: dict[str, str] | None = None,
+               serve_args: list[str] | None = None) -> ServeOpts:
     a = ctx.args
     env = dict(env or {})
     if ctx.cpu:
@@ -91,7 +92,7 @@ def serve_opts(ctx: Ctx, model: str, sync_every: int = 1, engine_args: list[str]
     nb, mml = engine_shape(ctx, model, num_blocks, max_model_len)
     return ServeOpts(frmps=a.frmps, python=a.python, model=model, device=a.device, memory=a.memory, mps=a.mps,
                      sync_every=sync_every, num_blocks=nb, max_model_len=mml, engine_args=eargs, env=env,
-                     engine=a.engine, serve_args=list(getattr(a, "serve_arg", None) or []))
+                     engine=a.engine, serve_args=list(getattr(a, "serve_arg", None) or []) + list(serve_args or []))
 
 
 class Deployments:

@@ -356,6 +356,13 @@ class StandbyMemory(Experiment):
 # ----------------------------------------------------------------------------- 7. correctness
 
 
+def exact_serve_args(a) -> list[str]:
+    """correctness --exact with vLLM: `frmps serve --exact` itself, so the sweep runs the
+    kernels a user's --exact gets (batch-invariant with Triton attention), not an
+    environment variable of its own."""
+    return ["--exact"] if a.batch_invariant and a.engine == "vllm" else []
+
+
 class Correctness(Experiment):
     name, number = "correctness", 7
     title = "Outputs after recovery equal the no-fault outputs (greedy and seeded)"
@@ -367,9 +374,9 @@ class Correctness(Experiment):
         p.add_argument("--sync-every", type=int, default=1, help="frmps serve's --sync-every (its default: 1)")
         p.add_argument("--prompt-len", type=int, default=16)
         p.add_argument("--tail-tokens", type=int, default=32)
-        p.add_argument("--batch-invariant", action="store_true",
-                       help="--engine vllm: run the engines with vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1; "
-                            "the reference engine's exact mode is its own)")
+        p.add_argument("--exact", "--batch-invariant", dest="batch_invariant", action="store_true",
+                       help="--engine vllm: `frmps serve --exact`, as the README shows it (vLLM's batch-invariant kernels "
+                            "with Triton attention); the reference engine's exact mode is its GPU default")
         p.add_argument("--controls", type=proofcount.controls_arg, default="on",
                        help="negative controls before the sweep: on (every case: "
                             f"{', '.join(proofcount.CONTROL_CASES)}), off (debugging only; recorded), or a comma list. "
@@ -398,20 +405,21 @@ class Correctness(Experiment):
         # batch-invariant by itself.
         exact = a.engine == "ref" and not ctx.cpu and engine_supports(a.python, "--exact")
         eargs = ["--exact"] if exact else []
-        env = {"VLLM_BATCH_INVARIANT": "1"} if a.batch_invariant else {}
+        sargs = exact_serve_args(a)
         mml = max(a.max_model_len, -(-(a.prompt_len + max(int_list(a.ks)) + a.tail_tokens + 16) // 256) * 256)
-        err = self._controls(ctx, model, eargs, mml, env, exact)
+        err = self._controls(ctx, model, eargs, mml, sargs, exact)
         if err:
             ctx.fail_points(keys, err)
             return
-        with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml, env=env), "correct") as deps:
+        with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml, serve_args=sargs),
+                         "correct") as deps:
             for key in keys:
                 ctx.run_point(key, lambda key=key: frmps_point(
                                   ctx, deps, lambda dep, trig: self._measure(ctx, dep, trig, model, key, exact)),
                               10 + deps.estimate_next() + 0.02 * key["k"],
                               lambda d: f"equal {d.get('equal')}/{d.get('requests')} (exact mode: {d.get('exact_mode')})")
 
-    def _controls(self, ctx, model, eargs, mml, env, exact) -> str | None:
+    def _controls(self, ctx, model, eargs, mml, sargs, exact) -> str | None:
         """--controls: one trial per case on a deployment of its own; their records in
         <out>/correctness-controls.json. Returns the error that fails the sweep (a case
         not detected, or one that could not run), else None."""
@@ -427,7 +435,8 @@ class Correctness(Experiment):
             res, err = None, None
             try:
                 with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml,
-                                                 env={**env, **proofcount.control_env(case)}), f"control-{case}") as deps:
+                                                 env=proofcount.control_env(case), serve_args=sargs),
+                                 f"control-{case}") as deps:
                     res = frmps_point(ctx, deps, lambda dep, trig: self._measure(
                         ctx, dep, trig, model, {"k": k, "trial": 0}, exact))
             except Exception as e:  # noqa: BLE001  (recorded: the sweep then fails)
@@ -486,7 +495,8 @@ class Correctness(Experiment):
                               if x != y else None for x, y in zip(ref_ids, got)],
                "lengths": [len(g) for g in got],
                "exact_mode": ("on" if exact else "off (CPU float32, batch-invariant)" if ctx.cpu else
-                              f"vLLM, VLLM_BATCH_INVARIANT={'1' if a.batch_invariant else '0'}" if a.engine == "vllm"
+                              ("vLLM, frmps serve --exact" if a.batch_invariant else "vLLM's default kernels")
+                              if a.engine == "vllm"
                               else "unsupported by the engine"),
                "failover": {kk: r.get(kk) for kk in ("recovery_s", "reused_tokens", "prefilled_tokens", "record")}}
         return out

@@ -94,6 +94,10 @@
 #                                      `frmps serve --model DIR --exact` as the README shows it, the controls (one
 #                                      deployment), then n real MPS faults with failback, every stream compared token
 #                                      for token
+#   k-sweep:<model>[:<budget>[:<ks>]]   `frmps bench correctness --engine vllm --exact` on the seeded checkpoint (stage
+#                                      seeded:<model> first): greedy and seeded outputs after a real MPS fault at
+#                                      token K equal the no-fault ones, K = 1..1024 (or <ks>, '+' between them), the
+#                                      negative controls first (env:CONTROLS); results into $RESULTS as bench:...
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
 # (put ahead of PYTHONPATH).
@@ -459,6 +463,20 @@ stage_exact_proof() {  # model n budget [timeout]
     tail -n 6 "$WORK/exact-$model.out" >> "$S"
 }
 
+stage_k_sweep() {  # model [budget [ks]]
+    local model=$1 budget=${2:-900} ks=${3:-} m more=()
+    m=$(seeded_for k-sweep "$model") || return
+    [ -n "$ks" ] && more=(--ks "${ks//+/,}")
+    vllm_env
+    mkdir -p "$RESULTS"
+    log "k-sweep $model: frmps bench correctness --engine vllm --exact --model $m ${more[*]} (budget ${budget}s) -> $RESULTS"
+    bounded $((budget + 60)) bin/frmps bench --python python3 correctness --engine vllm --exact --model "$m" "${more[@]}" \
+        --controls "$CONTROLS" --budget "$budget" --out "$RESULTS" --workdir "$WORK/k-sweep-$model" \
+        --faults-dir bench/build/faults --no-plots > "$WORK/k-sweep-$model.out" 2>&1
+    log "k-sweep $model: rc=$? (0 done, 2 a point failed, 3 stopped by the budget: run the stage again)"
+    tail -n 14 "$WORK/k-sweep-$model.out" >> "$S"
+}
+
 two_gpus() {  # what: fails (and logs why) on a machine with fewer than two GPUs
     local gpus
     gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
@@ -555,6 +573,7 @@ for st in "$@"; do
         margin) stage_margin "$a" "$b" ;;
         bi-margin) stage_bi_margin "$a" "$b" ;;
         exact-proof) stage_exact_proof "$a" "$b" "$c" "$d" ;;
+        k-sweep) stage_k_sweep "$a" "$b" "$c" ;;
         py)  # py:<script in bench/gpu>:<timeout>: a probe, its output into $OUT/<script>.out
             vllm_env; log "py $a"
             bounded "${b:-120}" python3 "bench/gpu/$a" > "$OUT/${a%.py}.out" 2>&1
