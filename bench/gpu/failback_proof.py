@@ -36,7 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failover_proof import (  # noqa: E402  (same folder, standard library only)
     LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, http_json, loglines, mps_trigger,
-    nvidia_smi)
+    nvidia_smi, stop_on_sigterm)
 
 from bench import exactness, proofcount  # noqa: E402
 from bench.runctx import FAULT_KINDS as FAULTS  # noqa: E402  (the seven kinds, in the soaks' order)
@@ -472,17 +472,6 @@ def teardown(td: dict | None) -> str:
     if not td:
         return ""
     return f" mps_teardown={td.get('teardown_ms')}ms kill->exit={td.get('kill_to_exit_ms')}ms"
-
-
-class Terminated(Exception):
-    """SIGTERM (a session's time bound): the proof stops as on an error, and what was
-    measured is still counted and written."""
-
-
-def stop_on_sigterm() -> None:
-    def on_term(signum, frame):
-        raise Terminated("stopped by SIGTERM (the caller's time bound)")
-    signal.signal(signal.SIGTERM, on_term)
 
 
 def main() -> int:

@@ -499,7 +499,19 @@ def second_fault(args):
     return make
 
 
+class Terminated(Exception):
+    """SIGTERM (a session's time bound): the proof stops as on an error, and what was
+    measured is still counted and written."""
+
+
+def stop_on_sigterm() -> None:
+    def on_term(signum, frame):
+        raise Terminated("stopped by SIGTERM (the caller's time bound)")
+    signal.signal(signal.SIGTERM, on_term)
+
+
 def main() -> int:
+    stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frmps", default="bin/frmps")
     ap.add_argument("--python", default=sys.executable)
@@ -593,10 +605,14 @@ def main() -> int:
                 failover_phase(dep, args, ref, dep_ref, "second", second_fault(args), entry["second"], sref)
         except Exception as ex:  # keep going: one broken fault must not hide the others
             entry["error"] = f"{type(ex).__name__}: {ex}"
+            if isinstance(ex, Terminated):  # but not past the caller's time bound
+                report["stopped"] = str(ex)
         finally:
             dep.stop()
             save()
         print(summary_line(entry), flush=True)
+        if report.get("stopped"):
+            break
         if args.stop_on_error and not entry_ok(entry):
             report["stopped"] = f"stopped after {spec} failed (--stop-on-error)"
             break

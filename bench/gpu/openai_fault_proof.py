@@ -42,7 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failback_proof import (FAKE_MPS, FAULTS, add_count_args, apply_prefill_chunk, engines, restored,  # noqa: E402
                             run_controls, spare_state, started)
 from proof_load import wait_endpoint  # noqa: E402
-from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
+from failover_proof import (Deployment, failover_after, failover_seq, get, mps_trigger,  # noqa: E402
+                            stop_on_sigterm)
 
 from bench import proofcount  # noqa: E402  (standard library only)
 
@@ -481,6 +482,7 @@ def against(args, report: dict, save, cs: list[dict], name: str) -> int:
 
 
 def main() -> int:
+    stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frmps", default="bin/frmps")
     ap.add_argument("--python", default=sys.executable)

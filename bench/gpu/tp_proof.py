@@ -41,7 +41,8 @@ from failback_proof import (  # noqa: E402  (same folder, standard library only)
     FAKE_MPS, FAULTS, add_count_args, apply_prefill_chunk, engines, events_of, first_resumed, grep_all, restored,
     run_controls, started, stream_report)
 from proof_load import Load, bodies, burst_bodies, gaps_after, max_gap_in, no_fault_run  # noqa: E402
-from failover_proof import Deployment, failover_after, failover_seq, get, mps_trigger  # noqa: E402
+from failover_proof import (Deployment, failover_after, failover_seq, get, mps_trigger,  # noqa: E402
+                            stop_on_sigterm)
 
 from bench.procs import alive, live_children  # noqa: E402  (standard library only)
 
@@ -113,6 +114,7 @@ def gpu_memory(pids: list[int]) -> dict:
 
 
 def main() -> int:
+    stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frmps", default="bin/frmps")
     ap.add_argument("--python", default=sys.executable)

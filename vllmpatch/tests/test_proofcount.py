@@ -287,16 +287,20 @@ def test_a_control_never_applied_is_told_from_one_that_passed_unnoticed():
     pc.check_controls([{**base, "detected": True, "applied": 1}])
 
 
-def test_failback_proof_turns_sigterm_into_an_error_that_keeps_the_count():
-    """A session's time bound sends SIGTERM: the proof must stop as on an error (its
+def test_the_gpu_proofs_turn_sigterm_into_an_error_that_keeps_the_count():
+    """A session's time bound sends SIGTERM: a proof must stop as on an error (its
     finally counts the streams and writes the report), not die with nothing counted."""
+    import inspect
     import signal
 
-    fb = _load("failback_proof")
+    fo = _load("failover_proof")
+    for name in ("failover_proof", "failback_proof", "tp_proof", "openai_fault_proof"):
+        main = inspect.getsource(_load(name).main)
+        assert "stop_on_sigterm()" in main.split("\n", 2)[1], name  # first thing main does
     old = signal.getsignal(signal.SIGTERM)
     try:
-        fb.stop_on_sigterm()
-        with pytest.raises(fb.Terminated, match="SIGTERM"):
+        fo.stop_on_sigterm()
+        with pytest.raises(fo.Terminated, match="SIGTERM"):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler runs at the next bytecode; this is not reached
     finally:
