@@ -113,7 +113,10 @@ class HFTokenizer:
         self.eos_token_id = im_end if im_end in ids else min(ids)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        # encode_batch, not encode: the same encoding, but it lets go of the GIL while
+        # it works, so the engine's step loop runs on while a prompt is tokenized on a
+        # generation thread (vllm/tokenizer.py, _backend_encoder).
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def grammar_vocab(self) -> tuple[list[str], str]:
         """Each id's token string for xgrammar (grammar.py), special tokens as empty
