@@ -26,6 +26,8 @@ from typing import Callable
 
 
 def spin_share(fn: Callable[[], object], seconds: float, alone: float) -> dict:
+    """Call fn for `seconds` with a spinning thread beside it: fn's calls per second
+    and the spinner's rate as a share of `alone` (its rate beside nothing)."""
     stop, count = threading.Event(), [0]
 
     def spin() -> None:
@@ -44,25 +46,13 @@ def spin_share(fn: Callable[[], object], seconds: float, alone: float) -> dict:
     stop.set()
     t.join()
     rate = count[0] / wall
-    return {"calls_per_s": round(calls / wall, 1), "spinner_share": round(rate / alone, 3) if alone else None}
+    return {"calls_per_s": round(calls / wall, 1), "spinner_share": round(rate / alone, 3) if alone else None,
+            "spinner_rate": rate}
 
 
 def _alone_rate(seconds: float) -> float:
-    stop, count = threading.Event(), [0]
-
-    def spin() -> None:
-        n = 0
-        while not stop.is_set():
-            n += 1
-        count[0] = n
-
-    t = threading.Thread(target=spin)
-    t0 = time.perf_counter()
-    t.start()
-    time.sleep(seconds)
-    stop.set()
-    t.join()
-    return count[0] / (time.perf_counter() - t0)
+    """The spinner's rate beside a thread that only sleeps."""
+    return spin_share(lambda: time.sleep(0.01), seconds, 0)["spinner_rate"]
 
 
 def main() -> int:
@@ -92,7 +82,9 @@ def main() -> int:
     n_ids = len(hf.encode(text, add_special_tokens=False))
     alone = _alone_rate(args.seconds)
     for name, fn in paths.items():
-        print(json.dumps({"path": name, "prompt_tokens": n_ids, **spin_share(fn, args.seconds, alone)}), flush=True)
+        r = spin_share(fn, args.seconds, alone)
+        r.pop("spinner_rate")
+        print(json.dumps({"path": name, "prompt_tokens": n_ids, **r}), flush=True)
     return 0
 
 
