@@ -8,10 +8,10 @@ GIL the spinner wanted; ~0.5 on a free core: it held it about half the time).
 
     PYTHONPATH=vllmpatch/src .venv/bin/python bench/tokenizer_gil.py <hf model dir> [--words 2000] [--seconds 2]
 
-Paths: the Hugging Face tokenizer's own encode (what the engines called before),
-the tokenizers library's encode and encode_batch, and the engines' encode now
-(refengine HFTokenizer; vLLM adapter VllmTokenizer over the Hugging Face
-tokenizer). One JSON line per path. CPU figures: with fewer free cores than
+Paths: the Hugging Face tokenizer's encode (transformers; it calls the tokenizers
+library's encode_batch), the tokenizers library's encode and encode_batch, and
+the engines' encode (refengine HFTokenizer; the vLLM adapter's VllmTokenizer over
+the Hugging Face tokenizer). One JSON line per path. CPU figures: with fewer free cores than
 threads the spinner's share also measures the scheduler, so compare the lines of
 one run.
 """

@@ -32,43 +32,6 @@ def _backend_decoder(tok: Any) -> Callable[..., str] | None:
     return decode
 
 
-# Texts the backend encoder must encode as the tokenizer does before it is used: ASCII,
-# punctuation and digits, whitespace runs, non-Latin scripts and emoji, the chat
-# markup's special tokens in running text, and a long mixed text.
-_ENCODE_SAMPLE = [
-    "Hello, world!", " leading space", "trailing space ", "  two  spaces\tand a tab\n\nnew lines\r\n",
-    "3.14159 + 2,718 = 5.85959; 1234567890", "naïve café über façade", "日本語のテキストと中文文本", "🙂 👍🏽 🚀",
-    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>text after", "<tool_call>{\"a\": 1}</tool_call>",
-    "def f(x):\n    return x ** 2  # comment\n",
-]
-_ENCODE_SAMPLE.append(" ".join(_ENCODE_SAMPLE) * 8)
-
-
-def _backend_encoder(tok: Any) -> Callable[[str], list[int]] | None:
-    """The Rust encode under a Hugging Face fast tokenizer, in its batch form: the
-    tokenizers library's encode_batch lets go of the GIL while it works and encode
-    does not. The engine tokenizes prompts on its generation threads, beside the loop
-    thread that steps the engine, so a held GIL there stalls the step loop for as
-    long as the prompt takes to tokenize (milliseconds for a few thousand tokens).
-    Checked at load against tok.encode on a sample of texts; None (use tok.encode)
-    if any differs or the tokenizer has no such backend."""
-    backend = getattr(tok, "backend_tokenizer", None)
-    batch = getattr(backend, "encode_batch", None)
-    if batch is None:
-        return None
-
-    def encode(text: str) -> list[int]:
-        return batch([text], add_special_tokens=False)[0].ids
-
-    try:
-        for text in _ENCODE_SAMPLE:
-            if encode(text) != list(tok.encode(text, add_special_tokens=False)):
-                return None
-    except Exception:  # any surprise: the tokenizer's own encode
-        return None
-    return encode
-
-
 class VllmTokenizer:
     """The SDK's Tokenizer protocol over vLLM's tokenizer (HF fast tokenizer + chat template)."""
 
@@ -78,11 +41,8 @@ class VllmTokenizer:
         self._tok = tok
         self.eos_token_id = tok.eos_token_id
         self._backend = _backend_decoder(tok)
-        self._encoder = _backend_encoder(tok)
 
     def encode(self, text: str) -> list[int]:
-        if self._encoder is not None:
-            return self._encoder(text)
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
