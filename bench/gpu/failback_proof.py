@@ -36,7 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from failover_proof import (  # noqa: E402  (same folder, standard library only)
     LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, http_json, loglines, mps_trigger,
-    nvidia_smi, stop_on_sigterm)
+    Terminated, nvidia_smi, stop_on_sigterm)
 
 from bench import exactness, proofcount  # noqa: E402
 from bench.runctx import FAULT_KINDS as FAULTS  # noqa: E402  (the seven kinds, in the soaks' order)
@@ -550,6 +550,12 @@ def main() -> int:
         return 1
     dep = Deployment(args, f"{args.engine}-{os.path.basename(os.path.normpath(args.model))}", args.workdir)
     load = None
+    terminated = False
+
+    def count_streams_now() -> str:
+        """The stream count of the streams finished so far into report; its headline."""
+        return stream_report(report, list(load.done), events_of(report.get("drills", []) + report["faults"]),
+                             (report.get("reference") or {}).get("prompt_tokens") or [], args.prefill_chunk)
     try:
         t0 = now()
         dep.start()
@@ -610,18 +616,16 @@ def main() -> int:
             print(f"fault {n} {spec}: {summary_line(rec, step)}", flush=True)
             # The streams finished so far, counted now: a run cut short (a killed
             # session) keeps the count up to its last completed stream.
-            stream_report(report, list(load.done), events_of(report.get("drills", []) + report["faults"]),
-                          (report.get("reference") or {}).get("prompt_tokens") or [], args.prefill_chunk)
+            count_streams_now()
             report["streams_interim"] = f"streams finished by the end of fault {n}"
             save()
     except Exception as ex:  # keep what was measured
         report["error"] = f"{type(ex).__name__}: {ex}"
+        terminated = isinstance(ex, Terminated)
     finally:
         if load is not None:  # the streams that completed are checked whatever happened
-            # after a SIGTERM the caller kills us 90 s later (bench/gpu/bounded.sh)
-            load.finish(60 if isinstance(report.get("error"), str) and "SIGTERM" in report["error"] else 120)
-            h = stream_report(report, list(load.done), events_of(report.get("drills", []) + report["faults"]),
-                              (report.get("reference") or {}).get("prompt_tokens") or [], args.prefill_chunk)
+            load.finish(60 if terminated else 120)  # after a SIGTERM the caller kills us 90 s later (bounded.sh)
+            h = count_streams_now()
             report.pop("streams_interim", None)
             print(h + ("" if args.controls else " [controls OFF]"), flush=True)
         dep.stop()

@@ -463,18 +463,10 @@ stage_exact_proof() {  # model n budget [timeout]
     tail -n 6 "$WORK/exact-$model.out" >> "$S"
 }
 
-stage_k_sweep() {  # model [budget [ks]]
-    local model=$1 budget=${2:-900} ks=${3:-} m more=()
-    m=$(seeded_for k-sweep "$model") || return
-    [ -n "$ks" ] && more=(--ks "${ks//+/,}")
-    vllm_env
-    mkdir -p "$RESULTS"
-    log "k-sweep $model: frmps bench correctness --engine vllm --exact --model $m ${more[*]} (budget ${budget}s) -> $RESULTS"
-    bounded $((budget + 60)) bin/frmps bench --python python3 correctness --engine vllm --exact --model "$m" "${more[@]}" \
-        --controls "$CONTROLS" --budget "$budget" --out "$RESULTS" --workdir "$WORK/k-sweep-$model" \
-        --faults-dir bench/build/faults --no-plots > "$WORK/k-sweep-$model.out" 2>&1
-    log "k-sweep $model: rc=$? (0 done, 2 a point failed, 3 stopped by the budget: run the stage again)"
-    tail -n 14 "$WORK/k-sweep-$model.out" >> "$S"
+stage_k_sweep() {  # model [budget [ks]]: stage bench on the seeded checkpoint, with --exact
+    local m ks=${3:-}
+    m=$(seeded_for k-sweep "$1") || return
+    stage_bench vllm correctness "$m" "${2:-900}" "--exact${ks:++--ks+${ks//+/,}}"
 }
 
 two_gpus() {  # what: fails (and logs why) on a machine with fewer than two GPUs
