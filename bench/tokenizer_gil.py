@@ -72,12 +72,13 @@ def main() -> int:
     hf = AutoTokenizer.from_pretrained(args.model_dir)
     words = "the engine keeps serving through a fault while its standby adopts the cache 12,345 naïve 日本 🙂".split()
     text = " ".join(words[i % len(words)] for i in range(args.words))
+    ref_tok, vllm_tok = HFTokenizer(args.model_dir), VllmTokenizer(hf)
     paths: dict[str, Callable[[], object]] = {
         "transformers encode": lambda: hf.encode(text, add_special_tokens=False),
         "tokenizers encode": lambda: raw.encode(text, add_special_tokens=False),
         "tokenizers encode_batch": lambda: raw.encode_batch([text], add_special_tokens=False),
-        "refengine HFTokenizer.encode": (lambda t=HFTokenizer(args.model_dir): lambda: t.encode(text))(),
-        "vllm VllmTokenizer.encode": (lambda t=VllmTokenizer(hf): lambda: t.encode(text))(),
+        "refengine HFTokenizer.encode": lambda: ref_tok.encode(text),
+        "vllm VllmTokenizer.encode": lambda: vllm_tok.encode(text),
     }
     n_ids = len(hf.encode(text, add_special_tokens=False))
     alone = _alone_rate(args.seconds)
