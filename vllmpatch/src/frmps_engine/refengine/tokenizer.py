@@ -113,11 +113,7 @@ class HFTokenizer:
         self.eos_token_id = im_end if im_end in ids else min(ids)
 
     def encode(self, text: str) -> list[int]:
-        # encode_batch, not encode: the same encoding, but it lets go of the GIL while
-        # it works (encode holds it), so the engine's step loop runs on while a prompt
-        # is tokenized on a generation thread (bench/tokenizer_gil.py). Hugging Face's
-        # fast tokenizers, which the vLLM engine uses, encode through encode_batch too.
-        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def grammar_vocab(self) -> tuple[list[str], str]:
         """Each id's token string for xgrammar (grammar.py), special tokens as empty
