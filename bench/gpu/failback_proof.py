@@ -38,7 +38,7 @@ from failover_proof import (  # noqa: E402  (same folder, standard library only)
     LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, http_json, loglines, mps_trigger,
     Terminated, nvidia_smi, stop_on_sigterm)
 
-from bench import exactness, proofcount  # noqa: E402
+from bench import exactness, proofcount, token_logs  # noqa: E402
 from bench.runctx import FAULT_KINDS as FAULTS  # noqa: E402  (the seven kinds, in the soaks' order)
 from proof_load import (  # noqa: E402  (same folder, standard library only)
     Load, bodies, burst_bodies, gaps_after, max_gap_in, no_fault_run, now, wait_endpoint)
@@ -630,10 +630,33 @@ def main() -> int:
             print(h + ("" if args.controls else " [controls OFF]"), flush=True)
         dep.stop()
         report["takeover_traces"] = takeover_traces(dep.log_dir)
+        report["token_logs"] = engines_token_logs(dep.token_dir)
         save()
     print(json.dumps({k: report.get(k) for k in ("startup_s", "streams_total", "streams_exact", "headline", "controls_mode",
-                                                   "error", "elapsed_s", "pool_checksums")}, default=str), flush=True)
+                                                   "error", "elapsed_s", "pool_checksums", "token_logs")}, default=str), flush=True)
     return proof_status(report)
+
+
+def engines_token_logs(token_dir: str) -> dict | None:
+    """The engines' own token logs (bench.token_logs) per engine, against each prompt's
+    first and its most frequent output: where the clients' streams differ from the
+    no-fault run, this tells an engine whose outputs all differ (it computes differently,
+    takeover or not) from a takeover that went wrong. Only the engines that finished a
+    request appear."""
+    try:
+        comps = token_logs.read([token_dir])
+    except OSError:
+        return None
+    if not comps:
+        return None
+    out = {}
+    for ref in ("first", "majority"):
+        rows = token_logs.compare(comps, ref)
+        out[ref] = {"prompts_with_several_outputs": sum(len(r["variants"]) > 1 for r in rows),
+                    "engines": {str(pid): {"completions": e["completions"], "differ": e["differ"]}
+                                for pid, e in token_logs.engine_summary(comps, rows, ref).items()}}
+    out["completions"], out["prompts"] = len(comps), len({c.prompt for c in comps})
+    return out
 
 
 def proof_status(report: dict) -> int:

@@ -1,0 +1,94 @@
+"""bench.token_logs: the engines' token logs compared across engines (synthetic logs, no engine)."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+
+from bench import token_logs as tl
+
+P1, P2 = [1, 2, 3], [4, 5, 6, 7]
+GOOD1, GOOD2 = [10, 11, 12, 13], [20, 21, 22, 23]
+
+
+def write(d, pid, rows):
+    with open(d / f"tokens-{pid}.jsonl", "w") as f:
+        for t, prompt, out in rows:
+            f.write(json.dumps({"t": t, "key": 1, "prompt": prompt, "output": out, "pid": pid,
+                                "finish_reason": "length"}) + "\n")
+
+
+def test_equal_outputs_across_engines_pass(tmp_path):
+    write(tmp_path, 100, [(1.0, P1, GOOD1), (1.1, P2, GOOD2)])
+    write(tmp_path, 200, [(2.0, P1, GOOD1), (2.1, P2, GOOD2), (3.0, P1, GOOD1)])
+    assert tl.main([str(tmp_path)]) == 0
+    rows = tl.compare(tl.read([str(tmp_path)]))
+    assert [len(r["variants"]) for r in rows] == [1, 1]
+    assert rows[0]["completions"] == 3 and rows[0]["engines"] == [100, 200]
+
+
+def test_one_corrupted_token_is_found_with_its_position(tmp_path):
+    # the negative control: one completion differs in one token, after the others
+    write(tmp_path, 100, [(1.0, P1, GOOD1)])
+    write(tmp_path, 200, [(2.0, P1, GOOD1[:2] + [99] + GOOD1[3:]), (3.0, P1, GOOD1)])
+    assert tl.main([str(tmp_path)]) == 1
+    (row,) = tl.compare(tl.read([str(tmp_path)]))
+    assert [(v["count"], v["engines"], v["first_diff"]) for v in row["variants"]] == [(2, [100, 200], None), (1, [200], 2)]
+
+
+def test_an_engine_that_computes_differently_shows_in_the_engine_summary(tmp_path):
+    # the first engine is the odd one out: against the first output every later one differs,
+    # against the majority only the first engine's
+    write(tmp_path, 100, [(1.0, P1, [9, 9, 9, 9]), (1.1, P2, [8, 8, 8, 8])])
+    write(tmp_path, 200, [(2.0, P1, GOOD1), (2.1, P2, GOOD2), (3.0, P1, GOOD1), (3.1, P2, GOOD2)])
+    comps = tl.read([str(tmp_path)])
+    first = tl.engine_summary(comps, tl.compare(comps), "first")
+    assert first[100]["differ"] == 0 and first[200]["differ"] == 4
+    maj = tl.engine_summary(comps, tl.compare(comps, "majority"), "majority")
+    assert maj[100]["differ"] == 2 and maj[200]["differ"] == 0
+
+
+def test_a_shorter_output_differs_at_its_end_and_torn_lines_are_skipped(tmp_path, capsys):
+    write(tmp_path, 100, [(1.0, P1, GOOD1), (2.0, P1, GOOD1[:3])])
+    with open(tmp_path / "tokens-100.jsonl", "a") as f:
+        f.write('{"t": 3.0, "prompt": [1, 2')          # cut by a SIGKILL mid-write
+    (row,) = tl.compare(tl.read([str(tmp_path)]))
+    assert [v["first_diff"] for v in row["variants"]] == [None, 3]
+    assert "skipped" in capsys.readouterr().err
+
+
+def test_reads_a_tar_gz_pack(tmp_path):
+    d = tmp_path / "logs"
+    d.mkdir()
+    write(d, 100, [(1.0, P1, GOOD1)])
+    write(d, 200, [(2.0, P1, GOOD1[:1] + [0, 0, 0])])
+    pack = tmp_path / "tokens.tar.gz"
+    with tarfile.open(pack, "w:gz") as tar:
+        tar.add(d, arcname="tokens-run")
+    out = tmp_path / "cmp.json"
+    assert tl.main([str(pack), "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["prompts"][0]["variants"][1]["first_diff"] == 1
+
+
+def test_the_failback_proof_reports_the_engines_token_logs(tmp_path):
+    """The pattern the H200 showed at 14B (2026-11-30): the deployment's first engine gave
+    the no-fault run, every later engine another output. Against the first output every
+    later completion differs; against the majority only the first engine's do."""
+    import importlib.util
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("failback_proof", os.path.join(repo, "bench", "gpu", "failback_proof.py"))
+    fb = importlib.util.module_from_spec(spec)
+    import sys
+    sys.path.insert(0, os.path.join(repo, "bench", "gpu"))
+    spec.loader.exec_module(fb)
+    assert fb.engines_token_logs(str(tmp_path / "missing")) is None
+    assert fb.engines_token_logs(str(tmp_path)) is None
+    write(tmp_path, 100, [(1.0, P1, [9, 9, 9, 9]), (1.1, P2, GOOD2)])
+    write(tmp_path, 200, [(2.0, P1, GOOD1), (2.1, P2, GOOD2), (3.0, P1, GOOD1)])
+    r = fb.engines_token_logs(str(tmp_path))
+    assert r["completions"] == 5 and r["prompts"] == 2
+    assert r["first"]["prompts_with_several_outputs"] == 1
+    assert r["first"]["engines"] == {"100": {"completions": 2, "differ": 0}, "200": {"completions": 3, "differ": 2}}
+    assert r["majority"]["engines"] == {"100": {"completions": 2, "differ": 1}, "200": {"completions": 3, "differ": 0}}
