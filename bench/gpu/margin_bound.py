@@ -38,6 +38,17 @@ def prompt(i: int, filler: bool = False) -> str:
     return (f"Filler {i}: " if filler else f"Prompt {i}: ") + " ".join(words[start:start + n])
 
 
+def write_token_log(folder: str, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """One JSON line per output into <folder>/tokens-<pid>.jsonl, in the engines' token-log format."""
+    import time
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"tokens-{os.getpid()}.jsonl"), "a") as f:
+        for p, o in zip(prompts, outputs):
+            f.write(json.dumps({"t": time.time(), "key": 0, "prompt": p, "output": o, "finish_reason": "length",
+                                "pid": os.getpid()}) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a Hugging Face model directory")
@@ -55,6 +66,10 @@ def main() -> int:
                          "twice: the second run loads the compiled model the first saved, as a restored engine does")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--out", default="margin_bound.json")
+    ap.add_argument("--token-log", default="",
+                    help="append every generated output to <dir>/tokens-<pid>.jsonl as the engines' FRMPS_DEBUG_TOKEN_LOG "
+                         "does, so that `python3 -m bench.token_logs <dir>` compares runs in separate processes "
+                         "(session.sh engine-repeat)")
     args = ap.parse_args()
     if args.batch_invariant:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
@@ -81,6 +96,8 @@ def main() -> int:
     def run(ps):
         outs = llm.generate(ps, sp, use_tqdm=False)
         toks = [list(o.outputs[0].token_ids) for o in outs]
+        if args.token_log:
+            write_token_log(args.token_log, [list(o.prompt_token_ids) for o in outs], toks)
         margins = [[exactness.top2_margin({k: v.logprob for k, v in pos.items()}) for pos in o.outputs[0].logprobs]
                    for o in outs]
         return toks, margins

@@ -94,6 +94,12 @@
 #                                      `frmps serve --model DIR --exact` as the README shows it, the controls (one
 #                                      deployment), then n real MPS faults with failback, every stream compared token
 #                                      for token
+#   engine-repeat:<model>[:<n>[:<timeout>[:mps]]]  bench/gpu/margin_bound.py in n fresh processes (default 4) on the
+#                                      seeded checkpoint with --exact's settings (VLLM_BATCH_INVARIANT=1, Triton
+#                                      attention), each one's outputs into one token-log folder, compared across the
+#                                      processes by bench.token_logs ($OUT/engine-repeat-<model>[-mps].json); mps: inside a
+#                                      private MPS daemon (frmps bench mps); env:ENGINE_REPEAT_ARGS: margin_bound's sizes
+#                                      (default --prompts 12 --fillers 12 --max-tokens 128); timeout per process (900 s)
 #   k-sweep:<model>[:<budget>[:<ks>]]   `frmps bench correctness --engine vllm --exact` on the seeded checkpoint (stage
 #                                      seeded:<model> first): greedy and seeded outputs after a real MPS fault at
 #                                      token K equal the no-fault ones, K = 1..1024 (or <ks>, '+' between them), the
@@ -428,6 +434,33 @@ stage_margin() {  # model [timeout]
     log "margin $1: rc=$?"; tail -n 8 "$WORK/margin-$1.out" >> "$S"
 }
 
+stage_engine_repeat() {  # model n [timeout [mps]]: do separate vLLM processes compute alike under --exact's settings?
+    vllm_env
+    local m n=${2:-4} limit=${3:-900} where=${4:-} i d env=() ok=0
+    m=$(seeded_for engine-repeat "$1") || return
+    d=$WORK/engine-repeat-$1${where:+-$where}
+    rm -rf "$d" && mkdir -p "$d/tokens"
+    if [ "$where" = mps ]; then
+        mkdir -m 700 -p "$d/run"
+        bin/frmps bench mps start --run-dir "$d/run" > "$d/mps.env" 2>&1 || { log "engine-repeat: MPS daemon: $(tail -n 2 "$d/mps.env")"; return; }
+        mapfile -t env < <(grep -E '^CUDA_MPS_(PIPE|LOG)_DIRECTORY=' "$d/mps.env")
+    fi
+    log "engine-repeat $1: $n fresh vLLM processes (VLLM_BATCH_INVARIANT=1, Triton attention)${where:+ inside MPS}, ${ENGINE_REPEAT_ARGS:---prompts 12 --fillers 12 --max-tokens 128}"
+    for i in $(seq 1 "$n"); do
+        # shellcheck disable=SC2086
+        ( if [ "${#env[@]}" -gt 0 ]; then export "${env[@]}"; fi  # the MPS daemon's client
+          bounded "$limit" python3 bench/gpu/margin_bound.py --model "$m" --batch-invariant \
+            --attention-backend TRITON_ATTN ${ENGINE_REPEAT_ARGS:---prompts 12 --fillers 12 --max-tokens 128} \
+            --token-log "$d/tokens" --out "$d/margin-$i.json" > "$d/run-$i.out" 2>&1 ) && ok=$((ok + 1))
+        log "engine-repeat $1: run $i rc=$? $(tail -n 1 "$d/run-$i.out" | cut -c1-160)"
+    done
+    [ "$where" = mps ] && bin/frmps bench mps stop --run-dir "$d/run" > /dev/null 2>&1
+    python3 -m bench.token_logs "$d/tokens" --reference majority --json "$OUT/engine-repeat-$1${where:+-$where}.json" \
+        > "$d/token-logs.txt" 2>&1
+    log "engine-repeat $1: $ok of $n runs finished; token logs: rc=$? (1: the processes' outputs differ)"
+    grep -E "^engine |completions of" "$d/token-logs.txt" | tail -n $((n + 1)) >> "$S"
+}
+
 stage_bi_margin() {  # model [timeout]: which batch-invariant vLLM configuration is batch-invariant here
     vllm_env
     local m v flags
@@ -564,6 +597,7 @@ for st in "$@"; do
         controls) stage_controls "$a" "$b" "$c" ;;
         margin) stage_margin "$a" "$b" ;;
         bi-margin) stage_bi_margin "$a" "$b" ;;
+        engine-repeat) stage_engine_repeat "$a" "$b" "$c" "$d" ;;
         exact-proof) stage_exact_proof "$a" "$b" "$c" "$d" ;;
         k-sweep) stage_k_sweep "$a" "$b" "$c" ;;
         py)  # py:<script in bench/gpu>:<timeout>: a probe, its output into $OUT/<script>.out

@@ -92,3 +92,21 @@ def test_the_failback_proof_reports_the_engines_token_logs(tmp_path):
     assert r["first"]["prompts_with_several_outputs"] == 1
     assert r["first"]["engines"] == {"100": {"completions": 2, "differ": 0}, "200": {"completions": 3, "differ": 2}}
     assert r["majority"]["engines"] == {"100": {"completions": 2, "differ": 1}, "200": {"completions": 3, "differ": 0}}
+
+
+def test_margin_bounds_token_log_is_read_by_token_logs(tmp_path):
+    """session.sh engine-repeat: margin_bound.py's outputs, one process each, compared across
+    processes by bench.token_logs (the write is the engines' format)."""
+    import importlib.util
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("margin_bound", os.path.join(repo, "bench", "gpu", "margin_bound.py"))
+    mb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mb)
+    mb.write_token_log(str(tmp_path), [P1, P2], [GOOD1, GOOD2])
+    mb.write_token_log(str(tmp_path), [P1], [GOOD1[:3] + [0]])      # the same process, later: another output
+    (f,) = list(tmp_path.iterdir())
+    assert f.name == f"tokens-{os.getpid()}.jsonl"
+    rows = tl.compare(tl.read([str(tmp_path)]))
+    assert [[v["first_diff"] for v in r["variants"]] for r in rows] == [[None, 3], [None]]
