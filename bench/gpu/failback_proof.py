@@ -592,6 +592,13 @@ def main() -> int:
         save()
         if report["reference"]["errors"]:
             raise RuntimeError(f"the no-fault run failed: {report['reference']['errors'][:3]}")
+        cc = reference_cross_check(os.path.join(args.workdir, "controls", "tokens-controls"), dep.token_dir)
+        if cc is not None:
+            report["reference_cross_check"] = cc
+            save()
+            print(f"reference cross-check: {cc['summary']}", flush=True)
+            if cc["differ"]:
+                raise RuntimeError(f"reference cross-check: {cc['summary']}")
         load = Load(dep, args.model, reqs, ref, n_loop=args.streams)
         load.start()
         n_fb = 0  # failbacks so far: each cycle waits for the placement its predecessor restored
@@ -635,6 +642,45 @@ def main() -> int:
     print(json.dumps({k: report.get(k) for k in ("startup_s", "streams_total", "streams_exact", "headline", "controls_mode",
                                                    "error", "elapsed_s", "pool_checksums", "token_logs")}, default=str), flush=True)
     return proof_status(report)
+
+
+def reference_cross_check(controls_dir: str, run_dir: str) -> dict | None:
+    """The no-fault run against the controls deployment's no-fault outputs of the same prompts
+    (the controls reuse the run's first prompts and seeds, with fewer tokens), from the engines'
+    token logs: each prompt's first completion in each deployment, compared over the shorter
+    length. Two engine processes of the same command must agree; where they do not, no takeover
+    between them can be exact, and the faults would measure nothing (bench/results/
+    2026-11-30-h200x2-vllm-exact-14b/: caught this way it costs one no-fault round, not the
+    run). None when either side has no log (controls off)."""
+    try:
+        ctl, run = token_logs.read([controls_dir]), token_logs.read([run_dir])
+    except OSError:
+        return None
+    if not ctl or not run:
+        return None
+    first_ctl: dict = {}
+    for c in ctl:
+        first_ctl.setdefault(c.prompt, c)
+    first_run: dict = {}
+    for c in run:
+        first_run.setdefault(c.prompt, c)
+    diffs, compared = [], 0
+    for prompt, r in first_run.items():
+        c = first_ctl.get(prompt)
+        if c is None:
+            continue
+        compared += 1
+        n = min(len(c.output), len(r.output))
+        d = token_logs.first_diff(c.output[:n], r.output[:n])
+        if d is not None:
+            diffs.append({"prompt_tokens": len(prompt), "first_diff": d, "compared_tokens": n,
+                          "controls_engine": c.pid, "run_engine": r.pid})
+    summary = (f"{compared} prompt(s) of the no-fault run also ran in the controls' deployment; "
+               f"{len(diffs)} differ" + (f" (first at token {min(x['first_diff'] for x in diffs)}; engines "
+                                         f"{sorted({x['run_engine'] for x in diffs})} against "
+                                         f"{sorted({x['controls_engine'] for x in diffs})}): two engine processes "
+                                         "of the same command computed different outputs, takeover or not" if diffs else ""))
+    return {"prompts_compared": compared, "differ": len(diffs), "diffs": diffs, "summary": summary}
 
 
 def engines_token_logs(token_dir: str) -> dict | None:

@@ -110,3 +110,58 @@ def test_margin_bounds_token_log_is_read_by_token_logs(tmp_path):
     assert f.name == f"tokens-{os.getpid()}.jsonl"
     rows = tl.compare(tl.read([str(tmp_path)]))
     assert [[v["first_diff"] for v in r["variants"]] for r in rows] == [[None, 3], [None]]
+
+
+def _failback_proof():
+    import importlib.util
+    import os
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(repo, "bench", "gpu"))
+    spec = importlib.util.spec_from_file_location("failback_proof", os.path.join(repo, "bench", "gpu", "failback_proof.py"))
+    fb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fb)
+    return fb
+
+
+def test_the_reference_cross_check_compares_the_no_fault_runs_of_two_deployments(tmp_path):
+    """The controls' deployment ran the same prompts with fewer tokens: its outputs must be a
+    prefix of the run's no-fault outputs. On the H200 (2026-11-30) the run's first engine gave
+    other outputs: this check would have stopped the proof after its first round."""
+    fb = _failback_proof()
+    ctl, run = tmp_path / "ctl", tmp_path / "run"
+    ctl.mkdir()
+    run.mkdir()
+    assert fb.reference_cross_check(str(ctl), str(run)) is None          # no logs: controls off
+    write(ctl, 100, [(1.0, P1, GOOD1[:2]), (1.1, P2, GOOD2[:2]), (1.2, [7, 7], [1, 2])])
+    write(ctl, 101, [(2.0, P1, [5, 5])])                                   # a later, corrupted case: not the reference
+    write(run, 200, [(3.0, P1, GOOD1), (3.1, P2, GOOD2)])
+    cc = fb.reference_cross_check(str(ctl), str(run))
+    assert (cc["prompts_compared"], cc["differ"]) == (2, 0), cc
+    # the negative control: the run's first engine computed one token differently
+    write(run, 300, [(0.5, P2, GOOD2[:1] + [0] + GOOD2[2:])])             # earlier: the run's no-fault output
+    cc = fb.reference_cross_check(str(ctl), str(run))
+    assert cc["differ"] == 1 and cc["diffs"] == [{"prompt_tokens": len(P2), "first_diff": 1, "compared_tokens": 2,
+                                                  "controls_engine": 100, "run_engine": 300}], cc
+    assert "computed different outputs" in cc["summary"]
+
+
+def test_the_reference_cross_check_on_the_h200_logs(tmp_path):
+    """The committed 14B logs of 2026-11-30, each lane's controls' deployment against its run:
+    on GPU 0, whose run's first engine computed differently, 5 of the 6 shared prompts differ
+    (the 6th agrees over the controls' 128 tokens: it first differs at token 137); on GPU 1 none."""
+    import os
+    import tarfile
+
+    fb = _failback_proof()
+    res = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "bench", "results", "2026-11-30-h200x2-vllm-exact-14b")
+    got = {}
+    for lane in ("gpu0", "gpu1"):
+        for part in ("", "-controls"):
+            with tarfile.open(os.path.join(res, f"tokens-14b-{lane}{part}.tar.gz")) as tar:
+                tar.extractall(tmp_path / f"{lane}{part}", filter="data")
+        cc = fb.reference_cross_check(str(tmp_path / f"{lane}-controls"), str(tmp_path / lane))
+        got[lane] = (cc["prompts_compared"], cc["differ"])
+    assert got == {"gpu0": (6, 5), "gpu1": (6, 0)}, got
