@@ -173,6 +173,9 @@ c-test: c-build ## interceptor unit tests against the fake libcuda
 # (--dist loadfile) so a module's shared fixtures, a `frmps serve` deployment or a
 # loaded model, start once. PYTEST_PAR= runs them in one process.
 PYTEST_PAR ?= -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
+# The suites print their 15 slowest tests (setup included): the clean-clone run is a budget
+# (12 minutes on a 2-core machine), and a test that grows shows in the log that ran it.
+PYTEST_DURATIONS ?= --durations=15
 
 # Every process the tests start runs torch's (and numpy's BLAS) CPU kernels on one
 # thread: the suites keep several of those processes busy at once (workers, engines,
@@ -195,11 +198,11 @@ py-test: py-test-vllm026 py-test-main ## Python tests (engine SDK, reference eng
 # bench/serving's test runs vLLM 0.26.0's `vllm bench serve` client from it.
 .PHONY: py-test-main
 py-test-main: $(VENV)/.stamp $(VENV026)/.stamp go-build py-test-libs
-	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY) -m pytest -q $(PYTEST_PAR) vllmpatch/tests
+	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY) -m pytest -q $(PYTEST_PAR) $(PYTEST_DURATIONS) vllmpatch/tests
 
 .PHONY: py-test-vllm026
 py-test-vllm026: $(VENV026)/.stamp go-build py-test-libs ## the vLLM adapter's tests against vLLM 0.26.0
-	FRMPS_EXPECT_VLLM=0.26.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY026) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) vllmpatch/tests/vllm
+	FRMPS_EXPECT_VLLM=0.26.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY026) -m pytest -q -p no:cacheprovider $(PYTEST_PAR) $(PYTEST_DURATIONS) vllmpatch/tests/vllm
 
 .PHONY: test-notorch
 test-notorch: ## Go tests and the torch-free Python tests, without installing torch

@@ -74,15 +74,7 @@ def test_the_failback_proof_reports_the_engines_token_logs(tmp_path):
     """The pattern the H200 showed at 14B (2026-11-30): the deployment's first engine gave
     the no-fault run, every later engine another output. Against the first output every
     later completion differs; against the majority only the first engine's do."""
-    import importlib.util
-    import os
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("failback_proof", os.path.join(repo, "bench", "gpu", "failback_proof.py"))
-    fb = importlib.util.module_from_spec(spec)
-    import sys
-    sys.path.insert(0, os.path.join(repo, "bench", "gpu"))
-    spec.loader.exec_module(fb)
+    fb = _failback_proof()
     assert fb.engines_token_logs(str(tmp_path / "missing")) is None
     assert fb.engines_token_logs(str(tmp_path)) is None
     write(tmp_path, 100, [(1.0, P1, [9, 9, 9, 9]), (1.1, P2, GOOD2)])
