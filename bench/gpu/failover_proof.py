@@ -182,6 +182,9 @@ class Deployment(Serve):
         self.admin = self.admin_addr  # the admin API's host:port
         self.token_dir = os.path.join(workdir, f"tokens-{name}")
         os.makedirs(self.token_dir, exist_ok=True)
+        for f in os.listdir(self.token_dir):  # an earlier run's, in a reused workdir: not this deployment's
+            if f.startswith("tokens-") and f.endswith(".jsonl"):
+                os.unlink(os.path.join(self.token_dir, f))
 
     def start(self) -> None:
         a = self.args

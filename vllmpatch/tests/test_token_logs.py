@@ -157,3 +157,20 @@ def test_the_reference_cross_check_on_the_h200_logs(tmp_path):
         cc = fb.reference_cross_check(str(tmp_path / f"{lane}-controls"), str(tmp_path / lane))
         got[lane] = (cc["prompts_compared"], cc["differ"])
     assert got == {"gpu0": (6, 5), "gpu1": (6, 0)}, got
+
+
+def test_a_deployment_starts_with_no_token_logs_of_an_earlier_run(tmp_path):
+    """A reused workdir: an earlier run's token logs would be read as this deployment's first
+    completions (the no-fault reference) by the cross-check and the comparisons."""
+    import argparse
+
+    fb = _failback_proof()
+    old = tmp_path / "tokens-d"
+    old.mkdir()
+    write(old, 1, [(0.1, P1, GOOD1)])
+    (old / "notes.txt").write_text("kept")
+    args = argparse.Namespace(frmps="frmps", python="python3", model="tiny", device="cpu", memory="host-shm", cpu=True,
+                              sync_every=1, num_blocks=0, max_model_len=0, engine="ref", engine_arg=[], serve_arg=[],
+                              port=0, mps_control="", env={})
+    dep = fb.Deployment(args, "d", str(tmp_path))
+    assert sorted(p.name for p in old.iterdir()) == ["notes.txt"] and dep.token_dir == str(old)
