@@ -441,7 +441,7 @@ stage_engine_repeat() {  # model n [timeout [mps]]: do separate vLLM processes c
     d=$WORK/engine-repeat-$1${where:+-$where}
     rm -rf "$d" && mkdir -p "$d/tokens"
     if [ "$where" = mps ]; then
-        mkdir -m 700 -p "$d/run"
+        mkdir -p "$d/run" && chmod 700 "$d/run"
         bin/frmps bench mps start --run-dir "$d/run" > "$d/mps.env" 2>&1 || { log "engine-repeat: MPS daemon: $(tail -n 2 "$d/mps.env")"; return; }
         mapfile -t env < <(grep -E '^CUDA_MPS_(PIPE|LOG)_DIRECTORY=' "$d/mps.env")
     fi
@@ -458,6 +458,8 @@ stage_engine_repeat() {  # model n [timeout [mps]]: do separate vLLM processes c
     python3 -m bench.token_logs "$d/tokens" --reference majority --json "$OUT/engine-repeat-$1${where:+-$where}.json" \
         > "$d/token-logs.txt" 2>&1
     log "engine-repeat $1: $ok of $n runs finished; token logs: rc=$? (1: the processes' outputs differ)"
+    i=$(find "$d/tokens" -name 'tokens-*.jsonl' | wc -l)
+    [ "$i" -ge 2 ] || log "engine-repeat $1: only $i process(es) wrote outputs: nothing compared across processes"
     grep -E "^engine |completions of" "$d/token-logs.txt" | tail -n $((n + 1)) >> "$S"
 }
 
