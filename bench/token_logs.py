@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import tarfile
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -95,27 +96,42 @@ def read(paths: Iterable[str]) -> list[Completion]:
     return out
 
 
+def firsts(comps: list[Completion]) -> dict[tuple[int, ...], Completion]:
+    """Each prompt's first completion (comps in time order, as read() returns them), in the
+    order of the prompts' first completions."""
+    out: dict[tuple[int, ...], Completion] = {}
+    for c in comps:
+        out.setdefault(c.prompt, c)
+    return out
+
+
+def references(comps: list[Completion], reference: str = "first") -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Each prompt's reference output: its first completion's, or its most frequent one (the
+    earliest of a tie)."""
+    if reference == "majority":
+        counts: dict[tuple[int, ...], collections.Counter] = collections.defaultdict(collections.Counter)
+        for c in comps:
+            counts[c.prompt][c.output] += 1  # insertion (time) order breaks most_common's ties
+        return {p: cnt.most_common(1)[0][0] for p, cnt in counts.items()}
+    return {p: c.output for p, c in firsts(comps).items()}
+
+
 def compare(comps: list[Completion], reference: str = "first") -> list[dict]:
     """Per prompt (in the order of their first completion): the variants of its output."""
-    by_prompt: dict[tuple[int, ...], list[Completion]] = collections.OrderedDict()
+    by_prompt: dict[tuple[int, ...], list[Completion]] = {}
     for c in comps:
         by_prompt.setdefault(c.prompt, []).append(c)
+    refs = references(comps, reference)
     rows = []
     for prompt, cs in by_prompt.items():
         variants: dict[tuple[int, ...], Variant] = {}
         for c in cs:
             v = variants.get(c.output)
             if v is None:
-                v = variants[c.output] = Variant(c.output, first_t=c.t)
+                v = variants[c.output] = Variant(c.output, first_t=c.t, first_diff=first_diff(c.output, refs[prompt]))
             v.count += 1
             if c.pid not in v.pids:
                 v.pids.append(c.pid)
-        if reference == "majority":
-            ref = max(variants.values(), key=lambda v: (v.count, -v.first_t)).output
-        else:
-            ref = cs[0].output
-        for v in variants.values():
-            v.first_diff = first_diff(v.output, ref)
         rows.append({
             "prompt_tokens": len(prompt),
             "completions": len(cs),
@@ -127,23 +143,26 @@ def compare(comps: list[Completion], reference: str = "first") -> list[dict]:
     return rows
 
 
-def engine_summary(comps: list[Completion], rows: list[dict], reference: str = "first") -> dict[int, dict]:
+def engine_summary(comps: list[Completion], reference: str = "first") -> dict[int, dict]:
     """Per engine: completions, and how many of them differ from their prompt's reference."""
-    refs: dict[tuple[int, ...], tuple[int, ...]] = {}
-    if reference == "majority":
-        counts: dict[tuple[int, ...], collections.Counter] = collections.defaultdict(collections.Counter)
-        for c in comps:
-            counts[c.prompt][c.output] += 1
-        refs = {p: cnt.most_common(1)[0][0] for p, cnt in counts.items()}
-    else:
-        for c in comps:
-            refs.setdefault(c.prompt, c.output)
+    refs = references(comps, reference)
     out: dict[int, dict] = {}
     for c in comps:
         e = out.setdefault(c.pid, {"completions": 0, "differ": 0, "first_t": c.t})
         e["completions"] += 1
         e["differ"] += c.output != refs[c.prompt]
     return out
+
+
+def append(folder: str, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """Append one line per output to <folder>/tokens-<pid>.jsonl, in the format the engines write
+    with FRMPS_DEBUG_TOKEN_LOG (frmps_engine/sdk/loop.py), for a process that is not an engine
+    (bench/gpu/margin_bound.py --token-log)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"tokens-{os.getpid()}.jsonl"), "a", encoding="utf-8") as f:
+        for p, o in zip(prompts, outputs):
+            f.write(json.dumps({"t": time.time(), "key": 0, "prompt": list(p), "output": list(o),
+                                "finish_reason": "length", "pid": os.getpid()}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         print("token_logs: no completions found", file=sys.stderr)
         return 2
     rows = compare(comps, args.reference)
-    engines = engine_summary(comps, rows, args.reference)
+    engines = engine_summary(comps, args.reference)
     differ = sum(len(r["variants"]) > 1 for r in rows)
     for r in rows:
         vs = " ".join(f"[{v['count']}x engines {','.join(map(str, v['engines']))}"

@@ -658,14 +658,9 @@ def reference_cross_check(controls_dir: str, run_dir: str) -> dict | None:
         return None
     if not ctl or not run:
         return None
-    first_ctl: dict = {}
-    for c in ctl:
-        first_ctl.setdefault(c.prompt, c)
-    first_run: dict = {}
-    for c in run:
-        first_run.setdefault(c.prompt, c)
+    first_ctl = token_logs.firsts(ctl)
     diffs, compared = [], 0
-    for prompt, r in first_run.items():
+    for prompt, r in token_logs.firsts(run).items():
         c = first_ctl.get(prompt)
         if c is None:
             continue
@@ -700,7 +695,7 @@ def engines_token_logs(token_dir: str) -> dict | None:
         rows = token_logs.compare(comps, ref)
         out[ref] = {"prompts_with_several_outputs": sum(len(r["variants"]) > 1 for r in rows),
                     "engines": {str(pid): {"completions": e["completions"], "differ": e["differ"]}
-                                for pid, e in token_logs.engine_summary(comps, rows, ref).items()}}
+                                for pid, e in token_logs.engine_summary(comps, ref).items()}}
     out["completions"], out["prompts"] = len(comps), len({c.prompt for c in comps})
     return out
 

@@ -38,17 +38,6 @@ def prompt(i: int, filler: bool = False) -> str:
     return (f"Filler {i}: " if filler else f"Prompt {i}: ") + " ".join(words[start:start + n])
 
 
-def write_token_log(folder: str, prompts: list[list[int]], outputs: list[list[int]]) -> None:
-    """One JSON line per output into <folder>/tokens-<pid>.jsonl, in the engines' token-log format."""
-    import time
-
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"tokens-{os.getpid()}.jsonl"), "a") as f:
-        for p, o in zip(prompts, outputs):
-            f.write(json.dumps({"t": time.time(), "key": 0, "prompt": p, "output": o, "finish_reason": "length",
-                                "pid": os.getpid()}) + "\n")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a Hugging Face model directory")
@@ -84,7 +73,7 @@ def main() -> int:
             print("--keep-aot: this vLLM does not turn the AOT compile off in batch-invariant mode", flush=True)
     from vllm import LLM, SamplingParams
 
-    from bench import exactness
+    from bench import exactness, token_logs
 
     extra = {"enforce_eager": True} if args.enforce_eager else {}
     if args.attention_backend:
@@ -97,7 +86,7 @@ def main() -> int:
         outs = llm.generate(ps, sp, use_tqdm=False)
         toks = [list(o.outputs[0].token_ids) for o in outs]
         if args.token_log:
-            write_token_log(args.token_log, [list(o.prompt_token_ids) for o in outs], toks)
+            token_logs.append(args.token_log, [o.prompt_token_ids for o in outs], toks)
         margins = [[exactness.top2_margin({k: v.logprob for k, v in pos.items()}) for pos in o.outputs[0].logprobs]
                    for o in outs]
         return toks, margins

@@ -437,6 +437,7 @@ stage_margin() {  # model [timeout]
 stage_engine_repeat() {  # model n [timeout [mps]]: do separate vLLM processes compute alike under --exact's settings?
     vllm_env
     local m n=${2:-4} limit=${3:-900} where=${4:-} i d env=() ok=0
+    local sizes=${ENGINE_REPEAT_ARGS:---prompts 12 --fillers 12 --max-tokens 128}
     m=$(seeded_for engine-repeat "$1") || return
     d=$WORK/engine-repeat-$1${where:+-$where}
     rm -rf "$d" && mkdir -p "$d/tokens"
@@ -445,12 +446,12 @@ stage_engine_repeat() {  # model n [timeout [mps]]: do separate vLLM processes c
         bin/frmps bench mps start --run-dir "$d/run" > "$d/mps.env" 2>&1 || { log "engine-repeat: MPS daemon: $(tail -n 2 "$d/mps.env")"; return; }
         mapfile -t env < <(grep -E '^CUDA_MPS_(PIPE|LOG)_DIRECTORY=' "$d/mps.env")
     fi
-    log "engine-repeat $1: $n fresh vLLM processes (VLLM_BATCH_INVARIANT=1, Triton attention)${where:+ inside MPS}, ${ENGINE_REPEAT_ARGS:---prompts 12 --fillers 12 --max-tokens 128}"
+    log "engine-repeat $1: $n fresh vLLM processes (VLLM_BATCH_INVARIANT=1, Triton attention)${where:+ inside MPS}, $sizes"
     for i in $(seq 1 "$n"); do
         # shellcheck disable=SC2086
         ( if [ "${#env[@]}" -gt 0 ]; then export "${env[@]}"; fi  # the MPS daemon's client
           bounded "$limit" python3 bench/gpu/margin_bound.py --model "$m" --batch-invariant \
-            --attention-backend TRITON_ATTN ${ENGINE_REPEAT_ARGS:---prompts 12 --fillers 12 --max-tokens 128} \
+            --attention-backend TRITON_ATTN $sizes \
             --token-log "$d/tokens" --out "$d/margin-$i.json" > "$d/run-$i.out" 2>&1 ) && ok=$((ok + 1))
         log "engine-repeat $1: run $i rc=$? $(tail -n 1 "$d/run-$i.out" | cut -c1-160)"
     done

@@ -6,6 +6,7 @@ import json
 import tarfile
 
 from bench import token_logs as tl
+from test_proofcount import _load  # bench/gpu's scripts, loaded by path
 
 P1, P2 = [1, 2, 3], [4, 5, 6, 7]
 GOOD1, GOOD2 = [10, 11, 12, 13], [20, 21, 22, 23]
@@ -42,9 +43,9 @@ def test_an_engine_that_computes_differently_shows_in_the_engine_summary(tmp_pat
     write(tmp_path, 100, [(1.0, P1, [9, 9, 9, 9]), (1.1, P2, [8, 8, 8, 8])])
     write(tmp_path, 200, [(2.0, P1, GOOD1), (2.1, P2, GOOD2), (3.0, P1, GOOD1), (3.1, P2, GOOD2)])
     comps = tl.read([str(tmp_path)])
-    first = tl.engine_summary(comps, tl.compare(comps), "first")
+    first = tl.engine_summary(comps, "first")
     assert first[100]["differ"] == 0 and first[200]["differ"] == 4
-    maj = tl.engine_summary(comps, tl.compare(comps, "majority"), "majority")
+    maj = tl.engine_summary(comps, "majority")
     assert maj[100]["differ"] == 2 and maj[200]["differ"] == 0
 
 
@@ -74,7 +75,7 @@ def test_the_failback_proof_reports_the_engines_token_logs(tmp_path):
     """The pattern the H200 showed at 14B (2026-11-30): the deployment's first engine gave
     the no-fault run, every later engine another output. Against the first output every
     later completion differs; against the majority only the first engine's do."""
-    fb = _failback_proof()
+    fb = _load("failback_proof")
     assert fb.engines_token_logs(str(tmp_path / "missing")) is None
     assert fb.engines_token_logs(str(tmp_path)) is None
     write(tmp_path, 100, [(1.0, P1, [9, 9, 9, 9]), (1.1, P2, GOOD2)])
@@ -86,42 +87,26 @@ def test_the_failback_proof_reports_the_engines_token_logs(tmp_path):
     assert r["majority"]["engines"] == {"100": {"completions": 2, "differ": 1}, "200": {"completions": 3, "differ": 0}}
 
 
-def test_margin_bounds_token_log_is_read_by_token_logs(tmp_path):
-    """session.sh engine-repeat: margin_bound.py's outputs, one process each, compared across
-    processes by bench.token_logs (the write is the engines' format)."""
-    import importlib.util
+def test_appended_outputs_are_read_back_as_the_engines_logs_are(tmp_path):
+    """session.sh engine-repeat: margin_bound.py --token-log appends each process's outputs
+    (bench.token_logs.append, the engines' format), compared across processes by read()."""
+    import inspect
     import os
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("margin_bound", os.path.join(repo, "bench", "gpu", "margin_bound.py"))
-    mb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mb)
-    mb.write_token_log(str(tmp_path), [P1, P2], [GOOD1, GOOD2])
-    mb.write_token_log(str(tmp_path), [P1], [GOOD1[:3] + [0]])      # the same process, later: another output
+    tl.append(str(tmp_path), [P1, P2], [GOOD1, GOOD2])
+    tl.append(str(tmp_path), [tuple(P1)], [tuple(GOOD1[:3] + [0])])   # the same process, later: another output
     (f,) = list(tmp_path.iterdir())
     assert f.name == f"tokens-{os.getpid()}.jsonl"
     rows = tl.compare(tl.read([str(tmp_path)]))
     assert [[v["first_diff"] for v in r["variants"]] for r in rows] == [[None, 3], [None]]
-
-
-def _failback_proof():
-    import importlib.util
-    import os
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.join(repo, "bench", "gpu"))
-    spec = importlib.util.spec_from_file_location("failback_proof", os.path.join(repo, "bench", "gpu", "failback_proof.py"))
-    fb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fb)
-    return fb
+    assert "token_logs.append(args.token_log," in inspect.getsource(_load("margin_bound").main)
 
 
 def test_the_reference_cross_check_compares_the_no_fault_runs_of_two_deployments(tmp_path):
     """The controls' deployment ran the same prompts with fewer tokens: its outputs must be a
     prefix of the run's no-fault outputs. On the H200 (2026-11-30) the run's first engine gave
     other outputs: this check would have stopped the proof after its first round."""
-    fb = _failback_proof()
+    fb = _load("failback_proof")
     ctl, run = tmp_path / "ctl", tmp_path / "run"
     ctl.mkdir()
     run.mkdir()
@@ -146,7 +131,7 @@ def test_the_reference_cross_check_on_the_h200_logs(tmp_path):
     import os
     import tarfile
 
-    fb = _failback_proof()
+    fb = _load("failback_proof")
     res = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "bench", "results", "2026-11-30-h200x2-vllm-exact-14b")
     got = {}
@@ -164,7 +149,7 @@ def test_a_deployment_starts_with_no_token_logs_of_an_earlier_run(tmp_path):
     completions (the no-fault reference) by the cross-check and the comparisons."""
     import argparse
 
-    fb = _failback_proof()
+    fb = _load("failback_proof")
     old = tmp_path / "tokens-d"
     old.mkdir()
     write(old, 1, [(0.1, P1, GOOD1)])
