@@ -8,7 +8,8 @@ differ, the alone run's top-1/top-2 logprob margin there is a near tie that a
 pass shape flipped; B = the largest such margin x --safety (0 when none differ:
 then nothing is excused). Prints every disagreement, the share of prompts that
 disagree and B, and writes them to --out (JSON). Run it with and without
---batch-invariant (VLLM_BATCH_INVARIANT=1, set before vLLM is imported): if
+--batch-invariant (VLLM_BATCH_INVARIANT=1 and TORCHINDUCTOR_DETERMINISTIC=1, set before vLLM is
+imported, as `frmps serve --exact` sets them): if
 prompts disagree at margins that are not small without it, a vLLM proof needs
 batch-invariant kernels (or a pass-shape discipline) to claim exactness.
 
@@ -45,7 +46,11 @@ def main() -> int:
     ap.add_argument("--fillers", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--safety", type=float, default=2.0)
-    ap.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="VLLM_BATCH_INVARIANT=1 and TORCHINDUCTOR_DETERMINISTIC=1, as frmps serve --exact sets them")
+    ap.add_argument("--inductor-timing", action="store_true",
+                    help="with --batch-invariant: leave TORCHINDUCTOR_DETERMINISTIC unset, so that Inductor times its "
+                         "reductions' candidates in this process, as frmps serve --exact did before it set the variable")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile and CUDA graphs")
     ap.add_argument("--attention-backend", default="", help="vLLM's attention backend (e.g. TRITON_ATTN; default: vLLM's choice)")
     ap.add_argument("--keep-aot", action="store_true",
@@ -62,6 +67,13 @@ def main() -> int:
     args = ap.parse_args()
     if args.batch_invariant:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
+        if not args.inductor_timing:
+            from frmps_engine.vllm.envpolicy import INDUCTOR_DETERMINISTIC_ENV, pin_inductor_deterministic
+
+            # pinned as the engines pin it, in this process: vLLM's engine core runs here
+            os.environ[INDUCTOR_DETERMINISTIC_ENV] = "1"
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            pin_inductor_deterministic(os.environ)
     if args.keep_aot:
         if not args.batch_invariant or args.enforce_eager:
             ap.error("--keep-aot wants --batch-invariant, without --enforce-eager")
@@ -104,7 +116,7 @@ def main() -> int:
     smallest = [min(m) for m in alone_m]
     rec = {
         "model": args.model, "batch_invariant": args.batch_invariant, "enforce_eager": args.enforce_eager,
-        "keep_aot": args.keep_aot,
+        "keep_aot": args.keep_aot, "inductor_deterministic": not args.inductor_timing and args.batch_invariant,
         "attention_backend": args.attention_backend or "vLLM's choice", "prompts": args.prompts,
         "fillers": args.fillers, "max_tokens": args.max_tokens, "safety": args.safety,
         "disagreeing_prompts": len(seen), "bound": bound,

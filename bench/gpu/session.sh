@@ -47,7 +47,7 @@
 #                                      env:OPENAI_FAULTS_ARGS=<flags>: more of the proof's flags (e.g. --cases=a,b)
 #   openai-cases-vllm:<model>[:<timeout>[:exact]]  the OpenAI fault proof's cases (OPENAI_FAULTS_ARGS too) with no
 #                                      fault, twice, against `vllm serve` alone on the model (exact: the seeded checkpoint,
-#                                      VLLM_BATCH_INVARIANT=1 and Triton attention, as frmps serve --exact runs vLLM), with
+#                                      VLLM_BATCH_INVARIANT=1, TORCHINDUCTOR_DETERMINISTIC=1 and Triton attention, as frmps serve --exact runs vLLM), with
 #                                      the proof deployment's sizes: does vLLM itself complete every case
 #                                      ($OUT/openai-cases-vllm-<model>[-exact].json; default timeout 600 s)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
@@ -94,11 +94,14 @@
 #                                      `frmps serve --model DIR --exact` as the README shows it, the controls (one
 #                                      deployment), then n real MPS faults with failback, every stream compared token
 #                                      for token
-#   engine-repeat:<model>[:<n>[:<timeout>[:mps]]]  bench/gpu/margin_bound.py in n fresh processes (default 4) on the
-#                                      seeded checkpoint with --exact's settings (VLLM_BATCH_INVARIANT=1, Triton
-#                                      attention), each one's outputs into one token-log folder, compared across the
-#                                      processes by bench.token_logs ($OUT/engine-repeat-<model>[-mps].json); mps: inside a
-#                                      private MPS daemon (frmps bench mps); env:ENGINE_REPEAT_ARGS: margin_bound's sizes
+#   engine-repeat:<model>[:<n>[:<timeout>[:<opts>]]]  bench/gpu/margin_bound.py in n fresh processes (default 4) on the
+#                                      seeded checkpoint with --exact's settings (VLLM_BATCH_INVARIANT=1,
+#                                      TORCHINDUCTOR_DETERMINISTIC=1, Triton attention), each one's outputs into one token-log
+#                                      folder, compared across the processes by bench.token_logs
+#                                      ($OUT/engine-repeat-<model>[-<opts>].json); opts, '+' between them: mps: inside a
+#                                      private MPS daemon (frmps bench mps); fresh: each process its own empty vLLM cache
+#                                      root (it compiles everything itself); timed: Inductor times its reductions'
+#                                      candidates (TORCHINDUCTOR_DETERMINISTIC unset); env:ENGINE_REPEAT_ARGS: margin_bound's sizes
 #                                      (default --prompts 12 --fillers 12 --max-tokens 128); timeout per process (900 s)
 #   k-sweep:<model>[:<budget>[:<ks>]]   `frmps bench correctness --engine vllm --exact` on the seeded checkpoint (stage
 #                                      seeded:<model> first): greedy and seeded outputs after a real MPS fault at
@@ -315,7 +318,7 @@ stage_openai_cases_vllm() {  # model [timeout] [exact]: the proof's cases agains
     local model=$1 limit=${2:-600} m pid env=() flags=() tag=$1
     if [ "${3:-}" = exact ]; then
         m=$(seeded_for openai-cases-vllm "$model") || return
-        env=(VLLM_BATCH_INVARIANT=1) flags=(--attention-backend TRITON_ATTN) tag=$model-exact
+        env=(VLLM_BATCH_INVARIANT=1 TORCHINDUCTOR_DETERMINISTIC=1) flags=(--attention-backend TRITON_ATTN) tag=$model-exact
     else
         m=$(model_dir "$model") || { log "openai-cases-vllm $model: model-dir failed"; return; }
         flags=(--load-format dummy)
@@ -434,29 +437,40 @@ stage_margin() {  # model [timeout]
     log "margin $1: rc=$?"; tail -n 8 "$WORK/margin-$1.out" >> "$S"
 }
 
-stage_engine_repeat() {  # model n [timeout [mps]]: do separate vLLM processes compute alike under --exact's settings?
+stage_engine_repeat() {  # model n [timeout [opts]]: do separate vLLM processes compute alike under --exact's settings?
     vllm_env
-    local m n=${2:-4} limit=${3:-900} where=${4:-} i d env=() ok=0
+    local m n=${2:-4} limit=${3:-900} opts=${4:-} i d env=() ok=0 extra=() cache=""
     local sizes=${ENGINE_REPEAT_ARGS:---prompts 12 --fillers 12 --max-tokens 128}
     m=$(seeded_for engine-repeat "$1") || return
-    d=$WORK/engine-repeat-$1${where:+-$where}
+    for o in ${opts//+/ }; do
+        case $o in
+            mps|fresh) ;;
+            timed) extra+=(--inductor-timing) ;;
+            *) log "engine-repeat: unknown option $o (mps, fresh, timed)"; return ;;
+        esac
+    done
+    d=$WORK/engine-repeat-$1${opts:+-${opts//+/-}}
     rm -rf "$d" && mkdir -p "$d/tokens"
-    if [ "$where" = mps ]; then
+    if [[ "+$opts+" == *+mps+* ]]; then
         mkdir -p "$d/run" && chmod 700 "$d/run"
         bin/frmps bench mps start --run-dir "$d/run" > "$d/mps.env" 2>&1 || { log "engine-repeat: MPS daemon: $(tail -n 2 "$d/mps.env")"; return; }
         mapfile -t env < <(grep -E '^CUDA_MPS_(PIPE|LOG)_DIRECTORY=' "$d/mps.env")
     fi
-    log "engine-repeat $1: $n fresh vLLM processes (VLLM_BATCH_INVARIANT=1, Triton attention)${where:+ inside MPS}, $sizes"
+    log "engine-repeat $1: $n fresh vLLM processes (--exact's settings${extra:+, Inductor timing its reductions})${opts:+, $opts}, $sizes"
     for i in $(seq 1 "$n"); do
+        # fresh: a cache root of its own, so that this process compiles (and times) everything itself
+        [[ "+$opts+" == *+fresh+* ]] && cache=$d/cache-$i
         # shellcheck disable=SC2086
         ( if [ "${#env[@]}" -gt 0 ]; then export "${env[@]}"; fi  # the MPS daemon's client
-          bounded "$limit" python3 bench/gpu/margin_bound.py --model "$m" --batch-invariant \
+          if [ -n "$cache" ]; then export VLLM_CACHE_ROOT=$cache; fi
+          bounded "$limit" python3 bench/gpu/margin_bound.py --model "$m" --batch-invariant "${extra[@]}" \
             --attention-backend TRITON_ATTN $sizes \
             --token-log "$d/tokens" --out "$d/margin-$i.json" > "$d/run-$i.out" 2>&1 ) && ok=$((ok + 1))
         log "engine-repeat $1: run $i rc=$? $(tail -n 1 "$d/run-$i.out" | cut -c1-160)"
+        [ -n "$cache" ] && rm -rf "$cache"
     done
-    [ "$where" = mps ] && bin/frmps bench mps stop --run-dir "$d/run" > /dev/null 2>&1
-    python3 -m bench.token_logs "$d/tokens" --reference majority --json "$OUT/engine-repeat-$1${where:+-$where}.json" \
+    [ ${#env[@]} -gt 0 ] && bin/frmps bench mps stop --run-dir "$d/run" > /dev/null 2>&1
+    python3 -m bench.token_logs "$d/tokens" --reference majority --json "$OUT/${d##*/}.json" \
         > "$d/token-logs.txt" 2>&1
     log "engine-repeat $1: $ok of $n runs finished; token logs: rc=$? (1: the processes' outputs differ)"
     i=$(find "$d/tokens" -name 'tokens-*.jsonl' | wc -l)
@@ -478,7 +492,7 @@ stage_bi_margin() {  # model [timeout]: which batch-invariant vLLM configuration
             triton-aot|triton-aot-load) flags=(--attention-backend TRITON_ATTN --keep-aot) ;;
             *) log "bi-margin: unknown variant $v"; continue ;;
         esac
-        log "bi-margin $1 $v: VLLM_BATCH_INVARIANT=1 ${flags[*]}"
+        log "bi-margin $1 $v: VLLM_BATCH_INVARIANT=1 TORCHINDUCTOR_DETERMINISTIC=1 ${flags[*]}"
         bounded "${2:-240}" python3 bench/gpu/margin_bound.py --model "$m" --batch-invariant "${flags[@]}" --prompts 16 \
             --max-tokens 96 --out "$OUT/margin-$1-bi-$v.json" > "$WORK/margin-$1-bi-$v.out" 2>&1
         log "bi-margin $1 $v: rc=$?"; grep -E "prompts differ|Using .*backend|attention backend|AOT compil" "$WORK/margin-$1-bi-$v.out" | cut -c1-300 | tail -n 4 >> "$S"

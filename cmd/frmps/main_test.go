@@ -296,12 +296,14 @@ func TestPrimeFaultPathFlag(t *testing.T) {
 func TestExactFlag(t *testing.T) {
 	has := func(xs []string, x string) bool { return slices.Contains(xs, x) }
 	o := parseServe(t, "--exact", "--engine", "vllm")
-	c := o.supervisorConfig(pythonEnv{Env: []string{"VLLM_BATCH_INVARIANT=0", "PATH=/bin"}})
+	c := o.supervisorConfig(pythonEnv{Env: []string{"VLLM_BATCH_INVARIANT=0", "TORCHINDUCTOR_DETERMINISTIC=0", "PATH=/bin"}})
 	if !has(c.EngineArgs, "--vllm-arg=--attention-backend=TRITON_ATTN") || !has(c.BaseEnv, "VLLM_BATCH_INVARIANT=1") ||
-		has(c.BaseEnv, "VLLM_BATCH_INVARIANT=0") || has(c.EngineArgs, "--exact") || o.validate() != nil {
+		has(c.BaseEnv, "VLLM_BATCH_INVARIANT=0") || !has(c.BaseEnv, "TORCHINDUCTOR_DETERMINISTIC=1") ||
+		has(c.BaseEnv, "TORCHINDUCTOR_DETERMINISTIC=0") || !has(c.BaseEnv, "PATH=/bin") || has(c.EngineArgs, "--exact") || o.validate() != nil {
 		t.Fatalf("vllm --exact: args %q env %q err %v", c.EngineArgs, c.BaseEnv, o.validate())
 	}
-	if f := o.vllmFrontConfig(pythonEnv{}, ""); !has(f.Env, "VLLM_BATCH_INVARIANT=1") || !has(f.VLLMArgs, "--attention-backend=TRITON_ATTN") {
+	if f := o.vllmFrontConfig(pythonEnv{}, ""); !has(f.Env, "VLLM_BATCH_INVARIANT=1") || !has(f.Env, "TORCHINDUCTOR_DETERMINISTIC=1") ||
+		!has(f.VLLMArgs, "--attention-backend=TRITON_ATTN") {
 		t.Fatalf("vllm --exact, the API server: env %q args %q", f.Env, f.VLLMArgs)
 	}
 	o = parseServe(t, "--exact", "--engine", "vllm", "--vllm-arg=--attention-backend=FLEX_ATTENTION")
@@ -314,6 +316,7 @@ func TestExactFlag(t *testing.T) {
 	}
 	for _, o := range []serveOptions{parseServe(t, "--engine", "vllm"), parseServe(t, "--engine", "ref")} {
 		if c := o.supervisorConfig(pythonEnv{}); has(c.EngineArgs, "--exact") || has(c.BaseEnv, "VLLM_BATCH_INVARIANT=1") ||
+			has(c.BaseEnv, "TORCHINDUCTOR_DETERMINISTIC=1") ||
 			slices.ContainsFunc(c.EngineArgs, func(a string) bool { return strings.Contains(a, "attention-backend") }) {
 			t.Fatalf("no --exact: args %q env %q", c.EngineArgs, c.BaseEnv)
 		}

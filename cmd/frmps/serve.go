@@ -170,7 +170,7 @@ func bindServeFlags(f *pflag.FlagSet, opts *serveOptions, configFile *string) {
 	f.IntVar(&opts.MaxModelLen, "max-model-len", opts.MaxModelLen, "maximum sequence length (0: the engine's default)")
 	f.IntVar(&opts.TensorParallelSize, "tensor-parallel-size", opts.TensorParallelSize, "shard the model over this many GPUs per engine (both engines): each engine is a group of this many processes, rank r on GPU r of the visible devices; the group fails over as a unit. On the CPU (tests) the ranks share the host")
 	f.StringArrayVar(&opts.EngineArgs, "engine-arg", opts.EngineArgs, "extra argument for the engine's command line, repeatable (e.g. --engine-arg=--max-num-seqs=64)")
-	f.BoolVar(&opts.Exact, "exact", opts.Exact, "engines whose output does not depend on what else is in their batch, so that a stream resumed after a takeover equals, token for token, what it would have been with no fault under any load: with --engine vllm, vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1 in the engines' environment) with its Triton attention backend (--vllm-arg=--attention-backend=TRITON_ATTN unless an attention backend is given), slower than vLLM's default kernels; with the reference engine its exact scheduler mode (--engine-arg=--exact, already its default on a GPU). Without it a vLLM takeover continues every stream from the adopted KV cache, but under a changing batch a near-tied token may come out otherwise, as it may in vLLM itself")
+	f.BoolVar(&opts.Exact, "exact", opts.Exact, "engines whose output does not depend on what else is in their batch, so that a stream resumed after a takeover equals, token for token, what it would have been with no fault under any load: with --engine vllm, vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1 in the engines' environment, and TORCHINDUCTOR_DETERMINISTIC=1 so that every engine compiles the same reductions) with its Triton attention backend (--vllm-arg=--attention-backend=TRITON_ATTN unless an attention backend is given), slower than vLLM's default kernels; with the reference engine its exact scheduler mode (--engine-arg=--exact, already its default on a GPU). Without it a vLLM takeover continues every stream from the adopted KV cache, but under a changing batch a near-tied token may come out otherwise, as it may in vLLM itself")
 	f.StringArrayVar(&opts.VllmArgs, "vllm-arg", opts.VllmArgs, "with --engine vllm: one of vLLM's own flags as `vllm serve` spells it, for the engines and, with --frontend vllm, vLLM's API server alike, repeatable (e.g. --vllm-arg=--max-logprobs=50); the engines refuse the flags frmps sets itself (model, sizes, dtype, seed)")
 	f.StringVar(&opts.Frontend, "frontend", opts.Frontend, "the OpenAI endpoint: frmps (frmps's front door, both engines) or vllm (vLLM's own API server, every route of `vllm serve`, with --engine vllm; the engine is the unit of failover, vllmpatch/OPENAI.md)")
 	f.StringArrayVar(&opts.FrontendArgs, "frontend-arg", opts.FrontendArgs, "with --frontend vllm: extra argument for vLLM's API server as `vllm serve` spells it, repeatable (e.g. --frontend-arg=--enable-prefix-caching)")
@@ -315,15 +315,36 @@ func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 	return c
 }
 
+// exactEnvVars is what --exact sets in vLLM's processes, replacing any value
+// the environment gives:
+//   - VLLM_BATCH_INVARIANT=1: vLLM's batch-invariant kernels, so that a
+//     token does not depend on what else is in its batch;
+//   - TORCHINDUCTOR_DETERMINISTIC=1: Inductor picks each compiled reduction's
+//     block sizes and warps by its heuristics instead of timing the candidates
+//     when a kernel first runs. Timed, the choice is a property of one process
+//     (of what else ran on the GPU while it timed), and a reduction's rounding
+//     depends on it (torch/_inductor/runtime/triton_heuristics.py,
+//     filter_reduction_configs_for_determinism): two engines of one deployment
+//     could then compute a token differently, and a stream taken over from one
+//     by the other would not be exact. vLLM's batch-invariant mode leaves
+//     Inductor's timing on (0.26.0).
+//
+// Both are read when torch and vLLM are imported, so they are in the
+// environment before any engine (a spare preloads vLLM) starts.
+var exactEnvVars = []string{"VLLM_BATCH_INVARIANT=1", "TORCHINDUCTOR_DETERMINISTIC=1"}
+
 // exactEnv is env with what --exact asks of vLLM's processes (engines and API
-// server): its batch-invariant kernels, read when vLLM is imported, so set
-// before any engine (a spare preloads vLLM) starts.
+// server): exactEnvVars.
 func (o serveOptions) exactEnv(env []string) []string {
 	if !o.Exact || o.Engine != "vllm" {
 		return env
 	}
-	out := slices.DeleteFunc(slices.Clone(env), func(kv string) bool { return strings.HasPrefix(kv, "VLLM_BATCH_INVARIANT=") })
-	return append(out, "VLLM_BATCH_INVARIANT=1")
+	out := slices.DeleteFunc(slices.Clone(env), func(kv string) bool {
+		return slices.ContainsFunc(exactEnvVars, func(v string) bool {
+			return strings.HasPrefix(kv, v[:strings.IndexByte(v, '=')+1])
+		})
+	})
+	return append(out, exactEnvVars...)
 }
 
 // vllmArgs is --vllm-arg as given and, with --exact, vLLM's Triton attention

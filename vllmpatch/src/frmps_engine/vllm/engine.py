@@ -34,10 +34,10 @@ from typing import Any, Callable, Mapping
 
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME, sizing
 from .core import VllmCore
-from .envpolicy import (BI_KEEP_AOT_ENV, MEGA_AOT_ENV, TRITON_PTXAS_ENV, async_scheduling_from_env,
-                        flashinfer_sampler_default, keep_aot_in_batch_invariant_mode,
-                        importable, mega_aot_default, structured_outputs_from_env, triton_cache_default,
-                        triton_ptxas_default)
+from .envpolicy import (BI_KEEP_AOT_ENV, INDUCTOR_DETERMINISTIC_ENV, MEGA_AOT_ENV, TRITON_PTXAS_ENV,
+                        async_scheduling_from_env, flashinfer_sampler_default, keep_aot_in_batch_invariant_mode,
+                        importable, mega_aot_default, pin_inductor_deterministic, structured_outputs_from_env,
+                        triton_cache_default, triton_ptxas_default)
 from .modelcfg import DTYPE_BYTES, cfg_field, hf_config, tokenizer_config, weights_pool_bytes
 from .pools import PoolSpec, kv_cache_bytes, pool_layout
 from .preload import preload, take_tokenizer
@@ -410,6 +410,10 @@ class VllmAdapter:
         ptxas = triton_ptxas_default(os.environ, os.path.dirname(torch.__file__))
         if ptxas:
             logging.getLogger(__name__).info("Triton's ptxas: %s (%s)", ptxas, TRITON_PTXAS_ENV)
+        if pin_inductor_deterministic(os.environ):
+            logging.getLogger(__name__).info(
+                "Inductor's deterministic mode pinned on (%s=1, set by --exact): compiled reductions are chosen by "
+                "heuristics, not timed, so every engine computes alike", INDUCTOR_DETERMINISTIC_ENV)
         if keep_aot_in_batch_invariant_mode(os.environ):
             logging.getLogger(__name__).warning(
                 "%s=1: vLLM's AOT compile kept on in batch-invariant mode (an experiment: vLLM 0.26 turns it off "

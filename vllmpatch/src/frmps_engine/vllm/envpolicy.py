@@ -216,3 +216,50 @@ def keep_aot_in_batch_invariant_mode(env: MutableMapping[str, str]) -> bool:
     override_envs_for_invariance.__wrapped__ = original  # type: ignore[attr-defined]
     bi.override_envs_for_invariance = override_envs_for_invariance
     return True
+
+
+
+INDUCTOR_DETERMINISTIC_ENV = "TORCHINDUCTOR_DETERMINISTIC"
+
+
+def pin_inductor_deterministic(env: Mapping[str, str]) -> bool:
+    """With TORCHINDUCTOR_DETERMINISTIC=1 (`frmps serve --exact` sets it): keeps
+    Inductor's deterministic mode on in this process for good; returns whether it
+    is pinned. Call it before anything is compiled.
+
+    Why the mode: where a compiled reduction (the model's fused residual add and
+    RMSNorm, the sampler's softmax in vllm/v1/sample/ops/topk_topp_sampler.py) has
+    several candidate block sizes and warp counts, Inductor times them when the
+    kernel first runs and keeps the fastest: a choice of that process, of what else
+    ran on the GPU while it timed, and the choice sets the reduction's rounding
+    (torch/_inductor/runtime/triton_heuristics.py,
+    filter_reduction_configs_for_determinism). Two engines of one deployment could
+    then compute a token differently, and a stream taken over from one by the other
+    would not be exact, batch-invariant kernels or not (bench/gpu/autotune_probe.py
+    shows it). In deterministic mode Inductor picks by its heuristics, the same in
+    every process.
+
+    Why the pin: the variable sets the mode when torch._inductor.config is
+    imported, but Dynamo restores torch.use_deterministic_algorithms' state after
+    tracing each frame, and that function writes the state (off) over Inductor's
+    flag (torch 2.11 and 2.13: torch/_dynamo/convert_frame.py, torch/__init__.py),
+    so every frame compiled after the first would time again. The wrapper keeps
+    the flag on whatever the state written."""
+    if env.get(INDUCTOR_DETERMINISTIC_ENV, "").strip() != "1":
+        return False
+    import torch
+    import torch._inductor.config as inductor_config
+
+    original = torch.use_deterministic_algorithms
+    if getattr(original, "_frmps_pinned", False):
+        return True
+
+    def use_deterministic_algorithms(mode: bool, *, warn_only: bool = False) -> None:
+        original(mode, warn_only=warn_only)
+        inductor_config.deterministic = True
+
+    use_deterministic_algorithms._frmps_pinned = True  # type: ignore[attr-defined]
+    use_deterministic_algorithms.__doc__ = original.__doc__
+    torch.use_deterministic_algorithms = use_deterministic_algorithms
+    inductor_config.deterministic = True
+    return True

@@ -14,9 +14,11 @@ before ``Worker.init_device`` and the model load.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from ..cli import LOG_FORMAT
+from .envpolicy import pin_inductor_deterministic
 from .plugin import register
 from .triton_watch import install_process_watch
 
@@ -39,6 +41,7 @@ def worker_logging() -> None:
 worker_logging()
 register()
 install_process_watch()  # this rank's Triton compiles (rank 0 logs its start line: tp.rank_triton_summary)
+pin_inductor_deterministic(os.environ)  # under --exact: this rank compiles as every other engine's does
 
 
 class FrmpsTpWorker:
