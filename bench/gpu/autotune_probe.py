@@ -137,8 +137,8 @@ def summarise(runs: list[dict]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", default="5120,3584,896", help="hidden sizes, comma-separated")
-    ap.add_argument("--forces", type=int, default=4, help="forced choices 0..N-1, in each mode")
-    ap.add_argument("--runs", type=int, default=2, help="processes that time as Inductor does (nothing forced)")
+    ap.add_argument("--forces", type=int, default=3, help="forced choices 0..N-1, in each mode")
+    ap.add_argument("--runs", type=int, default=1, help="processes that time as Inductor does (nothing forced)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per process")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "autotune-probe.json"))
