@@ -90,6 +90,10 @@ def main() -> int:
     extra = {"enforce_eager": True} if args.enforce_eager else {}
     if args.attention_backend:
         extra["attention_backend"] = args.attention_backend
+    if os.environ.get("TORCHINDUCTOR_DETERMINISTIC") == "1":
+        from frmps_engine.vllm.envpolicy import exact_compilation_config
+
+        extra["compilation_config"] = exact_compilation_config(None)  # as the engines' under --exact
     llm = LLM(model=args.model, seed=0, gpu_memory_utilization=args.gpu_memory_utilization, **extra)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2)
     prompts = [prompt(i) for i in range(args.prompts)]

@@ -35,9 +35,9 @@ from typing import Any, Callable, Mapping
 from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME, sizing
 from .core import VllmCore
 from .envpolicy import (BI_KEEP_AOT_ENV, INDUCTOR_DETERMINISTIC_ENV, MEGA_AOT_ENV, TRITON_PTXAS_ENV,
-                        async_scheduling_from_env, flashinfer_sampler_default, keep_aot_in_batch_invariant_mode,
-                        importable, mega_aot_default, pin_inductor_deterministic, structured_outputs_from_env,
-                        triton_cache_default, triton_ptxas_default)
+                        async_scheduling_from_env, exact_compilation_config, flashinfer_sampler_default, importable,
+                        keep_aot_in_batch_invariant_mode, mega_aot_default, pin_inductor_deterministic,
+                        structured_outputs_from_env, triton_cache_default, triton_ptxas_default)
 from .modelcfg import DTYPE_BYTES, cfg_field, hf_config, tokenizer_config, weights_pool_bytes
 from .pools import PoolSpec, kv_cache_bytes, pool_layout
 from .preload import preload, take_tokenizer
@@ -365,8 +365,17 @@ class VllmAdapter:
             seed=0,
             **{**{k: v for k, v in (("max_num_seqs", self.cfg.max_num_seqs),
                                     ("max_num_batched_tokens", self.cfg.max_num_batched_tokens)) if v},
-               **self._structured_outputs_arg(), **self.cfg.overrides},
+               **self._structured_outputs_arg(), **self.cfg.overrides, **self._exact_compilation_arg()},
         )
+
+    def _exact_compilation_arg(self) -> dict:
+        """Under --exact (TORCHINDUCTOR_DETERMINISTIC=1 in the engines' environment):
+        vLLM's compilation config, as --vllm-arg gives it, with Inductor's
+        deterministic mode and no combo kernels (envpolicy.exact_compilation_config);
+        nothing otherwise."""
+        if os.environ.get(INDUCTOR_DETERMINISTIC_ENV, "").strip() != "1":
+            return {}
+        return {"compilation_config": exact_compilation_config(self.cfg.overrides.get("compilation_config"))}
 
     def load_format(self, load_weights: bool) -> str:
         """vLLM's load_format: "safetensors" (its DefaultModelLoader, which reads

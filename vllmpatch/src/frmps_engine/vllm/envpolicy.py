@@ -263,3 +263,29 @@ def pin_inductor_deterministic(env: Mapping[str, str]) -> bool:
     torch.use_deterministic_algorithms = use_deterministic_algorithms
     inductor_config.deterministic = True
     return True
+
+
+# Inductor settings of vLLM's compilation config under --exact: its deterministic
+# mode (see pin_inductor_deterministic), and no combo kernels. vLLM turns combo
+# kernels on with benchmark_combo_kernel (0.26.0 config/compilation.py), which times
+# candidate groupings while compiling: a timed choice, and one that Inductor's
+# deterministic mode refuses with a RuntimeError.
+EXACT_INDUCTOR_CONFIG = {"deterministic": True, "combo_kernels": False, "benchmark_combo_kernel": False}
+
+
+def exact_compilation_config(compilation_config: object) -> object:
+    """``compilation_config`` as ``--vllm-arg`` gives it (None, a dict or vLLM's
+    CompilationConfig) with EXACT_INDUCTOR_CONFIG in its ``inductor_compile_config``
+    (the config vLLM applies to every Inductor compile of the model and hashes into
+    its compile cache's key); the rest of a given config kept."""
+    import copy
+
+    if compilation_config is None:
+        return {"inductor_compile_config": dict(EXACT_INDUCTOR_CONFIG)}
+    cc = copy.deepcopy(compilation_config)
+    if isinstance(cc, dict):
+        cc["inductor_compile_config"] = {**(cc.get("inductor_compile_config") or {}), **EXACT_INDUCTOR_CONFIG}
+    else:
+        cc.inductor_compile_config = {**(getattr(cc, "inductor_compile_config", None) or {}),  # type: ignore[attr-defined]
+                                      **EXACT_INDUCTOR_CONFIG}
+    return cc
