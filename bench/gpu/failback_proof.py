@@ -340,11 +340,14 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
         if fig["errors"]:
             raise RuntimeError(f"controls: the no-fault run failed: {fig['errors'][:3]}")
         last = [0.0]
+        n_fb = [0]  # failbacks so far: one per cycle (a case's attempts each take one)
         seen_before: dict[str, dict] = {}  # per case, what the engines' logs had said of it before its cycle
-        for k, case in enumerate(cases):
+
+        def one(k: int, case: str, attempt: int) -> tuple[dict, str | None]:
             creqs, ref, ptoks = reqs, ref0, fig.get("prompt_tokens") or []
             if case != proofcount.POSITIVE:
-                creqs = [{**b, "prompt": f"({k}) {b['prompt']}"} for b in reqs]  # a short tag: few tokens alike
+                tag = f"({k})" if attempt == 1 else f"({k}.{attempt})"  # each attempt its own prompts (prefix cache)
+                creqs = [{**b, "prompt": f"{tag} {b['prompt']}"} for b in reqs]  # a short tag: few tokens alike
                 ref, cfig = no_fault_run(dep, model, creqs)
                 if cfig["errors"]:
                     raise RuntimeError(f"controls: the no-fault run of {case} failed: {cfig['errors'][:3]}")
@@ -356,12 +359,13 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
             t0, err = now(), None
             load.start()
             try:
-                cycle(dep, cargs, load, fig.get("decode_step_s_p50") or 0.0, rec, k, last,
+                cycle(dep, cargs, load, fig.get("decode_step_s_p50") or 0.0, rec, n_fb[0], last,
                       mps_trigger(cargs, trigger_spec))
             except Exception as ex:
                 err = f"{type(ex).__name__}: {ex}"
             finally:
                 load.finish(120)
+            n_fb[0] += 1
             streams, _ = count_streams(list(load.done), events_of([rec]), ptoks, args.prefill_chunk)
             fo = rec.get("failover") or {}
             r = proofcount.control_result(case, streams, fo.get("ok") if fo else None, err)
@@ -371,7 +375,24 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
                 r.update(applied=seen.get("applied", 0) - before.get("applied", 0),
                          not_applied=(seen.get("not_applied") or [])[len(before.get("not_applied") or []):])
                 seen_before[case] = seen
-            r.update(fault=trigger_spec, seconds=round(now() - t0, 1), fault_to_detect_s=rec.get("fault_to_detect_s"))
+            r.update(fault=trigger_spec, seconds=round(now() - t0, 1), fault_to_detect_s=rec.get("fault_to_detect_s"),
+                     attempts=attempt)
+            return r, err
+
+        # A case that found no adopted request it fits, at the fault and at the failback, runs again across the
+        # next fault, up to --control-attempts cycles: which requests a takeover adopts, and how far past their
+        # last sync, depends on where the fault lands (the position case needs a greedy request two tokens past
+        # it); a case never applied after them is an error (proofcount.check_controls).
+        for k, case in enumerate(cases):
+            r, err = one(k, case, 1)
+            for attempt in range(2, max(1, args.control_attempts) + 1):
+                if err or case == proofcount.POSITIVE or r.get("applied"):
+                    break
+                print(f"control {case}: not applied in attempt {attempt - 1} ({'; '.join(r.get('not_applied') or [])}): "
+                      f"again across the next fault", flush=True)
+                earlier = [*r.get("earlier_attempts", []), {"not_applied": r.get("not_applied"), "seconds": r["seconds"]}]
+                r, err = one(k, case, attempt)
+                r["earlier_attempts"] = earlier
             out.append(r)
             if err:
                 stopped = f"the controls' deployment stopped after case {case}: {err}"
@@ -439,6 +460,9 @@ def add_count_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--control-streams", type=int, default=4, help="streams of each control")
     ap.add_argument("--control-max-tokens", type=int, default=128)
     ap.add_argument("--control-burst", type=int, default=2, help="burst requests of each control")
+    ap.add_argument("--control-attempts", type=int, default=3,
+                    help="cycles (each across its own fault and failback) a control case may take to find an adopted "
+                         "request it fits before it counts as never applied")
     ap.add_argument("--prefill-chunk", type=int, default=512,
                     help="the engines' prefill chunk (--max-num-batched-tokens, passed to them unless an --engine-arg "
                          "sets it): a prompt longer than this is mid-prefill until its first token; 0: the engines' "

@@ -327,7 +327,9 @@ func (o serveOptions) supervisorConfig(py pythonEnv) supervisor.Config {
 //     filter_reduction_configs_for_determinism): two engines of one deployment
 //     could then compute a token differently, and a stream taken over from one
 //     by the other would not be exact. vLLM's batch-invariant mode leaves
-//     Inductor's timing on (0.26.0).
+//     Inductor's timing on (0.26.0). The engines pin the mode on for the
+//     process and turn vLLM's combo kernels off, whose timed grouping the mode
+//     refuses (vllmpatch/src/frmps_engine/vllm/envpolicy.py).
 //
 // Both are read when torch and vLLM are imported, so they are in the
 // environment before any engine (a spare preloads vLLM) starts.

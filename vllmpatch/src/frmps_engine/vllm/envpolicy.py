@@ -235,9 +235,11 @@ def pin_inductor_deterministic(env: Mapping[str, str]) -> bool:
     (torch/_inductor/runtime/triton_heuristics.py,
     filter_reduction_configs_for_determinism). Two engines of one deployment could
     then compute a token differently, and a stream taken over from one by the other
-    would not be exact, batch-invariant kernels or not (bench/gpu/autotune_probe.py
-    shows it). In deterministic mode Inductor picks by its heuristics, the same in
-    every process.
+    would not be exact, batch-invariant kernels or not. In deterministic mode
+    Inductor picks by its heuristics, the same in every process. (Read from
+    Inductor's source; one 14B engine of 8 computing unlike the others under
+    --exact, bench/results/2026-11-30-h200x2-vllm-exact-14b/, is what such a
+    choice would look like; it has not been reproduced on purpose.)
 
     Why the pin: the variable sets the mode when torch._inductor.config is
     imported, but Dynamo restores torch.use_deterministic_algorithms' state after
