@@ -1,0 +1,98 @@
+"""bench/gpu/failback_proof.py control_cycles: a control case that found no adopted
+request it fits runs again across the next fault, up to --control-attempts, and
+stops once applied. The deployment, its load and its faults are test doubles
+(labelled below); the real sequence runs on the GPU and in `failback_proof.py --cpu`."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from test_proofcount import _load  # bench/gpu's scripts, loaded by path
+
+fp = _load("failback_proof")
+
+
+def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts: int):
+    """control_cycles over test doubles: the engines' logs say each case applied
+    applied_per_cycle[case][i] times in its i-th cycle; every stream exact."""
+    cycles: list[tuple[str, int]] = []  # (case written to the switch file, failbacks so far) per cycle
+    seen: dict[str, dict] = {}
+    switch = tmp_path / "controls" / "cases"
+
+    class FakeDeployment:  # test double: no frmps serve
+        def __init__(self, args, name, workdir):
+            self.base, self.log_dir = "http://127.0.0.1:0", str(tmp_path)
+
+        def start(self):
+            pass
+
+        def wait(self, *a, **kw):
+            return {}, None
+
+        def stop(self):
+            pass
+
+    class FakeLoad:  # test double: no HTTP streams
+        def __init__(self, *a, **kw):
+            self.done = []
+
+        def start(self):
+            pass
+
+        def finish(self, timeout):
+            pass
+
+    def fake_cycle(dep, cargs, load, step, rec, n_fb, last, trigger):  # test double: no fault
+        case = switch.read_text()
+        cycles.append((case, n_fb))
+        counts = applied_per_cycle.get(case) or []
+        k = sum(1 for c, _ in cycles if c == case) - 1
+        s = seen.setdefault(case, {"applied": 0, "not_applied": []})
+        if k < len(counts) and counts[k]:
+            s["applied"] += counts[k]
+        else:
+            s["not_applied"] = [*s["not_applied"], "no adopted request fits"]
+        rec["failover"] = {"ok": True}
+
+    monkeypatch.setattr(fp, "Deployment", FakeDeployment)
+    monkeypatch.setattr(fp, "Load", FakeLoad)
+    monkeypatch.setattr(fp, "cycle", fake_cycle)
+    monkeypatch.setattr(fp, "started", lambda dep, s: True)
+    monkeypatch.setattr(fp, "wait_endpoint", lambda base, t: None)
+    monkeypatch.setattr(fp, "no_fault_run", lambda dep, model, reqs: ({}, {"errors": [], "prompt_tokens": []}))
+    monkeypatch.setattr(fp, "mps_trigger", lambda cargs, spec: None)
+    monkeypatch.setattr(fp, "count_streams", lambda *a, **kw: ([], None))
+    monkeypatch.setattr(fp, "engine_logs", lambda d: "")
+    monkeypatch.setattr(fp, "exactness", SimpleNamespace(control_lines=lambda text: {c: dict(v) for c, v in seen.items()}))
+    ap = argparse.ArgumentParser()
+    fp.add_count_args(ap)
+    args = ap.parse_args(["--control-attempts", str(attempts)])
+    args.workdir, args.model, args.sync_every, args.env = str(tmp_path), "m", 1, {}
+    out = fp.control_cycles(args, ["positive", "position", "zero-block"], "misaligned")
+    return out, cycles
+
+
+def test_a_case_never_applied_runs_again_until_applied(tmp_path, monkeypatch):
+    out, cycles = run(tmp_path, monkeypatch, {"position": [0, 0, 1], "zero-block": [2]}, attempts=3)
+    assert [c for c, _ in cycles] == ["", "position", "position", "position", "zero-block"]
+    assert [n for _, n in cycles] == [0, 1, 2, 3, 4]  # one failback per cycle
+    pos = next(r for r in out if r["case"] == "position")
+    assert pos["applied"] == 1 and pos["attempts"] == 3 and len(pos["earlier_attempts"]) == 2
+    assert [r["case"] for r in out] == ["positive", "position", "zero-block"]
+
+
+def test_a_case_never_applied_after_every_attempt_stays_never_applied(tmp_path, monkeypatch):
+    out, cycles = run(tmp_path, monkeypatch, {"zero-block": [1]}, attempts=2)
+    assert [c for c, _ in cycles] == ["", "position", "position", "zero-block"]
+    pos = next(r for r in out if r["case"] == "position")
+    assert pos["applied"] == 0 and pos["attempts"] == 2 and pos["not_applied"] == ["no adopted request fits"]
+    with pytest.raises(fp.proofcount.ControlPassedUnnoticed, match="position was never applied"):
+        fp.proofcount.check_controls(out)
+
+
+def test_one_attempt_is_the_old_behaviour(tmp_path, monkeypatch):
+    out, cycles = run(tmp_path, monkeypatch, {"zero-block": [1]}, attempts=1)
+    assert [c for c, _ in cycles] == ["", "position", "zero-block"]
