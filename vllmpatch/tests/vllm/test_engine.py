@@ -1360,3 +1360,33 @@ def test_logprobs_come_from_vllms_per_request_lists_cut_to_the_requests_k():
     assert _logprobs(lists, 2, 2) == [(-1.5, 2, [3, 7], [-0.5, -1.5]), (-0.1, 1, [4, 1], [-0.1, -3.0])]
     assert _logprobs(lists, 2, 0) == [(-1.5, 2, [], []), (-0.1, 1, [], [])]
     assert _logprobs(None, 2, 2) is None
+
+
+def test_exact_engines_compile_with_inductors_deterministic_mode(model_dir, monkeypatch):
+    """Under --exact (TORCHINDUCTOR_DETERMINISTIC=1 in the engines' environment) vLLM's
+    compilation config gets Inductor's deterministic mode and no combo kernels, over a
+    --vllm-arg compilation config whose other keys stay; without the variable, vLLM's
+    own config (combo kernels as vLLM chooses)."""
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(platforms, "_current_platform", CpuPlatform())  # vLLM's parser asks the platform
+    from frmps_engine.sdk.adapters import EngineOptions
+    from frmps_engine.vllm.engine import make_adapter
+    from frmps_engine.vllm.envpolicy import EXACT_INDUCTOR_CONFIG
+
+    def inductor(env: str | None, *vllm_args: str) -> dict:
+        if env is None:
+            monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", env)
+        ea = make_adapter(EngineOptions(model=model_dir, num_blocks=100, vllm_args=vllm_args)).engine_args(True, 0.5)
+        cc = ea.compilation_config
+        return dict(cc.inductor_compile_config if not isinstance(cc, dict) else cc.get("inductor_compile_config") or {})
+
+    got = inductor("1")
+    assert {k: got.get(k) for k in EXACT_INDUCTOR_CONFIG} == EXACT_INDUCTOR_CONFIG
+    given = inductor("1", '--compilation-config={"inductor_compile_config": {"max_autotune": false, "deterministic": false}}')
+    assert given.get("max_autotune") is False and {k: given.get(k) for k in EXACT_INDUCTOR_CONFIG} == EXACT_INDUCTOR_CONFIG
+    for env in (None, "0"):
+        assert "deterministic" not in inductor(env)
