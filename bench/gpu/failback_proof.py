@@ -177,12 +177,13 @@ def drill(dep, _active):
     return prepare, inject
 
 
-def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigger) -> None:
+def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigger, lead: float = 0.0) -> None:
     """One failover and the failback after it, measured into ``rec``: wait until the
     placement is restored (``n_fb`` failbacks so far) and a spare is ready, check
     the active is in MPS, trigger (``trigger(dep, active)`` -> prepare, inject), then
     wait for the failover record and the failback. ``last[0]``: the previous
-    trigger's time (--min-fault-interval)."""
+    trigger's time (--min-fault-interval). ``lead``: seconds between the last
+    request sent (the burst) and the fault."""
     st, _ = dep.wait(lambda s: restored(s, n_fb), 300, f"placement restored before cycle {n_fb + 1}")
     wait_spare = getattr(args, "wait_spare", 180.0)
     if last[0]:
@@ -204,6 +205,8 @@ def cycle(dep, args, load, step: float, rec: dict, n_fb: int, last: list, trigge
     load.wait_all_streaming(5)  # the fault lands mid-stream for every stream
     if load.burst():  # and, right before it, requests still queued or in their (chunked) prefill
         time.sleep(getattr(args, "burst_lead", 0.0))
+    if lead > 0:
+        time.sleep(lead)
     inj = inject()
     t_fault = inj.get("t_fault") or now()
     last[0] = t_fault
@@ -357,10 +360,15 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
             load = Load(dep, model, creqs, ref, n_loop=n)
             rec: dict = {"n": k + 1, "label": f"control {case}"}
             t0, err = now(), None
+            step = fig.get("decode_step_s_p50") or 0.0
+            # position needs a request two tokens past its last sync at the fault. A request's first
+            # token publishes every request's state (sdk/loop.py), and the fault lands right after the
+            # last stream's first token: at 0.5B on the H200 it found every request synced (twice).
+            # This case's fault waits half a sync interval more.
+            lead = min(2.0, cargs.sync_every // 2 * step) if case == "position" else 0.0
             load.start()
             try:
-                cycle(dep, cargs, load, fig.get("decode_step_s_p50") or 0.0, rec, n_fb[0], last,
-                      mps_trigger(cargs, trigger_spec))
+                cycle(dep, cargs, load, step, rec, n_fb[0], last, mps_trigger(cargs, trigger_spec), lead=lead)
             except Exception as ex:
                 err = f"{type(ex).__name__}: {ex}"
             finally:

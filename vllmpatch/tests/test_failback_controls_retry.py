@@ -19,6 +19,7 @@ def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts
     """control_cycles over test doubles: the engines' logs say each case applied
     applied_per_cycle[case][i] times in its i-th cycle; every stream exact."""
     cycles: list[tuple[str, int]] = []  # (case written to the switch file, failbacks so far) per cycle
+    leads: list[float] = []  # the seconds each cycle's fault waited after the last request sent
     seen: dict[str, dict] = {}
     switch = tmp_path / "controls" / "cases"
 
@@ -45,9 +46,10 @@ def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts
         def finish(self, timeout):
             pass
 
-    def fake_cycle(dep, cargs, load, step, rec, n_fb, last, trigger):  # test double: no fault
+    def fake_cycle(dep, cargs, load, step, rec, n_fb, last, trigger, lead=0.0):  # test double: no fault
         case = switch.read_text()
         cycles.append((case, n_fb))
+        leads.append(lead)
         counts = applied_per_cycle.get(case) or []
         k = sum(1 for c, _ in cycles if c == case) - 1
         s = seen.setdefault(case, {"applied": 0, "not_applied": []})
@@ -62,7 +64,8 @@ def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts
     monkeypatch.setattr(fp, "cycle", fake_cycle)
     monkeypatch.setattr(fp, "started", lambda dep, s: True)
     monkeypatch.setattr(fp, "wait_endpoint", lambda base, t: None)
-    monkeypatch.setattr(fp, "no_fault_run", lambda dep, model, reqs: ({}, {"errors": [], "prompt_tokens": []}))
+    monkeypatch.setattr(fp, "no_fault_run",
+                        lambda dep, model, reqs: ({}, {"errors": [], "prompt_tokens": [], "decode_step_s_p50": 0.004}))
     monkeypatch.setattr(fp, "mps_trigger", lambda cargs, spec: None)
     monkeypatch.setattr(fp, "count_streams", lambda *a, **kw: ([], None))
     monkeypatch.setattr(fp, "engine_logs", lambda d: "")
@@ -72,6 +75,7 @@ def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts
     args = ap.parse_args(["--control-attempts", str(attempts)])
     args.workdir, args.model, args.sync_every, args.env = str(tmp_path), "m", 1, {}
     out = fp.control_cycles(args, ["positive", "position", "zero-block"], "misaligned")
+    run.leads = leads
     return out, cycles
 
 
@@ -82,6 +86,9 @@ def test_a_case_never_applied_runs_again_until_applied(tmp_path, monkeypatch):
     pos = next(r for r in out if r["case"] == "position")
     assert pos["applied"] == 1 and pos["attempts"] == 3 and len(pos["earlier_attempts"]) == 2
     assert [r["case"] for r in out] == ["positive", "position", "zero-block"]
+    # the position case's fault waits half a sync interval (16 steps in the controls' deployment) after the
+    # last request sent; the other cases' faults do not wait
+    assert run.leads == [0.0, 8 * 0.004, 8 * 0.004, 8 * 0.004, 0.0]
 
 
 def test_a_case_never_applied_after_every_attempt_stays_never_applied(tmp_path, monkeypatch):
