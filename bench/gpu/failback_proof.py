@@ -350,7 +350,9 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
             creqs, ref, ptoks = reqs, ref0, fig.get("prompt_tokens") or []
             if case != proofcount.POSITIVE:
                 tag = f"({k})" if attempt == 1 else f"({k}.{attempt})"  # each attempt its own prompts (prefix cache)
-                creqs = [{**b, "prompt": f"{tag} {b['prompt']}"} for b in reqs]  # a short tag: few tokens alike
+                # position: the looping streams only, no burst (a burst request's first token is a sync; see lead)
+                base = reqs[:n] if case == "position" else reqs
+                creqs = [{**b, "prompt": f"{tag} {b['prompt']}"} for b in base]  # a short tag: few tokens alike
                 ref, cfig = no_fault_run(dep, model, creqs)
                 if cfig["errors"]:
                     raise RuntimeError(f"controls: the no-fault run of {case} failed: {cfig['errors'][:3]}")
@@ -364,7 +366,7 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
             # position needs a request two tokens past its last sync at the fault. A request's first
             # token publishes every request's state (sdk/loop.py), and the fault lands right after the
             # last stream's first token: at 0.5B on the H200 it found every request synced (twice).
-            # This case's fault waits half a sync interval more.
+            # This case sends no burst, and its fault waits half a sync interval more.
             lead = min(2.0, cargs.sync_every // 2 * step) if case == "position" else 0.0
             load.start()
             try:

@@ -20,6 +20,7 @@ def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts
     applied_per_cycle[case][i] times in its i-th cycle; every stream exact."""
     cycles: list[tuple[str, int]] = []  # (case written to the switch file, failbacks so far) per cycle
     leads: list[float] = []  # the seconds each cycle's fault waited after the last request sent
+    loads: list[tuple[str, int, int]] = []  # (case, requests, looping streams) per cycle
     seen: dict[str, dict] = {}
     switch = tmp_path / "controls" / "cases"
 
@@ -37,8 +38,9 @@ def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts
             pass
 
     class FakeLoad:  # test double: no HTTP streams
-        def __init__(self, *a, **kw):
+        def __init__(self, dep, model, reqs, ref, n_loop):
             self.done = []
+            loads.append((switch.read_text(), len(reqs), n_loop))
 
         def start(self):
             pass
@@ -75,7 +77,7 @@ def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts
     args = ap.parse_args(["--control-attempts", str(attempts)])
     args.workdir, args.model, args.sync_every, args.env = str(tmp_path), "m", 1, {}
     out = fp.control_cycles(args, ["positive", "position", "zero-block"], "misaligned")
-    run.leads = leads
+    run.leads, run.loads = leads, loads
     return out, cycles
 
 
@@ -89,6 +91,8 @@ def test_a_case_never_applied_runs_again_until_applied(tmp_path, monkeypatch):
     # the position case's fault waits half a sync interval (16 steps in the controls' deployment) after the
     # last request sent; the other cases' faults do not wait
     assert run.leads == [0.0, 8 * 0.004, 8 * 0.004, 8 * 0.004, 0.0]
+    # and sends no burst: its requests are the looping streams alone
+    assert run.loads == [("", 6, 4)] + [("position", 4, 4)] * 3 + [("zero-block", 6, 4)]
 
 
 def test_a_case_never_applied_after_every_attempt_stays_never_applied(tmp_path, monkeypatch):
