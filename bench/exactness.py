@@ -24,6 +24,7 @@ excuse nothing that a takeover's other pass shapes can change.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
@@ -186,6 +187,17 @@ def control_lines(log_text: str) -> dict[str, dict]:
     for m in _NOT_APPLIED.finditer(log_text):
         out.setdefault(m.group(1), {"applied": 0, "not_applied": []})["not_applied"].append(m.group(2).strip())
     return out
+
+
+def engine_logs(log_dir: str) -> str:
+    """Every engine's log of a deployment (its ``*.log`` files but the supervisor's
+    ``frmps.log``), one text: where ``control_lines`` reads the controls' lines."""
+    text = []
+    for name in sorted(os.listdir(log_dir)):
+        if name.endswith(".log") and name != "frmps.log":
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                text.append(f.read())
+    return "\n".join(text)
 
 
 def applied_prompt_lengths(log_text: str) -> list[tuple[str, int]]:

@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-from . import loglines, proofcount
+from . import exactness, loglines, proofcount
 from .baselines import (EngineProc, checkpoint_files, drop_page_cache, engine_supports, ensure_checkpoint,
     page_cache_fraction)
 from .deploy import Deployment, Stream, completion_body, frmps_trial
@@ -370,6 +370,9 @@ class Correctness(Experiment):
     def add_args(self, p):
         p.add_argument("--model", default="", help="preset (default qwen2.5-0.5b; --cpu: tiny)")
         p.add_argument("--ks", default="", help="kill points K (default 1,2,4,...,1024; --quick 1,32,1024)")
+        p.add_argument("--control-attempts", type=int, default=3,
+                       help="trials a control case may take to find an adopted request it fits (each on its own "
+                            "deployment) before it counts as never applied")
         p.add_argument("--trials", type=int, default=1)
         p.add_argument("--sync-every", type=int, default=1, help="frmps serve's --sync-every (its default: 1)")
         p.add_argument("--prompt-len", type=int, default=16)
@@ -431,22 +434,36 @@ class Correctness(Experiment):
             ctx.log("controls: OFF (--controls off): the sweep is not backed by negative controls")
         ks = int_list(a.ks)
         k = sorted(ks)[len(ks) // 2]
+        # The controls' deployments sync every 16 steps (the sweep's may sync every step): the position
+        # case needs a request two tokens past its last sync at the fault, which syncing every step
+        # seldom leaves. A case that found no request it fits runs again on the next trial's prompts,
+        # up to --control-attempts trials (the engines' logs say whether it was applied).
+        sync = max(a.sync_every, 16)
         for case in cases:
-            res, err = None, None
-            try:
-                with Deployments(ctx, serve_opts(ctx, model, a.sync_every, eargs, max_model_len=mml,
-                                                 env=proofcount.control_env(case), serve_args=sargs),
-                                 f"control-{case}") as deps:
-                    res = frmps_point(ctx, deps, lambda dep, trig: self._measure(
-                        ctx, dep, trig, model, {"k": k, "trial": 0}, exact))
-            except Exception as e:  # noqa: BLE001  (recorded: the sweep then fails)
-                err = f"{type(e).__name__}: {e}"[:500]
-                res = getattr(e, "partial", None)
+            res, err, seen = None, None, {}
+            for attempt in range(max(1, a.control_attempts)):
+                res, err = None, None
+                try:
+                    with Deployments(ctx, serve_opts(ctx, model, sync, eargs, max_model_len=mml,
+                                                     env=proofcount.control_env(case), serve_args=sargs),
+                                     f"control-{case}" + (f"-try{attempt + 1}" if attempt else "")) as deps:
+                        res = frmps_point(ctx, deps, lambda dep, trig: self._measure(
+                            ctx, dep, trig, model, {"k": k, "trial": attempt}, exact))
+                        if deps.dep is not None and case != proofcount.POSITIVE:
+                            seen = exactness.control_lines(exactness.engine_logs(deps.dep.log_dir)).get(case) or {}
+                except Exception as e:  # noqa: BLE001  (recorded: the sweep then fails)
+                    err = f"{type(e).__name__}: {e}"[:500]
+                    res = getattr(e, "partial", None)
+                if err or case == proofcount.POSITIVE or seen.get("applied") or not seen.get("not_applied"):
+                    break
+                ctx.log(f"control {case}: not applied in trial {attempt + 1} ({'; '.join(seen['not_applied'])})")
             rec = ((res or {}).get("failover") or {}).get("record") or None  # the failover the fault caused
             fired = bool(rec or (res or {}).get("inject"))
             r = proofcount.control_result(case, (res or {}).get("stream_verdicts") or [], rec.get("ok") if rec else None,
                                           err if fired else None)
-            r.update(k=k, equal=(res or {}).get("equal"))
+            r.update(k=k, equal=(res or {}).get("equal"), attempts=attempt + 1)
+            if seen:
+                r.update(applied=seen.get("applied", 0), not_applied=seen.get("not_applied") or [])
             if not fired:
                 r["not_run"] = err or "the fault did not fire"
             out["controls"].append(r)

@@ -380,7 +380,7 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
             fo = rec.get("failover") or {}
             r = proofcount.control_result(case, streams, fo.get("ok") if fo else None, err)
             if case != proofcount.POSITIVE:  # what the engines' logs say of this case since the last one
-                seen = exactness.control_lines(engine_logs(dep.log_dir)).get(case) or {}
+                seen = exactness.control_lines(exactness.engine_logs(dep.log_dir)).get(case) or {}
                 before = seen_before.get(case) or {}
                 r.update(applied=seen.get("applied", 0) - before.get("applied", 0),
                          not_applied=(seen.get("not_applied") or [])[len(before.get("not_applied") or []):])
@@ -414,16 +414,6 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
     for case in cases[len(out):]:
         out.append({**proofcount.control_result(case, [], None), "not_run": stopped})
     return out
-
-
-def engine_logs(log_dir: str) -> str:
-    """Every engine's log of a deployment, one text (the controls' lines)."""
-    text = []
-    for name in sorted(os.listdir(log_dir)):
-        if name.endswith(".log") and name != "frmps.log":
-            with open(os.path.join(log_dir, name), errors="replace") as f:
-                text.append(f.read())
-    return "\n".join(text)
 
 
 def run_controls(args, report: dict, save, trigger_spec: str) -> bool:

@@ -70,8 +70,8 @@ def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts
                         lambda dep, model, reqs: ({}, {"errors": [], "prompt_tokens": [], "decode_step_s_p50": 0.004}))
     monkeypatch.setattr(fp, "mps_trigger", lambda cargs, spec: None)
     monkeypatch.setattr(fp, "count_streams", lambda *a, **kw: ([], None))
-    monkeypatch.setattr(fp, "engine_logs", lambda d: "")
-    monkeypatch.setattr(fp, "exactness", SimpleNamespace(control_lines=lambda text: {c: dict(v) for c, v in seen.items()}))
+    monkeypatch.setattr(fp, "exactness", SimpleNamespace(engine_logs=lambda d: "",
+                                                         control_lines=lambda text: {c: dict(v) for c, v in seen.items()}))
     ap = argparse.ArgumentParser()
     fp.add_count_args(ap)
     args = ap.parse_args(["--control-attempts", str(attempts)])
