@@ -434,11 +434,10 @@ class Correctness(Experiment):
             ctx.log("controls: OFF (--controls off): the sweep is not backed by negative controls")
         ks = int_list(a.ks)
         k = sorted(ks)[len(ks) // 2]
-        # The controls' deployments sync every 16 steps (the sweep's may sync every step): the position
-        # case needs a request two tokens past its last sync at the fault, which syncing every step
-        # seldom leaves. A case that found no request it fits runs again on the next trial's prompts,
-        # up to --control-attempts trials (the engines' logs say whether it was applied).
-        sync = max(a.sync_every, 16)
+        # The controls' deployments sync less often than the sweep may (proofcount.control_sync_every); a case
+        # that found no request it fits runs again on the next trial's prompts, up to --control-attempts trials
+        # (proofcount.control_unapplied; the engines' logs say whether it was applied).
+        sync = proofcount.control_sync_every(a.sync_every)
         for case in cases:
             res, err, seen = None, None, {}
             for attempt in range(max(1, a.control_attempts)):
@@ -454,7 +453,7 @@ class Correctness(Experiment):
                 except Exception as e:  # noqa: BLE001  (recorded: the sweep then fails)
                     err = f"{type(e).__name__}: {e}"[:500]
                     res = getattr(e, "partial", None)
-                if err or case == proofcount.POSITIVE or seen.get("applied") or not seen.get("not_applied"):
+                if not proofcount.control_unapplied(case, err, seen.get("applied"), seen.get("not_applied")):
                     break
                 ctx.log(f"control {case}: not applied in trial {attempt + 1} ({'; '.join(seen['not_applied'])})")
             rec = ((res or {}).get("failover") or {}).get("record") or None  # the failover the fault caused

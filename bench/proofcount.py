@@ -174,6 +174,27 @@ def control_env(case: str) -> dict[str, str]:
     return exactness.control_env(case)
 
 
+# The controls' deployments sync every this many steps at least: the position case
+# needs a request two tokens past its last sync at the fault, which syncing every
+# step seldom leaves.
+CONTROL_SYNC_EVERY = 16
+
+
+def control_sync_every(sync_every: int | None) -> int:
+    """The --sync-every of a controls' deployment, from the run's own."""
+    return max(int(sync_every or 1), CONTROL_SYNC_EVERY)
+
+
+def control_unapplied(case: str, error: str | None, applied: int | None, not_applied: Sequence[str] | None) -> bool:
+    """Whether a control's run found no adopted request its case fits, and so says
+    nothing yet: a case, not the positive run, that ran without error, was applied
+    nowhere, and the engines' logs said why (``takeover_fault.not_applied_line``).
+    Which requests a takeover adopts, and how far past their last sync, depends on
+    where the fault lands, so the proofs run such a case again across another fault,
+    up to their --control-attempts; never applied after them, check_controls fails it."""
+    return case != POSITIVE and not error and not applied and bool(not_applied)
+
+
 def switch_env(path: str) -> dict[str, str]:
     """The engines' environment for the controls in one deployment: test mode, the
     cases read from the file at ``path`` at each takeover (empty: none)."""

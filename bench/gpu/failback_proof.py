@@ -319,9 +319,7 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
         pass
     cargs.env = {**(getattr(args, "env", None) or {}), **proofcount.switch_env(switch)}
     cargs.port = 0
-    # A control runs the proof's engines, but syncs every 16 steps: the position case needs
-    # a request with tokens past its last sync, which syncing every step seldom leaves.
-    cargs.sync_every = max(int(args.sync_every or 1), 16)
+    cargs.sync_every = proofcount.control_sync_every(args.sync_every)  # the proof's engines, synced less often
     if getattr(args, "quick_start", False):
         cargs.quick_start = False  # the same choices, spelled out, so that --sync-every can be given
         cargs.engine_arg, cargs.serve_arg, cargs.num_blocks, cargs.max_model_len = [], [], 0, 0
@@ -390,13 +388,11 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
             return r, err
 
         # A case that found no adopted request it fits, at the fault and at the failback, runs again across the
-        # next fault, up to --control-attempts cycles: which requests a takeover adopts, and how far past their
-        # last sync, depends on where the fault lands (the position case needs a greedy request two tokens past
-        # it); a case never applied after them is an error (proofcount.check_controls).
+        # next fault, up to --control-attempts cycles (proofcount.control_unapplied).
         for k, case in enumerate(cases):
             r, err = one(k, case, 1)
             for attempt in range(2, max(1, args.control_attempts) + 1):
-                if err or case == proofcount.POSITIVE or r.get("applied"):
+                if not proofcount.control_unapplied(case, err, r.get("applied"), r.get("not_applied")):
                     break
                 print(f"control {case}: not applied in attempt {attempt - 1} ({'; '.join(r.get('not_applied') or [])}): "
                       f"again across the next fault", flush=True)

@@ -65,15 +65,16 @@ def main() -> int:
                          "does, so that `python3 -m bench.token_logs <dir>` compares runs in separate processes "
                          "(session.sh engine-repeat)")
     args = ap.parse_args()
+    deterministic = args.batch_invariant and not args.inductor_timing  # Inductor's mode, as under --exact
     if args.batch_invariant:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
-        if not args.inductor_timing:
-            from frmps_engine.vllm.envpolicy import INDUCTOR_DETERMINISTIC_ENV, pin_inductor_deterministic
+    if deterministic:
+        from frmps_engine.vllm.envpolicy import INDUCTOR_DETERMINISTIC_ENV, pin_inductor_deterministic
 
-            # pinned as the engines pin it, in this process: vLLM's engine core runs here
-            os.environ[INDUCTOR_DETERMINISTIC_ENV] = "1"
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            pin_inductor_deterministic(os.environ)
+        # pinned as the engines pin it, in this process: vLLM's engine core runs here
+        os.environ[INDUCTOR_DETERMINISTIC_ENV] = "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        pin_inductor_deterministic(os.environ)
     if args.keep_aot:
         if not args.batch_invariant or args.enforce_eager:
             ap.error("--keep-aot wants --batch-invariant, without --enforce-eager")
@@ -90,7 +91,7 @@ def main() -> int:
     extra = {"enforce_eager": True} if args.enforce_eager else {}
     if args.attention_backend:
         extra["attention_backend"] = args.attention_backend
-    if os.environ.get("TORCHINDUCTOR_DETERMINISTIC") == "1":
+    if deterministic:
         from frmps_engine.vllm.envpolicy import exact_compilation_config
 
         extra["compilation_config"] = exact_compilation_config(None)  # as the engines' under --exact
@@ -120,7 +121,7 @@ def main() -> int:
     smallest = [min(m) for m in alone_m]
     rec = {
         "model": args.model, "batch_invariant": args.batch_invariant, "enforce_eager": args.enforce_eager,
-        "keep_aot": args.keep_aot, "inductor_deterministic": not args.inductor_timing and args.batch_invariant,
+        "keep_aot": args.keep_aot, "inductor_deterministic": deterministic,
         "attention_backend": args.attention_backend or "vLLM's choice", "prompts": args.prompts,
         "fillers": args.fillers, "max_tokens": args.max_tokens, "safety": args.safety,
         "disagreeing_prompts": len(seen), "bound": bound,

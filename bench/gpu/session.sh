@@ -47,7 +47,9 @@
 #                                      env:OPENAI_FAULTS_ARGS=<flags>: more of the proof's flags (e.g. --cases=a,b)
 #   openai-cases-vllm:<model>[:<timeout>[:exact]]  the OpenAI fault proof's cases (OPENAI_FAULTS_ARGS too) with no
 #                                      fault, twice, against `vllm serve` alone on the model (exact: the seeded checkpoint,
-#                                      VLLM_BATCH_INVARIANT=1, TORCHINDUCTOR_DETERMINISTIC=1 and Triton attention, as frmps serve --exact runs vLLM), with
+#                                      VLLM_BATCH_INVARIANT=1, Triton attention, Inductor's deterministic mode and no combo
+#                                      kernels in its compilation config, as frmps serve --exact runs vLLM's engines, less
+#                                      their pin of the mode for frames compiled after the model), with
 #                                      the proof deployment's sizes: does vLLM itself complete every case
 #                                      ($OUT/openai-cases-vllm-<model>[-exact].json; default timeout 600 s)
 #   hang[:<timeout>], shared-mps[:<timeout>]  bench/gpu/hang_check.sh, shared_mps_check.sh (default 300 s)
@@ -315,10 +317,15 @@ stage_openai_faults() {  # model n [timeout] [frontend] [exact]
 
 stage_openai_cases_vllm() {  # model [timeout] [exact]: the proof's cases against vllm serve alone
     vllm_env
-    local model=$1 limit=${2:-600} m pid env=() flags=() tag=$1
+    local model=$1 limit=${2:-600} m pid env=() flags=() tag=$1 cc
     if [ "${3:-}" = exact ]; then
         m=$(seeded_for openai-cases-vllm "$model") || return
-        env=(VLLM_BATCH_INVARIANT=1 TORCHINDUCTOR_DETERMINISTIC=1) flags=(--attention-backend TRITON_ATTN) tag=$model-exact
+        # Inductor's deterministic mode and no combo kernels in vLLM's compilation config, as the engines
+        # get them (the mode alone with vLLM's combo-kernel benchmark stops the model's compile)
+        cc=$(python3 -c 'import json; from frmps_engine.vllm.envpolicy import EXACT_INDUCTOR_CONFIG as c
+print(json.dumps({"inductor_compile_config": c}))') || { log "openai-cases-vllm $model: no frmps_engine"; return; }
+        env=(VLLM_BATCH_INVARIANT=1 TORCHINDUCTOR_DETERMINISTIC=1) tag=$model-exact
+        flags=(--attention-backend TRITON_ATTN --compilation-config "$cc")
     else
         m=$(model_dir "$model") || { log "openai-cases-vllm $model: model-dir failed"; return; }
         flags=(--load-format dummy)

@@ -305,3 +305,13 @@ def test_the_gpu_proofs_turn_sigterm_into_an_error_that_keeps_the_count():
             time.sleep(5)  # the handler runs at the next bytecode; this is not reached
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_a_control_runs_again_only_where_it_found_no_request():
+    why = ["no adopted greedy request with two or more tokens past its computed count"]
+    assert pc.control_unapplied("position", None, 0, why)
+    assert not pc.control_unapplied("position", None, 1, why)  # applied: its verdict stands
+    assert not pc.control_unapplied("position", "RuntimeError: x", 0, why)  # failed: the deployment stops
+    assert not pc.control_unapplied(pc.POSITIVE, None, None, why)
+    assert not pc.control_unapplied("position", None, 0, [])  # the logs said nothing: another run would not tell
+    assert pc.control_sync_every(1) == pc.control_sync_every(None) == 16 and pc.control_sync_every(32) == 32

@@ -36,8 +36,9 @@ from . import SCHEDULER_CLS, SLEEP_BACKEND_NAME, sizing
 from .core import VllmCore
 from .envpolicy import (BI_KEEP_AOT_ENV, INDUCTOR_DETERMINISTIC_ENV, MEGA_AOT_ENV, TRITON_PTXAS_ENV,
                         async_scheduling_from_env, exact_compilation_config, flashinfer_sampler_default, importable,
-                        keep_aot_in_batch_invariant_mode, mega_aot_default, pin_inductor_deterministic,
-                        structured_outputs_from_env, triton_cache_default, triton_ptxas_default)
+                        inductor_deterministic, keep_aot_in_batch_invariant_mode, mega_aot_default,
+                        pin_inductor_deterministic, structured_outputs_from_env, triton_cache_default,
+                        triton_ptxas_default)
 from .modelcfg import DTYPE_BYTES, cfg_field, hf_config, tokenizer_config, weights_pool_bytes
 from .pools import PoolSpec, kv_cache_bytes, pool_layout
 from .preload import preload, take_tokenizer
@@ -373,7 +374,7 @@ class VllmAdapter:
         vLLM's compilation config, as --vllm-arg gives it, with Inductor's
         deterministic mode and no combo kernels (envpolicy.exact_compilation_config);
         nothing otherwise."""
-        if os.environ.get(INDUCTOR_DETERMINISTIC_ENV, "").strip() != "1":
+        if not inductor_deterministic(os.environ):
             return {}
         return {"compilation_config": exact_compilation_config(self.cfg.overrides.get("compilation_config"))}
 

@@ -218,8 +218,12 @@ def keep_aot_in_batch_invariant_mode(env: MutableMapping[str, str]) -> bool:
     return True
 
 
-
 INDUCTOR_DETERMINISTIC_ENV = "TORCHINDUCTOR_DETERMINISTIC"
+
+
+def inductor_deterministic(env: Mapping[str, str]) -> bool:
+    """TORCHINDUCTOR_DETERMINISTIC=1, as `frmps serve --exact` sets it for vLLM's engines."""
+    return env.get(INDUCTOR_DETERMINISTIC_ENV, "").strip() == "1"
 
 
 def pin_inductor_deterministic(env: Mapping[str, str]) -> bool:
@@ -247,7 +251,7 @@ def pin_inductor_deterministic(env: Mapping[str, str]) -> bool:
     flag (torch 2.11 and 2.13: torch/_dynamo/convert_frame.py, torch/__init__.py),
     so every frame compiled after the first would time again. The wrapper keeps
     the flag on whatever the state written."""
-    if env.get(INDUCTOR_DETERMINISTIC_ENV, "").strip() != "1":
+    if not inductor_deterministic(env):
         return False
     import torch
     import torch._inductor.config as inductor_config
