@@ -446,10 +446,12 @@ class Correctness(Experiment):
                     with Deployments(ctx, serve_opts(ctx, model, sync, eargs, max_model_len=mml,
                                                      env=proofcount.control_env(case), serve_args=sargs),
                                      f"control-{case}" + (f"-try{attempt + 1}" if attempt else "")) as deps:
-                        res = frmps_point(ctx, deps, lambda dep, trig: self._measure(
-                            ctx, dep, trig, model, {"k": k, "trial": attempt}, exact))
-                        if deps.dep is not None and case != proofcount.POSITIVE:
-                            seen = exactness.control_lines(exactness.engine_logs(deps.dep.log_dir)).get(case) or {}
+                        try:
+                            res = frmps_point(ctx, deps, lambda dep, trig: self._measure(
+                                ctx, dep, trig, model, {"k": k, "trial": attempt}, exact))
+                        finally:  # a failed run too: whether the engines applied the case decides its record
+                            if deps.dep is not None and case != proofcount.POSITIVE:
+                                seen = exactness.control_lines(exactness.engine_logs(deps.dep.log_dir)).get(case) or {}
                 except Exception as e:  # noqa: BLE001  (recorded: the sweep then fails)
                     err = f"{type(e).__name__}: {e}"[:500]
                     res = getattr(e, "partial", None)
@@ -463,8 +465,9 @@ class Correctness(Experiment):
             r.update(k=k, equal=(res or {}).get("equal"), attempts=attempt + 1)
             if seen:
                 r.update(applied=seen.get("applied", 0), not_applied=seen.get("not_applied") or [])
-            if not fired:
-                r["not_run"] = err or "the fault did not fire"
+            why = proofcount.control_not_run(case, err, seen.get("applied")) if fired else None
+            if not fired or why:  # a failed run says nothing of a case the engines never applied
+                r.update(detected=False, not_run=why or err or "the fault did not fire")
             out["controls"].append(r)
             ctx.log(f"control {case}: detected={r['detected']} ({r['how'] or 'both streams equal'})")
         os.makedirs(ctx.out_dir, exist_ok=True)

@@ -195,6 +195,18 @@ def control_unapplied(case: str, error: str | None, applied: int | None, not_app
     return case != POSITIVE and not error and not applied and bool(not_applied)
 
 
+def control_not_run(case: str, error: str | None, applied: int | None) -> str | None:
+    """Why a control's record says nothing of its case, or None: a case, not the
+    positive run, whose run failed (error) where the engines' logs show it applied
+    nowhere (applied 0, or not read). control_result counts a failed run as
+    detected, which holds where the case broke the takeover, not where the run
+    failed for another reason before it (a deployment that did not start, the
+    caller's time bound): such a record is "not run", and the proof stops."""
+    if case == POSITIVE or not error or applied:
+        return None
+    return f"the run failed before the engines applied the case: {error}"
+
+
 def switch_env(path: str) -> dict[str, str]:
     """The engines' environment for the controls in one deployment: test mode, the
     cases read from the file at ``path`` at each takeover (empty: none)."""

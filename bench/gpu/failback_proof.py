@@ -383,6 +383,9 @@ def control_cycles(args, cases: list[str], trigger_spec: str) -> list[dict]:
                 r.update(applied=seen.get("applied", 0) - before.get("applied", 0),
                          not_applied=(seen.get("not_applied") or [])[len(before.get("not_applied") or []):])
                 seen_before[case] = seen
+            why = proofcount.control_not_run(case, err, r.get("applied"))
+            if why:  # a failed run says nothing of a case the engines never applied
+                r.update(detected=False, not_run=why)
             r.update(fault=trigger_spec, seconds=round(now() - t0, 1), fault_to_detect_s=rec.get("fault_to_detect_s"),
                      attempts=attempt)
             return r, err

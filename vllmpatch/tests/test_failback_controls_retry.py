@@ -15,9 +15,10 @@ from test_proofcount import _load  # bench/gpu's scripts, loaded by path
 fp = _load("failback_proof")
 
 
-def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts: int):
+def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts: int, fail: tuple[str, ...] = ()):
     """control_cycles over test doubles: the engines' logs say each case applied
-    applied_per_cycle[case][i] times in its i-th cycle; every stream exact."""
+    applied_per_cycle[case][i] times in its i-th cycle; every stream exact; the
+    cycle of a case in fail raises after that (its run failed)."""
     cycles: list[tuple[str, int]] = []  # (case written to the switch file, failbacks so far) per cycle
     leads: list[float] = []  # the seconds each cycle's fault waited after the last request sent
     loads: list[tuple[str, int, int]] = []  # (case, requests, looping streams) per cycle
@@ -60,6 +61,8 @@ def run(tmp_path, monkeypatch, applied_per_cycle: dict[str, list[int]], attempts
         else:
             s["not_applied"] = [*s["not_applied"], "no adopted request fits"]
         rec["failover"] = {"ok": True}
+        if case in fail:
+            raise RuntimeError("the deployment stopped answering")
 
     monkeypatch.setattr(fp, "Deployment", FakeDeployment)
     monkeypatch.setattr(fp, "Load", FakeLoad)
@@ -107,3 +110,18 @@ def test_a_case_never_applied_after_every_attempt_stays_never_applied(tmp_path, 
 def test_one_attempt_is_the_old_behaviour(tmp_path, monkeypatch):
     out, cycles = run(tmp_path, monkeypatch, {"zero-block": [1]}, attempts=1)
     assert [c for c, _ in cycles] == ["", "position", "zero-block"]
+
+
+def test_a_run_that_failed_before_the_case_was_applied_is_not_a_detection(tmp_path, monkeypatch):
+    out, cycles = run(tmp_path, monkeypatch, {}, attempts=3, fail=("position",))
+    assert [c for c, _ in cycles] == ["", "position"]  # a failed run is not tried again; the deployment stops
+    pos = next(r for r in out if r["case"] == "position")
+    assert not pos["detected"] and "applied" in pos["not_run"] and "stopped answering" in pos["not_run"]
+    zb = next(r for r in out if r["case"] == "zero-block")
+    assert zb["not_run"] and not zb["detected"]
+
+
+def test_a_run_that_failed_after_the_case_was_applied_is_a_detection(tmp_path, monkeypatch):
+    out, cycles = run(tmp_path, monkeypatch, {"position": [1]}, attempts=3, fail=("position",))
+    pos = next(r for r in out if r["case"] == "position")
+    assert pos["detected"] and not pos.get("not_run") and pos["applied"] == 1

@@ -315,3 +315,15 @@ def test_a_control_runs_again_only_where_it_found_no_request():
     assert not pc.control_unapplied(pc.POSITIVE, None, None, why)
     assert not pc.control_unapplied("position", None, 0, [])  # the logs said nothing: another run would not tell
     assert pc.control_sync_every(1) == pc.control_sync_every(None) == 16 and pc.control_sync_every(32) == 32
+
+
+def test_a_failed_run_detects_a_control_only_where_the_engines_applied_it():
+    err = "Terminated: stopped by SIGTERM (the caller's time bound)"
+    r = pc.control_result("zero-block", [], None, err)
+    assert r["detected"]  # the record alone counts any failed run as a detection (a broken takeover may crash)...
+    why = pc.control_not_run("zero-block", err, 0)  # ...which says nothing where the case was applied nowhere
+    assert why and err in why
+    assert pc.control_not_run("zero-block", err, None)  # the logs not read: not a detection either
+    assert pc.control_not_run("zero-block", err, 2) is None  # applied, then the run failed: detected
+    assert pc.control_not_run("zero-block", None, 0) is None  # no failure: control_unapplied's concern
+    assert pc.control_not_run(pc.POSITIVE, err, None) is None  # the positive run failing stops the proof itself
