@@ -126,8 +126,7 @@ def cases(n_tokens: int) -> list[dict]:
                       tool_choice="required")},
         {"id": "chat-tools-auto-parser-stream", "real_model": True, "api": "chat", "stream": True, "parse": "tools",
          "body": dict(messages=msgs("Weather in Paris?"), tools=TOOLS, tool_choice="auto", max_tokens=L,
-                      temperature=0, extra_body={"structured_outputs": {
-                          "regex": "[a-z]{%d}\\n" % max(1, L // 2) + _re_escape(HERMES_CALL)}})},
+                      temperature=0, extra_body={"structured_outputs": {"regex": auto_parser_regex(L)}})},
         {"id": "responses", "api": "responses", "stream": False,
          "body": dict(input="Say something.", max_output_tokens=L, temperature=0)},
         {"id": "responses-stream", "api": "responses", "stream": True,
@@ -191,9 +190,23 @@ def stop_after_middle(seq, width: int):
     return None
 
 
-def _re_escape(s: str) -> str:
-    import re
-    return re.escape(s)
+def regex_literal(s: str) -> str:
+    """A regex matching s alone: its metacharacters escaped, a newline written \\n.
+    (re.escape also escapes spaces and puts a backslash before a raw newline, which
+    xgrammar's regex reader warns of.)"""
+    return "".join("\\n" if ch == "\n" else "\\" + ch if ch in "\\.^$|?*+()[]{}" else ch for ch in s)
+
+
+def auto_parser_regex(max_tokens: int) -> str:
+    """chat-tools-auto-parser-stream's regex: a third of max_tokens or so of words the
+    model picks among (its choice depends on the KV cache; the stream is in flight
+    when the fault comes), then the hermes call. Words, not a character class:
+    under [a-z]{n} xgrammar (0.2.7, vLLM 0.26's; 0.2.8 too) puts in its bitmask 78
+    tokens of the project's tokenizer (a letter and a lone UTF-8 lead byte, 'bà')
+    that its matcher then refuses, and vLLM's scheduler aborts the request
+    ("grammar rejected tokens") before any fault.
+    vllmpatch/tests/test_openai_fault_proof_grammars.py walks every regex case."""
+    return "((Paris|Lyon|Nice) ){%d}\\n" % max(1, max_tokens // 6) + regex_literal(HERMES_CALL)
 
 
 class Call(threading.Thread):
@@ -582,8 +595,13 @@ def main() -> int:
         report["reference"] = ref
         save()
         bad = {k: r["error"] for k, r in ref.items() if r["error"]}
-        if bad:
-            raise RuntimeError(f"the no-fault run failed: {bad}")
+        if bad:  # nothing to compare them with: the other cases go on, and the proof fails (passed)
+            report["failed_without_fault"] = bad
+            print(f"the no-fault run failed {len(bad)} case(s), left out of the comparison: {bad}", flush=True)
+            cs = [c for c in cs if c["id"] not in bad]
+            if not cs:
+                raise RuntimeError(f"the no-fault run failed every case: {bad}")
+            record_cases()
         # A second run without a fault: what differs between the two is not the failover's doing.
         ref2, _ = run_all(dep.base, name, key, cs)
         unstable = {c["id"]: unstable_fields(ref[c["id"]], ref2[c["id"]]) for c in cs if not c.get("unseeded")}
@@ -641,12 +659,15 @@ def main() -> int:
         save()
     print(table(report))
     print(report["headline"] + ("" if args.controls else " [controls OFF]"), flush=True)
+    if report.get("failed_without_fault"):
+        print(f"failed without a fault (not compared): {report['failed_without_fault']}", flush=True)
     return 0 if passed(report) else 1
 
 
 def passed(report: dict) -> bool:
-    """No error, at least one fault, every compared case exact and every unseeded one completed."""
-    return bool(not report.get("error") and report["faults"] and all(
+    """No error, no case that failed without a fault, at least one fault, every compared
+    case exact and every unseeded one completed."""
+    return bool(not report.get("error") and not report.get("failed_without_fault") and report["faults"] and all(
         v.get("verdict", "exact" if v["exact"] else "inexact") in ("exact", "completed")
         for f in report["faults"] for v in f.get("cases", {}).values()))
 
