@@ -202,7 +202,7 @@ def auto_parser_regex(max_tokens: int) -> str:
     model picks among (its choice depends on the KV cache; the stream is in flight
     when the fault comes), then the hermes call. Words, not a character class:
     under [a-z]{n} xgrammar (0.2.7, vLLM 0.26's; 0.2.8 too) puts in its bitmask 78
-    tokens of the project's tokenizer (a letter and a lone UTF-8 lead byte, 'bà')
+    tokens of the project's tokenizer (a letter and a lone byte: 0xC1, 0xE0, 0xF0)
     that its matcher then refuses, and vLLM's scheduler aborts the request
     ("grammar rejected tokens") before any fault.
     vllmpatch/tests/test_openai_fault_proof_grammars.py walks every regex case."""

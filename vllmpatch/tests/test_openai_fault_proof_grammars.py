@@ -3,9 +3,9 @@ Qwen2.5 tokenizer: every token xgrammar's bitmask allows, its matcher accepts.
 
 vLLM masks the logits with the bitmask, samples, then advances the matcher with the
 sampled token; a token the matcher refuses makes its scheduler abort the request
-("grammar rejected tokens"). Under a character class such as [a-z]{n}, xgrammar
+("grammar rejected tokens"). Under a character class such as [a-z]{300}, xgrammar
 (0.2.7, vLLM 0.26's, and 0.2.8, vLLM 0.33's) allows tokens of a letter and a lone
-UTF-8 lead byte ('bà') that it then refuses: the negative control below. A seeded
+byte (0xC1, 0xE0 or 0xF0: 'bà') that it then refuses: the negative control below. A seeded
 model that favours one of them fails such a case before any fault, so the proof
 uses grammars without that disagreement (openai_fault_proof.auto_parser_regex)."""
 
