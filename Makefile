@@ -21,16 +21,24 @@ help: ## list targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 # ---------------------------------------------------------------- setup
-# pip byte-compiles every module it installs. Without it (--no-compile) the install
-# took ~40 s less, but the first processes of the suites then compiled vLLM's modules
-# as they imported them, all at once: a vLLM engine took 80 s to start and an
-# end-to-end test of the 0.26.0 suite ran out of time.
-PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-deps
+# uv (pinned; pip installs it into .tools/uv) installs the locks into virtualenvs that
+# `python -m venv` makes (pip included, for `make lock`): from its cache it links the
+# packages in and byte-compiles them on every core, ~20 s for .venv where pip took
+# ~120 s on one core with its cache warm. Byte-compiled, as pip does: without it the
+# suites' first processes compiled vLLM's modules as they imported them, all at once,
+# and a vLLM engine took 80 s to start.
+UV_VERSION := 0.9.5
+UV         := .tools/uv/bin/uv
+UV_INSTALL := $(UV) pip install -q --compile-bytecode --no-deps
 
-$(VENV)/.stamp: vllmpatch/requirements.lock vllmpatch/pyproject.toml
+$(UV):
+	test -x .tools/uv/bin/python || $(PYTHON) -m venv .tools/uv
+	.tools/uv/bin/python -m pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+
+$(VENV)/.stamp: vllmpatch/requirements.lock vllmpatch/pyproject.toml | $(UV)
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) $(PIP_INSTALL) -r vllmpatch/requirements.lock
-	$(VPY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e vllmpatch
+	$(UV_INSTALL) --python $(VPY) -r vllmpatch/requirements.lock
+	$(UV_INSTALL) --python $(VPY) --no-build-isolation -e vllmpatch
 	touch $@
 
 .PHONY: venv
@@ -39,9 +47,9 @@ venv: $(VENV)/.stamp ## Python virtualenv with pinned deps (torch CPU-usable bui
 # Only the packages that differ (requirements-vllm026.lock); .venv's site-packages
 # follow them on sys.path through a .pth file. The install needs nothing of .venv
 # (make test runs it beside .venv's); the .pth file and the version check do.
-$(VENV026)/.installed: vllmpatch/requirements-vllm026.lock
+$(VENV026)/.installed: vllmpatch/requirements-vllm026.lock | $(UV)
 	test -x $(VPY026) || $(PYTHON) -m venv $(VENV026)
-	$(VPY026) $(PIP_INSTALL) -r vllmpatch/requirements-vllm026.lock
+	$(UV_INSTALL) --python $(VPY026) -r vllmpatch/requirements-vllm026.lock
 	touch $@
 
 $(VENV026)/.stamp: $(VENV026)/.installed $(VENV)/.stamp
@@ -107,9 +115,9 @@ test: ## every test (what CI runs)
 # make test runs its stages in three steps, two at a time where neither waits on the
 # other and a core would otherwise idle (most of its time on a 2-core machine is the
 # Python suites'):
-# 1. .venv installs (pip, one core: the longest wait before the suites) while, at a
-#    lower priority so as not to slow it, .venv-vllm026 installs and the Go tests that
-#    need no Python, the fuzzing and the interceptor's tests run;
+# 1. .venv installs (uv, from its cache) while, at a lower priority so as not to slow
+#    it, .venv-vllm026 installs and the Go tests that need no Python, the fuzzing and
+#    the interceptor's tests run;
 # 2. proto-check (it rewrites generated code that the Go tests compile and the
 #    engines import), then the vLLM 0.26.0 suite alone: it keeps both cores busy (run
 #    beside the main suite it took 11 minutes instead of 2.5, and vLLM's API servers
@@ -119,6 +127,7 @@ test: ## every test (what CI runs)
 #    tests that need the virtualenv's Python and the deployment tests.
 .PHONY: test-setup
 test-setup:
+	$(MAKE) --no-print-directory $(UV)
 	$(MAKE) --no-print-directory $(VENV)/.stamp & venv=$$!; \
 	nice -n 10 $(MAKE) --no-print-directory $(VENV026)/.installed fmt-check vet c-test go-build go-test-nopy go-fuzz; \
 	rc=$$?; wait $$venv && exit $$rc
