@@ -177,11 +177,17 @@ go-fuzz:
 c-test: c-build ## interceptor unit tests against the fake libcuda
 	$(MAKE) -C interceptor test CFLAGS_STRICT='$(CFLAGS_STRICT)'
 
-# The Python suites run on pytest-xdist's workers, one per core and at most 4 (each
-# worker imports torch, and vLLM in the adapter's tests), a test module to one worker
-# (--dist loadfile) so a module's shared fixtures, a `frmps serve` deployment or a
-# loaded model, start once. PYTEST_PAR= runs them in one process.
+# The Python suites run on pytest-xdist's workers, a test module to one worker (--dist
+# loadfile) so a module's shared fixtures, a `frmps serve` deployment or a loaded model,
+# start once. The vLLM 0.26.0 suite: one worker per core, at most 4 (each imports torch
+# and vLLM). The main suite: one more than the cores, at most 5: its end-to-end tests
+# leave the CPU idle part of the time (engines asleep in their step delays, waits on
+# failovers); on 2 cores three workers took 443 s where two took 514 s, while the 0.26.0
+# suite, whose vLLM API servers keep the cores busy, took 130 s with three and 106 s
+# with two. PYTEST_PAR= PYTEST_PAR_MAIN= run them in one process.
 PYTEST_PAR ?= -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
+MAIN_WORKERS := $(shell n=$$(( $$(nproc 2>/dev/null || echo 1) + 1 )); [ $$n -gt 5 ] && n=5; echo $$n)
+PYTEST_PAR_MAIN ?= -n $(MAIN_WORKERS) --dist loadfile --no-loadscope-reorder
 # The suites print their 15 slowest tests (setup included): the clean-clone run is a budget
 # (12 minutes on a 2-core machine), and a test that grows shows in the log that ran it.
 PYTEST_DURATIONS ?= --durations=15
@@ -207,7 +213,7 @@ py-test: py-test-vllm026 py-test-main ## Python tests (engine SDK, reference eng
 # bench/serving's test runs vLLM 0.26.0's `vllm bench serve` client from it.
 .PHONY: py-test-main
 py-test-main: $(VENV)/.stamp $(VENV026)/.stamp go-build py-test-libs
-	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY) -m pytest -q $(PYTEST_PAR) $(PYTEST_DURATIONS) vllmpatch/tests
+	FRMPS_EXPECT_VLLM=0.33.0 FRMPS_BIN=$(CURDIR)/$(BIN)/frmps PYTHONPATH=$(PY_PATH) $(VPY) -m pytest -q $(PYTEST_PAR_MAIN) $(PYTEST_DURATIONS) vllmpatch/tests
 
 .PHONY: py-test-vllm026
 py-test-vllm026: $(VENV026)/.stamp go-build py-test-libs ## the vLLM adapter's tests against vLLM 0.26.0
