@@ -186,7 +186,8 @@ c-test: c-build ## interceptor unit tests against the fake libcuda
 # suite, whose vLLM API servers keep the cores busy, took 130 s with three and 106 s
 # with two. PYTEST_PAR= PYTEST_PAR_MAIN= run them in one process.
 PYTEST_PAR ?= -n auto --maxprocesses=4 --dist loadfile --no-loadscope-reorder
-MAIN_WORKERS := $(shell n=$$(( $$(nproc 2>/dev/null || echo 1) + 1 )); [ $$n -gt 5 ] && n=5; echo $$n)
+# (nproc counts OMP_NUM_THREADS, which the test targets set to 1 for their sub-makes)
+MAIN_WORKERS := $(shell n=$$(( $$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1) + 1 )); [ $$n -gt 5 ] && n=5; echo $$n)
 PYTEST_PAR_MAIN ?= -n $(MAIN_WORKERS) --dist loadfile --no-loadscope-reorder
 # The suites print their 15 slowest tests (setup included): the clean-clone run is a budget
 # (12 minutes on a 2-core machine), and a test that grows shows in the log that ran it.
