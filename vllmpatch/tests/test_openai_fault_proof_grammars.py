@@ -11,7 +11,6 @@ uses grammars without that disagreement (openai_fault_proof.auto_parser_regex)."
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 
@@ -19,16 +18,14 @@ import pytest
 
 from e2e import require
 from frmps_engine import modeldir
+from test_proofcount import _load  # bench/gpu's scripts, loaded by path
 
 xgr = require("xgrammar")
 transformers = require("transformers")
 torch = require("torch")
 pytestmark = pytest.mark.torch
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-_spec = importlib.util.spec_from_file_location("openai_fault_proof", os.path.join(REPO, "bench", "gpu", "openai_fault_proof.py"))
-ofp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ofp)
+ofp = _load("openai_fault_proof")
 
 
 @pytest.fixture(scope="module")
