@@ -234,6 +234,8 @@ class MpsTrigger(Trigger):
 
     def __init__(self, faults_dir: str, spec: str, mps_env: dict[str, str], cleanup: Cleanup | None = None):
         prog, _, variant = spec.partition(":")
+        if not prog:
+            raise ValueError(f"MpsTrigger: no fault program in {spec!r} (give <program>[:<variant>])")
         self.path = os.path.join(faults_dir, prog)
         self.variant = variant
         self.spec = spec
@@ -247,7 +249,7 @@ class MpsTrigger(Trigger):
         self._reader: threading.Thread | None = None
 
     def prepare(self) -> None:
-        if not os.access(self.path, os.X_OK):
+        if not (os.path.isfile(self.path) and os.access(self.path, os.X_OK)):
             raise TrialError(f"fault trigger {self.path} is missing: build it with `make -C bench/faults`")
         t0 = time.monotonic()
         self.p = subprocess.Popen([self.path, self.variant, "-1"], env=self.env, stdin=subprocess.PIPE,

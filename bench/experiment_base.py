@@ -177,8 +177,8 @@ class Deployments:
 
 
 def make_trigger(ctx: Ctx, dep: Deployment):
-    if ctx.args.mps:
-        return MpsTrigger(ctx.args.faults_dir, ctx.fault, dep.mps_client_env(), ctx.cleanup)
+    if ctx.args.mps:  # outside run_point (a sweep's negative controls) ctx.fault is unset: --fault's first kind
+        return MpsTrigger(ctx.args.faults_dir, ctx.fault or ctx.fault_for({}), dep.mps_client_env(), ctx.cleanup)
     pid = int(field(dep.engines(dep.status())["active"], "pid"))
     return SigkillTrigger(pid)
 

@@ -442,6 +442,7 @@ class Correctness(Experiment):
             res, err, seen = None, None, {}
             for attempt in range(max(1, a.control_attempts)):
                 res, err = None, None
+                ctx.fault = ctx.fault_for({"trial": attempt})  # the trigger, as run_point sets it for a point
                 try:
                     with Deployments(ctx, serve_opts(ctx, model, sync, eargs, max_model_len=mml,
                                                      env=proofcount.control_env(case), serve_args=sargs),
