@@ -104,6 +104,19 @@ def h_ro(sockdir, monkeypatch):
     x.close()
 
 
+def takeover_line(caplog, timeout: float = 10.0) -> str:
+    """The takeover's log line. The engine logs it after its Reply (and, ungated, after
+    starting its loop), on its own thread: the Resume can return, and even the first
+    tokens stream, before the line is written."""
+    deadline = time.monotonic() + timeout
+    while True:
+        line = next((r.getMessage() for r in caplog.records if "took over" in r.getMessage()), None)
+        if line is not None or time.monotonic() > deadline:
+            assert line is not None, "no takeover log line within %.0f s" % timeout
+            return line
+        time.sleep(0.01)
+
+
 def run_active(core, key, prompt, steps, params):
     """Step the active's fake core; return the request's output tokens and its state after each step."""
     core.add_request(key, prompt, params)
@@ -336,7 +349,7 @@ def test_the_kv_flip_runs_beside_the_adoption_and_before_any_step(h_ro, monkeypa
     assert resume_stream(h, 1, out) == reference(TOK.encode("hello"), 20, 0.0, 11)
     assert seen["first_step_after_flip"]
     # The harnesses read the takeover's figures from this log line (bench/loglines.py).
-    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    line = takeover_line(caplog)
     got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
     assert got["requests"] == 1 and got["adoption_cpu_ms"] >= 0 and got["kv_writable_ms"] >= 0, got
     step = next(r.getMessage() for r in caplog.records if "step 1 after start" in r.getMessage())
@@ -439,7 +452,7 @@ def test_with_a_device_gate_the_first_steps_host_work_runs_beside_the_kv_flip(h_
     assert seen["gate_reached_during_flip"], "the first step did not start before the KV flip ended"
     assert seen["host_work_before_gate"] and seen["first_pass_after_flip"], seen
     assert seen["passes_after_gate"] > 1, "the gate is once: later steps must not wait again"
-    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    line = takeover_line(caplog)
     got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
     assert got["device_gate"] and got["gate_wait_ms"] >= 0 and got["gate_at_ms"] > 0, (got, line)
 
@@ -472,7 +485,7 @@ def test_a_first_step_that_reaches_the_gate_after_the_flip_says_when_in_its_own_
     r = resume_one_new(h)
     assert r.ok and r.resumed[0].ok, r
     assert len(resume_stream(h, 3, [])) == 6
-    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    line = takeover_line(caplog)
     assert "had not reached the device gate when the flip ended (" in line, line
     step1 = next(r.getMessage() for r in caplog.records if "step 1 after start" in r.getMessage())
     m = re.search(r"reached the device gate ([\d.]+) ms into the takeover, \+([\d.]+) ms from the flip's end", step1)
@@ -493,7 +506,7 @@ def test_a_core_that_declines_the_device_gate_starts_its_loop_after_the_flip(h_r
     assert r.ok and r.resumed[0].ok, r
     assert len(resume_stream(h, 3, [])) == 6
     assert "host_work_before_gate" not in seen
-    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    line = takeover_line(caplog)
     got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
     assert got["device_gate"] is False and "gate_wait_ms" not in got, (got, line)
 
@@ -576,6 +589,6 @@ def test_the_reply_waits_for_the_first_steps_host_work(h, monkeypatch, caplog):
     assert at_gate.is_set(), "the reply came before the first step's host work reached the gate"
     assert r.ok and r.resumed[0].ok and r.took_ns >= 50e6, r
     assert len(resume_stream(h, 3, [])) == 6
-    line = next(r.getMessage() for r in caplog.records if "took over" in r.getMessage())
+    line = takeover_line(caplog)
     got = loglines.takeover_fields(list(loglines.TAKEOVER.search(line).groups()))
     assert got["device_gate"] and got["reply_wait_ms"] >= 25.0, (got, line)
