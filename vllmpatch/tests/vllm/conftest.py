@@ -50,13 +50,39 @@ if SKIP_REASON and EXPECTED:
     raise pytest.UsageError(f"FRMPS_EXPECT_VLLM={EXPECTED}: {SKIP_REASON}")
 
 
+def _installed_vllm() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm").split("+", 1)[0]
+    except metadata.PackageNotFoundError:
+        return ""
+
+
 def pytest_collection_modifyitems(config, items):
+    """Every test here needs PyTorch and the supported vLLM (skipped with the reason
+    otherwise). A test marked only_vllm(V) is deselected under another vLLM: `make
+    test` runs this folder once per supported version, and such a test checks
+    frmps's own code (a GPU proof's script, say) through the version the GPU runs;
+    the adapter's surface on each version stays covered by every other test here."""
     skip = pytest.mark.skip(reason=SKIP_REASON) if SKIP_REASON else None
+    installed = None
+    keep, dropped = [], []
     for item in items:
         if HERE in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.torch)  # vLLM needs PyTorch
             if skip is not None:
                 item.add_marker(skip)
+            only = item.get_closest_marker("only_vllm")
+            if only is not None and skip is None:
+                installed = _installed_vllm() if installed is None else installed
+                if installed not in only.args:
+                    dropped.append(item)
+                    continue
+        keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 @pytest.fixture
