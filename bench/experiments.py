@@ -29,6 +29,7 @@ from .experiment_base import (Deployments, Experiment, GPU_MODELS, VLLM_START_S,
     describe_recovery, drop_arrivals, engine_key, engine_shape, engine_start, frmps_point, gb, int_list, no_kv_args,
     no_kv_why, outside_env, prompt_ids, rig_for, serve_opts, shape_args, stream_point, with_sleep_only_standby)
 from .outage import Outage
+from .report import TARGET_KS
 
 
 # ----------------------------------------------------------------------------- 1. recovery across model sizes
@@ -389,7 +390,7 @@ class Correctness(Experiment):
 
     def defaults(self, a):
         if not a.ks:
-            a.ks = "1,16" if a.device == "cpu" else "1,32,1024" if a.quick else "1,2,4,8,16,32,64,128,256,512,1024"
+            a.ks = "1,16" if a.device == "cpu" else "1,32,1024" if a.quick else ",".join(map(str, TARGET_KS))
 
     def plan(self, a):
         extra = engine_key(a)

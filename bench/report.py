@@ -626,7 +626,8 @@ def _other_targets(summ: dict[str, dict]) -> list[dict]:
     return rows
 
 
-# The K sweep's target: every power of two from 1 to 1024 (the correctness experiment's default --ks).
+# The K sweep's points on a GPU (the correctness experiment's default --ks) and its target: every
+# power of two from 1 to 1024.
 TARGET_KS = tuple(2 ** i for i in range(11))
 
 

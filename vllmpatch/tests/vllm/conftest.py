@@ -24,6 +24,16 @@ EXPECTED = os.environ.get("FRMPS_EXPECT_VLLM", "")
 WANTED = EXPECTED or " or ".join(SUPPORTED_VLLM_VERSIONS)
 
 
+def _installed_vllm() -> str:
+    """The installed vLLM's version ("" where none is)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
 def _skip_reason() -> str | None:
     # vLLM picks its platform at import; on a machine without a GPU it must not
     # try to initialise CUDA for these scheduler-level tests.
@@ -32,12 +42,8 @@ def _skip_reason() -> str | None:
         import vllm  # noqa: F401
     except Exception as exc:  # any import failure means: cannot test against vLLM here
         return f"vLLM adapter tests need vllm {WANTED} importable: import vllm failed: {exc!r}"
-    from importlib import metadata
-
-    try:
-        found = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        # `import vllm` found only this test folder (a namespace package)
+    found = _installed_vllm()
+    if not found:  # `import vllm` found only this test folder (a namespace package)
         return f"vLLM adapter tests need vllm {WANTED} installed; it is not"
     public = found.split("+", 1)[0]
     if public not in SUPPORTED_VLLM_VERSIONS or (EXPECTED and public != EXPECTED):
@@ -46,17 +52,9 @@ def _skip_reason() -> str | None:
 
 
 SKIP_REASON = _skip_reason()
+INSTALLED_VLLM = _installed_vllm().split("+", 1)[0]
 if SKIP_REASON and EXPECTED:
     raise pytest.UsageError(f"FRMPS_EXPECT_VLLM={EXPECTED}: {SKIP_REASON}")
-
-
-def _installed_vllm() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm").split("+", 1)[0]
-    except metadata.PackageNotFoundError:
-        return ""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -66,7 +64,6 @@ def pytest_collection_modifyitems(config, items):
     frmps's own code (a GPU proof's script, say) through the version the GPU runs;
     the adapter's surface on each version stays covered by every other test here."""
     skip = pytest.mark.skip(reason=SKIP_REASON) if SKIP_REASON else None
-    installed = None
     keep, dropped = [], []
     for item in items:
         if HERE in Path(str(item.fspath)).resolve().parents:
@@ -74,11 +71,9 @@ def pytest_collection_modifyitems(config, items):
             if skip is not None:
                 item.add_marker(skip)
             only = item.get_closest_marker("only_vllm")
-            if only is not None and skip is None:
-                installed = _installed_vllm() if installed is None else installed
-                if installed not in only.args:
-                    dropped.append(item)
-                    continue
+            if only is not None and skip is None and INSTALLED_VLLM not in only.args:
+                dropped.append(item)
+                continue
         keep.append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
