@@ -403,8 +403,8 @@ stage_quick_start_preset() {  # model [timeout]: the README's command as written
     vllm_env
     local model=$1 limit=${2:-300} pid rc t0
     log "quick-start-preset $model: bin/frmps serve --model $model"
-    set -m
-    bin/frmps serve --model "$model" --engine-log-dir "$WORK/preset-$model" > "$WORK/preset-$model.log" 2>&1 &
+    set -m  # exactly the README's command: the engines' logs go where frmps puts them (frmps status names them)
+    bin/frmps serve --model "$model" > "$WORK/preset-$model.log" 2>&1 &
     pid=$!
     set +m
     if wait_http 8000 "$limit" "$pid"; then
@@ -414,7 +414,10 @@ stage_quick_start_preset() {  # model [timeout]: the README's command as written
     else
         log "quick-start-preset $model: did not answer"; tail -n 20 "$WORK/preset-$model.log" >> "$S"
     fi
-    grep -hE "resolved:|KV cache:|device memory with the active built|ring: a FULL" "$WORK/preset-$model.log" "$WORK/preset-$model"/*.log 2>/dev/null | cut -c1-400 | head -8 >> "$S"
+    local elog
+    elog=$(awk '$1 == "active" {print $NF}' "$WORK/preset-$model.status" 2>/dev/null | head -n 1)
+    grep -hE "resolved:|KV cache:|device memory with the active built|ring: a FULL" "$WORK/preset-$model.log" \
+        ${elog:+"$(dirname "$elog")"/*.log} 2>/dev/null | cut -c1-400 | head -8 >> "$S"
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader >> "$S"
     stop_group "$pid"
     log "quick-start-preset $model: a bad --vllm-arg"
