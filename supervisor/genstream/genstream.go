@@ -76,6 +76,11 @@ func (c *Client) open(ctx context.Context, key uint64, op *frmpsv1.StreamRequest
 	}
 	v := &view{c: c, cn: cn, key: key, ctx: ctx, notify: make(chan struct{}, 1), fallback: fallback}
 	if err := cn.add(v); err != nil {
+		// The stream broke before this request joined it: the engine may already
+		// have refused Stream itself.
+		if c.noStream(err) {
+			return fallback()
+		}
 		return nil, err
 	}
 	if err := cn.send(op); err != nil {
@@ -92,8 +97,7 @@ func (c *Client) open(ctx context.Context, key uint64, op *frmpsv1.StreamRequest
 			cn.mu.Lock()
 			serr := cn.err
 			cn.mu.Unlock()
-			if status.Code(serr) == codes.Unimplemented {
-				c.perRequest.Store(true)
+			if c.noStream(serr) {
 				return fallback()
 			}
 			if serr != nil {
@@ -103,6 +107,16 @@ func (c *Client) open(ctx context.Context, key uint64, op *frmpsv1.StreamRequest
 		return nil, status.Error(codes.Unavailable, "generation stream: "+err.Error())
 	}
 	return v, nil
+}
+
+// noStream reports whether err says the engine has no Stream (Unimplemented);
+// if so, this and every later request use the per-request RPCs.
+func (c *Client) noStream(err error) bool {
+	if status.Code(err) != codes.Unimplemented {
+		return false
+	}
+	c.perRequest.Store(true)
+	return true
 }
 
 // shared returns the open stream, opening one when there is none.
@@ -285,9 +299,7 @@ func (v *view) Recv() (*frmpsv1.GenerateResponse, error) {
 		if err := v.err; err != nil {
 			got := v.got
 			v.mu.Unlock()
-			if status.Code(err) == codes.Unimplemented && !got {
-				// The engine has no Stream: this and every later request use the per-request RPCs.
-				v.c.perRequest.Store(true)
+			if !got && v.c.noStream(err) {
 				f, ferr := v.fallback()
 				if ferr != nil {
 					return nil, ferr
