@@ -38,7 +38,7 @@ from failover_proof import (  # noqa: E402  (same folder, standard library only)
     LOG_FIRST, LOG_SLEEP, Deployment, failover_after, failover_seq, get, grep_log, http_json, loglines, mps_trigger,
     Terminated, nvidia_smi, stop_on_sigterm)
 
-from bench import exactness, proofcount, token_logs  # noqa: E402
+from bench import exactness, kv_digests, proofcount, token_logs  # noqa: E402
 from bench.runctx import FAULT_KINDS as FAULTS  # noqa: E402  (the seven kinds, in the soaks' order)
 from proof_load import (  # noqa: E402  (same folder, standard library only)
     Load, bodies, burst_bodies, gaps_after, max_gap_in, no_fault_run, now, wait_endpoint)
@@ -435,6 +435,12 @@ def run_controls(args, report: dict, save, trigger_spec: str) -> bool:
         print(f"control {r['case']}: detected={r['detected']}{applied} ({r['how'] or 'every stream exact'}) "
               f"in flight {r['streams_in_flight']}/{r['streams']} affected {r['streams_affected']} "
               f"failover_ok={r['failover_ok']} {r.get('seconds')}s", flush=True)
+    # The controls' deployment's KV digests: each case sends prompts of its own, so a block a case
+    # broke is seen once and the check cannot call it (its negative controls are the reference
+    # engine's, in CI: vllmpatch/tests/test_takeover_controls.py); what differs here is news.
+    if getattr(args, "kv_digests", False):
+        report["controls_kv_digests"] = kv_report(os.path.join(args.workdir, "controls", "kv-controls"))
+        print(f"controls: {report['controls_kv_digests']['line']}", flush=True)
     save()
     not_run = [r for r in report["controls"] if r.get("not_run")]
     if not_run:
@@ -540,6 +546,11 @@ def main() -> int:
     ap.add_argument("--exact", action="store_true",
                     help="frmps serve --exact (as the README shows it: vLLM's batch-invariant mode), with or without "
                          "--quick-start; the controls' deployment too")
+    ap.add_argument("--kv-digests", action="store_true",
+                    help="a diagnostic: every engine writes its KV digests at each handover and adoption "
+                         "(FRMPS_DEBUG_KV_DIGESTS), checked after the run for blocks of one token prefix that hold "
+                         "different KV (report: kv_digests; the controls' deployment's: controls_kv_digests); the "
+                         "digests cost time on the takeover's path, so the run's latencies are not the product's")
     add_count_args(ap)
     args = ap.parse_args()
     if args.quick_start:
@@ -661,7 +672,11 @@ def main() -> int:
         dep.stop()
         report["takeover_traces"] = takeover_traces(dep.log_dir)
         report["token_logs"] = engines_token_logs(dep.token_dir)
+        if dep.kv_dir:
+            report["kv_digests"] = kv_report(dep.kv_dir)
         save()
+    if report.get("kv_digests"):
+        print(report["kv_digests"]["line"], flush=True)
     print(json.dumps({k: report.get(k) for k in ("startup_s", "streams_total", "streams_exact", "headline", "controls_mode",
                                                    "error", "elapsed_s", "pool_checksums", "token_logs")}, default=str), flush=True)
     return proof_status(report)
@@ -699,6 +714,15 @@ def reference_cross_check(controls_dir: str, run_dir: str) -> dict | None:
                                          f"{sorted({x['controls_engine'] for x in diffs})}): two engine processes "
                                          "of the same command computed different outputs, takeover or not" if diffs else ""))
     return {"prompts_compared": compared, "differ": len(diffs), "diffs": diffs, "summary": summary}
+
+
+def kv_report(kv_dir: str) -> dict:
+    """bench.kv_digests' check of one deployment's KV digests (--kv-digests), its first
+    violations only."""
+    records, torn = kv_digests.load([kv_dir])
+    rep = kv_digests.check(records, torn).as_dict()
+    rep["violations"] = rep["violations"][:20]
+    return rep
 
 
 def engines_token_logs(token_dir: str) -> dict | None:

@@ -185,6 +185,13 @@ class Deployment(Serve):
         for f in os.listdir(self.token_dir):  # an earlier run's, in a reused workdir: not this deployment's
             if f.startswith("tokens-") and f.endswith(".jsonl"):
                 os.unlink(os.path.join(self.token_dir, f))
+        # --kv-digests: the engines' KV digests at every handover and adoption (bench/kv_digests.py)
+        self.kv_dir = os.path.join(workdir, f"kv-{name}") if getattr(args, "kv_digests", False) else ""
+        if self.kv_dir:
+            os.makedirs(self.kv_dir, exist_ok=True)
+            for f in os.listdir(self.kv_dir):
+                if f.startswith("kv-") and f.endswith(".jsonl"):
+                    os.unlink(os.path.join(self.kv_dir, f))
 
     def start(self) -> None:
         a = self.args
@@ -194,6 +201,8 @@ class Deployment(Serve):
         env["FRMPS_DEBUG_FAULT_SIGNAL"] = "1"
         env["FRMPS_DEBUG_TOKEN_LOG"] = self.token_dir
         env["FRMPS_DEBUG_POOL_CHECKSUM"] = "1"
+        if self.kv_dir:
+            env["FRMPS_DEBUG_KV_DIGESTS"] = self.kv_dir
         env.update(getattr(a, "env", None) or {})
         super().start(env, own_session=True)
 

@@ -95,7 +95,8 @@
 #   exact-proof:<model>:<n>:<budget>[:<timeout>]  failback_proof.py --quick-start --exact on the seeded checkpoint:
 #                                      `frmps serve --model DIR --exact` as the README shows it, the controls (one
 #                                      deployment), then n real MPS faults with failback, every stream compared token
-#                                      for token
+#                                      for token; env:EXACT_PROOF_ARGS: more of its flags (--kv-digests: the
+#                                      engines' KV digests at every handover and adoption, checked after the run)
 #   engine-repeat:<model>[:<n>[:<timeout>[:<opts>]]]  bench/gpu/margin_bound.py in n fresh processes (default 4) on the
 #                                      seeded checkpoint with --exact's settings (VLLM_BATCH_INVARIANT=1,
 #                                      TORCHINDUCTOR_DETERMINISTIC=1, Triton attention), each one's outputs into one token-log
@@ -517,9 +518,9 @@ stage_exact_proof() {  # model n budget [timeout]
     log "exact-proof $model: frmps serve --model $m --exact, controls ${CONTROLS:-on}, $n faults, budget ${budget}s"
     bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --quick-start --exact --model "$m" \
         --controls "${CONTROLS:-on}" --faults "$n" --time-budget "$budget" \
-        --workdir "$WORK/exact-$model" --out "$OUT/exact-$model.json" > "$WORK/exact-$model.out" 2>&1
+        --workdir "$WORK/exact-$model" --out "$OUT/exact-$model.json" ${EXACT_PROOF_ARGS:-} > "$WORK/exact-$model.out" 2>&1
     log "exact-proof $model: rc=$?"
-    grep -E "^control |controls:|streams in flight|passed unnoticed|^error" "$WORK/exact-$model.out" | tail -n 12 >> "$S"
+    grep -E "^control |controls:|streams in flight|passed unnoticed|KV digests|^error" "$WORK/exact-$model.out" | tail -n 14 >> "$S"
     tail -n 6 "$WORK/exact-$model.out" >> "$S"
 }
 

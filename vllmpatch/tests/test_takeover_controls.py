@@ -20,12 +20,13 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from e2e import Deployment, Killer, deployment
-from bench import exactness
-from frmps_engine.sdk import takeover_fault
+from bench import exactness, kv_digests
+from frmps_engine.sdk import kv_digest, takeover_fault
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -77,13 +78,23 @@ def run_batch(dep: Deployment, killer: Killer | None = None):
 class CaseRun:
     case: str | None
     run: exactness.ControlRun
+    t0: float = 0.0  # the case's failover, between these wall-clock times
+    t1: float = 0.0
 
 
 @pytest.fixture(scope="module")
-def case_runs(model_dir, tmp_path_factory) -> list[CaseRun]:
-    """One deployment, one failover per case: None (no control), every case, None again."""
+def kv_dir(tmp_path_factory) -> str:
+    """Where the deployment's engines write their KV digests (FRMPS_DEBUG_KV_DIGESTS)."""
+    return str(tmp_path_factory.mktemp("kv-digests"))
+
+
+@pytest.fixture(scope="module")
+def case_runs(model_dir, kv_dir, tmp_path_factory) -> list[CaseRun]:
+    """One deployment, one failover per case: None (no control), every case, None again.
+    The engines also write their KV digests at every takeover (sdk/kv_digest.py)."""
     switch = str(tmp_path_factory.mktemp("switch") / "cases")
-    env = {"FRMPS_TEST_STEP_DELAY_MS": "10", **exactness.control_env(None), takeover_fault.ENV: "@" + switch}
+    env = {"FRMPS_TEST_STEP_DELAY_MS": "10", **exactness.control_env(None), takeover_fault.ENV: "@" + switch,
+           kv_digest.ENV: kv_dir}
     out: list[CaseRun] = []
     with deployment(sync_every=SYNC_EVERY, env=env, extra_args=ENGINE_ARGS, model=model_dir) as dep:
         dep.wait_state("serving_ready")
@@ -95,6 +106,7 @@ def case_runs(model_dir, tmp_path_factory) -> list[CaseRun]:
                 f.write(case or "")
             with open(dep.log_path, errors="replace") as f:
                 seen = len(f.read())
+            t0 = time.time()
             killer = Killer(dep, after=KILL_AFTER)
             got = run_batch(dep, killer)
             assert killer.fired.is_set()
@@ -105,7 +117,7 @@ def case_runs(model_dir, tmp_path_factory) -> list[CaseRun]:
             out.append(CaseRun(case, exactness.ControlRun(
                 reference={i: r.token_ids for i, r in enumerate(ref)},
                 observed={i: (g.token_ids if g.error is None and g.done else []) for i, g in enumerate(got)},
-                log_text=log_text)))
+                log_text=log_text), t0, time.time()))
     return out
 
 
@@ -138,6 +150,42 @@ def test_control_is_detected(case: str, case_runs, model_dir):
     assert verdicts[hit].kind == exactness.INEXACT, (
         f"control {case} applied to request {hit} passed unnoticed: its resumed output equals the no-fault one; "
         f"all: {verdicts}")
+
+
+# The cases that change what the KV cache holds (shift-table: the request's new tokens land
+# in blocks of its own earlier tokens).
+KV_WRITING = ("zero-block", "swap-block", "position", "shift-table")
+
+
+def _kv_records(case_runs, kv_dir, keep: str | None) -> tuple[list[dict], tuple[float, float]]:
+    """The KV digest records outside every KV-writing case's failover, plus those of case
+    ``keep``'s; and keep's time window."""
+    recs, torn = kv_digests.load([kv_dir])
+    assert torn == 0
+    windows = {c.case: (c.t0, c.t1) for c in case_runs if c.case in KV_WRITING}
+    kept = [r for r in recs if not any(a <= r["t"] <= b for c, (a, b) in windows.items() if c != keep)]
+    return kept, windows.get(keep, (0.0, 0.0))
+
+
+def test_kv_digests_agree_at_every_takeover_without_a_kv_control(case_runs, kv_dir):
+    """FRMPS_DEBUG_KV_DIGESTS: every takeover's adopted blocks hold, token for token, the KV
+    that the same prefix has at the other takeovers (the exact engine computes a token's KV
+    from the tokens up to it alone)."""
+    recs, _ = _kv_records(case_runs, kv_dir, None)
+    rep = kv_digests.check(recs)
+    assert {r["event"] for r in recs} == {"adopt"}
+    assert rep.compared >= 3 * 4, rep.line()  # each body's prompt blocks, at every takeover
+    assert rep.ok, (rep.line(), rep.violations[:3])
+
+
+@pytest.mark.parametrize("case", ["zero-block", "swap-block"])
+def test_kv_digests_see_a_kv_control(case, case_runs, kv_dir):
+    """The KV check's negative controls: the block a control zeroed or swapped differs from
+    the KV the same prefix has at the other takeovers, and only that takeover's lines say so."""
+    recs, (t0, t1) = _kv_records(case_runs, kv_dir, case)
+    rep = kv_digests.check(recs)
+    assert not rep.ok, f"{case}: the KV digests saw nothing: {rep.line()}"
+    assert all(t0 <= d["t"] <= t1 for v in rep.violations for d in v["differing"]), rep.violations[:3]
 
 
 def test_switch_refused_without_test_mode(tmp_path):

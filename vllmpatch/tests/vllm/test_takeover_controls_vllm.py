@@ -146,3 +146,21 @@ def test_sampler_offset_is_refused_where_sample_takes_no_position(model_dir):  #
     eng.core.__class__ = type("WithRunner", (type(eng.core),), {"model_runner": property(lambda s: runner)})
     with pytest.raises(takeover_fault.ControlError, match="takes no pos"):
         takeover_fault.TakeoverFaults(("sampler-offset",), BS).check_core(eng)
+
+
+def test_vllm_kv_digests_follow_a_block_where_the_runner_keeps_it(model_dir):  # noqa: F811
+    """FRMPS_DEBUG_KV_DIGESTS on vLLM (VllmCore.kv_token_digests, sdk/kv_digest.py): per token,
+    over every layer's KV cache (blocks in the second dimension here); a block swapped
+    elsewhere keeps its digests, a zeroed slot changes its token's only."""
+    eng = engine(model_dir)
+    nb = int(eng.scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
+    runner = _Runner(nb)
+    eng.core.__class__ = type("WithRunner", (type(eng.core),), {"model_runner": property(lambda s: runner)})
+    a = eng.kv_token_digests([1, 2], 20)
+    assert len(a) == 20 and len(set(a)) == 20
+    eng.fault_kv("swap", 1, 5, -1)
+    eng.fault_kv("swap", 2, 6, -1)
+    assert eng.kv_token_digests([5, 6], 20) == a
+    eng.fault_kv("zero", 6, -1, 3)
+    b = eng.kv_token_digests([5, 6], 20)
+    assert [i for i in range(20) if a[i] != b[i]] == [16 + 3]

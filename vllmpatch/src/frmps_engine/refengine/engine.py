@@ -242,6 +242,13 @@ class RefCore:
             else:
                 raise EngineError(f"fault_kv: unknown op {op!r}")
 
+    def kv_token_digests(self, block_ids: Sequence[int], n: int) -> list[int]:
+        """sdk/kv_digest.KvDigests over the model's one KV tensor [L, 2, NB, BS, KVH, HD]."""
+        from ..sdk.kv_digest import torch_token_digests
+
+        with self._on_stream():
+            return torch_token_digests([(self.model.kv, 2, 3)], block_ids, n, int(self.model.kv.shape[3]))
+
     def shift_sampler(self, key: int, n: int) -> None:
         self.scheduler.requests[key].sample_offset += n
 

@@ -182,6 +182,9 @@ class EngineLoop:
         # Called once, for the end of the first traced step's line (the runner's note on
         # where a takeover's first step waited).
         self.first_step_note: Callable[[], str] | None = None
+        # FRMPS_DEBUG_KV_DIGESTS (sdk/kv_digest.py): called with a planned handover's last
+        # views, after their publish and before the core's reset.
+        self.on_handover_views: Callable[[list], None] | None = None
         self.started_ns = 0
 
     # -- threading ------------------------------------------------------------
@@ -380,6 +383,8 @@ class EngineLoop:
                 self.counters["ring_syncs"] += 1
                 self._publisher.close()
                 self._publisher = None
+            if self.on_handover_views is not None:
+                self.on_handover_views(views)
             t.append(time.perf_counter_ns())
             with self._streams_lock:
                 streams = list(self._streams.values())

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from frmps_engine._proto.frmps.v1 import control_pb2
 
-from . import control, debug_hang, memphase, spare, takeover_fault
+from . import control, debug_hang, kv_digest, memphase, spare, takeover_fault
 from .engine_api import (EngineAdapter, EngineCoreProtocol, ProcessGroup, Resettable, TakeoverWarmup,
                          vocab_size)
 from ..ring.layout import ring_capacity_needed
@@ -165,6 +165,7 @@ class Runner(Takeovers):
             self._faults = takeover_fault.from_env(int(adapter.block_size))
         except takeover_fault.ControlError as e:
             raise StartupError(str(e)) from None
+        self._kv_digests = kv_digest.from_env(int(adapter.block_size))  # a diagnostic, off by default
         self.cfg = cfg
         self.adapter = adapter
         # A tensor-parallel engine: the pools of every rank go through this process.
@@ -348,15 +349,37 @@ class Runner(Takeovers):
 
     def _engine_loop(self, sync_every: int) -> EngineLoop:
         """The engine loop over the core (the runner's: fatal errors end the process)."""
-        return EngineLoop(self.core, sync_every=sync_every, on_fatal=self._fatal, on_error=self._step_failed,
-                          step_delay_s=_test_step_delay())
+        return self._watch_handover(EngineLoop(self.core, sync_every=sync_every, on_fatal=self._fatal,
+                                               on_error=self._step_failed, step_delay_s=_test_step_delay()))
 
     def _engine_core_server(self, sync_every: int):
         """Core mode: the engine-core server over the core, with its own engine loop
         (the runner's: fatal errors end the process), not connected yet."""
-        return self.adapter.engine_core_server(
+        server = self.adapter.engine_core_server(
             self.core, self.cfg.core_input, self.cfg.core_output, engine_index=self.cfg.core_engine_index,
             sync_every=sync_every, on_fatal=self._fatal, on_error=self._step_failed, step_delay_s=_test_step_delay())
+        if isinstance(getattr(server, "loop", None), EngineLoop):
+            self._watch_handover(server.loop)
+        return server
+
+    def _watch_handover(self, loop: EngineLoop) -> EngineLoop:
+        """FRMPS_DEBUG_KV_DIGESTS: a planned handover's last views get their KV digests
+        (sdk/kv_digest.py), after the publish and before the core's reset."""
+        rec, core = self._kv_digests, self.core
+        if rec is None:
+            return loop
+
+        def record(views: list) -> None:
+            try:
+                rec.write(core, "handover-out",
+                          [(v.key, v.token_ids, v.num_computed, v.block_ids) for v in views if not v.finished])
+            except Exception as e:  # noqa: BLE001 - a diagnostic must not cost the handover
+                if is_device_error(e):
+                    raise
+                log.warning("%s: the handed-over requests' KV digests failed: %s", kv_digest.ENV, e)
+
+        loop.on_handover_views = record
+        return loop
 
     def _serving_on(self) -> str:
         if self.gen is not None:

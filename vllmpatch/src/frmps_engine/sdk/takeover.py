@@ -20,6 +20,7 @@ from frmps_engine._proto.frmps.v1 import control_pb2
 
 from .engine_api import DeviceGate, vocab_size
 from .genapi import input_to_ids, pb_ints
+from .kv_digest import ENV as KV_DIGESTS_ENV
 from .loop import EngineLoop, RingPublisher, is_device_error
 from .memory import MemoryBackend
 from .params import InvalidRequest, normalize
@@ -293,6 +294,8 @@ class Takeovers:
             self._prepare_first_steps()
             self.loop.first_step_note = lambda: tk.first_step_note(t0, self._standby_stack())
             wait = tk.flip.wait if faults is None else faults.gate(tk.flip.wait)
+            if self._kv_digests is not None:  # a diagnostic: after the controls' KV writes
+                wait = self._digest_after(wait, msg, outcomes)
             if isinstance(self.core, DeviceGate) and self.core.gate_device(wait):
                 tk.gated = True
                 tk.started = start()
@@ -300,6 +303,8 @@ class Takeovers:
             tk.wake_ns = tk.flip.join()  # raises the flip's error (a device error: the engine is lost)
         if faults is not None and not tk.gated:
             faults.apply_kv()  # the KV cache is writable and the loop has not started
+        if self._kv_digests is not None and not tk.gated:
+            self._record_adopted(msg, outcomes)
         if tk.gated and any(o.ok for o in outcomes):
             # The reply, the supervisor's promotion and the front door's streams
             # attaching to this engine (its generation server's threads) all want the
@@ -311,6 +316,37 @@ class Takeovers:
             tk.flip.gate_reached.wait(REPLY_AFTER_HOST_WORK_MAX_S)
             tk.reply_waited_ns = time.perf_counter_ns() - t
         return outcomes, tk
+
+    def _digest_after(self, wait: Callable[[], None], msg: control_pb2.Resume, outcomes: list) -> Callable[[], None]:
+        def gated() -> None:
+            wait()
+            self._record_adopted(msg, outcomes)
+
+        return gated
+
+    def _record_adopted(self, msg: control_pb2.Resume, outcomes: list) -> None:
+        """FRMPS_DEBUG_KV_DIGESTS (sdk/kv_digest.py): the KV of every request adopted
+        with KV, as the snapshot's blocks hold it for the tokens the adoption reused.
+        Never fatal: a diagnostic."""
+        reused = {o.key: int(o.reused_tokens) for o in outcomes if getattr(o, "ok", False) and o.reused_tokens}
+        entries = []
+        for r in msg.requests:
+            if r.key not in reused or not r.HasField("snapshot"):
+                continue
+            snap = r.snapshot
+            if snap.token_ids:
+                tokens = list(snap.token_ids)
+            elif r.prompt_token_ids:
+                tokens = list(r.prompt_token_ids) + list(snap.output_token_ids)
+            else:
+                continue
+            entries.append((r.key, tokens, reused[r.key], list(snap.block_ids)))
+        try:
+            self._kv_digests.write(self.core, "adopt", entries)
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not cost the takeover
+            if is_device_error(e):
+                raise
+            log.warning("%s: the adopted requests' KV digests failed: %s", KV_DIGESTS_ENV, e)
 
     def _adopt(self, r: control_pb2.ResumeRequest) -> control_pb2.ResumeOutcome:
         in_core = False  # the core took the request: a later failure must abort it there

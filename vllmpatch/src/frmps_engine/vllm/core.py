@@ -328,6 +328,28 @@ class VllmCore:
                 else:
                     raise ValueError(f"fault_kv: unknown op {op!r}")
 
+    def kv_token_digests(self, block_ids: Sequence[int], n: int) -> list[int]:
+        """sdk/kv_digest.KvDigests over the model runner's KV caches (one per layer):
+        in each, the first dimension of ``num_gpu_blocks`` entries is the block's
+        (as fault_kv finds it) and the first after it of ``block_size`` the slot's."""
+        from ..sdk.kv_digest import torch_token_digests
+
+        runner = _runner_of(self.core)
+        caches = list(getattr(runner, "kv_caches", None) or [])
+        if not caches:
+            raise RuntimeError("kv_token_digests: vLLM's model runner holds no KV caches")
+        nb = int(self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
+        bs = int(self.scheduler.block_size)
+        dims = []
+        for t in caches:
+            b = next((d for d in range(t.dim()) if t.shape[d] == nb), None)
+            s = next((d for d in range(b + 1, t.dim()) if t.shape[d] == bs), None) if b is not None else None
+            if b is None or s is None:
+                raise RuntimeError(f"kv_token_digests: a KV cache of shape {tuple(t.shape)} has no dimension of {nb} "
+                                   f"blocks followed by one of {bs} slots")
+            dims.append((t, b, s))
+        return torch_token_digests(dims, block_ids, n, bs)
+
     def shift_sampler(self, key: int, n: int) -> None:
         """vLLM's V2 sampler draws a token's noise from (seed, position of the
         sampled row): wrap the runner's sampler once so that the rows of request

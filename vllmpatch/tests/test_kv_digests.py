@@ -1,0 +1,108 @@
+"""KV digests (FRMPS_DEBUG_KV_DIGESTS, sdk/kv_digest.py) and their check (bench/kv_digests.py):
+two blocks with the same token prefix must hold the same KV. The check is shown to find a
+changed token's KV in a full block and in a partly covered last block, and to pass equal
+ones; the digests of a torch KV tensor depend on a block's contents, not on where it is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import kv_digests
+from e2e import require
+from frmps_engine.sdk import kv_digest
+
+BS = 16
+
+
+def _digests(tokens, salt=0):
+    """A stand-in for an engine's per-token KV digests: a function of the prefix."""
+    out, acc = [], 7 + salt
+    for t in tokens:
+        acc = (acc * 1_000_003 + t + 1) & kv_digest.MASK64
+        out.append(acc)
+    return out
+
+
+def _rec(key, tokens, n, event="adopt", pid=1, t=0.0, change_at=None):
+    d = _digests(tokens[:n])
+    if change_at is not None:
+        d[change_at] ^= 1
+    return kv_digest.record(key, tokens, n, list(range(100 + key, 100 + key + 8)), d, BS, event=event, pid=pid, t=t)
+
+
+TOKENS = [(i * 37) % 101 for i in range(100)]
+
+
+def test_equal_prefixes_pass_and_are_compared():
+    recs = [_rec(1, TOKENS, 40, "handover-out", 1, 1.0), _rec(2, TOKENS, 37, "adopt", 2, 2.0),
+            _rec(3, TOKENS[:50] + [5] * 50, 64, "adopt", 3, 3.0)]
+    rep = kv_digests.check(recs)
+    assert rep.ok, rep.violations
+    # blocks 0 and 1 by all three, the last block of 1 and 2 token by token (37 of 40), 3's block 2 differs in tokens
+    assert rep.compared >= 2 + 5, rep.line()
+    assert rep.events == {"handover-out": 1, "adopt": 2}
+
+
+def test_a_changed_full_block_is_found():
+    recs = [_rec(1, TOKENS, 40, pid=1, t=1.0), _rec(2, TOKENS, 40, pid=2, t=2.0), _rec(3, TOKENS, 40, pid=3, t=3.0,
+                                                                                         change_at=5)]
+    rep = kv_digests.check(recs)
+    assert not rep.ok
+    (v,) = rep.violations
+    assert [(d["pid"], d["key"], d["block"]) for d in v["differing"]] == [(3, 3, 0)]
+
+
+def test_a_changed_token_of_a_partly_covered_last_block_is_found():
+    """The handover's record covers 41 tokens, the adoption's 38: its token 37 (block 2,
+    slot 5) differs; only the token-by-token comparison of the last block can see it."""
+    recs = [_rec(1, TOKENS, 41, "handover-out", 1, 1.0), _rec(1, TOKENS, 38, "adopt", 2, 2.0, change_at=37)]
+    rep = kv_digests.check(recs)
+    assert not rep.ok, rep.line()
+    assert {(d["event"], d["block"]) for v in rep.violations for d in v["differing"]} == {("adopt", 2)}
+    # the negative control's twin: nothing changed, nothing found
+    assert kv_digests.check([_rec(1, TOKENS, 41, "handover-out", 1, 1.0), _rec(1, TOKENS, 38, "adopt", 2, 2.0)]).ok
+
+
+def test_load_skips_a_torn_line_and_main_exits_by_verdict(tmp_path, capsys):
+    good = [_rec(1, TOKENS, 40, t=1.0), _rec(2, TOKENS, 40, t=2.0)]
+    (tmp_path / "kv-1.jsonl").write_text("\n".join(json.dumps(r) for r in good) + "\n{\"chain\": [\"ab")
+    (tmp_path / "other.jsonl").write_text("not read\n")
+    recs, torn = kv_digests.load([str(tmp_path)])
+    assert len(recs) == 2 and torn == 1
+    assert kv_digests.main([str(tmp_path), "--json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["ok"] is True
+    (tmp_path / "kv-2.jsonl").write_text(json.dumps(_rec(3, TOKENS, 40, t=3.0, change_at=20)) + "\n")
+    assert kv_digests.main([str(tmp_path)]) == 1
+    assert "with differing KV" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert kv_digests.main([str(empty)]) == 2
+
+
+def test_record_refuses_a_wrong_count_and_from_env():
+    with pytest.raises(ValueError, match="3 token digests for 4 tokens"):
+        kv_digest.record(1, TOKENS, 4, [1], [1, 2, 3], BS)
+    assert kv_digest.from_env(BS, {}) is None
+
+
+@pytest.mark.torch
+def test_torch_digests_follow_the_contents_not_the_block_ids():
+    torch = require("torch")  # the torch-free suite runs the rest
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(3, 2, 12, BS, 2, 4, generator=g).to(torch.bfloat16)  # the reference engine's layout
+    kv[:, :, 7] = kv[:, :, 2]
+    kv[:, :, 9] = kv[:, :, 4]
+    a = kv_digest.torch_token_digests([(kv, 2, 3)], [2, 4], 20, BS)
+    b = kv_digest.torch_token_digests([(kv, 2, 3)], [7, 9], 20, BS, chunk=1)
+    assert len(a) == 20 and a == b and len(set(a)) == 20
+    kv[1, 1, 9, 2, 0, 3] += 1  # layer 1, V, block 9 slot 2: token 18 of the request on [7, 9]
+    c = kv_digest.torch_token_digests([(kv, 2, 3)], [7, 9], 20, BS)
+    assert [i for i in range(20) if c[i] != a[i]] == [18]
+    # one tensor per layer, blocks first (vLLM's layout on the Triton backend)
+    layers = [kv[i].movedim(1, 0).contiguous() for i in range(3)]  # [NB, 2, BS, H, D]
+    d = kv_digest.torch_token_digests([(t, 0, 2) for t in layers], [2, 4], 20, BS)
+    assert len(d) == 20 and len(set(d)) == 20
+    with pytest.raises(ValueError, match="20 tokens need 2 blocks"):
+        kv_digest.torch_token_digests([(kv, 2, 3)], [2], 20, BS)
