@@ -583,7 +583,7 @@ stage_bench() {  # engine experiment models [budget [flags]]
     bounded $((budget + 60)) bin/frmps bench --python python3 "$exp" "${eng[@]}" "${sel[@]}" "${more[@]}" --budget "$budget" \
         --out "$RESULTS" --workdir "$WORK/bench-$engine-$exp" --faults-dir bench/build/faults --no-plots \
         > "$WORK/bench-$engine-$exp.out" 2>&1
-    log "bench $engine $exp: rc=$? (0 done, 2 a point failed, 3 stopped by the budget: run the stage again)"
+    log "bench $engine $exp: rc=$? (0: done; 2: a point failed; 3: stopped by the budget, run the stage again)"
     tail -n 12 "$WORK/bench-$engine-$exp.out" >> "$S"
 }
 
