@@ -404,14 +404,16 @@ class FrmpsServer(Server):
         (a restored one, its compiled model loaded from the cache), as after any
         fault."""
         t0 = time.monotonic()
-        st = self.status()
+        placed = self.plan.device != "cpu"
+        # A failover needs a ready standby: the engine that starts beside the active may
+        # still be starting when the first trials are done (a loaded machine, a cold cache).
+        st = self.dep.wait_pair(timeout, placed=placed)
         before = int(field(field(st, "failback", {}) or {}, "succeeded", 0) or 0)
         n_failovers = len(self.dep.failovers(st))
         old_pid = int(field(self.dep.engines(st).get("active") or {}, "pid", 0) or 0)
         r = http_json(f"http://{self.dep.admin}/v1/admin/failover", {"reason": "frmps bench serving"}, timeout=10)
         if not field(r, "accepted", False):
             raise TrialError(f"{self.system}: the failover drill was refused: {r}")
-        placed = self.plan.device != "cpu"
 
         def back(s: dict) -> bool:
             # The drill's failover recorded and its active gone from the pair; with
