@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
-import tarfile
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
+
+from bench import jsonl
 
 MASK64 = (1 << 64) - 1
 
@@ -65,32 +65,11 @@ class Report:
                     violations=self.violations, torn=self.torn, line=self.line())
 
 
-def _lines(paths: Iterable[str]) -> Iterator[str]:
-    for p in paths:
-        if os.path.isdir(p):
-            for root, _, files in os.walk(p):
-                for f in sorted(files):
-                    if f.startswith("kv-") and f.endswith(".jsonl"):
-                        with open(os.path.join(root, f), encoding="utf-8", errors="replace") as fh:
-                            yield from fh
-        elif p.endswith((".tar.gz", ".tgz")):
-            with tarfile.open(p) as tf:
-                for m in tf.getmembers():
-                    name = os.path.basename(m.name)
-                    if m.isfile() and name.startswith("kv-") and name.endswith(".jsonl"):
-                        fh = tf.extractfile(m)
-                        if fh is not None:
-                            yield from (b.decode("utf-8", "replace") for b in fh)
-        elif os.path.isfile(p):
-            with open(p, encoding="utf-8", errors="replace") as fh:
-                yield from fh
-
-
 def load(paths: Iterable[str]) -> tuple[list[dict], int]:
     """The records of every kv-*.jsonl under paths (folders, .tar.gz packs or files), and how
     many lines could not be read."""
     out, torn = [], 0
-    for ln in _lines(paths):
+    for ln in (ln for _, lines in jsonl.files(paths, "kv-") for ln in lines):
         ln = ln.strip()
         if not ln:
             continue

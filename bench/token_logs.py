@@ -24,10 +24,11 @@ import collections
 import json
 import os
 import sys
-import tarfile
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
+
+from bench import jsonl
 
 
 @dataclass
@@ -75,23 +76,8 @@ def _lines(name: str, text: Iterable[str]) -> Iterator[Completion]:
 def read(paths: Iterable[str]) -> list[Completion]:
     """Every completion in the tokens-*.jsonl files under the given folders or .tar.gz packs."""
     out: list[Completion] = []
-    for p in paths:
-        if os.path.isdir(p):
-            for root, _, files in os.walk(p):
-                for f in sorted(files):
-                    if f.startswith("tokens-") and f.endswith(".jsonl"):
-                        with open(os.path.join(root, f), encoding="utf-8") as fh:
-                            out.extend(_lines(os.path.join(root, f), fh))
-        elif p.endswith((".tar.gz", ".tgz")):
-            with tarfile.open(p) as tar:
-                for m in tar.getmembers():
-                    base = os.path.basename(m.name)
-                    if m.isfile() and base.startswith("tokens-") and base.endswith(".jsonl"):
-                        fh = tar.extractfile(m)
-                        if fh is not None:
-                            out.extend(_lines(f"{p}:{m.name}", fh.read().decode("utf-8").splitlines()))
-        else:
-            raise FileNotFoundError(f"{p}: not a folder or a .tar.gz of token logs")
+    for name, lines in jsonl.files(paths, "tokens-"):
+        out.extend(_lines(name, lines))
     out.sort(key=lambda c: c.t)
     return out
 

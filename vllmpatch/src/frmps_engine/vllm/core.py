@@ -291,6 +291,13 @@ class VllmCore:
             if missing:
                 raise ValueError(f"sampler-offset: this vLLM's V2 sampler.sample takes no {', '.join(sorted(missing))}")
 
+    def _kv_caches(self, who: str) -> tuple[list, int, int]:
+        """The model runner's KV tensors (this process's), the blocks' count and size."""
+        caches = list(getattr(_runner_of(self.core), "kv_caches", None) or [])
+        if not caches:
+            raise RuntimeError(f"{who}: vLLM's model runner holds no KV caches")
+        return caches, int(self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks), int(self.scheduler.block_size)
+
     def fault_kv(self, op: str, block: int, other: int, slot: int) -> None:
         """Zero a block (or one slot of it) or swap two blocks in every layer's KV
         cache. Each of the runner's KV tensors has one dimension of
@@ -298,12 +305,7 @@ class VllmCore:
         the attention backend's layout): the first such dimension is the block's."""
         import torch
 
-        runner = _runner_of(self.core)
-        caches = list(getattr(runner, "kv_caches", None) or [])
-        if not caches:
-            raise RuntimeError("fault_kv: vLLM's model runner holds no KV caches")
-        nb = int(self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
-        bs = int(self.scheduler.block_size)
+        caches, nb, bs = self._kv_caches("fault_kv")
         with torch.no_grad():
             for t in caches:
                 dims = [d for d in range(t.dim()) if t.shape[d] == nb]
@@ -334,12 +336,7 @@ class VllmCore:
         (as fault_kv finds it) and the first after it of ``block_size`` the slot's."""
         from ..sdk.kv_digest import torch_token_digests
 
-        runner = _runner_of(self.core)
-        caches = list(getattr(runner, "kv_caches", None) or [])
-        if not caches:
-            raise RuntimeError("kv_token_digests: vLLM's model runner holds no KV caches")
-        nb = int(self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks)
-        bs = int(self.scheduler.block_size)
+        caches, nb, bs = self._kv_caches("kv_token_digests")
         dims = []
         for t in caches:
             b = next((d for d in range(t.dim()) if t.shape[d] == nb), None)
