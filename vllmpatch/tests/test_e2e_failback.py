@@ -22,7 +22,9 @@ import time
 import pytest
 
 from e2e import deployment, frmps_bin, http_json
+from bench import kv_digests
 from bench.procs import alive
+from frmps_engine.sdk import kv_digest
 from bench.serve import Serve, ServeOpts
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(600)]
@@ -65,8 +67,12 @@ def wait_spare_ready(dep, timeout: float = 120.0) -> dict:
 
 
 @pytest.mark.slow
-def test_every_fault_is_followed_by_failback_and_streams_stay_exact():
-    with deployment(sync_every=1, env=ENGINE_ENV, extra_args=ARGS, fake_mps=True) as dep:
+def test_every_fault_is_followed_by_failback_and_streams_stay_exact(tmp_path):
+    """Also with the KV digests on (FRMPS_DEBUG_KV_DIGESTS, bench/kv_digests.py): what
+    each handover left and each takeover adopted holds, block for block, the KV its
+    token prefix has everywhere else."""
+    kv_dir = str(tmp_path / "kv")
+    with deployment(sync_every=1, env={**ENGINE_ENV, kv_digest.ENV: kv_dir}, extra_args=ARGS, fake_mps=True) as dep:
         st = dep.status()
         assert engines(st)["active"]["in_mps"] and not engines(st)["standby"].get("in_mps")
         with cf.ThreadPoolExecutor(len(BODIES)) as pool:
@@ -102,6 +108,10 @@ def test_every_fault_is_followed_by_failback_and_streams_stay_exact():
         # A handover moved every request with a fresh sync: a stream's longest pause
         # during it is reported by the supervisor as the handover's first-token time.
         assert float(st["failback"]["last_duration_seconds"]) > 0
+    records, torn = kv_digests.load([kv_dir])
+    rep = kv_digests.check(records, torn)
+    assert rep.events.get("handover-out", 0) >= 2 * len(BODIES) and rep.events.get("adopt", 0) >= 4 * len(BODIES), rep.line()
+    assert rep.compared > 0 and rep.ok, (rep.line(), rep.violations[:3])
 
 
 def test_two_spares_restore_back_to_back_faults_from_ready_spares():
