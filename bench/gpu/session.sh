@@ -95,8 +95,9 @@
 #   exact-proof:<model>:<n>:<budget>[:<timeout>]  failback_proof.py --quick-start --exact on the seeded checkpoint:
 #                                      `frmps serve --model DIR --exact` as the README shows it, the controls (one
 #                                      deployment), then n real MPS faults with failback, every stream compared token
-#                                      for token; env:EXACT_PROOF_ARGS: more of its flags (--kv-digests: the
-#                                      engines' KV digests at every handover and adoption, checked after the run)
+#                                      for token; env:EXACT_PROOF_ARGS: more of its flags, '+' between words
+#                                      (--kv-digests: the engines' KV digests at every handover and adoption,
+#                                      checked after the run; e.g. --kv-digests+--max-tokens+48)
 #   engine-repeat:<model>[:<n>[:<timeout>[:<opts>]]]  bench/gpu/margin_bound.py in n fresh processes (default 4) on the
 #                                      seeded checkpoint with --exact's settings (VLLM_BATCH_INVARIANT=1,
 #                                      TORCHINDUCTOR_DETERMINISTIC=1, Triton attention), each one's outputs into one token-log
@@ -512,13 +513,13 @@ stage_bi_margin() {  # model [timeout]: which batch-invariant vLLM configuration
 
 stage_exact_proof() {  # model n budget [timeout]
     vllm_env
-    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330 + ${CONTROL_S:-900}))} m
+    local model=$1 n=$2 budget=$3 limit=${4:-$(($3 + 330 + ${CONTROL_S:-900}))} m xa=${EXACT_PROOF_ARGS:-}
     m=$(seeded_for exact-proof "$model") || return
     rm -rf "$WORK/exact-$model"
     log "exact-proof $model: frmps serve --model $m --exact, controls ${CONTROLS:-on}, $n faults, budget ${budget}s"
     bounded "$limit" python3 bench/gpu/failback_proof.py --frmps bin/frmps --quick-start --exact --model "$m" \
         --controls "${CONTROLS:-on}" --faults "$n" --time-budget "$budget" \
-        --workdir "$WORK/exact-$model" --out "$OUT/exact-$model.json" ${EXACT_PROOF_ARGS:-} > "$WORK/exact-$model.out" 2>&1
+        --workdir "$WORK/exact-$model" --out "$OUT/exact-$model.json" ${xa//+/ } > "$WORK/exact-$model.out" 2>&1
     log "exact-proof $model: rc=$?"
     grep -E "^control |controls:|streams in flight|passed unnoticed|KV digests|^error" "$WORK/exact-$model.out" | tail -n 14 >> "$S"
     tail -n 6 "$WORK/exact-$model.out" >> "$S"
