@@ -282,15 +282,19 @@ def count_streams(done: list[dict], events: list[tuple[str, float, float]], prom
 
 
 def stream_report(report: dict, done: list[dict], events: list, prompt_tokens: list, chunk: int | None) -> str:
-    """The stream count into report (the headline, its tally, the first streams in
-    flight that are not exact); returns the headline."""
+    """The stream count into report (the headline, its tally, the streams in flight
+    that are not exact, then the first ten others); returns the headline."""
     streams, t = count_streams(done, events, prompt_tokens, chunk)
     report["streams_total"] = len(done)
     report["streams_exact"] = sum(1 for d in done if d["exact"] and not d["error"])
     report["streams_errors"] = [{k: d.get(k) for k in ("i", "burst", "tokens", "finish", "error", "event", "phase")}
                                 for d in streams if d["error"]][:10]
-    report["streams_inexact"] = [{k: d.get(k) for k in ("i", "burst", "tokens", "first_diff", "finish", "event", "phase")}
-                                 for d in streams if not d["exact"] and not d["error"]][:10]
+    # Every stream in flight that is not exact (the headline's), then the first others;
+    # with its start and end (the engines' token logs carry their finish times).
+    fields = ("i", "burst", "tokens", "first_diff", "finish", "event", "phase", "t0", "t1")
+    inexact = [d for d in streams if not d["exact"] and not d["error"]]
+    report["streams_inexact"] = ([{k: d.get(k) for k in fields} for d in inexact if d.get("in_flight")][:100]
+                                 + [{k: d.get(k) for k in fields} for d in inexact if not d.get("in_flight")][:10])
     report["stream_count"] = t
     report["events"] = len(events)
     report["headline"] = proofcount.headline(t)

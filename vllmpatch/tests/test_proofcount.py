@@ -327,3 +327,24 @@ def test_a_failed_run_detects_a_control_only_where_the_engines_applied_it():
     assert pc.control_not_run("zero-block", err, 2) is None  # applied, then the run failed: detected
     assert pc.control_not_run("zero-block", None, 0) is None  # no failure: control_unapplied's concern
     assert pc.control_not_run(pc.POSITIVE, err, None) is None  # the positive run failing stops the proof itself
+
+
+def test_failback_proof_lists_every_inexact_stream_in_flight_before_the_others():
+    """The report's streams_inexact: all the headline's streams (in flight at an event, not
+    exact), with their times, ahead of at most ten others, however many of those came first
+    (a GPU run's report had shown ten not in flight and hidden five in flight)."""
+    fb = _load("failback_proof")
+    events = [("fault 1", 100.0, 100.5)]
+
+    def rec(i, t0, t1, exact):
+        return {"i": i, "burst": False, "t0": t0, "t1": t1, "times": [t0 + 0.1, t1], "error": None,
+                "exact": exact, "verdict": "exact" if exact else "inexact", "tokens": 8, "finish": "length",
+                **({} if exact else {"first_diff": 0})}
+
+    done = [rec(0, 10.0 + k, 11.0 + k, False) for k in range(12)] + [rec(1, 99.0, 102.0, False), rec(2, 99.0, 101.0, True)]
+    report: dict = {}
+    fb.stream_report(report, done, events, [], None)
+    listed = report["streams_inexact"]
+    assert [(s["i"], s["event"]) for s in listed[:1]] == [(1, "fault 1")] and listed[0]["t0"] == 99.0
+    assert len(listed) == 1 + 10 and all(not s["event"] for s in listed[1:])
+    assert report["stream_count"]["in_flight"]["inexact"] == 1
