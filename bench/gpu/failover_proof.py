@@ -166,6 +166,16 @@ def serve_opts(a) -> ServeOpts:
                      serve_args=exact + list(getattr(a, "serve_arg", []) or []) + shared_mps_args(a))
 
 
+def fresh_dir(path: str, prefix: str) -> str:
+    """``path``, made if missing, without the ``<prefix>*.jsonl`` files an earlier run left in
+    a reused workdir (not this deployment's)."""
+    os.makedirs(path, exist_ok=True)
+    for f in os.listdir(path):
+        if f.startswith(prefix) and f.endswith(".jsonl"):
+            os.unlink(os.path.join(path, f))
+    return path
+
+
 class Deployment(Serve):
     """The proof's `frmps serve`: in a session of its own, with the engines'
     token logs (FRMPS_DEBUG_TOKEN_LOG) and debug fault hooks on."""
@@ -180,18 +190,9 @@ class Deployment(Serve):
                          log_dir, port=args.port)
         self.args, self.name = args, name
         self.admin = self.admin_addr  # the admin API's host:port
-        self.token_dir = os.path.join(workdir, f"tokens-{name}")
-        os.makedirs(self.token_dir, exist_ok=True)
-        for f in os.listdir(self.token_dir):  # an earlier run's, in a reused workdir: not this deployment's
-            if f.startswith("tokens-") and f.endswith(".jsonl"):
-                os.unlink(os.path.join(self.token_dir, f))
+        self.token_dir = fresh_dir(os.path.join(workdir, f"tokens-{name}"), "tokens-")
         # --kv-digests: the engines' KV digests at every handover and adoption (bench/kv_digests.py)
-        self.kv_dir = os.path.join(workdir, f"kv-{name}") if getattr(args, "kv_digests", False) else ""
-        if self.kv_dir:
-            os.makedirs(self.kv_dir, exist_ok=True)
-            for f in os.listdir(self.kv_dir):
-                if f.startswith("kv-") and f.endswith(".jsonl"):
-                    os.unlink(os.path.join(self.kv_dir, f))
+        self.kv_dir = fresh_dir(os.path.join(workdir, f"kv-{name}"), "kv-") if getattr(args, "kv_digests", False) else ""
 
     def start(self) -> None:
         a = self.args

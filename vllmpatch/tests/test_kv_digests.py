@@ -6,6 +6,7 @@ ones; the digests of a torch KV tensor depend on a block's contents, not on wher
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -106,3 +107,31 @@ def test_torch_digests_follow_the_contents_not_the_block_ids():
     assert len(d) == 20 and len(set(d)) == 20
     with pytest.raises(ValueError, match="20 tokens need 2 blocks"):
         kv_digest.torch_token_digests([(kv, 2, 3)], [2], 20, BS)
+
+
+def test_a_failing_digest_costs_nothing_but_a_device_error_is_raised(tmp_path, caplog):
+    """Recorder.write is a diagnostic on the handover's and the takeover's path: a core
+    whose digest fails writes nothing and says so; a device error (the engine is lost)
+    still goes up."""
+
+    class FailingCore:  # TEST DOUBLE: a core whose KV digest raises what it is given
+        def __init__(self, err):
+            self.err = err
+
+        def kv_token_digests(self, block_ids, n):
+            raise self.err
+
+    rec = kv_digest.from_env(BS, {kv_digest.ENV: str(tmp_path)})
+    entries = [(1, TOKENS, 20, [3, 4])]
+    assert rec.write(FailingCore(ValueError("no KV caches")), "adopt", entries) == 0
+    assert not (tmp_path / f"kv-{os.getpid()}.jsonl").exists()
+    assert "the adopt KV digests failed: no KV caches" in caplog.text
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        rec.write(FailingCore(RuntimeError("CUDA error: an illegal memory access was encountered")), "adopt", entries)
+
+    class Core:  # TEST DOUBLE: the digests of _digests above
+        def kv_token_digests(self, block_ids, n):
+            return _digests(TOKENS[:n])
+
+    assert rec.write(Core(), "adopt", entries) == 1
+    assert kv_digests.load([str(tmp_path)])[0][0]["n"] == 20

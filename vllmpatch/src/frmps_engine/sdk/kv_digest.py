@@ -56,6 +56,14 @@ class KvDigests(Protocol):
     def kv_token_digests(self, block_ids: Sequence[int], n: int) -> list[int]: ...
 
 
+def _link(prev: bytes, tokens: Sequence[int]) -> bytes:
+    """One link of the chain: a hash of the previous link, the tokens and their count."""
+    h = hashlib.blake2b(prev, digest_size=8)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    h.update(struct.pack("<q", len(tokens)))
+    return h.digest()
+
+
 def token_chain(token_ids: Sequence[int], n: int, block_size: int) -> list[str]:
     """Per block of the first ``n`` tokens: a hash of every token up to the block's
     end and of the block's token count (so a partial block never matches a full
@@ -63,11 +71,7 @@ def token_chain(token_ids: Sequence[int], n: int, block_size: int) -> list[str]:
     out: list[str] = []
     prev = b""
     for start in range(0, n, block_size):
-        end = min(n, start + block_size)
-        h = hashlib.blake2b(prev, digest_size=8)
-        h.update(struct.pack(f"<{end - start}q", *token_ids[start:end]))
-        h.update(struct.pack("<q", end - start))
-        prev = h.digest()
+        prev = _link(prev, token_ids[start:min(n, start + block_size)])
         out.append(prev.hex())
     return out
 
@@ -78,14 +82,8 @@ def tail_chain(token_ids: Sequence[int], n: int, block_size: int, prev: str = ""
     nb = -(-n // block_size)
     if not nb:
         return []
-    start, out = (nb - 1) * block_size, []
-    p = bytes.fromhex(prev)
-    for end in range(start + 1, n + 1):
-        h = hashlib.blake2b(p, digest_size=8)
-        h.update(struct.pack(f"<{end - start}q", *token_ids[start:end]))
-        h.update(struct.pack("<q", end - start))
-        out.append(h.hexdigest())
-    return out
+    start, p = (nb - 1) * block_size, bytes.fromhex(prev)
+    return [_link(p, token_ids[start:end]).hex() for end in range(start + 1, n + 1)]
 
 
 def block_digests(token_digests: Sequence[int], block_size: int) -> list[str]:
@@ -122,23 +120,33 @@ class Recorder:
     def write(self, core: Any, event: str, entries: Iterable[tuple[int, Sequence[int], int, Sequence[int]]],
               **extra: Any) -> int:
         """One line per (key, token_ids, n, block_ids) with n > 0; returns how many.
-        A core without ``KvDigests`` writes nothing (logged once per call)."""
+        A diagnostic: it never fails the handover or takeover that calls it, but for
+        a device error (the engine is lost); a core without ``KvDigests``, or any other
+        failure, writes nothing and says so in the log."""
         if not isinstance(core, KvDigests):
             log.warning("%s: the engine's core cannot digest its KV cache; nothing recorded", ENV)
             return 0
         bs, t = self.block_size, time.time()
         lines = []
-        for key, token_ids, n, block_ids in entries:
-            n = min(int(n), len(token_ids), len(block_ids) * bs)
-            if n <= 0:
-                continue
-            nb = -(-n // bs)
-            digests = core.kv_token_digests(list(block_ids[:nb]), n)
-            lines.append(json.dumps(record(key, token_ids, n, block_ids, digests, bs, event=event, pid=os.getpid(),
-                                           t=t, **extra), separators=(",", ":")))
-        if lines:
-            with self._lock, open(self.path, "a", encoding="utf-8") as f:
-                f.write("\n".join(lines) + "\n")
+        try:
+            for key, token_ids, n, block_ids in entries:
+                n = min(int(n), len(token_ids), len(block_ids) * bs)
+                if n <= 0:
+                    continue
+                nb = -(-n // bs)
+                digests = core.kv_token_digests(list(block_ids[:nb]), n)
+                lines.append(json.dumps(record(key, token_ids, n, block_ids, digests, bs, event=event, pid=os.getpid(),
+                                               t=t, **extra), separators=(",", ":")))
+            if lines:
+                with self._lock, open(self.path, "a", encoding="utf-8") as f:
+                    f.write("\n".join(lines) + "\n")
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not cost the engine its handover or takeover
+            from .loop import is_device_error
+
+            if is_device_error(e):
+                raise
+            log.warning("%s: the %s KV digests failed: %s", ENV, event, e)
+            return 0
         return len(lines)
 
 
@@ -177,16 +185,17 @@ def torch_token_digests(caches: Sequence[tuple[Any, int, int]], block_ids: Seque
     if not ids:
         return []
     out = []
-    for t, _, _ in caches[:1]:
-        if t.is_cuda:  # whatever wrote the KV on another stream is done
-            torch.cuda.synchronize(t.device)
+    if caches[0][0].is_cuda:  # whatever wrote the KV on another stream is done
+        torch.cuda.synchronize(caches[0][0].device)
     with torch.no_grad():
         for c0 in range(0, nb, chunk):
             part = ids[c0:c0 + chunk]
+            idx: dict[Any, Any] = {}  # the chunk's block ids, once per device
             acc = None
             for t, bdim, sdim in caches:
-                idx = torch.tensor(part, dtype=torch.long, device=t.device)
-                a = t.index_select(bdim, idx)
+                if t.device not in idx:
+                    idx[t.device] = torch.tensor(part, dtype=torch.long, device=t.device)
+                a = t.index_select(bdim, idx[t.device])
                 a = a.movedim((bdim, sdim), (0, 1))
                 a = a.contiguous().reshape(len(part), block_size, -1).view(torch.uint8).to(torch.int64)
                 s = (a * _weights(a.shape[-1], a.device)).sum(-1)  # < 2^51 for any KV slot of today's models

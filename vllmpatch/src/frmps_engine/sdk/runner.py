@@ -366,19 +366,9 @@ class Runner(Takeovers):
         """FRMPS_DEBUG_KV_DIGESTS: a planned handover's last views get their KV digests
         (sdk/kv_digest.py), after the publish and before the core's reset."""
         rec, core = self._kv_digests, self.core
-        if rec is None:
-            return loop
-
-        def record(views: list) -> None:
-            try:
-                rec.write(core, "handover-out",
-                          [(v.key, v.token_ids, v.num_computed, v.block_ids) for v in views if not v.finished])
-            except Exception as e:  # noqa: BLE001 - a diagnostic must not cost the handover
-                if is_device_error(e):
-                    raise
-                log.warning("%s: the handed-over requests' KV digests failed: %s", kv_digest.ENV, e)
-
-        loop.on_handover_views = record
+        if rec is not None:
+            loop.on_handover_views = lambda views: rec.write(
+                core, "handover-out", [(v.key, v.token_ids, v.num_computed, v.block_ids) for v in views if not v.finished])
         return loop
 
     def _serving_on(self) -> str:

@@ -20,7 +20,6 @@ from frmps_engine._proto.frmps.v1 import control_pb2
 
 from .engine_api import DeviceGate, vocab_size
 from .genapi import input_to_ids, pb_ints
-from .kv_digest import ENV as KV_DIGESTS_ENV
 from .loop import EngineLoop, RingPublisher, is_device_error
 from .memory import MemoryBackend
 from .params import InvalidRequest, normalize
@@ -326,27 +325,21 @@ class Takeovers:
 
     def _record_adopted(self, msg: control_pb2.Resume, outcomes: list) -> None:
         """FRMPS_DEBUG_KV_DIGESTS (sdk/kv_digest.py): the KV of every request adopted
-        with KV, as the snapshot's blocks hold it for the tokens the adoption reused.
-        Never fatal but for a device error: a diagnostic."""
-        try:
-            reused = {o.key: int(o.reused_tokens) for o in outcomes if o.ok and o.reused_tokens}
-            entries = []
-            for r in msg.requests:
-                if r.key not in reused or not r.HasField("snapshot"):
-                    continue
-                snap = r.snapshot
-                if snap.token_ids:
-                    tokens = list(snap.token_ids)
-                elif r.prompt_token_ids:
-                    tokens = list(r.prompt_token_ids) + list(snap.output_token_ids)
-                else:
-                    continue  # a prompt as text: its tokens are the engine's, not the message's
-                entries.append((r.key, tokens, reused[r.key], list(snap.block_ids)))
-            self._kv_digests.write(self.core, "adopt", entries)
-        except Exception as e:  # noqa: BLE001 - a diagnostic must not cost the takeover
-            if is_device_error(e):
-                raise
-            log.warning("%s: the adopted requests' KV digests failed: %s", KV_DIGESTS_ENV, e)
+        with KV, as the snapshot's blocks hold it for the tokens the adoption reused."""
+        reused = {o.key: int(o.reused_tokens) for o in outcomes if o.ok and o.reused_tokens}
+        entries = []
+        for r in msg.requests:
+            if r.key not in reused or not r.HasField("snapshot"):
+                continue
+            snap = r.snapshot
+            if snap.token_ids:
+                tokens = list(snap.token_ids)
+            elif r.prompt_token_ids:
+                tokens = list(r.prompt_token_ids) + list(snap.output_token_ids)
+            else:
+                continue  # a prompt as text: its tokens are the engine's, not the message's
+            entries.append((r.key, tokens, reused[r.key], list(snap.block_ids)))
+        self._kv_digests.write(self.core, "adopt", entries)
 
     def _adopt(self, r: control_pb2.ResumeRequest) -> control_pb2.ResumeOutcome:
         in_core = False  # the core took the request: a later failure must abort it there
