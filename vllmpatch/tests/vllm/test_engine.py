@@ -31,18 +31,24 @@ def mode(request):
     return request.param
 
 
-def engine(model_dir, tokenizer=None, mode="sync", prefix_caching=False, kv_reuse=True):
+def engine(model_dir, tokenizer=None, mode="sync", prefix_caching=False, kv_reuse=True, num_blocks=64,
+           max_num_batched_tokens=256, v2_runner=False):
+    """v2_runner: the scheduler works for vLLM's V2 model runner, as on the GPU (it hands
+    the runner every token id, and adoption folds no output into the prompt); without
+    Triton here vLLM itself chose V1."""
     from frmps_engine.vllm.core import VllmCore
     from frmps_engine.vllm.engine import scheduler_cls_for
 
-    vc = make_vllm_config(model_dir, num_blocks=64, async_scheduling=mode == "async",
-                          enable_prefix_caching=prefix_caching)
+    vc = make_vllm_config(model_dir, num_blocks=num_blocks, async_scheduling=mode == "async",
+                          enable_prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens)
     vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
     sc = SchedulerCore(make_scheduler(vc), batch_queue_size=2 if mode == "async" else 1)
     if prefix_caching:
         from vhelpers import block_hasher
 
         sc.request_block_hasher = block_hasher()  # as EngineCore sets it with prefix caching on
+    if v2_runner:
+        sc.scheduler.use_v2_model_runner = True
     return VllmCore(sc, tokenizer, kv_reuse=kv_reuse)
 
 

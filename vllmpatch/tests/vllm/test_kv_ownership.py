@@ -17,26 +17,14 @@ from __future__ import annotations
 import pytest
 
 from frmps_engine.vllm.testing import BLOCK_SIZE
-from test_engine import model_dir, params  # noqa: F401  (fixture)
+from test_engine import engine, model_dir, params  # noqa: F401  (fixture)
 
 BS = BLOCK_SIZE
 
 
 def make_engine(model_dir):  # noqa: F811
-    from frmps_engine.vllm.core import VllmCore
-    from frmps_engine.vllm.engine import scheduler_cls_for
-    from frmps_engine.vllm.testing import SchedulerCore, make_scheduler, make_vllm_config
-    from vhelpers import block_hasher
-
-    vc = make_vllm_config(model_dir, num_blocks=256, async_scheduling=True, enable_prefix_caching=True,
-                          max_num_batched_tokens=512)
-    vc.scheduler_config.scheduler_cls = scheduler_cls_for(vc)
-    sc = SchedulerCore(make_scheduler(vc), batch_queue_size=2)
-    sc.request_block_hasher = block_hasher()
-    # As on the GPU: vLLM's V2 model runner (no Triton here, so vLLM chose V1): the
-    # scheduler hands it every token id, and adoption folds no output into the prompt.
-    sc.scheduler.use_v2_model_runner = True
-    return VllmCore(sc, None)
+    return engine(model_dir, mode="async", prefix_caching=True, num_blocks=256, max_num_batched_tokens=512,
+                  v2_runner=True)
 
 
 class Shadow:
