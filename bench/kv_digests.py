@@ -2,7 +2,8 @@
 
 With FRMPS_DEBUG_KV_DIGESTS=<dir> (engine side: vllmpatch/src/frmps_engine/sdk/kv_digest.py)
 every engine appends a JSON line per request it hands over (``handover-out``, after its last
-publish) and per request it adopts with KV (``adopt``, before its first step touches the KV):
+publish), per request it adopts with KV (``adopt``, before its first step touches the KV) and
+per request whose prompt it has computed or read from its prefix cache (``prompt``):
 per block of tokens a chained hash of the tokens up to the block's end and a digest of the
 block's KV. Under ``--exact`` a token's KV is a function of the tokens up to it, so two blocks
 with the same chained token hash must have the same KV digest, whichever engine, event or

@@ -69,8 +69,8 @@ def wait_spare_ready(dep, timeout: float = 120.0) -> dict:
 @pytest.mark.slow
 def test_every_fault_is_followed_by_failback_and_streams_stay_exact(tmp_path):
     """Also with the KV digests on (FRMPS_DEBUG_KV_DIGESTS, bench/kv_digests.py): what
-    each handover left and each takeover adopted holds, block for block, the KV its
-    token prefix has everywhere else."""
+    each handover left, each takeover adopted and each prompt was served from holds,
+    block for block, the KV its token prefix has everywhere else."""
     kv_dir = str(tmp_path / "kv")
     with deployment(sync_every=1, env={**ENGINE_ENV, kv_digest.ENV: kv_dir}, extra_args=ARGS, fake_mps=True) as dep:
         st = dep.status()
@@ -111,6 +111,8 @@ def test_every_fault_is_followed_by_failback_and_streams_stay_exact(tmp_path):
     records, torn = kv_digests.load([kv_dir])
     rep = kv_digests.check(records, torn)
     assert rep.events.get("handover-out", 0) >= 2 * len(BODIES) and rep.events.get("adopt", 0) >= 4 * len(BODIES), rep.line()
+    # every request's prompt, once per engine that served it: the no-fault run's and two faults' streams
+    assert rep.events.get("prompt", 0) >= 3 * len(BODIES), rep.line()
     assert rep.compared > 0 and rep.ok, (rep.line(), rep.violations[:3])
 
 

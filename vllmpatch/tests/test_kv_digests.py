@@ -135,3 +135,56 @@ def test_a_failing_digest_costs_nothing_but_a_device_error_is_raised(tmp_path, c
 
     assert rec.write(Core(), "adopt", entries) == 1
     assert kv_digests.load([str(tmp_path)])[0][0]["n"] == 20
+
+
+class _View:  # TEST DOUBLE: engine_api.RequestView's fields
+    def __init__(self, key, tokens, num_prompt, num_computed, block_ids, finished=False):
+        self.key, self.token_ids, self.num_prompt, self.num_computed = key, tokens, num_prompt, num_computed
+        self.block_ids, self.finished, self.seed, self.aborted = block_ids, finished, 0, False
+
+
+class _PoolCore:  # TEST DOUBLE: a KV pool of per-slot digests, written by prefill, read by the digests
+    def __init__(self):
+        self.pool: dict[tuple[int, int], int] = {}
+        self.views: list[_View] = []
+
+    def prefill(self, tokens, block_ids, start=0):
+        d = _digests(tokens)
+        for i in range(start, len(tokens)):
+            self.pool[(block_ids[i // BS], i % BS)] = d[i]
+
+    def kv_token_digests(self, block_ids, n):
+        return [self.pool[(block_ids[i // BS], i % BS)] for i in range(n)]
+
+    def request_views(self):
+        return list(self.views)
+
+
+def test_prompt_records_find_a_stale_prefix_cache_block_where_it_is_read(tmp_path):
+    """The ``prompt`` event: each request once, after the step that commits its prompt.
+    Two requests of one 40-token prompt, the second reading the first's two full blocks
+    from the prefix cache: the same KV, nothing found. The negative control: the second
+    block overwritten (with another prefix's KV) before a third request reads it from the
+    cache: found at that request's ``prompt`` line, block 1."""
+    core, rec = _PoolCore(), kv_digest.from_env(BS, {kv_digest.ENV: str(tmp_path)})
+    hook = rec.prompts(core)
+    core.prefill(TOKENS[:40], [5, 6, 7])
+    core.views = [_View(1, TOKENS[:40], 40, 20, [5, 6, 7])]  # mid-prefill: not yet
+    hook()
+    core.views = [_View(1, TOKENS[:40], 40, 40, [5, 6, 7])]
+    hook()
+    hook()  # once per request
+    core.prefill(TOKENS[:40], [5, 6, 8], start=32)  # blocks 5, 6 from the cache
+    core.views = [_View(1, TOKENS[:41], 40, 41, [5, 6, 7]), _View(2, TOKENS[:40], 40, 40, [5, 6, 8])]
+    hook()
+    rep = kv_digests.check(kv_digests.load([str(tmp_path)])[0])
+    assert rep.ok and rep.events == {"prompt": 2} and rep.compared >= 2, rep.line()
+
+    core.prefill([9] * 32, [4, 6])  # block 6 reused for another prefix, its hash left behind
+    core.prefill(TOKENS[:40], [5, 6, 9], start=32)
+    core.views = [_View(3, TOKENS[:40], 40, 40, [5, 6, 9])]
+    hook()
+    rep = kv_digests.check(kv_digests.load([str(tmp_path)])[0])
+    assert not rep.ok, rep.line()
+    assert {(d["event"], d["key"], d["block"], d["block_id"]) for v in rep.violations for d in v["differing"]} == {
+        ("prompt", 3, 1, 6)}

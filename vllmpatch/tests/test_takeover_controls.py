@@ -169,11 +169,11 @@ def _kv_records(case_runs, kv_dir, keep: str | None) -> tuple[list[dict], tuple[
 
 def test_kv_digests_agree_at_every_takeover_without_a_kv_control(case_runs, kv_dir):
     """FRMPS_DEBUG_KV_DIGESTS: every takeover's adopted blocks hold, token for token, the KV
-    that the same prefix has at the other takeovers (the exact engine computes a token's KV
-    from the tokens up to it alone)."""
+    that the same prefix has at the other takeovers and in every prompt served (the exact
+    engine computes a token's KV from the tokens up to it alone)."""
     recs, _ = _kv_records(case_runs, kv_dir, None)
     rep = kv_digests.check(recs)
-    assert {r["event"] for r in recs} == {"adopt"}
+    assert {r["event"] for r in recs} == {"adopt", "prompt"}
     assert rep.compared >= 3 * 4, rep.line()  # each body's prompt blocks, at every takeover
     assert rep.ok, (rep.line(), rep.violations[:3])
 

@@ -10,7 +10,12 @@ table): every engine appends one JSON line to ``<dir>/kv-<pid>.jsonl``
   right after its last publish (the KV the next engine will adopt, as it left it);
 - ``adopt``: a takeover's engine (after a fault or a handover), for each request
   it adopted with KV, once the KV flip is done and the negative controls (if any)
-  have been applied, before its first step touches the KV cache.
+  have been applied, before its first step touches the KV cache;
+- ``prompt``: any engine, for each request it serves, after the step that
+  completes (commits) the request's prompt KV, whether computed there or read from
+  the prefix cache: the engine that computed a prefix and every engine that reads
+  it again each leave a line, so a prefix-cache block that holds another KV than
+  its tokens give is found where it is read.
 
 A line holds the request's key, the number of tokens whose KV it covers, and per
 block of ``block_size`` tokens a chained hash of the block's tokens (the prefix up
@@ -38,7 +43,7 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +153,27 @@ class Recorder:
             log.warning("%s: the %s KV digests failed: %s", ENV, event, e)
             return 0
         return len(lines)
+
+
+    def prompts(self, core: Any) -> Callable[[], None]:
+        """The ``prompt`` event (module docstring), as a hook for after each step on the
+        loop's thread: each request once, when its committed tokens first cover its
+        prompt. Remembers only the keys still in the core's views."""
+        done: set[int] = set()
+
+        def after_step() -> None:
+            entries, live = [], set()
+            for v in core.request_views():
+                live.add(v.key)
+                if v.key in done or v.finished or v.num_computed < v.num_prompt:
+                    continue
+                done.add(v.key)
+                entries.append((v.key, v.token_ids, v.num_prompt, v.block_ids))
+            done.intersection_update(live)
+            if entries:
+                self.write(core, "prompt", entries)
+
+        return after_step
 
 
 def from_env(block_size: int, env: dict | None = None) -> Recorder | None:

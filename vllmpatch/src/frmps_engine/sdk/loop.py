@@ -185,6 +185,8 @@ class EngineLoop:
         # FRMPS_DEBUG_KV_DIGESTS (sdk/kv_digest.py): called with a planned handover's last
         # views, after their publish and before the core's reset.
         self.on_handover_views: Callable[[list], None] | None = None
+        # FRMPS_DEBUG_KV_DIGESTS: called after every step (the prompts' KV digests).
+        self.after_step: Callable[[], None] | None = None
         self.started_ns = 0
 
     # -- threading ------------------------------------------------------------
@@ -436,6 +438,8 @@ class EngineLoop:
             if self._sync_pending:  # nothing was launched: publish now
                 self._publish()
         self.timer.end(self.scheduled_tokens())
+        if self.after_step is not None:
+            self.after_step()
         return outs
 
     def _count_load(self) -> None:

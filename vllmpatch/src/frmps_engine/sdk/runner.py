@@ -364,11 +364,13 @@ class Runner(Takeovers):
 
     def _watch_handover(self, loop: EngineLoop) -> EngineLoop:
         """FRMPS_DEBUG_KV_DIGESTS: a planned handover's last views get their KV digests
-        (sdk/kv_digest.py), after the publish and before the core's reset."""
+        (sdk/kv_digest.py), after the publish and before the core's reset; so does
+        every request's prompt, after the step that commits it."""
         rec, core = self._kv_digests, self.core
         if rec is not None:
             loop.on_handover_views = lambda views: rec.write(
                 core, "handover-out", [(v.key, v.token_ids, v.num_computed, v.block_ids) for v in views if not v.finished])
+            loop.after_step = rec.prompts(core)
         return loop
 
     def _serving_on(self) -> str:
