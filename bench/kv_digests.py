@@ -124,6 +124,21 @@ def check(records: list[dict], torn: int = 0, most: int = 20) -> Report:
     return rep
 
 
+def differing_lines(rep: Report, most: int = 12) -> list[str]:
+    """The first ``most`` differing blocks, each once (a block's whole-block key and its
+    token-by-token keys name the same block), earliest first."""
+    out, seen = [], set()
+    for v in rep.violations:
+        for d in v["differing"]:
+            at = (d["event"], d["pid"], d["key"], d["block"])
+            if at in seen:
+                continue
+            seen.add(at)
+            out.append(f"  differs: {d['event']} pid {d['pid']} request {d['key']} block {d['block']} (id {d['block_id']}) "
+                       f"at {d['t']:.3f}; {len(v['digests'])} digests for this prefix, first seen {v['first_seen']}")
+    return sorted(out, key=lambda ln: float(ln.split(" at ")[1].split(";")[0]))[:most]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", help="folders, .tar.gz packs or files of kv-*.jsonl")
@@ -131,14 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     records, torn = load(args.paths)
     rep = check(records, torn)
-    print(rep.line())
-    for v in rep.violations[:10]:
-        for d in v["differing"][:3]:
-            print(f"  differs: {d['event']} pid {d['pid']} request {d['key']} block {d['block']} (id {d['block_id']}) "
-                  f"at {d['t']:.3f}; {len(v['digests'])} digests for this prefix, first seen {v['first_seen']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rep.as_dict(), f, indent=1)
+    print(rep.line())
+    for line in differing_lines(rep):
+        print(line)
     if not rep.compared:
         return 2
     return 0 if rep.ok else 1

@@ -188,3 +188,13 @@ def test_prompt_records_find_a_stale_prefix_cache_block_where_it_is_read(tmp_pat
     assert not rep.ok, rep.line()
     assert {(d["event"], d["key"], d["block"], d["block_id"]) for v in rep.violations for d in v["differing"]} == {
         ("prompt", 3, 1, 6)}
+
+
+def test_a_differing_block_is_printed_once():
+    """A changed token in a last block differs under the block's key and under each of its
+    token-by-token keys: main prints the block once."""
+    recs = [_rec(1, TOKENS, 40, pid=1, t=1.0), _rec(2, TOKENS, 40, pid=2, t=2.0, change_at=33)]
+    rep = kv_digests.check(recs)
+    assert len(rep.violations) > 1, rep.line()
+    lines = kv_digests.differing_lines(rep)
+    assert len(lines) == 1 and "pid 2 request 2 block 2" in lines[0], lines
