@@ -291,37 +291,36 @@ class VllmCore:
             if missing:
                 raise ValueError(f"sampler-offset: this vLLM's V2 sampler.sample takes no {', '.join(sorted(missing))}")
 
-    def _kv_caches(self, who: str) -> tuple[list, int, int]:
-        """The model runner's KV tensors (this process's), the blocks' count and size."""
+    def _kv_dims(self, who: str) -> tuple[list[tuple[Any, int, int]], int]:
+        """The model runner's KV tensors (this process's, one per layer, whatever the
+        attention backend's layout), each with its block dimension (the first of
+        ``num_gpu_blocks`` entries) and its slot dimension (the first after it of
+        ``block_size``); and the block size."""
         caches = list(getattr(_runner_of(self.core), "kv_caches", None) or [])
         if not caches:
             raise RuntimeError(f"{who}: vLLM's model runner holds no KV caches")
-        return caches, int(self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks), int(self.scheduler.block_size)
+        nb, bs = int(self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks), int(self.scheduler.block_size)
+        dims = []
+        for t in caches:
+            b = next((d for d in range(t.dim()) if t.shape[d] == nb), None)
+            s = next((d for d in range(b + 1, t.dim()) if t.shape[d] == bs), None) if b is not None else None
+            if b is None or s is None:
+                raise RuntimeError(f"{who}: a KV cache of shape {tuple(t.shape)} has no dimension of {nb} blocks "
+                                   f"followed by one of {bs} slots")
+            dims.append((t, b, s))
+        return dims, bs
 
     def fault_kv(self, op: str, block: int, other: int, slot: int) -> None:
         """Zero a block (or one slot of it) or swap two blocks in every layer's KV
-        cache. Each of the runner's KV tensors has one dimension of
-        ``num_gpu_blocks`` entries (K and V in one tensor, or per layer, whatever
-        the attention backend's layout): the first such dimension is the block's."""
+        cache (_kv_dims: where each tensor keeps its blocks and slots)."""
         import torch
 
-        caches, nb, bs = self._kv_caches("fault_kv")
+        dims, _ = self._kv_dims("fault_kv")
         with torch.no_grad():
-            for t in caches:
-                dims = [d for d in range(t.dim()) if t.shape[d] == nb]
-                if not dims:
-                    raise RuntimeError(f"fault_kv: a KV cache of shape {tuple(t.shape)} has no dimension of "
-                                       f"{nb} blocks")
-                d = dims[0]
+            for t, d, sd in dims:
                 a = t.select(d, block)
                 if op == "zero":
-                    if slot >= 0:
-                        sd = [i for i in range(a.dim()) if a.shape[i] == bs]
-                        if not sd:
-                            raise RuntimeError(f"fault_kv: a KV block of shape {tuple(a.shape)} has no dimension "
-                                               f"of {bs} slots")
-                        a = a.select(sd[0], slot)
-                    a.zero_()
+                    (a.select(sd - 1, slot) if slot >= 0 else a).zero_()
                 elif op == "swap":
                     b = t.select(d, other)
                     tmp = a.clone()
@@ -331,20 +330,10 @@ class VllmCore:
                     raise ValueError(f"fault_kv: unknown op {op!r}")
 
     def kv_token_digests(self, block_ids: Sequence[int], n: int) -> list[int]:
-        """sdk/kv_digest.KvDigests over the model runner's KV caches (one per layer):
-        in each, the first dimension of ``num_gpu_blocks`` entries is the block's
-        (as fault_kv finds it) and the first after it of ``block_size`` the slot's."""
+        """sdk/kv_digest.KvDigests over the model runner's KV caches (_kv_dims)."""
         from ..sdk.kv_digest import torch_token_digests
 
-        caches, nb, bs = self._kv_caches("kv_token_digests")
-        dims = []
-        for t in caches:
-            b = next((d for d in range(t.dim()) if t.shape[d] == nb), None)
-            s = next((d for d in range(b + 1, t.dim()) if t.shape[d] == bs), None) if b is not None else None
-            if b is None or s is None:
-                raise RuntimeError(f"kv_token_digests: a KV cache of shape {tuple(t.shape)} has no dimension of {nb} "
-                                   f"blocks followed by one of {bs} slots")
-            dims.append((t, b, s))
+        dims, bs = self._kv_dims("kv_token_digests")
         return torch_token_digests(dims, block_ids, n, bs)
 
     def shift_sampler(self, key: int, n: int) -> None:
