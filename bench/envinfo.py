@@ -136,6 +136,30 @@ print(json.dumps(out))
 """
 
 
+# Without a GPU to describe, the versions alone: read from torch's version module and the
+# packages' metadata, so that a CPU run's record costs no import of torch (2 CPU-s).
+_VERSIONS_PROBE = r"""
+import importlib.metadata, importlib.util, json, os, sys
+out = {"python": sys.version.split()[0]}
+try:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        raise ImportError("No module named 'torch'")
+    ns = {}
+    with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+        exec(f.read(), ns)
+    out["torch"] = ns["__version__"]
+    out["torch_cuda"] = ns.get("cuda")
+    try:
+        out["triton"] = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+except Exception as e:
+    out["torch_error"] = str(e)
+print(json.dumps(out))
+"""
+
+
 def capture_env(python: str, frmps: str | None, device: str) -> dict:
     """Where and with what a run measured: date, GPU, driver, CUDA, torch, commit."""
     env: dict[str, Any] = {
@@ -155,7 +179,8 @@ def capture_env(python: str, frmps: str | None, device: str) -> dict:
     except OSError:
         pass
     try:
-        r = subprocess.run([python, "-c", _TORCH_PROBE], capture_output=True, text=True, timeout=120)
+        probe = _VERSIONS_PROBE if device == "cpu" else _TORCH_PROBE
+        r = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
         env["engine"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-500:]}
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
         env["engine"] = {"error": str(e)}

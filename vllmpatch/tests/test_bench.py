@@ -806,3 +806,21 @@ def test_outage_leaves_vllm_batch_size_to_vllm():
     exp = EXPERIMENTS["outage"]
     assert exp.default_max_num_seqs(argparse.Namespace(engine="vllm", concurrency=32)) == 0
     assert exp.default_max_num_seqs(argparse.Namespace(engine="ref", concurrency=32)) == 32
+
+
+@pytest.mark.torch
+def test_the_cpu_runs_version_probe_reports_what_importing_torch_does():
+    """A CPU run records torch's and Triton's versions without importing torch: the same
+    record as the probe that imports it (which a GPU run needs for the GPU's fields)."""
+    require("torch")
+    from bench import envinfo
+
+    def probe(src):
+        p = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    full = probe(envinfo._TORCH_PROBE)
+    assert "gpu" not in full  # no GPU here: the records have the same fields
+    assert probe(envinfo._VERSIONS_PROBE) == full and full["torch"] and "torch_error" not in full
+    assert envinfo.capture_env(sys.executable, None, "cpu")["engine"] == full

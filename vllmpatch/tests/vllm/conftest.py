@@ -9,6 +9,7 @@ or different vLLM fails the run instead of skipping it (CI sets it).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -55,6 +56,25 @@ SKIP_REASON = _skip_reason()
 INSTALLED_VLLM = _installed_vllm().split("+", 1)[0]
 if SKIP_REASON and EXPECTED:
     raise pytest.UsageError(f"FRMPS_EXPECT_VLLM={EXPECTED}: {SKIP_REASON}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_model_info_cached():
+    """vLLM inspects a model's class in a child process (it imports vLLM and the model:
+    ~10 CPU-s) unless VLLM_CACHE_ROOT/modelinfos holds the result for this vLLM's source
+    of the model. The engines and frontends these tests start would otherwise each do it,
+    several at once, whenever the cache holds another version's: it is done here once,
+    one worker at a time, so that they all find it."""
+    if SKIP_REASON:
+        return
+    from vllm import envs
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    root = Path(envs.VLLM_CACHE_ROOT)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "frmps-tests-modelinfo.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ModelRegistry.models["Qwen2ForCausalLM"].inspect_model_cls()
 
 
 def pytest_collection_modifyitems(config, items):
