@@ -109,8 +109,9 @@ proto-check: proto ## fail if the committed generated code is stale
 .PHONY: test
 test: ## every test (what CI runs)
 	$(MAKE) --no-print-directory test-setup
-	$(MAKE) --no-print-directory proto-check py-test-vllm026
-	$(MAKE) --no-print-directory -j2 --output-sync=target py-test-main go-test-py deploy-test
+	$(MAKE) --no-print-directory proto-check
+	$(MAKE) --no-print-directory test-vllm026-step
+	$(MAKE) --no-print-directory py-test-main
 
 # make test runs its stages in three steps, two at a time where neither waits on the
 # other and a core would otherwise idle (most of its time on a 2-core machine is the
@@ -120,12 +121,20 @@ test: ## every test (what CI runs)
 #    the interceptor's tests run, two at a time (the race-detector tests leave a core
 #    idle half their time, the fuzzing fills it: 93 s for the step against 108 s);
 # 2. proto-check (it rewrites generated code that the Go tests compile and the
-#    engines import), then the vLLM 0.26.0 suite alone: it keeps both cores busy (run
-#    beside the main suite it took 11 minutes instead of 2.5, and vLLM's API servers
-#    in its end-to-end tests did not start within their tests' bounds);
-# 3. the main Python suite, whose end-to-end tests leave a core idle part of the
-#    time (engines asleep in their step delays, waits on failovers), beside the Go
-#    tests that need the virtualenv's Python and the deployment tests.
+#    engines import), then the vLLM 0.26.0 suite (run beside the main suite it took
+#    11 minutes instead of 2.5, and vLLM's API servers in its end-to-end tests did not
+#    start within their tests' bounds) and, at a lower priority, the Go tests that need
+#    the virtualenv's Python and the deployment tests: the suite leaves the cores idle
+#    an eighth of its time, most of it in its last end-to-end tests' waits;
+# 3. the main Python suite alone: it keeps both cores busy.
+# (frmps and the interceptor's libraries built first, once: neither make may rewrite a
+# binary the other's tests run)
+.PHONY: test-vllm026-step
+test-vllm026-step: go-build py-test-libs
+	nice -n 10 $(MAKE) --no-print-directory -j2 --output-sync=target -o go-build go-test-py deploy-test & go=$$!; \
+	$(MAKE) --no-print-directory -o go-build -o py-test-libs py-test-vllm026; \
+	rc=$$?; wait $$go && exit $$rc
+
 .PHONY: test-setup
 test-setup:
 	$(MAKE) --no-print-directory $(UV)
