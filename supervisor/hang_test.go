@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 
+	"github.com/frmps/frmps/internal/testenv"
 	frmpsv1 "github.com/frmps/frmps/proto/frmps/v1"
 	"github.com/frmps/frmps/supervisor/failover"
 )
@@ -118,7 +119,7 @@ func TestCPUProbeWaitedSince(t *testing.T) {
 // that wait is what the supervisor reads.
 func TestRunWaitReadsSchedstat(t *testing.T) {
 	if _, err := os.Stat(fmt.Sprintf("/proc/self/task/%d/schedstat", os.Getpid())); err != nil {
-		t.Skip("this kernel keeps no schedstat")
+		testenv.Missing(t, "this kernel keeps no /proc/<pid>/task/<tid>/schedstat (CONFIG_SCHED_INFO): hang detection reads it")
 	}
 	if _, ok := runWait(1 << 30); ok {
 		t.Fatal("a process that does not exist read as ok")

@@ -14,6 +14,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/frmps/frmps/internal/testenv"
 	"github.com/frmps/frmps/supervisor/engine"
 	"github.com/frmps/frmps/supervisor/failover"
 )
@@ -340,7 +341,7 @@ func TestSeveralSparesTheReadyOneFirst(t *testing.T) {
 
 func TestResidentBytesOfLiveAndGoneProcesses(t *testing.T) {
 	if _, err := os.Stat("/proc/self/statm"); err != nil {
-		t.Skip("no /proc")
+		testenv.Missing(t, "no /proc/self/statm: this test reads a process's resident memory from /proc")
 	}
 	if got := residentBytes([]int{os.Getpid()}); got < 1<<20 {
 		t.Fatalf("this process's resident memory %d bytes", got)
