@@ -111,6 +111,11 @@
 #                                      seeded:<model> first): greedy and seeded outputs after a real MPS fault at
 #                                      token K equal the no-fault ones, K = 1..1024 (or <ks>, '+' between them), the
 #                                      negative controls first (env:CONTROLS); results into $RESULTS as bench:...
+#   serving:<model>:<pieces>[:<timeout>]  bench/serving/gpu_stage.sh (the serving comparison beside `vllm serve`)
+#                                      on <model> with the given pieces, '+' between them and '/' for their ':'
+#                                      (e.g. sweep/vllm-serve,vllm-serve-mps,frmps,frmps-vllm-frontend+faults/60+report);
+#                                      results in $OUT/serving-<model> (default timeout 1800 s; each piece is
+#                                      bounded by gpu_stage.sh's LIMIT_S too)
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
 # (put ahead of PYTHONPATH).
@@ -531,6 +536,17 @@ stage_k_sweep() {  # model [budget [ks]]: stage bench on the seeded checkpoint, 
     stage_bench vllm correctness "$m" "${2:-900}" "--exact${ks:++--ks+${ks//+/,}}"
 }
 
+stage_serving() {  # model pieces [timeout]: bench/serving/gpu_stage.sh's pieces, '+' between them, '/' for their ':'
+    local model=$1 pieces=${2//+/ } limit=${3:-1800} dir=$OUT/serving-$1
+    pieces=${pieces//\//:}
+    log "serving $model: gpu_stage.sh $pieces (results in $dir)"
+    # shellcheck disable=SC2086  # the pieces are separate words
+    MODEL=$model OUT=$dir WORK=$WORK VLSITE=${VLSITE:-} bounded "$limit" bash bench/serving/gpu_stage.sh $pieces \
+        > "$WORK/serving-$model.out" 2>&1
+    log "serving $model: rc=$?"
+    tail -n 15 "$WORK/serving-$model.out" >> "$S"
+}
+
 two_gpus() {  # what: fails (and logs why) on a machine with fewer than two GPUs
     local gpus
     gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
@@ -629,6 +645,7 @@ for st in "$@"; do
         engine-repeat) stage_engine_repeat "$a" "$b" "$c" "$d" ;;
         exact-proof) stage_exact_proof "$a" "$b" "$c" "$d" ;;
         k-sweep) stage_k_sweep "$a" "$b" "$c" ;;
+        serving) stage_serving "$a" "$b" "$c" ;;
         py)  # py:<script in bench/gpu>:<timeout>: a probe, its output into $OUT/<script>.out
             vllm_env; log "py $a"
             bounded "${b:-120}" python3 "bench/gpu/$a" > "$OUT/${a%.py}.out" 2>&1
