@@ -127,16 +127,13 @@ def check(records: list[dict], torn: int = 0, most: int = 20) -> Report:
 def differing_lines(rep: Report, most: int = 12) -> list[str]:
     """The first ``most`` differing blocks, each once (a block's whole-block key and its
     token-by-token keys name the same block), earliest first."""
-    out, seen = [], set()
+    first: dict[tuple, tuple[dict, dict]] = {}  # (event, pid, request, block) -> its first (difference, violation)
     for v in rep.violations:
         for d in v["differing"]:
-            at = (d["event"], d["pid"], d["key"], d["block"])
-            if at in seen:
-                continue
-            seen.add(at)
-            out.append(f"  differs: {d['event']} pid {d['pid']} request {d['key']} block {d['block']} (id {d['block_id']}) "
-                       f"at {d['t']:.3f}; {len(v['digests'])} digests for this prefix, first seen {v['first_seen']}")
-    return sorted(out, key=lambda ln: float(ln.split(" at ")[1].split(";")[0]))[:most]
+            first.setdefault((d["event"], d["pid"], d["key"], d["block"]), (d, v))
+    return [f"  differs: {d['event']} pid {d['pid']} request {d['key']} block {d['block']} (id {d['block_id']}) "
+            f"at {d['t']:.3f}; {len(v['digests'])} digests for this prefix, first seen {v['first_seen']}"
+            for d, v in sorted(first.values(), key=lambda dv: dv[0]["t"])[:most]]
 
 
 def main(argv: list[str] | None = None) -> int:

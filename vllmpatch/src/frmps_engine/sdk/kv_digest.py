@@ -154,7 +154,6 @@ class Recorder:
             return 0
         return len(lines)
 
-
     def prompts(self, core: Any) -> Callable[[], None]:
         """The ``prompt`` event (module docstring), as a hook for after each step on the
         loop's thread: each request once, when its committed tokens first cover its
