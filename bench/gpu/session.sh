@@ -114,8 +114,10 @@
 #   serving:<model>:<pieces>[:<timeout>]  bench/serving/gpu_stage.sh (the serving comparison beside `vllm serve`)
 #                                      on <model> with the given pieces, '+' between them and '/' for their ':'
 #                                      (e.g. sweep/vllm-serve,vllm-serve-mps,frmps,frmps-vllm-frontend+faults/60+report);
-#                                      results in $OUT/serving-<model> (default timeout 1800 s; each piece is
-#                                      bounded by gpu_stage.sh's LIMIT_S too)
+#                                      results in $OUT/serving-<model>, or $OUT/serving-<model>-<tag> after
+#                                      env:SERVING_TAG=<tag> (a second run of a system beside the first: e.g. with
+#                                      vLLM's compile cache filled by the first); default timeout 1800 s, each
+#                                      piece bounded by gpu_stage.sh's LIMIT_S too
 #   pack                               every log of this session into $OUT/logs.tar.gz
 # vLLM stages need vLLM 0.26.0: importable by python3, or installed into the directory VLSITE names
 # (put ahead of PYTHONPATH).
@@ -537,14 +539,14 @@ stage_k_sweep() {  # model [budget [ks]]: stage bench on the seeded checkpoint, 
 }
 
 stage_serving() {  # model pieces [timeout]: bench/serving/gpu_stage.sh's pieces, '+' between them, '/' for their ':'
-    local model=$1 pieces=${2//+/ } limit=${3:-1800} dir=$OUT/serving-$1
+    local model=$1 pieces=${2//+/ } limit=${3:-1800} dir=$OUT/serving-$1${SERVING_TAG:+-$SERVING_TAG}
     pieces=${pieces//\//:}
     log "serving $model: gpu_stage.sh $pieces (results in $dir)"
     # shellcheck disable=SC2086  # the pieces are separate words
     MODEL=$model OUT=$dir WORK=$WORK VLSITE=${VLSITE:-} bounded "$limit" bash bench/serving/gpu_stage.sh $pieces \
-        > "$WORK/serving-$model.out" 2>&1
+        > "$WORK/${dir##*/}.out" 2>&1
     log "serving $model: rc=$?"
-    tail -n 15 "$WORK/serving-$model.out" >> "$S"
+    tail -n 15 "$WORK/${dir##*/}.out" >> "$S"
 }
 
 two_gpus() {  # what: fails (and logs why) on a machine with fewer than two GPUs
