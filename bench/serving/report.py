@@ -341,8 +341,10 @@ def plot_timeline(plt, out_dir: str, fr: dict, note: str) -> str:
         ax.scatter(fails, [0] * len(fails), marker="x", color="#d6604d", label="failed request (start)", zorder=3)
     for i, f in enumerate(fr.get("faults") or []):
         ax.axvline(f["t_rel"], color="#b2182b", ls="--", lw=1, label="fault" if i == 0 else None)
+    end = tl["t"][-1] if tl.get("t") else 0.0
     for i, e in enumerate(tl.get("down") or []):
-        ax.axvspan(e[0], e[1], color="#fddbc7", alpha=0.6, label="server restarting" if i == 0 else None)
+        # A span still open when the run ended (the server not back yet) runs to the plot's end.
+        ax.axvspan(e[0], e[1] if e[1] is not None else max(end, e[0]), color="#fddbc7", alpha=0.6, label="server restarting" if i == 0 else None)
     ax.set_xlabel("time since the client's main run started (s)")
     ax.set_ylabel("output tokens/s (1 s bins)")
     ax.set_title(f"{P.SYSTEM_LABELS.get(fr['system'], fr['system'])}: {fr.get('rate')} req/s, a fault every "

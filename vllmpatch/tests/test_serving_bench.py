@@ -394,7 +394,9 @@ def test_fault_report_table_and_timeline(tmp_path):
           "faults": [{"t_rel": 30.0, "kind": "misaligned:load"}],
           "summary": {"sent": 240, "failed": 12, "truncated": 3, "goodput_rps": 3.1, "slo_attainment": 0.8,
                       "p99_ttft_ms": 900.0, "p99_tpot_ms": 40.0, "longest_gap_ms": 1500.0, "restarts": 1},
-          "timeline": {"t": [0, 1, 2], "tokens_per_s": [10, 0, 10], "failed_starts": [1.5], "down": [[30.0, 40.0]]},
+          "timeline": {"t": [0, 1, 2], "tokens_per_s": [10, 0, 10], "failed_starts": [1.5],
+                       # the second restart not back when the run ended (the GPU run's case)
+                       "down": [[30.0, 40.0], [50.0, None]]},
           "command": ["vllm", "serve"]}
     err = {"system": P.FRMPS, "spacing_s": 30.0, "error": "frmps exited\nlog", "command": ["frmps"]}
     write_run(d, [], [], faultruns=[fr, err])
