@@ -449,3 +449,68 @@ def test_readiness_follows_the_engine_and_a_failover_window():
     assert server.readiness(svc, now=400.0)[0] and svc._down_seen == 400.0
     assert server.readiness(svc, now=400.0 + server.READY_GRACE_S - 1)[0]
     assert not server.readiness(svc, now=400.0 + server.READY_GRACE_S + 1)[0]
+
+
+def test_probes_middleware_passes_every_other_request_through_unwrapped():
+    """The probes middleware answers /livez and /readyz itself and hands every
+    other request (a streamed completion included) to vLLM's app with the very
+    ``receive`` and ``send`` it got: nothing sits between the app and each chunk.
+    Negative control: the same probes as a function middleware (what vLLM makes
+    of one, Starlette's BaseHTTPMiddleware) hands the app a send of its own."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    from frmps_engine.vllm.frontend import server
+
+    seen: list = []
+
+    async def app(scope, receive, send):
+        seen.append((scope["path"], receive, send))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i in range(3):
+            await send({"type": "http.response.body", "body": b"data: %d\n\n" % i, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def scope(path, method="POST"):
+        return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+                "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": [],
+                "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 1)}
+
+    async def call(mw, path, method="POST"):
+        msgs: list = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(m):
+            msgs.append(m)
+
+        await mw(scope(path, method), receive, send)
+        return receive, send, msgs
+
+    async def main():
+        mw = server.Probes(app)
+        receive, send, msgs = await call(mw, "/v1/completions")
+        assert seen[-1] == ("/v1/completions", receive, send)  # the same callables: unwrapped
+        assert [m.get("body") for m in msgs[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+        n = len(seen)
+        _, _, msgs = await call(mw, "/livez", "GET")
+        assert len(seen) == n and msgs[0]["status"] == 200 and b'"alive"' in msgs[1]["body"]
+        server._probe_service = None
+        _, _, msgs = await call(mw, "/readyz", "GET")
+        assert len(seen) == n and msgs[0]["status"] == 503 and (b"retry-after", b"5") in msgs[0]["headers"]
+        _, _, msgs = await call(mw, "/livez", "POST")  # only GET and HEAD are probes
+        assert len(seen) == n + 1
+
+        async def as_function(request, call_next):  # the negative control
+            return await call_next(request)
+
+        wrapped = Starlette(middleware=[Middleware(BaseHTTPMiddleware, dispatch=as_function)])
+        wrapped.router.mount("/", app)
+        n = len(seen)
+        receive, send, msgs = await call(wrapped, "/v1/completions")
+        assert len(seen) == n + 1 and seen[-1][0].endswith("/v1/completions") and msgs[-1].get("more_body") is False
+        assert seen[-1][2] is not send  # the app streams into the middleware's own send
+
+    asyncio.run(main())

@@ -35,7 +35,8 @@ ipc://… --control-socket PATH [vllm serve arguments: MODEL --host --port
 - This process initialises no CUDA context (vLLM's API server does not; the
   engines do, in their own processes).
 - frmps's probes, ``GET /livez`` and ``GET /readyz`` (deploy/README.md), are
-  added through vLLM's own ``--middleware`` option (``probes`` below), beside
+  added through vLLM's own ``--middleware`` option (``Probes`` below, a plain
+  ASGI middleware), beside
   vLLM's ``/health``.
 """
 
@@ -294,22 +295,38 @@ def readiness(service: FrontendService | None, now: float | None = None) -> tupl
     return False, f"no engine connected for {since:.0f} s"
 
 
-async def probes(request: Any, call_next: Any) -> Any:
+class Probes:
     """vLLM ``--middleware``: answers GET/HEAD ``/livez`` (200 while this
     process's event loop answers) and ``/readyz`` (200 or 503 with Retry-After,
     ``readiness``) before vLLM's own middleware (API key included: probes carry
-    none); everything else goes to vLLM's app."""
-    path = request.url.path
-    if path not in ("/livez", "/readyz") or request.method not in ("GET", "HEAD"):
-        return await call_next(request)
-    from fastapi.responses import JSONResponse
+    none); everything else goes to vLLM's app untouched.
 
-    if path == "/livez":
-        return JSONResponse({"status": "alive"})
-    ok, why = readiness(_probe_service)
-    if ok:
-        return JSONResponse({"status": "ready", "detail": why})
-    return JSONResponse({"status": "not ready", "detail": why}, status_code=503, headers={"Retry-After": "5"})
+    A plain ASGI middleware (a class: vLLM adds it with ``app.add_middleware``),
+    not a function: vLLM wraps a function in Starlette's ``BaseHTTPMiddleware``,
+    which copies every chunk of every streamed response through a memory stream
+    and a task of its own. With one SSE chunk per token that was paid on every
+    token of every request (``bench/serving``: ``--frontend vllm`` behind
+    ``vllm serve`` at saturation; ``test_frontend_server.py`` measures the two)."""
+
+    PATHS = ("/livez", "/readyz")
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if (scope.get("type") != "http" or scope.get("path") not in self.PATHS
+                or scope.get("method") not in ("GET", "HEAD")):
+            await self.app(scope, receive, send)
+            return
+        from starlette.responses import JSONResponse
+
+        if scope["path"] == "/livez":
+            resp = JSONResponse({"status": "alive"})
+        else:
+            ok, why = readiness(_probe_service)
+            resp = (JSONResponse({"status": "ready", "detail": why}) if ok else
+                    JSONResponse({"status": "not ready", "detail": why}, status_code=503, headers={"Retry-After": "5"}))
+        await resp(scope, receive, send)
 
 
 # ---------------------------------------------------------------- vLLM's API server
@@ -364,7 +381,7 @@ async def serve(args: argparse.Namespace, opts: argparse.Namespace, api: Any) ->
     global _probe_service
     service = FrontendService()
     _probe_service = service
-    args.middleware = [*(getattr(args, "middleware", None) or []), f"{__name__}.probes"]
+    args.middleware = [*(getattr(args, "middleware", None) or []), f"{__name__}.Probes"]
     control = start_control_server(opts.control_socket, service)
     try:
         install_client_hook(service)
