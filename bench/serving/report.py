@@ -73,6 +73,7 @@ def build(out_dir: str) -> dict:
     systems = {t["system"] for t in trials}
     doc = {"plans": plans, "servers": servers, "trials": trials, "aggregate": agg,
            "claims": {b: R.claims(agg, b) for b in (P.VLLM, P.VLLM_MPS) if b in systems},
+           "paired": {b: R.paired(trials, b) for b in (P.VLLM_MPS, P.VLLM) if b in systems},
            "fault_runs": faultruns, "cpu_check": all(p.get("device") == "cpu" for p in plans)}
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -170,6 +171,30 @@ def cpu_table(trials: list[dict], servers: list[dict]) -> str:
     return "\n".join(out)
 
 
+def paired_table(rows: list[dict]) -> str:
+    """The per-trial relative differences against one baseline: median (min–max)
+    in %, in bold where every pair differs the same way."""
+    names = {"output_throughput": "output tok/s", "p50_tpot_ms": "TPOT p50", "p99_ttft_ms": "TTFT p99",
+             "p50_itl_ms": "ITL p50"}
+    ms = R.PAIRED_METRICS
+    lines = ["| kv mode | rate (req/s) | system | pairs | " + " | ".join(names.get(m, m) for m in ms) + " |",
+             "|---|---|---|---|" + "---|" * len(ms)]
+
+    def pct(c: dict) -> str:
+        if not c.get("n"):
+            return "–"
+        m, lo, hi = (100.0 * c[k] for k in ("median", "min", "max"))
+        txt = f"{m:+.1f} %" if c["n"] == 1 or lo == hi else f"{m:+.1f} % ({lo:+.1f} … {hi:+.1f})"
+        return f"**{txt}**" if c.get("sign") else txt
+
+    order = {s: i for i, s in enumerate(P.SYSTEMS)}
+    for r in sorted(rows, key=lambda r: (r["kv_mode"], rate_key(r["rate"]), order.get(r["system"], 99), r["system"])):
+        n = max(c.get("n") or 0 for c in r["metrics"].values())
+        lines.append(f"| {r['kv_mode']} | {r['rate']} | {P.SYSTEM_LABELS.get(r['system'], r['system'])} | {n} | "
+                     + " | ".join(pct(r["metrics"][m]) for m in ms) + " |")
+    return "\n".join(lines)
+
+
 def claims_md(claims: dict) -> str:
     out = []
     for base, cs in claims.items():
@@ -253,6 +278,15 @@ def markdown(doc: dict) -> str:
                 "cores: CPU seconds over the trial's wall time.", "", cpu, ""]
     if doc["aggregate"]:
         out += ["## Differences beyond the spread", "", claims_md(doc["claims"]) or "- (no baseline in this run)", ""]
+    for base, rows in (doc.get("paired") or {}).items():
+        if rows:
+            out += [f"## Paired against {P.SYSTEM_LABELS[base]}, trial by trial", "",
+                    f"Trial *i* of every system sends the same requests (seed {st['seed']} + *i*): each cell is the "
+                    f"median (min–max) over the trials of (system / {P.SYSTEM_LABELS[base]} − 1) for the same trial, "
+                    "which leaves out how the trials' request sets differ from each other (the spread of the table "
+                    "above includes it). **Bold**: every pair (at least "
+                    f"{R.MIN_TRIALS_FOR_CLAIM}) differs the same way. Throughput: + is more; the latencies: + is "
+                    "slower.", "", paired_table(rows), ""]
     errs = [t for t in doc["trials"] if t.get("error")]
     if errs:
         out += ["## Trials that failed", ""]

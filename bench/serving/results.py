@@ -180,6 +180,49 @@ def aggregate(trials: list[dict]) -> dict:
     return out
 
 
+# The metrics of the paired table (report.py): what the issue's targets name.
+PAIRED_METRICS = ["output_throughput", "p50_tpot_ms", "p99_ttft_ms", "p50_itl_ms"]
+
+
+def paired(trials: list[dict], baseline: str, metrics: list[str] = PAIRED_METRICS) -> list[dict]:
+    """Each system against the baseline trial by trial: trial *i* of every system
+    sends the same requests (the same seed), so the per-trial relative difference
+    (system / baseline − 1) leaves out what the trials' different request sets do
+    to both, which the min–max of each system's own trials includes. Per kv mode,
+    rate, system and metric: the differences' spread, and ``sign``: "+" or "−"
+    when every pair (at least MIN_TRIALS_FOR_CLAIM of them) differs the same way,
+    else "". Pairs whose seeds disagree are not formed, nor any with a record
+    that has no trial index."""
+    by: dict[tuple, dict] = {}
+    for t in trials:
+        if not t.get("error") and t.get("trial") is not None:  # a record without its trial index pairs with none
+            by[(t["kv_mode"], t["system"], t["rate"], t["trial"])] = t
+    out = []
+    keys = sorted({(kv, sy, r) for kv, sy, r, _ in by if sy != baseline})
+    for kv, system, rate in keys:
+        row: dict = {"kv_mode": kv, "system": system, "baseline": baseline, "rate": rate, "metrics": {}}
+        for m in metrics:
+            diffs = []
+            for (kv2, sy2, r2, i), t in by.items():
+                if (kv2, sy2, r2) != (kv, system, rate):
+                    continue
+                b = by.get((kv, baseline, rate, i))
+                if b is None or b.get("seed") != t.get("seed"):
+                    continue
+                x, y = t.get(m), b.get(m)
+                if x is None or not y:
+                    continue
+                diffs.append(float(x) / float(y) - 1.0)
+            sp = spread(diffs)
+            sign = ""
+            if sp.n >= MIN_TRIALS_FOR_CLAIM and (sp.lo > 0 or sp.hi < 0):
+                sign = "+" if sp.lo > 0 else "−"
+            row["metrics"][m] = {**sp.to_json(), "sign": sign}
+        if any(v["n"] for v in row["metrics"].values()):
+            out.append(row)
+    return out
+
+
 def as_spread(cell: dict) -> Spread:
     return Spread(cell["median"], cell["min"], cell["max"], cell["n"])
 

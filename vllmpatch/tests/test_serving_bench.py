@@ -335,6 +335,34 @@ def write_run(d, trials, servers, plan=None, faultruns=()):
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def test_paired_differences_trial_by_trial():
+    """Trial i of every system has the same requests: the per-trial ratio to the
+    baseline is judged, not the two systems' own spreads. The trials' request sets
+    move both systems alike here (throughput 100/200/300), so the plain rule sees
+    overlapping ranges while every pair is 2 % slower."""
+    ts = []
+    for i, base in enumerate((100.0, 200.0, 300.0)):
+        ts.append(trial(P.VLLM_MPS, "16", base, 5.0, trial=i, seed=i, p50_tpot_ms=base / 10))
+        ts.append(trial(P.FRMPS, "16", base * 0.98, 5.0, trial=i, seed=i, p50_tpot_ms=base / 10 * 1.02))
+        # the negative control: differences of both signs, no claim
+        ts.append(trial(P.FRMPS_VLLM_FE, "16", base * (1.01 if i else 0.99), 5.0, trial=i, seed=i, p50_tpot_ms=base / 10))
+    (fr, fe) = sorted(R.paired(ts, P.VLLM_MPS), key=lambda r: r["system"])
+    assert fr["system"] == P.FRMPS and fe["system"] == P.FRMPS_VLLM_FE
+    thr = fr["metrics"]["output_throughput"]
+    assert thr["n"] == 3 and thr["sign"] == "−" and abs(thr["median"] + 0.02) < 1e-9
+    assert fr["metrics"]["p50_tpot_ms"]["sign"] == "+"
+    assert fe["metrics"]["output_throughput"]["sign"] == "" and fe["metrics"]["p50_tpot_ms"]["sign"] == ""
+    agg = R.aggregate(ts)
+    assert R.compare(R.as_spread(agg["default-kv"][P.FRMPS]["16"]["output_throughput"]),
+                     R.as_spread(agg["default-kv"][P.VLLM_MPS]["16"]["output_throughput"]), True) == "within spread"
+    # Trials whose seeds differ are not paired; with fewer than 3 pairs nothing is claimed.
+    ts[3]["seed"] = 99
+    fr = [r for r in R.paired(ts, P.VLLM_MPS) if r["system"] == P.FRMPS][0]
+    assert fr["metrics"]["output_throughput"]["n"] == 2 and fr["metrics"]["output_throughput"]["sign"] == ""
+    md = RP.paired_table(R.paired(ts[:3], P.VLLM_MPS))
+    assert "| default-kv | 16 | frmps serve (Go front door) | 1 | -2.0 % |" in md
+
+
 def test_report_writes_table_json_and_plots(tmp_path):
     d = str(tmp_path / "res")
     ts = []
@@ -352,6 +380,7 @@ def test_report_writes_table_json_and_plots(tmp_path):
     assert "| inf | frmps serve (Go front door) | 3 | 51 (50–52) |" in md
     assert "| default-kv | vllm serve | 1,234 | /metrics | 50.0 |" in md and "frmps exited |" in md
     assert "**worse** than vllm serve on output_throughput" in md
+    assert "## Paired against vllm serve, trial by trial" not in md  # these trials carry no trial index
     assert os.path.getsize(os.path.join(d, "sweep-default-kv.png")) > 5000 and doc["plots"] == ["sweep-default-kv.png"]
     with open(os.path.join(d, "results.json")) as f:
         js = json.load(f)
