@@ -74,6 +74,25 @@ def summarize(raw: dict, slo_ttft_ms: float, slo_tpot_ms: float, min_output_len:
             "duration": dur}
 
 
+def slo_phases(rows: list[dict], t0: float, first_fault_rel: float, slo_ttft_ms: float,
+               slo_tpot_ms: float) -> dict:
+    """The same run's no-fault reference: the requests that ended before the first
+    fault (``before``) against every other one (``from_fault``: in flight at it or
+    sent after it; a failed request counts by its start, as in flight). Each: sent,
+    good (both SLOs met), failed and slo_attainment."""
+    cut = t0 + first_fault_rel
+    parts = {"before": [], "from_fault": []}
+    for r in rows:
+        end = r["start"] + r["ttft"] + sum(r["itls"])
+        parts["before" if r["success"] and end < cut else "from_fault"].append(r)
+    out = {}
+    for name, rs in parts.items():
+        n_good = sum(results.good(r, slo_ttft_ms, slo_tpot_ms) for r in rs)
+        out[name] = {"sent": len(rs), "good": n_good, "failed": sum(1 for r in rs if not r["success"]),
+                     "slo_attainment": n_good / len(rs) if rs else None}
+    return out
+
+
 def down_spans(events: list[dict], t0: float) -> list[list[float]]:
     """[exit, ready] spans of a restart loop's server, relative to t0."""
     spans, down = [], None
@@ -195,6 +214,9 @@ def run_fault_window(plan: P.Plan, client: Client, system: str, out_dir: str, ra
         t0 = inj.t0 if inj.t0 is not None else min((r["start"] for r in rows), default=0.0)
         rec["summary"] = summarize(raw, plan.slo_ttft_ms, plan.slo_tpot_ms, plan.stream.min_output_len())
         rec["timeline"] = timeline(rows, t0, max(window_s, rec["summary"]["duration"] or 0))
+        fired = [f["t_rel"] for f in inj.fired if "t_rel" in f and not f.get("error")]
+        if fired and inj.t0 is not None:
+            rec["summary"]["phases"] = slo_phases(rows, t0, min(fired), plan.slo_ttft_ms, plan.slo_tpot_ms)
         if isinstance(srv, VllmServer):
             rec["events"] = [{**e, "t_rel": round(e["t"] - t0, 3)} for e in srv.events()]
             rec["timeline"]["down"] = down_spans(srv.events(), t0)

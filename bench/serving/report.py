@@ -208,21 +208,35 @@ def claims_md(claims: dict) -> str:
     return "\n".join(out)
 
 
+def _phases_cell(ph: dict | None) -> str:
+    """'before (n) / rest (n)' SLO attainment in %, the run's own no-fault reference."""
+    if not ph:
+        return "–"
+
+    def one(p: dict) -> str:
+        a = p.get("slo_attainment")
+        return f"{fmt(None if a is None else 100 * a, 1)} ({p.get('sent', 0)})"
+
+    return f"{one(ph['before'])} / {one(ph['from_fault'])}"
+
+
 def fault_table(runs: list[dict]) -> str:
     lines = ["| spacing (s) | system | faults fired | requests | failed | truncated | goodput req/s | SLO met % | "
+             "SLO met %: ended before the first fault / the rest | "
              "TTFT p99 ms | TPOT p99 ms | longest gap ms | server restarts / failovers |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (-(r.get("spacing_s") or 0), r.get("system", ""))):
         s = r.get("summary") or {}
         if r.get("error") and not s:
             lines.append(f"| {fmt(r.get('spacing_s'), 0)} | {P.SYSTEM_LABELS.get(r['system'], r['system'])} | "
-                         f"ERROR: {r['error'].splitlines()[0][:150]} |" + " |" * 10)
+                         f"ERROR: {r['error'].splitlines()[0][:150]} |" + " |" * 11)
             continue
         recov = s.get("restarts") if r["system"] == P.VLLM_MPS_RESTART else s.get("failovers")
         lines.append(f"| {fmt(r.get('spacing_s'), 0)} | {P.SYSTEM_LABELS.get(r['system'], r['system'])} | "
                      f"{len(r.get('faults') or [])} | {fmt(s.get('sent'))} | {fmt(s.get('failed'))} | "
                      f"{fmt(s.get('truncated'))} | {fmt(s.get('goodput_rps'), 2)} | "
                      f"{fmt(None if s.get('slo_attainment') is None else 100 * s['slo_attainment'], 1)} | "
+                     f"{_phases_cell(s.get('phases'))} | "
                      f"{fmt(s.get('p99_ttft_ms'))} | {fmt(s.get('p99_tpot_ms'), 2)} | {fmt(s.get('longest_gap_ms'))} | "
                      f"{fmt(recov)} |")
     return "\n".join(lines)
@@ -307,7 +321,10 @@ def markdown(doc: dict) -> str:
                 "MPS daemon, whose client is the active engine. *failed*: requests vLLM's client counts as failed; "
                 "*truncated*: counted as completed but shorter than the shortest output the dataset asks for (a "
                 "stream ended by an error event); *longest gap*: the longest wait for a first token or between two "
-                "chunks that any completed request saw.", "", fault_table(doc["fault_runs"]), ""]
+                "chunks that any completed request saw; *ended before the first fault / the rest*: the SLO "
+                "attainment of the requests that completed before the first fault (the run's own no-fault "
+                "reference, same load) and of every other request (in flight at a fault or sent after one), with "
+                "their counts.", "", fault_table(doc["fault_runs"]), ""]
         for name in sorted(p for p in doc.get("plots") or [] if p.startswith("timeline-")):
             out += [f"![{name}]({name})", ""]
     out += ["## Commands", ""]

@@ -417,12 +417,31 @@ def test_down_spans_from_restart_events():
     assert F.down_spans(ev, t0=0.0) == [[70.0, 130.0], [200.0, None]]
 
 
+def test_slo_phases_split_at_the_first_fault():
+    """The requests that ended before the first fault are the run's no-fault
+    reference; one in flight at it, one sent after it and a failed one are not."""
+    def row(start, ttft, itls, ok=True):
+        return {"start": start, "ttft": ttft, "itls": itls, "output_len": len(itls) + 1, "input_len": 8,
+                "success": ok, "error": ""}
+
+    rows = [row(100.0, 0.05, [0.01] * 9),    # ends at 100.14: before a fault at +10 s
+            row(101.0, 2.0, [0.01] * 9),     # ends before it too, but misses the 1 s TTFT SLO
+            row(109.9, 0.05, [0.01] * 9),    # in flight at the fault (110.0)
+            row(111.0, 0.05, [0.2] * 9),     # after it, misses the 50 ms TPOT SLO
+            row(105.0, 0.0, [], ok=False)]   # failed: counted by its start, as in flight
+    ph = F.slo_phases(rows, t0=100.0, first_fault_rel=10.0, slo_ttft_ms=1000, slo_tpot_ms=50)
+    assert ph["before"] == {"sent": 2, "good": 1, "failed": 0, "slo_attainment": 0.5}
+    assert ph["from_fault"] == {"sent": 3, "good": 1, "failed": 1, "slo_attainment": 1 / 3}
+
+
 def test_fault_report_table_and_timeline(tmp_path):
     d = str(tmp_path / "f")
     fr = {"system": P.VLLM_MPS_RESTART, "rate": 4.0, "window_s": 60, "spacing_s": 30.0, "kinds": ["misaligned:load"],
           "faults": [{"t_rel": 30.0, "kind": "misaligned:load"}],
           "summary": {"sent": 240, "failed": 12, "truncated": 3, "goodput_rps": 3.1, "slo_attainment": 0.8,
-                      "p99_ttft_ms": 900.0, "p99_tpot_ms": 40.0, "longest_gap_ms": 1500.0, "restarts": 1},
+                      "p99_ttft_ms": 900.0, "p99_tpot_ms": 40.0, "longest_gap_ms": 1500.0, "restarts": 1,
+                      "phases": {"before": {"sent": 100, "good": 100, "failed": 0, "slo_attainment": 1.0},
+                                 "from_fault": {"sent": 140, "good": 92, "failed": 12, "slo_attainment": 92 / 140}}},
           "timeline": {"t": [0, 1, 2], "tokens_per_s": [10, 0, 10], "failed_starts": [1.5],
                        # the second restart not back when the run ended (the GPU run's case)
                        "down": [[30.0, 40.0], [50.0, None]]},
@@ -431,7 +450,8 @@ def test_fault_report_table_and_timeline(tmp_path):
     write_run(d, [], [], faultruns=[fr, err])
     doc = RP.build(d)
     md = open(os.path.join(d, "README.md")).read()
-    assert "| 30 | vllm serve in MPS + restart loop | 1 | 240 | 12 | 3 | 3.10 | 80.0 | 900.0 | 40.00 | 1,500 | 1 |" in md
+    assert ("| 30 | vllm serve in MPS + restart loop | 1 | 240 | 12 | 3 | 3.10 | 80.0 | 100.0 (100) / 65.7 (140) | "
+            "900.0 | 40.00 | 1,500 | 1 |") in md
     assert "ERROR: frmps exited" in md
     assert "timeline-vllm-serve-mps-restart-30s.png" in doc["plots"]
     assert os.path.getsize(os.path.join(d, "timeline-vllm-serve-mps-restart-30s.png")) > 5000

@@ -124,6 +124,10 @@ def test_sweep_and_fault_run_against_frmps_on_the_cpu(tiny_model, tmp_path):
     assert s["sent"] == 48 and s["failovers"] == 2, fr["faults"]
     assert s["failed"] == 0 and s["truncated"] == 0, "a stream was lost across a failover"
     assert s["longest_gap_ms"] > 0 and len(fr["timeline"]["t"]) >= 16
+    # The run's own no-fault reference: the requests that ended before the first fault, and the rest.
+    ph = s["phases"]
+    assert ph["before"]["sent"] > 0 and ph["before"]["sent"] + ph["from_fault"]["sent"] == 48, ph
+    assert ph["before"]["failed"] == 0 and ph["from_fault"]["failed"] == 0, ph
     assert os.path.getsize(os.path.join(out, "timeline-frmps-6s.png")) > 5000
     # The sweep's rows are still in the rebuilt report.
     assert len(doc["trials"]) == 8
