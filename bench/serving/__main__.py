@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(not counted) with the engine process's threads sampled (raw/profile-<system>.stacks)")
     sw.add_argument("--py-spy-views", default="idle",
                     help="with --py-spy: comma list of cpu (on the CPU only), gil (holding the GIL), idle (everything, "
-                    "waits included); one saturation run each")
+                    "waits included); one run each")
+    sw.add_argument("--py-spy-rate", default="inf", help="with --py-spy: the profile runs' request rate (inf: saturation)")
     sw.add_argument("--after-failover", action="store_true",
                     help="frmps systems: after their trials, a failover drill (admin API) and its failback, then the "
                     "trials again as <system>+failover (the engine serving then is one started after the first)")
@@ -133,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             if not views or [v for v in views if v not in VIEWS] or len(set(views)) != len(views):
                 raise ValueError(f"--py-spy-views {a.py_spy_views!r}: a comma list of {', '.join(VIEWS)}, each once")
             plan.py_spy_views = views
+            spy_rate = P.parse_rates(a.py_spy_rate.replace(",", " ")) if "," not in a.py_spy_rate else []
+            if len(spy_rate) != 1:
+                raise ValueError(f"--py-spy-rate {a.py_spy_rate!r}: one request rate (a number or inf)")
+            plan.py_spy_rate = spy_rate[0]
             kinds, spacings = [], []
         else:
             systems = P.parse_systems(a.systems, P.FAULT_SYSTEMS)

@@ -20,7 +20,7 @@
 # $WORK/models), RATES (4,16,inf), TRIALS (3), TRIAL_S (8), INPUT_LEN (512), OUTPUT_LEN (128),
 # RANGE_RATIO (0.5), PY_SPY (0; 1: after each system's trials one more saturation run, not counted, with
 # py-spy sampling its engine process: raw/profile-<system>-<view>.stacks; PY_SPY_VIEWS, default idle: cpu, gil,
-# idle, one run each), AFTER_FAILOVER (0; 1: each frmps system's
+# idle, one run each; PY_SPY_RATE, default inf: the profile runs' request rate), AFTER_FAILOVER (0; 1: each frmps system's
 # trials again after a failover drill and its failback, as <system>+failover), MAX_NUM_SEQS, MAX_BATCHED, MAX_MODEL_LEN (0: every system at vllm serve's defaults, what a
 # user of either gets without a flag), FAULT_RATE (4),
 # WINDOW_S (180), LIMIT_S (570: each piece is stopped past it; the harness then stops its servers
@@ -67,7 +67,7 @@ sweep() {  # name systems [more flags]
     log "$name: $systems, rates $RATES, $TRIALS trials of ${TRIAL_S}s $*"
     # shellcheck disable=SC2046
     local spy=()  # PY_SPY=1: one more saturation run per system with its engine process sampled
-    [ "${PY_SPY:-0}" = 1 ] && command -v py-spy > /dev/null && spy=(--py-spy "$(command -v py-spy)" --py-spy-views "${PY_SPY_VIEWS:-idle}")
+    [ "${PY_SPY:-0}" = 1 ] && command -v py-spy > /dev/null && spy=(--py-spy "$(command -v py-spy)" --py-spy-views "${PY_SPY_VIEWS:-idle}" --py-spy-rate "${PY_SPY_RATE:-inf}")
     [ "${AFTER_FAILOVER:-0}" = 1 ] && spy+=(--after-failover)  # frmps systems: the trials again after a failover drill
     bounded "$LIMIT_S" bin/frmps bench serving sweep $(common "$m") --systems "$systems" --rates "$RATES" \
         --trials "$TRIALS" --trial-s "$TRIAL_S" "${spy[@]}" "$@" >> "$OUT/serving-$name.out" 2>&1

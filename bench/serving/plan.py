@@ -203,8 +203,9 @@ class Plan:
     frmps_args: list[str] = field(default_factory=list)  # more `frmps serve` flags
     warmup_prompts: int = 0  # a short untimed run per system before its trials (0: max_num_seqs)
     ready_timeout_s: float = 900.0
-    py_spy: str = ""  # py-spy's path: one more saturation run per system and view with the engine process sampled
+    py_spy: str = ""  # py-spy's path: one more run per system and view with the engine process sampled
     py_spy_views: list[str] = field(default_factory=lambda: ["idle"])  # profile.VIEWS keys
+    py_spy_rate: float = INF  # the profile run's request rate (inf: saturation)
     after_failover: bool = False  # frmps systems: the trials again after a failover drill and its failback
 
     def check(self) -> None:
@@ -315,7 +316,8 @@ class Plan:
             if self.after_failover and system in FRMPS_SYSTEMS:
                 t += 60.0 + drain_s + client_s + trials  # the drill and its failback (a restore), a warm-up, the trials
             if self.py_spy:
-                t += (self.stream.trial_s + drain_s + client_s) * len(self.py_spy_views)
+                run_s = self.stream.trial_s if self.py_spy_rate == INF else self.num_prompts(self.py_spy_rate) / self.py_spy_rate
+                t += (run_s + drain_s + client_s) * len(self.py_spy_views)
             out[system] = round(t)
         return out
 

@@ -168,8 +168,8 @@ def print_plan(plan: P.Plan, out=None) -> None:
                                          trial_name(system, plan.alike.kv_mode, rate, trial))), file=out)
         if plan.py_spy:
             for view in plan.py_spy_views:
-                print(f"# one more 'inf' run, not counted, with {plan.py_spy} record --pid <engine pid> ({view} view)",
-                      file=out)
+                print(f"# one more run at rate {P.rate_label(plan.py_spy_rate)}, not counted, with {plan.py_spy} record "
+                      f"--pid <engine pid> ({view} view)", file=out)
         if plan.after_failover and system in P.FRMPS_SYSTEMS:
             print("# POST /v1/admin/failover on the admin address, the failback, a ready spare; then the warm-up and "
                   f"the trials again as {system}{P.AFTER_FAILOVER}", file=out)
@@ -182,8 +182,8 @@ def trial_name(system: str, kv_mode: str, rate: float, trial: int) -> str:
 
 
 def profile_run(plan: P.Plan, client: Client, srv, raw_dir: str, wlog: str, log=print) -> list[dict]:
-    """After a system's trials, one more saturation run per py-spy view
-    (plan.py_spy_views), not counted among the trials, while py-spy samples the
+    """After a system's trials, one more run per py-spy view (plan.py_spy_views)
+    at plan.py_spy_rate (default saturation), not counted among the trials, while py-spy samples the
     engine process's threads (bench/serving/profile.py). The stacks go to
     raw/profile-<system>[-<view>].stacks; returns each view's summary."""
     pid = srv.engine_pid()
@@ -192,10 +192,11 @@ def profile_run(plan: P.Plan, client: Client, srv, raw_dir: str, wlog: str, log=
     out = []
     for view in plan.py_spy_views:
         name = f"profile-{srv.system}" + ("" if view == "cpu" else f"-{view}")
-        cmd = plan.bench_cmd(srv.base, P.INF, 0, raw_dir, name + ".json", label=srv.system)
+        cmd = plan.bench_cmd(srv.base, plan.py_spy_rate, 0, raw_dir, name + ".json", label=srv.system)
         stacks = os.path.join(raw_dir, name + ".stacks")
-        timeout = client_timeout(plan, P.INF)
-        rec: dict = {"view": view, "pid": pid, "stacks": f"raw/{name}.stacks", "result": f"raw/{name}.json"}
+        timeout = client_timeout(plan, plan.py_spy_rate)
+        rec: dict = {"view": view, "pid": pid, "rate": P.rate_label(plan.py_spy_rate), "stacks": f"raw/{name}.stacks",
+                     "result": f"raw/{name}.json"}
         meter = profile.CpuMeter(srv.root_pid(), srv.roles())
 
         def run() -> None:  # called by py_spy within this iteration
@@ -205,7 +206,7 @@ def profile_run(plan: P.Plan, client: Client, srv, raw_dir: str, wlog: str, log=
         rec["threads"] = profile.py_spy(plan.py_spy, pid, timeout, stacks, run, view)
         rec["cpu"] = meter.stop()
         busiest = next(iter(rec["threads"].items()), None) if "error" not in rec["threads"] else None
-        log(f"[{srv.system}] py-spy ({view}) of pid {pid} during one more saturation run: "
+        log(f"[{srv.system}] py-spy ({view}) of pid {pid} during one more run at rate {P.rate_label(plan.py_spy_rate)}: "
             + (f"busiest thread {busiest[0]} ({busiest[1]['samples']} samples)" if busiest else str(rec["threads"])[:200]))
         out.append(rec)
     return out

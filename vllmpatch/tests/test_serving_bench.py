@@ -204,6 +204,17 @@ def test_dry_run_prints_every_command_and_starts_nothing(capsys, tmp_path):
     text = capsys.readouterr().out
     assert rc == 0 and "faults at [60.0] s" in text and "faults at [15.0, 30.0, 45.0, 60.0, 75.0, 90.0, 105.0] s" in text
     assert "restart loop" in text and not out.exists()
+    # The profile run at a chosen rate (the low rates' per-token cost), and one rate only.
+    spy = tmp_path / "py-spy"
+    spy.write_text("#!/bin/sh\n")
+    spy.chmod(0o755)
+    rc = cli(["sweep", "--model", str(tmp_path), "--out", str(out), "--frmps", "/bin/true", "--rates", "16",
+              "--systems", "frmps", "--py-spy", str(spy), "--py-spy-rate", "16", "--dry-run"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "# one more run at rate 16, not counted" in text
+    rc = cli(["sweep", "--model", str(tmp_path), "--out", str(out), "--frmps", "/bin/true", "--rates", "16",
+              "--systems", "frmps", "--py-spy", str(spy), "--py-spy-rate", "4,16", "--dry-run"])
+    assert rc == 2 and "--py-spy-rate '4,16': one request rate" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- refusals
