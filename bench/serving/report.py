@@ -74,6 +74,10 @@ def build(out_dir: str) -> dict:
     doc = {"plans": plans, "servers": servers, "trials": trials, "aggregate": agg,
            "claims": {b: R.claims(agg, b) for b in (P.VLLM, P.VLLM_MPS) if b in systems},
            "paired": {b: R.paired(trials, b) for b in (P.VLLM_MPS, P.VLLM) if b in systems},
+           # each frmps system after its failover drill against itself before it (the same requests)
+           "paired_after_failover": [r for s in sorted(systems) if s.endswith(P.AFTER_FAILOVER)
+                                     and s[:-len(P.AFTER_FAILOVER)] in systems
+                                     for r in R.paired(trials, s[:-len(P.AFTER_FAILOVER)]) if r["system"] == s],
            "fault_runs": faultruns, "cpu_check": all(p.get("device") == "cpu" for p in plans)}
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -292,6 +296,11 @@ def markdown(doc: dict) -> str:
                 "cores: CPU seconds over the trial's wall time.", "", cpu, ""]
     if doc["aggregate"]:
         out += ["## Differences beyond the spread", "", claims_md(doc["claims"]) or "- (no baseline in this run)", ""]
+    if doc.get("paired_after_failover"):
+        out += ["## After a failover against before it, trial by trial", "",
+                "Each frmps system's trials again after a failover drill and its failback (`--after-failover`), "
+                "against the same trials before it (the same requests): median (min–max) of (after / before − 1); "
+                "**bold** where every pair differs the same way.", "", paired_table(doc["paired_after_failover"]), ""]
     for base, rows in (doc.get("paired") or {}).items():
         if rows:
             out += [f"## Paired against {P.SYSTEM_LABELS[base]}, trial by trial", "",

@@ -346,7 +346,7 @@ def write_run(d, trials, servers, plan=None, faultruns=()):
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def test_paired_differences_trial_by_trial():
+def test_paired_differences_trial_by_trial(tmp_path):
     """Trial i of every system has the same requests: the per-trial ratio to the
     baseline is judged, not the two systems' own spreads. The trials' request sets
     move both systems alike here (throughput 100/200/300), so the plain rule sees
@@ -370,6 +370,15 @@ def test_paired_differences_trial_by_trial():
     ts[3]["seed"] = 99
     fr = [r for r in R.paired(ts, P.VLLM_MPS) if r["system"] == P.FRMPS][0]
     assert fr["metrics"]["output_throughput"]["n"] == 2 and fr["metrics"]["output_throughput"]["sign"] == ""
+    # --after-failover: a system's trials after its drill, paired with its own trials before it.
+    d = str(tmp_path / "af")
+    af = [trial(P.FRMPS, "16", 100.0 + i, 5.0, trial=i, seed=i) for i in range(3)]
+    af += [trial(P.FRMPS + P.AFTER_FAILOVER, "16", (100.0 + i) * 1.05, 5.0, trial=i, seed=i) for i in range(3)]
+    write_run(d, af, [])
+    doc = RP.build(d)
+    (row,) = doc["paired_after_failover"]
+    assert row["system"] == P.FRMPS + P.AFTER_FAILOVER and row["metrics"]["output_throughput"]["sign"] == "+"
+    assert "## After a failover against before it, trial by trial" in open(os.path.join(d, "README.md")).read()
     md = RP.paired_table(R.paired(ts[:3], P.VLLM_MPS))
     assert "| default-kv | 16 | frmps serve (Go front door) | 1 | -2.0 % |" in md
 
