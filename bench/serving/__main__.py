@@ -57,12 +57,14 @@ def add_common(ap: argparse.ArgumentParser, systems_default: str, allowed: list[
     ap.add_argument("--skip-import-checks", action="store_true", help=argparse.SUPPRESS)
 
 
-def make_plan(a, systems: list[str], rates: list[float], trials: int, trial_s: float, inf_prompts: int = 0) -> P.Plan:
+def make_plan(a, systems: list[str], rates: list[float], trials: int, trial_s: float, inf_prompts: int = 0,
+              inf_concurrency: int = 0) -> P.Plan:
     plan = P.Plan(model=os.path.abspath(a.model) if os.path.isdir(a.model) else a.model,
                   frmps=os.path.abspath(a.frmps), python=a.python, bench_python=a.bench_python or a.python,
                   systems=systems, rates=rates, trials=trials,
                   stream=P.Stream(input_len=a.input_len, output_len=a.output_len, range_ratio=a.range_ratio,
-                                  seed=a.seed, trial_s=trial_s, inf_prompts=inf_prompts),
+                                  seed=a.seed, trial_s=trial_s, inf_prompts=inf_prompts,
+                                  inf_concurrency=inf_concurrency),
                   alike=P.Alike(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                 max_model_len=a.max_model_len, kv_blocks=a.kv_blocks),
                   slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, device=a.device,
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="frmps systems: after their trials, a failover drill (admin API) and its failback, then the "
                     "trials again as <system>+failover (the engine serving then is one started after the first)")
     sw.add_argument("--inf-prompts", type=int, default=0, help=f"requests of an inf trial (0: 4 x max-num-seqs, {P.DEFAULT_INF_PROMPTS} at the default)")
+    sw.add_argument("--inf-concurrency", type=int, default=0,
+                    help="an inf trial keeps at most this many requests in flight (vllm bench serve --max-concurrency): "
+                         "a steady state at saturation; 0: every request at once (one burst)")
     fa = sub.add_parser("faults", help="the stream at one rate while an MPS client faults at a fixed spacing")
     add_common(fa, ",".join(P.FAULT_SYSTEMS), P.FAULT_SYSTEMS)
     fa.add_argument("--rate", type=float, default=4.0)
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "sweep":
             systems = P.parse_systems(a.systems, P.SYSTEMS)
-            plan = make_plan(a, systems, P.parse_rates(a.rates), a.trials, a.trial_s, a.inf_prompts)
+            plan = make_plan(a, systems, P.parse_rates(a.rates), a.trials, a.trial_s, a.inf_prompts, a.inf_concurrency)
             plan.after_failover = a.after_failover
             if a.py_spy:
                 if not (os.path.isfile(a.py_spy) and os.access(a.py_spy, os.X_OK)):

@@ -20,7 +20,8 @@
 # $WORK/models), RATES (4,16,inf), TRIALS (3), TRIAL_S (8), INPUT_LEN (512), OUTPUT_LEN (128),
 # RANGE_RATIO (0.5), PY_SPY (0; 1: after each system's trials one more saturation run, not counted, with
 # py-spy sampling its engine process: raw/profile-<system>-<view>.stacks; PY_SPY_VIEWS, default idle: cpu, gil,
-# idle, one run each; PY_SPY_RATE, default inf: the profile runs' request rate), AFTER_FAILOVER (0; 1: each frmps system's
+# idle, one run each; PY_SPY_RATE, default inf: the profile runs' request rate), INF_PROMPTS and INF_CONCURRENCY
+# (0, 0: the saturation trial sends its requests at once; INF_CONCURRENCY=N keeps at most N in flight), AFTER_FAILOVER (0; 1: each frmps system's
 # trials again after a failover drill and its failback, as <system>+failover), MAX_NUM_SEQS, MAX_BATCHED, MAX_MODEL_LEN (0: every system at vllm serve's defaults, what a
 # user of either gets without a flag), FAULT_RATE (4),
 # WINDOW_S (180), LIMIT_S (570: each piece is stopped past it; the harness then stops its servers
@@ -60,6 +61,10 @@ common() {  # the flags every piece gives the harness
         --max-num-batched-tokens "${MAX_BATCHED:-0}" --max-model-len "${MAX_MODEL_LEN:-0}"
 }
 
+steady() {  # the sweep's saturation trials: INF_PROMPTS requests, at most INF_CONCURRENCY in flight (0: one burst)
+    echo --inf-prompts "${INF_PROMPTS:-0}" --inf-concurrency "${INF_CONCURRENCY:-0}"
+}
+
 sweep() {  # name systems [more flags]
     local name=$1 systems=$2 m t0=$SECONDS
     shift 2
@@ -69,7 +74,7 @@ sweep() {  # name systems [more flags]
     local spy=()  # PY_SPY=1: one more saturation run per system with its engine process sampled
     [ "${PY_SPY:-0}" = 1 ] && command -v py-spy > /dev/null && spy=(--py-spy "$(command -v py-spy)" --py-spy-views "${PY_SPY_VIEWS:-idle}" --py-spy-rate "${PY_SPY_RATE:-inf}")
     [ "${AFTER_FAILOVER:-0}" = 1 ] && spy+=(--after-failover)  # frmps systems: the trials again after a failover drill
-    bounded "$LIMIT_S" bin/frmps bench serving sweep $(common "$m") --systems "$systems" --rates "$RATES" \
+    bounded "$LIMIT_S" bin/frmps bench serving sweep $(common "$m") $(steady) --systems "$systems" --rates "$RATES" \
         --trials "$TRIALS" --trial-s "$TRIAL_S" "${spy[@]}" "$@" >> "$OUT/serving-$name.out" 2>&1
     log "$name: rc=$? in $((SECONDS - t0)) s"
     tail -n 6 "$OUT/serving-$name.out" >> "$S"
@@ -84,7 +89,7 @@ for st in "$@"; do
         plan)
             m=$(model_dir) || { log "plan: no model directory"; continue; }
             # shellcheck disable=SC2046
-            bin/frmps bench serving sweep $(common "$m") --rates "$RATES" --trials "$TRIALS" --trial-s "$TRIAL_S" \
+            bin/frmps bench serving sweep $(common "$m") $(steady) --rates "$RATES" --trials "$TRIALS" --trial-s "$TRIAL_S" \
                 --dry-run > "$OUT/serving-plan.txt" 2>&1
             # shellcheck disable=SC2046
             bin/frmps bench serving faults $(common "$m") --rate "$FAULT_RATE" --window-s "$WINDOW_S" --dry-run \

@@ -99,6 +99,9 @@ class Stream:
     seed: int = 0  # trial i uses seed + i: every system gets the same stream in trial i
     trial_s: float = 20.0  # a finite rate sends rate * trial_s requests
     inf_prompts: int = 0  # requests of an 'inf' trial (0: 4 x max_num_seqs, DEFAULT_INF_PROMPTS at the defaults)
+    # An 'inf' trial with at most this many requests in flight (vllm bench serve --max-concurrency): a steady state
+    # at saturation instead of one burst of every request at once (0: the burst).
+    inf_concurrency: int = 0
     min_prompts: int = 8
     temperature: float = 0.0
 
@@ -111,6 +114,8 @@ class Stream:
             raise ValueError(f"--trial-s {self.trial_s}: want a positive duration")
         if self.inf_prompts < 0 or self.min_prompts < 1:
             raise ValueError("--inf-prompts must be >= 0 and --min-prompts >= 1")
+        if self.inf_concurrency < 0:
+            raise ValueError(f"--inf-concurrency {self.inf_concurrency}: want 0 (one burst) or a positive bound")
 
     def num_prompts(self, rate: float, max_num_seqs: int) -> int:
         if rate == INF:
@@ -269,9 +274,11 @@ class Plan:
         return self.stream.seed + trial
 
     def bench_cmd(self, base_url: str, rate: float, trial: int, result_dir: str, result_file: str,
-                  num_prompts: int | None = None, label: str = "") -> list[str]:
+                  num_prompts: int | None = None, label: str = "", steady: bool = True) -> list[str]:
         """`vllm bench serve`: vLLM's own serving benchmark client, its completions
-        backend streaming from /v1/completions, with per-request detail saved."""
+        backend streaming from /v1/completions, with per-request detail saved.
+        An 'inf' run is bounded to stream.inf_concurrency requests in flight where
+        set and ``steady`` (not the warm-up)."""
         s = self.stream
         n = self.num_prompts(rate) if num_prompts is None else num_prompts
         cmd = [self.bench_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
@@ -285,13 +292,15 @@ class Plan:
                "--goodput", f"ttft:{self.slo_ttft_ms:g}", f"tpot:{self.slo_tpot_ms:g}",
                "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", result_file,
                "--disable-tqdm"]
+        if rate == INF and steady and s.inf_concurrency:
+            cmd += ["--max-concurrency", str(s.inf_concurrency)]
         if label:
             cmd += ["--label", label]
         return cmd
 
     def warmup_cmd(self, base_url: str, result_dir: str) -> list[str]:
         n = self.warmup_n()
-        return self.bench_cmd(base_url, INF, 0, result_dir, "warmup.json", num_prompts=n, label="warmup")
+        return self.bench_cmd(base_url, INF, 0, result_dir, "warmup.json", num_prompts=n, label="warmup", steady=False)
 
     # -- the schedule ---------------------------------------------------------------
     def schedule(self) -> list[tuple[int, float]]:

@@ -264,7 +264,9 @@ def markdown(doc: dict) -> str:
             f"`--ignore-eos` (every request runs to its drawn output length), temperature {st['temperature']}. "
             f"Arrivals: Poisson (`--burstiness 1`) at each rate for about {st['trial_s']} s "
             f"(rate × {st['trial_s']} requests, at least {st['min_prompts']}); `inf` sends "
-            f"{P.Stream(**st).num_prompts(P.INF, al['max_num_seqs'])} requests at once.",
+            f"{P.Stream(**st).num_prompts(P.INF, al['max_num_seqs'])} requests "
+            + (f"with at most {st['inf_concurrency']} in flight (`--max-concurrency`: a steady state at saturation)."
+               if st.get("inf_concurrency") else "at once."),
             "",
             f"Configured alike: {P.Alike(**al).describe()}; every system loads the same "
             f"model directory (`{p0['model']}`). KV cache: each system at its own default memory fraction "

@@ -204,6 +204,17 @@ def test_dry_run_prints_every_command_and_starts_nothing(capsys, tmp_path):
     text = capsys.readouterr().out
     assert rc == 0 and "faults at [60.0] s" in text and "faults at [15.0, 30.0, 45.0, 60.0, 75.0, 90.0, 105.0] s" in text
     assert "restart loop" in text and not out.exists()
+    # A steady saturation: the inf trials (not the warm-up) keep at most N requests in flight.
+    rc = cli(["sweep", "--model", str(tmp_path), "--out", str(out), "--frmps", "/bin/true", "--rates", "4,inf",
+              "--systems", "frmps", "--inf-prompts", "1024", "--inf-concurrency", "256", "--dry-run"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " bench serve " in ln]
+    assert rc == 0 and len(lines) == 1 + 2 * 3
+    inf = [ln for ln in lines if "--request-rate inf" in ln and "warmup" not in ln]
+    assert len(inf) == 3 and all("--max-concurrency 256" in ln and "--num-prompts 1024" in ln for ln in inf)
+    assert not [ln for ln in lines if "--max-concurrency" in ln and ("warmup" in ln or "--request-rate 4" in ln)]
+    rc = cli(["sweep", "--model", str(tmp_path), "--out", str(out), "--frmps", "/bin/true", "--inf-concurrency", "-1",
+              "--dry-run"])
+    assert rc == 2 and "--inf-concurrency -1" in capsys.readouterr().err
     # The profile run at a chosen rate (the low rates' per-token cost), and one rate only.
     spy = tmp_path / "py-spy"
     spy.write_text("#!/bin/sh\n")
