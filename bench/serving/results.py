@@ -193,27 +193,19 @@ def paired(trials: list[dict], baseline: str, metrics: list[str] = PAIRED_METRIC
     when every pair (at least MIN_TRIALS_FOR_CLAIM of them) differs the same way,
     else "". Pairs whose seeds disagree are not formed, nor any with a record
     that has no trial index."""
-    by: dict[tuple, dict] = {}
+    groups: dict[tuple, dict[int, dict]] = {}  # (kv mode, system, rate) -> trial index -> record
     for t in trials:
         if not t.get("error") and t.get("trial") is not None:  # a record without its trial index pairs with none
-            by[(t["kv_mode"], t["system"], t["rate"], t["trial"])] = t
+            groups.setdefault((t["kv_mode"], t["system"], t["rate"]), {})[t["trial"]] = t
     out = []
-    keys = sorted({(kv, sy, r) for kv, sy, r, _ in by if sy != baseline})
-    for kv, system, rate in keys:
+    for (kv, system, rate), by_trial in sorted(groups.items(), key=lambda g: g[0]):
+        base = groups.get((kv, baseline, rate))
+        if system == baseline or not base:
+            continue
+        pairs = [(t, base[i]) for i, t in by_trial.items() if i in base and base[i].get("seed") == t.get("seed")]
         row: dict = {"kv_mode": kv, "system": system, "baseline": baseline, "rate": rate, "metrics": {}}
         for m in metrics:
-            diffs = []
-            for (kv2, sy2, r2, i), t in by.items():
-                if (kv2, sy2, r2) != (kv, system, rate):
-                    continue
-                b = by.get((kv, baseline, rate, i))
-                if b is None or b.get("seed") != t.get("seed"):
-                    continue
-                x, y = t.get(m), b.get(m)
-                if x is None or not y:
-                    continue
-                diffs.append(float(x) / float(y) - 1.0)
-            sp = spread(diffs)
+            sp = spread(float(t[m]) / float(b[m]) - 1.0 for t, b in pairs if t.get(m) is not None and b.get(m))
             sign = ""
             if sp.n >= MIN_TRIALS_FOR_CLAIM and (sp.lo > 0 or sp.hi < 0):
                 sign = "+" if sp.lo > 0 else "−"
