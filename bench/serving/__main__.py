@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             if not views or [v for v in views if v not in VIEWS] or len(set(views)) != len(views):
                 raise ValueError(f"--py-spy-views {a.py_spy_views!r}: a comma list of {', '.join(VIEWS)}, each once")
             plan.py_spy_views = views
-            spy_rate = P.parse_rates(a.py_spy_rate)
+            try:
+                spy_rate = P.parse_rates(a.py_spy_rate)
+            except ValueError:
+                spy_rate = []
             if len(spy_rate) != 1:
                 raise ValueError(f"--py-spy-rate {a.py_spy_rate!r}: one request rate (a number or inf)")
             plan.py_spy_rate = spy_rate[0]

@@ -226,6 +226,9 @@ def test_dry_run_prints_every_command_and_starts_nothing(capsys, tmp_path):
     rc = cli(["sweep", "--model", str(tmp_path), "--out", str(out), "--frmps", "/bin/true", "--rates", "16",
               "--systems", "frmps", "--py-spy", str(spy), "--py-spy-rate", "4,16", "--dry-run"])
     assert rc == 2 and "--py-spy-rate '4,16': one request rate" in capsys.readouterr().err
+    rc = cli(["sweep", "--model", str(tmp_path), "--out", str(out), "--frmps", "/bin/true", "--rates", "16",
+              "--systems", "frmps", "--py-spy", str(spy), "--py-spy-rate", "fast", "--dry-run"])
+    assert rc == 2 and "--py-spy-rate 'fast': one request rate" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- refusals
