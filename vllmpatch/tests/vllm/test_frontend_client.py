@@ -332,3 +332,33 @@ def test_a_dead_engines_closed_connection_ends_the_drain(tmp_path, addrs, fate):
             client.shutdown()
 
     asyncio.run(main())
+
+
+def test_connections_pair_a_late_accepted_with_the_connection_it_opened():
+    """The output socket's connections as its monitor reports them (client.Connections).
+    libzmq reports a connection's ACCEPTED from its listener after handing the
+    connection to another I/O thread, so a connection that closes quickly can be
+    reported DISCONNECTED first (seen once in ~160 loaded runs of the drain test
+    above, which then waited out its 60 s quiet period): that late ACCEPTED must not
+    leave the closed connection counted open."""
+    from frmps_engine.vllm.frontend.client import Connections
+
+    c = Connections()
+    c.closed(12)  # reported before its ACCEPTED
+    assert not c.open
+    c.opened(12)  # the same connection's ACCEPTED, late
+    assert not c.open, "a closed connection's late ACCEPTED counted it open"
+    c.opened(12)  # a new connection on the fd, reported in order
+    assert c.open == {12}
+    c.closed(12)
+    assert not c.open
+
+    # One accepted before the monitor started is only seen closing; a connection
+    # on another fd stays open through it (the engine that handed over or was
+    # wedged closes after the new one opened).
+    c = Connections()
+    c.opened(13)
+    c.closed(11)
+    assert c.open == {13}
+    c.closed(13)
+    assert not c.open

@@ -39,6 +39,44 @@ class EngineReplaced(RuntimeError):
     """A utility call was in flight on an engine that died."""
 
 
+class Connections:
+    """A socket's open connections, by fd, from its monitor's ACCEPTED (or
+    CONNECTED) and DISCONNECTED events. By fd, not by count: a connection that
+    closes late (the engine that handed over, or a wedged one) leaves the new
+    engine's open, whether or not its opening was seen.
+
+    libzmq does not always report a connection's opening first. Its listener hands
+    the new connection to an I/O thread and only then reports ACCEPTED; with more
+    than one I/O thread (vLLM's client has two) a connection that closes at once,
+    or while the listener's thread waits for a CPU, can be reported DISCONNECTED
+    before ACCEPTED. Such an ACCEPTED is the closed connection's own, not a new
+    one's: the fd stays taken until its DISCONNECTED is reported, and the listener
+    reports the ACCEPTEDs in the order it accepted, so one closed connection's late
+    ACCEPTED comes before a later connection on the same fd is reported. A
+    DISCONNECTED of an fd not seen open is therefore kept until the ACCEPTED it
+    pairs with. One accepted before the monitor started is only seen closing and
+    its ACCEPTED never comes: a later connection on the same fd is then taken for
+    it (seen neither open nor closing; its own DISCONNECTED is again kept), which
+    can only end a drain early if another connection closes while that one is the
+    engine's."""
+
+    def __init__(self) -> None:
+        self.open: set[int] = set()
+        self._closed_unseen: set[int] = set()  # DISCONNECTED before (or without) its ACCEPTED
+
+    def opened(self, fd: int) -> None:
+        if fd in self._closed_unseen:
+            self._closed_unseen.discard(fd)  # the closed connection's late ACCEPTED
+        else:
+            self.open.add(fd)
+
+    def closed(self, fd: int) -> None:
+        if fd in self.open:
+            self.open.discard(fd)
+        else:
+            self._closed_unseen.add(fd)
+
+
 class FrmpsAsyncMPClient(AsyncMPClient):
     # Done when the connected engine's handover fence arrived (HANDOVER_FENCE_CALL_ID):
     # registered among vLLM's utility results, which must know every call id that
@@ -60,10 +98,9 @@ class FrmpsAsyncMPClient(AsyncMPClient):
         # EngineCoreOutputs with request outputs the ledger has recorded (drain_outputs).
         self.outputs_seen = 0
         self._arm_fence()
-        # The output socket's open connections (their fds, from its monitor's events; one
-        # accepted before the monitor started is only seen closing) and whether one
+        # The output socket's connections, from its monitor's events, and whether one
         # closed since the last engine connected with none left open.
-        self._open: set[int] = set()
+        self._conns = Connections()
         self._closed_since_connect = False
         self._monitor = self._monitor_outputs()
 
@@ -87,9 +124,7 @@ class FrmpsAsyncMPClient(AsyncMPClient):
 
     def _read_monitor(self) -> bool:
         """Applies the connections opened and closed since the last call; True once
-        a connection closed since the last engine connected and none is open. By fd,
-        not by count: a connection that closes late (the engine that handed over)
-        leaves the new engine's open, whether or not its opening was seen."""
+        a connection closed since the last engine connected and none is open."""
         if self._monitor is None:
             return False
         closed = False
@@ -99,11 +134,11 @@ class FrmpsAsyncMPClient(AsyncMPClient):
             except zmq.Again:
                 break
             if m["event"] in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
-                self._open.add(m["value"])
+                self._conns.opened(m["value"])
             elif m["event"] == zmq.EVENT_DISCONNECTED:
-                self._open.discard(m["value"])
+                self._conns.closed(m["value"])
                 closed = True
-        self._closed_since_connect = (self._closed_since_connect or closed) and not self._open
+        self._closed_since_connect = (self._closed_since_connect or closed) and not self._conns.open
         return self._closed_since_connect
 
     def shutdown(self, *args: Any, **kwargs: Any) -> None:
