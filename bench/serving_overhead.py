@@ -250,6 +250,30 @@ def _client_stream(sock: str, keys: list[int], tokens: int, start, q) -> None:
     q.put((got, msgs + len(keys)))  # + the first chunk per request, as a per-request stream counts it
 
 
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """Every live Python thread's CPU seconds so far (its CPU-time clock), by native id."""
+    out = {}
+    for t in threading.enumerate():
+        try:
+            out[t.native_id] = (t.name, time.clock_gettime(time.pthread_getcpuclockid(t.ident)))
+        except (OSError, TypeError):
+            continue  # ended in between
+    return out
+
+
+def _cpu_by_role(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds per role between two _thread_cpu snapshots: the engine loop, the
+    generation service (its gRPC server's threads), the rest of the process."""
+    roles = {"loop": 0.0, "generation": 0.0}
+    for tid, (name, cpu) in after.items():
+        used = cpu - before.get(tid, (name, 0.0))[1]
+        if name.startswith("frmps-engine-loop"):
+            roles["loop"] += used
+        elif name.startswith("frmps-gen") or "(_serve)" in name:
+            roles["generation"] += used
+    return roles
+
+
 def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, key0: int, step_s: float,
               wire: str = "stream") -> dict:
     ctx = mp.get_context("spawn")
@@ -261,13 +285,14 @@ def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, 
     for p in ps:
         p.start()
     time.sleep(1.0)  # clients imported and connected
-    steps0, cpu0 = loop.step_count, time.process_time()
+    steps0, cpu0, threads0 = loop.step_count, time.process_time(), _thread_cpu()
     syncs0, sync_ns0 = loop.counters["ring_syncs"], loop.counters["ring_sync_ns"]
     t0 = time.perf_counter()
     start.set()
     res = collect(q, ps, 600)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
+    roles = _cpu_by_role(threads0, _thread_cpu())
     steps = loop.step_count - steps0
     syncs = loop.counters["ring_syncs"] - syncs0
     ring_us = round((loop.counters["ring_sync_ns"] - sync_ns0) / 1e3 / syncs, 1) if syncs else None
@@ -279,7 +304,10 @@ def run_batch(sock: str, loop: EngineLoop, batch: int, tokens: int, procs: int, 
     return {"batch": batch, "tokens": toks, "messages": msgs, "steps": steps, "wall_s": round(wall, 3),
             "tok_s": round(toks / wall), "us_per_step_wall": round(1e6 * wall / steps, 1),
             "added_us_per_step": round(1e6 * wall / steps - step_s * 1e6, 1),
-            "engine_cpu_us_per_token": round(1e6 * cpu / toks, 1), "tokens_per_message": round(toks / max(1, msgs - batch), 2),
+            "engine_cpu_us_per_token": round(1e6 * cpu / toks, 1),
+            "loop_cpu_us_per_token": round(1e6 * roles["loop"] / toks, 1),
+            "generation_cpu_us_per_token": round(1e6 * roles["generation"] / toks, 1),
+            "tokens_per_message": round(toks / max(1, msgs - batch), 2),
             "ring_publish_us": ring_us}
 
 
@@ -295,6 +323,8 @@ def main() -> int:
                     help="clients read through one Stream each (what the front door does) or one Generate per request")
     ap.add_argument("--tokenizer", default="", help="HF model directory whose tokenizer detokenises (default: a byte tokenizer)")
     ap.add_argument("--no-ring", action="store_true", help="do not publish to a ring")
+    ap.add_argument("--sync-every", type=int, default=1,
+                    help="engine steps between ring publishes (frmps serve's default: 1, every step)")
     ap.add_argument("--numpy-crc", action="store_true",
                     help="checksum ring records with the numpy CRC-32C, as a machine without the crc32c package does")
     ap.add_argument("--profile", default="", help="cProfile the engine process (all threads' hot spots) into this file")
@@ -310,7 +340,7 @@ def main() -> int:
         if not args.tokenizer:
             tok = WordTokenizer()  # the fake model's token ids go past a byte tokenizer's
         core, adapter = vllm_core(args.core, max(batches), args.tokens, args.step_ms / 1e3, tok), VllmAdapterDouble(tok)
-    loop = EngineLoop(core, sync_every=1)
+    loop = EngineLoop(core, sync_every=args.sync_every)
     with tempfile.TemporaryDirectory(prefix="frmps-so-") as d:
         if not args.no_ring:
             from frmps_engine import ring
@@ -340,6 +370,7 @@ def main() -> int:
                 key += b
                 r["tokenizer"] = "hf:" + os.path.basename(args.tokenizer.rstrip("/")) if args.tokenizer else "bytes"
                 r["ring"] = not args.no_ring
+                r["sync_every"] = args.sync_every
                 r["step_ms"] = args.step_ms
                 r["core"] = args.core
                 print(json.dumps(r), flush=True)

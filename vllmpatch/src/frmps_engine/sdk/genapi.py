@@ -13,7 +13,7 @@ import os
 import stat
 import threading
 from concurrent import futures
-from typing import Protocol
+from typing import Callable, Protocol
 
 import grpc
 
@@ -231,9 +231,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         threading.Thread(target=mux.read, args=(request_iterator,), name="frmps-gen-stream-in", daemon=True).start()
         try:
             while context.is_active():
-                chunks = mux.next_chunks(self._tick)
-                if chunks:
-                    yield generation_pb2.StreamResponse(chunks=chunks)
+                msg = mux.next_chunks(self._tick)
+                if msg is not None:
+                    yield msg
                 elif mux.done() or (self.stopping.is_set() and mux.idle()):
                     return
         finally:
@@ -290,9 +290,11 @@ class _Follower:
         s = self.stream
         return s.finished or len(s.output) > self.idx or (not self.primed and len(s.output) >= self.idx)
 
-    def poll(self):
+    def poll(self, into: Callable[[], generation_pb2.GenerateResponse] | None = None):
         """None (nothing yet), or (response, error, done): error is (StatusCode, message)
-        and ends this reader, as does done."""
+        and ends this reader, as does done. ``into``: where the response is built (a
+        chunk's response added to a StreamResponse: building in place spares protobuf
+        the copy a submessage passed to a constructor costs); a new one by default."""
         stream = self.stream
         if not self.primed:
             with stream.cond:
@@ -337,10 +339,13 @@ class _Follower:
         done = finished  # read with `new` under the lock: nothing follows a finish
         if done:
             delta += self.text.flush()
-        resp = generation_pb2.GenerateResponse(
-            token_ids=new, text=delta, output_index=idx,
-            usage=generation_pb2.Usage(prompt_tokens=stream.prompt_len, completion_tokens=idx + len(new)),
-        )
+        resp = into() if into is not None else generation_pb2.GenerateResponse()
+        resp.token_ids.extend(new)
+        resp.text = delta
+        resp.output_index = idx
+        usage = resp.usage
+        usage.prompt_tokens = stream.prompt_len
+        usage.completion_tokens = idx + len(new)
         if lps is not None and new:
             resp.logprobs.extend(self._logprobs(new, lps[: len(new)]))
         if done:
@@ -349,7 +354,8 @@ class _Follower:
         else:
             off = self.text.offsets()
             if off is not None:
-                resp.detok.prefix, resp.detok.read = off
+                d = resp.detok
+                d.prefix, d.read = off
         self.idx = idx + len(new)
         return resp, None, done
 
@@ -453,23 +459,26 @@ class _Mux:
             self._dirty = True
             self._cond.notify()
 
-    def next_chunks(self, timeout: float) -> list[generation_pb2.StreamChunk]:
+    def next_chunks(self, timeout: float) -> generation_pb2.StreamResponse | None:
+        """One message with whatever every followed request has to send (None:
+        nothing), its chunks built in place."""
         with self._cond:
             if not (self._dirty or self._pending or self._eof):
                 self._cond.wait(timeout)
             self._dirty = False
-            chunks, self._pending = self._pending, []
+            pending, self._pending = self._pending, []
             followers = list(self._followers.items())
+        msg = generation_pb2.StreamResponse(chunks=pending)
+        add = msg.chunks.add
         ended = []
         for key, f in followers:
-            out = f.poll()
+            # The chunk is added only once the follower has something to send.
+            out = f.poll(lambda key=key: add(key=key).response)
             if out is None:
                 continue
             resp, err, done = out
             if err is not None:
-                chunks.append(generation_pb2.StreamChunk(key=key, status_code=err[0].value[0], status_message=err[1]))
-            else:
-                chunks.append(generation_pb2.StreamChunk(key=key, response=resp))
+                add(key=key, status_code=err[0].value[0], status_message=err[1])
             if done or err is not None:
                 ended.append((key, f))
         for key, f in ended:
@@ -477,7 +486,7 @@ class _Mux:
                 if self._followers.get(key) is f:
                     del self._followers[key]
             self._unwatch(f)
-        return chunks
+        return msg if msg.chunks else None
 
     def done(self) -> bool:
         with self._cond:
