@@ -182,13 +182,16 @@ def vllm_core(kind: str, max_batch: int, tokens: int, device_s: float, tok):
     return VllmCore(core, tok)
 
 
-def _tokenizer(path: str):
+def _tokenizer(path: str, byte_table: bool = True):
     if not path:
         return FakeTokenizer(), [ord(c) for c in " the quick brown fox jumps over a lazy dog,"]
+    from frmps_engine.sdk.detok import warm
     from frmps_engine.vllm.tokenizer import VllmTokenizer  # HF fast tokenizer, as --engine vllm decodes
     from transformers import AutoTokenizer
 
     tok = VllmTokenizer(AutoTokenizer.from_pretrained(path))
+    if byte_table:
+        warm(tok)  # as an engine does when it starts: streams decode from the byte table
     return tok, tok.encode(" The quick brown fox jumps over the lazy dog, and then it runs away.")
 
 
@@ -323,6 +326,8 @@ def main() -> int:
                     help="clients read through one Stream each (what the front door does) or one Generate per request")
     ap.add_argument("--tokenizer", default="", help="HF model directory whose tokenizer detokenises (default: a byte tokenizer)")
     ap.add_argument("--no-ring", action="store_true", help="do not publish to a ring")
+    ap.add_argument("--no-byte-table", action="store_true",
+                    help="detokenize through the tokenizer's decode, not the byte table an engine builds at start")
     ap.add_argument("--sync-every", type=int, default=1,
                     help="engine steps between ring publishes (frmps serve's default: 1, every step)")
     ap.add_argument("--numpy-crc", action="store_true",
@@ -333,7 +338,7 @@ def main() -> int:
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     batches = [int(x) for x in args.batches.split(",") if x]
-    tok, cycle = _tokenizer(args.tokenizer)
+    tok, cycle = _tokenizer(args.tokenizer, not args.no_byte_table)
     if args.core == "zero":
         core, adapter = ZeroCore(tok, cycle, args.step_ms / 1e3), ZeroAdapter(tok)
     else:
@@ -371,6 +376,7 @@ def main() -> int:
                 r["tokenizer"] = "hf:" + os.path.basename(args.tokenizer.rstrip("/")) if args.tokenizer else "bytes"
                 r["ring"] = not args.no_ring
                 r["sync_every"] = args.sync_every
+                r["byte_table"] = bool(args.tokenizer) and not args.no_byte_table
                 r["step_ms"] = args.step_ms
                 r["core"] = args.core
                 print(json.dumps(r), flush=True)

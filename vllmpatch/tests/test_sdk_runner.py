@@ -592,10 +592,21 @@ def test_request_path_is_warmed_before_any_request():
             self.calls.append(("params", p.max_tokens))
             return super().sampling_params(p, seed)
 
+    class Tables:  # test double: a tokenizer with a byte table to build
+        built = 0
+
+        def prepare_byte_pieces(self):
+            Tables.built += 1
+
+    class WithTable(Counting):
+        def tokenizer(self):
+            return Tables() if Counting.calls else super().tokenizer()
+
     runner = object.__new__(Runner)
-    runner.adapter = Counting(EngineOptions("fake-tiny"))
+    runner.adapter = WithTable(EngineOptions("fake-tiny"))
     runner._warm_request_path()
     assert ("chat", ["warm-up"]) in Counting.calls and ("params", 1) in Counting.calls
+    assert Tables.built == 1  # the detokenizer's byte table: built here, not in a takeover
 
     class Broken(FakeAdapter):
         def sampling_params(self, p, seed):

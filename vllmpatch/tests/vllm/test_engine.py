@@ -1056,6 +1056,26 @@ def test_the_tokenizers_backend_decode_is_used_only_where_it_equals_decode(tmp_p
             return hf.decode(ids, skip_special_tokens=skip_special_tokens).replace(" ,", ",")
 
     assert VllmTokenizer(Cleaning())._backend is None
+    cleaning = VllmTokenizer(Cleaning())
+    cleaning.prepare_byte_pieces()
+    assert cleaning.byte_pieces() is None  # its streams decode windows through its own decode
+
+    # The byte table streams decode from (sdk/detok.py), built where the engine
+    # warms up: the same text as the Hugging Face tokenizer's decode, here on the
+    # preset's whole vocabulary (152k ids), ids past it and runs of byte tokens.
+    from frmps_engine.sdk.detok import TextStream, warm
+
+    assert tok.byte_pieces() is None
+    warm(tok)
+    pieces = tok.byte_pieces()
+    assert pieces is not None and len(pieces) == n
+    singles = [i for i, p in enumerate(pieces) if len(p) == 1]
+    for _ in range(300):
+        ids = [rng.choice(singles) if rng.random() < 0.5 else rng.randrange(n + 8) for _ in range(rng.randint(1, 40))]
+        table, windows = TextStream(tok), TextStream(VllmTokenizer(hf))
+        out = [table.feed([t]) for t in ids] + [table.flush()]
+        assert out == [windows.feed([t]) for t in ids] + [windows.flush()]
+        assert "".join(o[1] for o in out[:-1]) + out[-1] == tok.decode(ids)  # the stream's text is the decode
 
     class Differs(Cleaning):  # claims no clean-up, yet decodes differently: the sample check refuses it
         clean_up_tokenization_spaces = False

@@ -8,8 +8,9 @@ and continue from there.
 
 from __future__ import annotations
 
+import random
 import weakref
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .engine_api import Tokenizer
 
@@ -46,8 +47,86 @@ def window_decoder(tok: Tokenizer) -> Callable[[list[int], int, int], str]:
     return window
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's bytes_to_unicode), character to byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def byte_level_pieces(backend: Any) -> list[bytes] | None:
+    """For a ``tokenizers.Tokenizer`` whose decoder is ByteLevel (GPT-2's, Qwen's,
+    Llama 3's): each id's bytes, so that its decode with special tokens skipped is
+    ``b"".join(pieces[i] for i in ids).decode("utf-8", "replace")``, an id past
+    the table decoding to nothing. Special added tokens are b""; a token with a
+    character outside the byte alphabet is its UTF-8 (as the ByteLevel decoder
+    does). Checked against ``backend.decode`` on a sample (every special and added
+    token, a spread of the vocabulary alone and in pairs, runs of single-byte
+    tokens that make invalid and incomplete UTF-8, ids past the vocabulary); None
+    for any other decoder, or if any sample differs. ~0.2 s for Qwen's 152k ids:
+    built where an engine warms up (``warm``), never on a request's path."""
+    try:
+        if type(backend.decoder).__name__ != "ByteLevel":
+            return None
+        n = int(backend.get_vocab_size(with_added_tokens=True))
+        added = backend.get_added_tokens_decoder()
+        alphabet = _byte_level_alphabet()
+        pieces: list[bytes] = []
+        for i in range(n):
+            a = added.get(i)
+            tok = backend.id_to_token(i)
+            if (a is not None and a.special) or tok is None:
+                pieces.append(b"")
+                continue
+            try:
+                pieces.append(bytes([alphabet[c] for c in tok]))
+            except KeyError:
+                pieces.append(tok.encode("utf-8"))
+        rng = random.Random(0)
+        singles = [i for i, p in enumerate(pieces) if len(p) == 1]
+        spread = list(range(0, n, max(1, n // 512)))[:512] + list(range(max(0, n - 64), n))
+        sample = [[i] for i in [*added, *spread, n, n + 7]]
+        sample += [[a, b] for a, b in zip(spread, reversed(spread))]
+        sample += [[rng.choice(singles) for _ in range(rng.randint(2, 6))] for _ in range(512)] if singles else []
+        sample += [[rng.randrange(n + 8) for _ in range(rng.randint(1, 6))] for _ in range(256)]
+        for ids in sample:
+            got = b"".join(pieces[i] if i < n else b"" for i in ids).decode("utf-8", "replace")
+            if got != backend.decode(ids, skip_special_tokens=True):
+                return None
+    except Exception:  # any surprise: the tokenizer's own decode
+        return None
+    return pieces
+
+
+def warm(tokenizer: Tokenizer) -> None:
+    """Build what the tokenizer's detokenizing needs before requests come (its
+    byte table, where it has one: ``prepare_byte_pieces``)."""
+    prepare = getattr(tokenizer, "prepare_byte_pieces", None)
+    if prepare is not None:
+        prepare()
+
+
 class TextStream:
+    """The text of a request's output tokens, handed out as it becomes final.
+
+    Decoding is the tokenizer's ``decode`` over windows of the ids (vLLM's
+    prefix/read offsets), or, where the tokenizer has a byte table
+    (``byte_pieces()``: byte-level BPE, the table built by ``warm``), the bytes of
+    the tokens since the last text handed out, decoded as UTF-8: the same text
+    (a byte-level decode is the UTF-8 of the tokens' bytes, and text is handed out
+    only up to a complete character, so the bytes after it decode alone as they
+    would after it), without a decode call per token."""
+
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), include_stop: bool = False):
+        pieces = getattr(tokenizer, "byte_pieces", None)
+        self._pieces: Sequence[bytes] | None = pieces() if pieces is not None else None
+        self._pending = b""  # with a byte table: the bytes of the tokens from _read on
         self._window = window_decoder(tokenizer)
         self._stop = [s for s in stop if s]
         self._include_stop = include_stop
@@ -66,7 +145,20 @@ class TextStream:
 
     def _push(self, tid: int) -> None:
         ids = self._ids
-        ids.append(int(tid))
+        tid = int(tid)
+        ids.append(tid)
+        pieces = self._pieces
+        if pieces is not None:
+            pending = self._pending + pieces[tid] if tid < len(pieces) else self._pending
+            if pending:
+                text = pending.decode("utf-8", "replace")
+                if text[-1] != _INCOMPLETE:
+                    self._text += text
+                    self._prefix = self._read
+                    self._read = len(ids)
+                    pending = b""
+            self._pending = pending
+            return
         prefix_text = self._window(ids, self._prefix, self._read)
         new_text = self._window(ids, self._prefix, len(ids))
         # A trailing U+FFFD means a multi-byte character is still incomplete: wait for more tokens.
@@ -92,6 +184,9 @@ class TextStream:
             return False
         self._ids = [int(t) for t in ids]
         self._prefix, self._read = prefix, read
+        if self._pieces is not None:
+            n = len(self._pieces)
+            self._pending = b"".join([self._pieces[t] for t in self._ids[read:] if t < n])
         return True
 
     def prime(self, ids: Sequence[int]) -> None:
@@ -139,8 +234,12 @@ class TextStream:
     def flush(self) -> str:
         """The request finished: hand out everything held back, incomplete characters included."""
         if self.stopped is None and self._read < len(self._ids):
-            prefix_text = self._window(self._ids, self._prefix, self._read)
-            self._text += self._window(self._ids, self._prefix, len(self._ids))[len(prefix_text) :]
+            if self._pieces is not None:
+                self._text += self._pending.decode("utf-8", "replace")
+                self._pending = b""
+            else:
+                prefix_text = self._window(self._ids, self._prefix, self._read)
+                self._text += self._window(self._ids, self._prefix, len(self._ids))[len(prefix_text) :]
             self._prefix = self._read = len(self._ids)
         delta = self._text[self._sent :]
         self._sent = len(self._text)

@@ -39,6 +39,7 @@ from . import control, debug_hang, kv_digest, memphase, spare, takeover_fault
 from .engine_api import (EngineAdapter, EngineCoreProtocol, ProcessGroup, Resettable, TakeoverWarmup,
                          vocab_size)
 from ..ring.layout import ring_capacity_needed
+from .detok import warm as detok_warm
 from .diagnostics import (device_memory_note, log_start_phases, standby_memory_note, startup_profile, startup_stacks,
                           threads_note)
 from .genapi import GenerationServer, input_to_ids
@@ -394,6 +395,12 @@ class Runner(Takeovers):
             self.adapter.sampling_params(params, 1)
         except Exception as e:  # e.g. a tokenizer without a chat template: the first request says so
             log.info("request path warm-up: %s", e)
+        try:
+            t0 = time.perf_counter()
+            detok_warm(self.adapter.tokenizer())
+            log.info("detokenizer warmed in %.0f ms", (time.perf_counter() - t0) * 1e3)
+        except Exception as e:  # never fatal: streams decode through the tokenizer's decode
+            log.info("detokenizer warm-up: %s", e)
 
     # -- control commands (receive thread) ---------------------------------------------
     def on_sleep(self, env_id: int, msg: control_pb2.Sleep, fds: list[int]):
