@@ -185,12 +185,13 @@ def vllm_core(kind: str, max_batch: int, tokens: int, device_s: float, tok):
 def _tokenizer(path: str, byte_table: bool = True):
     if not path:
         return FakeTokenizer(), [ord(c) for c in " the quick brown fox jumps over a lazy dog,"]
-    from frmps_engine.sdk.detok import warm
     from frmps_engine.vllm.tokenizer import VllmTokenizer  # HF fast tokenizer, as --engine vllm decodes
     from transformers import AutoTokenizer
 
     tok = VllmTokenizer(AutoTokenizer.from_pretrained(path))
     if byte_table:
+        from frmps_engine.sdk.detok import warm
+
         warm(tok)  # as an engine does when it starts: streams decode from the byte table
     return tok, tok.encode(" The quick brown fox jumps over the lazy dog, and then it runs away.")
 
