@@ -266,8 +266,9 @@ def _thread_cpu() -> dict[int, tuple[str, float]]:
 
 
 def _cpu_by_role(before: dict, after: dict) -> dict[str, float]:
-    """CPU seconds per role between two _thread_cpu snapshots: the engine loop, the
-    generation service (its gRPC server's threads), the rest of the process."""
+    """CPU seconds per role between two _thread_cpu snapshots: the engine loop and
+    the generation service (its gRPC server's threads); the rest of the process is
+    in neither."""
     roles = {"loop": 0.0, "generation": 0.0}
     for tid, (name, cpu) in after.items():
         used = cpu - before.get(tid, (name, 0.0))[1]

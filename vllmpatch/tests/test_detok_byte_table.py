@@ -15,7 +15,7 @@ pytest.importorskip("tokenizers")
 
 from frmps_engine.modeldir import QWEN_ADDED_TOKENS, regular_tokens, tokenizer_json  # noqa: E402
 from frmps_engine.refengine.tokenizer import HFTokenizer  # noqa: E402
-from frmps_engine.sdk.detok import TextStream, byte_level_pieces, warm  # noqa: E402
+from frmps_engine.sdk.detok import TextStream, byte_level_pieces, byte_pieces, warm  # noqa: E402
 
 VOCAB = 1024
 
@@ -25,9 +25,9 @@ def tok(tmp_path_factory):
     d = tmp_path_factory.mktemp("bytetok")
     (d / "tokenizer.json").write_text(tokenizer_json(VOCAB))
     t = HFTokenizer(str(d))
-    assert t.byte_pieces() is None  # built by warm(), never on a request's path
+    assert byte_pieces(t) is None  # built by warm(), never on a request's path
     warm(t)
-    assert t.byte_pieces() is not None
+    assert byte_pieces(t) is not None
     return t
 
 
@@ -78,7 +78,7 @@ def test_offsets_carry_over_between_the_two_ways(tok, ids, d, table_first):
 
 
 def test_added_tokens_special_ones_skipped(tok):
-    pieces = tok.byte_pieces()
+    pieces = byte_pieces(tok)
     first = regular_tokens(VOCAB)
     for k, (content, special) in enumerate(QWEN_ADDED_TOKENS):
         assert pieces[first + k] == (b"" if special else content.encode()), content
@@ -108,8 +108,8 @@ def test_a_table_is_built_only_where_it_decodes_as_the_tokenizer(tok):
     rarely seen token, or whose decoder is not ByteLevel, gets no table (its streams
     decode windows)."""
     real = tok._tok
-    assert byte_level_pieces(real) == tok.byte_pieces()
-    odd = max(i for i in range(VOCAB) if tok.byte_pieces()[i])  # among the last ids: always sampled
+    assert byte_level_pieces(real) == byte_pieces(tok)
+    odd = max(i for i in range(VOCAB) if byte_pieces(tok)[i])  # among the last ids: always sampled
 
     def cleans_up(ids, text):  # e.g. a decoder that post-processes one token
         return text.replace(tok.decode([odd]), "?") if odd in ids else text

@@ -592,11 +592,12 @@ def test_request_path_is_warmed_before_any_request():
             self.calls.append(("params", p.max_tokens))
             return super().sampling_params(p, seed)
 
-    class Tables:  # test double: a tokenizer with a byte table to build
+    class Tables:  # test double: a tokenizer whose byte table warm-up asks for its backend
         built = 0
 
-        def prepare_byte_pieces(self):
+        def decode_backend(self):
             Tables.built += 1
+            return None
 
     class WithTable(Counting):
         def tokenizer(self):

@@ -140,7 +140,7 @@ def regular_tokens(vocab_size: int) -> int:
     return min(QWEN_REGULAR_TOKENS, vocab_size - len(QWEN_ADDED_TOKENS))
 
 
-def _byte_alphabet() -> list[str]:
+def byte_alphabet() -> list[str]:
     """GPT-2's byte-level symbols, in byte order (what ByteLevel pre-tokenization emits)."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     table, extra = {}, 0
@@ -166,7 +166,7 @@ def tokenizer_json(vocab_size: int, regular: int = QWEN_REGULAR_TOKENS) -> str:
     regular = min(regular, regular_tokens(vocab_size))
     if regular < 256:
         raise ValueError(f"vocabulary of {vocab_size} is too small for a byte-level tokenizer with Qwen's specials")
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     vocab: dict[str, int] = {s: i for i, s in enumerate(alphabet)}
     merges: list[tuple[str, str]] = []
     pairs = ((a, b) for a in alphabet for b in alphabet)

@@ -1056,18 +1056,19 @@ def test_the_tokenizers_backend_decode_is_used_only_where_it_equals_decode(tmp_p
             return hf.decode(ids, skip_special_tokens=skip_special_tokens).replace(" ,", ",")
 
     assert VllmTokenizer(Cleaning())._backend is None
+
+    from frmps_engine.sdk.detok import TextStream, byte_pieces, warm
+
     cleaning = VllmTokenizer(Cleaning())
-    cleaning.prepare_byte_pieces()
-    assert cleaning.byte_pieces() is None  # its streams decode windows through its own decode
+    warm(cleaning)
+    assert byte_pieces(cleaning) is None  # its streams decode windows through its own decode
 
     # The byte table streams decode from (sdk/detok.py), built where the engine
     # warms up: the same text as the Hugging Face tokenizer's decode, here on the
     # preset's whole vocabulary (152k ids), ids past it and runs of byte tokens.
-    from frmps_engine.sdk.detok import TextStream, warm
-
-    assert tok.byte_pieces() is None
+    assert byte_pieces(tok) is None
     warm(tok)
-    pieces = tok.byte_pieces()
+    pieces = byte_pieces(tok)
     assert pieces is not None and len(pieces) == n
     singles = [i for i, p in enumerate(pieces) if len(p) == 1]
     for _ in range(300):

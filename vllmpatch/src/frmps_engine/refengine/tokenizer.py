@@ -130,16 +130,9 @@ class HFTokenizer:
         kind = "BYTE_LEVEL" if '"ByteLevel"' in decoder else "BYTE_FALLBACK" if '"ByteFallback"' in decoder else "RAW"
         return vocab, kind
 
-    def prepare_byte_pieces(self) -> None:
-        """Build the byte table detokenizing uses (sdk/detok.py: byte_level_pieces). Once."""
-        if not hasattr(self, "_pieces"):
-            from frmps_engine.sdk.detok import byte_level_pieces
-
-            self._pieces = byte_level_pieces(self._tok)
-
-    def byte_pieces(self) -> list[bytes] | None:
-        """Each id's bytes, once prepare_byte_pieces built them; else None."""
-        return getattr(self, "_pieces", None)
+    def decode_backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` decode uses (detok builds its byte table from it)."""
+        return self._tok
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

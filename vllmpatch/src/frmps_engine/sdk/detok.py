@@ -21,6 +21,8 @@ _INCOMPLETE = "\ufffd"
 _TRIM = 4096
 
 _ONE_CACHES: "weakref.WeakKeyDictionary[object, dict[int, str]]" = weakref.WeakKeyDictionary()
+# Per tokenizer: its byte table (byte_level_pieces), or None where it has none; set by warm().
+_PIECES: "weakref.WeakKeyDictionary[object, list[bytes] | None]" = weakref.WeakKeyDictionary()
 
 
 def window_decoder(tok: Tokenizer) -> Callable[[list[int], int, int], str]:
@@ -47,19 +49,6 @@ def window_decoder(tok: Tokenizer) -> Callable[[list[int], int, int], str]:
     return window
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's bytes_to_unicode), character to byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
 def byte_level_pieces(backend: Any) -> list[bytes] | None:
     """For a ``tokenizers.Tokenizer`` whose decoder is ByteLevel (GPT-2's, Qwen's,
     Llama 3's): each id's bytes, so that its decode with special tokens skipped is
@@ -74,9 +63,11 @@ def byte_level_pieces(backend: Any) -> list[bytes] | None:
     try:
         if type(backend.decoder).__name__ != "ByteLevel":
             return None
+        from ..modeldir import byte_alphabet
+
         n = int(backend.get_vocab_size(with_added_tokens=True))
         added = backend.get_added_tokens_decoder()
-        alphabet = _byte_level_alphabet()
+        alphabet = {c: b for b, c in enumerate(byte_alphabet())}
         pieces: list[bytes] = []
         for i in range(n):
             a = added.get(i)
@@ -105,11 +96,26 @@ def byte_level_pieces(backend: Any) -> list[bytes] | None:
 
 
 def warm(tokenizer: Tokenizer) -> None:
-    """Build what the tokenizer's detokenizing needs before requests come (its
-    byte table, where it has one: ``prepare_byte_pieces``)."""
-    prepare = getattr(tokenizer, "prepare_byte_pieces", None)
-    if prepare is not None:
-        prepare()
+    """Build what the tokenizer's detokenizing needs before requests come: its byte
+    table, from the ``tokenizers.Tokenizer`` its ``decode_backend()`` names (a
+    tokenizer without one, or whose backend is not byte-level, gets none). Once
+    per tokenizer."""
+    try:
+        if tokenizer in _PIECES:
+            return
+        backend = getattr(tokenizer, "decode_backend", None)
+        b = backend() if backend is not None else None
+        _PIECES[tokenizer] = byte_level_pieces(b) if b is not None else None
+    except TypeError:  # not weak-referenceable: its streams decode windows
+        pass
+
+
+def byte_pieces(tokenizer: Tokenizer) -> list[bytes] | None:
+    """The tokenizer's byte table, once warm() built one; else None."""
+    try:
+        return _PIECES.get(tokenizer)
+    except TypeError:
+        return None
 
 
 class TextStream:
@@ -117,15 +123,14 @@ class TextStream:
 
     Decoding is the tokenizer's ``decode`` over windows of the ids (vLLM's
     prefix/read offsets), or, where the tokenizer has a byte table
-    (``byte_pieces()``: byte-level BPE, the table built by ``warm``), the bytes of
+    (``byte_pieces``: byte-level BPE, the table built by ``warm``), the bytes of
     the tokens since the last text handed out, decoded as UTF-8: the same text
     (a byte-level decode is the UTF-8 of the tokens' bytes, and text is handed out
     only up to a complete character, so the bytes after it decode alone as they
     would after it), without a decode call per token."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), include_stop: bool = False):
-        pieces = getattr(tokenizer, "byte_pieces", None)
-        self._pieces: Sequence[bytes] | None = pieces() if pieces is not None else None
+        self._pieces: Sequence[bytes] | None = byte_pieces(tokenizer)
         self._pending = b""  # with a byte table: the bytes of the tokens from _read on
         self._window = window_decoder(tokenizer)
         self._stop = [s for s in stop if s]

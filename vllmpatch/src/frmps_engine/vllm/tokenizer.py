@@ -41,25 +41,14 @@ class VllmTokenizer:
         self._tok = tok
         self.eos_token_id = tok.eos_token_id
         self._backend = _backend_decoder(tok)
-        self._pieces: list[bytes] | None = None
-        self._pieces_tried = False
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
-    def prepare_byte_pieces(self) -> None:
-        """Build the byte table detokenizing uses (sdk/detok.py: byte_level_pieces),
-        where decode is the backend's (it is checked against that). Once."""
-        if not self._pieces_tried:
-            self._pieces_tried = True
-            if self._backend is not None:
-                from frmps_engine.sdk.detok import byte_level_pieces
-
-                self._pieces = byte_level_pieces(self._tok.backend_tokenizer)
-
-    def byte_pieces(self) -> list[bytes] | None:
-        """Each id's bytes, once prepare_byte_pieces built them; else None."""
-        return self._pieces
+    def decode_backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` whose decode this one's is, where it is (detok
+        builds its byte table from it); else None."""
+        return self._tok.backend_tokenizer if self._backend is not None else None
 
     def decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
